@@ -1,0 +1,156 @@
+"""Intra-op SBP ILP (Alpa's auto-sharding with AutoDDL's strategy space), solved with
+PuLP's bundled CBC.
+
+Variables
+    s[g,k] ∈ {0,1}      group g takes strategy k                       (:meth:`_add_strategies`)
+    e[u,v,a,b] ∈ [0,1]  edge (u,v): u's output class a meets v's input class b
+
+Constraints
+    Σ_k s[g,k] = 1                                   one strategy per group (:meth:`_add_one_hot`)
+    Σ_b e[u,v,a,b] = Σ_{k∈a} s[u,k]                 edge rows agree with u (:meth:`_add_edges`)
+    Σ_a e[u,v,a,b] = Σ_{l∈b} s[v,l]                 edge columns agree with v
+    Σ_g Σ_k mem[g,k]·s[g,k] ≤ M                      per-device memory (:meth:`_add_memory`)
+
+Objective (:meth:`_set_objective`)
+    min Σ_g Σ_k cost[g,k]·s[g,k] + Σ_(u,v) Σ_(a,b) R[u,v,a,b]·e[u,v,a,b]
+
+The edge variables linearise s_uᵀ R s_v. Strategies of u whose rows of R are identical
+form one class a (and likewise columns for v), so e is indexed by classes, not strategy
+pairs — the same optimum with far fewer variables. With s integral, e is integral too, so
+e stays continuous. Names are built from group and strategy indices and a registry maps
+them back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+import time
+
+import numpy as np
+import pulp
+
+from formulations.result import SolveResult
+from formulations.sbp_problem import Problem
+
+
+def _classes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row classes of ``matrix``: (class id per row, representative row per class)."""
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)
+    return inverse.reshape(-1), first
+
+
+class SbpIlp:
+    """PuLP model of a :class:`Problem`; one method per constraint family."""
+
+    def __init__(self, problem: Problem):
+        t0 = time.perf_counter()
+        self.problem = problem
+        self.model = pulp.LpProblem("sbp", pulp.LpMinimize)
+        self.registry: dict[str, tuple] = {}
+        self._add_strategies()
+        self._add_one_hot()
+        self._edge_terms: list = []
+        self._add_edges()
+        self._add_memory()
+        self._set_objective()
+        self.build_s = time.perf_counter() - t0
+
+    def _add_strategies(self) -> None:
+        self.s = []
+        for g, costs in enumerate(self.problem.cost):
+            row = []
+            for k in range(len(costs)):
+                name = f"s_{g}_{k}"
+                row.append(pulp.LpVariable(name, cat=pulp.LpBinary))
+                self.registry[name] = ("strategy", self.problem.names[g], k)
+            self.s.append(row)
+
+    def _add_one_hot(self) -> None:
+        for g, row in enumerate(self.s):
+            self.model += pulp.lpSum(row) == 1, f"onehot_{g}"
+
+    def _add_edges(self) -> None:
+        for (u, v), r in self.problem.edges.items():
+            if not np.any(r):
+                continue
+            row_cls, row_rep = _classes(r)
+            col_cls, col_rep = _classes(r.T)
+            small = r[np.ix_(row_rep, col_rep)]
+            e = {}
+            for a in range(len(row_rep)):
+                for b in range(len(col_rep)):
+                    name = f"e_{u}_{v}_{a}_{b}"
+                    e[a, b] = pulp.LpVariable(name, lowBound=0, upBound=1)
+                    self.registry[name] = ("edge", self.problem.names[u], self.problem.names[v], a, b)
+                    if small[a, b]:
+                        self._edge_terms.append(float(small[a, b]) * e[a, b])
+            for a in range(len(row_rep)):
+                members = [self.s[u][k] for k in np.flatnonzero(row_cls == a)]
+                self.model += (pulp.lpSum(e[a, b] for b in range(len(col_rep)))
+                               == pulp.lpSum(members)), f"edge_{u}_{v}_row_{a}"
+            for b in range(len(col_rep)):
+                members = [self.s[v][k] for k in np.flatnonzero(col_cls == b)]
+                self.model += (pulp.lpSum(e[a, b] for a in range(len(row_rep)))
+                               == pulp.lpSum(members)), f"edge_{u}_{v}_col_{b}"
+
+    def _add_memory(self) -> None:
+        if self.problem.memory_budget is None:
+            return
+        self.model += pulp.lpSum(
+            float(m[k]) * self.s[g][k] for g, m in enumerate(self.problem.memory) for k in range(len(m))
+        ) <= float(self.problem.memory_budget), "memory"
+
+    def _set_objective(self) -> None:
+        node_terms = [float(c[k]) * self.s[g][k] for g, c in enumerate(self.problem.cost)
+                      for k in range(len(c)) if c[k]]
+        self.model += pulp.lpSum(node_terms + self._edge_terms)
+
+    def solve(self, time_limit_s: float | None = None, threads: int = 1,
+              warm_start: tuple[int, ...] | None = None, seed: int = 0) -> SolveResult | None:
+        """Solve with CBC. Returns None if CBC found no solution within the time limit."""
+        if warm_start is not None:
+            for g, row in enumerate(self.s):
+                for k, var in enumerate(row):
+                    var.setInitialValue(1 if warm_start[g] == k else 0)
+        with tempfile.TemporaryDirectory() as tmp:
+            log = os.path.join(tmp, "cbc.log")
+            solver = pulp.PULP_CBC_CMD(
+                msg=False, timeLimit=None if time_limit_s is None else max(time_limit_s, 0.01),
+                threads=threads, warmStart=warm_start is not None, logPath=log,
+                options=[f"randomSeed {seed + 1}", f"randomCbcSeed {seed + 1}"],
+            )
+            t0 = time.perf_counter()
+            self.model.solve(solver)
+            solve_s = time.perf_counter() - t0
+            text = open(log).read() if os.path.exists(log) else ""
+        choice = []
+        for row in self.s:
+            vals = [v.value() or 0.0 for v in row]
+            choice.append(int(np.argmax(vals)))
+        if self.model.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return None
+        if any(abs(sum(v.value() or 0.0 for v in row) - 1) > 1e-6 for row in self.s):
+            return None
+        objective = self.problem.objective(choice)
+        stopped = "Stopped on time" in text or "stopped on time" in text.lower()
+        optimal = self.model.status == pulp.LpStatusOptimal and not stopped
+        bound = _parse_float(text, r"Lower bound:\s*([-\d.eE+]+)")
+        if optimal:
+            bound = objective if bound is None else bound
+        gap = None if bound is None else max(0.0, (objective - bound) / max(abs(objective), 1e-30))
+        if optimal:
+            gap = 0.0 if gap is None or gap < 1e-6 else gap
+        return SolveResult("optimal" if optimal else "feasible", objective, bound, gap,
+                           self.build_s, solve_s, tuple(choice), "ilp",
+                           "" if optimal else "CBC stopped at its time limit")
+
+
+def _parse_float(text: str, pattern: str) -> float | None:
+    matches = re.findall(pattern, text)
+    if not matches:
+        return None
+    val = float(matches[-1])
+    return val if math.isfinite(val) else None

@@ -1,0 +1,278 @@
+"""The intra-op sharding problem as solver-independent data, built from a layer graph.
+
+A :class:`Problem` has *groups* (ILP nodes) with one cost and one memory figure per
+strategy, and *edges* with a resharding cost matrix ``R[k, l]``. The objective of a choice
+``c`` (one strategy index per group) is::
+
+    Σ_g cost_g[c_g]  +  Σ_(u,v) R_uv[c_u, c_v]        subject to  Σ_g mem_g[c_g] ≤ M
+
+Building it from a graph (:func:`build_problem`) does the two reductions the ILP needs:
+
+* **merging followers** — an elementwise op, pooling, flatten or the loss with one input
+  can only follow its producer, so it joins the producer's node: strategy k of the node
+  fixes the follower's layout (the producer's output with partial sums reduced, see
+  :func:`ilp_planner.strategies.resolve_partial`) and adds its cost;
+* **tying repeated layers** (AutoDDL §4.5.1) — the same op of every repetition of a block
+  shares one group; costs, memory and edge matrices of the copies are summed.
+
+Graph inputs are free: data is loaded directly in whatever layout its consumer asks for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ilp_planner.cluster import Cluster
+from ilp_planner.cost_model import Collective, MemorySpec
+from ilp_planner.graph import Graph, Op, OpKind
+from ilp_planner.layouts import Layout
+from ilp_planner.redistribution import plan_redistribution, redistribution_seconds
+from ilp_planner.strategies import (
+    FOLLOWER_KINDS,
+    Strategy,
+    StrategyContext,
+    follow,
+    op_strategies,
+    resolve_partial,
+)
+
+
+@dataclass
+class Problem:
+    """Solver-ready data. ``cost[g][k]``, ``memory[g][k]``; ``edges[(u, v)] = R`` with
+    ``R.shape == (len(cost[u]), len(cost[v]))``; ``memory_budget`` may be None."""
+
+    names: list[str]
+    cost: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    memory_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        for g, (c, m) in enumerate(zip(self.cost, self.memory, strict=True)):
+            if len(c) == 0 or len(c) != len(m):
+                raise ValueError(f"group {self.names[g]!r}: {len(c)} costs, {len(m)} memories")
+        for (u, v), r in self.edges.items():
+            if r.shape != (len(self.cost[u]), len(self.cost[v])):
+                raise ValueError(f"edge {self.names[u]}->{self.names[v]}: matrix {r.shape}")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.names)
+
+    def objective(self, choice: np.ndarray | list[int]) -> float:
+        total = sum(float(self.cost[g][k]) for g, k in enumerate(choice))
+        total += sum(float(r[choice[u], choice[v]]) for (u, v), r in self.edges.items())
+        return total
+
+    def memory_of(self, choice: np.ndarray | list[int]) -> float:
+        return sum(float(self.memory[g][k]) for g, k in enumerate(choice))
+
+    def feasible(self, choice: np.ndarray | list[int]) -> bool:
+        return self.memory_budget is None or self.memory_of(choice) <= self.memory_budget * (1 + 1e-9)
+
+    def min_memory(self) -> tuple[float, int]:
+        """Smallest memory any choice needs, and the group contributing most to it."""
+        mins = [float(m.min()) for m in self.memory]
+        return sum(mins), int(np.argmax(mins))
+
+    def is_chain(self) -> bool:
+        """Edges only between consecutive groups (i, i+1)."""
+        return all(v == u + 1 for (u, v) in self.edges)
+
+
+@dataclass
+class NodeOption:
+    """Strategy k of an ILP node: the base strategy plus what its followers do. Per-op
+    lists are indexed by the op's position in the node (0 = the base op), so tied nodes of
+    different blocks can share one option list."""
+
+    base: Strategy
+    outputs: list[Layout]
+    inputs: list[tuple[Layout, ...]]
+    collectives: list[list[Collective]]  # intra-op collectives, a follower's resolve included
+    compute_s: list[float]
+    cost_s: float
+    memory_bytes: float
+    state_bytes: float
+    activation_bytes: float
+
+
+@dataclass
+class GraphProblem:
+    """A :class:`Problem` together with what maps its solution back to the graph."""
+
+    problem: Problem
+    graph: Graph
+    ctx: StrategyContext
+    owner: dict[str, str]  # op -> node (representative op); inputs map to themselves
+    position: dict[str, int]  # op -> index within its node
+    members: dict[str, list[str]]  # node -> ops in it (representative first)
+    options: dict[str, list[NodeOption]]  # node -> options
+    group_of: dict[str, int]  # node -> group index
+    groups: list[list[str]] = field(default_factory=list)  # group -> nodes
+
+    def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
+        return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
+
+
+def _follower(op: Op, graph: Graph) -> bool:
+    return (op.kind in FOLLOWER_KINDS and len(op.inputs) == 1
+            and graph[op.inputs[0]].kind is not OpKind.INPUT)
+
+
+def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext) -> list[NodeOption]:
+    rep = graph[node]
+    in_specs = [graph[i].output for i in rep.inputs]
+    opts = []
+    for base in op_strategies(rep, in_specs, ctx):
+        outputs = [base.output]
+        inputs = [base.inputs]
+        colls = [list(base.collectives)]
+        comp = [base.compute_s]
+        cost, act = base.cost_s, base.activation_bytes
+        for f in members[1:]:
+            op = graph[f]
+            src = op.inputs[0]
+            tensor = graph[src].output
+            raw = outputs[members.index(src)]
+            resolved = resolve_partial(raw, tensor)
+            out, fc, secs = follow(op, tensor, resolved, ctx)
+            fc = list(fc)
+            if resolved != raw:
+                red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
+                fc = red.forward + red.backward + fc
+            outputs.append(out)
+            inputs.append((resolved,))
+            colls.append(fc)
+            comp.append(secs)
+            cost += secs + sum(c.seconds for c in fc)
+            act += out.local_bytes(op.output)
+        opts.append(NodeOption(base, outputs, inputs, colls, comp, cost,
+                               base.state_bytes + act, base.state_bytes, act))
+    if not opts:
+        raise ValueError(
+            f"op {node!r} ({rep.kind.value}, output {rep.output.shape}) has no strategy on a "
+            f"{ctx.nodes}x{ctx.local} mesh (no factorisation divides its dimensions)"
+        )
+    return opts
+
+
+def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
+                  *, tie_layers: bool = True, max_weight_replication: int | None = None,
+                  memory_budget: float | None = None,
+                  allow: dict[str, object] | None = None) -> GraphProblem:
+    """Build the problem for ``graph`` on an ``nodes × local`` mesh.
+
+    ``allow`` optionally restricts strategies (for baselines): a callable
+    ``allow(op, strategy) -> bool`` under key ``"filter"``.
+    """
+    ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication)
+    owner: dict[str, str] = {}
+    position: dict[str, int] = {}
+    members: dict[str, list[str]] = {}
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT:
+            owner[op.name] = op.name
+        elif _follower(op, graph):
+            owner[op.name] = owner[op.inputs[0]]
+            members[owner[op.name]].append(op.name)
+        else:
+            owner[op.name] = op.name
+            members[op.name] = [op.name]
+        position[op.name] = len(members[owner[op.name]]) - 1 if op.name in members.get(
+            owner[op.name], ()) else 0
+    keep = (allow or {}).get("filter")
+    options: dict[str, list[NodeOption]] = {}
+    cache: dict[tuple, list[NodeOption]] = {}
+    for node, mem in members.items():
+        rep = graph[node]
+        key = (rep.tie_key, rep.kind, rep.output, rep.weight, tuple(graph[m].kind for m in mem)) \
+            if rep.tie_key else None
+        if key is not None and key in cache:
+            options[node] = cache[key]
+            continue
+        opts = _node_options(graph, node, mem, ctx)
+        if keep is not None:
+            opts = [o for o in opts if keep(rep, o.base)]  # type: ignore[operator]
+            if not opts:
+                raise ValueError(f"no strategy of {node!r} passes the baseline's filter")
+        options[node] = opts
+        if key is not None:
+            cache[key] = opts
+
+    # groups (tying)
+    group_key: dict[str, str] = {}
+    for node in members:
+        tk = graph[node].tie_key
+        group_key[node] = tk if (tie_layers and tk) else node
+    group_index: dict[str, int] = {}
+    groups: list[list[str]] = []
+    for node in members:
+        gk = group_key[node]
+        if gk not in group_index:
+            group_index[gk] = len(groups)
+            groups.append([])
+        groups[group_index[gk]].append(node)
+    group_of = {node: group_index[group_key[node]] for node in members}
+
+    cost = [np.zeros(len(options[g[0]])) for g in groups]
+    mem = [np.zeros(len(options[g[0]])) for g in groups]
+    for node, g in group_of.items():
+        cost[g] += [o.cost_s for o in options[node]]
+        mem[g] += [o.memory_bytes for o in options[node]]
+
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    matrix_cache: dict[tuple, np.ndarray] = {}
+    for src, dst in graph.edges():
+        if graph[src].kind is OpKind.INPUT:
+            continue
+        u, v = owner[src], owner[dst]
+        if u == v:
+            continue
+        idx = graph[dst].inputs.index(src)
+        tensor = graph[src].output
+        outs = tuple(o.outputs[position[src]] for o in options[u])
+        ins = tuple(o.inputs[position[dst]][idx] for o in options[v])
+        key = (tensor, outs, ins)
+        if key not in matrix_cache:
+            matrix_cache[key] = _cost_matrix(outs, ins, tensor, cluster)
+        r = matrix_cache[key]
+        gu, gv = group_of[u], group_of[v]
+        if gu == gv:
+            cost[gu] += np.diag(r)
+            continue
+        edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
+    names = [group_key[g[0]] for g in groups]
+    problem = Problem(names, cost, mem, edges, memory_budget)
+    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups)
+
+
+def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[Layout, ...], tensor, cluster: Cluster) -> np.ndarray:
+    uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
+    uniq_in = {lay: j for j, lay in enumerate(dict.fromkeys(ins))}
+    small = np.empty((len(uniq_out), len(uniq_in)))
+    for a, i in uniq_out.items():
+        for b, j in uniq_in.items():
+            small[i, j] = redistribution_seconds(a, b, tensor, cluster)
+    rows = [uniq_out[a] for a in outs]
+    cols = [uniq_in[b] for b in ins]
+    return small[np.ix_(rows, cols)]
+
+
+def describe_infeasible(gp: GraphProblem, budget: float) -> str:
+    """Why no plan fits: the smallest per-device memory any plan needs and the layer
+    holding the biggest part of it."""
+    total, g = gp.problem.min_memory()
+    node = gp.groups[g][0]
+    share = float(gp.problem.memory[g].min())
+    gib = 1024**3
+    tied = f" (tied over {len(gp.groups[g])} layers)" if len(gp.groups[g]) > 1 else ""
+    return (
+        f"the smallest per-device memory any plan needs is {total / gib:.2f} GiB; the budget is "
+        f"{budget / gib:.2f} GiB (largest share: layer {node}{tied} with {share / gib:.2f} GiB "
+        f"at best)"
+    )
+

@@ -1,0 +1,38 @@
+"""``ilp-planner solve CONFIG [-o plan.json]``: solve a configuration, print the solver
+report and the cost beside every baseline, and write the plan file."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "solve",
+        help="solve a configuration and write a plan",
+        description="Choose per-layer SBP strategies with the ILP (and stages, when the "
+                    "config asks for a pipeline), compare with data-parallel, Megatron and "
+                    "SUMMA baselines under the same cost model, and write the plan JSON.",
+    )
+    p.add_argument("config", metavar="CONFIG", help="YAML configuration file")
+    p.add_argument("-o", "--output", metavar="PLAN", help="write the plan JSON here")
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="override solver.time_limit_s")
+    p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ilp_planner.config import apply_overrides, load_config, parse_config
+    from ilp_planner.planner import solve
+
+    config = load_config(args.config)
+    if args.time_limit is not None:
+        config = parse_config(apply_overrides(config.raw, {"solver.time_limit_s": args.time_limit}),
+                              args.config)
+    plan = solve(config, baselines=not args.no_baselines)
+    print(plan.summary())
+    if args.output:
+        plan.save(args.output)
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,44 @@
+"""``ilp-planner validate CONFIG [CONFIG...]``: load each configuration and print what it
+describes (model size, cluster, links, memory lower bound vs budget) without solving.
+
+Every file is checked even when an earlier one fails; the exit status is 2 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ilp_planner.config import load_config
+from ilp_planner.errors import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "validate",
+        help="check configuration files and summarise model, cluster and memory",
+        description="Load each YAML configuration, report the first error with its file and "
+                    "key path, or print a summary: model size and FLOPs, cluster links, and "
+                    "the per-device memory lower bound against the budget.",
+    )
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help="YAML configuration file(s)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ilp_planner.summary import model_summary
+
+    failed = 0
+    for i, path in enumerate(args.configs):
+        if i:
+            print()
+        try:
+            config = load_config(path)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        print(model_summary(config))
+    if failed:
+        print(f"{failed} of {len(args.configs)} configuration(s) invalid", file=sys.stderr)
+    return 2 if failed else 0

@@ -1,0 +1,45 @@
+"""Solver and pipeline options: plain frozen values passed explicitly to the formulations
+(no module-global switches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+# heuristic searches the ILP falls back to (formulations.sbp_search.SEARCHES)
+FALLBACKS = ("coordinate_descent", "metropolis_hastings", "random")
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """Options of the intra-op ILP and its fallback searches.
+
+    ``max_weight_replication`` caps p0, the replication of a linear's weight in AutoDDL's
+    3-D family (§4.5.2); ``tie_layers`` gives every repetition of a block one strategy
+    (§4.5.1); ``max_axes`` bounds the mesh factorisations considered per layer.
+    """
+
+    time_limit_s: float = 60.0
+    tie_layers: bool = True
+    max_weight_replication: int | None = None
+    max_axes: int = 3
+    threads: int = 1
+    seed: int = 0
+    fallback: str = "coordinate_descent"
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Inter-op options. ``stages`` is 1 (no pipelining), an integer, or ``"auto"``;
+    ``submeshes`` fixes the stage sub-mesh shapes ``(nodes, devices)`` by hand."""
+
+    stages: int | str = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    submeshes: tuple[tuple[int, int], ...] | None = None
+    imbalance_tolerance: float | None = None
+    overlap: bool = True
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages == "auto" or (isinstance(self.stages, int) and self.stages > 1)

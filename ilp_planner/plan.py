@@ -1,0 +1,252 @@
+"""Plan objects: what a solve returns, what ``plan.json`` holds, what the runtime reads.
+
+A :class:`Plan` is plain data — per-layer strategies with their layouts and collectives,
+the cost breakdown, the solver report, the baselines, and (for pipelined plans) stages,
+schedule and cross-mesh resharding. ``to_dict``/``from_dict`` round-trip losslessly and the
+file carries a schema version: loading a foreign or older file raises
+:class:`~ilp_planner.errors.PlanFormatError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ilp_planner.cluster import MeshAxis, fact_str
+from ilp_planner.cost_model import Collective
+from ilp_planner.errors import LayoutError, PlanFormatError
+from ilp_planner.layouts import Layout, parse_placement
+
+PLAN_SCHEMA = "ilp_planner.plan"
+PLAN_VERSION = 1
+
+
+def layout_to_dict(layout: Layout, rank: int | None = None) -> dict:
+    d = {
+        "mesh": [[a.nodes, a.local] for a in layout.fact],
+        "placements": [str(p) for p in layout.placements],
+        "sbp": str(layout),
+    }
+    if rank is not None:
+        d["rank"] = rank
+        try:
+            d["gspmd"] = layout.to_gspmd(rank)
+        except LayoutError:
+            d["gspmd"] = None
+    return d
+
+
+def layout_from_dict(d: dict) -> Layout:
+    fact = tuple(MeshAxis(int(n), int(loc)) for n, loc in d["mesh"])
+    return Layout(fact, tuple(parse_placement(p) for p in d["placements"]))
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Per-device, per-step seconds and bytes. ``comm_s = activation_comm_s + grad_sync_s``;
+    ``total_s = compute_s + comm_s`` (no overlap assumed)."""
+
+    compute_s: float
+    activation_comm_s: float
+    grad_sync_s: float
+    activation_comm_bytes: float
+    grad_sync_bytes: float
+    peak_memory_bytes: float
+
+    @property
+    def comm_s(self) -> float:
+        return self.activation_comm_s + self.grad_sync_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def to_dict(self) -> dict:
+        return {
+            "total_s": self.total_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "activation_comm_s": self.activation_comm_s,
+            "grad_sync_s": self.grad_sync_s,
+            "activation_comm_bytes": self.activation_comm_bytes,
+            "grad_sync_bytes": self.grad_sync_bytes,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostBreakdown:
+        return cls(d["compute_s"], d["activation_comm_s"], d["grad_sync_s"],
+                   d["activation_comm_bytes"], d["grad_sync_bytes"], d["peak_memory_bytes"])
+
+    @classmethod
+    def of(cls, compute_s: float, collectives: list[Collective], memory: float) -> CostBreakdown:
+        act = [c for c in collectives if c.purpose != "grad_sync"]
+        grad = [c for c in collectives if c.purpose == "grad_sync"]
+        return cls(compute_s, sum(c.seconds for c in act), sum(c.seconds for c in grad),
+                   sum(c.bytes for c in act), sum(c.bytes for c in grad), memory)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One op's decision. ``collectives`` lists everything the op issues: the
+    redistribution of its inputs into ``inputs`` layouts (forward and backward), the
+    op's own collectives, and its weight-gradient synchronisation."""
+
+    name: str
+    kind: str
+    strategy: str
+    inputs: tuple[Layout, ...]
+    weight: Layout | None
+    output: Layout
+    compute_s: float
+    memory_bytes: float
+    collectives: tuple[Collective, ...]
+    stage: int = 0
+    input_ranks: tuple[int, ...] = ()
+    output_rank: int = 2
+
+    def to_dict(self) -> dict:
+        fact = self.output.fact
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "stage": self.stage,
+            "strategy": {
+                "label": self.strategy,
+                "mesh": [[a.nodes, a.local] for a in fact],
+                "mesh_str": fact_str(fact),
+                "inputs": [layout_to_dict(x, r) for x, r in
+                           zip(self.inputs, self.input_ranks or (None,) * len(self.inputs),
+                               strict=True)],
+                "weight": None if self.weight is None else layout_to_dict(self.weight),
+                "output": layout_to_dict(self.output, self.output_rank),
+            },
+            "compute_s": self.compute_s,
+            "memory_bytes": self.memory_bytes,
+            "collectives": [c.to_dict() for c in self.collectives],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LayerPlan:
+        s = d["strategy"]
+        return cls(
+            d["name"], d["kind"], s["label"], tuple(layout_from_dict(x) for x in s["inputs"]),
+            None if s["weight"] is None else layout_from_dict(s["weight"]),
+            layout_from_dict(s["output"]), d["compute_s"], d["memory_bytes"],
+            tuple(Collective.from_dict(c) for c in d["collectives"]), d.get("stage", 0),
+            tuple(_rank(x) for x in s["inputs"]),
+            _rank(s["output"]),
+        )
+
+
+def _rank(layout_dict: dict) -> int:
+    return int(layout_dict.get("rank", 2))
+
+
+@dataclass
+class Plan:
+    """A solved plan. ``config`` is the raw configuration it was solved from (so the
+    runtime can rebuild the same graph); ``baselines`` maps a baseline name to its cost
+    block or to ``{"error": reason}``."""
+
+    name: str
+    config: dict
+    solver: dict
+    cost: CostBreakdown
+    layers: list[LayerPlan]
+    baselines: dict[str, dict] = field(default_factory=dict)
+    stages: list[dict] = field(default_factory=list)
+    schedule: dict | None = None
+    resharding: list[dict] = field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": PLAN_SCHEMA,
+            "version": self.version,
+            "name": self.name,
+            "config": self.config,
+            "solver": self.solver,
+            "cost": self.cost.to_dict(),
+            "layers": [layer.to_dict() for layer in self.layers],
+            "baselines": self.baselines,
+            "stages": self.stages,
+            "schedule": self.schedule,
+            "resharding": self.resharding,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<plan>") -> Plan:
+        if not isinstance(d, dict) or d.get("schema") != PLAN_SCHEMA:
+            raise PlanFormatError(f"{source}: not an ilp_planner plan (missing schema "
+                                  f"{PLAN_SCHEMA!r})")
+        if d.get("version") != PLAN_VERSION:
+            raise PlanFormatError(
+                f"{source}: plan schema version {d.get('version')!r} is not supported "
+                f"(this ilp_planner reads version {PLAN_VERSION}); re-solve the config"
+            )
+        try:
+            return cls(
+                d["name"], d["config"], d["solver"], CostBreakdown.from_dict(d["cost"]),
+                [LayerPlan.from_dict(x) for x in d["layers"]], d.get("baselines", {}),
+                d.get("stages", []), d.get("schedule"), d.get("resharding", []), d["version"],
+            )
+        except (KeyError, TypeError, ValueError, LayoutError) as exc:
+            raise PlanFormatError(f"{source}: corrupt plan ({type(exc).__name__}: {exc})") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"{path}: not valid JSON ({exc})") from exc
+        except OSError as exc:
+            raise PlanFormatError(f"{path}: cannot read ({exc})") from exc
+        return cls.from_dict(data, str(path))
+
+    @property
+    def num_devices(self) -> int:
+        c = self.config["cluster"]
+        return int(c["nodes"]) * int(c["devices_per_node"])
+
+    def layer(self, name: str) -> LayerPlan:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def summary(self) -> str:
+        """Solver status, cost breakdown and the baselines beside it with ratios."""
+        s = self.solver
+        lines = [
+            f"plan {self.name}: status {s['status']} (method {s.get('method')}), objective "
+            f"{s['objective']:.6g} s, bound {_fmt(s.get('bound'))}, gap {_fmt(s.get('gap'))}, "
+            f"build {s['build_s']:.2f} s, solve {s['solve_s']:.2f} s",
+        ]
+        if s.get("message"):
+            lines.append(f"  note: {s['message']}")
+        header = f"  {'plan':<28}{'total s':>11}{'compute s':>11}{'act comm s':>11}" \
+                 f"{'grad sync s':>12}{'memory GiB':>11}{'ratio':>8}"
+        lines.append(header)
+        mine = self.cost
+
+        def row(name: str, c: CostBreakdown) -> str:
+            ratio = c.total_s / mine.total_s if mine.total_s else float("nan")
+            return (f"  {name:<28}{c.total_s:>11.4g}{c.compute_s:>11.4g}{c.activation_comm_s:>11.4g}"
+                    f"{c.grad_sync_s:>12.4g}{c.peak_memory_bytes / 2**30:>11.2f}{ratio:>8.2f}")
+
+        lines.append(row("ilp_planner", mine))
+        for name, b in self.baselines.items():
+            if "error" in b:
+                lines.append(f"  {name:<28}n/a: {b['error']}")
+            else:
+                lines.append(row(name, CostBreakdown.from_dict(b)))
+        return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"

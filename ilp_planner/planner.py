@@ -1,0 +1,126 @@
+"""The solve pipeline for one mesh: build the problem, check memory, run a fast search as
+warm start and fallback, solve the ILP, turn the choice into a :class:`Plan`, and price
+the baselines under the same cost model."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from formulations.result import SolveResult
+from formulations.sbp_ilp import SbpIlp
+from formulations.sbp_problem import GraphProblem, build_problem, describe_infeasible
+from formulations.sbp_search import SEARCHES
+from ilp_planner.baselines import baseline_choices
+from ilp_planner.config import Config, load_config
+from ilp_planner.cost_model import Collective
+from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.graph import OpKind
+from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
+from ilp_planner.redistribution import plan_redistribution
+
+
+def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
+    """Solve a configuration (a :class:`Config` or a YAML path) and return its plan."""
+    if not isinstance(config, Config):
+        config = load_config(config)
+    if config.pipeline.pipelined:
+        from ilp_planner.pipeline_planner import solve_pipelined
+
+        return solve_pipelined(config, baselines=baselines)
+    cluster = config.cluster
+    gp, result = solve_mesh(config, cluster.nodes, cluster.devices_per_node, cluster.memory_bytes)
+    layers, cost = realise(gp, list(result.choice))
+    plan = Plan(config.name, config.raw, result.to_dict(), cost, layers)
+    if baselines:
+        plan.baselines = price_baselines(gp, config.solver.time_limit_s)
+    return plan
+
+
+def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,
+               graph=None) -> tuple[GraphProblem, SolveResult]:
+    """Build and solve the intra-op problem of ``graph`` (default: the config's) on an
+    ``nodes × local`` mesh. Raises :class:`InfeasibleError` naming the binding layer."""
+    opts = config.solver
+    t0 = time.perf_counter()
+    try:
+        gp = build_problem(graph or config.graph, config.cluster, nodes, local, config.memory,
+                           tie_layers=opts.tie_layers,
+                           max_weight_replication=opts.max_weight_replication,
+                           memory_budget=memory_budget)
+    except ValueError as exc:
+        raise InfeasibleError(str(exc)) from exc
+    problem_s = time.perf_counter() - t0
+    if memory_budget is not None and gp.problem.min_memory()[0] > memory_budget:
+        raise InfeasibleError(describe_infeasible(gp, memory_budget))
+    if opts.fallback not in SEARCHES:
+        raise ConfigError(f"unknown fallback search {opts.fallback!r}; expected one of "
+                          f"{sorted(SEARCHES)}", key="solver.fallback")
+    heuristic = SEARCHES[opts.fallback](gp.problem, seed=opts.seed)
+    ilp = SbpIlp(gp.problem)
+    result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads,
+                       warm_start=heuristic.choice if gp.problem.feasible(heuristic.choice) else None,
+                       seed=opts.seed)
+    build_s = problem_s + ilp.build_s
+    if result is None:
+        result = SolveResult(
+            "heuristic", heuristic.objective, None, None, build_s, heuristic.solve_s,
+            heuristic.choice, opts.fallback,
+            f"the ILP found no solution within {opts.time_limit_s} s; using {opts.fallback}",
+        )
+    else:
+        result = SolveResult(result.status, result.objective, result.bound, result.gap, build_s,
+                             result.solve_s + heuristic.solve_s, result.choice, "ilp",
+                             result.message)
+    return gp, result
+
+
+def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[LayerPlan], CostBreakdown]:
+    """Per-layer plans and the cost breakdown of a choice: intra-op collectives of each op
+    plus the redistribution of every input into the layout its consumer needs."""
+    chosen = gp.node_choice(choice)
+    graph = gp.graph
+    layers: list[LayerPlan] = []
+    all_colls: list[Collective] = []
+    compute = memory = 0.0
+    input_layout: dict[str, object] = {}
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT:
+            continue
+        node = gp.owner[op.name]
+        pos = gp.position[op.name]
+        opt = chosen[node]
+        colls: list[Collective] = []
+        for idx, src in enumerate(op.inputs):
+            want = opt.inputs[pos][idx]
+            if graph[src].kind is OpKind.INPUT:
+                input_layout.setdefault(src, want)
+                continue
+            if gp.owner[src] == node:
+                continue  # a follower reads its producer inside the node (resolve counted)
+            have = chosen[gp.owner[src]].outputs[gp.position[src]]
+            red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster)
+            colls += red.forward + red.backward
+        colls += opt.collectives[pos]
+        is_base = pos == 0
+        mem = (opt.state_bytes if is_base else 0.0) + opt.outputs[pos].local_bytes(op.output)
+        layers.append(LayerPlan(
+            op.name, op.kind.value, opt.base.label if is_base else f"follows {node}",
+            opt.inputs[pos], opt.base.weight if is_base else None, opt.outputs[pos],
+            opt.compute_s[pos], mem, tuple(colls), stage,
+            tuple(graph[s].output.rank for s in op.inputs), op.output.rank,
+        ))
+        all_colls += colls
+        compute += opt.compute_s[pos]
+        memory += mem
+    return layers, CostBreakdown.of(compute, all_colls, memory)
+
+
+def price_baselines(gp: GraphProblem, time_limit_s: float) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for name, choice in baseline_choices(gp, time_limit_s).items():
+        if isinstance(choice, str):
+            out[name] = {"error": choice}
+        else:
+            out[name] = realise(gp, choice)[1].to_dict()
+    return out

@@ -1,0 +1,136 @@
+"""Typed reading of parsed YAML values, with errors that say where and what.
+
+Every check takes the dotted key path of the value it reads (``cluster.links.inter.beta``,
+``model.ops[3].inputs[0]``) and raises :class:`~ilp_planner.errors.ConfigError` naming the
+file, that path and what was expected, e.g.
+``configs/x.yaml: cluster.nodes: expected a positive integer, got 'two'``.
+
+Numbers: YAML 1.1 (PyYAML) reads ``1e-6`` (no dot) as a *string*; number fields therefore
+also accept strings that Python's ``float`` parses, so ``beta: 8e-10`` works as written.
+Integers must be integers (``4``, not ``4.0`` nor ``true``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NoReturn
+
+from ilp_planner.errors import ConfigError
+
+
+def join(path: str, key: str | int) -> str:
+    """``join('cluster', 'nodes') == 'cluster.nodes'``,
+    ``join('model.ops', 3) == 'model.ops[3]'``."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A short ``repr`` for error messages (long mappings and lists are cut)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Reader:
+    """Reads values of one configuration source (a file name, or None for in-memory data)."""
+
+    def __init__(self, source: str | None):
+        self.source = source
+
+    def fail(self, path: str, message: str) -> NoReturn:
+        raise ConfigError(message, source=self.source, key=path or None)
+
+    # -- containers -------------------------------------------------------------------
+
+    def mapping(self, value: Any, path: str, *, required: Iterable[str] = (),
+                optional: Iterable[str] = ()) -> dict[str, Any]:
+        """A mapping whose keys are all among ``required ∪ optional`` and that has every
+        required key. Unknown keys are errors because a typo (``bandwith_gbps``) would
+        otherwise silently fall back to a default."""
+        required, optional = list(required), list(optional)
+        if not isinstance(value, Mapping):
+            self.fail(path, f"expected a mapping, got {show(value)}")
+        allowed = required + [k for k in optional if k not in required]
+        for key in value:
+            if not isinstance(key, str):
+                self.fail(path, f"keys must be strings, got {show(key)}")
+            if key not in allowed:
+                self.fail(join(path, key),
+                          f"unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+        for key in required:
+            if key not in value:
+                self.fail(join(path, key),
+                          f"missing required key {key!r} (required here: {', '.join(required)})")
+        return dict(value)
+
+    def sequence(self, value: Any, path: str, *, min_len: int = 0) -> list[Any]:
+        if not isinstance(value, list | tuple):
+            self.fail(path, f"expected a list, got {show(value)}")
+        if len(value) < min_len:
+            self.fail(path, f"expected a list of at least {min_len} items, got {len(value)}")
+        return list(value)
+
+    # -- scalars ----------------------------------------------------------------------
+
+    def integer(self, value: Any, path: str, *, minimum: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            what = "a positive integer" if minimum == 1 else (
+                "a non-negative integer" if minimum == 0 else "an integer")
+            self.fail(path, f"expected {what}, got {show(value)}")
+        if minimum is not None and value < minimum:
+            what = ("a positive integer" if minimum == 1 else "a non-negative integer"
+                    if minimum == 0 else f"an integer >= {minimum}")
+            self.fail(path, f"expected {what}, got {value}")
+        return int(value)
+
+    def positive_int(self, value: Any, path: str) -> int:
+        return self.integer(value, path, minimum=1)
+
+    def nonneg_int(self, value: Any, path: str) -> int:
+        return self.integer(value, path, minimum=0)
+
+    def number(self, value: Any, path: str, *, positive: bool = False,
+               nonneg: bool = False, at_most: float | None = None) -> float:
+        what = ("a positive number" if positive
+                else "a non-negative number" if nonneg else "a number")
+        if at_most is not None:
+            what += f" <= {at_most:g}"
+        if isinstance(value, bool):
+            self.fail(path, f"expected {what}, got {show(value)}")
+        if isinstance(value, str):
+            try:
+                x = float(value)
+            except ValueError:
+                self.fail(path, f"expected {what}, got {show(value)}")
+        elif isinstance(value, int | float):
+            x = float(value)
+        else:
+            self.fail(path, f"expected {what}, got {show(value)}")
+        if not math.isfinite(x):
+            self.fail(path, f"expected {what}, got {show(value)}")
+        if (positive and x <= 0) or (nonneg and x < 0) or (at_most is not None and x > at_most):
+            self.fail(path, f"expected {what}, got {x:g}")
+        return x
+
+    def boolean(self, value: Any, path: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(path, f"expected true or false, got {show(value)}")
+        return value
+
+    def string(self, value: Any, path: str) -> str:
+        if not isinstance(value, str) or not value.strip():
+            self.fail(path, f"expected a non-empty string, got {show(value)}")
+        return value
+
+    def choice(self, value: Any, path: str, choices: Iterable[str], what: str = "value") -> str:
+        choices = list(choices)
+        if not isinstance(value, str) or value not in choices:
+            self.fail(path, f"unknown {what} {show(value)}; expected one of: {', '.join(choices)}")
+        return value
+
+    def shape(self, value: Any, path: str) -> tuple[int, ...]:
+        """A non-empty list of positive integers."""
+        items = self.sequence(value, path, min_len=1)
+        return tuple(self.positive_int(d, join(path, i)) for i, d in enumerate(items))

@@ -1,0 +1,230 @@
+"""YAML configs: shipped files load and validate; malformed ones fail with the file name and
+the key path; the memory lower bound against a hand computation."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ilp_planner import cli
+from ilp_planner.cluster import Link
+from ilp_planner.config import apply_overrides, load_config, parse_config
+from ilp_planner.cost_model import MemorySpec
+from ilp_planner.errors import ConfigError
+from ilp_planner.summary import memory_lower_bound, model_summary
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
+    "mlp-autoddl-128": 613_416_960,
+    "gpt-2.6b-2x4": 2_653_967_360,
+    "gpt-6.7b-2x8": 6_662_266_880,
+    "transformer-autoddl-64": 3_649_486_848,
+    "vgg13-2x8": 133_047_848,
+    "u-transformer-2x4": 2_123_444_224,
+    "tiny-gpt-cpu": 109_312,
+}
+
+BASE = {
+    "name": "base",
+    "model": {"kind": "gpt", "hidden": 64, "layers": 2, "heads": 4, "seq_len": 16,
+              "vocab": 128, "batch": 8, "dtype": "float32"},
+    "cluster": {"nodes": 2, "devices_per_node": 4, "memory_gib": 2, "peak_tflops": 0.05,
+                "links": {"intra": {"latency_us": 30, "bandwidth_gbps": 20},
+                          "inter": {"alpha": 6e-5, "beta": "8e-10"}}},
+    "training": {"optimizer": "adam"},
+    "solver": {"time_limit_s": 10, "tie_layers": True},
+    "pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"},
+}
+
+
+def test_shipped_configs_are_all_known():
+    assert {p.stem for p in CONFIGS} == set(EXPECTED_PARAMS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.name == path.stem
+    assert cfg.graph.total_params == EXPECTED_PARAMS[path.stem]
+    assert cfg.source == str(path) and cfg.raw["model"] == cfg.model
+    assert cfg.cluster.num_devices >= 8
+    assert model_summary(cfg).startswith(cfg.name)
+
+
+def test_validate_exits_zero_on_every_shipped_config(capsys):
+    assert cli.main(["validate", *map(str, CONFIGS)]) == 0
+    out = capsys.readouterr().out
+    for p in CONFIGS:
+        assert p.stem in out
+    assert "2,653,967,360" in out and "lower bound" in out
+
+
+def test_validate_exits_two_on_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {kind: gpt}\n")
+    assert cli.main(["validate", str(CONFIGS[0]), str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert "bad.yaml: cluster: missing required key" in captured.err
+    assert CONFIGS[0].stem in captured.out  # the good one is still summarised
+
+
+def test_parse_base_values():
+    cfg = parse_config(copy.deepcopy(BASE), "base.yaml")
+    assert cfg.cluster.memory_bytes == 2 * 2**30 and cfg.cluster.peak_flops == 0.05e12
+    assert cfg.cluster.intra == Link.from_bandwidth(30, 20)
+    assert cfg.cluster.inter == Link(6e-5, 8e-10)  # "8e-10" is a YAML string: accepted
+    assert cfg.memory == MemorySpec(4, 4, 8)
+    assert cfg.solver.time_limit_s == 10 and cfg.pipeline.stages == 2
+    assert cfg.pipeline.microbatches == 4
+
+
+def test_defaults_and_overrides():
+    data = copy.deepcopy(BASE)
+    for key in ("training", "solver", "pipeline", "name"):
+        data.pop(key)
+    data["model"]["dtype"] = "float16"
+    cfg = parse_config(data)
+    assert cfg.memory == MemorySpec.preset("adam_mixed")  # fp16 default
+    assert cfg.pipeline.stages == 1 and cfg.cluster.efficiency == 0.5
+    assert cfg.name == cfg.graph.name  # no file, no name: the graph's
+    more = cfg.with_overrides({"cluster.nodes": 4, "training.bytes_per_param.optimizer": 0})
+    assert more.cluster.num_devices == 16 and more.memory.optimizer_bytes == 0
+    assert cfg.cluster.nodes == 2  # the original is untouched
+    with pytest.raises(ConfigError, match="cluster.nodes"):
+        cfg.with_overrides({"cluster.nodes": 0})
+    with pytest.raises(ConfigError, match="not a mapping"):
+        apply_overrides(BASE, {"name.x": 1})
+
+
+def test_explicit_graph_config(tmp_path):
+    f = tmp_path / "g.yaml"
+    data = {k: BASE[k] for k in ("cluster", "training")}
+    data["model"] = {"kind": "graph", "ops": [
+        {"name": "x", "kind": "input", "shape": [8, 16]},
+        {"name": "fc", "kind": "linear", "inputs": ["x"], "shape": [8, 4], "weight": [16, 4]},
+        {"name": "loss", "kind": "loss", "inputs": ["fc"], "shape": [1]},
+    ]}
+    f.write_text(yaml.safe_dump(data))
+    cfg = load_config(f)
+    assert cfg.name == "g" and cfg.graph.total_params == 64
+
+
+def test_memory_lower_bound_by_hand():
+    cfg = parse_config(copy.deepcopy(BASE))
+    g, spec = cfg.graph, cfg.memory
+    total = sum(op.params * 16 + op.output.nbytes for op in g.ops)
+    bound, dominant = memory_lower_bound(g, cfg.cluster, spec)
+    assert bound == pytest.approx(total / 8)
+    assert dominant == max(g.ops, key=lambda op: op.params * 16 + op.output.nbytes).name
+    # twice the devices, half the bound; no optimizer state, a smaller one
+    bigger = cfg.with_overrides({"cluster.nodes": 4})
+    assert memory_lower_bound(g, bigger.cluster, spec)[0] == pytest.approx(bound / 2)
+    assert memory_lower_bound(g, cfg.cluster, MemorySpec(4, 4, 0))[0] < bound
+
+
+def _set(path: str, value):
+    return lambda d: apply_overrides(d, {path: value})
+
+
+def _drop(path: str):
+    def f(d):
+        d = copy.deepcopy(d)
+        *parents, last = path.split(".")
+        node = d
+        for p in parents:
+            node = node[p]
+        del node[last]
+        return d
+    return f
+
+
+MALFORMED = [
+    # (id, transform of BASE, key path in the message, phrase in the message)
+    ("unknown-top", _set("colour", "red"), "colour", "unknown key 'colour'; allowed keys"),
+    ("unknown-link-key", _set("cluster.links.inter.bandwith_gbps", 10),
+     "cluster.links.inter.bandwith_gbps", "allowed keys: latency_us, bandwidth_gbps"),
+    ("unknown-model-key", _set("model.dims", [1, 2]), "model.dims", "unknown key"),
+    ("wrong-type-int", _set("cluster.nodes", "two"), "cluster.nodes",
+     "expected a positive integer, got 'two'"),
+    ("float-for-int", _set("model.hidden", 64.0), "model.hidden", "positive integer"),
+    ("bool-for-int", _set("model.batch", True), "model.batch", "positive integer"),
+    ("wrong-type-bool", _set("solver.tie_layers", "yes please"), "solver.tie_layers",
+     "true or false"),
+    ("wrong-type-mapping", _set("cluster.links", [1, 2]), "cluster.links", "expected a mapping"),
+    ("negative-bandwidth", _set("cluster.links.intra.bandwidth_gbps", -10),
+     "cluster.links.intra.bandwidth_gbps", "positive number"),
+    ("negative-latency", _set("cluster.links.intra.latency_us", -1),
+     "cluster.links.intra.latency_us", "non-negative"),
+    ("zero-memory", _set("cluster.memory_gib", 0), "cluster.memory_gib", "positive number"),
+    ("efficiency-above-one", _set("cluster.efficiency", 1.5), "cluster.efficiency", "<= 1"),
+    ("negative-seed", _set("solver.seed", -1), "solver.seed", "integer"),
+    ("missing-top", _drop("cluster"), "cluster", "missing required key 'cluster'"),
+    ("missing-model-key", _drop("model.vocab"), "model.vocab", "missing required key 'vocab'"),
+    ("missing-link", _drop("cluster.links.inter"), "cluster.links.inter", "missing"),
+    ("half-a-link", _drop("cluster.links.inter.beta"), "cluster.links.inter.beta", "missing"),
+    ("mixed-link", _set("cluster.links.inter.latency_us", 3), "cluster.links.inter",
+     "not both"),
+    ("missing-kind", _drop("model.kind"), "model.kind", "missing required key 'kind'"),
+    ("unknown-kind", _set("model.kind", "resnet"), "model.kind", "unknown model kind 'resnet'"),
+    ("unknown-dtype", _set("model.dtype", "float8"), "model.dtype", "unknown dtype"),
+    ("unknown-optimizer", _set("training.optimizer", "lion"), "training.optimizer",
+     "unknown optimizer 'lion'"),
+    ("unknown-schedule", _set("pipeline.schedule", "zero-bubble"), "pipeline.schedule",
+     "unknown schedule"),
+    ("unknown-fallback", _set("solver.fallback", "annealing"), "solver.fallback", "unknown"),
+    ("bad-stages", _set("pipeline.stages", "many"), "pipeline.stages", "'auto'"),
+    ("too-many-stages", _set("pipeline.stages", 9), "pipeline.stages", "cluster has 8"),
+    ("microbatches-not-dividing", _set("pipeline.microbatches", 3), "pipeline.microbatches",
+     "not divisible"),
+    ("bad-submesh", _set("pipeline.submeshes", [[1, 4], [1, 3]]), "pipeline.submeshes[1]",
+     "not usable"),
+    ("submesh-count", _set("pipeline.submeshes", [[1, 4]]), "pipeline.submeshes",
+     "1 sub-meshes given for 2 stages"),
+    ("heads-not-dividing", _set("model.heads", 5), "model.heads", "not divisible"),
+    ("odd-u-layers", lambda d: apply_overrides(d, {"model": {
+        "kind": "u_transformer", "hidden": 64, "layers": 3, "heads": 4, "seq_len": 8,
+        "batch": 8}}), "model.layers", "even"),
+    ("graph-bad-input", lambda d: apply_overrides(d, {"model": {"kind": "graph", "ops": [
+        {"name": "x", "kind": "input", "shape": [4, 4]},
+        {"name": "y", "kind": "relu", "inputs": ["z"], "shape": [4, 4]}]}}),
+     "model.ops[1].inputs", "'z' is not an op"),
+    ("graph-bad-op-kind", lambda d: apply_overrides(d, {"model": {"kind": "graph", "ops": [
+        {"name": "x", "kind": "inptu", "shape": [4, 4]}]}}), "model.ops[0].kind",
+     "unknown op kind 'inptu'"),
+]
+
+
+@pytest.mark.parametrize("transform,key,phrase", [m[1:] for m in MALFORMED],
+                         ids=[m[0] for m in MALFORMED])
+def test_malformed_config(tmp_path, transform, key, phrase):
+    f = tmp_path / "broken.yaml"
+    f.write_text(yaml.safe_dump(transform(copy.deepcopy(BASE))))
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    msg = str(info.value)
+    assert msg.startswith(f"{f}: {key}"), msg
+    assert phrase in msg, msg
+    assert info.value.source == str(f)
+
+
+@pytest.mark.parametrize("text,phrase", [
+    ("model: {kind: gpt\ncluster: 3\n", "invalid YAML: line"),
+    ("model:\n  kind: gpt\n\tcluster: 1\n", "invalid YAML"),
+    ("model: {kind: gpt}\nmodel: {kind: mlp}\n", "duplicate key 'model'"),
+    ("", "empty"),
+    ("- just\n- a list\n", "expected a mapping"),
+])
+def test_bad_yaml_names_the_file(tmp_path, text, phrase):
+    f = tmp_path / "syntax.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    assert str(info.value).startswith(f"{f}: ") and phrase in str(info.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no-such.yaml: file not found"):
+        load_config("no-such.yaml")
