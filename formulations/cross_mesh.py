@@ -25,7 +25,7 @@ Lower bound (:meth:`CrossMeshProblem.lower_bound`), the maximum of
 
     (a) max_i min_k (d_ik + e_ik)                                         one task alone
     (b) Σ_{i: h ∈ m_i} min_k d_ik + min_{i: h ∈ m_i} min_k e_ik            receive load of host h
-    (c) Σ_{i: n_i ⊆ P} min_k d_ik / |P|                                   send load of a pool P
+    (c) Σ_{i: n_i ⊆ P} min_k d_ik / |P| + min_{i: n_i ⊆ P} min_k e_ik     send load of a pool P
 
 where the pools P are every distinct candidate set and the union of all senders; a pool of
 one host is that host's send load. This is the "largest per-host send or receive load" of
@@ -76,6 +76,7 @@ from ortools.sat.python import cp_model
 from ilp_planner.errors import ConfigError, InfeasibleError
 
 _REL_TOL = 1e-9
+_DFS_CLASS_BOUND_MAX = 64  # per-class earliest-finish bound only below this many classes
 
 
 class Status(str, Enum):
@@ -178,9 +179,11 @@ class CrossMeshProblem:
                 recv_tail[h] = min(recv_tail.get(h, math.inf), e)
         lb = max(lb, max(recv_load[h] + recv_tail[h] for h in recv_load))
         sets = [frozenset(c.sender for c in t.candidates) for t in self.tasks]
+        tails = [min(c.tail for c in t.candidates) for t in self.tasks]
         for pool in set(sets) | {frozenset().union(*sets)}:
-            load = sum(d for s, d in zip(sets, min_d, strict=True) if s <= pool)
-            lb = max(lb, load / len(pool))
+            inside = [i for i, s in enumerate(sets) if s <= pool]
+            load = sum(min_d[i] for i in inside)
+            lb = max(lb, load / len(pool) + min(tails[i] for i in inside))
         return lb
 
 
@@ -486,7 +489,9 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
 
     st = _DfsState(incumbent.makespan if incumbent else math.inf,
                    None, t0 + budget_s)
-    tol = 1e-12
+    def threshold() -> float:
+        """Only strictly better schedules (beyond float noise) are worth exploring."""
+        return st.best * (1 - 1e-12) if math.isfinite(st.best) else math.inf
 
     def bound(cur: float) -> float:
         lb = cur
@@ -496,10 +501,11 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
         for (hosts, _), pl in zip(pools, pool_load, strict=True):
             if pl > 0:
                 lb = max(lb, (sum(free[h] for h in hosts) + pl) / len(hosts))
-        for c in range(C):
-            if count[c]:
-                lb = max(lb, min(max(free[r] for r in res[c][k]) + x.duration + x.tail
-                                 for k, x in enumerate(cands[c])))
+        if C <= _DFS_CLASS_BOUND_MAX:
+            for c in range(C):
+                if count[c]:
+                    lb = max(lb, min(max(free[r] for r in res[c][k]) + x.duration + x.tail
+                                     for k, x in enumerate(cands[c])))
         return lb
 
     def apply(c: int, k: int, sign: int) -> None:
@@ -512,12 +518,13 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
 
     def visit(cur: float, depth: int, last: tuple[int, int] | None) -> None:
         st.nodes += 1
-        if st.nodes % 256 == 0 and time.perf_counter() > st.deadline:
+        # The budget binds once a schedule is known: the first dive always completes.
+        if st.nodes % 256 == 0 and math.isfinite(st.best) and time.perf_counter() > st.deadline:
             st.timed_out = True
         if st.timed_out:
             return
         if depth == n:
-            if cur < st.best - tol * st.best:
+            if cur < threshold():
                 st.best, st.best_steps = cur, list(st.steps)
             return
         children = []
@@ -533,13 +540,13 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
                                  c, k, start))
         children.sort()
         for new_cur, end, c, k, _start in children:
-            if new_cur >= st.best - tol * st.best:
+            if new_cur >= threshold():
                 continue
             saved = [free[r] for r in res[c][k]]
             for r in res[c][k]:
                 free[r] = end
             apply(c, k, +1)
-            if bound(new_cur) < st.best - tol * st.best:
+            if bound(new_cur) < threshold():
                 st.steps.append((c, k))
                 visit(new_cur, depth + 1, (c, k))
                 st.steps.pop()

@@ -94,10 +94,10 @@ class NodeOption:
     inputs: list[tuple[Layout, ...]]
     collectives: list[list[Collective]]  # intra-op collectives, a follower's resolve included
     compute_s: list[float]
-    cost_s: float
+    cost_s: float  # per step: microbatches × (compute + activation comm) + grad sync
     memory_bytes: float
     state_bytes: float
-    activation_bytes: float
+    activation_bytes: float  # of one micro-batch
 
 
 @dataclass
@@ -113,6 +113,7 @@ class GraphProblem:
     options: dict[str, list[NodeOption]]  # node -> options
     group_of: dict[str, int]  # node -> group index
     groups: list[list[str]] = field(default_factory=list)  # group -> nodes
+    microbatches: int = 1
 
     def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
         return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
@@ -123,7 +124,16 @@ def _follower(op: Op, graph: Graph) -> bool:
             and graph[op.inputs[0]].kind is not OpKind.INPUT)
 
 
-def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext) -> list[NodeOption]:
+def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> float:
+    """Seconds per step: compute and activation collectives run once per micro-batch,
+    weight-gradient synchronisation once per step (gradient accumulation)."""
+    act = sum(c.seconds for c in colls if c.purpose != "grad_sync")
+    grad = sum(c.seconds for c in colls if c.purpose == "grad_sync")
+    return microbatches * (compute_s + act) + grad
+
+
+def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext,
+                  microbatches: int) -> list[NodeOption]:
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts = []
@@ -132,7 +142,8 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
         inputs = [base.inputs]
         colls = [list(base.collectives)]
         comp = [base.compute_s]
-        cost, act = base.cost_s, base.activation_bytes
+        cost = _per_step(base.compute_s, list(base.collectives), microbatches)
+        act = base.activation_bytes
         for f in members[1:]:
             op = graph[f]
             src = op.inputs[0]
@@ -148,7 +159,7 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
             inputs.append((resolved,))
             colls.append(fc)
             comp.append(secs)
-            cost += secs + sum(c.seconds for c in fc)
+            cost += _per_step(secs, fc, microbatches)
             act += out.local_bytes(op.output)
         opts.append(NodeOption(base, outputs, inputs, colls, comp, cost,
                                base.state_bytes + act, base.state_bytes, act))
@@ -162,13 +173,9 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
 
 def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
                   *, tie_layers: bool = True, max_weight_replication: int | None = None,
-                  memory_budget: float | None = None,
-                  allow: dict[str, object] | None = None) -> GraphProblem:
-    """Build the problem for ``graph`` on an ``nodes × local`` mesh.
-
-    ``allow`` optionally restricts strategies (for baselines): a callable
-    ``allow(op, strategy) -> bool`` under key ``"filter"``.
-    """
+                  memory_budget: float | None = None, microbatches: int = 1) -> GraphProblem:
+    """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
+    costs are per step of ``microbatches`` accumulated micro-batches."""
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication)
     owner: dict[str, str] = {}
     position: dict[str, int] = {}
@@ -184,7 +191,6 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             members[op.name] = [op.name]
         position[op.name] = len(members[owner[op.name]]) - 1 if op.name in members.get(
             owner[op.name], ()) else 0
-    keep = (allow or {}).get("filter")
     options: dict[str, list[NodeOption]] = {}
     cache: dict[tuple, list[NodeOption]] = {}
     for node, mem in members.items():
@@ -194,11 +200,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         if key is not None and key in cache:
             options[node] = cache[key]
             continue
-        opts = _node_options(graph, node, mem, ctx)
-        if keep is not None:
-            opts = [o for o in opts if keep(rep, o.base)]  # type: ignore[operator]
-            if not opts:
-                raise ValueError(f"no strategy of {node!r} passes the baseline's filter")
+        opts = _node_options(graph, node, mem, ctx, microbatches)
         options[node] = opts
         if key is not None:
             cache[key] = opts
@@ -238,7 +240,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         ins = tuple(o.inputs[position[dst]][idx] for o in options[v])
         key = (tensor, outs, ins)
         if key not in matrix_cache:
-            matrix_cache[key] = _cost_matrix(outs, ins, tensor, cluster)
+            matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
         r = matrix_cache[key]
         gu, gv = group_of[u], group_of[v]
         if gu == gv:
@@ -247,7 +249,8 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
     names = [group_key[g[0]] for g in groups]
     problem = Problem(names, cost, mem, edges, memory_budget)
-    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups)
+    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
+                        microbatches)
 
 
 def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[Layout, ...], tensor, cluster: Cluster) -> np.ndarray:

@@ -121,6 +121,18 @@ class Config:
         """Re-parse ``raw`` with dotted keys set, e.g. ``{"cluster.nodes": 4}``."""
         return parse_config(apply_overrides(self.raw, overrides), self.source)
 
+    def microbatch_graph(self) -> Graph:
+        """The graph of one micro-batch (``model.batch / pipeline.microbatches``): what is
+        live at once under gradient accumulation or pipelining."""
+        m = self.pipeline.microbatches
+        if m == 1:
+            return self.graph
+        if "batch" not in self.model:
+            raise ConfigError("micro-batching needs a model with a batch size (a builder, not "
+                              "an explicit graph)", source=self.source, key="pipeline.microbatches")
+        return self.with_overrides({"model.batch": self.model["batch"] // m,
+                                    "pipeline.microbatches": 1}).graph
+
 
 # -- entry points ---------------------------------------------------------------------------
 

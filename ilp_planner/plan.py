@@ -80,11 +80,15 @@ class CostBreakdown:
                    d["activation_comm_bytes"], d["grad_sync_bytes"], d["peak_memory_bytes"])
 
     @classmethod
-    def of(cls, compute_s: float, collectives: list[Collective], memory: float) -> CostBreakdown:
+    def of(cls, compute_s: float, collectives: list[Collective], memory: float,
+           microbatches: int = 1) -> CostBreakdown:
+        """Per step: compute and activation collectives (given per micro-batch) run
+        ``microbatches`` times, weight-gradient synchronisation once."""
         act = [c for c in collectives if c.purpose != "grad_sync"]
         grad = [c for c in collectives if c.purpose == "grad_sync"]
-        return cls(compute_s, sum(c.seconds for c in act), sum(c.seconds for c in grad),
-                   sum(c.bytes for c in act), sum(c.bytes for c in grad), memory)
+        m = microbatches
+        return cls(m * compute_s, m * sum(c.seconds for c in act), sum(c.seconds for c in grad),
+                   m * sum(c.bytes for c in act), sum(c.bytes for c in grad), memory)
 
 
 @dataclass(frozen=True)

@@ -38,16 +38,20 @@ def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
 
 
 def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,
-               graph=None) -> tuple[GraphProblem, SolveResult]:
-    """Build and solve the intra-op problem of ``graph`` (default: the config's) on an
+               graph=None, microbatches: int | None = None) -> tuple[GraphProblem, SolveResult]:
+    """Build and solve the intra-op problem of ``graph`` (default: the config's graph of
+    one micro-batch, with gradient accumulation over ``pipeline.microbatches``) on an
     ``nodes × local`` mesh. Raises :class:`InfeasibleError` naming the binding layer."""
     opts = config.solver
     t0 = time.perf_counter()
+    if graph is None:
+        graph = config.microbatch_graph()
+        microbatches = config.pipeline.microbatches
     try:
-        gp = build_problem(graph or config.graph, config.cluster, nodes, local, config.memory,
+        gp = build_problem(graph, config.cluster, nodes, local, config.memory,
                            tie_layers=opts.tie_layers,
                            max_weight_replication=opts.max_weight_replication,
-                           memory_budget=memory_budget)
+                           memory_budget=memory_budget, microbatches=microbatches or 1)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     problem_s = time.perf_counter() - t0
@@ -113,7 +117,7 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
         all_colls += colls
         compute += opt.compute_s[pos]
         memory += mem
-    return layers, CostBreakdown.of(compute, all_colls, memory)
+    return layers, CostBreakdown.of(compute, all_colls, memory, gp.microbatches)
 
 
 def price_baselines(gp: GraphProblem, time_limit_s: float) -> dict[str, dict]:

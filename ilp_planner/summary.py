@@ -100,8 +100,8 @@ def memory_summary(graph: Graph, cluster: Cluster, memory: MemorySpec) -> list[s
     bound, dominant = memory_lower_bound(graph, cluster, memory)
     ratio = bound / cluster.memory_bytes
     verdict = ("fits" if ratio <= 1 else
-               "EXCEEDS the budget:\n            no single-stage full-batch plan fits "
-               "(micro-batches or pipeline stages needed)")
+               "EXCEEDS the budget:\n            no single-stage plan fits at this micro-batch "
+               "size (more micro-batches or pipeline stages needed)")
     s, a = per_op[dominant]
     p = cluster.num_devices
     return [
@@ -123,7 +123,7 @@ def model_summary(config: Config) -> str:
         f"model     kind {config.model.get('kind')}, dtype {config.model.get('dtype', 'float32')}",
         *graph_summary(config.graph),
         *cluster_summary(config.cluster),
-        *memory_summary(config.graph, config.cluster, config.memory),
+        *memory_summary(config.microbatch_graph(), config.cluster, config.memory),
         f"pipeline  stages {pipe.stages}, microbatches {pipe.microbatches}, "
         f"schedule {pipe.schedule}{sub}",
     ]

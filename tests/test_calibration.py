@@ -46,11 +46,11 @@ def synthetic_rows(noise: float = 0.02, seed: int = 0) -> list[TimingRow]:
     return rows
 
 
-@pytest.mark.parametrize("kind", list(K))
-@pytest.mark.parametrize("p", [1, 2, 3, 8])
+@pytest.mark.parametrize(
+    ("kind", "p"),
+    [(kind, p) for kind in K for p in (1, 2, 3, 8) if p > 1 or kind in (K.BROADCAST, K.P2P)],
+)
 def test_coefficients_match_cost_model(kind: CollectiveKind, p: int) -> None:
-    if p == 1 and kind not in (K.BROADCAST, K.P2P):
-        pytest.skip("groups of one are rejected as timing rows")
     link = Link(alpha=3.3e-6, beta=7e-11)
     a, b = coefficients(kind, p, 12345.0)
     assert a * link.alpha + b * link.beta == pytest.approx(
@@ -103,7 +103,7 @@ def test_negative_alpha_is_refitted_at_zero() -> None:
     assert free.alpha == pytest.approx(-1e-7, rel=1e-6) and not free.alpha_clamped
     f = fit_link(rows, "intra")
     assert f.alpha == 0.0 and f.alpha_clamped
-    assert f.beta == pytest.approx(1e-9, rel=0.01)
+    assert f.beta == pytest.approx(1e-9, rel=0.05)  # β alone absorbs the intercept
     assert "refitted with α = 0" in fit_report({"intra": f})
 
 
