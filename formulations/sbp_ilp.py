@@ -19,6 +19,11 @@ form one class a (and likewise columns for v), so e is indexed by classes, not s
 pairs — the same optimum with far fewer variables. With s integral, e is integral too, so
 e stays continuous. Names are built from group and strategy indices and a registry maps
 them back.
+
+Costs are seconds (often 1e-6 … 1e-3), below CBC's absolute tolerances (~1e-7 on reduced
+costs and gaps): unscaled, CBC declares "optimal" choices that are 0.1 % off. The objective
+is therefore multiplied by ``scale = OBJECTIVE_SCALE / U`` with U = Σ_g max_k cost + Σ max R,
+an upper bound on any choice's objective; reported objectives and bounds are unscaled.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ import pulp
 from formulations.result import SolveResult
 from formulations.sbp_problem import Problem
 
+# the scaled objective of the costliest possible choice (see the module docstring)
+OBJECTIVE_SCALE = 1e6
+
 
 def _classes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row classes of ``matrix``: (class id per row, representative row per class)."""
@@ -50,6 +58,9 @@ class SbpIlp:
         self.problem = problem
         self.model = pulp.LpProblem("sbp", pulp.LpMinimize)
         self.registry: dict[str, tuple] = {}
+        upper = sum(float(np.max(c)) for c in problem.cost) + sum(
+            float(np.max(r)) for r in problem.edges.values())
+        self.scale = OBJECTIVE_SCALE / upper if upper > 0 else 1.0
         self._add_strategies()
         self._add_one_hot()
         self._edge_terms: list = []
@@ -86,7 +97,7 @@ class SbpIlp:
                     e[a, b] = pulp.LpVariable(name, lowBound=0, upBound=1)
                     self.registry[name] = ("edge", self.problem.names[u], self.problem.names[v], a, b)
                     if small[a, b]:
-                        self._edge_terms.append(float(small[a, b]) * e[a, b])
+                        self._edge_terms.append(self.scale * float(small[a, b]) * e[a, b])
             for a in range(len(row_rep)):
                 members = [self.s[u][k] for k in np.flatnonzero(row_cls == a)]
                 self.model += (pulp.lpSum(e[a, b] for b in range(len(col_rep)))
@@ -104,7 +115,8 @@ class SbpIlp:
         ) <= float(self.problem.memory_budget), "memory"
 
     def _set_objective(self) -> None:
-        node_terms = [float(c[k]) * self.s[g][k] for g, c in enumerate(self.problem.cost)
+        """min scale · (Σ cost·s + Σ R·e)."""
+        node_terms = [self.scale * float(c[k]) * self.s[g][k] for g, c in enumerate(self.problem.cost)
                       for k in range(len(c)) if c[k]]
         self.model += pulp.lpSum(node_terms + self._edge_terms)
 
@@ -138,6 +150,8 @@ class SbpIlp:
         stopped = "Stopped on time" in text or "stopped on time" in text.lower()
         optimal = self.model.status == pulp.LpStatusOptimal and not stopped
         bound = _parse_float(text, r"Lower bound:\s*([-\d.eE+]+)")
+        if bound is not None:
+            bound /= self.scale
         if optimal:
             bound = objective if bound is None else bound
         gap = None if bound is None else max(0.0, (objective - bound) / max(abs(objective), 1e-30))

@@ -274,8 +274,8 @@ def describe_infeasible(gp: GraphProblem, budget: float) -> str:
     gib = 1024**3
     tied = f" (tied over {len(gp.groups[g])} layers)" if len(gp.groups[g]) > 1 else ""
     return (
-        f"the smallest per-device memory any plan needs is {total / gib:.2f} GiB; the budget is "
-        f"{budget / gib:.2f} GiB (largest share: layer {node}{tied} with {share / gib:.2f} GiB "
+        f"the smallest per-device memory any plan needs is {total / gib:.4g} GiB; the budget is "
+        f"{budget / gib:.4g} GiB (largest share: layer {node}{tied} with {share / gib:.4g} GiB "
         f"at best)"
     )
 

@@ -1,7 +1,8 @@
 """ilp_planner: auto-parallel planning (SBP ILP, stage DP, cross-mesh resharding) and a
 torch.distributed runtime for the plans.
 
-Public API: :func:`solve`, :func:`load_config`, :class:`Config`, :class:`Plan`. They are
+Public API: :func:`solve`, :func:`load_config`, :class:`Config`, :class:`Plan`,
+:func:`sweep` and :func:`load_sweep` (batch solves, :mod:`ilp_planner.sweeps`). They are
 resolved lazily so that importing an IR module (``ilp_planner.graph``) does not pull in the
 solvers.
 """
@@ -15,6 +16,8 @@ _API = {
     "load_config": "ilp_planner.config",
     "Config": "ilp_planner.config",
     "Plan": "ilp_planner.plan",
+    "sweep": "ilp_planner.sweeps",
+    "load_sweep": "ilp_planner.sweeps",
 }
 
 __all__ = sorted(_API)

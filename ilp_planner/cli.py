@@ -13,6 +13,10 @@ VERBS = [
     "validate",
     "solve",
     "calibrate",
+    "reshard",
+    "sweep",
+    "explain",
+    "diff",
 ]
 
 

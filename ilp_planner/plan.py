@@ -223,6 +223,14 @@ class Plan:
                 return layer
         raise KeyError(name)
 
+    def explain(self, *, collectives: bool = True) -> str:
+        """A readable report: stages, per-layer SBP and DTensor layouts, collectives with
+        bytes and predicted seconds, memory per device, baselines (see
+        :func:`ilp_planner.explain.explain`)."""
+        from ilp_planner.explain import explain
+
+        return explain(self, collectives=collectives)
+
     def summary(self) -> str:
         """Solver status, cost breakdown and the baselines beside it with ratios."""
         s = self.solver

@@ -18,6 +18,15 @@ factorisation with up to three axes (plus those of the endpoints). Edges:
 AutoDDL's §4.3 path ``(S0:p0, S1:p1, P:p2) → (S0:p0, S1:p1p2) → (S0:p0′, S1:p1′p2′) →
 (S0:p0′, B:p1′, S1:p2′)`` is ReduceScatter, re-view/reshuffle, AllGather in this graph.
 
+Block order. A single-axis step is priced on any axis, as AutoDDL and OneFlow do. When an
+axis that is not the minor-most of those splitting a dimension gathers or scatters, the
+shards that result hold the right amount of data in a *strided* block order (DTensor's
+``_StridedShard``), not the contiguous order :meth:`Layout.canonical_key` assumes. The cost
+is the collective's either way; executing such a step with contiguous shards, as the
+runtime's DTensor ``redistribute`` does, may issue more communication than planned (e.g.
+the §4.3 path becomes AllReduce + AllGather + local slicing). The runtime's results are
+exact regardless; only its communication volume can exceed the prediction.
+
 The backward pass moves the gradient along the dual path (S stays S, B and P swap), which
 issues the mirrored collectives with the same bytes — AllGather ↔ ReduceScatter, AllReduce
 and AlltoAll unchanged — so the backward cost equals the forward cost.

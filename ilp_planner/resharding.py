@@ -47,6 +47,13 @@ work after the NICs are free, which holds no host resource):
 AG(p, n) = (p−1)α + (p−1)/p·nβ (DESIGN §3). Transfers the sender's own host receives over
 NVLink run beside the NIC part and do not add to ``d`` when A > 0.
 
+Host resources (what eq. 3 serialises): the sender host's send side and every receiving
+host's receive side, for ``d`` seconds — also when A = 0 (conservative: NVLink does not use
+the NIC, but the model keeps eq. 3 per host). In a ring broadcast the receiving hosts also
+forward chunks with their send sides; when source and destination are on different hosts
+(all of seed 003's cases) nothing else needs a destination host's send side, so eq. 3 leaves
+it out; meshes sharing a host are allowed but this forwarding load is then not modelled.
+
 Scheduling (seed 003 eqs. 1–3) is :mod:`formulations.cross_mesh`; the plan keeps every
 algorithm's makespan and uses the best.
 """
@@ -69,11 +76,11 @@ from formulations.cross_mesh import (
     randomized_greedy,
     solve_all,
 )
-from ilp_planner.cluster import Cluster, Link, MeshAxis, SubMesh
+from ilp_planner.cluster import Cluster, Link, MeshAxis, SubMesh, axis_coordinates, fact_str
 from ilp_planner.cost_model import CollectiveKind, collective_time
 from ilp_planner.errors import ConfigError, LayoutError, PlanFormatError
 from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import Layout
+from ilp_planner.layouts import Layout, Split
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")
 
@@ -144,15 +151,43 @@ def mesh_factorisation(mesh: SubMesh) -> tuple[MeshAxis, MeshAxis]:
     return (MeshAxis(mesh.nodes, 1), MeshAxis(1, mesh.devices))
 
 
-def mesh_layout(mesh: SubMesh, spec: str, tensor: TensorSpec, role: str = "") -> Layout:
-    """Parse ``spec`` on ``mesh``; errors say which mesh (``role``) and what is wrong."""
-    where = f"{role} spec {spec!r} on mesh {mesh.nodes}x{mesh.devices}".strip()
+def mesh_layout(mesh: SubMesh, spec: str | Layout, tensor: TensorSpec, role: str = "") -> Layout:
+    """Parse ``spec`` on ``mesh`` (or check a ready :class:`Layout`, e.g. one the intra-op
+    ILP chose on any factorisation of the mesh); errors say which mesh (``role``) and what is
+    wrong. A split finer than its dimension is allowed (DTensor allows it too): the trailing
+    devices then hold empty shards, send nothing and receive nothing."""
+    where = f"{role} spec {spec_text(spec, tensor.rank)!r} on mesh {mesh.nodes}x{mesh.devices}"
+    where = where.strip()
     try:
-        layout = Layout.from_gspmd(spec, mesh_factorisation(mesh), rank=tensor.rank)
-        layout.check(tensor)
+        if not isinstance(spec, Layout):
+            return Layout.from_gspmd(spec, mesh_factorisation(mesh), rank=tensor.rank)
+        nodes = math.prod(a.nodes for a in spec.fact)
+        local = math.prod(a.local for a in spec.fact)
+        if (nodes, local) != (mesh.nodes, mesh.devices):
+            raise LayoutError(f"the layout's factorisation {fact_str(spec.fact)} covers "
+                              f"{nodes}x{local} devices, not the mesh's")
+        if spec.has_partial:
+            raise LayoutError("a partial-sum layout cannot cross meshes; reduce it first "
+                              "(AllReduce or ReduceScatter on the source mesh)")
+        for i, pl in enumerate(spec.placements):
+            if isinstance(pl, Split) and not 0 <= pl.dim < tensor.rank:
+                raise LayoutError(f"mesh axis {i} splits dim {pl.dim} but the tensor has rank "
+                                  f"{tensor.rank}")
+        return spec
     except LayoutError as exc:
         raise LayoutError(f"{where}: {exc}") from None
-    return layout
+
+
+def spec_text(spec: str | Layout, rank: int) -> str:
+    """The spec as the plan records it: the string given, or a layout's GSPMD form with its
+    factorisation as ``(nodes x local, ...)`` per axis, e.g. ``S^0S^1R@(2x1, 1x2, 1x2)``."""
+    if not isinstance(spec, Layout):
+        return spec
+    try:
+        text = spec.to_gspmd(rank)
+    except LayoutError:
+        text = spec.sbp()
+    return f"{text}@(" + ", ".join(f"{a.nodes}x{a.local}" for a in spec.fact) + ")"
 
 
 def chunk_bounds(n: int, k: int, j: int) -> tuple[int, int]:
@@ -162,20 +197,22 @@ def chunk_bounds(n: int, k: int, j: int) -> tuple[int, int]:
 
 
 def device_regions(tensor: TensorSpec, mesh: SubMesh, layout: Layout) -> dict[int, Region]:
-    """Global device id → the region of the tensor that device holds under ``layout``."""
+    """Global device id → the region of the tensor that device holds under ``layout``.
+    Mesh-ordered devices (host-major) get their axis coordinates from
+    :func:`~ilp_planner.cluster.axis_coordinates`; several axes splitting one dimension
+    combine major (lower axis) first."""
+    coords = axis_coordinates(layout.fact)
+    sizes = [a.size for a in layout.fact]
     out: dict[int, Region] = {}
-    sizes = (mesh.nodes, mesh.devices)
-    for node in range(mesh.nodes):
-        for local in range(mesh.devices):
-            coord = (node, local)
-            region = []
-            for dim, n in enumerate(tensor.shape):
-                idx, deg = 0, 1
-                for axis in layout.split_axes(dim):
-                    idx, deg = idx * sizes[axis] + coord[axis], deg * sizes[axis]
-                region.append(chunk_bounds(n, deg, idx))
-            dev = (mesh.node0 + node) * mesh.devices_per_node + mesh.local0 + local
-            out[dev] = tuple(region)
+    for m in range(mesh.size):
+        node, local = divmod(m, mesh.devices)
+        region = []
+        for dim, n in enumerate(tensor.shape):
+            idx, deg = 0, 1
+            for axis in layout.split_axes(dim):
+                idx, deg = idx * sizes[axis] + int(coords[m, axis]), deg * sizes[axis]
+            region.append(chunk_bounds(n, deg, idx))
+        out[(mesh.node0 + node) * mesh.devices_per_node + mesh.local0 + local] = tuple(region)
     return out
 
 
@@ -259,8 +296,8 @@ def _unique_slices(regions: Mapping[int, Region]) -> list[tuple[Region, tuple[in
     return [(reg, tuple(devs)) for reg, devs in groups.items()]
 
 
-def unit_tasks(tensor: TensorSpec, src: SubMesh, src_spec: str, dst: SubMesh,
-               dst_spec: str) -> tuple[UnitTask, ...]:
+def unit_tasks(tensor: TensorSpec, src: SubMesh, src_spec: str | Layout, dst: SubMesh,
+               dst_spec: str | Layout) -> tuple[UnitTask, ...]:
     """The unit tasks of resharding ``tensor`` from (src, src_spec) to (dst, dst_spec)."""
     check_meshes(src, dst)
     src_slices = _unique_slices(device_regions(tensor, src, mesh_layout(src, src_spec, tensor,
@@ -569,16 +606,17 @@ def compare_strategies(tasks: Sequence[UnitTask], links: HostLinks,
 def plan_resharding(
     tensor: TensorSpec,
     src: SubMesh,
-    src_spec: str,
+    src_spec: str | Layout,
     dst: SubMesh,
-    dst_spec: str,
+    dst_spec: str | Layout,
     links: Cluster | HostLinks | tuple[Link, Link],
     options: ReshardOptions | None = None,
 ) -> ReshardingPlan:
     """Plan the cross-mesh resharding of ``tensor`` from ``src_spec`` on ``src`` to
     ``dst_spec`` on ``dst``: unit tasks, strategy costs, every requested scheduling
-    algorithm, and the best schedule. ``links`` is the cluster (whose size the meshes must
-    fit) or just its two link levels."""
+    algorithm, and the best schedule. A spec is a GSPMD string on the ``(hosts, devices)``
+    view of the mesh or a partial-free :class:`Layout` on any factorisation of it.
+    ``links`` is the cluster (whose size the meshes must fit) or just its two link levels."""
     opts = options or ReshardOptions()
     check_meshes(src, dst, links if isinstance(links, Cluster) else None)
     host_links = HostLinks.of(links)
@@ -590,7 +628,8 @@ def plan_resharding(
     runs = tuple(AlgorithmRun(r.algorithm, r.status.value, r.makespan, r.wall_s, r.note)
                  for r in results.values())
     strategies = compare_strategies(tasks, host_links, opts) if opts.compare_strategies else {}
-    return ReshardingPlan(tensor, src, src_spec, dst, dst_spec, host_links, opts.strategy,
+    return ReshardingPlan(tensor, src, spec_text(src_spec, tensor.rank), dst,
+                          spec_text(dst_spec, tensor.rank), host_links, opts.strategy,
                           tasks, _transfers(tasks, best, ks), best.makespan,
                           problem.lower_bound(), best.algorithm, best.status.value, runs,
                           strategies)

@@ -1,0 +1,38 @@
+"""``ilp-planner explain PLAN``: a readable report of a plan file — stages and devices,
+each layer's strategy in SBP and DTensor notation, the collectives with bytes and predicted
+seconds, memory per device and the baselines. A YAML configuration is solved first."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "explain",
+        help="print a readable report of a plan",
+        description="Explain a plan JSON (or solve a YAML config and explain its plan): "
+                    "stages, per-layer SBP / DTensor layouts, collectives, memory, baselines.",
+    )
+    p.add_argument("plan", metavar="PLAN", help="plan JSON (or a YAML config to solve first)")
+    p.add_argument("--no-collectives", action="store_true",
+                   help="leave out the per-layer collective lines (totals are kept)")
+    p.set_defaults(func=run)
+
+
+def load_plan_or_solve(path: str):
+    """A plan file, or the plan of a YAML configuration (solved with its baselines)."""
+    from ilp_planner.plan import Plan
+
+    if path.endswith((".yaml", ".yml")):
+        from ilp_planner.planner import solve
+
+        return solve(path)
+    return Plan.load(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ilp_planner.explain import explain
+
+    print(explain(load_plan_or_solve(args.plan), collectives=not args.no_collectives))
+    return 0

@@ -1,0 +1,166 @@
+"""``ilp-planner reshard``: plan one cross-mesh resharding (seed 003 §3) and print the unit
+tasks, the chosen sender and start of each, the makespan, the lower bound and every
+scheduling algorithm's makespan (or the plan as JSON with ``--json``).
+
+Example (seed 003 Table 2, case 3)::
+
+    ilp-planner reshard --shape 1024,1024,512 --src-mesh 2x4 --src-spec 'RS^0R' \\
+        --dst-mesh 2x4 --dst-spec 'S^0RR'
+
+Meshes are NODESxDEVICES. The source starts at host ``--src-node0`` (0), the destination
+right after the source's hosts unless ``--dst-node0`` says otherwise. Link parameters come
+from ``--cluster FILE`` (any YAML with a ``cluster:`` section holding ``links: {intra,
+inter}`` — a planner config or a ``calibrate`` fragment — and optionally
+``devices_per_node``) and/or the link flags, which win; without either, the seed-003 cluster:
+4 GPUs per host, NVLink 1200 Gb/s and 5 µs inside a host, 10 Gb/s and 10 µs between hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from formulations.cross_mesh import ALGORITHMS, SchedulerOptions
+from ilp_planner.cluster import Link
+from ilp_planner.errors import ConfigError
+from ilp_planner.graph import DTYPE_BYTES, TensorSpec
+from ilp_planner.resharding import (
+    STRATEGIES,
+    HostLinks,
+    ReshardOptions,
+    parse_mesh,
+    plan_resharding,
+)
+
+_DEFAULTS = {"devices_per_node": 4, "intra": Link.from_bandwidth(5, 1200),
+             "inter": Link.from_bandwidth(10, 10)}
+_DEFAULT_ALGOS = "naive,load_balance,dfs,randomized_greedy,cpsat"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "reshard",
+        help="plan a cross-mesh resharding: unit tasks, senders, order (CP-SAT + heuristics)",
+        description="Split a tensor's move from one mesh/spec to another into unit tasks, "
+                    "price them as broadcasts and schedule them (sender host and order) with "
+                    "CP-SAT and the seed-003 heuristics; print every algorithm's makespan "
+                    "beside the lower bound.",
+    )
+    p.add_argument("--shape", required=True, help="tensor shape, e.g. 1024,1024,512")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--src-mesh", required=True, metavar="NxD", help="source mesh, e.g. 2x4")
+    p.add_argument("--src-spec", required=True, help="source spec, e.g. S0RR or 'S^{01}RR'")
+    p.add_argument("--dst-mesh", required=True, metavar="NxD", help="destination mesh")
+    p.add_argument("--dst-spec", required=True, help="destination spec")
+    p.add_argument("--src-node0", type=int, default=0, help="first host of the source (0)")
+    p.add_argument("--dst-node0", type=int, default=None,
+                   help="first host of the destination (default: after the source)")
+    p.add_argument("--src-local0", type=int, default=0, help="first local device of the source")
+    p.add_argument("--dst-local0", type=int, default=0, help="first local device of the dest.")
+    p.add_argument("--cluster", metavar="FILE", help="YAML with cluster.links (and "
+                   "optionally cluster.devices_per_node)")
+    p.add_argument("--devices-per-node", type=int, default=None, help="GPUs per host (4)")
+    p.add_argument("--intra-gbps", type=float, default=None, help="NVLink Gbit/s (1200)")
+    p.add_argument("--intra-latency-us", type=float, default=None, help="NVLink µs (5)")
+    p.add_argument("--inter-gbps", type=float, default=None, help="between hosts Gbit/s (10)")
+    p.add_argument("--inter-latency-us", type=float, default=None, help="between hosts µs (10)")
+    p.add_argument("--strategy", default="broadcast", choices=STRATEGIES)
+    p.add_argument("--chunks", type=int, default=None,
+                   help="broadcast pipelining K (default: optimal per task, at most 256)")
+    p.add_argument("--algo", default=_DEFAULT_ALGOS,
+                   help=f"comma-separated subset of {','.join(a for a in ALGORITHMS)} "
+                        f"(default {_DEFAULT_ALGOS})")
+    p.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds (5)")
+    p.add_argument("--workers", type=int, default=2, help="CP-SAT workers (2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dfs-budget", type=float, default=1.0, help="DFS seconds (1)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="skip pricing the other transfer strategies")
+    p.add_argument("--dump-model", metavar="FILE", help="write the CP-SAT model (text proto)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def _link_from(d: Any, where: str) -> Link:
+    if not isinstance(d, dict):
+        raise ConfigError("expected a mapping {latency_us, bandwidth_gbps} or {alpha, beta}",
+                          source=where[0], key=where[1])
+    if set(d) == {"alpha", "beta"}:
+        return Link(float(d["alpha"]), float(d["beta"]))
+    if set(d) == {"latency_us", "bandwidth_gbps"}:
+        return Link.from_bandwidth(float(d["latency_us"]), float(d["bandwidth_gbps"]))
+    raise ConfigError(f"expected keys latency_us + bandwidth_gbps or alpha + beta, got "
+                      f"{sorted(d)}", source=where[0], key=where[1])
+
+
+def _cluster_file(path: str) -> dict[str, Any]:
+    """``devices_per_node``, ``intra``, ``inter`` found under ``cluster:`` in ``path``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", source=path) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}", source=path) from None
+    cluster = (data or {}).get("cluster") if isinstance(data, dict) else None
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("links"), dict):
+        raise ConfigError("expected a cluster: section with links: {intra, inter}", source=path,
+                          key="cluster.links")
+    out: dict[str, Any] = {}
+    for level in ("intra", "inter"):
+        if level not in cluster["links"]:
+            raise ConfigError(f"missing {level!r}", source=path, key="cluster.links")
+        out[level] = _link_from(cluster["links"][level], (path, f"cluster.links.{level}"))
+    if "devices_per_node" in cluster:
+        out["devices_per_node"] = int(cluster["devices_per_node"])
+    return out
+
+
+def _links(args: argparse.Namespace) -> tuple[HostLinks, int]:
+    base = dict(_DEFAULTS)
+    if args.cluster:
+        base.update(_cluster_file(args.cluster))
+    intra, inter = base["intra"], base["inter"]
+    if args.intra_gbps is not None or args.intra_latency_us is not None:
+        intra = Link.from_bandwidth(
+            args.intra_latency_us if args.intra_latency_us is not None else intra.alpha * 1e6,
+            args.intra_gbps if args.intra_gbps is not None else intra.bandwidth_gbps)
+    if args.inter_gbps is not None or args.inter_latency_us is not None:
+        inter = Link.from_bandwidth(
+            args.inter_latency_us if args.inter_latency_us is not None else inter.alpha * 1e6,
+            args.inter_gbps if args.inter_gbps is not None else inter.bandwidth_gbps)
+    dpn = args.devices_per_node if args.devices_per_node is not None else base["devices_per_node"]
+    return HostLinks(intra, inter), dpn
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.replace("x", ",").split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--shape {text!r}: expected comma-separated integers") from None
+    if not shape:
+        raise ConfigError(f"--shape {text!r}: empty")
+    return shape
+
+
+def run(args: argparse.Namespace) -> int:
+    links, dpn = _links(args)
+    tensor = TensorSpec(_shape(args.shape), args.dtype)
+    src = parse_mesh(args.src_mesh, dpn, args.src_node0, args.src_local0)
+    dst_node0 = args.dst_node0 if args.dst_node0 is not None else src.node0 + src.nodes
+    dst = parse_mesh(args.dst_mesh, dpn, dst_node0, args.dst_local0)
+    algos = tuple(a.strip() for a in args.algo.split(",") if a.strip())
+    sched = SchedulerOptions(algorithms=algos, time_limit_s=args.time_limit,
+                             num_workers=args.workers, seed=args.seed,
+                             dfs_budget_s=args.dfs_budget, model_dump=args.dump_model)
+    options = ReshardOptions(strategy=args.strategy, chunks=args.chunks, scheduler=sched,
+                             compare_strategies=not args.no_compare)
+    plan = plan_resharding(tensor, src, args.src_spec, dst, args.dst_spec, links, options)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.table())
+    return 0

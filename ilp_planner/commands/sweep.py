@@ -1,0 +1,81 @@
+"""``ilp-planner sweep SWEEP.yaml [-o DIR] [-j N] [--resume]``: solve a grid of configurations
+in worker processes with a progress bar, write ``results.csv`` / ``results.jsonl`` /
+``results.md``, every point's plan and the PNG plots, and print the results table.
+
+A failing point (bad override value, infeasible, time-out) is recorded in its row and the
+sweep goes on; the exit status is 0 unless the sweep file itself is wrong (2). The sweep
+file format is documented in :mod:`ilp_planner.sweeps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "sweep",
+        help="solve a grid of configurations in parallel and tabulate the results",
+        description="Expand a sweep file (a base config plus a grid and/or zipped lists of "
+                    "dotted-key overrides), solve every point in worker processes, and write "
+                    "results.csv, results.jsonl, results.md, plans/*.json and plots.",
+    )
+    p.add_argument("sweep", metavar="SWEEP", help="sweep YAML file")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="results folder (default: sweep-results/<sweep name>)")
+    p.add_argument("-j", "--jobs", type=int, metavar="N",
+                   help=f"worker processes (default: cores = {os.cpu_count()}; 1 = in-process)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip points already in DIR/results.jsonl (same base config)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume, solve recorded failures again")
+    p.add_argument("--plot", action="append", metavar="METRIC:X[:SERIES]", default=[],
+                   help="draw METRIC against swept key X (one line per SERIES value); "
+                        "replaces the sweep file's plots; repeatable")
+    p.add_argument("--no-plots", action="store_true", help="draw no plots")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _plot_specs(items: list[str], keys: tuple[str, ...]):
+    from ilp_planner.errors import ConfigError
+    from ilp_planner.sweeps import PlotSpec, check_metric
+
+    out = []
+    for item in items:
+        parts = item.split(":")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"--plot {item!r}: expected METRIC:X or METRIC:X:SERIES")
+        check_metric(parts[0], key="--plot")
+        for k in parts[1:]:
+            if k not in keys:
+                raise ConfigError(f"--plot {item!r}: {k!r} is not a swept key; swept keys: "
+                                  f"{', '.join(keys)}")
+        out.append(PlotSpec(parts[0], parts[1], parts[2] if len(parts) == 3 else None))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ilp_planner.errors import ConfigError
+    from ilp_planner.sweeps import load_sweep, sweep
+
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"-j/--jobs: expected a positive integer, got {args.jobs}")
+    spec = load_sweep(args.sweep)
+    plots = False if args.no_plots else (_plot_specs(args.plot, spec.keys) if args.plot else True)
+    points = len(spec.points())
+    print(f"sweep {spec.name}: {points} point(s) over {', '.join(spec.keys) or 'no keys'}",
+          file=sys.stderr)
+    result = sweep(spec, args.output, jobs=args.jobs, resume=args.resume,
+                   retry_failed=args.retry_failed, progress=not args.quiet, plots=plots)
+    print(result.table())
+    failed = len(result.failed)
+    print(f"\n{len(result.rows)} point(s): {result.solved} solved now, {result.skipped} kept from "
+          f"earlier results, {failed} failed")
+    print(f"wrote {result.csv_path}, {result.jsonl_path}, {result.output / 'results.md'}, "
+          f"{result.output / 'plans'}/")
+    for path in result.plots:
+        print(f"wrote {path}")
+    return 0

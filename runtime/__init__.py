@@ -1,0 +1,24 @@
+"""Torch runtime: execute a solved :class:`~ilp_planner.plan.Plan` with ``torch.distributed``.
+
+Modules, in the order data flows through them:
+
+* :mod:`runtime.model` — local (single-device) kernels for every supported op kind, the
+  deterministic parameter initialisation and synthetic data (both from a seed, so every rank
+  and the single-process reference agree);
+* :mod:`runtime.optim` — SGD and Adam as elementwise updates (identical on shards and on
+  full tensors);
+* :mod:`runtime.reference` — the unsharded single-process run the executor must match;
+* :mod:`runtime.plans` — pure helpers: unit tasks of a cross-mesh transfer, pipeline action
+  lists, hand-built pipelined plans and strategy-restricted plans (tests, benchmarks);
+* :mod:`runtime.mesh` — every process group and ``DeviceMesh``, created in one order on all
+  ranks;
+* :mod:`runtime.comm` — timed redistribution steps (autograd functions), the collective
+  recorder, cross-mesh broadcasts;
+* :mod:`runtime.ops` — the distributed op implementations (kind → function table);
+* :mod:`runtime.executor` — compiles a plan into per-stage programs and interprets the
+  pipeline schedule (kind → handler table), gradient synchronisation, optimizer step;
+* :mod:`runtime.launch` — the ``torchrun`` entry point; :mod:`runtime.measure` — collective
+  micro-benchmarks for ``ilp-planner calibrate --measure``.
+
+This package is the only place that imports ``torch.distributed``.
+"""

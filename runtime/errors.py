@@ -1,0 +1,13 @@
+"""Runtime errors: typed, so launchers can tell a bad plan from a failed run."""
+
+from __future__ import annotations
+
+from ilp_planner.errors import PlannerError
+
+
+class RuntimeSetupError(PlannerError):
+    """The plan cannot run here: world size, op kinds, layouts the runtime does not support."""
+
+
+class ScheduleError(PlannerError):
+    """A pipeline schedule's action list is malformed (unknown kind, missing micro-batch)."""

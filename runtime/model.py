@@ -1,0 +1,229 @@
+"""The model side of the runtime: local kernels per op kind, deterministic parameters and
+synthetic data, all derived from the same IR graph the planner solved.
+
+Kernels work on local tensors (a shard or the whole tensor): the distributed executor calls
+them on shards, the single-process reference on full tensors, so both compute the same
+arithmetic. Conventions (those of :mod:`ilp_planner.models`):
+
+* activations are 2-D ``(tokens, features)``; a linear is ``y = x W (+ b)`` with ``W`` of
+  shape ``(in, out)`` — the weight layout the planner shards;
+* attention reads the fused QKV projection ``(tokens, 3h)`` whose columns are head-major
+  (``[head0: q k v | head1: q k v | …]``), runs causal softmax attention per sequence of
+  ``seq_len`` tokens and writes ``(tokens, h)`` with heads contiguous — so a shard holding
+  whole heads and whole sequences computes its part alone;
+* an embedding is a lookup in a ``(vocab, hidden)`` table plus a learned ``(seq_len, hidden)``
+  position table (token ``t`` has position ``t mod seq_len``); a shard of the table covering
+  rows ``[v0, v1)`` returns zeros for ids outside it (the masked lookup whose partial sums
+  over vocabulary shards give the full result);
+* a linear marked ``tied`` (GPT's head) has no parameter of its own: it uses the transpose
+  of the graph's embedding table;
+* the loss is the mean cross-entropy of the last op's output rows against integer labels,
+  for every model (GPT: next-token-style labels drawn at random; MLP: class labels in
+  ``[0, out_features)``) — one code path, and the vocabulary-parallel form splits it;
+* dropout runs with p = 0 (identity) so runs are deterministic.
+
+Initialisation: parameter ``name`` is drawn from a generator seeded by
+``crc32(f"{seed}:{name}")``; weights ~ N(0, σ²) (σ = 1/√in for linears, 0.02 for tables);
+biases and layernorm gains/offsets get small random values (not 0/1), so that a bias added
+twice or a gain gradient lost would change the loss at once. Everything runs in float32
+(the runtime's compute dtype whatever the plan's storage dtype).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ilp_planner.graph import Graph, Op, OpKind
+from runtime.errors import RuntimeSetupError
+
+DTYPE = torch.float32
+LN_EPS = 1e-5
+SUPPORTED_KINDS = frozenset({
+    OpKind.INPUT, OpKind.LINEAR, OpKind.EMBEDDING, OpKind.LAYERNORM, OpKind.ATTENTION,
+    OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.ADD, OpKind.LOSS,
+})
+
+
+# -- parameters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of an op: full shape and the role it plays in the kernel."""
+
+    op: str
+    role: str  # "weight" | "bias" | "pos"
+    shape: tuple[int, ...]
+    kind: OpKind = OpKind.LINEAR
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}.{self.role}"
+
+
+def check_supported(graph: Graph) -> None:
+    """Raise naming the first op the runtime cannot execute."""
+    for op in graph.ops:
+        if op.kind not in SUPPORTED_KINDS:
+            raise RuntimeSetupError(
+                f"op {op.name!r} is a {op.kind.value}; the runtime executes "
+                f"{sorted(k.value for k in SUPPORTED_KINDS)}")
+        if op.kind is OpKind.LOSS and graph[op.inputs[0]].output.rank != 2:
+            raise RuntimeSetupError(f"loss {op.name!r} needs a 2-D (rows, classes) input")
+        if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
+            tied_source(graph, op)
+
+
+def tied_source(graph: Graph, op: Op) -> Op:
+    """The embedding whose table a tied linear uses (transposed)."""
+    assert op.weight is not None
+    for cand in graph.ops:
+        if cand.kind is OpKind.EMBEDDING and cand.weight is not None \
+                and cand.weight.shape == op.weight.shape[::-1]:
+            return cand
+    raise RuntimeSetupError(f"tied linear {op.name!r} (weight {op.weight.shape}) has no "
+                            f"embedding with a {op.weight.shape[::-1]} table to share")
+
+
+def param_specs(op: Op) -> list[ParamSpec]:
+    """The parameters an op owns (a tied linear owns none)."""
+    if op.kind is OpKind.LINEAR:
+        if op.attrs.get("tied"):
+            return []
+        assert op.weight is not None
+        out = [ParamSpec(op.name, "weight", op.weight.shape, op.kind)]
+        if op.attrs.get("bias"):
+            out.append(ParamSpec(op.name, "bias", (op.weight.shape[1],), op.kind))
+        return out
+    if op.kind is OpKind.EMBEDDING:
+        assert op.weight is not None
+        return [ParamSpec(op.name, "weight", op.weight.shape, op.kind),
+                ParamSpec(op.name, "pos", (op.attr("seq_len"), op.weight.shape[1]), op.kind)]
+    if op.kind is OpKind.LAYERNORM:
+        h = op.output.shape[-1]
+        return [ParamSpec(op.name, "weight", (h,), op.kind),
+                ParamSpec(op.name, "bias", (h,), op.kind)]
+    return []
+
+
+def graph_param_specs(graph: Graph) -> list[ParamSpec]:
+    return [p for op in graph.ops for p in param_specs(op)]
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+
+
+def init_param(spec: ParamSpec, seed: int) -> torch.Tensor:
+    """Deterministic initial value of one parameter (the same on every rank)."""
+    g = _generator(seed, spec.name)
+    if spec.kind is OpKind.EMBEDDING:  # token and position tables
+        return torch.randn(spec.shape, generator=g, dtype=DTYPE) * 0.02
+    if spec.role == "weight" and spec.kind is OpKind.LINEAR:
+        return torch.randn(spec.shape, generator=g, dtype=DTYPE) / math.sqrt(spec.shape[0])
+    if spec.role == "weight":  # layernorm gain
+        return 1.0 + 0.1 * torch.randn(spec.shape, generator=g, dtype=DTYPE)
+    return 0.05 * torch.randn(spec.shape, generator=g, dtype=DTYPE)  # biases
+
+
+def init_params(graph: Graph, seed: int) -> dict[str, torch.Tensor]:
+    return {p.name: init_param(p, seed) for p in graph_param_specs(graph)}
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def targets_key(loss: str) -> str:
+    return f"{loss}.targets"
+
+
+def make_batch(graph: Graph, seed: int) -> dict[str, torch.Tensor]:
+    """The full batch every optimizer step trains on: every input op's tensor and every
+    loss's integer labels (``"<loss>.targets"``), drawn from ``seed``. One fixed batch, so
+    the loss falls step by step as the model fits it."""
+    out: dict[str, torch.Tensor] = {}
+    for op in graph.ops:
+        g = _generator(seed, f"data:{op.name}")
+        if op.kind is OpKind.INPUT:
+            if op.output.dtype in ("int64", "int32"):
+                consumers = [graph[c] for c in graph.consumers(op.name)]
+                vocab = min((c.attrs.get("vocab", c.weight.shape[0] if c.weight else 2)
+                             for c in consumers), default=2)
+                out[op.name] = torch.randint(0, vocab, op.output.shape, generator=g)
+            else:
+                out[op.name] = torch.randn(op.output.shape, generator=g, dtype=DTYPE)
+        elif op.kind is OpKind.LOSS:
+            rows, classes = graph[op.inputs[0]].output.shape
+            out[targets_key(op.name)] = torch.randint(0, classes, (rows,), generator=g)
+    return out
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], m: int) -> list[dict[str, torch.Tensor]]:
+    """Cut every tensor of a batch into ``m`` equal row blocks (whole sequences for token
+    tensors, since tokens are sequence-major)."""
+    for k, v in batch.items():
+        if v.shape[0] % m:
+            raise RuntimeSetupError(f"{k}: {v.shape[0]} rows do not split into {m} micro-batches")
+    chunks = {k: v.chunk(m, dim=0) for k, v in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(m)]
+
+
+# -- local kernels ---------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    y = x @ w
+    return y if b is None else y + b
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor, vocab_offset: int = 0) -> torch.Tensor:
+    """Masked lookup in rows ``[vocab_offset, vocab_offset + len(table))`` of the table."""
+    local = ids - vocab_offset
+    inside = (local >= 0) & (local < table.shape[0])
+    rows = F.embedding(torch.where(inside, local, torch.zeros_like(local)), table)
+    return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+
+def positions(first_token: int, count: int, seq_len: int) -> torch.Tensor:
+    return torch.arange(first_token, first_token + count) % seq_len
+
+
+def layer_norm(x: torch.Tensor, gain: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), gain, offset, LN_EPS)
+
+
+def attention(qkv: torch.Tensor, heads: int, seq_len: int) -> torch.Tensor:
+    """Causal attention on head-major fused QKV ``(tokens, 3·heads·d)`` → ``(tokens, heads·d)``."""
+    tokens, width = qkv.shape
+    d = width // (3 * heads)
+    x = qkv.reshape(tokens // seq_len, seq_len, heads, 3, d)
+    q, k, v = (x[:, :, :, i].transpose(1, 2) for i in range(3))  # (batch, heads, seq, d)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2).reshape(tokens, heads * d)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets)
+
+
+ELEMENTWISE = {
+    OpKind.GELU: gelu,
+    OpKind.RELU: relu,
+    OpKind.DROPOUT: lambda x: x,  # p = 0
+}

@@ -1,0 +1,261 @@
+"""Pure helpers around plans for the runtime, its tests and benchmarks (no torch).
+
+* :func:`device_regions` — the block of a tensor each device of a layout holds;
+* :func:`unit_tasks` — a cross-mesh transfer cut into unit tasks (seed 003 §2.2): devices
+  holding the same source block form a source slice σ, devices needing the same destination
+  block a destination slice δ, each non-empty σ ∩ δ is one task with ``holders`` = σ and
+  ``receivers`` = δ; the sender is the least-loaded holder (greedy) and ``start_s`` comes
+  from a greedy list schedule (one send and one receive per device at a time, α + nβ per
+  task). Hand-built plans use this; the planner's own plans carry the CP-SAT order;
+* :func:`schedule_actions` — per-stage action lists of GPipe, 1F1B and eager-1F1B
+  (DESIGN §4: with stages i = 1..S, 1F1B runs S − i + 1 forwards before its first
+  backward, eager-1F1B 2(S − i) + 1, both capped by the number of micro-batches);
+* :func:`restricted_plan` — the best single-mesh plan among strategies a filter keeps
+  (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
+* :func:`pipelined_plan` — a hand-built pipelined plan: the devices cut into equal
+  contiguous stages, the layers cut into consecutive stages, each stage's layouts the
+  intra-op optimum on its sub-mesh, a resharding entry for every edge crossing stages, and
+  the schedule's action lists — the format the lead's pipelined planner emits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from formulations.sbp_ilp import SbpIlp
+from formulations.sbp_problem import build_problem
+from ilp_planner.baselines import restrict
+from ilp_planner.cluster import axis_coordinates
+from ilp_planner.config import Config
+from ilp_planner.errors import ConfigError, InfeasibleError, LayoutError
+from ilp_planner.graph import Op, OpKind
+from ilp_planner.layouts import Layout, Split
+from ilp_planner.options import SCHEDULES
+from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
+from ilp_planner.planner import realise
+from ilp_planner.strategies import Strategy, resolve_partial
+
+Region = tuple[tuple[int, int], ...]
+Filter = Callable[[Op, Strategy], bool]
+
+
+# -- regions and unit tasks ------------------------------------------------------------------
+
+
+def device_regions(layout: Layout, shape: Sequence[int]) -> list[Region]:
+    """``[lo, hi)`` per dim of the block device ``i`` (mesh order) holds. Splits must be
+    even (the runtime's requirement); several axes splitting one dim nest major-first."""
+    if layout.has_partial:
+        raise LayoutError(f"layout {layout} has partial sums: its devices hold no block")
+    coords = axis_coordinates(layout.fact)
+    chunk = []
+    for d, n in enumerate(shape):
+        k = layout.split_degree(d)
+        if n % k:
+            raise LayoutError(f"dim {d} of size {n} does not split evenly {k} ways in {layout}")
+        chunk.append(n // k)
+    out = []
+    for i in range(coords.shape[0]):
+        region = []
+        for d in range(len(shape)):
+            b = 0
+            for a in layout.split_axes(d):
+                b = b * layout.fact[a].size + int(coords[i, a])
+            region.append((b * chunk[d], (b + 1) * chunk[d]))
+        out.append(tuple(region))
+    return out
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def _numel(r: Region) -> int:
+    return math.prod(hi - lo for lo, hi in r)
+
+
+def unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout, src_devices: Sequence[int],
+               dst_layout: Layout, dst_devices: Sequence[int], *, alpha: float = 1e-5,
+               beta: float = 1e-9) -> list[dict]:
+    """Unit tasks of moving a tensor from ``src_layout`` over ``src_devices`` to
+    ``dst_layout`` over ``dst_devices`` (global ranks, mesh order), in a greedy order."""
+    src_regions = device_regions(src_layout, shape)
+    dst_regions = device_regions(dst_layout, shape)
+    sigma: dict[Region, list[int]] = {}
+    for dev, reg in zip(src_devices, src_regions, strict=True):
+        sigma.setdefault(reg, []).append(dev)
+    delta: dict[Region, list[int]] = {}
+    for dev, reg in zip(dst_devices, dst_regions, strict=True):
+        delta.setdefault(reg, []).append(dev)
+    sent: dict[int, float] = dict.fromkeys(src_devices, 0.0)
+    send_free: dict[int, float] = dict.fromkeys(src_devices, 0.0)
+    recv_free: dict[int, float] = dict.fromkeys(dst_devices, 0.0)
+    tasks = []
+    for dreg, receivers in delta.items():
+        for sreg, holders in sigma.items():
+            piece = intersect(sreg, dreg)
+            if piece is None:
+                continue
+            nbytes = _numel(piece) * itemsize
+            sender = min(holders, key=lambda h: (sent[h], holders.index(h)))
+            sent[sender] += nbytes
+            start = max([send_free[sender]] + [recv_free[r] for r in receivers])
+            end = start + alpha + nbytes * beta
+            send_free[sender] = end
+            for r in receivers:
+                recv_free[r] = end
+            tasks.append({"slice": [list(x) for x in piece], "sender": sender,
+                          "holders": list(holders), "receivers": list(receivers),
+                          "start_s": start})
+    tasks.sort(key=lambda t: t["start_s"])
+    return tasks
+
+
+# -- schedules -------------------------------------------------------------------------------
+
+
+def schedule_actions(name: str, stages: int, microbatches: int) -> dict[str, list[str]]:
+    """Per-stage action lists (``"F3"`` = forward of micro-batch 3, ``"B3"`` its backward)."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {name!r}; expected one of {list(SCHEDULES)}")
+    out = {}
+    m = microbatches
+    for i in range(stages):
+        if name == "gpipe":
+            warm = m
+        elif name == "1f1b":
+            warm = min(stages - i, m)
+        else:
+            warm = min(2 * (stages - 1 - i) + 1, m)
+        acts = [f"F{k}" for k in range(warm)]
+        for j in range(m - warm):
+            acts += [f"B{j}", f"F{warm + j}"]
+        acts += [f"B{j}" for j in range(m - warm, m)]
+        out[str(i)] = acts
+    return out
+
+
+ACTION_RE = re.compile(r"^([A-Z]+)(\d+)$")
+
+
+# -- plans built by hand ---------------------------------------------------------------------
+
+
+def _choose(gp, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+    if keep is None:
+        problem, allowed = gp.problem, None
+    else:
+        res = restrict(gp, keep)
+        if isinstance(res, str):
+            raise InfeasibleError(res)
+        problem, allowed = res
+    out = SbpIlp(problem).solve(time_limit_s=time_limit_s)
+    if out is None:
+        raise InfeasibleError("the restricted ILP found no solution in time")
+    choice = list(out.choice) if allowed is None else \
+        [int(allowed[g][k]) for g, k in enumerate(out.choice)]
+    return choice, out.to_dict()
+
+
+def restricted_plan(config: Config, keep: Filter | None = None, name: str | None = None,
+                    time_limit_s: float = 30.0) -> Plan:
+    """The best single-mesh plan using only strategies ``keep`` accepts (all if None)."""
+    c = config.cluster
+    gp = build_problem(config.graph, c, c.nodes, c.devices_per_node, config.memory,
+                       tie_layers=config.solver.tie_layers,
+                       max_weight_replication=config.solver.max_weight_replication)
+    choice, solver = _choose(gp, keep, time_limit_s)
+    layers, cost = realise(gp, choice)
+    return Plan(name or config.name, config.raw, solver, cost, layers)
+
+
+def matmul_filter(predicate: Callable[[Op, Strategy], bool]) -> Filter:
+    """Keep strategies of linear/embedding ops that satisfy ``predicate``; others free."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.kind in (OpKind.LINEAR, OpKind.EMBEDDING):
+            return predicate(op, s)
+        return True
+    return keep
+
+
+def three_d_filter(sizes: tuple[int, int, int]) -> Filter:
+    """Linear and embedding ops in AutoDDL's 3-D family on a ``p0 × p1 × p2`` mesh."""
+    return matmul_filter(lambda op, s: s.label.startswith("3d")
+                         and tuple(a.size for a in s.fact) == tuple(sizes))
+
+
+def _stage_shape(nodes: int, local: int, stages: int) -> tuple[int, int]:
+    if nodes % stages == 0:
+        return nodes // stages, local
+    if nodes == 1 and local % stages == 0:
+        return 1, local // stages
+    raise ConfigError(f"cannot cut a {nodes}x{local} cluster into {stages} equal stage meshes")
+
+
+def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
+                   microbatches: int = 2, cut_after: Sequence[str] | None = None,
+                   keep: Filter | None = None, name: str | None = None,
+                   time_limit_s: float = 30.0) -> Plan:
+    """A hand-built pipelined plan (see the module docstring). ``cut_after`` names the last
+    op of each stage but the last (default: the layer list cut into equal counts)."""
+    raw = dict(config.raw)
+    raw["pipeline"] = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
+    cfg = config.with_overrides({"pipeline": raw["pipeline"]})
+    c = cfg.cluster
+    n_s, d_s = _stage_shape(c.nodes, c.devices_per_node, stages)
+    per_stage = n_s * d_s
+    graph = cfg.microbatch_graph()
+    gp = build_problem(graph, c, n_s, d_s, cfg.memory, tie_layers=cfg.solver.tie_layers,
+                       max_weight_replication=cfg.solver.max_weight_replication,
+                       microbatches=microbatches)
+    choice, solver = _choose(gp, keep, time_limit_s)
+    layers, cost = realise(gp, choice)
+    names = [lp.name for lp in layers]
+    if cut_after is None:
+        cuts = [names[(len(names) * (s + 1)) // stages - 1] for s in range(stages - 1)]
+    else:
+        cuts = list(cut_after)
+    if len(cuts) != stages - 1 or any(x not in names for x in cuts):
+        raise ConfigError(f"cut_after must name {stages - 1} ops of the graph, got {cuts}")
+    stage_of: dict[str, int] = {}
+    s = 0
+    for n in names:
+        stage_of[n] = s
+        if s < stages - 1 and n == cuts[s]:
+            s += 1
+    layers = [replace(lp, stage=stage_of[lp.name]) for lp in layers]
+    devices = [list(range(i * per_stage, (i + 1) * per_stage)) for i in range(stages)]
+    stage_list = [{"index": i, "devices": devices[i], "mesh": [n_s, d_s],
+                   "layers": [n for n in names if stage_of[n] == i]} for i in range(stages)]
+    by_name = {lp.name: lp for lp in layers}
+    resharding = []
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT:
+            continue
+        for idx, src in enumerate(op.inputs):
+            if graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[op.name]:
+                continue
+            tensor = graph[src].output
+            src_layout = resolve_partial(by_name[src].output, tensor)
+            dst_layout = by_name[op.name].inputs[idx]
+            a, b = stage_of[src], stage_of[op.name]
+            resharding.append({
+                "src_stage": a, "dst_stage": b, "tensor": src, "consumer": op.name,
+                "shape": list(tensor.shape), "dtype": tensor.dtype,
+                "src_layout": layout_to_dict(src_layout), "dst_layout": layout_to_dict(dst_layout),
+                "tasks": unit_tasks(tensor.shape, tensor.itemsize, src_layout, devices[a],
+                                    dst_layout, devices[b]),
+            })
+    sched = {"name": schedule, "num_microbatches": microbatches,
+             "actions": schedule_actions(schedule, stages, microbatches)}
+    return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
+                CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)
+
+
+def split_dim_of(layout: Layout, axis: int) -> int | None:
+    pl = layout.placements[axis]
+    return pl.dim if isinstance(pl, Split) else None

@@ -1,0 +1,242 @@
+"""The intra-op SBP ILP against brute force, the chain DP and the heuristic searches.
+
+Random small problems (≤ 6 groups, ≤ 4 strategies, random DAG edges, random costs, edge
+matrices and memory) are built directly as :class:`Problem` data, so the ILP's encoding
+(one-hot, class-compressed edge linearisation, memory row) is checked against
+:func:`exhaustive` on the very objective it claims to minimise. Budgets are drawn between
+the least and the largest total memory so that the constraint binds on some instances.
+Problems built from real graphs check the same equalities on realistic cost magnitudes
+(seconds around 1e-6 … 1e-2) and the tying of repeated layers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from formulations.sbp_ilp import SbpIlp
+from formulations.sbp_problem import Problem, build_problem
+from formulations.sbp_search import (
+    chain_dp,
+    coordinate_descent,
+    exhaustive,
+    metropolis_hastings,
+    random_search,
+)
+from ilp_planner import models
+from ilp_planner.cluster import Cluster, Link
+from ilp_planner.cost_model import MemorySpec
+from ilp_planner.planner import realise
+
+N_RANDOM = 40
+REL = 1e-9
+
+
+def _matrix(rng: np.random.Generator, rows: int, cols: int, scale: float) -> np.ndarray:
+    """A random resharding matrix: sometimes all zero, sometimes with repeated rows or
+    columns (strategies with the same output or input layout), zero diagonal-ish entries."""
+    kind = rng.integers(4)
+    if kind == 0:
+        return np.zeros((rows, cols))
+    r = rng.uniform(0, scale, (rows, cols)) * (rng.random((rows, cols)) < 0.8)
+    if kind == 2 and rows > 1:
+        r[rng.integers(rows)] = r[0]
+    if kind == 3 and cols > 1:
+        r[:, rng.integers(cols)] = r[:, 0]
+    return r
+
+
+def random_problem(seed: int, *, chain: bool = False, budget: str | None = None,
+                   scale: float = 1.0, max_groups: int = 6, max_k: int = 4) -> Problem:
+    """``budget``: None (no memory row), ``"mid"`` (between least and largest total memory,
+    so it binds sometimes) or ``"tight"`` (just above the least total memory)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, max_groups + 1))
+    sizes = [int(rng.integers(1, max_k + 1)) for _ in range(n)]
+    cost = [rng.uniform(0, scale, k) for k in sizes]
+    memory = [rng.uniform(1.0, 10.0, k) for k in sizes]
+    if chain:
+        pairs = [(i, i + 1) for i in range(n - 1)]
+    else:
+        pairs = [(u, v) for u in range(n) for v in range(u + 1, n) if rng.random() < 0.45]
+    edges = {(u, v): _matrix(rng, sizes[u], sizes[v], scale) for u, v in pairs}
+    lo = sum(float(m.min()) for m in memory)
+    hi = sum(float(m.max()) for m in memory)
+    mem_budget = None
+    if budget == "mid":
+        mem_budget = lo + rng.uniform(0.0, 1.0) * (hi - lo)
+    elif budget == "tight":
+        mem_budget = lo + 0.05 * (hi - lo)
+    return Problem([f"g{i}" for i in range(n)], cost, memory, edges, mem_budget)
+
+
+def _close(a: float, b: float, rel: float = REL) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def _ilp(problem: Problem):
+    res = SbpIlp(problem).solve(time_limit_s=30)
+    assert res is not None, "CBC found no solution on a feasible problem"
+    return res
+
+
+# -- ILP == brute force --------------------------------------------------------------------
+
+
+def test_exhaustive_equals_a_naive_enumeration():
+    """exhaustive() scores the last group as a vector; check it against one
+    Problem.objective call per point."""
+    for seed in range(500, 530):
+        p = random_problem(seed, budget="mid" if seed % 2 else None)
+        best = min((p.objective(c), c) for c in itertools.product(*(range(len(x)) for x in p.cost))
+                   if p.feasible(c))
+        res = exhaustive(p)
+        assert _close(res.objective, best[0]) and p.feasible(res.choice), seed
+    with pytest.raises(ValueError, match="exceeds the limit"):
+        exhaustive(random_problem(1, max_groups=6), max_points=1)
+
+
+
+@pytest.mark.parametrize("budget", [None, "mid"])
+def test_ilp_matches_exhaustive_on_random_dags(budget):
+    binding = 0
+    for seed in range(N_RANDOM):
+        p = random_problem(seed, budget=budget)
+        brute = exhaustive(p)
+        res = _ilp(p)
+        assert res.status == "optimal" and res.gap == 0.0, (seed, res)
+        assert p.feasible(res.choice), seed
+        assert _close(res.objective, brute.objective), (seed, res.objective, brute.objective)
+        assert _close(res.objective, p.objective(res.choice))
+        if budget is not None:
+            unconstrained = exhaustive(Problem(p.names, p.cost, p.memory, p.edges, None))
+            binding += unconstrained.objective < brute.objective - 1e-12
+    if budget is not None:
+        assert binding >= 3, f"the memory budget bound on only {binding} of {N_RANDOM} instances"
+
+
+def test_ilp_matches_exhaustive_with_tight_budget():
+    for seed in range(100, 120):
+        p = random_problem(seed, budget="tight")
+        brute = exhaustive(p)
+        res = _ilp(p)
+        assert p.feasible(res.choice) and _close(res.objective, brute.objective), seed
+
+
+def test_ilp_is_exact_on_a_real_graph():
+    """A 3-layer MLP on a 1 × 4 mesh: real resharding matrices (many identical rows and
+    columns, costs ~1e-6 s) and real memory."""
+    g = models.mlp([64, 48, 32, 16], batch=16)
+    gp = build_problem(g, small_cluster(1, 4), 1, 4, MemorySpec.preset("adam"), tie_layers=False)
+    p = gp.problem
+    assert math.prod(len(c) for c in p.cost) <= 200_000
+    brute = exhaustive(p)
+    res = _ilp(p)
+    assert _close(res.objective, brute.objective)
+    lo, hi = p.min_memory()[0], sum(float(m.max()) for m in p.memory)
+    for frac in (0.0, 0.02, 0.2):
+        q = Problem(p.names, p.cost, p.memory, p.edges, lo + frac * (hi - lo))
+        brute, res = exhaustive(q), _ilp(q)
+        assert q.feasible(res.choice) and _close(res.objective, brute.objective), frac
+
+
+def test_ilp_with_one_group_and_no_edges():
+    p = Problem(["only"], [np.array([3.0, 1.0, 2.0])], [np.array([1.0, 5.0, 2.0])], {}, 2.5)
+    res = _ilp(p)
+    assert res.choice == (2,) and res.objective == 2.0
+
+
+# -- chain DP == ILP ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [None, "mid", "tight"])
+def test_chain_dp_matches_ilp(budget):
+    for seed in range(200, 200 + N_RANDOM // 2):
+        p = random_problem(seed, chain=True, budget=budget, max_groups=8, max_k=5)
+        assert p.is_chain()
+        dp, res = chain_dp(p), _ilp(p)
+        assert p.feasible(dp.choice)
+        assert _close(dp.objective, res.objective), (seed, dp.objective, res.objective)
+        assert _close(dp.objective, p.objective(dp.choice))
+
+
+def test_chain_dp_rejects_a_dag():
+    p = Problem(["a", "b", "c"], [np.ones(2)] * 3, [np.ones(2)] * 3,
+                {(0, 2): np.ones((2, 2))})
+    assert not p.is_chain()
+    with pytest.raises(ValueError, match="chain"):
+        chain_dp(p)
+
+
+def test_mlp_problem_is_a_chain_and_dp_is_exact():
+    g = models.mlp([128, 64, 64, 32, 16], batch=32)
+    gp = build_problem(g, small_cluster(2, 4), 2, 4, MemorySpec.preset("adam"), tie_layers=False)
+    p = gp.problem
+    assert p.is_chain() and p.num_groups == 4
+    assert _close(chain_dp(p).objective, _ilp(p).objective)
+
+
+# -- heuristics -------------------------------------------------------------------------
+
+HEURISTICS = {
+    "random": lambda p: random_search(p, samples=300, seed=1),
+    "metropolis_hastings": lambda p: metropolis_hastings(p, iterations=1500, seed=1),
+    "coordinate_descent": lambda p: coordinate_descent(p, restarts=4, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEURISTICS))
+@pytest.mark.parametrize("budget,scale", [(None, 1.0), ("mid", 1.0), ("tight", 1.0),
+                                          ("tight", 50.0)])
+def test_heuristics_are_feasible_and_no_better_than_the_ilp(name, budget, scale):
+    """Costs of 50 per group make objectives differ by far more than one unit, so an
+    infeasible choice must lose to every feasible one whatever the cost scale."""
+    for seed in range(300, 300 + N_RANDOM // 2):
+        p = random_problem(seed, budget=budget, scale=scale)
+        opt = _ilp(p).objective
+        res = HEURISTICS[name](p)
+        assert p.feasible(res.choice), (seed, res.message)
+        assert res.message == ""
+        assert _close(res.objective, p.objective(res.choice))
+        assert res.objective >= opt * (1 - 1e-9) - 1e-12, (seed, res.objective, opt)
+
+
+def test_coordinate_descent_finds_the_optimum_of_an_easy_chain():
+    # no edges: each group independently takes its cheapest strategy
+    rng = np.random.default_rng(7)
+    cost = [rng.uniform(0, 1, 4) for _ in range(5)]
+    p = Problem([f"g{i}" for i in range(5)], cost, [np.ones(4)] * 5, {})
+    assert coordinate_descent(p).objective == pytest.approx(sum(c.min() for c in cost))
+
+
+# -- tying --------------------------------------------------------------------------------
+
+
+def small_cluster(nodes: int, local: int) -> Cluster:
+    return Cluster(nodes, local, memory_bytes=16 * 2**30, peak_flops=1e13,
+                   intra=Link.from_bandwidth(5, 800), inter=Link.from_bandwidth(10, 50))
+
+
+def test_tied_layers_share_strategies():
+    g = models.gpt(hidden=64, layers=3, heads=4, seq_len=16, vocab=128, batch=4)
+    cluster = small_cluster(2, 2)
+    gp = build_problem(g, cluster, 2, 2, MemorySpec.preset("adam"), tie_layers=True)
+    untied = build_problem(g, cluster, 2, 2, MemorySpec.preset("adam"), tie_layers=False)
+    assert gp.problem.num_groups < untied.problem.num_groups
+    res = _ilp(gp.problem)
+    layers, cost = realise(gp, list(res.choice))
+    by_name = {layer.name: layer for layer in layers}
+    suffixes = [name[len("h.0."):] for name in by_name if name.startswith("h.0.")]
+    assert "attn.qkv" in suffixes and "mlp.fc2" in suffixes and "ln1" in suffixes
+    for x in suffixes:
+        ref = by_name[f"h.0.{x}"]
+        for i in (1, 2):
+            other = by_name[f"h.{i}.{x}"]
+            assert other.strategy.replace(f"h.{i}.", "h.0.") == ref.strategy, x
+            assert other.output == ref.output and other.inputs == ref.inputs, x
+    assert _close(cost.total_s, res.objective)
+    # tying restricts the space: the untied optimum is no worse
+    assert _ilp(untied.problem).objective <= res.objective * (1 + 1e-9)

@@ -1,0 +1,275 @@
+"""The solve pipeline end to end: closed forms (data-parallel gradient AllReduce, Megatron's
+row-parallel output reduction), the planner never worse than a baseline, realise() pricing
+exactly what the ILP minimised, the infeasible-memory explanation, the time-limit fallback,
+the plan file's fields and round trip, and the ``solve`` verb."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from formulations.sbp_ilp import SbpIlp
+from formulations.sbp_problem import build_problem
+from ilp_planner import cli, models
+from ilp_planner.baselines import baseline_choices, megatron_filter, restrict
+from ilp_planner.cluster import Cluster, Link, MeshAxis
+from ilp_planner.config import apply_overrides, load_config, parse_config
+from ilp_planner.cost_model import CollectiveKind, MemorySpec, collective_time
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.graph import OpKind
+from ilp_planner.plan import Plan
+from ilp_planner.planner import realise, solve, solve_mesh
+
+K = CollectiveKind
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SINGLE_MESH = ["tiny-gpt-cpu", "vgg13-2x8", "mlp-autoddl-128"]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    """Each shipped single-mesh config solved once, baselines included."""
+    return {name: solve(CONFIGS / f"{name}.yaml") for name in SINGLE_MESH}
+
+
+def cluster(nodes: int, local: int) -> Cluster:
+    return Cluster(nodes, local, memory_bytes=16 * 2**30, peak_flops=1e13,
+                   intra=Link.from_bandwidth(5, 800), inter=Link.from_bandwidth(10, 50))
+
+
+# -- the planner against its baselines and against itself ----------------------------------
+
+
+@pytest.mark.parametrize("name", SINGLE_MESH)
+def test_planner_is_no_worse_than_any_baseline(plans, name):
+    plan = plans[name]
+    assert plan.solver["status"] == "optimal"
+    priced = {k: b for k, b in plan.baselines.items() if "error" not in b}
+    assert any(k.startswith("megatron") for k in priced) and "data_parallel" in priced
+    for bname, b in priced.items():
+        assert plan.cost.total_s <= b["total_s"] * (1 + 1e-9), bname
+
+
+@pytest.mark.parametrize("name", SINGLE_MESH)
+def test_realised_cost_equals_ilp_objective(plans, name):
+    plan = plans[name]
+    assert math.isclose(plan.cost.total_s, plan.solver["objective"], rel_tol=1e-9)
+    assert plan.cost.peak_memory_bytes <= load_config(CONFIGS / f"{name}.yaml").cluster.memory_bytes
+
+
+def test_realised_cost_equals_ilp_objective_with_gradient_accumulation():
+    """gpt-2.6b-2x4 accumulates 16 micro-batches: activation traffic and compute count 16
+    times, the gradient AllReduce once — in the ILP's costs and in realise() alike."""
+    config = load_config(CONFIGS / "gpt-2.6b-2x4.yaml")
+    assert config.pipeline.microbatches > 1 and not config.pipeline.pipelined
+    gp, res = solve_mesh(config, 2, 4, config.cluster.memory_bytes)
+    _, cost = realise(gp, list(res.choice))
+    assert math.isclose(cost.total_s, res.objective, rel_tol=1e-9)
+    assert cost.peak_memory_bytes == pytest.approx(gp.problem.memory_of(res.choice))
+
+
+def test_baselines_are_restrictions_of_the_planner_space():
+    g = models.gpt(hidden=64, layers=2, heads=4, seq_len=16, vocab=128, batch=8)
+    gp = build_problem(g, cluster(2, 4), 2, 4, MemorySpec.preset("adam"))
+    opt = SbpIlp(gp.problem).solve().objective
+    choices = baseline_choices(gp)
+    assert len(choices) == 3
+    for name, choice in choices.items():
+        assert not isinstance(choice, str), (name, choice)
+        total = realise(gp, choice)[1].total_s
+        assert math.isclose(total, gp.problem.objective(choice), rel_tol=1e-9)
+        assert opt <= total * (1 + 1e-9), name
+
+
+# -- closed forms ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graph", [
+    models.gpt(hidden=64, layers=2, heads=4, seq_len=16, vocab=128, batch=8),
+    models.mlp([64, 32, 32, 16], batch=16),
+], ids=["gpt", "mlp"])
+def test_data_parallel_gradient_allreduce_closed_form(graph):
+    """Every weight replicated on p = 8 devices (across nodes): one AllReduce of the whole
+    gradient per layer, ring time 2(p−1)α + 2(p−1)/p·nβ with n = params · itemsize, i.e.
+    every device sends 2(p−1)/p of the parameter bytes."""
+    cl = cluster(2, 4)
+    p = 8
+    gp = build_problem(graph, cl, 2, 4, MemorySpec.preset("adam"), tie_layers=False)
+    choice = baseline_choices(gp)["data_parallel"]
+    layers, cost = realise(gp, choice)
+    grads = [c for layer in layers for c in layer.collectives if c.purpose == "grad_sync"]
+    with_params = [op for op in graph.ops if op.params > 0]
+    assert len(grads) == len(with_params)
+    for c in grads:
+        assert (c.kind, c.group_size, c.link, c.phase) == (K.ALL_REDUCE, p, "inter", "backward")
+    param_bytes = sum(op.params * op.output.itemsize for op in with_params)
+    assert param_bytes == graph.total_params * 4  # float32, the tied LM head adds none
+    assert cost.grad_sync_bytes == pytest.approx(param_bytes)
+    alpha, beta = cl.inter.alpha, cl.inter.beta
+    per_device_sent = 2 * (p - 1) / p * param_bytes
+    expected = len(with_params) * 2 * (p - 1) * alpha + per_device_sent * beta
+    assert cost.grad_sync_s == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(sum(collective_time(K.ALL_REDUCE, p, op.params * 4, cl.inter)
+                                         for op in with_params), rel=1e-12)
+    # data parallel moves no activations except the loss statistics (none: classes unsplit)
+    assert cost.activation_comm_bytes == 0
+
+
+def test_megatron_row_parallel_output_is_allreduced_over_tp():
+    """Megatron on dp × tp = 2 × 4 (TP inside a node) with qkv/fc1 column- and proj/fc2
+    row-parallel. A row-parallel output is a partial sum over tp of n = (tokens/dp) ·
+    hidden · itemsize bytes; the plan reduce-scatters it (n) and all-gathers it before the
+    next layernorm (n): together exactly the AllReduce closed form 2(tp−1)α + 2(tp−1)/tp·nβ."""
+    layers_n, hidden, seq, batch, vocab = 3, 64, 16, 4, 128
+    g = models.gpt(hidden=hidden, layers=layers_n, heads=4, seq_len=seq, vocab=vocab, batch=batch)
+    cl = cluster(2, 4)
+    gp = build_problem(g, cl, 2, 4, MemorySpec.preset("adam"))
+    dp, tp, one = MeshAxis(2, 1), MeshAxis(1, 4), MeshAxis(1, 1)
+    megatron = megatron_filter(dp, tp)
+    row = {"attn.proj", "mlp.fc2"}
+
+    def canonical(op, s) -> bool:
+        if not megatron(op, s):
+            return False
+        if op.kind is OpKind.LINEAR and op.block is not None:
+            return s.fact == ((dp, one, tp) if op.name.split(".", 2)[2] in row else (dp, tp, one))
+        return True
+
+    restricted = restrict(gp, canonical)
+    assert not isinstance(restricted, str), restricted
+    sub, allowed = restricted
+    res = SbpIlp(sub).solve()
+    choice = [int(allowed[i][k]) for i, k in enumerate(res.choice)]
+    layers, cost = realise(gp, choice)
+    assert math.isclose(cost.total_s, res.objective, rel_tol=1e-9)
+    by_name = {layer.name: layer for layer in layers}
+    n = batch * seq // 2 * hidden * 4
+    tp_size = 4
+    reduce_scatters, all_gathers = [], []
+    for layer in layers:
+        for c in layer.collectives:
+            if c.phase != "forward" or c.purpose != "activation" or layer.kind == "loss":
+                continue
+            assert c.link == "intra", (layer.name, c)  # tensor parallelism stays in a node
+            (reduce_scatters if c.kind is K.REDUCE_SCATTER else all_gathers).append((layer.name, c))
+    for i in range(layers_n):
+        for lin in row:
+            assert by_name[f"h.{i}.{lin}"].output.partial_axes  # partial sum over tp
+    # one reduce-scatter per row-parallel output, in the follower that first reads it
+    assert sorted(name for name, _ in reduce_scatters) == sorted(
+        f"h.{i}.{d}" for i in range(layers_n) for d in ("attn.dropout", "mlp.dropout"))
+    for _, c in reduce_scatters:
+        assert (c.group_size, c.bytes) == (tp_size, n)
+    # the all-gathers rebuild n bytes per device over tp (possibly as a product of smaller
+    # rings): one per row-parallel output plus one for the column-parallel embedding
+    gathered = {}
+    for name, c in all_gathers:
+        gathered.setdefault(name, []).append(c)
+    assert len(gathered) == 2 * layers_n + 1
+    for cs in gathered.values():
+        assert math.prod(c.group_size for c in cs) == tp_size and max(c.bytes for c in cs) == n
+    rs = collective_time(K.REDUCE_SCATTER, tp_size, n, cl.intra)
+    ag = collective_time(K.ALL_GATHER, tp_size, n, cl.intra)
+    assert rs + ag == pytest.approx(collective_time(K.ALL_REDUCE, tp_size, n, cl.intra), rel=1e-12)
+    assert rs + ag == pytest.approx(2 * (tp_size - 1) * cl.intra.alpha
+                                    + 2 * (tp_size - 1) / tp_size * n * cl.intra.beta, rel=1e-12)
+
+
+# -- infeasibility and time limits -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,gib", [("gpt-6.7b-2x8", 4), ("tiny-gpt-cpu", 1e-4)])
+def test_infeasible_memory_is_explained(name, gib):
+    config = load_config(CONFIGS / f"{name}.yaml").with_overrides({"cluster.memory_gib": gib})
+    with pytest.raises(InfeasibleError) as info:
+        solve(config)
+    msg = str(info.value)
+    m = re.search(r"the smallest per-device memory any plan needs is ([\d.e+-]+) GiB", msg)
+    assert m, msg
+    assert re.search(rf"the budget is {gib:g} GiB", msg), msg
+    layer = re.search(r"layer (\S+)", msg)
+    assert layer and layer.group(1) in config.graph, msg
+    gp = build_problem(config.microbatch_graph(), config.cluster, config.cluster.nodes,
+                       config.cluster.devices_per_node, config.memory,
+                       microbatches=config.pipeline.microbatches)
+    need = gp.problem.min_memory()[0] / 2**30
+    assert float(m.group(1)) == pytest.approx(need, rel=1e-3)
+    assert need > gib
+
+
+def test_time_limit_returns_a_marked_feasible_plan():
+    raw = apply_overrides(load_config(CONFIGS / "tiny-gpt-cpu.yaml").raw,
+                          {"solver.time_limit_s": 1e-3, "solver.tie_layers": False,
+                           "model.layers": 4})
+    config = parse_config(raw, "tiny-gpt-cpu-4-untied")
+    plan = solve(config, baselines=False)
+    s = plan.solver
+    assert s["status"] in ("feasible", "heuristic"), s
+    assert s["message"], s
+    assert re.search(r"time limit|within", s["message"])
+    assert plan.cost.peak_memory_bytes <= config.cluster.memory_bytes
+    assert math.isclose(plan.cost.total_s, s["objective"], rel_tol=1e-9)
+    optimum = solve(config.with_overrides({"solver.time_limit_s": 60}), baselines=False)
+    assert optimum.solver["status"] == "optimal"
+    assert s["objective"] >= optimum.solver["objective"] * (1 - 1e-9)
+    if s["bound"] is not None:
+        assert s["bound"] <= optimum.solver["objective"] * (1 + 1e-9)
+        assert s["gap"] >= 0
+
+
+# -- the plan file ------------------------------------------------------------------------
+
+COST_KEYS = {"total_s", "compute_s", "comm_s", "activation_comm_bytes", "grad_sync_bytes",
+             "peak_memory_bytes"}
+
+
+def test_plan_json_fields(plans):
+    d = json.loads(json.dumps(plans["tiny-gpt-cpu"].to_dict()))
+    assert d["version"] == 1
+    assert {"status", "objective", "bound", "gap", "build_s", "solve_s"} <= set(d["solver"])
+    assert COST_KEYS <= set(d["cost"])
+    assert math.isclose(d["cost"]["total_s"], d["cost"]["compute_s"] + d["cost"]["comm_s"])
+    names = [layer["name"] for layer in d["layers"]]
+    assert names == [op.name for op in load_config(CONFIGS / "tiny-gpt-cpu.yaml").graph.ops
+                     if op.kind is not OpKind.INPUT]
+    for layer in d["layers"]:
+        st = layer["strategy"]
+        assert st["mesh"] and st["output"]["placements"] and "inputs" in st
+        for c in layer["collectives"]:
+            assert {"kind", "group_size", "bytes", "seconds", "phase"} <= set(c)
+            assert c["phase"] in ("forward", "backward") and c["group_size"] >= 1
+    assert any(layer["collectives"] for layer in d["layers"])
+    for name, b in d["baselines"].items():
+        assert COST_KEYS <= set(b) or set(b) == {"error"}, name
+    assert any(k.startswith("megatron") for k in d["baselines"])
+
+
+def test_plan_save_load_round_trip(plans, tmp_path):
+    for name, plan in plans.items():
+        path = tmp_path / f"{name}.json"
+        plan.save(path)
+        loaded = Plan.load(path)
+        assert loaded.to_dict() == plan.to_dict(), name
+        assert loaded.layers == plan.layers and loaded.cost == plan.cost
+
+
+def test_solve_verb_writes_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli.main(["solve", str(CONFIGS / "tiny-gpt-cpu.yaml"), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "status optimal" in printed and "data_parallel" in printed and "megatron" in printed
+    plan = Plan.load(out)
+    assert plan.solver["status"] == "optimal" and plan.baselines
+    assert plan.to_dict() == json.loads(out.read_text())
+
+
+def test_solve_verb_reports_infeasible_memory(tmp_path, capsys):
+    raw = apply_overrides(load_config(CONFIGS / "tiny-gpt-cpu.yaml").raw, {"cluster.memory_gib": 1e-4})
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(json.dumps(raw))  # JSON is YAML
+    assert cli.main(["solve", str(cfg), "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    assert "smallest per-device memory" in err and "the budget is" in err

@@ -1,0 +1,180 @@
+"""Strategy generation: AutoDDL's 3-D family contains data parallel and both Megatron
+layouts, SUMMA exists, layernorm keeps the hidden dim whole, attention splits heads only
+by divisors of the head count and batch only by whole sequences, the p0 cap holds, and the
+costs and memory of known members match their closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ilp_planner import models
+from ilp_planner.cluster import Cluster, Link, MeshAxis, mesh_factorisations
+from ilp_planner.cost_model import CollectiveKind, MemorySpec, collective_time
+from ilp_planner.graph import OpKind
+from ilp_planner.layouts import B, P, Split
+from ilp_planner.strategies import Strategy, StrategyContext, op_strategies
+
+K = CollectiveKind
+INTRA = Link.from_bandwidth(5, 2400)
+INTER = Link.from_bandwidth(10, 100)
+ADAM = MemorySpec.preset("adam")
+
+
+def ctx(nodes: int = 2, local: int = 4, cap: int | None = None) -> StrategyContext:
+    cluster = Cluster(nodes, local, memory_bytes=40 * 2**30, peak_flops=312e12, intra=INTRA,
+                      inter=INTER)
+    return StrategyContext(cluster, nodes, local, ADAM, cap)
+
+
+MLP = models.mlp([256, 512, 128], batch=64)
+FC1 = MLP["fc1"]  # I (64, 256) × W (256, 512)
+
+
+def linear_strategies(c: StrategyContext | None = None) -> list[Strategy]:
+    return op_strategies(FC1, [MLP["input"].output], c or ctx())
+
+
+def sizes(s: Strategy) -> tuple[int, ...]:
+    return tuple(a.size for a in s.fact)
+
+
+def three_d(strats: list[Strategy]) -> list[Strategy]:
+    return [s for s in strats if s.label.startswith("3d")]
+
+
+def test_linear_3d_family_covers_every_factorisation():
+    # every ordered (p0, p1, p2) of the 2 × 4 mesh, each axis a (nodes, local) split
+    assert len(three_d(linear_strategies())) == len(mesh_factorisations(2, 4, 3)) == 3 * 6
+
+
+def test_linear_contains_data_parallel():
+    dp = [s for s in three_d(linear_strategies()) if sizes(s)[1:] == (1, 1)]
+    assert [s.fact[0] for s in dp] == [MeshAxis(2, 4)]
+    s = dp[0]
+    assert s.inputs[0].split_degree(0) == 8 and s.inputs[0].split_degree(1) == 1
+    assert s.weight.replica_degree == 8  # weight replicated on all devices
+    assert s.output.split_degree(0) == 8 and not s.output.partial_axes[1:]
+    # weight-gradient AllReduce of the whole weight over 8 devices across nodes
+    (g,) = s.collectives
+    assert (g.kind, g.group_size, g.link, g.phase, g.purpose) == (K.ALL_REDUCE, 8, "inter",
+                                                                   "backward", "grad_sync")
+    assert g.bytes == FC1.params * 4
+    assert g.seconds == pytest.approx(collective_time(K.ALL_REDUCE, 8, FC1.params * 4, INTER))
+    assert s.state_bytes == FC1.params * 16  # adam: 16 B per parameter, nothing sharded
+
+
+def test_linear_contains_megatron_column_and_row():
+    strats = three_d(linear_strategies())
+    column = [s for s in strats if sizes(s) == (1, 8, 1)]
+    row = [s for s in strats if sizes(s) == (1, 1, 8)]
+    assert column and row
+    for s in column:  # W split by output columns, output split by columns, no reduction
+        assert s.weight.split_degree(1) == 8 and s.weight.split_degree(0) == 1
+        assert s.output.split_degree(1) == 8 and s.output.partial_axes == (2,)
+        assert s.output.fact[2].size == 1 and s.inputs[0].replica_degree == 8
+        assert s.collectives == ()  # no weight replication, no gradient sync
+        assert s.state_bytes == FC1.params * 16 / 8
+    for s in row:  # W split by input rows, input split by columns, output a partial sum
+        assert s.weight.split_degree(0) == 8 and s.weight.split_degree(1) == 1
+        assert s.inputs[0].split_degree(1) == 8
+        assert s.output.placements[2] == P and s.output.fact[2].size == 8
+        assert s.collectives == ()
+
+
+def test_linear_3d_member_matches_autoddl_layouts():
+    s = next(s for s in three_d(linear_strategies()) if sizes(s) == (2, 2, 2))
+    assert s.inputs[0].placements == (Split(0), B, Split(1))
+    assert s.weight.placements == (B, Split(1), Split(0))
+    assert s.output.placements == (Split(0), Split(1), P)
+    assert s.compute_s == pytest.approx(3 * FC1.flops / 8 / (312e12 * 0.5))
+    assert s.output.local_bytes(FC1.output) == FC1.output.nbytes / 4  # 2 × 2 split, P whole
+
+
+def test_summa_strategies_exist():
+    summa = [s for s in linear_strategies() if s.label.startswith("summa")]
+    assert summa
+    for s in summa:
+        r, c = sizes(s)
+        assert r > 1 and c > 1 and r * c == 8
+        for lay in (*s.inputs, s.weight, s.output):
+            assert lay.placements == (Split(0), Split(1))
+        kinds = sorted((x.kind.value, x.phase) for x in s.collectives)
+        assert kinds == [("all_gather", "forward")] * 2 + [("reduce_scatter", "backward")] * 2
+
+
+def test_max_weight_replication_caps_p0():
+    free = three_d(linear_strategies())
+    assert max(sizes(s)[0] for s in free) == 8
+    for cap in (1, 2, 4):
+        capped = three_d(linear_strategies(ctx(cap=cap)))
+        assert capped and max(sizes(s)[0] for s in capped) == cap
+        assert {s.label for s in capped} == {s.label for s in free if sizes(s)[0] <= cap}
+
+
+def test_3d_family_skips_factorisations_that_do_not_divide():
+    g = models.mlp([6, 10], batch=4)  # M = 4, K = 6, N = 10 on 8 devices
+    strats = op_strategies(g["fc1"], [g["input"].output], ctx())
+    for s in three_d(strats):
+        p0, p1, p2 = sizes(s)
+        assert 4 % p0 == 0 and 10 % p1 == 0 and 6 % p2 == 0
+    assert {sizes(s) for s in three_d(strats)} == {(2, 2, 2), (4, 2, 1), (4, 1, 2)}
+
+
+GPT = models.gpt(hidden=48, layers=1, heads=6, seq_len=8, vocab=64, batch=4)
+
+
+def test_layernorm_never_splits_hidden():
+    ln = GPT["h.0.ln1"]
+    strats = op_strategies(ln, [GPT["embed"].output], ctx())
+    assert strats
+    for s in strats:
+        for lay in (*s.inputs, s.output):
+            assert lay.split_degree(1) == 1 and not lay.partial_axes
+    # tokens split over every divisor of the 8 devices, replication included
+    assert {s.output.split_degree(0) for s in strats} == {1, 2, 4, 8}
+
+
+def test_attention_splits_heads_by_divisors_of_heads_and_batch_by_sequences():
+    attn = GPT["h.0.attn.core"]
+    assert attn.attr("heads") == 6 and attn.output.shape == (32, 48)
+    strats = op_strategies(attn, [GPT["h.0.attn.qkv"].output], ctx())
+    heads_split = {s.output.split_degree(1) for s in strats}
+    batch_split = {s.output.split_degree(0) for s in strats}
+    # 48 columns would allow 4 and 8, but 6 heads only 1, 2 (3, 6 do not divide the mesh)
+    assert heads_split == {1, 2}
+    # 32 tokens would allow 8, but 4 sequences only 1, 2, 4
+    assert batch_split == {1, 2, 4}
+    for s in strats:
+        assert 6 % s.output.split_degree(1) == 0 and 4 % s.output.split_degree(0) == 0
+        assert all(lay == s.output for lay in s.inputs)
+
+
+def test_attention_with_enough_heads_uses_the_whole_mesh():
+    g = models.gpt(hidden=64, layers=1, heads=8, seq_len=4, vocab=64, batch=1)
+    strats = op_strategies(g["h.0.attn.core"], [g["h.0.attn.qkv"].output], ctx())
+    assert {s.output.split_degree(1) for s in strats} == {1, 2, 4, 8}
+    assert {s.output.split_degree(0) for s in strats} == {1}  # one sequence: no batch split
+
+
+def test_conv_family_contains_data_parallel():
+    g = models.vgg13(batch=8, image=32)
+    conv = g["conv2"]
+    strats = op_strategies(conv, [g["conv1"].output], ctx())
+    dp = [s for s in strats if sizes(s)[1:] == (1, 1)]
+    assert len(dp) == 1 and dp[0].output.split_degree(0) == 8
+    for s in strats:
+        p0, p1, p2 = sizes(s)
+        assert 8 % p0 == 0 and conv.weight.shape[0] % p1 == 0 and conv.weight.shape[1] % p2 == 0
+
+
+@pytest.mark.parametrize("kind", [OpKind.LINEAR, OpKind.LAYERNORM, OpKind.ATTENTION])
+def test_memory_is_state_plus_output_shard(kind):
+    op = next(o for o in GPT.ops if o.kind is kind)
+    inputs = [GPT[i].output for i in op.inputs]
+    for s in op_strategies(op, inputs, ctx()):
+        assert s.activation_bytes == pytest.approx(s.output.local_bytes(op.output))
+        if not s.label.startswith("summa"):
+            assert s.state_bytes <= op.params * 16 + 1e-9
+            assert math.isclose(s.memory_bytes, s.state_bytes + s.activation_bytes)
