@@ -75,7 +75,7 @@ class SbpIlp:
             row = []
             for k in range(len(costs)):
                 name = f"s_{g}_{k}"
-                row.append(pulp.LpVariable(name, cat=pulp.LpBinary))
+                row.append(self.model.add_variable(name, cat=pulp.LpBinary))
                 self.registry[name] = ("strategy", self.problem.names[g], k)
             self.s.append(row)
 
@@ -94,7 +94,7 @@ class SbpIlp:
             for a in range(len(row_rep)):
                 for b in range(len(col_rep)):
                     name = f"e_{u}_{v}_{a}_{b}"
-                    e[a, b] = pulp.LpVariable(name, lowBound=0, upBound=1)
+                    e[a, b] = self.model.add_variable(name, lowBound=0, upBound=1)
                     self.registry[name] = ("edge", self.problem.names[u], self.problem.names[v], a, b)
                     if small[a, b]:
                         self._edge_terms.append(self.scale * float(small[a, b]) * e[a, b])

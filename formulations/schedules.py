@@ -100,13 +100,16 @@ class ActionKind(Enum):
     SEND_B = "SB"
     RECV_B = "RB"
 
+    # Members are singletons: identity hashing is exact and much cheaper than Enum's.
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
+        return self.value in ("F", "B", "W")
 
     @property
     def is_comm(self) -> bool:
-        return not self.is_compute
+        return self.value not in ("F", "B", "W")
 
 
 COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.W)
@@ -535,55 +538,38 @@ def validate(schedule: Schedule, *, fifo_channels: bool = True) -> None:
         )
     lowered = schedule.lowered
     pos: list[dict[tuple[ActionKind, int], int]] = []
-    # 1. well-formed cells, exactly-once
+    # 1. well-formed cells, exactly once
     for s, row in enumerate(schedule.rows):
-        allowed = set(_required_kinds(schedule, s, lowered))
+        required = _required_kinds(schedule, s, lowered)
+        allowed = set(required)
         seen: dict[tuple[ActionKind, int], int] = {}
         for p, a in enumerate(row):
-            if a.stage != s:
-                raise _fail(schedule, f"{_where(s, p, a)} belongs to stage {a.stage}", [(s, p)])
-            if not 0 <= a.microbatch < M:
-                raise _fail(
-                    schedule,
-                    f"{_where(s, p, a)}: micro-batch {a.microbatch} out of range 0..{M - 1}",
-                    [(s, p)],
-                )
-            if a.kind not in allowed:
-                why = (
-                    "W without split_backward"
-                    if a.kind is ActionKind.W
-                    else "no neighbouring stage on that side"
-                )
-                raise _fail(schedule, f"{_where(s, p, a)}: action not allowed here ({why})",
-                            [(s, p)])
             key = (a.kind, a.microbatch)
-            if key in seen:
-                raise _fail(
-                    schedule,
-                    f"{_where(s, p, a)}: duplicate, already at position {seen[key]}",
-                    [(s, p), (s, seen[key])],
-                )
+            if a.stage != s or key[0] not in allowed or not 0 <= key[1] < M or key in seen:
+                raise _cell_error(schedule, s, p, allowed, seen)
             seen[key] = p
-        for kind in _required_kinds(schedule, s, lowered):
-            for m in range(M):
-                if (kind, m) not in seen:
-                    missing = Action(kind, m, s)
-                    err = _fail(
-                        schedule,
-                        f"stage {s}: {missing} is missing (every stage needs "
-                        f"{'/'.join(k.value for k in _required_kinds(schedule, s, lowered))} "
-                        f"for micro-batches 0..{M - 1})",
-                        [(s, len(row) - 1)] if row else [],
-                    )
-                    err.stage, err.position, err.action = s, None, missing
-                    raise err
+        if len(seen) != len(required) * M:
+            missing = next(
+                Action(k, m, s) for k in required for m in range(M) if (k, m) not in seen
+            )
+            err = _fail(
+                schedule,
+                f"stage {s}: {missing} is missing (every stage needs "
+                f"{'/'.join(k.value for k in required)} for micro-batches 0..{M - 1})",
+                [(s, len(row) - 1)] if row else [],
+            )
+            err.stage, err.position, err.action = s, None, missing
+            raise err
         pos.append(seen)
     # 2. same-stage dependencies
     for s in range(S):
+        where = pos[s]
         for first, second, why in _LOCAL_ORDER:
+            if (first, 0) not in where or (second, 0) not in where:
+                continue
             for m in range(M):
-                p1, p2 = pos[s].get((first, m)), pos[s].get((second, m))
-                if p1 is not None and p2 is not None and p2 < p1:
+                p1, p2 = where[(first, m)], where[(second, m)]
+                if p2 < p1:
                     a = schedule.rows[s][p2]
                     raise _fail(
                         schedule,
@@ -597,14 +583,46 @@ def validate(schedule: Schedule, *, fifo_channels: bool = True) -> None:
     _check_deadlock(schedule, pos)
 
 
-def _cross_dep(schedule: Schedule, a: Action) -> tuple[int, ActionKind, int] | None:
+def _cell_error(
+    schedule: Schedule,
+    s: int,
+    p: int,
+    allowed: set[ActionKind],
+    seen: dict[tuple[ActionKind, int], int],
+) -> ScheduleError:
+    """Explain why cell (s, p) is not acceptable (the slow path of :func:`validate`)."""
+    a, M = schedule.rows[s][p], schedule.num_microbatches
+    if a.stage != s:
+        return _fail(schedule, f"{_where(s, p, a)} belongs to stage {a.stage}", [(s, p)])
+    if not 0 <= a.microbatch < M:
+        return _fail(
+            schedule,
+            f"{_where(s, p, a)}: micro-batch {a.microbatch} out of range 0..{M - 1}",
+            [(s, p)],
+        )
+    if a.kind not in allowed:
+        why = (
+            "W without split_backward"
+            if a.kind is ActionKind.W
+            else "no neighbouring stage on that side"
+        )
+        return _fail(schedule, f"{_where(s, p, a)}: action not allowed here ({why})", [(s, p)])
+    first = seen[(a.kind, a.microbatch)]
+    return _fail(
+        schedule,
+        f"{_where(s, p, a)}: duplicate, already at position {first}",
+        [(s, p), (s, first)],
+    )
+
+
+def _cross_dep(S: int, lowered: bool, a: Action) -> tuple[int, ActionKind, int] | None:
     """The action on another stage that ``a`` waits for, as (stage, kind, microbatch)."""
-    S, s, m, k = schedule.num_stages, a.stage, a.microbatch, a.kind
+    s, m, k = a.stage, a.microbatch, a.kind
     if k is ActionKind.RECV_F:
         return (s - 1, ActionKind.SEND_F, m)
     if k is ActionKind.RECV_B:
         return (s + 1, ActionKind.SEND_B, m)
-    if not schedule.lowered:
+    if not lowered:
         if k is ActionKind.F and s > 0:
             return (s - 1, ActionKind.F, m)
         if k is ActionKind.B and s < S - 1:
@@ -631,32 +649,40 @@ def _check_channels(schedule: Schedule) -> None:
 
 
 def _check_deadlock(schedule: Schedule, pos: list[dict[tuple[ActionKind, int], int]]) -> None:
-    S = schedule.num_stages
+    S, lowered = schedule.num_stages, schedule.lowered
+    # deps[s][p] = (stage, position) of the cross-stage action that cell (s, p) waits for
+    deps = []
+    for row in schedule.rows:
+        drow = []
+        for a in row:
+            dep = _cross_dep(S, lowered, a)
+            drow.append(None if dep is None else (dep[0], pos[dep[0]][(dep[1], dep[2])]))
+        deps.append(drow)
     ptr = [0] * S
+    lengths = [len(r) for r in schedule.rows]
     progress = True
     while progress:
         progress = False
         for s in range(S):
-            row = schedule.rows[s]
-            while ptr[s] < len(row):
-                dep = _cross_dep(schedule, row[ptr[s]])
-                if dep is not None:
-                    ds, dk, dm = dep
-                    if pos[ds][(dk, dm)] >= ptr[ds]:
-                        break
-                ptr[s] += 1
+            p, n, drow = ptr[s], lengths[s], deps[s]
+            while p < n:
+                d = drow[p]
+                if d is not None and d[1] >= ptr[d[0]]:
+                    break
+                p += 1
+            if p != ptr[s]:
+                ptr[s] = p
                 progress = True
-    blocked = [s for s in range(S) if ptr[s] < len(schedule.rows[s])]
+    blocked = [s for s in range(S) if ptr[s] < lengths[s]]
     if not blocked:
         return
     cells, waits = [], []
     for s in blocked:
         a = schedule.rows[s][ptr[s]]
-        ds, dk, dm = _cross_dep(schedule, a)  # type: ignore[misc]
-        dp = pos[ds][(dk, dm)]
+        ds, dp = deps[s][ptr[s]]  # type: ignore[misc]
         cells.append((s, ptr[s]))
         waits.append(
-            f"{_where(s, ptr[s], a)} waits for {Action(dk, dm, ds)} on stage {ds} "
+            f"{_where(s, ptr[s], a)} waits for {schedule.rows[ds][dp]} on stage {ds} "
             f"(position {dp}), but stage {ds} is stuck at position {ptr[ds]} "
             f"({schedule.rows[ds][ptr[ds]]})"
         )

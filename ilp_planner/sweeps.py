@@ -361,15 +361,15 @@ def solve_point(task: PointTask) -> dict[str, Any]:
     row: dict[str, Any] = {"point": task.index, "id": point.id, "overrides": task.overrides,
                            "fingerprint": task.fingerprint}
     t0 = time.perf_counter()
-    timer = _arm_timer(task.timeout_s)
+    deadline = _Deadline(task.timeout_s)
     try:
+        deadline.arm()
         overrides = dict(task.overrides)
         if "name" not in overrides:
             overrides["name"] = f"{task.name}[{point.label}]"
         config = parse_config(apply_overrides(task.base, overrides), task.base_source)
         plan = solve(config, baselines=task.baselines)
-        _disarm_timer(timer)
-        timer = None
+        deadline.disarm()
         plan.save(task.plan_path)
         row.update(plan_row(plan))
         row["plan"] = task.plan_rel
@@ -382,23 +382,53 @@ def solve_point(task: PointTask) -> dict[str, Any]:
     except PlannerError as exc:
         row.update(status="error", error=f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a point's bug must not stop the sweep
-        tb = traceback.extract_tb(exc.__traceback__)[-1]
-        row.update(status="error", error=f"{type(exc).__name__}: {exc} "
-                                          f"({Path(tb.filename).name}:{tb.lineno})")
+        row.update(status="error", error=_describe(exc))
     finally:
-        _disarm_timer(timer)
+        deadline.disarm()
     row["wall_s"] = time.perf_counter() - t0
     return row
 
 
-def _arm_timer(timeout_s: float | None):
-    """Arm a wall-clock limit (SIGALRM) when possible: main thread of a POSIX process."""
-    if timeout_s is None or not hasattr(signal, "setitimer") or \
-            threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.signal(signal.SIGALRM, _make_alarm(timeout_s))
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    return previous
+def _describe(exc: BaseException) -> str:
+    """``ValueError: message (file.py:123)`` — the innermost frame names where it broke."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+class _Deadline:
+    """A wall-clock limit through SIGALRM, where there is one (POSIX, main thread; a
+    worker process runs its tasks on its main thread). The handler raises only while
+    armed, so an alarm racing with :meth:`disarm` is ignored rather than escaping.
+
+    A solver subprocess (CBC) still running when the limit fires is left to its own
+    ``solver.time_limit_s``."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.armed = False
+        self.previous = None
+
+    def arm(self) -> None:
+        if self.seconds is None or not hasattr(signal, "setitimer") or \
+                threading.current_thread() is not threading.main_thread():
+            return
+        self.previous = signal.signal(signal.SIGALRM, self._fire)
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def _fire(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self.armed:
+            self.armed = False
+            raise PointTimeout(f"timed out after {self.seconds:g} s (solve.timeout_s)")
+
+    def disarm(self) -> None:
+        if self.previous is None:
+            return
+        self.armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.previous)
+        self.previous = None
 
 
 def _config_error(exc: ConfigError, task: PointTask) -> str:
@@ -412,19 +442,6 @@ def _config_error(exc: ConfigError, task: PointTask) -> str:
     if swept and src and msg.startswith(src + ": "):
         return "bad override: " + msg[len(src) + 2:]
     return msg
-
-
-def _make_alarm(timeout_s: float):
-    def handler(signum, frame):  # noqa: ARG001
-        raise PointTimeout(f"timed out after {timeout_s:g} s (solve.timeout_s)")
-    return handler
-
-
-def _disarm_timer(previous) -> None:
-    if previous is None:
-        return
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def plan_row(plan) -> dict[str, Any]:
@@ -630,7 +647,11 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
         try:
             if workers <= 1:
                 for task in tasks:
-                    record(solve_point(task))
+                    try:
+                        row = solve_point(task)
+                    except Exception as exc:  # noqa: BLE001 - as a dead worker: fail the point
+                        row = _failed_row(task, exc)
+                    record(row)
             else:
                 _run_pool(tasks, workers, record)
         finally:
@@ -641,7 +662,8 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
     result = SweepResult(spec, out, ordered, solved=len(todo), skipped=len(points) - len(todo))
     chosen = spec.plots if plots is True else () if plots is False else tuple(plots)
     for ps in chosen:
-        path = plot_rows(ordered, ps, spec.keys, out / ps.filename, title=spec.name)
+        path = plot_rows(ordered, ps, spec.keys, out / ps.filename, title=spec.name,
+                         zipped=[k for k, _ in spec.zipped])
         if path is not None:
             result.plots.append(path)
     return result
@@ -657,13 +679,17 @@ def _run_pool(tasks: list[PointTask], workers: int, record) -> None:
                 try:
                     row = fut.result()
                 except Exception as exc:  # noqa: BLE001 - a dead worker fails its point only
-                    row = {"point": task.index, "id": Point(task.index, task.overrides).id,
-                           "overrides": task.overrides, "fingerprint": task.fingerprint,
-                           "status": "error", "error": f"worker failed: {type(exc).__name__}: {exc}"}
+                    row = _failed_row(task, exc)
                 record(row)
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
+
+
+def _failed_row(task: PointTask, exc: BaseException) -> dict[str, Any]:
+    return {"point": task.index, "id": Point(task.index, task.overrides).id,
+            "overrides": task.overrides, "fingerprint": task.fingerprint,
+            "status": "error", "error": f"worker failed: {_describe(exc)}"}
 
 
 # -- results files ---------------------------------------------------------------------------
@@ -759,7 +785,10 @@ def _cut(text: str, n: int) -> str:
 
 
 def _header(keys: Sequence[str], ratio_cols: Sequence[str]) -> list[str]:
-    return ["#", *keys, "status", "step", "gap", "stages", "mem GiB",
+    """Swept keys by their last part when that is unambiguous (``bandwidth_gbps``)."""
+    leaves = [k.rsplit(".", 1)[-1] for k in keys]
+    names = [leaf if leaves.count(leaf) == 1 else k for leaf, k in zip(leaves, keys, strict=True)]
+    return ["#", *names, "status", "step", "gap", "stages", "mem GiB",
             *(c.replace("ratio_", "×") for c in ratio_cols), "layout"]
 
 
@@ -790,10 +819,11 @@ def results_markdown(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> 
 
 
 def plot_rows(rows: Sequence[Mapping[str, Any]], ps: PlotSpec, keys: Sequence[str], path: Path,
-              title: str = "") -> Path | None:
+              title: str = "", zipped: Sequence[str] = ()) -> Path | None:
     """Draw ``ps.metric`` against ``ps.x`` into ``path`` (PNG, matplotlib's Agg canvas, no
-    pyplot state). Failed points are left out (and counted in the title). Returns None when
-    no point has the metric."""
+    pyplot state). Zipped keys move together, so a key zipped with ``x`` (or ``series``)
+    makes no lines of its own. Failed points are left out (and counted in the title).
+    Returns None when no point has the metric."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -802,7 +832,8 @@ def plot_rows(rows: Sequence[Mapping[str, Any]], ps: PlotSpec, keys: Sequence[st
         return None
     varying = [k for k in keys if len({json.dumps((r.get("overrides") or {}).get(k), sort_keys=True)
                                         for r in rows}) > 1]
-    others = [k for k in varying if k not in (ps.x, ps.series)]
+    tied = set(zipped) if (ps.x in zipped or ps.series in zipped) else set()
+    others = [k for k in varying if k not in (ps.x, ps.series) and k not in tied]
     line_keys = [ps.series] if ps.series else others
     facet_keys = others if ps.series else []
 

@@ -1,0 +1,100 @@
+"""ILP build and solve time against model depth, tying and cluster size.
+
+GPT with hidden 2560, 32 heads, sequences of 2048, vocabulary 51200, batch 16, fp16 with
+mixed-precision Adam (16 B/param), 80 GiB per device so memory does not bind, on A100-like
+clusters (312 TFLOP/s, NVLink 2400 Gb/s, 100 Gb/s between nodes) of 1 × 8, 2 × 8 and
+8 × 8 devices; 4 … 96 layers, tied (AutoDDL §4.5.1: one strategy per repeated op) and
+untied. Per run, as the planner does it: build the problem (strategies, resharding
+matrices), coordinate descent for a warm start, build the PuLP model, solve with CBC
+under a time limit. Untied runs projected (from the previous depth, time ∝ layers^1.3)
+to exceed ``--skip-above`` seconds are skipped.
+
+    python benchmarks/solve_scaling.py [--time-limit 60] [--skip-above 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from formulations.sbp_ilp import SbpIlp
+from formulations.sbp_problem import build_problem
+from formulations.sbp_search import coordinate_descent
+from ilp_planner.config import parse_config
+
+LAYERS = (4, 12, 24, 48, 96)
+CLUSTERS = ((1, 8), (2, 8), (8, 8))
+
+
+def gpt_config(layers: int, nodes: int, local: int, tie: bool):
+    return parse_config({
+        "name": f"gpt-L{layers}-{nodes}x{local}",
+        "model": {"kind": "gpt", "hidden": 2560, "layers": layers, "heads": 32, "seq_len": 2048,
+                  "vocab": 51200, "batch": 16, "dtype": "float16"},
+        "cluster": {"nodes": nodes, "devices_per_node": local, "memory_gib": 80,
+                    "peak_tflops": 312, "efficiency": 0.5,
+                    "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 2400},
+                              "inter": {"latency_us": 10, "bandwidth_gbps": 100}}},
+        "training": {"optimizer": "adam_mixed"},
+        "solver": {"tie_layers": tie},
+    })
+
+
+def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> dict:
+    config = gpt_config(layers, nodes, local, tie)
+    t0 = time.perf_counter()
+    gp = build_problem(config.graph, config.cluster, nodes, local, config.memory, tie_layers=tie,
+                       memory_budget=config.cluster.memory_bytes)
+    problem_s = time.perf_counter() - t0
+    p = gp.problem
+    t0 = time.perf_counter()
+    warm = coordinate_descent(p)
+    cd_s = time.perf_counter() - t0
+    model = SbpIlp(p)
+    res = model.solve(time_limit_s=time_limit, warm_start=warm.choice)
+    total = problem_s + cd_s + model.build_s + (res.solve_s if res else time_limit)
+    return {
+        "groups": p.num_groups, "k": max(len(c) for c in p.cost),
+        "vars": len(model.model.variables()), "cons": len(model.model.constraints),
+        "problem_s": problem_s, "cd_s": cd_s, "ilp_build_s": model.build_s,
+        "solve_s": res.solve_s if res else float("nan"), "total_s": total,
+        "status": res.status if res else "none", "gap": res.gap if res else None,
+        "cd_ratio": warm.objective / res.objective if res else float("nan"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--skip-above", type=float, default=120.0)
+    ap.add_argument("--layers", type=int, nargs="*", default=list(LAYERS))
+    args = ap.parse_args()
+    head = (f"{'mesh':<5} {'tied':<5} {'L':>3} {'groups':>6} {'k':>4} {'vars':>8} {'cons':>7} "
+            f"{'problem s':>9} {'cd s':>6} {'ilp build s':>11} {'cbc s':>7} {'total s':>8} "
+            f"{'status':<9} {'gap':>7} {'cd/opt':>7}")
+    print(head)
+    print("-" * len(head))
+    t_start = time.perf_counter()
+    for nodes, local in CLUSTERS:
+        for tie in (True, False):
+            prev: tuple[int, float] | None = None
+            for layers in args.layers:
+                mesh = f"{nodes}x{local}"
+                if prev is not None and not tie:
+                    projected = prev[1] * (layers / prev[0]) ** 1.3
+                    if projected > args.skip_above:
+                        print(f"{mesh:<5} {str(tie):<5} {layers:>3} skipped (projected "
+                              f"{projected:.0f} s > {args.skip_above:.0f} s)")
+                        continue
+                r = run(layers, nodes, local, tie, args.time_limit)
+                prev = (layers, r["total_s"])
+                gap = "n/a" if r["gap"] is None else f"{r['gap']:.2%}"
+                print(f"{mesh:<5} {str(tie):<5} {layers:>3} {r['groups']:>6} {r['k']:>4} "
+                      f"{r['vars']:>8} {r['cons']:>7} {r['problem_s']:>9.2f} {r['cd_s']:>6.2f} "
+                      f"{r['ilp_build_s']:>11.2f} {r['solve_s']:>7.2f} {r['total_s']:>8.2f} "
+                      f"{r['status']:<9} {gap:>7} {r['cd_ratio']:>7.4f}", flush=True)
+    print(f"wall time {time.perf_counter() - t_start:.0f} s; ILP time limit {args.time_limit:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Process groups and ``DeviceMesh`` objects, created once, in one order, on every rank.
+
+``new_group`` is a collective over the whole world: every rank must call it for every group,
+in the same order, even for groups it is not in. The executor therefore first *registers*
+everything it will need while compiling the plan (identical on all ranks, since all read the
+same plan), then :meth:`MeshRegistry.create` makes the groups in registration order.
+
+Mesh convention (:mod:`ilp_planner.cluster`): a layout's factorisation ``fact`` over a
+stage's devices ``D`` is the n-d array ``mesh[coords(i)] = D[i]`` with
+``coords = axis_coordinates(fact)``. Each mesh axis needs one group per line of the array
+along that axis. Groups are shared between meshes by rank set (a gloo/NCCL group may carry
+the collectives of several meshes because the ranks of one stage issue them in the same
+program order). ``new_group`` sorts its ranks, and DTensor reads a rank's shard index from
+its position in the axis group, so every axis line must list ranks in ascending order — true
+for the convention above when ``D`` ascends; anything else is refused with a clear error.
+
+Groups for cross-mesh transfers are keyed apart from mesh groups and apart by direction
+(forward activations, backward gradients): collectives of one group must be issued in the
+same order by all its members, and under 1F1B a stage interleaves the two directions
+differently from its neighbour.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ilp_planner.cluster import Factorisation, axis_coordinates, fact_str
+from runtime.errors import RuntimeSetupError
+
+
+def mesh_array(devices: Sequence[int], fact: Factorisation) -> np.ndarray:
+    """The rank array of ``fact`` over ``devices`` (device i at its axis coordinates)."""
+    coords = axis_coordinates(fact)
+    if coords.shape[0] != len(devices):
+        raise RuntimeSetupError(f"mesh {fact_str(fact)} has {coords.shape[0]} devices, the stage "
+                                f"has {len(devices)}")
+    arr = np.empty(tuple(a.size for a in fact), dtype=np.int64)
+    for i, c in enumerate(coords):
+        arr[tuple(c)] = devices[i]
+    return arr
+
+
+def axis_lines(arr: np.ndarray, axis: int) -> list[tuple[int, ...]]:
+    """The rank lists along ``axis`` (one per position on the other axes)."""
+    moved = np.moveaxis(arr, axis, -1).reshape(-1, arr.shape[axis])
+    return [tuple(int(r) for r in row) for row in moved]
+
+
+class MeshRegistry:
+    """Registers rank sets and meshes, creates all groups at once, hands out meshes."""
+
+    def __init__(self, device_type: str, timeout_s: float):
+        self.device_type = device_type
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._sets: dict[Hashable, tuple[int, ...]] = {}
+        self._groups: dict[Hashable, object] = {}
+        self._arrays: dict[tuple, np.ndarray] = {}
+        self._meshes: dict[tuple, DeviceMesh] = {}
+        self.created = False
+
+    # -- registration (identical on every rank) ----------------------------------------------
+    def need_group(self, key: Hashable, ranks: Sequence[int]) -> None:
+        if self.created:
+            raise RuntimeError(f"group {key!r} registered after the groups were created")
+        ranks = tuple(sorted(set(int(r) for r in ranks)))
+        old = self._sets.setdefault(key, ranks)
+        if old != ranks:
+            raise RuntimeError(f"group key {key!r} registered with {old} and {ranks}")
+
+    def need_mesh(self, devices: Sequence[int], fact: Factorisation) -> None:
+        key = (tuple(devices), fact)
+        if key in self._arrays:
+            return
+        arr = mesh_array(devices, fact)
+        for axis in range(arr.ndim):
+            for line in axis_lines(arr, axis):
+                if list(line) != sorted(line):
+                    raise RuntimeSetupError(
+                        f"mesh {fact_str(fact)} over devices {list(devices)}: axis {axis} runs over "
+                        f"ranks {list(line)}, not in ascending order; list stage devices ascending")
+                self.need_group(("mesh", line), line)
+        self._arrays[key] = arr
+
+    # -- creation ----------------------------------------------------------------------------
+    def create(self) -> None:
+        """``new_group`` for every registered set, in registration order (all ranks)."""
+        world = dist.get_world_size()
+        for key, ranks in self._sets.items():
+            if ranks == tuple(range(world)):
+                self._groups[key] = dist.group.WORLD
+            else:
+                self._groups[key] = dist.new_group(list(ranks), timeout=self.timeout)
+        self.created = True
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._sets)
+
+    def group(self, key: Hashable):
+        if key not in self._groups:
+            raise RuntimeError(f"group {key!r} was not registered before create()")
+        return self._groups[key]
+
+    def mesh(self, devices: Sequence[int], fact: Factorisation) -> DeviceMesh:
+        """The ``DeviceMesh`` of ``fact`` over ``devices`` (this rank must be one of them)."""
+        key = (tuple(devices), fact)
+        if key not in self._meshes:
+            if key not in self._arrays:
+                raise RuntimeError(f"mesh {fact_str(fact)} over {list(devices)} was not registered")
+            arr = self._arrays[key]
+            me = dist.get_rank()
+            coord = tuple(int(c) for c in np.argwhere(arr == me)[0])
+            groups = []
+            for axis in range(arr.ndim):
+                idx = list(coord)
+                idx[axis] = slice(None)
+                line = tuple(int(r) for r in arr[tuple(idx)])
+                groups.append(self._groups[("mesh", line)])
+            names = tuple(f"a{i}" for i in range(arr.ndim))
+            if arr.ndim == 1:
+                self._meshes[key] = DeviceMesh.from_group(groups[0], self.device_type,
+                                                          mesh=arr.tolist(), mesh_dim_names=names)
+            else:
+                self._meshes[key] = DeviceMesh.from_group(groups, self.device_type, mesh=arr,
+                                                          mesh_dim_names=names)
+        return self._meshes[key]
