@@ -20,10 +20,12 @@ pairs — the same optimum with far fewer variables. With s integral, e is integ
 e stays continuous. Names are built from group and strategy indices and a registry maps
 them back.
 
-Costs are seconds (often 1e-6 … 1e-3), below CBC's absolute tolerances (~1e-7 on reduced
-costs and gaps): unscaled, CBC declares "optimal" choices that are 0.1 % off. The objective
-is therefore multiplied by ``scale = OBJECTIVE_SCALE / U`` with U = Σ_g max_k cost + Σ max R,
-an upper bound on any choice's objective; reported objectives and bounds are unscaled.
+Scaling. Costs are seconds (often 1e-6 … 1e-3), below CBC's absolute tolerances (~1e-7 on
+reduced costs and gaps), and memory is bytes (~1e10), far above them: unscaled, CBC declares
+"optimal" choices that are up to 0.1 % off. The objective is therefore multiplied by
+``scale = OBJECTIVE_SCALE / U`` with U = Σ_g max_k cost + Σ max R, an upper bound on any
+choice's objective, and the memory row is divided by M (Σ (mem/M)·s ≤ 1); reported
+objectives and bounds are unscaled.
 """
 
 from __future__ import annotations
@@ -108,11 +110,15 @@ class SbpIlp:
                                == pulp.lpSum(members)), f"edge_{u}_{v}_col_{b}"
 
     def _add_memory(self) -> None:
-        if self.problem.memory_budget is None:
+        """Σ_g Σ_k (mem[g,k] / M)·s[g,k] ≤ 1."""
+        budget = self.problem.memory_budget
+        if budget is None:
             return
+        unit = float(budget) if budget > 0 else 1.0
         self.model += pulp.lpSum(
-            float(m[k]) * self.s[g][k] for g, m in enumerate(self.problem.memory) for k in range(len(m))
-        ) <= float(self.problem.memory_budget), "memory"
+            (float(m[k]) / unit) * self.s[g][k] for g, m in enumerate(self.problem.memory)
+            for k in range(len(m))
+        ) <= float(budget) / unit, "memory"
 
     def _set_objective(self) -> None:
         """min scale · (Σ cost·s + Σ R·e)."""

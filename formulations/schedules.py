@@ -217,8 +217,7 @@ class Schedule:
         )
         if sched.num_stages != d["stages"]:
             raise ScheduleError(
-                f"schedule {sched.name!r} declares {d['stages']} stages but has "
-                f"{sched.num_stages} rows"
+                f"schedule {sched.name!r} declares {d['stages']} stages but has {sched.num_stages} rows"
             )
         return sched
 
@@ -310,9 +309,7 @@ def _generate(
             else tuple(int(x) for x in delay_weight_grad)  # type: ignore[union-attr]
         )
         if len(lags) != S or any(x < 0 for x in lags):
-            raise ScheduleError(
-                f"delay_weight_grad needs one non-negative lag per stage ({S}), got {lags}"
-            )
+            raise ScheduleError(f"delay_weight_grad needs one non-negative lag per stage ({S}), got {lags}")
     rows = []
     for s in range(S):
         w = warmups[s]
@@ -366,9 +363,7 @@ def make_schedule(
     delay_weight_grad: bool | Sequence[int] = False,
 ) -> Schedule:
     """The generator for ``name`` (``gpipe``, ``1f1b``, ``eager-1f1b``)."""
-    gen = {"gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_1f1b}[
-        check_schedule_name(name)
-    ]
+    gen = {"gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_1f1b}[check_schedule_name(name)]
     return gen(num_stages, num_microbatches, delay_weight_grad=delay_weight_grad)
 
 
@@ -403,15 +398,15 @@ def lower(schedule: Schedule) -> Schedule:
             else:
                 out.append(a)
         rows.append(tuple(out))
-    return Schedule(schedule.name, S, schedule.num_microbatches, tuple(rows),
-                    schedule.split_backward)
+    return Schedule(schedule.name, S, schedule.num_microbatches, tuple(rows), schedule.split_backward)
 
 
 def strip_comm(schedule: Schedule) -> Schedule:
     """Inverse of :func:`lower`: only the compute actions."""
     rows = tuple(tuple(a for a in row if a.kind.is_compute) for row in schedule.rows)
-    return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, rows,
-                    schedule.split_backward)
+    return Schedule(
+        schedule.name, schedule.num_stages, schedule.num_microbatches, rows, schedule.split_backward
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,9 +439,7 @@ def peak_inflight(schedule: Schedule) -> tuple[int, ...]:
 # Grid rendering
 
 
-def render_grid(
-    schedule: Schedule, marks: Iterable[tuple[int, int]] = (), window: int | None = 12
-) -> str:
+def render_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = (), window: int | None = 12) -> str:
     """The stage × step grid; cells in ``marks`` ((stage, position) pairs) are shown as
     ``[F3]``. With ``window``, only the columns within ``window`` of a mark are shown."""
     marks = set(marks)
@@ -549,9 +542,7 @@ def validate(schedule: Schedule, *, fifo_channels: bool = True) -> None:
                 raise _cell_error(schedule, s, p, allowed, seen)
             seen[key] = p
         if len(seen) != len(required) * M:
-            missing = next(
-                Action(k, m, s) for k in required for m in range(M) if (k, m) not in seen
-            )
+            missing = next(Action(k, m, s) for k in required for m in range(M) if (k, m) not in seen)
             err = _fail(
                 schedule,
                 f"stage {s}: {missing} is missing (every stage needs "
@@ -601,11 +592,7 @@ def _cell_error(
             [(s, p)],
         )
     if a.kind not in allowed:
-        why = (
-            "W without split_backward"
-            if a.kind is ActionKind.W
-            else "no neighbouring stage on that side"
-        )
+        why = "W without split_backward" if a.kind is ActionKind.W else "no neighbouring stage on that side"
         return _fail(schedule, f"{_where(s, p, a)}: action not allowed here ({why})", [(s, p)])
     first = seen[(a.kind, a.microbatch)]
     return _fail(

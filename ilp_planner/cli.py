@@ -17,6 +17,7 @@ VERBS = [
     "sweep",
     "explain",
     "diff",
+    "run",
 ]
 
 

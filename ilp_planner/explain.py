@@ -306,8 +306,18 @@ def _stage_memory(plan: Plan) -> dict[int, float]:
 
 
 def _generic(d: dict) -> str:
-    return ", ".join(f"{k} {fmt_seconds(v) if k.endswith('_s') and isinstance(v, int | float) else v}"
-                     for k, v in d.items() if not isinstance(v, dict | list) or len(str(v)) < 60)
+    """``k v`` pairs of a free-form record (a resharding transfer, a schedule), seconds and
+    bytes in readable units."""
+    def value(k: str, v) -> str:
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            if k == "seconds" or k.endswith("_s"):
+                return fmt_seconds(v)
+            if k == "bytes" or k.endswith("_bytes"):
+                return fmt_bytes(v)
+        return str(v)
+
+    return ", ".join(f"{k} {value(k, v)}" for k, v in d.items()
+                     if not isinstance(v, dict | list) or len(str(v)) < 60)
 
 
 def explain(plan: Plan, *, collectives: bool = True) -> str:
@@ -489,7 +499,8 @@ def diff(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B")) -> str:
 
     # configuration
     fa, fb = _flatten(a.config), _flatten(b.config)
-    changed = [k for k in sorted(set(fa) | set(fb)) if fa.get(k, "<absent>") != fb.get(k, "<absent>")]
+    changed = [k for k in sorted(set(fa) | set(fb))  # names are in the header already
+               if k != "name" and fa.get(k, "<absent>") != fb.get(k, "<absent>")]
     lines += ["", f"configuration: {len(changed)} key(s) differ" + (":" if changed else "")]
     for k in changed:
         lines.append(f"  {k}: {fa.get(k, '<absent>')!r} → {fb.get(k, '<absent>')!r}")

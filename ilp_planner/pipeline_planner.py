@@ -21,10 +21,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from formulations.schedules import make_schedule
+from formulations.simulator import StageDurations, simulate
+from formulations.stage_dp import StageCost, solve_stages
 from ilp_planner.cluster import SubMesh
-from ilp_planner.graph import Graph, Op, OpKind
+from ilp_planner.config import Config
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
+from ilp_planner.layouts import Layout
+from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
+from ilp_planner.resharding import ReshardOptions, plan_resharding, with_scheduler
+from ilp_planner.strategies import resolve_partial
 
 MAX_UNITS = 16
 
@@ -99,36 +107,262 @@ def crossing(graph: Graph, units: list[list[str]], cut: int) -> list[tuple[str, 
             and graph[s].kind is not OpKind.INPUT]
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a stage runs: its sub-mesh and its devices (global ranks, mesh order)."""
+class _StageSolver:
+    """Intra-op solves of layer ranges on sub-mesh shapes, cached by the range's signature."""
 
-    submesh: SubMesh
+    def __init__(self, config: Config, graph: Graph, units: list[list[str]]):
+        self.config = config
+        self.graph = graph
+        self.units = units
+        self.cache: dict[tuple, tuple | None] = {}
+        self.solves = 0
 
-    @property
-    def devices(self) -> list[int]:
-        return self.submesh.device_ids()
+    def names(self, a: int, e: int) -> list[str]:
+        return [n for u in self.units[a:e] for n in u]
+
+    def solve(self, a: int, e: int, shape: tuple[int, int]):
+        """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None."""
+        from ilp_planner.planner import realise, solve_mesh
+
+        names = self.names(a, e)
+        key = (signature(self.graph, names), shape)
+        if key not in self.cache:
+            self.solves += 1
+            try:
+                gp, res = solve_mesh(self.config, shape[0], shape[1], None,
+                                     graph=subgraph(self.graph, names), microbatches=1)
+            except InfeasibleError:
+                self.cache[key] = None
+            else:
+                layers, cost = realise(gp, list(res.choice))
+                self.cache[key] = (gp, res, layers, cost)
+        return self.cache[key]
+
+    def stage_cost(self, a: int, e: int, shape: tuple[int, int]) -> StageCost | None:
+        """Per micro-batch: compute + activation communication, plus the weight-gradient
+        synchronisation amortised over the step's micro-batches."""
+        solved = self.solve(a, e, shape)
+        if solved is None:
+            return None
+        gp, res, _, cost = solved
+        choice = gp.node_choice(list(res.choice))
+        state = sum(o.state_bytes for o in choice.values())
+        act = sum(o.activation_bytes for o in choice.values())
+        m = self.config.pipeline.microbatches
+        return StageCost(cost.compute_s + cost.activation_comm_s + cost.grad_sync_s / m, state, act)
 
 
-def allocate(shapes: Sequence[tuple[int, int]], nodes: int, devices_per_node: int) -> list[SubMesh]:
-    """Place stage sub-meshes in order: ``(1, d)`` shapes fill a node left to right,
-    ``(n, devices_per_node)`` shapes take whole nodes. Raises ValueError if they do not fit."""
-    out: list[SubMesh] = []
-    node, offset = 0, 0
-    for n, d in shapes:
-        if n > 1 or d == devices_per_node:
-            if offset:
-                node, offset = node + 1, 0
-            out.append(SubMesh(node, n, 0, d, devices_per_node))
-            node += n
-        else:
-            if offset + d > devices_per_node:
-                node, offset = node + 1, 0
-            out.append(SubMesh(node, 1, offset, d, devices_per_node))
-            offset += d
-            if offset == devices_per_node:
-                node, offset = node + 1, 0
-        if node > nodes or (node == nodes and offset):
-            raise ValueError(f"stage sub-meshes {list(shapes)} do not fit a {nodes}x"
-                             f"{devices_per_node} cluster")
+class _BoundaryCost:
+    """Cross-mesh seconds of every tensor crossing a cut, estimated during the DP with
+    batch-split layouts on both sides and the cheap schedulers."""
+
+    def __init__(self, config: Config, graph: Graph, units: list[list[str]]):
+        self.config = config
+        self.graph = graph
+        self.units = units
+        self.cache: dict[tuple, float] = {}
+        self.options = with_scheduler(ReshardOptions(compare_strategies=False),
+                                      algorithms=("load_balance", "randomized_greedy"))
+
+    def __call__(self, end: int, shape: tuple[int, int]) -> float:
+        return sum(self.tensor_time(self.graph[s].output, shape)
+                   for s in dict.fromkeys(s for s, _ in crossing(self.graph, self.units, end)))
+
+    def tensor_time(self, tensor: TensorSpec, shape: tuple[int, int]) -> float:
+        key = (tensor, shape)
+        if key not in self.cache:
+            cluster = self.config.cluster
+            n, d = shape
+            dpn = cluster.devices_per_node
+            src = SubMesh(0, n, 0, d, dpn)
+            if n == 1 and 2 * d <= dpn:
+                dst = SubMesh(0, 1, d, d, dpn)
+            elif cluster.nodes >= 2 * n:
+                dst = SubMesh(n, n, 0, d, dpn)
+            else:
+                dst = SubMesh(n, max(1, cluster.nodes - n), 0, d, dpn) if cluster.nodes > n else None
+            if dst is None:
+                self.cache[key] = 0.0
+            else:
+                spec = _estimate_spec(tensor, src, dst)
+                self.cache[key] = plan_resharding(tensor, src, spec, dst, spec, cluster,
+                                                  self.options).makespan_s
+        return self.cache[key]
+
+
+def _estimate_spec(tensor: TensorSpec, src: SubMesh, dst: SubMesh) -> str:
+    rest = "R" * (tensor.rank - 1)
+    for spec, deg in (("S^{01}", src.size), ("S^0", src.nodes)):
+        if tensor.shape[0] % max(deg, 1) == 0 and tensor.shape[0] % max(dst.size, 1) == 0:
+            return spec + rest
+    return "R" + rest
+
+
+def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
+    """Stages by the DP, intra-op plans per stage, resharding per crossing tensor, and the
+    simulated schedule."""
+    import time
+
+    t0 = time.perf_counter()
+    pipe = config.pipeline
+    cluster = config.cluster
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    solver = _StageSolver(config, graph, units)
+    boundary = _BoundaryCost(config, graph, units)
+    fixed = list(pipe.submeshes) if pipe.submeshes else None
+    num_stages = None if pipe.stages == "auto" else int(pipe.stages)
+    if num_stages is not None and num_stages > len(units):
+        raise InfeasibleError(f"{num_stages} stages requested but the model has only "
+                              f"{len(units)} layer units to distribute")
+    dp = solve_stages(
+        len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
+        solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
+        memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
+        fixed_submeshes=fixed, imbalance_tolerance=pipe.imbalance_tolerance,
+    )
+    layers = []
+    stages = []
+    stage_of: dict[str, int] = {}
+    out_layout: dict[str, Layout] = {}
+    in_layouts: dict[tuple[str, str], Layout] = {}
+    per_stage: list[CostBreakdown] = []
+    status, gaps = "optimal", []
+    for i, st in enumerate(dp.stages):
+        gp, res, stage_layers, cost = solver.solve(st.start, st.end, st.submesh)  # type: ignore[misc]
+        names = solver.names(st.start, st.end)
+        rename = dict(zip([ly.name for ly in stage_layers], [n for n in names], strict=True))
+        for ly in stage_layers:
+            name = rename[ly.name]
+            stage_of[name] = i
+            out_layout[name] = ly.output
+            for src, lay in zip(graph[name].inputs, ly.inputs, strict=True):
+                in_layouts[(src, name)] = lay
+            layers.append(_renamed(ly, name, i))
+        m = pipe.microbatches
+        per_stage.append(CostBreakdown(m * cost.compute_s, m * cost.activation_comm_s,
+                                       cost.grad_sync_s, m * cost.activation_comm_bytes,
+                                       cost.grad_sync_bytes, st.memory_bytes))
+        if res.status != "optimal":
+            status = "feasible" if res.status == "feasible" and status == "optimal" else res.status
+        if res.gap:
+            gaps.append(res.gap)
+        stages.append({
+            "index": i,
+            "devices": st.placement.device_ids() if st.placement else [],
+            "mesh": list(st.submesh),
+            "placement": str(st.placement),
+            "layers": names,
+            "layer_units": [st.start, st.end],
+            "time_s": st.time_s,
+            "boundary_time_s": st.boundary_time_s,
+            "memory_bytes": st.memory_bytes,
+            "inflight_microbatches": st.inflight_microbatches,
+            "grad_sync_s": cost.grad_sync_s,
+            "solver": res.to_dict(),
+        })
+    resharding = _plan_resharding(config, graph, dp, stage_of, out_layout, in_layouts)
+    S = len(dp.stages)
+    fwd = [s["time_s"] - s["boundary_time_s"] for s in stages]
+    transfer = [0.0] * (S - 1)
+    for r in resharding:
+        transfer[r["dst_stage"] - 1] += r["makespan_s"]
+    sched = make_schedule(pipe.schedule, S, pipe.microbatches)
+    sim = simulate(sched, StageDurations.make(S, [t / 3 for t in fwd], [2 * t / 3 for t in fwd],
+                                              activation_transfer=transfer), overlap=pipe.overlap)
+    grad_tail = max(s["grad_sync_s"] for s in stages)
+    schedule = {
+        "name": pipe.schedule,
+        "num_microbatches": pipe.microbatches,
+        "actions": {str(i): [str(a) for a in row] for i, row in enumerate(sched.rows)},
+        "makespan_s": sim.makespan_s,
+        "bubble_fraction": sim.bubble_fraction,
+        "peak_inflight": list(sim.peak_inflight),
+        "overlap": pipe.overlap,
+        "dp_objective_s": dp.objective_s,
+        "step_s": sim.makespan_s + grad_tail,
+    }
+    total_s = time.perf_counter() - t0
+    solver_report = {
+        "status": status, "objective": dp.objective_s, "bound": None,
+        "gap": max(gaps) if gaps else (0.0 if status == "optimal" else None),
+        "build_s": dp.table_s, "solve_s": total_s - dp.table_s, "method": "stage_dp+ilp",
+        "message": f"{S} stages from {solver.solves} intra-op solves; each stage's ILP "
+                   f"{status}; the stage DP is exact over its cost table",
+    }
+    busiest = max(per_stage, key=lambda c: c.total_s)
+    cost = CostBreakdown(busiest.compute_s, busiest.activation_comm_s, busiest.grad_sync_s,
+                         busiest.activation_comm_bytes, busiest.grad_sync_bytes,
+                         max(c.peak_memory_bytes for c in per_stage))
+    plan = Plan(config.name, config.raw, solver_report, cost, layers, stages=stages,
+                schedule=schedule, resharding=resharding)
+    if baselines:
+        plan.baselines = _single_mesh_baselines(config)
+    return plan
+
+
+def _single_mesh_baselines(config: Config) -> dict[str, dict]:
+    """Without pipelining (gradient accumulation over the same micro-batches on the whole
+    cluster): the planner's own single-mesh optimum and the usual baselines."""
+    from ilp_planner.planner import price_baselines, realise, solve_mesh
+
+    cluster = config.cluster
+    try:
+        gp, res = solve_mesh(config, cluster.nodes, cluster.devices_per_node, cluster.memory_bytes)
+    except InfeasibleError as exc:
+        return {"ilp_single_mesh": {"error": str(exc)}}
+    out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
+    out.update(price_baselines(gp, config.solver.time_limit_s))
+    return out
+
+
+def _renamed(layer, name: str, stage: int):
+    """A stage's LayerPlan under its name in the full graph, tagged with its stage."""
+    import dataclasses
+
+    return dataclasses.replace(layer, name=name, stage=stage)
+
+
+def _plan_resharding(config: Config, graph: Graph, dp, stage_of: dict[str, int],
+                     out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout]
+                     ) -> list[dict]:
+    """Every tensor crossing stages, once per (tensor, destination stage, layout), with its
+    CP-SAT resharding schedule. A partial-sum output is reduced inside its stage first."""
+    out: list[dict] = []
+    seen: set[tuple] = set()
+    options = ReshardOptions(compare_strategies=False)
+    meshes = [st.placement for st in dp.stages]
+    for src, dst in graph.edges():
+        if graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[dst]:
+            continue
+        a, b = stage_of[src], stage_of[dst]
+        tensor = graph[src].output
+        src_layout = resolve_partial(out_layout[src], tensor)
+        dst_layout = in_layouts[(src, dst)]
+        key = (src, b, dst_layout)
+        if key in seen:
+            continue
+        seen.add(key)
+        rp = plan_resharding(tensor, meshes[a], src_layout, meshes[b], dst_layout, config.cluster,
+                             options)
+        tasks = [
+            {"slice": [list(r) for r in rp.tasks[t].region],
+             "sender": rp.transfers[t].sender_device,
+             "holders": list(rp.tasks[t].holders),
+             "receivers": list(rp.tasks[t].receivers),
+             "start_s": rp.transfers[t].start_s,
+             "bytes": rp.tasks[t].nbytes}
+            for t in rp.order
+        ]
+        out.append({
+            "src_stage": a, "dst_stage": b, "tensor": src, "consumer": dst,
+            "shape": list(tensor.shape), "dtype": tensor.dtype,
+            "src_layout": layout_to_dict(src_layout, tensor.rank),
+            "dst_layout": layout_to_dict(dst_layout, tensor.rank),
+            "src_spec": rp.src_spec, "dst_spec": rp.dst_spec,
+            "algorithm": rp.algorithm, "status": rp.status,
+            "makespan_s": rp.makespan_s, "lower_bound_s": rp.lower_bound_s,
+            "algorithms": {r.name: r.makespan_s for r in rp.runs},
+            "tasks": tasks,
+        })
     return out

@@ -231,8 +231,18 @@ class Plan:
 
         return explain(self, collectives=collectives)
 
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per training step: the simulated pipeline makespan plus the
+        slowest stage's gradient synchronisation for pipelined plans, else compute +
+        communication of the single mesh."""
+        if self.schedule and "step_s" in self.schedule:
+            return float(self.schedule["step_s"])
+        return self.cost.total_s
+
     def summary(self) -> str:
-        """Solver status, cost breakdown and the baselines beside it with ratios."""
+        """Solver status, cost breakdown and the baselines beside it with ratios (baseline
+        step time / this plan's step time)."""
         s = self.solver
         lines = [
             f"plan {self.name}: status {s['status']} (method {s.get('method')}), objective "
@@ -241,22 +251,31 @@ class Plan:
         ]
         if s.get("message"):
             lines.append(f"  note: {s['message']}")
-        header = f"  {'plan':<28}{'total s':>11}{'compute s':>11}{'act comm s':>11}" \
+        if self.schedule:
+            sc = self.schedule
+            lines.append(
+                f"  pipeline: {len(self.stages)} stages "
+                f"{[tuple(st['mesh']) for st in self.stages]}, {sc['name']} with "
+                f"{sc['num_microbatches']} micro-batches: makespan {sc['makespan_s']:.4g} s, "
+                f"bubble {sc['bubble_fraction']:.1%}; per-device costs below are the busiest "
+                f"stage's")
+        header = f"  {'plan':<28}{'step s':>11}{'compute s':>11}{'act comm s':>11}" \
                  f"{'grad sync s':>12}{'memory GiB':>11}{'ratio':>8}"
         lines.append(header)
-        mine = self.cost
+        mine = self.step_s
 
-        def row(name: str, c: CostBreakdown) -> str:
-            ratio = c.total_s / mine.total_s if mine.total_s else float("nan")
-            return (f"  {name:<28}{c.total_s:>11.4g}{c.compute_s:>11.4g}{c.activation_comm_s:>11.4g}"
+        def row(name: str, c: CostBreakdown, step: float) -> str:
+            ratio = step / mine if mine else float("nan")
+            return (f"  {name:<28}{step:>11.4g}{c.compute_s:>11.4g}{c.activation_comm_s:>11.4g}"
                     f"{c.grad_sync_s:>12.4g}{c.peak_memory_bytes / 2**30:>11.2f}{ratio:>8.2f}")
 
-        lines.append(row("ilp_planner", mine))
+        lines.append(row("ilp_planner", self.cost, mine))
         for name, b in self.baselines.items():
             if "error" in b:
                 lines.append(f"  {name:<28}n/a: {b['error']}")
             else:
-                lines.append(row(name, CostBreakdown.from_dict(b)))
+                c = CostBreakdown.from_dict(b)
+                lines.append(row(name, c, c.total_s))
         return "\n".join(lines)
 
 

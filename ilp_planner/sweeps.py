@@ -72,6 +72,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -439,9 +440,11 @@ def _config_error(exc: ConfigError, task: PointTask) -> str:
     key = exc.key or ""
     swept = key and any(key == k or key.startswith(k + ".") or k.startswith(key + ".")
                         for k in task.overrides)
-    if swept and src and msg.startswith(src + ": "):
-        return "bad override: " + msg[len(src) + 2:]
-    return msg
+    if not swept:
+        return msg
+    if src and msg.startswith(src + ": "):
+        msg = msg[len(src) + 2:]
+    return "bad override: " + msg
 
 
 def plan_row(plan) -> dict[str, Any]:
@@ -601,7 +604,10 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
     rows already in the folder's ``results.jsonl`` for unchanged points. ``plots``: True
     draws the sweep file's plots, False none, or a list of :class:`PlotSpec` to draw.
     Failing points are recorded in their rows; this function raises only for errors in
-    the sweep itself (a malformed file, an unwritable folder)."""
+    the sweep itself (a malformed file, an unwritable folder).
+
+    Workers are started with *spawn*, which re-imports the calling script: in a script,
+    call this under ``if __name__ == "__main__":`` (or pass ``jobs=1``)."""
     if not isinstance(spec, SweepSpec):
         spec = load_sweep(spec)
     out = Path(output) if output is not None else Path("sweep-results") / _safe(spec.name)
@@ -687,9 +693,13 @@ def _run_pool(tasks: list[PointTask], workers: int, record) -> None:
 
 
 def _failed_row(task: PointTask, exc: BaseException) -> dict[str, Any]:
+    error = f"worker failed: {_describe(exc)}"
+    if isinstance(exc, BrokenProcessPool):
+        error += ("; workers start by re-importing the main script (spawn): call sweep() under "
+                  "`if __name__ == \"__main__\":`, or use jobs=1")
     return {"point": task.index, "id": Point(task.index, task.overrides).id,
             "overrides": task.overrides, "fingerprint": task.fingerprint,
-            "status": "error", "error": f"worker failed: {_describe(exc)}"}
+            "status": "error", "error": error}
 
 
 # -- results files ---------------------------------------------------------------------------

@@ -43,8 +43,6 @@ from ilp_planner.graph import TensorSpec
 from ilp_planner.layouts import Layout, drop_unit_axes
 from ilp_planner.redistribution import RedistStep, plan_redistribution
 
-CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-
 
 class DVal(NamedTuple):
     """A distributed value: the DTensor and the planner layout it is in."""
@@ -98,7 +96,8 @@ def grad_placements(placements) -> tuple:
     return tuple(Replicate() if isinstance(p, TPartial) else p for p in placements)
 
 
-def _classify(src, dst, sizes: tuple[int, ...], local_bytes: float) -> tuple[str, int, float, tuple[int, ...]]:
+def _classify(src, dst, sizes: tuple[int, ...], local_bytes: float,
+              cpu: bool = False) -> tuple[str, int, float, tuple[int, ...]]:
     """(kind, group size, bytes, axes) of a placement change done in one redistribute call."""
     axes = tuple(i for i, (a, b) in enumerate(zip(src, dst, strict=True)) if a != b and sizes[i] > 1)
     comm_axes = tuple(i for i in axes if not (isinstance(src[i], Replicate)
@@ -114,6 +113,8 @@ def _classify(src, dst, sizes: tuple[int, ...], local_bytes: float) -> tuple[str
     if isinstance(a, TPartial):
         return ("all_reduce" if isinstance(b, Replicate) else "reduce_scatter"), p, local_bytes, comm_axes
     if isinstance(a, Shard) and isinstance(b, Replicate):
+        return "all_gather", p, local_bytes * p, comm_axes
+    if cpu:  # DTensor on gloo: AlltoAll = AllGather + local chunk
         return "all_gather", p, local_bytes * p, comm_axes
     return "all_to_all", p, local_bytes, comm_axes
 
@@ -209,7 +210,8 @@ class _Redistribute(torch.autograd.Function):
         ctx.comm, ctx.src, ctx.dst, ctx.where, ctx.purpose = comm, src, dst, where, purpose
         ctx.src_placements = x.placements
         sizes = tuple(a.size for a in src.fact)
-        kind, p, nbytes, axes = _classify(x.placements, placements, sizes, _local_bytes(x))
+        kind, p, nbytes, axes = _classify(x.placements, placements, sizes, _local_bytes(x),
+                                          x.device_mesh.device_type == "cpu")
         t0 = time.perf_counter()
         y = settle(x.redistribute(x.device_mesh, placements))
         secs = time.perf_counter() - t0
@@ -225,7 +227,8 @@ class _Redistribute(torch.autograd.Function):
         if tuple(g.placements) == target:
             return g, None, None, None, None, None, None, None
         sizes = tuple(a.size for a in ctx.src.fact)
-        kind, p, nbytes, axes = _classify(g.placements, target, sizes, _local_bytes(g))
+        kind, p, nbytes, axes = _classify(g.placements, target, sizes, _local_bytes(g),
+                                          g.device_mesh.device_type == "cpu")
         t0 = time.perf_counter()
         gx = settle(g.redistribute(g.device_mesh, target))
         secs = time.perf_counter() - t0

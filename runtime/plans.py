@@ -7,9 +7,9 @@
   ``receivers`` = δ; the sender is the least-loaded holder (greedy) and ``start_s`` comes
   from a greedy list schedule (one send and one receive per device at a time, α + nβ per
   task). Hand-built plans use this; the planner's own plans carry the CP-SAT order;
-* :func:`schedule_actions` — per-stage action lists of GPipe, 1F1B and eager-1F1B
-  (DESIGN §4: with stages i = 1..S, 1F1B runs S − i + 1 forwards before its first
-  backward, eager-1F1B 2(S − i) + 1, both capped by the number of micro-batches);
+* :func:`schedule_actions` — per-stage action lists of GPipe, 1F1B and eager-1F1B from
+  :mod:`formulations.schedules` (1F1B: S − i + 1 warm-up forwards on stage i = 1..S,
+  eager-1F1B 2(S − i) + 1, capped by the number of micro-batches);
 * :func:`restricted_plan` — the best single-mesh plan among strategies a filter keeps
   (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
 * :func:`pipelined_plan` — a hand-built pipelined plan: the devices cut into equal
@@ -21,19 +21,18 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import build_problem
+from formulations.schedules import make_schedule
 from ilp_planner.baselines import restrict
 from ilp_planner.cluster import axis_coordinates
 from ilp_planner.config import Config
 from ilp_planner.errors import ConfigError, InfeasibleError, LayoutError
 from ilp_planner.graph import Op, OpKind
-from ilp_planner.layouts import Layout, Split
-from ilp_planner.options import SCHEDULES
+from ilp_planner.layouts import Layout
 from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
 from ilp_planner.planner import realise
 from ilp_planner.strategies import Strategy, resolve_partial
@@ -119,27 +118,10 @@ def unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout, src_devi
 
 
 def schedule_actions(name: str, stages: int, microbatches: int) -> dict[str, list[str]]:
-    """Per-stage action lists (``"F3"`` = forward of micro-batch 3, ``"B3"`` its backward)."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown schedule {name!r}; expected one of {list(SCHEDULES)}")
-    out = {}
-    m = microbatches
-    for i in range(stages):
-        if name == "gpipe":
-            warm = m
-        elif name == "1f1b":
-            warm = min(stages - i, m)
-        else:
-            warm = min(2 * (stages - 1 - i) + 1, m)
-        acts = [f"F{k}" for k in range(warm)]
-        for j in range(m - warm):
-            acts += [f"B{j}", f"F{warm + j}"]
-        acts += [f"B{j}" for j in range(m - warm, m)]
-        out[str(i)] = acts
-    return out
-
-
-ACTION_RE = re.compile(r"^([A-Z]+)(\d+)$")
+    """Per-stage action lists (``"F3"`` = forward of micro-batch 3, ``"B3"`` its backward)
+    of the lead's generators (:func:`formulations.schedules.make_schedule`)."""
+    rows = make_schedule(name, stages, microbatches).to_strings()
+    return {str(i): row for i, row in enumerate(rows)}
 
 
 # -- plans built by hand ---------------------------------------------------------------------
@@ -163,11 +145,14 @@ def _choose(gp, keep: Filter | None, time_limit_s: float) -> tuple[list[int], di
 
 def restricted_plan(config: Config, keep: Filter | None = None, name: str | None = None,
                     time_limit_s: float = 30.0) -> Plan:
-    """The best single-mesh plan using only strategies ``keep`` accepts (all if None)."""
+    """The best single-mesh plan using only strategies ``keep`` accepts (all if None), for
+    one micro-batch with gradient accumulation over ``pipeline.microbatches`` (as
+    :func:`ilp_planner.planner.solve_mesh` plans)."""
     c = config.cluster
-    gp = build_problem(config.graph, c, c.nodes, c.devices_per_node, config.memory,
+    gp = build_problem(config.microbatch_graph(), c, c.nodes, c.devices_per_node, config.memory,
                        tie_layers=config.solver.tie_layers,
-                       max_weight_replication=config.solver.max_weight_replication)
+                       max_weight_replication=config.solver.max_weight_replication,
+                       microbatches=config.pipeline.microbatches)
     choice, solver = _choose(gp, keep, time_limit_s)
     layers, cost = realise(gp, choice)
     return Plan(name or config.name, config.raw, solver, cost, layers)
@@ -254,8 +239,3 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
              "actions": schedule_actions(schedule, stages, microbatches)}
     return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
                 CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)
-
-
-def split_dim_of(layout: Layout, axis: int) -> int | None:
-    pl = layout.placements[axis]
-    return pl.dim if isinstance(pl, Split) else None

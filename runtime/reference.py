@@ -64,7 +64,7 @@ def run_reference(graph: Graph, *, steps: int, seed: int, optimizer: OptimizerSp
     params = {k: v.clone().requires_grad_(True) for k, v in model.init_params(graph, seed).items()}
     opt = Optimizer(optimizer)
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         for p in params.values():
             p.grad = None
         total = 0.0

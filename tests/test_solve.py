@@ -61,11 +61,11 @@ def test_realised_cost_equals_ilp_objective(plans, name):
 
 
 def test_realised_cost_equals_ilp_objective_with_gradient_accumulation():
-    """gpt-2.6b-2x4 accumulates 16 micro-batches: activation traffic and compute count 16
-    times, the gradient AllReduce once — in the ILP's costs and in realise() alike."""
-    config = load_config(CONFIGS / "gpt-2.6b-2x4.yaml")
+    """transformer-autoddl-64 accumulates 32 micro-batches: activation traffic and compute
+    count 32 times, the gradient AllReduce once — in the ILP's costs and in realise() alike."""
+    config = load_config(CONFIGS / "transformer-autoddl-64.yaml")
     assert config.pipeline.microbatches > 1 and not config.pipeline.pipelined
-    gp, res = solve_mesh(config, 2, 4, config.cluster.memory_bytes)
+    gp, res = solve_mesh(config, 64, 1, config.cluster.memory_bytes)
     _, cost = realise(gp, list(res.choice))
     assert math.isclose(cost.total_s, res.objective, rel_tol=1e-9)
     assert cost.peak_memory_bytes == pytest.approx(gp.problem.memory_of(res.choice))

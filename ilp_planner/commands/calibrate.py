@@ -2,8 +2,9 @@
 measured collective timings (AutoDDL §3.2), print the fit report and emit a cluster-config
 fragment ``cluster: {links: {intra: {alpha, beta}, inter: {alpha, beta}}}``.
 
-The timings come from a CSV (``collective,group_size,bytes,link,seconds``); a source that
-measures them on the spot can plug in beside :func:`_load_rows`.
+The timings come from a CSV (``collective,group_size,bytes,link,seconds``), or, with
+``--measure --nproc-per-node N``, from :mod:`runtime.measure` run under torchrun on the
+backend actually used (the CSV argument, if given, is where those timings are written).
 """
 
 from __future__ import annotations
@@ -33,9 +34,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "timings", metavar="TIMINGS.csv",
-        help=f"CSV with header {','.join(CSV_COLUMNS)}",
+        "timings", metavar="TIMINGS.csv", nargs="?",
+        help=f"CSV with header {','.join(CSV_COLUMNS)} (with --measure: where to write them)",
     )
+    p.add_argument("--measure", action="store_true",
+                   help="measure the collectives now with torchrun (runtime.measure), then fit")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="processes for --measure")
+    p.add_argument("--devices-per-node", type=int, default=None,
+                   help="ranks per node for the intra/inter labels of --measure "
+                        "(default: all on one node)")
+    p.add_argument("--sizes", default=None, help="--measure message sizes in bytes, comma list")
+    p.add_argument("--repeats", type=int, default=None, help="--measure repetitions per size")
     p.add_argument("-o", "--output", metavar="FRAGMENT.yaml",
                    help="write the cluster fragment here (default: stdout)")
     p.add_argument("--weighting", choices=("relative", "absolute"), default="relative",
@@ -46,8 +55,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load_rows(args: argparse.Namespace) -> list[TimingRow]:
-    """Where the timings come from (today: the CSV named on the command line)."""
-    return read_timings_csv(args.timings)
+    """Where the timings come from: the CSV named on the command line, or a measurement."""
+    if not args.measure:
+        if args.timings is None:
+            raise ConfigError("give a timings CSV, or --measure --nproc-per-node N")
+        return read_timings_csv(args.timings)
+    import subprocess
+    import tempfile
+
+    from ilp_planner.commands.run import torchrun_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.timings or str(Path(tmp) / "timings.csv")
+        extra = ["--output", out]
+        for flag, value in (("--devices-per-node", args.devices_per_node), ("--sizes", args.sizes),
+                            ("--repeats", args.repeats)):
+            if value is not None:
+                extra += [flag, str(value)]
+        rc = subprocess.call(torchrun_command(args.nproc_per_node, "runtime.measure", extra),
+                             stdout=sys.stderr)
+        if rc != 0:
+            raise ConfigError(f"measuring collectives failed (torchrun exit status {rc})")
+        return read_timings_csv(out)
 
 
 def run(args: argparse.Namespace) -> int:

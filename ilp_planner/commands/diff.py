@@ -21,8 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.commands.explain import load_plan_or_solve
+    from ilp_planner.commands.explain import emit, load_plan_or_solve
     from ilp_planner.explain import diff
 
-    print(diff(load_plan_or_solve(args.a), load_plan_or_solve(args.b)))
+    emit(diff(load_plan_or_solve(args.a), load_plan_or_solve(args.b)))
     return 0

@@ -5,6 +5,8 @@ seconds, memory per device and the baselines. A YAML configuration is solved fir
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,8 +33,17 @@ def load_plan_or_solve(path: str):
     return Plan.load(path)
 
 
+def emit(text: str) -> None:
+    """Print a report; a reader that stops early (``| head``) is not an error."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def run(args: argparse.Namespace) -> int:
     from ilp_planner.explain import explain
 
-    print(explain(load_plan_or_solve(args.plan), collectives=not args.no_collectives))
+    emit(explain(load_plan_or_solve(args.plan), collectives=not args.no_collectives))
     return 0

@@ -1,0 +1,346 @@
+"""Dry-run simulation of a pipeline schedule with the cost model's durations.
+
+Model (what the timeline means)
+-------------------------------
+* Every stage ``s`` has one *compute* stream and one *comm* stream. Actions run in the
+  stage's program order (the schedule row, lowered with :func:`schedules.lower` if needed).
+* ``F``/``B``/``W`` occupy the compute stream for ``forward[s]``, ``backward[s]`` and
+  ``weight[s]`` seconds. Without split backward (no W in the schedule) a B costs
+  ``backward[s] + weight[s]``: ``backward`` is the input-gradient part and ``weight`` the
+  weight-gradient part of one backward.
+* A send across boundary ``k`` (between stages ``k`` and ``k+1``) takes
+  ``activation_transfer[k]`` (``SF``, forward direction) or ``gradient_transfer[k]`` (``SB``).
+  Buffers are unbounded: a send never waits for its receiver.
+
+  - ``overlap=True``: the send is issued when the compute stream reaches it and runs on the
+    sender's comm stream as soon as that stream is free (a stage's sends are serialised in
+    program order; sending and receiving are separate resources, so receives never queue).
+    The compute stream continues at once.
+  - ``overlap=False``: the send occupies the sender's compute stream for its duration (its
+    event is recorded on the ``compute`` stream).
+* ``RF``/``RB`` make the compute stream wait until the matching transfer has arrived.
+
+Since every stream executes in program order and every cross-stage edge is a send → receive,
+start times are the longest paths of a DAG: the result does not depend on the order the
+simulator visits the stages in, and a schedule that passes :func:`schedules.validate` always
+completes.
+
+Reported figures
+----------------
+* ``makespan_s`` — end of the last event.
+* ``bubble_fraction`` — ``1 − Σ_s busy_s / (S · makespan)`` with ``busy_s`` the F/B/W time of
+  stage ``s``: idle compute time, including time a non-overlapped send holds the stream.
+* ``peak_inflight`` — per stage, the largest number of micro-batches whose forward has run
+  and whose backward (W when split) has not finished (activations held).
+
+For GPipe with equal stages and zero communication the makespan is ``(S + M − 1)(f + b)``
+and the bubble fraction ``(S − 1)/(S + M − 1)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from formulations.schedules import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    lower,
+    peak_inflight,
+    validate,
+)
+
+STREAMS = ("compute", "comm")
+
+
+def _tuple(x: float | Sequence[float], n: int, what: str) -> tuple[float, ...]:
+    t = tuple(float(v) for v in x) if isinstance(x, Sequence) else (float(x),) * n
+    if len(t) != n:
+        raise ScheduleError(f"{what}: expected {n} values, got {len(t)}")
+    if any(v < 0 for v in t):
+        raise ScheduleError(f"{what}: durations must be non-negative, got {t}")
+    return t
+
+
+@dataclass(frozen=True)
+class StageDurations:
+    """Seconds per micro-batch. ``forward``/``backward``/``weight`` have one entry per
+    stage; ``activation_transfer``/``gradient_transfer`` one per boundary (``S − 1``)."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    activation_transfer: tuple[float, ...]
+    gradient_transfer: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        S = len(self.forward)
+        if S < 1:
+            raise ScheduleError("StageDurations needs at least one stage")
+        for name, n in (
+            ("forward", S),
+            ("backward", S),
+            ("weight", S),
+            ("activation_transfer", S - 1),
+            ("gradient_transfer", S - 1),
+        ):
+            object.__setattr__(self, name, _tuple(getattr(self, name), n, f"StageDurations.{name}"))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    @classmethod
+    def make(
+        cls,
+        num_stages: int,
+        forward: float | Sequence[float],
+        backward: float | Sequence[float],
+        weight: float | Sequence[float] = 0.0,
+        activation_transfer: float | Sequence[float] = 0.0,
+        gradient_transfer: float | Sequence[float] | None = None,
+    ) -> StageDurations:
+        """Scalars are broadcast; ``gradient_transfer`` defaults to ``activation_transfer``
+        (the gradient of an activation has its size)."""
+        S = num_stages
+        if gradient_transfer is None:
+            gradient_transfer = activation_transfer
+        return cls(
+            _tuple(forward, S, "forward"),
+            _tuple(backward, S, "backward"),
+            _tuple(weight, S, "weight"),
+            _tuple(activation_transfer, S - 1, "activation_transfer"),
+            _tuple(gradient_transfer, S - 1, "gradient_transfer"),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "forward": list(self.forward),
+            "backward": list(self.backward),
+            "weight": list(self.weight),
+            "activation_transfer": list(self.activation_transfer),
+            "gradient_transfer": list(self.gradient_transfer),
+        }
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of the timeline."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+    stream: str
+
+    def to_dict(self) -> dict:
+        return {
+            "stage": self.stage,
+            "action": str(self.action),
+            "start": self.start,
+            "end": self.end,
+            "stream": self.stream,
+        }
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    overlap: bool
+    split_backward: bool
+    timeline: tuple[Event, ...]
+    makespan_s: float
+    bubble_fraction: float
+    busy_s: tuple[float, ...]
+    peak_inflight: tuple[int, ...]
+
+    def to_dict(self, *, timeline: bool = True) -> dict:
+        d = {
+            "schedule": self.schedule,
+            "stages": self.num_stages,
+            "microbatches": self.num_microbatches,
+            "overlap": self.overlap,
+            "split_backward": self.split_backward,
+            "makespan_s": self.makespan_s,
+            "bubble_fraction": self.bubble_fraction,
+            "busy_s": list(self.busy_s),
+            "peak_inflight": list(self.peak_inflight),
+        }
+        if timeline:
+            d["timeline"] = [e.to_dict() for e in self.timeline]
+        return d
+
+
+def simulate(
+    schedule: Schedule,
+    durations: StageDurations,
+    *,
+    overlap: bool = True,
+    check: bool = True,
+) -> SimResult:
+    """Run ``schedule`` (lowered here if it has no send/recv) against ``durations``.
+
+    ``check`` validates the schedule first (a :class:`ScheduleError` names the bad cell)."""
+    if durations.num_stages != schedule.num_stages:
+        raise ScheduleError(
+            f"durations describe {durations.num_stages} stages but schedule "
+            f"{schedule.name!r} has {schedule.num_stages}"
+        )
+    sched = lower(schedule)
+    if check:
+        validate(sched, fifo_channels=False)
+    S = sched.num_stages
+    split = sched.split_backward
+    dur = {
+        ActionKind.F: durations.forward,
+        ActionKind.B: durations.backward
+        if split
+        else tuple(b + w for b, w in zip(durations.backward, durations.weight, strict=True)),
+        ActionKind.W: durations.weight,
+    }
+    xfer = {ActionKind.SEND_F: durations.activation_transfer, ActionKind.SEND_B: durations.gradient_transfer}
+    # destination stage and matching receive of each send kind
+    dest = {ActionKind.SEND_F: (1, ActionKind.RECV_F), ActionKind.SEND_B: (-1, ActionKind.RECV_B)}
+
+    ptr = [0] * S
+    compute_free = [0.0] * S
+    comm_free = [0.0] * S
+    busy = [0.0] * S
+    arrival: dict[tuple[int, ActionKind, int], float] = {}
+    events: list[Event] = []
+    remaining = sum(len(r) for r in sched.rows)
+    while remaining:
+        progressed = False
+        for s in range(S):
+            row = sched.rows[s]
+            while ptr[s] < len(row):
+                a = row[ptr[s]]
+                k = a.kind
+                if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
+                    t = arrival.get((s, k, a.microbatch))
+                    if t is None:
+                        break
+                    compute_free[s] = max(compute_free[s], t)
+                elif k is ActionKind.SEND_F or k is ActionKind.SEND_B:
+                    step, recv = dest[k]
+                    boundary = s if step == 1 else s - 1
+                    d = xfer[k][boundary]
+                    if overlap:
+                        start = max(compute_free[s], comm_free[s])
+                        comm_free[s] = start + d
+                        stream = "comm"
+                    else:
+                        start = compute_free[s]
+                        compute_free[s] = start + d
+                        stream = "compute"
+                    events.append(Event(s, a, start, start + d, stream))
+                    arrival[(s + step, recv, a.microbatch)] = start + d
+                else:
+                    d = dur[k][s]
+                    start = compute_free[s]
+                    compute_free[s] = start + d
+                    busy[s] += d
+                    events.append(Event(s, a, start, start + d, "compute"))
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # only reachable with check=False on an invalid schedule
+            stuck = ", ".join(
+                f"stage {s} at {sched.rows[s][ptr[s]]}" for s in range(S) if ptr[s] < len(sched.rows[s])
+            )
+            raise ScheduleError(f"simulation of {sched.name!r} deadlocked: {stuck}")
+    makespan = max((e.end for e in events), default=0.0)
+    bubble = 1.0 - sum(busy) / (S * makespan) if makespan > 0 else 0.0
+    events.sort(key=lambda e: (e.stage, e.stream, e.start, e.end))
+    return SimResult(
+        schedule=sched.name,
+        num_stages=S,
+        num_microbatches=sched.num_microbatches,
+        overlap=overlap,
+        split_backward=split,
+        timeline=tuple(events),
+        makespan_s=makespan,
+        bubble_fraction=bubble,
+        busy_s=tuple(busy),
+        peak_inflight=peak_inflight(sched),
+    )
+
+
+_COLOURS = {
+    "F": "#4C72B0",
+    "B": "#55A868",
+    "W": "#DD8452",
+    "SF": "#9DB9E0",
+    "SB": "#A8D5B0",
+}
+
+
+def plot_timeline(
+    timeline: SimResult | Sequence[Event],
+    path: str,
+    *,
+    num_stages: int | None = None,
+    title: str | None = None,
+) -> str:
+    """Gantt chart as PNG: per stage one row for compute and one for comm (top = stage 0).
+    Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if isinstance(timeline, SimResult):
+        if title is None:
+            title = (
+                f"{timeline.schedule}{' (B/W split)' if timeline.split_backward else ''}: "
+                f"S={timeline.num_stages}, M={timeline.num_microbatches}, "
+                f"overlap={timeline.overlap}, makespan={timeline.makespan_s:.4g} s, "
+                f"bubble={timeline.bubble_fraction:.1%}"
+            )
+        num_stages = num_stages or timeline.num_stages
+        events: Sequence[Event] = timeline.timeline
+    else:
+        events = timeline
+    S = num_stages or (1 + max((e.stage for e in events), default=0))
+    makespan = max((e.end for e in events), default=1.0) or 1.0
+    fig, ax = plt.subplots(figsize=(min(24, 6 + len(events) / 12), 1.0 + 0.8 * S))
+    for e in events:
+        if e.end <= e.start:
+            continue
+        row = 2 * e.stage + (1 if e.stream == "comm" else 0)
+        colour = _COLOURS[e.action.kind.value]
+        ax.broken_barh(
+            [(e.start, e.end - e.start)],
+            (row - 0.4, 0.8),
+            facecolors=colour,
+            edgecolors="black",
+            linewidth=0.3,
+        )
+        if (e.end - e.start) / makespan > 0.012:
+            ax.text(
+                (e.start + e.end) / 2, row, str(e.action.microbatch), ha="center", va="center", fontsize=6
+            )
+    ax.set_yticks(range(2 * S))
+    ax.set_yticklabels([f"stage {s} {st}" for s in range(S) for st in STREAMS])
+    ax.invert_yaxis()
+    ax.set_xlim(0, makespan)
+    ax.set_xlabel("time (s)")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 if S < 3 else -0.12),
+        fontsize=7,
+        ncol=5,
+        frameon=False,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

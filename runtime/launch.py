@@ -1,0 +1,212 @@
+"""``torchrun --nproc-per-node N -m runtime.launch PLAN.json [PLAN2.json …] [options]``.
+
+Trains each plan in turn for ``--steps`` optimizer steps and prints, on rank 0, the loss and
+wall time of every step. Several plans share one launch (and one process start-up).
+
+Order of checks, so that bad input fails fast and never hangs: the plan files are read and
+validated and the world size (``WORLD_SIZE`` from torchrun) is compared with each plan's
+device count *before* the process group exists; then the backend is initialised — NCCL
+when CUDA is available, gloo otherwise — with a collective timeout (``--timeout``, default
+60 s), so a rank that dies mid-step ends the job with an error (torchrun also tears the
+other workers down as soon as one exits non-zero).
+
+Outputs (rank 0): ``--timings CSV`` — every single collective issued, in the calibration
+format (``collective,group_size,bytes,link,seconds``) that ``ilp-planner calibrate`` fits;
+``--results JSON`` — per plan: losses, step seconds, communication seconds per step and per
+purpose, and the reference comparison; ``--save-params DIR`` — final full parameters
+(``DIR/<plan stem>.pt``); ``--check-reference`` — run the single-process reference on rank 0
+and fail (exit 1) unless every step's loss and every final parameter agree within
+``--rtol`` (relative, norm-wise per tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ilp_planner.errors import PlannerError
+from ilp_planner.plan import Plan
+
+CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.launch",
+                                description="Train solved plans under torchrun.")
+    p.add_argument("plans", nargs="+", metavar="PLAN.json")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="adam",
+                   help="sgd or adam; a comma-separated list gives one per plan")
+    p.add_argument("--lr", default="1e-2", help="learning rate; a comma list gives one per plan")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="gradient accumulation for single-stage plans (default: the config's)")
+    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--timings", metavar="CSV", help="write per-collective timings here")
+    p.add_argument("--results", metavar="JSON", help="write per-plan results here")
+    p.add_argument("--save-params", metavar="DIR", help="save final full parameters here")
+    p.add_argument("--check-reference", action="store_true",
+                   help="compare with the single-process reference on rank 0")
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--crash-rank", type=int, default=None,
+                   help="testing: this rank exits abruptly at --crash-step")
+    p.add_argument("--crash-step", type=int, default=1)
+    return p
+
+
+def rel_err(a, b) -> float:
+    import torch
+
+    a, b = a.detach().double(), b.detach().double()
+    den = float(torch.linalg.vector_norm(b))
+    num = float(torch.linalg.vector_norm(a - b))
+    return num / den if den > 0 else num
+
+
+def compare(losses: list[float], params: dict, ref) -> dict:
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref.losses, strict=True))
+    perr = {k: rel_err(params[k], v) for k, v in ref.params.items()}
+    worst = max(perr, key=perr.get)
+    return {"loss_rel_err": loss_err, "param_rel_err": perr[worst], "worst_param": worst,
+            "reference_losses": ref.losses, "param_rel_errs": perr}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("error: runtime.launch runs under torchrun (RANK/WORLD_SIZE unset); use "
+              "`torchrun --nproc-per-node N -m runtime.launch PLAN` or `ilp-planner run`",
+              file=sys.stderr)
+        return 2
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    try:
+        return _run(args, rank, world, local_rank)
+    except PlannerError as exc:
+        print(f"[rank {rank}] error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
+    plans = [Plan.load(p) for p in args.plans]  # PlanFormatError before any process group
+    import torch
+
+    from runtime.executor import Executor, RunOptions
+    from runtime.optim import OptimizerSpec
+
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
+    lrs = _per_plan(args.lr, len(plans), "--lr", float)
+    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches)
+               for o, lr in zip(opts, lrs, strict=True)]
+    executors = [Executor(p, o, rank=rank, world=world, device=device)
+                 for p, o in zip(plans, options, strict=True)]
+
+    import torch.distributed as dist
+
+    # DTensor warns about the deviations runtime.comm records anyway (gloo AlltoAll as an
+    # AllGather, several AllGathers for a nested split); keep the per-step output readable.
+    for name in ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._collective_utils"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    failed = False
+    results = []
+    timing_rows = []
+    try:
+        for path, ex in zip(args.plans, executors, strict=True):
+            ex.setup()
+            if rank == 0:
+                print(f"plan {ex.plan.name} ({path}): {world} {backend} processes, "
+                      f"{len(ex.stages)} stage(s), {ex.microbatches} micro-batch(es), "
+                      f"{ex.registry.num_groups} process groups", flush=True)
+            losses, secs, comm = [], [], []
+            for step in range(args.steps):
+                if args.crash_rank == rank and step == args.crash_step:
+                    print(f"[rank {rank}] crashing on purpose at step {step}", file=sys.stderr,
+                          flush=True)
+                    os._exit(13)
+                r = ex.train_step(step)
+                losses.append(r.loss)
+                secs.append(r.seconds)
+                comm.append(_comm_summary(r.events))
+                timing_rows += [(e.kind, e.group_size, e.bytes, e.link, e.seconds) for e in r.events
+                                if e.kind in CALIBRATION_KINDS
+                                and e.group_size >= (1 if e.kind == "broadcast" else 2)
+                                and e.seconds > 0]
+                if rank == 0 and not args.quiet:
+                    print(f"  step {step}: loss {r.loss:.6f}  time {r.seconds * 1e3:.1f} ms  "
+                          f"comm {comm[-1]['total_s'] * 1e3:.1f} ms", flush=True)
+            params = ex.gather_params()
+            by_rank = [None] * world if rank == 0 else None
+            dist.gather_object([c["total_s"] for c in comm], by_rank, dst=0)
+            entry = {"plan": ex.plan.name, "file": str(path), "losses": losses, "step_s": secs,
+                     "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
+                     "microbatches": ex.microbatches, "stages": len(ex.stages)}
+            if rank == 0:
+                if args.save_params:
+                    out = Path(args.save_params)
+                    out.mkdir(parents=True, exist_ok=True)
+                    torch.save(params, out / f"{Path(path).stem}.pt")
+                if args.check_reference:
+                    from runtime.reference import run_reference
+
+                    ref = run_reference(ex.full_graph, steps=args.steps, seed=args.seed,
+                                        optimizer=ex.options.optimizer, microbatches=ex.microbatches)
+                    cmp = compare(losses, params, ref)
+                    entry["reference"] = cmp
+                    ok = cmp["loss_rel_err"] <= args.rtol and cmp["param_rel_err"] <= args.rtol
+                    failed |= not ok
+                    print(f"  reference: loss rel err {cmp['loss_rel_err']:.2e}, worst param "
+                          f"{cmp['worst_param']} rel err {cmp['param_rel_err']:.2e} -> "
+                          f"{'OK' if ok else 'MISMATCH'}", flush=True)
+            results.append(entry)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(timing_rows, gathered, dst=0)
+        if rank == 0:
+            if args.timings:
+                import csv
+
+                with open(args.timings, "w", newline="") as fh:
+                    w = csv.writer(fh)
+                    w.writerow(("collective", "group_size", "bytes", "link", "seconds"))
+                    for rows in gathered:
+                        for row in rows:
+                            w.writerow(row)
+            if args.results:
+                Path(args.results).write_text(json.dumps(results, indent=1))
+    finally:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def _per_plan(text: str, n: int, flag: str, cast) -> list:
+    from ilp_planner.errors import ConfigError
+
+    parts = [x.strip() for x in str(text).split(",")]
+    if len(parts) not in (1, n):
+        raise ConfigError(f"{flag} lists {len(parts)} values for {n} plans; give one or {n}")
+    try:
+        vals = [cast(x) for x in parts]
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from exc
+    return vals * n if len(vals) == 1 else vals
+
+
+def _comm_summary(events) -> dict:
+    by: dict[str, float] = {}
+    for e in events:
+        by[e.purpose] = by.get(e.purpose, 0.0) + e.seconds
+    return {"total_s": sum(by.values()), "by_purpose": by, "count": len(events)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The torch runtime against the single-process reference, on gloo with real processes.
+
+Equivalence (DESIGN §5): for a tiny MLP and a tiny GPT, on 4 and on 8 processes, (a) a pure
+intra-op plan with AutoDDL's 3-D family and partial sums, (b) a 2-stage pipelined plan under
+eager-1F1B and (c) the same under 1F1B must give the loss of every step and the final
+parameters of one process running the unsharded model, within 1e-4 relative, over 3
+optimizer steps. Extra variants ride along in the same launches (GPipe, SUMMA, data parallel
+with gradient accumulation, the ILP's own plan of ``configs/tiny-gpt-cpu.yaml``). One
+launch per world size keeps process start-up (the slow part on 2 cores) to two.
+
+Optimizers: the MLP trains with Adam, the GPT with SGD. Adam maps a gradient g to about
+±lr·g/|g|, so a gradient that is zero in exact arithmetic but rounding noise in floating
+point gets an O(lr) update of random sign — GPT's key biases are such parameters (softmax is
+invariant to them; their gradient is ~1e-10), which makes Adam useless for comparing two
+summation orders there. SGD is linear in the gradient and compares cleanly.
+
+Failure modes: plan/world-size mismatch and corrupted plans fail before any process group
+exists (in-process, no torchrun needed); a rank that dies mid-step ends the job with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ilp_planner import cli
+from ilp_planner.baselines import data_parallel_filter, summa_filter
+from ilp_planner.cluster import MeshAxis
+from ilp_planner.config import load_config, parse_config
+from ilp_planner.layouts import B, Layout, S
+from ilp_planner.plan import Plan
+from ilp_planner.planner import solve
+from runtime import launch
+from runtime.executor import Executor, RunOptions
+from runtime.optim import OptimizerSpec
+from runtime.plans import (
+    device_regions,
+    pipelined_plan,
+    restricted_plan,
+    schedule_actions,
+    three_d_filter,
+    unit_tasks,
+)
+from runtime.reference import run_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+STEPS = 3
+RTOL = 1e-4
+OPT = {"gpt": ("sgd", 0.1), "mlp": ("adam", 0.01)}
+REQUIRED = [(n, m, v) for n in (4, 8) for m in ("mlp", "gpt") for v in ("3d", "eager-1f1b", "1f1b")]
+EXTRA = [(4, "mlp", "gpipe"), (4, "mlp", "summa"), (4, "mlp", "dp-accum"), (8, "gpt", "solved")]
+
+
+def config(model: str, n: int):
+    c = load_config(CONFIGS / f"tiny-{model}-cpu.yaml")
+    return c if n == 8 else c.with_overrides({"cluster.nodes": 1, "cluster.devices_per_node": 4})
+
+
+def build_plan(n: int, model: str, variant: str) -> Plan:
+    c = config(model, n)
+    name = f"{model}{n}-{variant}"
+    if variant == "3d":
+        sizes = (2, 2, 2) if n == 8 else ((1, 2, 2) if model == "gpt" else (2, 1, 2))
+        return restricted_plan(c, three_d_filter(sizes), name=name)
+    if variant in ("eager-1f1b", "1f1b", "gpipe"):
+        return pipelined_plan(c, stages=2, schedule=variant, microbatches=4, name=name)
+    if variant == "summa":
+        return restricted_plan(c, summa_filter(MeshAxis(1, 2), MeshAxis(1, 2)), name=name)
+    if variant == "dp-accum":
+        c = c.with_overrides({"pipeline.microbatches": 2})
+        return restricted_plan(c, data_parallel_filter(MeshAxis(1, 4)), name=name)
+    if variant == "solved":
+        plan = solve(c, baselines=False)
+        plan.name = name
+        return plan
+    raise ValueError(variant)
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on timeout kill the whole group (no strays)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:6])}… hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _launch(n: int, tmp: Path) -> dict:
+    """Build this world size's plans, train them all in one launch, return results by name."""
+    cases = [c for c in REQUIRED + EXTRA if c[0] == n]
+    files, opts, lrs = [], [], []
+    for _, model, variant in cases:
+        path = tmp / f"{model}{n}-{variant}.json"
+        build_plan(n, model, variant).save(path)
+        files.append(str(path))
+        opts.append(OPT[model][0])
+        lrs.append(str(OPT[model][1]))
+    common = ["--steps", str(STEPS), "--optimizer", ",".join(opts), "--lr", ",".join(lrs),
+              "--results", str(tmp / "results.json"), "--save-params", str(tmp / "params"),
+              "--timings", str(tmp / "timings.csv"), "--quiet"]
+    if n == 4:  # through the CLI wrapper
+        cmd = [sys.executable, "-m", "ilp_planner.cli", "run", *files, "--nproc-per-node", "4", *common]
+    else:  # torchrun directly
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "8", "-m", "runtime.launch", *files, *common]
+    res = _run(cmd, timeout=420)
+    assert res.returncode == 0, f"launch failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    out = {Path(r["file"]).stem: r for r in json.loads((tmp / "results.json").read_text())}
+    for stem in out:
+        out[stem]["params"] = torch.load(tmp / "params" / f"{stem}.pt")
+        out[stem]["plan"] = Plan.load(tmp / f"{stem}.json")
+    out["__stdout__"] = res.stdout
+    out["__timings__"] = (tmp / "timings.csv").read_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict]:
+    return {n: _launch(n, tmp_path_factory.mktemp(f"world{n}")) for n in (4, 8)}
+
+
+_REFS: dict[tuple, object] = {}
+
+
+def reference(plan: Plan, model: str, microbatches: int):
+    key = (json.dumps(plan.config["model"], sort_keys=True), microbatches, model)
+    if key not in _REFS:
+        opt, lr = OPT[model]
+        _REFS[key] = run_reference(parse_config(plan.config).graph, steps=STEPS, seed=0,
+                                   optimizer=OptimizerSpec(opt, lr), microbatches=microbatches)
+    return _REFS[key]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm((a - b).double()) / torch.linalg.vector_norm(b.double()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,model,variant", REQUIRED + EXTRA,
+                         ids=[f"{n}-{m}-{v}" for n, m, v in REQUIRED + EXTRA])
+def test_matches_single_process(runs, n: int, model: str, variant: str) -> None:
+    r = runs[n][f"{model}{n}-{variant}"]
+    plan = r["plan"]
+    ex = Executor(plan, RunOptions(), rank=0, world=n)  # pure: how many micro-batches
+    ref = reference(plan, model, ex.microbatches)
+    assert len(r["losses"]) == STEPS
+    for step, (got, want) in enumerate(zip(r["losses"], ref.losses, strict=True)):
+        assert abs(got - want) <= RTOL * abs(want), f"step {step}: loss {got} vs {want}"
+    assert r["losses"][-1] < r["losses"][0]  # the optimizer steps did train
+    assert set(r["params"]) == set(ref.params)
+    for name, want in ref.params.items():
+        assert _rel(r["params"][name], want) <= RTOL, f"parameter {name}"
+
+
+@pytest.mark.slow
+def test_runs_print_losses_and_write_timings(runs) -> None:
+    out = runs[4]["__stdout__"]
+    assert "plan mlp4-eager-1f1b" in out and "2 stage(s), 4 micro-batch(es)" in out
+    rows = runs[8]["__timings__"].splitlines()
+    assert rows[0] == "collective,group_size,bytes,link,seconds"
+    kinds = {row.split(",")[0] for row in rows[1:]}
+    assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} <= kinds
+
+
+# -- the plans are what they claim -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_3d_plans_have_three_axes_and_partial_sums(n: int, model: str) -> None:
+    plan = build_plan(n, model, "3d")
+    mm = [lp for lp in plan.layers if lp.kind in ("linear", "embedding")]
+    assert mm and all(lp.strategy.startswith("3d") and lp.output.has_partial for lp in mm)
+    if n == 8:
+        assert all([a.size for a in lp.output.fact] == [2, 2, 2] for lp in mm)
+
+
+@pytest.mark.parametrize("schedule", ["eager-1f1b", "1f1b"])
+def test_pipelined_plans_cut_two_stages(schedule: str) -> None:
+    plan = build_plan(8, "gpt", schedule)
+    assert [s["devices"] for s in plan.stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.schedule["actions"] == schedule_actions(schedule, 2, 4)
+    assert {lp.stage for lp in plan.layers} == {0, 1} and plan.resharding
+    warm = {"eager-1f1b": 3, "1f1b": 2}[schedule]
+    assert plan.schedule["actions"]["0"][:warm + 1] == [f"F{k}" for k in range(warm)] + ["B0"]
+
+
+# -- failure modes -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plan4(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("plans") / "mlp4.json"
+    build_plan(4, "mlp", "1f1b").save(path)
+    return path
+
+
+def _main_as_rank(monkeypatch, argv: list[str], world: int) -> int:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    return launch.main(argv)
+
+
+def test_world_size_mismatch_fails_before_any_collective(monkeypatch, capsys, plan4) -> None:
+    assert _main_as_rank(monkeypatch, [str(plan4)], world=2) == 2
+    err = capsys.readouterr().err
+    assert "is for 4 devices but the world has 2 processes" in err and "--nproc-per-node 4" in err
+    assert not torch.distributed.is_initialized()
+
+
+def test_run_verb_checks_nproc_before_spawning(capsys, plan4) -> None:
+    assert cli.main(["run", str(plan4), "--nproc-per-node", "3"]) == 2
+    assert "is for 4 devices but --nproc-per-node is 3" in capsys.readouterr().err
+
+
+def _corrupt(plan4: Path, tmp_path: Path, edit) -> Path:
+    d = json.loads(plan4.read_text())
+    edit(d)
+    out = tmp_path / "bad.json"
+    out.write_text(json.dumps(d))
+    return out
+
+
+CORRUPTIONS = {
+    "truncated": (None, "not valid JSON"),
+    "no-schema": (lambda d: d.pop("schema"), "not an ilp_planner plan"),
+    "layer-missing-strategy": (lambda d: d["layers"][0].pop("strategy"), "corrupt plan"),
+    "sender-not-holder": (lambda d: d["resharding"][0]["tasks"][0].update(sender=3),
+                          "is not a holder"),
+    "task-dropped": (lambda d: d["resharding"][0]["tasks"].pop(), "receives 0 of the"),
+    "backward-before-forward": (lambda d: d["schedule"]["actions"].update({"1": ["B0", "F0"] + [
+        a for a in d["schedule"]["actions"]["1"] if a not in ("F0", "B0")]}), "B0"),
+    "stage-missing-layer": (lambda d: d["stages"][1]["layers"].pop(), "each layer in exactly one"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupted_plan_fails_fast(monkeypatch, capsys, tmp_path, plan4, case: str) -> None:
+    edit, message = CORRUPTIONS[case]
+    if edit is None:
+        bad = tmp_path / "bad.json"
+        bad.write_text(plan4.read_text()[:500])
+    else:
+        bad = _corrupt(plan4, tmp_path, edit)
+    assert _main_as_rank(monkeypatch, [str(bad)], world=4) == 2
+    assert message in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_crashed_rank_ends_the_job(tmp_path) -> None:
+    c = load_config(CONFIGS / "tiny-mlp-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 2})
+    path = tmp_path / "dp2.json"
+    restricted_plan(c, data_parallel_filter(MeshAxis(1, 2))).save(path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "runtime.launch", str(path), "--steps", "3", "--timeout", "20",
+           "--crash-rank", "1", "--crash-step", "1"]
+    res = _run(cmd, timeout=180)
+    assert res.returncode != 0
+    assert "crashing on purpose at step 1" in res.stderr
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def _fact(*sizes: int):
+    return tuple(MeshAxis(1, s) for s in sizes)
+
+
+@pytest.mark.parametrize("src,dst", [
+    (Layout(_fact(2, 2), (S(0), S(1))), Layout(_fact(4), (S(1),))),
+    (Layout(_fact(2, 2), (S(0), B)), Layout(_fact(2, 2), (S(1), S(0)))),
+    (Layout(_fact(4), (S(0),)), Layout(_fact(2, 2), (S(0), S(0)))),
+])
+def test_unit_tasks_deliver_every_element_once(src: Layout, dst: Layout) -> None:
+    shape = (8, 12)
+    src_dev, dst_dev = [0, 1, 2, 3], [4, 5, 6, 7]
+    tasks = unit_tasks(shape, 4, src, src_dev, dst, dst_dev)
+    src_reg = dict(zip(src_dev, device_regions(src, shape), strict=True))
+    dst_reg = dict(zip(dst_dev, device_regions(dst, shape), strict=True))
+    got = {d: torch.zeros(shape, dtype=torch.int64) for d in dst_dev}
+    for t in tasks:
+        assert t["sender"] in t["holders"]
+        sl = tuple(slice(a, b) for a, b in t["slice"])
+        for h in t["holders"]:
+            assert all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(t["slice"], src_reg[h], strict=True))
+        for r in t["receivers"]:
+            got[r][sl] += 1
+    for d in dst_dev:
+        want = torch.zeros(shape, dtype=torch.int64)
+        want[tuple(slice(a, b) for a, b in dst_reg[d])] = 1
+        assert torch.equal(got[d], want)
