@@ -623,6 +623,24 @@ class _Problem:
         ok = (self.smax >= p) & (self.table.time <= T)
         return np.where(ok, self.table.time, np.inf)
 
+    def _fewest_stages(self, smax: np.ndarray, usable: np.ndarray) -> _DPResult:
+        """Feasibility in one pass, without position classes: ``N(k, d)`` = fewest stages of
+        a feasible suffix. Placing entry ``e`` in front of a suffix of ``n`` stages puts it
+        at position ``n + 1``, allowed iff ``n + 1 ≤ s_max(e)``; fewer stages behind is
+        always better for every stage in front, so keeping only the fewest is exact."""
+        t = self.table
+        c = np.where(usable & (smax > 0), smax.astype(float), np.inf)
+
+        def after(cap: np.ndarray, n: np.ndarray) -> np.ndarray:
+            return np.where(n + 1 <= cap, n + 1, np.inf)
+
+        return _dp(lambda p: c, 0, c, t.sizes, t.num_layers, t.num_devices, after, None)
+
+    def feasible(self, T: float) -> bool:
+        """Whether some assignment has every stage time ``≤ T`` and fits the budget (free
+        stage count only; one cheap pass)."""
+        return bool(np.isfinite(self._fewest_stages(self.smax, self.table.time <= T).value))
+
     def evaluate(self, T: float) -> _DPResult:
         """``G(T)``: least ``Σ t`` with every stage time ``≤ T`` (and its solution)."""
         self.solves += 1
@@ -647,37 +665,50 @@ class _Problem:
             self.num_stages,
         )
 
-    def min_memory(self) -> _DPResult:
-        """Least possible max-stage memory over all complete assignments (no budget): a
-        min-max DP over the same position classes. A first pass charges every stage the
-        saturated in-flight count (one class, an upper bound ``U`` achieved by a real
-        assignment); the exact pass then ignores every (entry, position) above ``U``."""
+    def min_memory(self) -> tuple[float, list[tuple[int, int, int]]]:
+        """Least possible max-stage memory over all complete assignments (no budget), and
+        one assignment that achieves it.
+
+        Free stage count: bisection over the candidate values ``mem(e, p) = fixed_e +
+        inflight(p)·act_e`` between a lower bound (every stage charged position 1) and an
+        upper bound (every stage charged the saturated in-flight count), each probe one
+        :meth:`_fewest_stages` pass with the budget set to the probe. Fixed stage count or
+        shapes: a min-max DP over the exact positions."""
         t = self.table
         finite = np.isfinite(t.time)
         sat = _positions_saturate(self.schedule, self.M)
         L, D = t.num_layers, t.num_devices
 
-        def mem_at(p: int, cap: float = np.inf) -> np.ndarray:
+        def mem_at(p: int) -> np.ndarray:
             k = inflight_microbatches(self.schedule, p, self.M)
-            m = t.mem_fixed + k * t.act
-            return np.where(finite & (m <= cap), m, np.inf)
+            return np.where(finite, t.mem_fixed + k * t.act, np.inf)
 
         if self.fixed_idx is not None:
-            return _dp_fixed_shapes(mem_at, self.fixed_idx, L, np.maximum)
-        S = self.num_stages
-        full = mem_at(sat)
-        if S is None:
-            upper = _dp(lambda p: full, 0, full, t.sizes, L, D, np.maximum, None)
-        else:
-            upper = _dp(lambda p: full, S, None, t.sizes, L, D, np.maximum, S)
-        if not np.isfinite(upper.value):
-            return upper
-        cap = upper.value
-        if S is not None:
-            return _dp(lambda p: mem_at(p, cap), S, None, t.sizes, L, D, np.maximum, S)
-        exact = min(sat, self.max_stages)
-        tail = mem_at(sat, cap) if exact < self.max_stages else None
-        return _dp(lambda p: mem_at(p, cap), exact, tail, t.sizes, L, D, np.maximum, None)
+            r = _dp_fixed_shapes(mem_at, self.fixed_idx, L, np.maximum)
+            return r.value, r.stages
+        if self.num_stages is not None:
+            S = self.num_stages
+            r = _dp(mem_at, S, None, t.sizes, L, D, np.maximum, S)
+            return r.value, r.stages
+        lo_arr, hi_arr = mem_at(1), mem_at(sat)
+        low = _dp(lambda p: lo_arr, 0, lo_arr, t.sizes, L, D, np.maximum, None).value
+        high = _dp(lambda p: hi_arr, 0, hi_arr, t.sizes, L, D, np.maximum, None)
+        if not np.isfinite(high.value):
+            return np.inf, []
+        levels = sorted({inflight_microbatches(self.schedule, p, self.M) for p in range(1, sat + 1)})
+        vals = np.unique(np.concatenate([(t.mem_fixed + k * t.act)[finite] for k in levels]))
+        cand = vals[(vals >= low) & (vals <= high.value)]
+        best: tuple[float, list[tuple[int, int, int]]] = (high.value, high.stages)
+        a, b = 0, cand.size - 1  # feasible at cand[b] (the upper bound)
+        while a <= b:
+            mid = (a + b) // 2
+            r = self._fewest_stages(_max_positions(t, self.schedule, self.M, float(cand[mid])), finite)
+            if np.isfinite(r.value):
+                best = (float(cand[mid]), r.stages)
+                b = mid - 1
+            else:
+                a = mid + 1
+        return best
 
 
 def _search(prob: _Problem) -> tuple[float, _DPResult, float]:
@@ -688,9 +719,10 @@ def _search(prob: _Problem) -> tuple[float, _DPResult, float]:
     counted). An interval is cut to the indices with ``g + (B−1)·c[idx] <`` best (the rest
     cannot win) and bisected; solving at ``c[mid]`` returns a solution with true maximum
     ``c[j] ≤ c[mid]``, so ``G`` is constant on ``[j, mid]`` and only ``[a, j]`` (exact) and
-    ``[mid+1, b]`` remain. The search starts by galloping up from the smallest candidate
-    (cheap solves: few stages fit under a small ``T``) to get an incumbent early; with
-    ``B = 1`` it is just ``G`` at the largest candidate."""
+    ``[mid+1, b]`` remain. The search starts at the first feasible candidate (found with the
+    one-pass :meth:`_Problem.feasible` test, or by galloping up with full solves when the
+    stage count is fixed) to get an incumbent early; with ``B = 1`` it is just ``G`` at the
+    largest candidate."""
     c, B = prob.candidates, prob.M
     n = c.size
     none = (np.inf, _DPResult(np.inf, []), np.inf)
@@ -700,19 +732,33 @@ def _search(prob: _Problem) -> tuple[float, _DPResult, float]:
     def tmax_of(r: _DPResult) -> float:
         return max(float(prob.table.time[k, i, m]) for k, i, m in r.stages)
 
+    free = prob.num_stages is None and prob.fixed_idx is None
+    if free and not prob.feasible(float(c[-1])):
+        return none
     if B == 1:
         r = prob.evaluate(float(c[-1]))
         return (r.value, r, tmax_of(r)) if np.isfinite(r.value) else none
-    best = none
-    # gallop to the first feasible candidate
-    lo, idx, step = 0, 0, 1
-    while True:
+    if free:
+        # first feasible candidate by bisection with the one-pass feasibility test
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if prob.feasible(float(c[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        idx = lo
         r = prob.evaluate(float(c[idx]))
-        if np.isfinite(r.value):
-            break
-        if idx == n - 1:
-            return none
-        lo, idx, step = idx + 1, min(n - 1, idx + step), step * 2
+    else:
+        # gallop to the first feasible candidate (cheap solves: few stages fit a small T)
+        lo, idx, step = 0, 0, 1
+        while True:
+            r = prob.evaluate(float(c[idx]))
+            if np.isfinite(r.value):
+                break
+            if idx == n - 1:
+                return none
+            lo, idx, step = idx + 1, min(n - 1, idx + step), step * 2
     tm = tmax_of(r)
     best = (r.value + (B - 1) * tm, r, tm)
     stack = [(idx + 1, n - 1, 0.0, False), (lo, int(np.searchsorted(c, tm)), r.value, True)]
@@ -765,31 +811,35 @@ def _infeasible(prob: _Problem) -> InfeasibleError:
             else ""
         )
     )
-    mm = prob.min_memory()
-    if np.isfinite(mm.value):
-        S = len(mm.stages)
+    mm_value, mm_stages = prob.min_memory()
+    if np.isfinite(mm_value):
+        S = len(mm_stages)
         worst = None
-        for j, (k, i, m) in enumerate(mm.stages):
+        for j, (k, i, m) in enumerate(mm_stages):
             n_in = inflight_microbatches(prob.schedule, S - j, prob.M)
             need = t.mem_fixed[k, i, m] + n_in * t.act[k, i, m]
             if worst is None or need > worst[0]:
                 worst = (need, k, i, m, n_in)
         need, k, i, m, n_in = worst  # type: ignore[misc]
-        return InfeasibleError(
+        err = InfeasibleError(
             f"no stage assignment of {where} fits the memory budget of "
             f"{_fmt_bytes(prob.budget)} per device under {prob.schedule} with {prob.M} "
-            f"micro-batches: the least memory any assignment needs is {_fmt_bytes(mm.value)} "
+            f"micro-batches: the least memory any assignment needs is {_fmt_bytes(mm_value)} "
             f"(its fullest stage: layers {k}–{i} on {t.shapes[m][0]}×{t.shapes[m][1]} holding "
             f"{n_in} micro-batch{'es' if n_in != 1 else ''} needs {_fmt_bytes(need)}). Raise the "
             f"budget, give stages more devices, or hold fewer micro-batches in flight (1f1b "
             f"instead of gpipe/eager-1f1b, fewer micro-batches)."
         )
-    return InfeasibleError(
+        err.needed_bytes, err.budget_bytes = float(mm_value), float(prob.budget)
+        return err
+    err = InfeasibleError(
         f"no assignment of {where} uses every device exactly once with defined stage costs "
         f"(sub-meshes {list(t.shapes)}; stage_cost returned None for {t.undefined} of "
         f"{t.calls} (range, mesh) pairs, {t.pruned} pairs pruned by the all-devices rule or "
         f"the imbalance tolerance)"
     )
+    err.needed_bytes, err.budget_bytes = None, float(prob.budget)
+    return err
 
 
 def solve_stages_from_table(

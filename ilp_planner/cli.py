@@ -12,6 +12,7 @@ from ilp_planner.errors import PlannerError
 VERBS = [
     "validate",
     "solve",
+    "simulate",
     "calibrate",
     "reshard",
     "sweep",

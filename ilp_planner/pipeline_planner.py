@@ -198,6 +198,21 @@ def _estimate_spec(tensor: TensorSpec, src: SubMesh, dst: SubMesh) -> str:
     return "R" + rest
 
 
+def stage_durations(stages: Sequence[dict], resharding: Sequence[dict]) -> StageDurations:
+    """Simulator durations of a pipelined plan: each stage's per-micro-batch time without
+    its boundary estimate, split 1:2 between forward and backward (backward ≈ 2 × forward
+    FLOPs); each boundary's transfer is the sum of the solved resharding makespans of the
+    tensors entering the next stage (a skip edge from an earlier stage is charged to the
+    boundary just before its destination). Gradients move the same bytes back."""
+    S = len(stages)
+    own = [s["time_s"] - s["boundary_time_s"] for s in stages]
+    transfer = [0.0] * (S - 1)
+    for r in resharding:
+        transfer[r["dst_stage"] - 1] += r["makespan_s"]
+    return StageDurations.make(S, [t / 3 for t in own], [2 * t / 3 for t in own],
+                               activation_transfer=transfer)
+
+
 def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     """Stages by the DP, intra-op plans per stage, resharding per crossing tensor, and the
     simulated schedule."""
@@ -263,13 +278,8 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
         })
     resharding = _plan_resharding(config, graph, dp, stage_of, out_layout, in_layouts)
     S = len(dp.stages)
-    fwd = [s["time_s"] - s["boundary_time_s"] for s in stages]
-    transfer = [0.0] * (S - 1)
-    for r in resharding:
-        transfer[r["dst_stage"] - 1] += r["makespan_s"]
     sched = make_schedule(pipe.schedule, S, pipe.microbatches)
-    sim = simulate(sched, StageDurations.make(S, [t / 3 for t in fwd], [2 * t / 3 for t in fwd],
-                                              activation_transfer=transfer), overlap=pipe.overlap)
+    sim = simulate(sched, stage_durations(stages, resharding), overlap=pipe.overlap)
     grad_tail = max(s["grad_sync_s"] for s in stages)
     schedule = {
         "name": pipe.schedule,

@@ -237,6 +237,27 @@ def test_impossible_budget_raises_with_the_numbers():
         solve_stages(6, 1, 2, 8, cost, memory_budget_bytes=8 * GiB)
 
 
+def test_infeasible_error_reports_the_exact_least_memory():
+    """The reported need is the min over assignments of the peak stage memory: brute force
+    is feasible with exactly that budget and infeasible just below it."""
+    checked = 0
+    for seed in range(60):
+        kw = random_instance(seed)
+        kw["memory_budget_bytes"] = 0.01 * GiB
+        with pytest.raises(InfeasibleError) as err:
+            solve_stages(**kw)
+        need = err.value.needed_bytes
+        if need is None:  # infeasible for another reason (stage count, undefined costs)
+            continue
+        assert need > kw["memory_budget_bytes"] and err.value.budget_bytes == 0.01 * GiB
+        ok = brute_force_stages(**{**kw, "memory_budget_bytes": need})
+        assert max(st.memory_bytes for st in ok.stages) == pytest.approx(need)
+        with pytest.raises(InfeasibleError):
+            brute_force_stages(**{**kw, "memory_budget_bytes": need * (1 - 1e-9)})
+        checked += 1
+    assert checked >= 30
+
+
 def test_all_stages_undefined_raises():
     with pytest.raises(InfeasibleError, match="stage_cost returned None"):
         solve_stages(3, 1, 2, 4, lambda a, e, sh: None)

@@ -1,0 +1,58 @@
+"""``ilp-planner simulate PLAN [--schedule NAME] [--microbatches M] [--no-overlap]
+[--plot out.png]``: replay a pipelined plan's stages under a schedule with the cost
+model's durations, print makespan, bubble fraction and peak in-flight activations per stage,
+and optionally draw the Gantt chart."""
+
+from __future__ import annotations
+
+import argparse
+
+from ilp_planner.options import SCHEDULES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a pipelined plan's schedule and draw its timeline",
+        description="Simulate the stages of a pipelined plan under GPipe, 1F1B or eager-1F1B "
+                    "(default: the plan's schedule) with compute and cross-mesh transfer "
+                    "times from the cost model.",
+    )
+    p.add_argument("plan", metavar="PLAN", help="plan JSON written by `ilp-planner solve`")
+    p.add_argument("--schedule", choices=SCHEDULES, help="schedule to simulate")
+    p.add_argument("--microbatches", type=int, metavar="M", help="override the micro-batches")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="transfers occupy the stage (no separate communication stream)")
+    p.add_argument("--plot", metavar="PNG", help="write a Gantt chart of the timeline")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from formulations.schedules import make_schedule
+    from formulations.simulator import plot_timeline, simulate
+    from ilp_planner.errors import PlanFormatError
+    from ilp_planner.pipeline_planner import stage_durations
+    from ilp_planner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if not plan.stages or not plan.schedule:
+        raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no pipeline stages; solve a "
+                              f"config with pipeline.stages > 1 or auto")
+    name = args.schedule or plan.schedule["name"]
+    m = args.microbatches or plan.schedule["num_microbatches"]
+    durations = stage_durations(plan.stages, plan.resharding)
+    overlap = not args.no_overlap
+    print(f"{plan.name}: {len(plan.stages)} stages, {m} micro-batches, overlap {overlap}")
+    print(f"  {'schedule':<12}{'makespan s':>12}{'bubble':>9}  peak in-flight per stage")
+    result = None
+    for sched_name in SCHEDULES:
+        res = simulate(make_schedule(sched_name, len(plan.stages), m), durations, overlap=overlap)
+        mark = " *" if sched_name == name else ""
+        print(f"  {sched_name:<12}{res.makespan_s:>12.5g}{res.bubble_fraction:>9.1%}  "
+              f"{list(res.peak_inflight)}{mark}")
+        if sched_name == name:
+            result = res
+    if args.plot and result is not None:
+        plot_timeline(result, args.plot, title=f"{plan.name}: {name}, {m} micro-batches")
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,187 @@
+"""Pipelined solves end to end: layer units, sub-graphs, stage placement, resharding of every
+crossing tensor, schedules, memory, and seed 003's eager-1F1B claim on the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from formulations.schedules import make_schedule, validate
+from formulations.simulator import simulate
+from ilp_planner.config import load_config
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.graph import OpKind
+from ilp_planner.models import gpt, mlp, u_transformer
+from ilp_planner.pipeline_planner import (
+    MAX_UNITS,
+    crossing,
+    layer_units,
+    signature,
+    solve_pipelined,
+    stage_durations,
+    subgraph,
+)
+from ilp_planner.plan import Plan, layout_from_dict
+from ilp_planner.planner import solve
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TINY = CONFIGS / "tiny-gpt-cpu.yaml"
+
+
+def tiny(**overrides):
+    base = {"pipeline.stages": 2, "pipeline.microbatches": 4, "pipeline.schedule": "eager-1f1b"}
+    base.update(overrides)
+    return load_config(TINY).with_overrides(base)
+
+
+# -- units, sub-graphs, cuts -------------------------------------------------------------------
+
+
+def test_gpt_units_are_blocks_with_embedding_first_and_head_last():
+    g = gpt(64, 6, 4, 16, 128, 8)
+    units = layer_units(g)
+    assert len(units) == 6
+    assert units[0][0] == "embed" and units[0][1] == "h.0.ln1"
+    assert units[-1][-3:] == ["ln_f", "lm_head", "loss"]
+    assert sorted(n for u in units for n in u) == sorted(
+        op.name for op in g.ops if op.kind is not OpKind.INPUT)
+
+
+def test_long_models_are_coarsened_and_mlp_units_are_weighted_ops():
+    units = layer_units(gpt(64, 40, 4, 16, 128, 8))
+    assert len(units) <= MAX_UNITS
+    assert [u[0] for u in layer_units(mlp([8, 8, 8, 8], 4))] == ["fc1", "fc2", "fc3"]
+
+
+def test_equal_block_ranges_share_a_signature_and_subgraphs_load_external_inputs():
+    g = gpt(64, 6, 4, 16, 128, 8)
+    u = layer_units(g)
+    assert signature(g, u[1] + u[2]) == signature(g, u[3] + u[4])
+    assert signature(g, u[0]) != signature(g, u[1])
+    sub = subgraph(g, u[2])
+    inputs = [op for op in sub.ops if op.kind is OpKind.INPUT]
+    assert [op.name for op in inputs] == ["h.1.mlp.residual"]
+    assert inputs[0].output == g["h.1.mlp.residual"].output
+
+
+def test_skip_edges_cross_the_cut():
+    g = u_transformer(64, 8, 4, 16, 8)
+    edges = crossing(g, layer_units(g), 5)
+    assert ("u.0.mlp.residual", "u.7.skip_add") in edges
+    assert ("u.4.mlp.residual", "u.5.skip_add") in edges
+
+
+# -- a pipelined tiny GPT ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_plan() -> Plan:
+    return solve(tiny())
+
+
+def test_stages_cover_the_cluster_and_the_model(tiny_plan):
+    plan = tiny_plan
+    assert len(plan.stages) == 2
+    devices = [d for st in plan.stages for d in st["devices"]]
+    assert sorted(devices) == list(range(8))
+    names = [n for st in plan.stages for n in st["layers"]]
+    graph = load_config(TINY).microbatch_graph()
+    assert names == [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
+    for st in plan.stages:
+        for name in st["layers"]:
+            layer = plan.layer(name)
+            assert layer.stage == st["index"]
+            size = int(np.prod([a.size for a in layer.output.fact]))
+            assert size == len(st["devices"])
+
+
+def test_every_crossing_tensor_has_a_resharding_schedule(tiny_plan):
+    plan = tiny_plan
+    graph = load_config(TINY).microbatch_graph()
+    stage_of = {layer.name: layer.stage for layer in plan.layers}
+    crossing_edges = {(s, d) for s, d in graph.edges()
+                      if graph[s].kind is not OpKind.INPUT and stage_of[s] != stage_of[d]}
+    assert crossing_edges
+    covered = {(r["tensor"], r["consumer"]) for r in plan.resharding}
+    for s, d in crossing_edges:
+        assert any(t == s for t, _ in covered), (s, d)
+    for r in plan.resharding:
+        src_devices = set(plan.stages[r["src_stage"]]["devices"])
+        dst_devices = set(plan.stages[r["dst_stage"]]["devices"])
+        assert r["makespan_s"] >= r["lower_bound_s"] - 1e-12
+        assert r["dst_layout"] == plan.layer(r["consumer"]).to_dict()["strategy"]["inputs"][
+            list(graph[r["consumer"]].inputs).index(r["tensor"])]
+        layout_from_dict(r["src_layout"])
+        for task in r["tasks"]:
+            assert task["sender"] in task["holders"] and set(task["holders"]) <= src_devices
+            assert set(task["receivers"]) <= dst_devices
+
+
+def test_schedule_is_valid_and_matches_its_simulation(tiny_plan):
+    sc = tiny_plan.schedule
+    rows = [sc["actions"][str(i)] for i in range(len(tiny_plan.stages))]
+    from formulations.schedules import Schedule
+
+    validate(Schedule.from_strings(rows, num_microbatches=sc["num_microbatches"]))
+    again = simulate(make_schedule(sc["name"], len(tiny_plan.stages), sc["num_microbatches"]),
+                     stage_durations(tiny_plan.stages, tiny_plan.resharding))
+    assert again.makespan_s == pytest.approx(sc["makespan_s"])
+    assert tiny_plan.step_s >= sc["makespan_s"]
+
+
+def test_pipelined_plan_round_trips(tiny_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    tiny_plan.save(path)
+    assert Plan.load(path).to_dict() == tiny_plan.to_dict()
+
+
+def test_stage_memory_is_within_budget_and_an_impossible_budget_is_explained(tiny_plan):
+    budget = load_config(TINY).cluster.memory_bytes
+    assert all(st["memory_bytes"] <= budget for st in tiny_plan.stages)
+    with pytest.raises(InfeasibleError, match="least memory any assignment needs"):
+        solve_pipelined(tiny(**{"cluster.memory_gib": 1e-5}), baselines=False)
+
+
+def test_auto_stage_count_solves():
+    plan = solve(tiny(**{"pipeline.stages": "auto"}), baselines=False)
+    assert 1 <= len(plan.stages) <= 8
+    assert sorted(d for st in plan.stages for d in st["devices"]) == list(range(8))
+
+
+# -- seed 003 §4: eager-1F1B never slower than 1F1B with communication overlapped ---------------
+
+
+@pytest.mark.parametrize("name", ["gpt-2.6b-2x4", "u-transformer-2x4"])
+def test_eager_1f1b_is_no_slower_than_1f1b_on_shipped_configs(name):
+    plan = solve(load_config(CONFIGS / f"{name}.yaml"), baselines=False)
+    assert len(plan.stages) >= 2 and plan.resharding
+    durations = stage_durations(plan.stages, plan.resharding)
+    assert sum(durations.activation_transfer) > 0
+    m = plan.schedule["num_microbatches"]
+    span = {s: simulate(make_schedule(s, len(plan.stages), m), durations, overlap=True).makespan_s
+            for s in ("1f1b", "eager-1f1b")}
+    assert span["eager-1f1b"] <= span["1f1b"] * (1 + 1e-12)
+
+
+def test_simulate_verb_prints_every_schedule_and_draws_the_timeline(tiny_plan, tmp_path, capsys):
+    from ilp_planner.cli import main
+
+    path = tmp_path / "plan.json"
+    tiny_plan.save(path)
+    png = tmp_path / "timeline.png"
+    assert main(["simulate", str(path), "--schedule", "1f1b", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    for name in ("gpipe", "1f1b", "eager-1f1b"):
+        assert name in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_verb_rejects_a_single_mesh_plan(tmp_path, capsys):
+    from ilp_planner.cli import main
+
+    path = tmp_path / "plan.json"
+    solve(load_config(TINY), baselines=False).save(path)
+    assert main(["simulate", str(path)]) == 2
+    assert "no pipeline stages" in capsys.readouterr().err
