@@ -35,8 +35,9 @@ stage ``s`` idles about ``s`` backward-times at the end of 1F1B, so it keeps tha
 fill it (the ZB-H1 pattern).
 
 In-flight activations of a stage = forwards run whose backward (W when split) has not run. In
-program order this peaks at ``warm-up`` (no split) or up to ``warm-up + lag`` (split): the
-number the stage DP charges as ``inflight_microbatches``.
+program order this peaks at the warm-up count without split — the number the stage DP charges
+(:func:`inflight_microbatches`) — and at most ``min(warm-up + lag + 1, M)`` with it (a W runs
+after the next forward).
 
 Lowering (:func:`lower`) is a pure pass that inserts the transfers: ``RF`` just before each F
 and ``SF`` just after it, ``RB`` just before each B and ``SB`` just after it, on every stage

@@ -31,23 +31,28 @@ layers ``k..L-1`` with exactly ``s`` stages on ``d`` devices:
 ``G(T_max) = \min_s F_s(0, N·M)`` and the answer is ``\min_{T_max} G(T_max) + (B−1)·T_max``
 over the distinct stage times (Alpa's enumeration).
 
-Two exact speed-ups make 96 layers × 512 devices fast:
+Exact speed-ups (what makes 96 layers × 512 devices take seconds):
 
 1. **Position classes.** Memory feasibility of an entry is a prefix ``s ≤ s_max(k,i,m)`` of
-   positions (``inflight`` is non-decreasing). Let ``P`` be the largest *finite* ``s_max``.
-   Positions ``> P`` all admit the same entries, so they share one *tail* table
-   ``F_{>P}(k, d) = min t + min(F_{>P}, F_P)(i+1, d−|m|)``. Only ``P`` exact layers are
-   computed (``P = 0`` when memory never depends on position). A fixed stage count ``S``
-   uses exact layers ``1..S``.
-2. **T_max search.** ``G`` is non-increasing in ``T_max``. Solving at ``T`` returns a
-   solution whose true maximum ``T' ≤ T`` has ``G(T') = G(T)``, so every candidate in
-   ``(T', T]`` is dominated. The candidates are searched by bisection over index
-   intervals ``[a, b]`` with ``G(b)`` known; an interval is dropped when
-   ``G(b) + (B−1)·T_a ≥`` best, a valid lower bound on it. This returns the same optimum as
-   Alpa's full enumeration with a handful of DP solves.
-
-Each DP layer is vectorised with numpy over the device count ``d``; the Python loops run
-over rows ``k`` and shapes ``m`` only.
+   positions (``inflight`` is non-decreasing). Let ``P`` be the largest *finite* ``s_max``
+   among the entries with ``t ≤ T_max``. Positions ``> P`` all admit the same entries, so
+   they share one *tail* table ``F_{>P}(k, d) = min t + min(F_{>P}, F_P)(i+1, d−|m|)``;
+   only ``P`` exact layers are computed (``P = 0`` when memory never depends on position,
+   e.g. GPipe or a roomy budget; small ``T_max`` admits few entries, so ``P`` is small
+   where the optimum usually lies). A fixed stage count ``S`` uses exact layers ``1..S``.
+2. **One-pass feasibility.** Whether any assignment fits (for a ``T_max``, or for a memory
+   budget) needs no position classes: ``N(k, d)``, the fewest stages of a feasible suffix,
+   obeys ``N(k, d) = min N(i+1, d−|m|) + 1`` over entries with ``N(i+1, d−|m|) + 1 ≤
+   s_max`` — fewer stages behind a stage is always better for every stage in front.
+3. **T_max search.** ``G`` is non-increasing. Solving at ``T`` returns a solution whose
+   true maximum ``T' ≤ T`` has ``G(T') = G(T)``, so every candidate in ``(T', T]`` is
+   dominated. Starting at the first feasible candidate (found with 2.), index intervals
+   ``[a, b]`` with a known lower bound ``g`` on ``G`` are bisected and dropped once
+   ``g + (B−1)·T_a ≥`` the incumbent. Same optimum as Alpa's enumeration (kept as
+   ``search="enumerate"`` and checked against it in the tests and the benchmark).
+4. **Vectorisation.** Each DP row is computed with numpy over the device count ``d``,
+   restricted to the finite span of the successor rows; the arg-min is not tabulated but
+   recovered along the optimal path by recomputing that state's candidates.
 
 Device packing
 --------------
@@ -152,6 +157,7 @@ class StagePlan:
     memory_budget_bytes: float
     method: str
     dp_solves: int = 0
+    feasibility_checks: int = 0
     candidates: int = 0
     table_s: float = 0.0
     solve_s: float = 0.0
@@ -171,6 +177,7 @@ class StagePlan:
             "memory_budget_bytes": self.memory_budget_bytes,
             "stages": [s.to_dict() for s in self.stages],
             "dp_solves": self.dp_solves,
+            "feasibility_checks": self.feasibility_checks,
             "candidates": self.candidates,
             "table_s": self.table_s,
             "solve_s": self.solve_s,
@@ -618,6 +625,7 @@ class _Problem:
             usable &= mask
         self.candidates = np.unique(table.time[usable])
         self.solves = 0
+        self.checks = 0
 
     def _time_at(self, p: int, T: float) -> np.ndarray:
         ok = (self.smax >= p) & (self.table.time <= T)
@@ -639,6 +647,7 @@ class _Problem:
     def feasible(self, T: float) -> bool:
         """Whether some assignment has every stage time ``≤ T`` and fits the budget (free
         stage count only; one cheap pass)."""
+        self.checks += 1
         return bool(np.isfinite(self._fewest_stages(self.smax, self.table.time <= T).value))
 
     def evaluate(self, T: float) -> _DPResult:
@@ -719,10 +728,10 @@ def _search(prob: _Problem) -> tuple[float, _DPResult, float]:
     counted). An interval is cut to the indices with ``g + (B−1)·c[idx] <`` best (the rest
     cannot win) and bisected; solving at ``c[mid]`` returns a solution with true maximum
     ``c[j] ≤ c[mid]``, so ``G`` is constant on ``[j, mid]`` and only ``[a, j]`` (exact) and
-    ``[mid+1, b]`` remain. The search starts at the first feasible candidate (found with the
-    one-pass :meth:`_Problem.feasible` test, or by galloping up with full solves when the
-    stage count is fixed) to get an incumbent early; with ``B = 1`` it is just ``G`` at the
-    largest candidate."""
+    ``[mid+1, b]`` remain. The search starts at the first feasible candidate, found by
+    galloping up from the smallest (probes at small ``T`` are cheap) with the one-pass
+    :meth:`_Problem.feasible` test (full solves when the stage count is fixed), so an
+    incumbent exists early; with ``B = 1`` it is just ``G`` at the largest candidate."""
     c, B = prob.candidates, prob.M
     n = c.size
     none = (np.inf, _DPResult(np.inf, []), np.inf)
@@ -733,32 +742,29 @@ def _search(prob: _Problem) -> tuple[float, _DPResult, float]:
         return max(float(prob.table.time[k, i, m]) for k, i, m in r.stages)
 
     free = prob.num_stages is None and prob.fixed_idx is None
-    if free and not prob.feasible(float(c[-1])):
-        return none
     if B == 1:
+        if free and not prob.feasible(float(c[-1])):
+            return none
         r = prob.evaluate(float(c[-1]))
         return (r.value, r, tmax_of(r)) if np.isfinite(r.value) else none
-    if free:
-        # first feasible candidate by bisection with the one-pass feasibility test
-        lo, hi = 0, n - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if prob.feasible(float(c[mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-        idx = lo
-        r = prob.evaluate(float(c[idx]))
-    else:
-        # gallop to the first feasible candidate (cheap solves: few stages fit a small T)
-        lo, idx, step = 0, 0, 1
-        while True:
-            r = prob.evaluate(float(c[idx]))
-            if np.isfinite(r.value):
-                break
-            if idx == n - 1:
-                return none
-            lo, idx, step = idx + 1, min(n - 1, idx + step), step * 2
+    # gallop up from the smallest candidate to the first feasible one (probes at small T
+    # are cheap: few entries fit), then bisect back; free stage counts probe with the
+    # one-pass feasibility test, fixed ones with full solves
+    probe = (lambda T: prob.feasible(T)) if free else (lambda T: np.isfinite(prob.evaluate(T).value))
+    lo, idx, step = 0, 0, 1
+    while not probe(float(c[idx])):
+        if idx == n - 1:
+            return none
+        lo, idx, step = idx + 1, min(n - 1, idx + step), step * 2
+    hi = idx
+    while lo < hi:  # c[lo - 1] infeasible, c[hi] feasible
+        mid = (lo + hi) // 2
+        if probe(float(c[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    idx = lo
+    r = prob.evaluate(float(c[idx]))
     tm = tmax_of(r)
     best = (r.value + (B - 1) * tm, r, tm)
     stack = [(idx + 1, n - 1, 0.0, False), (lo, int(np.searchsorted(c, tm)), r.value, True)]
@@ -924,6 +930,7 @@ def solve_stages_from_table(
         memory_budget_bytes=float(memory_budget_bytes),
         method="dp" if search == "bisect" else "dp-enumerate",
         dp_solves=prob.solves,
+        feasibility_checks=prob.checks,
         candidates=int(prob.candidates.size),
         solve_s=time.perf_counter() - t0,
     )

@@ -120,6 +120,10 @@ def test_every_generated_schedule_is_valid():
                     sched = make_schedule(name, S, M, delay_weight_grad=split)
                     validate(sched)
                     validate(lower(sched))
+                    if split:  # delayed W's keep at most lag + 1 extra activations
+                        lags = default_weight_lags(S, M)
+                        for s, peak in enumerate(peak_inflight(sched)):
+                            assert peak <= min(warmup_forwards(name, S, s, M) + lags[s] + 1, M)
 
 
 def test_lowering_is_a_pure_invertible_pass():
