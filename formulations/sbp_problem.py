@@ -183,14 +183,15 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     for op in graph.ops:
         if op.kind is OpKind.INPUT:
             owner[op.name] = op.name
-        elif _follower(op, graph):
+            position[op.name] = 0
+            continue
+        if _follower(op, graph):
             owner[op.name] = owner[op.inputs[0]]
             members[owner[op.name]].append(op.name)
         else:
             owner[op.name] = op.name
             members[op.name] = [op.name]
-        position[op.name] = len(members[owner[op.name]]) - 1 if op.name in members.get(
-            owner[op.name], ()) else 0
+        position[op.name] = len(members[owner[op.name]]) - 1
     options: dict[str, list[NodeOption]] = {}
     cache: dict[tuple, list[NodeOption]] = {}
     for node, mem in members.items():

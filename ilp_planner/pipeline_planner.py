@@ -19,7 +19,9 @@ crosses in the DP (as if relayed), and sent once, directly, in the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Sequence
 
 from formulations.schedules import make_schedule
@@ -30,7 +32,7 @@ from ilp_planner.config import Config
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
-from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
+from ilp_planner.plan import CostBreakdown, LayerPlan, Plan, layout_to_dict
 from ilp_planner.resharding import ReshardOptions, plan_resharding, with_scheduler
 from ilp_planner.strategies import resolve_partial
 
@@ -216,8 +218,6 @@ def stage_durations(stages: Sequence[dict], resharding: Sequence[dict]) -> Stage
 def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     """Stages by the DP, intra-op plans per stage, resharding per crossing tensor, and the
     simulated schedule."""
-    import time
-
     t0 = time.perf_counter()
     pipe = config.pipeline
     cluster = config.cluster
@@ -246,7 +246,7 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     for i, st in enumerate(dp.stages):
         gp, res, stage_layers, cost = solver.solve(st.start, st.end, st.submesh)  # type: ignore[misc]
         names = solver.names(st.start, st.end)
-        rename = dict(zip([ly.name for ly in stage_layers], [n for n in names], strict=True))
+        rename = dict(zip((ly.name for ly in stage_layers), names, strict=True))
         for ly in stage_layers:
             name = rename[ly.name]
             stage_of[name] = i
@@ -326,10 +326,8 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
     return out
 
 
-def _renamed(layer, name: str, stage: int):
+def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:
     """A stage's LayerPlan under its name in the full graph, tagged with its stage."""
-    import dataclasses
-
     return dataclasses.replace(layer, name=name, stage=stage)
 
 

@@ -240,8 +240,8 @@ def candidate_layouts(tensor: TensorSpec, ctx: StrategyContext, dims: tuple[int,
     return _unique(out)
 
 
-def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int, ctx: StrategyContext,
-                       in_tensor: TensorSpec | None = None) -> list[Strategy]:
+def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
+                       ctx: StrategyContext) -> list[Strategy]:
     """Ops whose inputs and output share one layout (attention maps (T,3h) to (T,h) with
     the same placements)."""
     out = []
