@@ -82,6 +82,42 @@ class Problem:
         """Edges only between consecutive groups (i, i+1)."""
         return all(v == u + 1 for (u, v) in self.edges)
 
+    def subset(self, allowed: list[np.ndarray]) -> Problem:
+        """The problem keeping only strategies ``allowed[g]`` of each group g."""
+        return Problem(
+            list(self.names),
+            [self.cost[g][a] for g, a in enumerate(allowed)],
+            [self.memory[g][a] for g, a in enumerate(allowed)],
+            {(u, v): r[np.ix_(allowed[u], allowed[v])] for (u, v), r in self.edges.items()},
+            self.memory_budget,
+        )
+
+
+def dominated_free(problem: Problem) -> list[np.ndarray]:
+    """Per group, the strategies not dominated in every cost term.
+
+    Strategy k of group g is dropped when another strategy l has cost, memory and every
+    resharding cost to and from every neighbour strategy no larger (and, for exact ties, a
+    lower index): swapping k for l in any choice never raises the objective or the memory,
+    so the optimum survives. Vectorised over all pairs of one group."""
+    features: list[list[np.ndarray]] = [[c[:, None], m[:, None]]
+                                        for c, m in zip(problem.cost, problem.memory, strict=True)]
+    for (u, v), r in problem.edges.items():
+        features[u].append(r)
+        features[v].append(r.T)
+    kept = []
+    for feats in features:
+        f = np.hstack(feats)
+        le = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)  # le[l, k]: l ≤ k everywhere
+        eq = le & le.T
+        k = len(f)
+        idx = np.arange(k)
+        strictly = le & ~eq
+        earlier_equal = eq & (idx[:, None] < idx[None, :])
+        dominated = np.any(strictly | earlier_equal, axis=0)
+        kept.append(np.flatnonzero(~dominated))
+    return kept
+
 
 @dataclass
 class NodeOption:

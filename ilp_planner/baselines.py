@@ -41,15 +41,7 @@ def restrict(gp: GraphProblem, keep: Filter) -> tuple[Problem, list[np.ndarray]]
         if idx.size == 0:
             return f"no allowed strategy for {node} ({op.kind.value} {op.output.shape})"
         allowed.append(idx)
-    p = gp.problem
-    sub = Problem(
-        list(p.names),
-        [p.cost[g][a] for g, a in enumerate(allowed)],
-        [p.memory[g][a] for g, a in enumerate(allowed)],
-        {(u, v): r[np.ix_(allowed[u], allowed[v])] for (u, v), r in p.edges.items()},
-        p.memory_budget,
-    )
-    return sub, allowed
+    return gp.problem.subset(allowed), allowed
 
 
 def _same_data(a: Layout, b: Layout) -> bool:

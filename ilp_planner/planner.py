@@ -4,12 +4,18 @@ the baselines under the same cost model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 from formulations.result import SolveResult
 from formulations.sbp_ilp import SbpIlp
-from formulations.sbp_problem import GraphProblem, build_problem, describe_infeasible
+from formulations.sbp_problem import (
+    GraphProblem,
+    build_problem,
+    describe_infeasible,
+    dominated_free,
+)
 from formulations.sbp_search import SEARCHES
 from ilp_planner.baselines import baseline_choices
 from ilp_planner.config import Config, load_config
@@ -60,23 +66,31 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     if opts.fallback not in SEARCHES:
         raise ConfigError(f"unknown fallback search {opts.fallback!r}; expected one of "
                           f"{sorted(SEARCHES)}", key="solver.fallback")
-    heuristic = SEARCHES[opts.fallback](gp.problem, seed=opts.seed)
-    ilp = SbpIlp(gp.problem)
+    t1 = time.perf_counter()
+    kept = dominated_free(gp.problem)
+    problem = gp.problem.subset(kept)
+    total = sum(len(c) for c in gp.problem.cost)
+    pruned = f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"
+    problem_s += time.perf_counter() - t1
+    heuristic = SEARCHES[opts.fallback](problem, seed=opts.seed)
+    ilp = SbpIlp(problem)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads,
-                       warm_start=heuristic.choice if gp.problem.feasible(heuristic.choice) else None,
+                       warm_start=heuristic.choice if problem.feasible(heuristic.choice) else None,
                        seed=opts.seed)
     build_s = problem_s + ilp.build_s
     if result is None:
         result = SolveResult(
             "heuristic", heuristic.objective, None, None, build_s, heuristic.solve_s,
             heuristic.choice, opts.fallback,
-            f"the ILP found no solution within {opts.time_limit_s} s; using {opts.fallback}",
+            f"the ILP found no solution within {opts.time_limit_s} s; using {opts.fallback}; "
+            f"{pruned}",
         )
     else:
         result = SolveResult(result.status, result.objective, result.bound, result.gap, build_s,
                              result.solve_s + heuristic.solve_s, result.choice, "ilp",
-                             result.message)
-    return gp, result
+                             "; ".join(m for m in (result.message, pruned) if m))
+    full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
+    return gp, dataclasses.replace(result, choice=full)
 
 
 def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[LayerPlan], CostBreakdown]:
