@@ -83,6 +83,8 @@ def ddp_worker(plan_path: str, steps: int, out: str) -> None:
         times.append(time.perf_counter() - t0)
     if rank == 0:
         Path(out).write_text(json.dumps({"step_s": times, "loss": float(value) / world}))
+    dist.barrier()
+    del ddp, opt
     dist.destroy_process_group()
 
 
@@ -100,7 +102,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.ddp_worker:
         ddp_worker(args.ddp_worker[0], args.steps, args.ddp_worker[1])
-        return 0
+        sys.stdout.flush()
+        os._exit(0)  # skip interpreter finalisation (see runtime.launch)
     n = args.nproc
     rows = []
     with tempfile.TemporaryDirectory() as tmpdir:

@@ -13,7 +13,9 @@
    the time the runtime spent in collectives (every redistribution step forward and
    backward, gradient synchronisation, loss reduction, tied-weight exchange), the median
    over steps (first step dropped) of the mean over ranks.
-4. Print both side by side with their ranks and Kendall's τ between the two orderings, and
+4. Print both side by side with their ranks and Kendall's τ between the two orderings —
+   once for the runtime as it is and once with one gradient AllReduce per op (the runtime
+   buckets a stage's gradients, the cost model charges one AllReduce, one α, per op) — and
    the number of collectives per step the plan lists beside the number the runtime issued
    (rank 0) — where they differ the runtime's path differs from the planner's (see
    :mod:`runtime.comm`: DTensor's extra AllGathers for nested splits, reshuffles, the loss
@@ -79,6 +81,29 @@ def plan_variants(config) -> dict:
     return out
 
 
+def table(label: str, results: list[dict], predicted: dict, planned: dict) -> None:
+    measured, steps, issued = {}, {}, {}
+    for r in results:
+        issued[r["plan"]] = statistics.median(c["count"] for c in r["comm"])
+        per_step = [statistics.fmean(ranks) for ranks in zip(*r["comm_s_by_rank"], strict=True)][1:]
+        measured[r["plan"]] = statistics.median(per_step)
+        steps[r["plan"]] = statistics.median(r["step_s"][1:])
+    names = list(predicted)
+    pr = {n: i + 1 for i, n in enumerate(sorted(names, key=lambda n: predicted[n]))}
+    mr = {n: i + 1 for i, n in enumerate(sorted(names, key=lambda n: measured[n]))}
+    print(f"\n{label}")
+    head = (f"{'plan':<26}{'predicted comm ms':>18}{'rank':>6}{'measured comm ms':>18}{'rank':>6}"
+            f"{'measured/pred':>15}{'step ms':>10}{'colls plan/run':>16}")
+    print(head)
+    print("-" * len(head))
+    for n in sorted(names, key=lambda n: predicted[n]):
+        ratio = measured[n] / predicted[n] if predicted[n] > 0 else float("nan")
+        print(f"{n:<26}{predicted[n] * 1e3:>18.3f}{pr[n]:>6}{measured[n] * 1e3:>18.3f}{mr[n]:>6}"
+              f"{ratio:>15.2f}{steps[n] * 1e3:>10.1f}{f'{planned[n]}/{issued[n]:.0f}':>16}")
+    tau, p = kendalltau([predicted[n] for n in names], [measured[n] for n in names])
+    print(f"Kendall tau (predicted vs measured ordering): {tau:.3f} (p = {p:.3g})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-gpt-cpu.yaml"))
@@ -103,32 +128,18 @@ def main() -> int:
             files.append(str(path))
             predicted[name] = plan.cost.comm_s
             planned[name] = sum(len(lp.collectives) for lp in plan.layers)
-        res_path = tmp / "results.json"
-        cmd = torchrun_command(nproc, "runtime.launch",
-                               [*files, "--steps", str(args.steps), "--optimizer", "sgd", "--lr", "0.05",
-                                "--results", str(res_path), "--quiet"])
-        _call(cmd)
-        results = json.loads(res_path.read_text())
-    measured, steps, issued = {}, {}, {}
-    for r in results:
-        issued[r["plan"]] = statistics.median(c["count"] for c in r["comm"])
-        per_step = [statistics.fmean(ranks) for ranks in zip(*r["comm_s_by_rank"], strict=True)][1:]
-        measured[r["plan"]] = statistics.median(per_step)
-        steps[r["plan"]] = statistics.median(r["step_s"][1:])
-    names = list(predicted)
-    pr = {n: i + 1 for i, n in enumerate(sorted(names, key=lambda n: predicted[n]))}
-    mr = {n: i + 1 for i, n in enumerate(sorted(names, key=lambda n: measured[n]))}
-    print(f"\n{config.name}: {len(names)} plans on {nproc} gloo processes, {args.steps} steps each")
-    head = (f"{'plan':<26}{'predicted comm ms':>18}{'rank':>6}{'measured comm ms':>18}{'rank':>6}"
-            f"{'measured/pred':>15}{'step ms':>10}{'colls plan/run':>16}")
-    print(head)
-    print("-" * len(head))
-    for n in sorted(names, key=lambda n: predicted[n]):
-        ratio = measured[n] / predicted[n] if predicted[n] > 0 else float("nan")
-        print(f"{n:<26}{predicted[n] * 1e3:>18.3f}{pr[n]:>6}{measured[n] * 1e3:>18.3f}{mr[n]:>6}"
-              f"{ratio:>15.2f}{steps[n] * 1e3:>10.1f}{f'{planned[n]}/{issued[n]:.0f}':>16}")
-    tau, p = kendalltau([predicted[n] for n in names], [measured[n] for n in names])
-    print(f"Kendall tau (predicted vs measured ordering): {tau:.3f} (p = {p:.3g})")
+        runs = {}
+        for label, extra in (("runtime as is (one gradient AllReduce per stage bucket)", []),
+                             ("one gradient AllReduce per op, as the cost model prices it",
+                              ["--grad-buckets", "op"])):
+            res_path = tmp / "results.json"
+            _call(torchrun_command(nproc, "runtime.launch",
+                                   [*files, "--steps", str(args.steps), "--optimizer", "sgd", "--lr",
+                                    "0.05", "--results", str(res_path), "--quiet", *extra]))
+            runs[label] = json.loads(res_path.read_text())
+    print(f"\n{config.name}: {len(predicted)} plans on {nproc} gloo processes, {args.steps} steps each")
+    for label, results in runs.items():
+        table(label, results, predicted, planned)
     return 0
 
 

@@ -4,10 +4,15 @@ GPT with hidden 2560, 32 heads, sequences of 2048, vocabulary 51200, batch 16, f
 mixed-precision Adam (16 B/param), 80 GiB per device so memory does not bind, on A100-like
 clusters (312 TFLOP/s, NVLink 2400 Gb/s, 100 Gb/s between nodes) of 1 × 8, 2 × 8 and
 8 × 8 devices; 4 … 96 layers, tied (AutoDDL §4.5.1: one strategy per repeated op) and
-untied. Per run, as the planner does it: build the problem (strategies, resharding
-matrices), coordinate descent for a warm start, build the PuLP model, solve with CBC
-under a time limit. Untied runs projected (from the previous depth, time ∝ layers^1.3)
-to exceed ``--skip-above`` seconds are skipped.
+untied. Per run, as :func:`ilp_planner.planner.solve_mesh` does it: build the problem
+(strategies, resharding matrices), drop dominated strategies, coordinate descent for a warm
+start, build the PuLP model, solve with CBC under a time limit. Untied runs projected (from
+the previous depth, time ∝ layers^1.3) to exceed ``--skip-above`` seconds are skipped.
+
+Columns: ``k`` most strategies of a group after pruning; ``mem/M`` the plan's memory over
+the budget (1.00 = the budget binds); ``cd/ilp`` the warm start over the ILP's result;
+``tied/ilp`` (untied rows) the tied optimum of the same depth over the untied result —
+tying is a restriction, so a value below 1 means the ILP stopped above a known solution.
 
     python benchmarks/solve_scaling.py [--time-limit 60] [--skip-above 120]
 """
@@ -18,7 +23,7 @@ import argparse
 import time
 
 from formulations.sbp_ilp import SbpIlp
-from formulations.sbp_problem import build_problem
+from formulations.sbp_problem import build_problem, dominated_free
 from formulations.sbp_search import coordinate_descent
 from ilp_planner.config import parse_config
 
@@ -45,8 +50,8 @@ def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> di
     t0 = time.perf_counter()
     gp = build_problem(config.graph, config.cluster, nodes, local, config.memory, tie_layers=tie,
                        memory_budget=config.cluster.memory_bytes)
+    p = gp.problem.subset(dominated_free(gp.problem))
     problem_s = time.perf_counter() - t0
-    p = gp.problem
     t0 = time.perf_counter()
     warm = coordinate_descent(p)
     cd_s = time.perf_counter() - t0
@@ -59,6 +64,8 @@ def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> di
         "problem_s": problem_s, "cd_s": cd_s, "ilp_build_s": model.build_s,
         "solve_s": res.solve_s if res else float("nan"), "total_s": total,
         "status": res.status if res else "none", "gap": res.gap if res else None,
+        "objective": res.objective if res else float("nan"),
+        "mem": p.memory_of(res.choice) / p.memory_budget if res else float("nan"),
         "cd_ratio": warm.objective / res.objective if res else float("nan"),
     }
 
@@ -71,10 +78,11 @@ def main() -> None:
     args = ap.parse_args()
     head = (f"{'mesh':<5} {'tied':<5} {'L':>3} {'groups':>6} {'k':>4} {'vars':>8} {'cons':>7} "
             f"{'problem s':>9} {'cd s':>6} {'ilp build s':>11} {'cbc s':>7} {'total s':>8} "
-            f"{'status':<9} {'gap':>7} {'cd/opt':>7}")
+            f"{'status':<9} {'gap':>7} {'mem/M':>5} {'cd/ilp':>7} {'tied/ilp':>8}")
     print(head)
     print("-" * len(head))
     t_start = time.perf_counter()
+    tied_opt: dict[tuple[int, int, int], float] = {}
     for nodes, local in CLUSTERS:
         for tie in (True, False):
             prev: tuple[int, float] | None = None
@@ -89,10 +97,16 @@ def main() -> None:
                 r = run(layers, nodes, local, tie, args.time_limit)
                 prev = (layers, r["total_s"])
                 gap = "n/a" if r["gap"] is None else f"{r['gap']:.2%}"
+                if tie:
+                    tied_opt[nodes, local, layers] = r["objective"]
+                    vs_tied = ""
+                else:
+                    vs_tied = f"{tied_opt[nodes, local, layers] / r['objective']:.4f}"
                 print(f"{mesh:<5} {str(tie):<5} {layers:>3} {r['groups']:>6} {r['k']:>4} "
                       f"{r['vars']:>8} {r['cons']:>7} {r['problem_s']:>9.2f} {r['cd_s']:>6.2f} "
                       f"{r['ilp_build_s']:>11.2f} {r['solve_s']:>7.2f} {r['total_s']:>8.2f} "
-                      f"{r['status']:<9} {gap:>7} {r['cd_ratio']:>7.4f}", flush=True)
+                      f"{r['status']:<9} {gap:>7} {r['mem']:>5.2f} {r['cd_ratio']:>7.4f} "
+                      f"{vs_tied:>8}", flush=True)
     print(f"wall time {time.perf_counter() - t_start:.0f} s; ILP time limit {args.time_limit:.0f} s")
 
 

@@ -13,11 +13,12 @@ Life of a run (:class:`Executor`):
    then the parameters of this rank's stage as DTensor leaves in their planned placements,
    from the deterministic initialisation (every rank of a stage draws the same full tensor
    and keeps its shard — no communication);
-3. **step**: interpret this stage's action list through a ``kind → handler`` table
-   (``F`` forward of a micro-batch, ``B`` its backward); then synchronise weight gradients
-   (each gradient redistributed to its parameter's placements: AllReduce over the axes where
-   the weight is replicated), exchange the gradients of tied weights, and update the local
-   shards with SGD or Adam.
+3. **step**: interpret this stage's lowered action list through a ``kind → handler`` table
+   (``RF`` receive activations, ``F`` forward of a micro-batch, ``SF`` send activations,
+   ``RB``/``B``/``SB`` the same for the backward, ``W`` nothing: B computes weight gradients
+   too); then synchronise weight gradients (each gradient brought to its parameter's
+   placements: AllReduce over the axes where the weight is replicated, bucketed), exchange
+   the gradients of tied weights, and update the local shards with SGD or Adam.
 
 Cross-mesh transfers (seed 003). Forward: the boundary tensor is brought (inside its source
 stage) to the entry's ``src_layout``, then each unit task, in the plan's order, is one
@@ -46,7 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import Partial as TPartial
 
 from formulations.schedules import Schedule, ScheduleError, lower, make_schedule, validate
 from ilp_planner.config import parse_config
@@ -70,6 +72,7 @@ class RunOptions:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: float = 60.0
     microbatches: int | None = None  # single-stage plans: gradient accumulation override
+    grad_buckets: str = "stage"  # gradient AllReduce per stage bucket | per op (as priced) | none
 
 
 @dataclass(frozen=True)
@@ -605,18 +608,50 @@ class Executor:
 
     # ---- gradients and optimizer -----------------------------------------------------------
     def _sync_grads(self) -> dict[str, DTensor]:
-        """Each weight gradient redistributed to its parameter's placements."""
+        """Each weight gradient brought to its parameter's placements. Gradients whose only
+        change is partial → replicated over the same mesh axes (AutoDDL §4.4.1's AllReduce)
+        share one bucket: flattened into one buffer, all-reduced once per axis, split back —
+        one collective per bucket and axis instead of one per tensor, as DDP does. Buckets
+        span the stage (``grad_buckets="stage"``) or one op's tensors (``"op"``: what the cost
+        model prices, one AllReduce per op); ``"none"`` syncs tensor by tensor. Any other
+        change (e.g. SUMMA's ReduceScatter) goes through the layout machinery."""
         comm = self.ctx.comm
-        out = {}
+        out: dict[str, DTensor] = {}
+        buckets: dict[tuple, list[str]] = {}
         for name, p in self.params.items():
             g = p.dt.grad
             if g is None:
-                g = distribute_tensor(torch.zeros(p.dt.shape, device=self.device), p.dt.device_mesh,
-                                      p.dt.placements, src_data_rank=None)
-            elif tuple(g.placements) != tuple(p.dt.placements):
-                have = Layout.from_dtensor(list(g.placements), p.layout.fact)
-                g = comm.redistribute(DVal(g, have), p.layout, name, "grad_sync").dt
-            out[name] = settle(g)
+                out[name] = distribute_tensor(torch.zeros(p.dt.shape, device=self.device),
+                                              p.dt.device_mesh, p.dt.placements, src_data_rank=None)
+                continue
+            have, want = tuple(g.placements), tuple(p.dt.placements)
+            axes = tuple(a for a in range(len(want)) if have[a] != want[a])
+            if not axes:
+                out[name] = settle(g)
+            elif self.options.grad_buckets != "none" and all(
+                    isinstance(have[a], TPartial) and isinstance(want[a], Replicate) for a in axes):
+                op = name.rsplit(".", 1)[0] if self.options.grad_buckets == "op" else ""
+                buckets.setdefault((p.layout.fact, axes, op), []).append(name)
+            else:
+                lay = Layout.from_dtensor(list(have), p.layout.fact)
+                out[name] = settle(comm.redistribute(DVal(g, lay), p.layout, name, "grad_sync").dt)
+        for (fact, axes, _), names in buckets.items():
+            mesh = self.params[names[0]].dt.device_mesh
+            locs = [settle(self.params[n].dt.grad).to_local() for n in names]
+            flat = torch.cat([t.reshape(-1) for t in locs])
+            for a in axes:
+                t0 = time.perf_counter()
+                dist.all_reduce(flat, group=mesh.get_group(a))
+                comm.record("all_reduce", fact[a].size, flat.numel() * flat.element_size(),
+                            fact[a].nodes > 1, time.perf_counter() - t0, "step", "grad_sync",
+                            f"bucket of {len(names)}")
+            offset = 0
+            for n, t in zip(names, locs, strict=True):
+                p = self.params[n].dt
+                piece = flat[offset:offset + t.numel()].view_as(t)
+                offset += t.numel()
+                out[n] = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
         return out
 
     def _exchange_tied(self, grads: dict[str, DTensor]) -> None:

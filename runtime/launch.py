@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
+import gc
 import json
 import logging
 import os
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=None,
                    help="gradient accumulation for single-stage plans (default: the config's)")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--grad-buckets", choices=("stage", "op", "none"), default="stage",
+                   help="gradient AllReduce per stage-wide bucket (default), per op (as the cost "
+                        "model prices it), or per tensor")
     p.add_argument("--timings", metavar="CSV", help="write per-collective timings here")
     p.add_argument("--results", metavar="JSON", help="write per-plan results here")
     p.add_argument("--save-params", metavar="DIR", help="save final full parameters here")
@@ -87,10 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     try:
-        return _run(args, rank, world, local_rank)
+        rc = _run(args, rank, world, local_rank)
     except PlannerError as exc:
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
+    # Leave without interpreter finalisation: gloo worker threads torn down there abort the
+    # process now and then ("terminate called without an active exception") after all work
+    # is done; the process groups are destroyed and every output is flushed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
@@ -103,8 +114,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
     lrs = _per_plan(args.lr, len(plans), "--lr", float)
-    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches)
-               for o, lr in zip(opts, lrs, strict=True)]
+    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches,
+                          args.grad_buckets) for o, lr in zip(opts, lrs, strict=True)]
     executors = [Executor(p, o, rank=rank, world=world, device=device)
                  for p, o in zip(plans, options, strict=True)]
 
@@ -114,6 +125,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
     # AllGather, several AllGathers for a nested split); keep the per-step output readable.
     for name in ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._collective_utils"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    faulthandler.enable()  # a rank killed by a signal prints where it was
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -183,7 +195,10 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                             w.writerow(row)
             if args.results:
                 Path(args.results).write_text(json.dumps(results, indent=1))
+        dist.barrier()
     finally:
+        executors.clear()
+        gc.collect()
         dist.destroy_process_group()
     return 1 if failed else 0
 

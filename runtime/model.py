@@ -189,8 +189,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, vocab_offset: int = 0) -> 
     return rows * inside.unsqueeze(-1).to(rows.dtype)
 
 
-def positions(first_token: int, count: int, seq_len: int) -> torch.Tensor:
-    return torch.arange(first_token, first_token + count) % seq_len
+def positions(first_token: int, count: int, seq_len: int, device=None) -> torch.Tensor:
+    return torch.arange(first_token, first_token + count, device=device) % seq_len
 
 
 def layer_norm(x: torch.Tensor, gain: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -204,7 +204,7 @@ def attention(qkv: torch.Tensor, heads: int, seq_len: int) -> torch.Tensor:
     x = qkv.reshape(tokens // seq_len, seq_len, heads, 3, d)
     q, k, v = (x[:, :, :, i].transpose(1, 2) for i in range(3))  # (batch, heads, seq, d)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v
     return out.transpose(1, 2).reshape(tokens, heads * d)

@@ -197,7 +197,7 @@ def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[DVal], params: 
     y = model.embedding(_local(ids), _param_local(w.dt, w.layout, gw), v0)
     keep = 1.0 if ctx.first_on(out, out.partial_axes) else 0.0
     table = _param_local(pos.dt, pos.layout, _bias_grads(out, 1))
-    y = y + table[model.positions(r0, r1 - r0, op.attr("seq_len"))] * keep
+    y = y + table[model.positions(r0, r1 - r0, op.attr("seq_len"), table.device)] * keep
     return DVal(ctx.wrap(y, out, op.output.shape), out)
 
 

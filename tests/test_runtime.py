@@ -5,8 +5,9 @@ intra-op plan with AutoDDL's 3-D family and partial sums, (b) a 2-stage pipeline
 eager-1F1B and (c) the same under 1F1B must give the loss of every step and the final
 parameters of one process running the unsharded model, within 1e-4 relative, over 3
 optimizer steps. Extra variants ride along in the same launches (GPipe, SUMMA, data parallel
-with gradient accumulation, the ILP's own plan of ``configs/tiny-gpt-cpu.yaml``). One
-launch per world size keeps process start-up (the slow part on 2 cores) to two.
+with gradient accumulation, the planner's own plans of ``configs/tiny-gpt-cpu.yaml`` —
+single-mesh and 2-stage eager-1F1B). One launch per world size keeps process start-up (the
+slow part on 2 cores) to two.
 
 Optimizers: the MLP trains with Adam, the GPT with SGD. Adam maps a gradient g to about
 ±lr·g/|g|, so a gradient that is zero in exact arithmetic but rounding noise in floating
@@ -56,7 +57,8 @@ STEPS = 3
 RTOL = 1e-4
 OPT = {"gpt": ("sgd", 0.1), "mlp": ("adam", 0.01)}
 REQUIRED = [(n, m, v) for n in (4, 8) for m in ("mlp", "gpt") for v in ("3d", "eager-1f1b", "1f1b")]
-EXTRA = [(4, "mlp", "gpipe"), (4, "mlp", "summa"), (4, "mlp", "dp-accum"), (8, "gpt", "solved")]
+EXTRA = [(4, "mlp", "gpipe"), (4, "mlp", "summa"), (4, "mlp", "dp-accum"), (8, "gpt", "solved"),
+         (8, "gpt", "solved-pp")]
 
 
 def config(model: str, n: int):
@@ -77,7 +79,10 @@ def build_plan(n: int, model: str, variant: str) -> Plan:
     if variant == "dp-accum":
         c = c.with_overrides({"pipeline.microbatches": 2})
         return restricted_plan(c, data_parallel_filter(MeshAxis(1, 4)), name=name)
-    if variant == "solved":
+    if variant in ("solved", "solved-pp"):  # the planner's own plans (pipelined: stage DP,
+        if variant == "solved-pp":           # CP-SAT resharding order, eager-1F1B)
+            c = c.with_overrides({"pipeline": {"stages": 2, "microbatches": 4,
+                                               "schedule": "eager-1f1b"}})
         plan = solve(c, baselines=False)
         plan.name = name
         return plan

@@ -43,8 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--check-reference", action="store_true",
                    help="compare losses and parameters with a single-process run")
     p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--no-grad-buckets", action="store_true",
-                   help="one gradient AllReduce per weight instead of one per bucket")
+    p.add_argument("--grad-buckets", choices=("stage", "op", "none"), default="stage",
+                   help="gradient AllReduce per stage-wide bucket, per op, or per tensor")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run)
 
@@ -61,8 +61,7 @@ def launch_args(args: argparse.Namespace) -> list[str]:
         out.append("--check-reference")
     if args.quiet:
         out.append("--quiet")
-    if args.no_grad_buckets:
-        out.append("--no-grad-buckets")
+    out += ["--grad-buckets", args.grad_buckets]
     return out
 
 
