@@ -152,8 +152,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate one YAML configuration file."""
+def read_yaml(path: str | Path) -> Any:
+    """Read one YAML document; a missing, unreadable, malformed (duplicate keys included)
+    or empty file raises :class:`ConfigError` naming the file and the line."""
     source = str(path)
     try:
         text = Path(path).read_text()
@@ -170,7 +171,12 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"invalid YAML: {where}{problem}", source=source) from None
     if data is None:
         raise ConfigError("the file is empty", source=source)
-    return parse_config(data, source)
+    return data
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate one YAML configuration file."""
+    return parse_config(read_yaml(path), str(path))
 
 
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:

@@ -77,9 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
-from ilp_planner.config import _UniqueKeyLoader, apply_overrides, load_config, parse_config
+from ilp_planner.config import apply_overrides, load_config, parse_config, read_yaml
 from ilp_planner.errors import ConfigError, InfeasibleError, PlannerError
 from ilp_planner.schema import Reader, join, show
 
@@ -197,23 +195,7 @@ class SweepSpec:
 
 def load_sweep(path: str | Path) -> SweepSpec:
     """Read and validate a sweep file (see the module docstring)."""
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError("file not found", source=source) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read the file: {exc.strerror}", source=source) from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        raise ConfigError(f"invalid YAML: {where}{getattr(exc, 'problem', None) or exc}",
-                          source=source) from None
-    if data is None:
-        raise ConfigError("the file is empty", source=source)
-    return parse_sweep(data, source)
+    return parse_sweep(read_yaml(path), str(path))
 
 
 def parse_sweep(data: Mapping[str, Any], source: str | None = None) -> SweepSpec:
