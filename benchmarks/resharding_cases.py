@@ -57,23 +57,19 @@ import time
 from formulations.cross_mesh import SchedulerOptions
 from ilp_planner.cluster import Link
 from ilp_planner.graph import TensorSpec
-from ilp_planner.resharding import HostLinks, ReshardOptions, parse_mesh, plan_resharding
+from ilp_planner.resharding import (
+    TABLE2_CASES,
+    HostLinks,
+    ReshardOptions,
+    parse_mesh,
+    plan_resharding,
+)
 
 TENSOR = TensorSpec((1024, 1024, 512), "float32")
 LINKS = HostLinks(intra=Link.from_bandwidth(5, 1200), inter=Link.from_bandwidth(10, 10))
 DEVICES_PER_HOST = 4
 
-CASES = [  # (send spec, recv spec, send mesh, recv mesh), Table 2 as read above
-    ("S^0RR", "S^0RR", "2x4", "2x4"),
-    ("RRR", "S^0RR", "2x4", "2x4"),
-    ("RS^0R", "S^0RR", "2x4", "2x4"),
-    ("RS^{01}R", "S^{01}RR", "2x4", "2x4"),
-    ("S^1RR", "S^0RR", "2x4", "2x4"),
-    ("S^0RR", "S^0RR", "2x4", "3x4"),
-    ("S^1RR", "RRR", "1x4", "2x4"),
-    ("RRR", "RRR", "2x3", "3x2"),
-    ("RS^0R", "RRS^0", "2x4", "2x4"),
-]
+CASES = TABLE2_CASES  # (send spec, recv spec, send mesh, recv mesh), Table 2 as read above
 ALGOS = ("naive", "load_balance", "dfs", "randomized_greedy", "cpsat")
 
 

@@ -84,6 +84,21 @@ from ilp_planner.layouts import Layout, Split
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")
 
+# Seed 003 Table 2, the nine microbenchmark cases (tensor 1024 × 1024 × 512, fp32, 4 GPUs
+# per host): (send spec, receive spec, send mesh, receive mesh). Case 6's (3, 4) mesh splits
+# 1024 rows unevenly; see benchmarks/resharding_cases.py for how the table was read.
+TABLE2_CASES = (
+    ("S^0RR", "S^0RR", "2x4", "2x4"),
+    ("RRR", "S^0RR", "2x4", "2x4"),
+    ("RS^0R", "S^0RR", "2x4", "2x4"),
+    ("RS^{01}R", "S^{01}RR", "2x4", "2x4"),
+    ("S^1RR", "S^0RR", "2x4", "2x4"),
+    ("S^0RR", "S^0RR", "2x4", "3x4"),
+    ("S^1RR", "RRR", "1x4", "2x4"),
+    ("RRR", "RRR", "2x3", "3x2"),
+    ("RS^0R", "RRS^0", "2x4", "2x4"),
+)
+
 Region = tuple[tuple[int, int], ...]  # [lo, hi) per tensor dimension
 
 MeshSpec = SubMesh  # a mesh placed in the cluster: (node0, nodes, local0, devices, per node)

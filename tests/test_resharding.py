@@ -16,6 +16,7 @@ from ilp_planner.cluster import Cluster, Link, SubMesh
 from ilp_planner.errors import ConfigError, LayoutError, PlanFormatError
 from ilp_planner.graph import TensorSpec
 from ilp_planner.resharding import (
+    TABLE2_CASES,
     HostLinks,
     ReshardingPlan,
     ReshardOptions,
@@ -34,18 +35,7 @@ FAST = ReshardOptions(scheduler=SchedulerOptions(
     algorithms=("naive", "load_balance", "randomized_greedy", "dfs", "cpsat"),
     time_limit_s=2, num_workers=1, dfs_budget_s=0.2, greedy_restarts=2, greedy_samples=4))
 
-# Seed 003 Table 2: (send spec, recv spec, send mesh, recv mesh).
-TABLE2 = [
-    ("S0RR", "S0RR", "2x4", "2x4"),
-    ("RRR", "S0RR", "2x4", "2x4"),
-    ("RS0R", "S0RR", "2x4", "2x4"),
-    ("RS01R", "S01RR", "2x4", "2x4"),
-    ("S1RR", "S0RR", "2x4", "2x4"),
-    ("S0RR", "S0RR", "2x4", "3x4"),
-    ("S1RR", "RRR", "1x4", "2x4"),
-    ("RRR", "RRR", "2x3", "3x2"),
-    ("RS0R", "RRS0", "2x4", "2x4"),
-]
+TABLE2 = TABLE2_CASES  # seed 003 Table 2: (send spec, recv spec, send mesh, recv mesh)
 
 
 def meshes(src: str, dst: str, dpn: int = 4, dst_node0: int | None = None,
