@@ -73,17 +73,23 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     pruned = f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"
     problem_s += time.perf_counter() - t1
     heuristic = SEARCHES[opts.fallback](problem, seed=opts.seed)
+    warm, warm_method = (heuristic.choice, opts.fallback) if problem.feasible(heuristic.choice) \
+        else (None, "")
+    tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches)
+    if tied is not None and problem.feasible(tied) and (
+            warm is None or problem.objective(tied) < problem.objective(warm)):
+        warm, warm_method = tied, "tied ILP"
     ilp = SbpIlp(problem)
-    result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads,
-                       warm_start=heuristic.choice if problem.feasible(heuristic.choice) else None,
+    result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
                        seed=opts.seed)
     build_s = problem_s + ilp.build_s
     if result is None:
+        choice = warm if warm is not None else heuristic.choice
         result = SolveResult(
-            "heuristic", heuristic.objective, None, None, build_s, heuristic.solve_s,
-            heuristic.choice, opts.fallback,
-            f"the ILP found no solution within {opts.time_limit_s} s; using {opts.fallback}; "
-            f"{pruned}",
+            "heuristic", problem.objective(choice), None, None, build_s, heuristic.solve_s,
+            tuple(choice), warm_method or opts.fallback,
+            f"the ILP found no solution within {opts.time_limit_s} s; using "
+            f"{warm_method or opts.fallback}; {pruned}",
         )
     else:
         result = SolveResult(result.status, result.objective, result.bound, result.gap, build_s,
@@ -91,6 +97,24 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
                              "; ".join(m for m in (result.message, pruned) if m))
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     return gp, dataclasses.replace(result, choice=full)
+
+
+def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: int,
+                     memory_budget: float | None, graph, microbatches: int | None
+                     ) -> tuple[int, ...] | None:
+    """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
+    untied choice, since tying only restricts) as a warm start, in the pruned problem's
+    indices. CBC alone can stall far above it on large untied models."""
+    if config.solver.tie_layers or not any(op.tie_key for op in gp.graph.ops):
+        return None
+    tied_config = dataclasses.replace(
+        config, solver=dataclasses.replace(config.solver, tie_layers=True))
+    tgp, tres = solve_mesh(tied_config, nodes, local, memory_budget, graph, microbatches)
+    full = [tres.choice[tgp.group_of[group[0]]] for group in gp.groups]
+    positions = [{int(k): i for i, k in enumerate(kept[g])} for g in range(len(kept))]
+    if any(k not in positions[g] for g, k in enumerate(full)):
+        return None
+    return tuple(positions[g][k] for g, k in enumerate(full))
 
 
 def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[LayerPlan], CostBreakdown]:
