@@ -4,15 +4,16 @@ GPT with hidden 2560, 32 heads, sequences of 2048, vocabulary 51200, batch 16, f
 mixed-precision Adam (16 B/param), 80 GiB per device so memory does not bind, on A100-like
 clusters (312 TFLOP/s, NVLink 2400 Gb/s, 100 Gb/s between nodes) of 1 × 8, 2 × 8 and
 8 × 8 devices; 4 … 96 layers, tied (AutoDDL §4.5.1: one strategy per repeated op) and
-untied. Per run, as :func:`ilp_planner.planner.solve_mesh` does it: build the problem
-(strategies, resharding matrices), drop dominated strategies, coordinate descent for a warm
-start, build the PuLP model, solve with CBC under a time limit. Untied runs projected (from
-the previous depth, time ∝ layers^1.3) to exceed ``--skip-above`` seconds are skipped.
+untied. Each run is :func:`ilp_planner.planner.solve_mesh`: build the problem (strategies,
+resharding matrices), drop dominated strategies, warm-start (coordinate descent; for untied
+runs also the tied optimum, solved first and counted in the time), build the PuLP model,
+solve with CBC under a time limit. Untied runs projected (from the previous depth, time ∝
+layers^1.3) to exceed ``--skip-above`` seconds are skipped.
 
-Columns: ``k`` most strategies of a group after pruning; ``mem/M`` the plan's memory over
-the budget (1.00 = the budget binds); ``cd/ilp`` the warm start over the ILP's result;
-``tied/ilp`` (untied rows) the tied optimum of the same depth over the untied result —
-tying is a restriction, so a value below 1 means the ILP stopped above a known solution.
+Columns: ``k`` most strategies of a group before pruning; ``build s`` problem + pruning +
+PuLP model, ``solve s`` searches + CBC; ``mem/M`` the plan's memory over the budget (1.00 =
+the budget binds); ``tied/ilp`` (untied rows) the tied optimum of the same depth over the
+untied result — tying is a restriction, so the value is at most 1.
 
     python benchmarks/solve_scaling.py [--time-limit 60] [--skip-above 120]
 """
@@ -22,10 +23,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from formulations.sbp_ilp import SbpIlp
-from formulations.sbp_problem import build_problem, dominated_free
-from formulations.sbp_search import coordinate_descent
 from ilp_planner.config import parse_config
+from ilp_planner.planner import solve_mesh
 
 LAYERS = (4, 12, 24, 48, 96)
 CLUSTERS = ((1, 8), (2, 8), (8, 8))
@@ -46,27 +45,16 @@ def gpt_config(layers: int, nodes: int, local: int, tie: bool):
 
 
 def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> dict:
-    config = gpt_config(layers, nodes, local, tie)
+    config = gpt_config(layers, nodes, local, tie).with_overrides(
+        {"solver.time_limit_s": time_limit})
     t0 = time.perf_counter()
-    gp = build_problem(config.graph, config.cluster, nodes, local, config.memory, tie_layers=tie,
-                       memory_budget=config.cluster.memory_bytes)
-    p = gp.problem.subset(dominated_free(gp.problem))
-    problem_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    warm = coordinate_descent(p)
-    cd_s = time.perf_counter() - t0
-    model = SbpIlp(p)
-    res = model.solve(time_limit_s=time_limit, warm_start=warm.choice)
-    total = problem_s + cd_s + model.build_s + (res.solve_s if res else time_limit)
+    gp, res = solve_mesh(config, nodes, local, config.cluster.memory_bytes)
+    p = gp.problem
     return {
         "groups": p.num_groups, "k": max(len(c) for c in p.cost),
-        "vars": len(model.model.variables()), "cons": len(model.model.constraints),
-        "problem_s": problem_s, "cd_s": cd_s, "ilp_build_s": model.build_s,
-        "solve_s": res.solve_s if res else float("nan"), "total_s": total,
-        "status": res.status if res else "none", "gap": res.gap if res else None,
-        "objective": res.objective if res else float("nan"),
-        "mem": p.memory_of(res.choice) / p.memory_budget if res else float("nan"),
-        "cd_ratio": warm.objective / res.objective if res else float("nan"),
+        "build_s": res.build_s, "solve_s": res.solve_s, "total_s": time.perf_counter() - t0,
+        "status": res.status, "gap": res.gap, "objective": res.objective,
+        "mem": p.memory_of(res.choice) / p.memory_budget,
     }
 
 
@@ -76,9 +64,8 @@ def main() -> None:
     ap.add_argument("--skip-above", type=float, default=120.0)
     ap.add_argument("--layers", type=int, nargs="*", default=list(LAYERS))
     args = ap.parse_args()
-    head = (f"{'mesh':<5} {'tied':<5} {'L':>3} {'groups':>6} {'k':>4} {'vars':>8} {'cons':>7} "
-            f"{'problem s':>9} {'cd s':>6} {'ilp build s':>11} {'cbc s':>7} {'total s':>8} "
-            f"{'status':<9} {'gap':>7} {'mem/M':>5} {'cd/ilp':>7} {'tied/ilp':>8}")
+    head = (f"{'mesh':<5} {'tied':<5} {'L':>3} {'groups':>6} {'k':>4} {'build s':>8} "
+            f"{'solve s':>8} {'total s':>8} {'status':<9} {'gap':>7} {'mem/M':>5} {'tied/ilp':>8}")
     print(head)
     print("-" * len(head))
     t_start = time.perf_counter()
@@ -103,10 +90,8 @@ def main() -> None:
                 else:
                     vs_tied = f"{tied_opt[nodes, local, layers] / r['objective']:.4f}"
                 print(f"{mesh:<5} {str(tie):<5} {layers:>3} {r['groups']:>6} {r['k']:>4} "
-                      f"{r['vars']:>8} {r['cons']:>7} {r['problem_s']:>9.2f} {r['cd_s']:>6.2f} "
-                      f"{r['ilp_build_s']:>11.2f} {r['solve_s']:>7.2f} {r['total_s']:>8.2f} "
-                      f"{r['status']:<9} {gap:>7} {r['mem']:>5.2f} {r['cd_ratio']:>7.4f} "
-                      f"{vs_tied:>8}", flush=True)
+                      f"{r['build_s']:>8.2f} {r['solve_s']:>8.2f} {r['total_s']:>8.2f} "
+                      f"{r['status']:<9} {gap:>7} {r['mem']:>5.2f} {vs_tied:>8}", flush=True)
     print(f"wall time {time.perf_counter() - t_start:.0f} s; ILP time limit {args.time_limit:.0f} s")
 
 
