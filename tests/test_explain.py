@@ -6,7 +6,6 @@ costs; both verbs work on the plan of every shipped configuration."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 from pathlib import Path
@@ -184,16 +183,8 @@ def test_diff_across_pipelined_and_single_stage(tiny):
 # -- every shipped configuration, and the verbs ----------------------------------------------------
 
 
-def _solvable(path: Path) -> bool:
-    if load_config(path).pipeline.pipelined:
-        return hasattr(importlib.import_module("ilp_planner.pipeline_planner"), "solve_pipelined")
-    return True
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_explain_and_diff_work_on_every_shipped_config(path, tiny, tmp_path):
-    if not _solvable(path):
-        pytest.skip("pipelined solve not integrated yet (pipeline_planner.solve_pipelined)")
     plan = solve(path, baselines=False)
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
