@@ -299,23 +299,26 @@ def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
                            "forward", "activation"),)
         return Layout.replicated(in_layout.fact), colls, _compute(op, split, ctx)
     if op.kind is OpKind.FLATTEN:
-        pls = tuple(pl if not isinstance(pl, Split) or pl.dim <= 1 else B
-                    for pl in in_layout.placements)
-        return Layout(in_layout.fact, pls), (), 0.0
+        if any(isinstance(pl, Split) and pl.dim > 1 for pl in in_layout.placements):
+            raise ValueError(f"flatten {op.name!r} cannot follow a spatially split layout "
+                             f"{in_layout}; only batch and channel splits carry over")
+        return in_layout, (), 0.0
     return in_layout, (), _compute(op, split, ctx)
 
 
 def resolve_partial(layout: Layout, tensor: TensorSpec) -> Layout:
-    """The layout a follower sees: each partial axis reduce-scattered onto the last
-    tensor dim it can still divide, else all-reduced (cheapest reduction that keeps the
-    data split)."""
+    """The layout a follower sees: each partial axis reduce-scattered onto the feature dim
+    (the last dim of a 2-D activation, the channel dim of an (N, C, H, W) feature map, then
+    the batch dim) when it still divides, else all-reduced — the cheapest reduction that
+    keeps the data split, never splitting the spatial dims no strategy accepts."""
     if not layout.has_partial:
         return layout
+    order = (1, 0) if tensor.rank > 2 else tuple(reversed(range(tensor.rank)))
     pls = list(layout.placements)
     for a in layout.partial_axes:
         cur = Layout(layout.fact, tuple(pls))
         target: Placement = B
-        for d in reversed(range(tensor.rank)):
+        for d in order:
             if tensor.shape[d] % (cur.split_degree(d) * layout.fact[a].size) == 0:
                 target = Split(d)
                 break

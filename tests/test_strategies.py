@@ -178,3 +178,19 @@ def test_memory_is_state_plus_output_shard(kind):
         if not s.label.startswith("summa"):
             assert s.state_bytes <= op.params * 16 + 1e-9
             assert math.isclose(s.memory_bytes, s.state_bytes + s.activation_bytes)
+
+
+def test_partial_conv_outputs_resolve_onto_channels_not_spatial_dims():
+    """A conv's partial-sum output (S0, S1, P) is reduce-scattered onto channels (or the
+    batch), never onto H or W, so pooling and flatten see a layout they can carry."""
+    from ilp_planner.cluster import MeshAxis
+    from ilp_planner.graph import TensorSpec
+    from ilp_planner.layouts import P, S, Layout
+    from ilp_planner.strategies import resolve_partial
+
+    fact = (MeshAxis(1, 2), MeshAxis(1, 2), MeshAxis(1, 2))
+    fmap = TensorSpec((8, 64, 14, 14))
+    out = resolve_partial(Layout(fact, (S(0), S(1), P)), fmap)
+    assert out.placements == (S(0), S(1), S(1))
+    odd = TensorSpec((8, 3, 14, 14))  # channels cannot take another split: batch does
+    assert resolve_partial(Layout(fact, (S(0), P, P)), odd).placements == (S(0), S(0), S(0))
