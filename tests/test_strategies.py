@@ -185,7 +185,7 @@ def test_partial_conv_outputs_resolve_onto_channels_not_spatial_dims():
     batch), never onto H or W, so pooling and flatten see a layout they can carry."""
     from ilp_planner.cluster import MeshAxis
     from ilp_planner.graph import TensorSpec
-    from ilp_planner.layouts import P, S, Layout
+    from ilp_planner.layouts import Layout, P, S
     from ilp_planner.strategies import resolve_partial
 
     fact = (MeshAxis(1, 2), MeshAxis(1, 2), MeshAxis(1, 2))
