@@ -37,10 +37,9 @@ from ilp_planner.plan import Plan
 CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m runtime.launch",
-                                description="Train solved plans under torchrun.")
-    p.add_argument("plans", nargs="+", metavar="PLAN.json")
+def add_training_options(p: argparse.ArgumentParser) -> None:
+    """The training options, shared by this launcher and ``ilp-planner run`` (which
+    forwards them with :func:`forward_options`)."""
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", default="adam",
@@ -59,6 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare with the single-process reference on rank 0")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
+
+
+def forward_options(args: argparse.Namespace) -> list[str]:
+    """The command-line form of the options :func:`add_training_options` declares, as
+    parsed into ``args`` — what ``ilp-planner run`` hands to this launcher."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_training_options(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [action.option_strings[0]] if value else []
+        elif value is not None:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.launch",
+                                description="Train solved plans under torchrun.")
+    p.add_argument("plans", nargs="+", metavar="PLAN.json")
+    add_training_options(p)
     p.add_argument("--crash-rank", type=int, default=None,
                    help="testing: this rank exits abruptly at --crash-step")
     p.add_argument("--crash-step", type=int, default=1)

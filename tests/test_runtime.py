@@ -310,3 +310,19 @@ def test_unit_tasks_deliver_every_element_once(src: Layout, dst: Layout) -> None
         want = torch.zeros(shape, dtype=torch.int64)
         want[tuple(slice(a, b) for a, b in dst_reg[d])] = 1
         assert torch.equal(got[d], want)
+
+
+def test_run_verb_forwards_exactly_the_launcher_options():
+    """`ilp-planner run` declares the launcher's own options and hands them over verbatim."""
+    from ilp_planner.cli import build_parser as cli_parser
+    from runtime.launch import build_parser as launch_parser
+    from runtime.launch import forward_options
+
+    args = cli_parser().parse_args(
+        ["run", "p.json", "--nproc-per-node", "4", "--steps", "5", "--optimizer", "sgd",
+         "--check-reference", "--timings", "t.csv", "--grad-buckets", "op"])
+    launched = launch_parser().parse_args([*args.plans, *forward_options(args)])
+    for key, value in vars(launched).items():
+        if key not in ("crash_rank", "crash_step"):
+            assert getattr(args, key) == value, key
+    assert launched.steps == 5 and launched.check_reference and launched.grad_buckets == "op"

@@ -14,6 +14,8 @@ import argparse
 import subprocess
 import sys
 
+from runtime.launch import add_training_options, forward_options
+
 
 def torchrun_command(nproc: int, module: str, module_args: list[str]) -> list[str]:
     """The single-node torchrun command line running ``python -m module`` on ``nproc`` ranks."""
@@ -31,38 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("plans", nargs="+", metavar="PLAN.json")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="processes to start (default: the plan's device count)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", default="adam", help="sgd or adam (comma list: one per plan)")
-    p.add_argument("--lr", default="1e-2", help="learning rate (comma list: one per plan)")
-    p.add_argument("--microbatches", type=int, help="gradient accumulation of single-stage plans")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    p.add_argument("--timings", metavar="CSV", help="per-collective timings (calibration format)")
-    p.add_argument("--results", metavar="JSON", help="per-plan losses, step and comm times")
-    p.add_argument("--save-params", metavar="DIR", help="save the final parameters here")
-    p.add_argument("--check-reference", action="store_true",
-                   help="compare losses and parameters with a single-process run")
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--grad-buckets", choices=("stage", "op", "none"), default="stage",
-                   help="gradient AllReduce per stage-wide bucket, per op, or per tensor")
-    p.add_argument("--quiet", action="store_true")
+    add_training_options(p)
     p.set_defaults(func=run)
-
-
-def launch_args(args: argparse.Namespace) -> list[str]:
-    out = [*args.plans, "--steps", str(args.steps), "--seed", str(args.seed),
-           "--optimizer", args.optimizer, "--lr", str(args.lr), "--timeout", str(args.timeout),
-           "--rtol", str(args.rtol)]
-    for flag, value in (("--microbatches", args.microbatches), ("--timings", args.timings),
-                        ("--results", args.results), ("--save-params", args.save_params)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.check_reference:
-        out.append("--check-reference")
-    if args.quiet:
-        out.append("--quiet")
-    out += ["--grad-buckets", args.grad_buckets]
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,4 +47,5 @@ def run(args: argparse.Namespace) -> int:
         if k != n:
             raise ConfigError(f"plan {path} is for {k} devices but --nproc-per-node is {n}; "
                               f"start {k} processes or re-solve the plan for {n}")
-    return subprocess.call(torchrun_command(n, "runtime.launch", launch_args(args)))
+    return subprocess.call(torchrun_command(n, "runtime.launch",
+                                           [*args.plans, *forward_options(args)]))
