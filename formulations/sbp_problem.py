@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ilp_planner.cluster import Cluster
-from ilp_planner.cost_model import Collective, MemorySpec
+from ilp_planner.cost_model import ONCE_PER_STEP, Collective, MemorySpec
 from ilp_planner.graph import Graph, Op, OpKind
 from ilp_planner.layouts import Layout
 from ilp_planner.redistribution import plan_redistribution, redistribution_seconds
@@ -36,6 +36,8 @@ from ilp_planner.strategies import (
     follow,
     op_strategies,
     resolve_partial,
+    tied_exchange_collectives,
+    tied_source,
 )
 
 
@@ -128,6 +130,7 @@ class NodeOption:
     base: Strategy
     outputs: list[Layout]
     inputs: list[tuple[Layout, ...]]
+    grads: list[tuple[Layout, ...]]  # the layout each input's gradient leaves the op in
     collectives: list[list[Collective]]  # intra-op collectives, a follower's resolve included
     compute_s: list[float]
     cost_s: float  # per step: microbatches × (compute + activation comm) + grad sync
@@ -163,8 +166,8 @@ def _follower(op: Op, graph: Graph) -> bool:
 def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> float:
     """Seconds per step: compute and activation collectives run once per micro-batch,
     weight-gradient synchronisation once per step (gradient accumulation)."""
-    act = sum(c.seconds for c in colls if c.purpose != "grad_sync")
-    grad = sum(c.seconds for c in colls if c.purpose == "grad_sync")
+    act = sum(c.seconds for c in colls if c.purpose not in ONCE_PER_STEP)
+    grad = sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP)
     return microbatches * (compute_s + act) + grad
 
 
@@ -176,6 +179,7 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     for base in op_strategies(rep, in_specs, ctx):
         outputs = [base.output]
         inputs = [base.inputs]
+        grads = [base.grads_of_inputs]
         colls = [list(base.collectives)]
         comp = [base.compute_s]
         cost = _per_step(base.compute_s, list(base.collectives), microbatches)
@@ -193,11 +197,12 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
                 fc = red.forward + red.backward + fc
             outputs.append(out)
             inputs.append((resolved,))
+            grads.append((resolved,))
             colls.append(fc)
             comp.append(secs)
             cost += _per_step(secs, fc, microbatches)
             act += out.local_bytes(op.output)
-        opts.append(NodeOption(base, outputs, inputs, colls, comp, cost,
+        opts.append(NodeOption(base, outputs, inputs, grads, colls, comp, cost,
                                base.state_bytes + act, base.state_bytes, act))
     if not opts:
         raise ValueError(
@@ -274,7 +279,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         idx = graph[dst].inputs.index(src)
         tensor = graph[src].output
         outs = tuple(o.outputs[position[src]] for o in options[u])
-        ins = tuple(o.inputs[position[dst]][idx] for o in options[v])
+        ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx]) for o in options[v])
         key = (tensor, outs, ins)
         if key not in matrix_cache:
             matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
@@ -284,19 +289,52 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             cost[gu] += np.diag(r)
             continue
         edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
+    _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
     problem = Problem(names, cost, mem, edges, memory_budget)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
                         microbatches)
 
 
-def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[Layout, ...], tensor, cluster: Cluster) -> np.ndarray:
+def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], position: dict[str, int],
+                       options: dict[str, list[NodeOption]], group_of: dict[str, int],
+                       edges: dict[tuple[int, int], np.ndarray]) -> None:
+    """An edge between a tied head and its embedding: the per-step gradient exchange of
+    the two copies of the table (:func:`ilp_planner.strategies.tied_exchange`), priced for
+    every pair of their weight layouts."""
+    for op in graph.ops:
+        if op.kind is not OpKind.LINEAR or not op.attrs.get("tied"):
+            continue
+        emb = tied_source(graph, op)
+        if emb is None or emb.name not in owner or position[op.name] or position[emb.name]:
+            continue
+        gu, gv = group_of[owner[emb.name]], group_of[owner[op.name]]
+        if gu == gv:
+            continue
+        ew = [o.base.weight for o in options[owner[emb.name]]]
+        hw = [o.base.weight for o in options[owner[op.name]]]
+        cache: dict[tuple, float] = {}
+        r = np.empty((len(ew), len(hw)))
+        for i, a in enumerate(ew):
+            for j, b in enumerate(hw):
+                if (a, b) not in cache:
+                    cache[(a, b)] = sum(c.seconds for c in
+                                        tied_exchange_collectives(a, b, emb.weight, cluster))
+                r[i, j] = cache[(a, b)]
+        key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
+        edges[key] = edges[key] + mat if key in edges else mat.copy()
+
+
+def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,
+                 cluster: Cluster) -> np.ndarray:
+    """Edge program seconds (forward + backward) for every (producer output, consumer
+    (input layout, input gradient layout)) pair."""
     uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
-    uniq_in = {lay: j for j, lay in enumerate(dict.fromkeys(ins))}
+    uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
     small = np.empty((len(uniq_out), len(uniq_in)))
     for a, i in uniq_out.items():
-        for b, j in uniq_in.items():
-            small[i, j] = redistribution_seconds(a, b, tensor, cluster)
+        for (b, gb), j in uniq_in.items():
+            small[i, j] = redistribution_seconds(a, b, tensor, cluster, gb)
     rows = [uniq_out[a] for a in outs]
     cols = [uniq_in[b] for b in ins]
     return small[np.ix_(rows, cols)]

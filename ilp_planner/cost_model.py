@@ -104,6 +104,10 @@ class Collective:
         )
 
 
+ONCE_PER_STEP = frozenset({"grad_sync", "tied_weight"})
+"""Purposes issued once per optimizer step; every other collective runs once per micro-batch."""
+
+
 def make_collective(
     kind: CollectiveKind, p: int, nbytes: float, cluster: Cluster, spans_nodes: bool,
     axes: tuple[int, ...] = (), phase: str = "forward", purpose: str = "activation",

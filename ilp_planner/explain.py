@@ -11,7 +11,8 @@ the layer issues); the per-step figures multiply activation traffic and compute 
 number of micro-batches and count weight-gradient synchronisation once, exactly as
 :meth:`CostBreakdown.of` does::
 
-    step seconds of a collective kind = m · Σ_activation seconds + Σ_grad_sync seconds
+    step seconds of a collective kind = m · Σ_per-micro-batch seconds + Σ_once-per-step seconds
+    (weight-gradient sync, tied-weight exchange)
 
 Notation. A layout is printed twice: in SBP form, one ``placement:axis`` pair per mesh axis
 (``(S(0):2, B:4)`` — split dim 0 over an axis of 2 devices, replicated over an axis of 4;
@@ -35,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from ilp_planner.cluster import fact_str
-from ilp_planner.cost_model import Collective
+from ilp_planner.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.layouts import Broadcast, Layout, Split
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
 
@@ -208,7 +209,7 @@ def collective_totals(plan: Plan) -> dict[tuple[str, str, str], tuple[int, float
     out: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for layer in plan.layers:
         for c in layer.collectives:
-            times = 1 if c.purpose == "grad_sync" else m
+            times = 1 if c.purpose in ONCE_PER_STEP else m
             acc = out[(c.kind.value, c.link, c.purpose)]
             acc[0] += times
             acc[1] += times * c.bytes

@@ -145,8 +145,46 @@ class Layout:
         return tuple(-(-s // self.split_degree(d)) for d, s in enumerate(shape))
 
     def local_bytes(self, tensor: TensorSpec) -> float:
-        """Bytes held per device (exact fraction; padding of uneven splits ignored)."""
+        """Bytes held per device (exact fraction; padding of uneven splits ignored) — the
+        memory model's figure. Communication is priced on :meth:`padded_bytes`."""
         return tensor.nbytes / math.prod(self._degrees.values())
+
+    def regions(self, shape: tuple[int, ...]) -> np.ndarray:
+        """``(devices, rank, 2)`` array: the ``[lo, hi)`` block of every mesh-ordered device.
+
+        Chunking follows ``torch.chunk`` (chunk size ⌈n/k⌉, trailing chunks short or empty),
+        nested major-first when several axes split one dim: each axis chunks the block its
+        more major axes left. This is the geometry the runtime executes; uneven shapes
+        differ between a flat split by k and a nested split by k1·k2."""
+        coords = axis_coordinates(self.fact)
+        out = np.zeros((coords.shape[0], len(shape), 2), dtype=np.int64)
+        for d, n in enumerate(shape):
+            lo = np.zeros(coords.shape[0], dtype=np.int64)
+            size = np.full(coords.shape[0], n, dtype=np.int64)
+            for a in self.split_axes(d):
+                k = self.fact[a].size
+                c = -(-size // k)
+                start = np.minimum(coords[:, a] * c, size)
+                size = np.minimum(size - start, c)
+                lo = lo + start
+            out[:, d, 0] = lo
+            out[:, d, 1] = lo + size
+        return out
+
+    def padded_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The largest local block per dim: every collective pads local pieces to it, so
+        every rank moves the same bytes (what the plan prices)."""
+        out = []
+        for d, n in enumerate(shape):
+            size = n
+            for a in self.split_axes(d):
+                size = -(-size // self.fact[a].size)
+            out.append(size)
+        return tuple(out)
+
+    def padded_bytes(self, tensor: TensorSpec) -> float:
+        """Bytes of the padded local block (:meth:`padded_shape`)."""
+        return float(math.prod(self.padded_shape(tensor.shape)) * tensor.itemsize)
 
     # ---- string forms -------------------------------------------------------------------
     def sbp(self) -> str:
@@ -249,6 +287,15 @@ class Layout:
                 blocks[:, pl.dim] = blocks[:, pl.dim] * self.fact[i].size + coords[:, i]
         return blocks
 
+    def block_key(self, shape: tuple[int, ...]) -> tuple:
+        """For a P-free layout: equal for two layouts of the same devices (any
+        factorisation) exactly when every device holds the same block of a tensor of
+        ``shape`` — so a re-view between them moves nothing. Even splits compare block
+        indices; uneven ones the real regions (flat and nested chunking differ there)."""
+        if all(shape[d] % self.split_degree(d) == 0 for d in range(len(shape))):
+            return ("even",) + self.canonical_key()
+        return ("regions", self.regions(shape).tobytes())
+
     def canonical_key(self) -> tuple:
         """For a P-free layout: a key equal for two layouts (of the same devices, any
         factorisation) exactly when every device holds the same block of the tensor."""
@@ -269,3 +316,12 @@ def drop_unit_axes(layout: Layout) -> Layout:
     if not keep:
         return Layout((MeshAxis(1, 1),), (B,))
     return Layout(tuple(layout.fact[i] for i in keep), tuple(layout.placements[i] for i in keep))
+
+
+def grad_layout(layout: Layout) -> Layout:
+    """The layout a value's gradient must arrive in for the value's producer: partial sums
+    become replicas (the gradient of every summand is the gradient of the sum), splits and
+    replicas stay. Every backward program ends in this layout."""
+    if not layout.has_partial:
+        return layout
+    return Layout(layout.fact, tuple(B if isinstance(pl, Partial) else pl for pl in layout.placements))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ilp_planner.cluster import MeshAxis, fact_str
-from ilp_planner.cost_model import Collective
+from ilp_planner.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.errors import LayoutError, PlanFormatError
 from ilp_planner.layouts import Layout, parse_placement
 
@@ -84,8 +84,8 @@ class CostBreakdown:
            microbatches: int = 1) -> CostBreakdown:
         """Per step: compute and activation collectives (given per micro-batch) run
         ``microbatches`` times, weight-gradient synchronisation once."""
-        act = [c for c in collectives if c.purpose != "grad_sync"]
-        grad = [c for c in collectives if c.purpose == "grad_sync"]
+        act = [c for c in collectives if c.purpose not in ONCE_PER_STEP]
+        grad = [c for c in collectives if c.purpose in ONCE_PER_STEP]
         m = microbatches
         return cls(m * compute_s, m * sum(c.seconds for c in act), sum(c.seconds for c in grad),
                    m * sum(c.bytes for c in act), sum(c.bytes for c in grad), memory)

@@ -24,6 +24,7 @@ from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.graph import OpKind
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
 from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.strategies import tied_exchange_collectives, tied_source
 
 
 def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
@@ -141,9 +142,14 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
             if gp.owner[src] == node:
                 continue  # a follower reads its producer inside the node (resolve counted)
             have = chosen[gp.owner[src]].outputs[gp.position[src]]
-            red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster)
+            red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster,
+                                      opt.grads[pos][idx])
             colls += red.forward + red.backward
         colls += opt.collectives[pos]
+        emb = tied_source(graph, op) if op.attrs.get("tied") else None
+        if emb is not None and emb.name in gp.owner and pos == 0:
+            colls += tied_exchange_collectives(chosen[gp.owner[emb.name]].base.weight,
+                                               opt.base.weight, emb.weight, gp.ctx.cluster)
         is_base = pos == 0
         mem = (opt.state_bytes if is_base else 0.0) + opt.outputs[pos].local_bytes(op.output)
         layers.append(LayerPlan(

@@ -1,35 +1,44 @@
-"""Redistribution planner: the cheapest sequence of collectives between two layouts of the
-same device set, possibly on different mesh factorisations (AutoDDL §4.3).
+"""Redistribution lowering: the exact collective program that moves a tensor between two
+layouts of the same device set — forward *and* the backward autograd runs — priced by the
+cost model and executed, step for step, by the runtime (:mod:`runtime.comm`).
 
-Plan, then execute: :func:`plan_redistribution` returns a :class:`Redistribution` — a list
-of steps, each a layout change with the collective it issues (or none for a local slice).
+Plan, then execute: :func:`plan_redistribution` returns a :class:`Redistribution` with two
+step lists. Each :class:`RedistStep` is one layout change and the collective it issues (or
+none for a local slice or a re-view); the runtime derives the operation from the step's two
+layouts, so the program priced is the program run.
 
 The search is Dijkstra over the states ``(factorisation, placements)`` of every proper
 factorisation with up to three axes (plus those of the endpoints). Edges:
 
-1. one mesh axis changes state (DESIGN §3):
-   ``P→B`` AllReduce, ``P→S(d)`` ReduceScatter, ``S(d)→B`` AllGather,
-   ``S(i)→S(j)`` AlltoAll, ``B→S(d)``, ``B→P`` and ``S(d)→P`` local (free);
+1. one mesh axis ``a`` changes state (DESIGN §3): ``P→B`` AllReduce, ``P→S(d)``
+   ReduceScatter, ``S(d)→B`` AllGather, ``S(i)→S(j)`` AlltoAll, ``B→S(d)`` local slice —
+   but only where the result keeps *contiguous* nested blocks: a dim split by several axes
+   is chunked major-first, so axis ``a`` may gather (or give away) dim ``d`` only when it
+   is the minor-most axis splitting ``d``, and may scatter (or slice) onto ``d`` only when
+   no later axis already splits ``d``. A step on a major axis would leave a strided block
+   order that no single collective produces (DTensor then gathers the later axes first);
+   such steps are not offered, so their cheap price never reaches the ILP;
 2. a *re-view*: two partial-free layouts on different factorisations in which every device
-   holds the same block (equal :meth:`Layout.canonical_key`) are the same data — free;
-3. a *reshuffle*: between partial-free layouts whose per-device shards have the same shape
-   but sit on other devices — an AlltoAll over the whole device set.
+   holds the same block (equal :meth:`Layout.block_key`, real ``torch.chunk`` regions for
+   uneven shapes) are the same data — free.
 
-AutoDDL's §4.3 path ``(S0:p0, S1:p1, P:p2) → (S0:p0, S1:p1p2) → (S0:p0′, S1:p1′p2′) →
-(S0:p0′, B:p1′, S1:p2′)`` is ReduceScatter, re-view/reshuffle, AllGather in this graph.
+No edge leads *into* a partial sum: a P state is only ever a source (an op's partial output,
+a partial gradient), never produced by a layout change, so no path the runtime cannot run
+exists.
 
-Block order. A single-axis step is priced on any axis, as AutoDDL and OneFlow do. When an
-axis that is not the minor-most of those splitting a dimension gathers or scatters, the
-shards that result hold the right amount of data in a *strided* block order (DTensor's
-``_StridedShard``), not the contiguous order :meth:`Layout.canonical_key` assumes. The cost
-is the collective's either way; executing such a step with contiguous shards, as the
-runtime's DTensor ``redistribute`` does, may issue more communication than planned (e.g.
-the §4.3 path becomes AllReduce + AllGather + local slicing). The runtime's results are
-exact regardless; only its communication volume can exceed the prediction.
+Bytes are the *n* of the α–β formula per rank, padded as executed: every local piece is
+padded to the layout's largest block (:meth:`Layout.padded_shape`) so all ranks move the
+same bytes — the tensor for AllReduce, the gathered output for AllGather, the input for
+ReduceScatter and AlltoAll.
 
-The backward pass moves the gradient along the dual path (S stays S, B and P swap), which
-issues the mirrored collectives with the same bytes — AllGather ↔ ReduceScatter, AllReduce
-and AlltoAll unchanged — so the backward cost equals the forward cost.
+Backward. The value arrives at its consumer in layout ``dst``; the consumer's backward
+hands back the gradient in a layout ``grad_dst`` (``dst`` with some replicated axes turned
+partial when the consumer's local backward yields partial sums there, e.g. the input of a
+column-parallel matmul). The producer needs it in :func:`~ilp_planner.layouts.grad_layout`
+``(src)`` (``src`` with partial sums read as replicas). The backward program is the
+cheapest path ``grad_dst → grad_layout(src)`` in the same graph — e.g. forward AllGather,
+backward ReduceScatter when the consumer's gradient is partial; forward local slice,
+backward AllGather.
 """
 
 from __future__ import annotations
@@ -46,23 +55,28 @@ from ilp_planner.cluster import Cluster, Factorisation, proper_factorisations
 from ilp_planner.cost_model import Collective, CollectiveKind, make_collective
 from ilp_planner.errors import LayoutError
 from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import B, Layout, P, Partial, Placement, Split, drop_unit_axes
-
-_MIRROR = {
-    CollectiveKind.ALL_GATHER: CollectiveKind.REDUCE_SCATTER,
-    CollectiveKind.REDUCE_SCATTER: CollectiveKind.ALL_GATHER,
-    CollectiveKind.ALL_REDUCE: CollectiveKind.ALL_REDUCE,
-    CollectiveKind.ALL_TO_ALL: CollectiveKind.ALL_TO_ALL,
-}
+from ilp_planner.layouts import B, Layout, Partial, Placement, Split, drop_unit_axes, grad_layout
 
 
 @dataclass(frozen=True)
 class RedistStep:
-    """One layout change; ``collective`` is None for a free local step or re-view."""
+    """One layout change; ``collective`` is None for a free local slice or re-view. A step
+    on one factorisation changes exactly one mesh axis; a step between factorisations is a
+    re-view (same block on every device)."""
 
     src: Layout
     dst: Layout
     collective: Collective | None
+
+    @property
+    def is_view(self) -> bool:
+        return self.src.fact != self.dst.fact
+
+    @property
+    def axis(self) -> int:
+        """The mesh axis a same-factorisation step changes."""
+        return next(i for i, (a, b) in enumerate(zip(self.src.placements, self.dst.placements,
+                                                     strict=True)) if a != b)
 
     def __str__(self) -> str:
         c = self.collective
@@ -72,10 +86,19 @@ class RedistStep:
 
 @dataclass(frozen=True)
 class Redistribution:
+    """The lowered program of one edge: ``steps`` move the value ``src → dst`` forward,
+    ``backward_steps`` move its gradient ``grad_dst → grad_layout(src)``."""
+
     src: Layout
     dst: Layout
     tensor: TensorSpec
     steps: tuple[RedistStep, ...]
+    grad_dst: Layout | None = None
+    backward_steps: tuple[RedistStep, ...] = ()
+
+    @property
+    def grad_src(self) -> Layout:
+        return grad_layout(self.src)
 
     @property
     def forward(self) -> list[Collective]:
@@ -83,12 +106,8 @@ class Redistribution:
 
     @property
     def backward(self) -> list[Collective]:
-        """The gradient's collectives (dual path, reverse order)."""
-        return [
-            Collective(_MIRROR[c.kind], c.group_size, c.bytes, c.link, c.seconds, c.axes,
-                       "backward", c.purpose)
-            for c in reversed(self.forward)
-        ]
+        return [s.collective.with_phase("backward") for s in self.backward_steps
+                if s.collective is not None]
 
     @property
     def forward_seconds(self) -> float:
@@ -97,30 +116,41 @@ class Redistribution:
     @property
     def seconds(self) -> float:
         """Forward plus backward time."""
-        return 2.0 * self.forward_seconds
+        return self.forward_seconds + sum(c.seconds for c in self.backward)
 
     @property
     def bytes(self) -> float:
-        return 2.0 * sum(c.bytes for c in self.forward)
+        return sum(c.bytes for c in self.forward + self.backward)
+
+
+def _last_splitter(layout: Layout, dim: int) -> int:
+    axes = layout.split_axes(dim)
+    return axes[-1] if axes else -1
 
 
 def _axis_moves(layout: Layout, tensor: TensorSpec) -> list[tuple[Placement, int, CollectiveKind | None]]:
-    """(new placement, axis, collective kind or None) for every single-axis change."""
+    """(new placement, axis, collective kind or None) for every single-axis change that
+    keeps contiguous blocks (module docstring, rule 1)."""
     moves = []
     rank = tensor.rank
+
+    def may_take(a: int, d: int) -> bool:  # axis a may start splitting dim d
+        return _last_splitter(layout, d) < a
+
     for a, cur in enumerate(layout.placements):
         if layout.fact[a].size == 1:
             continue
         if isinstance(cur, Partial):
             moves.append((B, a, CollectiveKind.ALL_REDUCE))
-            moves += [(Split(d), a, CollectiveKind.REDUCE_SCATTER) for d in range(rank)]
+            moves += [(Split(d), a, CollectiveKind.REDUCE_SCATTER) for d in range(rank) if may_take(a, d)]
         elif isinstance(cur, Split):
+            if _last_splitter(layout, cur.dim) != a:
+                continue
             moves.append((B, a, CollectiveKind.ALL_GATHER))
-            moves.append((P, a, None))
-            moves += [(Split(d), a, CollectiveKind.ALL_TO_ALL) for d in range(rank) if d != cur.dim]
+            moves += [(Split(d), a, CollectiveKind.ALL_TO_ALL) for d in range(rank)
+                      if d != cur.dim and may_take(a, d)]
         else:
-            moves.append((P, a, None))
-            moves += [(Split(d), a, None) for d in range(rank)]
+            moves += [(Split(d), a, None) for d in range(rank) if may_take(a, d)]
     return moves
 
 
@@ -134,14 +164,26 @@ def _fits(layout: Layout, tensor: TensorSpec) -> bool:
     return all(d < tensor.rank and k <= tensor.shape[d] for d, k in layout._degrees.items())
 
 
+def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor: TensorSpec) -> float:
+    """The formula's *n* of a single-axis step, padded as executed (module docstring)."""
+    shape = list(src.padded_shape(tensor.shape))
+    k = src.fact[axis].size
+    if kind is CollectiveKind.ALL_GATHER:
+        d = src.placements[axis].dim
+        shape[d] *= k
+    elif kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
+        d = dst.placements[axis].dim
+        shape[d] = dst.padded_shape(tensor.shape)[d] * k
+    return float(math.prod(shape) * tensor.itemsize)
+
+
 _EPS = 1e-15  # weight of free edges: csgraph needs strictly positive weights
 
 
 @dataclass
 class _StateGraph:
     """All layouts of one tensor on one device set as a weighted digraph. Node ids below
-    ``len(states)`` are layouts; the rest are hubs joining re-view groups (free) and
-    reshuffle groups (one AlltoAll)."""
+    ``len(states)`` are layouts; the rest are hubs joining re-view groups (free)."""
 
     states: list[Layout]
     index: dict[Layout, int]
@@ -163,20 +205,13 @@ class RedistributionPlanner:
         self.nodes = nodes
         self.local = local
         self.universe: tuple[Factorisation, ...] = proper_factorisations(nodes, local, max_axes)
-        self.spans_nodes = nodes > 1
         self._graph = lru_cache(maxsize=64)(self._build_graph)
         self._search = lru_cache(maxsize=8192)(self._dijkstra)
 
-    def _collective(self, kind: CollectiveKind, layout: Layout, axis: int, tensor: TensorSpec) -> Collective:
-        size = layout.fact[axis].size
-        local = layout.local_bytes(tensor)
-        nbytes = local * size if kind is CollectiveKind.ALL_GATHER else local
-        return make_collective(kind, size, nbytes, self.cluster, layout.fact[axis].spans_nodes, (axis,))
-
-    def _reshuffle(self, layout: Layout, tensor: TensorSpec) -> Collective:
-        p = self.nodes * self.local
-        return make_collective(CollectiveKind.ALL_TO_ALL, p, layout.local_bytes(tensor),
-                               self.cluster, self.spans_nodes)
+    def collective(self, kind: CollectiveKind, src: Layout, dst: Layout, axis: int,
+                   tensor: TensorSpec) -> Collective:
+        return make_collective(kind, src.fact[axis].size, step_bytes(kind, src, dst, axis, tensor),
+                               self.cluster, src.fact[axis].spans_nodes, (axis,))
 
     def _build_graph(self, tensor: TensorSpec) -> _StateGraph:
         states = [
@@ -191,32 +226,26 @@ class RedistributionPlanner:
         weights: list[float] = []
         hubs: dict[tuple, int] = {}
         hub_kind: dict[int, str] = {}
-
-        def hub(key: tuple, kind: str) -> int:
-            if key not in hubs:
-                hubs[key] = len(states) + len(hubs)
-                hub_kind[hubs[key]] = kind
-            return hubs[key]
-
         for i, lay in enumerate(states):
             for pl, axis, kind in _axis_moves(lay, tensor):
-                j = index.get(_replace(lay, axis, pl))
+                nxt = _replace(lay, axis, pl)
+                j = index.get(nxt)
                 if j is None:
                     continue
                 rows.append(i)
                 cols.append(j)
-                weights.append(_EPS if kind is None else self._collective(kind, lay, axis, tensor).seconds)
+                weights.append(_EPS if kind is None else
+                               self.collective(kind, lay, nxt, axis, tensor).seconds)
             if lay.has_partial:
                 continue
-            h = hub(("view", lay.canonical_key()), "view")
+            key = ("view", lay.block_key(tensor.shape))
+            if key not in hubs:
+                hubs[key] = len(states) + len(hubs)
+                hub_kind[hubs[key]] = "view"
+            h = hubs[key]
             rows += [i, h]
             cols += [h, i]
             weights += [_EPS, _EPS]
-            if self.nodes * self.local > 1:
-                h = hub(("shuffle", lay.local_shape(tensor.shape)), "shuffle")
-                rows += [i, h]
-                cols += [h, i]
-                weights += [self._reshuffle(lay, tensor).seconds + _EPS, _EPS]
         n = len(states) + len(hubs)
         matrix = csr_matrix((weights, (rows, cols)), shape=(n, n))
         return _StateGraph(states, index, matrix, hub_kind)
@@ -228,16 +257,26 @@ class RedistributionPlanner:
         return dist, pred
 
     def forward_cost(self, src: Layout, dst: Layout, tensor: TensorSpec) -> float:
-        """Forward seconds of the cheapest path (free steps weigh 1e-15 s each), without
-        building the step list — what the ILP's cost matrices need."""
+        """Seconds of the cheapest path ``src → dst`` (free steps weigh 1e-15 s each),
+        without building the step list — what the ILP's cost matrices need."""
         a, b = drop_unit_axes(src), drop_unit_axes(dst)
         if a == b:
             return 0.0
         graph = self._graph(tensor)
         dist, _ = self._search(a, tensor)
-        return float(dist[graph.index[b]])
+        cost = float(dist[graph.index[b]])
+        if not math.isfinite(cost):
+            raise LayoutError(f"no redistribution path from {a} to {b} for {tensor.shape}")
+        return cost
 
-    def plan(self, src: Layout, dst: Layout, tensor: TensorSpec) -> Redistribution:
+    def edge_cost(self, src: Layout, dst: Layout, tensor: TensorSpec,
+                  grad_dst: Layout | None = None) -> float:
+        """Forward plus backward seconds of the edge's lowered program."""
+        back = grad_dst if grad_dst is not None else grad_layout(dst)
+        return self.forward_cost(src, dst, tensor) + self.forward_cost(back, grad_layout(src), tensor)
+
+    def path(self, src: Layout, dst: Layout, tensor: TensorSpec) -> tuple[RedistStep, ...]:
+        """The steps of the cheapest path ``src → dst`` (unit axes dropped)."""
         a, b = drop_unit_axes(src), drop_unit_axes(dst)
         for lay, name in ((a, "source"), (b, "destination")):
             lay.check(tensor)
@@ -248,7 +287,9 @@ class RedistributionPlanner:
                     f"{name} layout {lay} covers {nodes}x{local} devices, not {self.nodes}x{self.local}"
                 )
         if a == b:
-            return Redistribution(src, dst, tensor, ())
+            return ()
+        if b.has_partial:
+            raise LayoutError(f"no layout change produces partial sums: {a} -> {b}")
         graph = self._graph(tensor)
         for lay in (a, b):
             if lay not in graph.index:
@@ -266,23 +307,28 @@ class RedistributionPlanner:
         while k < len(path) - 1:
             u = graph.states[path[k]]
             if path[k + 1] in graph.hub_kind:
-                v = graph.states[path[k + 2]]
-                kind = graph.hub_kind[path[k + 1]]
-                steps.append(RedistStep(u, v, None if kind == "view" else self._reshuffle(u, tensor)))
+                steps.append(RedistStep(u, graph.states[path[k + 2]], None))
                 k += 2
                 continue
             v = graph.states[path[k + 1]]
             axis = next(i for i in range(len(u.placements)) if u.placements[i] != v.placements[i])
             kind = next(kd for pl, ax, kd in _axis_moves(u, tensor)
                         if ax == axis and pl == v.placements[axis])
-            steps.append(RedistStep(u, v, None if kind is None else self._collective(kind, u, axis, tensor)))
+            steps.append(RedistStep(u, v, None if kind is None else
+                                    self.collective(kind, u, v, axis, tensor)))
             k += 1
-        return Redistribution(src, dst, tensor, tuple(steps))
+        return tuple(steps)
+
+    def plan(self, src: Layout, dst: Layout, tensor: TensorSpec,
+             grad_dst: Layout | None = None) -> Redistribution:
+        back = grad_dst if grad_dst is not None else grad_layout(dst)
+        return Redistribution(src, dst, tensor, self.path(src, dst, tensor), back,
+                              self.path(back, grad_layout(src), tensor))
 
 
 @cache
 def _all_placements(k: int, rank: int) -> list[tuple[Placement, ...]]:
-    opts: list[Placement] = [B, P] + [Split(d) for d in range(rank)]
+    opts: list[Placement] = [B, Partial()] + [Split(d) for d in range(rank)]
     out: list[tuple[Placement, ...]] = [()]
     for _ in range(k):
         out = [t + (o,) for t in out for o in opts]
@@ -301,11 +347,15 @@ def planner_for(layout: Layout, cluster: Cluster) -> RedistributionPlanner:
     return _planner(cluster, nodes, local)
 
 
-def plan_redistribution(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster) -> Redistribution:
-    """Cheapest forward path from ``src`` to ``dst`` (same device set) for ``tensor``."""
-    return planner_for(src, cluster).plan(src, dst, tensor)
+def plan_redistribution(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster,
+                        grad_dst: Layout | None = None) -> Redistribution:
+    """The lowered program of an edge (same device set): cheapest forward path
+    ``src → dst`` and backward path ``grad_dst → grad_layout(src)``; ``grad_dst`` defaults
+    to ``grad_layout(dst)`` (a consumer whose local backward is exact)."""
+    return planner_for(src, cluster).plan(src, dst, tensor, grad_dst)
 
 
-def redistribution_seconds(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster) -> float:
-    """Forward + backward seconds of the cheapest path (fast: no step list)."""
-    return 2.0 * planner_for(src, cluster).forward_cost(src, dst, tensor)
+def redistribution_seconds(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster,
+                           grad_dst: Layout | None = None) -> float:
+    """Forward + backward seconds of the edge's program (fast: no step list)."""
+    return planner_for(src, cluster).edge_cost(src, dst, tensor, grad_dst)

@@ -35,8 +35,10 @@ from ilp_planner.cost_model import (
     compute_time,
     make_collective,
 )
+from ilp_planner.errors import LayoutError
 from ilp_planner.graph import Op, OpKind, TensorSpec
-from ilp_planner.layouts import B, Layout, P, Placement, Split
+from ilp_planner.layouts import B, Layout, P, Partial, Placement, Split
+from ilp_planner.redistribution import Redistribution, plan_redistribution
 
 FOLLOWER_KINDS = frozenset(
     {OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.POOL, OpKind.FLATTEN, OpKind.LOSS}
@@ -56,6 +58,13 @@ class Strategy:
     collectives: tuple[Collective, ...]
     state_bytes: float
     activation_bytes: float
+    input_grads: tuple[Layout, ...] = ()
+
+    @property
+    def grads_of_inputs(self) -> tuple[Layout, ...]:
+        """The layout the op's backward hands each input's gradient back in (partial
+        where its local backward yields partial sums); the edge programs start there."""
+        return self.input_grads or self.inputs
 
     @property
     def comm_s(self) -> float:
@@ -111,15 +120,163 @@ def _coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbyt
     return make_collective(kind, size, nbytes, ctx.cluster, spans, axes, phase, purpose)
 
 
-def _grad_sync(op: Op, fact: Factorisation, axes: tuple[int, ...], local_params: float,
-               ctx: StrategyContext) -> tuple[Collective, ...]:
-    """AllReduce of a weight gradient over the axes where the weight is replicated."""
-    axes = tuple(a for a in axes if fact[a].size > 1)
-    if not axes or local_params <= 0:
-        return ()
-    itemsize = op.weight.itemsize if op.weight is not None else op.output.itemsize
-    return (_coll(CollectiveKind.ALL_REDUCE, fact, axes, local_params * itemsize, ctx,
-                  "backward", "grad_sync"),)
+def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
+    """Parameters each op holds on its devices, by role. A tied head holds its own copy of
+    the embedding table (transposed), with gradients and optimizer state: the runtime
+    trains both copies and exchanges their gradients (:func:`tied_exchange`)."""
+    if op.kind is OpKind.LINEAR:
+        assert op.weight is not None
+        out = {"weight": op.weight.shape}
+        if op.attrs.get("bias"):
+            out["bias"] = (op.weight.shape[1],)
+        return out
+    if op.kind is OpKind.EMBEDDING:
+        assert op.weight is not None
+        return {"weight": op.weight.shape, "pos": (op.attr("seq_len"), op.weight.shape[1])}
+    if op.kind is OpKind.LAYERNORM:
+        h = op.output.shape[-1]
+        return {"weight": (h,), "bias": (h,)}
+    return {}
+
+
+def matmul_placements(x: Layout, w: Layout, ids: bool = False) -> tuple[list, list, list]:
+    """Per mesh axis, (output, dX, dW) placements of ``Y = X W`` with local operands —
+    AutoDDL §4.2.2 and SUMMA's compute step::
+
+        X      W      → Y      dX     dW
+        S(0)   B        S(0)   S(0)   P     rows split: W's gradient is a partial sum
+        B      S(1)     S(1)   P      S(1)  columns split: X's gradient is a partial sum
+        S(1)   S(0)     P      S(1)   S(0)  contraction split: Y is a partial sum
+        B      B        B      B      B
+
+    For an embedding (``ids``) X is the token-id vector standing for the one-hot matrix: a
+    replicated id vector against a vocabulary-split table gives partial sums."""
+    out: list[Placement] = []
+    gx: list[Placement] = []
+    gw: list[Placement] = []
+    for a, (pi, pw) in enumerate(zip(x.placements, w.placements, strict=True)):
+        cols = pi == Split(1) if not ids else False
+        if pi == Split(0) and pw == B:
+            out.append(Split(0)); gx.append(pi); gw.append(P)  # noqa: E702
+        elif pi == B and pw == Split(1):
+            out.append(Split(1)); gx.append(P); gw.append(pw)  # noqa: E702
+        elif (cols or (ids and pi == B)) and pw == Split(0):
+            out.append(P); gx.append(pi); gw.append(pw)  # noqa: E702
+        elif pi == B and pw == B:
+            out.append(B); gx.append(B); gw.append(B)  # noqa: E702
+        else:
+            raise LayoutError(f"mesh axis {a} pairs input {pi} with weight {pw}; a matmul runs "
+                              f"the 3-D family (S0,B)/(B,S1)/(S1,S0)/(B,B) per axis only")
+    return out, gx, gw
+
+
+def bias_layout(out: Layout, dim: int = 0) -> Layout:
+    """A bias-like parameter along the output's last dim (``dim`` of the parameter): split
+    where the output's columns are, replicated elsewhere."""
+    return Layout(out.fact, tuple(Split(dim) if pl == Split(1) else B for pl in out.placements))
+
+
+def _bias_grad(out: Layout, dim: int = 0) -> Layout:
+    """Partial over the axes splitting rows (sum over rows) and over the output's partial
+    axes (one device per partial group adds the bias)."""
+    return Layout(out.fact, tuple(P if (pl == Split(0) or isinstance(pl, Partial)) else
+                                  (Split(dim) if pl == Split(1) else B) for pl in out.placements))
+
+
+def is_summa(label: str) -> bool:
+    return label.startswith("summa")
+
+
+def summa_compute_layouts(fact: Factorisation) -> tuple[Layout, Layout]:
+    """SUMMA gathers I along the column axis and W along the row axis, then multiplies."""
+    return Layout(fact, (Split(0), B)), Layout(fact, (B, Split(1)))
+
+
+def input_grad_layouts(op: Op, label: str, inputs: tuple[Layout, ...],
+                       weight: Layout | None) -> tuple[Layout, ...]:
+    """The layout each input's gradient leaves the op's backward in — where edge backward
+    programs start. Partial where the op's local backward yields partial sums (a matmul
+    input replicated against column-split weights; a conv input against output-channel
+    splits); the input layout itself otherwise (SUMMA's own gathers reduce-scatter back)."""
+    if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and not is_summa(label):
+        w = inputs[1] if op.kind is OpKind.MATMUL else weight
+        assert w is not None
+        _, gx, gw = matmul_placements(inputs[0], w)
+        grads = (Layout(inputs[0].fact, tuple(gx)),)
+        return grads + ((Layout(w.fact, tuple(gw)),) if op.kind is OpKind.MATMUL else ())
+    if op.kind is OpKind.CONV2D:
+        x = inputs[0]
+        return (Layout(x.fact, tuple(P if (pl == B and x.fact[a].size > 1 and a == 1) else pl
+                                     for a, pl in enumerate(x.placements))),)
+    return inputs
+
+
+def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
+                  output: Layout) -> dict[str, tuple[Layout, Layout]]:
+    """Per parameter role: (layout it is stored in, layout its gradient leaves the op's
+    backward in). Where the two differ, weight-gradient synchronisation reduces the partial
+    axes (:func:`grad_sync`). One place for both the cost model and the runtime."""
+    out: dict[str, tuple[Layout, Layout]] = {}
+    if op.kind in (OpKind.LINEAR, OpKind.EMBEDDING):
+        assert weight is not None
+        if is_summa(label):
+            out["weight"] = (weight, weight)  # its gather's backward ReduceScatter lands it
+        else:
+            _, _, gw = matmul_placements(inputs[0], weight, op.kind is OpKind.EMBEDDING)
+            out["weight"] = (weight, Layout(weight.fact, tuple(gw)))
+        if op.kind is OpKind.EMBEDDING:
+            out["pos"] = (bias_layout(output, 1), _bias_grad(output, 1))
+        elif op.attrs.get("bias"):
+            out["bias"] = (bias_layout(output), _bias_grad(output))
+    elif op.kind is OpKind.LAYERNORM:
+        lay = inputs[0]
+        rep = Layout.replicated(lay.fact)
+        g = Layout(lay.fact, tuple(P if pl == Split(0) else B for pl in lay.placements))
+        out = {"weight": (rep, g), "bias": (rep, g)}
+    return out
+
+
+@dataclass(frozen=True)
+class SyncBucket:
+    """One weight-gradient AllReduce: the parameter roles whose gradients are partial over
+    exactly ``axes``, flattened into one buffer."""
+
+    roles: tuple[str, ...]
+    fact: Factorisation
+    axes: tuple[int, ...]
+    collective: Collective
+
+
+def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
+              output: Layout, ctx: StrategyContext) -> tuple[SyncBucket, ...]:
+    """The op's weight-gradient synchronisation (AutoDDL §4.4.1), exactly as the runtime
+    issues it: per distinct set of partial axes, one AllReduce of those parameters' local
+    shards over the joint group of those axes."""
+    shapes = param_shapes(op)
+    by_axes: dict[tuple[int, ...], list[str]] = {}
+    facts: dict[tuple[int, ...], Factorisation] = {}
+    for role, (lay, grad) in param_layouts(op, label, inputs, weight, output).items():
+        axes = tuple(a for a in grad.partial_axes if grad.fact[a].size > 1)
+        if axes:
+            by_axes.setdefault(axes, []).append(role)
+            facts[axes] = lay.fact
+    itemsize = (op.weight or op.output).itemsize
+    out = []
+    for axes, roles in by_axes.items():
+        fact = facts[axes]
+        lays = param_layouts(op, label, inputs, weight, output)
+        nbytes = sum(math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles) * itemsize
+        out.append(SyncBucket(tuple(roles), fact, axes,
+                              _coll(CollectiveKind.ALL_REDUCE, fact, axes, nbytes, ctx, "backward",
+                                    "grad_sync")))
+    return tuple(out)
+
+
+def _local_params(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
+                  output: Layout) -> float:
+    shapes = param_shapes(op)
+    return float(sum(math.prod(lay.padded_shape(shapes[r])) for r, (lay, _) in
+                     param_layouts(op, label, inputs, weight, output).items()))
 
 
 def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
@@ -149,19 +306,34 @@ def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> li
             i_layout = Layout(fact, (Split(0), B, Split(1)))
         w_layout = Layout(fact, (B, Split(1), Split(0)))
         o_layout = Layout(fact, (Split(0), Split(1), P))
-        local_params = op.params / (p1 * p2)
-        colls = () if op.attrs.get("tied") else _grad_sync(op, fact, (0,), local_params, ctx)
+        label = f"3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
         ins = (i_layout, w_layout) if is_matmul else (i_layout,)
+        grads = input_grad_layouts(op, label, ins, None if is_matmul else w_layout)
+        if is_matmul:
+            colls: tuple[Collective, ...] = ()
+            state = 0.0
+        else:
+            colls = tuple(b.collective for b in grad_sync(op, label, ins, w_layout, o_layout, ctx))
+            state = _local_params(op, label, ins, w_layout, o_layout) * ctx.memory.bytes_per_param
         out.append(Strategy(
-            f"3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})", fact, ins,
-            None if is_matmul else w_layout, o_layout,
-            _compute(op, p0 * p1 * p2, ctx), colls,
-            local_params * ctx.memory.bytes_per_param,
-            o_layout.local_bytes(op.output),
+            label, fact, ins, None if is_matmul else w_layout, o_layout,
+            _compute(op, p0 * p1 * p2, ctx), colls, state, o_layout.local_bytes(op.output), grads,
         ))
     if not is_embedding and not is_matmul:
         out.extend(_summa(op, inputs[0], ctx))
     return out
+
+
+def summa_programs(fact: Factorisation, in_tensor: TensorSpec, weight: TensorSpec,
+                   cluster: Cluster) -> tuple[Redistribution, Redistribution]:
+    """SUMMA's two gathers as lowered edge programs: I (S0,S1) → (S0,B) with its gradient
+    (partial over the column axis) reduce-scattered back; W (S0,S1) → (B,S1) likewise over
+    the row axis. Executed per micro-batch by the runtime."""
+    lay = Layout(fact, (Split(0), Split(1)))
+    xc, wc = summa_compute_layouts(fact)
+    _, gx, gw = matmul_placements(xc, wc)
+    return (plan_redistribution(lay, xc, in_tensor, cluster, Layout(fact, tuple(gx))),
+            plan_redistribution(lay, wc, weight, cluster, Layout(fact, tuple(gw))))
 
 
 def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
@@ -174,25 +346,23 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
         if r == 1 or c == 1 or m % r or k % c or k % r or n % c:
             continue
         lay = Layout(fact, (Split(0), Split(1)))
-        i_bytes = in_tensor.nbytes / r  # I[i, :] after the row AllGather
-        w_bytes = op.weight.nbytes / c  # W[:, j] after the column AllGather
-        colls = (
-            _coll(CollectiveKind.ALL_GATHER, fact, (1,), i_bytes, ctx, "forward", "activation"),
-            _coll(CollectiveKind.ALL_GATHER, fact, (0,), w_bytes, ctx, "forward", "activation"),
-            _coll(CollectiveKind.REDUCE_SCATTER, fact, (1,), i_bytes, ctx, "backward", "activation"),
-            _coll(CollectiveKind.REDUCE_SCATTER, fact, (0,), w_bytes, ctx, "backward", "grad_sync"),
-        )
-        local_params = op.params / (r * c)
+        label = f"summa({fact[0]}x{fact[1]})"
+        x_prog, w_prog = summa_programs(fact, in_tensor, op.weight, ctx.cluster)
+        colls = (*x_prog.forward, *(c.with_phase("forward", "weight") for c in w_prog.forward),
+                 *x_prog.backward, *(c.with_phase("backward", "weight") for c in w_prog.backward),
+                 *(b.collective for b in grad_sync(op, label, (lay,), lay, lay, ctx)))
+        gathered = in_tensor.nbytes / r + op.weight.nbytes / c  # I[i, :] and W[:, j] held
         out.append(Strategy(
-            f"summa({fact[0]}x{fact[1]})", fact, (lay,), lay, lay, _compute(op, r * c, ctx), colls,
-            local_params * ctx.memory.bytes_per_param + (i_bytes + w_bytes),
+            label, fact, (lay,), lay, lay, _compute(op, r * c, ctx), colls,
+            _local_params(op, label, (lay,), lay, lay) * ctx.memory.bytes_per_param + gathered,
             lay.local_bytes(op.output),
         ))
     return out
 
 
 def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
-    """3-D family for conv2d: batch split p0, output channels p1, input channels p2."""
+    """3-D family for conv2d: batch split p0, output channels p1, input channels p2. The
+    input's gradient is partial over p1 (each output-channel block contributes)."""
     assert op.weight is not None
     nb, cin = op.output.shape[0], op.weight.shape[1]
     cout = op.weight.shape[0]
@@ -207,11 +377,15 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
         w_layout = Layout(fact, (B, Split(0), Split(1)))
         o_layout = Layout(fact, (Split(0), Split(1), P))
         local_params = op.params / (p1 * p2)
+        axes = tuple(a for a in (0,) if fact[a].size > 1)
+        colls = () if not axes else (_coll(
+            CollectiveKind.ALL_REDUCE, fact, axes, local_params * op.weight.itemsize, ctx,
+            "backward", "grad_sync"),)
         out.append(Strategy(
             f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})", fact, (i_layout,), w_layout,
-            o_layout, _compute(op, p0 * p1 * p2, ctx),
-            _grad_sync(op, fact, (0,), local_params, ctx),
+            o_layout, _compute(op, p0 * p1 * p2, ctx), colls,
             local_params * ctx.memory.bytes_per_param, o_layout.local_bytes(op.output),
+            input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
         ))
     return out
 
@@ -247,13 +421,11 @@ def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
     out = []
     for lay in layouts:
         split = math.prod(lay.split_degree(d) for d in range(op.output.rank))
-        state = op.params * ctx.memory.bytes_per_param
-        colls: tuple[Collective, ...] = ()
-        if op.params:
-            token_axes = tuple(i for i, pl in enumerate(lay.placements) if pl == Split(0))
-            colls = _grad_sync(op, lay.fact, token_axes, op.params, ctx)
+        ins = tuple(lay for _ in range(n_inputs))
+        state = _local_params(op, lay.sbp(), ins, None, lay) * ctx.memory.bytes_per_param
+        colls = tuple(b.collective for b in grad_sync(op, lay.sbp(), ins, None, lay, ctx))
         out.append(Strategy(
-            lay.sbp(), lay.fact, tuple(lay for _ in range(n_inputs)), None, lay,
+            lay.sbp(), lay.fact, ins, None, lay,
             _compute(op, split, ctx), colls, state, lay.local_bytes(op.output),
         ))
     return out
@@ -285,25 +457,82 @@ def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
     partial-free output layout, which is also the follower's input layout.
 
     Elementwise, pooling: same layout. Flatten (N,C,H,W)→(N,C·H·W): batch and channel
-    splits carry over (channels are the major part of the flattened dim). Loss: a split
-    class dim needs the softmax statistics AllReduced over those axes (vocab-parallel
-    cross-entropy, two floats per row).
+    splits carry over (channels are the major part of the flattened dim). Loss: see
+    :func:`loss_collectives`.
     """
     split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
     if op.kind is OpKind.LOSS:
-        colls: tuple[Collective, ...] = ()
-        axes = tuple(a for a in in_layout.split_axes(in_tensor.rank - 1) if in_layout.fact[a].size > 1)
-        if axes:
-            rows = in_layout.local_shape(in_tensor.shape)[0]
-            colls = (_coll(CollectiveKind.ALL_REDUCE, in_layout.fact, axes, 2.0 * rows * 4, ctx,
-                           "forward", "activation"),)
-        return Layout.replicated(in_layout.fact), colls, _compute(op, split, ctx)
+        return (Layout.replicated(in_layout.fact), loss_collectives(in_tensor, in_layout, ctx),
+                _compute(op, split, ctx))
     if op.kind is OpKind.FLATTEN:
         if any(isinstance(pl, Split) and pl.dim > 1 for pl in in_layout.placements):
             raise ValueError(f"flatten {op.name!r} cannot follow a spatially split layout "
                              f"{in_layout}; only batch and channel splits carry over")
         return in_layout, (), 0.0
     return in_layout, (), _compute(op, split, ctx)
+
+
+def tied_source(graph, op: Op) -> Op | None:
+    """The embedding whose table a tied linear uses (transposed), or None."""
+    if op.weight is None:
+        return None
+    for cand in graph.ops:
+        if cand.kind is OpKind.EMBEDDING and cand.weight is not None \
+                and cand.weight.shape == op.weight.shape[::-1]:
+            return cand
+    return None
+
+
+def transposed(layout: Layout) -> Layout:
+    """A 2-D layout seen on the transposed tensor (S(0) ↔ S(1))."""
+    swap = {Split(0): Split(1), Split(1): Split(0)}
+    return Layout(layout.fact, tuple(swap.get(pl, pl) for pl in layout.placements))
+
+
+def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
+                  cluster: Cluster) -> tuple[Redistribution, Redistribution]:
+    """A tied table's gradient exchange on one device set, as the runtime runs it after
+    weight-gradient synchronisation: the head's gradient (transposed) is brought to the
+    embedding's layout, the two are added, and the sum is brought back to the head's
+    layout. Both copies then take the same update."""
+    head_t = transposed(head_weight)
+    return (plan_redistribution(head_t, emb_weight, table, cluster),
+            plan_redistribution(emb_weight, head_t, table, cluster))
+
+
+def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
+                              cluster: Cluster) -> tuple[Collective, ...]:
+    to_emb, back = tied_exchange(emb_weight, head_weight, table, cluster)
+    return tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward)
+
+
+LOSS_ITEMSIZE = 4  # the loss statistics are fp32
+
+
+def loss_axes(layout: Layout, rank: int = 2) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(class-splitting axes, row-splitting axes) of the logits layout, size-1 axes aside."""
+    vocab = tuple(a for a in layout.split_axes(rank - 1) if layout.fact[a].size > 1)
+    rows = tuple(a for a in layout.split_axes(0) if layout.fact[a].size > 1)
+    return vocab, rows
+
+
+def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -> tuple[Collective, ...]:
+    """Mean cross-entropy on sharded logits, as the runtime issues it: with the class dim
+    split (vocab-parallel), a MAX AllReduce of the row maxima and one AllReduce of the two
+    per-row sums (Σexp, target logit) over the class axes; with rows split, the scalar
+    mean is a partial sum AllReduced over the row axes. No backward collective: the
+    gradient of each statistic is replicated."""
+    vocab, rows = loss_axes(layout, logits.rank)
+    local_rows = layout.padded_shape(logits.shape)[0]
+    out = []
+    if vocab:
+        for n in (local_rows, 2 * local_rows):
+            out.append(_coll(CollectiveKind.ALL_REDUCE, layout.fact, vocab, n * LOSS_ITEMSIZE, ctx,
+                             "forward", "loss"))
+    if rows:
+        out.append(_coll(CollectiveKind.ALL_REDUCE, layout.fact, rows, LOSS_ITEMSIZE, ctx,
+                         "forward", "loss"))
+    return tuple(out)
 
 
 def resolve_partial(layout: Layout, tensor: TensorSpec) -> Layout:

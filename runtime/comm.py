@@ -1,272 +1,246 @@
-"""Communication of the runtime: layout changes inside a stage, and the collective recorder.
+"""Communication of the runtime: the lowered programs of :mod:`ilp_planner.redistribution`
+executed step by step on local blocks.
 
-A value inside a stage is a :class:`DVal` — a ``DTensor`` and the planner's
-:class:`~ilp_planner.layouts.Layout` it has (the layout knows the factorisation, hence which
-mesh the DTensor lives on). :meth:`Comm.to_layout` moves a value to another layout by
-executing the planner's own redistribution path (:func:`ilp_planner.redistribution.
-plan_redistribution`, Dijkstra over layouts) step by step:
+A value inside a stage is an :class:`LVal` — this rank's local block (a plain tensor, the
+``torch.chunk``-style region :meth:`~ilp_planner.layouts.Layout.regions` gives) and the
+planner :class:`~ilp_planner.layouts.Layout` it is in. Nothing here re-derives a path:
+:meth:`Comm.edge` takes the planner's :class:`~ilp_planner.redistribution.Redistribution`
+(forward steps and the backward steps autograd will run) and executes exactly those, with
+one c10d collective per priced step, every piece padded to the layout's largest block so
+each rank moves the bytes the plan prices:
 
-1. *one mesh axis changes* — ``DTensor.redistribute`` on that step's mesh (P→B AllReduce,
-   P→S ReduceScatter, S→B AllGather, S→S AlltoAll, B→S / B→P local);
-2. *re-view* — two layouts on different factorisations holding the same block per device:
-   ``to_local`` then ``from_local`` on the other mesh, no communication;
-3. *reshuffle* (same shard shape, other devices) — executed as gather-to-replicated on the
-   source mesh, re-view, local slice on the destination mesh. This is where the runtime's
-   path differs from the planner's (one AlltoAll in the cost model).
+===========  ==============================================================
+step         execution on this rank's block (axis ``a`` of size ``k``)
+===========  ==============================================================
+P→B          ``all_reduce`` (padded)
+P→S(d)       chunk d into k pieces, pad, ``reduce_scatter_tensor``, unpad
+S(d)→B       pad, ``all_gather_into_tensor``, unpad each piece, concatenate
+S(i)→S(j)    chunk j into k pieces, pad, ``all_to_all_single``, concatenate i
+B→S(d)       keep this rank's chunk of d (no communication)
+re-view      nothing: the block is the same on the other factorisation
+===========  ==============================================================
 
-Each step is a custom autograd function whose backward moves the gradient back (the dual
-path: AllGather ↔ ReduceScatter, AllReduce stays) and whose forward and backward are timed
-and recorded as :class:`CommEvent` rows (kind, group size, bytes n of the cost formula,
-link level, seconds). DTensor's own deviations are recorded as they happen: on gloo an
-AlltoAll is an AllGather plus a local slice, and gathering the major axis of a dim split by
-several axes is done by DTensor with more than one AllGather (the planner counts one).
-
-Gradient rule. The backward of a step normalises the gradient to the step's source
-placements with partial sums turned into replicas — DTensor's own rule: the gradient of a
-partial value is the (replicated) gradient of its sum.
+Each edge is a custom autograd function whose forward runs ``steps`` and whose backward
+runs ``backward_steps`` on the incoming gradient (which arrives in the consumer's gradient
+layout, see :func:`ilp_planner.strategies.input_grad_layouts`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor import Partial as TPartial
+import torch.nn.functional as F
 
-from ilp_planner.cluster import Cluster
+from ilp_planner.cluster import Cluster, axis_coordinates
 from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import Layout, drop_unit_axes
-from ilp_planner.redistribution import RedistStep, plan_redistribution
+from ilp_planner.layouts import Broadcast, Layout, Partial, Split
+from ilp_planner.redistribution import Redistribution, RedistStep, plan_redistribution
+from runtime.mesh import MeshRegistry
+from runtime.recorder import Recorder, tagged, timed
 
 
-class DVal(NamedTuple):
-    """A distributed value: the DTensor and the planner layout it is in."""
+class LVal(NamedTuple):
+    """A distributed value: this rank's block and the layout it is in."""
 
-    dt: DTensor
+    t: torch.Tensor
     layout: Layout
 
 
-@dataclass
-class CommEvent:
-    """One collective the runtime issued. ``bytes`` follows the cost model (n = output size
-    per device; input size for ReduceScatter; the slice for a broadcast, whose group_size is
-    the number of receivers). ``kind`` is ``mixed`` when one call moved several axes."""
-
-    kind: str
-    group_size: int
-    bytes: float
-    link: str
-    seconds: float
-    phase: str  # forward | backward | step
-    purpose: str  # activation | grad_sync | resharding | loss | tied_weight
-    where: str = ""
+def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """``torch.chunk``-style pieces of a length-``n`` dim: size ⌈n/k⌉, trailing ones short
+    or empty (the geometry :meth:`Layout.regions` describes)."""
+    c = -(-n // k)
+    return [(min(i * c, n), min((i + 1) * c, n)) for i in range(k)]
 
 
-@dataclass
-class Recorder:
-    """Collects :class:`CommEvent` rows while ``enabled``."""
-
-    enabled: bool = True
-    events: list[CommEvent] = field(default_factory=list)
-
-    def add(self, ev: CommEvent) -> None:
-        if self.enabled:
-            self.events.append(ev)
-
-    def take(self) -> list[CommEvent]:
-        out, self.events = self.events, []
-        return out
+def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(t.shape) == tuple(shape):
+        return t.contiguous()
+    pads: list[int] = []
+    for have, want in zip(reversed(t.shape), reversed(shape), strict=True):
+        pads += [0, want - have]
+    return F.pad(t, pads)
 
 
-def settle(t: torch.Tensor) -> torch.Tensor:
-    """Wait for a functional collective behind ``t`` (so a timer can stop)."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if isinstance(local, AsyncCollectiveTensor):
-        local.trigger_wait()
+def _narrow(t: torch.Tensor, shape) -> torch.Tensor:
+    for d, n in enumerate(shape):
+        if t.shape[d] != n:
+            t = t.narrow(d, 0, n)
     return t
 
 
-def grad_placements(placements) -> tuple:
-    """DTensor's gradient placements of a value: partial sums become replicas."""
-    return tuple(Replicate() if isinstance(p, TPartial) else p for p in placements)
-
-
-def _classify(src, dst, sizes: tuple[int, ...], local_bytes: float,
-              cpu: bool = False) -> tuple[str, int, float, tuple[int, ...]]:
-    """(kind, group size, bytes, axes) of a placement change done in one redistribute call."""
-    axes = tuple(i for i, (a, b) in enumerate(zip(src, dst, strict=True)) if a != b and sizes[i] > 1)
-    comm_axes = tuple(i for i in axes if not (isinstance(src[i], Replicate)
-                                              or (isinstance(dst[i], TPartial))))
-    if not comm_axes:
-        return "local", 1, 0.0, ()
-    p = 1
-    for i in comm_axes:
-        p *= sizes[i]
-    if len(comm_axes) > 1:
-        return "mixed", p, local_bytes, comm_axes
-    a, b = src[comm_axes[0]], dst[comm_axes[0]]
-    if isinstance(a, TPartial):
-        return ("all_reduce" if isinstance(b, Replicate) else "reduce_scatter"), p, local_bytes, comm_axes
-    if isinstance(a, Shard) and isinstance(b, Replicate):
-        return "all_gather", p, local_bytes * p, comm_axes
-    if cpu:  # DTensor on gloo: AlltoAll = AllGather + local chunk
-        return "all_gather", p, local_bytes * p, comm_axes
-    return "all_to_all", p, local_bytes, comm_axes
-
-
-def _local_bytes(t: DTensor) -> float:
-    return float(t._local_tensor.numel() * t._local_tensor.element_size())
-
-
 class Comm:
-    """Layout changes of one stage: meshes from the registry, paths from the planner."""
+    """The collectives of one stage's devices: groups from the registry, programs from the
+    planner (cached per edge)."""
 
-    def __init__(self, registry, devices: tuple[int, ...], cluster: Cluster, recorder: Recorder):
+    def __init__(self, registry: MeshRegistry, devices: tuple[int, ...], rank: int,
+                 cluster: Cluster, recorder: Recorder | None = None):
         self.registry = registry
         self.devices = devices
+        self.rank = rank
         self.cluster = cluster
         self.recorder = recorder
-        self._paths: dict[tuple, tuple[RedistStep, ...]] = {}
+        self._programs: dict[tuple, Redistribution] = {}
 
-    # -- compile time (every rank, every stage) ----------------------------------------------
-    def path(self, src: Layout, dst: Layout, tensor: TensorSpec) -> tuple[RedistStep, ...]:
-        """The planner's steps from ``src`` to ``dst`` (unit axes dropped), cached."""
-        key = (src, dst, tensor)
-        if key not in self._paths:
-            a, b = drop_unit_axes(src), drop_unit_axes(dst)
-            self._paths[key] = () if a == b else plan_redistribution(a, b, tensor, self.cluster).steps
-        return self._paths[key]
+    # -- compile time (identical on every rank) ----------------------------------------------
+    def program(self, src: Layout, dst: Layout, tensor: TensorSpec,
+                grad_dst: Layout | None = None) -> Redistribution:
+        key = (src, dst, tensor, grad_dst)
+        if key not in self._programs:
+            self._programs[key] = plan_redistribution(src, dst, tensor, self.cluster, grad_dst)
+        return self._programs[key]
 
-    def register(self, src: Layout, dst: Layout, tensor: TensorSpec) -> None:
-        """Register every mesh ``to_layout(src → dst)`` will touch."""
-        for lay in (src, dst, drop_unit_axes(src), drop_unit_axes(dst)):
-            self.registry.need_mesh(self.devices, lay.fact)
-        for step in self.path(src, dst, tensor):
-            self.registry.need_mesh(self.devices, step.src.fact)
-            self.registry.need_mesh(self.devices, step.dst.fact)
+    def register(self, red: Redistribution) -> None:
+        """Register every group the program's steps use."""
+        for step in (*red.steps, *red.backward_steps):
+            if step.collective is not None:
+                self.registry.need_axes(self.devices, step.src.fact, (step.axis,))
+
+    def register_axes(self, layout: Layout, axes: tuple[int, ...]) -> None:
+        self.registry.need_axes(self.devices, layout.fact, axes)
 
     # -- run time ----------------------------------------------------------------------------
-    def mesh(self, layout: Layout):
-        return self.registry.mesh(self.devices, layout.fact)
+    @property
+    def device_index(self) -> int:
+        return self.devices.index(self.rank)
 
-    def spans_nodes(self, layout: Layout, axes: tuple[int, ...]) -> bool:
-        return any(layout.fact[a].nodes > 1 for a in axes)
+    def coord(self, layout: Layout, axis: int) -> int:
+        return int(axis_coordinates(layout.fact)[self.device_index, axis])
 
-    def to_layout(self, v: DVal, dst: Layout, tensor: TensorSpec, where: str = "",
-                  purpose: str = "activation") -> DVal:
-        if v.layout == dst:
-            return v
-        cur = v
-        a = drop_unit_axes(v.layout)
-        if a != v.layout:
-            cur = self.view(cur, a, where)
-        for step in self.path(v.layout, dst, tensor):
-            if step.src.fact == step.dst.fact:
-                cur = self.redistribute(cur, step.dst, where, purpose, step)
-            elif step.collective is None:
-                cur = self.view(cur, step.dst, where)
-            else:
-                cur = self.reshuffle(cur, step.dst, where, purpose)
-        if cur.layout != dst:
-            cur = self.view(cur, dst, where)
-        return cur
+    def group(self, layout: Layout, axes: tuple[int, ...]):
+        return self.registry.axes_group(self.devices, layout.fact, axes)
 
-    def redistribute(self, v: DVal, dst: Layout, where: str = "", purpose: str = "activation",
-                     step: RedistStep | None = None) -> DVal:
-        """One DTensor redistribute on ``v``'s mesh (same factorisation), timed both ways."""
-        if dst.fact != v.layout.fact:
-            raise ValueError(f"redistribute needs one factorisation: {v.layout} -> {dst}")
-        y = _Redistribute.apply(v.dt, tuple(dst.to_dtensor()), self, v.layout, dst, where, purpose, step)
-        return DVal(y, dst)
+    def region(self, layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        r = layout.regions(shape)[self.device_index]
+        return tuple((int(a), int(b)) for a, b in r)
 
-    def view(self, v: DVal, dst: Layout, where: str = "") -> DVal:
-        """Re-view: the same per-device data seen on another factorisation's mesh."""
-        y = _View.apply(v.dt, self.mesh(dst), tuple(dst.to_dtensor()))
-        return DVal(y, dst)
+    def block(self, full: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's block of a full tensor (a P layout keeps the value on coordinate 0
+        of its partial axes and zeros elsewhere, so the blocks sum to it)."""
+        rep = Layout(layout.fact, tuple(Broadcast() if isinstance(p, Partial) else p
+                                        for p in layout.placements))
+        idx = tuple(slice(a, b) for a, b in self.region(rep, tuple(full.shape)))
+        out = full[idx]
+        if layout.has_partial and not all(self.coord(layout, a) == 0 for a in layout.partial_axes):
+            out = torch.zeros_like(out)
+        return out.contiguous()
 
-    def reshuffle(self, v: DVal, dst: Layout, where: str, purpose: str) -> DVal:
-        src_r = Layout.replicated(v.layout.fact)
-        dst_r = Layout.replicated(dst.fact)
-        full = self.redistribute(v, src_r, where, purpose)
-        return self.redistribute(self.view(full, dst_r, where), dst, where, purpose)
+    def edge(self, v: LVal, red: Redistribution, purpose: str = "activation", where: str = "") -> LVal:
+        """Move ``v`` along the edge program ``red`` (forward steps now, backward steps in
+        autograd's backward)."""
+        if not red.steps and not red.backward_steps:
+            return LVal(v.t, red.dst)
+        y = _Edge.apply(v.t, self, red, purpose, where)
+        return LVal(y, red.dst)
 
-    def record(self, kind: str, p: int, nbytes: float, spans: bool, seconds: float, phase: str,
-               purpose: str, where: str) -> None:
-        self.recorder.add(CommEvent(kind, p, nbytes, "inter" if spans else "intra", seconds,
-                                    phase, purpose, where))
+    def run(self, t: torch.Tensor, steps: tuple[RedistStep, ...], tensor: TensorSpec, phase: str,
+            purpose: str, where: str = "") -> torch.Tensor:
+        """Execute ``steps`` on this rank's block ``t`` (no autograd)."""
+        for step in steps:
+            t = self._step(t, step, tensor, phase, purpose, where)
+        return t
+
+    def all_reduce(self, t: torch.Tensor, layout: Layout, axes: tuple[int, ...], phase: str,
+                   purpose: str, where: str = "", op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """One AllReduce over the joint group of ``axes`` (on a copy: ``t`` may be shared)."""
+        t = t.contiguous().clone()
+        with tagged(phase, purpose, where), timed(self.recorder):
+            dist.all_reduce(t, op=op, group=self.group(layout, axes))
+        return t
+
+    def _step(self, t: torch.Tensor, step: RedistStep, tensor: TensorSpec, phase: str,
+              purpose: str, where: str) -> torch.Tensor:
+        if step.is_view:
+            return t
+        src, dst, a = step.src, step.dst, step.axis
+        k = src.fact[a].size
+        cur, new = src.placements[a], dst.placements[a]
+        shape = tensor.shape
+        if isinstance(cur, Broadcast) and isinstance(new, Split):  # local slice
+            lo, hi = chunk_bounds(t.shape[new.dim], k)[self.coord(src, a)]
+            return t.narrow(new.dim, lo, hi - lo).contiguous()
+        group = self.group(src, (a,))
+        with tagged(phase, purpose, where), timed(self.recorder):
+            if isinstance(cur, Partial) and isinstance(new, Broadcast):
+                # a fresh buffer: the value may feed other edges, the reduction is in place
+                buf = _pad_to(t, src.padded_shape(shape)).clone()
+                dist.all_reduce(buf, group=group)
+                return _narrow(buf, t.shape)
+            if isinstance(cur, Partial) and isinstance(new, Split):
+                d = new.dim
+                piece = list(src.padded_shape(shape))
+                piece[d] = dst.padded_shape(shape)[d]
+                pieces = [_pad_to(t.narrow(d, lo, hi - lo), tuple(piece))
+                          for lo, hi in chunk_bounds(t.shape[d], k)]
+                out = torch.empty(piece, dtype=t.dtype, device=t.device)
+                dist.reduce_scatter_tensor(out.view(-1), torch.stack(pieces).view(-1), group=group)
+                lo, hi = chunk_bounds(t.shape[d], k)[self.coord(src, a)]
+                mine = list(t.shape)
+                mine[d] = hi - lo
+                return _narrow(out, mine).contiguous()
+            if isinstance(cur, Split) and isinstance(new, Broadcast):
+                d = cur.dim
+                pad = src.padded_shape(shape)
+                out = torch.empty((k, *pad), dtype=t.dtype, device=t.device)
+                dist.all_gather_into_tensor(out.view(-1), _pad_to(t, pad).view(-1), group=group)
+                parent = self.region(dst, shape)[d]
+                parts = []
+                for q, (lo, hi) in enumerate(chunk_bounds(parent[1] - parent[0], k)):
+                    size = list(t.shape)
+                    size[d] = hi - lo
+                    parts.append(_narrow(out[q], size))
+                return torch.cat(parts, dim=d).contiguous()
+            if isinstance(cur, Split) and isinstance(new, Split):
+                i, j = cur.dim, new.dim
+                piece = list(src.padded_shape(shape))
+                piece[j] = dst.padded_shape(shape)[j]
+                bounds_j = chunk_bounds(t.shape[j], k)
+                pieces = [_pad_to(t.narrow(j, lo, hi - lo), tuple(piece)) for lo, hi in bounds_j]
+                out = torch.empty((k, *piece), dtype=t.dtype, device=t.device)
+                dist.all_to_all_single(out.view(-1), torch.stack(pieces).view(-1), group=group)
+                parent = self.region(dst, shape)[i]
+                lo_j, hi_j = bounds_j[self.coord(src, a)]
+                parts = []
+                for q, (lo, hi) in enumerate(chunk_bounds(parent[1] - parent[0], k)):
+                    size = list(t.shape)
+                    size[i] = hi - lo
+                    size[j] = hi_j - lo_j
+                    parts.append(_narrow(out[q], size))
+                return torch.cat(parts, dim=i).contiguous()
+        raise ValueError(f"step {step} is not a layout change the runtime executes")
 
 
-class _Redistribute(torch.autograd.Function):
-    """Timed ``DTensor.redistribute`` with a timed backward."""
+class _Edge(torch.autograd.Function):
+    """One edge program: forward steps, and backward steps on the gradient."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, placements: tuple, comm: Comm, src: Layout, dst: Layout,
-                where: str, purpose: str, step: RedistStep | None):
-        ctx.comm, ctx.src, ctx.dst, ctx.where, ctx.purpose = comm, src, dst, where, purpose
-        ctx.src_placements = x.placements
-        sizes = tuple(a.size for a in src.fact)
-        kind, p, nbytes, axes = _classify(x.placements, placements, sizes, _local_bytes(x),
-                                          x.device_mesh.device_type == "cpu")
-        t0 = time.perf_counter()
-        y = settle(x.redistribute(x.device_mesh, placements))
-        secs = time.perf_counter() - t0
-        if kind != "local":
-            comm.record(kind, p, nbytes, comm.spans_nodes(src, axes), secs, "forward", purpose, where)
-        return y
+    def forward(ctx, x: torch.Tensor, comm: Comm, red: Redistribution, purpose: str, where: str):
+        ctx.comm, ctx.red, ctx.purpose, ctx.where = comm, red, purpose, where
+        return comm.run(x.detach(), red.steps, red.tensor, "forward", purpose, where)
 
     @staticmethod
-    def backward(ctx, g: DTensor):
-        if g is None:
-            return (None,) * 8
-        target = grad_placements(ctx.src_placements)
-        if tuple(g.placements) == target:
-            return g, None, None, None, None, None, None, None
-        sizes = tuple(a.size for a in ctx.src.fact)
-        kind, p, nbytes, axes = _classify(g.placements, target, sizes, _local_bytes(g),
-                                          g.device_mesh.device_type == "cpu")
-        t0 = time.perf_counter()
-        gx = settle(g.redistribute(g.device_mesh, target))
-        secs = time.perf_counter() - t0
-        if kind != "local":
-            ctx.comm.record(kind, p, nbytes, ctx.comm.spans_nodes(ctx.src, axes), secs, "backward",
-                            ctx.purpose, ctx.where)
-        return gx, None, None, None, None, None, None, None
+    def backward(ctx, g: torch.Tensor):
+        red = ctx.red
+        gx = ctx.comm.run(g.contiguous(), red.backward_steps, red.tensor, "backward", ctx.purpose,
+                          ctx.where)
+        return gx, None, None, None, None
 
 
-class _View(torch.autograd.Function):
-    """Re-view a DTensor on another mesh with the same local data (no communication)."""
+class _ReduceReplicated(torch.autograd.Function):
+    """AllReduce of partial sums whose gradient is replicated (the loss statistics): the
+    backward is the identity — no collective."""
 
     @staticmethod
-    def forward(ctx, x: DTensor, mesh, placements: tuple):
-        ctx.src_mesh, ctx.src_placements = x.device_mesh, x.placements
-        ctx.dst_placements = grad_placements(placements)
-        ctx.shape, ctx.stride = x.shape, x.stride()
-        local = settle(x)._local_tensor
-        if isinstance(local, AsyncCollectiveTensor):
-            local = local.elem
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape,
-                                  stride=x.stride())
+    def forward(ctx, x: torch.Tensor, comm: Comm, layout: Layout, axes: tuple[int, ...], where: str):
+        return comm.all_reduce(x.detach().clone(), layout, axes, "forward", "loss", where)
 
     @staticmethod
-    def backward(ctx, g: DTensor):
-        if g is None:
-            return None, None, None
-        if tuple(g.placements) != ctx.dst_placements:
-            g = settle(g.redistribute(g.device_mesh, ctx.dst_placements))
-        local = g._local_tensor
-        if isinstance(local, AsyncCollectiveTensor):
-            local = local.trigger_wait()
-        gx = DTensor.from_local(local, ctx.src_mesh, grad_placements(ctx.src_placements),
-                                run_check=False, shape=ctx.shape, stride=ctx.stride)
-        return gx, None, None
+    def backward(ctx, g: torch.Tensor):
+        return g, None, None, None, None
 
 
-def timed_all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> float:
-    t0 = time.perf_counter()
-    dist.all_reduce(t, op=op, group=group)
-    return time.perf_counter() - t0
+def reduce_replicated(x: torch.Tensor, comm: Comm, layout: Layout, axes: tuple[int, ...],
+                      where: str = "") -> torch.Tensor:
+    return _ReduceReplicated.apply(x, comm, layout, axes, where)

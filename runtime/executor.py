@@ -1,42 +1,42 @@
 """Execute a solved plan: per-stage programs, cross-mesh transfers, the pipeline schedule.
 
+A plan is a program: every collective this executor issues comes from the planner's own
+lowering (:mod:`ilp_planner.redistribution` for edges, :mod:`ilp_planner.strategies` for
+SUMMA's gathers, weight-gradient buckets, the loss and tied-weight exchanges), and the
+dispatch-level :class:`runtime.recorder.Recorder` counts what really ran, so ``--audit``
+can compare the two.
+
 Life of a run (:class:`Executor`):
 
 1. **compile** (pure, before any collective; identical on every rank): rebuild the graph
    from ``plan.config`` (the micro-batch graph when the step is cut into micro-batches),
    check every op is supported and every edge crossing stages has a resharding entry, parse
-   the schedule, and register every mesh and process group the run will use — layer layouts,
-   every layout on the planner's redistribution paths, SUMMA's gathered layouts, one group
-   per ``{sender} ∪ receivers`` of each forward task and ``{receiver} ∪ holders`` of each
-   backward task, and the group joining two stages that share a tied weight;
+   the schedule, lower every edge to its program (forward and backward steps) and register
+   every process group the programs, buckets, loss and transfers use;
 2. **setup**: create all groups in registration order (:class:`runtime.mesh.MeshRegistry`),
-   then the parameters of this rank's stage as DTensor leaves in their planned placements,
-   from the deterministic initialisation (every rank of a stage draws the same full tensor
-   and keeps its shard — no communication);
+   then the parameters of this rank's stage as local leaf blocks in their planned layouts,
+   from the deterministic initialisation (every rank draws the same full tensor and keeps
+   its block — no communication);
 3. **step**: interpret this stage's lowered action list through a ``kind → handler`` table
    (``RF`` receive activations, ``F`` forward of a micro-batch, ``SF`` send activations,
    ``RB``/``B``/``SB`` the same for the backward, ``W`` nothing: B computes weight gradients
-   too); then synchronise weight gradients (each gradient brought to its parameter's
-   placements: AllReduce over the axes where the weight is replicated, bucketed), exchange
-   the gradients of tied weights, and update the local shards with SGD or Adam.
+   too); then synchronise weight gradients (the priced buckets), exchange the gradients of
+   tied weights, and update the local blocks with SGD or Adam.
 
 Cross-mesh transfers (seed 003). Forward: the boundary tensor is brought (inside its source
-stage) to the entry's ``src_layout``, then each unit task, in the plan's order, is one
-``dist.broadcast`` from its sender within the group ``{sender} ∪ receivers``; receivers
-assemble their shard of ``dst_layout`` and wrap it as a leaf DTensor. Backward: the leaf's
-gradient is made non-partial (redistributed to ``dst_layout``) and each slice is broadcast
-back from the task's first receiver to the holders, who assemble the gradient of their
-``src_layout`` shard and run autograd from there. Sends are asynchronous (waited at the end
-of the step) and receives block, so no schedule that respects its own dependencies can
-deadlock; forward and backward transfers use distinct groups because a 1F1B stage
-interleaves the two directions differently from its neighbour.
+stage, by a lowered program) to the entry's ``src_layout``, then each unit task, in the
+plan's order, is one ``dist.broadcast`` from its sender within the group
+``{sender} ∪ receivers``; receivers assemble their block of ``dst_layout`` as a leaf.
+Backward: each slice of the leaf's gradient is broadcast back from the task's first
+receiver to the holders, who assemble the gradient of their ``src_layout`` block and run
+autograd from there. Sends are asynchronous (waited at the end of the step) and receives
+block, so no schedule that respects its own dependencies can deadlock; forward and backward
+transfers use distinct groups because a 1F1B stage interleaves the two directions
+differently from its neighbour.
 
 Tied weights (GPT's head uses the embedding table transposed): the head keeps its own copy
 in its planned layout, initialised identically; after gradient synchronisation both copies'
-full gradients are summed (locally when one stage holds both, with one AllReduce over the
-two stages' ranks otherwise) and both copies take the same update. The planner prices
-neither this exchange nor a per-step weight redistribution (it assumes the head's layout);
-this is a deviation of the runtime from the cost model, recorded as ``tied_weight`` events.
+gradients are summed and both copies take the same update.
 """
 
 from __future__ import annotations
@@ -47,22 +47,34 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor import Partial as TPartial
 
 from formulations.schedules import Schedule, ScheduleError, lower, make_schedule, validate
 from ilp_planner.config import parse_config
 from ilp_planner.errors import LayoutError, PlanFormatError
-from ilp_planner.graph import Graph, OpKind
+from ilp_planner.graph import Graph, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import LayerPlan, Plan, layout_from_dict
+from ilp_planner.redistribution import Redistribution
+from ilp_planner.strategies import (
+    StrategyContext,
+    SyncBucket,
+    grad_sync,
+    input_grad_layouts,
+    is_summa,
+    loss_axes,
+    param_layouts,
+    summa_programs,
+    tied_exchange,
+    tied_source,
+)
 from runtime import model
-from runtime.comm import Comm, CommEvent, DVal, Recorder, settle
+from runtime.comm import Comm, LVal
 from runtime.errors import RuntimeSetupError
 from runtime.mesh import MeshRegistry
-from runtime.ops import OPS, StageContext, is_summa, param_layouts, summa_compute_layouts
+from runtime.ops import OPS, StageContext
 from runtime.optim import Optimizer, OptimizerSpec
 from runtime.plans import device_regions
+from runtime.recorder import CommEvent, Recorder, tagged, timed
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,6 @@ class RunOptions:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: float = 60.0
     microbatches: int | None = None  # single-stage plans: gradient accumulation override
-    grad_buckets: str = "stage"  # gradient AllReduce per stage bucket | per op (as priced) | none
 
 
 @dataclass(frozen=True)
@@ -150,15 +161,17 @@ class Executor:
         self.stage_of = {n: s.index for s in self.stages for n in s.layers}
         self.entries = self._entries()
         self.actions = self._actions()
-        self.recorder = Recorder()
+        self.recorder = Recorder(self.cluster.devices_per_node)
         self.registry = MeshRegistry("cuda" if self.device.type == "cuda" else "cpu",
                                      options.timeout_s)
-        self.comms = {s.index: Comm(self.registry, s.devices, self.cluster, self.recorder)
+        self.comms = {s.index: Comm(self.registry, s.devices, rank, self.cluster, self.recorder)
                       for s in self.stages}
+        self.strategy_ctx = StrategyContext(self.cluster, 1, 1, self.config.memory)
+        self._data: list[dict] | None = None
         self.tied: dict[str, str] = {}  # head op -> embedding op
         self._compile()
         self.my_stage = next((s for s in self.stages if rank in s.devices), None)
-        self.params: dict[str, DVal] = {}
+        self.params: dict[str, LVal] = {}
         self.state: dict[int, dict] = {}
         self.pending: list = []
         # kind -> handler (formulations.schedules action kinds; lowered schedules)
@@ -322,17 +335,22 @@ class Executor:
         return {i: [(a.kind.value, a.microbatch) for a in row] for i, row in enumerate(sched.rows)}
 
     def _compile(self) -> None:
-        """Register every mesh and group (same order on every rank)."""
+        """Lower every edge of every stage (identical on all ranks) and register every group
+        the programs, weight-gradient buckets, loss and tied-weight exchanges use."""
         reg = self.registry
         g = self.graph
-        self.entry_of: dict[tuple[str, str], Entry] = {}
+        self.entry_of: dict[tuple[str, int, Layout], Entry] = {}
         for e in self.entries:
-            self.entry_of[(e.tensor, e.consumer)] = e
+            self.entry_of.setdefault((e.tensor, e.dst_stage, e.dst_layout), e)
+        self.edges: dict[tuple[str, int], Redistribution] = {}
+        self.out_edges: dict[int, Redistribution] = {}
+        self.buckets: dict[str, tuple[SyncBucket, ...]] = {}
         for s in self.stages:
             comm = self.comms[s.index]
             for name in s.layers:
                 op, lp = g[name], self.layers[name]
                 reg.need_mesh(s.devices, lp.output.fact)
+                grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
                 for idx, src in enumerate(op.inputs):
                     want = lp.inputs[idx]
                     reg.need_mesh(s.devices, want.fact)
@@ -341,38 +359,72 @@ class Executor:
                         if want.has_partial:
                             raise RuntimeSetupError(f"layer {name!r} wants its input {src!r} as "
                                                     f"partial sums {want}")
-                    elif self.stage_of[src] == s.index:
-                        comm.register(self.layers[src].output, want, spec)
+                        continue
+                    if self.stage_of[src] == s.index:
+                        have = self.layers[src].output
                     else:
-                        e = self.entry_of.get((src, name))
-                        if e is None:
-                            raise PlanFormatError(
-                                f"edge {src} -> {name} crosses stages {self.stage_of[src]} -> "
-                                f"{s.index} but the plan has no resharding entry for it")
-                        comm.register(e.dst_layout, want, spec)
-                for lay in param_layouts(op, lp).values():
+                        e = self._entry(src, name, s.index, want)
+                        have = e.dst_layout
+                    red = comm.program(have, want, spec, grads[idx])
+                    comm.register(red)
+                    self.edges[(name, idx)] = red
+                if op.kind is OpKind.LINEAR and is_summa(lp.strategy):
+                    assert op.weight is not None
+                    for red in summa_programs(lp.output.fact, g[op.inputs[0]].output, op.weight,
+                                              self.cluster):
+                        comm.register(red)
+                if op.kind is OpKind.LOSS:
+                    for axes in loss_axes(lp.inputs[0]):
+                        if axes:
+                            comm.register_axes(lp.inputs[0], axes)
+                for lay, _ in param_layouts(op, lp.strategy, lp.inputs, lp.weight,
+                                            lp.output).values():
                     reg.need_mesh(s.devices, lay.fact)
-                if op.kind is OpKind.LINEAR and is_summa(lp):
-                    xc, _ = summa_compute_layouts(lp)
-                    comm.register(lp.inputs[0], xc, g[op.inputs[0]].output)
+                self.buckets[name] = grad_sync(op, lp.strategy, lp.inputs, lp.weight, lp.output,
+                                               self.strategy_ctx)
+                for b in self.buckets[name]:
+                    reg.need_axes(s.devices, b.fact, b.axes)
                 if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
-                    src_op = model.tied_source(g, op)
+                    src_op = tied_source(g, op)
+                    if src_op is None:
+                        raise RuntimeSetupError(f"tied linear {name!r} has no embedding to share")
                     self.tied[name] = src_op.name
-                    reg.need_mesh(s.devices, Layout.replicated(lp.output.fact).fact)
         for e in self.entries:
             src = self.stages[e.src_stage]
-            self.comms[e.src_stage].register(self.layers[e.tensor].output, e.src_layout,
-                                             g[e.tensor].output)
+            red = self.comms[e.src_stage].program(self.layers[e.tensor].output, e.src_layout,
+                                                  g[e.tensor].output)
+            self.comms[e.src_stage].register(red)
+            self.out_edges[e.index] = red
             reg.need_mesh(src.devices, e.src_layout.fact)
             reg.need_mesh(self.stages[e.dst_stage].devices, e.dst_layout.fact)
             for t in e.tasks:
                 reg.need_group(("fwd", t.fwd_group), t.fwd_group)
                 reg.need_group(("bwd", t.bwd_group), t.bwd_group)
+        self.tied_programs: dict[str, tuple[Redistribution, ...]] = {}
         for head, emb in self.tied.items():
             a, b = self.stage_of[emb], self.stage_of[head]
-            if a != b:
-                ranks = self.stages[a].devices + self.stages[b].devices
-                reg.need_group(("tied", head), ranks)
+            ew, hw = self.layers[emb].weight, self.layers[head].weight
+            assert ew is not None and hw is not None and g[emb].weight is not None
+            if a == b:
+                progs = tied_exchange(ew, hw, g[emb].weight, self.cluster)
+                for red in progs:
+                    self.comms[a].register(red)
+                self.tied_programs[head] = progs
+            else:
+                reg.need_group(("tied", head), self.stages[a].devices + self.stages[b].devices)
+
+    def _entry(self, tensor: str, consumer: str, stage: int, want: Layout) -> Entry:
+        for e in self.entries:
+            if e.tensor == tensor and e.dst_stage == stage and e.consumer == consumer:
+                return e
+        e = self.entry_of.get((tensor, stage, want))
+        if e is None:
+            e = next((x for x in self.entries if x.tensor == tensor and x.dst_stage == stage), None)
+        if e is None:
+            raise PlanFormatError(
+                f"edge {tensor} -> {consumer} crosses stages {self.stage_of[tensor]} -> {stage} "
+                f"but the plan has no resharding entry bringing {tensor} to stage {stage}")
+        return e
 
     # ---- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -384,66 +436,70 @@ class Executor:
         self.ctx = StageContext(s.index, s.devices, self.rank, self.comms[s.index], self.graph)
         for name in s.layers:
             op, lp = self.graph[name], self.layers[name]
-            layouts = param_layouts(op, lp)
+            layouts = param_layouts(op, lp.strategy, lp.inputs, lp.weight, lp.output)
             specs = {p.role: p for p in model.param_specs(op)}
-            if name in self.tied:
-                emb = self.graph[self.tied[name]]
-                full = model.init_param(model.param_specs(emb)[0], self.options.seed).t().contiguous()
-                self.params[f"{name}.weight"] = self._leaf(full, layouts["weight"])
-                continue
-            for role, lay in layouts.items():
-                full = model.init_param(specs[role], self.options.seed)
-                self.params[f"{name}.{role}"] = self._leaf(full, lay)
+            for role, (lay, _) in layouts.items():
+                if name in self.tied:
+                    emb = self.graph[self.tied[name]]
+                    full = model.init_param(model.param_specs(emb)[0], self.options.seed).t()
+                else:
+                    full = model.init_param(specs[role], self.options.seed)
+                local = self.ctx.comm.block(full.to(self.device), lay)
+                self.params[f"{name}.{role}"] = LVal(local.requires_grad_(True), lay)
         self.optimizer = Optimizer(self.options.optimizer)
-
-    def _leaf(self, full: torch.Tensor, layout: Layout) -> DVal:
-        dt = distribute_tensor(full.to(self.device), self.ctx.comm.mesh(layout),
-                               tuple(layout.to_dtensor()), src_data_rank=None)
-        return DVal(dt.requires_grad_(True), layout)
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
-        dist.barrier()
-        self.recorder.take()
+        """One optimizer step. Every collective issued — forward, autograd backward,
+        gradient synchronisation, tied-weight exchange — is recorded at dispatch level; the
+        loss report at the end is tagged ``report`` (not part of the plan)."""
+        rec = self.recorder
+        rec.take()
         t0 = time.perf_counter()
         for p in self.params.values():
-            p.dt.grad = None
+            p.t.grad = None
         self.loss_sum = 0.0
         self.state = {}
-        batch = model.make_batch(self.full_graph, self.options.seed)
-        self.data = [{k: v.to(self.device) for k, v in mb.items()}
-                     for mb in model.split_microbatches(batch, self.microbatches)]
-        if self.my_stage is not None:
-            for kind, mb in self.actions[self.my_stage.index]:
-                self.handlers[kind](mb)
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
-        if self.my_stage is not None:
-            grads = self._sync_grads()
-            self._exchange_tied(grads)
-            self.optimizer.step({k: v.dt._local_tensor for k, v in self.params.items()},
-                                {k: g.to_local() for k, g in grads.items()})
-        loss = self._broadcast_loss()
+        with rec:
+            if self.my_stage is not None:
+                for kind, mb in self.actions[self.my_stage.index]:
+                    self.handlers[kind](mb)
+            for work, _ in self.pending:
+                work.wait()
+            self.pending = []
+            if self.my_stage is not None:
+                grads = self._sync_grads()
+                self._exchange_tied(grads)
+                self.optimizer.step({k: v.t.data for k, v in self.params.items()}, grads)
+            with tagged("report", "report"):
+                loss = self._broadcast_loss()
         secs = time.perf_counter() - t0
-        return StepResult(step, loss, secs, self.recorder.take())
+        return StepResult(step, loss, secs, rec.take())
+
+    def _batch(self) -> list[dict]:
+        if self._data is None:
+            batch = model.make_batch(self.full_graph, self.options.seed)
+            self._data = [{k: v.to(self.device) for k, v in mb.items()}
+                          for mb in model.split_microbatches(batch, self.microbatches)]
+        return self._data
 
     def recv_forward(self, mb: int) -> None:
-        """RF: receive every boundary tensor this stage reads, as leaf DTensors."""
+        """RF: receive every boundary tensor this stage reads, as leaf blocks."""
         s = self.my_stage
         self.state.setdefault(mb, {})["recv"] = {
             e.index: self._recv_forward(e) for e in self.entries if e.dst_stage == s.index}
 
     def forward(self, mb: int) -> None:
-        """F: run the stage's ops on micro-batch ``mb``; bring outgoing tensors to their
-        entries' source layouts; keep what the backward needs."""
+        """F: run the stage's ops on micro-batch ``mb`` through the lowered edge programs;
+        bring outgoing tensors to their entries' source layouts; keep what the backward
+        needs."""
         s, g, comm = self.my_stage, self.graph, self.ctx.comm
         st = self.state.setdefault(mb, {})
         if "recv" not in st:
             self.recv_forward(mb)
         recv = st["recv"]
-        data = self.data[mb]
-        vals: dict[str, DVal] = {}
+        data = self._batch()[mb]
+        vals: dict[str, LVal] = {}
         loss = None
         for name in s.layers:
             op, lp = g[name], self.layers[name]
@@ -451,20 +507,19 @@ class Executor:
             for idx, src in enumerate(op.inputs):
                 want = lp.inputs[idx]
                 if g[src].kind is OpKind.INPUT:
-                    dt = distribute_tensor(data[src], comm.mesh(want), tuple(want.to_dtensor()),
-                                           src_data_rank=None)
-                    xs.append(DVal(dt, want))
-                elif self.stage_of[src] == s.index:
-                    xs.append(comm.to_layout(vals[src], want, g[src].output, name))
+                    xs.append(LVal(comm.block(data[src], want), want))
+                    continue
+                if self.stage_of[src] == s.index:
+                    have = vals[src]
                 else:
-                    e = self.entry_of[(src, name)]
-                    xs.append(comm.to_layout(recv[e.index], want, g[src].output, name))
+                    have = recv[self._entry(src, name, s.index, want).index]
+                xs.append(comm.edge(have, self.edges[(name, idx)], "activation", name))
             params = {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
                       if k.rsplit(".", 1)[0] == name}
             vals[name] = OPS[op.kind](self.ctx, op, lp, xs, params, data)
             if op.kind is OpKind.LOSS:
                 loss = vals[name]
-        st["out"] = {e.index: comm.to_layout(vals[e.tensor], e.src_layout, g[e.tensor].output, "send")
+        st["out"] = {e.index: comm.edge(vals[e.tensor], self.out_edges[e.index], "activation", "send")
                      for e in self.entries if e.src_stage == s.index}
         st["loss"] = loss
 
@@ -480,21 +535,21 @@ class Executor:
 
     def backward(self, mb: int) -> None:
         """B: autograd from the loss (last stage, scaled by 1/M) and from the received
-        gradients of the outgoing tensors; weight gradients accumulate in the DTensor
-        parameters."""
+        gradients of the outgoing tensors; weight gradients accumulate in the local leaf
+        blocks."""
         st = self.state[mb]
         if "grad_in" not in st:
             self.recv_backward(mb)
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if st["loss"] is not None:
-            local = st["loss"].dt.to_local() / self.microbatches
+            local = st["loss"].t / self.microbatches
             self.loss_sum += float(local.detach().sum())
             tensors.append(local.sum())
             grads.append(torch.ones((), device=self.device))
         for idx, v in st["out"].items():
-            if v.dt.requires_grad:
-                tensors.append(v.dt)
+            if v.t.requires_grad:
+                tensors.append(v.t)
                 grads.append(st["grad_in"][idx])
         if tensors:
             torch.autograd.backward(tensors, grads)
@@ -518,175 +573,142 @@ class Executor:
     def _rel(self, task_region, mine) -> tuple[slice, ...]:
         return tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(task_region, mine, strict=True))
 
-    def _send_forward(self, e: Entry, v: DVal) -> None:
+    def _send_forward(self, e: Entry, v: LVal) -> None:
         devices = self.stages[e.src_stage].devices
         mine = self._region(e.src_layout, e.shape, devices)
-        local = settle(v.dt).to_local().detach()
+        local = v.t.detach()
         for t in e.tasks:
             if t.sender == self.rank:
                 buf = local[self._rel(t.region, mine)].contiguous()
-                work = dist.broadcast(buf, src=t.sender, group=self.registry.group(("fwd", t.fwd_group)),
-                                      async_op=True)
+                with tagged("forward", "resharding", e.tensor):
+                    work = dist.broadcast(buf, src=t.sender,
+                                          group=self.registry.group(("fwd", t.fwd_group)), async_op=True)
                 self.pending.append((work, buf))
 
-    def _recv_forward(self, e: Entry) -> DVal:
+    def _recv_forward(self, e: Entry) -> LVal:
         devices = self.stages[e.dst_stage].devices
         mine = self._region(e.dst_layout, e.shape, devices)
         local = torch.empty([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
         posted = []
-        for t in e.tasks:
-            if self.rank in t.receivers:
-                buf = torch.empty([b - a for a, b in t.region], device=self.device, dtype=model.DTYPE)
-                t0 = time.perf_counter()
-                work = dist.broadcast(buf, src=t.sender, group=self.registry.group(("fwd", t.fwd_group)),
-                                      async_op=True)
-                posted.append((t, buf, work, t0))
-        for t, buf, work, t0 in posted:
-            work.wait()
-            self._record_broadcast(t, buf, t0, "forward")
+        with timed(self.recorder):  # receives block: their time is the transfer's
+            for t in e.tasks:
+                if self.rank in t.receivers:
+                    buf = torch.empty([b - a for a, b in t.region], device=self.device,
+                                      dtype=model.DTYPE)
+                    with tagged("forward", "resharding", e.tensor):
+                        work = dist.broadcast(buf, src=t.sender, async_op=True,
+                                              group=self.registry.group(("fwd", t.fwd_group)))
+                    posted.append((t, buf, work))
+            for _, _, work in posted:
+                work.wait()
+        for t, buf, _ in posted:
             local[self._rel(t.region, mine)] = buf
-        comm = self.comms[e.dst_stage]
-        dt = DTensor.from_local(local, comm.mesh(e.dst_layout), tuple(e.dst_layout.to_dtensor()),
-                                run_check=False, shape=torch.Size(e.shape),
-                                stride=_stride(e.shape))
-        return DVal(dt.requires_grad_(True), e.dst_layout)
+        return LVal(local.requires_grad_(True), e.dst_layout)
 
-    def _send_backward(self, e: Entry, leaf: DVal) -> None:
-        comm = self.comms[e.dst_stage]
-        g = leaf.dt.grad
+    def _send_backward(self, e: Entry, leaf: LVal) -> None:
+        g = leaf.t.grad
         if g is None:
-            g = distribute_tensor(torch.zeros(e.shape, device=self.device), comm.mesh(e.dst_layout),
-                                  tuple(e.dst_layout.to_dtensor()), src_data_rank=None)
-        elif tuple(g.placements) != tuple(e.dst_layout.to_dtensor()):
-            g = comm.redistribute(DVal(g, Layout.from_dtensor(list(g.placements), e.dst_layout.fact)),
-                                  e.dst_layout, "boundary grad", "resharding").dt
-        local = settle(g).to_local()
+            g = torch.zeros_like(leaf.t)
         mine = self._region(e.dst_layout, e.shape, self.stages[e.dst_stage].devices)
         for t in e.tasks:
             if t.receivers[0] == self.rank:
-                buf = local[self._rel(t.region, mine)].contiguous()
-                work = dist.broadcast(buf, src=self.rank, group=self.registry.group(("bwd", t.bwd_group)),
-                                      async_op=True)
+                buf = g[self._rel(t.region, mine)].contiguous()
+                with tagged("backward", "resharding", e.tensor):
+                    work = dist.broadcast(buf, src=self.rank,
+                                          group=self.registry.group(("bwd", t.bwd_group)), async_op=True)
                 self.pending.append((work, buf))
 
-    def _recv_backward(self, sent: dict[int, DVal]) -> dict[int, DTensor]:
+    def _recv_backward(self, sent: dict[int, LVal]) -> dict[int, torch.Tensor]:
         """Post every receive of the gradients of ``sent`` entries, then wait for them."""
         out = {}
         posted = []
+        first = len(self.recorder.events)
+        t0 = time.perf_counter()
         for idx in sent:
             e = self.entries[idx]
             mine = self._region(e.src_layout, e.shape, self.stages[e.src_stage].devices)
-            local = torch.empty([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
+            local = torch.zeros([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
             for t in e.tasks:
                 if self.rank in t.holders:
                     buf = torch.empty([b - a for a, b in t.region], device=self.device,
                                       dtype=model.DTYPE)
-                    t0 = time.perf_counter()
-                    work = dist.broadcast(buf, src=t.receivers[0],
-                                          group=self.registry.group(("bwd", t.bwd_group)), async_op=True)
-                    posted.append((idx, t, buf, work, t0, mine))
+                    with tagged("backward", "resharding", e.tensor):
+                        work = dist.broadcast(buf, src=t.receivers[0],
+                                              group=self.registry.group(("bwd", t.bwd_group)),
+                                              async_op=True)
+                    posted.append((idx, t, buf, work, mine))
             out[idx] = local
-        for idx, t, buf, work, t0, mine in posted:
+        for _, _, _, work, _ in posted:
             work.wait()
-            self._record_broadcast(t, buf, t0, "backward", holders=True)
+        received = self.recorder.events[first:]
+        for ev in received:
+            ev.seconds = (time.perf_counter() - t0) / len(received)
+        for idx, t, buf, _, mine in posted:
             out[idx][self._rel(t.region, mine)] = buf
-        res = {}
-        for idx, local in out.items():
-            e = self.entries[idx]
-            res[idx] = DTensor.from_local(local, self.comms[e.src_stage].mesh(e.src_layout),
-                                          tuple(e.src_layout.to_dtensor()), run_check=False,
-                                          shape=torch.Size(e.shape), stride=_stride(e.shape))
-        return res
-
-    def _record_broadcast(self, t: Task, buf: torch.Tensor, t0: float, phase: str,
-                          holders: bool = False) -> None:
-        group = t.bwd_group if holders else t.fwd_group
-        nodes = {r // self.cluster.devices_per_node for r in group}
-        self.recorder.add(CommEvent("broadcast", len(group) - 1, buf.numel() * buf.element_size(),
-                                    "inter" if len(nodes) > 1 else "intra",
-                                    time.perf_counter() - t0, phase, "resharding"))
-
-    # ---- gradients and optimizer -----------------------------------------------------------
-    def _sync_grads(self) -> dict[str, DTensor]:
-        """Each weight gradient brought to its parameter's placements. Gradients whose only
-        change is partial → replicated over the same mesh axes (AutoDDL §4.4.1's AllReduce)
-        share one bucket: flattened into one buffer, all-reduced once per axis, split back —
-        one collective per bucket and axis instead of one per tensor, as DDP does. Buckets
-        span the stage (``grad_buckets="stage"``) or one op's tensors (``"op"``: what the cost
-        model prices, one AllReduce per op); ``"none"`` syncs tensor by tensor. Any other
-        change (e.g. SUMMA's ReduceScatter) goes through the layout machinery."""
-        comm = self.ctx.comm
-        out: dict[str, DTensor] = {}
-        buckets: dict[tuple, list[str]] = {}
-        for name, p in self.params.items():
-            g = p.dt.grad
-            if g is None:
-                out[name] = distribute_tensor(torch.zeros(p.dt.shape, device=self.device),
-                                              p.dt.device_mesh, p.dt.placements, src_data_rank=None)
-                continue
-            have, want = tuple(g.placements), tuple(p.dt.placements)
-            axes = tuple(a for a in range(len(want)) if have[a] != want[a])
-            if not axes:
-                out[name] = settle(g)
-            elif self.options.grad_buckets != "none" and all(
-                    isinstance(have[a], TPartial) and isinstance(want[a], Replicate) for a in axes):
-                op = name.rsplit(".", 1)[0] if self.options.grad_buckets == "op" else ""
-                buckets.setdefault((p.layout.fact, axes, op), []).append(name)
-            else:
-                lay = Layout.from_dtensor(list(have), p.layout.fact)
-                out[name] = settle(comm.redistribute(DVal(g, lay), p.layout, name, "grad_sync").dt)
-        for (fact, axes, _), names in buckets.items():
-            mesh = self.params[names[0]].dt.device_mesh
-            locs = [settle(self.params[n].dt.grad).to_local() for n in names]
-            flat = torch.cat([t.reshape(-1) for t in locs])
-            for a in axes:
-                t0 = time.perf_counter()
-                dist.all_reduce(flat, group=mesh.get_group(a))
-                comm.record("all_reduce", fact[a].size, flat.numel() * flat.element_size(),
-                            fact[a].nodes > 1, time.perf_counter() - t0, "step", "grad_sync",
-                            f"bucket of {len(names)}")
-            offset = 0
-            for n, t in zip(names, locs, strict=True):
-                p = self.params[n].dt
-                piece = flat[offset:offset + t.numel()].view_as(t)
-                offset += t.numel()
-                out[n] = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
         return out
 
-    def _exchange_tied(self, grads: dict[str, DTensor]) -> None:
-        """Sum the gradients of a tied weight's two copies into both (module docstring)."""
+    # ---- gradients and optimizer -----------------------------------------------------------
+    def _sync_grads(self) -> dict[str, torch.Tensor]:
+        """Each weight gradient reduced over the axes where it is partial — exactly the
+        buckets :func:`ilp_planner.strategies.grad_sync` prices: per op and per set of
+        partial axes, the gradients flattened into one buffer and AllReduced once."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self.my_stage.layers:
+            for b in self.buckets[name]:
+                keys = [f"{name}.{r}" for r in b.roles]
+                locs = [self._grad(k) for k in keys]
+                flat = torch.cat([t.reshape(-1) for t in locs])
+                lay = self.params[keys[0]].layout
+                flat = self.ctx.comm.all_reduce(flat, lay, b.axes, "backward", "grad_sync", name)
+                offset = 0
+                for k, t in zip(keys, locs, strict=True):
+                    out[k] = flat[offset:offset + t.numel()].view_as(t)
+                    offset += t.numel()
+        for k in self.params:
+            if k not in out:
+                out[k] = self._grad(k)
+        return out
+
+    def _grad(self, key: str) -> torch.Tensor:
+        p = self.params[key].t
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def _exchange_tied(self, grads: dict[str, torch.Tensor]) -> None:
+        """Sum the gradients of a tied weight's two copies into both. On one stage: the
+        lowered programs of :func:`ilp_planner.strategies.tied_exchange`. Across stages:
+        each stage gathers its copy's gradient (lowered program to replicated), one
+        AllReduce over both stages' ranks sums them, each keeps its block."""
+        comm = self.ctx.comm
         for head, emb in self.tied.items():
             a, b = self.stage_of[emb], self.stage_of[head]
             mine = self.my_stage.index
             if mine not in (a, b):
                 continue
-            t0 = time.perf_counter()
-            total = None
-            for name, transpose in ((f"{emb}.weight", False), (f"{head}.weight", True)):
-                if name in self.params:
-                    full = self._full(grads[name], self.params[name].layout)
-                    full = full.t() if transpose else full
-                    total = full if total is None else total + full
-            if a != b:
-                if self.rank != self.my_stage.devices[0]:
-                    total = torch.zeros_like(total)
-                total = total.contiguous()
-                dist.all_reduce(total, group=self.registry.group(("tied", head)))
-            for name, transpose in ((f"{emb}.weight", False), (f"{head}.weight", True)):
-                if name in self.params:
-                    p = self.params[name]
-                    src = total.t().contiguous() if transpose else total
-                    grads[name] = distribute_tensor(src, p.dt.device_mesh, p.dt.placements,
-                                                    src_data_rank=None)
-            self.recorder.add(CommEvent("mixed", len(self.my_stage.devices), total.numel() * 4,
-                                        "intra", time.perf_counter() - t0, "step", "tied_weight"))
-
-    def _full(self, t: DTensor, layout: Layout) -> torch.Tensor:
-        rep = Layout.replicated(layout.fact)
-        if tuple(t.placements) == tuple(rep.to_dtensor()):
-            return t.to_local()
-        return settle(t.redistribute(t.device_mesh, tuple(rep.to_dtensor()))).to_local()
+            table = self.graph[emb].weight
+            ek, hk = f"{emb}.weight", f"{head}.weight"
+            if a == b:
+                to_emb, back = self.tied_programs[head]
+                moved = comm.run(grads[hk].t().contiguous(), to_emb.steps, table, "step",
+                                 "tied_weight", head)
+                total = grads[ek] + moved
+                grads[ek] = total
+                grads[hk] = comm.run(total, back.steps, table, "step", "tied_weight",
+                                     head).t().contiguous()
+                continue
+            key = ek if mine == a else hk
+            lay = self.params[key].layout
+            shape = table.shape if key == ek else table.shape[::-1]
+            spec = TensorSpec(tuple(shape), table.dtype)
+            full = comm.run(grads[key], comm.program(lay, Layout.replicated(lay.fact), spec).steps,
+                            spec, "step", "tied_weight", head)
+            full = full if key == ek else full.t()
+            if self.rank != self.my_stage.devices[0]:
+                full = torch.zeros_like(full)
+            full = full.contiguous()
+            with tagged("step", "tied_weight", head), timed(self.recorder):
+                dist.all_reduce(full, group=self.registry.group(("tied", head)))
+            full = full if key == ek else full.t()
+            grads[key] = comm.block(full, lay)
 
     def _broadcast_loss(self) -> float:
         loss_stage = self.stages[self.stage_of[self._loss_op()]]
@@ -701,26 +723,21 @@ class Executor:
 
     # ---- results ---------------------------------------------------------------------------
     def gather_params(self) -> dict[str, torch.Tensor]:
-        """Full parameters (reference names) on every rank; tied copies are not listed."""
+        """Full parameters (reference names) on every rank; tied copies are not listed. Each
+        block is contributed once (by the first device holding it) to a world AllReduce."""
         out = {}
         for spec in model.graph_param_specs(self.full_graph):
-            owner = self.stages[self.stage_of[spec.op]]
-            if self.rank in owner.devices:
+            full = torch.zeros(spec.shape, device=self.device, dtype=model.DTYPE)
+            if spec.name in self.params:
                 p = self.params[spec.name]
-                full = self._full(p.dt.detach(), p.layout).contiguous()
-            else:
-                full = torch.empty(spec.shape, device=self.device, dtype=model.DTYPE)
-            dist.broadcast(full, src=owner.devices[0])
+                regions = p.layout.regions(spec.shape)
+                me = self.ctx.comm.device_index
+                first = next(i for i in range(len(regions)) if (regions[i] == regions[me]).all())
+                if first == me:
+                    full[tuple(slice(int(lo), int(hi)) for lo, hi in regions[me])] = p.t.detach()
+            dist.all_reduce(full)
             out[spec.name] = full.cpu()
         return out
-
-
-def _stride(shape) -> tuple[int, ...]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))
 
 
 def _inside(inner, outer) -> bool:

@@ -26,7 +26,6 @@ import datetime
 import faulthandler
 import gc
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -48,9 +47,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="gradient accumulation for single-stage plans (default: the config's)")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    p.add_argument("--grad-buckets", choices=("stage", "op", "none"), default="stage",
-                   help="gradient AllReduce per stage-wide bucket (default), per op (as the cost "
-                        "model prices it), or per tensor")
+    p.add_argument("--audit", action="store_true",
+                   help="per rank, the collectives the plan prices beside those the recorder saw "
+                        "executed (count and bytes per kind and purpose); exit 1 where they differ")
     p.add_argument("--timings", metavar="CSV", help="write per-collective timings here")
     p.add_argument("--results", metavar="JSON", help="write per-plan results here")
     p.add_argument("--save-params", metavar="DIR", help="save final full parameters here")
@@ -135,17 +134,13 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
     lrs = _per_plan(args.lr, len(plans), "--lr", float)
-    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches,
-                          args.grad_buckets) for o, lr in zip(opts, lrs, strict=True)]
+    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches)
+               for o, lr in zip(opts, lrs, strict=True)]
     executors = [Executor(p, o, rank=rank, world=world, device=device)
                  for p, o in zip(plans, options, strict=True)]
 
     import torch.distributed as dist
 
-    # DTensor warns about the deviations runtime.comm records anyway (gloo AlltoAll as an
-    # AllGather, several AllGathers for a nested split); keep the per-step output readable.
-    for name in ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._collective_utils"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     faulthandler.enable()  # a rank killed by a signal prints where it was
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -168,6 +163,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                           flush=True)
                     os._exit(13)
                 r = ex.train_step(step)
+                if args.audit:
+                    failed |= not _audit(ex, r.events, rank, world, step)
                 losses.append(r.loss)
                 secs.append(r.seconds)
                 comm.append(_comm_summary(r.events))
@@ -222,6 +219,30 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
         gc.collect()
         dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def _audit(ex, events, rank: int, world: int, step: int) -> bool:
+    """Compare this rank's executed collectives with the plan's; rank 0 prints every
+    rank's table. True when every rank matches."""
+    import torch.distributed as dist
+
+    from ilp_planner import audit
+
+    rows = audit.compare(audit.predicted(ex.plan, rank, ex.microbatches), audit.executed(events))
+    ok = all(r.ok for r in rows)
+    tables = [None] * world if rank == 0 else None
+    dist.gather_object((ok, audit.format_rows(rank, rows)), tables, dst=0)
+    flags = [ok]
+    if rank == 0:
+        flags = [t[0] for t in tables]
+        print(f"  audit step {step}: planned vs executed collectives per rank "
+              f"({'OK' if all(flags) else 'MISMATCH'})", flush=True)
+        for good, text in tables:
+            if not good or step == 0:
+                print(text, flush=True)
+    verdict = [all(flags)]
+    dist.broadcast_object_list(verdict, src=0)
+    return bool(verdict[0])
 
 
 def _per_plan(text: str, n: int, flag: str, cast) -> list:

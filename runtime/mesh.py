@@ -51,6 +51,13 @@ def axis_lines(arr: np.ndarray, axis: int) -> list[tuple[int, ...]]:
     return [tuple(int(r) for r in row) for row in moved]
 
 
+def _axes_lines(arr: np.ndarray, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Sorted rank tuples of the groups spanning ``axes`` (the other axes fixed)."""
+    rest = [a for a in range(arr.ndim) if a not in axes]
+    moved = np.transpose(arr, rest + list(axes)).reshape(-1, int(np.prod([arr.shape[a] for a in axes])))
+    return [tuple(sorted(int(r) for r in row)) for row in moved]
+
+
 class MeshRegistry:
     """Registers rank sets and meshes, creates all groups at once, hands out meshes."""
 
@@ -86,6 +93,15 @@ class MeshRegistry:
                 self.need_group(("mesh", line), line)
         self._arrays[key] = arr
 
+    def need_axes(self, devices: Sequence[int], fact: Factorisation, axes: tuple[int, ...]) -> None:
+        """Register the groups of a collective over mesh ``axes`` of ``fact`` (one per
+        combination of the other axes' coordinates)."""
+        self.need_mesh(devices, fact)
+        if len(axes) == 1:
+            return
+        for line in _axes_lines(self._arrays[(tuple(devices), fact)], axes):
+            self.need_group(("mesh", line), line)
+
     # -- creation ----------------------------------------------------------------------------
     def create(self) -> None:
         """``new_group`` for every registered set, in registration order (all ranks)."""
@@ -105,6 +121,17 @@ class MeshRegistry:
         if key not in self._groups:
             raise RuntimeError(f"group {key!r} was not registered before create()")
         return self._groups[key]
+
+    def axes_group(self, devices: Sequence[int], fact: Factorisation, axes: tuple[int, ...]):
+        """This rank's group along mesh ``axes`` of ``fact`` over ``devices``."""
+        key = (tuple(devices), fact)
+        if key not in self._arrays:
+            raise RuntimeError(f"mesh {fact_str(fact)} over {list(devices)} was not registered")
+        me = dist.get_rank()
+        for line in _axes_lines(self._arrays[key], axes):
+            if me in line:
+                return self.group(("mesh", line))
+        raise RuntimeError(f"rank {me} is not on mesh {fact_str(fact)} over {list(devices)}")
 
     def mesh(self, devices: Sequence[int], fact: Factorisation) -> DeviceMesh:
         """The ``DeviceMesh`` of ``fact`` over ``devices`` (this rank must be one of them)."""

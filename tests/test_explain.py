@@ -15,6 +15,7 @@ import pytest
 from ilp_planner import cli
 from ilp_planner.cluster import MeshAxis
 from ilp_planner.config import load_config
+from ilp_planner.cost_model import ONCE_PER_STEP
 from ilp_planner.explain import (
     collective_totals,
     diff,
@@ -103,7 +104,8 @@ def test_collective_totals_add_up_to_the_cost_breakdown(tiny):
 
 def test_collective_totals_count_micro_batches():
     plan = solve(load_config(TINY).with_overrides({"pipeline.microbatches": 4}), baselines=False)
-    act_bytes = sum(b for (_, _, p), (_, b, _) in collective_totals(plan).items() if p != "grad_sync")
+    act_bytes = sum(b for (_, _, p), (_, b, _) in collective_totals(plan).items()
+                    if p not in ONCE_PER_STEP)
     assert act_bytes == pytest.approx(plan.cost.activation_comm_bytes)
     assert "cost per step (4 micro-batches)" in explain(plan)
 

@@ -320,9 +320,9 @@ def test_run_verb_forwards_exactly_the_launcher_options():
 
     args = cli_parser().parse_args(
         ["run", "p.json", "--nproc-per-node", "4", "--steps", "5", "--optimizer", "sgd",
-         "--check-reference", "--timings", "t.csv", "--grad-buckets", "op"])
+         "--check-reference", "--timings", "t.csv", "--audit"])
     launched = launch_parser().parse_args([*args.plans, *forward_options(args)])
     for key, value in vars(launched).items():
         if key not in ("crash_rank", "crash_step"):
             assert getattr(args, key) == value, key
-    assert launched.steps == 5 and launched.check_reference and launched.grad_buckets == "op"
+    assert launched.steps == 5 and launched.check_reference and launched.audit

@@ -94,28 +94,34 @@ def test_baselines_are_restrictions_of_the_planner_space():
 def test_data_parallel_gradient_allreduce_closed_form(graph):
     """Every weight replicated on p = 8 devices (across nodes): one AllReduce of the whole
     gradient per layer, ring time 2(p−1)α + 2(p−1)/p·nβ with n = params · itemsize, i.e.
-    every device sends 2(p−1)/p of the parameter bytes."""
+    every device sends 2(p−1)/p of the parameter bytes. A tied LM head holds its own copy of
+    the table (the runtime trains both and exchanges their gradients), so it syncs too."""
     cl = cluster(2, 4)
     p = 8
     gp = build_problem(graph, cl, 2, 4, MemorySpec.preset("adam"), tie_layers=False)
     choice = baseline_choices(gp)["data_parallel"]
     layers, cost = realise(gp, choice)
     grads = [c for layer in layers for c in layer.collectives if c.purpose == "grad_sync"]
-    with_params = [op for op in graph.ops if op.params > 0]
+    with_params = [op for op in graph.ops if op.params > 0 or op.attrs.get("tied")]
     assert len(grads) == len(with_params)
     for c in grads:
         assert (c.kind, c.group_size, c.link, c.phase) == (K.ALL_REDUCE, p, "inter", "backward")
-    param_bytes = sum(op.params * op.output.itemsize for op in with_params)
-    assert param_bytes == graph.total_params * 4  # float32, the tied LM head adds none
+    sizes = {op.name: (op.weight.numel if op.attrs.get("tied") else op.params) for op in with_params}
+    param_bytes = sum(sizes.values()) * 4
+    tied = sum(op.weight.numel for op in graph.ops if op.attrs.get("tied"))
+    assert param_bytes == (graph.total_params + tied) * 4  # float32
     assert cost.grad_sync_bytes == pytest.approx(param_bytes)
+    # data parallel: both copies of a tied table share one layout, the exchange is local
+    assert not [c for layer in layers for c in layer.collectives if c.purpose == "tied_weight"]
     alpha, beta = cl.inter.alpha, cl.inter.beta
     per_device_sent = 2 * (p - 1) / p * param_bytes
     expected = len(with_params) * 2 * (p - 1) * alpha + per_device_sent * beta
     assert cost.grad_sync_s == pytest.approx(expected, rel=1e-12)
-    assert expected == pytest.approx(sum(collective_time(K.ALL_REDUCE, p, op.params * 4, cl.inter)
+    assert expected == pytest.approx(sum(collective_time(K.ALL_REDUCE, p, sizes[op.name] * 4, cl.inter)
                                          for op in with_params), rel=1e-12)
-    # data parallel moves no activations except the loss statistics (none: classes unsplit)
-    assert cost.activation_comm_bytes == 0
+    # data parallel moves no activations; the loss mean is one fp32 scalar AllReduced
+    # over the row-splitting devices
+    assert cost.activation_comm_bytes == 4
 
 
 def test_megatron_row_parallel_output_is_allreduced_over_tp():
