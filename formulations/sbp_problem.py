@@ -180,9 +180,12 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
         outputs = [base.output]
         inputs = [base.inputs]
         grads = [base.grads_of_inputs]
-        colls = [list(base.collectives)]
+        own = list(base.collectives)
+        if graph[rep.inputs[0]].kind is not OpKind.INPUT:  # autograd reaches the input
+            own += base.input_backward
+        colls = [own]
         comp = [base.compute_s]
-        cost = _per_step(base.compute_s, list(base.collectives), microbatches)
+        cost = _per_step(base.compute_s, own, microbatches)
         act = base.activation_bytes
         for f in members[1:]:
             op = graph[f]

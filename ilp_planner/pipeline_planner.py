@@ -27,14 +27,16 @@ from collections.abc import Sequence
 from formulations.schedules import make_schedule
 from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
-from ilp_planner.cluster import SubMesh
+from ilp_planner.cluster import Cluster, SubMesh
 from ilp_planner.config import Config
+from ilp_planner.cost_model import Collective, CollectiveKind, make_collective
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
-from ilp_planner.plan import CostBreakdown, LayerPlan, Plan, layout_to_dict
+from ilp_planner.plan import CostBreakdown, LayerPlan, Plan, layout_from_dict, layout_to_dict
+from ilp_planner.redistribution import plan_redistribution
 from ilp_planner.resharding import ReshardOptions, plan_resharding, with_scheduler
-from ilp_planner.strategies import resolve_partial
+from ilp_planner.strategies import input_grad_layouts, resolve_partial, tied_source
 
 MAX_UNITS = 16
 
@@ -277,6 +279,7 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
             "solver": res.to_dict(),
         })
     resharding = _plan_resharding(config, graph, dp, stage_of, out_layout, in_layouts)
+    layers = price_stage_boundaries(graph, layers, stages, resharding, cluster)
     S = len(dp.stages)
     sched = make_schedule(pipe.schedule, S, pipe.microbatches)
     sim = simulate(sched, stage_durations(stages, resharding), overlap=pipe.overlap)
@@ -309,6 +312,75 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     if baselines:
         plan.baselines = _single_mesh_baselines(config)
     return plan
+
+
+def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,
+               stage: int, want: Layout) -> int | None:
+    """Which resharding entry brings ``tensor`` to ``consumer`` on ``stage``: the entry
+    naming that consumer, else one delivering the layout it wants, else any delivering the
+    tensor to that stage (entries are shared by consumers of one stage). ``entries`` are
+    ``(tensor, consumer, dst_stage, dst_layout)`` rows; one rule for planner and runtime."""
+    for rule in (lambda e: e[1] == consumer, lambda e: e[3] == want, lambda e: True):
+        for i, e in enumerate(entries):
+            if e[0] == tensor and e[2] == stage and rule(e):
+                return i
+    return None
+
+
+def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Sequence[int],
+                                 cluster: Cluster) -> list[Collective]:
+    """One side of a tied table's gradient exchange across two stages, as the runtime runs
+    it: the copy's gradient gathered to replicated within its stage (lowered program), then
+    one AllReduce of the full table over both stages' ranks."""
+    gather = plan_redistribution(layout, Layout.replicated(layout.fact), table, cluster)
+    spans = len({r // cluster.devices_per_node for r in ranks}) > 1
+    return [c.with_phase("step", "tied_weight") for c in gather.forward] + [
+        make_collective(CollectiveKind.ALL_REDUCE, len(ranks), table.nbytes, cluster, spans,
+                        phase="step", purpose="tied_weight")]
+
+
+def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequence[dict],
+                           resharding: Sequence[dict], cluster: Cluster) -> list[LayerPlan]:
+    """Add to each layer the collectives the runtime issues at stage boundaries: the
+    producer's program to each entry's ``src_layout``, the consumer's program from the
+    entry's ``dst_layout`` to its input layout (forward and backward), and the tied-weight
+    exchange between stages. Stage ILPs see crossing tensors as free inputs."""
+    by_name = {ly.name: ly for ly in layers}
+    stage_of = {ly.name: ly.stage for ly in layers}
+    rows = [(e["tensor"], e["consumer"], int(e["dst_stage"]), layout_from_dict(e["dst_layout"]))
+            for e in resharding]
+    extra: dict[str, list[Collective]] = {ly.name: [] for ly in layers}
+    for e in resharding:
+        src = e["tensor"]
+        red = plan_redistribution(by_name[src].output, layout_from_dict(e["src_layout"]),
+                                  graph[src].output, cluster)
+        extra[src] += red.forward + red.backward
+    for op in graph.ops:
+        if op.name not in by_name:
+            continue
+        ly = by_name[op.name]
+        grads = input_grad_layouts(op, ly.strategy, ly.inputs, ly.weight)
+        for idx, src in enumerate(op.inputs):
+            if graph[src].kind is OpKind.INPUT or stage_of[src] == ly.stage:
+                continue
+            k = find_entry(rows, src, op.name, ly.stage, ly.inputs[idx])
+            if k is None:
+                raise InfeasibleError(f"edge {src} -> {op.name} crosses stages without a "
+                                      f"resharding entry")
+            red = plan_redistribution(rows[k][3], ly.inputs[idx], graph[src].output, cluster,
+                                      grads[idx])
+            extra[op.name] += red.forward + red.backward
+        emb = tied_source(graph, op) if op.attrs.get("tied") else None
+        if emb is not None and stage_of[emb.name] != ly.stage:
+            assert emb.weight is not None
+            ranks = [d for n in (emb.name, op.name) for d in stages[stage_of[n]]["devices"]]
+            for name, table in ((emb.name, emb.weight),
+                                (op.name, TensorSpec(emb.weight.shape[::-1], emb.weight.dtype))):
+                weight = by_name[name].weight
+                assert weight is not None
+                extra[name] += cross_stage_tied_collectives(weight, table, ranks, cluster)
+    return [dataclasses.replace(ly, collectives=ly.collectives + tuple(extra[ly.name]))
+            for ly in layers]
 
 
 def _single_mesh_baselines(config: Config) -> dict[str, dict]:

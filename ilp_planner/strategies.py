@@ -59,6 +59,7 @@ class Strategy:
     state_bytes: float
     activation_bytes: float
     input_grads: tuple[Layout, ...] = ()
+    input_backward: tuple[Collective, ...] = ()  # op-internal, only if input 0 needs a gradient
 
     @property
     def grads_of_inputs(self) -> tuple[Layout, ...]:
@@ -349,13 +350,13 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
         label = f"summa({fact[0]}x{fact[1]})"
         x_prog, w_prog = summa_programs(fact, in_tensor, op.weight, ctx.cluster)
         colls = (*x_prog.forward, *(c.with_phase("forward", "weight") for c in w_prog.forward),
-                 *x_prog.backward, *(c.with_phase("backward", "weight") for c in w_prog.backward),
+                 *(c.with_phase("backward", "weight") for c in w_prog.backward),
                  *(b.collective for b in grad_sync(op, label, (lay,), lay, lay, ctx)))
         gathered = in_tensor.nbytes / r + op.weight.nbytes / c  # I[i, :] and W[:, j] held
         out.append(Strategy(
             label, fact, (lay,), lay, lay, _compute(op, r * c, ctx), colls,
             _local_params(op, label, (lay,), lay, lay) * ctx.memory.bytes_per_param + gathered,
-            lay.local_bytes(op.output),
+            lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
         ))
     return out
 

@@ -53,6 +53,7 @@ from ilp_planner.config import parse_config
 from ilp_planner.errors import LayoutError, PlanFormatError
 from ilp_planner.graph import Graph, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
+from ilp_planner.pipeline_planner import find_entry
 from ilp_planner.plan import LayerPlan, Plan, layout_from_dict
 from ilp_planner.redistribution import Redistribution
 from ilp_planner.strategies import (
@@ -339,9 +340,6 @@ class Executor:
         the programs, weight-gradient buckets, loss and tied-weight exchanges use."""
         reg = self.registry
         g = self.graph
-        self.entry_of: dict[tuple[str, int, Layout], Entry] = {}
-        for e in self.entries:
-            self.entry_of.setdefault((e.tensor, e.dst_stage, e.dst_layout), e)
         self.edges: dict[tuple[str, int], Redistribution] = {}
         self.out_edges: dict[int, Redistribution] = {}
         self.buckets: dict[str, tuple[SyncBucket, ...]] = {}
@@ -414,17 +412,13 @@ class Executor:
                 reg.need_group(("tied", head), self.stages[a].devices + self.stages[b].devices)
 
     def _entry(self, tensor: str, consumer: str, stage: int, want: Layout) -> Entry:
-        for e in self.entries:
-            if e.tensor == tensor and e.dst_stage == stage and e.consumer == consumer:
-                return e
-        e = self.entry_of.get((tensor, stage, want))
-        if e is None:
-            e = next((x for x in self.entries if x.tensor == tensor and x.dst_stage == stage), None)
-        if e is None:
+        rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in self.entries]
+        k = find_entry(rows, tensor, consumer, stage, want)
+        if k is None:
             raise PlanFormatError(
                 f"edge {tensor} -> {consumer} crosses stages {self.stage_of[tensor]} -> {stage} "
                 f"but the plan has no resharding entry bringing {tensor} to stage {stage}")
-        return e
+        return self.entries[k]
 
     # ---- setup ---------------------------------------------------------------------------
     def setup(self) -> None:

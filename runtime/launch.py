@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                 print(f"plan {ex.plan.name} ({path}): {world} {backend} processes, "
                       f"{len(ex.stages)} stage(s), {ex.microbatches} micro-batch(es), "
                       f"{ex.registry.num_groups} process groups", flush=True)
-            losses, secs, comm = [], [], []
+            losses, secs, comm, audited = [], [], [], []
             for step in range(args.steps):
                 if args.crash_rank == rank and step == args.crash_step:
                     print(f"[rank {rank}] crashing on purpose at step {step}", file=sys.stderr,
@@ -164,7 +164,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                     os._exit(13)
                 r = ex.train_step(step)
                 if args.audit:
-                    failed |= not _audit(ex, r.events, rank, world, step)
+                    audited.append(_audit(ex, r.events, rank, world, step))
+                    failed |= not audited[-1]
                 losses.append(r.loss)
                 secs.append(r.seconds)
                 comm.append(_comm_summary(r.events))
@@ -180,7 +181,8 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
             dist.gather_object([c["total_s"] for c in comm], by_rank, dst=0)
             entry = {"plan": ex.plan.name, "file": str(path), "losses": losses, "step_s": secs,
                      "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
-                     "microbatches": ex.microbatches, "stages": len(ex.stages)}
+                     "microbatches": ex.microbatches, "stages": len(ex.stages),
+                     "audit_ok": all(audited) if args.audit else None}
             if rank == 0:
                 if args.save_params:
                     out = Path(args.save_params)

@@ -33,9 +33,11 @@ from ilp_planner.config import Config
 from ilp_planner.errors import ConfigError, InfeasibleError, LayoutError
 from ilp_planner.graph import Op, OpKind
 from ilp_planner.layouts import Layout
+from ilp_planner.pipeline_planner import price_stage_boundaries
 from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
 from ilp_planner.planner import realise
-from ilp_planner.strategies import Strategy, resolve_partial
+from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.strategies import Strategy, input_grad_layouts, resolve_partial
 
 Region = tuple[tuple[int, int], ...]
 Filter = Callable[[Op, Strategy], bool]
@@ -181,6 +183,25 @@ def _stage_shape(nodes: int, local: int, stages: int) -> tuple[int, int]:
     raise ConfigError(f"cannot cut a {nodes}x{local} cluster into {stages} equal stage meshes")
 
 
+def _without_crossing_edges(graph, gp, lp, outputs: dict[str, Layout],
+                            stage_of: dict[str, int]) -> tuple:
+    """A layer's collectives less the edge programs :func:`realise` priced for inputs that
+    now come from another stage (they arrive by cross-mesh resharding instead; the
+    boundary programs are added by :func:`price_stage_boundaries`)."""
+    colls = list(lp.collectives)
+    op = graph[lp.name]
+    grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
+    for idx, src in enumerate(op.inputs):
+        if (graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[lp.name]
+                or gp.owner[src] == gp.owner[lp.name]):  # a follower's input is priced inside
+            continue
+        red = plan_redistribution(outputs[src], lp.inputs[idx], graph[src].output, gp.ctx.cluster,
+                                  grads[idx])
+        for c in red.forward + red.backward:
+            colls.remove(c)
+    return tuple(colls)
+
+
 def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                    microbatches: int = 2, cut_after: Sequence[str] | None = None,
                    keep: Filter | None = None, name: str | None = None,
@@ -212,7 +233,10 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
         stage_of[n] = s
         if s < stages - 1 and n == cuts[s]:
             s += 1
-    layers = [replace(lp, stage=stage_of[lp.name]) for lp in layers]
+    outputs = {lp.name: lp.output for lp in layers}
+    layers = [replace(lp, stage=stage_of[lp.name],
+                      collectives=_without_crossing_edges(graph, gp, lp, outputs, stage_of))
+              for lp in layers]
     devices = [list(range(i * per_stage, (i + 1) * per_stage)) for i in range(stages)]
     stage_list = [{"index": i, "devices": devices[i], "mesh": [n_s, d_s],
                    "layers": [n for n in names if stage_of[n] == i]} for i in range(stages)]
@@ -237,5 +261,6 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
             })
     sched = {"name": schedule, "num_microbatches": microbatches,
              "actions": schedule_actions(schedule, stages, microbatches)}
+    layers = price_stage_boundaries(graph, layers, stage_list, resharding, c)
     return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
                 CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)

@@ -115,7 +115,7 @@ def _launch(n: int, tmp: Path) -> dict:
         lrs.append(str(OPT[model][1]))
     common = ["--steps", str(STEPS), "--optimizer", ",".join(opts), "--lr", ",".join(lrs),
               "--results", str(tmp / "results.json"), "--save-params", str(tmp / "params"),
-              "--timings", str(tmp / "timings.csv"), "--quiet"]
+              "--timings", str(tmp / "timings.csv"), "--quiet", "--audit"]
     if n == 4:  # through the CLI wrapper
         cmd = [sys.executable, "-m", "ilp_planner.cli", "run", *files, "--nproc-per-node", "4", *common]
     else:  # torchrun directly
@@ -130,6 +130,19 @@ def _launch(n: int, tmp: Path) -> dict:
     out["__stdout__"] = res.stdout
     out["__timings__"] = (tmp / "timings.csv").read_text()
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,model,variant", REQUIRED + EXTRA,
+                         ids=[f"{n}-{m}-{v}" for n, m, v in REQUIRED + EXTRA])
+def test_executed_collectives_equal_the_planned_ones(runs, n: int, model: str, variant: str) -> None:
+    """A plan is a program: on every rank and every step, the collectives the dispatch-level
+    recorder saw (count and bytes per kind and purpose: forward, autograd backward, weight-
+    gradient sync, tied exchange, pipeline transfers) equal what the plan prices (--audit)."""
+    r = runs[n][f"{model}{n}-{variant}"]
+    assert r["audit_ok"] is True
+    assert "planned vs executed collectives per rank (OK)" in runs[n]["__stdout__"]
+    assert "MISMATCH" not in runs[n]["__stdout__"]
 
 
 @pytest.fixture(scope="module")

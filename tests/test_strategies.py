@@ -102,7 +102,7 @@ def test_summa_strategies_exist():
             assert lay.placements == (Split(0), Split(1))
         # gathers forward, reduce-scatters back (a gather across nodes may be split into
         # an intra-node and an inter-node step through a re-view when that is cheaper)
-        kinds = {(x.kind.value, x.phase, x.purpose) for x in s.collectives}
+        kinds = {(x.kind.value, x.phase, x.purpose) for x in (*s.collectives, *s.input_backward)}
         assert kinds == {("all_gather", "forward", "activation"), ("all_gather", "forward", "weight"),
                          ("reduce_scatter", "backward", "activation"),
                          ("reduce_scatter", "backward", "weight")}
