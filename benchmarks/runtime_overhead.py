@@ -5,8 +5,9 @@ backend, as a step-time ratio.
 Both sides run the same graph code (:func:`runtime.reference.forward`), the same
 initialisation and data, SGD, and the same step boundary (a barrier before the step, the
 loss reduced to every rank at its end). DDP gets the batch rows of its rank and averages
-gradients in buckets overlapped with the backward; the runtime executes the plan — DTensor
-layouts, one AllReduce per weight gradient after the backward, its step bookkeeping. Per
+gradients in buckets overlapped with the backward; the runtime executes the plan — its lowered
+programs on local blocks, one AllReduce per op's gradient bucket after the backward, its step
+bookkeeping. Per
 model the table shows the median step time (first two steps dropped) of each and their
 ratio. Usage::
 

@@ -13,13 +13,10 @@
    the time the runtime spent in collectives (every redistribution step forward and
    backward, gradient synchronisation, loss reduction, tied-weight exchange), the median
    over steps (first step dropped) of the mean over ranks.
-4. Print both side by side with their ranks and Kendall's τ between the two orderings —
-   once for the runtime as it is and once with one gradient AllReduce per op (the runtime
-   buckets a stage's gradients, the cost model charges one AllReduce, one α, per op) — and
+4. Print both side by side with their ranks and Kendall's τ between the two orderings, and
    the number of collectives per step the plan lists beside the number the runtime issued
-   (rank 0) — where they differ the runtime's path differs from the planner's (see
-   :mod:`runtime.comm`: DTensor's extra AllGathers for nested splits, reshuffles, the loss
-   and tied-weight reductions the cost model does not list).
+   (rank 0, counted at dispatch level) — equal since the runtime executes the plan's
+   lowered programs (``ilp-planner run --audit`` checks it per rank).
 
 On a 2-core machine running 8 processes, absolute times are dominated by scheduling; the
 ordering (τ) and ratios are what to read. Usage::
@@ -128,18 +125,13 @@ def main() -> int:
             files.append(str(path))
             predicted[name] = plan.cost.comm_s
             planned[name] = sum(len(lp.collectives) for lp in plan.layers)
-        runs = {}
-        for label, extra in (("runtime as is (one gradient AllReduce per stage bucket)", []),
-                             ("one gradient AllReduce per op, as the cost model prices it",
-                              ["--grad-buckets", "op"])):
-            res_path = tmp / "results.json"
-            _call(torchrun_command(nproc, "runtime.launch",
-                                   [*files, "--steps", str(args.steps), "--optimizer", "sgd", "--lr",
-                                    "0.05", "--results", str(res_path), "--quiet", *extra]))
-            runs[label] = json.loads(res_path.read_text())
+        res_path = tmp / "results.json"
+        _call(torchrun_command(nproc, "runtime.launch",
+                               [*files, "--steps", str(args.steps), "--optimizer", "sgd", "--lr",
+                                "0.05", "--results", str(res_path), "--quiet"]))
+        results = json.loads(res_path.read_text())
     print(f"\n{config.name}: {len(predicted)} plans on {nproc} gloo processes, {args.steps} steps each")
-    for label, results in runs.items():
-        table(label, results, predicted, planned)
+    table("runtime (lowered programs, recorded at dispatch level)", results, predicted, planned)
     return 0
 
 

@@ -16,15 +16,9 @@ from dataclasses import dataclass
 from ilp_planner.cost_model import ONCE_PER_STEP
 from ilp_planner.graph import DTYPE_BYTES
 from ilp_planner.plan import Plan
+from ilp_planner.resharding import region_numel
 
 Key = tuple[str, str]  # (kind, purpose)
-
-
-def _numel(region) -> int:
-    n = 1
-    for lo, hi in region:
-        n *= int(hi) - int(lo)
-    return n
 
 
 def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, float]]:
@@ -50,7 +44,7 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
     for e in plan.resharding or ():
         itemsize = DTYPE_BYTES[e.get("dtype", "float32")]
         for t in e["tasks"]:
-            nbytes = _numel(t["slice"]) * itemsize
+            nbytes = region_numel(tuple((int(lo), int(hi)) for lo, hi in t["slice"])) * itemsize
             if rank == t["sender"] or rank in t["receivers"]:
                 add(("broadcast", "resharding"), m, nbytes)
             if rank == t["receivers"][0] or rank in t["holders"]:

@@ -254,18 +254,16 @@ def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | N
     issues it: per distinct set of partial axes, one AllReduce of those parameters' local
     shards over the joint group of those axes."""
     shapes = param_shapes(op)
+    lays = param_layouts(op, label, inputs, weight, output)
     by_axes: dict[tuple[int, ...], list[str]] = {}
-    facts: dict[tuple[int, ...], Factorisation] = {}
-    for role, (lay, grad) in param_layouts(op, label, inputs, weight, output).items():
+    for role, (_, grad) in lays.items():
         axes = tuple(a for a in grad.partial_axes if grad.fact[a].size > 1)
         if axes:
             by_axes.setdefault(axes, []).append(role)
-            facts[axes] = lay.fact
     itemsize = (op.weight or op.output).itemsize
     out = []
     for axes, roles in by_axes.items():
-        fact = facts[axes]
-        lays = param_layouts(op, label, inputs, weight, output)
+        fact = lays[roles[0]][0].fact
         nbytes = sum(math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles) * itemsize
         out.append(SyncBucket(tuple(roles), fact, axes,
                               _coll(CollectiveKind.ALL_REDUCE, fact, axes, nbytes, ctx, "backward",

@@ -37,6 +37,7 @@ from ilp_planner.cluster import Cluster, axis_coordinates
 from ilp_planner.graph import TensorSpec
 from ilp_planner.layouts import Broadcast, Layout, Partial, Split
 from ilp_planner.redistribution import Redistribution, RedistStep, plan_redistribution
+from ilp_planner.resharding import chunk_bounds
 from runtime.mesh import MeshRegistry
 from runtime.recorder import Recorder, tagged, timed
 
@@ -48,11 +49,10 @@ class LVal(NamedTuple):
     layout: Layout
 
 
-def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
-    """``torch.chunk``-style pieces of a length-``n`` dim: size ⌈n/k⌉, trailing ones short
-    or empty (the geometry :meth:`Layout.regions` describes)."""
-    c = -(-n // k)
-    return [(min(i * c, n), min((i + 1) * c, n)) for i in range(k)]
+def _pieces(n: int, k: int) -> list[tuple[int, int]]:
+    """The ``torch.chunk``-style pieces of a length-``n`` dim split ``k`` ways (the geometry
+    :meth:`Layout.regions` describes)."""
+    return [chunk_bounds(n, k, j) for j in range(k)]
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -159,7 +159,7 @@ class Comm:
         cur, new = src.placements[a], dst.placements[a]
         shape = tensor.shape
         if isinstance(cur, Broadcast) and isinstance(new, Split):  # local slice
-            lo, hi = chunk_bounds(t.shape[new.dim], k)[self.coord(src, a)]
+            lo, hi = _pieces(t.shape[new.dim], k)[self.coord(src, a)]
             return t.narrow(new.dim, lo, hi - lo).contiguous()
         group = self.group(src, (a,))
         with tagged(phase, purpose, where), timed(self.recorder):
@@ -173,10 +173,10 @@ class Comm:
                 piece = list(src.padded_shape(shape))
                 piece[d] = dst.padded_shape(shape)[d]
                 pieces = [_pad_to(t.narrow(d, lo, hi - lo), tuple(piece))
-                          for lo, hi in chunk_bounds(t.shape[d], k)]
+                          for lo, hi in _pieces(t.shape[d], k)]
                 out = torch.empty(piece, dtype=t.dtype, device=t.device)
                 dist.reduce_scatter_tensor(out.view(-1), torch.stack(pieces).view(-1), group=group)
-                lo, hi = chunk_bounds(t.shape[d], k)[self.coord(src, a)]
+                lo, hi = _pieces(t.shape[d], k)[self.coord(src, a)]
                 mine = list(t.shape)
                 mine[d] = hi - lo
                 return _narrow(out, mine).contiguous()
@@ -187,7 +187,7 @@ class Comm:
                 dist.all_gather_into_tensor(out.view(-1), _pad_to(t, pad).view(-1), group=group)
                 parent = self.region(dst, shape)[d]
                 parts = []
-                for q, (lo, hi) in enumerate(chunk_bounds(parent[1] - parent[0], k)):
+                for q, (lo, hi) in enumerate(_pieces(parent[1] - parent[0], k)):
                     size = list(t.shape)
                     size[d] = hi - lo
                     parts.append(_narrow(out[q], size))
@@ -196,14 +196,14 @@ class Comm:
                 i, j = cur.dim, new.dim
                 piece = list(src.padded_shape(shape))
                 piece[j] = dst.padded_shape(shape)[j]
-                bounds_j = chunk_bounds(t.shape[j], k)
+                bounds_j = _pieces(t.shape[j], k)
                 pieces = [_pad_to(t.narrow(j, lo, hi - lo), tuple(piece)) for lo, hi in bounds_j]
                 out = torch.empty((k, *piece), dtype=t.dtype, device=t.device)
                 dist.all_to_all_single(out.view(-1), torch.stack(pieces).view(-1), group=group)
                 parent = self.region(dst, shape)[i]
                 lo_j, hi_j = bounds_j[self.coord(src, a)]
                 parts = []
-                for q, (lo, hi) in enumerate(chunk_bounds(parent[1] - parent[0], k)):
+                for q, (lo, hi) in enumerate(_pieces(parent[1] - parent[0], k)):
                     size = list(t.shape)
                     size[i] = hi - lo
                     size[j] = hi_j - lo_j

@@ -163,8 +163,7 @@ class Executor:
         self.entries = self._entries()
         self.actions = self._actions()
         self.recorder = Recorder(self.cluster.devices_per_node)
-        self.registry = MeshRegistry("cuda" if self.device.type == "cuda" else "cpu",
-                                     options.timeout_s)
+        self.registry = MeshRegistry(options.timeout_s)
         self.comms = {s.index: Comm(self.registry, s.devices, rank, self.cluster, self.recorder)
                       for s in self.stages}
         self.strategy_ctx = StrategyContext(self.cluster, 1, 1, self.config.memory)

@@ -261,6 +261,8 @@ def _per_plan(text: str, n: int, flag: str, cast) -> list:
 
 
 def _comm_summary(events) -> dict:
+    """Seconds per purpose and count of the plan's collectives (the loss report aside)."""
+    events = [e for e in events if e.phase != "report"]
     by: dict[str, float] = {}
     for e in events:
         by[e.purpose] = by.get(e.purpose, 0.0) + e.seconds

@@ -1,4 +1,4 @@
-"""Process groups and ``DeviceMesh`` objects, created once, in one order, on every rank.
+"""Process groups of the stages' mesh axes, created once, in one order, on every rank.
 
 ``new_group`` is a collective over the whole world: every rank must call it for every group,
 in the same order, even for groups it is not in. The executor therefore first *registers*
@@ -10,8 +10,8 @@ stage's devices ``D`` is the n-d array ``mesh[coords(i)] = D[i]`` with
 ``coords = axis_coordinates(fact)``. Each mesh axis needs one group per line of the array
 along that axis. Groups are shared between meshes by rank set (a gloo/NCCL group may carry
 the collectives of several meshes because the ranks of one stage issue them in the same
-program order). ``new_group`` sorts its ranks, and DTensor reads a rank's shard index from
-its position in the axis group, so every axis line must list ranks in ascending order — true
+program order). ``new_group`` sorts its ranks, and a gather or scatter orders pieces by a
+rank's position in the axis group, so every axis line must list ranks in ascending order — true
 for the convention above when ``D`` ascends; anything else is refused with a clear error.
 
 Groups for cross-mesh transfers are keyed apart from mesh groups and apart by direction
@@ -27,7 +27,6 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from ilp_planner.cluster import Factorisation, axis_coordinates, fact_str
 from runtime.errors import RuntimeSetupError
@@ -59,15 +58,13 @@ def _axes_lines(arr: np.ndarray, axes: tuple[int, ...]) -> list[tuple[int, ...]]
 
 
 class MeshRegistry:
-    """Registers rank sets and meshes, creates all groups at once, hands out meshes."""
+    """Registers rank sets and meshes, creates all groups at once, hands out axis groups."""
 
-    def __init__(self, device_type: str, timeout_s: float):
-        self.device_type = device_type
+    def __init__(self, timeout_s: float):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._sets: dict[Hashable, tuple[int, ...]] = {}
         self._groups: dict[Hashable, object] = {}
         self._arrays: dict[tuple, np.ndarray] = {}
-        self._meshes: dict[tuple, DeviceMesh] = {}
         self.created = False
 
     # -- registration (identical on every rank) ----------------------------------------------
@@ -132,27 +129,3 @@ class MeshRegistry:
             if me in line:
                 return self.group(("mesh", line))
         raise RuntimeError(f"rank {me} is not on mesh {fact_str(fact)} over {list(devices)}")
-
-    def mesh(self, devices: Sequence[int], fact: Factorisation) -> DeviceMesh:
-        """The ``DeviceMesh`` of ``fact`` over ``devices`` (this rank must be one of them)."""
-        key = (tuple(devices), fact)
-        if key not in self._meshes:
-            if key not in self._arrays:
-                raise RuntimeError(f"mesh {fact_str(fact)} over {list(devices)} was not registered")
-            arr = self._arrays[key]
-            me = dist.get_rank()
-            coord = tuple(int(c) for c in np.argwhere(arr == me)[0])
-            groups = []
-            for axis in range(arr.ndim):
-                idx = list(coord)
-                idx[axis] = slice(None)
-                line = tuple(int(r) for r in arr[tuple(idx)])
-                groups.append(self._groups[("mesh", line)])
-            names = tuple(f"a{i}" for i in range(arr.ndim))
-            if arr.ndim == 1:
-                self._meshes[key] = DeviceMesh.from_group(groups[0], self.device_type,
-                                                          mesh=arr.tolist(), mesh_dim_names=names)
-            else:
-                self._meshes[key] = DeviceMesh.from_group(groups, self.device_type, mesh=arr,
-                                                          mesh_dim_names=names)
-        return self._meshes[key]

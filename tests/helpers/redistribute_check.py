@@ -35,7 +35,7 @@ def main() -> int:
     world = dist.get_world_size()
     link = Link(1e-5, 1e-9)
     cluster = Cluster(1, world, 1e12, 1e12, link, link)
-    reg = MeshRegistry("cpu", 60)
+    reg = MeshRegistry(60)
     comm = Comm(reg, tuple(range(world)), dist.get_rank(), cluster)
     todo = []
     stride = int(os.environ.get("CASE_STRIDE", "7"))
