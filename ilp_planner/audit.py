@@ -5,7 +5,8 @@ collective of the layers on the rank's stage (per micro-batch, or once per step 
 weight-gradient synchronisation and tied-weight exchanges) and every cross-mesh broadcast
 task the rank sends or receives, forward and backward. :func:`compare` sets it beside what
 the runtime's dispatch-level recorder saw (``(kind, purpose, bytes)`` rows; the loss report
-is not part of the plan) and flags every (kind, purpose) whose count or bytes differ.
+is not part of the plan) and flags every (kind, purpose, phase, group size) whose count or
+bytes differ.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ilp_planner.graph import DTYPE_BYTES
 from ilp_planner.plan import Plan
 from ilp_planner.resharding import region_numel
 
-Key = tuple[str, str]  # (kind, purpose)
+Key = tuple[str, str, str, int]  # (kind, purpose, phase, group size)
 
 
 def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, float]]:
@@ -40,15 +41,18 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
         if plan.stages and layer.stage != stage:
             continue
         for c in layer.collectives:
-            add((c.kind.value, c.purpose), 1 if c.purpose in ONCE_PER_STEP else m, c.bytes)
+            add((c.kind.value, c.purpose, c.phase, c.group_size),
+                1 if c.purpose in ONCE_PER_STEP else m, c.bytes)
     for e in plan.resharding or ():
         itemsize = DTYPE_BYTES[e.get("dtype", "float32")]
         for t in e["tasks"]:
             nbytes = region_numel(tuple((int(lo), int(hi)) for lo, hi in t["slice"])) * itemsize
-            if rank == t["sender"] or rank in t["receivers"]:
-                add(("broadcast", "resharding"), m, nbytes)
-            if rank == t["receivers"][0] or rank in t["holders"]:
-                add(("broadcast", "resharding"), m, nbytes)
+            fwd = {int(t["sender"]), *map(int, t["receivers"])}
+            bwd = {int(t["receivers"][0]), *map(int, t["holders"])}
+            if rank in fwd:
+                add(("broadcast", "resharding", "forward", len(fwd) - 1), m, nbytes)
+            if rank in bwd:
+                add(("broadcast", "resharding", "backward", len(bwd) - 1), m, nbytes)
     return {k: (int(v[0]), float(v[1])) for k, v in out.items()}
 
 
@@ -58,7 +62,7 @@ def executed(events: Iterable) -> dict[Key, tuple[int, float]]:
     for ev in events:
         if ev.phase == "report":
             continue
-        acc = out.setdefault((ev.kind, ev.purpose), [0, 0.0])
+        acc = out.setdefault((ev.kind, ev.purpose, ev.phase, ev.group_size), [0, 0.0])
         acc[0] += 1
         acc[1] += ev.bytes
     return {k: (int(v[0]), float(v[1])) for k, v in out.items()}
@@ -68,6 +72,8 @@ def executed(events: Iterable) -> dict[Key, tuple[int, float]]:
 class AuditRow:
     kind: str
     purpose: str
+    phase: str
+    group_size: int
     predicted_count: int
     predicted_bytes: float
     executed_count: int
@@ -86,17 +92,17 @@ def compare(pred: dict[Key, tuple[int, float]], done: dict[Key, tuple[int, float
     for key in sorted(set(pred) | set(done)):
         pc, pb = pred.get(key, (0, 0.0))
         ec, eb = done.get(key, (0, 0.0))
-        rows.append(AuditRow(key[0], key[1], pc, pb, ec, eb))
+        rows.append(AuditRow(*key, pc, pb, ec, eb))
     return rows
 
 
 def format_rows(rank: int, rows: list[AuditRow]) -> str:
-    lines = [f"rank {rank}: {'kind':<15}{'purpose':<13}{'planned':>9}{'bytes':>13}"
+    lines = [f"rank {rank}: {'kind':<15}{'purpose':<13}{'phase':<9}{'p':>3}{'planned':>9}{'bytes':>13}"
              f"{'executed':>10}{'bytes':>13}  ratio"]
     for r in rows:
         ratio = r.executed_bytes / r.predicted_bytes if r.predicted_bytes else float("inf") \
             if r.executed_bytes else 1.0
-        lines.append(f"        {r.kind:<15}{r.purpose:<13}{r.predicted_count:>9}"
+        lines.append(f"        {r.kind:<15}{r.purpose:<13}{r.phase:<9}{r.group_size:>3}{r.predicted_count:>9}"
                      f"{r.predicted_bytes:>13.0f}{r.executed_count:>10}{r.executed_bytes:>13.0f}"
                      f"  {ratio:.3f}{'' if r.ok else '  MISMATCH'}")
     return "\n".join(lines)

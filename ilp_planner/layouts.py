@@ -146,7 +146,7 @@ class Layout:
 
     def local_bytes(self, tensor: TensorSpec) -> float:
         """Bytes held per device (exact fraction; padding of uneven splits ignored) — the
-        memory model's figure. Communication is priced on :meth:`padded_bytes`."""
+        memory model's figure. Communication is priced on :meth:`padded_shape`."""
         return tensor.nbytes / math.prod(self._degrees.values())
 
     def regions(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -181,10 +181,6 @@ class Layout:
                 size = -(-size // self.fact[a].size)
             out.append(size)
         return tuple(out)
-
-    def padded_bytes(self, tensor: TensorSpec) -> float:
-        """Bytes of the padded local block (:meth:`padded_shape`)."""
-        return float(math.prod(self.padded_shape(tensor.shape)) * tensor.itemsize)
 
     # ---- string forms -------------------------------------------------------------------
     def sbp(self) -> str:

@@ -97,10 +97,6 @@ class Redistribution:
     backward_steps: tuple[RedistStep, ...] = ()
 
     @property
-    def grad_src(self) -> Layout:
-        return grad_layout(self.src)
-
-    @property
     def forward(self) -> list[Collective]:
         return [s.collective for s in self.steps if s.collective is not None]
 

@@ -10,13 +10,16 @@ Modules, in the order data flows through them:
 * :mod:`runtime.reference` — the unsharded single-process run the executor must match;
 * :mod:`runtime.plans` — pure helpers: unit tasks of a cross-mesh transfer, pipeline action
   lists, hand-built pipelined plans and strategy-restricted plans (tests, benchmarks);
-* :mod:`runtime.mesh` — every process group and ``DeviceMesh``, created in one order on all
-  ranks;
-* :mod:`runtime.comm` — timed redistribution steps (autograd functions), the collective
-  recorder, cross-mesh broadcasts;
+* :mod:`runtime.mesh` — every process group of the stages' mesh axes, created in one order
+  on all ranks;
+* :mod:`runtime.recorder` — the dispatch-level collective recorder (``--timings``,
+  ``--audit``);
+* :mod:`runtime.comm` — the planner's lowered redistribution programs executed on local
+  blocks (autograd functions whose backward runs the lowered backward steps);
 * :mod:`runtime.ops` — the distributed op implementations (kind → function table);
 * :mod:`runtime.executor` — compiles a plan into per-stage programs and interprets the
-  pipeline schedule (kind → handler table), gradient synchronisation, optimizer step;
+  pipeline schedule (kind → handler table), cross-mesh broadcasts, gradient
+  synchronisation, optimizer step;
 * :mod:`runtime.launch` — the ``torchrun`` entry point; :mod:`runtime.measure` — collective
   micro-benchmarks for ``ilp-planner calibrate --measure``.
 

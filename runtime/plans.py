@@ -37,7 +37,7 @@ from ilp_planner.pipeline_planner import price_stage_boundaries
 from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
 from ilp_planner.planner import realise
 from ilp_planner.redistribution import plan_redistribution
-from ilp_planner.strategies import Strategy, input_grad_layouts, resolve_partial
+from ilp_planner.strategies import Strategy, input_grad_layouts, resolve_partial, tied_source
 
 Region = tuple[tuple[int, int], ...]
 Filter = Callable[[Op, Strategy], bool]
@@ -185,11 +185,15 @@ def _stage_shape(nodes: int, local: int, stages: int) -> tuple[int, int]:
 
 def _without_crossing_edges(graph, gp, lp, outputs: dict[str, Layout],
                             stage_of: dict[str, int]) -> tuple:
-    """A layer's collectives less the edge programs :func:`realise` priced for inputs that
-    now come from another stage (they arrive by cross-mesh resharding instead; the
-    boundary programs are added by :func:`price_stage_boundaries`)."""
+    """A layer's collectives less what :func:`realise` priced on one mesh for what now crosses
+    stages: edge programs of inputs from another stage (they arrive by cross-mesh
+    resharding) and a tied-weight exchange whose partner is on another stage. The runtime's
+    versions are added by :func:`price_stage_boundaries`."""
     colls = list(lp.collectives)
     op = graph[lp.name]
+    emb = tied_source(graph, op) if op.attrs.get("tied") else None
+    if emb is not None and stage_of[emb.name] != stage_of[lp.name]:  # exchanged across stages
+        colls = [c for c in colls if c.purpose != "tied_weight"]
     grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
     for idx, src in enumerate(op.inputs):
         if (graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[lp.name]

@@ -153,6 +153,8 @@ def timed(recorder: Recorder | None) -> Iterator[None]:
     first = len(recorder.events) if recorder is not None else 0
     t0 = time.perf_counter()
     yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # NCCL returns once enqueued; time the transfer itself
     secs = time.perf_counter() - t0
     if recorder is not None:
         new = recorder.events[first:]

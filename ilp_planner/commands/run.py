@@ -27,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
         help="train a solved plan with torch.distributed (spawns torchrun)",
-        description="Execute solved plans with DTensor inside stages, broadcast resharding "
-                    "between stages and the plan's pipeline schedule; print the loss per step.",
+        description="Execute solved plans — the planner's lowered collective programs inside "
+                    "stages, broadcast resharding between stages, the plan's pipeline schedule; "
+                    "print the loss per step (--audit: planned vs executed collectives).",
     )
     p.add_argument("plans", nargs="+", metavar="PLAN.json")
     p.add_argument("--nproc-per-node", type=int, default=None,
