@@ -14,9 +14,13 @@
    backward, gradient synchronisation, loss reduction, tied-weight exchange), the median
    over steps (first step dropped) of the mean over ranks.
 4. Print both side by side with their ranks and Kendall's τ between the two orderings, and
-   the number of collectives per step the plan lists beside the number the runtime issued
-   (rank 0, counted at dispatch level) — equal since the runtime executes the plan's
-   lowered programs (``ilp-planner run --audit`` checks it per rank).
+   the number of collectives per step the plan prices for rank 0
+   (:func:`ilp_planner.audit.predicted`, micro-batches counted) beside the number the
+   runtime issued there (counted at dispatch level) — equal since the runtime executes the
+   plan's lowered programs (``--audit`` checks it on every rank, and this run uses it).
+5. Per collective: every collective the recorder timed (``--timings``), grouped by (kind,
+   group size, bytes, link), its median measured seconds beside the calibrated α–β
+   prediction, with the rank correlation over groups and the calibration fit's R².
 
 On a 2-core machine running 8 processes, absolute times are dominated by scheduling; the
 ordering (τ) and ratios are what to read. Usage::
@@ -34,13 +38,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scipy.stats import kendalltau
+from scipy.stats import kendalltau, spearmanr
 
+from ilp_planner.audit import predicted as predicted_collectives
 from ilp_planner.baselines import data_parallel_filter, megatron_filter, summa_filter
 from ilp_planner.calibration import fit_links, fit_report, read_timings_csv
 from ilp_planner.cluster import MeshAxis
 from ilp_planner.commands.run import torchrun_command
 from ilp_planner.config import load_config
+from ilp_planner.cost_model import collective_time
 from runtime.plans import restricted_plan, three_d_filter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +58,7 @@ def _call(cmd: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd[:8])}… failed ({res.returncode}):\n{res.stderr[-4000:]}")
 
 
-def calibrate(nproc: int, dpn: int, tmp: Path) -> dict:
+def calibrate(nproc: int, dpn: int, tmp: Path) -> tuple[dict, dict]:
     out = tmp / "measured.csv"
     cmd = torchrun_command(nproc, "runtime.measure",
                            ["--output", str(out), "--devices-per-node", str(dpn),
@@ -60,7 +66,32 @@ def calibrate(nproc: int, dpn: int, tmp: Path) -> dict:
     _call(cmd)
     fits = fit_links(read_timings_csv(out))
     print(fit_report(fits))
-    return {k: {"alpha": f.alpha, "beta": f.beta} for k, f in fits.items()}
+    return {k: {"alpha": f.alpha, "beta": f.beta} for k, f in fits.items()}, fits
+
+
+def per_collective(timings: Path, cluster, fits: dict) -> None:
+    """Every timed collective grouped by (kind, group size, bytes, link): median measured
+    seconds beside the calibrated prediction."""
+    groups: dict[tuple, list[float]] = {}
+    for row in read_timings_csv(timings):
+        groups.setdefault((row.kind, row.group_size, row.bytes, row.link), []).append(row.seconds)
+    print("\nper collective (recorded by the runtime, median over occurrences and ranks):")
+    head = (f"{'kind':<16}{'p':>4}{'bytes':>10}{'link':>7}{'n':>6}{'predicted µs':>14}"
+            f"{'measured µs':>13}{'meas/pred':>11}")
+    print(head)
+    print("-" * len(head))
+    pred, meas = [], []
+    for (kind, p, nbytes, link), secs in sorted(groups.items(), key=lambda kv: (kv[0][0].value, *kv[0][1:])):
+        want = collective_time(kind, p, nbytes, cluster.link(link == "inter"))
+        got = statistics.median(secs)
+        pred.append(want)
+        meas.append(got)
+        print(f"{kind.value:<16}{p:>4}{nbytes:>10.0f}{link:>7}{len(secs):>6}{want * 1e6:>14.1f}"
+              f"{got * 1e6:>13.1f}{got / want:>11.2f}")
+    rho, pval = spearmanr(pred, meas)
+    fit_r2 = ", ".join(f"{k} {f.r2:.3f}" for k, f in fits.items())
+    print(f"{len(groups)} collective classes; Spearman ρ predicted vs measured {rho:.3f} "
+          f"(p = {pval:.3g}); calibration fit R²: {fit_r2}")
 
 
 def plan_variants(config) -> dict:
@@ -111,7 +142,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         print(f"calibrating {nproc} gloo processes ({config.cluster.devices_per_node} per node)...")
-        links = calibrate(nproc, config.cluster.devices_per_node, tmp)
+        links, fits = calibrate(nproc, config.cluster.devices_per_node, tmp)
         cal = config.with_overrides({f"cluster.links.{k}": v for k, v in links.items()})
         files, predicted, planned = [], {}, {}
         for name, keep in plan_variants(cal).items():
@@ -124,14 +155,18 @@ def main() -> int:
             plan.save(path)
             files.append(str(path))
             predicted[name] = plan.cost.comm_s
-            planned[name] = sum(len(lp.collectives) for lp in plan.layers)
+            m = cal.pipeline.microbatches
+            planned[name] = sum(n for n, _ in predicted_collectives(plan, 0, m).values())
         res_path = tmp / "results.json"
         _call(torchrun_command(nproc, "runtime.launch",
                                [*files, "--steps", str(args.steps), "--optimizer", "sgd", "--lr",
-                                "0.05", "--results", str(res_path), "--quiet"]))
+                                "0.05", "--results", str(res_path), "--quiet", "--audit",
+                                "--timings", str(tmp / "timings.csv")]))
         results = json.loads(res_path.read_text())
-    print(f"\n{config.name}: {len(predicted)} plans on {nproc} gloo processes, {args.steps} steps each")
-    table("runtime (lowered programs, recorded at dispatch level)", results, predicted, planned)
+        print(f"\n{config.name}: {len(predicted)} plans on {nproc} gloo processes, {args.steps} "
+              f"steps each")
+        table("runtime (lowered programs, recorded at dispatch level)", results, predicted, planned)
+        per_collective(tmp / "timings.csv", cal.cluster, fits)
     return 0
 
 

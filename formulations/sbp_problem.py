@@ -16,19 +16,24 @@ Building it from a graph (:func:`build_problem`) does the two reductions the ILP
   shares one group; costs, memory and edge matrices of the copies are summed.
 
 Graph inputs are free: data is loaded directly in whatever layout its consumer asks for.
+A pipeline stage's graph (``boundary``) also has *imported* inputs — tensors from an earlier
+stage, whose gradients go back — and *exported* ops read by a later stage; the programs the
+stage runs for them (:mod:`ilp_planner.stage_boundary`) are part of its costs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 
 from ilp_planner.cluster import Cluster
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective, MemorySpec
-from ilp_planner.graph import Graph, Op, OpKind
+from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.redistribution import plan_redistribution, redistribution_seconds
+from ilp_planner.stage_boundary import StageBoundary, export_program, import_program
 from ilp_planner.strategies import (
     FOLLOWER_KINDS,
     Strategy,
@@ -153,6 +158,7 @@ class GraphProblem:
     group_of: dict[str, int]  # node -> group index
     groups: list[list[str]] = field(default_factory=list)  # group -> nodes
     microbatches: int = 1
+    boundary: StageBoundary = field(default_factory=StageBoundary)
 
     def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
         return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
@@ -172,7 +178,7 @@ def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> f
 
 
 def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext,
-                  microbatches: int) -> list[NodeOption]:
+                  microbatches: int, input_reached: bool) -> list[NodeOption]:
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts = []
@@ -181,7 +187,7 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
         inputs = [base.inputs]
         grads = [base.grads_of_inputs]
         own = list(base.collectives)
-        if graph[rep.inputs[0]].kind is not OpKind.INPUT:  # autograd reaches the input
+        if input_reached:  # autograd reaches the input
             own += base.input_backward
         colls = [own]
         comp = [base.compute_s]
@@ -217,9 +223,12 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
 
 def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
                   *, tie_layers: bool = True, max_weight_replication: int | None = None,
-                  memory_budget: float | None = None, microbatches: int = 1) -> GraphProblem:
+                  memory_budget: float | None = None, microbatches: int = 1,
+                  boundary: StageBoundary | None = None) -> GraphProblem:
     """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
-    costs are per step of ``microbatches`` accumulated micro-batches."""
+    costs are per step of ``microbatches`` accumulated micro-batches. ``boundary`` names
+    the imported inputs and exported ops when ``graph`` is one pipeline stage."""
+    boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication)
     owner: dict[str, str] = {}
     position: dict[str, int] = {}
@@ -240,12 +249,13 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     cache: dict[tuple, list[NodeOption]] = {}
     for node, mem in members.items():
         rep = graph[node]
-        key = (rep.tie_key, rep.kind, rep.output, rep.weight, tuple(graph[m].kind for m in mem)) \
-            if rep.tie_key else None
+        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
+        key = (rep.tie_key, rep.kind, rep.output, rep.weight, tuple(graph[m].kind for m in mem),
+               reached) if rep.tie_key else None
         if key is not None and key in cache:
             options[node] = cache[key]
             continue
-        opts = _node_options(graph, node, mem, ctx, microbatches)
+        opts = _node_options(graph, node, mem, ctx, microbatches, reached)
         options[node] = opts
         if key is not None:
             cache[key] = opts
@@ -271,6 +281,8 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         cost[g] += [o.cost_s for o in options[node]]
         mem[g] += [o.memory_bytes for o in options[node]]
 
+    _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
+                           microbatches)
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrix_cache: dict[tuple, np.ndarray] = {}
     for src, dst in graph.edges():
@@ -296,7 +308,34 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     names = [group_key[g[0]] for g in groups]
     problem = Problem(names, cost, mem, edges, memory_budget)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
-                        microbatches)
+                        microbatches, boundary)
+
+
+def _add_boundary_programs(graph: Graph, cluster: Cluster, boundary: StageBoundary,
+                           owner: dict[str, str], position: dict[str, int],
+                           options: dict[str, list[NodeOption]], group_of: dict[str, int],
+                           cost: list[np.ndarray], microbatches: int) -> None:
+    """Per micro-batch, the stage's own boundary programs into the cost of the node that
+    runs them: the export of every exported op's output, the import (gradient back) of
+    every edge reading an imported tensor."""
+    @cache
+    def export_s(out: Layout, tensor: TensorSpec) -> float:
+        return export_program(out, tensor, cluster).seconds
+
+    @cache
+    def import_s(want: Layout, grad: Layout, tensor: TensorSpec) -> float:
+        return import_program(want, grad, tensor, cluster).seconds
+
+    for name in boundary.exported:
+        tensor, node, pos = graph[name].output, owner[name], position[name]
+        cost[group_of[node]] += microbatches * np.array(
+            [export_s(o.outputs[pos], tensor) for o in options[node]])
+    for dst, idx, src in ((op.name, i, s) for op in graph.ops for i, s in enumerate(op.inputs)):
+        if src not in boundary.imported:
+            continue
+        tensor, node, pos = graph[src].output, owner[dst], position[dst]
+        cost[group_of[node]] += microbatches * np.array(
+            [import_s(o.inputs[pos][idx], o.grads[pos][idx], tensor) for o in options[node]])
 
 
 def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], position: dict[str, int],

@@ -3,10 +3,10 @@
 :func:`predicted` reads what a plan prices for one rank and one optimizer step: every
 collective of the layers on the rank's stage (per micro-batch, or once per step for
 weight-gradient synchronisation and tied-weight exchanges) and every cross-mesh broadcast
-task the rank sends or receives, forward and backward. :func:`compare` sets it beside what
-the runtime's dispatch-level recorder saw (``(kind, purpose, bytes)`` rows; the loss report
-is not part of the plan) and flags every (kind, purpose, phase, group size) whose count or
-bytes differ.
+task the rank sends or receives, forward (``tasks``) and backward (``backward_tasks``).
+:func:`compare` sets it beside what the runtime's dispatch-level recorder saw (``(kind,
+purpose, bytes)`` rows; the loss report is not part of the plan) and flags every (kind,
+purpose, phase, group size) whose count or bytes differ.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
                 1 if c.purpose in ONCE_PER_STEP else m, c.bytes)
     for e in plan.resharding or ():
         itemsize = DTYPE_BYTES[e.get("dtype", "float32")]
-        for t in e["tasks"]:
-            nbytes = region_numel(tuple((int(lo), int(hi)) for lo, hi in t["slice"])) * itemsize
-            fwd = {int(t["sender"]), *map(int, t["receivers"])}
-            bwd = {int(t["receivers"][0]), *map(int, t["holders"])}
-            if rank in fwd:
-                add(("broadcast", "resharding", "forward", len(fwd) - 1), m, nbytes)
-            if rank in bwd:
-                add(("broadcast", "resharding", "backward", len(bwd) - 1), m, nbytes)
+        for phase, tasks in (("forward", e["tasks"]), ("backward", e["backward_tasks"])):
+            for t in tasks:
+                nbytes = region_numel(tuple((int(lo), int(hi)) for lo, hi in t["slice"])) * itemsize
+                group = {int(t["sender"]), *map(int, t["receivers"])}
+                if rank in group:
+                    add(("broadcast", "resharding", phase, len(group) - 1), m, nbytes)
     return {k: (int(v[0]), float(v[1])) for k, v in out.items()}
 
 

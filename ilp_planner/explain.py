@@ -39,6 +39,7 @@ from ilp_planner.cluster import fact_str
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.layouts import Broadcast, Layout, Split
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
+from ilp_planner.programs import EdgeProgram, edge_programs, steps_text
 
 _GIB = 2**30
 _INDEX = re.compile(r"(?:(?<=\.)|^)(\d+)(?=\.|$)")
@@ -324,8 +325,10 @@ def _generic(d: dict) -> str:
 def explain(plan: Plan, *, collectives: bool = True) -> str:
     """A readable report of ``plan``: solver report, model and cluster, cost per step,
     stages and schedule (pipelined plans), memory per device, every layer's strategy in
-    SBP and DTensor notation with its collectives (bytes, predicted seconds), collective
-    totals per kind, cross-mesh resharding and the baselines with ratios.
+    SBP and DTensor notation with the program of each input edge (the lowered steps the
+    runtime executes, forward and backward, :mod:`ilp_planner.programs`) and its
+    collectives (bytes, predicted seconds), collective totals per kind, cross-mesh
+    resharding and the baselines with ratios.
 
     ``collectives=False`` leaves out the per-layer collective lines (the totals stay)."""
     s = plan.solver
@@ -397,6 +400,9 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
     # layers
     lines += ["", f"layers ({len(plan.layers)} ops; layouts as SBP (placement:axis) and DTensor; "
                   f"compute and collectives per micro-batch):"]
+    programs: dict[str, list[EdgeProgram]] = defaultdict(list)
+    for ep in edge_programs(plan):
+        programs[ep.consumer].append(ep)
     for name, members in group_layers(plan.layers):
         layer = members[0]
         count = f"  ×{len(members)}" if len(members) > 1 else ""
@@ -412,6 +418,12 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
             if (w := layer.weight) is not None:
                 lines.append(f"      weight {sbp_layout(w):<28} {dtensor_placements(w)}")
         lines.append(f"      out    {sbp_layout(layer.output):<28} {dtensor_placements(layer.output)}")
+        for ep in programs[layer.name]:
+            what = "export" if ep.role == "export" else f"in{ep.index} {ep.role} from {ep.producer}"
+            red = ep.program
+            lines.append(f"      {what}: fwd {steps_text(red.steps)}")
+            if red.backward_steps:
+                lines.append(f"      {' ' * len(what)}  bwd {steps_text(red.backward_steps)}")
         comm = sum(x.seconds for x in layer.collectives)
         lines.append(f"      compute {fmt_seconds(layer.compute_s)}, memory {fmt_bytes(layer.memory_bytes)}, "
                      f"{len(layer.collectives)} collective(s) {fmt_seconds(comm)}")

@@ -29,14 +29,15 @@ from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
 from ilp_planner.cluster import Cluster, SubMesh
 from ilp_planner.config import Config
-from ilp_planner.cost_model import Collective, CollectiveKind, make_collective
+from ilp_planner.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan, layout_from_dict, layout_to_dict
 from ilp_planner.redistribution import plan_redistribution
-from ilp_planner.resharding import ReshardOptions, plan_resharding, with_scheduler
-from ilp_planner.strategies import input_grad_layouts, resolve_partial, tied_source
+from ilp_planner.resharding import ReshardingPlan, ReshardOptions, plan_resharding, with_scheduler
+from ilp_planner.stage_boundary import StageBoundary, stage_boundary
+from ilp_planner.strategies import resolve_partial, tied_source
 
 MAX_UNITS = 16
 
@@ -92,12 +93,15 @@ def subgraph(graph: Graph, names: Sequence[str]) -> Graph:
     return Graph(f"{graph.name}[{names[0]}..{names[-1]}]", ops)
 
 
-def signature(graph: Graph, names: Sequence[str]) -> tuple:
-    """Name-free description of a range: equal for any k consecutive repeated blocks."""
+def signature(graph: Graph, names: Sequence[str], boundary: StageBoundary | None = None) -> tuple:
+    """Name-free description of a range: equal for any k consecutive repeated blocks with
+    the same boundary (which ops a later stage reads, which inputs come from a stage)."""
     index = {n: i for i, n in enumerate(names)}
+    b = boundary or StageBoundary()
     return tuple(
-        (op.kind, op.output, op.weight, op.params,
-         tuple(index[s] - index[n] if s in index else ("ext", graph[s].output) for s in op.inputs))
+        (op.kind, op.output, op.weight, op.params, n in b.exported,
+         tuple(index[s] - index[n] if s in index else ("ext", graph[s].output, s in b.imported)
+               for s in op.inputs))
         for n in names for op in (graph[n],)
     )
 
@@ -129,12 +133,14 @@ class _StageSolver:
         from ilp_planner.planner import realise, solve_mesh
 
         names = self.names(a, e)
-        key = (signature(self.graph, names), shape)
+        boundary = stage_boundary(self.graph, names)
+        key = (signature(self.graph, names, boundary), shape)
         if key not in self.cache:
             self.solves += 1
             try:
                 gp, res = solve_mesh(self.config, shape[0], shape[1], None,
-                                     graph=subgraph(self.graph, names), microbatches=1)
+                                     graph=subgraph(self.graph, names), microbatches=1,
+                                     boundary=boundary)
             except InfeasibleError:
                 self.cache[key] = None
             else:
@@ -202,19 +208,41 @@ def _estimate_spec(tensor: TensorSpec, src: SubMesh, dst: SubMesh) -> str:
     return "R" + rest
 
 
+def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[dict], microbatches: int) -> list[dict]:
+    """Per stage, what its layers price (boundary programs and tied exchanges included):
+    per micro-batch ``forward_s`` (a third of the compute, backward ≈ 2 × forward FLOPs,
+    plus the forward-phase activation collectives) and ``backward_s``; per step
+    ``grad_sync_s`` and the stage's :class:`CostBreakdown` (memory from the stage's DP row
+    when present, else its layers')."""
+    out = []
+    for s in stages:
+        mine = [ly for ly in layers if ly.stage == int(s["index"])]
+        compute = sum(ly.compute_s for ly in mine)
+        colls = [c for ly in mine for c in ly.collectives]
+        act = [c for c in colls if c.purpose not in ONCE_PER_STEP]
+        memory = s.get("memory_bytes", sum(ly.memory_bytes for ly in mine))
+        out.append({
+            "forward_s": compute / 3 + sum(c.seconds for c in act if c.phase == "forward"),
+            "backward_s": 2 * compute / 3 + sum(c.seconds for c in act if c.phase != "forward"),
+            "grad_sync_s": sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP),
+            "cost": CostBreakdown.of(compute, colls, memory, microbatches).to_dict(),
+        })
+    return out
+
+
 def stage_durations(stages: Sequence[dict], resharding: Sequence[dict]) -> StageDurations:
-    """Simulator durations of a pipelined plan: each stage's per-micro-batch time without
-    its boundary estimate, split 1:2 between forward and backward (backward ≈ 2 × forward
-    FLOPs); each boundary's transfer is the sum of the solved resharding makespans of the
-    tensors entering the next stage (a skip edge from an earlier stage is charged to the
-    boundary just before its destination). Gradients move the same bytes back."""
+    """Simulator durations of a pipelined plan: each stage's priced forward and backward
+    per micro-batch (:func:`stage_costs`); each boundary's transfers are the solved
+    resharding makespans of the tensors entering the next stage, forward (``tasks``) and
+    backward (``backward_tasks``); a skip edge from an earlier stage is charged to the
+    boundary just before its destination."""
     S = len(stages)
-    own = [s["time_s"] - s["boundary_time_s"] for s in stages]
-    transfer = [0.0] * (S - 1)
+    forward, backward = [0.0] * (S - 1), [0.0] * (S - 1)
     for r in resharding:
-        transfer[r["dst_stage"] - 1] += r["makespan_s"]
-    return StageDurations.make(S, [t / 3 for t in own], [2 * t / 3 for t in own],
-                               activation_transfer=transfer)
+        forward[r["dst_stage"] - 1] += r["makespan_s"]
+        backward[r["dst_stage"] - 1] += r["backward_makespan_s"]
+    return StageDurations.make(S, [s["forward_s"] for s in stages], [s["backward_s"] for s in stages],
+                               activation_transfer=forward, gradient_transfer=backward)
 
 
 def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
@@ -243,10 +271,9 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     stage_of: dict[str, int] = {}
     out_layout: dict[str, Layout] = {}
     in_layouts: dict[tuple[str, str], Layout] = {}
-    per_stage: list[CostBreakdown] = []
     status, gaps = "optimal", []
     for i, st in enumerate(dp.stages):
-        gp, res, stage_layers, cost = solver.solve(st.start, st.end, st.submesh)  # type: ignore[misc]
+        _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh)  # type: ignore[misc]
         names = solver.names(st.start, st.end)
         rename = dict(zip((ly.name for ly in stage_layers), names, strict=True))
         for ly in stage_layers:
@@ -256,10 +283,6 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
             for src, lay in zip(graph[name].inputs, ly.inputs, strict=True):
                 in_layouts[(src, name)] = lay
             layers.append(_renamed(ly, name, i))
-        m = pipe.microbatches
-        per_stage.append(CostBreakdown(m * cost.compute_s, m * cost.activation_comm_s,
-                                       cost.grad_sync_s, m * cost.activation_comm_bytes,
-                                       cost.grad_sync_bytes, st.memory_bytes))
         if res.status != "optimal":
             status = "feasible" if res.status == "feasible" and status == "optimal" else res.status
         if res.gap:
@@ -271,15 +294,16 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
             "placement": str(st.placement),
             "layers": names,
             "layer_units": [st.start, st.end],
-            "time_s": st.time_s,
-            "boundary_time_s": st.boundary_time_s,
+            "dp_time_s": st.time_s,
+            "dp_boundary_time_s": st.boundary_time_s,
             "memory_bytes": st.memory_bytes,
             "inflight_microbatches": st.inflight_microbatches,
-            "grad_sync_s": cost.grad_sync_s,
             "solver": res.to_dict(),
         })
     resharding = _plan_resharding(config, graph, dp, stage_of, out_layout, in_layouts)
     layers = price_stage_boundaries(graph, layers, stages, resharding, cluster)
+    for s, priced in zip(stages, stage_costs(layers, stages, pipe.microbatches), strict=True):
+        s.update(priced)
     S = len(dp.stages)
     sched = make_schedule(pipe.schedule, S, pipe.microbatches)
     sim = simulate(sched, stage_durations(stages, resharding), overlap=pipe.overlap)
@@ -303,6 +327,7 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
         "message": f"{S} stages from {solver.solves} intra-op solves; each stage's ILP "
                    f"{status}; the stage DP is exact over its cost table",
     }
+    per_stage = [CostBreakdown.from_dict(s["cost"]) for s in stages]
     busiest = max(per_stage, key=lambda c: c.total_s)
     cost = CostBreakdown(busiest.compute_s, busiest.activation_comm_s, busiest.grad_sync_s,
                          busiest.activation_comm_bytes, busiest.grad_sync_bytes,
@@ -316,13 +341,14 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
 
 def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,
                stage: int, want: Layout) -> int | None:
-    """Which resharding entry brings ``tensor`` to ``consumer`` on ``stage``: the entry
-    naming that consumer, else one delivering the layout it wants, else any delivering the
-    tensor to that stage (entries are shared by consumers of one stage). ``entries`` are
-    ``(tensor, consumer, dst_stage, dst_layout)`` rows; one rule for planner and runtime."""
-    for rule in (lambda e: e[1] == consumer, lambda e: e[3] == want, lambda e: True):
+    """Which resharding entry brings ``tensor`` to ``consumer`` on ``stage`` in the layout
+    ``want`` it reads: the entry naming that consumer, else another delivering that layout
+    to that stage (entries are shared by consumers of one stage). ``entries`` are
+    ``(tensor, consumer, dst_stage, dst_layout)`` rows; one rule for planner and runtime.
+    No entry delivering another layout is accepted: its conversion would be unpriced."""
+    for rule in (lambda e: e[1] == consumer, lambda e: True):
         for i, e in enumerate(entries):
-            if e[0] == tensor and e[2] == stage and rule(e):
+            if e[0] == tensor and e[2] == stage and e[3] == want and rule(e):
                 return i
     return None
 
@@ -341,35 +367,25 @@ def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Seque
 
 def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequence[dict],
                            resharding: Sequence[dict], cluster: Cluster) -> list[LayerPlan]:
-    """Add to each layer the collectives the runtime issues at stage boundaries: the
-    producer's program to each entry's ``src_layout``, the consumer's program from the
-    entry's ``dst_layout`` to its input layout (forward and backward), and the tied-weight
-    exchange between stages. Stage ILPs see crossing tensors as free inputs."""
+    """Check that every edge crossing stages has a resharding entry delivering exactly the
+    layout its consumer reads (the stage's own export and import programs are already on
+    its layers, :mod:`ilp_planner.stage_boundary`), and add the one boundary cost no stage
+    ILP can see: the gradient exchange of a table tied across two stages."""
     by_name = {ly.name: ly for ly in layers}
     stage_of = {ly.name: ly.stage for ly in layers}
     rows = [(e["tensor"], e["consumer"], int(e["dst_stage"]), layout_from_dict(e["dst_layout"]))
             for e in resharding]
     extra: dict[str, list[Collective]] = {ly.name: [] for ly in layers}
-    for e in resharding:
-        src = e["tensor"]
-        red = plan_redistribution(by_name[src].output, layout_from_dict(e["src_layout"]),
-                                  graph[src].output, cluster)
-        extra[src] += red.forward + red.backward
     for op in graph.ops:
         if op.name not in by_name:
             continue
         ly = by_name[op.name]
-        grads = input_grad_layouts(op, ly.strategy, ly.inputs, ly.weight)
         for idx, src in enumerate(op.inputs):
             if graph[src].kind is OpKind.INPUT or stage_of[src] == ly.stage:
                 continue
-            k = find_entry(rows, src, op.name, ly.stage, ly.inputs[idx])
-            if k is None:
+            if find_entry(rows, src, op.name, ly.stage, ly.inputs[idx]) is None:
                 raise InfeasibleError(f"edge {src} -> {op.name} crosses stages without a "
-                                      f"resharding entry")
-            red = plan_redistribution(rows[k][3], ly.inputs[idx], graph[src].output, cluster,
-                                      grads[idx])
-            extra[op.name] += red.forward + red.backward
+                                      f"resharding entry delivering {ly.inputs[idx]}")
         emb = tied_source(graph, op) if op.attrs.get("tied") else None
         if emb is not None and stage_of[emb.name] != ly.stage:
             assert emb.weight is not None
@@ -403,11 +419,26 @@ def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:
     return dataclasses.replace(layer, name=name, stage=stage)
 
 
+def _task_rows(rp: ReshardingPlan) -> list[dict]:
+    """A solved resharding's unit tasks in their scheduled order, as the plan stores them."""
+    return [
+        {"slice": [list(r) for r in rp.tasks[t].region],
+         "sender": rp.transfers[t].sender_device,
+         "holders": list(rp.tasks[t].holders),
+         "receivers": list(rp.tasks[t].receivers),
+         "start_s": rp.transfers[t].start_s,
+         "bytes": rp.tasks[t].nbytes}
+        for t in rp.order
+    ]
+
+
 def _plan_resharding(config: Config, graph: Graph, dp, stage_of: dict[str, int],
                      out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout]
                      ) -> list[dict]:
     """Every tensor crossing stages, once per (tensor, destination stage, layout), with its
-    CP-SAT resharding schedule. A partial-sum output is reduced inside its stage first."""
+    CP-SAT resharding schedules: ``tasks`` forward, ``backward_tasks`` for its gradient
+    going back (from the devices that received it to those that sent it). A partial-sum
+    output is reduced inside its stage first."""
     out: list[dict] = []
     seen: set[tuple] = set()
     options = ReshardOptions(compare_strategies=False)
@@ -423,26 +454,22 @@ def _plan_resharding(config: Config, graph: Graph, dp, stage_of: dict[str, int],
         if key in seen:
             continue
         seen.add(key)
-        rp = plan_resharding(tensor, meshes[a], src_layout, meshes[b], dst_layout, config.cluster,
-                             options)
-        tasks = [
-            {"slice": [list(r) for r in rp.tasks[t].region],
-             "sender": rp.transfers[t].sender_device,
-             "holders": list(rp.tasks[t].holders),
-             "receivers": list(rp.tasks[t].receivers),
-             "start_s": rp.transfers[t].start_s,
-             "bytes": rp.tasks[t].nbytes}
-            for t in rp.order
-        ]
+        fwd = plan_resharding(tensor, meshes[a], src_layout, meshes[b], dst_layout, config.cluster,
+                              options)
+        bwd = plan_resharding(tensor, meshes[b], dst_layout, meshes[a], src_layout, config.cluster,
+                              options)
         out.append({
             "src_stage": a, "dst_stage": b, "tensor": src, "consumer": dst,
             "shape": list(tensor.shape), "dtype": tensor.dtype,
             "src_layout": layout_to_dict(src_layout, tensor.rank),
             "dst_layout": layout_to_dict(dst_layout, tensor.rank),
-            "src_spec": rp.src_spec, "dst_spec": rp.dst_spec,
-            "algorithm": rp.algorithm, "status": rp.status,
-            "makespan_s": rp.makespan_s, "lower_bound_s": rp.lower_bound_s,
-            "algorithms": {r.name: r.makespan_s for r in rp.runs},
-            "tasks": tasks,
+            "src_spec": fwd.src_spec, "dst_spec": fwd.dst_spec,
+            "algorithm": fwd.algorithm, "status": fwd.status,
+            "makespan_s": fwd.makespan_s, "lower_bound_s": fwd.lower_bound_s,
+            "algorithms": {r.name: r.makespan_s for r in fwd.runs},
+            "tasks": _task_rows(fwd),
+            "backward_makespan_s": bwd.makespan_s,
+            "backward_lower_bound_s": bwd.lower_bound_s,
+            "backward_tasks": _task_rows(bwd),
         })
     return out

@@ -19,7 +19,7 @@ from ilp_planner.errors import LayoutError, PlanFormatError
 from ilp_planner.layouts import Layout, parse_placement
 
 PLAN_SCHEMA = "ilp_planner.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost
 
 
 def layout_to_dict(layout: Layout, rank: int | None = None) -> dict:

@@ -24,6 +24,7 @@ from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.graph import OpKind
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
 from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.stage_boundary import StageBoundary, export_program, import_program
 from ilp_planner.strategies import tied_exchange_collectives, tied_source
 
 
@@ -45,10 +46,12 @@ def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
 
 
 def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,
-               graph=None, microbatches: int | None = None) -> tuple[GraphProblem, SolveResult]:
+               graph=None, microbatches: int | None = None,
+               boundary: StageBoundary | None = None) -> tuple[GraphProblem, SolveResult]:
     """Build and solve the intra-op problem of ``graph`` (default: the config's graph of
     one micro-batch, with gradient accumulation over ``pipeline.microbatches``) on an
-    ``nodes × local`` mesh. Raises :class:`InfeasibleError` naming the binding layer."""
+    ``nodes × local`` mesh; ``boundary`` when ``graph`` is a pipeline stage. Raises
+    :class:`InfeasibleError` naming the binding layer."""
     opts = config.solver
     t0 = time.perf_counter()
     if graph is None:
@@ -58,7 +61,8 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
         gp = build_problem(graph, config.cluster, nodes, local, config.memory,
                            tie_layers=opts.tie_layers,
                            max_weight_replication=opts.max_weight_replication,
-                           memory_budget=memory_budget, microbatches=microbatches or 1)
+                           memory_budget=memory_budget, microbatches=microbatches or 1,
+                           boundary=boundary)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     problem_s = time.perf_counter() - t0
@@ -76,7 +80,8 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     heuristic = SEARCHES[opts.fallback](problem, seed=opts.seed)
     warm, warm_method = (heuristic.choice, opts.fallback) if problem.feasible(heuristic.choice) \
         else (None, "")
-    tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches)
+    tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
+                            boundary)
     if tied is not None and problem.feasible(tied) and (
             warm is None or problem.objective(tied) < problem.objective(warm)):
         warm, warm_method = tied, "tied ILP"
@@ -101,8 +106,8 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
 
 
 def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: int,
-                     memory_budget: float | None, graph, microbatches: int | None
-                     ) -> tuple[int, ...] | None:
+                     memory_budget: float | None, graph, microbatches: int | None,
+                     boundary: StageBoundary | None) -> tuple[int, ...] | None:
     """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
     untied choice, since tying only restricts) as a warm start, in the pruned problem's
     indices. CBC alone can stall far above it on large untied models."""
@@ -110,7 +115,7 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
         return None
     tied_config = dataclasses.replace(
         config, solver=dataclasses.replace(config.solver, tie_layers=True))
-    tgp, tres = solve_mesh(tied_config, nodes, local, memory_budget, graph, microbatches)
+    tgp, tres = solve_mesh(tied_config, nodes, local, memory_budget, graph, microbatches, boundary)
     full = [tres.choice[tgp.group_of[group[0]]] for group in gp.groups]
     positions = [{int(k): i for i, k in enumerate(kept[g])} for g in range(len(kept))]
     if any(k not in positions[g] for g, k in enumerate(full)):
@@ -120,13 +125,13 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
 
 def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[LayerPlan], CostBreakdown]:
     """Per-layer plans and the cost breakdown of a choice: intra-op collectives of each op
-    plus the redistribution of every input into the layout its consumer needs."""
+    plus the redistribution of every input into the layout its consumer needs, and, for a
+    pipeline stage, its boundary programs (:mod:`ilp_planner.stage_boundary`)."""
     chosen = gp.node_choice(choice)
     graph = gp.graph
     layers: list[LayerPlan] = []
     all_colls: list[Collective] = []
     compute = memory = 0.0
-    input_layout: dict[str, object] = {}
     for op in graph.ops:
         if op.kind is OpKind.INPUT:
             continue
@@ -136,8 +141,11 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
         colls: list[Collective] = []
         for idx, src in enumerate(op.inputs):
             want = opt.inputs[pos][idx]
+            if src in gp.boundary.imported:
+                red = import_program(want, opt.grads[pos][idx], graph[src].output, gp.ctx.cluster)
+                colls += red.forward + red.backward
+                continue
             if graph[src].kind is OpKind.INPUT:
-                input_layout.setdefault(src, want)
                 continue
             if gp.owner[src] == node:
                 continue  # a follower reads its producer inside the node (resolve counted)
@@ -146,6 +154,9 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
                                       opt.grads[pos][idx])
             colls += red.forward + red.backward
         colls += opt.collectives[pos]
+        if op.name in gp.boundary.exported:
+            red = export_program(opt.outputs[pos], op.output, gp.ctx.cluster)
+            colls += red.forward + red.backward
         emb = tied_source(graph, op) if op.attrs.get("tied") else None
         if emb is not None and emb.name in gp.owner and pos == 0:
             colls += tied_exchange_collectives(chosen[gp.owner[emb.name]].base.weight,

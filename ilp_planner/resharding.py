@@ -76,7 +76,7 @@ from formulations.cross_mesh import (
     randomized_greedy,
     solve_all,
 )
-from ilp_planner.cluster import Cluster, Link, MeshAxis, SubMesh, axis_coordinates, fact_str
+from ilp_planner.cluster import Cluster, Link, MeshAxis, SubMesh, fact_str
 from ilp_planner.cost_model import CollectiveKind, collective_time
 from ilp_planner.errors import ConfigError, LayoutError, PlanFormatError
 from ilp_planner.graph import TensorSpec
@@ -212,22 +212,15 @@ def chunk_bounds(n: int, k: int, j: int) -> tuple[int, int]:
 
 
 def device_regions(tensor: TensorSpec, mesh: SubMesh, layout: Layout) -> dict[int, Region]:
-    """Global device id → the region of the tensor that device holds under ``layout``.
-    Mesh-ordered devices (host-major) get their axis coordinates from
-    :func:`~ilp_planner.cluster.axis_coordinates`; several axes splitting one dimension
-    combine major (lower axis) first."""
-    coords = axis_coordinates(layout.fact)
-    sizes = [a.size for a in layout.fact]
+    """Global device id → the region of the tensor that device holds under ``layout``:
+    :meth:`Layout.regions` (the runtime's nested ``torch.chunk`` geometry) of the
+    mesh-ordered (host-major) devices."""
+    blocks = layout.regions(tensor.shape)
     out: dict[int, Region] = {}
     for m in range(mesh.size):
         node, local = divmod(m, mesh.devices)
-        region = []
-        for dim, n in enumerate(tensor.shape):
-            idx, deg = 0, 1
-            for axis in layout.split_axes(dim):
-                idx, deg = idx * sizes[axis] + int(coords[m, axis]), deg * sizes[axis]
-            region.append(chunk_bounds(n, deg, idx))
-        out[(mesh.node0 + node) * mesh.devices_per_node + mesh.local0 + local] = tuple(region)
+        out[(mesh.node0 + node) * mesh.devices_per_node + mesh.local0 + local] = tuple(
+            (int(lo), int(hi)) for lo, hi in blocks[m])
     return out
 
 

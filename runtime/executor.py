@@ -24,15 +24,16 @@ Life of a run (:class:`Executor`):
    tied weights, and update the local blocks with SGD or Adam.
 
 Cross-mesh transfers (seed 003). Forward: the boundary tensor is brought (inside its source
-stage, by a lowered program) to the entry's ``src_layout``, then each unit task, in the
-plan's order, is one ``dist.broadcast`` from its sender within the group
+stage, by its export program, once per tensor) to the entries' ``src_layout``, then each
+unit task, in the plan's order, is one ``dist.broadcast`` from its sender within the group
 ``{sender} ∪ receivers``; receivers assemble their block of ``dst_layout`` as a leaf.
-Backward: each slice of the leaf's gradient is broadcast back from the task's first
-receiver to the holders, who assemble the gradient of their ``src_layout`` block and run
-autograd from there. Sends are asynchronous (waited at the end of the step) and receives
-block, so no schedule that respects its own dependencies can deadlock; forward and backward
-transfers use distinct groups because a 1F1B stage interleaves the two directions
-differently from its neighbour.
+Backward: the plan's ``backward_tasks`` (their own solved schedule) move the leaf's
+gradient the other way, from devices holding a slice of it to the devices of the source
+stage, who assemble the gradient of their ``src_layout`` block and run autograd from
+there. Sends are asynchronous (waited at the end of the step) and receives block, so no
+schedule that respects its own dependencies can deadlock; forward and backward transfers
+use distinct groups because a 1F1B stage interleaves the two directions differently from
+its neighbour.
 
 Tied weights (GPT's head uses the embedding table transposed): the head keeps its own copy
 in its planned layout, initialised identically; after gradient synchronisation both copies'
@@ -55,15 +56,17 @@ from ilp_planner.graph import Graph, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.pipeline_planner import find_entry
 from ilp_planner.plan import LayerPlan, Plan, layout_from_dict
+from ilp_planner.programs import edge_programs
 from ilp_planner.redistribution import Redistribution
+from ilp_planner.resharding import region_numel
 from ilp_planner.strategies import (
     StrategyContext,
     SyncBucket,
     grad_sync,
-    input_grad_layouts,
     is_summa,
     loss_axes,
     param_layouts,
+    resolve_partial,
     summa_programs,
     tied_exchange,
     tied_source,
@@ -95,17 +98,14 @@ class Task:
     receivers: tuple[int, ...]
 
     @property
-    def fwd_group(self) -> tuple[int, ...]:
+    def group(self) -> tuple[int, ...]:
         return tuple(sorted({self.sender, *self.receivers}))
-
-    @property
-    def bwd_group(self) -> tuple[int, ...]:
-        return tuple(sorted({self.receivers[0], *self.holders}))
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One resharding entry of the plan: a tensor moving between two stages."""
+    """One resharding entry of the plan: a tensor moving between two stages, forward
+    (``tasks``, source stage → destination) and its gradient back (``backward_tasks``)."""
 
     index: int
     src_stage: int
@@ -116,6 +116,7 @@ class Entry:
     src_layout: Layout
     dst_layout: Layout
     tasks: tuple[Task, ...]
+    backward_tasks: tuple[Task, ...]
 
 
 @dataclass
@@ -243,6 +244,9 @@ class Executor:
                                   f"outside 0..{self.world - 1}")
         for s in out:
             for n in s.layers:
+                if self.layers[n].stage != s.index:
+                    raise PlanFormatError(f"layer {n!r} says stage {self.layers[n].stage} but is "
+                                          f"listed in stage {s.index}")
                 lay = self.layers[n].output
                 if lay.num_devices != len(s.devices):
                     raise PlanFormatError(f"layer {n!r} is laid out on {lay.num_devices} devices, "
@@ -253,12 +257,10 @@ class Executor:
         out = []
         for i, e in enumerate(self.plan.resharding):
             try:
-                tasks = tuple(Task(tuple((int(a), int(b)) for a, b in t["slice"]), int(t["sender"]),
-                                   tuple(int(h) for h in t["holders"]),
-                                   tuple(int(r) for r in t["receivers"])) for t in e["tasks"])
                 ent = Entry(i, int(e["src_stage"]), int(e["dst_stage"]), e["tensor"], e["consumer"],
                             tuple(int(x) for x in e["shape"]), layout_from_dict(e["src_layout"]),
-                            layout_from_dict(e["dst_layout"]), tasks)
+                            layout_from_dict(e["dst_layout"]), _tasks(e["tasks"]),
+                            _tasks(e["backward_tasks"]))
             except (KeyError, TypeError, ValueError, LayoutError) as exc:
                 raise PlanFormatError(f"plan {self.plan.name!r}: resharding entry {i} is malformed "
                                       f"({type(exc).__name__}: {exc})") from exc
@@ -279,26 +281,16 @@ class Executor:
                                   f"stage lists")
         if e.src_layout.has_partial or e.dst_layout.has_partial:
             raise RuntimeSetupError(f"{where}: cross-mesh layouts must be free of partial sums")
+        sent = resolve_partial(self.layers[e.tensor].output, spec)
+        if e.src_layout != sent:
+            raise PlanFormatError(f"{where}: sends from {e.src_layout}, but the producer's export "
+                                  f"program (priced) yields {sent}")
         src_dev = self.stages[e.src_stage].devices
         dst_dev = self.stages[e.dst_stage].devices
         src_reg = dict(zip(src_dev, device_regions(e.src_layout, e.shape), strict=True))
         dst_reg = dict(zip(dst_dev, device_regions(e.dst_layout, e.shape), strict=True))
-        covered = dict.fromkeys(dst_dev, 0)
-        for k, t in enumerate(e.tasks):
-            if t.sender not in t.holders or not t.receivers:
-                raise PlanFormatError(f"{where}: task {k} sender {t.sender} is not a holder, or no "
-                                      f"receivers")
-            for h in t.holders:
-                if h not in src_reg or not _inside(t.region, src_reg[h]):
-                    raise PlanFormatError(f"{where}: task {k} slice {t.region} is not held by {h}")
-            for r in t.receivers:
-                if r not in dst_reg or not _inside(t.region, dst_reg[r]):
-                    raise PlanFormatError(f"{where}: task {k} slice {t.region} not needed by {r}")
-                covered[r] += _numel(t.region)
-        for r, n in covered.items():
-            if n != _numel(dst_reg[r]):
-                raise PlanFormatError(f"{where}: device {r} receives {n} of the {_numel(dst_reg[r])} "
-                                      f"elements of its shard")
+        _check_tasks(f"{where}, forward", e.tasks, src_reg, dst_reg)
+        _check_tasks(f"{where}, backward", e.backward_tasks, dst_reg, src_reg)
 
     def _actions(self) -> dict[int, list[tuple[str, int]]]:
         """Parse, validate (complete, locally ordered, deadlock-free — the lead's
@@ -340,31 +332,29 @@ class Executor:
         reg = self.registry
         g = self.graph
         self.edges: dict[tuple[str, int], Redistribution] = {}
-        self.out_edges: dict[int, Redistribution] = {}
+        self.exports: dict[str, Redistribution] = {}  # exported tensor -> export program
+        for ep in edge_programs(self.plan, g):  # the programs explain prints, the plan priced
+            if ep.role == "export":
+                self.exports[ep.producer] = ep.program
+            else:
+                self.edges[(ep.consumer, ep.index)] = ep.program
         self.buckets: dict[str, tuple[SyncBucket, ...]] = {}
         for s in self.stages:
             comm = self.comms[s.index]
             for name in s.layers:
                 op, lp = g[name], self.layers[name]
                 reg.need_mesh(s.devices, lp.output.fact)
-                grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
                 for idx, src in enumerate(op.inputs):
                     want = lp.inputs[idx]
                     reg.need_mesh(s.devices, want.fact)
-                    spec = g[src].output
                     if g[src].kind is OpKind.INPUT:
                         if want.has_partial:
                             raise RuntimeSetupError(f"layer {name!r} wants its input {src!r} as "
                                                     f"partial sums {want}")
                         continue
-                    if self.stage_of[src] == s.index:
-                        have = self.layers[src].output
-                    else:
-                        e = self._entry(src, name, s.index, want)
-                        have = e.dst_layout
-                    red = comm.program(have, want, spec, grads[idx])
-                    comm.register(red)
-                    self.edges[(name, idx)] = red
+                    if self.stage_of[src] != s.index:  # an entry delivers exactly ``want``
+                        self._entry(src, name, s.index, want)
+                    comm.register(self.edges[(name, idx)])
                 if op.kind is OpKind.LINEAR and is_summa(lp.strategy):
                     assert op.weight is not None
                     for red in summa_programs(lp.output.fact, g[op.inputs[0]].output, op.weight,
@@ -388,15 +378,13 @@ class Executor:
                     self.tied[name] = src_op.name
         for e in self.entries:
             src = self.stages[e.src_stage]
-            red = self.comms[e.src_stage].program(self.layers[e.tensor].output, e.src_layout,
-                                                  g[e.tensor].output)
-            self.comms[e.src_stage].register(red)
-            self.out_edges[e.index] = red
+            self.comms[e.src_stage].register(self.exports[e.tensor])
             reg.need_mesh(src.devices, e.src_layout.fact)
             reg.need_mesh(self.stages[e.dst_stage].devices, e.dst_layout.fact)
             for t in e.tasks:
-                reg.need_group(("fwd", t.fwd_group), t.fwd_group)
-                reg.need_group(("bwd", t.bwd_group), t.bwd_group)
+                reg.need_group(("fwd", t.group), t.group)
+            for t in e.backward_tasks:
+                reg.need_group(("bwd", t.group), t.group)
         self.tied_programs: dict[str, tuple[Redistribution, ...]] = {}
         for head, emb in self.tied.items():
             a, b = self.stage_of[emb], self.stage_of[head]
@@ -512,8 +500,9 @@ class Executor:
             vals[name] = OPS[op.kind](self.ctx, op, lp, xs, params, data)
             if op.kind is OpKind.LOSS:
                 loss = vals[name]
-        st["out"] = {e.index: comm.edge(vals[e.tensor], self.out_edges[e.index], "activation", "send")
-                     for e in self.entries if e.src_stage == s.index}
+        sent = {name: comm.edge(vals[name], red, "activation", "send")
+                for name, red in self.exports.items() if self.stage_of[name] == s.index}
+        st["out"] = {e.index: sent[e.tensor] for e in self.entries if e.src_stage == s.index}
         st["loss"] = loss
 
     def send_forward(self, mb: int) -> None:
@@ -566,32 +555,38 @@ class Executor:
     def _rel(self, task_region, mine) -> tuple[slice, ...]:
         return tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(task_region, mine, strict=True))
 
-    def _send_forward(self, e: Entry, v: LVal) -> None:
-        devices = self.stages[e.src_stage].devices
-        mine = self._region(e.src_layout, e.shape, devices)
-        local = v.t.detach()
-        for t in e.tasks:
+    def _send(self, tasks: tuple[Task, ...], local: torch.Tensor, mine, direction: str,
+              tensor: str) -> None:
+        """Post (asynchronously) every task this rank sends, a slice of its block ``local``
+        (whose region is ``mine``); waited at the end of the step."""
+        for t in tasks:
             if t.sender == self.rank:
                 buf = local[self._rel(t.region, mine)].contiguous()
-                with tagged("forward", "resharding", e.tensor):
-                    work = dist.broadcast(buf, src=t.sender,
-                                          group=self.registry.group(("fwd", t.fwd_group)), async_op=True)
+                with tagged(direction, "resharding", tensor):
+                    work = dist.broadcast(buf, src=t.sender, async_op=True,
+                                          group=self.registry.group((_GROUP_TAG[direction], t.group)))
                 self.pending.append((work, buf))
 
-    def _recv_forward(self, e: Entry) -> LVal:
-        devices = self.stages[e.dst_stage].devices
-        mine = self._region(e.dst_layout, e.shape, devices)
-        local = torch.empty([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
+    def _post_receives(self, tasks: tuple[Task, ...], direction: str, tensor: str) -> list:
         posted = []
+        for t in tasks:
+            if self.rank in t.receivers:
+                buf = torch.empty([b - a for a, b in t.region], device=self.device, dtype=model.DTYPE)
+                with tagged(direction, "resharding", tensor):
+                    work = dist.broadcast(buf, src=t.sender, async_op=True,
+                                          group=self.registry.group((_GROUP_TAG[direction], t.group)))
+                posted.append((t, buf, work))
+        return posted
+
+    def _send_forward(self, e: Entry, v: LVal) -> None:
+        mine = self._region(e.src_layout, e.shape, self.stages[e.src_stage].devices)
+        self._send(e.tasks, v.t.detach(), mine, "forward", e.tensor)
+
+    def _recv_forward(self, e: Entry) -> LVal:
+        mine = self._region(e.dst_layout, e.shape, self.stages[e.dst_stage].devices)
+        local = torch.empty([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
         with timed(self.recorder):  # receives block: their time is the transfer's
-            for t in e.tasks:
-                if self.rank in t.receivers:
-                    buf = torch.empty([b - a for a, b in t.region], device=self.device,
-                                      dtype=model.DTYPE)
-                    with tagged("forward", "resharding", e.tensor):
-                        work = dist.broadcast(buf, src=t.sender, async_op=True,
-                                              group=self.registry.group(("fwd", t.fwd_group)))
-                    posted.append((t, buf, work))
+            posted = self._post_receives(e.tasks, "forward", e.tensor)
             for _, _, work in posted:
                 work.wait()
         for t, buf, _ in posted:
@@ -603,13 +598,7 @@ class Executor:
         if g is None:
             g = torch.zeros_like(leaf.t)
         mine = self._region(e.dst_layout, e.shape, self.stages[e.dst_stage].devices)
-        for t in e.tasks:
-            if t.receivers[0] == self.rank:
-                buf = g[self._rel(t.region, mine)].contiguous()
-                with tagged("backward", "resharding", e.tensor):
-                    work = dist.broadcast(buf, src=self.rank,
-                                          group=self.registry.group(("bwd", t.bwd_group)), async_op=True)
-                self.pending.append((work, buf))
+        self._send(e.backward_tasks, g, mine, "backward", e.tensor)
 
     def _recv_backward(self, sent: dict[int, LVal]) -> dict[int, torch.Tensor]:
         """Post every receive of the gradients of ``sent`` entries, then wait for them."""
@@ -620,17 +609,9 @@ class Executor:
         for idx in sent:
             e = self.entries[idx]
             mine = self._region(e.src_layout, e.shape, self.stages[e.src_stage].devices)
-            local = torch.zeros([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
-            for t in e.tasks:
-                if self.rank in t.holders:
-                    buf = torch.empty([b - a for a, b in t.region], device=self.device,
-                                      dtype=model.DTYPE)
-                    with tagged("backward", "resharding", e.tensor):
-                        work = dist.broadcast(buf, src=t.receivers[0],
-                                              group=self.registry.group(("bwd", t.bwd_group)),
-                                              async_op=True)
-                    posted.append((idx, t, buf, work, mine))
-            out[idx] = local
+            out[idx] = torch.zeros([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
+            posted += [(idx, t, buf, work, mine)
+                       for t, buf, work in self._post_receives(e.backward_tasks, "backward", e.tensor)]
         for _, _, _, work, _ in posted:
             work.wait()
         received = self.recorder.events[first:]
@@ -733,12 +714,37 @@ class Executor:
         return out
 
 
+_GROUP_TAG = {"forward": "fwd", "backward": "bwd"}  # transfer groups, one set per direction
+
+
+def _tasks(rows) -> tuple[Task, ...]:
+    return tuple(Task(tuple((int(a), int(b)) for a, b in t["slice"]), int(t["sender"]),
+                      tuple(int(h) for h in t["holders"]), tuple(int(r) for r in t["receivers"]))
+                 for t in rows)
+
+
+def _check_tasks(where: str, tasks: tuple[Task, ...], have: dict, need: dict) -> None:
+    """Every task's sender holds its slice (in ``have``: device → region), every receiver
+    needs it, and every needing device receives exactly its whole region."""
+    covered = dict.fromkeys(need, 0)
+    for k, t in enumerate(tasks):
+        if t.sender not in t.holders or not t.receivers:
+            raise PlanFormatError(f"{where}: task {k} sender {t.sender} is not a holder, or no "
+                                  f"receivers")
+        for h in t.holders:
+            if h not in have or not _inside(t.region, have[h]):
+                raise PlanFormatError(f"{where}: task {k} slice {t.region} is not held by {h}")
+        for r in t.receivers:
+            if r not in need or not _inside(t.region, need[r]):
+                raise PlanFormatError(f"{where}: task {k} slice {t.region} not needed by {r}")
+            covered[r] += region_numel(t.region)
+    for r, n in covered.items():
+        if n != region_numel(need[r]):
+            raise PlanFormatError(f"{where}: device {r} receives {n} of the {region_numel(need[r])} "
+                                  f"elements of its shard")
+
+
 def _inside(inner, outer) -> bool:
     return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(inner, outer, strict=True))
 
 
-def _numel(region) -> int:
-    n = 1
-    for a, b in region:
-        n *= b - a
-    return n

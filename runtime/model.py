@@ -73,6 +73,12 @@ def check_supported(graph: Graph) -> None:
             raise RuntimeSetupError(
                 f"op {op.name!r} is a {op.kind.value}; the runtime executes "
                 f"{sorted(k.value for k in SUPPORTED_KINDS)}")
+    for op in graph.ops:
+        if op.output.dtype not in ("float32", "int64", "int32"):
+            raise RuntimeSetupError(
+                f"op {op.name!r} is {op.output.dtype}; the runtime computes and communicates in "
+                f"float32, so a plan priced in {op.output.dtype} would not be the program it runs "
+                f"(set model.dtype: float32)")
         if op.kind is OpKind.LOSS and graph[op.inputs[0]].output.rank != 2:
             raise RuntimeSetupError(f"loss {op.name!r} needs a 2-D (rows, classes) input")
         if op.kind is OpKind.LINEAR and op.attrs.get("tied"):

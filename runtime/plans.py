@@ -14,13 +14,13 @@
   (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
 * :func:`pipelined_plan` — a hand-built pipelined plan: the devices cut into equal
   contiguous stages, the layers cut into consecutive stages, each stage's layouts the
-  intra-op optimum on its sub-mesh, a resharding entry for every edge crossing stages, and
-  the schedule's action lists — the format the lead's pipelined planner emits.
+  intra-op optimum on its sub-mesh, a resharding entry (forward and backward unit tasks)
+  for every edge crossing stages, and the schedule's action lists — the format the
+  pipelined planner emits.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -28,15 +28,16 @@ from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import build_problem
 from formulations.schedules import make_schedule
 from ilp_planner.baselines import restrict
-from ilp_planner.cluster import axis_coordinates
 from ilp_planner.config import Config
 from ilp_planner.errors import ConfigError, InfeasibleError, LayoutError
 from ilp_planner.graph import Op, OpKind
 from ilp_planner.layouts import Layout
-from ilp_planner.pipeline_planner import price_stage_boundaries
+from ilp_planner.pipeline_planner import price_stage_boundaries, stage_costs
 from ilp_planner.plan import CostBreakdown, Plan, layout_to_dict
 from ilp_planner.planner import realise
 from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.resharding import region_numel
+from ilp_planner.stage_boundary import export_program, import_program
 from ilp_planner.strategies import Strategy, input_grad_layouts, resolve_partial, tied_source
 
 Region = tuple[tuple[int, int], ...]
@@ -47,36 +48,16 @@ Filter = Callable[[Op, Strategy], bool]
 
 
 def device_regions(layout: Layout, shape: Sequence[int]) -> list[Region]:
-    """``[lo, hi)`` per dim of the block device ``i`` (mesh order) holds. Splits must be
-    even (the runtime's requirement); several axes splitting one dim nest major-first."""
+    """``[lo, hi)`` per dim of the block device ``i`` (mesh order) holds
+    (:meth:`Layout.regions`); a layout with partial sums holds no block."""
     if layout.has_partial:
         raise LayoutError(f"layout {layout} has partial sums: its devices hold no block")
-    coords = axis_coordinates(layout.fact)
-    chunk = []
-    for d, n in enumerate(shape):
-        k = layout.split_degree(d)
-        if n % k:
-            raise LayoutError(f"dim {d} of size {n} does not split evenly {k} ways in {layout}")
-        chunk.append(n // k)
-    out = []
-    for i in range(coords.shape[0]):
-        region = []
-        for d in range(len(shape)):
-            b = 0
-            for a in layout.split_axes(d):
-                b = b * layout.fact[a].size + int(coords[i, a])
-            region.append((b * chunk[d], (b + 1) * chunk[d]))
-        out.append(tuple(region))
-    return out
+    return [tuple((int(lo), int(hi)) for lo, hi in dev) for dev in layout.regions(tuple(shape))]
 
 
 def intersect(a: Region, b: Region) -> Region | None:
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
     return None if any(lo >= hi for lo, hi in out) else out
-
-
-def _numel(r: Region) -> int:
-    return math.prod(hi - lo for lo, hi in r)
 
 
 def unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout, src_devices: Sequence[int],
@@ -101,7 +82,7 @@ def unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout, src_devi
             piece = intersect(sreg, dreg)
             if piece is None:
                 continue
-            nbytes = _numel(piece) * itemsize
+            nbytes = region_numel(piece) * itemsize
             sender = min(holders, key=lambda h: (sent[h], holders.index(h)))
             sent[sender] += nbytes
             start = max([send_free[sender]] + [recv_free[r] for r in receivers])
@@ -183,14 +164,16 @@ def _stage_shape(nodes: int, local: int, stages: int) -> tuple[int, int]:
     raise ConfigError(f"cannot cut a {nodes}x{local} cluster into {stages} equal stage meshes")
 
 
-def _without_crossing_edges(graph, gp, lp, outputs: dict[str, Layout],
-                            stage_of: dict[str, int]) -> tuple:
-    """A layer's collectives less what :func:`realise` priced on one mesh for what now crosses
-    stages: edge programs of inputs from another stage (they arrive by cross-mesh
-    resharding) and a tied-weight exchange whose partner is on another stage. The runtime's
-    versions are added by :func:`price_stage_boundaries`."""
+def _at_stage_boundaries(graph, gp, lp, outputs: dict[str, Layout], stage_of: dict[str, int]) -> tuple:
+    """A layer's collectives once the single-mesh plan is cut into stages: the edge
+    programs of inputs from another stage (they arrive by cross-mesh resharding, exactly in
+    the layout the layer reads) replaced by their import programs, the export program added
+    where a later stage reads the output (:mod:`ilp_planner.stage_boundary`), and a tied
+    exchange whose partner is on another stage dropped (:func:`price_stage_boundaries` adds
+    the cross-stage one)."""
     colls = list(lp.collectives)
     op = graph[lp.name]
+    cluster = gp.ctx.cluster
     emb = tied_source(graph, op) if op.attrs.get("tied") else None
     if emb is not None and stage_of[emb.name] != stage_of[lp.name]:  # exchanged across stages
         colls = [c for c in colls if c.purpose != "tied_weight"]
@@ -199,10 +182,15 @@ def _without_crossing_edges(graph, gp, lp, outputs: dict[str, Layout],
         if (graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[lp.name]
                 or gp.owner[src] == gp.owner[lp.name]):  # a follower's input is priced inside
             continue
-        red = plan_redistribution(outputs[src], lp.inputs[idx], graph[src].output, gp.ctx.cluster,
-                                  grads[idx])
+        tensor = graph[src].output
+        red = plan_redistribution(outputs[src], lp.inputs[idx], tensor, cluster, grads[idx])
         for c in red.forward + red.backward:
             colls.remove(c)
+        imp = import_program(lp.inputs[idx], grads[idx], tensor, cluster)
+        colls += imp.forward + imp.backward
+    if any(stage_of[c] > stage_of[lp.name] for c in graph.consumers(lp.name)):
+        exp = export_program(lp.output, op.output, cluster)
+        colls += exp.forward + exp.backward
     return tuple(colls)
 
 
@@ -239,7 +227,7 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
             s += 1
     outputs = {lp.name: lp.output for lp in layers}
     layers = [replace(lp, stage=stage_of[lp.name],
-                      collectives=_without_crossing_edges(graph, gp, lp, outputs, stage_of))
+                      collectives=_at_stage_boundaries(graph, gp, lp, outputs, stage_of))
               for lp in layers]
     devices = [list(range(i * per_stage, (i + 1) * per_stage)) for i in range(stages)]
     stage_list = [{"index": i, "devices": devices[i], "mesh": [n_s, d_s],
@@ -262,9 +250,13 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                 "src_layout": layout_to_dict(src_layout), "dst_layout": layout_to_dict(dst_layout),
                 "tasks": unit_tasks(tensor.shape, tensor.itemsize, src_layout, devices[a],
                                     dst_layout, devices[b]),
+                "backward_tasks": unit_tasks(tensor.shape, tensor.itemsize, dst_layout, devices[b],
+                                             src_layout, devices[a]),
             })
     sched = {"name": schedule, "num_microbatches": microbatches,
              "actions": schedule_actions(schedule, stages, microbatches)}
     layers = price_stage_boundaries(graph, layers, stage_list, resharding, c)
+    for st, priced in zip(stage_list, stage_costs(layers, stage_list, microbatches), strict=True):
+        st.update(priced)
     return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
                 CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)

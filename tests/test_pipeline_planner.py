@@ -185,3 +185,86 @@ def test_simulate_verb_rejects_a_single_mesh_plan(tmp_path, capsys):
     solve(load_config(TINY), baselines=False).save(path)
     assert main(["simulate", str(path)]) == 2
     assert "no pipeline stages" in capsys.readouterr().err
+
+
+# -- stage boundaries: priced by the stage ILP, listed on the layers, tasks both ways ----------
+
+
+def test_stage_ilp_prices_its_boundary_programs_exactly():
+    """A stage's own export (partial sums resolved before sending) and import (the
+    consumer's gradient reduced before it goes back) programs, and the input backward an
+    imported tensor now needs (autograd reaches it), are in its ILP costs: for every
+    choice, objective(with boundary) − objective(without) is the seconds of exactly the
+    collectives realise() lists on top, and those include every boundary program."""
+    from collections import Counter
+
+    from formulations.sbp_problem import build_problem
+    from ilp_planner.cost_model import MemorySpec
+    from ilp_planner.planner import realise
+    from ilp_planner.stage_boundary import export_program, import_program, stage_boundary
+    from ilp_planner.strategies import input_grad_layouts
+
+    config = load_config(TINY)
+    g = mlp([64, 64, 64, 64, 64], 16)
+    units = layer_units(g)
+    names = [n for u in units[1:3] for n in u]
+    sub = subgraph(g, names)
+    boundary = stage_boundary(g, names)
+    assert boundary.imported and boundary.exported
+    args = (sub, config.cluster, 1, 4, MemorySpec.preset("adam"))
+    plain = build_problem(*args, tie_layers=False)
+    priced = build_problem(*args, tie_layers=False, boundary=boundary)
+    rng = np.random.default_rng(0)
+    extras = []
+    for _ in range(20):
+        choice = [int(rng.integers(len(c))) for c in priced.problem.cost]
+        layers, _ = realise(priced, choice)
+        programs = Counter()
+        for ly in layers:
+            op = sub[ly.name]
+            grads = input_grad_layouts(op, ly.strategy, ly.inputs, ly.weight)
+            for idx, src in enumerate(op.inputs):
+                if src in boundary.imported:
+                    red = import_program(ly.inputs[idx], grads[idx], sub[src].output, config.cluster)
+                    programs.update(red.forward + red.backward)
+            if ly.name in boundary.exported:
+                red = export_program(ly.output, op.output, config.cluster)
+                programs.update(red.forward + red.backward)
+        added = Counter(c for ly in layers for c in ly.collectives)
+        added.subtract(Counter(c for ly in realise(plain, choice)[0] for c in ly.collectives))
+        assert all(n >= 0 for n in added.values())
+        assert not programs - added
+        extra = priced.problem.objective(choice) - plain.problem.objective(choice)
+        assert extra == pytest.approx(sum(c.seconds * n for c, n in added.items()), rel=1e-9,
+                                      abs=1e-15)
+        extras.append(sum(c.seconds * n for c, n in programs.items()))
+    assert max(extras) > 0  # some choices do pay at the boundary (e.g. a partial gradient)
+
+
+def test_stage_costs_are_the_layers_own_and_gradients_have_their_own_tasks(tiny_plan):
+    from ilp_planner.pipeline_planner import stage_costs
+    from runtime.plans import device_regions
+
+    m = tiny_plan.schedule["num_microbatches"]
+    for st, again in zip(tiny_plan.stages, stage_costs(tiny_plan.layers, tiny_plan.stages, m),
+                         strict=True):
+        assert st["cost"] == again["cost"] and st["forward_s"] == again["forward_s"]
+    durations = stage_durations(tiny_plan.stages, tiny_plan.resharding)
+    assert sum(durations.gradient_transfer) == pytest.approx(
+        sum(r["backward_makespan_s"] for r in tiny_plan.resharding))
+    for r in tiny_plan.resharding:
+        shape = r["shape"]
+        src = dict(zip(tiny_plan.stages[r["src_stage"]]["devices"],
+                       device_regions(layout_from_dict(r["src_layout"]), shape), strict=True))
+        dst = dict(zip(tiny_plan.stages[r["dst_stage"]]["devices"],
+                       device_regions(layout_from_dict(r["dst_layout"]), shape), strict=True))
+        got = dict.fromkeys(src, 0)
+        for t in r["backward_tasks"]:  # gradients: from devices holding the received block
+            sl = [tuple(x) for x in t["slice"]]
+            assert t["sender"] in t["holders"] and set(t["holders"]) <= set(dst)
+            assert all(all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(sl, dst[h], strict=True))
+                       for h in t["holders"])
+            for d in t["receivers"]:
+                got[d] += int(np.prod([b - a for a, b in sl]))
+        assert got == {d: int(np.prod([b - a for a, b in reg])) for d, reg in src.items()}
+        assert r["backward_makespan_s"] >= r["backward_lower_bound_s"] - 1e-12

@@ -234,7 +234,7 @@ COST_KEYS = {"total_s", "compute_s", "comm_s", "activation_comm_bytes", "grad_sy
 
 def test_plan_json_fields(plans):
     d = json.loads(json.dumps(plans["tiny-gpt-cpu"].to_dict()))
-    assert d["version"] == 1
+    assert d["version"] == 2
     assert {"status", "objective", "bound", "gap", "build_s", "solve_s"} <= set(d["solver"])
     assert COST_KEYS <= set(d["cost"])
     assert math.isclose(d["cost"]["total_s"], d["cost"]["compute_s"] + d["cost"]["comm_s"])

@@ -1,0 +1,45 @@
+"""Every shipped config solved with its baselines, side by side in one run: the plan's step
+time, each baseline's ratio (baseline time / plan time, > 1 means the plan is faster), the
+solver status and the wall time of the solve. All figures come from the lowered programs
+(what the runtime executes), so these are the honest-price ratios.
+
+Run: python benchmarks/shipped_configs.py
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ilp_planner.explain import step_seconds
+from ilp_planner.planner import solve
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+BASELINES = ("ilp_single_mesh", "data_parallel", "megatron", "summa")
+
+
+def main() -> None:
+    head = f"{'config':<26}{'stages':>7}{'step s':>11}" + "".join(f"{b:>17}" for b in BASELINES) \
+        + f"{'status':>10}{'solve s':>9}"
+    print(head)
+    print("-" * len(head))
+    for path in CONFIGS:
+        t0 = time.perf_counter()
+        plan = solve(path)
+        wall = time.perf_counter() - t0
+        mine = step_seconds(plan)
+        cells = []
+        for family in BASELINES:
+            hits = [(k, v) for k, v in plan.baselines.items() if k.split("(", 1)[0] == family]
+            if not hits:
+                cells.append("—")
+                continue
+            k, v = hits[0]
+            cells.append("n/a" if "error" in v else f"{v['total_s'] / mine:.2f}×")
+        print(f"{path.stem:<26}{max(1, len(plan.stages)):>7}{mine:>11.4g}"
+              + "".join(f"{c:>17}" for c in cells)
+              + f"{plan.solver.get('status', '?'):>10}{wall:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
