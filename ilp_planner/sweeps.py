@@ -369,9 +369,10 @@ def solve_point(task: PointTask) -> PointOutcome:
         config = parse_config(apply_overrides(task.base, overrides), task.base_source)
         plan = solve(config, baselines=task.baselines)
         deadline.disarm()
-        plan_json = plan.to_json()
+        text = plan.to_json()
         row.update(plan_row(plan))
         row["plan"] = task.plan_rel
+        plan_json = text  # only once the row is complete: a row naming a plan comes with it
     except PointTimeout as exc:
         row.update(status="timeout", error=str(exc))
     except ConfigError as exc:
