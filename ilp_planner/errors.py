@@ -34,3 +34,8 @@ class InfeasibleError(PlannerError):
 
 class PlanFormatError(PlannerError):
     """A plan file is corrupt, foreign or of an unsupported schema version."""
+
+
+class BackendError(PlannerError):
+    """A sweep backend cannot run: its optional package is missing, or the cluster it was
+    pointed at cannot be reached."""

@@ -199,8 +199,12 @@ class Plan:
         except (KeyError, TypeError, ValueError, LayoutError) as exc:
             raise PlanFormatError(f"{source}: corrupt plan ({type(exc).__name__}: {exc})") from exc
 
+    def to_json(self) -> str:
+        """The plan file's text (what :meth:`save` writes and :meth:`load` reads)."""
+        return json.dumps(self.to_dict(), indent=1)
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

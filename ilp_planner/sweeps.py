@@ -13,6 +13,7 @@ A sweep file names a base configuration and the dotted keys to vary::
     solve:                             # optional
       baselines: true                  # price the baselines (the ratio_* columns need them)
       timeout_s: null                  # wall-clock limit per point; over it the point fails
+      memory_gib: null                 # memory a point reserves on a Ray cluster (ray backend)
     plot:                              # optional: one mapping or a list of them
       metric: step_s                   # a numeric result column (see METRICS, or ratio_<baseline>)
       x: cluster.nodes                 # a swept key
@@ -30,13 +31,16 @@ file and ``grid.model.layerz``. Values are checked per point: a bad value (``lay
 an infeasible point (the memory lower bound above the budget), a time-out or any other
 failure is recorded in that point's row (``status`` + ``error``) and the sweep goes on.
 
-Execution. Points are solved in worker processes (``concurrent.futures`` with the *spawn*
-start method, so no solver state is inherited through fork; the worker entry point
-:func:`solve_point` is a top-level function of plain data). Each worker writes its point's
-plan file itself and returns one result row. Solving is deterministic (CBC with one thread
-and a fixed seed, seeded warm starts), so results from workers equal a serial run's except
-for the timing columns. A progress bar on stderr shows done / total, failures, elapsed
-time and ETA = elapsed / solved_this_run × remaining.
+Execution. A backend (:mod:`ilp_planner.sweep_backends`) runs the worker entry point
+:func:`solve_point`, a top-level function of plain data: ``local`` in worker processes of
+this machine (``concurrent.futures`` with the *spawn* start method, so no solver state is
+inherited through fork), ``ray`` as one Ray task per point on a Ray cluster. A worker
+returns its point's row and its plan as JSON text; this process alone writes the files, so
+workers need no file system shared with it and both backends leave the same folder.
+Solving is deterministic (CBC with one thread and a fixed seed, seeded warm starts), so
+results from workers equal a serial run's except for the timing columns. A progress bar on
+stderr shows done / total, failures, elapsed time and ETA = elapsed / solved_this_run ×
+remaining.
 
 Results, in the output folder: ``results.jsonl`` (one JSON row per point, appended as
 points finish, rewritten sorted at the end), ``results.csv`` and ``results.md`` (the same
@@ -62,8 +66,6 @@ import io
 import itertools
 import json
 import math
-import multiprocessing
-import os
 import re
 import signal
 import sys
@@ -71,9 +73,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -167,6 +167,7 @@ class SweepSpec:
     plots: tuple[PlotSpec, ...] = ()
     source: str | None = None
     base_source: str | None = None
+    memory_gib: float | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -232,17 +233,19 @@ def parse_sweep(data: Mapping[str, Any], source: str | None = None) -> SweepSpec
             r.fail("zip", "zipped lists must have equal lengths, got "
                           + ", ".join(f"{k}: {n}" for k, n in lengths.items()))
 
-    solve = {} if top.get("solve") is None else r.mapping(top["solve"], "solve",
-                                                          optional=("baselines", "timeout_s"))
+    solve = {} if top.get("solve") is None else r.mapping(
+        top["solve"], "solve", optional=("baselines", "timeout_s", "memory_gib"))
     baselines = r.boolean(solve["baselines"], "solve.baselines") if "baselines" in solve else True
-    timeout_s = None
+    timeout_s = memory_gib = None
     if solve.get("timeout_s") is not None:
         timeout_s = r.number(solve["timeout_s"], "solve.timeout_s", positive=True)
+    if solve.get("memory_gib") is not None:
+        memory_gib = r.number(solve["memory_gib"], "solve.memory_gib", positive=True)
 
-    spec = SweepSpec(name, base, grid, zipped, baselines, timeout_s, (), source, base_source)
+    spec = SweepSpec(name, base, grid, zipped, baselines, timeout_s, (), source, base_source,
+                     memory_gib)
     _check_keys(spec)
-    plots = _plots(r, top.get("plot"), spec.keys)
-    return SweepSpec(name, base, grid, zipped, baselines, timeout_s, plots, source, base_source)
+    return replace(spec, plots=_plots(r, top.get("plot"), spec.keys))
 
 
 def _axes(r: Reader, value: Any, section: str) -> tuple[tuple[str, tuple], ...]:
@@ -321,7 +324,9 @@ def check_metric(metric: Any, source: str | None = None, key: str | None = None)
 
 @dataclass(frozen=True)
 class PointTask:
-    """Everything a worker needs, as plain picklable data."""
+    """Everything a worker needs, as plain picklable data, and what the point reserves on a
+    cluster (``cpus``: the point's ``solver.threads``; ``memory_gib``: ``solve.memory_gib``),
+    which the local backend ignores."""
 
     index: int
     overrides: dict[str, Any]
@@ -330,14 +335,24 @@ class PointTask:
     name: str
     baselines: bool
     timeout_s: float | None
-    plan_path: str
     plan_rel: str
     fingerprint: str
+    cpus: int = 1
+    memory_gib: float | None = None
 
 
-def solve_point(task: PointTask) -> dict[str, Any]:
-    """Solve one point, write its plan, return its row. Never raises for a failing point:
-    the error goes into the row."""
+@dataclass(frozen=True)
+class PointOutcome:
+    """What a worker sends back: the point's row and, for a solved point, its plan file's
+    text (written by the driver at ``row["plan"]``, so workers need no shared file system)."""
+
+    row: dict[str, Any]
+    plan_json: str | None = None
+
+
+def solve_point(task: PointTask) -> PointOutcome:
+    """Solve one point and return its row and plan. Never raises for a failing point: the
+    error goes into the row."""
     from ilp_planner.planner import solve
 
     point = Point(task.index, task.overrides)
@@ -345,6 +360,7 @@ def solve_point(task: PointTask) -> dict[str, Any]:
                            "fingerprint": task.fingerprint}
     t0 = time.perf_counter()
     deadline = _Deadline(task.timeout_s)
+    plan_json = None
     try:
         deadline.arm()
         overrides = dict(task.overrides)
@@ -353,9 +369,10 @@ def solve_point(task: PointTask) -> dict[str, Any]:
         config = parse_config(apply_overrides(task.base, overrides), task.base_source)
         plan = solve(config, baselines=task.baselines)
         deadline.disarm()
-        plan.save(task.plan_path)
+        text = plan.to_json()
         row.update(plan_row(plan))
         row["plan"] = task.plan_rel
+        plan_json = text  # only once the row is complete: a row naming a plan comes with it
     except PointTimeout as exc:
         row.update(status="timeout", error=str(exc))
     except ConfigError as exc:
@@ -365,14 +382,14 @@ def solve_point(task: PointTask) -> dict[str, Any]:
     except PlannerError as exc:
         row.update(status="error", error=f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # noqa: BLE001 - a point's bug must not stop the sweep
-        row.update(status="error", error=_describe(exc))
+        row.update(status="error", error=describe_error(exc))
     finally:
         deadline.disarm()
     row["wall_s"] = time.perf_counter() - t0
-    return row
+    return PointOutcome(row, plan_json)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """``ValueError: message (file.py:123)`` — the innermost frame names where it broke."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
@@ -380,9 +397,10 @@ def _describe(exc: BaseException) -> str:
 
 
 class _Deadline:
-    """A wall-clock limit through SIGALRM, where there is one (POSIX, main thread; a
-    worker process runs its tasks on its main thread). The handler raises only while
-    armed, so an alarm racing with :meth:`disarm` is ignored rather than escaping.
+    """A wall-clock limit through SIGALRM, where there is one (POSIX, main thread; a pool
+    worker process and a Ray worker both run their tasks on their main thread). The handler
+    raises only while armed, so an alarm racing with :meth:`disarm` is ignored rather than
+    escaping.
 
     A solver subprocess (CBC) still running when the limit fires is left to its own
     ``solver.time_limit_s``."""
@@ -519,6 +537,18 @@ class Progress:
         self.failed += int(failed)
         self._draw(final=False)
 
+    def note(self, text: str) -> None:
+        """A message between progress lines (a retried point): on a terminal it replaces the
+        bar, which is redrawn below it."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r" + text.ljust(len(self.line())) + "\n")
+            self._draw(final=False)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def close(self) -> None:
         if self.enabled and self.tty:
             self.stream.write("\n")
@@ -577,22 +607,30 @@ class SweepResult:
 
 
 def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, jobs: int | None = None,
-          resume: bool = False, retry_failed: bool = False, progress: bool = True,
+          backend: str = "local", address: str | None = None, resume: bool = False,
+          retry_failed: bool = False, progress: bool = True,
           plots: bool | Sequence[PlotSpec] = True, stream: TextIO | None = None) -> SweepResult:
     """Solve every point of a sweep (a :class:`SweepSpec` or a sweep YAML path).
 
-    ``output``: results folder (default ``sweep-results/<name>``). ``jobs``: worker
-    processes (default: the number of cores; 1 solves in this process). ``resume``: keep
+    ``output``: results folder (default ``sweep-results/<name>``). ``backend``: ``"local"``
+    (worker processes of this machine) or ``"ray"`` (one Ray task per point; see
+    :class:`~ilp_planner.sweep_backends.RayBackend`). ``jobs``: local worker processes
+    (default: the number of cores; 1 solves in this process), or with ``"ray"`` the CPUs of
+    the Ray instance started here. ``address``: with ``"ray"``, the cluster to join
+    (``auto``, ``HOST:PORT``, ``ray://…``); None starts a local instance. ``resume``: keep
     rows already in the folder's ``results.jsonl`` for unchanged points. ``plots``: True
     draws the sweep file's plots, False none, or a list of :class:`PlotSpec` to draw.
     Failing points are recorded in their rows; this function raises only for errors in
-    the sweep itself (a malformed file, an unwritable folder).
+    the sweep itself (a malformed file, an unwritable folder, an unusable backend).
 
-    Workers are started with *spawn*, which re-imports the calling script: in a script,
-    call this under ``if __name__ == "__main__":`` (or pass ``jobs=1``)."""
+    Local workers are started with *spawn*, which re-imports the calling script: in a
+    script, call this under ``if __name__ == "__main__":`` (or pass ``jobs=1``)."""
+    from ilp_planner.sweep_backends import make_backend
+
+    runner = make_backend(backend, jobs=jobs, address=address)
     if not isinstance(spec, SweepSpec):
         spec = load_sweep(spec)
-    out = Path(output) if output is not None else Path("sweep-results") / _safe(spec.name)
+    out = Path(output) if output is not None else default_output(spec)
     (out / PLANS_DIR).mkdir(parents=True, exist_ok=True)
     points = spec.points()
     fingerprint = spec.fingerprint
@@ -622,26 +660,21 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
             fh.write(json.dumps(rows[i]) + "\n")
         fh.flush()
 
-        def record(row: dict[str, Any]) -> None:
+        def record(outcome: PointOutcome) -> None:
+            # the plan first: a row in results.jsonl always has its plan file (see resume)
+            row = outcome.row
+            if outcome.plan_json is not None:
+                _write(out / row["plan"], outcome.plan_json)
             rows[row["point"]] = row
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             bar.update(failed=bool(row.get("error")))
 
         tasks = [PointTask(p.index, p.overrides, spec.base, spec.base_source, spec.name,
-                           spec.baselines, spec.timeout_s, str(out / PLANS_DIR / p.filename),
-                           f"{PLANS_DIR}/{p.filename}", fingerprint) for p in todo]
-        workers = min(jobs or os.cpu_count() or 1, len(tasks))
+                           spec.baselines, spec.timeout_s, f"{PLANS_DIR}/{p.filename}", fingerprint,
+                           _threads(spec.base, p.overrides), spec.memory_gib) for p in todo]
         try:
-            if workers <= 1:
-                for task in tasks:
-                    try:
-                        row = solve_point(task)
-                    except Exception as exc:  # noqa: BLE001 - as a dead worker: fail the point
-                        row = _failed_row(task, exc)
-                    record(row)
-            else:
-                _run_pool(tasks, workers, record)
+            runner.run(tasks, record, bar.note)
         finally:
             bar.close()
 
@@ -657,28 +690,24 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
     return result
 
 
-def _run_pool(tasks: list[PointTask], workers: int, record) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {pool.submit(solve_point, t): t for t in tasks}
-        try:
-            for fut in as_completed(futures):
-                task = futures[fut]
-                try:
-                    row = fut.result()
-                except Exception as exc:  # noqa: BLE001 - a dead worker fails its point only
-                    row = _failed_row(task, exc)
-                record(row)
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+def default_output(spec: SweepSpec) -> Path:
+    """Where a sweep writes when given no folder: ``sweep-results/<name>``."""
+    return Path("sweep-results") / _safe(spec.name)
 
 
-def _failed_row(task: PointTask, exc: BaseException) -> dict[str, Any]:
-    error = f"worker failed: {_describe(exc)}"
-    if isinstance(exc, BrokenProcessPool):
-        error += ("; workers start by re-importing the main script (spawn): call sweep() under "
-                  "`if __name__ == \"__main__\":`, or use jobs=1")
+def _threads(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> int:
+    """The point's ``solver.threads`` (the CPUs its CBC solve uses), read from the raw
+    document; a bad value counts as 1 here and fails the point in its worker."""
+    try:
+        solver = apply_overrides(base, overrides).get("solver")
+    except ConfigError:
+        return 1
+    threads = solver.get("threads", 1) if isinstance(solver, dict) else 1
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else 1
+
+
+def failed_row(task: PointTask, error: str) -> dict[str, Any]:
+    """The row of a point whose worker never returned one (it died, or raised)."""
     return {"point": task.index, "id": Point(task.index, task.overrides).id,
             "overrides": task.overrides, "fingerprint": task.fingerprint,
             "status": "error", "error": error}

@@ -1,6 +1,7 @@
 """Sweeps: grid expansion (product and zip), sweep-file validation naming the bad key,
 failing points recorded while the sweep goes on, resume, worker processes equal to a
-serial run, result files, plots and the progress line."""
+serial run, result files, plots, the progress line and backend options (the Ray backend
+itself runs in test_sweep_ray.py)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import copy
 import csv
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ilp_planner import cli
-from ilp_planner.errors import ConfigError
+from ilp_planner.errors import BackendError, ConfigError
 from ilp_planner.plan import Plan
+from ilp_planner.sweep_backends import RayBackend
 from ilp_planner.sweeps import (
     TIMING_COLUMNS,
     PlotSpec,
     Point,
+    PointTask,
     Progress,
     format_progress,
     load_sweep,
@@ -132,6 +136,7 @@ def test_key_valid_only_under_another_swept_value_is_accepted():
     ({"grid": {"model.layers": [1]}, "zip": {"model.layers": [2]}}, "zip.model.layers", "both"),
     ({"solve": {"timeout_s": 0}}, "solve.timeout_s", "positive"),
     ({"solve": {"baseline": True}}, "solve.baseline", "unknown key"),
+    ({"solve": {"memory_gib": 0}}, "solve.memory_gib", "positive"),
     ({"plot": {"metric": "speed", "x": "model.layers"}, "grid": {"model.layers": [1]}},
      "plot.metric", "unknown metric"),
     ({"plot": {"x": "cluster.nodes"}, "grid": {"model.layers": [1]}}, "plot.x", "not a swept key"),
@@ -300,6 +305,42 @@ def test_python_api_exposes_sweep():
     assert ilp_planner.load_sweep is load_sweep
 
 
+# -- backends ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"backend": "dask"}, "unknown sweep backend 'dask'; expected one of: local, ray"),
+    ({"address": "auto"}, "'auto' is for the ray backend"),
+    ({"backend": "ray", "address": "auto", "jobs": 2}, "pass one or the other"),
+    ({"jobs": 0}, "jobs (-j): expected a positive integer, got 0"),
+])
+def test_backend_options_are_checked_before_anything_runs(tmp_path, kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        sweep(spec_of(), tmp_path / "out", progress=False, **kwargs)
+    assert words in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_the_ray_backend_without_ray_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(BackendError, match=r"pip install 'ilp-planner\[ray\]'"):
+        sweep(spec_of(), tmp_path, backend="ray", progress=False)
+
+
+def test_points_a_local_ray_instance_cannot_hold_fail_alone():
+    def task(i, cpus, mem):
+        return PointTask(i, {"solver.threads": cpus}, BASE, None, "t", False, None,
+                         f"plans/{i}.json", "f", cpus, mem)
+
+    recorded = []
+    fits = RayBackend._fail_oversized([task(0, 1, 1.0), task(1, 4, None), task(2, 1, 64.0)],
+                                      {"CPU": 2.0, "memory": 8 * 2**30}, recorded.append)
+    assert [t.index for t in fits] == [0]
+    assert [o.row["point"] for o in recorded] == [1, 2]
+    assert "needs 4 CPUs (solver.threads) but the local Ray instance has 2; raise -j" in \
+        recorded[0].row["error"]
+    assert "needs 64 GiB (solve.memory_gib)" in recorded[1].row["error"]
+
+
 # -- progress ----------------------------------------------------------------------------------
 
 
@@ -336,6 +377,26 @@ def test_progress_redraws_in_place_on_a_terminal():
     assert "\n" not in buf.getvalue()[:-1]
 
 
+def test_progress_notes_go_between_progress_lines():
+    buf = io.StringIO()
+    bar = Progress(2, stream=buf)
+    bar.note("point 1 (x=2): worker lost; retrying (1/2)")
+    assert buf.getvalue().splitlines()[-1] == "point 1 (x=2): worker lost; retrying (1/2)"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    bar = Progress(2, stream=tty)
+    bar.note("lost")
+    # the note overwrites the bar on its own line, then the bar is drawn again below it
+    before, redrawn = tty.getvalue().split("\n")
+    note_line = before.rsplit("\r", 1)[1]
+    assert note_line.startswith("lost ") and len(note_line) == len(bar.line())
+    assert redrawn == "\r" + bar.line()
+
+
 # -- command line ------------------------------------------------------------------------------
 
 
@@ -367,3 +428,5 @@ def test_cli_sweep_reports_a_bad_key_and_exits_two(tmp_path, capsys):
     path.write_text(yaml.safe_dump({"base": BASE, "grid": {"model.layers": [1]}}))
     assert cli.main(["sweep", str(path), "--plot", "step_s:cluster.nodes"]) == 2
     assert "not a swept key" in capsys.readouterr().err
+    assert cli.main(["sweep", str(path), "--address", "auto"]) == 2
+    assert "is for the ray backend; pass backend='ray' (--backend ray)" in capsys.readouterr().err

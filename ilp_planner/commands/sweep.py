@@ -1,6 +1,7 @@
-"""``ilp-planner sweep SWEEP.yaml [-o DIR] [-j N] [--resume]``: solve a grid of configurations
-in worker processes with a progress bar, write ``results.csv`` / ``results.jsonl`` /
-``results.md``, every point's plan and the PNG plots, and print the results table.
+"""``ilp-planner sweep SWEEP.yaml [-o DIR] [-j N] [--backend local|ray [--address A]]
+[--resume]``: solve a grid of configurations in worker processes (or as Ray tasks on a
+cluster) with a progress bar, write ``results.csv`` / ``results.jsonl`` / ``results.md``,
+every point's plan and the PNG plots, and print the results table.
 
 A failing point (bad override value, infeasible, time-out) is recorded in its row and the
 sweep goes on; the exit status is 0 unless the sweep file itself is wrong (2). The sweep
@@ -12,6 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from ilp_planner.sweep_backends import BACKENDS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,14 +23,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sweep",
         help="solve a grid of configurations in parallel and tabulate the results",
         description="Expand a sweep file (a base config plus a grid and/or zipped lists of "
-                    "dotted-key overrides), solve every point in worker processes, and write "
-                    "results.csv, results.jsonl, results.md, plans/*.json and plots.",
+                    "dotted-key overrides), solve every point in worker processes or on a Ray "
+                    "cluster, and write results.csv, results.jsonl, results.md, plans/*.json "
+                    "and plots.",
     )
     p.add_argument("sweep", metavar="SWEEP", help="sweep YAML file")
     p.add_argument("-o", "--output", metavar="DIR",
                    help="results folder (default: sweep-results/<sweep name>)")
     p.add_argument("-j", "--jobs", type=int, metavar="N",
-                   help=f"worker processes (default: cores = {os.cpu_count()}; 1 = in-process)")
+                   help=f"worker processes (default: cores = {os.cpu_count()}; 1 = in-process); "
+                        f"with --backend ray and no --address, the local Ray instance's CPUs")
+    p.add_argument("--backend", choices=BACKENDS, default="local",
+                   help="where points are solved: local worker processes (default) or one Ray "
+                        "task per point (needs the ray extra)")
+    p.add_argument("--address", metavar="ADDR",
+                   help="with --backend ray: the cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
+                        "default: start a local Ray instance")
     p.add_argument("--resume", action="store_true",
                    help="skip points already in DIR/results.jsonl (same base config)")
     p.add_argument("--retry-failed", action="store_true",
@@ -58,18 +70,22 @@ def _plot_specs(items: list[str], keys: tuple[str, ...]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.errors import ConfigError
-    from ilp_planner.sweeps import load_sweep, sweep
+    from ilp_planner.sweeps import RESULTS_JSONL, default_output, load_sweep, sweep
 
-    if args.jobs is not None and args.jobs < 1:
-        raise ConfigError(f"-j/--jobs: expected a positive integer, got {args.jobs}")
     spec = load_sweep(args.sweep)
     plots = False if args.no_plots else (_plot_specs(args.plot, spec.keys) if args.plot else True)
     points = len(spec.points())
     print(f"sweep {spec.name}: {points} point(s) over {', '.join(spec.keys) or 'no keys'}",
           file=sys.stderr)
-    result = sweep(spec, args.output, jobs=args.jobs, resume=args.resume,
-                   retry_failed=args.retry_failed, progress=not args.quiet, plots=plots)
+    out = Path(args.output) if args.output else default_output(spec)
+    try:
+        result = sweep(spec, out, jobs=args.jobs, backend=args.backend, address=args.address,
+                       resume=args.resume, retry_failed=args.retry_failed, progress=not args.quiet,
+                       plots=plots)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the points finished so far are in {out / RESULTS_JSONL}; run the "
+              f"same command with --resume to solve only the others", file=sys.stderr)
+        return 130
     print(result.table())
     failed = len(result.failed)
     print(f"\n{len(result.rows)} point(s): {result.solved} solved now, {result.skipped} kept from "
