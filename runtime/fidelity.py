@@ -117,13 +117,13 @@ def record_runtime(comm: Comm, red: Redistribution, recorder: Recorder) -> Recor
     """Run the edge program as the executor does (:meth:`Comm.edge`, autograd for the
     backward) on this rank's block and return what the recorder saw. ``comm``'s groups must
     already exist (``register`` then ``registry.create``)."""
-    shape = red.tensor.shape
-    x = torch.zeros(_region_shape(comm, red.src, shape), requires_grad=True)
+    shape, dtype = red.tensor.shape, getattr(torch, red.tensor.dtype)
+    x = torch.zeros(_region_shape(comm, red.src, shape), dtype=dtype, requires_grad=True)
     recorder.take()
     with recorder, tagged("forward", "fidelity"):
         y = comm.edge(LVal(x, red.src), red, "fidelity").t
     fwd = recorder.take()
-    g = torch.zeros(_region_shape(comm, red.grad_dst, shape))
+    g = torch.zeros(_region_shape(comm, red.grad_dst, shape), dtype=dtype)
     with recorder, tagged("backward", "fidelity"):
         if y.requires_grad:
             torch.autograd.backward([y], [g])

@@ -3,9 +3,10 @@
 Pairs of placements (``S(d)`` for each dim, ``B``, ``P`` per mesh axis) on the meshes
 (8,), (2, 4), (4, 2), (2, 2, 2) of a 2-node × 4-device cluster — so axes within a node and
 across nodes both occur, and (4, 2)'s first axis has a rank order other than ``arange`` —
-for an even and an uneven 2-D and 3-D shape. All pairs where they number a few hundred, a
-deterministic stratified sample (:func:`runtime.fidelity.placement_pairs`) where the
-product explodes ((2, 2, 2) has 125² 3-D pairs).
+for an even and an uneven 2-D and 3-D shape (one in bfloat16). All pairs where they
+number a few hundred, a deterministic stratified sample
+(:func:`runtime.fidelity.placement_pairs`) where the product explodes ((2, 2, 2) has 125²
+3-D pairs).
 
 1. **Fidelity**: on torch's fake process group, one process playing rank 0 and then rank 5,
    the collectives the dispatch-level recorder sees while the runtime executes a program
@@ -55,18 +56,20 @@ MESHES: dict[str, Factorisation] = {
     "(4,2)": (MeshAxis(2, 2), MeshAxis(1, 2)),
     "(2,2,2)": (MeshAxis(2, 1), MeshAxis(1, 2), MeshAxis(1, 2)),
 }
-# (even, uneven) per rank; 10 split 8 ways leaves empty chunks, 9 and 11 ragged ones
-SHAPES = {2: ((16, 24), (13, 10)), 3: ((8, 8, 16), (11, 9, 10))}
+# (even, uneven) per rank; 10 split 8 ways leaves empty chunks, 9 and 11 ragged ones; one
+# shape in bfloat16 so bytes are counted per element size on both sides
+SHAPES = {2: (TensorSpec((16, 24)), TensorSpec((13, 10))),
+          3: (TensorSpec((8, 8, 16)), TensorSpec((11, 9, 10), "bfloat16"))}
 BUDGET = {(1, 2): None, (1, 3): None, (2, 2): None, (2, 3): 160, (3, 2): 160, (3, 3): 200}
 RANKS = (0, 5)
 
 
 def cases() -> Iterator[tuple[str, Layout, Layout, TensorSpec]]:
     for name, fact in MESHES.items():
-        for rank, shapes in SHAPES.items():
-            for shape in shapes:
+        for rank, tensors in SHAPES.items():
+            for tensor in tensors:
                 for sp, dp in placement_pairs(len(fact), rank, BUDGET[(len(fact), rank)]):
-                    yield name, Layout(fact, sp), Layout(fact, dp), TensorSpec(shape)
+                    yield name, Layout(fact, sp), Layout(fact, dp), tensor
 
 
 def makes_partial(src: Layout, dst: Layout) -> bool:
