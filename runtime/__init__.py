@@ -16,6 +16,9 @@ Modules, in the order data flows through them:
   ``--audit``);
 * :mod:`runtime.comm` — the planner's lowered redistribution programs executed on local
   blocks (autograd functions whose backward runs the lowered backward steps);
+* :mod:`runtime.fidelity` — one redistribution as it really runs, recorded on torch's fake
+  process group: the runtime's execution of a lowered program and ``DTensor.redistribute``'s
+  own (tests and ``benchmarks/redistribution_vs_dtensor.py``);
 * :mod:`runtime.ops` — the distributed op implementations (kind → function table);
 * :mod:`runtime.executor` — compiles a plan into per-stage programs and interprets the
   pipeline schedule (kind → handler table), cross-mesh broadcasts, gradient

@@ -1,6 +1,7 @@
 """The collective recorder: a ``TorchDispatchMode`` that sees every c10d and functional
-collective at dispatch level — issued by the runtime's own steps, inside autograd's
-backward, by the optimizer, by anything — so nothing can bypass it.
+collective (and DTensor's composite ``shard_dim_alltoall``) at dispatch level — issued by
+the runtime's own steps, inside autograd's backward, by the optimizer, by DTensor, by
+anything — so nothing can bypass it.
 
 Each recorded :class:`CommEvent` carries what the α–β formula needs (kind, group size,
 bytes *n*: the tensor for AllReduce and broadcast, the gathered output for AllGather, the
@@ -84,17 +85,31 @@ _OPS: dict[str, tuple[str, int]] = {
     "scatter_": ("scatter", 0),
     "reduce_": ("reduce", 0),
     "barrier": ("barrier", 0),
-    # functional collectives (their group is named, not passed as an object)
+    # functional collectives (their group is named, not passed as an object), also the
+    # ``_c10d_functional_autograd`` variants of the same names
     "all_reduce": ("all_reduce", 0),
+    "all_reduce_": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
     "all_gather_into_tensor": ("all_gather", -1),
+    "all_gather_into_tensor_out": ("all_gather", -1),
+    "all_gather_into_tensor_coalesced": ("all_gather", -1),
     "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_out": ("reduce_scatter", 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
     "all_to_all_single": ("all_to_all", 0),
     "broadcast": ("broadcast", 0),
+    # DTensor's S(i)→S(j): a composite op whose inner all_to_all_single runs below this mode
+    "shard_dim_alltoall": ("all_to_all", 0),
 }
+
+# namespaces whose ops are collectives (the mode sees a composite op, never its insides)
+_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 
 
 def _group_ranks(args) -> list[int] | None:
     for a in args:
+        if isinstance(a, dist.ProcessGroup):
+            return dist.get_process_group_ranks(a)
         if isinstance(a, torch.ScriptObject):
             try:
                 pg = dist.ProcessGroup.unbox(a)
@@ -120,7 +135,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns = func.namespace
-        if ns in ("c10d", "_c10d_functional"):
+        if ns in _NAMESPACES:
             name = func._schema.name.split("::")[-1]
             spec = _OPS.get(name)
             if spec is not None:
