@@ -327,8 +327,10 @@ class Executor:
         return {i: [(a.kind.value, a.microbatch) for a in row] for i, row in enumerate(sched.rows)}
 
     def _compile(self) -> None:
-        """Lower every edge of every stage (identical on all ranks) and register every group
-        the programs, weight-gradient buckets, loss and tied-weight exchanges use."""
+        """Take every edge's lowered program (:func:`ilp_planner.programs.edge_programs`, the
+        ones the plan priced and ``explain`` prints; identical on all ranks) and register
+        every group the programs, transfers, weight-gradient buckets, loss and tied-weight
+        exchanges use."""
         reg = self.registry
         g = self.graph
         self.edges: dict[tuple[str, int], Redistribution] = {}
@@ -404,7 +406,8 @@ class Executor:
         if k is None:
             raise PlanFormatError(
                 f"edge {tensor} -> {consumer} crosses stages {self.stage_of[tensor]} -> {stage} "
-                f"but the plan has no resharding entry bringing {tensor} to stage {stage}")
+                f"but the plan has no resharding entry bringing {tensor} to stage {stage} in the "
+                f"layout {want} it reads")
         return self.entries[k]
 
     # ---- setup ---------------------------------------------------------------------------
