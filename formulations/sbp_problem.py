@@ -41,7 +41,7 @@ from ilp_planner.strategies import (
     follow,
     op_strategies,
     resolve_partial,
-    tied_exchange_collectives,
+    tied_exchange_seconds,
     tied_source,
 )
 
@@ -360,8 +360,7 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
         for i, a in enumerate(ew):
             for j, b in enumerate(hw):
                 if (a, b) not in cache:
-                    cache[(a, b)] = sum(c.seconds for c in
-                                        tied_exchange_collectives(a, b, emb.weight, cluster))
+                    cache[(a, b)] = tied_exchange_seconds(a, b, emb.weight, cluster)
                 r[i, j] = cache[(a, b)]
         key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
         edges[key] = edges[key] + mat if key in edges else mat.copy()

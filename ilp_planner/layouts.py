@@ -107,8 +107,17 @@ class Layout:
     def split_degree(self, dim: int) -> int:
         return self._degrees.get(dim, 1)
 
+    @cached_property
+    def _split_axes(self) -> dict[int, tuple[int, ...]]:
+        out: dict[int, tuple[int, ...]] = {}
+        for i, pl in enumerate(self.placements):
+            if isinstance(pl, Split):
+                out[pl.dim] = (*out.get(pl.dim, ()), i)
+        return out
+
     def split_axes(self, dim: int) -> tuple[int, ...]:
-        return tuple(i for i, pl in enumerate(self.placements) if pl == Split(dim))
+        """Mesh axes splitting ``dim``, major first (hot in the lowering: computed once)."""
+        return self._split_axes.get(dim, ())
 
     @property
     def partial_axes(self) -> tuple[int, ...]:

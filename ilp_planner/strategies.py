@@ -38,7 +38,7 @@ from ilp_planner.cost_model import (
 from ilp_planner.errors import LayoutError
 from ilp_planner.graph import Op, OpKind, TensorSpec
 from ilp_planner.layouts import B, Layout, P, Partial, Placement, Split
-from ilp_planner.redistribution import Redistribution, plan_redistribution
+from ilp_planner.redistribution import Redistribution, plan_redistribution, planner_for
 
 FOLLOWER_KINDS = frozenset(
     {OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.POOL, OpKind.FLATTEN, OpKind.LOSS}
@@ -497,6 +497,15 @@ def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
     head_t = transposed(head_weight)
     return (plan_redistribution(head_t, emb_weight, table, cluster),
             plan_redistribution(emb_weight, head_t, table, cluster))
+
+
+def tied_exchange_seconds(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
+                          cluster: Cluster) -> float:
+    """Seconds of :func:`tied_exchange` without building its step lists (what the ILP's
+    edge matrices need: one entry per pair of weight layouts)."""
+    head_t = transposed(head_weight)
+    planner = planner_for(head_t, cluster)
+    return planner.forward_cost(head_t, emb_weight, table) + planner.forward_cost(emb_weight, head_t, table)
 
 
 def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,

@@ -198,3 +198,24 @@ def test_partial_conv_outputs_resolve_onto_channels_not_spatial_dims():
     assert out.placements == (S(0), S(1), S(1))
     odd = TensorSpec((8, 3, 14, 14))  # channels cannot take another split: batch does
     assert resolve_partial(Layout(fact, (S(0), P, P)), odd).placements == (S(0), S(0), S(0))
+
+
+def test_tied_exchange_price_is_its_programs_collectives():
+    """The ILP's edge price of a tied table's exchange (fast, no step lists) equals the
+    seconds of the collectives the plan lists and the runtime runs, for every pair of the
+    embedding's and the head's weight layouts."""
+    from ilp_planner.graph import TensorSpec
+    from ilp_planner.strategies import tied_exchange_collectives, tied_exchange_seconds
+
+    c = ctx()
+    g = models.gpt(64, 2, 4, 16, 128, 8)
+    emb, head = g["embed"], g["lm_head"]
+    table = TensorSpec(emb.weight.shape, emb.weight.dtype)
+    ew = {s.weight for s in op_strategies(emb, [g[i].output for i in emb.inputs], c)}
+    hw = {s.weight for s in op_strategies(head, [g[i].output for i in head.inputs], c)}
+    assert len(ew) > 3 and len(hw) > 3
+    for a in ew:
+        for b in hw:
+            listed = sum(x.seconds for x in tied_exchange_collectives(a, b, table, c.cluster))
+            assert tied_exchange_seconds(a, b, table, c.cluster) == pytest.approx(listed, rel=1e-9,
+                                                                                  abs=1e-13)
