@@ -212,6 +212,11 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{path}: not valid JSON ({exc})") from exc
+        except UnicodeDecodeError as exc:
+            raise PlanFormatError(f"{path}: not a plan file (not UTF-8 text: byte "
+                                  f"{exc.start})") from exc
+        except RecursionError as exc:
+            raise PlanFormatError(f"{path}: not a plan file (JSON nested too deeply)") from exc
         except OSError as exc:
             raise PlanFormatError(f"{path}: cannot read ({exc})") from exc
         return cls.from_dict(data, str(path))

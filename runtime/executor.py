@@ -53,6 +53,7 @@ from formulations.schedules import Schedule, ScheduleError, lower, make_schedule
 from ilp_planner.config import parse_config
 from ilp_planner.errors import LayoutError, PlanFormatError
 from ilp_planner.graph import Graph, OpKind, TensorSpec
+from ilp_planner.layer_check import check_layer_strategies
 from ilp_planner.layouts import Layout
 from ilp_planner.pipeline_planner import find_entry
 from ilp_planner.plan import LayerPlan, Plan, layout_from_dict
@@ -160,6 +161,7 @@ class Executor:
         self.layers: dict[str, LayerPlan] = {lp.name: lp for lp in plan.layers}
         self._check_layers()
         self.stages = self._stages()
+        check_layer_strategies(plan, self.graph, self.config)
         self.stage_of = {n: s.index for s in self.stages for n in s.layers}
         self.entries = self._entries()
         self.actions = self._actions()
@@ -316,9 +318,11 @@ class Executor:
             raise PlanFormatError(f"plan {self.plan.name!r} has {n} stages but no schedule actions")
         if len(rows) != n:
             raise ScheduleError(f"schedule has {len(rows)} rows for {n} stages")
-        sched = Schedule.from_strings(rows, num_microbatches=m, name=name)
+        # validated as it will run: lowered to per-rank actions, so the FIFO order of the
+        # transfers on every link is checked too (a stage reading micro-batches in another
+        # order than its neighbour sends them would silently train on the wrong data)
+        sched = lower(Schedule.from_strings(rows, num_microbatches=m, name=name))
         validate(sched)
-        sched = lower(sched)
         for e in self.entries:
             if e.src_stage >= e.dst_stage:
                 raise RuntimeSetupError(f"resharding entry {e.index} ({e.tensor} -> {e.consumer}) "

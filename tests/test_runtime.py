@@ -283,6 +283,16 @@ CORRUPTIONS = {
     "backward-before-forward": (lambda d: d["schedule"]["actions"].update({"1": ["B0", "F0"] + [
         a for a in d["schedule"]["actions"]["1"] if a not in ("F0", "B0")]}), "B0"),
     "stage-missing-layer": (lambda d: d["stages"][1]["layers"].pop(), "each layer in exactly one"),
+    # stage 1 runs micro-batches 0 and 1 in the other order: every dependency holds, but the
+    # transfers on link 0→1 would hand it micro-batch 0's activations as micro-batch 1's
+    "microbatches-swapped": (lambda d: d["schedule"]["actions"].update({"1": [
+        {"F0": "F1", "F1": "F0", "B0": "B1", "B1": "B0"}.get(a, a)
+        for a in d["schedule"]["actions"]["1"]]}), "messages on one link are matched in order"),
+    "bogus-label": (lambda d: d["layers"][0]["strategy"].update(label="bogus"), "label 'bogus'"),
+    "relu-reads-partial-sums": (lambda d: d["layers"][1]["strategy"]["inputs"][0].update(
+        placements=["S(0)", "P", "P"]), "partial sums resolved"),
+    "layouts-not-the-strategy's": (lambda d: d["layers"][0]["strategy"]["weight"].update(
+        placements=["S(0)", "B", "B"]), "are not those of strategy"),
 }
 
 
@@ -297,6 +307,31 @@ def test_corrupted_plan_fails_fast(monkeypatch, capsys, tmp_path, plan4, case: s
     assert _main_as_rank(monkeypatch, [str(bad)], world=4) == 2
     assert message in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_binary_plan_file_is_a_format_error(monkeypatch, capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe\x00\x81 not a plan")
+    assert _main_as_rank(monkeypatch, [str(bad)], world=4) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8" in err and "Traceback" not in err
+
+
+def test_run_verb_refuses_an_invalid_plan_before_any_rank_starts(monkeypatch, capsys, tmp_path,
+                                                                 plan4) -> None:
+    """`ilp-planner run` compiles every plan in the parent as the ranks would: one error
+    (a schedule error carries its grid below), exit 2, and torchrun never spawned."""
+    from ilp_planner.commands import run as run_verb
+
+    def spawn(*_args, **_kwargs):
+        raise AssertionError("torchrun was spawned for an invalid plan")
+
+    monkeypatch.setattr(run_verb.subprocess, "call", spawn)
+    bad = _corrupt(plan4, tmp_path, CORRUPTIONS["microbatches-swapped"][0])
+    assert cli.main(["run", str(bad), "--nproc-per-node", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "matched in order" in err.splitlines()[0]
+    assert "Traceback" not in err and "rank" not in err
 
 
 @pytest.mark.slow

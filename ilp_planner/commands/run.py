@@ -3,9 +3,10 @@ plans with the torch runtime — a thin wrapper that spawns
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m runtime.launch …``
 (gloo on CPU, NCCL on GPU, chosen by the runtime) and returns its exit status.
 
-The plan's device count is checked against ``--nproc-per-node`` here, before any process
-starts. For several nodes, call ``torchrun`` with your rendezvous options and
-``-m runtime.launch`` directly.
+The plan's device count is checked against ``--nproc-per-node`` here, and each plan is
+compiled as every rank will compile it (:class:`runtime.executor.Executor`, no process group),
+so an invalid plan ends with one error before any process starts. For several nodes, call
+``torchrun`` with your rendezvous options and ``-m runtime.launch`` directly.
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ilp_planner.errors import ConfigError
     from ilp_planner.plan import Plan
+    from runtime.executor import Executor, RunOptions
 
-    counts = {path: Plan.load(path).num_devices for path in args.plans}
-    n = args.nproc_per_node or next(iter(counts.values()))
-    for path, k in counts.items():
-        if k != n:
-            raise ConfigError(f"plan {path} is for {k} devices but --nproc-per-node is {n}; "
-                              f"start {k} processes or re-solve the plan for {n}")
+    plans = {path: Plan.load(path) for path in args.plans}
+    n = args.nproc_per_node or next(iter(plans.values())).num_devices
+    for path, plan in plans.items():
+        if plan.num_devices != n:
+            raise ConfigError(f"plan {path} is for {plan.num_devices} devices but --nproc-per-node "
+                              f"is {n}; start {plan.num_devices} processes or re-solve the plan "
+                              f"for {n}")
+        # the compile every rank will do (pure: layers, strategies, stages, entries, lowered
+        # schedule, edge programs): an invalid plan fails here, once, before any rank starts
+        Executor(plan, RunOptions(microbatches=args.microbatches), rank=0, world=n)
     return subprocess.call(torchrun_command(n, "runtime.launch",
                                            [*args.plans, *forward_options(args)]))
