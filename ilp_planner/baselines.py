@@ -39,7 +39,10 @@ def restrict(gp: GraphProblem, keep: Filter) -> tuple[Problem, list[np.ndarray]]
         op = gp.graph[node]
         idx = np.array([k for k, o in enumerate(gp.options[node]) if keep(op, o.base)], dtype=int)
         if idx.size == 0:
-            return f"no allowed strategy for {node} ({op.kind.value} {op.output.shape})"
+            offered = sorted({str(drop_unit_axes(o.base.output)) for o in gp.options[node]})
+            return (f"no allowed strategy for {node} ({op.kind.value} {op.output.shape}): the "
+                    f"baseline's layouts are not among the {len(offered)} output layouts this op "
+                    f"can take on the mesh (e.g. {', '.join(offered[:3])})")
         allowed.append(idx)
     return gp.problem.subset(allowed), allowed
 

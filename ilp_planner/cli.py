@@ -8,6 +8,8 @@ import sys
 
 from ilp_planner.errors import PlannerError
 
+MAX_ERROR_CHARS = 4000
+
 # Verb modules, in the order ``--help`` lists them.
 VERBS = [
     "validate",
@@ -18,6 +20,7 @@ VERBS = [
     "sweep",
     "explain",
     "diff",
+    "check",
     "run",
 ]
 
@@ -38,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PlannerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        text = str(exc)
+        if len(text) > MAX_ERROR_CHARS:  # never echo a huge input back
+            text = text[:MAX_ERROR_CHARS] + f" … ({len(text) - MAX_ERROR_CHARS} more characters)"
+        print(f"error: {text}", file=sys.stderr)
         return 2
 
 

@@ -76,7 +76,9 @@ from ilp_planner import models
 from ilp_planner.cluster import Cluster, Link, submesh_shapes
 from ilp_planner.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.errors import ConfigError
+from ilp_planner.files import read_input
 from ilp_planner.graph import Graph
+from ilp_planner.limits import check_limit
 from ilp_planner.options import FALLBACKS, SCHEDULES, PipelineOptions, SolverOptions
 from ilp_planner.schema import Reader, join
 
@@ -153,17 +155,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def read_yaml(path: str | Path) -> Any:
-    """Read one YAML document; a missing, unreadable, malformed (duplicate keys included)
-    or empty file raises :class:`ConfigError` naming the file and the line."""
+    """Read one YAML document; a missing, unreadable, oversized, non-UTF-8, malformed
+    (duplicate keys included) or empty file raises :class:`ConfigError` naming the file and
+    the line."""
     source = str(path)
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError("file not found", source=source) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read the file: {exc.strerror}", source=source) from None
+    text = read_input(path)
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise ConfigError("invalid YAML: nested too deeply", source=source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -244,13 +244,19 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
         v = d[key]
         if key == "dims":
             dims = r.sequence(v, path, min_len=2)
+            check_limit("layers", len(dims), "the number of MLP dims", source=r.source, key=path)
             kw[key] = [r.positive_int(x, join(path, i)) for i, x in enumerate(dims)]
+            for i, x in enumerate(kw[key]):
+                check_limit("dim", x, "a model size", source=r.source, key=join(path, i))
         elif key == "bias":
             kw[key] = r.boolean(v, path)
         elif key == "dtype":
             kw[key] = r.choice(v, path, MODEL_DTYPES, "dtype")
         else:
             kw[key] = r.positive_int(v, path)
+            check_limit("layers" if key == "layers" else "dim", kw[key],
+                        "the number of layers" if key == "layers" else "a model size",
+                        source=r.source, key=path)
     if "heads" in kw and kw["hidden"] % kw["heads"]:
         r.fail("model.heads", f"hidden size {kw['hidden']} is not divisible by "
                               f"{kw['heads']} heads")
@@ -288,9 +294,15 @@ def _parse_link(r: Reader, value: Any, path: str) -> Link:
             r.fail(join(path, k), f"missing required key {k!r} (expected latency_us and "
                                   f"bandwidth_gbps, or alpha and beta)")
     return Link.from_bandwidth(
-        r.number(d["latency_us"], join(path, "latency_us"), nonneg=True),
-        r.number(d["bandwidth_gbps"], join(path, "bandwidth_gbps"), positive=True),
+        r.number(d["latency_us"], join(path, "latency_us"), nonneg=True, at_most=_PHYSICAL_MAX),
+        r.number(d["bandwidth_gbps"], join(path, "bandwidth_gbps"), positive=True,
+                 at_most=_PHYSICAL_MAX),
     )
+
+
+# No device has 10^9 GiB, 10^9 TFLOP/s or 10^9 Gbit/s links, and no link 10^9 µs of latency:
+# beyond this a figure is a typo, and it would overflow the memory row or underflow β to 0.
+_PHYSICAL_MAX = 1e9
 
 
 def _parse_cluster(r: Reader, value: Any) -> Cluster:
@@ -299,8 +311,12 @@ def _parse_cluster(r: Reader, value: Any) -> Cluster:
                   optional=("efficiency", "name"))
     nodes = r.positive_int(d["nodes"], "cluster.nodes")
     per_node = r.positive_int(d["devices_per_node"], "cluster.devices_per_node")
-    memory = r.number(d["memory_gib"], "cluster.memory_gib", positive=True) * _GIB
-    peak = r.number(d["peak_tflops"], "cluster.peak_tflops", positive=True) * 1e12
+    check_limit("devices", nodes * per_node, "the number of devices (nodes × devices_per_node)",
+                source=r.source, key="cluster.nodes")
+    memory = r.number(d["memory_gib"], "cluster.memory_gib", positive=True,
+                      at_most=_PHYSICAL_MAX) * _GIB
+    peak = r.number(d["peak_tflops"], "cluster.peak_tflops", positive=True,
+                    at_most=_PHYSICAL_MAX) * 1e12
     efficiency = 0.5
     if "efficiency" in d:
         efficiency = r.number(d["efficiency"], "cluster.efficiency", positive=True, at_most=1.0)
@@ -366,6 +382,8 @@ def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) 
         kw["stages"] = stages
     if "microbatches" in d:
         m = r.positive_int(d["microbatches"], "pipeline.microbatches")
+        check_limit("microbatches", m, "the number of micro-batches", source=r.source,
+                    key="pipeline.microbatches")
         if batch is not None and batch % m:
             r.fail("pipeline.microbatches", f"model.batch {batch} is not divisible by {m} "
                                             f"micro-batches")

@@ -28,18 +28,19 @@ from ilp_planner.strategies import (
 FOLLOWS = "follows "
 
 
-def check_layer_strategies(plan: Plan, graph: Graph, config: Config) -> None:
-    """Raise :class:`PlanFormatError` naming the first layer whose strategy label or layouts
-    are not what the planner generates for its op on its stage's mesh."""
+def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
+                           meshes: list[tuple[int, int]], source: str | None = None) -> None:
+    """Raise :class:`PlanFormatError` naming (``source``, default the plan's name) the first
+    layer whose strategy label or layouts are not what the planner generates for its op on
+    its stage's mesh (``meshes[stage]`` = (nodes, devices per node), already checked)."""
+    src = source or plan.name
     cluster = config.cluster
-    meshes = [(int(s["mesh"][0]), int(s["mesh"][1])) for s in plan.stages] or \
-        [(cluster.nodes, cluster.devices_per_node)]
     contexts = {shape: StrategyContext(cluster, *shape, config.memory,
                                        config.solver.max_weight_replication) for shape in meshes}
     layers = {ly.name: ly for ly in plan.layers}
     cache: dict[tuple, list[Strategy]] = {}
     for i, ly in enumerate(plan.layers):
-        where = f"{plan.name}: layers[{i}] ({ly.name}).strategy"
+        where = f"{src}: layers[{i}] ({ly.name}).strategy"
         if ly.name not in graph or graph[ly.name].kind is OpKind.INPUT:
             raise PlanFormatError(f"{where}: the plan's config has no op {ly.name!r} to run")
         if not 0 <= ly.stage < len(meshes):

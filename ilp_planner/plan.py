@@ -10,25 +10,32 @@ file carries a schema version: loading a foreign or older file raises
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ilp_planner.cluster import MeshAxis, fact_str
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.errors import LayoutError, PlanFormatError
+from ilp_planner.files import read_input, write_output
 from ilp_planner.layouts import Layout, parse_placement
 
 PLAN_SCHEMA = "ilp_planner.plan"
-PLAN_VERSION = 2  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost
+PLAN_VERSION = 3  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes
 
 
-def layout_to_dict(layout: Layout, rank: int | None = None) -> dict:
+def layout_to_dict(layout: Layout, shape: Sequence[int] | int | None = None) -> dict:
+    """A layout as the plan stores it; with the tensor's ``shape`` (or just its rank) the
+    GSPMD spelling too."""
     d = {
         "mesh": [[a.nodes, a.local] for a in layout.fact],
         "placements": [str(p) for p in layout.placements],
         "sbp": str(layout),
     }
-    if rank is not None:
+    if shape is not None:
+        rank = shape if isinstance(shape, int) else len(shape)
+        if not isinstance(shape, int):
+            d["shape"] = list(shape)
         d["rank"] = rank
         try:
             d["gspmd"] = layout.to_gspmd(rank)
@@ -40,6 +47,21 @@ def layout_to_dict(layout: Layout, rank: int | None = None) -> dict:
 def layout_from_dict(d: dict) -> Layout:
     fact = tuple(MeshAxis(int(n), int(loc)) for n, loc in d["mesh"])
     return Layout(fact, tuple(parse_placement(p) for p in d["placements"]))
+
+
+def text(value) -> str:
+    """A JSON string, else a TypeError (see :func:`number`)."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def number(value) -> float:
+    """A JSON number as a float; anything else (a string, a list, a boolean) is a TypeError
+    — plan files are parsed as untrusted input."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {type(value).__name__}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -76,8 +98,9 @@ class CostBreakdown:
 
     @classmethod
     def from_dict(cls, d: dict) -> CostBreakdown:
-        return cls(d["compute_s"], d["activation_comm_s"], d["grad_sync_s"],
-                   d["activation_comm_bytes"], d["grad_sync_bytes"], d["peak_memory_bytes"])
+        return cls(*(number(d[k]) for k in ("compute_s", "activation_comm_s", "grad_sync_s",
+                                            "activation_comm_bytes", "grad_sync_bytes",
+                                            "peak_memory_bytes")))
 
     @classmethod
     def of(cls, compute_s: float, collectives: list[Collective], memory: float,
@@ -107,8 +130,8 @@ class LayerPlan:
     memory_bytes: float
     collectives: tuple[Collective, ...]
     stage: int = 0
-    input_ranks: tuple[int, ...] = ()
-    output_rank: int = 2
+    input_shapes: tuple[tuple[int, ...], ...] = ()  # of the tensors the layouts describe, so an
+    output_shape: tuple[int, ...] = ()               # edited config is caught, not re-modelled
 
     def to_dict(self) -> dict:
         fact = self.output.fact
@@ -120,11 +143,11 @@ class LayerPlan:
                 "label": self.strategy,
                 "mesh": [[a.nodes, a.local] for a in fact],
                 "mesh_str": fact_str(fact),
-                "inputs": [layout_to_dict(x, r) for x, r in
-                           zip(self.inputs, self.input_ranks or (None,) * len(self.inputs),
+                "inputs": [layout_to_dict(x, shape) for x, shape in
+                           zip(self.inputs, self.input_shapes or (None,) * len(self.inputs),
                                strict=True)],
                 "weight": None if self.weight is None else layout_to_dict(self.weight),
-                "output": layout_to_dict(self.output, self.output_rank),
+                "output": layout_to_dict(self.output, self.output_shape or None),
             },
             "compute_s": self.compute_s,
             "memory_bytes": self.memory_bytes,
@@ -134,18 +157,23 @@ class LayerPlan:
     @classmethod
     def from_dict(cls, d: dict) -> LayerPlan:
         s = d["strategy"]
+        stage = d.get("stage", 0)
+        if isinstance(stage, bool) or not isinstance(stage, int):
+            raise TypeError(f"stage: expected an integer, got {type(stage).__name__}")
         return cls(
-            d["name"], d["kind"], s["label"], tuple(layout_from_dict(x) for x in s["inputs"]),
+            text(d["name"]), text(d["kind"]), text(s["label"]),
+            tuple(layout_from_dict(x) for x in s["inputs"]),
             None if s["weight"] is None else layout_from_dict(s["weight"]),
-            layout_from_dict(s["output"]), d["compute_s"], d["memory_bytes"],
-            tuple(Collective.from_dict(c) for c in d["collectives"]), d.get("stage", 0),
-            tuple(_rank(x) for x in s["inputs"]),
-            _rank(s["output"]),
+            layout_from_dict(s["output"]), number(d["compute_s"]), number(d["memory_bytes"]),
+            tuple(Collective.from_dict(c) for c in d["collectives"]), stage,
+            tuple(_shape(x) for x in s["inputs"]),
+            _shape(s["output"]),
         )
 
 
-def _rank(layout_dict: dict) -> int:
-    return int(layout_dict.get("rank", 2))
+def _shape(layout_dict: dict) -> tuple[int, ...]:
+    shape = layout_dict.get("shape")
+    return () if shape is None else tuple(int(n) for n in shape)
 
 
 @dataclass
@@ -196,29 +224,29 @@ class Plan:
                 [LayerPlan.from_dict(x) for x in d["layers"]], d.get("baselines", {}),
                 d.get("stages", []), d.get("schedule"), d.get("resharding", []), d["version"],
             )
-        except (KeyError, TypeError, ValueError, LayoutError) as exc:
-            raise PlanFormatError(f"{source}: corrupt plan ({type(exc).__name__}: {exc})") from exc
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
+                LayoutError) as exc:
+            # parsing untrusted data: any of these means a field of the wrong shape or type
+            raise PlanFormatError(f"{source}: corrupt plan ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]})") from exc
 
     def to_json(self) -> str:
         """The plan file's text (what :meth:`save` writes and :meth:`load` reads)."""
         return json.dumps(self.to_dict(), indent=1)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the plan file (parent folders created; errors name the path)."""
+        write_output(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        text = read_input(path, PlanFormatError)
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"{path}: not valid JSON ({exc})") from exc
-        except UnicodeDecodeError as exc:
-            raise PlanFormatError(f"{path}: not a plan file (not UTF-8 text: byte "
-                                  f"{exc.start})") from exc
         except RecursionError as exc:
             raise PlanFormatError(f"{path}: not a plan file (JSON nested too deeply)") from exc
-        except OSError as exc:
-            raise PlanFormatError(f"{path}: cannot read ({exc})") from exc
         return cls.from_dict(data, str(path))
 
     @property

@@ -167,7 +167,7 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
             op.name, op.kind.value, opt.base.label if is_base else f"follows {node}",
             opt.inputs[pos], opt.base.weight if is_base else None, opt.outputs[pos],
             opt.compute_s[pos], mem, tuple(colls), stage,
-            tuple(graph[s].output.rank for s in op.inputs), op.output.rank,
+            tuple(graph[s].output.shape for s in op.inputs), op.output.shape,
         ))
         all_colls += colls
         compute += opt.compute_s[pos]

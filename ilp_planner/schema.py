@@ -13,6 +13,7 @@ Integers must be integers (``4``, not ``4.0`` nor ``true``).
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
@@ -27,9 +28,14 @@ def join(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring, _SHORT.maxother = 3, 4, 6, 50, 50
+
+
 def show(value: Any, limit: int = 60) -> str:
-    """A short ``repr`` for error messages (long mappings and lists are cut)."""
-    text = repr(value)
+    """A short ``repr`` for error messages: bounded work and size whatever the value (a
+    YAML alias bomb is a small file but an astronomically large ``repr``)."""
+    text = _SHORT.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

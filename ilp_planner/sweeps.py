@@ -79,6 +79,8 @@ from typing import Any, TextIO
 
 from ilp_planner.config import apply_overrides, load_config, parse_config, read_yaml
 from ilp_planner.errors import ConfigError, InfeasibleError, PlannerError
+from ilp_planner.files import prepare_output, read_input
+from ilp_planner.limits import check_limit
 from ilp_planner.schema import Reader, join, show
 
 RESULTS_JSONL = "results.jsonl"
@@ -194,21 +196,26 @@ class SweepSpec:
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_sweep(path: str | Path) -> SweepSpec:
+def load_sweep(path: str | Path, max_points: int | None = None) -> SweepSpec:
     """Read and validate a sweep file (see the module docstring)."""
-    return parse_sweep(read_yaml(path), str(path))
+    return parse_sweep(read_yaml(path), str(path), max_points)
 
 
-def parse_sweep(data: Mapping[str, Any], source: str | None = None) -> SweepSpec:
+def parse_sweep(data: Mapping[str, Any], source: str | None = None,
+                max_points: int | None = None) -> SweepSpec:
     """Validate a parsed sweep document. ``base`` paths are relative to ``source``'s folder
-    (the working directory for in-memory documents)."""
+    (the working directory for in-memory documents). More points than ``max_points``
+    (default :data:`ilp_planner.limits.LIMITS`) is an error, counted before any is built."""
     r = Reader(source)
     top = r.mapping(data, "", required=("base",), optional=("name", "grid", "zip", "solve", "plot"))
     base_value = top["base"]
     if isinstance(base_value, str):
         folder = Path(source).parent if source else Path(".")
         base_path = Path(base_value) if Path(base_value).is_absolute() else folder / base_value
-        base_cfg = load_config(base_path)
+        try:
+            base_cfg = load_config(base_path)
+        except ConfigError as exc:
+            r.fail("base", f"the base configuration does not load: {exc}")
         base_source = str(base_path)
     elif isinstance(base_value, Mapping):
         base_cfg = parse_config(base_value, source)
@@ -232,6 +239,9 @@ def parse_sweep(data: Mapping[str, Any], source: str | None = None) -> SweepSpec
         if len(set(lengths.values())) > 1:
             r.fail("zip", "zipped lists must have equal lengths, got "
                           + ", ".join(f"{k}: {n}" for k, n in lengths.items()))
+    count = math.prod(len(v) for _, v in grid) * (len(zipped[0][1]) if zipped else 1)
+    check_limit("points", count, "the number of sweep points", source=source, key="grid",
+                bound=max_points, how="--max-points" if max_points is not None else None)
 
     solve = {} if top.get("solve") is None else r.mapping(
         top["solve"], "solve", optional=("baselines", "timeout_s", "memory_gib"))
@@ -630,7 +640,7 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
     runner = make_backend(backend, jobs=jobs, address=address)
     if not isinstance(spec, SweepSpec):
         spec = load_sweep(spec)
-    out = Path(output) if output is not None else default_output(spec)
+    out = prepare_output(Path(output) if output is not None else default_output(spec), folder=True)
     (out / PLANS_DIR).mkdir(parents=True, exist_ok=True)
     points = spec.points()
     fingerprint = spec.fingerprint
@@ -643,8 +653,10 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
                 continue
             if row.get("error") and retry_failed:
                 continue
-            if not row.get("error") and not (out / str(row.get("plan", ""))).is_file():
+            if not row.get("error") and not _plan_inside(out, row.get("plan")):
                 continue
+            if not _numbers_valid(row):
+                continue  # solved again: a row must not carry a metric it could not have
             kept[row["id"]] = row
     todo = [p for p in points if p.id not in kept]
     rows: dict[int, dict[str, Any]] = {}
@@ -716,6 +728,30 @@ def failed_row(task: PointTask, error: str) -> dict[str, Any]:
 # -- results files ---------------------------------------------------------------------------
 
 
+def _plan_inside(out: Path, plan: Any) -> bool:
+    """A kept row's plan is a file inside ``out``'s plans folder (a resumed results file is
+    input too: ``../../etc/passwd`` is not a plan)."""
+    if not isinstance(plan, str) or not plan:
+        return False
+    folder = (out / PLANS_DIR).resolve()
+    path = (out / plan).resolve()
+    return path.is_relative_to(folder) and path.is_file()
+
+
+def _numbers_valid(row: Mapping[str, Any]) -> bool:
+    """Every metric of a row (``*_s``, ``*_bytes``, ``*fraction``, ``ratio_*``) is absent,
+    null or a finite non-negative number."""
+    for key, value in row.items():
+        if not (key.endswith(("_s", "_bytes", "fraction")) or key.startswith("ratio_")):
+            continue
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value) or value < 0:
+            return False
+    return True
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``results.jsonl`` (a missing file has none; a torn last line, from an
     interrupted run, is skipped)."""
@@ -723,13 +759,13 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     rows = []
-    for line in p.read_text().splitlines():
+    for line in read_input(p).splitlines():
         line = line.strip()
         if not line:
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if isinstance(row, dict) and "id" in row:
             rows.append(row)

@@ -49,17 +49,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from formulations.schedules import Schedule, ScheduleError, lower, make_schedule, validate
-from ilp_planner.config import parse_config
-from ilp_planner.errors import LayoutError, PlanFormatError
-from ilp_planner.graph import Graph, OpKind, TensorSpec
-from ilp_planner.layer_check import check_layer_strategies
+from ilp_planner.errors import PlanFormatError
+from ilp_planner.graph import OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.pipeline_planner import find_entry
-from ilp_planner.plan import LayerPlan, Plan, layout_from_dict
+from ilp_planner.plan import LayerPlan, Plan
+from ilp_planner.plan_check import Entry, Task, check_plan
 from ilp_planner.programs import edge_programs
 from ilp_planner.redistribution import Redistribution
-from ilp_planner.resharding import region_numel
 from ilp_planner.strategies import (
     StrategyContext,
     SyncBucket,
@@ -67,7 +64,6 @@ from ilp_planner.strategies import (
     is_summa,
     loss_axes,
     param_layouts,
-    resolve_partial,
     summa_programs,
     tied_exchange,
     tied_source,
@@ -89,42 +85,6 @@ class RunOptions:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: float = 60.0
     microbatches: int | None = None  # single-stage plans: gradient accumulation override
-
-
-@dataclass(frozen=True)
-class Task:
-    region: tuple[tuple[int, int], ...]
-    sender: int
-    holders: tuple[int, ...]
-    receivers: tuple[int, ...]
-
-    @property
-    def group(self) -> tuple[int, ...]:
-        return tuple(sorted({self.sender, *self.receivers}))
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One resharding entry of the plan: a tensor moving between two stages, forward
-    (``tasks``, source stage → destination) and its gradient back (``backward_tasks``)."""
-
-    index: int
-    src_stage: int
-    dst_stage: int
-    tensor: str
-    consumer: str
-    shape: tuple[int, ...]
-    src_layout: Layout
-    dst_layout: Layout
-    tasks: tuple[Task, ...]
-    backward_tasks: tuple[Task, ...]
-
-
-@dataclass
-class Stage:
-    index: int
-    devices: tuple[int, ...]
-    layers: list[str]
 
 
 @dataclass
@@ -149,22 +109,19 @@ class Executor:
             raise RuntimeSetupError(
                 f"plan {plan.name!r} is for {plan.num_devices} devices but the world has {world} "
                 f"processes; launch with --nproc-per-node {plan.num_devices} (or re-solve)")
-        try:
-            self.config = parse_config(plan.config)
-        except Exception as exc:  # a plan whose embedded config no longer parses
-            raise PlanFormatError(f"plan {plan.name!r}: its config does not parse: {exc}") from exc
+        checked = check_plan(plan, microbatches=options.microbatches)
+        self.config = checked.config
         self.cluster = self.config.cluster
         self.full_graph = self.config.graph
-        self.microbatches = self._microbatches()
-        self.graph = self._graph()
+        self.microbatches = checked.microbatches
+        self.graph = checked.graph
         model.check_supported(self.graph)
         self.layers: dict[str, LayerPlan] = {lp.name: lp for lp in plan.layers}
-        self._check_layers()
-        self.stages = self._stages()
-        check_layer_strategies(plan, self.graph, self.config)
+        self._check_even()
+        self.stages = checked.stages
         self.stage_of = {n: s.index for s in self.stages for n in s.layers}
-        self.entries = self._entries()
-        self.actions = self._actions()
+        self.entries = checked.entries
+        self.actions = checked.actions
         self.recorder = Recorder(self.cluster.devices_per_node)
         self.registry = MeshRegistry(options.timeout_s)
         self.comms = {s.index: Comm(self.registry, s.devices, rank, self.cluster, self.recorder)
@@ -185,150 +142,19 @@ class Executor:
         }
 
     # ---- compile -------------------------------------------------------------------------
-    def _microbatches(self) -> int:
-        if self.plan.schedule:
-            try:
-                return int(self.plan.schedule["num_microbatches"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise PlanFormatError(f"plan {self.plan.name!r}: schedule has no integer "
-                                      f"num_microbatches") from exc
-        return self.options.microbatches or self.config.pipeline.microbatches
-
-    def _graph(self) -> Graph:
-        m = self.microbatches
-        if m == 1:
-            return self.full_graph
-        if "batch" not in self.config.model or self.config.model["batch"] % m:
-            raise RuntimeSetupError(f"model batch {self.config.model.get('batch')} does not split "
-                                    f"into {m} micro-batches")
-        return self.config.with_overrides({"model.batch": self.config.model["batch"] // m,
-                                           "pipeline.microbatches": 1}).graph
-
-    def _check_layers(self) -> None:
+    def _check_even(self) -> None:
+        """The runtime's own requirement beyond a valid plan: even splits of the micro-batch
+        shapes (every rank's block the same size)."""
         for op in self.graph.ops:
             if op.kind is OpKind.INPUT:
                 continue
-            if op.name not in self.layers:
-                raise PlanFormatError(f"plan {self.plan.name!r} has no layer for op {op.name!r}")
             lp = self.layers[op.name]
-            if len(lp.inputs) != len(op.inputs):
-                raise PlanFormatError(f"layer {op.name!r}: {len(lp.inputs)} input layouts for "
-                                      f"{len(op.inputs)} inputs")
-            try:
-                for lay, src in zip(lp.inputs, op.inputs, strict=True):
-                    lay.check(self.graph[src].output)
-                    if not lay.is_even(self.graph[src].output):
-                        raise LayoutError(f"{lay} splits {self.graph[src].output.shape} unevenly")
-                lp.output.check(op.output)
-            except LayoutError as exc:
-                raise RuntimeSetupError(f"layer {op.name!r}: {exc} (the runtime needs even "
-                                        f"splits of the micro-batch shapes)") from exc
-
-    def _stages(self) -> list[Stage]:
-        names = [lp.name for lp in self.plan.layers]
-        if not self.plan.stages:
-            return [Stage(0, tuple(range(self.world)), names)]
-        out = []
-        try:
-            for i, s in enumerate(self.plan.stages):
-                if int(s["index"]) != i:
-                    raise PlanFormatError(f"stage {i} has index {s['index']}")
-                out.append(Stage(i, tuple(int(d) for d in s["devices"]), list(s["layers"])))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanFormatError(f"plan {self.plan.name!r}: malformed stages ({exc})") from exc
-        placed = [n for s in out for n in s.layers]
-        if sorted(placed) != sorted(names):
-            raise PlanFormatError(f"plan {self.plan.name!r}: stages list {len(placed)} layers, the "
-                                  f"plan has {len(names)} (each layer in exactly one stage)")
-        used = [d for s in out for d in s.devices]
-        if len(set(used)) != len(used) or any(not 0 <= d < self.world for d in used):
-            raise PlanFormatError(f"plan {self.plan.name!r}: stage devices {used} overlap or lie "
-                                  f"outside 0..{self.world - 1}")
-        for s in out:
-            for n in s.layers:
-                if self.layers[n].stage != s.index:
-                    raise PlanFormatError(f"layer {n!r} says stage {self.layers[n].stage} but is "
-                                          f"listed in stage {s.index}")
-                lay = self.layers[n].output
-                if lay.num_devices != len(s.devices):
-                    raise PlanFormatError(f"layer {n!r} is laid out on {lay.num_devices} devices, "
-                                          f"its stage {s.index} has {len(s.devices)}")
-        return out
-
-    def _entries(self) -> list[Entry]:
-        out = []
-        for i, e in enumerate(self.plan.resharding):
-            try:
-                ent = Entry(i, int(e["src_stage"]), int(e["dst_stage"]), e["tensor"], e["consumer"],
-                            tuple(int(x) for x in e["shape"]), layout_from_dict(e["src_layout"]),
-                            layout_from_dict(e["dst_layout"]), _tasks(e["tasks"]),
-                            _tasks(e["backward_tasks"]))
-            except (KeyError, TypeError, ValueError, LayoutError) as exc:
-                raise PlanFormatError(f"plan {self.plan.name!r}: resharding entry {i} is malformed "
-                                      f"({type(exc).__name__}: {exc})") from exc
-            self._check_entry(ent)
-            out.append(ent)
-        return out
-
-    def _check_entry(self, e: Entry) -> None:
-        where = f"resharding entry {e.index} ({e.tensor} -> {e.consumer})"
-        spec = self.graph[e.tensor].output if e.tensor in self.graph else None
-        if spec is None or e.consumer not in self.graph:
-            raise PlanFormatError(f"{where}: names an op the graph does not have")
-        if tuple(spec.shape) != e.shape:
-            raise PlanFormatError(f"{where}: shape {list(e.shape)} but the op's output is "
-                                  f"{list(spec.shape)}")
-        if self.stage_of[e.tensor] != e.src_stage or self.stage_of[e.consumer] != e.dst_stage:
-            raise PlanFormatError(f"{where}: stages {e.src_stage}->{e.dst_stage} disagree with the "
-                                  f"stage lists")
-        if e.src_layout.has_partial or e.dst_layout.has_partial:
-            raise RuntimeSetupError(f"{where}: cross-mesh layouts must be free of partial sums")
-        sent = resolve_partial(self.layers[e.tensor].output, spec)
-        if e.src_layout != sent:
-            raise PlanFormatError(f"{where}: sends from {e.src_layout}, but the producer's export "
-                                  f"program (priced) yields {sent}")
-        src_dev = self.stages[e.src_stage].devices
-        dst_dev = self.stages[e.dst_stage].devices
-        src_reg = dict(zip(src_dev, device_regions(e.src_layout, e.shape), strict=True))
-        dst_reg = dict(zip(dst_dev, device_regions(e.dst_layout, e.shape), strict=True))
-        _check_tasks(f"{where}, forward", e.tasks, src_reg, dst_reg)
-        _check_tasks(f"{where}, backward", e.backward_tasks, dst_reg, src_reg)
-
-    def _actions(self) -> dict[int, list[tuple[str, int]]]:
-        """Parse, validate (complete, locally ordered, deadlock-free — the lead's
-        :func:`formulations.schedules.validate`) and lower the schedule: per stage the
-        ``(kind, micro-batch)`` list the handler table runs. Accepted plan forms:
-        ``{"actions": {"0": ["F0", …], …}, "num_microbatches": M}`` or the
-        ``Schedule.to_dict`` form ``{"rows": ["F0 F1 …", …], "microbatches": M}``."""
-        m, n = self.microbatches, len(self.stages)
-        raw = self.plan.schedule or {}
-        name = str(raw.get("name", "custom"))
-        if raw.get("actions"):
-            acts = raw["actions"]
-            try:
-                rows = [acts[str(i)] if str(i) in acts else acts[i] for i in range(n)]
-            except (KeyError, TypeError) as exc:
-                raise ScheduleError(f"schedule actions need one list per stage 0..{n - 1} "
-                                    f"({exc})") from exc
-        elif raw.get("rows"):
-            rows = raw["rows"]
-        elif n == 1:
-            rows = make_schedule("1f1b", 1, m).to_strings()
-        else:
-            raise PlanFormatError(f"plan {self.plan.name!r} has {n} stages but no schedule actions")
-        if len(rows) != n:
-            raise ScheduleError(f"schedule has {len(rows)} rows for {n} stages")
-        # validated as it will run: lowered to per-rank actions, so the FIFO order of the
-        # transfers on every link is checked too (a stage reading micro-batches in another
-        # order than its neighbour sends them would silently train on the wrong data)
-        sched = lower(Schedule.from_strings(rows, num_microbatches=m, name=name))
-        validate(sched)
-        for e in self.entries:
-            if e.src_stage >= e.dst_stage:
-                raise RuntimeSetupError(f"resharding entry {e.index} ({e.tensor} -> {e.consumer}) "
-                                        f"goes from stage {e.src_stage} to {e.dst_stage}; "
-                                        f"transfers must go to a later stage")
-        return {i: [(a.kind.value, a.microbatch) for a in row] for i, row in enumerate(sched.rows)}
+            for lay, spec in [*zip(lp.inputs, (self.graph[s].output for s in op.inputs), strict=True),
+                              (lp.output, op.output)]:
+                if not lay.is_even(spec):
+                    raise RuntimeSetupError(f"layer {op.name!r}: {lay} splits {spec.shape} "
+                                            f"unevenly (the runtime needs even splits of the "
+                                            f"micro-batch shapes)")
 
     def _compile(self) -> None:
         """Take every edge's lowered program (:func:`ilp_planner.programs.edge_programs`, the
@@ -722,36 +548,3 @@ class Executor:
 
 
 _GROUP_TAG = {"forward": "fwd", "backward": "bwd"}  # transfer groups, one set per direction
-
-
-def _tasks(rows) -> tuple[Task, ...]:
-    return tuple(Task(tuple((int(a), int(b)) for a, b in t["slice"]), int(t["sender"]),
-                      tuple(int(h) for h in t["holders"]), tuple(int(r) for r in t["receivers"]))
-                 for t in rows)
-
-
-def _check_tasks(where: str, tasks: tuple[Task, ...], have: dict, need: dict) -> None:
-    """Every task's sender holds its slice (in ``have``: device → region), every receiver
-    needs it, and every needing device receives exactly its whole region."""
-    covered = dict.fromkeys(need, 0)
-    for k, t in enumerate(tasks):
-        if t.sender not in t.holders or not t.receivers:
-            raise PlanFormatError(f"{where}: task {k} sender {t.sender} is not a holder, or no "
-                                  f"receivers")
-        for h in t.holders:
-            if h not in have or not _inside(t.region, have[h]):
-                raise PlanFormatError(f"{where}: task {k} slice {t.region} is not held by {h}")
-        for r in t.receivers:
-            if r not in need or not _inside(t.region, need[r]):
-                raise PlanFormatError(f"{where}: task {k} slice {t.region} not needed by {r}")
-            covered[r] += region_numel(t.region)
-    for r, n in covered.items():
-        if n != region_numel(need[r]):
-            raise PlanFormatError(f"{where}: device {r} receives {n} of the {region_numel(need[r])} "
-                                  f"elements of its shard")
-
-
-def _inside(inner, outer) -> bool:
-    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(inner, outer, strict=True))
-
-

@@ -215,8 +215,10 @@ def test_every_shipped_config_explains_diffs_and_compiles_for_the_runtime(path, 
 def test_explain_and_diff_verbs(tiny, tmp_path, capsys):
     a = tmp_path / "a.json"
     tiny.save(a)
-    b = tmp_path / "b.json"
-    pipelined(tiny).save(b)
+    b = tmp_path / "b.json"  # a real pipelined plan: the verbs check plans before reading them
+    from runtime.plans import pipelined_plan
+
+    pipelined_plan(load_config(TINY), stages=2, schedule="1f1b", microbatches=4).save(b)
     assert cli.main(["explain", str(a)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("plan tiny-gpt-cpu") and "DTensor" in out

@@ -95,5 +95,5 @@ def test_corrupt_and_missing_files_are_rejected(plan, tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(PlanFormatError, match="corrupt plan.*cannot parse placement 'Q'"):
         Plan.load(path)
-    with pytest.raises(PlanFormatError, match="cannot read"):
+    with pytest.raises(PlanFormatError, match="file not found"):
         Plan.load(tmp_path / "missing.json")

@@ -293,6 +293,20 @@ CORRUPTIONS = {
         placements=["S(0)", "P", "P"]), "partial sums resolved"),
     "layouts-not-the-strategy's": (lambda d: d["layers"][0]["strategy"]["weight"].update(
         placements=["S(0)", "B", "B"]), "are not those of strategy"),
+    "nan-seconds": (lambda d: d["layers"][2]["collectives"][0].update(seconds=float("nan")),
+                    "layers[2].collectives[0].seconds: expected a finite number"),
+    "negative-compute": (lambda d: d["layers"][0].update(compute_s=-1.0),
+                         "layers[0].compute_s: expected a non-negative number"),
+    "bool-microbatches": (lambda d: d["schedule"].update(num_microbatches=True),
+                          "expected a positive integer"),
+    "split-dim-out-of-range": (lambda d: d["layers"][0]["strategy"]["output"].update(
+        placements=["S(7)", "B", "B"]), "layers[0] (fc1).strategy.output"),
+    "stage-devices-swapped-in": (lambda d: d["stages"][1].update(devices=[0, 1]),
+                                 "overlap or lie outside"),
+    "layer-dropped-from-config": (lambda d: d["config"]["model"].update(
+        dims=d["config"]["model"]["dims"][:-1]), "do not match the config's graph"),
+    "config-dims-edited": (lambda d: d["config"]["model"].update(
+        dims=[2 * x for x in d["config"]["model"]["dims"]]), "the config was edited"),
 }
 
 
@@ -307,6 +321,24 @@ def test_corrupted_plan_fails_fast(monkeypatch, capsys, tmp_path, plan4, case: s
     assert _main_as_rank(monkeypatch, [str(bad)], world=4) == 2
     assert message in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_check_verb_names_what_is_wrong(capsys, tmp_path, plan4, case: str) -> None:
+    edit, message = CORRUPTIONS[case]
+    if edit is None:
+        bad = tmp_path / "bad.json"
+        bad.write_text(plan4.read_text()[:500])
+    else:
+        bad = _corrupt(plan4, tmp_path, edit)
+    assert cli.main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(bad) in err.splitlines()[0] and "Traceback" not in err
+
+
+def test_check_verb_accepts_a_valid_plan_and_says_if_it_runs_here(capsys, plan4) -> None:
+    assert cli.main(["check", str(plan4)]) == 0
+    assert "ok" in capsys.readouterr().out
 
 
 def test_binary_plan_file_is_a_format_error(monkeypatch, capsys, tmp_path) -> None:

@@ -21,7 +21,7 @@ from ilp_planner.config import apply_overrides, load_config, parse_config
 from ilp_planner.cost_model import CollectiveKind, MemorySpec, collective_time
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.graph import OpKind
-from ilp_planner.plan import Plan
+from ilp_planner.plan import PLAN_VERSION, Plan
 from ilp_planner.planner import realise, solve, solve_mesh
 
 K = CollectiveKind
@@ -234,7 +234,7 @@ COST_KEYS = {"total_s", "compute_s", "comm_s", "activation_comm_bytes", "grad_sy
 
 def test_plan_json_fields(plans):
     d = json.loads(json.dumps(plans["tiny-gpt-cpu"].to_dict()))
-    assert d["version"] == 2
+    assert d["version"] == PLAN_VERSION
     assert {"status", "objective", "bound", "gap", "build_s", "solve_s"} <= set(d["solver"])
     assert COST_KEYS <= set(d["cost"])
     assert math.isclose(d["cost"]["total_s"], d["cost"]["compute_s"] + d["cost"]["comm_s"])

@@ -430,3 +430,21 @@ def test_cli_sweep_reports_a_bad_key_and_exits_two(tmp_path, capsys):
     assert "not a swept key" in capsys.readouterr().err
     assert cli.main(["sweep", str(path), "--address", "auto"]) == 2
     assert "is for the ray backend; pass backend='ray' (--backend ray)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit", [
+    lambda row: row.update(step_s="abc"),
+    lambda row: row.update(step_s=float("nan")),
+    lambda row: row.update(plan="../../../../etc/passwd"),
+    lambda row: row.update(plan=None),
+])
+def test_resume_re_solves_rows_it_cannot_trust(tmp_path, edit):
+    spec = spec_of(grid={"cluster.nodes": [1, 2]}, solve={"baselines": False})
+    sweep(spec, tmp_path, jobs=1, progress=False)
+    jsonl = tmp_path / "results.jsonl"
+    rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    edit(rows[0])
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = sweep(spec, tmp_path, jobs=1, resume=True, progress=False)
+    assert again.solved == 1 and again.skipped == 1
+    assert all(isinstance(r["step_s"], float) for r in again.rows)

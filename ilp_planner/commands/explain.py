@@ -23,14 +23,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def load_plan_or_solve(path: str):
-    """A plan file, or the plan of a YAML configuration (solved with its baselines)."""
-    from ilp_planner.plan import Plan
+    """A plan file (checked), or the plan of a YAML configuration (solved with its
+    baselines)."""
+    from ilp_planner.plan_check import load_checked
 
     if path.endswith((".yaml", ".yml")):
         from ilp_planner.planner import solve
 
         return solve(path)
-    return Plan.load(path)
+    return load_checked(path)
 
 
 def emit(text: str) -> None:

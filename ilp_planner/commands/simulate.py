@@ -31,16 +31,21 @@ def run(args: argparse.Namespace) -> int:
     from formulations.schedules import make_schedule
     from formulations.simulator import plot_timeline, simulate
     from ilp_planner.errors import PlanFormatError
+    from ilp_planner.files import prepare_output
     from ilp_planner.pipeline_planner import stage_durations
-    from ilp_planner.plan import Plan
+    from ilp_planner.plan_check import load_checked
 
-    plan = Plan.load(args.plan)
+    plan = load_checked(args.plan)
     if not plan.stages or not plan.schedule:
         raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no pipeline stages; solve a "
                               f"config with pipeline.stages > 1 or auto")
     name = args.schedule or plan.schedule["name"]
     m = args.microbatches or plan.schedule["num_microbatches"]
-    durations = stage_durations(plan.stages, plan.resharding)
+    try:
+        durations = stage_durations(plan.stages, plan.resharding)
+    except (KeyError, TypeError) as exc:
+        raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no priced stage or transfer "
+                              f"times ({exc}); simulate needs a plan the planner solved") from exc
     overlap = not args.no_overlap
     print(f"{plan.name}: {len(plan.stages)} stages, {m} micro-batches, overlap {overlap}")
     print(f"  {'schedule':<12}{'makespan s':>12}{'bubble':>9}  peak in-flight per stage")
@@ -53,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if sched_name == name:
             result = res
     if args.plot and result is not None:
+        prepare_output(args.plot)
         plot_timeline(result, args.plot, title=f"{plan.name}: {name}, {m} micro-batches")
         print(f"wrote {args.plot}")
     return 0

@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--address", metavar="ADDR",
                    help="with --backend ray: the cluster to join (auto, HOST:PORT, ray://HOST:PORT); "
                         "default: start a local Ray instance")
+    p.add_argument("--max-points", type=int, default=None, metavar="N",
+                   help="allow up to N points (default 10,000; ILP_PLANNER_MAX_POINTS)")
     p.add_argument("--resume", action="store_true",
                    help="skip points already in DIR/results.jsonl (same base config)")
     p.add_argument("--retry-failed", action="store_true",
@@ -72,7 +74,7 @@ def _plot_specs(items: list[str], keys: tuple[str, ...]):
 def run(args: argparse.Namespace) -> int:
     from ilp_planner.sweeps import RESULTS_JSONL, default_output, load_sweep, sweep
 
-    spec = load_sweep(args.sweep)
+    spec = load_sweep(args.sweep, args.max_points)
     plots = False if args.no_plots else (_plot_specs(args.plot, spec.keys) if args.plot else True)
     points = len(spec.points())
     print(f"sweep {spec.name}: {points} point(s) over {', '.join(spec.keys) or 'no keys'}",

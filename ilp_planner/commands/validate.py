@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ilp_planner.config import load_config
+from ilp_planner.config import parse_config, read_yaml
 from ilp_planner.errors import ConfigError
 
 
@@ -33,7 +33,12 @@ def run(args: argparse.Namespace) -> int:
         if i:
             print()
         try:
-            config = load_config(path)
+            data = read_yaml(path)
+            if isinstance(data, dict) and "base" in data and "model" not in data:
+                raise ConfigError("this is a sweep file (it has a 'base' and no 'model'); run "
+                                  "`ilp-planner sweep` on it, or validate its base config",
+                                  source=str(path))
+            config = parse_config(data, str(path))
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             failed += 1
