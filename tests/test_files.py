@@ -123,3 +123,17 @@ def test_sweep_points_are_bounded_and_the_bound_can_be_raised(capsys, tmp_path):
     _fails(capsys, ["sweep", str(sweep), "-o", str(tmp_path / "out")], "20000", "above the limit")
     _fails(capsys, ["sweep", str(sweep), "--max-points", "10", "-o", str(tmp_path / "o")],
            "--max-points")
+
+
+def test_validate_estimates_the_solve_size(capsys, tmp_path):
+    import yaml
+
+    assert cli.main(["validate", str(TINY)]) == 0
+    assert "within reach" in capsys.readouterr().out
+    data = yaml.safe_load((CONFIGS / "gpt-6.7b-2x8.yaml").read_text())
+    data["cluster"]["nodes"] = 64
+    data["solver"] = {**(data.get("solver") or {}), "tie_layers": False}
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump(data))
+    assert cli.main(["validate", str(big)]) == 0
+    assert "likely minutes or more" in capsys.readouterr().out
