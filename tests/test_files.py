@@ -137,3 +137,13 @@ def test_validate_estimates_the_solve_size(capsys, tmp_path):
     big.write_text(yaml.safe_dump(data))
     assert cli.main(["validate", str(big)]) == 0
     assert "likely minutes or more" in capsys.readouterr().out
+
+
+def test_simulate_bounds_its_micro_batch_override(capsys, tmp_path):
+    from ilp_planner.config import load_config
+    from runtime.plans import pipelined_plan
+
+    plan = tmp_path / "pp.json"
+    pipelined_plan(load_config(TINY), stages=2, schedule="1f1b", microbatches=2).save(plan)
+    _fails(capsys, ["simulate", str(plan), "--microbatches", str(10**9)], "ILP_PLANNER_MAX_MICROBATCHES")
+    _fails(capsys, ["simulate", str(plan), "--microbatches", "-3"], "positive integer")

@@ -30,8 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from formulations.schedules import make_schedule
     from formulations.simulator import plot_timeline, simulate
-    from ilp_planner.errors import PlanFormatError
+    from ilp_planner.errors import ConfigError, PlanFormatError
     from ilp_planner.files import prepare_output
+    from ilp_planner.limits import check_limit
     from ilp_planner.pipeline_planner import stage_durations
     from ilp_planner.plan_check import load_checked
 
@@ -41,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
                               f"config with pipeline.stages > 1 or auto")
     name = args.schedule or plan.schedule["name"]
     m = args.microbatches or plan.schedule["num_microbatches"]
+    if m < 1:
+        raise ConfigError(f"--microbatches: expected a positive integer, got {m}")
+    check_limit("microbatches", m, "the number of micro-batches", key="--microbatches")
     try:
         durations = stage_durations(plan.stages, plan.resharding)
     except (KeyError, TypeError) as exc:
