@@ -96,6 +96,7 @@ class CheckedPlan:
     microbatches: int
     stages: list[Stage]
     entries: list[Entry]
+    entry_of: dict[tuple[str, int], int]  # (consumer, input index) -> entry bringing it
     actions: dict[int, list[tuple[str, int]]]
 
 
@@ -115,11 +116,11 @@ def check_plan(plan: Plan, source: str | None = None, microbatches: int | None =
         stages = plan_stages(plan, config, src)
         check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src)
         stage_of = {n: s.index for s in stages for n in s.layers}
-        entries = plan_entries(plan, graph, stages, stage_of, src)
+        entries, entry_of = plan_entries(plan, graph, stages, stage_of, src)
         actions = lowered_actions(plan, len(stages), m, src)
     except (ScheduleError, LayoutError) as exc:
         raise PlanFormatError(f"{src}: {exc}") from exc
-    return CheckedPlan(config, graph, m, stages, entries, actions)
+    return CheckedPlan(config, graph, m, stages, entries, entry_of, actions)
 
 
 def load_checked(path: str | Path) -> Plan:
@@ -275,8 +276,9 @@ def _tasks(rows) -> tuple[Task, ...]:
 
 
 def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
-                 src: str) -> list[Entry]:
-    """The resharding entries, parsed and checked (module docstring, item 6)."""
+                 src: str) -> tuple[list[Entry], dict[tuple[str, int], int]]:
+    """The resharding entries, parsed and checked (module docstring, item 6), and which
+    entry brings each cross-stage input ``(consumer, input index)``."""
     out = []
     for i, e in enumerate(plan.resharding or ()):
         try:
@@ -292,16 +294,19 @@ def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: di
                                                          f"({ent.tensor} -> {ent.consumer})")
         out.append(ent)
     rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in out]
+    entry_of: dict[tuple[str, int], int] = {}
     for ly in plan.layers:
         for idx, s in enumerate(graph[ly.name].inputs):
             if graph[s].kind is OpKind.INPUT or stage_of[s] == stage_of[ly.name]:
                 continue
-            if find_entry(rows, s, ly.name, stage_of[ly.name], ly.inputs[idx]) is None:
+            k = find_entry(rows, s, ly.name, stage_of[ly.name], ly.inputs[idx])
+            if k is None:
                 raise PlanFormatError(
                     f"{src}: edge {s} -> {ly.name} crosses stages {stage_of[s]} -> "
                     f"{stage_of[ly.name]} but the plan has no resharding entry bringing {s} to "
                     f"stage {stage_of[ly.name]} in the layout {ly.inputs[idx]} it reads")
-    return out
+            entry_of[(ly.name, idx)] = k
+    return out, entry_of
 
 
 def _check_entry(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ilp_planner.config import parse_config
+from ilp_planner.config import Config, parse_config
 from ilp_planner.graph import Graph, OpKind
 from ilp_planner.plan import Plan
 from ilp_planner.redistribution import Redistribution, RedistStep, plan_redistribution
@@ -32,15 +32,13 @@ class EdgeProgram:
     program: Redistribution
 
 
-def plan_graph(plan: Plan) -> Graph:
-    """The layer graph of one micro-batch that the plan's layers describe."""
-    return parse_config(plan.config).microbatch_graph()
-
-
-def edge_programs(plan: Plan, graph: Graph | None = None) -> list[EdgeProgram]:
-    """Every edge program of ``plan``, in layer order."""
-    graph = graph or plan_graph(plan)
-    cluster = parse_config(plan.config).cluster
+def edge_programs(plan: Plan, config: Config | None = None,
+                  graph: Graph | None = None) -> list[EdgeProgram]:
+    """Every edge program of ``plan``, in layer order (``config`` and ``graph`` — its
+    micro-batch graph — derived from the plan when not given)."""
+    config = config or parse_config(plan.config)
+    graph = graph or config.microbatch_graph()
+    cluster = config.cluster
     layers = {ly.name: ly for ly in plan.layers}
     out: list[EdgeProgram] = []
     for ly in plan.layers:

@@ -49,12 +49,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ilp_planner.errors import PlanFormatError
 from ilp_planner.graph import OpKind, TensorSpec
 from ilp_planner.layouts import Layout
-from ilp_planner.pipeline_planner import find_entry
 from ilp_planner.plan import LayerPlan, Plan
-from ilp_planner.plan_check import Entry, Task, check_plan
+from ilp_planner.plan_check import CheckedPlan, Entry, Task, check_plan
 from ilp_planner.programs import edge_programs
 from ilp_planner.redistribution import Redistribution
 from ilp_planner.strategies import (
@@ -99,7 +97,9 @@ class Executor:
     """One rank's view of a plan; see the module docstring for the phases."""
 
     def __init__(self, plan: Plan, options: RunOptions, *, rank: int, world: int,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, checked: CheckedPlan | None = None):
+        """``checked``: the plan's :func:`~ilp_planner.plan_check.check_plan` result when the
+        caller already has it (it is computed otherwise)."""
         self.plan = plan
         self.options = options
         self.rank = rank
@@ -109,7 +109,7 @@ class Executor:
             raise RuntimeSetupError(
                 f"plan {plan.name!r} is for {plan.num_devices} devices but the world has {world} "
                 f"processes; launch with --nproc-per-node {plan.num_devices} (or re-solve)")
-        checked = check_plan(plan, microbatches=options.microbatches)
+        checked = checked or check_plan(plan, microbatches=options.microbatches)
         self.config = checked.config
         self.cluster = self.config.cluster
         self.full_graph = self.config.graph
@@ -121,6 +121,7 @@ class Executor:
         self.stages = checked.stages
         self.stage_of = {n: s.index for s in self.stages for n in s.layers}
         self.entries = checked.entries
+        self.entry_of = checked.entry_of  # (consumer, input) -> entry, exact layout (checked)
         self.actions = checked.actions
         self.recorder = Recorder(self.cluster.devices_per_node)
         self.registry = MeshRegistry(options.timeout_s)
@@ -165,7 +166,7 @@ class Executor:
         g = self.graph
         self.edges: dict[tuple[str, int], Redistribution] = {}
         self.exports: dict[str, Redistribution] = {}  # exported tensor -> export program
-        for ep in edge_programs(self.plan, g):  # the programs explain prints, the plan priced
+        for ep in edge_programs(self.plan, self.config, g):  # the programs explain prints, the plan priced
             if ep.role == "export":
                 self.exports[ep.producer] = ep.program
             else:
@@ -184,8 +185,6 @@ class Executor:
                             raise RuntimeSetupError(f"layer {name!r} wants its input {src!r} as "
                                                     f"partial sums {want}")
                         continue
-                    if self.stage_of[src] != s.index:  # an entry delivers exactly ``want``
-                        self._entry(src, name, s.index, want)
                     comm.register(self.edges[(name, idx)])
                 if op.kind is OpKind.LINEAR and is_summa(lp.strategy):
                     assert op.weight is not None
@@ -229,16 +228,6 @@ class Executor:
                 self.tied_programs[head] = progs
             else:
                 reg.need_group(("tied", head), self.stages[a].devices + self.stages[b].devices)
-
-    def _entry(self, tensor: str, consumer: str, stage: int, want: Layout) -> Entry:
-        rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in self.entries]
-        k = find_entry(rows, tensor, consumer, stage, want)
-        if k is None:
-            raise PlanFormatError(
-                f"edge {tensor} -> {consumer} crosses stages {self.stage_of[tensor]} -> {stage} "
-                f"but the plan has no resharding entry bringing {tensor} to stage {stage} in the "
-                f"layout {want} it reads")
-        return self.entries[k]
 
     # ---- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -326,7 +315,7 @@ class Executor:
                 if self.stage_of[src] == s.index:
                     have = vals[src]
                 else:
-                    have = recv[self._entry(src, name, s.index, want).index]
+                    have = recv[self.entry_of[(name, idx)]]
                 xs.append(comm.edge(have, self.edges[(name, idx)], "activation", name))
             params = {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
                       if k.rsplit(".", 1)[0] == name}

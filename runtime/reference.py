@@ -9,8 +9,10 @@ element whose gradient is zero in exact arithmetic but rounding noise in floatin
 step of random sign — in the reference and in any other summation order alike. Such an
 element's value is not determined by the computation, so no tolerance can compare it; the
 reference marks, per parameter, the elements whose gradient stayed within the rounding
-floor (``NOISE_FLOOR`` × the step's largest gradient entry) in every step, and the
-comparison leaves exactly those out (and says how many). Every other element, and every
+floor (``NOISE_FLOOR`` × the step's largest gradient entry) in every step without being
+exactly zero in all of them (an exactly-zero gradient, e.g. a dead ReLU unit's, is zero in
+any summation order and gives a zero step, so it is compared), and the comparison leaves
+exactly those out (and says how many). Every other element, and every
 loss, is compared at the same tolerance as under SGD."""
 
 from __future__ import annotations
@@ -115,8 +117,9 @@ def run_reference(graph: Graph, *, steps: int, seed: int, optimizer: OptimizerSp
     params = {k: v.clone().requires_grad_(True) for k, v in model.init_params(graph, seed).items()}
     opt = Optimizer(optimizer)
     losses = []
-    undetermined = {k: torch.full_like(p, optimizer.name == "adam", dtype=torch.bool)
-                    for k, p in params.items()}
+    tiny = {k: torch.full_like(p, optimizer.name == "adam", dtype=torch.bool)
+            for k, p in params.items()}
+    nonzero = {k: torch.zeros_like(p, dtype=torch.bool) for k, p in params.items()}
     for _ in range(steps):
         for p in params.values():
             p.grad = None
@@ -128,6 +131,8 @@ def run_reference(graph: Graph, *, steps: int, seed: int, optimizer: OptimizerSp
         losses.append(total)
         floor = NOISE_FLOOR * max(float(p.grad.abs().max()) for p in params.values())
         for k, p in params.items():
-            undetermined[k] &= p.grad.abs() <= floor
+            tiny[k] &= p.grad.abs() <= floor
+            nonzero[k] |= p.grad != 0
         opt.step({k: p.data for k, p in params.items()}, {k: p.grad for k, p in params.items()})
-    return ReferenceResult(losses, {k: p.detach().clone() for k, p in params.items()}, undetermined)
+    return ReferenceResult(losses, {k: p.detach().clone() for k, p in params.items()},
+                           {k: tiny[k] & nonzero[k] for k in params})

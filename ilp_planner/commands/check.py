@@ -21,13 +21,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ilp_planner.errors import PlannerError
-    from ilp_planner.plan_check import load_checked
+    from ilp_planner.plan import Plan
+    from ilp_planner.plan_check import check_plan
     from runtime.executor import Executor, RunOptions
 
     for path in args.plans:
-        plan = load_checked(path)
+        plan = Plan.load(path)
+        checked = check_plan(plan, str(path))
         try:
-            Executor(plan, RunOptions(), rank=0, world=plan.num_devices)
+            Executor(plan, RunOptions(), rank=0, world=plan.num_devices, checked=checked)
             runtime = "the runtime can execute it"
         except PlannerError as exc:
             runtime = f"valid, but the runtime cannot execute it here: {exc}"
