@@ -1,15 +1,17 @@
-"""The runtime's overhead: a pure data-parallel plan through :mod:`runtime` against
-``torch.nn.parallel.DistributedDataParallel`` on the same model, data, processes and
-backend, as a step-time ratio.
+"""The runtime's overhead, as step-time ratios in one run on the same model, data,
+processes and backend:
 
-Both sides run the same graph code (:func:`runtime.reference.forward`), the same
-initialisation and data, SGD, and the same step boundary (a barrier before the step, the
-loss reduced to every rank at its end). DDP gets the batch rows of its rank and averages
-gradients in buckets overlapped with the backward; the runtime executes the plan — its lowered
-programs on local blocks, one AllReduce per op's gradient bucket after the backward, its step
-bookkeeping. Per
-model the table shows the median step time (first two steps dropped) of each and their
-ratio. Usage::
+* a pure data-parallel plan through :mod:`runtime` against
+  ``torch.nn.parallel.DistributedDataParallel`` (SGD, DDP's own buckets and overlap;
+  the runtime reduces its planned gradient chunks from autograd hooks, overlapped too);
+* a tensor-parallel plan (Megatron column- then row-parallel MLP, ``megatron_filter``)
+  against the same layouts written by hand with
+  ``torch.distributed.tensor.parallel.parallelize_module`` (``ColwiseParallel`` /
+  ``RowwiseParallel``).
+
+Every side has the same step boundary: a barrier before the step (untimed), the loss
+reduced to every rank at its end. Per model the table shows the median step time (first
+two steps dropped) of each, their ratio and the last losses (which must agree). Usage::
 
     python benchmarks/runtime_overhead.py [--nproc 8] [--steps 10]
 """
@@ -26,19 +28,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from ilp_planner.baselines import data_parallel_filter
+from ilp_planner.baselines import data_parallel_filter, megatron_filter
 from ilp_planner.cluster import MeshAxis
 from ilp_planner.commands.run import torchrun_command
 from ilp_planner.config import load_config, parse_config
 from runtime.plans import restricted_plan
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = {
-    "tiny-gpt": ("tiny-gpt-cpu.yaml", {}),
-    "tiny-mlp": ("tiny-mlp-cpu.yaml", {}),
-    "mlp-1024": ("tiny-mlp-cpu.yaml", {"model.dims": [256, 1024, 1024, 256], "model.batch": 256}),
+MODELS = {  # label -> (config, overrides, parallelism, hand-written side)
+    "tiny-gpt": ("tiny-gpt-cpu.yaml", {}, "dp", "ddp"),
+    "tiny-mlp": ("tiny-mlp-cpu.yaml", {}, "dp", "ddp"),
+    "mlp-1024": ("tiny-mlp-cpu.yaml", {"model.dims": [256, 1024, 1024, 256], "model.batch": 256},
+                 "dp", "ddp"),
+    "mlp-tp": ("tiny-mlp-cpu.yaml", {"model.dims": [256, 2048, 256], "model.batch": 64},
+               "tp", "tp"),
 }
 LR = 0.05
+THEIRS = {"ddp": "DistributedDataParallel", "tp": "parallelize_module"}
 WARMUP = 2
 
 
@@ -89,6 +95,63 @@ def ddp_worker(plan_path: str, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def tp_worker(plan_path: str, steps: int, out: str) -> None:
+    """One rank of the hand-written tensor-parallel MLP: ``fc1`` column-parallel, ``fc2``
+    row-parallel, via ``parallelize_module``; the full batch on every rank."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from ilp_planner.plan import Plan
+    from runtime import model
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    graph = parse_config(Plan.load(plan_path).config).graph
+    params = model.init_params(graph, 0)
+    (k, n), m = params["fc1.weight"].shape, params["fc2.weight"].shape[1]
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(k, n), torch.nn.Linear(n, m)
+            with torch.no_grad():
+                for name in ("fc1", "fc2"):
+                    getattr(self, name).weight.copy_(params[f"{name}.weight"].t())
+                    getattr(self, name).bias.copy_(params[f"{name}.bias"])
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = parallelize_module(Mlp(), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    batch = model.make_batch(graph, 0)
+    x, targets = batch["input"], batch[model.targets_key("loss")]
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(x), targets)
+        loss.backward()
+        opt.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"step_s": times, "loss": float(value) / world}))
+    dist.barrier()
+    del net, opt
+    dist.destroy_process_group()
+
+
 def _call(cmd: list[str]) -> None:
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
@@ -99,20 +162,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--ddp-worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=3, metavar=("KIND", "PLAN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.ddp_worker:
-        ddp_worker(args.ddp_worker[0], args.steps, args.ddp_worker[1])
+    if args.worker:
+        kind, plan_path, out = args.worker
+        (ddp_worker if kind == "ddp" else tp_worker)(plan_path, args.steps, out)
         sys.stdout.flush()
         os._exit(0)  # skip interpreter finalisation (see runtime.launch)
     n = args.nproc
     rows = []
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
-        for label, (cfg, overrides) in MODELS.items():
+        for label, (cfg, overrides, parallel, theirs) in MODELS.items():
             config = load_config(ROOT / "configs" / cfg).with_overrides(
                 {**overrides, "cluster.nodes": 1, "cluster.devices_per_node": n})
-            plan = restricted_plan(config, data_parallel_filter(MeshAxis(1, n)), name=f"{label}-dp")
+            keep = data_parallel_filter(MeshAxis(1, n)) if parallel == "dp" else \
+                megatron_filter(MeshAxis(1, 1), MeshAxis(1, n))
+            plan = restricted_plan(config, keep, name=f"{label}-{parallel}")
             path = tmp / f"{label}.json"
             plan.save(path)
             res = tmp / f"{label}-runtime.json"
@@ -120,25 +186,26 @@ def main() -> int:
                                    [str(path), "--steps", str(args.steps), "--optimizer", "sgd",
                                     "--lr", str(LR), "--results", str(res), "--quiet"]))
             ours = json.loads(res.read_text())[0]
-            ddp_out = tmp / f"{label}-ddp.json"
+            their_out = tmp / f"{label}-{theirs}.json"
             _call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(n), os.path.abspath(__file__), "--steps",
-                   str(args.steps), "--ddp-worker", str(path), str(ddp_out)])
-            ddp = json.loads(ddp_out.read_text())
+                   str(args.steps), "--worker", theirs, str(path), str(their_out)])
+            other = json.loads(their_out.read_text())
             t_ours = statistics.median(ours["step_s"][WARMUP:])
-            t_ddp = statistics.median(ddp["step_s"][WARMUP:])
-            comm = statistics.median(c["total_s"] for c in ours["comm"][WARMUP:])
+            t_other = statistics.median(other["step_s"][WARMUP:])
             params = sum(p.numel for p in [op.weight for op in config.graph.ops if op.weight])
-            rows.append((label, params, t_ours, comm, t_ddp, ours["losses"][-1], ddp["loss"]))
-    print(f"pure data parallel on {n} gloo processes, {args.steps} SGD steps (median of the last "
-          f"{args.steps - WARMUP})")
-    head = (f"{'model':<10}{'weights':>10}{'runtime ms':>12}{'(comm ms)':>11}{'DDP ms':>10}"
-            f"{'runtime/DDP':>13}{'last loss runtime':>19}{'DDP':>10}")
+            layouts = sorted({ly.strategy for ly in plan.layers if ly.weight is not None})
+            rows.append((label, params, ", ".join(layouts), t_ours, THEIRS[theirs], t_other,
+                         ours["losses"][-1], other["loss"]))
+    print(f"{n} gloo processes, {args.steps} SGD steps (median of the last {args.steps - WARMUP})")
+    head = (f"{'model':<10}{'weights':>10}  {'runtime ms':>11}{'hand-written':>24}{'ms':>8}"
+            f"{'ratio':>8}{'loss runtime':>14}{'hand':>10}")
     print(head)
     print("-" * len(head))
-    for label, params, t_ours, comm, t_ddp, l_ours, l_ddp in rows:
-        print(f"{label:<10}{params:>10,}{t_ours * 1e3:>12.1f}{comm * 1e3:>11.1f}{t_ddp * 1e3:>10.1f}"
-              f"{t_ours / t_ddp:>13.2f}{l_ours:>19.5f}{l_ddp:>10.5f}")
+    for label, params, _, t_ours, other, t_other, l_ours, l_other in rows:
+        print(f"{label:<10}{params:>10,}  {t_ours * 1e3:>11.1f}{other:>24}{t_other * 1e3:>8.1f}"
+              f"{t_ours / t_other:>8.2f}{l_ours:>14.5f}{l_other:>10.5f}")
+    print("\nplans: " + "; ".join(f"{r[0]}: {r[2]}" for r in rows))
     return 0
 
 

@@ -4,15 +4,20 @@ PuLP's bundled CBC.
 Variables
     s[g,k] ∈ {0,1}      group g takes strategy k                       (:meth:`_add_strategies`)
     e[u,v,a,b] ∈ [0,1]  edge (u,v): u's output class a meets v's input class b
+    z[j] ∈ ℤ≥0          gradient-bucket chunks reduced over device group j (:meth:`_add_buckets`)
 
 Constraints
     Σ_k s[g,k] = 1                                   one strategy per group (:meth:`_add_one_hot`)
     Σ_b e[u,v,a,b] = Σ_{k∈a} s[u,k]                 edge rows agree with u (:meth:`_add_edges`)
     Σ_a e[u,v,a,b] = Σ_{l∈b} s[v,l]                 edge columns agree with v
     Σ_g Σ_k mem[g,k]·s[g,k] ≤ M                      per-device memory (:meth:`_add_memory`)
+    Σ_g Σ_k (bytes[g,k,j] / cap)·s[g,k] ≤ z[j]        chunks cover group j's gradients
 
 Objective (:meth:`_set_objective`)
-    min Σ_g Σ_k cost[g,k]·s[g,k] + Σ_(u,v) Σ_(a,b) R[u,v,a,b]·e[u,v,a,b]
+    min Σ_g Σ_k cost[g,k]·s[g,k] + Σ_(u,v) Σ_(a,b) R[u,v,a,b]·e[u,v,a,b] + Σ_j α[j]·z[j]
+
+Minimising makes z[j] = ⌈Σ bytes / cap⌉ — exactly the chunks the runtime reduces
+(:mod:`ilp_planner.grad_buckets`), so the bucket term is exact, not an estimate.
 
 The edge variables linearise s_uᵀ R s_v. Strategies of u whose rows of R are identical
 form one class a (and likewise columns for v), so e is indexed by classes, not strategy
@@ -62,12 +67,17 @@ class SbpIlp:
         self.registry: dict[str, tuple] = {}
         upper = sum(float(np.max(c)) for c in problem.cost) + sum(
             float(np.max(r)) for r in problem.edges.values())
+        if problem.buckets is not None:
+            upper += float(problem.buckets.seconds(
+                sum(b.max(axis=0) for b in problem.buckets.bytes)))
         self.scale = OBJECTIVE_SCALE / upper if upper > 0 else 1.0
         self._add_strategies()
         self._add_one_hot()
         self._edge_terms: list = []
         self._add_edges()
         self._add_memory()
+        self._bucket_terms: list = []
+        self._add_buckets()
         self._set_objective()
         self.build_s = time.perf_counter() - t0
 
@@ -120,11 +130,26 @@ class SbpIlp:
             for k in range(len(m))
         ) <= float(budget) / unit, "memory"
 
+    def _add_buckets(self) -> None:
+        """z[j] ≥ Σ (bytes/cap)·s for each device group j that some strategy reduces over."""
+        terms = self.problem.buckets
+        if terms is None:
+            return
+        for j, alpha in enumerate(terms.alpha):
+            row = [(float(b[k, j]) / terms.cap) * self.s[g][k] for g, b in enumerate(terms.bytes)
+                   for k in range(len(b)) if b[k, j]]
+            if not row:
+                continue
+            z = self.model.add_variable(f"z_{j}", lowBound=0, cat=pulp.LpInteger)
+            self.registry[f"z_{j}"] = ("buckets", j)
+            self.model += pulp.lpSum(row) <= z, f"buckets_{j}"
+            self._bucket_terms.append(self.scale * float(alpha) * z)
+
     def _set_objective(self) -> None:
-        """min scale · (Σ cost·s + Σ R·e)."""
+        """min scale · (Σ cost·s + Σ R·e + Σ α·z)."""
         node_terms = [self.scale * float(c[k]) * self.s[g][k] for g, c in enumerate(self.problem.cost)
                       for k in range(len(c)) if c[k]]
-        self.model += pulp.lpSum(node_terms + self._edge_terms)
+        self.model += pulp.lpSum(node_terms + self._edge_terms + self._bucket_terms)
 
     def solve(self, time_limit_s: float | None = None, threads: int = 1,
               warm_start: tuple[int, ...] | None = None, seed: int = 0) -> SolveResult | None:

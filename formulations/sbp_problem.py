@@ -4,7 +4,13 @@ A :class:`Problem` has *groups* (ILP nodes) with one cost and one memory figure 
 strategy, and *edges* with a resharding cost matrix ``R[k, l]``. The objective of a choice
 ``c`` (one strategy index per group) is::
 
-    Σ_g cost_g[c_g]  +  Σ_(u,v) R_uv[c_u, c_v]        subject to  Σ_g mem_g[c_g] ≤ M
+    Σ_g cost_g[c_g]  +  Σ_(u,v) R_uv[c_u, c_v]  +  Σ_j α_j ⌈Σ_g bytes_g[c_g, j] / cap⌉
+                                                      subject to  Σ_g mem_g[c_g] ≤ M
+
+The last term prices the runtime's fused gradient buckets (:class:`BucketTerms`,
+:mod:`ilp_planner.grad_buckets`): the gradients reduced over device group j are one flat
+buffer reduced in ⌈bytes/cap⌉ equal chunks, so each chunk's latency ``α_j`` is paid once
+however many ops fill it, while the bandwidth part stays in each op's own cost.
 
 Building it from a graph (:func:`build_problem`) does the two reductions the ILP needs:
 
@@ -29,7 +35,8 @@ from functools import cache
 import numpy as np
 
 from ilp_planner.cluster import Cluster
-from ilp_planner.cost_model import ONCE_PER_STEP, Collective, MemorySpec
+from ilp_planner.cost_model import ONCE_PER_STEP, Collective, MemorySpec, collective_time
+from ilp_planner.grad_buckets import chunk_count, device_groups
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.redistribution import plan_redistribution, redistribution_seconds
@@ -38,12 +45,32 @@ from ilp_planner.strategies import (
     FOLLOWER_KINDS,
     Strategy,
     StrategyContext,
+    SyncBucket,
     follow,
+    grad_sync,
     op_strategies,
     resolve_partial,
     tied_exchange_seconds,
     tied_source,
 )
+
+
+@dataclass
+class BucketTerms:
+    """Fused weight-gradient AllReduces: per device group j (a partition of the mesh),
+    ``alpha[j]`` seconds of latency per collective; per problem group g, ``bytes[g][k, j]``
+    the gradient bytes strategy k reduces over j; ``cap`` bytes per chunk."""
+
+    alpha: np.ndarray
+    bytes: list[np.ndarray]
+    cap: float
+
+    def totals(self, choice) -> np.ndarray:
+        return sum((self.bytes[g][k] for g, k in enumerate(choice)), np.zeros(len(self.alpha)))
+
+    def seconds(self, totals: np.ndarray) -> np.ndarray:
+        """Latency of ``totals`` (…, J) bytes per device group, summed over the groups."""
+        return chunk_count(np.asarray(totals), self.cap) @ self.alpha
 
 
 @dataclass
@@ -56,6 +83,7 @@ class Problem:
     memory: list[np.ndarray]
     edges: dict[tuple[int, int], np.ndarray]
     memory_budget: float | None = None
+    buckets: BucketTerms | None = None
 
     def __post_init__(self) -> None:
         for g, (c, m) in enumerate(zip(self.cost, self.memory, strict=True)):
@@ -72,6 +100,8 @@ class Problem:
     def objective(self, choice: np.ndarray | list[int]) -> float:
         total = sum(float(self.cost[g][k]) for g, k in enumerate(choice))
         total += sum(float(r[choice[u], choice[v]]) for (u, v), r in self.edges.items())
+        if self.buckets is not None:
+            total += float(self.buckets.seconds(self.buckets.totals(choice)))
         return total
 
     def memory_of(self, choice: np.ndarray | list[int]) -> float:
@@ -97,18 +127,25 @@ class Problem:
             [self.memory[g][a] for g, a in enumerate(allowed)],
             {(u, v): r[np.ix_(allowed[u], allowed[v])] for (u, v), r in self.edges.items()},
             self.memory_budget,
+            None if self.buckets is None else BucketTerms(
+                self.buckets.alpha, [b[a] for b, a in zip(self.buckets.bytes, allowed, strict=True)],
+                self.buckets.cap),
         )
 
 
 def dominated_free(problem: Problem) -> list[np.ndarray]:
     """Per group, the strategies not dominated in every cost term.
 
-    Strategy k of group g is dropped when another strategy l has cost, memory and every
-    resharding cost to and from every neighbour strategy no larger (and, for exact ties, a
-    lower index): swapping k for l in any choice never raises the objective or the memory,
-    so the optimum survives. Vectorised over all pairs of one group."""
+    Strategy k of group g is dropped when another strategy l has cost, memory, gradient
+    bytes per bucket group and every resharding cost to and from every neighbour strategy
+    no larger (and, for exact ties, a lower index): swapping k for l in any choice never
+    raises the objective or the memory, so the optimum survives. Vectorised over all pairs
+    of one group."""
     features: list[list[np.ndarray]] = [[c[:, None], m[:, None]]
                                         for c, m in zip(problem.cost, problem.memory, strict=True)]
+    if problem.buckets is not None:
+        for g, b in enumerate(problem.buckets.bytes):
+            features[g].append(b)
     for (u, v), r in problem.edges.items():
         features[u].append(r)
         features[v].append(r.T)
@@ -142,6 +179,7 @@ class NodeOption:
     memory_bytes: float
     state_bytes: float
     activation_bytes: float  # of one micro-batch
+    syncs: tuple[SyncBucket, ...] = ()  # the base op's gradient reductions (priced in cost_s)
 
 
 @dataclass
@@ -159,6 +197,7 @@ class GraphProblem:
     groups: list[list[str]] = field(default_factory=list)  # group -> nodes
     microbatches: int = 1
     boundary: StageBoundary = field(default_factory=StageBoundary)
+    grad_bucket_bytes: float = 0.0  # the runtime's gradient bucket cap (grad_buckets)
 
     def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
         return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
@@ -211,8 +250,9 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
             comp.append(secs)
             cost += _per_step(secs, fc, microbatches)
             act += out.local_bytes(op.output)
+        syncs = grad_sync(rep, base.label, base.inputs, base.weight, base.output, ctx)
         opts.append(NodeOption(base, outputs, inputs, grads, colls, comp, cost,
-                               base.state_bytes + act, base.state_bytes, act))
+                               base.state_bytes + act, base.state_bytes, act, syncs))
     if not opts:
         raise ValueError(
             f"op {node!r} ({rep.kind.value}, output {rep.output.shape}) has no strategy on a "
@@ -224,10 +264,14 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
 def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
                   *, tie_layers: bool = True, max_weight_replication: int | None = None,
                   memory_budget: float | None = None, microbatches: int = 1,
-                  boundary: StageBoundary | None = None) -> GraphProblem:
+                  boundary: StageBoundary | None = None,
+                  grad_bucket_bytes: float = 0.0) -> GraphProblem:
     """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
     costs are per step of ``microbatches`` accumulated micro-batches. ``boundary`` names
-    the imported inputs and exported ops when ``graph`` is one pipeline stage."""
+    the imported inputs and exported ops when ``graph`` is one pipeline stage.
+    ``grad_bucket_bytes`` is the runtime's gradient bucket cap: above 0, gradient
+    reductions are priced as fused buckets (:class:`BucketTerms`); 0 prices one AllReduce
+    per op and set of partial axes."""
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication)
     owner: dict[str, str] = {}
@@ -306,9 +350,36 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
     _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
-    problem = Problem(names, cost, mem, edges, memory_budget)
+    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx)
+               if grad_bucket_bytes > 0 else None)
+    problem = Problem(names, cost, mem, edges, memory_budget, buckets)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
-                        microbatches, boundary)
+                        microbatches, boundary, grad_bucket_bytes)
+
+
+def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int],
+                  cost: list[np.ndarray], cap: float, ctx: StrategyContext) -> BucketTerms:
+    """Move each gradient reduction's latency out of its op's cost into the bucket term of
+    its device group (the bandwidth part stays: it is linear in the bytes)."""
+    index: dict[tuple, int] = {}
+    alpha: list[float] = []
+    rows: list[tuple[int, int, int, float]] = []  # (group, strategy, device group, bytes)
+    for node, g in group_of.items():
+        for k, o in enumerate(options[node]):
+            for sb in o.syncs:
+                key = device_groups(sb.fact, sb.axes)
+                if key not in index:
+                    index[key] = len(alpha)
+                    c = sb.collective
+                    alpha.append(collective_time(c.kind, c.group_size, 0.0,
+                                                 ctx.cluster.link(c.link == "inter")))
+                j = index[key]
+                cost[g][k] -= alpha[j]
+                rows.append((g, k, j, sb.collective.bytes))
+    per_group = [np.zeros((len(c), len(alpha))) for c in cost]
+    for g, k, j, nbytes in rows:
+        per_group[g][k, j] += nbytes
+    return BucketTerms(np.array(alpha), per_group, cap)
 
 
 def _add_boundary_programs(graph: Graph, cluster: Cluster, boundary: StageBoundary,

@@ -35,6 +35,9 @@ class _Evaluator:
             self.adj[v].append((u, r, False))
         total_cost = sum(float(c.max()) for c in problem.cost) + sum(
             float(r.max()) for r in problem.edges.values())
+        if problem.buckets is not None:
+            total_cost += float(problem.buckets.seconds(
+                sum(b.max(axis=0) for b in problem.buckets.bytes)))
         mem_scale = max(float(m.max()) for m in problem.memory) or 1.0
         self.penalty = 10.0 * (total_cost + 1.0) / mem_scale
         # added to any over-budget score: above every feasible objective (costs are >= 0)
@@ -53,6 +56,10 @@ class _Evaluator:
         vals = self.p.cost[g].astype(float).copy()
         for other, r, outgoing in self.adj[g]:
             vals += r[:, choice[other]] if outgoing else r[choice[other], :]
+        b = self.p.buckets
+        if b is not None:
+            others = b.totals(choice) - b.bytes[g][choice[g]]
+            vals += b.seconds(others[None, :] + b.bytes[g])
         return vals
 
     def least_memory(self) -> np.ndarray:
@@ -88,6 +95,9 @@ def exhaustive(problem: Problem, max_points: int = 2_000_000) -> SolveResult:
         base = sum(float(problem.cost[g][k]) for g, k in enumerate(prefix))
         base += sum(float(r[prefix[u], prefix[v]]) for (u, v), r in prefix_edges.items())
         vals = base + problem.cost[last]
+        if problem.buckets is not None:
+            b = problem.buckets
+            vals = vals + b.seconds(b.totals(prefix)[None, :] + b.bytes[last])
         for u, r in into_last:
             vals = vals + r[prefix[u], :]
         for v, r in out_of_last:
@@ -183,6 +193,9 @@ def chain_dp(problem: Problem) -> SolveResult:
     """Exact optimum of a chain (edges only between groups i and i+1), memory included."""
     if not problem.is_chain():
         raise ValueError("chain_dp needs a chain: every edge must join groups i and i+1")
+    if problem.buckets is not None:
+        raise ValueError("chain_dp is exact only without fused gradient buckets (their "
+                         "latency couples every group); build the problem with grad_bucket_bytes=0")
     t0 = time.perf_counter()
     budget = problem.memory_budget
     n = problem.num_groups

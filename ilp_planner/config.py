@@ -35,6 +35,8 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       optimizer: adam_mixed       # a cost_model.OPTIMIZER_PRESETS name; default adam_mixed
                                   # for float16/bfloat16 models, adam otherwise
       bytes_per_param: {weight: 2, grad: 2, optimizer: 12}   # optional, overrides the preset
+      grad_bucket_mb: 25          # optional, MiB per fused gradient AllReduce (DDP's default);
+                                  # 0: one AllReduce per op and set of partial axes
     solver:                       # optional, SolverOptions fields
       time_limit_s: 60
       tie_layers: true
@@ -77,6 +79,7 @@ from ilp_planner.cluster import Cluster, Link, submesh_shapes
 from ilp_planner.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.errors import ConfigError
 from ilp_planner.files import read_input
+from ilp_planner.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.graph import Graph
 from ilp_planner.limits import check_limit
 from ilp_planner.options import FALLBACKS, SCHEDULES, PipelineOptions, SolverOptions
@@ -118,6 +121,7 @@ class Config:
     pipeline: PipelineOptions
     source: str | None
     raw: dict
+    grad_bucket_bytes: float = DDP_BUCKET_MB * 2**20
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> Config:
         """Re-parse ``raw`` with dotted keys set, e.g. ``{"cluster.nodes": 4}``."""
@@ -186,7 +190,7 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
                     optional=("name", "training", "solver", "pipeline"))
     graph, dtype, batch = _parse_model(r, top["model"])
     cluster = _parse_cluster(r, top["cluster"])
-    memory = _parse_training(r, top.get("training"), dtype)
+    memory, bucket_bytes = _parse_training(r, top.get("training"), dtype)
     solver = _parse_solver(r, top.get("solver"))
     pipeline = _parse_pipeline(r, top.get("pipeline"), cluster, batch)
     if "name" in top:
@@ -194,7 +198,7 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     else:
         name = Path(source).stem if source else graph.name
     return Config(name, graph, copy.deepcopy(dict(top["model"])), cluster, memory, solver,
-                  pipeline, source, copy.deepcopy(dict(top)))
+                  pipeline, source, copy.deepcopy(dict(top)), bucket_bytes)
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
@@ -327,8 +331,9 @@ def _parse_cluster(r: Reader, value: Any) -> Cluster:
     return Cluster(nodes, per_node, memory, peak, intra, inter, efficiency, name)
 
 
-def _parse_training(r: Reader, value: Any, dtype: str) -> MemorySpec:
-    d = _section(r, value, "training", ("optimizer", "bytes_per_param"))
+def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:
+    """Bytes per parameter, and the gradient bucket cap in bytes."""
+    d = _section(r, value, "training", ("optimizer", "bytes_per_param", "grad_bucket_mb"))
     default = "adam_mixed" if dtype in ("float16", "bfloat16") else "adam"
     optimizer = r.choice(d.get("optimizer", default), "training.optimizer",
                          OPTIMIZER_PRESETS, "optimizer")
@@ -342,7 +347,13 @@ def _parse_training(r: Reader, value: Any, dtype: str) -> MemorySpec:
             grad = r.number(b["grad"], join(path, "grad"), positive=True)
         if "optimizer" in b:
             opt_state = r.number(b["optimizer"], join(path, "optimizer"), nonneg=True)
-    return MemorySpec(weight, grad, opt_state)
+    bucket_mb = DDP_BUCKET_MB
+    if d.get("grad_bucket_mb") is not None:
+        bucket_mb = r.number(d["grad_bucket_mb"], "training.grad_bucket_mb", nonneg=True)
+        if bucket_mb > 2**20:
+            r.fail("training.grad_bucket_mb", f"{bucket_mb} MiB is beyond any device's memory; "
+                   f"expected a bucket size in MiB, e.g. 25")
+    return MemorySpec(weight, grad, opt_state), bucket_mb * 2**20
 
 
 def _parse_solver(r: Reader, value: Any) -> SolverOptions:

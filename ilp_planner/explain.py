@@ -349,7 +349,8 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
         f"cost per step ({m} micro-batch{'es' if m != 1 else ''}): total {fmt_seconds(c.total_s)} = "
         f"compute {fmt_seconds(c.compute_s)} + activation comm {fmt_seconds(c.activation_comm_s)} "
         f"({fmt_bytes(c.activation_comm_bytes)}) + grad sync {fmt_seconds(c.grad_sync_s)} "
-        f"({fmt_bytes(c.grad_sync_bytes)})",
+        f"({fmt_bytes(c.grad_sync_bytes)}); grad sync overlapped with the backward in buckets: "
+        f"{fmt_seconds(c.grad_sync_exposed_s)} exposed, step {fmt_seconds(c.step_s)}",
     ]
     if plan.schedule:
         lines.append(f"step time {fmt_seconds(step_seconds(plan))} (schedule makespan)")

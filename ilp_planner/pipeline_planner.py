@@ -31,6 +31,7 @@ from ilp_planner.cluster import Cluster, SubMesh
 from ilp_planner.config import Config
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
 from ilp_planner.errors import InfeasibleError
+from ilp_planner.grad_buckets import exposed_grad_sync
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan, layout_from_dict, layout_to_dict
@@ -212,8 +213,8 @@ def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[dict], microbatche
     """Per stage, what its layers price (boundary programs and tied exchanges included):
     per micro-batch ``forward_s`` (a third of the compute, backward ≈ 2 × forward FLOPs,
     plus the forward-phase activation collectives) and ``backward_s``; per step
-    ``grad_sync_s`` and the stage's :class:`CostBreakdown` (memory from the stage's DP row
-    when present, else its layers')."""
+    ``grad_sync_s`` (and its exposed part) and the stage's :class:`CostBreakdown` (memory
+    from the stage's DP row when present, else its layers')."""
     out = []
     for s in stages:
         mine = [ly for ly in layers if ly.stage == int(s["index"])]
@@ -225,7 +226,9 @@ def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[dict], microbatche
             "forward_s": compute / 3 + sum(c.seconds for c in act if c.phase == "forward"),
             "backward_s": 2 * compute / 3 + sum(c.seconds for c in act if c.phase != "forward"),
             "grad_sync_s": sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP),
-            "cost": CostBreakdown.of(compute, colls, memory, microbatches).to_dict(),
+            "grad_sync_exposed_s": exposed_grad_sync(mine),
+            "cost": CostBreakdown.of(compute, colls, memory, microbatches,
+                                     exposed_grad_sync(mine)).to_dict(),
         })
     return out
 
@@ -307,7 +310,7 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     S = len(dp.stages)
     sched = make_schedule(pipe.schedule, S, pipe.microbatches)
     sim = simulate(sched, stage_durations(stages, resharding), overlap=pipe.overlap)
-    grad_tail = max(s["grad_sync_s"] for s in stages)
+    grad_tail = max(s["grad_sync_exposed_s"] for s in stages)
     schedule = {
         "name": pipe.schedule,
         "num_microbatches": pipe.microbatches,
@@ -329,9 +332,7 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     }
     per_stage = [CostBreakdown.from_dict(s["cost"]) for s in stages]
     busiest = max(per_stage, key=lambda c: c.total_s)
-    cost = CostBreakdown(busiest.compute_s, busiest.activation_comm_s, busiest.grad_sync_s,
-                         busiest.activation_comm_bytes, busiest.grad_sync_bytes,
-                         max(c.peak_memory_bytes for c in per_stage))
+    cost = dataclasses.replace(busiest, peak_memory_bytes=max(c.peak_memory_bytes for c in per_stage))
     plan = Plan(config.name, config.raw, solver_report, cost, layers, stages=stages,
                 schedule=schedule, resharding=resharding)
     if baselines:

@@ -21,7 +21,8 @@ from ilp_planner.files import read_input, write_output
 from ilp_planner.layouts import Layout, parse_placement
 
 PLAN_SCHEMA = "ilp_planner.plan"
-PLAN_VERSION = 3  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes
+PLAN_VERSION = 4  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes;
+# 4: fused gradient buckets, exposed gradient synchronisation
 
 
 def layout_to_dict(layout: Layout, shape: Sequence[int] | int | None = None) -> dict:
@@ -67,7 +68,10 @@ def number(value) -> float:
 @dataclass(frozen=True)
 class CostBreakdown:
     """Per-device, per-step seconds and bytes. ``comm_s = activation_comm_s + grad_sync_s``;
-    ``total_s = compute_s + comm_s`` (no overlap assumed)."""
+    ``total_s = compute_s + comm_s`` (no overlap: what the ILP minimises).
+    ``grad_sync_exposed_s`` is the part of ``grad_sync_s`` the step still waits for when the
+    gradient buckets are reduced during the backward
+    (:func:`~ilp_planner.grad_buckets.exposed_grad_sync`); ``step_s`` counts only that part."""
 
     compute_s: float
     activation_comm_s: float
@@ -75,6 +79,12 @@ class CostBreakdown:
     activation_comm_bytes: float
     grad_sync_bytes: float
     peak_memory_bytes: float
+    grad_sync_exposed_s: float
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time with gradient synchronisation overlapped with the backward."""
+        return self.compute_s + self.activation_comm_s + self.grad_sync_exposed_s
 
     @property
     def comm_s(self) -> float:
@@ -91,6 +101,8 @@ class CostBreakdown:
             "comm_s": self.comm_s,
             "activation_comm_s": self.activation_comm_s,
             "grad_sync_s": self.grad_sync_s,
+            "grad_sync_exposed_s": self.grad_sync_exposed_s,
+            "step_s": self.step_s,
             "activation_comm_bytes": self.activation_comm_bytes,
             "grad_sync_bytes": self.grad_sync_bytes,
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -100,18 +112,21 @@ class CostBreakdown:
     def from_dict(cls, d: dict) -> CostBreakdown:
         return cls(*(number(d[k]) for k in ("compute_s", "activation_comm_s", "grad_sync_s",
                                             "activation_comm_bytes", "grad_sync_bytes",
-                                            "peak_memory_bytes")))
+                                            "peak_memory_bytes", "grad_sync_exposed_s")))
 
     @classmethod
     def of(cls, compute_s: float, collectives: list[Collective], memory: float,
-           microbatches: int = 1) -> CostBreakdown:
+           microbatches: int = 1, grad_sync_exposed_s: float | None = None) -> CostBreakdown:
         """Per step: compute and activation collectives (given per micro-batch) run
-        ``microbatches`` times, weight-gradient synchronisation once."""
+        ``microbatches`` times, weight-gradient synchronisation once (all of it exposed
+        unless ``grad_sync_exposed_s`` says otherwise)."""
         act = [c for c in collectives if c.purpose not in ONCE_PER_STEP]
         grad = [c for c in collectives if c.purpose in ONCE_PER_STEP]
         m = microbatches
-        return cls(m * compute_s, m * sum(c.seconds for c in act), sum(c.seconds for c in grad),
-                   m * sum(c.bytes for c in act), sum(c.bytes for c in grad), memory)
+        grad_s = sum(c.seconds for c in grad)
+        return cls(m * compute_s, m * sum(c.seconds for c in act), grad_s,
+                   m * sum(c.bytes for c in act), sum(c.bytes for c in grad), memory,
+                   grad_s if grad_sync_exposed_s is None else grad_sync_exposed_s)
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,9 @@ def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: di
     """The resharding entries, parsed and checked (module docstring, item 6), and which
     entry brings each cross-stage input ``(consumer, input index)``."""
     out = []
+    if not isinstance(plan.resharding or [], list):
+        raise PlanFormatError(f"{src}: resharding: expected a list of entries, got "
+                              f"{type(plan.resharding).__name__}")
     for i, e in enumerate(plan.resharding or ()):
         try:
             ent = Entry(i, int(e["src_stage"]), int(e["dst_stage"]), e["tensor"], e["consumer"],

@@ -21,11 +21,12 @@ from ilp_planner.baselines import baseline_choices
 from ilp_planner.config import Config, load_config
 from ilp_planner.cost_model import Collective
 from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.grad_buckets import exposed_grad_sync, fill_buckets
 from ilp_planner.graph import OpKind
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
 from ilp_planner.redistribution import plan_redistribution
 from ilp_planner.stage_boundary import StageBoundary, export_program, import_program
-from ilp_planner.strategies import tied_exchange_collectives, tied_source
+from ilp_planner.strategies import SyncBucket, grad_sync, tied_exchange_collectives, tied_source
 
 
 def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
@@ -62,7 +63,7 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
                            tie_layers=opts.tie_layers,
                            max_weight_replication=opts.max_weight_replication,
                            memory_budget=memory_budget, microbatches=microbatches or 1,
-                           boundary=boundary)
+                           boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     problem_s = time.perf_counter() - t0
@@ -123,15 +124,18 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
     return tuple(positions[g][k] for g, k in enumerate(full))
 
 
-def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[LayerPlan], CostBreakdown]:
+def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
+            stage_of: dict[str, int] | None = None) -> tuple[list[LayerPlan], CostBreakdown]:
     """Per-layer plans and the cost breakdown of a choice: intra-op collectives of each op
     plus the redistribution of every input into the layout its consumer needs, and, for a
-    pipeline stage, its boundary programs (:mod:`ilp_planner.stage_boundary`)."""
+    pipeline stage, its boundary programs (:mod:`ilp_planner.stage_boundary`). Each op's
+    gradient synchronisation is fused into the runtime's buckets
+    (:func:`~ilp_planner.grad_buckets.fill_buckets`, per stage when ``stage_of`` cuts the
+    graph into stages), listed on the layer completing each."""
     chosen = gp.node_choice(choice)
     graph = gp.graph
-    layers: list[LayerPlan] = []
-    all_colls: list[Collective] = []
-    compute = memory = 0.0
+    rows: list[tuple] = []
+    syncs: list[tuple[str, SyncBucket]] = []
     for op in graph.ops:
         if op.kind is OpKind.INPUT:
             continue
@@ -153,7 +157,15 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
             red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster,
                                       opt.grads[pos][idx])
             colls += red.forward + red.backward
-        colls += opt.collectives[pos]
+        colls += [c for c in opt.collectives[pos] if c.purpose != "grad_sync"]
+        if pos == 0:
+            mine = grad_sync(op, opt.base.label, opt.inputs[0], opt.base.weight, opt.outputs[0],
+                             gp.ctx)
+            listed = sorted((c.bytes, c.axes) for c in opt.collectives[0] if c.purpose == "grad_sync")
+            if listed != sorted((b.collective.bytes, b.collective.axes) for b in mine):
+                raise ValueError(f"layer {op.name!r}: its strategy prices gradient "
+                                 f"synchronisation that grad_sync() does not issue")
+            syncs += [(op.name, b) for b in mine]
         if op.name in gp.boundary.exported:
             red = export_program(opt.outputs[pos], op.output, gp.ctx.cluster)
             colls += red.forward + red.backward
@@ -161,6 +173,14 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
         if emb is not None and emb.name in gp.owner and pos == 0:
             colls += tied_exchange_collectives(chosen[gp.owner[emb.name]].base.weight,
                                                opt.base.weight, emb.weight, gp.ctx.cluster)
+        rows.append((op, pos, node, opt, colls))
+    where = stage_of or {}
+    for s in sorted({where.get(name, stage) for name, _ in syncs}):
+        mine = [(name, b) for name, b in syncs if where.get(name, stage) == s]
+        for bucket in fill_buckets(mine, gp.grad_bucket_bytes, gp.ctx):
+            next(r[4] for r in rows if r[0].name == bucket.launcher).append(bucket.collective)
+    layers: list[LayerPlan] = []
+    for op, pos, node, opt, colls in rows:
         is_base = pos == 0
         mem = (opt.state_bytes if is_base else 0.0) + opt.outputs[pos].local_bytes(op.output)
         layers.append(LayerPlan(
@@ -169,10 +189,10 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0) -> tuple[list[L
             opt.compute_s[pos], mem, tuple(colls), stage,
             tuple(graph[s].output.shape for s in op.inputs), op.output.shape,
         ))
-        all_colls += colls
-        compute += opt.compute_s[pos]
-        memory += mem
-    return layers, CostBreakdown.of(compute, all_colls, memory, gp.microbatches)
+    compute = sum(ly.compute_s for ly in layers)
+    memory = sum(ly.memory_bytes for ly in layers)
+    return layers, CostBreakdown.of(compute, [c for ly in layers for c in ly.collectives], memory,
+                                    gp.microbatches, exposed_grad_sync(layers))
 
 
 def price_baselines(gp: GraphProblem, time_limit_s: float) -> dict[str, dict]:

@@ -114,7 +114,7 @@ def _compute(op: Op, split: float, ctx: StrategyContext) -> float:
     return compute_time(3.0 * op.flops / split, ctx.cluster)
 
 
-def _coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbytes: float,
+def coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbytes: float,
           ctx: StrategyContext, phase: str, purpose: str) -> Collective:
     size = math.prod(fact[a].size for a in axes)
     spans = any(fact[a].nodes > 1 for a in axes)
@@ -137,6 +137,9 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     if op.kind is OpKind.LAYERNORM:
         h = op.output.shape[-1]
         return {"weight": (h,), "bias": (h,)}
+    if op.kind is OpKind.CONV2D:
+        assert op.weight is not None
+        return {"weight": op.weight.shape, "bias": (op.weight.shape[0],)}
     return {}
 
 
@@ -229,6 +232,14 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
             out["pos"] = (bias_layout(output, 1), _bias_grad(output, 1))
         elif op.attrs.get("bias"):
             out["bias"] = (bias_layout(output), _bias_grad(output))
+    elif op.kind is OpKind.CONV2D:
+        assert weight is not None
+        x = inputs[0]
+        # the weight's gradient sums over the batch rows this device holds
+        out["weight"] = (weight, Layout(weight.fact, tuple(
+            P if x.placements[a] == Split(0) and pl == B else pl
+            for a, pl in enumerate(weight.placements))))
+        out["bias"] = (bias_layout(output), _bias_grad(output))
     elif op.kind is OpKind.LAYERNORM:
         lay = inputs[0]
         rep = Layout.replicated(lay.fact)
@@ -246,6 +257,7 @@ class SyncBucket:
     fact: Factorisation
     axes: tuple[int, ...]
     collective: Collective
+    numel: int  # elements of the local gradient blocks (padded), in role order
 
 
 def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
@@ -264,10 +276,10 @@ def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | N
     out = []
     for axes, roles in by_axes.items():
         fact = lays[roles[0]][0].fact
-        nbytes = sum(math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles) * itemsize
+        numel = sum(math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles)
         out.append(SyncBucket(tuple(roles), fact, axes,
-                              _coll(CollectiveKind.ALL_REDUCE, fact, axes, nbytes, ctx, "backward",
-                                    "grad_sync")))
+                              coll(CollectiveKind.ALL_REDUCE, fact, axes, numel * itemsize, ctx,
+                                   "backward", "grad_sync"), numel))
     return tuple(out)
 
 
@@ -375,15 +387,12 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
         i_layout = Layout(fact, (Split(0), B, Split(1)))
         w_layout = Layout(fact, (B, Split(0), Split(1)))
         o_layout = Layout(fact, (Split(0), Split(1), P))
-        local_params = op.params / (p1 * p2)
-        axes = tuple(a for a in (0,) if fact[a].size > 1)
-        colls = () if not axes else (_coll(
-            CollectiveKind.ALL_REDUCE, fact, axes, local_params * op.weight.itemsize, ctx,
-            "backward", "grad_sync"),)
+        label = f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
+        colls = tuple(b.collective for b in grad_sync(op, label, (i_layout,), w_layout, o_layout, ctx))
         out.append(Strategy(
-            f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})", fact, (i_layout,), w_layout,
-            o_layout, _compute(op, p0 * p1 * p2, ctx), colls,
-            local_params * ctx.memory.bytes_per_param, o_layout.local_bytes(op.output),
+            label, fact, (i_layout,), w_layout, o_layout, _compute(op, p0 * p1 * p2, ctx), colls,
+            _local_params(op, label, (i_layout,), w_layout, o_layout) * ctx.memory.bytes_per_param,
+            o_layout.local_bytes(op.output),
             input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
         ))
     return out
@@ -535,10 +544,10 @@ def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -
     out = []
     if vocab:
         for n in (local_rows, 2 * local_rows):
-            out.append(_coll(CollectiveKind.ALL_REDUCE, layout.fact, vocab, n * LOSS_ITEMSIZE, ctx,
+            out.append(coll(CollectiveKind.ALL_REDUCE, layout.fact, vocab, n * LOSS_ITEMSIZE, ctx,
                              "forward", "loss"))
     if rows:
-        out.append(_coll(CollectiveKind.ALL_REDUCE, layout.fact, rows, LOSS_ITEMSIZE, ctx,
+        out.append(coll(CollectiveKind.ALL_REDUCE, layout.fact, rows, LOSS_ITEMSIZE, ctx,
                          "forward", "loss"))
     return tuple(out)
 

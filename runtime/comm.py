@@ -83,6 +83,7 @@ class Comm:
         self.cluster = cluster
         self.recorder = recorder
         self._programs: dict[tuple, Redistribution] = {}
+        self._regions: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
     # -- compile time (identical on every rank) ----------------------------------------------
     def program(self, src: Layout, dst: Layout, tensor: TensorSpec,
@@ -113,8 +114,11 @@ class Comm:
         return self.registry.axes_group(self.devices, layout.fact, axes)
 
     def region(self, layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        r = layout.regions(shape)[self.device_index]
-        return tuple((int(a), int(b)) for a, b in r)
+        key = (layout, tuple(shape))
+        if key not in self._regions:
+            r = layout.regions(tuple(shape))[self.device_index]
+            self._regions[key] = tuple((int(a), int(b)) for a, b in r)
+        return self._regions[key]
 
     def block(self, full: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's block of a full tensor (a P layout keeps the value on coordinate 0

@@ -42,6 +42,7 @@ gradients are summed and both copies take the same update.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ilp_planner.grad_buckets import GradBucket, fill_buckets
 from ilp_planner.graph import OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import LayerPlan, Plan
@@ -83,6 +85,8 @@ class RunOptions:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     timeout_s: float = 60.0
     microbatches: int | None = None  # single-stage plans: gradient accumulation override
+    record: bool = True  # dispatch-level recording of every collective (audit, timings)
+    overlap: bool = True  # reduce gradient chunks during the backward (else after it)
 
 
 @dataclass
@@ -91,6 +95,7 @@ class StepResult:
     loss: float
     seconds: float
     events: list[CommEvent]
+    order: list[str] = field(default_factory=list)  # collectives and marks, when recorded
 
 
 class Executor:
@@ -129,6 +134,7 @@ class Executor:
                       for s in self.stages}
         self.strategy_ctx = StrategyContext(self.cluster, 1, 1, self.config.memory)
         self._data: list[dict] | None = None
+        self._blocks: dict[tuple, torch.Tensor] = {}
         self.tied: dict[str, str] = {}  # head op -> embedding op
         self._compile()
         self.my_stage = next((s for s in self.stages if rank in s.devices), None)
@@ -207,6 +213,7 @@ class Executor:
                     if src_op is None:
                         raise RuntimeSetupError(f"tied linear {name!r} has no embedding to share")
                     self.tied[name] = src_op.name
+        self.grad_chunks = {s.index: self._grad_chunks(s) for s in self.stages}
         for e in self.entries:
             src = self.stages[e.src_stage]
             self.comms[e.src_stage].register(self.exports[e.tensor])
@@ -229,6 +236,20 @@ class Executor:
             else:
                 reg.need_group(("tied", head), self.stages[a].devices + self.stages[b].devices)
 
+    def _grad_chunks(self, stage) -> tuple[GradBucket, ...]:
+        """The stage's gradient chunks (:func:`ilp_planner.grad_buckets.fill_buckets` with
+        the config's cap), checked against the ones the plan lists and prices."""
+        syncs = [(n, b) for n in stage.layers for b in self.buckets[n]]
+        chunks = fill_buckets(syncs, self.config.grad_bucket_bytes, self.strategy_ctx)
+        listed = sorted((ly.name, c.bytes, c.group_size) for ly in self.plan.layers
+                        if ly.name in stage.layers for c in ly.collectives if c.purpose == "grad_sync")
+        issued = sorted((c.launcher, c.collective.bytes, c.collective.group_size) for c in chunks)
+        if listed != issued:
+            raise RuntimeSetupError(
+                f"stage {stage.index}: the plan lists gradient AllReduces {listed} but its layers "
+                f"and training.grad_bucket_mb give {issued}; re-solve the config")
+        return chunks
+
     # ---- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
         """Create the groups (collective) and this stage's parameters (local)."""
@@ -249,7 +270,61 @@ class Executor:
                     full = model.init_param(specs[role], self.options.seed)
                 local = self.ctx.comm.block(full.to(self.device), lay)
                 self.params[f"{name}.{role}"] = LVal(local.requires_grad_(True), lay)
+        self.layer_params = {name: {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
+                                    if k.rsplit(".", 1)[0] == name} for name in s.layers}
+        self._setup_grad_sync(s)
         self.optimizer = Optimizer(self.options.optimizer)
+
+    def _setup_grad_sync(self, stage) -> None:
+        """Flat gradient buffers (one per device group, in backward order) and a hook on
+        every parameter: during the stage's last backward, each gradient is copied into its
+        slice once accumulated, and every chunk whose gradients are all in is AllReduced
+        asynchronously right away — overlapped with the rest of the backward."""
+        chunks = self.grad_chunks[stage.index]
+        sizes: dict[int, int] = {}
+        self.grad_slot: dict[str, tuple[int, int, int]] = {}  # key -> (buffer, start, stop)
+        for c in chunks:
+            sizes[c.buffer] = max(sizes.get(c.buffer, 0), c.stop)
+            for m in c.members:
+                offset = m.start
+                for role in m.roles:
+                    key = f"{m.layer}.{role}"
+                    n = self.params[key].t.numel()
+                    self.grad_slot[key] = (c.buffer, offset, offset + n)
+                    offset += n
+        self.grad_flat = {b: torch.zeros(n, device=self.device, dtype=model.DTYPE)
+                          for b, n in sizes.items()}
+        self.chunks_of = {key: [i for i, c in enumerate(chunks)
+                                if c.buffer == b and c.start < hi and c.stop > lo]
+                          for key, (b, lo, hi) in self.grad_slot.items()}
+        self.chunk_needs = [sum(1 for key in self.grad_slot if i in self.chunks_of[key])
+                            for i in range(len(chunks))]
+        self.last_backward = max((mb for kind, mb in self.actions[stage.index] if kind == "B"),
+                                 default=None)
+        self._armed = False
+        for key in self.grad_slot:
+            self.params[key].t.register_post_accumulate_grad_hook(
+                lambda p, key=key: self._grad_ready(key, p))
+
+    def _grad_ready(self, key: str, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b, lo, hi = self.grad_slot[key]
+        self.grad_flat[b][lo:hi].copy_(p.grad.reshape(-1))
+        self.grad_copied.add(key)
+        for i in self.chunks_of[key]:
+            self.chunk_waiting[i] -= 1
+            if self.chunk_waiting[i] == 0:
+                self._launch_chunk(i)
+
+    def _launch_chunk(self, i: int) -> None:
+        c = self.grad_chunks[self.my_stage.index][i]
+        group = self.registry.axes_group(self.my_stage.devices, c.fact, c.axes)
+        first = len(self.recorder.events)
+        with tagged("backward", "grad_sync", c.launcher):
+            work = dist.all_reduce(self.grad_flat[c.buffer][c.start:c.stop], group=group,
+                                   async_op=True)
+        self.chunk_work[i] = (work, first, len(self.recorder.events))
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
@@ -263,7 +338,11 @@ class Executor:
             p.t.grad = None
         self.loss_sum = 0.0
         self.state = {}
-        with rec:
+        if self.my_stage is not None:
+            self.chunk_waiting = list(self.chunk_needs)
+            self.chunk_work: dict[int, tuple] = {}
+            self.grad_copied: set[str] = set()
+        with rec if self.options.record else contextlib.nullcontext():
             if self.my_stage is not None:
                 for kind, mb in self.actions[self.my_stage.index]:
                     self.handlers[kind](mb)
@@ -277,7 +356,8 @@ class Executor:
             with tagged("report", "report"):
                 loss = self._broadcast_loss()
         secs = time.perf_counter() - t0
-        return StepResult(step, loss, secs, rec.take())
+        order = rec.order()
+        return StepResult(step, loss, secs, rec.take(), order)
 
     def _batch(self) -> list[dict]:
         if self._data is None:
@@ -310,16 +390,17 @@ class Executor:
             for idx, src in enumerate(op.inputs):
                 want = lp.inputs[idx]
                 if g[src].kind is OpKind.INPUT:
-                    xs.append(LVal(comm.block(data[src], want), want))
+                    key = (mb, src, want)  # the fixed batch: each rank's blocks cut once
+                    if key not in self._blocks:
+                        self._blocks[key] = comm.block(data[src], want)
+                    xs.append(LVal(self._blocks[key], want))
                     continue
                 if self.stage_of[src] == s.index:
                     have = vals[src]
                 else:
                     have = recv[self.entry_of[(name, idx)]]
                 xs.append(comm.edge(have, self.edges[(name, idx)], "activation", name))
-            params = {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
-                      if k.rsplit(".", 1)[0] == name}
-            vals[name] = OPS[op.kind](self.ctx, op, lp, xs, params, data)
+            vals[name] = OPS[op.kind](self.ctx, op, lp, xs, self.layer_params[name], data)
             if op.kind is OpKind.LOSS:
                 loss = vals[name]
         sent = {name: comm.edge(vals[name], red, "activation", "send")
@@ -355,8 +436,12 @@ class Executor:
             if v.t.requires_grad:
                 tensors.append(v.t)
                 grads.append(st["grad_in"][idx])
+        # the last backward's gradients are final: reduce each chunk as soon as it is complete
+        self._armed = self.options.overlap and mb == self.last_backward
         if tensors:
             torch.autograd.backward(tensors, grads)
+        self._armed = False
+        self.recorder.mark(f"backward_end:{mb}")
         st["done"] = True
         del st["out"], st["grad_in"], st["loss"]
 
@@ -445,21 +530,25 @@ class Executor:
 
     # ---- gradients and optimizer -----------------------------------------------------------
     def _sync_grads(self) -> dict[str, torch.Tensor]:
-        """Each weight gradient reduced over the axes where it is partial — exactly the
-        buckets :func:`ilp_planner.strategies.grad_sync` prices: per op and per set of
-        partial axes, the gradients flattened into one buffer and AllReduced once."""
-        out: dict[str, torch.Tensor] = {}
-        for name in self.my_stage.layers:
-            for b in self.buckets[name]:
-                keys = [f"{name}.{r}" for r in b.roles]
-                locs = [self._grad(k) for k in keys]
-                flat = torch.cat([t.reshape(-1) for t in locs])
-                lay = self.params[keys[0]].layout
-                flat = self.ctx.comm.all_reduce(flat, lay, b.axes, "backward", "grad_sync", name)
-                offset = 0
-                for k, t in zip(keys, locs, strict=True):
-                    out[k] = flat[offset:offset + t.numel()].view_as(t)
-                    offset += t.numel()
+        """Wait for the gradient chunks launched during the backward (launching, in chunk
+        order, any whose gradients never arrived — a parameter the step did not reach) and
+        read each reduced gradient from its slice of the flat buffer. A chunk's recorded
+        seconds are the time the step waited for it (its exposed part)."""
+        chunks = self.grad_chunks[self.my_stage.index]
+        for key, (b, lo, hi) in self.grad_slot.items():
+            if key not in self.grad_copied:
+                self.grad_flat[b][lo:hi].copy_(self._grad(key).reshape(-1))
+        for i in range(len(chunks)):
+            if i not in self.chunk_work:
+                self._launch_chunk(i)
+        for work, first, last in self.chunk_work.values():
+            t0 = time.perf_counter()
+            work.wait()
+            for ev in self.recorder.events[first:last]:
+                ev.seconds = time.perf_counter() - t0
+                ev.overlapped = True
+        out = {key: self.grad_flat[b][lo:hi].view_as(self.params[key].t)
+               for key, (b, lo, hi) in self.grad_slot.items()}
         for k in self.params:
             if k not in out:
                 out[k] = self._grad(k)
@@ -507,7 +596,12 @@ class Executor:
             grads[key] = comm.block(full, lay)
 
     def _broadcast_loss(self) -> float:
+        """The step's loss on every rank. The loss op's output is replicated over its
+        stage (its planned reductions), so when that stage holds every rank nothing moves;
+        otherwise its first device broadcasts it (tagged ``report``: not part of the plan)."""
         loss_stage = self.stages[self.stage_of[self._loss_op()]]
+        if len(loss_stage.devices) == self.world:
+            return self.loss_sum
         src = loss_stage.devices[0]
         buf = torch.tensor([self.loss_sum if self.rank == src else 0.0], device=self.device,
                            dtype=torch.float64)

@@ -51,6 +51,11 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
                    help="per rank, the collectives the plan prices beside those the recorder saw "
                         "executed (count and bytes per kind and purpose); exit 1 where they differ")
     p.add_argument("--timings", metavar="CSV", help="write per-collective timings here")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="reduce gradients after the backward instead of during it")
+    p.add_argument("--record", action="store_true",
+                   help="record every collective at dispatch level and report communication "
+                        "per step (implied by --audit and --timings; slows the step)")
     p.add_argument("--results", metavar="JSON", help="write per-plan results here")
     p.add_argument("--save-params", metavar="DIR", help="save final full parameters here")
     p.add_argument("--check-reference", action="store_true",
@@ -117,7 +122,9 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
     lrs = _per_plan(args.lr, len(plans), "--lr", float)
-    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches)
+    record = args.record or args.audit or bool(args.timings)
+    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches,
+                          record, not args.no_overlap)
                for o, lr in zip(opts, lrs, strict=True)]
     executors = [Executor(p, o, rank=rank, world=world, device=device)
                  for p, o in zip(plans, options, strict=True)]
@@ -139,7 +146,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                 print(f"plan {ex.plan.name} ({path}): {world} {backend} processes, "
                       f"{len(ex.stages)} stage(s), {ex.microbatches} micro-batch(es), "
                       f"{ex.registry.num_groups} process groups", flush=True)
-            losses, secs, comm, audited = [], [], [], []
+            losses, secs, comm, audited, order = [], [], [], [], None
             for step in range(args.steps):
                 if args.crash_rank == rank and step == args.crash_step:
                     print(f"[rank {rank}] crashing on purpose at step {step}", file=sys.stderr,
@@ -150,22 +157,25 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                     audited.append(_audit(ex, r.events, rank, world, step))
                     failed |= not audited[-1]
                 losses.append(r.loss)
+                order = order or r.order
                 secs.append(r.seconds)
-                comm.append(_comm_summary(r.events))
+                comm.append(_comm_summary(r.events) if record else None)
                 timing_rows += [(e.kind, e.group_size, e.bytes, e.link, e.seconds) for e in r.events
                                 if e.kind in CALIBRATION_KINDS
                                 and e.group_size >= (1 if e.kind == "broadcast" else 2)
-                                and e.seconds > 0]
+                                and e.seconds > 0 and not e.overlapped]
                 if rank == 0 and not args.quiet:
-                    print(f"  step {step}: loss {r.loss:.6f}  time {r.seconds * 1e3:.1f} ms  "
-                          f"comm {comm[-1]['total_s'] * 1e3:.1f} ms", flush=True)
+                    said = f"  comm {comm[-1]['total_s'] * 1e3:.1f} ms" if record else ""
+                    print(f"  step {step}: loss {r.loss:.6f}  time {r.seconds * 1e3:.1f} ms{said}",
+                          flush=True)
             params = ex.gather_params()
             by_rank = [None] * world if rank == 0 else None
-            dist.gather_object([c["total_s"] for c in comm], by_rank, dst=0)
+            dist.gather_object([c["total_s"] for c in comm] if record else None, by_rank, dst=0)
             entry = {"plan": ex.plan.name, "file": str(path), "losses": losses, "step_s": secs,
                      "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
                      "microbatches": ex.microbatches, "stages": len(ex.stages),
-                     "audit_ok": all(audited) if args.audit else None}
+                     "audit_ok": all(audited) if args.audit else None,
+                     "order": order}  # rank 0's first step: collectives and marks, if recorded
             if rank == 0:
                 if args.save_params:
                     out = Path(args.save_params)

@@ -47,11 +47,11 @@ class Optimizer:
     def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         s = self.spec
         self.t += 1
+        if s.name == "sgd":
+            torch._foreach_add_(list(params.values()), [grads[k] for k in params], alpha=-s.lr)
+            return
         for name, p in params.items():
             g = grads[name]
-            if s.name == "sgd":
-                p.sub_(s.lr * g)
-                continue
             m, v = self.state.get(name) or (torch.zeros_like(p), torch.zeros_like(p))
             m.mul_(s.beta1).add_(g, alpha=1 - s.beta1)
             v.mul_(s.beta2).addcmul_(g, g, value=1 - s.beta2)

@@ -135,7 +135,8 @@ def restricted_plan(config: Config, keep: Filter | None = None, name: str | None
     gp = build_problem(config.microbatch_graph(), c, c.nodes, c.devices_per_node, config.memory,
                        tie_layers=config.solver.tie_layers,
                        max_weight_replication=config.solver.max_weight_replication,
-                       microbatches=config.pipeline.microbatches)
+                       microbatches=config.pipeline.microbatches,
+                       grad_bucket_bytes=config.grad_bucket_bytes)
     choice, solver = _choose(gp, keep, time_limit_s)
     layers, cost = realise(gp, choice)
     return Plan(name or config.name, config.raw, solver, cost, layers)
@@ -209,10 +210,9 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     graph = cfg.microbatch_graph()
     gp = build_problem(graph, c, n_s, d_s, cfg.memory, tie_layers=cfg.solver.tie_layers,
                        max_weight_replication=cfg.solver.max_weight_replication,
-                       microbatches=microbatches)
+                       microbatches=microbatches, grad_bucket_bytes=cfg.grad_bucket_bytes)
     choice, solver = _choose(gp, keep, time_limit_s)
-    layers, cost = realise(gp, choice)
-    names = [lp.name for lp in layers]
+    names = [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
     if cut_after is None:
         cuts = [names[(len(names) * (s + 1)) // stages - 1] for s in range(stages - 1)]
     else:
@@ -225,6 +225,7 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
         stage_of[n] = s
         if s < stages - 1 and n == cuts[s]:
             s += 1
+    layers, cost = realise(gp, choice, stage_of=stage_of)
     outputs = {lp.name: lp.output for lp in layers}
     layers = [replace(lp, stage=stage_of[lp.name],
                       collectives=_at_stage_boundaries(graph, gp, lp, outputs, stage_of))

@@ -36,6 +36,7 @@ class CommEvent:
     phase: str  # forward | backward | step | report
     purpose: str  # activation | weight | grad_sync | loss | tied_weight | resharding | report
     where: str = ""
+    overlapped: bool = False  # asynchronous: ``seconds`` is the time the step waited for it
 
 
 @dataclass
@@ -131,6 +132,24 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.devices_per_node = devices_per_node
         self.events: list[CommEvent] = []
+        self.marks: list[tuple[int, str]] = []  # (events recorded before it, label)
+
+    def mark(self, label: str) -> None:
+        """Note a point of the step (e.g. the end of a backward) among the collectives."""
+        self.marks.append((len(self.events), label))
+
+    def order(self) -> list[str]:
+        """Collectives (``phase/purpose:where``) and marks in the order they happened."""
+        out: list[str] = []
+        j = 0
+        for i in range(len(self.events) + 1):
+            while j < len(self.marks) and self.marks[j][0] <= i:
+                out.append(self.marks[j][1])
+                j += 1
+            if i < len(self.events):
+                ev = self.events[i]
+                out.append(f"{ev.phase}/{ev.purpose}:{ev.where}")
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -158,7 +177,7 @@ class Recorder(TorchDispatchMode):
                                      tag.purpose, tag.where))
 
     def take(self) -> list[CommEvent]:
-        out, self.events = self.events, []
+        out, self.events, self.marks = self.events, [], []
         return out
 
 

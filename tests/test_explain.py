@@ -77,7 +77,7 @@ def test_explain_reports_every_section(tiny):
     assert text.startswith(f"plan {tiny.name} (schema v{PLAN_VERSION})")
     assert "status optimal" in text and "stages: 1" in text
     assert "one stage on all 8 devices" in text
-    assert re.search(r"memory per device:\n  [\d.]+ KiB of 2\.00 GiB", text)
+    assert re.search(r"memory per device:\n  [\d.]+ [KM]iB of 2\.00 GiB", text)
     for name in tiny.baselines:
         assert name in text
     # every layer appears (possibly folded) with SBP and DTensor layouts

@@ -1,0 +1,136 @@
+"""Weight-gradient buckets: which gradients the runtime reduces together, and how much of
+that communication the backward hides.
+
+Each op's gradient synchronisation is one or more :class:`~ilp_planner.strategies.SyncBucket`
+(the parameters partial over the same mesh axes). Like ``DistributedDataParallel``, the
+runtime fuses them: the gradients reduced over the same device groups (whatever mesh
+factorisation names them) are one flat buffer, laid out in backward order, and with a cap of
+``cap`` bytes it is reduced in ``⌈bytes / cap⌉`` equal chunks, each launched
+(asynchronously) as soon as every gradient overlapping it is ready, while the backward goes
+on. ``cap = 0`` keeps one AllReduce per op and set of axes.
+
+A chunk count of ⌈bytes / cap⌉ is what makes the ILP exact: the bandwidth terms are linear
+in the bytes, and the latency terms are ``α_j · ⌈Σ bytes / cap⌉`` per device group j, one
+integer variable each (:mod:`formulations.sbp_ilp`). The planner (the collectives a plan
+lists, hence what ``--audit`` counts) and the executor both take their chunks from
+:func:`fill_buckets`, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ilp_planner.cluster import Factorisation, axis_coordinates
+from ilp_planner.cost_model import ONCE_PER_STEP, Collective, CollectiveKind
+from ilp_planner.strategies import StrategyContext, SyncBucket, coll
+
+DDP_BUCKET_MB = 25.0  # DistributedDataParallel's bucket_cap_mb default
+
+
+@dataclass(frozen=True)
+class Member:
+    """One op's gradients in a device group's flat buffer: ``[start, stop)`` elements."""
+
+    layer: str
+    roles: tuple[str, ...]
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """One chunk ``[start, stop)`` of a device group's flat gradient buffer, reduced by one
+    AllReduce once every member overlapping it is ready; ``members`` in backward order, the
+    last one completes it (its ``launcher``). ``buffer`` is the device group's index and
+    ``layout`` (every member's, in buffer order) how the executor fills it."""
+
+    buffer: int
+    start: int
+    stop: int
+    members: tuple[Member, ...]
+    fact: Factorisation
+    axes: tuple[int, ...]
+    collective: Collective
+
+    @property
+    def launcher(self) -> str:
+        return self.members[-1].layer
+
+
+def chunk_count(total_bytes, cap: float):
+    """⌈bytes / cap⌉ chunks (at least one for any gradient, none for none); works on numpy
+    arrays too, so the ILP's objective and the runtime use one rounding."""
+    n = np.maximum(np.ceil(np.asarray(total_bytes, dtype=float) / cap - 1e-9), 1)
+    return np.where(np.asarray(total_bytes) > 0, n, 0)
+
+
+def device_groups(fact: Factorisation, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The partition of the mesh's devices (mesh order) into the groups a collective over
+    ``axes`` of ``fact`` runs in — what decides whether two reductions can share a buffer."""
+    coords = axis_coordinates(fact)
+    keep = [a for a in range(len(fact)) if a not in axes]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, row in enumerate(coords):
+        groups.setdefault(tuple(int(row[a]) for a in keep), []).append(i)
+    return tuple(sorted(tuple(g) for g in groups.values()))
+
+
+def fill_buckets(syncs: Sequence[tuple[str, SyncBucket]], cap_bytes: float,
+                 ctx: StrategyContext) -> tuple[GradBucket, ...]:
+    """The chunks the runtime reduces (see the module docstring). ``syncs`` lists (layer,
+    its :class:`SyncBucket`) in forward (graph) order; buffers are numbered in order of
+    their first gradient in backward order, chunks listed buffer by buffer."""
+    if cap_bytes < 0:
+        raise ValueError(f"bucket cap must be >= 0 bytes, got {cap_bytes}")
+    if cap_bytes == 0:
+        return tuple(_bucket(i, [(layer, sb)], cap_bytes, ctx)[0]
+                     for i, (layer, sb) in enumerate(reversed(syncs)))
+    buffers: dict[tuple, list[tuple[str, SyncBucket]]] = {}
+    for layer, sb in reversed(syncs):
+        buffers.setdefault(device_groups(sb.fact, sb.axes), []).append((layer, sb))
+    return tuple(b for i, members in enumerate(buffers.values())
+                 for b in _bucket(i, members, cap_bytes, ctx))
+
+
+def _bucket(index: int, syncs: list[tuple[str, SyncBucket]], cap: float,
+            ctx: StrategyContext) -> list[GradBucket]:
+    """Lay one device group's gradients out in a flat buffer and cut it into chunks."""
+    itemsize = {sb.collective.bytes / sb.numel for _, sb in syncs}
+    if len(itemsize) != 1:
+        raise ValueError(f"gradients of one device group mix element sizes {sorted(itemsize)}")
+    size = itemsize.pop()
+    members, offset = [], 0
+    for layer, sb in syncs:
+        members.append(Member(layer, sb.roles, offset, offset + sb.numel))
+        offset += sb.numel
+    n = int(chunk_count(offset * size, cap)) if cap > 0 else 1
+    first = syncs[0][1]
+    out = []
+    for c in range(n):
+        lo, hi = offset * c // n, offset * (c + 1) // n
+        mine = tuple(m for m in members if m.start < hi and m.stop > lo)
+        out.append(GradBucket(index, lo, hi, mine, first.fact, first.axes,
+                              coll(CollectiveKind.ALL_REDUCE, first.fact, first.axes,
+                                   (hi - lo) * size, ctx, "backward", "grad_sync")))
+    return out
+
+
+def exposed_grad_sync(layers: Sequence) -> float:
+    """Seconds of once-per-step communication a step waits for after its last backward,
+    from plan layers in forward order (each bucket's AllReduce is listed on its launcher):
+    the backward runs the layers in reverse, ``2/3`` of each layer's compute plus its
+    backward activation collectives; a bucket starts when its launcher's backward is done
+    and the previous bucket has finished (one channel); tied-weight exchanges run after
+    every bucket, unhidden."""
+    t = channel = 0.0
+    for ly in reversed(layers):
+        t += 2 * ly.compute_s / 3 + sum(c.seconds for c in ly.collectives
+                                        if c.phase != "forward" and c.purpose not in ONCE_PER_STEP)
+        for c in ly.collectives:
+            if c.purpose == "grad_sync":
+                channel = max(channel, t) + c.seconds
+    tail = sum(c.seconds for ly in layers for c in ly.collectives if c.purpose == "tied_weight")
+    return max(0.0, channel - t) + tail
