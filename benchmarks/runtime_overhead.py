@@ -9,9 +9,10 @@ processes and backend:
   ``torch.distributed.tensor.parallel.parallelize_module`` (``ColwiseParallel`` /
   ``RowwiseParallel``).
 
-Every side has the same step boundary: a barrier before the step (untimed), the loss
-reduced to every rank at its end. Per model the table shows the median step time (first
-two steps dropped) of each, their ratio and the last losses (which must agree). Usage::
+Every side has the same step boundary: no barrier between steps (rank 0's step time is
+the steady-state period), the loss reduced to every rank at the end of the step. Per
+model the table shows the median step time (first two steps dropped) of each, their ratio
+and the last losses (which must agree). Usage::
 
     python benchmarks/runtime_overhead.py [--nproc 8] [--steps 10]
 """
@@ -79,7 +80,6 @@ def ddp_worker(plan_path: str, steps: int, out: str) -> None:
     data = {k: v.chunk(world)[rank] for k, v in model.make_batch(graph, 0).items()}
     times = []
     for _ in range(steps):
-        dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = ddp(data)
@@ -136,7 +136,6 @@ def tp_worker(plan_path: str, steps: int, out: str) -> None:
     x, targets = batch["input"], batch[model.targets_key("loss")]
     times = []
     for _ in range(steps):
-        dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(x), targets)

@@ -126,7 +126,8 @@ def compute_time(flops: float, cluster: Cluster) -> float:
 
 OPTIMIZER_PRESETS: dict[str, tuple[float, float, float]] = {
     # (weight, gradient, optimizer-state) bytes per parameter
-    "adam_mixed": (2.0, 2.0, 12.0),  # fp16 weights+grads, fp32 master + 2 moments = 16 B
+    # half-precision compute copy, fp32 gradients (reduced in fp32), fp32 master + 2 moments
+    "adam_mixed": (2.0, 4.0, 12.0),  # = 18 B, Megatron's figure with fp32 gradient accumulation
     "adam": (4.0, 4.0, 8.0),  # fp32 weights, grads, 2 moments = 16 B
     "sgd": (4.0, 4.0, 0.0),
     "sgd_momentum": (4.0, 4.0, 4.0),
@@ -138,7 +139,7 @@ class MemorySpec:
     """Bytes per parameter for weights, gradients and optimizer state."""
 
     weight_bytes: float = 2.0
-    grad_bytes: float = 2.0
+    grad_bytes: float = 4.0
     optimizer_bytes: float = 12.0
 
     @classmethod

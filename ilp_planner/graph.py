@@ -19,6 +19,7 @@ from types import MappingProxyType
 from ilp_planner.errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
+HALF_DTYPES = ("float16", "bfloat16")
 
 
 class OpKind(str, Enum):
@@ -76,6 +77,14 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
+
+    @property
+    def master(self) -> TensorSpec:
+        """The spec of this parameter's master copy and gradient. Half-precision models
+        train mixed-precision: fp32 master weights, and gradients reduced and exchanged in
+        fp32 (a sum of many half-precision terms loses the small ones), while the forward
+        and backward compute — and communicate activations — in the half type."""
+        return TensorSpec(self.shape, "float32") if self.dtype in HALF_DTYPES else self
 
 
 @dataclass(frozen=True)

@@ -358,7 +358,8 @@ def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Seque
                                  cluster: Cluster) -> list[Collective]:
     """One side of a tied table's gradient exchange across two stages, as the runtime runs
     it: the copy's gradient gathered to replicated within its stage (lowered program), then
-    one AllReduce of the full table over both stages' ranks."""
+    one AllReduce of the full table over both stages' ranks, in the master dtype."""
+    table = table.master
     gather = plan_redistribution(layout, Layout.replicated(layout.fact), table, cluster)
     spans = len({r // cluster.devices_per_node for r in ranks}) > 1
     return [c.with_phase("step", "tied_weight") for c in gather.forward] + [

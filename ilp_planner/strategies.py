@@ -272,7 +272,7 @@ def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | N
         axes = tuple(a for a in grad.partial_axes if grad.fact[a].size > 1)
         if axes:
             by_axes.setdefault(axes, []).append(role)
-    itemsize = (op.weight or op.output).itemsize
+    itemsize = (op.weight or op.output).master.itemsize  # fp32 reduction under mixed precision
     out = []
     for axes, roles in by_axes.items():
         fact = lays[roles[0]][0].fact
@@ -502,8 +502,8 @@ def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
     """A tied table's gradient exchange on one device set, as the runtime runs it after
     weight-gradient synchronisation: the head's gradient (transposed) is brought to the
     embedding's layout, the two are added, and the sum is brought back to the head's
-    layout. Both copies then take the same update."""
-    head_t = transposed(head_weight)
+    layout. Both copies then take the same update. Gradients move in the master dtype."""
+    head_t, table = transposed(head_weight), table.master
     return (plan_redistribution(head_t, emb_weight, table, cluster),
             plan_redistribution(emb_weight, head_t, table, cluster))
 
@@ -512,7 +512,7 @@ def tied_exchange_seconds(emb_weight: Layout, head_weight: Layout, table: Tensor
                           cluster: Cluster) -> float:
     """Seconds of :func:`tied_exchange` without building its step lists (what the ILP's
     edge matrices need: one entry per pair of weight layouts)."""
-    head_t = transposed(head_weight)
+    head_t, table = transposed(head_weight), table.master
     planner = planner_for(head_t, cluster)
     return planner.forward_cost(head_t, emb_weight, table) + planner.forward_cost(emb_weight, head_t, table)
 

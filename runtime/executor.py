@@ -121,6 +121,8 @@ class Executor:
         self.microbatches = checked.microbatches
         self.graph = checked.graph
         model.check_supported(self.graph)
+        self.compute_dtype = model.compute_dtype(self.graph)
+        self.loss_scale = model.loss_scale(self.graph)
         self.layers: dict[str, LayerPlan] = {lp.name: lp for lp in plan.layers}
         self._check_even()
         self.stages = checked.stages
@@ -400,7 +402,10 @@ class Executor:
                 else:
                     have = recv[self.entry_of[(name, idx)]]
                 xs.append(comm.edge(have, self.edges[(name, idx)], "activation", name))
-            vals[name] = OPS[op.kind](self.ctx, op, lp, xs, self.layer_params[name], data)
+            params = self.layer_params[name]
+            if self.compute_dtype != model.DTYPE:  # mixed precision: compute copies of the masters
+                params = {r: LVal(v.t.to(self.compute_dtype), v.layout) for r, v in params.items()}
+            vals[name] = OPS[op.kind](self.ctx, op, lp, xs, params, data)
             if op.kind is OpKind.LOSS:
                 loss = vals[name]
         sent = {name: comm.edge(vals[name], red, "activation", "send")
@@ -419,9 +424,9 @@ class Executor:
         st["grad_in"] = self._recv_backward(st["out"])
 
     def backward(self, mb: int) -> None:
-        """B: autograd from the loss (last stage, scaled by 1/M) and from the received
-        gradients of the outgoing tensors; weight gradients accumulate in the local leaf
-        blocks."""
+        """B: autograd from the loss (last stage, scaled by 1/M and the float16 loss scale)
+        and from the received gradients of the outgoing tensors; weight gradients
+        accumulate in the local leaf blocks."""
         st = self.state[mb]
         if "grad_in" not in st:
             self.recv_backward(mb)
@@ -431,7 +436,7 @@ class Executor:
             local = st["loss"].t / self.microbatches
             self.loss_sum += float(local.detach().sum())
             tensors.append(local.sum())
-            grads.append(torch.ones((), device=self.device))
+            grads.append(torch.full((), self.loss_scale, device=self.device))
         for idx, v in st["out"].items():
             if v.t.requires_grad:
                 tensors.append(v.t)
@@ -474,11 +479,15 @@ class Executor:
                                           group=self.registry.group((_GROUP_TAG[direction], t.group)))
                 self.pending.append((work, buf))
 
+    def _dtype(self, tensor: str) -> torch.dtype:
+        return getattr(torch, self.graph[tensor].output.dtype)
+
     def _post_receives(self, tasks: tuple[Task, ...], direction: str, tensor: str) -> list:
         posted = []
         for t in tasks:
             if self.rank in t.receivers:
-                buf = torch.empty([b - a for a, b in t.region], device=self.device, dtype=model.DTYPE)
+                buf = torch.empty([b - a for a, b in t.region], device=self.device,
+                                  dtype=self._dtype(tensor))
                 with tagged(direction, "resharding", tensor):
                     work = dist.broadcast(buf, src=t.sender, async_op=True,
                                           group=self.registry.group((_GROUP_TAG[direction], t.group)))
@@ -491,7 +500,7 @@ class Executor:
 
     def _recv_forward(self, e: Entry) -> LVal:
         mine = self._region(e.dst_layout, e.shape, self.stages[e.dst_stage].devices)
-        local = torch.empty([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
+        local = torch.empty([b - a for a, b in mine], device=self.device, dtype=self._dtype(e.tensor))
         with timed(self.recorder):  # receives block: their time is the transfer's
             posted = self._post_receives(e.tasks, "forward", e.tensor)
             for _, _, work in posted:
@@ -516,7 +525,8 @@ class Executor:
         for idx in sent:
             e = self.entries[idx]
             mine = self._region(e.src_layout, e.shape, self.stages[e.src_stage].devices)
-            out[idx] = torch.zeros([b - a for a, b in mine], device=self.device, dtype=model.DTYPE)
+            out[idx] = torch.zeros([b - a for a, b in mine], device=self.device,
+                                   dtype=self._dtype(e.tensor))
             posted += [(idx, t, buf, work, mine)
                        for t, buf, work in self._post_receives(e.backward_tasks, "backward", e.tensor)]
         for _, _, _, work, _ in posted:
@@ -533,7 +543,8 @@ class Executor:
         """Wait for the gradient chunks launched during the backward (launching, in chunk
         order, any whose gradients never arrived — a parameter the step did not reach) and
         read each reduced gradient from its slice of the flat buffer. A chunk's recorded
-        seconds are the time the step waited for it (its exposed part)."""
+        seconds are the time the step waited for it (its exposed part). Under a float16
+        loss scale the reduced gradients are unscaled, and must be finite."""
         chunks = self.grad_chunks[self.my_stage.index]
         for key, (b, lo, hi) in self.grad_slot.items():
             if key not in self.grad_copied:
@@ -552,6 +563,8 @@ class Executor:
         for k in self.params:
             if k not in out:
                 out[k] = self._grad(k)
+        if self.loss_scale != 1.0:
+            model.unscale(out, self.loss_scale)
         return out
 
     def _grad(self, key: str) -> torch.Tensor:
@@ -569,7 +582,7 @@ class Executor:
             mine = self.my_stage.index
             if mine not in (a, b):
                 continue
-            table = self.graph[emb].weight
+            table = self.graph[emb].weight.master  # gradients are exchanged in fp32
             ek, hk = f"{emb}.weight", f"{head}.weight"
             if a == b:
                 to_emb, back = self.tied_programs[head]

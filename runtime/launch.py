@@ -16,7 +16,8 @@ format (``collective,group_size,bytes,link,seconds``) that ``ilp-planner calibra
 purpose, and the reference comparison; ``--save-params DIR`` — final full parameters
 (``DIR/<plan stem>.pt``); ``--check-reference`` — run the single-process reference on rank 0
 and fail (exit 1) unless every step's loss and every final parameter agree within
-``--rtol`` (relative, norm-wise per tensor).
+``--rtol`` (relative, norm-wise per tensor; default per compute dtype,
+:data:`runtime.reference.RTOL`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-params", metavar="DIR", help="save final full parameters here")
     p.add_argument("--check-reference", action="store_true",
                    help="compare with the single-process reference on rank 0")
-    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--rtol", type=float, default=None,
+                   help="relative tolerance of --check-reference (default: per compute dtype, "
+                        "runtime.reference.RTOL: 1e-4 float32, 1e-2 bfloat16, 2e-3 float16)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
 
 
@@ -182,19 +185,20 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                     out.mkdir(parents=True, exist_ok=True)
                     torch.save(params, out / f"{Path(path).stem}.pt")
                 if args.check_reference:
-                    from runtime.reference import compare, run_reference
+                    from runtime.reference import compare, run_reference, tolerance
 
                     ref = run_reference(ex.full_graph, steps=args.steps, seed=args.seed,
                                         optimizer=ex.options.optimizer, microbatches=ex.microbatches)
                     cmp = compare(losses, params, ref)
                     entry["reference"] = {**cmp.to_dict(), "reference_losses": ref.losses}
-                    ok = cmp.ok(args.rtol)
+                    rtol = args.rtol if args.rtol is not None else tolerance(ex.full_graph)
+                    ok = cmp.ok(rtol)
                     failed |= not ok
                     skipped = (f" ({cmp.undetermined_elements} elements with rounding-noise "
                                f"gradients under Adam left out)" if cmp.undetermined_elements else "")
                     print(f"  reference: loss rel err {cmp.loss_rel_err:.2e}, worst param "
                           f"{cmp.worst_param} rel err {cmp.param_rel_err:.2e}{skipped} -> "
-                          f"{'OK' if ok else 'MISMATCH'}", flush=True)
+                          f"{'OK' if ok else 'MISMATCH'} at rtol {rtol:g}", flush=True)
             results.append(entry)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(timing_rows, gathered, dst=0)

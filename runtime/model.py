@@ -25,8 +25,16 @@ arithmetic. Conventions (those of :mod:`ilp_planner.models`):
 Initialisation: parameter ``name`` is drawn from a generator seeded by
 ``crc32(f"{seed}:{name}")``; weights ~ N(0, σ²) (σ = 1/√in for linears, 0.02 for tables);
 biases and layernorm gains/offsets get small random values (not 0/1), so that a bias added
-twice or a gain gradient lost would change the loss at once. Everything runs in float32
-(the runtime's compute dtype whatever the plan's storage dtype).
+twice or a gain gradient lost would change the loss at once.
+
+Precision: the graph's dtype is the compute dtype (float32, or bfloat16 / float16 for mixed
+precision). Parameters are float32 masters; each forward casts them to the compute dtype
+(autograd casts their gradients back, so gradients accumulate, are reduced and update in
+float32 — :attr:`ilp_planner.graph.TensorSpec.master`); activations and their gradients,
+hence every activation collective, are in the compute dtype; the loss statistics are
+float32 (``strategies.LOSS_ITEMSIZE``). float16 adds a static loss scale
+(:func:`loss_scale`) so small gradients do not underflow, and a non-finite gradient after
+unscaling is an error, not a skipped step.
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ import torch.nn.functional as F
 from ilp_planner.graph import Graph, Op, OpKind
 from runtime.errors import RuntimeSetupError
 
-DTYPE = torch.float32
+DTYPE = torch.float32  # parameters (masters), their gradients and optimizer state
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+FP16_LOSS_SCALE = 1024.0
 LN_EPS = 1e-5
 SUPPORTED_KINDS = frozenset({
     OpKind.INPUT, OpKind.LINEAR, OpKind.EMBEDDING, OpKind.LAYERNORM, OpKind.ATTENTION,
@@ -73,16 +83,40 @@ def check_supported(graph: Graph) -> None:
             raise RuntimeSetupError(
                 f"op {op.name!r} is a {op.kind.value}; the runtime executes "
                 f"{sorted(k.value for k in SUPPORTED_KINDS)}")
+    compute_dtype(graph)
     for op in graph.ops:
-        if op.output.dtype not in ("float32", "int64", "int32"):
-            raise RuntimeSetupError(
-                f"op {op.name!r} is {op.output.dtype}; the runtime computes and communicates in "
-                f"float32, so a plan priced in {op.output.dtype} would not be the program it runs "
-                f"(set model.dtype: float32)")
         if op.kind is OpKind.LOSS and graph[op.inputs[0]].output.rank != 2:
             raise RuntimeSetupError(f"loss {op.name!r} needs a 2-D (rows, classes) input")
         if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
             tied_source(graph, op)
+
+
+def compute_dtype(graph: Graph) -> torch.dtype:
+    """The one floating dtype every activation of the graph is computed and communicated
+    in (a plan priced in one dtype must not run in another)."""
+    specs = [op.output for op in graph.ops] + [op.weight for op in graph.ops if op.weight]
+    floats = {t.dtype for t in specs} - {"int64", "int32"}
+    if len(floats) != 1 or not floats <= set(COMPUTE_DTYPES):
+        raise RuntimeSetupError(
+            f"the graph's tensors are {sorted(floats)}; the runtime computes in exactly one of "
+            f"{list(COMPUTE_DTYPES)} (set model.dtype)")
+    return getattr(torch, floats.pop())
+
+
+def loss_scale(graph: Graph) -> float:
+    """Static loss scale: float16's narrow exponent needs one, bfloat16 and float32 do not."""
+    return FP16_LOSS_SCALE if compute_dtype(graph) == torch.float16 else 1.0
+
+
+def unscale(grads: dict[str, torch.Tensor], scale: float) -> None:
+    """Divide loss-scaled gradients by the scale in place; an overflow is an error (a
+    step taken on infinite gradients would be silently wrong)."""
+    for name, g in grads.items():
+        g.div_(scale)
+        if not bool(torch.isfinite(g).all()):
+            raise FloatingPointError(
+                f"gradient of {name!r} is not finite under the float16 loss scale {scale:g}; "
+                f"the model overflows float16 (use model.dtype: bfloat16)")
 
 
 def tied_source(graph: Graph, op: Op) -> Op:
@@ -161,8 +195,9 @@ def make_batch(graph: Graph, seed: int) -> dict[str, torch.Tensor]:
                 vocab = min((c.attrs.get("vocab", c.weight.shape[0] if c.weight else 2)
                              for c in consumers), default=2)
                 out[op.name] = torch.randint(0, vocab, op.output.shape, generator=g)
-            else:
-                out[op.name] = torch.randn(op.output.shape, generator=g, dtype=DTYPE)
+            else:  # drawn in float32 (the same values whatever the compute dtype), then cast
+                out[op.name] = torch.randn(op.output.shape, generator=g, dtype=DTYPE).to(
+                    getattr(torch, op.output.dtype))
         elif op.kind is OpKind.LOSS:
             rows, classes = graph[op.inputs[0]].output.shape
             out[targets_key(op.name)] = torch.randint(0, classes, (rows,), generator=g)
@@ -225,7 +260,8 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, targets)
+    """Mean cross-entropy in float32 whatever the logits' dtype (mixed precision)."""
+    return F.cross_entropy(logits.float(), targets)
 
 
 ELEMENTWISE = {

@@ -159,7 +159,7 @@ def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[
     rows, classes = ctx.spec(op.inputs[0]).shape
     (r0, r1), (c0, c1) = ctx.region(lay, (rows, classes))
     targets = data[model.targets_key(op.name)][r0:r1]
-    z = logits.t
+    z = logits.t.float()  # the statistics are float32 whatever the compute dtype
     vocab, row_axes = loss_axes(lay)
     m = z.detach().amax(dim=1)
     if vocab:

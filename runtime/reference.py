@@ -9,8 +9,8 @@ element whose gradient is zero in exact arithmetic but rounding noise in floatin
 step of random sign — in the reference and in any other summation order alike. Such an
 element's value is not determined by the computation, so no tolerance can compare it; the
 reference marks, per parameter, the elements whose gradient stayed within the rounding
-floor (``NOISE_FLOOR`` × the step's largest gradient entry) in every step without being
-exactly zero in all of them (an exactly-zero gradient, e.g. a dead ReLU unit's, is zero in
+floor (``NOISE_FLOOR`` of the compute dtype × the step's largest gradient entry) in every
+step without being exactly zero in all of them (an exactly-zero gradient, e.g. a dead ReLU unit's, is zero in
 any summation order and gives a zero step, so it is compared), and the comparison leaves
 exactly those out (and says how many). Every other element, and every
 loss, is compared at the same tolerance as under SGD."""
@@ -25,7 +25,24 @@ from ilp_planner.graph import Graph, OpKind
 from runtime import model
 from runtime.optim import Optimizer, OptimizerSpec
 
-NOISE_FLOOR = 1e-6  # float32 gradients: rounding noise of sums of O(100) terms, relative
+# Rounding floor per compute dtype, relative to the step's largest gradient entry: a gradient
+# that is zero in exact arithmetic (GPT's key biases) measures ≤ 4e-9 in float32 and ≤ 7e-5
+# in bfloat16 on tiny GPT; each floor leaves an order of magnitude above the noise, and
+# float16 (8× finer than bfloat16) sits in between.
+NOISE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+# Equivalence tolerance per compute dtype (relative: losses, and parameters norm-wise). The
+# half types differ from the reference by their summation order's rounding: tiny GPT on 8
+# ranks (3 SGD steps, lr 0.1) measures 1.0e-4 / 3.1e-3 (loss / worst parameter) in bfloat16
+# and 2.7e-5 / 4.4e-4 in float16 — a few times below these. Under Adam a half-precision run
+# does not reproduce the parameters (every element whose gradient is small steps ±lr with
+# the sign of its rounding: 3.9e-2 at lr 1e-2 in bfloat16, as far as bfloat16 is from
+# float32 itself); its losses still match.
+RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def tolerance(graph: Graph) -> float:
+    """The relative tolerance a run of ``graph`` is compared with."""
+    return RTOL[model.compute_dtype(graph)]
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,7 @@ def run_reference(graph: Graph, *, steps: int, seed: int, optimizer: OptimizerSp
                   microbatches: int = 1) -> ReferenceResult:
     """Train ``steps`` optimizer steps of the full-batch ``graph`` on one process."""
     model.check_supported(graph)
+    dtype, scale = model.compute_dtype(graph), model.loss_scale(graph)
     params = {k: v.clone().requires_grad_(True) for k, v in model.init_params(graph, seed).items()}
     opt = Optimizer(optimizer)
     losses = []
@@ -125,11 +143,14 @@ def run_reference(graph: Graph, *, steps: int, seed: int, optimizer: OptimizerSp
             p.grad = None
         total = 0.0
         for mb in model.split_microbatches(model.make_batch(graph, seed), microbatches):
-            loss = forward(graph, params, mb) / microbatches
-            loss.backward()
+            copies = {k: p.to(dtype) for k, p in params.items()}  # masters stay float32
+            loss = forward(graph, copies, mb) / microbatches
+            (loss * scale).backward()
             total += float(loss.detach())
         losses.append(total)
-        floor = NOISE_FLOOR * max(float(p.grad.abs().max()) for p in params.values())
+        if scale != 1.0:
+            model.unscale({k: p.grad for k, p in params.items()}, scale)
+        floor = NOISE_FLOOR[dtype] * max(float(p.grad.abs().max()) for p in params.values())
         for k, p in params.items():
             tiny[k] &= p.grad.abs() <= floor
             nonzero[k] |= p.grad != 0

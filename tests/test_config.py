@@ -25,6 +25,7 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "vgg13-2x8": 133_047_848,
     "u-transformer-2x4": 2_123_444_224,
     "tiny-gpt-cpu": 109_312,
+    "tiny-gpt-bf16-cpu": 109_312,
     "tiny-mlp-cpu": 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
 }
 

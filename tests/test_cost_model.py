@@ -145,7 +145,7 @@ def test_compute_time() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "per_param"), [("adam_mixed", 16.0), ("adam", 16.0), ("sgd", 8.0),
+    ("name", "per_param"), [("adam_mixed", 18.0), ("adam", 16.0), ("sgd", 8.0),
                             ("sgd_momentum", 12.0)],
 )
 def test_memory_presets(name: str, per_param: float) -> None:
@@ -163,8 +163,8 @@ def test_unknown_optimizer_preset() -> None:
 
 def test_memory_bytes() -> None:
     spec = MemorySpec.preset("adam_mixed")
-    # 1e6 local parameters × 16 B + 5e5 B of activations
-    assert memory_bytes(1e6, 5e5, spec) == pytest.approx(16e6 + 5e5)
+    # 1e6 local parameters × 18 B + 5e5 B of activations
+    assert memory_bytes(1e6, 5e5, spec) == pytest.approx(18e6 + 5e5)
     assert memory_bytes(0, 0, spec) == 0
     custom = MemorySpec(weight_bytes=4, grad_bytes=4, optimizer_bytes=0)
     assert memory_bytes(10, 1, custom) == 81

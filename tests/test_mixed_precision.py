@@ -1,0 +1,125 @@
+"""Mixed precision: half-precision activations and collectives, fp32 master weights and fp32
+gradient reduction — priced that way by the planner and run that way by the runtime (the
+multi-rank equivalence and audit of a bfloat16 GPT ride in tests/test_runtime.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from formulations.sbp_problem import build_problem
+from ilp_planner import models
+from ilp_planner.cluster import Cluster, Link, MeshAxis
+from ilp_planner.config import load_config
+from ilp_planner.cost_model import MemorySpec
+from ilp_planner.graph import TensorSpec
+from ilp_planner.layouts import B, Layout, S
+from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.strategies import grad_sync, tied_exchange_collectives
+from runtime import model
+from runtime.errors import RuntimeSetupError
+from runtime.optim import OptimizerSpec
+from runtime.reference import compare, run_reference, tolerance
+
+CLUSTER = Cluster(2, 2, memory_bytes=16 * 2**30, peak_flops=1e13,
+                  intra=Link.from_bandwidth(5, 800), inter=Link.from_bandwidth(10, 50))
+SHAPE = dict(hidden=32, layers=2, heads=4, seq_len=8, vocab=64, batch=4)
+
+
+def _syncs(dtype: str, choice: list[int]) -> list[tuple[float, int]]:
+    gp = build_problem(models.gpt(**SHAPE, dtype=dtype), CLUSTER, 2, 2,
+                       MemorySpec.preset("adam_mixed"), tie_layers=False)
+    chosen = gp.node_choice(choice)
+    out = []
+    for op in gp.graph.ops:
+        if op.name in gp.members:
+            o = chosen[op.name]
+            out += [(b.collective.bytes, b.numel) for b in
+                    grad_sync(op, o.base.label, o.inputs[0], o.base.weight, o.outputs[0], gp.ctx)]
+    return out
+
+
+def test_gradients_are_reduced_at_four_bytes_whatever_the_compute_dtype():
+    gp = build_problem(models.gpt(**SHAPE), CLUSTER, 2, 2, MemorySpec.preset("adam"),
+                       tie_layers=False)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        choice = [int(rng.integers(len(c))) for c in gp.problem.cost]
+        half, full = _syncs("bfloat16", choice), _syncs("float32", choice)
+        assert half == full and half
+        assert all(nbytes == 4 * numel for nbytes, numel in half)
+
+
+def test_activations_move_in_the_compute_dtype():
+    """An edge's program moves half the bytes in bfloat16; the tied table's gradient
+    exchange moves fp32 whatever the table's dtype."""
+    fact = (MeshAxis(2, 1), MeshAxis(1, 2))
+    src, dst = Layout(fact, (S(0), S(1))), Layout(fact, (B, S(0)))
+    full = plan_redistribution(src, dst, TensorSpec((16, 32)), CLUSTER)
+    half = plan_redistribution(src, dst, TensorSpec((16, 32), "bfloat16"), CLUSTER)
+    steps = full.forward + full.backward
+    assert steps and [c.bytes / 2 for c in steps] == [c.bytes for c in half.forward + half.backward]
+    emb, head = Layout(fact, (S(0), B)), Layout(fact, (B, S(0)))
+    assert [c.bytes for c in tied_exchange_collectives(emb, head, TensorSpec((64, 32)), CLUSTER)] \
+        == [c.bytes for c in tied_exchange_collectives(emb, head, TensorSpec((64, 32), "bfloat16"),
+                                                       CLUSTER)]
+
+
+def test_adam_mixed_counts_the_fp32_gradient():
+    assert MemorySpec.preset("adam_mixed").bytes_per_param == 2 + 4 + 12
+
+
+SGD = OptimizerSpec("sgd", 0.1)
+
+
+@pytest.fixture(scope="module")
+def gpt32():
+    return load_config("configs/tiny-gpt-cpu.yaml").graph
+
+
+def _reference(dtype: str, steps: int = 2):
+    graph = load_config("configs/tiny-gpt-cpu.yaml").with_overrides({"model.dtype": dtype}).graph
+    return graph, run_reference(graph, steps=steps, seed=0, optimizer=SGD)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_reference_keeps_fp32_masters_and_tracks_fp32(gpt32, dtype):
+    """The single-process half-precision run: parameters stay fp32, the compute really is
+    in the half type (the losses differ from fp32's), and it stays within the dtype's
+    tolerance of the fp32 run."""
+    graph, half = _reference(dtype)
+    full = run_reference(gpt32, steps=2, seed=0, optimizer=SGD)
+    assert model.compute_dtype(graph) == getattr(torch, dtype)
+    assert all(p.dtype == torch.float32 for p in half.params.values())
+    assert half.losses != full.losses
+    cmp = compare(half.losses, half.params, full)
+    assert cmp.ok(tolerance(graph)), cmp.to_dict()
+    assert half.losses[-1] < half.losses[0]
+
+
+def test_loss_scale_only_for_float16():
+    assert model.loss_scale(_reference("float16", 1)[0]) == model.FP16_LOSS_SCALE
+    assert model.loss_scale(_reference("bfloat16", 1)[0]) == 1.0
+
+
+def test_overflowing_float16_gradients_stop_the_run():
+    grads = {"fc1.weight": torch.tensor([1.0, float("inf")])}
+    with pytest.raises(FloatingPointError, match="fc1.weight.*not finite.*bfloat16"):
+        model.unscale(grads, 1024.0)
+    ok = {"fc1.weight": torch.tensor([2048.0])}
+    model.unscale(ok, 1024.0)
+    assert float(ok["fc1.weight"]) == 2.0
+
+
+@pytest.mark.parametrize("dtypes", [("float64", None), ("float32", "bfloat16")])
+def test_runtime_refuses_float64_and_mixed_graphs(dtypes):
+    main, other = dtypes
+    ops = [{"name": "x", "kind": "input", "shape": [8, 16]},
+           {"name": "fc", "kind": "linear", "inputs": ["x"], "shape": [8, 4], "weight": [16, 4]},
+           {"name": "loss", "kind": "loss", "inputs": ["fc"], "shape": [1]}]
+    if other:
+        ops[1]["dtype"] = other
+    graph = models.graph_from_spec({"kind": "graph", "dtype": main, "ops": ops})
+    with pytest.raises(RuntimeSetupError, match="computes in exactly one of"):
+        model.check_supported(graph)
