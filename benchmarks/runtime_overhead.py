@@ -4,13 +4,14 @@ processes and backend:
 * a pure data-parallel plan through :mod:`runtime` against
   ``torch.nn.parallel.DistributedDataParallel`` (SGD, DDP's own buckets and overlap;
   the runtime reduces its planned gradient chunks from autograd hooks, overlapped too);
-* a tensor-parallel plan (Megatron column- then row-parallel MLP, ``megatron_filter``)
-  against the same layouts written by hand with
+* a tensor-parallel plan (Megatron's MLP: ``fc1`` column-parallel, ``fc2`` row-parallel,
+  the logits AllReduced to every rank, :func:`colwise_rowwise_filter`) against the same
+  layouts written by hand with
   ``torch.distributed.tensor.parallel.parallelize_module`` (``ColwiseParallel`` /
   ``RowwiseParallel``).
 
 Every side has the same step boundary: no barrier between steps (rank 0's step time is
-the steady-state period), the loss reduced to every rank at the end of the step. Per
+the steady-state period) and the step's loss known to every rank at its end. Per
 model the table shows the median step time (first two steps dropped) of each, their ratio
 and the last losses (which must agree). Usage::
 
@@ -29,10 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ilp_planner.baselines import data_parallel_filter, megatron_filter
+from ilp_planner.baselines import Filter, data_parallel_filter
 from ilp_planner.cluster import MeshAxis
 from ilp_planner.commands.run import torchrun_command
 from ilp_planner.config import load_config, parse_config
+from ilp_planner.graph import Op, OpKind
+from ilp_planner.strategies import Strategy
 from runtime.plans import restricted_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +50,24 @@ MODELS = {  # label -> (config, overrides, parallelism, hand-written side)
 LR = 0.05
 THEIRS = {"ddp": "DistributedDataParallel", "tp": "parallelize_module"}
 WARMUP = 2
+PROFILE_ROWS = 10
+
+
+def colwise_rowwise_filter(n: int) -> Filter:
+    """What ``parallelize_module`` builds from ``{"fc1": ColwiseParallel(), "fc2":
+    RowwiseParallel()}`` on ``n`` ranks: fc1's weight split by output columns on all ranks
+    (3-D strategy (1, n, 1)), fc2's by input rows ((1, 1, n), partial-sum output), the loss
+    reading replicated logits (fc2's partial sums AllReduced)."""
+    one, tp = MeshAxis(1, 1), MeshAxis(1, n)
+    facts = {"fc1": (one, tp, one), "fc2": (one, one, tp)}
+
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name in facts:
+            return s.label.startswith("3d") and s.fact == facts[op.name]
+        if op.kind is OpKind.LOSS:
+            return not s.inputs[0].split_axes(0) and not s.inputs[0].split_axes(1)
+        return True
+    return keep
 
 
 def ddp_worker(plan_path: str, steps: int, out: str) -> None:
@@ -138,17 +159,37 @@ def tp_worker(plan_path: str, steps: int, out: str) -> None:
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(net(x), targets)
+        loss = F.cross_entropy(net(x), targets)  # replicated logits: every rank has the loss
         loss.backward()
         opt.step()
-        value = loss.detach().clone()
-        dist.all_reduce(value)
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        Path(out).write_text(json.dumps({"step_s": times, "loss": float(value) / world}))
+        Path(out).write_text(json.dumps({"step_s": times, "loss": float(loss)}))
     dist.barrier()
     del net, opt
     dist.destroy_process_group()
+
+
+def profile_worker(plan_path: str, steps: int, out: str) -> None:
+    """The runtime side again with rank 0 under ``cProfile``: where its CPU time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    from runtime import launch
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    args = launch.build_parser().parse_args(
+        [plan_path, "--steps", str(steps), "--optimizer", "sgd", "--lr", str(LR), "--quiet"])
+    prof = cProfile.Profile()
+    if rank == 0:
+        prof.enable()
+    launch._run(args, rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+    if rank == 0:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(PROFILE_ROWS)
+        Path(out).write_text(text.getvalue())
 
 
 def _call(cmd: list[str]) -> None:
@@ -161,22 +202,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--only", choices=list(MODELS), action="append", help="these models only")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the runtime's rank 0 and print its top functions by own time")
     ap.add_argument("--worker", nargs=3, metavar=("KIND", "PLAN", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         kind, plan_path, out = args.worker
-        (ddp_worker if kind == "ddp" else tp_worker)(plan_path, args.steps, out)
+        {"ddp": ddp_worker, "tp": tp_worker, "profile": profile_worker}[kind](
+            plan_path, args.steps, out)
         sys.stdout.flush()
         os._exit(0)  # skip interpreter finalisation (see runtime.launch)
     n = args.nproc
     rows = []
+    profiles: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         for label, (cfg, overrides, parallel, theirs) in MODELS.items():
+            if args.only and label not in args.only:
+                continue
             config = load_config(ROOT / "configs" / cfg).with_overrides(
                 {**overrides, "cluster.nodes": 1, "cluster.devices_per_node": n})
             keep = data_parallel_filter(MeshAxis(1, n)) if parallel == "dp" else \
-                megatron_filter(MeshAxis(1, 1), MeshAxis(1, n))
+                colwise_rowwise_filter(n)
             plan = restricted_plan(config, keep, name=f"{label}-{parallel}")
             path = tmp / f"{label}.json"
             plan.save(path)
@@ -190,6 +238,12 @@ def main() -> int:
                    "--nproc-per-node", str(n), os.path.abspath(__file__), "--steps",
                    str(args.steps), "--worker", theirs, str(path), str(their_out)])
             other = json.loads(their_out.read_text())
+            if args.profile:
+                prof_out = tmp / f"{label}-profile.txt"
+                _call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(n), os.path.abspath(__file__), "--steps",
+                       str(args.steps), "--worker", "profile", str(path), str(prof_out)])
+                profiles[label] = prof_out.read_text()
             t_ours = statistics.median(ours["step_s"][WARMUP:])
             t_other = statistics.median(other["step_s"][WARMUP:])
             params = sum(p.numel for p in [op.weight for op in config.graph.ops if op.weight])
@@ -205,6 +259,9 @@ def main() -> int:
         print(f"{label:<10}{params:>10,}  {t_ours * 1e3:>11.1f}{other:>24}{t_other * 1e3:>8.1f}"
               f"{t_ours / t_other:>8.2f}{l_ours:>14.5f}{l_other:>10.5f}")
     print("\nplans: " + "; ".join(f"{r[0]}: {r[2]}" for r in rows))
+    for label, text in profiles.items():
+        print(f"\n--- {label}: runtime rank 0, {args.steps} steps with setup, by own time ---")
+        print(text[text.find("ncalls"):].rstrip())
     return 0
 
 

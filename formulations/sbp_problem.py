@@ -15,9 +15,10 @@ however many ops fill it, while the bandwidth part stays in each op's own cost.
 Building it from a graph (:func:`build_problem`) does the two reductions the ILP needs:
 
 * **merging followers** — an elementwise op, pooling, flatten or the loss with one input
-  can only follow its producer, so it joins the producer's node: strategy k of the node
-  fixes the follower's layout (the producer's output with partial sums reduced, see
-  :func:`ilp_planner.strategies.resolve_partial`) and adds its cost;
+  can only follow its producer, so it joins the producer's node: option k of the node is a
+  producer strategy and, for a follower reading partial sums, how they are reduced
+  (reduce-scattered or all-reduced, :func:`ilp_planner.strategies.partial_resolutions`);
+  it fixes the followers' layouts and adds their costs;
 * **tying repeated layers** (AutoDDL §4.5.1) — the same op of every repetition of a block
   shares one group; costs, memory and edge matrices of the copies are summed.
 
@@ -29,6 +30,7 @@ stage runs for them (:mod:`ilp_planner.stage_boundary`) are part of its costs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -49,7 +51,7 @@ from ilp_planner.strategies import (
     follow,
     grad_sync,
     op_strategies,
-    resolve_partial,
+    partial_resolutions,
     tied_exchange_seconds,
     tied_source,
 )
@@ -221,44 +223,56 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts = []
+    readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
     for base in op_strategies(rep, in_specs, ctx):
-        outputs = [base.output]
-        inputs = [base.inputs]
-        grads = [base.grads_of_inputs]
-        own = list(base.collectives)
-        if input_reached:  # autograd reaches the input
-            own += base.input_backward
-        colls = [own]
-        comp = [base.compute_s]
-        cost = _per_step(base.compute_s, own, microbatches)
-        act = base.activation_bytes
-        for f in members[1:]:
-            op = graph[f]
-            src = op.inputs[0]
-            tensor = graph[src].output
-            raw = outputs[members.index(src)]
-            resolved = resolve_partial(raw, tensor)
-            out, fc, secs = follow(op, tensor, resolved, ctx)
-            fc = list(fc)
-            if resolved != raw:
-                red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
-                fc = red.forward + red.backward + fc
-            outputs.append(out)
-            inputs.append((resolved,))
-            grads.append((resolved,))
-            colls.append(fc)
-            comp.append(secs)
-            cost += _per_step(secs, fc, microbatches)
-            act += out.local_bytes(op.output)
-        syncs = grad_sync(rep, base.label, base.inputs, base.weight, base.output, ctx)
-        opts.append(NodeOption(base, outputs, inputs, grads, colls, comp, cost,
-                               base.state_bytes + act, base.state_bytes, act, syncs))
+        choices = partial_resolutions(base.output, rep.output)
+        for picks in itertools.product(choices, repeat=len(readers)):
+            opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
+                                     ctx, microbatches, input_reached))
     if not opts:
         raise ValueError(
             f"op {node!r} ({rep.kind.value}, output {rep.output.shape}) has no strategy on a "
             f"{ctx.nodes}x{ctx.local} mesh (no factorisation divides its dimensions)"
         )
     return opts
+
+
+def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
+                 ctx: StrategyContext, microbatches: int, input_reached: bool) -> NodeOption:
+    """One option: the base strategy, and each follower reading the base op's output in
+    ``resolved_for[follower]`` (one of :func:`partial_resolutions`)."""
+    rep = graph[members[0]]
+    outputs = [base.output]
+    inputs = [base.inputs]
+    grads = [base.grads_of_inputs]
+    own = list(base.collectives)
+    if input_reached:  # autograd reaches the input
+        own += base.input_backward
+    colls = [own]
+    comp = [base.compute_s]
+    cost = _per_step(base.compute_s, own, microbatches)
+    act = base.activation_bytes
+    for f in members[1:]:
+        op = graph[f]
+        src = op.inputs[0]
+        tensor = graph[src].output
+        raw = outputs[members.index(src)]
+        resolved = resolved_for.get(f, raw)
+        out, fc, secs = follow(op, tensor, resolved, ctx)
+        fc = list(fc)
+        if resolved != raw:
+            red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
+            fc = red.forward + red.backward + fc
+        outputs.append(out)
+        inputs.append((resolved,))
+        grads.append((resolved,))
+        colls.append(fc)
+        comp.append(secs)
+        cost += _per_step(secs, fc, microbatches)
+        act += out.local_bytes(op.output)
+    syncs = grad_sync(rep, base.label, base.inputs, base.weight, base.output, ctx)
+    return NodeOption(base, outputs, inputs, grads, colls, comp, cost,
+                      base.state_bytes + act, base.state_bytes, act, syncs)
 
 
 def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,

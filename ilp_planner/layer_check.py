@@ -22,7 +22,7 @@ from ilp_planner.strategies import (
     StrategyContext,
     follow,
     op_strategies,
-    resolve_partial,
+    partial_resolutions,
 )
 
 FOLLOWS = "follows "
@@ -79,11 +79,13 @@ def _check_follower(op: Op, ly: LayerPlan, layers: dict[str, LayerPlan], graph: 
     src = op.inputs[0]
     tensor = graph[src].output
     producer = layers.get(src)
-    want = (resolve_partial(producer.output, tensor)
-            if producer is not None and producer.stage == ly.stage else ly.inputs[0])
+    allowed = (partial_resolutions(producer.output, tensor)
+               if producer is not None and producer.stage == ly.stage else ly.inputs[:1])
+    want = ly.inputs[0] if len(ly.inputs) == 1 and ly.inputs[0] in allowed else allowed[0]
     if ly.inputs != (want,) or want.has_partial:
         raise PlanFormatError(f"{where}: a follower reads its producer's output with partial sums "
-                              f"resolved ({want}), the plan says {[str(x) for x in ly.inputs]}")
+                              f"resolved ({' or '.join(str(a) for a in allowed)}), the plan says "
+                              f"{[str(x) for x in ly.inputs]}")
     out = follow(op, tensor, want, ctx)[0]
     if ly.output != out:
         raise PlanFormatError(f"{where}: follower output {ly.output} should be {out}")

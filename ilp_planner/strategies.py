@@ -552,6 +552,20 @@ def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -
     return tuple(out)
 
 
+def partial_resolutions(layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...]:
+    """The layouts a follower may read a partial-sum output in: reduce-scattered
+    (:func:`resolve_partial`) or all-reduced to replicated on the partial axes. Neither is
+    cheaper in general — a vocabulary-parallel loss wants its logits reduce-scattered, a
+    small head's loss wants them all-reduced (one collective, none in the loss) — so the
+    ILP chooses."""
+    if not layout.has_partial:
+        return (layout,)
+    scattered = resolve_partial(layout, tensor)
+    reduced = Layout(layout.fact, tuple(B if isinstance(pl, Partial) else pl
+                                        for pl in layout.placements))
+    return (scattered,) if reduced == scattered else (scattered, reduced)
+
+
 def resolve_partial(layout: Layout, tensor: TensorSpec) -> Layout:
     """The layout a follower sees: each partial axis reduce-scattered onto the feature dim
     (the last dim of a 2-D activation, the channel dim of an (N, C, H, W) feature map, then

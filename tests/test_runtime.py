@@ -63,6 +63,7 @@ OPT = {"gpt": ("adam", 0.01), "mlp": ("adam", 0.01), "utf": ("adam", 0.01),
        "gpt-bf16": ("sgd", 0.1)}
 REQUIRED = [(n, m, v) for n in (4, 8) for m in ("mlp", "gpt") for v in ("3d", "eager-1f1b", "1f1b")]
 EXTRA = [(4, "mlp", "gpipe"), (4, "mlp", "summa"), (4, "mlp", "dp-accum"), (4, "mlp", "chunks"),
+         (4, "mlp", "rowwise"),
          (8, "mlp", "gpipe"),
          (8, "gpt", "gpipe"), (8, "gpt", "solved"),
          (8, "gpt", "solved-pp"), (8, "gpt", "pp-sharded-tied"), (8, "utf", "solved-pp"),
@@ -89,6 +90,8 @@ def build_plan(n: int, model: str, variant: str) -> Plan:
     if variant == "chunks":  # 4 KiB gradient buckets: several chunks, launched during the backward
         return restricted_plan(c.with_overrides({"training.grad_bucket_mb": CHUNK_MB}),
                                three_d_filter((2, 1, 2)), name=name)
+    if variant == "rowwise":  # every linear row-parallel: the relus read reduce-scattered
+        return restricted_plan(c, three_d_filter((1, 1, 4)), name=name)  # sums, the loss all-reduced
     if variant in ("eager-1f1b", "1f1b", "gpipe"):
         return pipelined_plan(c, stages=2, schedule=variant, microbatches=4, name=name)
     if variant == "pp-sharded-tied":  # stage ILP optimum: the tied table is sharded, so its
@@ -270,6 +273,15 @@ def test_3d_plans_have_three_axes_and_partial_sums(n: int, model: str) -> None:
     assert mm and all(lp.strategy.startswith("3d") and lp.output.has_partial for lp in mm)
     if n == 8:
         assert all([a.size for a in lp.output.fact] == [2, 2, 2] for lp in mm)
+
+
+def test_rowwise_plan_reduces_partial_sums_both_ways() -> None:
+    """The row-parallel variant exercises both resolutions of partial sums a follower can
+    read: reduce-scattered (the relus) and all-reduced to replicated (the loss)."""
+    plan = build_plan(4, "mlp", "rowwise")
+    reads = {lp.name: lp.inputs[0] for lp in plan.layers if lp.strategy.startswith("follows")}
+    assert reads["relu1"].split_degree(1) == 4 and reads["loss"].split_degree(1) == 1
+    assert not reads["loss"].has_partial
 
 
 @pytest.mark.parametrize("schedule", ["eager-1f1b", "1f1b"])

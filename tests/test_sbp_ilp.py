@@ -291,3 +291,41 @@ def test_tied_layers_share_strategies():
     assert _close(cost.total_s, res.objective)
     # tying restricts the space: the untied optimum is no worse
     assert _ilp(untied.problem).objective <= res.objective * (1 + 1e-9)
+
+
+def test_followers_choose_how_partial_sums_are_reduced():
+    """A follower reading partial sums takes them reduce-scattered or all-reduced, and the
+    ILP chooses. Row-parallel MLP on 1 × 4: its loss reads the logits all-reduced (no
+    collective in the loss), strictly cheaper than the reduce-scattered (vocabulary-
+    parallel) logits that were the only option before; ILP = exhaustive on both spaces."""
+    from ilp_planner.baselines import restrict
+    from ilp_planner.strategies import partial_resolutions, resolve_partial
+    from runtime.plans import three_d_filter
+
+    g = models.mlp([32, 64, 64, 16], batch=32, bias=True)
+    gp = build_problem(g, small_cluster(1, 4), 1, 4, MemorySpec.preset("adam"), tie_layers=False)
+    sub, allowed = restrict(gp, three_d_filter((1, 1, 4)))
+    loss_node = gp.owner["loss"]
+    opts = [gp.options[loss_node][k] for k in allowed[gp.group_of[loss_node]]]
+    pos = gp.position["loss"]
+    fc3 = g["fc3"].output
+    assert {o.inputs[pos][0] for o in opts} == {r for o in opts
+                                                for r in partial_resolutions(o.outputs[0], fc3)}
+
+    def fixed_rule(node: str, k: int) -> bool:  # every follower reduce-scattered where it can
+        o = gp.options[node][k]
+        members = gp.members[node]
+        return all(o.inputs[i][0] == resolve_partial(o.outputs[members.index(g[f].inputs[0])],
+                                                     g[g[f].inputs[0]].output)
+                   for i, f in enumerate(members) if i)
+
+    old = [np.array([k for k in idx if fixed_rule(gp.groups[j][0], int(k))])
+           for j, idx in enumerate(allowed)]
+    old_sub = gp.problem.subset(old)
+    new, before = _ilp(sub), _ilp(old_sub)
+    assert _close(new.objective, exhaustive(sub).objective)
+    assert _close(before.objective, exhaustive(old_sub).objective)
+    assert new.objective < before.objective
+    j = gp.group_of[loss_node]
+    chosen = gp.options[loss_node][int(allowed[j][new.choice[j]])]
+    assert chosen.inputs[pos][0].split_degree(1) == 1  # the logits all-reduced: classes whole

@@ -127,8 +127,9 @@ def test_data_parallel_gradient_allreduce_closed_form(graph):
 def test_megatron_row_parallel_output_is_allreduced_over_tp():
     """Megatron on dp × tp = 2 × 4 (TP inside a node) with qkv/fc1 column- and proj/fc2
     row-parallel. A row-parallel output is a partial sum over tp of n = (tokens/dp) ·
-    hidden · itemsize bytes; the plan reduce-scatters it (n) and all-gathers it before the
-    next layernorm (n): together exactly the AllReduce closed form 2(tp−1)α + 2(tp−1)/tp·nβ."""
+    hidden · itemsize bytes; the plan reduce-scatters it (n) and all-gathers it (n), in the
+    follower or before the next reader: together exactly the AllReduce closed form
+    2(tp−1)α + 2(tp−1)/tp·nβ."""
     layers_n, hidden, seq, batch, vocab = 3, 64, 16, 4, 128
     g = models.gpt(hidden=hidden, layers=layers_n, heads=4, seq_len=seq, vocab=vocab, batch=batch)
     cl = cluster(2, 4)
@@ -170,11 +171,13 @@ def test_megatron_row_parallel_output_is_allreduced_over_tp():
     for _, c in reduce_scatters:
         assert (c.group_size, c.bytes) == (tp_size, n)
     # the all-gathers rebuild n bytes per device over tp (possibly as a product of smaller
-    # rings): one per row-parallel output plus one for the column-parallel embedding
+    # rings): one per row-parallel output — in the follower itself when it reads the sums
+    # all-reduced, or before the next reader when it reads them reduce-scattered (the ILP's
+    # pick; equal cost) — plus the column-parallel embedding's
     gathered = {}
     for name, c in all_gathers:
         gathered.setdefault(name, []).append(c)
-    assert len(gathered) == 2 * layers_n + 1
+    assert len(gathered) >= 2 * layers_n + 1
     for cs in gathered.values():
         assert math.prod(c.group_size for c in cs) == tp_size and max(c.bytes for c in cs) == n
     rs = collective_time(K.REDUCE_SCATTER, tp_size, n, cl.intra)
