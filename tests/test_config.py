@@ -26,6 +26,9 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "u-transformer-2x4": 2_123_444_224,
     "tiny-gpt-cpu": 109_312,
     "tiny-mlp-cpu": 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
+    "tiny-vgg-cpu": sum(o * i * 9 + o for i, o in [(3, 8), (8, 8), (8, 16), (16, 16), (16, 16),
+                                                   (16, 16), (16, 32), (32, 32), (32, 32), (32, 32)])
+                    + 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
 }
 
 BASE = {
