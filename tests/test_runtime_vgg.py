@@ -4,9 +4,10 @@ Fast tests check the local kernels against plain ``torch.nn`` modules, the singl
 reference against an ``nn.Sequential`` VGG13, and the conv family's geometry (every device's
 local convolution, pool and flatten of its block, summed over the partial axis, is its
 block of the full result) without any process group. One slow launch trains three plans of
-``configs/tiny-vgg-cpu.yaml`` on 8 gloo processes — the planner's own, one with batch-split
-convolutions (AutoDDL's VGG13 layouts) and one with output- and input-channel-split
-convolutions (partial-sum outputs) — and checks ``--audit`` (executed == planned) and the
+``configs/tiny-vgg-cpu.yaml`` on 8 gloo processes — the planner's own (single mesh, and
+2-stage eager-1F1B with feature maps crossing the cut), one with batch-split convolutions
+(AutoDDL's VGG13 layouts) and one with output- and input-channel-split convolutions
+(partial-sum outputs) — and checks ``--audit`` (executed == planned) and the
 single-process reference within 1e-4.
 """
 
@@ -69,11 +70,18 @@ def channel_split(op: Op, s: Strategy) -> bool:
     return True
 
 
+PIPELINE = {"stages": 2, "microbatches": 2, "schedule": "eager-1f1b", "submeshes": [[1, 4], [1, 4]]}
+
+
 def build_plans() -> dict[str, Plan]:
+    """The planner's plans (single mesh; 2 stages, feature maps crossing the cut) and the
+    batch- and channel-split single-mesh plans."""
     config = load_config(TINY)
     solved = solve(config, baselines=False)
     solved.name = "vgg8-solved"
-    return {"vgg8-solved": solved,
+    solved_pp = solve(config.with_overrides({"pipeline": PIPELINE}), baselines=False)
+    solved_pp.name = "vgg8-solved-pp"
+    return {"vgg8-solved": solved, "vgg8-solved-pp": solved_pp,
             "vgg8-batch-split": restricted_plan(config, batch_split, name="vgg8-batch-split"),
             "vgg8-channel-split": restricted_plan(config, channel_split, name="vgg8-channel-split")}
 
@@ -248,9 +256,12 @@ def test_plans_split_the_convolutions_as_claimed(plans) -> None:
     partial = [ly.name for ly in chan if any(ly.output.fact[a].size > 1 for a in ly.output.partial_axes)]
     assert partial == [f"conv{i}" for i in range(2, 11)]  # conv1 has 3 input channels
     assert all(ly.weight.split_degree(0) > 1 for ly in chan)
+    crossing = plans["vgg8-solved-pp"].resharding
+    assert len(plans["vgg8-solved-pp"].stages) == 2 and any(len(e["shape"]) == 4 for e in crossing)
     for p in plans.values():  # every conv's gradients go through the priced buckets
-        chunks = Executor(p, RunOptions(), rank=0, world=8).grad_chunks[0]
-        synced = {(m.layer, r) for c in chunks for m in c.members for r in m.roles}
+        ex = Executor(p, RunOptions(), rank=0, world=8)
+        synced = {(m.layer, r) for chunks in ex.grad_chunks.values() for c in chunks
+                  for m in c.members for r in m.roles}
         assert all({(ly.name, "weight"), (ly.name, "bias")} <= synced
                    for ly in p.layers if ly.kind == "conv2d")
 
@@ -260,7 +271,7 @@ def test_plans_split_the_convolutions_as_claimed(plans) -> None:
 
 @pytest.fixture(scope="module")
 def runs(plans, tmp_path_factory) -> dict:
-    """All three plans trained in one 8-process launch (process start-up is the slow part)."""
+    """All plans trained in one 8-process launch (process start-up is the slow part)."""
     tmp = tmp_path_factory.mktemp("vgg8")
     files = []
     for name, plan in plans.items():
@@ -282,13 +293,14 @@ def runs(plans, tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_vgg_plans_run_as_planned_and_match_one_process(plans, runs) -> None:
     """On every rank and step the collectives executed equal the planned ones, and the
-    losses and final parameters match one process within 1e-4 — for the planner's plan and
-    for batch- and channel-split convolutions."""
+    losses and final parameters match one process within 1e-4 — for the planner's plans
+    (single mesh and pipelined) and for batch- and channel-split convolutions."""
     assert "MISMATCH" not in runs["__stdout__"]
-    ref = run_reference(load_config(TINY).graph, steps=STEPS, seed=0,
-                        optimizer=OptimizerSpec(*OPT))
-    assert all(b < a for a, b in pairwise(ref.losses))  # it trains
-    for name in plans:
+    graph = load_config(TINY).graph
+    for name, plan in plans.items():
+        ref = run_reference(graph, steps=STEPS, seed=0, optimizer=OptimizerSpec(*OPT),
+                            microbatches=Executor(plan, RunOptions(), rank=0, world=8).microbatches)
+        assert all(b < a for a, b in pairwise(ref.losses))  # it trains
         r = runs[name]
         assert r["audit_ok"] is True, name
         for got, want in zip(r["losses"], ref.losses, strict=True):
