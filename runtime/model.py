@@ -108,11 +108,12 @@ def _conv_shapes(op: Op, x: tuple[int, ...]) -> None:
 
 
 def _pool_shapes(op: Op, x: tuple[int, ...]) -> None:
-    k = op.attr("kernel")
-    want = (x[0], x[1], x[2] // k, x[3] // k) if len(x) == 4 else None
+    k = op.attrs.get("kernel", 0)
+    want = (x[0], x[1], x[2] // k, x[3] // k) if len(x) == 4 and k > 0 else None
     if op.output.shape != want:
-        raise RuntimeSetupError(f"pool {op.name!r}: a {k}×{k} max pool (stride {k}) of {x} "
-                                f"gives {want}, the graph says {op.output.shape}")
+        raise RuntimeSetupError(f"pool {op.name!r}: the runtime max-pools (N, C, H, W) by "
+                                f"attrs.kernel = k (stride k) to (N, C, H // k, W // k); the graph "
+                                f"maps {x} to {op.output.shape} with kernel {k or 'missing'}")
 
 
 def _flatten_shapes(op: Op, x: tuple[int, ...]) -> None:
