@@ -9,7 +9,8 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       # gpt:           hidden, layers, heads, seq_len, vocab, batch       (all required)
       # u_transformer: hidden, layers (even), heads, seq_len, batch       (all required)
       # mlp:           dims: [d0, d1, ..], batch (required); bias (false)
-      # vgg13:         batch (required); image (224, divisible by 32), classes (1000)
+      # vgg13:         batch (required); image (224, divisible by 32), classes (1000),
+      #                channels ([64, 128, 256, 512, 512]: one width per block), hidden (4096)
       # every builder: dtype (float32 | float16 | bfloat16 | float64; default float32)
       # graph:         ops: [ {name, kind, inputs: [..], shape: [..], dtype?, weight: [..]?,
       #                        params?, flops?, block?, block_index?, attrs?: {..}} ],
@@ -93,7 +94,8 @@ _BUILDER_SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "mlp": (("dims", "batch"), {"bias": False, "dtype": "float32"}),
     "gpt": (("hidden", "layers", "heads", "seq_len", "vocab", "batch"), {"dtype": "float32"}),
     "u_transformer": (("hidden", "layers", "heads", "seq_len", "batch"), {"dtype": "float32"}),
-    "vgg13": (("batch",), {"image": 224, "classes": 1000, "dtype": "float32"}),
+    "vgg13": (("batch",), {"image": 224, "classes": 1000, "dtype": "float32",
+                           "channels": models.VGG13_WIDTHS, "hidden": models.VGG13_HIDDEN}),
 }
 _BUILDERS = {
     "mlp": models.mlp,
@@ -250,6 +252,14 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
             dims = r.sequence(v, path, min_len=2)
             check_limit("layers", len(dims), "the number of MLP dims", source=r.source, key=path)
             kw[key] = [r.positive_int(x, join(path, i)) for i, x in enumerate(dims)]
+            for i, x in enumerate(kw[key]):
+                check_limit("dim", x, "a model size", source=r.source, key=join(path, i))
+        elif key == "channels":
+            widths = r.sequence(v, path)
+            if len(widths) != len(models.VGG13_WIDTHS):
+                r.fail(path, f"expected {len(models.VGG13_WIDTHS)} widths (one per VGG13 block), "
+                             f"got {len(widths)}")
+            kw[key] = [r.positive_int(x, join(path, i)) for i, x in enumerate(widths)]
             for i, x in enumerate(kw[key]):
                 check_limit("dim", x, "a model size", source=r.source, key=join(path, i))
         elif key == "bias":

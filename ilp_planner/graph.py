@@ -4,7 +4,8 @@ Activations of MLPs and transformers are kept 2-D, ``(tokens, features)`` with
 ``tokens = batch * seq_len``: every linear is then a plain matmul ``I (M, K) × W (K, N)``
 and the SBP strategies of AutoDDL §4.2.2 apply unchanged. Attention splits over batch
 (dim 0, whole sequences) or heads (dim 1, heads are contiguous column blocks).
-Convolutional activations are ``(N, C, H, W)``.
+Convolutional activations are ``(N, C, H, W)``; ``pool`` is max pooling with stride equal to
+``attrs.kernel`` (VGG's; the IR has no other pooling mode).
 
 The IR is torch-free and frozen: the planner, the cost model and the runtime all read it.
 """

@@ -159,37 +159,44 @@ def u_transformer(hidden: int, layers: int, heads: int, seq_len: int, batch: int
     return Graph(f"u-transformer-L{layers}-h{hidden}", b.ops)
 
 
-VGG13_CHANNELS = [64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+VGG13_WIDTHS = (64, 128, 256, 512, 512)
+"""Output channels of VGG13's five blocks (two 3×3 convolutions, then a 2×2 max-pool each)."""
+VGG13_HIDDEN = 4096
+"""Width of VGG13's two hidden dense layers."""
 
 
-def vgg13(batch: int, image: int = 224, classes: int = 1000, dtype: str = "float32") -> Graph:
-    """VGG13: ten 3×3 convolutions with ReLU, five 2×2 max-pools, three dense layers."""
-    _positive(batch=batch, image=image, classes=classes)
+def vgg13(batch: int, image: int = 224, classes: int = 1000, dtype: str = "float32",
+          channels: tuple[int, ...] | list[int] = VGG13_WIDTHS, hidden: int = VGG13_HIDDEN) -> Graph:
+    """VGG13: ten 3×3 convolutions (stride 1, padding 1) with ReLU, five 2×2 max-pools
+    (stride 2), three dense layers. ``channels`` (one width per block) and ``hidden`` scale
+    it down for CPU runs of the runtime with the same structure (defaults: the paper's)."""
+    _positive(batch=batch, image=image, classes=classes, hidden=hidden,
+              **{f"channels[{i}]": c for i, c in enumerate(channels)})
+    if len(channels) != len(VGG13_WIDTHS):
+        raise ConfigError(f"VGG13 has {len(VGG13_WIDTHS)} blocks: expected {len(VGG13_WIDTHS)} "
+                          f"widths, got {len(channels)}", key="model.channels")
     if image % 32:
         raise ConfigError(f"VGG13 needs an image size divisible by 32, got {image}",
                           key="model.image")
     b = _Builder(dtype)
     c, hw = 3, image
     x = b.add("input", OpKind.INPUT, [], b.t(batch, c, hw, hw))
-    conv_i = pool_i = 0
-    for v in VGG13_CHANNELS:
-        if v == "M":
-            pool_i += 1
-            hw //= 2
-            x = b.add(f"pool{pool_i}", OpKind.POOL, [x], b.t(batch, c, hw, hw),
-                      flops=float(batch * c * hw * hw * 4), kernel=2)
-            continue
-        conv_i += 1
-        cout = int(v)
-        x = b.add(f"conv{conv_i}", OpKind.CONV2D, [x], b.t(batch, cout, hw, hw),
-                  weight=b.t(cout, c, 3, 3), params=cout * c * 9 + cout,
-                  flops=2.0 * batch * hw * hw * cout * c * 9, kernel=3)
-        x = b.add(f"relu_c{conv_i}", OpKind.RELU, [x], b.t(batch, cout, hw, hw),
-                  flops=float(batch * cout * hw * hw))
-        c = cout
+    conv_i = 0
+    for block, cout in enumerate(channels):
+        for _ in range(2):
+            conv_i += 1
+            x = b.add(f"conv{conv_i}", OpKind.CONV2D, [x], b.t(batch, cout, hw, hw),
+                      weight=b.t(cout, c, 3, 3), params=cout * c * 9 + cout,
+                      flops=2.0 * batch * hw * hw * cout * c * 9, kernel=3)
+            x = b.add(f"relu_c{conv_i}", OpKind.RELU, [x], b.t(batch, cout, hw, hw),
+                      flops=float(batch * cout * hw * hw))
+            c = cout
+        hw //= 2
+        x = b.add(f"pool{block + 1}", OpKind.POOL, [x], b.t(batch, c, hw, hw),
+                  flops=float(batch * c * hw * hw * 4), kernel=2)
     feat = c * hw * hw
     x = b.add("flatten", OpKind.FLATTEN, [x], b.t(batch, feat))
-    for i, (k, n) in enumerate([(feat, 4096), (4096, 4096), (4096, classes)]):
+    for i, (k, n) in enumerate([(feat, hidden), (hidden, hidden), (hidden, classes)]):
         x = b.linear(f"fc{i + 1}", x, batch, k, n)
         if i < 2:
             x = b.elementwise(f"relu_f{i + 1}", OpKind.RELU, [x], batch, n)

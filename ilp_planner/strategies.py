@@ -371,9 +371,24 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
     return out
 
 
+def conv_layouts(fact: Factorisation) -> tuple[Layout, Layout, Layout]:
+    """(input, weight, output) layouts of the conv2d 3-D family on ``fact = (p0, p1, p2)``::
+
+        I (N,Cin,H,W) (S0:p0, B:p1, S1:p2) ⊛ W (Cout,Cin,k,k) (B:p0, S0:p1, S1:p2)
+            → O (N,Cout,H,W) (S0:p0, S1:p1, P:p2)
+
+    Each device convolves its batch rows and input-channel block with its (output-channel,
+    input-channel) weight block: the output sums over the p2 input-channel blocks. The
+    spatial dims are never split, so the convolution's halo stays local. One table for the
+    strategies and the runtime, which checks a plan's layouts against it."""
+    return (Layout(fact, (Split(0), B, Split(1))), Layout(fact, (B, Split(0), Split(1))),
+            Layout(fact, (Split(0), Split(1), P)))
+
+
 def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
-    """3-D family for conv2d: batch split p0, output channels p1, input channels p2. The
-    input's gradient is partial over p1 (each output-channel block contributes)."""
+    """3-D family for conv2d (:func:`conv_layouts`): batch split p0, output channels p1,
+    input channels p2. The input's gradient is partial over p1 (each output-channel block
+    contributes)."""
     assert op.weight is not None
     nb, cin = op.output.shape[0], op.weight.shape[1]
     cout = op.weight.shape[0]
@@ -384,9 +399,7 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
             continue
         if ctx.max_weight_replication is not None and p0 > ctx.max_weight_replication:
             continue
-        i_layout = Layout(fact, (Split(0), B, Split(1)))
-        w_layout = Layout(fact, (B, Split(0), Split(1)))
-        o_layout = Layout(fact, (Split(0), Split(1), P))
+        i_layout, w_layout, o_layout = conv_layouts(fact)
         label = f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
         colls = tuple(b.collective for b in grad_sync(op, label, (i_layout,), w_layout, o_layout, ctx))
         out.append(Strategy(

@@ -7,6 +7,12 @@ arithmetic. Conventions (those of :mod:`ilp_planner.models`):
 
 * activations are 2-D ``(tokens, features)``; a linear is ``y = x W (+ b)`` with ``W`` of
   shape ``(in, out)`` — the weight layout the planner shards;
+* convolutional activations are ``(N, C, H, W)``: a conv2d has a ``(C_out, C_in, k, k)``
+  weight and a ``(C_out,)`` bias, stride 1 and padding ``k // 2`` (odd ``k``: the output
+  keeps the input's size, as VGG's); a pool is a ``k × k`` *max* pool with stride ``k``
+  (``attrs.kernel``; the IR has no pooling mode and VGG max-pools); flatten reshapes
+  ``(N, C, H, W)`` to ``(N, C·H·W)``, channel-major — so a block of whole channels is a
+  contiguous block of columns;
 * attention reads the fused QKV projection ``(tokens, 3h)`` whose columns are head-major
   (``[head0: q k v | head1: q k v | …]``), runs causal softmax attention per sequence of
   ``seq_len`` tokens and writes ``(tokens, h)`` with heads contiguous — so a shard holding
@@ -23,7 +29,8 @@ arithmetic. Conventions (those of :mod:`ilp_planner.models`):
 * dropout runs with p = 0 (identity) so runs are deterministic.
 
 Initialisation: parameter ``name`` is drawn from a generator seeded by
-``crc32(f"{seed}:{name}")``; weights ~ N(0, σ²) (σ = 1/√in for linears, 0.02 for tables);
+``crc32(f"{seed}:{name}")``; weights ~ N(0, σ²) (σ = 1/√in for linears, √(2/fan_in) for
+convolutions — He, so ten ReLU layers keep the signal's scale —, 0.02 for tables);
 biases and layernorm gains/offsets get small random values (not 0/1), so that a bias added
 twice or a gain gradient lost would change the loss at once.
 
@@ -56,6 +63,7 @@ LN_EPS = 1e-5
 SUPPORTED_KINDS = frozenset({
     OpKind.INPUT, OpKind.LINEAR, OpKind.EMBEDDING, OpKind.LAYERNORM, OpKind.ATTENTION,
     OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.ADD, OpKind.LOSS,
+    OpKind.CONV2D, OpKind.POOL, OpKind.FLATTEN,
 })
 
 
@@ -89,6 +97,39 @@ def check_supported(graph: Graph) -> None:
             raise RuntimeSetupError(f"loss {op.name!r} needs a 2-D (rows, classes) input")
         if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
             tied_source(graph, op)
+        if op.kind in _SHAPE_RULES:
+            _SHAPE_RULES[op.kind](op, graph[op.inputs[0]].output.shape)
+
+
+def _conv_shapes(op: Op, x: tuple[int, ...]) -> None:
+    assert op.weight is not None
+    cout, cin, kh, kw = op.weight.shape
+    if kh != kw or kh % 2 == 0:
+        raise RuntimeSetupError(f"conv2d {op.name!r}: the runtime runs odd square kernels "
+                                f"(stride 1, padding k // 2), got {kh}×{kw}")
+    if len(x) != 4 or x[1] != cin or op.output.shape != (x[0], cout, x[2], x[3]):
+        raise RuntimeSetupError(f"conv2d {op.name!r}: input {x} and weight {op.weight.shape} "
+                                f"give {(x[0], cout) + tuple(x[2:])} with padding {kh // 2}, "
+                                f"the graph says {op.output.shape}")
+
+
+def _pool_shapes(op: Op, x: tuple[int, ...]) -> None:
+    k = op.attrs.get("kernel", 0)
+    want = (x[0], x[1], x[2] // k, x[3] // k) if len(x) == 4 and k > 0 else None
+    if op.output.shape != want:
+        raise RuntimeSetupError(f"pool {op.name!r}: the runtime max-pools (N, C, H, W) by "
+                                f"attrs.kernel = k (stride k) to (N, C, H // k, W // k); the graph "
+                                f"maps {x} to {op.output.shape} with kernel {k or 'missing'}")
+
+
+def _flatten_shapes(op: Op, x: tuple[int, ...]) -> None:
+    if len(x) != 4 or op.output.shape != (x[0], x[1] * x[2] * x[3]):
+        raise RuntimeSetupError(f"flatten {op.name!r}: the runtime flattens (N, C, H, W) to "
+                                f"(N, C·H·W); the graph maps {x} to {op.output.shape}")
+
+
+_SHAPE_RULES = {OpKind.CONV2D: _conv_shapes, OpKind.POOL: _pool_shapes,
+                OpKind.FLATTEN: _flatten_shapes}
 
 
 def compute_dtype(graph: Graph) -> torch.dtype:
@@ -148,6 +189,10 @@ def param_specs(op: Op) -> list[ParamSpec]:
         h = op.output.shape[-1]
         return [ParamSpec(op.name, "weight", (h,), op.kind),
                 ParamSpec(op.name, "bias", (h,), op.kind)]
+    if op.kind is OpKind.CONV2D:
+        assert op.weight is not None
+        return [ParamSpec(op.name, "weight", op.weight.shape, op.kind),
+                ParamSpec(op.name, "bias", (op.weight.shape[0],), op.kind)]
     return []
 
 
@@ -166,6 +211,9 @@ def init_param(spec: ParamSpec, seed: int) -> torch.Tensor:
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) * 0.02
     if spec.role == "weight" and spec.kind is OpKind.LINEAR:
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) / math.sqrt(spec.shape[0])
+    if spec.role == "weight" and spec.kind is OpKind.CONV2D:
+        fan_in = math.prod(spec.shape[1:])
+        return torch.randn(spec.shape, generator=g, dtype=DTYPE) * math.sqrt(2.0 / fan_in)
     if spec.role == "weight":  # layernorm gain
         return 1.0 + 0.1 * torch.randn(spec.shape, generator=g, dtype=DTYPE)
     return 0.05 * torch.randn(spec.shape, generator=g, dtype=DTYPE)  # biases
@@ -249,6 +297,20 @@ def attention(qkv: torch.Tensor, heads: int, seq_len: int) -> torch.Tensor:
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v
     return out.transpose(1, 2).reshape(tokens, heads * d)
+
+
+def conv2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Stride 1, padding ``k // 2``: the output keeps the input's spatial size."""
+    return F.conv2d(x, w, b, padding=w.shape[-1] // 2)
+
+
+def max_pool(x: torch.Tensor, kernel: int) -> torch.Tensor:
+    return F.max_pool2d(x, kernel, stride=kernel)
+
+
+def flatten(x: torch.Tensor) -> torch.Tensor:
+    """``(N, C, H, W) → (N, C·H·W)``, channel-major."""
+    return x.reshape(x.shape[0], -1)
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import LayerPlan
 from ilp_planner.strategies import (
+    conv_layouts,
     is_summa,
     loss_axes,
     matmul_placements,
@@ -100,6 +101,53 @@ def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: 
     keep = 1.0 if ctx.first_on(out, out.partial_axes) else 0.0
     y = y + pos.t[model.positions(r0, r1 - r0, op.attr("seq_len"), pos.t.device)] * keep
     return LVal(y, out)
+
+
+# -- convolutional ops -----------------------------------------------------------------------
+
+
+def conv2d(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
+           data: dict) -> LVal:
+    """The conv2d 3-D family (:func:`~ilp_planner.strategies.conv_layouts`): this rank's
+    batch rows and input-channel block convolved with its weight block. The output is a
+    partial sum over the input-channel axis (its bias added by one device of that group);
+    autograd of the local convolution leaves the input's gradient partial over the
+    output-channel axis and the weight's over the batch axis — the layouts
+    ``input_grad_layouts`` and ``param_layouts`` give, reduced by the edge program and the
+    gradient buckets."""
+    x, w, b = xs[0], params["weight"], params["bias"]
+    want = conv_layouts(lp.output.fact)
+    if (x.layout, w.layout, lp.output) != want:
+        raise RuntimeSetupError(f"conv2d {op.name!r}: input {x.layout}, weight {w.layout} -> "
+                                f"{lp.output} are not the conv family's {[str(v) for v in want]}")
+    keep = 1.0 if ctx.first_on(lp.output, lp.output.partial_axes) else 0.0
+    return LVal(model.conv2d(x.t, w.t, b.t * keep), lp.output)
+
+
+def _whole_images(op: Op, lp: LayerPlan, xs: list[LVal]) -> Layout:
+    """A pool or flatten runs on its local block alone: one partial-free layout in and out
+    (the follower's), and the spatial dims whole on every device."""
+    lay = _same_layout(op, lp, xs)
+    if lay.split_degree(2) > 1 or lay.split_degree(3) > 1:
+        raise RuntimeSetupError(f"{op.kind.value} {op.name!r} reads spatially split blocks {lay}; "
+                                f"only batch and channel splits run locally")
+    return lay
+
+
+def pool(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
+         data: dict) -> LVal:
+    """Max pooling (the IR's pool; VGG's): windows never cross a batch or channel block."""
+    lay = _whole_images(op, lp, xs)
+    return LVal(model.max_pool(xs[0].t, op.attr("kernel")), lay)
+
+
+def flatten(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
+            data: dict) -> LVal:
+    """Channel-major flatten: a block of whole channels is a block of columns of the
+    flattened tensor, so the batch and channel splits carry over with no communication
+    (:func:`ilp_planner.strategies.follow`)."""
+    lay = _whole_images(op, lp, xs)
+    return LVal(model.flatten(xs[0].t), lay)
 
 
 # -- row-wise and elementwise ops ------------------------------------------------------------
@@ -189,4 +237,7 @@ OPS: dict[OpKind, OpFn] = {
     OpKind.DROPOUT: elementwise,
     OpKind.ADD: add,
     OpKind.LOSS: loss,
+    OpKind.CONV2D: conv2d,
+    OpKind.POOL: pool,
+    OpKind.FLATTEN: flatten,
 }

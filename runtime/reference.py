@@ -115,6 +115,12 @@ def forward(graph: Graph, params: dict[str, torch.Tensor], data: dict[str, torch
             y = model.attention(xs[0], op.attr("heads"), op.attr("seq_len"))
         elif k is OpKind.ADD:
             y = xs[0] + xs[1]
+        elif k is OpKind.CONV2D:
+            y = model.conv2d(xs[0], params[f"{op.name}.weight"], params[f"{op.name}.bias"])
+        elif k is OpKind.POOL:
+            y = model.max_pool(xs[0], op.attr("kernel"))
+        elif k is OpKind.FLATTEN:
+            y = model.flatten(xs[0])
         elif k in model.ELEMENTWISE:
             y = model.ELEMENTWISE[k](xs[0])
         elif k is OpKind.LOSS:
