@@ -15,7 +15,7 @@ the steady-state period) and the step's loss known to every rank at its end. Per
 model the table shows the median step time (first two steps dropped) of each, their ratio
 and the last losses (which must agree). Usage::
 
-    python benchmarks/runtime_overhead.py [--nproc 8] [--steps 10]
+    python benchmarks/runtime_overhead.py [--nproc 8] [--steps 20] [--repeat 3] [--profile]
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def tp_worker(plan_path: str, steps: int, out: str) -> None:
 
 
 def profile_worker(plan_path: str, steps: int, out: str) -> None:
-    """The runtime side again with rank 0 under ``cProfile``: where its CPU time goes."""
+    """The runtime side again with rank 0's steady steps under ``cProfile``: where its
+    step time goes."""
     import cProfile
     import io
     import pstats
@@ -181,12 +182,22 @@ def profile_worker(plan_path: str, steps: int, out: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     args = launch.build_parser().parse_args(
         [plan_path, "--steps", str(steps), "--optimizer", "sgd", "--lr", str(LR), "--quiet"])
+    from runtime.executor import Executor
+
     prof = cProfile.Profile()
-    if rank == 0:
-        prof.enable()
+    step = Executor.train_step
+
+    def profiled(self, i: int):  # the steady steps only, as timed in the table
+        if rank == 0 and i >= WARMUP:
+            prof.enable()
+        try:
+            return step(self, i)
+        finally:
+            prof.disable()
+
+    Executor.train_step = profiled
     launch._run(args, rank, world, int(os.environ.get("LOCAL_RANK", rank)))
     if rank == 0:
-        prof.disable()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(PROFILE_ROWS)
         Path(out).write_text(text.getvalue())
@@ -201,7 +212,8 @@ def _call(cmd: list[str]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=3, help="launches per side, alternating")
     ap.add_argument("--only", choices=list(MODELS), action="append", help="these models only")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the runtime's rank 0 and print its top functions by own time")
@@ -228,29 +240,32 @@ def main() -> int:
             plan = restricted_plan(config, keep, name=f"{label}-{parallel}")
             path = tmp / f"{label}.json"
             plan.save(path)
-            res = tmp / f"{label}-runtime.json"
-            _call(torchrun_command(n, "runtime.launch",
-                                   [str(path), "--steps", str(args.steps), "--optimizer", "sgd",
-                                    "--lr", str(LR), "--results", str(res), "--quiet"]))
-            ours = json.loads(res.read_text())[0]
-            their_out = tmp / f"{label}-{theirs}.json"
-            _call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(n), os.path.abspath(__file__), "--steps",
-                   str(args.steps), "--worker", theirs, str(path), str(their_out)])
-            other = json.loads(their_out.read_text())
+            t_ours, t_other = [], []
+            for _ in range(args.repeat):  # alternate the sides: both see the same load
+                res = tmp / f"{label}-runtime.json"
+                _call(torchrun_command(n, "runtime.launch",
+                                       [str(path), "--steps", str(args.steps), "--optimizer", "sgd",
+                                        "--lr", str(LR), "--results", str(res), "--quiet"]))
+                ours = json.loads(res.read_text())[0]
+                their_out = tmp / f"{label}-{theirs}.json"
+                _call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(n), os.path.abspath(__file__), "--steps",
+                       str(args.steps), "--worker", theirs, str(path), str(their_out)])
+                other = json.loads(their_out.read_text())
+                t_ours.append(statistics.median(ours["step_s"][WARMUP:]))
+                t_other.append(statistics.median(other["step_s"][WARMUP:]))
             if args.profile:
                 prof_out = tmp / f"{label}-profile.txt"
                 _call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node", str(n), os.path.abspath(__file__), "--steps",
                        str(args.steps), "--worker", "profile", str(path), str(prof_out)])
                 profiles[label] = prof_out.read_text()
-            t_ours = statistics.median(ours["step_s"][WARMUP:])
-            t_other = statistics.median(other["step_s"][WARMUP:])
             params = sum(p.numel for p in [op.weight for op in config.graph.ops if op.weight])
             layouts = sorted({ly.strategy for ly in plan.layers if ly.weight is not None})
-            rows.append((label, params, ", ".join(layouts), t_ours, THEIRS[theirs], t_other,
-                         ours["losses"][-1], other["loss"]))
-    print(f"{n} gloo processes, {args.steps} SGD steps (median of the last {args.steps - WARMUP})")
+            rows.append((label, params, ", ".join(layouts), min(t_ours), THEIRS[theirs],
+                         min(t_other), ours["losses"][-1], other["loss"]))
+    print(f"{n} gloo processes, {args.steps} SGD steps: per launch the median of the last "
+          f"{args.steps - WARMUP}, best of {args.repeat} alternating launches per side")
     head = (f"{'model':<10}{'weights':>10}  {'runtime ms':>11}{'hand-written':>24}{'ms':>8}"
             f"{'ratio':>8}{'loss runtime':>14}{'hand':>10}")
     print(head)
@@ -260,7 +275,7 @@ def main() -> int:
               f"{t_ours / t_other:>8.2f}{l_ours:>14.5f}{l_other:>10.5f}")
     print("\nplans: " + "; ".join(f"{r[0]}: {r[2]}" for r in rows))
     for label, text in profiles.items():
-        print(f"\n--- {label}: runtime rank 0, {args.steps} steps with setup, by own time ---")
+        print(f"\n--- {label}: runtime rank 0, steps {WARMUP}..{args.steps - 1}, by own time ---")
         print(text[text.find("ncalls"):].rstrip())
     return 0
 

@@ -181,10 +181,12 @@ def bias_layout(out: Layout, dim: int = 0) -> Layout:
 
 
 def _bias_grad(out: Layout, dim: int = 0) -> Layout:
-    """Partial over the axes splitting rows (sum over rows) and over the output's partial
-    axes (one device per partial group adds the bias)."""
-    return Layout(out.fact, tuple(P if (pl == Split(0) or isinstance(pl, Partial)) else
-                                  (Split(dim) if pl == Split(1) else B) for pl in out.placements))
+    """Partial over the axes splitting rows (each device sums its own rows); complete over
+    the output's partial axes, where every device adds a share of the bias and its
+    gradient is the row sum of the replicated output gradient (``runtime.ops.bias_share``:
+    no reduction, as Megatron's row-parallel bias added after the AllReduce)."""
+    return Layout(out.fact, tuple(P if pl == Split(0) else (Split(dim) if pl == Split(1) else B)
+                                  for pl in out.placements))
 
 
 def is_summa(label: str) -> bool:

@@ -11,13 +11,15 @@ Gradients. Every op's local backward is plain autograd on local blocks; what its
 placements), :func:`~ilp_planner.strategies.input_grad_layouts` (the layout each input's
 gradient leaves in — the start of its edge's backward program) and
 :func:`~ilp_planner.strategies.param_layouts` (each parameter's gradient layout, reduced by
-:func:`~ilp_planner.strategies.grad_sync`). A bias (and an embedding's position table) is
-added by one device per partial-sum group only (coordinate 0 on every P axis; the others
-add it times 0 so every rank runs the same autograd graph).
+:func:`~ilp_planner.strategies.grad_sync`). A bias (and an embedding's position table) on
+a partial-sum output is added as a share by every device of the partial group
+(:func:`bias_share`), so its gradient needs no reduction over that group — what Megatron
+gets by adding a row-parallel layer's bias after the AllReduce.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,11 +53,34 @@ class StageContext:
     def spec(self, name: str) -> TensorSpec:
         return self.graph[name].output
 
-    def first_on(self, layout: Layout, axes: tuple[int, ...]) -> bool:
-        return all(self.comm.coord(layout, a) == 0 for a in axes)
-
     def region(self, layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         return self.comm.region(layout, shape)
+
+
+# -- biases on partial sums ------------------------------------------------------------------
+
+
+class _Share(torch.autograd.Function):
+    """``b / p`` forward; the gradient passes through unscaled (see :func:`bias_share`)."""
+
+    @staticmethod
+    def forward(ctx, b: torch.Tensor, p: float) -> torch.Tensor:
+        return b / p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def bias_share(b: torch.Tensor, out: Layout) -> torch.Tensor:
+    """The part of a bias-like parameter this device adds to a partial-sum output: each of
+    the ``p`` devices of the partial group adds ``b / p``, so the reduced output holds ``b``
+    once. The output's gradient is replicated over that group (the gradient of a reduction),
+    so each device's local gradient of its share, taken unscaled, is already the full
+    gradient of ``b``: no reduction over the partial axes
+    (:func:`ilp_planner.strategies.param_layouts` prices none)."""
+    p = math.prod(out.fact[a].size for a in out.partial_axes)
+    return b if p == 1 else _Share.apply(b, float(p))
 
 
 # -- matmul family ---------------------------------------------------------------------------
@@ -85,8 +110,7 @@ def linear(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
     out = _matmul_out(op, lp, x.layout, w.layout)
     y = x.t @ w.t
     if "bias" in params:
-        keep = 1.0 if ctx.first_on(out, out.partial_axes) else 0.0
-        y = y + params["bias"].t * keep
+        y = y + bias_share(params["bias"].t, out)
     return LVal(y, out)
 
 
@@ -98,8 +122,7 @@ def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: 
     (v0, _), _ = ctx.region(w.layout, op.weight.shape)
     (r0, r1), = ctx.region(ids.layout, (op.output.shape[0],))
     y = model.embedding(ids.t, w.t, v0)
-    keep = 1.0 if ctx.first_on(out, out.partial_axes) else 0.0
-    y = y + pos.t[model.positions(r0, r1 - r0, op.attr("seq_len"), pos.t.device)] * keep
+    y = y + bias_share(pos.t, out)[model.positions(r0, r1 - r0, op.attr("seq_len"), pos.t.device)]
     return LVal(y, out)
 
 
@@ -110,7 +133,7 @@ def conv2d(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
            data: dict) -> LVal:
     """The conv2d 3-D family (:func:`~ilp_planner.strategies.conv_layouts`): this rank's
     batch rows and input-channel block convolved with its weight block. The output is a
-    partial sum over the input-channel axis (its bias added by one device of that group);
+    partial sum over the input-channel axis (its bias added as shares, :func:`bias_share`);
     autograd of the local convolution leaves the input's gradient partial over the
     output-channel axis and the weight's over the batch axis — the layouts
     ``input_grad_layouts`` and ``param_layouts`` give, reduced by the edge program and the
@@ -120,8 +143,7 @@ def conv2d(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
     if (x.layout, w.layout, lp.output) != want:
         raise RuntimeSetupError(f"conv2d {op.name!r}: input {x.layout}, weight {w.layout} -> "
                                 f"{lp.output} are not the conv family's {[str(v) for v in want]}")
-    keep = 1.0 if ctx.first_on(lp.output, lp.output.partial_axes) else 0.0
-    return LVal(model.conv2d(x.t, w.t, b.t * keep), lp.output)
+    return LVal(model.conv2d(x.t, w.t, bias_share(b.t, lp.output)), lp.output)
 
 
 def _whole_images(op: Op, lp: LayerPlan, xs: list[LVal]) -> Layout:

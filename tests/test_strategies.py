@@ -83,6 +83,30 @@ def test_linear_contains_megatron_column_and_row():
         assert s.collectives == ()
 
 
+def test_row_parallel_bias_needs_no_gradient_reduction():
+    """Megatron's row-parallel layer with a bias: the bias gradient is complete on every
+    device of the partial group (each adds a share, ``runtime.ops.bias_share``), so only the
+    batch axis reduces it — and the shares sum to the bias once, each share's gradient
+    being the full one."""
+    import torch
+
+    from runtime.ops import bias_share
+
+    mlp = models.mlp([256, 512, 128], batch=64, bias=True)
+    strats = three_d(op_strategies(mlp["fc1"], [mlp["input"].output], ctx()))
+    row = next(s for s in strats if sizes(s) == (1, 1, 8))
+    assert row.output.partial_axes == (2,) and row.collectives == ()
+    mixed = next(s for s in strats if sizes(s) == (2, 1, 4))  # batch over 2, rows over 4
+    (sync,) = mixed.collectives
+    assert sync.group_size == 2 and sync.bytes == 256 * 512 * 4 / 4 + 512 * 4
+    b = torch.randn(512, requires_grad=True)
+    g = torch.randn(64, 512)
+    shares = [bias_share(b, row.output) for _ in range(8)]
+    assert torch.allclose(sum(shares), b, rtol=1e-6)
+    (grad,) = torch.autograd.grad((shares[3] * g).sum(), b)
+    assert torch.equal(grad, g.sum(0))
+
+
 def test_linear_3d_member_matches_autoddl_layouts():
     s = next(s for s in three_d(linear_strategies()) if sizes(s) == (2, 2, 2))
     assert s.inputs[0].placements == (Split(0), B, Split(1))
