@@ -27,6 +27,7 @@ layout, see :func:`ilp_planner.strategies.input_grad_layouts`).
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -40,6 +41,25 @@ from ilp_planner.redistribution import Redistribution, RedistStep, plan_redistri
 from ilp_planner.resharding import chunk_bounds
 from runtime.mesh import MeshRegistry
 from runtime.recorder import Recorder, tagged, timed
+
+
+class Report:
+    """An asynchronous AllReduce whose result only reports (the loss value): nothing in the
+    step waits for it but :meth:`value` at the step's end. Its recorded seconds are that
+    wait (the exposed part)."""
+
+    def __init__(self, buf: torch.Tensor, work=None, events: list | None = None):
+        self.buf, self.work, self.events = buf, work, events or []
+
+    def value(self) -> torch.Tensor:
+        if self.work is not None:
+            t0 = time.perf_counter()
+            self.work.wait()
+            for ev in self.events:
+                ev.seconds = time.perf_counter() - t0
+                ev.overlapped = True
+            self.work = None
+        return self.buf
 
 
 class LVal(NamedTuple):
@@ -153,6 +173,15 @@ class Comm:
         with tagged(phase, purpose, where), timed(self.recorder):
             dist.all_reduce(t, op=op, group=self.group(layout, axes))
         return t
+
+    def report(self, t: torch.Tensor, layout: Layout, axes: tuple[int, ...], phase: str,
+               purpose: str, where: str = "") -> Report:
+        """:meth:`all_reduce` launched asynchronously, for a value only reported."""
+        buf = t.detach().contiguous().clone()
+        first = len(self.recorder.events)
+        with tagged(phase, purpose, where):
+            work = dist.all_reduce(buf, group=self.group(layout, axes), async_op=True)
+        return Report(buf, work, self.recorder.events[first:])
 
     def _step(self, t: torch.Tensor, step: RedistStep, tensor: TensorSpec, phase: str,
               purpose: str, where: str) -> torch.Tensor:

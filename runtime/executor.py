@@ -338,9 +338,10 @@ class Executor:
         t0 = time.perf_counter()
         for p in self.params.values():
             p.t.grad = None
-        self.loss_sum = 0.0
         self.state = {}
+        self.loss_sum = 0.0
         if self.my_stage is not None:
+            self.ctx.reports.clear()
             self.chunk_waiting = list(self.chunk_needs)
             self.chunk_work: dict[int, tuple] = {}
             self.grad_copied: set[str] = set()
@@ -355,6 +356,8 @@ class Executor:
                 grads = self._sync_grads()
                 self._exchange_tied(grads)
                 self.optimizer.step({k: v.t.data for k, v in self.params.items()}, grads)
+                self.loss_sum = sum(float((r.value() / self.microbatches).sum())
+                                    for r in self.ctx.reports)
             with tagged("report", "report"):
                 loss = self._broadcast_loss()
         secs = time.perf_counter() - t0
@@ -433,8 +436,7 @@ class Executor:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if st["loss"] is not None:
-            local = st["loss"].t / self.microbatches
-            self.loss_sum += float(local.detach().sum())
+            local = st["loss"].t / self.microbatches  # this rank's part of the loss
             tensors.append(local.sum())
             grads.append(torch.full((), self.loss_scale, device=self.device))
         for idx, v in st["out"].items():

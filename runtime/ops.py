@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,7 +36,7 @@ from ilp_planner.strategies import (
     summa_programs,
 )
 from runtime import model
-from runtime.comm import Comm, LVal, reduce_replicated
+from runtime.comm import Comm, LVal, Report, reduce_replicated
 from runtime.errors import RuntimeSetupError
 
 
@@ -49,6 +49,7 @@ class StageContext:
     rank: int
     comm: Comm
     graph: Graph
+    reports: list[Report] = field(default_factory=list)  # this step's loss values
 
     def spec(self, name: str) -> TensorSpec:
         return self.graph[name].output
@@ -220,8 +221,9 @@ def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[
     """Mean cross-entropy, vocabulary-parallel when the class dim is split — the collectives
     of :func:`ilp_planner.strategies.loss_collectives`: the row max (detached) MAX-reduced,
     then the two per-row sums Σexp and the target logit in one AllReduce over the class
-    axes; the mean over rows is a partial sum over the row axes, reduced into the
-    replicated scalar. None of these reductions has a backward collective."""
+    axes; the mean over rows is a partial sum over the row axes, reduced asynchronously
+    into the reported loss (``ctx.reports``) while autograd runs from this rank's part.
+    None of these reductions has a backward collective."""
     (logits,) = xs
     lay = logits.layout
     if lay.has_partial:
@@ -243,8 +245,11 @@ def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[
         both = reduce_replicated(torch.stack([se, tgt]), ctx.comm, lay, vocab, op.name)
         se, tgt = both[0], both[1]
     part = ((torch.log(se) + m - tgt).sum() / rows).reshape(1)
-    if row_axes:
-        part = reduce_replicated(part, ctx.comm, lay, row_axes, op.name)
+    # the mean is a partial sum over the row axes; its gradient is replicated, so autograd
+    # needs only this rank's part, and the AllReduce that completes the value only reports
+    # it: launched now, waited at the step's end (no barrier between forward and backward)
+    ctx.reports.append(ctx.comm.report(part, lay, row_axes, "forward", "loss", op.name)
+                       if row_axes else Report(part.detach()))
     return LVal(part, lp.output)
 
 
