@@ -38,6 +38,7 @@ import numpy as np
 
 from ilp_planner.cluster import Cluster
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective, MemorySpec, collective_time
+from ilp_planner.errors import ConfigError
 from ilp_planner.grad_buckets import chunk_count, device_groups
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
@@ -308,8 +309,9 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     for node, mem in members.items():
         rep = graph[node]
         reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
-        key = (rep.tie_key, rep.kind, rep.output, rep.weight, tuple(graph[m].kind for m in mem),
-               reached) if rep.tie_key else None
+        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
+                      for i, m in enumerate(mem))  # which member each follower reads
+        key = (rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached) if rep.tie_key else None
         if key is not None and key in cache:
             options[node] = cache[key]
             continue
@@ -375,6 +377,12 @@ def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int]
                   cost: list[np.ndarray], cap: float, ctx: StrategyContext) -> BucketTerms:
     """Move each gradient reduction's latency out of its op's cost into the bucket term of
     its device group (the bandwidth part stays: it is linear in the bytes)."""
+    sizes = {sb.collective.bytes / sb.numel for opts in options.values() for o in opts
+             for sb in o.syncs}
+    if len(sizes) > 1:
+        raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
+                          f"bytes; fused gradient buckets hold one (set training.grad_bucket_mb: 0 "
+                          f"for one AllReduce per op)", key="training.grad_bucket_mb")
     index: dict[tuple, int] = {}
     alpha: list[float] = []
     rows: list[tuple[int, int, int, float]] = []  # (group, strategy, device group, bytes)

@@ -341,12 +341,14 @@ def summa_programs(fact: Factorisation, in_tensor: TensorSpec, weight: TensorSpe
                    cluster: Cluster) -> tuple[Redistribution, Redistribution]:
     """SUMMA's two gathers as lowered edge programs: I (S0,S1) → (S0,B) with its gradient
     (partial over the column axis) reduce-scattered back; W (S0,S1) → (B,S1) likewise over
-    the row axis. Executed per micro-batch by the runtime."""
+    the row axis. Executed per micro-batch by the runtime. W is gathered from its master
+    (fp32 under mixed precision, cast after the gather) so that the backward
+    reduce-scatter sums weight gradients in fp32."""
     lay = Layout(fact, (Split(0), Split(1)))
     xc, wc = summa_compute_layouts(fact)
     _, gx, gw = matmul_placements(xc, wc)
     return (plan_redistribution(lay, xc, in_tensor, cluster, Layout(fact, tuple(gx))),
-            plan_redistribution(lay, wc, weight, cluster, Layout(fact, tuple(gw))))
+            plan_redistribution(lay, wc, weight.master, cluster, Layout(fact, tuple(gw))))
 
 
 def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
@@ -582,10 +584,11 @@ def partial_resolutions(layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...
 
 
 def resolve_partial(layout: Layout, tensor: TensorSpec) -> Layout:
-    """The layout a follower sees: each partial axis reduce-scattered onto the feature dim
-    (the last dim of a 2-D activation, the channel dim of an (N, C, H, W) feature map, then
-    the batch dim) when it still divides, else all-reduced — the cheapest reduction that
-    keeps the data split, never splitting the spatial dims no strategy accepts."""
+    """Partial sums resolved by reduce-scatter (what a stage export sends; one of a
+    follower's :func:`partial_resolutions`): each partial axis reduce-scattered onto the
+    feature dim (the last dim of a 2-D activation, the channel dim of an (N, C, H, W)
+    feature map, then the batch dim) when it still divides, else all-reduced — keeping the
+    data split, never splitting the spatial dims no strategy accepts."""
     if not layout.has_partial:
         return layout
     order = (1, 0) if tensor.rank > 2 else tuple(reversed(range(tensor.rank)))

@@ -20,8 +20,9 @@ Life of a run (:class:`Executor`):
 3. **step**: interpret this stage's lowered action list through a ``kind → handler`` table
    (``RF`` receive activations, ``F`` forward of a micro-batch, ``SF`` send activations,
    ``RB``/``B``/``SB`` the same for the backward, ``W`` nothing: B computes weight gradients
-   too); then synchronise weight gradients (the priced buckets), exchange the gradients of
-   tied weights, and update the local blocks with SGD or Adam.
+   too; during the stage's last B each complete gradient chunk — the priced buckets — is
+   AllReduced asynchronously); then wait for the chunks, exchange the gradients of tied
+   weights, and update the local blocks with SGD or Adam.
 
 Cross-mesh transfers (seed 003). Forward: the boundary tensor is brought (inside its source
 stage, by its export program, once per tensor) to the entries' ``src_layout``, then each
@@ -278,10 +279,11 @@ class Executor:
         self.optimizer = Optimizer(self.options.optimizer)
 
     def _setup_grad_sync(self, stage) -> None:
-        """Flat gradient buffers (one per device group, in backward order) and a hook on
-        every parameter: during the stage's last backward, each gradient is copied into its
-        slice once accumulated, and every chunk whose gradients are all in is AllReduced
-        asynchronously right away — overlapped with the rest of the backward."""
+        """Flat gradient buffers (one per device group, in backward order) whose slices are
+        the parameters' ``.grad`` (autograd accumulates in place: one fp32 gradient per
+        parameter, as the memory model prices), and a hook on every parameter: during the
+        stage's last backward, every chunk whose gradients are all accumulated is
+        AllReduced asynchronously right away — overlapped with the rest of the backward."""
         chunks = self.grad_chunks[stage.index]
         sizes: dict[int, int] = {}
         self.grad_slot: dict[str, tuple[int, int, int]] = {}  # key -> (buffer, start, stop)
@@ -296,13 +298,14 @@ class Executor:
                     offset += n
         self.grad_flat = {b: torch.zeros(n, device=self.device, dtype=model.DTYPE)
                           for b, n in sizes.items()}
+        self.grad_view = {key: self.grad_flat[b][lo:hi].view_as(self.params[key].t)
+                          for key, (b, lo, hi) in self.grad_slot.items()}
         self.chunks_of = {key: [i for i, c in enumerate(chunks)
                                 if c.buffer == b and c.start < hi and c.stop > lo]
                           for key, (b, lo, hi) in self.grad_slot.items()}
         self.chunk_needs = [sum(1 for key in self.grad_slot if i in self.chunks_of[key])
                             for i in range(len(chunks))]
-        self.last_backward = max((mb for kind, mb in self.actions[stage.index] if kind == "B"),
-                                 default=None)
+        self.last_backward = last_backward(self.actions[stage.index])
         self._armed = False
         for key in self.grad_slot:
             self.params[key].t.register_post_accumulate_grad_hook(
@@ -311,13 +314,17 @@ class Executor:
     def _grad_ready(self, key: str, p: torch.Tensor) -> None:
         if not self._armed:
             return
-        b, lo, hi = self.grad_slot[key]
-        self.grad_flat[b][lo:hi].copy_(p.grad.reshape(-1))
-        self.grad_copied.add(key)
+        self._check_in_buffer(key)
         for i in self.chunks_of[key]:
             self.chunk_waiting[i] -= 1
             if self.chunk_waiting[i] == 0:
                 self._launch_chunk(i)
+
+    def _check_in_buffer(self, key: str) -> None:
+        grad = self.params[key].t.grad
+        if grad is None or grad.data_ptr() != self.grad_view[key].data_ptr():
+            raise RuntimeError(f"autograd replaced the gradient buffer of {key!r} instead of "
+                               f"accumulating into it; its reduction would miss this step")
 
     def _launch_chunk(self, i: int) -> None:
         c = self.grad_chunks[self.my_stage.index][i]
@@ -338,13 +345,17 @@ class Executor:
         t0 = time.perf_counter()
         for p in self.params.values():
             p.t.grad = None
+        if self.my_stage is not None:  # synchronised gradients accumulate in their buffers
+            for buf in self.grad_flat.values():
+                buf.zero_()
+            for key, view in self.grad_view.items():
+                self.params[key].t.grad = view
         self.state = {}
         self.loss_sum = 0.0
         if self.my_stage is not None:
             self.ctx.reports.clear()
             self.chunk_waiting = list(self.chunk_needs)
             self.chunk_work: dict[int, tuple] = {}
-            self.grad_copied: set[str] = set()
         with rec if self.options.record else contextlib.nullcontext():
             if self.my_stage is not None:
                 for kind, mb in self.actions[self.my_stage.index]:
@@ -406,8 +417,10 @@ class Executor:
                     have = recv[self.entry_of[(name, idx)]]
                 xs.append(comm.edge(have, self.edges[(name, idx)], "activation", name))
             params = self.layer_params[name]
-            if self.compute_dtype != model.DTYPE:  # mixed precision: compute copies of the masters
-                params = {r: LVal(v.t.to(self.compute_dtype), v.layout) for r, v in params.items()}
+            if self.compute_dtype != model.DTYPE:  # mixed precision: compute copies of the
+                # masters (SUMMA gathers its weight's master and casts it itself)
+                params = {r: v if r == "weight" and is_summa(lp.strategy)
+                          else LVal(v.t.to(self.compute_dtype), v.layout) for r, v in params.items()}
             vals[name] = OPS[op.kind](self.ctx, op, lp, xs, params, data)
             if op.kind is OpKind.LOSS:
                 loss = vals[name]
@@ -543,14 +556,14 @@ class Executor:
     # ---- gradients and optimizer -----------------------------------------------------------
     def _sync_grads(self) -> dict[str, torch.Tensor]:
         """Wait for the gradient chunks launched during the backward (launching, in chunk
-        order, any whose gradients never arrived — a parameter the step did not reach) and
-        read each reduced gradient from its slice of the flat buffer. A chunk's recorded
-        seconds are the time the step waited for it (its exposed part). Under a float16
-        loss scale the reduced gradients are unscaled, and must be finite."""
+        order, any not launched: without overlap, or holding a parameter the step did not
+        reach — its slice stays zero) and read each reduced gradient from its slice of the
+        flat buffer. A chunk's recorded seconds are the time the step waited for it (its
+        exposed part). Under a float16 loss scale the reduced gradients are unscaled, and
+        must be finite."""
         chunks = self.grad_chunks[self.my_stage.index]
-        for key, (b, lo, hi) in self.grad_slot.items():
-            if key not in self.grad_copied:
-                self.grad_flat[b][lo:hi].copy_(self._grad(key).reshape(-1))
+        for key in self.grad_slot:
+            self._check_in_buffer(key)
         for i in range(len(chunks)):
             if i not in self.chunk_work:
                 self._launch_chunk(i)
@@ -560,8 +573,7 @@ class Executor:
             for ev in self.recorder.events[first:last]:
                 ev.seconds = time.perf_counter() - t0
                 ev.overlapped = True
-        out = {key: self.grad_flat[b][lo:hi].view_as(self.params[key].t)
-               for key, (b, lo, hi) in self.grad_slot.items()}
+        out = dict(self.grad_view)
         for k in self.params:
             if k not in out:
                 out[k] = self._grad(k)
@@ -643,6 +655,12 @@ class Executor:
             dist.all_reduce(full)
             out[spec.name] = full.cpu()
         return out
+
+
+def last_backward(actions: list[tuple[str, int]]) -> int | None:
+    """The micro-batch of a stage's last ``B`` action, in action order: a schedule may run
+    its backwards out of micro-batch order, and only the last one completes the gradients."""
+    return next((mb for kind, mb in reversed(actions) if kind == "B"), None)
 
 
 _GROUP_TAG = {"forward": "fwd", "backward": "bwd"}  # transfer groups, one set per direction

@@ -107,7 +107,8 @@ def linear(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
         x_prog, w_prog = summa_programs(lp.output.fact, ctx.spec(op.inputs[0]), op.weight,
                                         ctx.comm.cluster)
         x = ctx.comm.edge(x, x_prog, "activation", op.name)
-        w = ctx.comm.edge(w, w_prog, "weight", op.name)
+        w = ctx.comm.edge(w, w_prog, "weight", op.name)  # the fp32 master, then cast
+        w = LVal(w.t.to(x.t.dtype), w.layout)
     out = _matmul_out(op, lp, x.layout, w.layout)
     y = x.t @ w.t
     if "bias" in params:

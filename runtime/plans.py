@@ -200,7 +200,13 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                    keep: Filter | None = None, name: str | None = None,
                    time_limit_s: float = 30.0) -> Plan:
     """A hand-built pipelined plan (see the module docstring). ``cut_after`` names the last
-    op of each stage but the last (default: the layer list cut into equal counts)."""
+    op of each stage but the last (default: the layer list cut into equal counts).
+
+    The layouts come from one ILP over the whole graph on the stage mesh, whose gradient
+    bucket terms count one buffer per device group for the whole graph; the plan realises
+    (and prices) the chunks per stage, as the runtime reduces them, so its cost is the
+    program's but the choice is only near-optimal for it — the pipeline planner's
+    per-stage ILPs are exact."""
     raw = dict(config.raw)
     raw["pipeline"] = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
     cfg = config.with_overrides({"pipeline": raw["pipeline"]})

@@ -163,3 +163,26 @@ def test_config_reads_the_bucket_cap(tmp_path):
     for bad in (-1, "many"):
         with pytest.raises(ConfigError, match="training.grad_bucket_mb"):
             base.with_overrides({"training.grad_bucket_mb": bad})
+
+
+def test_the_last_backward_is_the_last_in_action_order():
+    """A schedule may run its backwards out of micro-batch order: the gradients are complete
+    (and the chunks may be launched) only in the last B action, not the highest index."""
+    from runtime.executor import last_backward
+
+    assert last_backward([("F", 0), ("F", 1), ("B", 1), ("B", 0)]) == 0
+    assert last_backward([("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 1)]) == 1
+    assert last_backward([("F", 0), ("SF", 0)]) is None
+
+
+def test_buckets_refuse_gradients_of_different_element_sizes():
+    spec = {"kind": "graph", "ops": [
+        {"name": "x", "kind": "input", "shape": [8, 16]},
+        {"name": "fc1", "kind": "linear", "inputs": ["x"], "shape": [8, 16], "weight": [16, 16]},
+        {"name": "fc2", "kind": "linear", "inputs": ["fc1"], "shape": [8, 4], "weight": [16, 4],
+         "dtype": "float64"},
+        {"name": "loss", "kind": "loss", "inputs": ["fc2"], "shape": [1]}]}
+    graph = models.graph_from_spec(spec)
+    with pytest.raises(ConfigError, match="training.grad_bucket_mb.*element sizes"):
+        _problem(4096.0, graph, tie=False)
+    assert _problem(0.0, graph, tie=False).problem.buckets is None

@@ -123,3 +123,18 @@ def test_runtime_refuses_float64_and_mixed_graphs(dtypes):
     graph = models.graph_from_spec({"kind": "graph", "dtype": main, "ops": ops})
     with pytest.raises(RuntimeSetupError, match="computes in exactly one of"):
         model.check_supported(graph)
+
+
+def test_summa_gathers_the_fp32_master_weight():
+    """SUMMA's weight gather (and its backward reduce-scatter of weight gradients) moves the
+    fp32 master whatever the compute dtype; the activation gather moves the half type."""
+    from ilp_planner.strategies import summa_programs
+
+    fact = (MeshAxis(1, 2), MeshAxis(1, 2))
+    half = summa_programs(fact, TensorSpec((16, 32), "bfloat16"), TensorSpec((32, 8), "bfloat16"),
+                          CLUSTER)
+    full = summa_programs(fact, TensorSpec((16, 32)), TensorSpec((32, 8)), CLUSTER)
+    w_half, w_full = (p[1].forward + p[1].backward for p in (half, full))
+    x_half, x_full = (p[0].forward + p[0].backward for p in (half, full))
+    assert w_half and [c.bytes for c in w_half] == [c.bytes for c in w_full]
+    assert x_half and [c.bytes for c in x_half] == [c.bytes / 2 for c in x_full]
