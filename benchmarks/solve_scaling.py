@@ -1,7 +1,7 @@
 """ILP build and solve time against model depth, tying and cluster size.
 
 GPT with hidden 2560, 32 heads, sequences of 2048, vocabulary 51200, batch 16, fp16 with
-mixed-precision Adam (16 B/param), 80 GiB per device so memory does not bind, on A100-like
+mixed-precision Adam (18 B/param), 80 GiB per device so memory does not bind, on A100-like
 clusters (312 TFLOP/s, NVLink 2400 Gb/s, 100 Gb/s between nodes) of 1 × 8, 2 × 8 and
 8 × 8 devices; 4 … 96 layers, tied (AutoDDL §4.5.1: one strategy per repeated op) and
 untied. Each run is :func:`ilp_planner.planner.solve_mesh`: build the problem (strategies,
