@@ -68,8 +68,7 @@ class SbpIlp:
         upper = sum(float(np.max(c)) for c in problem.cost) + sum(
             float(np.max(r)) for r in problem.edges.values())
         if problem.buckets is not None:
-            upper += float(problem.buckets.seconds(
-                sum(b.max(axis=0) for b in problem.buckets.bytes)))
+            upper += problem.buckets.upper_bound()
         self.scale = OBJECTIVE_SCALE / upper if upper > 0 else 1.0
         self._add_strategies()
         self._add_one_hot()

@@ -75,6 +75,10 @@ class BucketTerms:
         """Latency of ``totals`` (…, J) bytes per device group, summed over the groups."""
         return chunk_count(np.asarray(totals), self.cap) @ self.alpha
 
+    def upper_bound(self) -> float:
+        """The most latency any choice pays (every group's largest bytes at once)."""
+        return float(self.seconds(sum(b.max(axis=0) for b in self.bytes)))
+
 
 @dataclass
 class Problem:

@@ -36,8 +36,7 @@ class _Evaluator:
         total_cost = sum(float(c.max()) for c in problem.cost) + sum(
             float(r.max()) for r in problem.edges.values())
         if problem.buckets is not None:
-            total_cost += float(problem.buckets.seconds(
-                sum(b.max(axis=0) for b in problem.buckets.bytes)))
+            total_cost += problem.buckets.upper_bound()
         mem_scale = max(float(m.max()) for m in problem.memory) or 1.0
         self.penalty = 10.0 * (total_cost + 1.0) / mem_scale
         # added to any over-budget score: above every feasible objective (costs are >= 0)

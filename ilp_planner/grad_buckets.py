@@ -44,8 +44,7 @@ class Member:
 class GradBucket:
     """One chunk ``[start, stop)`` of a device group's flat gradient buffer, reduced by one
     AllReduce once every member overlapping it is ready; ``members`` in backward order, the
-    last one completes it (its ``launcher``). ``buffer`` is the device group's index and
-    ``layout`` (every member's, in buffer order) how the executor fills it."""
+    last one completes it (its ``launcher``). ``buffer`` is the device group's index."""
 
     buffer: int
     start: int

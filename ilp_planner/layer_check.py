@@ -81,11 +81,10 @@ def _check_follower(op: Op, ly: LayerPlan, layers: dict[str, LayerPlan], graph: 
     producer = layers.get(src)
     allowed = (partial_resolutions(producer.output, tensor)
                if producer is not None and producer.stage == ly.stage else ly.inputs[:1])
-    want = ly.inputs[0] if len(ly.inputs) == 1 and ly.inputs[0] in allowed else allowed[0]
-    if ly.inputs != (want,) or want.has_partial:
+    if len(ly.inputs) != 1 or ly.inputs[0] not in allowed or ly.inputs[0].has_partial:
         raise PlanFormatError(f"{where}: a follower reads its producer's output with partial sums "
                               f"resolved ({' or '.join(str(a) for a in allowed)}), the plan says "
                               f"{[str(x) for x in ly.inputs]}")
-    out = follow(op, tensor, want, ctx)[0]
+    out = follow(op, tensor, ly.inputs[0], ctx)[0]
     if ly.output != out:
         raise PlanFormatError(f"{where}: follower output {ly.output} should be {out}")

@@ -222,13 +222,13 @@ def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[dict], microbatche
         colls = [c for ly in mine for c in ly.collectives]
         act = [c for c in colls if c.purpose not in ONCE_PER_STEP]
         memory = s.get("memory_bytes", sum(ly.memory_bytes for ly in mine))
+        exposed = exposed_grad_sync(mine)
         out.append({
             "forward_s": compute / 3 + sum(c.seconds for c in act if c.phase == "forward"),
             "backward_s": 2 * compute / 3 + sum(c.seconds for c in act if c.phase != "forward"),
             "grad_sync_s": sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP),
-            "grad_sync_exposed_s": exposed_grad_sync(mine),
-            "cost": CostBreakdown.of(compute, colls, memory, microbatches,
-                                     exposed_grad_sync(mine)).to_dict(),
+            "grad_sync_exposed_s": exposed,
+            "cost": CostBreakdown.of(compute, colls, memory, microbatches, exposed).to_dict(),
         })
     return out
 

@@ -26,7 +26,7 @@ from ilp_planner.graph import OpKind
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
 from ilp_planner.redistribution import plan_redistribution
 from ilp_planner.stage_boundary import StageBoundary, export_program, import_program
-from ilp_planner.strategies import SyncBucket, grad_sync, tied_exchange_collectives, tied_source
+from ilp_planner.strategies import SyncBucket, tied_exchange_collectives, tied_source
 
 
 def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
@@ -158,14 +158,8 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
                                       opt.grads[pos][idx])
             colls += red.forward + red.backward
         colls += [c for c in opt.collectives[pos] if c.purpose != "grad_sync"]
-        if pos == 0:
-            mine = grad_sync(op, opt.base.label, opt.inputs[0], opt.base.weight, opt.outputs[0],
-                             gp.ctx)
-            listed = sorted((c.bytes, c.axes) for c in opt.collectives[0] if c.purpose == "grad_sync")
-            if listed != sorted((b.collective.bytes, b.collective.axes) for b in mine):
-                raise ValueError(f"layer {op.name!r}: its strategy prices gradient "
-                                 f"synchronisation that grad_sync() does not issue")
-            syncs += [(op.name, b) for b in mine]
+        if pos == 0:  # the strategy's grad_sync collectives, as SyncBuckets to fuse
+            syncs += [(op.name, b) for b in opt.syncs]
         if op.name in gp.boundary.exported:
             red = export_program(opt.outputs[pos], op.output, gp.ctx.cluster)
             colls += red.forward + red.backward

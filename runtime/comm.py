@@ -44,9 +44,9 @@ from runtime.recorder import Recorder, tagged, timed
 
 
 class Report:
-    """An asynchronous AllReduce whose result only reports (the loss value): nothing in the
-    step waits for it but :meth:`value` at the step's end. Its recorded seconds are that
-    wait (the exposed part)."""
+    """An asynchronous AllReduce the step waits for only at its end (:meth:`value`): the
+    loss value, a gradient chunk. Its recorded events are marked overlapped, their seconds
+    that wait (the exposed part)."""
 
     def __init__(self, buf: torch.Tensor, work=None, events: list | None = None):
         self.buf, self.work, self.events = buf, work, events or []
@@ -60,6 +60,15 @@ class Report:
                 ev.overlapped = True
             self.work = None
         return self.buf
+
+
+def all_reduce_async(buf: torch.Tensor, group, recorder: Recorder, phase: str, purpose: str,
+                     where: str = "") -> Report:
+    """AllReduce ``buf`` in place, asynchronously, tagged for the recorder."""
+    first = len(recorder.events)
+    with tagged(phase, purpose, where):
+        work = dist.all_reduce(buf, group=group, async_op=True)
+    return Report(buf, work, recorder.events[first:])
 
 
 class LVal(NamedTuple):
@@ -176,12 +185,9 @@ class Comm:
 
     def report(self, t: torch.Tensor, layout: Layout, axes: tuple[int, ...], phase: str,
                purpose: str, where: str = "") -> Report:
-        """:meth:`all_reduce` launched asynchronously, for a value only reported."""
-        buf = t.detach().contiguous().clone()
-        first = len(self.recorder.events)
-        with tagged(phase, purpose, where):
-            work = dist.all_reduce(buf, group=self.group(layout, axes), async_op=True)
-        return Report(buf, work, self.recorder.events[first:])
+        """:meth:`all_reduce` of a copy of ``t``, launched asynchronously."""
+        return all_reduce_async(t.detach().contiguous().clone(), self.group(layout, axes),
+                                self.recorder, phase, purpose, where)
 
     def _step(self, t: torch.Tensor, step: RedistStep, tensor: TensorSpec, phase: str,
               purpose: str, where: str) -> torch.Tensor:

@@ -70,7 +70,7 @@ from ilp_planner.strategies import (
     tied_source,
 )
 from runtime import model
-from runtime.comm import Comm, LVal
+from runtime.comm import Comm, LVal, Report, all_reduce_async
 from runtime.errors import RuntimeSetupError
 from runtime.mesh import MeshRegistry
 from runtime.ops import OPS, StageContext
@@ -329,11 +329,8 @@ class Executor:
     def _launch_chunk(self, i: int) -> None:
         c = self.grad_chunks[self.my_stage.index][i]
         group = self.registry.axes_group(self.my_stage.devices, c.fact, c.axes)
-        first = len(self.recorder.events)
-        with tagged("backward", "grad_sync", c.launcher):
-            work = dist.all_reduce(self.grad_flat[c.buffer][c.start:c.stop], group=group,
-                                   async_op=True)
-        self.chunk_work[i] = (work, first, len(self.recorder.events))
+        self.chunk_work[i] = all_reduce_async(self.grad_flat[c.buffer][c.start:c.stop], group,
+                                              self.recorder, "backward", "grad_sync", c.launcher)
 
     # ---- one optimizer step ----------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
@@ -355,7 +352,7 @@ class Executor:
         if self.my_stage is not None:
             self.ctx.reports.clear()
             self.chunk_waiting = list(self.chunk_needs)
-            self.chunk_work: dict[int, tuple] = {}
+            self.chunk_work: dict[int, Report] = {}
         with rec if self.options.record else contextlib.nullcontext():
             if self.my_stage is not None:
                 for kind, mb in self.actions[self.my_stage.index]:
@@ -567,12 +564,8 @@ class Executor:
         for i in range(len(chunks)):
             if i not in self.chunk_work:
                 self._launch_chunk(i)
-        for work, first, last in self.chunk_work.values():
-            t0 = time.perf_counter()
-            work.wait()
-            for ev in self.recorder.events[first:last]:
-                ev.seconds = time.perf_counter() - t0
-                ev.overlapped = True
+        for chunk in self.chunk_work.values():
+            chunk.value()
         out = dict(self.grad_view)
         for k in self.params:
             if k not in out:
