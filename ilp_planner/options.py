@@ -17,6 +17,9 @@ class SolverOptions:
     ``max_weight_replication`` caps p0, the replication of a linear's weight in AutoDDL's
     3-D family (§4.5.2); ``tie_layers`` gives every repetition of a block one strategy
     (§4.5.1); ``max_axes`` bounds the mesh factorisations considered per layer.
+    ``elimination`` solves by exact variable elimination first
+    (:mod:`formulations.elimination`), handing the ILP only the strategies its bound cannot
+    rule out; False runs the ILP on the whole problem (the reference).
     """
 
     time_limit_s: float = 60.0
@@ -26,6 +29,7 @@ class SolverOptions:
     threads: int = 1
     seed: int = 0
     fallback: str = "coordinate_descent"
+    elimination: bool = True
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
+
+from formulations.elimination import EliminationResult, solve_elimination
 from formulations.result import SolveResult
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import (
@@ -76,34 +79,71 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     kept = dominated_free(gp.problem)
     problem = gp.problem.subset(kept)
     total = sum(len(c) for c in gp.problem.cost)
-    pruned = f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"
+    notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
-    heuristic = SEARCHES[opts.fallback](problem, seed=opts.seed)
-    warm, warm_method = (heuristic.choice, opts.fallback) if problem.feasible(heuristic.choice) \
-        else (None, "")
-    tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
-                            boundary)
-    if tied is not None and problem.feasible(tied) and (
-            warm is None or problem.objective(tied) < problem.objective(warm)):
-        warm, warm_method = tied, "tied ILP"
-    ilp = SbpIlp(problem)
+    exact = solve_elimination(problem) if opts.elimination else None
+    if exact is not None and exact.keep is None:
+        result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
+            [exact.result.message, *notes]))
+    else:
+        result = _solve_ilp(config, gp, kept, problem, exact, notes, problem_s,
+                            (nodes, local, memory_budget, graph, microbatches, boundary))
+    full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
+    return gp, dataclasses.replace(result, choice=full)
+
+
+def _solve_ilp(config: Config, gp: GraphProblem, kept, problem, exact: EliminationResult | None,
+               notes: list[str], problem_s: float, mesh_args: tuple) -> SolveResult:
+    """The ILP on ``problem`` (pruned indices). After an elimination: on the strategies
+    its bound keeps (the optimum is among them), warm-started from its incumbent, whose
+    proven bound also bounds the ILP's. Without one: on all strategies, warm-started from
+    the fallback search or the tied optimum."""
+    opts = config.solver
+    if exact is not None:
+        index = [np.asarray(keep) for keep in exact.keep]
+        sub = problem.subset(index)
+        position = [{int(k): i for i, k in enumerate(keep)} for keep in index]
+        incumbent = tuple(position[g][k] for g, k in enumerate(exact.result.choice))
+        warm, warm_method, search_s = incumbent, "elimination", exact.result.solve_s
+        notes = [*notes, f"{sum(len(k) for k in index)} of {sum(len(c) for c in problem.cost)} "
+                         f"strategies within the elimination bound ({exact.result.message})"]
+    else:
+        index, sub = None, problem
+        heuristic = SEARCHES[opts.fallback](problem, seed=opts.seed)
+        incumbent, search_s = heuristic.choice, heuristic.solve_s
+        warm, warm_method = ((incumbent, opts.fallback) if problem.feasible(incumbent)
+                             else (None, ""))
+        tied = _tied_warm_start(config, gp, kept, *mesh_args)
+        if tied is not None and problem.feasible(tied) and (
+                warm is None or problem.objective(tied) < problem.objective(warm)):
+            warm, warm_method = tied, "tied ILP"
+    ilp = SbpIlp(sub)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
                        seed=opts.seed)
     build_s = problem_s + ilp.build_s
-    if result is None:
-        choice = warm if warm is not None else heuristic.choice
+    if result is None and exact is not None:
+        result = dataclasses.replace(exact.result, choice=incumbent, message=(
+            f"the ILP found nothing better within {opts.time_limit_s} s"))
+    elif result is None:
+        choice = warm if warm is not None else incumbent
         result = SolveResult(
-            "heuristic", problem.objective(choice), None, None, build_s, heuristic.solve_s,
-            tuple(choice), warm_method or opts.fallback,
+            "heuristic", problem.objective(choice), None, None, 0.0, 0.0, tuple(choice),
+            warm_method or opts.fallback,
             f"the ILP found no solution within {opts.time_limit_s} s; using "
-            f"{warm_method or opts.fallback}; {pruned}",
-        )
-    else:
-        result = SolveResult(result.status, result.objective, result.bound, result.gap, build_s,
-                             result.solve_s + heuristic.solve_s, result.choice, "ilp",
-                             "; ".join(m for m in (result.message, pruned) if m))
-    full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
-    return gp, dataclasses.replace(result, choice=full)
+            f"{warm_method or opts.fallback}")
+    elif exact is not None:
+        bound = result.bound if result.status == "optimal" else max(
+            result.bound if result.bound is not None else -np.inf, exact.result.bound)
+        gap = max(0.0, (result.objective - bound) / max(abs(result.objective), 1e-30))
+        result = dataclasses.replace(result, bound=bound, gap=0.0 if result.status == "optimal"
+                                     else gap, method="elimination+ilp")
+    result = dataclasses.replace(
+        result, build_s=build_s, solve_s=result.solve_s + search_s,
+        message="; ".join(m for m in (result.message, *notes) if m))
+    if index is None:
+        return result
+    return dataclasses.replace(result, choice=tuple(int(index[g][k])
+                                                    for g, k in enumerate(result.choice)))
 
 
 def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: int,

@@ -1,0 +1,348 @@
+"""Exact intra-op solve by variable elimination (non-serial dynamic programming).
+
+The intra-op objective without its two coupling terms is a sum of unary costs and pairwise
+resharding costs over the group graph, ``Σ_g cost_g[c_g] + Σ_(u,v) R_uv[c_u, c_v]``. Such a
+min-sum problem is solved exactly by eliminating groups one at a time (Bertelè & Brioschi's
+non-serial DP; bucket elimination): eliminating y replaces every term touching y by one
+table over y's neighbours, ``T(N) = min_y Σ terms(y, N)``, remembering the argmin. The
+work is ``Σ k_y · Π_{n∈N(y)} k_n``; a model that is a chain of blocks with residual edges
+(GPT, U-Transformer, VGG) has induced width 2 or 3 (the residual stream, the tied
+embedding), so every elimination is a min-plus product of small matrices — the min-plus
+product over the block transfer of the issue, found by the elimination order rather than
+written per model.
+
+The two terms that couple every group are handled with certified bounds:
+
+* **fused gradient buckets** ``Σ_j α_j ⌈x_j⌉``: relaxed to ``α_j x_j`` (``⌈x⌉ ≥ x``), which
+  is a sum of unary terms. The relaxed optimum is a lower bound; its true objective an upper
+  bound; the two differ by less than ``Σ_j α_j`` (one chunk's latency per device group);
+* **the memory row** ``Σ mem ≤ M``: Lagrangian relaxation, ``min obj + λ (mem − M)``, with
+  λ found by bisection. Every λ gives a lower bound; every feasible minimiser an upper one.
+
+:func:`solve_elimination` returns the best feasible choice with its proven lower bound and
+relative gap; the caller decides whether the gap is small enough or the ILP is to prove or
+improve it (``ilp_planner.planner.solve_mesh``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from formulations.result import SolveResult
+from formulations.sbp_problem import Problem
+
+# largest elimination work (table entries summed over eliminations) attempted
+MAX_WORK = 4e8
+# λ bisection steps on a binding memory row
+LAGRANGE_STEPS = 30
+# relative gap below which the incumbent counts as proven optimal (float rounding)
+EXACT = 1e-9
+
+
+@dataclass(frozen=True)
+class Elimination:
+    """An elimination order of a group graph and its cost: ``work`` table entries computed
+    over all eliminations, ``width`` the largest neighbourhood eliminated (induced width)."""
+
+    order: tuple[int, ...]
+    work: float
+    width: int
+
+
+def elimination_order(sizes: list[int], edges) -> Elimination:
+    """Greedy min-work order: repeatedly eliminate the group whose elimination table
+    ``k_y · Π k_N`` is smallest, ties broken by fewer fill-in edges. Exact for chains and
+    trees (width 1) and finds the block-by-block order on residual chains."""
+    adj: list[set[int]] = [set() for _ in sizes]
+    for u, v in edges:
+        if u != v:
+            adj[u].add(v)
+            adj[v].add(u)
+
+    def key(y: int) -> tuple[float, int]:
+        nbrs = adj[y]
+        work = sizes[y] * math.prod(sizes[n] for n in nbrs)
+        fill = sum(1 for a in nbrs for b in nbrs if a < b and b not in adj[a])
+        return work, fill
+
+    stamp = [0] * len(sizes)
+    heap = [(*key(y), 0, y) for y in range(len(sizes))]
+    heapq.heapify(heap)
+    done = [False] * len(sizes)
+    order: list[int] = []
+    work, width = 0.0, 0
+    while heap:
+        w, _, st, y = heapq.heappop(heap)
+        if done[y] or st != stamp[y]:
+            continue
+        done[y] = True
+        order.append(y)
+        work += w
+        nbrs = adj[y]
+        width = max(width, len(nbrs))
+        for a in nbrs:
+            adj[a].discard(y)
+            adj[a] |= nbrs - {a}
+        touched = set(nbrs)
+        for a in nbrs:
+            touched |= adj[a]
+        for a in touched:
+            if not done[a]:
+                stamp[a] += 1
+                heapq.heappush(heap, (*key(a), stamp[a], a))
+        adj[y] = set()
+    return Elimination(tuple(order), work, width)
+
+
+Input = tuple[tuple[int, ...], np.ndarray, "int | None"]  # (vars, table, producing step)
+
+
+@dataclass
+class _Step:
+    """One elimination: group ``y`` minimised out of ``inputs`` (factors over
+    ``scope ∪ {y}``, each with the step that produced it, None for the problem's own);
+    ``best`` the argmin over y for each assignment of ``scope``."""
+
+    y: int
+    scope: tuple[int, ...]
+    inputs: list[Input]
+    best: np.ndarray
+
+    @property
+    def axes(self) -> list[int]:
+        return [*self.scope, self.y]
+
+
+@dataclass(frozen=True)
+class _Compressed:
+    """Σ of some factors over ``axes``, computed on strategy classes: strategies of a
+    group whose slices are identical in every factor are one class (``reps`` its first
+    member, ``inverse`` each strategy's class), since they share every entry of the sum.
+    Resharding matrices have few distinct rows (one per layout), so this shrinks the
+    elimination tables by orders of magnitude."""
+
+    table: np.ndarray
+    reps: list[np.ndarray]
+    inverse: list[np.ndarray]
+
+    @classmethod
+    def of(cls, inputs: list[Input], axes: list[int]) -> _Compressed:
+        reps, inverse = [], []
+        for v in axes:
+            slices = [np.moveaxis(t, vs.index(v), 0).reshape(t.shape[vs.index(v)], -1)
+                      for vs, t, _ in inputs if v in vs]
+            _, first, inv = np.unique(np.hstack(slices), axis=0, return_index=True,
+                                      return_inverse=True)
+            reps.append(first)
+            inverse.append(inv.reshape(-1))
+        where = dict(zip(axes, reps, strict=True))
+        table = np.zeros([len(r) for r in reps])
+        for vs, t, _ in inputs:
+            np.add(table, _aligned(vs, t[np.ix_(*[where[v] for v in vs])], axes), out=table)
+        return cls(table, reps, inverse)
+
+    def expand(self, table: np.ndarray, axes: list[int], keep: list[int]) -> np.ndarray:
+        """A table over the classes of ``keep`` (a subsequence of ``axes``), per strategy."""
+        return table[np.ix_(*[self.inverse[axes.index(v)] for v in keep])]
+
+
+def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
+             order: Elimination) -> tuple[float, list[int], list[_Step]]:
+    """Exact ``min Σ_g unary[g][c_g] + Σ R_uv[c_u, c_v]``, a minimiser, and the
+    eliminations (for :func:`min_marginals`), eliminating the groups in ``order``."""
+    factors: dict[int, Input] = {}
+    touching: list[set[int]] = [set() for _ in unary]
+    ids = itertools.count()
+
+    def add(vars_: tuple[int, ...], table: np.ndarray, step: int | None) -> None:
+        fid = next(ids)
+        factors[fid] = (vars_, table, step)
+        for v in vars_:
+            touching[v].add(fid)
+
+    for g, u in enumerate(unary):
+        add((g,), np.asarray(u, dtype=float), None)
+    for (u, v), r in edges.items():
+        add((u, v), np.asarray(r, dtype=float), None)
+    steps: list[_Step] = []
+    constant = 0.0
+    for y in order.order:
+        fids = sorted(touching[y])
+        inputs = [factors.pop(f) for f in fids]
+        for f, (vars_, _, _) in zip(fids, inputs, strict=True):
+            for v in vars_:
+                touching[v].discard(f)
+        scope = tuple(sorted({v for vars_, _, _ in inputs for v in vars_} - {y}))
+        axes = [*scope, y]
+        total = _Compressed.of(inputs, axes)
+        best = total.reps[-1][total.table.argmin(axis=-1)]
+        reduced = total.table.min(axis=-1)
+        steps.append(_Step(y, scope, inputs, total.expand(best, axes, list(scope))))
+        if scope:
+            add(scope, total.expand(reduced, axes, list(scope)), len(steps) - 1)
+        else:
+            constant += float(reduced)
+    choice = [0] * len(unary)
+    for step in reversed(steps):
+        choice[step.y] = int(step.best[tuple(choice[v] for v in step.scope)])
+    return constant, choice, steps
+
+
+def min_marginals(steps: list[_Step], sizes: list[int]) -> list[np.ndarray]:
+    """Per group g and strategy k, the least objective of any choice with ``c_g = k``
+    (the two-pass junction-tree algorithm in min-sum: each elimination's clique, its
+    inputs plus the message from outside, minimised over all but one group)."""
+    marg: list[np.ndarray] = [np.empty(0)] * len(sizes)
+    # a root (empty scope) closes one connected component; the others' optima are its outside
+    roots = {i: float(_Compressed.of(step.inputs, step.axes).table.min())
+             for i, step in enumerate(steps) if not step.scope}
+    outside: dict[int, np.ndarray] = {i: np.full(1, sum(roots.values()) - v)
+                                      for i, v in roots.items()}
+    for i in reversed(range(len(steps))):
+        step = steps[i]
+        axes = step.axes
+        around = outside.pop(i)
+        inputs = [*step.inputs, (step.scope, around, None)] if step.scope else step.inputs
+        total = _Compressed.of(inputs, axes)
+        table = total.table if step.scope else total.table + around
+        y_marg = table.min(axis=tuple(range(len(step.scope)))) if step.scope else table
+        marg[step.y] = y_marg[total.inverse[-1]]
+        for vars_, factor, child in step.inputs:
+            if child is None:
+                continue
+            where = dict(zip(axes, total.reps, strict=True))
+            small = factor[np.ix_(*[where[v] for v in vars_])]
+            rest = table - _aligned(vars_, small, axes)
+            drop = tuple(a for a, v in enumerate(axes) if v not in vars_)
+            kept = [v for v in axes if v in vars_]
+            full = total.expand(rest.min(axis=drop), axes, kept)
+            outside[child] = np.transpose(full, [kept.index(v) for v in vars_])
+    return marg
+
+
+def _aligned(vars_: tuple[int, ...], table: np.ndarray, axes: list[int]) -> np.ndarray:
+    """``table`` (one axis per var of ``vars_``) broadcastable against ``axes``."""
+    perm = sorted(range(len(vars_)), key=lambda i: axes.index(vars_[i]))
+    moved = np.transpose(table, perm)
+    present = {vars_[i] for i in perm}
+    shape = [moved.shape[[vars_[i] for i in perm].index(a)] if a in present else 1 for a in axes]
+    return moved.reshape(shape)
+
+
+def _merged_edges(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
+    """Edge matrices keyed (min, max): parallel edges summed, none left reversed."""
+    out: dict[tuple[int, int], np.ndarray] = {}
+    for (u, v), r in problem.edges.items():
+        key, mat = ((u, v), r) if u < v else ((v, u), r.T)
+        out[key] = out[key] + mat if key in out else np.array(mat, dtype=float)
+    return out
+
+
+def bucket_unary(problem: Problem) -> list[np.ndarray]:
+    """The bucket term relaxed to unary costs: ``α_j · bytes_g[k, j] / cap`` per strategy,
+    a lower bound of ``Σ_j α_j ⌈x_j⌉`` that is exact up to one chunk per device group."""
+    b = problem.buckets
+    if b is None:
+        return [np.zeros(len(c)) for c in problem.cost]
+    return [(bytes_ / b.cap) @ b.alpha for bytes_ in b.bytes]
+
+
+@dataclass(frozen=True)
+class EliminationResult:
+    """``result``: the best feasible choice found, its proven lower bound and gap (status
+    ``optimal`` only when the gap is within float rounding). ``keep``: when not optimal, per
+    group the strategies whose min-marginal of the relaxation is at most the incumbent's
+    objective — every choice using another strategy costs more than the incumbent, so the
+    optimum lies in ``problem.subset(keep)`` (reduced-cost fixing by dynamic programming)."""
+
+    result: SolveResult
+    keep: list[np.ndarray] | None
+
+
+def solve_elimination(problem: Problem, *, max_work: float = MAX_WORK) -> EliminationResult | None:
+    """Solve ``problem`` by variable elimination with relaxed bucket and memory terms; None
+    when the elimination would exceed ``max_work`` table entries (too wide a graph: use the
+    ILP). Raises ValueError when no choice meets the memory budget."""
+    t0 = time.perf_counter()
+    edges = _merged_edges(problem)
+    sizes = [len(c) for c in problem.cost]
+    order = elimination_order(sizes, edges)
+    if order.work > max_work:
+        return None
+    base = [np.asarray(c, dtype=float) + r
+            for c, r in zip(problem.cost, bucket_unary(problem), strict=True)]
+    passes = 0
+
+    def relaxed(lam: float) -> tuple[float, list[int], list[_Step]]:
+        """The Lagrangian dual value at λ (a lower bound), its minimiser, its eliminations."""
+        nonlocal passes
+        passes += 1
+        unary = base if lam == 0 else [b + lam * m for b, m in zip(base, problem.memory,
+                                                                   strict=True)]
+        value, choice, steps = minimise(unary, edges, order)
+        return value - (lam * problem.memory_budget if lam else 0.0), choice, steps
+
+    lower, best, steps = relaxed(0.0)
+    lam = 0.0
+    if not problem.feasible(best):
+        lower, best, lam = _lagrange(problem, relaxed, lower)
+    objective = problem.objective(best)
+    lower = min(lower, objective)
+    rel = (objective - lower) / max(abs(objective), 1e-30)
+    keep = None
+    if rel > EXACT:
+        if lam:
+            steps = relaxed(lam)[2]
+        slack = objective + EXACT * abs(objective) + (lam * problem.memory_budget if lam else 0.0)
+        keep = [np.flatnonzero(m <= slack) for m in min_marginals(steps, sizes)]
+    note = (f"elimination: width {order.width}, {order.work:.3g} table entries per pass, "
+            f"{passes} pass{'es' if passes > 1 else ''}")
+    result = SolveResult("optimal" if keep is None else "feasible", objective, lower, rel, 0.0,
+                         time.perf_counter() - t0, tuple(best), "elimination", note)
+    return EliminationResult(result, keep)
+
+
+def _lagrange(problem: Problem, relaxed, lower: float) -> tuple[float, list[int], float]:
+    """Bisection on λ ≥ 0 for ``min obj + λ (mem − M)``: the largest dual value seen is the
+    lower bound (returned with its λ), the cheapest feasible minimiser the choice (the
+    least-memory choice until one is found)."""
+    least = [int(np.argmin(m)) for m in problem.memory]
+    if not problem.feasible(least):
+        raise ValueError("no choice meets the memory budget")
+    span = max(float(np.ptp(m)) for m in problem.memory) or 1.0
+    scale = sum(float(np.max(c)) for c in problem.cost) + sum(
+        float(np.max(r)) for r in problem.edges.values()) + 1e-30
+    best, best_obj = least, problem.objective(least)
+    best_lam = 0.0
+
+    def visit(lam: float) -> bool:
+        nonlocal lower, best, best_obj, best_lam
+        value, choice, _ = relaxed(lam)
+        if value > lower:
+            lower, best_lam = value, lam
+        if not problem.feasible(choice):
+            return False
+        if problem.objective(choice) < best_obj:
+            best, best_obj = choice, problem.objective(choice)
+        return True
+
+    lo, hi = 0.0, scale / span
+    for _ in range(LAGRANGE_STEPS):  # grow λ until its minimiser fits
+        if visit(hi):
+            break
+        lo, hi = hi, 4 * hi
+    for _ in range(LAGRANGE_STEPS):
+        if best_obj - lower <= 1e-9 * best_obj or hi - lo <= 1e-12 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if visit(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lower, best, best_lam

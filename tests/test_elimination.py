@@ -1,0 +1,156 @@
+"""The exact elimination solver against brute force and the plain ILP.
+
+Variable elimination must return the exact minimum of unary + pairwise terms and exact
+min-marginals (checked by enumeration); with bucket and memory terms it must return a true
+lower bound and an incumbent, and the strategies it keeps must contain an optimum, so that
+``solve_mesh`` (elimination, then the ILP on what the bound keeps) equals the ILP alone on
+random problems and on problems built from real graphs, tied and untied, with fused
+gradient buckets, binding memory budgets and pipeline-stage boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from test_sbp_ilp import random_problem
+
+from formulations.elimination import (
+    elimination_order,
+    min_marginals,
+    minimise,
+    solve_elimination,
+)
+from formulations.sbp_problem import BucketTerms, Problem
+from formulations.sbp_search import exhaustive
+from ilp_planner.config import parse_config
+from ilp_planner.pipeline_planner import subgraph
+from ilp_planner.planner import solve_mesh
+from ilp_planner.stage_boundary import stage_boundary
+
+REL = 1e-9
+
+
+def _pairwise(problem: Problem, choice) -> float:
+    return (sum(float(problem.cost[g][k]) for g, k in enumerate(choice))
+            + sum(float(r[choice[u], choice[v]]) for (u, v), r in problem.edges.items()))
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_minimise_and_min_marginals_equal_enumeration(seed):
+    p = random_problem(seed, max_groups=6, max_k=3)
+    sizes = [len(c) for c in p.cost]
+    value, choice, steps = minimise(p.cost, p.edges, elimination_order(sizes, p.edges))
+    marg = min_marginals(steps, sizes)
+    best: dict[tuple[int, int], float] = {}
+    for c in itertools.product(*(range(k) for k in sizes)):
+        obj = _pairwise(p, c)
+        for g, k in enumerate(c):
+            best[g, k] = min(best.get((g, k), math.inf), obj)
+    assert math.isclose(value, min(best.values()), rel_tol=REL, abs_tol=1e-12)
+    assert math.isclose(_pairwise(p, choice), value, rel_tol=REL, abs_tol=1e-12)
+    for (g, k), v in best.items():
+        assert math.isclose(marg[g][k], v, rel_tol=REL, abs_tol=1e-12), (g, k)
+
+
+def test_order_of_a_chain_has_width_one_and_of_a_residual_chain_width_two():
+    chain = elimination_order([5] * 8, {(i, i + 1): None for i in range(7)})
+    assert chain.width == 1
+    residual = {(i, i + 1): None for i in range(12)} | {(i, i + 4): None for i in range(0, 9, 4)}
+    assert elimination_order([5] * 13, residual).width == 2
+
+
+def _with_buckets(p: Problem, seed: int) -> Problem:
+    """Random fused-bucket terms: two device groups, byte counts of a few chunks."""
+    rng = np.random.default_rng(seed)
+    nbytes = [rng.integers(0, 3, (len(c), 2)).astype(float) * rng.uniform(0.3, 1.5)
+              for c in p.cost]
+    alpha = rng.uniform(0.05, 0.5, 2) * max(float(c.max()) for c in p.cost)
+    return Problem(p.names, p.cost, p.memory, p.edges, p.memory_budget,
+                   BucketTerms(alpha, nbytes, 1.0))
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("budget", [None, "mid", "tight"])
+def test_bound_and_kept_strategies_contain_the_optimum(seed, budget):
+    p = random_problem(seed, budget=budget, max_groups=5, max_k=4)
+    if seed % 2:
+        p = _with_buckets(p, seed)
+    try:
+        opt = exhaustive(p)
+    except ValueError:
+        with pytest.raises(ValueError):
+            solve_elimination(p)
+        return
+    res = solve_elimination(p)
+    assert p.feasible(res.result.choice)
+    assert math.isclose(res.result.objective, p.objective(res.result.choice), rel_tol=REL)
+    assert res.result.bound <= opt.objective * (1 + REL) + 1e-12
+    if res.keep is None:  # claimed optimal
+        assert math.isclose(res.result.objective, opt.objective, rel_tol=1e-8, abs_tol=1e-12)
+        return
+    sub = p.subset(res.keep)
+    assert math.isclose(exhaustive(sub).objective, opt.objective, rel_tol=1e-8, abs_tol=1e-12)
+
+
+def test_too_wide_a_graph_is_refused():
+    p = random_problem(3, max_groups=6, max_k=4)
+    assert solve_elimination(p, max_work=1.0) is None
+
+
+def _tiny_gpt(layers: int, nodes: int, local: int, **solver) -> object:
+    return parse_config({
+        "name": "tiny",
+        "model": {"kind": "gpt", "hidden": 64, "layers": layers, "heads": 4, "seq_len": 16,
+                  "vocab": 128, "batch": 8},
+        "cluster": {"nodes": nodes, "devices_per_node": local, "memory_gib": 1,
+                    "peak_tflops": 10, "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 800},
+                                                 "inter": {"latency_us": 20,
+                                                           "bandwidth_gbps": 50}}},
+        "training": {"grad_bucket_mb": 0.01},
+        "solver": {"time_limit_s": 120, **solver},
+    })
+
+
+def _pair(config, budget=None, **kw):
+    """(elimination solve, ILP-alone solve) of one mesh."""
+    nodes, local = config.cluster.nodes, config.cluster.devices_per_node
+    on = solve_mesh(config, nodes, local, budget, **kw)[1]
+    off_config = config.with_overrides({"solver.elimination": False})
+    off = solve_mesh(off_config, nodes, local, budget, **kw)[1]
+    return on, off
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_solve_mesh_equals_the_ilp_alone_on_a_gpt(tie):
+    on, off = _pair(_tiny_gpt(2, 2, 2, tie_layers=tie))
+    assert on.status == off.status == "optimal"
+    assert on.method.startswith("elimination")
+    assert math.isclose(on.objective, off.objective, rel_tol=1e-7)
+
+
+def test_solve_mesh_equals_the_ilp_alone_with_a_binding_memory_budget():
+    config = _tiny_gpt(2, 1, 4, tie_layers=False)
+    free = solve_mesh(config, 1, 4, None)
+    gp, res = free
+    least = gp.problem.min_memory()[0]
+    budget = least + 0.3 * (gp.problem.memory_of(res.choice) - least)
+    on, off = _pair(config, budget)
+    assert on.status == off.status == "optimal"
+    assert gp.problem.memory_of(on.choice) <= budget * (1 + 1e-9)
+    assert math.isclose(on.objective, off.objective, rel_tol=1e-7)
+    assert on.objective >= res.objective * (1 - 1e-9)
+
+
+def test_solve_mesh_equals_the_ilp_alone_on_a_pipeline_stage():
+    """The middle block of three: an imported input and an exported output."""
+    config = _tiny_gpt(3, 1, 4, tie_layers=False)
+    graph = config.microbatch_graph()
+    names = [op.name for op in graph.ops if op.block_index == 1]
+    stage = subgraph(graph, names)
+    on, off = _pair(config, None, graph=stage, microbatches=1,
+                    boundary=stage_boundary(graph, names))
+    assert on.status == off.status == "optimal"
+    assert math.isclose(on.objective, off.objective, rel_tol=1e-7)
