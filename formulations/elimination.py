@@ -118,44 +118,20 @@ class _Step:
     def axes(self) -> list[int]:
         return [*self.scope, self.y]
 
-
-@dataclass(frozen=True)
-class _Compressed:
-    """Σ of some factors over ``axes``, computed on strategy classes: strategies of a
-    group whose slices are identical in every factor are one class (``reps`` its first
-    member, ``inverse`` each strategy's class), since they share every entry of the sum.
-    Resharding matrices have few distinct rows (one per layout), so this shrinks the
-    elimination tables by orders of magnitude."""
-
-    table: np.ndarray
-    reps: list[np.ndarray]
-    inverse: list[np.ndarray]
-
-    @classmethod
-    def of(cls, inputs: list[Input], axes: list[int]) -> _Compressed:
-        reps, inverse = [], []
-        for v in axes:
-            slices = [np.moveaxis(t, vs.index(v), 0).reshape(t.shape[vs.index(v)], -1)
-                      for vs, t, _ in inputs if v in vs]
-            _, first, inv = np.unique(np.hstack(slices), axis=0, return_index=True,
-                                      return_inverse=True)
-            reps.append(first)
-            inverse.append(inv.reshape(-1))
-        where = dict(zip(axes, reps, strict=True))
-        table = np.zeros([len(r) for r in reps])
-        for vs, t, _ in inputs:
-            np.add(table, _aligned(vs, t[np.ix_(*[where[v] for v in vs])], axes), out=table)
-        return cls(table, reps, inverse)
-
-    def expand(self, table: np.ndarray, axes: list[int], keep: list[int]) -> np.ndarray:
-        """A table over the classes of ``keep`` (a subsequence of ``axes``), per strategy."""
-        return table[np.ix_(*[self.inverse[axes.index(v)] for v in keep])]
+    def total(self, sizes: list[int], extra: tuple[Input, ...] = ()) -> np.ndarray:
+        """Σ of the inputs (and ``extra`` factors) over ``scope + (y,)``, in one table."""
+        axes = self.axes
+        out = np.zeros([sizes[v] for v in axes])
+        for vars_, table, _ in [*self.inputs, *extra]:
+            np.add(out, _aligned(vars_, table, axes), out=out)
+        return out
 
 
 def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
              order: Elimination) -> tuple[float, list[int], list[_Step]]:
     """Exact ``min Σ_g unary[g][c_g] + Σ R_uv[c_u, c_v]``, a minimiser, and the
     eliminations (for :func:`min_marginals`), eliminating the groups in ``order``."""
+    sizes = [len(u) for u in unary]
     factors: dict[int, Input] = {}
     touching: list[set[int]] = [set() for _ in unary]
     ids = itertools.count()
@@ -179,13 +155,13 @@ def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
             for v in vars_:
                 touching[v].discard(f)
         scope = tuple(sorted({v for vars_, _, _ in inputs for v in vars_} - {y}))
-        axes = [*scope, y]
-        total = _Compressed.of(inputs, axes)
-        best = total.reps[-1][total.table.argmin(axis=-1)]
-        reduced = total.table.min(axis=-1)
-        steps.append(_Step(y, scope, inputs, total.expand(best, axes, list(scope))))
+        step = _Step(y, scope, inputs, np.empty(0, dtype=int))
+        total = step.total(sizes)
+        step.best = total.argmin(axis=-1)
+        reduced = np.take_along_axis(total, step.best[..., None], axis=-1)[..., 0]
+        steps.append(step)
         if scope:
-            add(scope, total.expand(reduced, axes, list(scope)), len(steps) - 1)
+            add(scope, reduced, len(steps) - 1)
         else:
             constant += float(reduced)
     choice = [0] * len(unary)
@@ -200,29 +176,21 @@ def min_marginals(steps: list[_Step], sizes: list[int]) -> list[np.ndarray]:
     inputs plus the message from outside, minimised over all but one group)."""
     marg: list[np.ndarray] = [np.empty(0)] * len(sizes)
     # a root (empty scope) closes one connected component; the others' optima are its outside
-    roots = {i: float(_Compressed.of(step.inputs, step.axes).table.min())
-             for i, step in enumerate(steps) if not step.scope}
-    outside: dict[int, np.ndarray] = {i: np.full(1, sum(roots.values()) - v)
+    roots = {i: float(step.total(sizes).min()) for i, step in enumerate(steps) if not step.scope}
+    outside: dict[int, np.ndarray] = {i: np.asarray(sum(roots.values()) - v)
                                       for i, v in roots.items()}
     for i in reversed(range(len(steps))):
         step = steps[i]
         axes = step.axes
-        around = outside.pop(i)
-        inputs = [*step.inputs, (step.scope, around, None)] if step.scope else step.inputs
-        total = _Compressed.of(inputs, axes)
-        table = total.table if step.scope else total.table + around
-        y_marg = table.min(axis=tuple(range(len(step.scope)))) if step.scope else table
-        marg[step.y] = y_marg[total.inverse[-1]]
-        for vars_, factor, child in step.inputs:
+        total = step.total(sizes, ((step.scope, outside.pop(i), None),))
+        marg[step.y] = total.min(axis=tuple(range(len(step.scope)))) if step.scope else total
+        for vars_, table, child in step.inputs:
             if child is None:
                 continue
-            where = dict(zip(axes, total.reps, strict=True))
-            small = factor[np.ix_(*[where[v] for v in vars_])]
-            rest = table - _aligned(vars_, small, axes)
+            rest = total - _aligned(vars_, table, axes)
             drop = tuple(a for a, v in enumerate(axes) if v not in vars_)
             kept = [v for v in axes if v in vars_]
-            full = total.expand(rest.min(axis=drop), axes, kept)
-            outside[child] = np.transpose(full, [kept.index(v) for v in vars_])
+            outside[child] = np.transpose(rest.min(axis=drop), [kept.index(v) for v in vars_])
     return marg
 
 

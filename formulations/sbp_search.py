@@ -168,24 +168,40 @@ def coordinate_descent(problem: Problem, restarts: int = 8, seed: int = 0,
     for r in range(restarts):
         cur = ev.least_memory() if r == 0 else np.array(
             [rng.integers(len(c)) for c in problem.cost])
-        for _ in range(max_rounds):
-            moved = False
-            for g in rng.permutation(problem.num_groups):
-                vals = ev.local(cur, g)
-                if problem.memory_budget is not None:
-                    others = problem.memory_of(cur) - problem.memory[g][cur[g]]
-                    excess = others + problem.memory[g] - problem.memory_budget
-                    vals = vals + np.where(excess > 0, ev.penalty * excess + ev.infeasible, 0.0)
-                k = int(np.argmin(vals))
-                if vals[k] < vals[cur[g]] - 1e-15:
-                    cur[g] = k
-                    moved = True
-            if not moved:
-                break
+        cur = _descend(ev, cur, rng, max_rounds)
         sc = ev.score(cur)
         if sc < best_score:
             best, best_score = cur.copy(), sc
     return _result(problem, best, "coordinate_descent", t0)
+
+
+def polish(problem: Problem, choice, max_rounds: int = 100) -> tuple[int, ...]:
+    """Coordinate descent from ``choice``: a choice no single-group move improves, never
+    worse than ``choice`` (a feasible one stays feasible)."""
+    ev = _Evaluator(problem)
+    start = np.array(choice)
+    cur = _descend(ev, start.copy(), np.random.default_rng(0), max_rounds)
+    return tuple(int(k) for k in (cur if ev.score(cur) <= ev.score(start) else start))
+
+
+def _descend(ev: _Evaluator, cur: np.ndarray, rng: np.random.Generator,
+             max_rounds: int) -> np.ndarray:
+    problem = ev.p
+    for _ in range(max_rounds):
+        moved = False
+        for g in rng.permutation(problem.num_groups):
+            vals = ev.local(cur, g)
+            if problem.memory_budget is not None:
+                others = problem.memory_of(cur) - problem.memory[g][cur[g]]
+                excess = others + problem.memory[g] - problem.memory_budget
+                vals = vals + np.where(excess > 0, ev.penalty * excess + ev.infeasible, 0.0)
+            k = int(np.argmin(vals))
+            if vals[k] < vals[cur[g]] - 1e-15:
+                cur[g] = k
+                moved = True
+        if not moved:
+            break
+    return cur
 
 
 def chain_dp(problem: Problem) -> SolveResult:
