@@ -44,6 +44,84 @@ def gpt_config(layers: int, nodes: int, local: int, tie: bool):
     })
 
 
+H100 = {"peak_tflops": 989, "efficiency": 0.5,
+        "links": {"intra": {"latency_us": 3, "bandwidth_gbps": 3600},
+                  "inter": {"latency_us": 10, "bandwidth_gbps": 400}}}
+
+
+def gpt175b_config(nodes: int = 128, local: int = 8, microbatches: int = 16):
+    """GPT-3 175B (96 layers, d 12288, 96 heads) in bf16 with gradient accumulation on
+    ``nodes × local`` H100-80GB-like devices."""
+    return parse_config({
+        "name": f"gpt-175b-{nodes}x{local}",
+        "model": {"kind": "gpt", "hidden": 12288, "layers": 96, "heads": 96, "seq_len": 2048,
+                  "vocab": 51200, "batch": 1536, "dtype": "bfloat16"},
+        "cluster": {"nodes": nodes, "devices_per_node": local, "memory_gib": 80, **H100},
+        "training": {"optimizer": "adam_mixed"},
+        "pipeline": {"microbatches": microbatches},
+    })
+
+
+def llama_graph_spec(layers: int = 32, hidden: int = 4096, heads: int = 32, kv_heads: int = 8,
+                     ffn: int = 14336, vocab: int = 128256, seq: int = 8192,
+                     batch: int = 8) -> dict:
+    """A Llama-3-8B-shaped decoder as an explicit graph (``model: {kind: graph}``):
+    RMSNorm as a layernorm op, grouped-query attention's fused QKV (h + 2·h·kv/heads
+    columns), the SwiGLU MLP as gate and up projections, an elementwise activation on the
+    gate and a two-input elementwise op for the product (priced like the residual add:
+    same shapes, one FLOP per element), and an untied output head. Same parameter count
+    and shapes as Llama-3-8B (8.0 B); not executable by the runtime (no SiLU / product
+    kinds), which this solve-time benchmark does not need."""
+    tokens, kv = batch * seq, 2 * hidden * kv_heads // heads
+    dt = "bfloat16"
+    ops: list[dict] = [
+        {"name": "tokens", "kind": "input", "shape": [tokens], "dtype": "int64"},
+        {"name": "embed", "kind": "embedding", "inputs": ["tokens"], "shape": [tokens, hidden],
+         "weight": [vocab, hidden], "attrs": {"seq_len": seq}},
+    ]
+    x = "embed"
+
+    def op(name, kind, inputs, width, i, **kw):
+        ops.append({"name": f"h.{i}.{name}", "kind": kind, "inputs": inputs,
+                    "shape": [tokens, width], "block": "h", "block_index": i, **kw})
+        return f"h.{i}.{name}"
+
+    for i in range(layers):
+        n1 = op("ln1", "layernorm", [x], hidden, i, params=hidden)
+        qkv = op("attn.qkv", "linear", [n1], hidden + kv, i, weight=[hidden, hidden + kv])
+        att = op("attn.core", "attention", [qkv], hidden, i, attrs={"heads": heads, "seq_len": seq})
+        proj = op("attn.proj", "linear", [att], hidden, i, weight=[hidden, hidden])
+        r1 = op("attn.residual", "add", [x, proj], hidden, i)
+        n2 = op("ln2", "layernorm", [r1], hidden, i, params=hidden)
+        gate = op("mlp.gate", "linear", [n2], ffn, i, weight=[hidden, ffn])
+        up = op("mlp.up", "linear", [n2], ffn, i, weight=[hidden, ffn])
+        act = op("mlp.silu", "gelu", [gate], ffn, i)
+        prod = op("mlp.product", "add", [act, up], ffn, i)
+        down = op("mlp.down", "linear", [prod], hidden, i, weight=[ffn, hidden])
+        x = op("mlp.residual", "add", [r1, down], hidden, i)
+    ops += [
+        {"name": "ln_f", "kind": "layernorm", "inputs": [x], "shape": [tokens, hidden],
+         "params": hidden},
+        {"name": "lm_head", "kind": "linear", "inputs": ["ln_f"], "shape": [tokens, vocab],
+         "weight": [hidden, vocab]},
+        {"name": "loss", "kind": "loss", "inputs": ["lm_head"], "shape": [1]},
+    ]
+    for o in ops:
+        o.setdefault("dtype", dt)
+    return {"kind": "graph", "ops": ops}
+
+
+def llama8b_config(nodes: int = 8, local: int = 8, tie: bool = False):
+    """The Llama-3-8B shape on ``nodes × local`` H100-80GB-like devices, untied layers."""
+    return parse_config({
+        "name": f"llama3-8b-shape-{nodes}x{local}",
+        "model": llama_graph_spec(),
+        "cluster": {"nodes": nodes, "devices_per_node": local, "memory_gib": 80, **H100},
+        "training": {"optimizer": "adam_mixed"},
+        "solver": {"tie_layers": tie},
+    })
+
+
 def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> dict:
     config = gpt_config(layers, nodes, local, tie).with_overrides(
         {"solver.time_limit_s": time_limit})

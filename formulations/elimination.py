@@ -224,7 +224,7 @@ def bucket_unary(problem: Problem) -> list[np.ndarray]:
 @dataclass(frozen=True)
 class EliminationResult:
     """``result``: the best feasible choice found, its proven lower bound and gap (status
-    ``optimal`` only when the gap is within float rounding). ``keep``: when not optimal, per
+    ``optimal`` when the gap is within the tolerance). ``keep``: when not optimal, per
     group the strategies whose min-marginal of the relaxation is at most the incumbent's
     objective — every choice using another strategy costs more than the incumbent, so the
     optimum lies in ``problem.subset(keep)`` (reduced-cost fixing by dynamic programming)."""
@@ -233,10 +233,12 @@ class EliminationResult:
     keep: list[np.ndarray] | None
 
 
-def solve_elimination(problem: Problem, *, max_work: float = MAX_WORK) -> EliminationResult | None:
+def solve_elimination(problem: Problem, *, gap: float = 0.0,
+                      max_work: float = MAX_WORK) -> EliminationResult | None:
     """Solve ``problem`` by variable elimination with relaxed bucket and memory terms; None
     when the elimination would exceed ``max_work`` table entries (too wide a graph: use the
-    ILP). Raises ValueError when no choice meets the memory budget."""
+    ILP). The incumbent counts as optimal when its relative gap is at most ``gap`` (or
+    float rounding). Raises ValueError when no choice meets the memory budget."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
     sizes = [len(c) for c in problem.cost]
@@ -264,7 +266,7 @@ def solve_elimination(problem: Problem, *, max_work: float = MAX_WORK) -> Elimin
     lower = min(lower, objective)
     rel = (objective - lower) / max(abs(objective), 1e-30)
     keep = None
-    if rel > EXACT:
+    if rel > max(gap, EXACT):
         if lam:
             steps = relaxed(lam)[2]
         slack = objective + EXACT * abs(objective) + (lam * problem.memory_budget if lam else 0.0)

@@ -42,6 +42,7 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       time_limit_s: 60
       tie_layers: true
       elimination: true           # exact DP (variable elimination) first; false: the ILP alone
+      gap: 0                      # relative optimality gap accepted as optimal (0.001 = 0.1 %)
       max_weight_replication: null
       max_axes: 3
       threads: 1
@@ -370,7 +371,7 @@ def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, floa
 def _parse_solver(r: Reader, value: Any) -> SolverOptions:
     d = _section(r, value, "solver", ("time_limit_s", "tie_layers", "max_weight_replication",
                                       "max_axes", "threads", "seed", "fallback",
-                                      "elimination"))
+                                      "elimination", "gap"))
     kw: dict[str, Any] = {}
     if "time_limit_s" in d:
         kw["time_limit_s"] = r.number(d["time_limit_s"], "solver.time_limit_s", positive=True)
@@ -378,6 +379,8 @@ def _parse_solver(r: Reader, value: Any) -> SolverOptions:
         kw["tie_layers"] = r.boolean(d["tie_layers"], "solver.tie_layers")
     if "elimination" in d:
         kw["elimination"] = r.boolean(d["elimination"], "solver.elimination")
+    if "gap" in d:
+        kw["gap"] = r.number(d["gap"], "solver.gap", nonneg=True, at_most=1)
     if d.get("max_weight_replication") is not None:
         kw["max_weight_replication"] = r.positive_int(d["max_weight_replication"],
                                                       "solver.max_weight_replication")

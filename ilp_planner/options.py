@@ -19,7 +19,9 @@ class SolverOptions:
     (§4.5.1); ``max_axes`` bounds the mesh factorisations considered per layer.
     ``elimination`` solves by exact variable elimination first
     (:mod:`formulations.elimination`), handing the ILP only the strategies its bound cannot
-    rule out; False runs the ILP on the whole problem (the reference).
+    rule out; False runs the ILP on the whole problem (the reference). ``gap`` is the
+    relative optimality gap accepted as proof (0: proven exactly; the status is
+    ``optimal`` either way and the plan reports the gap itself).
     """
 
     time_limit_s: float = 60.0
@@ -30,6 +32,7 @@ class SolverOptions:
     seed: int = 0
     fallback: str = "coordinate_descent"
     elimination: bool = True
+    gap: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     total = sum(len(c) for c in gp.problem.cost)
     notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
-    exact = solve_elimination(problem) if opts.elimination else None
+    exact = solve_elimination(problem, gap=opts.gap) if opts.elimination else None
     if exact is not None and exact.keep is None:
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
