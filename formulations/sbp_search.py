@@ -175,15 +175,6 @@ def coordinate_descent(problem: Problem, restarts: int = 8, seed: int = 0,
     return _result(problem, best, "coordinate_descent", t0)
 
 
-def polish(problem: Problem, choice, max_rounds: int = 100) -> tuple[int, ...]:
-    """Coordinate descent from ``choice``: a choice no single-group move improves, never
-    worse than ``choice`` (a feasible one stays feasible)."""
-    ev = _Evaluator(problem)
-    start = np.array(choice)
-    cur = _descend(ev, start.copy(), np.random.default_rng(0), max_rounds)
-    return tuple(int(k) for k in (cur if ev.score(cur) <= ev.score(start) else start))
-
-
 def _descend(ev: _Evaluator, cur: np.ndarray, rng: np.random.Generator,
              max_rounds: int) -> np.ndarray:
     problem = ev.p
