@@ -86,7 +86,7 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     if tied is not None and problem.feasible(tied) and (
             warm is None or problem.objective(tied) < problem.objective(warm)):
         warm, warm_method = tied, "tied ILP"
-    ilp = SbpIlp(problem)
+    ilp = SbpIlp(problem, opts.milp)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
                        seed=opts.seed)
     build_s = problem_s + ilp.build_s
@@ -96,12 +96,12 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
             "heuristic", problem.objective(choice), None, None, build_s, heuristic.solve_s,
             tuple(choice), warm_method or opts.fallback,
             f"the ILP found no solution within {opts.time_limit_s} s; using "
-            f"{warm_method or opts.fallback}; {pruned}",
+            f"{warm_method or opts.fallback}; {pruned}", ilp.stats,
         )
     else:
         result = SolveResult(result.status, result.objective, result.bound, result.gap, build_s,
                              result.solve_s + heuristic.solve_s, result.choice, "ilp",
-                             "; ".join(m for m in (result.message, pruned) if m))
+                             "; ".join(m for m in (result.message, pruned) if m), result.stats)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     return gp, dataclasses.replace(result, choice=full)
 
