@@ -389,6 +389,10 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
                          f"{_mesh_text(st.get('mesh'))}, {_stage_layers_text(st.get('layers'))}; "
                          f"per micro-batch compute {fmt_seconds(comp)}, collectives "
                          f"{fmt_seconds(comm)}")
+            stage_solver = st.get("solver")
+            if isinstance(stage_solver, dict) and isinstance(stage_solver.get("stats"), dict):
+                lines.append(f"    ILP {stage_solver.get('status')}: "
+                             f"{solver_stats_text(stage_solver['stats'])}")
         if plan.schedule:
             sch = plan.schedule
             bubble = sch.get("bubble_fraction")
