@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formulations.result import SolveResult
+from formulations.result import SolveResult, SolveStats
 from formulations.sbp_problem import Problem
 
 # largest elimination work (table entries summed over eliminations) attempted
@@ -265,6 +265,7 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0,
     objective = problem.objective(best)
     lower = min(lower, objective)
     rel = (objective - lower) / max(abs(objective), 1e-30)
+    search_s = time.perf_counter() - t0
     keep = None
     if rel > max(gap, EXACT):
         if lam:
@@ -273,8 +274,11 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0,
         keep = [np.flatnonzero(m <= slack) for m in min_marginals(steps, sizes)]
     note = (f"elimination: width {order.width}, {order.work:.3g} table entries per pass, "
             f"{passes} pass{'es' if passes > 1 else ''}")
+    stats = SolveStats(variables=sum(sizes), nodes=passes, search_s=search_s,
+                       proof_s=time.perf_counter() - t0 - search_s,
+                       note=note + "; nodes = elimination passes, proof = min-marginals")
     result = SolveResult("optimal" if keep is None else "feasible", objective, lower, rel, 0.0,
-                         time.perf_counter() - t0, tuple(best), "elimination", note)
+                         time.perf_counter() - t0, tuple(best), "elimination", note, stats)
     return EliminationResult(result, keep)
 
 

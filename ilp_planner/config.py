@@ -48,6 +48,8 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       threads: 1
       seed: 0
       fallback: coordinate_descent   # | metropolis_hastings | random | exhaustive | none
+      milp: scip                  # | cbc: the ILP's solver (SCIP in-process via OR-Tools;
+                                  # cbc = PuLP's bundled CBC in a subprocess, the reference)
     pipeline:                     # optional, PipelineOptions fields
       stages: 1                   # 1 (no pipelining) | N | auto
       microbatches: 1             # must divide model.batch
@@ -85,7 +87,7 @@ from ilp_planner.files import read_input
 from ilp_planner.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.graph import Graph
 from ilp_planner.limits import check_limit
-from ilp_planner.options import FALLBACKS, SCHEDULES, PipelineOptions, SolverOptions
+from ilp_planner.options import FALLBACKS, MILPS, SCHEDULES, PipelineOptions, SolverOptions
 from ilp_planner.schema import Reader, join
 
 MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph")
@@ -371,7 +373,7 @@ def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, floa
 def _parse_solver(r: Reader, value: Any) -> SolverOptions:
     d = _section(r, value, "solver", ("time_limit_s", "tie_layers", "max_weight_replication",
                                       "max_axes", "threads", "seed", "fallback",
-                                      "elimination", "gap"))
+                                      "elimination", "gap", "milp"))
     kw: dict[str, Any] = {}
     if "time_limit_s" in d:
         kw["time_limit_s"] = r.number(d["time_limit_s"], "solver.time_limit_s", positive=True)
@@ -391,6 +393,8 @@ def _parse_solver(r: Reader, value: Any) -> SolverOptions:
         kw["seed"] = r.nonneg_int(d["seed"], "solver.seed")
     if "fallback" in d:
         kw["fallback"] = r.choice(d["fallback"], "solver.fallback", FALLBACKS, "fallback")
+    if "milp" in d:
+        kw["milp"] = r.choice(d["milp"], "solver.milp", MILPS, "MILP solver")
     return SolverOptions(**kw)
 
 

@@ -307,6 +307,22 @@ def _stage_memory(plan: Plan) -> dict[int, float]:
     return dict(out)
 
 
+def solver_stats_text(stats: dict) -> str:
+    """One line of a plan's solver statistics (:class:`formulations.result.SolveStats`):
+    model size, nodes and where the time went; figures the solver did not report are
+    ``n/a``."""
+    def count(key: str) -> str:
+        v = stats.get(key)
+        return "n/a" if v is None else f"{int(v):,}"
+
+    size = (f"{count('variables')} variables ({count('integer_variables')} integer), "
+            f"{count('constraints')} constraints, {count('nodes')} nodes")
+    times = ", ".join(f"{name} {fmt_seconds(stats.get(name + '_s'))}"
+                      for name in ("build", "presolve", "search", "proof"))
+    note = f" [{stats['note']}]" if stats.get("note") else ""
+    return f"{size}; {times}{note}"
+
+
 def _generic(d: dict) -> str:
     """``k v`` pairs of a free-form record (a resharding transfer, a schedule), seconds and
     bytes in readable units."""
@@ -340,6 +356,8 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
             fmt_seconds(s.get("bound")), "n/a" if s.get("gap") is None else f"{s['gap']:.3g}",
             fmt_seconds(s.get("build_s")), fmt_seconds(s.get("solve_s"))),
     ]
+    if isinstance(s.get("stats"), dict):
+        lines.append(f"  stats     {solver_stats_text(s['stats'])}")
     if s.get("message"):
         lines.append(f"  note      {s['message']}")
     lines += ["  " + _model_line(plan.config), "  " + _cluster_line(plan.config)]
@@ -371,6 +389,10 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
                          f"{_mesh_text(st.get('mesh'))}, {_stage_layers_text(st.get('layers'))}; "
                          f"per micro-batch compute {fmt_seconds(comp)}, collectives "
                          f"{fmt_seconds(comm)}")
+            stage_solver = st.get("solver")
+            if isinstance(stage_solver, dict) and isinstance(stage_solver.get("stats"), dict):
+                lines.append(f"    ILP {stage_solver.get('status')}: "
+                             f"{solver_stats_text(stage_solver['stats'])}")
         if plan.schedule:
             sch = plan.schedule
             bubble = sch.get("bubble_fraction")

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 # heuristic searches the ILP falls back to (formulations.sbp_search.SEARCHES)
 FALLBACKS = ("coordinate_descent", "metropolis_hastings", "random")
+# MILP backends of the intra-op ILP (formulations.sbp_ilp.MILP_BACKENDS)
+MILPS = ("scip", "cbc")
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,10 @@ class SolverOptions:
 
     ``max_weight_replication`` caps p0, the replication of a linear's weight in AutoDDL's
     3-D family (§4.5.2); ``tie_layers`` gives every repetition of a block one strategy
-    (§4.5.1); ``max_axes`` bounds the mesh factorisations considered per layer.
+    (§4.5.1); ``max_axes`` bounds the mesh factorisations considered per layer. ``milp``
+    picks the ILP's solver: ``scip`` (in-process through OR-Tools, the default) or ``cbc``
+    (PuLP's bundled CBC in a subprocess, the reference); see :mod:`formulations.sbp_ilp`.
+    ``threads`` reaches CBC; OR-Tools' SCIP searches on one thread.
     ``elimination`` solves by exact variable elimination first
     (:mod:`formulations.elimination`), handing the ILP only the strategies its bound cannot
     rule out; False runs the ILP on the whole problem (the reference). ``gap`` is the
@@ -33,6 +38,7 @@ class SolverOptions:
     fallback: str = "coordinate_descent"
     elimination: bool = True
     gap: float = 0.0
+    milp: str = "scip"
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,10 @@ class Plan:
             f"{s['objective']:.6g} s, bound {_fmt(s.get('bound'))}, gap {_fmt(s.get('gap'))}, "
             f"build {s['build_s']:.2f} s, solve {s['solve_s']:.2f} s",
         ]
+        if isinstance(s.get("stats"), dict):
+            from ilp_planner.explain import solver_stats_text
+
+            lines.append(f"  solver stats: {solver_stats_text(s['stats'])}")
         if s.get("message"):
             lines.append(f"  note: {s['message']}")
         if self.schedule:

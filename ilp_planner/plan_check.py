@@ -154,6 +154,9 @@ def _check_numbers(d: dict, src: str) -> None:
 def plan_microbatches(plan: Plan, config: Config, override: int | None, src: str) -> int:
     """Micro-batches per step: the schedule's, else ``override``, else the config's."""
     if plan.schedule:
+        if not isinstance(plan.schedule, dict):
+            raise PlanFormatError(f"{src}: schedule: expected a mapping, got "
+                                  f"{type(plan.schedule).__name__}")
         m = plan.schedule.get("num_microbatches")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise PlanFormatError(f"{src}: schedule.num_microbatches: expected a positive "
@@ -314,7 +317,8 @@ def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: di
 
 def _check_entry(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
                  e: Entry, where: str) -> None:
-    if e.tensor not in stage_of or e.consumer not in stage_of:
+    if not isinstance(e.tensor, str) or not isinstance(e.consumer, str) or \
+            e.tensor not in stage_of or e.consumer not in stage_of:
         raise PlanFormatError(f"{where}: names an op the plan does not have")
     spec = graph[e.tensor].output
     if tuple(spec.shape) != e.shape:

@@ -99,12 +99,18 @@ def _solve_ilp(config: Config, gp: GraphProblem, kept, problem, exact: Eliminati
     proven bound also bounds the ILP's. Without one: on all strategies, warm-started from
     the fallback search or the tied optimum."""
     opts = config.solver
+    tied = _tied_warm_start(config, gp, kept, *mesh_args)
     if exact is not None:
         index = [np.asarray(keep) for keep in exact.keep]
         sub = problem.subset(index)
         position = [{int(k): i for i, k in enumerate(keep)} for keep in index]
-        incumbent = tuple(position[g][k] for g, k in enumerate(exact.result.choice))
-        warm, warm_method, search_s = incumbent, "elimination", exact.result.solve_s
+        start, warm_method = exact.result.choice, "elimination"
+        # a tied optimum cheaper than the incumbent only uses strategies the bound keeps
+        if tied is not None and problem.feasible(tied) and (
+                problem.objective(tied) < exact.result.objective):
+            start, warm_method = tied, "tied ILP"
+        incumbent = tuple(position[g][k] for g, k in enumerate(start))
+        warm, search_s = incumbent, exact.result.solve_s
         notes = [*notes, f"{sum(len(k) for k in index)} of {sum(len(c) for c in problem.cost)} "
                          f"strategies within the elimination bound ({exact.result.message})"]
     else:
@@ -113,24 +119,26 @@ def _solve_ilp(config: Config, gp: GraphProblem, kept, problem, exact: Eliminati
         incumbent, search_s = heuristic.choice, heuristic.solve_s
         warm, warm_method = ((incumbent, opts.fallback) if problem.feasible(incumbent)
                              else (None, ""))
-        tied = _tied_warm_start(config, gp, kept, *mesh_args)
         if tied is not None and problem.feasible(tied) and (
                 warm is None or problem.objective(tied) < problem.objective(warm)):
             warm, warm_method = tied, "tied ILP"
-    ilp = SbpIlp(sub)
+    ilp = SbpIlp(sub, opts.milp)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
-                       seed=opts.seed)
+                       seed=opts.seed, gap=opts.gap)
     build_s = problem_s + ilp.build_s
     if result is None and exact is not None:
-        result = dataclasses.replace(exact.result, choice=incumbent, message=(
-            f"the ILP found nothing better within {opts.time_limit_s} s"))
+        objective = sub.objective(incumbent)
+        result = dataclasses.replace(
+            exact.result, choice=incumbent, objective=objective, stats=ilp.stats,
+            gap=max(0.0, (objective - exact.result.bound) / objective), method=warm_method,
+            message=f"the ILP found nothing better within {opts.time_limit_s} s")
     elif result is None:
         choice = warm if warm is not None else incumbent
         result = SolveResult(
             "heuristic", problem.objective(choice), None, None, 0.0, 0.0, tuple(choice),
             warm_method or opts.fallback,
             f"the ILP found no solution within {opts.time_limit_s} s; using "
-            f"{warm_method or opts.fallback}")
+            f"{warm_method or opts.fallback}", ilp.stats)
     elif exact is not None:
         bound = result.bound if result.status == "optimal" else max(
             result.bound if result.bound is not None else -np.inf, exact.result.bound)
@@ -151,7 +159,8 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
                      boundary: StageBoundary | None) -> tuple[int, ...] | None:
     """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
     untied choice, since tying only restricts) as a warm start, in the pruned problem's
-    indices. CBC alone can stall far above it on large untied models."""
+    indices. The ILP alone can stall far above it on large untied models, and the
+    elimination's incumbent ignores bucket rounding."""
     if config.solver.tie_layers or not any(op.tie_key for op in gp.graph.ops):
         return None
     tied_config = dataclasses.replace(

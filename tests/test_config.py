@@ -180,6 +180,7 @@ MALFORMED = [
     ("unknown-schedule", _set("pipeline.schedule", "zero-bubble"), "pipeline.schedule",
      "unknown schedule"),
     ("unknown-fallback", _set("solver.fallback", "annealing"), "solver.fallback", "unknown"),
+    ("unknown-milp", _set("solver.milp", "gurobi"), "solver.milp", "unknown MILP solver 'gurobi'"),
     ("bad-stages", _set("pipeline.stages", "many"), "pipeline.stages", "'auto'"),
     ("too-many-stages", _set("pipeline.stages", 9), "pipeline.stages", "cluster has 8"),
     ("microbatches-not-dividing", _set("pipeline.microbatches", 3), "pipeline.microbatches",

@@ -47,7 +47,8 @@ def pipelined(plan: Plan) -> Plan:
     names = [x.name for x in layers]
     return dataclasses.replace(
         plan, layers=layers,
-        stages=[{"index": 0, "devices": [0, 1, 2, 3], "mesh": [[1, 4]], "layers": names[:half]},
+        stages=[{"index": 0, "devices": [0, 1, 2, 3], "mesh": [[1, 4]], "layers": names[:half],
+                 "solver": plan.solver},
                 {"index": 1, "devices": [4, 5, 6, 7], "mesh": [[1, 4]], "layers": names[half:]}],
         schedule={"name": "1f1b", "num_microbatches": 4, "makespan_s": 0.0125,
                   "bubble_fraction": 0.2},
@@ -76,6 +77,14 @@ def test_explain_reports_every_section(tiny):
     text = explain(tiny)
     assert text.startswith(f"plan {tiny.name} (schema v{PLAN_VERSION})")
     assert "status optimal" in text and "stages: 1" in text
+    st = tiny.solver["stats"]
+    stats = re.search(r"\n  stats     ([\d,]+) variables \(([\d,]+) integer\), ([\d,]+) "
+                      r"constraints, (\d+) nodes; build \S+ m?s, presolve \S+ m?s, search "
+                      r"\S+ [mµ]?s, proof \S+ [mµ]?s \[SCIP", text)
+    assert stats, text[:600]
+    assert [int(x.replace(",", "")) for x in stats.groups()] == [
+        st["variables"], st["integer_variables"], st["constraints"], st["nodes"]]
+    assert "solver stats: " in tiny.summary()
     assert "one stage on all 8 devices" in text
     assert re.search(r"memory per device:\n  [\d.]+ [KM]iB of 2\.00 GiB", text)
     for name in tiny.baselines:
@@ -127,6 +136,7 @@ def test_explain_pipelined_plan(tiny):
     text = explain(plan)
     assert "stages: 2" in text
     assert "stage 0: devices 0-3, mesh (4)" in text and "stage 1: devices 4-7" in text
+    assert re.search(r"stage 0: .*\n    ILP optimal: [\d,]+ variables", text)  # stage stats
     assert "schedule 1f1b: 4 micro-batches, makespan 12.5 ms, bubble 20.0%" in text
     assert "step time 12.5 ms (schedule makespan)" in text
     assert "cross-mesh resharding (1 transfers):" in text and "seconds 150 µs" in text

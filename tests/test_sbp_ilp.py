@@ -1,4 +1,5 @@
-"""The intra-op SBP ILP against brute force, the chain DP and the heuristic searches.
+"""The intra-op SBP ILP (every MILP backend) against brute force, the chain DP and the
+heuristic searches.
 
 Random small problems (≤ 6 groups, ≤ 4 strategies, random DAG edges, random costs, edge
 matrices and memory) are built directly as :class:`Problem` data, so the ILP's encoding
@@ -17,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from formulations.sbp_ilp import SbpIlp
+from formulations.sbp_ilp import DEFAULT_MILP, MILP_BACKENDS, SbpIlp
 from formulations.sbp_problem import Problem, build_problem
 from formulations.sbp_search import (
     chain_dp,
@@ -77,9 +78,9 @@ def _close(a: float, b: float, rel: float = REL) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
 
-def _ilp(problem: Problem):
-    res = SbpIlp(problem).solve(time_limit_s=30)
-    assert res is not None, "CBC found no solution on a feasible problem"
+def _ilp(problem: Problem, backend: str = DEFAULT_MILP):
+    res = SbpIlp(problem, backend).solve(time_limit_s=30)
+    assert res is not None, f"{backend} found no solution on a feasible problem"
     return res
 
 
@@ -100,13 +101,14 @@ def test_exhaustive_equals_a_naive_enumeration():
 
 
 
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
 @pytest.mark.parametrize("budget", [None, "mid"])
-def test_ilp_matches_exhaustive_on_random_dags(budget):
+def test_ilp_matches_exhaustive_on_random_dags(budget, backend):
     binding = 0
     for seed in range(N_RANDOM):
         p = random_problem(seed, budget=budget)
         brute = exhaustive(p)
-        res = _ilp(p)
+        res = _ilp(p, backend)
         assert res.status == "optimal" and res.gap == 0.0, (seed, res)
         assert p.feasible(res.choice), seed
         assert _close(res.objective, brute.objective), (seed, res.objective, brute.objective)
@@ -118,11 +120,12 @@ def test_ilp_matches_exhaustive_on_random_dags(budget):
         assert binding >= 3, f"the memory budget bound on only {binding} of {N_RANDOM} instances"
 
 
-def test_ilp_matches_exhaustive_with_tight_budget():
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_ilp_matches_exhaustive_with_tight_budget(backend):
     for seed in range(100, 120):
         p = random_problem(seed, budget="tight")
         brute = exhaustive(p)
-        res = _ilp(p)
+        res = _ilp(p, backend)
         assert p.feasible(res.choice) and _close(res.objective, brute.objective), seed
 
 
@@ -177,7 +180,8 @@ def _scip_objective(p: Problem) -> float:
 
 def test_ilp_matches_scip_on_a_real_tied_gpt():
     """Real magnitudes (seconds ~1e-3, memory ~1e9 bytes), a DAG with residual cycles and
-    a binding memory budget: CBC through PuLP against SCIP on the uncompressed model."""
+    a binding memory budget: the class-compressed model (both backends) against SCIP on
+    the uncompressed model."""
     cl = Cluster(1, 8, memory_bytes=16 * 2**30, peak_flops=312e12,
                  intra=Link.from_bandwidth(5, 2400), inter=Link.from_bandwidth(10, 100))
     g = models.gpt(hidden=1024, layers=4, heads=16, seq_len=1024, vocab=32768, batch=8,
@@ -188,9 +192,11 @@ def test_ilp_matches_scip_on_a_real_tied_gpt():
     free = _ilp(Problem(p.names, p.cost, p.memory, p.edges, None)).objective
     for frac in (0.0, 0.01, 0.03):
         q = Problem(p.names, p.cost, p.memory, p.edges, lo + frac * (hi - lo))
-        res = _ilp(q)
-        assert q.feasible(res.choice)
-        assert _close(res.objective, _scip_objective(q)), frac
+        reference = _scip_objective(q)
+        for backend in MILP_BACKENDS:
+            res = _ilp(q, backend)
+            assert q.feasible(res.choice)
+            assert _close(res.objective, reference), (frac, backend)
         assert res.objective > free * (1 + 1e-6)  # the budget binds
 
 
@@ -198,6 +204,99 @@ def test_ilp_with_one_group_and_no_edges():
     p = Problem(["only"], [np.array([3.0, 1.0, 2.0])], [np.array([1.0, 5.0, 2.0])], {}, 2.5)
     res = _ilp(p)
     assert res.choice == (2,) and res.objective == 2.0
+
+
+# -- the model's size, warm start, time limit and statistics -----------------------------
+
+
+def _distinct(rows: np.ndarray) -> int:
+    return len({tuple(float(x) for x in row) for row in rows})
+
+
+def _expected_size(p: Problem) -> tuple[int, int, int]:
+    """(variables, integer variables, constraints) of the ILP of ``p``, counted from the
+    problem data: one binary per strategy, one e per (distinct row, distinct column) pair of
+    each non-zero edge matrix, one integer z per device group some strategy reduces over;
+    one row per group, per row class and column class of each edge, the memory row, one row
+    per z."""
+    binaries = sum(len(c) for c in p.cost)
+    nonzero = [r for r in p.edges.values() if np.any(r)]
+    edge_vars = sum(_distinct(r) * _distinct(r.T) for r in nonzero)
+    zs = 0 if p.buckets is None else sum(
+        any(np.any(b[:, j]) for b in p.buckets.bytes) for j in range(len(p.buckets.alpha)))
+    rows = (p.num_groups + sum(_distinct(r) + _distinct(r.T) for r in nonzero)
+            + (p.memory_budget is not None) + zs)
+    return binaries + edge_vars + zs, binaries + zs, rows
+
+
+def _gpt_problem(layers: int = 2, tie: bool = True, bucket_mb: float = 25.0) -> Problem:
+    g = models.gpt(hidden=64, layers=layers, heads=4, seq_len=16, vocab=128, batch=4)
+    return build_problem(g, small_cluster(2, 2), 2, 2, MemorySpec.preset("adam"), tie_layers=tie,
+                         memory_budget=2**30, grad_bucket_bytes=bucket_mb * 2**20).problem
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_stats_count_the_model_built(backend):
+    problems = [random_problem(seed, budget="mid" if seed % 2 else None) for seed in range(6)]
+    problems.append(_gpt_problem())
+    assert problems[-1].buckets is not None and problems[-1].memory_budget is not None
+    for p in problems:
+        ilp = SbpIlp(p, backend)
+        res = ilp.solve(time_limit_s=30, warm_start=coordinate_descent(p).choice)
+        st = res.stats
+        assert st is ilp.stats
+        assert (st.variables, st.integer_variables, st.constraints) == _expected_size(p)
+        assert st.nodes is not None and st.nodes >= 0
+        assert st.build_s == pytest.approx(res.build_s) and st.build_s > 0
+        assert st.search_s is not None and st.proof_s is not None
+        assert st.search_s >= 0 and st.proof_s >= 0
+        assert st.search_s + st.proof_s == pytest.approx(res.solve_s)
+        assert (st.presolve_s is None) == (backend == "cbc")
+        d = res.to_dict()["stats"]
+        assert d["variables"] == st.variables and d["note"] == st.note
+
+
+def test_warm_start_is_a_full_feasible_point():
+    """The hint gives s, e and z of the choice: every row holds and the scaled objective is
+    the choice's objective."""
+    for p in [random_problem(seed, budget=None) for seed in range(10)] + [_gpt_problem()]:
+        milp = SbpIlp(p).milp
+        choice = coordinate_descent(p).choice
+        x = milp.point(p, choice)
+        act = milp.matrix @ x
+        assert np.all(act >= milp.row_lower - 1e-9) and np.all(act <= milp.row_upper + 1e-9)
+        assert np.all(x >= milp.lower) and np.all(x <= milp.upper)
+        assert _close(float(milp.objective @ x) / milp.scale, p.objective(choice), 1e-9)
+
+
+@pytest.mark.parametrize("backend", MILP_BACKENDS)
+def test_time_limit_keeps_the_warm_start_or_returns_none(backend):
+    """Stopped at once: with a warm start the result is ``feasible`` (never worse than the
+    start, a bound and gap only if the solver had one) or proved optimal; without one, None
+    or a solution; the stats are set either way."""
+    p = _gpt_problem(layers=4, tie=False)
+    warm = coordinate_descent(p).choice
+    best = _ilp(p, backend).objective
+    ilp = SbpIlp(p, backend)
+    res = ilp.solve(time_limit_s=1e-3, warm_start=warm)
+    assert res is not None and res.status in ("feasible", "optimal")
+    assert res.objective <= p.objective(warm) * (1 + 1e-12)
+    if res.status == "feasible":
+        assert "time limit" in res.message
+        assert (res.bound is None) == (res.gap is None)
+        if res.bound is not None:
+            assert res.bound <= best * (1 + 1e-9) and res.gap >= 0
+    assert ilp.stats.variables == _expected_size(p)[0]
+    cold = SbpIlp(p, backend)
+    res = cold.solve(time_limit_s=1e-3)
+    assert cold.stats is not None and cold.stats.variables == _expected_size(p)[0]
+    if res is None:
+        assert cold.stats.proof_s == 0.0 and cold.stats.search_s > 0
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown MILP backend"):
+        SbpIlp(random_problem(0), "glpk")
 
 
 # -- chain DP == ILP ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ the plan file's fields and round trip, and the ``solve`` verb."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from formulations.result import SolveStats
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import build_problem
 from ilp_planner import cli, models
@@ -219,6 +221,7 @@ def test_time_limit_returns_a_marked_feasible_plan():
     assert s["status"] in ("feasible", "heuristic"), s
     assert s["message"], s
     assert re.search(r"time limit|within", s["message"])
+    assert s["stats"]["variables"] > 0 and s["stats"]["search_s"] is not None  # the ILP's, always
     assert plan.cost.peak_memory_bytes <= config.cluster.memory_bytes
     assert math.isclose(plan.cost.total_s, s["objective"], rel_tol=1e-9)
     optimum = solve(config.with_overrides({"solver.time_limit_s": 60}), baselines=False)
@@ -227,6 +230,20 @@ def test_time_limit_returns_a_marked_feasible_plan():
     if s["bound"] is not None:
         assert s["bound"] <= optimum.solver["objective"] * (1 + 1e-9)
         assert s["gap"] >= 0
+
+
+def test_milp_option_picks_the_backend():
+    """``solver.milp: cbc`` (PuLP's CBC, the reference) and the default in-process SCIP reach
+    the same optimum through the planner; the stats say which engine ran."""
+    config = load_config(CONFIGS / "tiny-gpt-cpu.yaml")
+    assert config.solver.milp == "scip"
+    scip = solve(config, baselines=False).solver
+    cbc = solve(config.with_overrides({"solver.milp": "cbc"}), baselines=False).solver
+    assert scip["status"] == cbc["status"] == "optimal"
+    assert math.isclose(scip["objective"], cbc["objective"], rel_tol=1e-9)
+    assert scip["stats"]["note"].startswith("SCIP") and cbc["stats"]["note"].startswith("CBC")
+    assert {k: scip["stats"][k] for k in ("variables", "integer_variables", "constraints")} == \
+        {k: cbc["stats"][k] for k in ("variables", "integer_variables", "constraints")}
 
 
 # -- the plan file ------------------------------------------------------------------------
@@ -238,7 +255,10 @@ COST_KEYS = {"total_s", "compute_s", "comm_s", "activation_comm_bytes", "grad_sy
 def test_plan_json_fields(plans):
     d = json.loads(json.dumps(plans["tiny-gpt-cpu"].to_dict()))
     assert d["version"] == PLAN_VERSION
-    assert {"status", "objective", "bound", "gap", "build_s", "solve_s"} <= set(d["solver"])
+    assert {"status", "objective", "bound", "gap", "build_s", "solve_s", "stats"} <= set(d["solver"])
+    assert set(d["solver"]["stats"]) == {f.name for f in dataclasses.fields(SolveStats)}
+    assert d["solver"]["stats"]["variables"] > d["solver"]["stats"]["integer_variables"] > 0
+    assert Plan.from_dict(d).solver == d["solver"]
     assert COST_KEYS <= set(d["cost"])
     assert math.isclose(d["cost"]["total_s"], d["cost"]["compute_s"] + d["cost"]["comm_s"])
     names = [layer["name"] for layer in d["layers"]]

@@ -47,9 +47,10 @@ def stable(row: dict) -> dict:
 
 
 def untimed(doc):
-    """A plan document without its solver timings (top level and per stage)."""
+    """A plan document without its solver timings (top level, per stage, statistics)."""
     if isinstance(doc, dict):
-        return {k: untimed(v) for k, v in doc.items() if k not in ("build_s", "solve_s")}
+        return {k: untimed(v) for k, v in doc.items()
+                if k not in ("build_s", "solve_s", "presolve_s", "search_s", "proof_s")}
     if isinstance(doc, list):
         return [untimed(v) for v in doc]
     return doc
