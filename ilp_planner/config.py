@@ -56,6 +56,7 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       submesh_space: all          # | power_of_two | small_power_of_two (Alpa's shape spaces)
       max_units: null             # null: one layer unit per block; N: coarsen to ≤ N units
       stage_time_limit_s: null    # per stage ILP; null: min(solver.time_limit_s, 10)
+      stage_bound: true           # skip stage solves a FLOP bound proves useless (exact)
 
 Rules: unknown keys are errors (the message lists the allowed ones), so a typo never falls
 back to a default silently; missing required keys, wrong types, non-positive sizes and unknown
@@ -393,7 +394,7 @@ def _parse_solver(r: Reader, value: Any) -> SolverOptions:
 def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) -> PipelineOptions:
     d = _section(r, value, "pipeline", ("stages", "microbatches", "schedule", "submeshes",
                                         "imbalance_tolerance", "overlap", "submesh_space",
-                                        "max_units", "stage_time_limit_s"))
+                                        "max_units", "stage_time_limit_s", "stage_bound"))
     kw: dict[str, Any] = {}
     if "stages" in d:
         stages = d["stages"]
@@ -430,6 +431,8 @@ def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) 
     if d.get("stage_time_limit_s") is not None:
         kw["stage_time_limit_s"] = r.number(d["stage_time_limit_s"], "pipeline.stage_time_limit_s",
                                             positive=True)
+    if "stage_bound" in d:
+        kw["stage_bound"] = r.boolean(d["stage_bound"], "pipeline.stage_bound")
     return PipelineOptions(**kw)
 
 

@@ -40,7 +40,9 @@ class PipelineOptions:
     trade of plan quality for fewer intra-op stage solves, e.g. for block-free graphs of
     hundreds of ops. ``stage_time_limit_s`` bounds each stage's intra-op ILP (``None``:
     ``min(solver.time_limit_s, 10)``); a stage that hits it is priced by its best plan so
-    far (status ``feasible``)."""
+    far (status ``feasible``). ``stage_bound`` lets the planner skip the intra-op solve of
+    a (range, sub-mesh) pair whose FLOP lower bound already loses to an even pipeline it
+    priced first (exact: same optimum; :meth:`_StageSolver.stage_cost`)."""
 
     stages: int | str = 1
     microbatches: int = 1
@@ -51,6 +53,7 @@ class PipelineOptions:
     submesh_space: str = "all"
     max_units: int | None = None
     stage_time_limit_s: float | None = None
+    stage_bound: bool = True
 
     @property
     def pipelined(self) -> bool:

@@ -26,6 +26,7 @@ sent once, directly, in the plan.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -35,7 +36,13 @@ from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
 from ilp_planner.cluster import Cluster, SubMesh, submesh_shapes
 from ilp_planner.config import Config
-from ilp_planner.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
+from ilp_planner.cost_model import (
+    ONCE_PER_STEP,
+    Collective,
+    CollectiveKind,
+    compute_time,
+    make_collective,
+)
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.grad_buckets import exposed_grad_sync
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
@@ -215,6 +222,13 @@ class _StageSolver:
         self.build_s = 0.0
         self.not_optimal = 0
         self.calls = 0
+        # exact pruning (set_incumbent): a lower bound on every stage's time from its FLOPs
+        cluster = config.cluster
+        work = [sum(compute_time(3.0 * graph[n].flops, cluster) for n in u) for u in units]
+        self.work_prefix = [0.0, *itertools.accumulate(work)]
+        self.num_devices = cluster.num_devices
+        self.incumbent_s: float | None = None
+        self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
 
     def names(self, a: int, e: int) -> list[str]:
         return [n for u in self.units[a:e] for n in u]
@@ -243,11 +257,29 @@ class _StageSolver:
             self.solve_s += time.perf_counter() - t0
         return self.cache[key]
 
+    def lower_bound(self, a: int, e: int, shape: tuple[int, int]) -> float:
+        """Least pipeline latency ``Σ t + (B − 1) max t`` of any plan with units [a, e) on
+        ``shape``: every stage's time is at least its FLOPs (×3 for the backward) spread
+        perfectly over its devices, and the other stages share the rest of the work on
+        the rest of the devices (their largest time ≥ that average, their sum ≥ it too)."""
+        W, D, z = self.work_prefix, self.num_devices, shape[0] * shape[1]
+        mine = (W[e] - W[a]) / z
+        rest = (W[-1] - W[e] + W[a]) / (D - z) if z < D else 0.0
+        return mine + rest + (self.config.pipeline.microbatches - 1) * max(mine, rest)
+
     def stage_cost(self, a: int, e: int, shape: tuple[int, int]) -> StageCost | None:
         """Per micro-batch: compute + activation communication, plus the weight-gradient
-        synchronisation amortised over the step's micro-batches."""
+        synchronisation amortised over the step's micro-batches. With an incumbent plan
+        (:meth:`set_incumbent`), a pair whose :meth:`lower_bound` exceeds it is not solved:
+        it gets its time lower bound (and no memory), so every plan using it costs more
+        than the incumbent in the DP's table too and the DP's optimum is unchanged."""
         self.calls += 1
         key = (self.keys.key(a, e), shape)
+        if (key not in self.costs and self.incumbent_s is not None
+                and self.lower_bound(a, e, shape) * (1 - 1e-9) > self.incumbent_s):
+            self.bounded.add((a, e, shape))
+            z = shape[0] * shape[1]
+            return StageCost((self.work_prefix[e] - self.work_prefix[a]) / z, 0.0, 0.0)
         if key not in self.costs:
             solved = self.solve(a, e, shape)
             if solved is None:
@@ -261,6 +293,45 @@ class _StageSolver:
                 self.costs[key] = StageCost(
                     cost.compute_s + cost.activation_comm_s + cost.grad_sync_s / m, state, act)
         return self.costs[key]
+
+
+    def set_incumbent(self, boundary, shapes: Sequence[tuple[int, int]],
+                      num_stages: int | None, tolerance: float | None) -> None:
+        """Price a few even pipelines (``S`` stages of ``L/S`` units on equal meshes of
+        ``D/S`` devices: the largest such ``S`` whose meshes are whole nodes, and the next
+        one) with real stage solves, which the DP reuses, and keep the best feasible one's
+        latency as the bound for :meth:`stage_cost`. Exact: the incumbent is one of the
+        DP's own plans (admissible pairs, memory checked by pipeline position)."""
+        from formulations.schedules import inflight_microbatches
+        from formulations.stage_dp import admissible
+
+        pipe, cluster = self.config.pipeline, self.config.cluster
+        L, D, dpn = len(self.units), cluster.num_devices, cluster.devices_per_node
+        sizes = {n * d: (n, d) for n, d in shapes}
+        counts = [S for S in range(1, min(L, D) + 1) if D % S == 0 and D // S in sizes
+                  and (num_stages is None or S == num_stages)]
+        counts.sort(key=lambda S: (L % S != 0, D // S < dpn, -S))
+        prefix = [float(i) for i in range(L + 1)]
+        best, calls = None, self.calls
+        for S in counts[:2]:
+            shape = sizes[D // S]
+            q, r = divmod(L, S)
+            ends = list(itertools.accumulate(q + (j < r) for j in range(S)))
+            times = []
+            for j, e in enumerate(ends):
+                a = ends[j - 1] if j else 0
+                if not admissible(a, e, shape, L, D, tolerance, prefix):
+                    break
+                c = self.stage_cost(a, e, shape)
+                held = inflight_microbatches(pipe.schedule, S - j, pipe.microbatches)
+                if c is None or c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch \
+                        > cluster.memory_bytes:
+                    break
+                times.append(c.time_s + (boundary(e, shape) if e < L else 0.0))
+            else:
+                value = sum(times) + (pipe.microbatches - 1) * max(times)
+                best = value if best is None else min(best, value)
+        self.incumbent_s, self.calls = best, calls
 
 
 class _BoundaryCost:
@@ -374,13 +445,22 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     if num_stages is not None and num_stages > len(units):
         raise InfeasibleError(f"{num_stages} stages requested but the model has only "
                               f"{len(units)} layer units to distribute")
-    dp = solve_stages(
-        len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
-        solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
-        memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
-        submesh_shapes=submesh_shapes(cluster.nodes, cluster.devices_per_node, pipe.submesh_space),
-        fixed_submeshes=fixed, imbalance_tolerance=pipe.imbalance_tolerance,
-    )
+    shapes = submesh_shapes(cluster.nodes, cluster.devices_per_node, pipe.submesh_space)
+    if fixed is None and pipe.stage_bound:
+        solver.set_incumbent(boundary, shapes, num_stages, pipe.imbalance_tolerance)
+    while True:
+        dp = solve_stages(
+            len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
+            solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
+            memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
+            submesh_shapes=shapes, fixed_submeshes=fixed,
+            imbalance_tolerance=pipe.imbalance_tolerance,
+        )
+        if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
+            break
+        # cannot happen if the bound is valid; stay exact regardless
+        solver.incumbent_s = None
+        solver.bounded.clear()
     layers = []
     stages = []
     stage_of: dict[str, int] = {}
@@ -448,6 +528,8 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
         "units": len(units),
         "stage_solves": solver.solves,
         "stage_pairs": solver.calls,
+        "stage_bounded": len(solver.bounded),
+        "incumbent_s": solver.incumbent_s,
         "stage_not_optimal": solver.not_optimal,
         "stage_time_limit_s": solver.time_limit_s,
         "timings": {

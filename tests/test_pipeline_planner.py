@@ -303,7 +303,7 @@ def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
     from ilp_planner.stage_boundary import stage_boundary
 
     config = tiny(**{"model.layers": 40, "cluster.nodes": 1, "cluster.devices_per_node": 2,
-                     "pipeline.stages": "auto"})
+                     "pipeline.stages": "auto", "pipeline.stage_bound": False})
     plan = solve_pipelined(config, baselines=False)
     graph = config.microbatch_graph()
     units = layer_units(graph)
@@ -318,6 +318,27 @@ def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
             sigs.add((signature(graph, names, stage_boundary(graph, names)), shape))
     assert plan.solver["stage_solves"] == len(sigs) == 3 * L - 3
     assert set(plan.solver["timings"]) >= {"stage_solve_s", "dp_s", "resharding_s", "total_s"}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.layers": 12, "cluster.nodes": 1, "cluster.devices_per_node": 4,
+     "pipeline.microbatches": 8},
+    {"model.layers": 8, "cluster.nodes": 2, "cluster.devices_per_node": 2,
+     "pipeline.microbatches": 8, "pipeline.schedule": "1f1b"},
+    {"model.layers": 6, "cluster.nodes": 2, "cluster.devices_per_node": 4,
+     "pipeline.microbatches": 2, "pipeline.schedule": "gpipe", "pipeline.submesh_space": "all"},
+], ids=["1x4", "2x2", "2x4-gpipe"])
+def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
+    """The FLOP lower bound against an even incumbent pipeline never changes the DP's
+    optimum; it only saves intra-op solves."""
+    config = tiny(**{"pipeline.stages": "auto", **overrides})
+    exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
+                            baselines=False)
+    bounded = solve_pipelined(config, baselines=False)
+    assert bounded.solver["objective"] == pytest.approx(exact.solver["objective"], rel=1e-12)
+    assert bounded.solver["incumbent_s"] >= exact.solver["objective"] * (1 - 1e-12)
+    assert bounded.solver["stage_solves"] <= exact.solver["stage_solves"]
+    assert bounded.solver["stage_pairs"] == exact.solver["stage_pairs"]
 
 
 @pytest.mark.parametrize("space", ["all", "power_of_two"])
