@@ -203,10 +203,31 @@ def group_spans_nodes(fact: Factorisation, axes: tuple[int, ...]) -> bool:
     return any(fact[i].nodes > 1 for i in axes)
 
 
-def submesh_shapes(nodes: int, devices_per_node: int) -> list[tuple[int, int]]:
-    """Sub-mesh shapes ``(n, d)`` usable for a stage (Alpa §5): ``(1, d)`` for every divisor
-    ``d`` of ``devices_per_node`` (3 and 6 included), and ``(n, devices_per_node)`` for
-    ``n = 1..nodes``."""
+SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two")
+
+
+def submesh_shapes(nodes: int, devices_per_node: int, space: str = "all") -> list[tuple[int, int]]:
+    """Sub-mesh shapes ``(n, d)`` usable for a stage (Alpa §5). ``all``: ``(1, d)`` for every
+    divisor ``d`` of ``devices_per_node`` (3 and 6 included) and ``(n, devices_per_node)``
+    for ``n = 1..nodes``. Alpa's ``power_of_two`` (its default) keeps the powers of two
+    (``(1, 1), (1, 2), (1, 4) … (1, dpn)``, ``(2, dpn), (4, dpn) …``) and
+    ``small_power_of_two`` only ``n ≤ 4`` whole nodes; both also keep ``(1, dpn)`` and
+    the whole cluster ``(nodes, dpn)`` so a one-stage plan always exists. Powers of two add
+    up to any device count, so every stage count stays reachable; fewer shapes mean fewer
+    intra-op stage solves (``O(ranges × shapes)``) and a smaller stage-DP state space."""
+    if space not in SUBMESH_SPACES:
+        raise ConfigError(f"unknown sub-mesh space {space!r}; expected one of "
+                          f"{list(SUBMESH_SPACES)}", key="pipeline.submesh_space")
     shapes = {(1, d) for d in range(1, devices_per_node + 1) if devices_per_node % d == 0}
     shapes |= {(n, devices_per_node) for n in range(1, nodes + 1)}
+    if space != "all":
+        cap = nodes if space == "power_of_two" else min(nodes, 4)
+
+        def pow2(x: int) -> bool:
+            return x & (x - 1) == 0
+
+        shapes = {(n, d) for n, d in shapes
+                  if (n == 1 and (pow2(d) or d == devices_per_node))
+                  or (d == devices_per_node and pow2(n) and n <= cap)}
+        shapes.add((nodes, devices_per_node))
     return sorted(shapes)

@@ -57,6 +57,10 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       submeshes: [[1, 4], [1, 4]] # optional (nodes, devices) per stage; one per stage
       imbalance_tolerance: null
       overlap: true
+      submesh_space: all          # | power_of_two | small_power_of_two (Alpa's shape spaces)
+      max_units: null             # null: one layer unit per block; N: coarsen to ≤ N units
+      stage_time_limit_s: null    # per stage ILP; null: min(solver.time_limit_s, 10)
+      stage_bound: true           # skip stage solves a FLOP bound proves useless (exact)
 
 Rules: unknown keys are errors (the message lists the allowed ones), so a typo never falls
 back to a default silently; missing required keys, wrong types, non-positive sizes and unknown
@@ -80,7 +84,7 @@ from typing import Any
 import yaml
 
 from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link, submesh_shapes
+from ilp_planner.cluster import SUBMESH_SPACES, Cluster, Link, submesh_shapes
 from ilp_planner.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.errors import ConfigError
 from ilp_planner.files import read_input
@@ -400,7 +404,8 @@ def _parse_solver(r: Reader, value: Any) -> SolverOptions:
 
 def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) -> PipelineOptions:
     d = _section(r, value, "pipeline", ("stages", "microbatches", "schedule", "submeshes",
-                                        "imbalance_tolerance", "overlap"))
+                                        "imbalance_tolerance", "overlap", "submesh_space",
+                                        "max_units", "stage_time_limit_s", "stage_bound"))
     kw: dict[str, Any] = {}
     if "stages" in d:
         stages = d["stages"]
@@ -429,6 +434,16 @@ def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) 
                                              "pipeline.imbalance_tolerance", nonneg=True)
     if "overlap" in d:
         kw["overlap"] = r.boolean(d["overlap"], "pipeline.overlap")
+    if "submesh_space" in d:
+        kw["submesh_space"] = r.choice(d["submesh_space"], "pipeline.submesh_space",
+                                       SUBMESH_SPACES, "sub-mesh space")
+    if d.get("max_units") is not None:
+        kw["max_units"] = r.positive_int(d["max_units"], "pipeline.max_units")
+    if d.get("stage_time_limit_s") is not None:
+        kw["stage_time_limit_s"] = r.number(d["stage_time_limit_s"], "pipeline.stage_time_limit_s",
+                                            positive=True)
+    if "stage_bound" in d:
+        kw["stage_bound"] = r.boolean(d["stage_bound"], "pipeline.stage_bound")
     return PipelineOptions(**kw)
 
 

@@ -143,6 +143,7 @@ class Graph:
             self._ops[op.name] = op
         if not self._ops:
             raise ConfigError(f"graph {name!r} has no ops")
+        self._consumers: dict[str, list[str]] | None = None
 
     @property
     def ops(self) -> list[Op]:
@@ -162,7 +163,13 @@ class Graph:
         return [(src, op.name) for op in self._ops.values() for src in op.inputs]
 
     def consumers(self, name: str) -> list[str]:
-        return [op.name for op in self._ops.values() if name in op.inputs]
+        """Ops reading ``name``, in graph order (one pass builds the map for every op)."""
+        if self._consumers is None:
+            self._consumers = {n: [] for n in self._ops}
+            for op in self._ops.values():
+                for src in dict.fromkeys(op.inputs):
+                    self._consumers[src].append(op.name)
+        return list(self._consumers[name])
 
     @property
     def total_params(self) -> int:

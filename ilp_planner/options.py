@@ -44,7 +44,18 @@ class SolverOptions:
 @dataclass(frozen=True)
 class PipelineOptions:
     """Inter-op options. ``stages`` is 1 (no pipelining), an integer, or ``"auto"``;
-    ``submeshes`` fixes the stage sub-mesh shapes ``(nodes, devices)`` by hand."""
+    ``submeshes`` fixes the stage sub-mesh shapes ``(nodes, devices)`` by hand.
+
+    ``submesh_space`` picks the shapes a stage may take (:func:`ilp_planner.cluster.
+    submesh_shapes`: ``all``, or Alpa's ``power_of_two`` / ``small_power_of_two``).
+    ``max_units``: ``None`` gives the stage DP one unit per block (per weighted op without
+    blocks); an integer merges consecutive units into at most that many — an explicit
+    trade of plan quality for fewer intra-op stage solves, e.g. for block-free graphs of
+    hundreds of ops. ``stage_time_limit_s`` bounds each stage's intra-op ILP (``None``:
+    ``min(solver.time_limit_s, 10)``); a stage that hits it is priced by its best plan so
+    far (status ``feasible``). ``stage_bound`` lets the planner skip the intra-op solve of
+    a (range, sub-mesh) pair whose FLOP lower bound already loses to an even pipeline it
+    priced first (exact: same optimum; :meth:`_StageSolver.stage_cost`)."""
 
     stages: int | str = 1
     microbatches: int = 1
@@ -52,6 +63,10 @@ class PipelineOptions:
     submeshes: tuple[tuple[int, int], ...] | None = None
     imbalance_tolerance: float | None = None
     overlap: bool = True
+    submesh_space: str = "all"
+    max_units: int | None = None
+    stage_time_limit_s: float | None = None
+    stage_bound: bool = True
 
     @property
     def pipelined(self) -> bool:

@@ -4,22 +4,29 @@ crosses a stage boundary (long skip connections included), and simulate the sche
 
 Layer units. The DP slices a sequence of *units*: each repetition of a block is a unit
 (ops before the first block join the first, ops after the last join the last); a graph
-without blocks has one unit per weighted op with its followers. Long sequences are
-coarsened to at most ``MAX_UNITS`` units of consecutive blocks, which bounds the number of
-(range, sub-mesh) intra-op solves.
+without blocks has one unit per weighted op with its followers. There is no ceiling on the
+number of units: a 96-block model gives the DP 96 units. ``pipeline.max_units`` coarsens
+explicitly (consecutive units merged into at most that many) where a long block-free graph
+would otherwise need too many distinct intra-op solves.
 
 Stage cost ``t_i`` is the time of one micro-batch (forward + backward compute and
-activation communication) of the stage's ops on its sub-mesh, from the ILP; ranges with
-the same op signature (e.g. any four GPT blocks) share one solve. The boundary cost of a
-cut is the cross-mesh time of every tensor crossing it, estimated with the stage's
-batch-split layout on both sides; the final plan re-plans every crossing tensor with its
-real layouts (CP-SAT). A skip edge crossing several cuts is charged at each cut it
-crosses in the DP (as if relayed), and sent once, directly, in the plan.
+activation communication) of the stage's ops on its sub-mesh, from the ILP. Ranges with
+the same signature (:func:`signature`: the ops, their in-range wiring and which tensors
+cross the range's boundary) share one solve per sub-mesh shape, so for a model of ``L``
+identical blocks the intra-op solves number about ``3 L`` per shape (a range is its block
+count, whether it holds the first unit's extra ops and whether it holds the last's), not
+``L²/2``. :class:`RangeKeys` finds a range's signature class from per-unit parts, without
+building the range's op list. The boundary cost of a cut is the cross-mesh time of every
+tensor crossing it, estimated with the stage's batch-split layout on both sides; the
+final plan re-plans every crossing tensor with its real layouts (CP-SAT). A skip edge
+crossing several cuts is charged at each cut it crosses in the DP (as if relayed), and
+sent once, directly, in the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -27,9 +34,15 @@ from collections.abc import Sequence
 from formulations.schedules import make_schedule
 from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
-from ilp_planner.cluster import Cluster, SubMesh
+from ilp_planner.cluster import Cluster, SubMesh, submesh_shapes
 from ilp_planner.config import Config
-from ilp_planner.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
+from ilp_planner.cost_model import (
+    ONCE_PER_STEP,
+    Collective,
+    CollectiveKind,
+    compute_time,
+    make_collective,
+)
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.grad_buckets import exposed_grad_sync
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
@@ -40,11 +53,15 @@ from ilp_planner.resharding import ReshardingPlan, ReshardOptions, plan_reshardi
 from ilp_planner.stage_boundary import StageBoundary, stage_boundary
 from ilp_planner.strategies import resolve_partial, tied_source
 
-MAX_UNITS = 16
+#: Default per-stage intra-op time limit (s) when ``pipeline.stage_time_limit_s`` is unset:
+#: ``min(solver.time_limit_s, STAGE_TIME_LIMIT_S)`` — the DP runs hundreds of stage solves.
+STAGE_TIME_LIMIT_S = 10.0
 
 
-def layer_units(graph: Graph, max_units: int = MAX_UNITS) -> list[list[str]]:
-    """Op names per unit, in graph order (inputs excluded)."""
+def layer_units(graph: Graph, max_units: int | None = None) -> list[list[str]]:
+    """Op names per unit, in graph order (inputs excluded): one unit per block, or per
+    weighted op in a graph without blocks. ``max_units`` (``pipeline.max_units``) merges
+    consecutive units into at most that many; ``None`` keeps them all."""
     ops = [op for op in graph.ops if op.kind is not OpKind.INPUT]
     blocks = [op.block_index for op in ops]
     if any(b is not None for b in blocks):
@@ -68,7 +85,7 @@ def layer_units(graph: Graph, max_units: int = MAX_UNITS) -> list[list[str]]:
             if weighted or not units:
                 units.append([])
             units[-1].append(op.name)
-    return _coarsen(units, max_units)
+    return units if max_units is None else _coarsen(units, max_units)
 
 
 def _coarsen(units: list[list[str]], max_units: int) -> list[list[str]]:
@@ -100,11 +117,77 @@ def signature(graph: Graph, names: Sequence[str], boundary: StageBoundary | None
     index = {n: i for i, n in enumerate(names)}
     b = boundary or StageBoundary()
     return tuple(
-        (op.kind, op.output, op.weight, op.params, n in b.exported,
+        (*_op_key(op), n in b.exported,
          tuple(index[s] - index[n] if s in index else ("ext", graph[s].output, s in b.imported)
                for s in op.inputs))
         for n in names for op in (graph[n],)
     )
+
+
+def _op_key(op: Op) -> tuple:
+    """What of an op, besides its wiring, its stage problem depends on (no names)."""
+    return (op.kind, op.output, op.weight, op.params, op.flops,
+            tuple(sorted(op.attrs.items())), op.tie_key)
+
+
+class RangeKeys:
+    """Signature classes of unit ranges ``[a, e)`` without building their op lists.
+
+    A range's :func:`signature` is the concatenation of its units' parts, and unit ``u``'s
+    part depends on the range only through which of its inputs come from before ``a`` and
+    which of its outputs are read at or after ``e``: that is, through ``x = min(u − a,
+    back(u))`` and ``y = min(e − 1 − u, ahead(u))`` with ``back``/``ahead`` the farthest
+    unit its ops read from / are read by (1 for a chain of blocks; more with skip edges).
+    In-range wiring is kept as offsets in the global op order, equal to the offsets in the
+    range's own list (units are contiguous). So :meth:`key` — the tuple of part ids — is
+    equal for two ranges iff their signatures are equal with the same unit lengths; parts
+    are built once per ``(u, x, y)``, and a key costs ``O(e − a)`` integer look-ups."""
+
+    def __init__(self, graph: Graph, units: Sequence[Sequence[str]]):
+        self.graph = graph
+        self.units = [list(u) for u in units]
+        self.unit_of = {n: j for j, u in enumerate(self.units) for n in u}
+        order = [n for u in self.units for n in u]
+        self.pos = {n: i for i, n in enumerate(order)}
+        self.back: list[int] = []
+        self.ahead: list[int] = []
+        for j, u in enumerate(self.units):
+            self.back.append(max((j - self.unit_of[s] for n in u for s in graph[n].inputs
+                                  if s in self.unit_of), default=0))
+            self.ahead.append(max((self.unit_of[c] - j for n in u for c in graph.consumers(n)),
+                                  default=0))
+        self._parts: dict[tuple[int, int, int], int] = {}
+        self._part_ids: dict[tuple, int] = {}
+        self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def part(self, u: int, x: int, y: int) -> int:
+        """Id of unit ``u``'s signature part when ``x`` units of the range precede it
+        (capped at ``back(u)``) and ``y`` follow it (capped at ``ahead(u)``)."""
+        k = (u, x, y)
+        if k not in self._parts:
+            g, a, e = self.graph, u - x, u + y + 1
+            sig = []
+            for n in self.units[u]:
+                op = g[n]
+                sig.append((
+                    *_op_key(op),
+                    any(self.unit_of[c] >= e for c in g.consumers(n)),
+                    tuple(self.pos[s] - self.pos[n]
+                          if s in self.unit_of and self.unit_of[s] >= a
+                          else ("ext", g[s].output, s in self.unit_of) for s in op.inputs)))
+            self._parts[k] = self._part_ids.setdefault(tuple(sig), len(self._part_ids))
+        return self._parts[k]
+
+    def key(self, a: int, e: int) -> tuple[int, ...]:
+        """The signature class of units ``[a, e)``."""
+        k = (a, e)
+        if k not in self._keys:
+            self._keys[k] = tuple(self.part(u, min(u - a, self.back[u]), min(e - 1 - u, self.ahead[u]))
+                                  for u in range(a, e))
+        return self._keys[k]
+
+
+
 
 
 def crossing(graph: Graph, units: list[list[str]], cut: int) -> list[tuple[str, str]]:
@@ -117,14 +200,35 @@ def crossing(graph: Graph, units: list[list[str]], cut: int) -> list[tuple[str, 
 
 
 class _StageSolver:
-    """Intra-op solves of layer ranges on sub-mesh shapes, cached by the range's signature."""
+    """Intra-op solves of layer ranges on sub-mesh shapes, one per (signature class, shape)
+    (:class:`RangeKeys`). Counts and times them for the plan's solver report."""
 
     def __init__(self, config: Config, graph: Graph, units: list[list[str]]):
-        self.config = config
+        pipe = config.pipeline
+        limit = pipe.stage_time_limit_s
+        if limit is None:
+            limit = min(config.solver.time_limit_s, STAGE_TIME_LIMIT_S)
+        self.time_limit_s = limit
+        self.config = (config if limit == config.solver.time_limit_s else
+                       dataclasses.replace(config, solver=dataclasses.replace(
+                           config.solver, time_limit_s=limit)))
         self.graph = graph
         self.units = units
+        self.keys = RangeKeys(graph, units)
         self.cache: dict[tuple, tuple | None] = {}
+        self.costs: dict[tuple, StageCost | None] = {}
         self.solves = 0
+        self.solve_s = 0.0
+        self.build_s = 0.0
+        self.not_optimal = 0
+        self.calls = 0
+        # exact pruning (set_incumbent): a lower bound on every stage's time from its FLOPs
+        cluster = config.cluster
+        work = [sum(compute_time(3.0 * graph[n].flops, cluster) for n in u) for u in units]
+        self.work_prefix = [0.0, *itertools.accumulate(work)]
+        self.num_devices = cluster.num_devices
+        self.incumbent_s: float | None = None
+        self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
 
     def names(self, a: int, e: int) -> list[str]:
         return [n for u in self.units[a:e] for n in u]
@@ -133,11 +237,12 @@ class _StageSolver:
         """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None."""
         from ilp_planner.planner import realise, solve_mesh
 
-        names = self.names(a, e)
-        boundary = stage_boundary(self.graph, names)
-        key = (signature(self.graph, names, boundary), shape)
+        key = (self.keys.key(a, e), shape)
         if key not in self.cache:
             self.solves += 1
+            t0 = time.perf_counter()
+            names = self.names(a, e)
+            boundary = stage_boundary(self.graph, names)
             try:
                 gp, res = solve_mesh(self.config, shape[0], shape[1], None,
                                      graph=subgraph(self.graph, names), microbatches=1,
@@ -147,20 +252,86 @@ class _StageSolver:
             else:
                 layers, cost = realise(gp, list(res.choice))
                 self.cache[key] = (gp, res, layers, cost)
+                self.build_s += res.build_s
+                self.not_optimal += res.status != "optimal"
+            self.solve_s += time.perf_counter() - t0
         return self.cache[key]
+
+    def lower_bound(self, a: int, e: int, shape: tuple[int, int]) -> float:
+        """Least pipeline latency ``Σ t + (B − 1) max t`` of any plan with units [a, e) on
+        ``shape``: every stage's time is at least its FLOPs (×3 for the backward) spread
+        perfectly over its devices, and the other stages share the rest of the work on
+        the rest of the devices (their largest time ≥ that average, their sum ≥ it too)."""
+        W, D, z = self.work_prefix, self.num_devices, shape[0] * shape[1]
+        mine = (W[e] - W[a]) / z
+        rest = (W[-1] - W[e] + W[a]) / (D - z) if z < D else 0.0
+        return mine + rest + (self.config.pipeline.microbatches - 1) * max(mine, rest)
 
     def stage_cost(self, a: int, e: int, shape: tuple[int, int]) -> StageCost | None:
         """Per micro-batch: compute + activation communication, plus the weight-gradient
-        synchronisation amortised over the step's micro-batches."""
-        solved = self.solve(a, e, shape)
-        if solved is None:
-            return None
-        gp, res, _, cost = solved
-        choice = gp.node_choice(list(res.choice))
-        state = sum(o.state_bytes for o in choice.values())
-        act = sum(o.activation_bytes for o in choice.values())
-        m = self.config.pipeline.microbatches
-        return StageCost(cost.compute_s + cost.activation_comm_s + cost.grad_sync_s / m, state, act)
+        synchronisation amortised over the step's micro-batches. With an incumbent plan
+        (:meth:`set_incumbent`), a pair whose :meth:`lower_bound` exceeds it is not solved:
+        it gets its time lower bound (and no memory), so every plan using it costs more
+        than the incumbent in the DP's table too and the DP's optimum is unchanged."""
+        self.calls += 1
+        key = (self.keys.key(a, e), shape)
+        if (key not in self.costs and self.incumbent_s is not None
+                and self.lower_bound(a, e, shape) * (1 - 1e-9) > self.incumbent_s):
+            self.bounded.add((a, e, shape))
+            z = shape[0] * shape[1]
+            return StageCost((self.work_prefix[e] - self.work_prefix[a]) / z, 0.0, 0.0)
+        if key not in self.costs:
+            solved = self.solve(a, e, shape)
+            if solved is None:
+                self.costs[key] = None
+            else:
+                gp, res, _, cost = solved
+                choice = gp.node_choice(list(res.choice))
+                state = sum(o.state_bytes for o in choice.values())
+                act = sum(o.activation_bytes for o in choice.values())
+                m = self.config.pipeline.microbatches
+                self.costs[key] = StageCost(
+                    cost.compute_s + cost.activation_comm_s + cost.grad_sync_s / m, state, act)
+        return self.costs[key]
+
+
+    def set_incumbent(self, boundary, shapes: Sequence[tuple[int, int]],
+                      num_stages: int | None, tolerance: float | None) -> None:
+        """Price a few even pipelines (``S`` stages of ``L/S`` units on equal meshes of
+        ``D/S`` devices: the largest such ``S`` whose meshes are whole nodes, and the next
+        one) with real stage solves, which the DP reuses, and keep the best feasible one's
+        latency as the bound for :meth:`stage_cost`. Exact: the incumbent is one of the
+        DP's own plans (admissible pairs, memory checked by pipeline position)."""
+        from formulations.schedules import inflight_microbatches
+        from formulations.stage_dp import admissible
+
+        pipe, cluster = self.config.pipeline, self.config.cluster
+        L, D, dpn = len(self.units), cluster.num_devices, cluster.devices_per_node
+        sizes = {n * d: (n, d) for n, d in shapes}
+        counts = [S for S in range(1, min(L, D) + 1) if D % S == 0 and D // S in sizes
+                  and (num_stages is None or S == num_stages)]
+        counts.sort(key=lambda S: (L % S != 0, D // S < dpn, -S))
+        prefix = [float(i) for i in range(L + 1)]
+        best, calls = None, self.calls
+        for S in counts[:2]:
+            shape = sizes[D // S]
+            q, r = divmod(L, S)
+            ends = list(itertools.accumulate(q + (j < r) for j in range(S)))
+            times = []
+            for j, e in enumerate(ends):
+                a = ends[j - 1] if j else 0
+                if not admissible(a, e, shape, L, D, tolerance, prefix):
+                    break
+                c = self.stage_cost(a, e, shape)
+                held = inflight_microbatches(pipe.schedule, S - j, pipe.microbatches)
+                if c is None or c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch \
+                        > cluster.memory_bytes:
+                    break
+                times.append(c.time_s + (boundary(e, shape) if e < L else 0.0))
+            else:
+                value = sum(times) + (pipe.microbatches - 1) * max(times)
+                best = value if best is None else min(best, value)
+        self.incumbent_s, self.calls = best, calls
 
 
 class _BoundaryCost:
@@ -174,10 +345,21 @@ class _BoundaryCost:
         self.cache: dict[tuple, float] = {}
         self.options = with_scheduler(ReshardOptions(compare_strategies=False),
                                       algorithms=("load_balance", "randomized_greedy"))
+        # tensors crossing each cut (in the order of :func:`crossing`), from one pass
+        unit_of = {n: j for j, u in enumerate(units) for n in u}
+        cuts: list[dict[str, None]] = [{} for _ in range(len(units) + 1)]
+        for src, dst in graph.edges():
+            if src in unit_of and dst in unit_of:
+                for cut in range(unit_of[src] + 1, unit_of[dst] + 1):
+                    cuts[cut][src] = None
+        self.crossing = [list(c) for c in cuts]
+        self.seconds = 0.0
 
     def __call__(self, end: int, shape: tuple[int, int]) -> float:
-        return sum(self.tensor_time(self.graph[s].output, shape)
-                   for s in dict.fromkeys(s for s, _ in crossing(self.graph, self.units, end)))
+        t0 = time.perf_counter()
+        out = sum(self.tensor_time(self.graph[s].output, shape) for s in self.crossing[end])
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def tensor_time(self, tensor: TensorSpec, shape: tuple[int, int]) -> float:
         key = (tensor, shape)
@@ -255,7 +437,7 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     pipe = config.pipeline
     cluster = config.cluster
     graph = config.microbatch_graph()
-    units = layer_units(graph)
+    units = layer_units(graph, pipe.max_units)
     solver = _StageSolver(config, graph, units)
     boundary = _BoundaryCost(config, graph, units)
     fixed = list(pipe.submeshes) if pipe.submeshes else None
@@ -263,12 +445,22 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     if num_stages is not None and num_stages > len(units):
         raise InfeasibleError(f"{num_stages} stages requested but the model has only "
                               f"{len(units)} layer units to distribute")
-    dp = solve_stages(
-        len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
-        solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
-        memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
-        fixed_submeshes=fixed, imbalance_tolerance=pipe.imbalance_tolerance,
-    )
+    shapes = submesh_shapes(cluster.nodes, cluster.devices_per_node, pipe.submesh_space)
+    if fixed is None and pipe.stage_bound:
+        solver.set_incumbent(boundary, shapes, num_stages, pipe.imbalance_tolerance)
+    while True:
+        dp = solve_stages(
+            len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
+            solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
+            memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
+            submesh_shapes=shapes, fixed_submeshes=fixed,
+            imbalance_tolerance=pipe.imbalance_tolerance,
+        )
+        if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
+            break
+        # cannot happen if the bound is valid; stay exact regardless
+        solver.incumbent_s = None
+        solver.bounded.clear()
     layers = []
     stages = []
     stage_of: dict[str, int] = {}
@@ -303,7 +495,9 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
             "inflight_microbatches": st.inflight_microbatches,
             "solver": res.to_dict(),
         })
+    t_resharding = time.perf_counter()
     resharding = _plan_resharding(config, graph, dp, stage_of, out_layout, in_layouts)
+    resharding_s = time.perf_counter() - t_resharding
     layers = price_stage_boundaries(graph, layers, stages, resharding, cluster)
     for s, priced in zip(stages, stage_costs(layers, stages, pipe.microbatches), strict=True):
         s.update(priced)
@@ -323,12 +517,26 @@ def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
         "step_s": sim.makespan_s + grad_tail,
     }
     total_s = time.perf_counter() - t0
+    table_rest_s = max(0.0, dp.table_s - solver.solve_s - boundary.seconds)
     solver_report = {
         "status": status, "objective": dp.objective_s, "bound": None,
         "gap": max(gaps) if gaps else (0.0 if status == "optimal" else None),
         "build_s": dp.table_s, "solve_s": total_s - dp.table_s, "method": "stage_dp+ilp",
-        "message": f"{S} stages from {solver.solves} intra-op solves; each stage's ILP "
+        "message": f"{S} stages from {solver.solves} intra-op solves ({len(units)} layer "
+                   f"units, {solver.calls} (range, sub-mesh) pairs); each stage's ILP "
                    f"{status}; the stage DP is exact over its cost table",
+        "units": len(units),
+        "stage_solves": solver.solves,
+        "stage_pairs": solver.calls,
+        "stage_bounded": len(solver.bounded),
+        "incumbent_s": solver.incumbent_s,
+        "stage_not_optimal": solver.not_optimal,
+        "stage_time_limit_s": solver.time_limit_s,
+        "timings": {
+            "stage_solve_s": solver.solve_s, "stage_build_s": solver.build_s,
+            "boundary_s": boundary.seconds, "dp_s": dp.solve_s + table_rest_s,
+            "resharding_s": resharding_s, "total_s": total_s,
+        },
     }
     per_stage = [CostBreakdown.from_dict(s["cost"]) for s in stages]
     busiest = max(per_stage, key=lambda c: c.total_s)

@@ -155,3 +155,16 @@ def test_submesh_shapes_six_devices_per_node() -> None:
     assert {(1, 3), (1, 6), (2, 6), (3, 6), (4, 6)} <= set(shapes)
     assert (1, 4) not in shapes and (2, 3) not in shapes
     assert shapes == sorted(set(shapes))
+
+
+def test_submesh_spaces_follow_alpa() -> None:
+    assert submesh_shapes(128, 8, "power_of_two") == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (32, 8), (64, 8),
+        (128, 8)]
+    assert submesh_shapes(12, 8, "small_power_of_two") == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (12, 8)]
+    assert (12, 6) in submesh_shapes(12, 6, "power_of_two") and (1, 3) not in submesh_shapes(
+        12, 6, "power_of_two")
+    assert submesh_shapes(4, 6, "all") == submesh_shapes(4, 6)
+    with pytest.raises(ConfigError, match="sub-mesh space"):
+        submesh_shapes(2, 8, "powers")

@@ -189,6 +189,11 @@ MALFORMED = [
      "not usable"),
     ("submesh-count", _set("pipeline.submeshes", [[1, 4]]), "pipeline.submeshes",
      "1 sub-meshes given for 2 stages"),
+    ("bad-submesh-space", _set("pipeline.submesh_space", "pow2"), "pipeline.submesh_space",
+     "unknown sub-mesh space"),
+    ("bad-max-units", _set("pipeline.max_units", 0), "pipeline.max_units", ""),
+    ("bad-stage-time-limit", _set("pipeline.stage_time_limit_s", -1),
+     "pipeline.stage_time_limit_s", "positive"),
     ("heads-not-dividing", _set("model.heads", 5), "model.heads", "not divisible"),
     ("odd-u-layers", lambda d: apply_overrides(d, {"model": {
         "kind": "u_transformer", "hidden": 64, "layers": 3, "heads": 4, "seq_len": 8,

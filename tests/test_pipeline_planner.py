@@ -15,7 +15,7 @@ from ilp_planner.errors import InfeasibleError
 from ilp_planner.graph import OpKind
 from ilp_planner.models import gpt, mlp, u_transformer
 from ilp_planner.pipeline_planner import (
-    MAX_UNITS,
+    RangeKeys,
     crossing,
     layer_units,
     signature,
@@ -49,10 +49,36 @@ def test_gpt_units_are_blocks_with_embedding_first_and_head_last():
         op.name for op in g.ops if op.kind is not OpKind.INPUT)
 
 
-def test_long_models_are_coarsened_and_mlp_units_are_weighted_ops():
-    units = layer_units(gpt(64, 40, 4, 16, 128, 8))
-    assert len(units) <= MAX_UNITS
+def test_long_models_keep_one_unit_per_block_and_mlp_units_are_weighted_ops():
+    g = gpt(64, 40, 4, 16, 128, 8)
+    units = layer_units(g)
+    assert len(units) == 40
+    assert all(n.startswith(f"h.{i}.") for i, u in enumerate(units[1:-1], 1) for n in u)
+    coarse = layer_units(g, max_units=16)  # pipeline.max_units: explicit, never silent
+    assert len(coarse) == 14 and sum(coarse, []) == sum(units, [])
     assert [u[0] for u in layer_units(mlp([8, 8, 8, 8], 4))] == ["fc1", "fc2", "fc3"]
+
+
+@pytest.mark.parametrize("graph", [gpt(64, 12, 4, 16, 128, 8), u_transformer(64, 8, 4, 16, 8),
+                                   mlp([8, 16, 8, 16, 8], 4)], ids=["gpt", "u", "mlp"])
+def test_range_keys_are_the_signature_classes(graph):
+    """RangeKeys (built from per-unit parts) splits the ranges exactly as the full
+    signatures with their stage boundaries do."""
+    from ilp_planner.stage_boundary import stage_boundary
+
+    units = layer_units(graph)
+    keys = RangeKeys(graph, units)
+    by_key: dict = {}
+    by_sig: dict = {}
+    for a in range(len(units)):
+        for e in range(a + 1, len(units) + 1):
+            names = [n for u in units[a:e] for n in u]
+            by_key.setdefault(keys.key(a, e), set()).add((a, e))
+            by_sig.setdefault(signature(graph, names, stage_boundary(graph, names)), set()).add((a, e))
+    assert sorted(map(sorted, by_key.values())) == sorted(map(sorted, by_sig.values()))
+    if graph.name.startswith("gpt"):  # (blocks, holds the first unit, holds the last)
+        L = len(units)
+        assert len(by_key) == 1 + 2 * (L - 1) + (L - 2)
 
 
 def test_equal_block_ranges_share_a_signature_and_subgraphs_load_external_inputs():
@@ -268,3 +294,72 @@ def test_stage_costs_are_the_layers_own_and_gradients_have_their_own_tasks(tiny_
                 got[d] += int(np.prod([b - a for a, b in sl]))
         assert got == {d: int(np.prod([b - a for a, b in reg])) for d, reg in src.items()}
         assert r["backward_makespan_s"] >= r["backward_lower_bound_s"] - 1e-12
+
+
+def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
+    """No unit ceiling, and one intra-op solve per (signature class, sub-mesh shape) that the
+    DP asks for — not one per (range, shape): on 1 × 2 devices every partial range runs on
+    (1, 1) and only the whole model on (1, 2)."""
+    from ilp_planner.stage_boundary import stage_boundary
+
+    config = tiny(**{"model.layers": 40, "cluster.nodes": 1, "cluster.devices_per_node": 2,
+                     "pipeline.stages": "auto", "pipeline.stage_bound": False})
+    plan = solve_pipelined(config, baselines=False)
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    L = len(units)
+    assert plan.solver["units"] == L == 40
+    assert plan.solver["stage_pairs"] == L * (L + 1) // 2  # every range, one admissible shape
+    sigs = set()
+    for a in range(L):
+        for e in range(a + 1, L + 1):
+            names = [n for u in units[a:e] for n in u]
+            shape = (1, 2) if (a, e) == (0, L) else (1, 1)
+            sigs.add((signature(graph, names, stage_boundary(graph, names)), shape))
+    assert plan.solver["stage_solves"] == len(sigs) == 3 * L - 3
+    assert set(plan.solver["timings"]) >= {"stage_solve_s", "dp_s", "resharding_s", "total_s"}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.layers": 12, "cluster.nodes": 1, "cluster.devices_per_node": 4,
+     "pipeline.microbatches": 8},
+    {"model.layers": 8, "cluster.nodes": 2, "cluster.devices_per_node": 2,
+     "pipeline.microbatches": 8, "pipeline.schedule": "1f1b"},
+    {"model.layers": 6, "cluster.nodes": 2, "cluster.devices_per_node": 4,
+     "pipeline.microbatches": 2, "pipeline.schedule": "gpipe", "pipeline.submesh_space": "all"},
+], ids=["1x4", "2x2", "2x4-gpipe"])
+def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
+    """The FLOP lower bound against an even incumbent pipeline never changes the DP's
+    optimum; it only saves intra-op solves."""
+    config = tiny(**{"pipeline.stages": "auto", **overrides})
+    exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
+                            baselines=False)
+    bounded = solve_pipelined(config, baselines=False)
+    assert bounded.solver["objective"] == pytest.approx(exact.solver["objective"], rel=1e-12)
+    assert bounded.solver["incumbent_s"] >= exact.solver["objective"] * (1 - 1e-12)
+    assert bounded.solver["stage_solves"] <= exact.solver["stage_solves"]
+    assert bounded.solver["stage_pairs"] == exact.solver["stage_pairs"]
+
+
+@pytest.mark.parametrize("space", ["all", "power_of_two"])
+def test_stage_dp_over_one_unit_per_block_equals_brute_force(space):
+    """The planner's real stage costs (shared by signature) and boundary costs, one unit
+    per block: the DP's optimum is the brute-force enumeration's over every slicing and
+    sub-mesh assignment."""
+    from formulations.stage_dp import brute_force_stages, solve_stages
+    from ilp_planner.cluster import submesh_shapes
+    from ilp_planner.pipeline_planner import _BoundaryCost, _StageSolver
+
+    config = tiny(**{"model.layers": 5, "cluster.nodes": 3, "cluster.devices_per_node": 2,
+                     "pipeline.stages": "auto", "pipeline.microbatches": 8})
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    assert len(units) == 5
+    solver = _StageSolver(config, graph, units)
+    kw = dict(boundary_cost=_BoundaryCost(config, graph, units), schedule="1f1b",
+              memory_budget_bytes=config.cluster.memory_bytes,
+              submesh_shapes=submesh_shapes(3, 2, space))
+    got = solve_stages(5, 3, 2, 8, solver.stage_cost, **kw)
+    ref = brute_force_stages(5, 3, 2, 8, solver.stage_cost, **kw)
+    assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
+    assert solver.solves < solver.calls
