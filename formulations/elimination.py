@@ -119,12 +119,28 @@ class _Step:
         return [*self.scope, self.y]
 
     def total(self, sizes: list[int], extra: tuple[Input, ...] = ()) -> np.ndarray:
-        """Σ of the inputs (and ``extra`` factors) over ``scope + (y,)``, in one table."""
+        """Σ of the inputs (and ``extra`` factors) over ``scope + (y,)``, in one table.
+
+        Factors whose groups are a subset of a larger factor's are first folded into it
+        (small tables), so the full table is written by as few broadcast additions as
+        there are maximal factors — usually one or two."""
         axes = self.axes
-        out = np.zeros([sizes[v] for v in axes])
-        for vars_, table, _ in [*self.inputs, *extra]:
-            np.add(out, _aligned(vars_, table, axes), out=out)
-        return out
+        parts: list[tuple[tuple[int, ...], np.ndarray]] = []
+        for vars_, table, _ in sorted([*self.inputs, *extra], key=lambda f: -np.ndim(f[1])):
+            host = next((i for i, (vs, _) in enumerate(parts) if set(vars_) <= set(vs)), None)
+            if host is None:
+                parts.append((vars_, np.asarray(table, dtype=float)))
+            else:
+                vs, t = parts[host]
+                parts[host] = (vs, t + _aligned(vars_, table, list(vs)))
+        out = np.zeros([1] * len(axes))
+        for vs, t in parts:
+            term = _aligned(vs, t, axes)
+            if np.broadcast_shapes(out.shape, term.shape) == out.shape:
+                np.add(out, term, out=out)
+            else:
+                out = out + term
+        return np.broadcast_to(out, [sizes[v] for v in axes])
 
 
 def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
@@ -212,13 +228,49 @@ def _merged_edges(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
     return out
 
 
-def bucket_unary(problem: Problem) -> list[np.ndarray]:
-    """The bucket term relaxed to unary costs: ``α_j · bytes_g[k, j] / cap`` per strategy,
-    a lower bound of ``Σ_j α_j ⌈x_j⌉`` that is exact up to one chunk per device group."""
-    b = problem.buckets
-    if b is None:
-        return [np.zeros(len(c)) for c in problem.cost]
-    return [(bytes_ / b.cap) @ b.alpha for bytes_ in b.bytes]
+@dataclass
+class _Relaxation:
+    """The separable relaxation the passes minimise: costs and edges exactly, each device
+    group's bucket chunks priced ``theta[j]`` per chunk plus ``usage[g, j]`` when group g's
+    strategy reduces anything over j, and memory at ``lam`` per byte. Any ``theta[j] +
+    Σ_g usage[g, j] ≤ α_j`` (all ≥ 0) and ``lam ≥ 0`` give a lower bound: ⌈x_j⌉ is at least
+    x_j and at least every usage indicator, and a feasible choice has mem ≤ M."""
+
+    problem: Problem
+    edges: dict[tuple[int, int], np.ndarray]
+    order: Elimination
+    passes: int = 0
+
+    def __post_init__(self) -> None:
+        b = self.problem.buckets
+        self.alpha = np.zeros(0) if b is None else np.asarray(b.alpha, dtype=float)
+        self.chunks = [np.zeros((len(c), 0)) if b is None else b.bytes[g] / b.cap
+                       for g, c in enumerate(self.problem.cost)]
+        self.uses = [(x > 0).astype(float) for x in self.chunks]
+
+    def run(self, theta: np.ndarray, usage: np.ndarray, lam: float
+            ) -> tuple[float, list[int], list[_Step]]:
+        """The dual value (a lower bound), its minimiser and its eliminations."""
+        self.passes += 1
+        unary = [c + x @ theta + u @ usage[g] + lam * m for g, (c, x, u, m) in enumerate(zip(
+            self.problem.cost, self.chunks, self.uses, self.problem.memory, strict=True))]
+        value, choice, steps = minimise(unary, self.edges, self.order)
+        return value - (lam * self.problem.memory_budget if lam else 0.0), choice, steps
+
+    def usage_prices(self, choice) -> tuple[np.ndarray, np.ndarray]:
+        """Prices that charge a device group's first chunk to its users: where ``choice``
+        reduces less than one chunk over group j, α_j is split evenly over the groups that
+        use j instead of being paid per chunk (the relaxation priced that chunk at a
+        fraction of α_j); elsewhere α_j per chunk."""
+        theta = self.alpha.copy()
+        usage = np.zeros((len(self.chunks), len(theta)))
+        used = np.array([u[k] for u, k in zip(self.uses, choice, strict=True)])
+        x = sum(c[k] for c, k in zip(self.chunks, choice, strict=True))
+        for j in np.flatnonzero((x > 0) & (x < 1)):
+            users = used[:, j] > 0
+            theta[j] = 0.0
+            usage[users, j] = self.alpha[j] / users.sum()
+        return theta, usage
 
 
 @dataclass(frozen=True)
@@ -233,48 +285,60 @@ class EliminationResult:
     keep: list[np.ndarray] | None
 
 
-def solve_elimination(problem: Problem, *, gap: float = 0.0,
+# passes re-pricing under-charged bucket chunks (:meth:`_Relaxation.usage_prices`)
+USAGE_ROUNDS = 3
+
+
+def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
                       max_work: float = MAX_WORK) -> EliminationResult | None:
     """Solve ``problem`` by variable elimination with relaxed bucket and memory terms; None
     when the elimination would exceed ``max_work`` table entries (too wide a graph: use the
-    ILP). The incumbent counts as optimal when its relative gap is at most ``gap`` (or
-    float rounding). Raises ValueError when no choice meets the memory budget."""
+    ILP). ``incumbents``: other feasible choices (e.g. the tied optimum) the result may
+    use when cheaper. The incumbent counts as optimal when its relative gap is at most
+    ``gap`` (or float rounding). Raises ValueError when no choice meets the memory
+    budget."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
     sizes = [len(c) for c in problem.cost]
     order = elimination_order(sizes, edges)
     if order.work > max_work:
         return None
-    base = [np.asarray(c, dtype=float) + r
-            for c, r in zip(problem.cost, bucket_unary(problem), strict=True)]
-    passes = 0
-
-    def relaxed(lam: float) -> tuple[float, list[int], list[_Step]]:
-        """The Lagrangian dual value at λ (a lower bound), its minimiser, its eliminations."""
-        nonlocal passes
-        passes += 1
-        unary = base if lam == 0 else [b + lam * m for b, m in zip(base, problem.memory,
-                                                                   strict=True)]
-        value, choice, steps = minimise(unary, edges, order)
-        return value - (lam * problem.memory_budget if lam else 0.0), choice, steps
-
-    lower, best, steps = relaxed(0.0)
-    lam = 0.0
+    relax = _Relaxation(problem, edges, order)
+    theta, usage, lam = relax.alpha, np.zeros((len(sizes), len(relax.alpha))), 0.0
+    lower, best, steps = relax.run(theta, usage, lam)
     if not problem.feasible(best):
-        lower, best, lam = _lagrange(problem, relaxed, lower)
+        lower, best, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower)
+        steps = None
+    found = [best, *(c for c in incumbents if problem.feasible(c))]
+    best = min(found, key=problem.objective)
+
+    def gap_of(low: float) -> float:
+        return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
+
+    last = best
+    for _ in range(USAGE_ROUNDS if problem.buckets is not None else 0):
+        if gap_of(lower) <= max(gap, EXACT):
+            break
+        prices = relax.usage_prices(last)
+        value, last, run_steps = relax.run(*prices, lam)
+        if problem.feasible(last) and problem.objective(last) < problem.objective(best):
+            best = last
+        if value <= lower:
+            break
+        lower, (theta, usage), steps = value, prices, run_steps
     objective = problem.objective(best)
     lower = min(lower, objective)
-    rel = (objective - lower) / max(abs(objective), 1e-30)
+    rel = gap_of(lower)
     search_s = time.perf_counter() - t0
     keep = None
     if rel > max(gap, EXACT):
-        if lam:
-            steps = relaxed(lam)[2]
+        if steps is None:
+            steps = relax.run(theta, usage, lam)[2]
         slack = objective + EXACT * abs(objective) + (lam * problem.memory_budget if lam else 0.0)
         keep = [np.flatnonzero(m <= slack) for m in min_marginals(steps, sizes)]
     note = (f"elimination: width {order.width}, {order.work:.3g} table entries per pass, "
-            f"{passes} pass{'es' if passes > 1 else ''}")
-    stats = SolveStats(variables=sum(sizes), nodes=passes, search_s=search_s,
+            f"{relax.passes} pass{'es' if relax.passes > 1 else ''}")
+    stats = SolveStats(variables=sum(sizes), nodes=relax.passes, search_s=search_s,
                        proof_s=time.perf_counter() - t0 - search_s,
                        note=note + "; nodes = elimination passes, proof = min-marginals")
     result = SolveResult("optimal" if keep is None else "feasible", objective, lower, rel, 0.0,
@@ -283,8 +347,9 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0,
 
 
 def _lagrange(problem: Problem, relaxed, lower: float) -> tuple[float, list[int], float]:
-    """Bisection on λ ≥ 0 for ``min obj + λ (mem − M)``: the largest dual value seen is the
-    lower bound (returned with its λ), the cheapest feasible minimiser the choice (the
+    """Bisection on λ ≥ 0 for ``min obj + λ (mem − M)`` (``relaxed(λ)`` gives the dual
+    value, a lower bound, and its minimiser): the largest dual value seen is the lower
+    bound (returned with its λ), the cheapest feasible minimiser the choice (the
     least-memory choice until one is found)."""
     least = [int(np.argmin(m)) for m in problem.memory]
     if not problem.feasible(least):

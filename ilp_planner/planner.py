@@ -81,35 +81,33 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     total = sum(len(c) for c in gp.problem.cost)
     notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
-    exact = solve_elimination(problem, gap=opts.gap) if opts.elimination else None
+    tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
+                            boundary)
+    exact = (solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [])
+             if opts.elimination else None)
     if exact is not None and exact.keep is None:
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
     else:
-        result = _solve_ilp(config, gp, kept, problem, exact, notes, problem_s,
-                            (nodes, local, memory_budget, graph, microbatches, boundary))
+        result = _solve_ilp(config, problem, exact, tied, notes, problem_s)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     return gp, dataclasses.replace(result, choice=full)
 
 
-def _solve_ilp(config: Config, gp: GraphProblem, kept, problem, exact: EliminationResult | None,
-               notes: list[str], problem_s: float, mesh_args: tuple) -> SolveResult:
+def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, notes: list[str],
+               problem_s: float) -> SolveResult:
     """The ILP on ``problem`` (pruned indices). After an elimination: on the strategies
     its bound keeps (the optimum is among them), warm-started from its incumbent, whose
     proven bound also bounds the ILP's. Without one: on all strategies, warm-started from
-    the fallback search or the tied optimum."""
+    the fallback search or the tied optimum ``tied``."""
     opts = config.solver
-    tied = _tied_warm_start(config, gp, kept, *mesh_args)
     if exact is not None:
         index = [np.asarray(keep) for keep in exact.keep]
         sub = problem.subset(index)
         position = [{int(k): i for i, k in enumerate(keep)} for keep in index]
-        start, warm_method = exact.result.choice, "elimination"
-        # a tied optimum cheaper than the incumbent only uses strategies the bound keeps
-        if tied is not None and problem.feasible(tied) and (
-                problem.objective(tied) < exact.result.objective):
-            start, warm_method = tied, "tied ILP"
-        incumbent = tuple(position[g][k] for g, k in enumerate(start))
+        warm_method = "tied ILP" if tied is not None and tuple(tied) == exact.result.choice \
+            else "elimination"
+        incumbent = tuple(position[g][k] for g, k in enumerate(exact.result.choice))
         warm, search_s = incumbent, exact.result.solve_s
         notes = [*notes, f"{sum(len(k) for k in index)} of {sum(len(c) for c in problem.cost)} "
                          f"strategies within the elimination bound ({exact.result.message})"]
