@@ -11,21 +11,26 @@ embedding), so every elimination is a min-plus product of small matrices — the
 product over the block transfer of the issue, found by the elimination order rather than
 written per model.
 
-The two terms that couple every group are handled with certified bounds:
+The two terms that couple every group are handled with certified bounds
+(:class:`_Relaxation`):
 
-* **fused gradient buckets** ``Σ_j α_j ⌈x_j⌉``: relaxed to ``α_j x_j`` (``⌈x⌉ ≥ x``), which
-  is a sum of unary terms. The relaxed optimum is a lower bound; its true objective an upper
-  bound; the two differ by less than ``Σ_j α_j`` (one chunk's latency per device group);
+* **fused gradient buckets** ``Σ_j α_j ⌈x_j⌉``: priced ``θ_j`` per chunk plus a usage
+  charge ``μ_gj`` for each group whose strategy reduces anything over device group j, with
+  ``θ_j + Σ_g μ_gj ≤ α_j`` (``⌈x⌉ ≥ x`` and ``⌈x⌉ ≥ 1`` once anything is reduced): first
+  ``θ = α``, then the chunk a choice fills only partly is charged to its users;
 * **the memory row** ``Σ mem ≤ M``: Lagrangian relaxation, ``min obj + λ (mem − M)``, with
-  λ found by bisection. Every λ gives a lower bound; every feasible minimiser an upper one.
+  λ found by bisection.
 
-:func:`solve_elimination` returns the best feasible choice with its proven lower bound and
-relative gap; the caller decides whether the gap is small enough or the ILP is to prove or
-improve it (``ilp_planner.planner.solve_mesh``).
+Every pass is exact for its prices, so its value is a lower bound and every feasible
+minimiser an upper one. When they do not meet, min-marginals (a second, backward pass)
+bound the best objective of any choice using each strategy, and only strategies whose
+bound does not exceed the incumbent go on to the ILP, which is small and proves the
+optimum (reduced-cost fixing by dynamic programming, ``ilp_planner.planner.solve_mesh``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -289,20 +294,63 @@ class EliminationResult:
 USAGE_ROUNDS = 3
 
 
+def bound_prune(problem: Problem, upper: float) -> list[np.ndarray]:
+    """Per group, the strategies whose simple lower bound — every other cost, edge and
+    bucket chunk (priced α per chunk) at its own minimum — does not exceed ``upper``,
+    repeated until nothing more drops. No choice using a dropped strategy costs ``upper``
+    or less, so an optimum survives when ``upper`` is a feasible choice's objective."""
+    relax_unary = _Relaxation(problem, {}, Elimination((), 0.0, 0))
+    unary = [c + x @ relax_unary.alpha for c, x in zip(problem.cost, relax_unary.chunks,
+                                                       strict=True)]
+    keep = [np.arange(len(u)) for u in unary]
+    while True:
+        u = [x[k] for x, k in zip(unary, keep, strict=True)]
+        edges = {e: r[np.ix_(keep[e[0]], keep[e[1]])] for e, r in problem.edges.items()}
+        base = sum(float(x.min()) for x in u) + sum(float(r.min()) for r in edges.values())
+        delta = [x - x.min() for x in u]
+        for (a, b), r in edges.items():
+            delta[a] += r.min(axis=1) - r.min()
+            delta[b] += r.min(axis=0) - r.min()
+        limit = upper * (1 + EXACT) + 1e-300 - base
+        new = [k[d <= limit] for k, d in zip(keep, delta, strict=True)]
+        if sum(map(len, new)) == sum(map(len, keep)):
+            return keep
+        keep = new
+
+
 def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
                       max_work: float = MAX_WORK) -> EliminationResult | None:
-    """Solve ``problem`` by variable elimination with relaxed bucket and memory terms; None
-    when the elimination would exceed ``max_work`` table entries (too wide a graph: use the
-    ILP). ``incumbents``: other feasible choices (e.g. the tied optimum) the result may
-    use when cheaper. The incumbent counts as optimal when its relative gap is at most
-    ``gap`` (or float rounding). Raises ValueError when no choice meets the memory
-    budget."""
+    """Solve ``problem`` by variable elimination with relaxed bucket and memory terms.
+    ``incumbents``: feasible choices (e.g. the tied optimum, a search's result) the result
+    may use when cheaper; when the elimination would exceed ``max_work`` table entries,
+    the strategies their best objective rules out (:func:`bound_prune`) are dropped
+    first, and None is returned if it still would (too wide a graph: use the ILP). The
+    incumbent counts as optimal when its relative gap is at most ``gap`` (or float
+    rounding). Raises ValueError when no choice meets the memory budget."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
     sizes = [len(c) for c in problem.cost]
     order = elimination_order(sizes, edges)
+    incumbents = [tuple(c) for c in incumbents if problem.feasible(c)]
     if order.work > max_work:
-        return None
+        if not incumbents:
+            return None
+        keep = bound_prune(problem, min(map(problem.objective, incumbents)))
+        if sum(map(len, keep)) == sum(sizes):
+            return None
+        position = [{int(k): i for i, k in enumerate(kk)} for kk in keep]
+        inner = solve_elimination(
+            problem.subset(keep), gap=gap, max_work=max_work,
+            incumbents=[tuple(position[g][k] for g, k in enumerate(c)) for c in incumbents])
+        if inner is None:
+            return None
+        res = inner.result
+        return EliminationResult(
+            dataclasses.replace(res, choice=tuple(int(keep[g][k]) for g, k in enumerate(res.choice)),
+                                solve_s=time.perf_counter() - t0,
+                                message=f"{res.message}; {sum(sizes) - sum(map(len, keep))} of "
+                                        f"{sum(sizes)} strategies ruled out by simple bounds"),
+            None if inner.keep is None else [keep[g][k] for g, k in enumerate(inner.keep)])
     relax = _Relaxation(problem, edges, order)
     theta, usage, lam = relax.alpha, np.zeros((len(sizes), len(relax.alpha))), 0.0
     lower, best, steps = relax.run(theta, usage, lam)

@@ -83,8 +83,13 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     problem_s += time.perf_counter() - t1
     tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
                             boundary)
-    exact = (solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [])
-             if opts.elimination else None)
+    exact = None
+    if opts.elimination:
+        found = [tied] if tied else []
+        exact = solve_elimination(problem, gap=opts.gap, incumbents=found)
+        if exact is None:  # too wide: bound pruning needs an incumbent; a search gives one
+            found.append(SEARCHES[opts.fallback](problem, seed=opts.seed).choice)
+            exact = solve_elimination(problem, gap=opts.gap, incumbents=found)
     if exact is not None and exact.keep is None:
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))

@@ -18,6 +18,7 @@ import pytest
 from test_sbp_ilp import random_problem
 
 from formulations.elimination import (
+    bound_prune,
     elimination_order,
     min_marginals,
     minimise,
@@ -154,3 +155,37 @@ def test_solve_mesh_equals_the_ilp_alone_on_a_pipeline_stage():
                     boundary=stage_boundary(graph, names))
     assert on.status == off.status == "optimal"
     assert math.isclose(on.objective, off.objective, rel_tol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_bound_pruning_keeps_an_optimum(seed):
+    p = random_problem(seed, budget="mid" if seed % 3 == 0 else None, max_groups=5, max_k=4)
+    if seed % 2:
+        p = _with_buckets(p, seed)
+    try:
+        opt = exhaustive(p)
+    except ValueError:
+        return
+    rng = np.random.default_rng(seed)
+    upper = opt.objective * (1 + rng.uniform(0, 0.2))
+    keep = bound_prune(p, upper)
+    assert all(len(k) for k in keep)
+    assert all(opt.choice[g] in keep[g] for g in range(p.num_groups)) or math.isclose(
+        exhaustive(p.subset(keep)).objective, opt.objective, rel_tol=1e-9)
+
+
+def test_a_too_wide_problem_is_pruned_by_an_incumbent_then_solved():
+    """Hopeless strategies (a huge cost) widen the problem past the work limit; an
+    incumbent's objective rules them out, and the pruned problem is solved exactly."""
+    p = random_problem(5, max_groups=6, max_k=4)
+    sizes = [len(c) for c in p.cost]
+    limit = elimination_order(sizes, p.edges).work
+    extra = 6
+    wide = Problem(p.names, [np.concatenate([c, np.full(extra, 1e6)]) for c in p.cost],
+                   [np.concatenate([m, np.full(extra, m.min())]) for m in p.memory],
+                   {(u, v): np.pad(r, ((0, extra), (0, extra))) for (u, v), r in p.edges.items()})
+    opt = exhaustive(p)
+    assert solve_elimination(wide, max_work=limit) is None
+    res = solve_elimination(wide, max_work=limit, incumbents=[opt.choice])
+    assert math.isclose(res.result.objective, opt.objective, rel_tol=1e-9)
+    assert "ruled out by simple bounds" in res.result.message
