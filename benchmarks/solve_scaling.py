@@ -1,21 +1,28 @@
-"""ILP build and solve time against model depth, tying and cluster size.
+"""Intra-op solve time at scale: issue 14's targets side by side, and a depth sweep.
 
-GPT with hidden 2560, 32 heads, sequences of 2048, vocabulary 51200, batch 16, fp16 with
-mixed-precision Adam (18 B/param), 80 GiB per device so memory does not bind, on A100-like
-clusters (312 TFLOP/s, NVLink 2400 Gb/s, 100 Gb/s between nodes) of 1 × 8, 2 × 8 and
-8 × 8 devices; 4 … 96 layers, tied (AutoDDL §4.5.1: one strategy per repeated op) and
-untied. Each run is :func:`ilp_planner.planner.solve_mesh`: build the problem (strategies,
-resharding matrices), drop dominated strategies, warm-start (coordinate descent; for untied
-runs also the tied optimum, solved first and counted in the time), build the PuLP model,
-solve with CBC under a time limit. Untied runs projected (from the previous depth, time ∝
-layers^1.3) to exceed ``--skip-above`` seconds are skipped.
+Default (the targets table), each row one in-process :func:`~ilp_planner.planner.solve_mesh`
+(or, for the last row, :func:`~ilp_planner.pipeline_planner.solve_pipelined`) timed from the
+configuration to the plan choice, builds included:
 
-Columns: ``k`` most strategies of a group before pruning; ``build s`` problem + pruning +
-PuLP model, ``solve s`` searches + CBC; ``mem/M`` the plan's memory over the budget (1.00 =
-the budget binds); ``tied/ilp`` (untied rows) the tied optimum of the same depth over the
-untied result — tying is a restriction, so the value is at most 1.
+* tied 96-layer GPT (h 2560, fp16) on 8 × 8 A100-like devices (target < 1 s);
+* GPT-175B (96 layers, h 12288, bf16, 16 micro-batches) tied on 128 × 8 = 1,024 H100-like
+  devices (< 10 s);
+* untied 96-layer GPT on 2 × 8 and on 8 × 8 (optimal within 0.1 % in < 30 s);
+* an untied Llama-3-8B-shaped model (32 layers, GQA, SwiGLU, untied head) on 8 × 8 (< 10 s);
+* the pipelined 96-layer GPT-175B shape on 1,024 devices, one DP unit per block (< 60 s).
 
-    python benchmarks/solve_scaling.py [--time-limit 60] [--skip-above 120]
+Each row runs with ``solver.gap`` (default 0.001, the issue's 0.1 %) and, with
+``--ilp-alone``, again with ``solver.elimination: false`` (the ILP alone, the reference).
+Columns: ``groups``/``k`` the problem's ILP nodes and most strategies of one; ``vars`` /
+``cons`` / ``nodes`` the final MILP's size and branch-and-bound nodes (SolveStats; the
+elimination's passes when no MILP ran); ``build s`` problem build + pruning + model,
+``solve s`` elimination + MILP; ``total s`` wall; ``status`` / ``gap`` as the plan reports.
+
+``--sweep``: the older depth sweep, GPT (h 2560) of 4 … 96 layers, tied and untied, on
+1 × 8, 2 × 8 and 8 × 8; untied runs projected (time ∝ layers^1.3) above ``--skip-above``
+seconds are skipped; ``tied/ilp`` the tied optimum over the untied one (≤ 1).
+
+    python benchmarks/solve_scaling.py [--rows …] [--gap 0.001] [--ilp-alone] [--sweep]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import argparse
 import time
 
 from ilp_planner.config import parse_config
+from ilp_planner.pipeline_planner import solve_pipelined
 from ilp_planner.planner import solve_mesh
 
 LAYERS = (4, 12, 24, 48, 96)
@@ -125,23 +133,83 @@ def llama8b_config(nodes: int = 8, local: int = 8, tie: bool = False):
 def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> dict:
     config = gpt_config(layers, nodes, local, tie).with_overrides(
         {"solver.time_limit_s": time_limit})
+    return timed(config)
+
+
+def timed(config, **overrides) -> dict:
+    """One solve_mesh of ``config`` on its whole cluster, timed from the configuration."""
+    config = config.with_overrides(overrides) if overrides else config
+    nodes, local = config.cluster.nodes, config.cluster.devices_per_node
     t0 = time.perf_counter()
     gp, res = solve_mesh(config, nodes, local, config.cluster.memory_bytes)
     p = gp.problem
+    stats = res.stats
     return {
         "groups": p.num_groups, "k": max(len(c) for c in p.cost),
+        "vars": None if stats is None else stats.variables,
+        "cons": None if stats is None else stats.constraints,
+        "nodes": None if stats is None else stats.nodes,
         "build_s": res.build_s, "solve_s": res.solve_s, "total_s": time.perf_counter() - t0,
-        "status": res.status, "gap": res.gap, "objective": res.objective,
+        "status": res.status, "gap": res.gap, "objective": res.objective, "method": res.method,
         "mem": p.memory_of(res.choice) / p.memory_budget,
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--time-limit", type=float, default=60.0)
-    ap.add_argument("--skip-above", type=float, default=120.0)
-    ap.add_argument("--layers", type=int, nargs="*", default=list(LAYERS))
-    args = ap.parse_args()
+def pipelined(config) -> dict:
+    """One solve_pipelined of ``config``, timed from the configuration."""
+    t0 = time.perf_counter()
+    plan = solve_pipelined(config, baselines=False)
+    info = plan.solver
+    return {"groups": info.get("units"), "k": None, "vars": None, "cons": None,
+            "nodes": info.get("stage_solves"), "build_s": None, "solve_s": None,
+            "total_s": time.perf_counter() - t0, "status": info.get("status"),
+            "gap": info.get("gap"), "objective": plan.cost.total_s, "method": "stage DP",
+            "mem": None}
+
+
+TARGETS = {
+    "gpt96-tied-8x8": ("tied 96-layer GPT, 8x8", 1.0,
+                       lambda: gpt_config(96, 8, 8, True), timed),
+    "gpt175b-tied-1024": ("GPT-175B tied, 128x8", 10.0, gpt175b_config, timed),
+    "gpt96-untied-2x8": ("untied 96-layer GPT, 2x8", 30.0,
+                         lambda: gpt_config(96, 2, 8, False), timed),
+    "gpt96-untied-8x8": ("untied 96-layer GPT, 8x8", 30.0,
+                         lambda: gpt_config(96, 8, 8, False), timed),
+    "llama8b-untied-8x8": ("untied Llama-3-8B shape, 8x8", 10.0, llama8b_config, timed),
+    "gpt175b-pipelined-1024": ("GPT-175B pipelined, 128x8", 60.0,
+                               lambda: gpt175b_config(microbatches=64).with_overrides(
+                                   {"pipeline.stages": "auto",
+                                    "pipeline.submesh_space": "power_of_two"}),
+                               lambda c, **kw: pipelined(c.with_overrides(kw))),
+}
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def targets(rows: list[str], gap: float, time_limit: float, ilp_alone: bool) -> None:
+    head = (f"{'case':<30} {'solver':<15} {'groups':>6} {'k':>4} {'vars':>7} {'cons':>7} "
+            f"{'nodes':>5} {'build s':>8} {'solve s':>8} {'total s':>8} {'target':>6} "
+            f"{'status':<9} {'gap':>7}")
+    print(head)
+    print("-" * len(head))
+    for key in rows:
+        label, target, make, how = TARGETS[key]
+        variants = [("elimination", {})]
+        if ilp_alone and how is timed:
+            variants.append(("ILP alone", {"solver.elimination": False}))
+        for name, extra in variants:
+            overrides = {"solver.gap": gap, "solver.time_limit_s": time_limit, **extra}
+            r = how(make(), **overrides)
+            gap_s = "n/a" if r["gap"] is None else f"{r['gap']:.3%}"
+            print(f"{label:<30} {name:<15} {_fmt(r['groups'], '>6')} {_fmt(r['k'], '>4')} "
+                  f"{_fmt(r['vars'], '>7')} {_fmt(r['cons'], '>7')} {_fmt(r['nodes'], '>5')} "
+                  f"{_fmt(r['build_s'], '>8.2f')} {_fmt(r['solve_s'], '>8.2f')} "
+                  f"{r['total_s']:>8.2f} {target:>6.0f} {r['status']:<9} {gap_s:>7}", flush=True)
+
+
+def sweep(layers_list: list[int], time_limit: float, skip_above: float) -> None:
     head = (f"{'mesh':<5} {'tied':<5} {'L':>3} {'groups':>6} {'k':>4} {'build s':>8} "
             f"{'solve s':>8} {'total s':>8} {'status':<9} {'gap':>7} {'mem/M':>5} {'tied/ilp':>8}")
     print(head)
@@ -151,15 +219,15 @@ def main() -> None:
     for nodes, local in CLUSTERS:
         for tie in (True, False):
             prev: tuple[int, float] | None = None
-            for layers in args.layers:
+            for layers in layers_list:
                 mesh = f"{nodes}x{local}"
                 if prev is not None and not tie:
                     projected = prev[1] * (layers / prev[0]) ** 1.3
-                    if projected > args.skip_above:
+                    if projected > skip_above:
                         print(f"{mesh:<5} {str(tie):<5} {layers:>3} skipped (projected "
-                              f"{projected:.0f} s > {args.skip_above:.0f} s)")
+                              f"{projected:.0f} s > {skip_above:.0f} s)")
                         continue
-                r = run(layers, nodes, local, tie, args.time_limit)
+                r = run(layers, nodes, local, tie, time_limit)
                 prev = (layers, r["total_s"])
                 gap = "n/a" if r["gap"] is None else f"{r['gap']:.2%}"
                 if tie:
@@ -170,7 +238,25 @@ def main() -> None:
                 print(f"{mesh:<5} {str(tie):<5} {layers:>3} {r['groups']:>6} {r['k']:>4} "
                       f"{r['build_s']:>8.2f} {r['solve_s']:>8.2f} {r['total_s']:>8.2f} "
                       f"{r['status']:<9} {gap:>7} {r['mem']:>5.2f} {vs_tied:>8}", flush=True)
-    print(f"wall time {time.perf_counter() - t_start:.0f} s; ILP time limit {args.time_limit:.0f} s")
+    print(f"wall time {time.perf_counter() - t_start:.0f} s; ILP time limit {time_limit:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="*", default=list(TARGETS), choices=list(TARGETS))
+    ap.add_argument("--gap", type=float, default=0.001)
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--ilp-alone", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--skip-above", type=float, default=120.0)
+    ap.add_argument("--layers", type=int, nargs="*", default=list(LAYERS))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    if args.sweep:
+        sweep(args.layers, args.time_limit, args.skip_above)
+    else:
+        targets(args.rows, args.gap, args.time_limit, args.ilp_alone)
+    print(f"wall time {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

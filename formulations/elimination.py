@@ -354,11 +354,14 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     relax = _Relaxation(problem, edges, order)
     theta, usage, lam = relax.alpha, np.zeros((len(sizes), len(relax.alpha))), 0.0
     lower, best, steps = relax.run(theta, usage, lam)
+    found = [*incumbents]
     if not problem.feasible(best):
-        lower, best, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower)
+        lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower)
+        found += [c for c in seen if problem.feasible(c)] + [_mix(problem, seen)]
         steps = None
-    found = [best, *(c for c in incumbents if problem.feasible(c))]
-    best = min(found, key=problem.objective)
+    else:
+        found.append(best)
+    best = min((tuple(c) for c in found if c is not None), key=problem.objective)
 
     def gap_of(low: float) -> float:
         return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
@@ -394,29 +397,29 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     return EliminationResult(result, keep)
 
 
-def _lagrange(problem: Problem, relaxed, lower: float) -> tuple[float, list[int], float]:
+def _lagrange(problem: Problem, relaxed, lower: float) -> tuple[float, list[list[int]], float]:
     """Bisection on λ ≥ 0 for ``min obj + λ (mem − M)`` (``relaxed(λ)`` gives the dual
-    value, a lower bound, and its minimiser): the largest dual value seen is the lower
-    bound (returned with its λ), the cheapest feasible minimiser the choice (the
-    least-memory choice until one is found)."""
+    value, a lower bound, and its minimiser): the largest dual value seen (returned with
+    its λ) and every minimiser met, the least-memory choice included."""
     least = [int(np.argmin(m)) for m in problem.memory]
     if not problem.feasible(least):
         raise ValueError("no choice meets the memory budget")
     span = max(float(np.ptp(m)) for m in problem.memory) or 1.0
     scale = sum(float(np.max(c)) for c in problem.cost) + sum(
         float(np.max(r)) for r in problem.edges.values()) + 1e-30
-    best, best_obj = least, problem.objective(least)
+    seen = [least]
+    best_obj = problem.objective(least)
     best_lam = 0.0
 
     def visit(lam: float) -> bool:
-        nonlocal lower, best, best_obj, best_lam
+        nonlocal lower, best_obj, best_lam
         value, choice, _ = relaxed(lam)
+        seen.append(choice)
         if value > lower:
             lower, best_lam = value, lam
         if not problem.feasible(choice):
             return False
-        if problem.objective(choice) < best_obj:
-            best, best_obj = choice, problem.objective(choice)
+        best_obj = min(best_obj, problem.objective(choice))
         return True
 
     lo, hi = 0.0, scale / span
@@ -432,4 +435,22 @@ def _lagrange(problem: Problem, relaxed, lower: float) -> tuple[float, list[int]
             hi = mid
         else:
             lo = mid
-    return lower, best, best_lam
+    return lower, seen, best_lam
+
+
+# seconds for the ILP that mixes the Lagrangian minimisers into one incumbent (:func:`_mix`)
+MIX_TIME_LIMIT_S = 10.0
+
+
+def _mix(problem: Problem, seen: list[list[int]]) -> tuple[int, ...] | None:
+    """The best feasible choice using, per group, only strategies some Lagrangian
+    minimiser used: at the critical λ the minimisers jump between extremes (every layer
+    replicated, every layer sharded), and the optimum usually mixes them per layer. A
+    small ILP (a handful of strategies per group) finds that mixture."""
+    from formulations.sbp_ilp import SbpIlp
+
+    allowed = [np.unique([c[g] for c in seen]) for g in range(problem.num_groups)]
+    res = SbpIlp(problem.subset(allowed)).solve(time_limit_s=MIX_TIME_LIMIT_S)
+    if res is None:
+        return None
+    return tuple(int(allowed[g][k]) for g, k in enumerate(res.choice))
