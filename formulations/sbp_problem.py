@@ -42,7 +42,7 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.grad_buckets import chunk_count, device_groups
 from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
-from ilp_planner.redistribution import plan_redistribution, redistribution_seconds
+from ilp_planner.redistribution import plan_redistribution, planner_for
 from ilp_planner.stage_boundary import StageBoundary, export_program, import_program
 from ilp_planner.strategies import (
     FOLLOWER_KINDS,
@@ -381,17 +381,22 @@ def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int]
                   cost: list[np.ndarray], cap: float, ctx: StrategyContext) -> BucketTerms:
     """Move each gradient reduction's latency out of its op's cost into the bucket term of
     its device group (the bandwidth part stays: it is linear in the bytes)."""
-    sizes = {sb.collective.bytes / sb.numel for opts in options.values() for o in opts
-             for sb in o.syncs}
+    distinct = {id(opts): opts for opts in options.values()}.values()
+    sizes = {sb.collective.bytes / sb.numel for opts in distinct for o in opts for sb in o.syncs}
     if len(sizes) > 1:
         raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
                           f"bytes; fused gradient buckets hold one (set training.grad_bucket_mb: 0 "
                           f"for one AllReduce per op)", key="training.grad_bucket_mb")
     index: dict[tuple, int] = {}
     alpha: list[float] = []
-    rows: list[tuple[int, int, int, float]] = []  # (group, strategy, device group, bytes)
-    for node, g in group_of.items():
-        for k, o in enumerate(options[node]):
+    # per options list (tied layers share one): (strategy, device group, bytes) and the
+    # latency moved out of each strategy's cost
+    shared: dict[int, tuple[list[tuple[int, int, float]], np.ndarray]] = {}
+    for opts in options.values():
+        if id(opts) in shared:
+            continue
+        rows, moved = [], np.zeros(len(opts))
+        for k, o in enumerate(opts):
             for sb in o.syncs:
                 key = device_groups(sb.fact, sb.axes)
                 if key not in index:
@@ -400,11 +405,15 @@ def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int]
                     alpha.append(collective_time(c.kind, c.group_size, 0.0,
                                                  ctx.cluster.link(c.link == "inter")))
                 j = index[key]
-                cost[g][k] -= alpha[j]
-                rows.append((g, k, j, sb.collective.bytes))
+                moved[k] += alpha[j]
+                rows.append((k, j, sb.collective.bytes))
+        shared[id(opts)] = (rows, moved)
     per_group = [np.zeros((len(c), len(alpha))) for c in cost]
-    for g, k, j, nbytes in rows:
-        per_group[g][k, j] += nbytes
+    for node, g in group_of.items():
+        rows, moved = shared[id(options[node])]
+        cost[g] -= moved
+        for k, j, nbytes in rows:
+            per_group[g][k, j] += nbytes
     return BucketTerms(np.array(alpha), per_group, cap)
 
 
@@ -452,13 +461,10 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
             continue
         ew = [o.base.weight for o in options[owner[emb.name]]]
         hw = [o.base.weight for o in options[owner[op.name]]]
-        cache: dict[tuple, float] = {}
-        r = np.empty((len(ew), len(hw)))
-        for i, a in enumerate(ew):
-            for j, b in enumerate(hw):
-                if (a, b) not in cache:
-                    cache[(a, b)] = tied_exchange_seconds(a, b, emb.weight, cluster)
-                r[i, j] = cache[(a, b)]
+        uniq_e, uniq_h = {w: i for i, w in enumerate(dict.fromkeys(ew))}, \
+            {w: i for i, w in enumerate(dict.fromkeys(hw))}
+        small = tied_exchange_seconds(list(uniq_e), list(uniq_h), emb.weight, cluster)
+        r = small[np.ix_([uniq_e[w] for w in ew], [uniq_h[w] for w in hw])]
         key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
         edges[key] = edges[key] + mat if key in edges else mat.copy()
 
@@ -469,10 +475,7 @@ def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...
     (input layout, input gradient layout)) pair."""
     uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
     uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
-    small = np.empty((len(uniq_out), len(uniq_in)))
-    for a, i in uniq_out.items():
-        for (b, gb), j in uniq_in.items():
-            small[i, j] = redistribution_seconds(a, b, tensor, cluster, gb)
+    small = planner_for(outs[0], cluster).edge_costs(list(uniq_out), list(uniq_in), tensor)
     rows = [uniq_out[a] for a in outs]
     cols = [uniq_in[b] for b in ins]
     return small[np.ix_(rows, cols)]

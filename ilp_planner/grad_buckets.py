@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -66,9 +67,11 @@ def chunk_count(total_bytes, cap: float):
     return np.where(np.asarray(total_bytes) > 0, n, 0)
 
 
+@cache
 def device_groups(fact: Factorisation, axes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     """The partition of the mesh's devices (mesh order) into the groups a collective over
-    ``axes`` of ``fact`` runs in — what decides whether two reductions can share a buffer."""
+    ``axes`` of ``fact`` runs in — what decides whether two reductions can share a buffer.
+    Cached: the problem build asks for it once per strategy of every layer."""
     coords = axis_coordinates(fact)
     keep = [a for a in range(len(fact)) if a not in axes]
     groups: dict[tuple[int, ...], list[int]] = {}

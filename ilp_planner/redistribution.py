@@ -52,6 +52,7 @@ backward AllGather.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 
@@ -278,6 +279,27 @@ class RedistributionPlanner:
         """Forward plus backward seconds of the edge's lowered program."""
         back = grad_dst if grad_dst is not None else grad_layout(dst)
         return self.forward_cost(src, dst, tensor) + self.forward_cost(back, grad_layout(src), tensor)
+
+    def forward_costs(self, srcs: Sequence[Layout], dsts: Sequence[Layout],
+                      tensor: TensorSpec) -> np.ndarray:
+        """:meth:`forward_cost` of every (source, destination) pair, read off one Dijkstra
+        row per source (the ILP's matrices need thousands of pairs)."""
+        graph = self._graph(tensor)
+        cols = [graph.index[drop_unit_axes(d)] for d in dsts]
+        out = np.array([self._search(drop_unit_axes(s), tensor)[0][cols] for s in srcs])
+        out = out.reshape(len(srcs), len(dsts))
+        if not np.all(np.isfinite(out)):
+            raise LayoutError(f"no redistribution path between some layouts of {tensor.shape}")
+        return out
+
+    def edge_costs(self, srcs: Sequence[Layout], dsts: Sequence[tuple[Layout, Layout | None]],
+                   tensor: TensorSpec) -> np.ndarray:
+        """:meth:`edge_cost` of every (source, (destination, its gradient layout or None))
+        pair."""
+        forward = self.forward_costs(srcs, [d for d, _ in dsts], tensor)
+        backward = self.forward_costs([g if g is not None else grad_layout(d) for d, g in dsts],
+                                      [grad_layout(s) for s in srcs], tensor)
+        return forward + backward.T
 
     def path(self, src: Layout, dst: Layout, tensor: TensorSpec) -> tuple[RedistStep, ...]:
         """The steps of the cheapest path ``src → dst`` (unit axes dropped)."""

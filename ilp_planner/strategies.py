@@ -25,7 +25,10 @@ state memory is its parameter shard × bytes per parameter.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ilp_planner.cluster import Cluster, Factorisation, fact_str, mesh_factorisations
 from ilp_planner.cost_model import (
@@ -525,13 +528,14 @@ def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
             plan_redistribution(emb_weight, head_t, table, cluster))
 
 
-def tied_exchange_seconds(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
-                          cluster: Cluster) -> float:
-    """Seconds of :func:`tied_exchange` without building its step lists (what the ILP's
-    edge matrices need: one entry per pair of weight layouts)."""
-    head_t, table = transposed(head_weight), table.master
-    planner = planner_for(head_t, cluster)
-    return planner.forward_cost(head_t, emb_weight, table) + planner.forward_cost(emb_weight, head_t, table)
+def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[Layout],
+                          table: TensorSpec, cluster: Cluster) -> np.ndarray:
+    """Seconds of :func:`tied_exchange` for every (embedding weight, head weight) pair,
+    without building step lists (the ILP's edge matrix between the two layers)."""
+    heads_t, table = [transposed(h) for h in head_weights], table.master
+    planner = planner_for(heads_t[0], cluster)
+    return (planner.forward_costs(heads_t, emb_weights, table).T
+            + planner.forward_costs(emb_weights, heads_t, table))
 
 
 def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,

@@ -110,3 +110,25 @@ def test_lowered_programs_run_on_gloo_and_give_the_unsharded_values():
     lines = [x for x in out.stdout.splitlines() if x.startswith(("OK", "BAD", "cases"))]
     assert out.returncode == 0, "\n".join(x for x in lines if not x.startswith("OK"))[-3000:]
     assert lines[-1].endswith("bad 0") and int(lines[-1].split()[1]) > 200
+
+
+def test_vectorised_edge_costs_equal_the_pairwise_ones():
+    """The ILP's cost matrices read Dijkstra rows in bulk (``edge_costs``); every entry must
+    be the pairwise ``edge_cost`` exactly, gradient layouts given or defaulted."""
+    import itertools
+
+    from ilp_planner.redistribution import planner_for
+
+    c = cluster(2, 4)
+    facts = [(MeshAxis(2, 4),), (MeshAxis(2, 1), MeshAxis(1, 4)), (MeshAxis(1, 4), MeshAxis(2, 1))]
+    tensor = TensorSpec((16, 32))
+    lays = [Layout(f, pls) for f in facts
+            for pls in itertools.product([B, P, S(0), S(1)], repeat=len(f))]
+    srcs = lays[::3]
+    dsts = [(lay, None) for lay in lays if not lay.has_partial][::2] + [
+        (Layout(facts[1], (S(0), B)), Layout(facts[1], (S(0), P)))]
+    planner = planner_for(srcs[0], c)
+    bulk = planner.edge_costs(srcs, dsts, tensor)
+    for i, s in enumerate(srcs):
+        for j, (d, g) in enumerate(dsts):
+            assert bulk[i, j] == planner.edge_cost(s, d, tensor, g)
