@@ -45,7 +45,7 @@ from formulations.sbp_problem import Problem
 # largest elimination work (table entries summed over eliminations) attempted
 MAX_WORK = 4e8
 # λ bisection steps on a binding memory row
-LAGRANGE_STEPS = 30
+LAGRANGE_STEPS = 16
 # relative gap below which the incumbent counts as proven optimal (float rounding)
 EXACT = 1e-9
 
@@ -295,27 +295,51 @@ USAGE_ROUNDS = 3
 
 
 def bound_prune(problem: Problem, upper: float) -> list[np.ndarray]:
-    """Per group, the strategies whose simple lower bound — every other cost, edge and
-    bucket chunk (priced α per chunk) at its own minimum — does not exceed ``upper``,
-    repeated until nothing more drops. No choice using a dropped strategy costs ``upper``
-    or less, so an optimum survives when ``upper`` is a feasible choice's objective."""
-    relax_unary = _Relaxation(problem, {}, Elimination((), 0.0, 0))
-    unary = [c + x @ relax_unary.alpha for c, x in zip(problem.cost, relax_unary.chunks,
-                                                       strict=True)]
+    """Per group, the strategies whose lower bound does not exceed ``upper``, repeated
+    until nothing more drops. The bound is exact on a relaxation: bucket chunks priced α
+    each, and the problem's graph cut to a spanning forest by replacing the edges outside
+    it (the lightest) with their smallest entry — a forest eliminates in k² per edge, so
+    its min-marginals are cheap however many strategies a group has. No choice using a
+    dropped strategy costs ``upper`` or less, so an optimum survives when ``upper`` is a
+    feasible choice's objective."""
+    relax = _Relaxation(problem, {}, Elimination((), 0.0, 0))
+    unary = [c + x @ relax.alpha for c, x in zip(problem.cost, relax.chunks, strict=True)]
+    merged = _merged_edges(problem)
     keep = [np.arange(len(u)) for u in unary]
     while True:
+        edges = {e: r[np.ix_(keep[e[0]], keep[e[1]])] for e, r in merged.items()}
+        tree = _spanning_forest(len(unary), edges)
+        constant = sum(float(r.min()) for e, r in edges.items() if e not in tree)
+        forest = {e: edges[e] for e in tree}
         u = [x[k] for x, k in zip(unary, keep, strict=True)]
-        edges = {e: r[np.ix_(keep[e[0]], keep[e[1]])] for e, r in problem.edges.items()}
-        base = sum(float(x.min()) for x in u) + sum(float(r.min()) for r in edges.values())
-        delta = [x - x.min() for x in u]
-        for (a, b), r in edges.items():
-            delta[a] += r.min(axis=1) - r.min()
-            delta[b] += r.min(axis=0) - r.min()
-        limit = upper * (1 + EXACT) + 1e-300 - base
-        new = [k[d <= limit] for k, d in zip(keep, delta, strict=True)]
+        sizes = [len(x) for x in u]
+        _, _, steps = minimise(u, forest, elimination_order(sizes, forest))
+        marg = min_marginals(steps, sizes)
+        limit = upper * (1 + EXACT) - constant
+        new = [k[m <= limit] for k, m in zip(keep, marg, strict=True)]
         if sum(map(len, new)) == sum(map(len, keep)):
             return keep
         keep = new
+
+
+def _spanning_forest(n: int, edges: dict[tuple[int, int], np.ndarray]) -> set[tuple[int, int]]:
+    """Kruskal on the edges by their spread (max − min): the edges kept matter most to
+    which strategies win; the others are replaced by their minimum."""
+    parent = list(range(n))
+
+    def root(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    chosen: set[tuple[int, int]] = set()
+    for e in sorted(edges, key=lambda e: -float(np.ptp(edges[e])) if edges[e].size else 0.0):
+        a, b = root(e[0]), root(e[1])
+        if a != b:
+            parent[a] = b
+            chosen.add(e)
+    return chosen
 
 
 def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
