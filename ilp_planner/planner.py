@@ -146,8 +146,8 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
         bound = result.bound if result.status == "optimal" else max(
             result.bound if result.bound is not None else -np.inf, exact.result.bound)
         gap = max(0.0, (result.objective - bound) / max(abs(result.objective), 1e-30))
-        result = dataclasses.replace(result, bound=bound, gap=0.0 if result.status == "optimal"
-                                     else gap, method="elimination+ilp")
+        result = dataclasses.replace(result, bound=bound, gap=result.gap if result.status ==
+                                     "optimal" else gap, method="elimination+ilp")
     result = dataclasses.replace(
         result, build_s=build_s, solve_s=result.solve_s + search_s,
         message="; ".join(m for m in (result.message, *notes) if m))
