@@ -169,16 +169,19 @@ def _fits(layout: Layout, tensor: TensorSpec) -> bool:
     return all(d < tensor.rank and k <= tensor.shape[d] for d, k in layout._degrees.items())
 
 
-def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor: TensorSpec) -> float:
-    """The formula's *n* of a single-axis step, padded as executed (module docstring)."""
-    shape = list(src.padded_shape(tensor.shape))
+def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor: TensorSpec,
+               src_block: tuple[int, ...] | None = None,
+               dst_block: tuple[int, ...] | None = None) -> float:
+    """The formula's *n* of a single-axis step, padded as executed (module docstring).
+    ``src_block`` / ``dst_block``: the layouts' padded shapes when the caller has them."""
+    shape = list(src_block or src.padded_shape(tensor.shape))
     k = src.fact[axis].size
     if kind is CollectiveKind.ALL_GATHER:
         d = src.placements[axis].dim
         shape[d] *= k
     elif kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
         d = dst.placements[axis].dim
-        shape[d] = dst.padded_shape(tensor.shape)[d] * k
+        shape[d] = (dst_block or dst.padded_shape(tensor.shape))[d] * k
     return float(math.prod(shape) * tensor.itemsize)
 
 
@@ -226,6 +229,8 @@ class RedistributionPlanner:
             if _fits(lay := Layout(fact, pls), tensor)
         ]
         index = {lay: i for i, lay in enumerate(states)}
+        blocks = [lay.padded_shape(tensor.shape) for lay in states]
+        seconds: dict[tuple, float] = {}  # (kind, axis, bytes): many steps price alike
         rows: list[int] = []
         cols: list[int] = []
         weights: list[float] = []
@@ -239,8 +244,15 @@ class RedistributionPlanner:
                     continue
                 rows.append(i)
                 cols.append(j)
-                weights.append(_EPS if kind is None else
-                               self.collective(kind, lay, nxt, axis, tensor).seconds)
+                if kind is None:
+                    weights.append(_EPS)
+                    continue
+                key = (kind, lay.fact[axis],
+                       step_bytes(kind, lay, nxt, axis, tensor, blocks[i], blocks[j]))
+                if key not in seconds:
+                    seconds[key] = make_collective(kind, key[1].size, key[2], self.cluster,
+                                                   key[1].spans_nodes).seconds
+                weights.append(seconds[key])
             if lay.has_partial:
                 continue
             key = ("view", lay.block_key(tensor.shape))
