@@ -44,6 +44,9 @@ from formulations.sbp_problem import Problem
 
 # largest elimination work (table entries summed over eliminations) attempted
 MAX_WORK = 4e8
+# above this many entries in one elimination table, strategies an incumbent rules out are
+# dropped first (tied models on large meshes: width 3 with hundreds of strategies a group)
+PRUNE_ABOVE = 1e7
 # λ bisection steps on a binding memory row
 LAGRANGE_STEPS = 16
 # relative gap below which the incumbent counts as proven optimal (float rounding)
@@ -53,11 +56,13 @@ EXACT = 1e-9
 @dataclass(frozen=True)
 class Elimination:
     """An elimination order of a group graph and its cost: ``work`` table entries computed
-    over all eliminations, ``width`` the largest neighbourhood eliminated (induced width)."""
+    over all eliminations, ``width`` the largest neighbourhood eliminated (induced width),
+    ``peak`` the largest single table."""
 
     order: tuple[int, ...]
     work: float
     width: int
+    peak: float = 0.0
 
 
 def elimination_order(sizes: list[int], edges) -> Elimination:
@@ -81,7 +86,7 @@ def elimination_order(sizes: list[int], edges) -> Elimination:
     heapq.heapify(heap)
     done = [False] * len(sizes)
     order: list[int] = []
-    work, width = 0.0, 0
+    work, width, peak = 0.0, 0, 0.0
     while heap:
         w, _, st, y = heapq.heappop(heap)
         if done[y] or st != stamp[y]:
@@ -89,6 +94,7 @@ def elimination_order(sizes: list[int], edges) -> Elimination:
         done[y] = True
         order.append(y)
         work += w
+        peak = max(peak, w)
         nbrs = adj[y]
         width = max(width, len(nbrs))
         for a in nbrs:
@@ -102,7 +108,7 @@ def elimination_order(sizes: list[int], edges) -> Elimination:
                 stamp[a] += 1
                 heapq.heappush(heap, (*key(a), stamp[a], a))
         adj[y] = set()
-    return Elimination(tuple(order), work, width)
+    return Elimination(tuple(order), work, width, peak)
 
 
 Input = tuple[tuple[int, ...], np.ndarray, "int | None"]  # (vars, table, producing step)
@@ -294,6 +300,26 @@ class EliminationResult:
 USAGE_ROUNDS = 3
 
 
+def _index_in(keep: list[np.ndarray], choice) -> tuple[int, ...]:
+    """``choice`` in the indices of ``problem.subset(keep)``."""
+    return tuple(int(np.searchsorted(kk, k)) for kk, k in zip(keep, choice, strict=True))
+
+
+def _on_subset(problem: Problem, keep: list[np.ndarray], t0: float,
+               inner: EliminationResult | None) -> EliminationResult | None:
+    """``inner`` (solved on ``problem.subset(keep)``) in ``problem``'s indices."""
+    if inner is None:
+        return None
+    res = inner.result
+    dropped = sum(len(c) for c in problem.cost) - sum(map(len, keep))
+    return EliminationResult(
+        dataclasses.replace(res, choice=tuple(int(keep[g][k]) for g, k in enumerate(res.choice)),
+                            solve_s=time.perf_counter() - t0,
+                            message=f"{res.message}; {dropped} of {sum(len(c) for c in problem.cost)}"
+                                    f" strategies ruled out by the forest bound"),
+        None if inner.keep is None else [keep[g][k] for g, k in enumerate(inner.keep)])
+
+
 def bound_prune(problem: Problem, upper: float) -> list[np.ndarray]:
     """Per group, the strategies whose lower bound does not exceed ``upper``, repeated
     until nothing more drops. The bound is exact on a relaxation: bucket chunks priced α
@@ -342,39 +368,34 @@ def _spanning_forest(n: int, edges: dict[tuple[int, int], np.ndarray]) -> set[tu
     return chosen
 
 
-def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
-                      max_work: float = MAX_WORK) -> EliminationResult | None:
+def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(), search=None,
+                      max_work: float = MAX_WORK,
+                      prune_above: float = PRUNE_ABOVE) -> EliminationResult | None:
     """Solve ``problem`` by variable elimination with relaxed bucket and memory terms.
-    ``incumbents``: feasible choices (e.g. the tied optimum, a search's result) the result
-    may use when cheaper; when the elimination would exceed ``max_work`` table entries,
-    the strategies their best objective rules out (:func:`bound_prune`) are dropped
-    first, and None is returned if it still would (too wide a graph: use the ILP). The
-    incumbent counts as optimal when its relative gap is at most ``gap`` (or float
-    rounding). Raises ValueError when no choice meets the memory budget."""
+    ``incumbents``: feasible choices (e.g. the tied optimum) the result may use when
+    cheaper; ``search()``, if given, returns one when there is none and one is needed.
+    When the elimination would take more than ``max_work`` table entries in all, or one
+    table of more than ``prune_above`` entries, the strategies the best incumbent rules
+    out (:func:`bound_prune`) are dropped first; None is returned if it would still exceed
+    ``max_work`` (too wide a graph: use the ILP). The incumbent
+    counts as optimal when its relative gap is at most ``gap`` (or float rounding).
+    Raises ValueError when no choice meets the memory budget."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
     sizes = [len(c) for c in problem.cost]
     order = elimination_order(sizes, edges)
     incumbents = [tuple(c) for c in incumbents if problem.feasible(c)]
-    if order.work > max_work:
-        if not incumbents:
-            return None
+    wide = order.work > max_work or order.peak > prune_above
+    if wide and not incumbents and search is not None:
+        incumbents = [tuple(c) for c in [search()] if problem.feasible(c)]
+    if wide and incumbents:
         keep = bound_prune(problem, min(map(problem.objective, incumbents)))
-        if sum(map(len, keep)) == sum(sizes):
-            return None
-        position = [{int(k): i for i, k in enumerate(kk)} for kk in keep]
-        inner = solve_elimination(
-            problem.subset(keep), gap=gap, max_work=max_work,
-            incumbents=[tuple(position[g][k] for g, k in enumerate(c)) for c in incumbents])
-        if inner is None:
-            return None
-        res = inner.result
-        return EliminationResult(
-            dataclasses.replace(res, choice=tuple(int(keep[g][k]) for g, k in enumerate(res.choice)),
-                                solve_s=time.perf_counter() - t0,
-                                message=f"{res.message}; {sum(sizes) - sum(map(len, keep))} of "
-                                        f"{sum(sizes)} strategies ruled out by simple bounds"),
-            None if inner.keep is None else [keep[g][k] for g, k in enumerate(inner.keep)])
+        if sum(map(len, keep)) < sum(sizes):
+            return _on_subset(problem, keep, t0, solve_elimination(
+                problem.subset(keep), gap=gap, max_work=max_work, prune_above=math.inf,
+                incumbents=[_index_in(keep, c) for c in incumbents]))
+    if order.work > max_work:
+        return None
     relax = _Relaxation(problem, edges, order)
     theta, usage, lam = relax.alpha, np.zeros((len(sizes), len(relax.alpha))), 0.0
     lower, best, steps = relax.run(theta, usage, lam)

@@ -84,12 +84,10 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
                             boundary)
     exact = None
-    if opts.elimination:
-        found = [tied] if tied else []
-        exact = solve_elimination(problem, gap=opts.gap, incumbents=found)
-        if exact is None:  # too wide: bound pruning needs an incumbent; a search gives one
-            found.append(SEARCHES[opts.fallback](problem, seed=opts.seed).choice)
-            exact = solve_elimination(problem, gap=opts.gap, incumbents=found)
+    if opts.elimination:  # the fallback search gives an incumbent for pruning wide problems
+        exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
+                                  search=lambda: SEARCHES[opts.fallback](problem,
+                                                                         seed=opts.seed).choice)
     if exact is not None and exact.keep is None:
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))

@@ -60,7 +60,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
-from ilp_planner.cluster import Cluster, Factorisation, proper_factorisations
+from ilp_planner.cluster import Cluster, Factorisation, MeshAxis, proper_factorisations
 from ilp_planner.cost_model import Collective, CollectiveKind, make_collective
 from ilp_planner.errors import LayoutError
 from ilp_planner.graph import TensorSpec
@@ -136,8 +136,11 @@ def _last_splitter(layout: Layout, dim: int) -> int:
 def _axis_moves(layout: Layout, tensor: TensorSpec) -> list[tuple[Placement, int, CollectiveKind | None]]:
     """(new placement, axis, collective kind or None) for every single-axis change that
     keeps contiguous blocks (module docstring, rule 1)."""
+    return _axis_moves_rank(layout, tensor.rank)
+
+
+def _axis_moves_rank(layout: Layout, rank: int) -> list[tuple[Placement, int, CollectiveKind | None]]:
     moves = []
-    rank = tensor.rank
 
     def may_take(a: int, d: int) -> bool:  # axis a may start splitting dim d
         return _last_splitter(layout, d) < a
@@ -188,6 +191,19 @@ def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor
 _EPS = 1e-15  # weight of free edges: csgraph needs strictly positive weights
 
 
+@dataclass(frozen=True)
+class _Moves:
+    """The single-axis moves of a state graph, one entry per move: source and destination
+    state, collective kind (None: a free local re-split), mesh axis, and the tensor dim
+    whose block size changes (gathered dim, or the new split dim; -1 for none)."""
+
+    src: list[int]
+    dst: list[int]
+    kind: list[CollectiveKind | None]
+    axis: list[MeshAxis]
+    dim: list[int]
+
+
 @dataclass
 class _StateGraph:
     """All layouts of one tensor on one device set as a weighted digraph. Node ids below
@@ -214,6 +230,8 @@ class RedistributionPlanner:
         self.local = local
         self.universe: tuple[Factorisation, ...] = proper_factorisations(nodes, local, max_axes)
         self._graph = lru_cache(maxsize=64)(self._build_graph)
+        self._candidates = cache(self._candidate_layouts)
+        self._moves = lru_cache(maxsize=16)(self._move_structure)
         self._search = lru_cache(maxsize=8192)(self._dijkstra)
 
     def collective(self, kind: CollectiveKind, src: Layout, dst: Layout, axis: int,
@@ -222,37 +240,14 @@ class RedistributionPlanner:
                                self.cluster, src.fact[axis].spans_nodes, (axis,))
 
     def _build_graph(self, tensor: TensorSpec) -> _StateGraph:
-        states = [
-            lay
-            for fact in self.universe
-            for pls in _all_placements(len(fact), tensor.rank)
-            if _fits(lay := Layout(fact, pls), tensor)
-        ]
-        index = {lay: i for i, lay in enumerate(states)}
-        blocks = [lay.padded_shape(tensor.shape) for lay in states]
-        seconds: dict[tuple, float] = {}  # (kind, axis, bytes): many steps price alike
-        rows: list[int] = []
-        cols: list[int] = []
-        weights: list[float] = []
+        candidates = self._candidates(tensor.rank)
+        fits = tuple(_fits(lay, tensor) for lay in candidates)
+        states, index, moves = self._moves(tensor.rank, fits)
+        weights = self._move_seconds(states, moves, tensor)
+        rows, cols = list(moves.src), list(moves.dst)
         hubs: dict[tuple, int] = {}
         hub_kind: dict[int, str] = {}
         for i, lay in enumerate(states):
-            for pl, axis, kind in _axis_moves(lay, tensor):
-                nxt = _replace(lay, axis, pl)
-                j = index.get(nxt)
-                if j is None:
-                    continue
-                rows.append(i)
-                cols.append(j)
-                if kind is None:
-                    weights.append(_EPS)
-                    continue
-                key = (kind, lay.fact[axis],
-                       step_bytes(kind, lay, nxt, axis, tensor, blocks[i], blocks[j]))
-                if key not in seconds:
-                    seconds[key] = make_collective(kind, key[1].size, key[2], self.cluster,
-                                                   key[1].spans_nodes).seconds
-                weights.append(seconds[key])
             if lay.has_partial:
                 continue
             key = ("view", lay.block_key(tensor.shape))
@@ -262,10 +257,65 @@ class RedistributionPlanner:
             h = hubs[key]
             rows += [i, h]
             cols += [h, i]
-            weights += [_EPS, _EPS]
+        weights = np.concatenate([weights, np.full(len(rows) - len(moves.src), _EPS)])
         n = len(states) + len(hubs)
         matrix = csr_matrix((weights, (rows, cols)), shape=(n, n))
         return _StateGraph(states, index, matrix, hub_kind)
+
+    def _candidate_layouts(self, rank: int) -> tuple[Layout, ...]:
+        return tuple(Layout(fact, pls) for fact in self.universe
+                     for pls in _all_placements(len(fact), rank))
+
+    def _move_structure(self, rank: int, fits: tuple[bool, ...]
+                        ) -> tuple[list[Layout], dict[Layout, int], _Moves]:
+        """The states (candidate layouts that fit) and single-axis moves between them:
+        the same for every tensor of one rank whose dimensions admit the same layouts."""
+        states = [lay for lay, ok in zip(self._candidates(rank), fits, strict=True) if ok]
+        index = {lay: i for i, lay in enumerate(states)}
+        cols: dict[str, list] = {f: [] for f in _Moves.__dataclass_fields__}
+        for i, lay in enumerate(states):
+            for pl, axis, kind in _axis_moves_rank(lay, rank):
+                j = index.get(_replace(lay, axis, pl))
+                if j is None:
+                    continue
+                dst_dim = pl.dim if isinstance(pl, Split) else -1
+                src_pl = lay.placements[axis]
+                cols["src"].append(i)
+                cols["dst"].append(j)
+                cols["kind"].append(kind)
+                cols["axis"].append(lay.fact[axis])
+                cols["dim"].append(src_pl.dim if kind is CollectiveKind.ALL_GATHER else dst_dim)
+        return states, index, _Moves(**cols)
+
+    def _move_seconds(self, states: list[Layout], moves: _Moves, tensor: TensorSpec) -> np.ndarray:
+        """Seconds of every move: :func:`step_bytes` from the layouts' padded blocks, priced
+        once per distinct (kind, axis, bytes)."""
+        blocks = np.array([lay.padded_shape(tensor.shape) for lay in states], dtype=np.int64)
+        blocks = blocks.reshape(len(states), tensor.rank)
+        src, dst = np.asarray(moves.src, dtype=np.int64), np.asarray(moves.dst, dtype=np.int64)
+        dim = np.maximum(np.asarray(moves.dim, dtype=np.int64), 0)
+        k = np.array([a.size for a in moves.axis], dtype=np.int64)
+        whole = np.prod(blocks, axis=1)[src]
+        kinds = moves.kind
+        gather = np.array([kd is CollectiveKind.ALL_GATHER for kd in kinds])
+        scatter = np.array([kd in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL)
+                            for kd in kinds])
+        moved = np.where(gather, whole * k, whole)
+        moved = np.where(scatter, whole // np.maximum(blocks[src, dim], 1) * blocks[dst, dim] * k,
+                         moved)
+        out = np.empty(len(kinds))
+        seconds: dict[tuple, float] = {}
+        for e, (kd, axis, nbytes) in enumerate(zip(kinds, moves.axis, moved.tolist(),
+                                                   strict=True)):
+            if kd is None:
+                out[e] = _EPS
+                continue
+            key = (kd, axis, float(nbytes * tensor.itemsize))
+            if key not in seconds:
+                seconds[key] = make_collective(kd, axis.size, key[2], self.cluster,
+                                               axis.spans_nodes).seconds
+            out[e] = seconds[key]
+        return out
 
     def _dijkstra(self, src: Layout, tensor: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
         graph = self._graph(tensor)
