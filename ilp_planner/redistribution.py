@@ -233,6 +233,7 @@ class RedistributionPlanner:
         self._candidates = cache(self._candidate_layouts)
         self._moves = lru_cache(maxsize=16)(self._move_structure)
         self._search = lru_cache(maxsize=8192)(self._dijkstra)
+        self._path = lru_cache(maxsize=65536)(self._find_path)
 
     def collective(self, kind: CollectiveKind, src: Layout, dst: Layout, axis: int,
                    tensor: TensorSpec) -> Collective:
@@ -364,7 +365,11 @@ class RedistributionPlanner:
         return forward + backward.T
 
     def path(self, src: Layout, dst: Layout, tensor: TensorSpec) -> tuple[RedistStep, ...]:
-        """The steps of the cheapest path ``src → dst`` (unit axes dropped)."""
+        """The steps of the cheapest path ``src → dst`` (unit axes dropped); cached, since
+        the repeated layers of a model ask for the same paths."""
+        return self._path(src, dst, tensor)
+
+    def _find_path(self, src: Layout, dst: Layout, tensor: TensorSpec) -> tuple[RedistStep, ...]:
         a, b = drop_unit_axes(src), drop_unit_axes(dst)
         for lay, name in ((a, "source"), (b, "destination")):
             lay.check(tensor)
