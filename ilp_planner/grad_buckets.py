@@ -18,6 +18,7 @@ lists, hence what ``--audit`` counts) and the executor both take their chunks fr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -111,9 +112,13 @@ def _bucket(index: int, syncs: list[tuple[str, SyncBucket]], cap: float,
     n = int(chunk_count(offset * size, cap)) if cap > 0 else 1
     first = syncs[0][1]
     out = []
+    first_member = 0  # members are laid out in order: the chunks' overlaps only move forward
     for c in range(n):
         lo, hi = offset * c // n, offset * (c + 1) // n
-        mine = tuple(m for m in members if m.start < hi and m.stop > lo)
+        while members[first_member].stop <= lo:
+            first_member += 1
+        mine = tuple(itertools.takewhile(lambda m, hi=hi: m.start < hi,
+                                         itertools.islice(members, first_member, None)))
         out.append(GradBucket(index, lo, hi, mine, first.fact, first.axes,
                               coll(CollectiveKind.ALL_REDUCE, first.fact, first.axes,
                                    (hi - lo) * size, ctx, "backward", "grad_sync")))

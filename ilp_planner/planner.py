@@ -219,10 +219,11 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
                                                opt.base.weight, emb.weight, gp.ctx.cluster)
         rows.append((op, pos, node, opt, colls))
     where = stage_of or {}
+    colls_of = {r[0].name: r[4] for r in rows}
     for s in sorted({where.get(name, stage) for name, _ in syncs}):
         mine = [(name, b) for name, b in syncs if where.get(name, stage) == s]
         for bucket in fill_buckets(mine, gp.grad_bucket_bytes, gp.ctx):
-            next(r[4] for r in rows if r[0].name == bucket.launcher).append(bucket.collective)
+            colls_of[bucket.launcher].append(bucket.collective)
     layers: list[LayerPlan] = []
     for op, pos, node, opt, colls in rows:
         is_base = pos == 0
