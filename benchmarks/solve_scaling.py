@@ -17,6 +17,8 @@ Columns: ``groups``/``k`` the problem's ILP nodes and most strategies of one; ``
 ``cons`` / ``nodes`` the final MILP's size and branch-and-bound nodes (SolveStats; the
 elimination's passes when no MILP ran); ``build s`` problem build + pruning + model,
 ``solve s`` elimination + MILP; ``total s`` wall; ``status`` / ``gap`` as the plan reports.
+For the pipelined row, ``groups`` is the DP's layer units and ``nodes`` its intra-op stage
+solves.
 
 ``--sweep``: the older depth sweep, GPT (h 2560) of 4 … 96 layers, tied and untied, on
 1 × 8, 2 × 8 and 8 × 8; untied runs projected (time ∝ layers^1.3) above ``--skip-above``

@@ -69,10 +69,11 @@ import scipy.sparse as sp
 
 from formulations.result import SolveResult, SolveStats
 from formulations.sbp_problem import Problem
+from ilp_planner.options import MILPS
 
 # the scaled objective of the costliest possible choice (see the module docstring)
 OBJECTIVE_SCALE = 1e6
-MILP_BACKENDS = ("scip", "cbc")
+MILP_BACKENDS = MILPS  # the config's choices (ilp_planner.options), one list
 DEFAULT_MILP = "scip"
 
 

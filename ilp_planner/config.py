@@ -47,7 +47,7 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       max_axes: 3
       threads: 1
       seed: 0
-      fallback: coordinate_descent   # | metropolis_hastings | random | exhaustive | none
+      fallback: coordinate_descent   # | metropolis_hastings | random
       milp: scip                  # | cbc: the ILP's solver (SCIP in-process via OR-Tools;
                                   # cbc = PuLP's bundled CBC in a subprocess, the reference)
     pipeline:                     # optional, PipelineOptions fields

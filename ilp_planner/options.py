@@ -8,7 +8,7 @@ from dataclasses import dataclass
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 # heuristic searches the ILP falls back to (formulations.sbp_search.SEARCHES)
 FALLBACKS = ("coordinate_descent", "metropolis_hastings", "random")
-# MILP backends of the intra-op ILP (formulations.sbp_ilp.MILP_BACKENDS)
+# MILP backends of the intra-op ILP (formulations.sbp_ilp runs them)
 MILPS = ("scip", "cbc")
 
 
