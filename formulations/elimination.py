@@ -391,9 +391,11 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(), sear
     if wide and incumbents:
         keep = bound_prune(problem, min(map(problem.objective, incumbents)))
         if sum(map(len, keep)) < sum(sizes):
+            inside = [c for c in incumbents  # the best one always is; a worse one may not be
+                      if all(np.isin(k, kk) for k, kk in zip(c, keep, strict=True))]
             return _on_subset(problem, keep, t0, solve_elimination(
                 problem.subset(keep), gap=gap, max_work=max_work, prune_above=math.inf,
-                incumbents=[_index_in(keep, c) for c in incumbents]))
+                incumbents=[_index_in(keep, c) for c in inside]))
     if order.work > max_work:
         return None
     relax = _Relaxation(problem, edges, order)

@@ -186,6 +186,8 @@ def test_a_too_wide_problem_is_pruned_by_an_incumbent_then_solved():
                    {(u, v): np.pad(r, ((0, extra), (0, extra))) for (u, v), r in p.edges.items()})
     opt = exhaustive(p)
     assert solve_elimination(wide, max_work=limit) is None
-    res = solve_elimination(wide, max_work=limit, prune_above=limit, incumbents=[opt.choice])
+    hopeless = tuple(len(c) for c in p.cost)  # a feasible choice of only the added strategies
+    res = solve_elimination(wide, max_work=limit, prune_above=limit,
+                            incumbents=[hopeless, opt.choice])
     assert math.isclose(res.result.objective, opt.objective, rel_tol=1e-9)
     assert "ruled out by the forest bound" in res.result.message
