@@ -158,16 +158,31 @@ def dominated_free(problem: Problem) -> list[np.ndarray]:
         features[v].append(r.T)
     kept = []
     for feats in features:
-        f = np.hstack(feats)
-        le = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)  # le[l, k]: l ≤ k everywhere
+        le = _weakly_below(np.hstack(feats))
         eq = le & le.T
-        k = len(f)
+        k = len(le)
         idx = np.arange(k)
         strictly = le & ~eq
         earlier_equal = eq & (idx[:, None] < idx[None, :])
         dominated = np.any(strictly | earlier_equal, axis=0)
         kept.append(np.flatnonzero(~dominated))
     return kept
+
+
+def _weakly_below(f: np.ndarray, block: int = 32) -> np.ndarray:
+    """``le[l, k]``: row l of ``f`` is at most row k (+1e-15) in every column. The candidate
+    pairs are narrowed block of columns by block (cost and memory first), since most pairs
+    fail early — a group with hundreds of strategies and thousands of edge columns would
+    otherwise need a k × k × columns array."""
+    k = len(f)
+    ls, ks = np.divmod(np.arange(k * k), k)
+    for start in range(0, f.shape[1], block):
+        cols = f[:, start:start + block]
+        ok = np.all(cols[ls] <= cols[ks] + 1e-15, axis=1)
+        ls, ks = ls[ok], ks[ok]
+    le = np.zeros((k, k), dtype=bool)
+    le[ls, ks] = True
+    return le
 
 
 @dataclass

@@ -45,3 +45,18 @@ def test_exact_duplicates_keep_one_and_a_dominated_strategy_goes():
     kept = dominated_free(Problem(["a", "b"], cost, mem, edges))
     assert kept[0].tolist() == [0]
     assert kept[1].tolist() == [0]
+
+
+def test_weakly_below_equals_the_all_pairs_comparison():
+    """The column-block narrowing finds exactly the pairs the full k × k × columns
+    comparison finds, ties and repeated rows included."""
+    import numpy as np
+
+    from formulations.sbp_problem import _weakly_below
+
+    rng = np.random.default_rng(0)
+    for k, cols in [(1, 1), (5, 3), (40, 100), (90, 260)]:
+        f = rng.integers(0, 3, (k, cols)).astype(float)
+        f[::3] = f[0]
+        full = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)
+        assert np.array_equal(_weakly_below(f), full)
