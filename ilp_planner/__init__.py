@@ -2,7 +2,8 @@
 torch.distributed runtime for the plans.
 
 Public API: :func:`solve`, :func:`load_config`, :class:`Config`, :class:`Plan`,
-:func:`sweep` and :func:`load_sweep` (batch solves, :mod:`ilp_planner.sweeps`). They are
+:func:`sweep` and :func:`load_sweep` (batch solves, :mod:`ilp_planner.sweeps`),
+:func:`from_module` (a user's ``nn.Module`` → :class:`Graph`, :mod:`ilp_planner.importer`). They are
 resolved lazily so that importing an IR module (``ilp_planner.graph``) does not pull in the
 solvers.
 """
@@ -18,6 +19,8 @@ _API = {
     "Plan": "ilp_planner.plan",
     "sweep": "ilp_planner.sweeps",
     "load_sweep": "ilp_planner.sweeps",
+    "from_module": "ilp_planner.importer",
+    "Graph": "ilp_planner.graph",
 }
 
 __all__ = sorted(_API)

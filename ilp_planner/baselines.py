@@ -37,7 +37,9 @@ def restrict(gp: GraphProblem, keep: Filter) -> tuple[Problem, list[np.ndarray]]
     for group in gp.groups:
         node = group[0]
         op = gp.graph[node]
-        idx = np.array([k for k, o in enumerate(gp.options[node]) if keep(op, o.base)], dtype=int)
+        # an op nothing can shard is replicated in any hand-written layout too
+        idx = np.array([k for k, o in enumerate(gp.options[node])
+                        if op.kind is OpKind.OPAQUE or keep(op, o.base)], dtype=int)
         if idx.size == 0:
             offered = sorted({str(drop_unit_axes(o.base.output)) for o in gp.options[node]})
             return (f"no allowed strategy for {node} ({op.kind.value} {op.output.shape}): the "

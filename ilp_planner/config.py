@@ -5,7 +5,7 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
 
     name: gpt-2.6b-2x4            # optional; defaults to the file stem
     model:
-      kind: gpt                   # mlp | gpt | u_transformer | vgg13 | graph
+      kind: gpt                   # mlp | gpt | u_transformer | vgg13 | graph | torch
       # gpt:           hidden, layers, heads, seq_len, vocab, batch       (all required)
       # u_transformer: hidden, layers (even), heads, seq_len, batch       (all required)
       # mlp:           dims: [d0, d1, ..], batch (required); bias (false)
@@ -15,6 +15,11 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       # graph:         ops: [ {name, kind, inputs: [..], shape: [..], dtype?, weight: [..]?,
       #                        params?, flops?, block?, block_index?, attrs?: {..}} ],
       #                name?, dtype?       (see ilp_planner.models.graph_from_spec)
+      # torch:         module: "mypkg.models:GPT" (importable "module:attribute"), kwargs: {..},
+      #                example_inputs: {name: {shape: [..], dtype: int64, high: 50304}} or a
+      #                list of such specs (int tensors draw ids in [0, high)); the module is
+      #                built and traced on the meta device (no memory) and imported
+      #                (ilp_planner.importer.from_module)
       hidden: 2560
       layers: 32
       heads: 32
@@ -71,11 +76,18 @@ dotted key path and what was expected. Number fields also accept ``1e-6``-style 
 
 A :class:`Config` keeps the parsed document (``raw``) so a sweep can set dotted keys
 (:func:`apply_overrides`, :meth:`Config.with_overrides`) and re-parse with full validation.
+
+From Python, ``model`` may also be a :class:`~ilp_planner.graph.Graph` object (an imported
+model, say) — ``raw`` then holds its explicit ``kind: graph`` form, so plans still
+round-trip — and every other section may be its object (:class:`Cluster`,
+:class:`MemorySpec`, :class:`SolverOptions`, :class:`PipelineOptions`) instead of a mapping.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +106,7 @@ from ilp_planner.limits import check_limit
 from ilp_planner.options import FALLBACKS, MILPS, SCHEDULES, PipelineOptions, SolverOptions
 from ilp_planner.schema import Reader, join
 
-MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph")
+MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph", "torch")
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 # kind -> (required keys, optional keys with defaults); "kind" itself is always allowed.
@@ -188,9 +200,33 @@ def read_yaml(path: str | Path) -> Any:
     return data
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate one YAML configuration file."""
-    return parse_config(read_yaml(path), str(path))
+def load_config(source: str | Path | Mapping[str, Any]) -> Config:
+    """Read and validate one YAML configuration file, or a document given as a mapping
+    (whose ``model`` may be a :class:`Graph` object and whose sections may be objects)."""
+    if isinstance(source, Mapping):
+        return parse_config(source)
+    return parse_config(read_yaml(source), str(source))
+
+
+def section_mapping(value: Any) -> Any:
+    """A section given as its object (:class:`Cluster`, :class:`MemorySpec`,
+    :class:`SolverOptions`, :class:`PipelineOptions`) in the schema's mapping form, so that
+    it validates like YAML and the plan records it; anything else unchanged."""
+    if isinstance(value, Cluster):
+        return {"nodes": value.nodes, "devices_per_node": value.devices_per_node,
+                "memory_gib": value.memory_bytes / _GIB, "peak_tflops": value.peak_flops / 1e12,
+                "efficiency": value.efficiency, "name": value.name,
+                "links": {"intra": {"alpha": value.intra.alpha, "beta": value.intra.beta},
+                          "inter": {"alpha": value.inter.alpha, "beta": value.inter.beta}}}
+    if isinstance(value, MemorySpec):
+        return {"bytes_per_param": {"weight": value.weight_bytes, "grad": value.grad_bytes,
+                                    "optimizer": value.optimizer_bytes}}
+    if isinstance(value, (SolverOptions, PipelineOptions)):
+        out = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+        if "submeshes" in out:
+            out["submeshes"] = [list(s) for s in out["submeshes"]]
+        return out
+    return value
 
 
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
@@ -198,7 +234,10 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     r = Reader(source)
     top = r.mapping(data, "", required=("model", "cluster"),
                     optional=("name", "training", "solver", "pipeline"))
+    top = {k: section_mapping(v) for k, v in top.items()}
     graph, dtype, batch = _parse_model(r, top["model"])
+    if isinstance(top["model"], Graph):
+        top["model"] = models.graph_to_spec(graph)
     cluster = _parse_cluster(r, top["cluster"])
     memory, bucket_bytes = _parse_training(r, top.get("training"), dtype)
     solver = _parse_solver(r, top.get("solver"))
@@ -240,6 +279,8 @@ def _section(r: Reader, value: Any, path: str, optional: tuple[str, ...]) -> dic
 
 def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
     """The model's graph, its dtype and its batch size (None for explicit graphs)."""
+    if isinstance(value, Graph):
+        return value, _graph_dtype(value), None
     if not isinstance(value, Mapping):
         r.fail("model", f"expected a mapping with a 'kind' key, got {value!r}")
     if "kind" not in value:
@@ -249,6 +290,9 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
     if kind == "graph":
         graph = models.graph_from_spec(value, r.source, key="model")
         return graph, str(value.get("dtype", "float32")), None
+    if kind == "torch":
+        graph = _parse_torch_model(r, value)
+        return graph, _graph_dtype(graph), None
 
     required, defaults = _BUILDER_SCHEMA[kind]
     d = r.mapping(value, "model", required=("kind",) + required, optional=tuple(defaults))
@@ -295,6 +339,69 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
         key = key if key.startswith("model") else join("model", key) if key else "model"
         raise ConfigError(msg, source=r.source, key=key) from None
     return graph, kw.get("dtype", "float32"), kw["batch"]
+
+
+def _graph_dtype(graph: Graph) -> str:
+    """The compute dtype of a graph given as an object: its first floating-point tensor's."""
+    return next((op.output.dtype for op in graph.ops if op.output.dtype.startswith(("float",
+                                                                                      "bfloat"))),
+                "float32")
+
+
+_TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
+
+
+def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
+    """``kind: torch``: import ``module`` (``"pkg.mod:Class"``), build it with ``kwargs`` on
+    the meta device and trace it on ``example_inputs`` (:func:`ilp_planner.importer.
+    from_module`)."""
+    d = r.mapping(value, "model", required=("kind", "module", "example_inputs"),
+                  optional=("kwargs", "name"))
+    target = r.string(d["module"], "model.module")
+    mod_name, _, attr = target.partition(":")
+    if not mod_name or not attr:
+        r.fail("model.module", f"expected 'package.module:Class', got {target!r}")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        r.fail("model.module", f"cannot import {target!r}: {exc}")
+    kwargs = d.get("kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        r.fail("model.kwargs", f"expected a mapping of constructor arguments, got {kwargs!r}")
+    raw_inputs = d["example_inputs"]
+    named = isinstance(raw_inputs, Mapping)
+    items = list(raw_inputs.items()) if named else list(enumerate(
+        r.sequence(raw_inputs, "model.example_inputs", min_len=1)))
+    specs = []
+    for key, spec in items:
+        path = join("model.example_inputs", key)
+        t = r.mapping(spec, path, required=("shape",), optional=("dtype", "high"))
+        shape = r.shape(t["shape"], join(path, "shape"))
+        dtype = r.choice(t.get("dtype", "float32"), join(path, "dtype"), _TORCH_DTYPES, "dtype")
+        high = r.positive_int(t["high"], join(path, "high")) if "high" in t else 2
+        specs.append((key, shape, dtype, high))
+
+    import torch
+
+    from ilp_planner.importer import from_module
+
+    def tensor(shape: tuple[int, ...], dtype: str, high: int) -> torch.Tensor:
+        if dtype.startswith("int"):
+            return torch.randint(0, high, shape, dtype=getattr(torch, dtype), device="meta")
+        return torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+
+    inputs = {k: tensor(*rest) for k, *rest in specs} if named else \
+        tuple(tensor(*rest) for _, *rest in specs)
+    try:
+        with torch.device("meta"):
+            module = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - any constructor failure is the config's
+        r.fail("model.kwargs", f"{target}(**kwargs) failed: {type(exc).__name__}: {exc}")
+    name = r.string(d["name"], "model.name") if "name" in d else attr
+    try:
+        return from_module(module, inputs, name=name)
+    except ConfigError as exc:
+        raise ConfigError(str(exc), source=r.source, key="model.module") from None
 
 
 def _parse_link(r: Reader, value: Any, path: str) -> Link:

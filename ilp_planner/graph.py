@@ -5,7 +5,15 @@ Activations of MLPs and transformers are kept 2-D, ``(tokens, features)`` with
 and the SBP strategies of AutoDDL §4.2.2 apply unchanged. Attention splits over batch
 (dim 0, whole sequences) or heads (dim 1, heads are contiguous column blocks).
 Convolutional activations are ``(N, C, H, W)``; ``pool`` is max pooling with stride equal to
-``attrs.kernel`` (VGG's; the IR has no other pooling mode).
+``attrs.kernel`` (VGG's), or average pooling where ``attrs.avg`` is 1 (imported models).
+
+Imported models (:mod:`ilp_planner.importer`) add ``silu``, ``mul`` (a binary elementwise
+product, sharded like ``add``), ``rmsnorm`` (a layernorm with a gain only), ``batchnorm``
+(statistics over batch and space, so only channels split without communication) and
+``opaque``: an op the planner cannot shard, kept replicated on every device. Attention may
+read one fused QKV tensor or three tensors ``q, k, v``; ``attrs.kv_heads`` (grouped-query
+attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, whose column
+blocks are not whole heads, so it may only split over batch) refine it.
 
 The IR is torch-free and frozen: the planner, the cost model and the runtime all read it.
 """
@@ -41,10 +49,18 @@ class OpKind(str, Enum):
     POOL = "pool"
     FLATTEN = "flatten"
     LOSS = "loss"
+    # Kinds that imported models (ilp_planner.importer) use; the runtime's own kernels do not
+    # cover them (plans of such graphs run through ``Plan.parallelize`` on the user's module).
+    SILU = "silu"
+    MUL = "mul"
+    RMSNORM = "rmsnorm"
+    BATCHNORM = "batchnorm"
+    OPAQUE = "opaque"
 
     @property
     def is_elementwise(self) -> bool:
-        return self in (OpKind.GELU, OpKind.RELU, OpKind.ADD, OpKind.DROPOUT)
+        return self in (OpKind.GELU, OpKind.RELU, OpKind.ADD, OpKind.DROPOUT, OpKind.SILU,
+                        OpKind.MUL)
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,8 @@ class Op:
     parameter including biases and norm gains. ``block``/``block_index`` mark repeated blocks:
     ops with the same ``block`` and the same ``name`` suffix after the block prefix may be
     tied to one strategy. ``attrs`` carries kind-specific integers (heads, kernel, seq_len).
+    ``source_params`` names, for an op imported from an ``nn.Module``, the module's
+    parameters the op owns (so a plan can be applied back to the module).
     """
 
     name: str
@@ -109,6 +127,7 @@ class Op:
     block: str | None = None
     block_index: int | None = None
     attrs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    source_params: tuple[str, ...] = ()
 
     def attr(self, key: str) -> int:
         if key not in self.attrs:

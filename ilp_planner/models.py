@@ -207,7 +207,7 @@ def vgg13(batch: int, image: int = 224, classes: int = 1000, dtype: str = "float
 # -- explicit graphs ----------------------------------------------------------------------
 
 GRAPH_OP_KEYS = ("name", "kind", "inputs", "shape", "dtype", "weight", "params", "flops",
-                 "block", "block_index", "attrs")
+                 "block", "block_index", "attrs", "source_params")
 """Keys of one op in the explicit-graph YAML form (``model: {kind: graph, ops: [...]}``)."""
 
 
@@ -329,14 +329,38 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
         if block is not None:
             block = r.string(block, join(path, "block"))
             block_index = r.nonneg_int(block_index, join(path, "block_index"))
+        source_params = tuple(r.string(x, join(join(path, "source_params"), j)) for j, x in
+                              enumerate(r.sequence(d.get("source_params", []),
+                                                   join(path, "source_params"))))
         ops.append(Op(op_name, kind, tuple(inputs), out, weight, params, float(flops),
-                      block, block_index, _attrs(**attrs)))
+                      block, block_index, _attrs(**attrs), source_params))
         seen[op_name] = i
         shapes[op_name] = out.shape
     try:
         return Graph(name, ops)
     except ConfigError as exc:  # defensive: the checks above should have caught it
         raise ConfigError(str(exc), source=source, key=join(key, "ops")) from exc
+
+
+def graph_to_spec(graph: Graph) -> dict[str, Any]:
+    """The explicit ``kind: graph`` form of ``graph`` (every field spelled out), which
+    :func:`graph_from_spec` reads back to an equal graph: how a plan records a model given as
+    an object (an imported ``nn.Module``)."""
+    ops = []
+    for op in graph.ops:
+        d: dict[str, Any] = {"name": op.name, "kind": op.kind.value, "inputs": list(op.inputs),
+                             "shape": list(op.output.shape), "dtype": op.output.dtype,
+                             "params": op.params, "flops": op.flops}
+        if op.weight is not None:
+            d["weight"] = list(op.weight.shape)
+        if op.block is not None:
+            d["block"], d["block_index"] = op.block, op.block_index
+        if op.attrs:
+            d["attrs"] = dict(op.attrs)
+        if op.source_params:
+            d["source_params"] = list(op.source_params)
+        ops.append(d)
+    return {"kind": "graph", "name": graph.name, "ops": ops}
 
 
 def _check_explicit_op(r: Reader, path: str, kind: OpKind, out: TensorSpec,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,21 +23,29 @@ from formulations.sbp_problem import (
 )
 from formulations.sbp_search import SEARCHES
 from ilp_planner.baselines import baseline_choices
-from ilp_planner.config import Config, load_config
+from ilp_planner.config import Config, load_config, read_yaml
 from ilp_planner.cost_model import Collective
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.grad_buckets import exposed_grad_sync, fill_buckets
-from ilp_planner.graph import OpKind
+from ilp_planner.graph import Graph, OpKind
 from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
 from ilp_planner.redistribution import plan_redistribution
 from ilp_planner.stage_boundary import StageBoundary, export_program, import_program
 from ilp_planner.strategies import SyncBucket, tied_exchange_collectives, tied_source
 
 
-def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
-    """Solve a configuration (a :class:`Config` or a YAML path) and return its plan."""
-    if not isinstance(config, Config):
-        config = load_config(config)
+def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: Any = None,
+          training: Any = None, solver: Any = None, pipeline: Any = None,
+          name: str | None = None, baselines: bool = True) -> Plan:
+    """Solve a problem and return its plan. ``config`` is a :class:`Config`, a YAML path, a
+    whole document as a mapping, or just the model — a :class:`Graph` (e.g. from
+    :func:`ilp_planner.importer.from_module`) or a ``model:`` mapping — with the other
+    sections as keywords, each a mapping in the schema's form or its object::
+
+        plan = ilp_planner.solve(graph, cluster=cluster, solver={"time_limit_s": 10})
+    """
+    config = _as_config(config, cluster=cluster, training=training, solver=solver,
+                        pipeline=pipeline, name=name)
     if config.pipeline.pipelined:
         from ilp_planner.pipeline_planner import solve_pipelined
 
@@ -47,6 +57,30 @@ def solve(config: Config | str | Path, *, baselines: bool = True) -> Plan:
     if baselines:
         plan.baselines = price_baselines(gp, config.solver.time_limit_s)
     return plan
+
+
+def _as_config(config: Any, **sections: Any) -> Config:
+    given = {k: v for k, v in sections.items() if v is not None}
+    if isinstance(config, Config) and not given:
+        return config
+    if isinstance(config, (str, Path)) and not given:
+        return load_config(config)
+    if isinstance(config, Config):
+        doc = dict(config.raw)
+    elif isinstance(config, (str, Path)):
+        doc = dict(read_yaml(config))
+    elif isinstance(config, Mapping) and "model" in config:
+        doc = dict(config)
+    elif isinstance(config, (Graph, Mapping)):
+        doc = {"model": config}
+    else:
+        raise ConfigError(f"expected a Config, a YAML path, a document or a model (Graph or "
+                          f"model mapping), got {type(config).__name__}")
+    doc.update(given)
+    if "cluster" not in doc:
+        raise ConfigError("no cluster given: pass cluster=... (a mapping in the config "
+                          "schema's form or a Cluster)", key="cluster")
+    return load_config(doc)
 
 
 def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,

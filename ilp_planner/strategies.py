@@ -44,8 +44,10 @@ from ilp_planner.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.redistribution import Redistribution, plan_redistribution, planner_for
 
 FOLLOWER_KINDS = frozenset(
-    {OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.POOL, OpKind.FLATTEN, OpKind.LOSS}
+    {OpKind.GELU, OpKind.RELU, OpKind.SILU, OpKind.DROPOUT, OpKind.POOL, OpKind.FLATTEN,
+     OpKind.LOSS}
 )
+NORM_KINDS = (OpKind.LAYERNORM, OpKind.RMSNORM)
 
 
 @dataclass(frozen=True)
@@ -136,10 +138,19 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
         return out
     if op.kind is OpKind.EMBEDDING:
         assert op.weight is not None
-        return {"weight": op.weight.shape, "pos": (op.attr("seq_len"), op.weight.shape[1])}
-    if op.kind is OpKind.LAYERNORM:
+        out = {"weight": op.weight.shape}
+        if "seq_len" in op.attrs:  # a learned position table (imported models may have none)
+            out["pos"] = (op.attr("seq_len"), op.weight.shape[1])
+        return out
+    if op.kind in NORM_KINDS:
         h = op.output.shape[-1]
-        return {"weight": (h,), "bias": (h,)}
+        with_bias = op.kind is OpKind.LAYERNORM and op.attrs.get("bias", 1)
+        return {"weight": (h,), "bias": (h,)} if with_bias else {"weight": (h,)}
+    if op.kind is OpKind.BATCHNORM:
+        c = op.output.shape[1]
+        return {"weight": (c,), "bias": (c,)}
+    if op.kind is OpKind.OPAQUE and op.params:
+        return {"weight": (op.params,)}
     if op.kind is OpKind.CONV2D:
         assert op.weight is not None
         return {"weight": op.weight.shape, "bias": (op.weight.shape[0],)}
@@ -234,7 +245,8 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
             _, _, gw = matmul_placements(inputs[0], weight, op.kind is OpKind.EMBEDDING)
             out["weight"] = (weight, Layout(weight.fact, tuple(gw)))
         if op.kind is OpKind.EMBEDDING:
-            out["pos"] = (bias_layout(output, 1), _bias_grad(output, 1))
+            if "seq_len" in op.attrs:
+                out["pos"] = (bias_layout(output, 1), _bias_grad(output, 1))
         elif op.attrs.get("bias"):
             out["bias"] = (bias_layout(output), _bias_grad(output))
     elif op.kind is OpKind.CONV2D:
@@ -245,11 +257,20 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
             P if x.placements[a] == Split(0) and pl == B else pl
             for a, pl in enumerate(weight.placements))))
         out["bias"] = (bias_layout(output), _bias_grad(output))
-    elif op.kind is OpKind.LAYERNORM:
+    elif op.kind in NORM_KINDS:
         lay = inputs[0]
         rep = Layout.replicated(lay.fact)
         g = Layout(lay.fact, tuple(P if pl == Split(0) else B for pl in lay.placements))
-        out = {"weight": (rep, g), "bias": (rep, g)}
+        out = {role: (rep, g) for role in param_shapes(op)}
+    elif op.kind is OpKind.BATCHNORM:
+        # channels split, batch and space whole: each device owns its channels' statistics,
+        # gains and offsets, whose gradients are complete where they live
+        lay = Layout(output.fact, tuple(Split(0) if pl == Split(1) else B
+                                        for pl in output.placements))
+        out = {"weight": (lay, lay), "bias": (lay, lay)}
+    elif op.kind is OpKind.OPAQUE and op.params:
+        rep = Layout.replicated(output.fact)
+        out = {"weight": (rep, rep)}
     return out
 
 
@@ -466,16 +487,24 @@ def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> lis
         return _matmul_family(op, inputs, ctx)
     if kind is OpKind.CONV2D:
         return _conv_family(op, ctx)
-    if kind in (OpKind.LAYERNORM, OpKind.SOFTMAX):
+    if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX):
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
+    if kind is OpKind.BATCHNORM:
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, (1,)), 1, ctx)
+    if kind is OpKind.OPAQUE:
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, ()), len(op.inputs), ctx)
     if kind is OpKind.ATTENTION:
         seq = op.attr("seq_len")
-        divs = {0: op.output.shape[0] // seq, 1: op.attr("heads")}
+        # a [q | k | v] fused tensor's column blocks are not whole heads: batch splits only
+        heads = 1 if op.attrs.get("qkv_major") else math.gcd(op.attr("heads"),
+                                                             op.attrs.get("kv_heads", 0))
+        divs = {0: op.output.shape[0] // seq, 1: heads}
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0, 1), divs),
                                   len(op.inputs), ctx)
-    if kind is OpKind.ADD:
-        return _layout_strategies(
-            op, candidate_layouts(op.output, ctx, tuple(range(op.output.rank))), len(op.inputs), ctx)
+    if kind in (OpKind.ADD, OpKind.MUL):
+        # images split over batch and channels only, as convolutions, pooling and flatten do
+        dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
 
 

@@ -127,8 +127,19 @@ def model_summary(config: Config) -> str:
         f"pipeline  stages {pipe.stages}, microbatches {pipe.microbatches}, "
         f"schedule {pipe.schedule}{sub}",
         solve_size(config),
+        *unsharded_summary(config.graph),
     ]
     return head + "\n" + "\n".join("  " + line for line in lines)
+
+
+def unsharded_summary(graph) -> list[str]:
+    """Ops the planner cannot shard (``opaque``: what an imported model did not map onto
+    the IR), kept replicated on every device — named, so the user can see the cost."""
+    names = [op.name for op in graph.ops if op.kind is OpKind.OPAQUE]
+    if not names:
+        return []
+    shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
+    return [f"unsharded {len(names)} op(s) kept replicated (opaque): {shown}"]
 
 
 # Measured on the shipped GPT configs: a linear op has about 1.6 strategies per proper

@@ -1,0 +1,218 @@
+"""Importing users' ``nn.Module`` s (issue 15): the runtime's own tiny models import to the
+builders' graphs exactly (same plan, same cost); nanoGPT, a Llama block and a small ResNet
+import with their parameters, attention, norms and repeated blocks; every API path (solve,
+load_config, ``kind: torch``, plan round trip) takes an imported graph."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ilp_planner
+from ilp_planner import models
+from ilp_planner.cluster import Cluster, Link
+from ilp_planner.config import load_config
+from ilp_planner.errors import ConfigError
+from ilp_planner.graph import OpKind
+from ilp_planner.importer import from_module
+from ilp_planner.plan import Plan
+from ilp_planner.strategies import StrategyContext, op_strategies
+from ilp_planner.summary import model_summary
+from runtime.modules import GPT, MLP
+from tests.helpers.user_models import Llama, NanoGPT, ResNet
+
+CLUSTER = {"nodes": 2, "devices_per_node": 2, "memory_gib": 16, "peak_tflops": 10,
+           "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 100},
+                     "inter": {"latency_us": 10, "bandwidth_gbps": 10}}}
+
+
+def _ids(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.long)
+
+
+def _same_ops(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a.ops, b.ops, strict=True):
+        assert (x.kind, x.output, x.weight, x.params, x.flops, dict(x.attrs)) == \
+            (y.kind, y.output, y.weight, y.params, y.flops, dict(y.attrs)), (x.name, y.name)
+        assert (x.block is None) == (y.block is None) and x.block_index == y.block_index
+        assert [a.ops.index(a[i]) for i in x.inputs] == [b.ops.index(b[i]) for i in y.inputs]
+
+
+def test_runtime_gpt_module_imports_to_the_builders_graph_and_plan():
+    hidden, layers, heads, seq, vocab, batch = 16, 2, 2, 8, 64, 4
+    imported = from_module(GPT(hidden, layers, heads, seq, vocab), (_ids(batch * seq),))
+    built = models.gpt(hidden, layers, heads, seq, vocab, batch)
+    _same_ops(imported, built)
+    p_imp = ilp_planner.solve(imported, cluster=CLUSTER)
+    p_built = ilp_planner.solve(dict(kind="gpt", hidden=hidden, layers=layers, heads=heads,
+                                     seq_len=seq, vocab=vocab, batch=batch), cluster=CLUSTER)
+    assert p_imp.cost.total_s == pytest.approx(p_built.cost.total_s, rel=1e-12)
+    assert [ly.strategy.split(" ")[0] for ly in p_imp.layers] == \
+        [ly.strategy.split(" ")[0] for ly in p_built.layers]
+    assert [ly.output for ly in p_imp.layers] == [ly.output for ly in p_built.layers]
+
+
+def test_runtime_mlp_module_imports_to_the_builders_graph():
+    imported = from_module(MLP([8, 16, 4], bias=True), (torch.zeros(4, 8),))
+    _same_ops(imported, models.mlp([8, 16, 4], 4, bias=True))
+
+
+def test_nanogpt_import():
+    model = NanoGPT()
+    g = from_module(model, (_ids(2, 8),))
+    assert g.total_params == sum(p.numel() for p in model.parameters())
+    emb = g["transformer.wte"]
+    assert emb.kind is OpKind.EMBEDDING and emb.attrs["seq_len"] == 8  # wpe folded in
+    head = g["lm_head"]
+    assert head.attrs["tied"] == 1 and head.params == 0  # nanoGPT ties wte and lm_head
+    attn = g["transformer.h.0.attn.attention"]
+    assert attn.inputs == ("transformer.h.0.attn.c_attn",)
+    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1}
+    assert attn.flops == 4.0 * 16 * 8 * 16
+    assert g["transformer.h.1.mlp.0"].block == "transformer.h"
+    assert g["transformer.h.1.mlp.0"].block_index == 1
+    assert g["transformer.h.1.mlp.0"].tie_key == g["transformer.h.0.mlp.0"].tie_key
+    assert g["transformer.h.0.attn.c_attn"].source_params == (
+        "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias")
+    # [q | k | v] column blocks are not whole heads: attention may only split the batch
+    cluster = load_config({"model": g, "cluster": CLUSTER}).cluster
+    ctx = StrategyContext(cluster, 2, 2, load_config({"model": g, "cluster": CLUSTER}).memory)
+    strategies = op_strategies(attn, [g[i].output for i in attn.inputs], ctx)
+    assert strategies and all(s.output.split_degree(1) == 1 for s in strategies)
+
+
+def test_llama_import():
+    model = Llama()
+    g = from_module(model, (_ids(2, 8),))
+    assert g.total_params == sum(p.numel() for p in model.parameters())
+    attn = g["layers.0.attention"]
+    assert attn.inputs == ("layers.0.wq", "layers.0.wk", "layers.0.wv")
+    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2}
+    assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
+    assert g["layers.0.attention_norm"].params == 32
+    assert g["norm"].kind is OpKind.RMSNORM
+    assert g["layers.0.silu"].kind is OpKind.SILU
+    swiglu = g["layers.0.mul"]
+    assert swiglu.kind is OpKind.MUL and swiglu.inputs == ("layers.0.silu", "layers.0.w3")
+    assert "seq_len" not in g["tok_embeddings"].attrs  # rotary: no position table
+    assert not any(op.kind is OpKind.OPAQUE for op in g.ops)
+    plan = ilp_planner.solve(g, cluster=CLUSTER)
+    assert plan.solver["status"] == "optimal"
+    assert all(plan.cost.total_s <= b["total_s"] + 1e-15
+               for b in plan.baselines.values() if b.get("total_s") is not None)
+
+
+def test_resnet_import_and_solve():
+    model = ResNet()
+    g = from_module(model, (torch.zeros(4, 3, 8, 8),))
+    assert g.total_params == sum(p.numel() for p in model.parameters())
+    kinds = [op.kind for op in g.ops]
+    assert kinds.count(OpKind.CONV2D) == 5 and kinds.count(OpKind.BATCHNORM) == 5
+    assert g["pool"].attrs["avg"] == 1 and g["pool"].output.shape == (4, 8, 1, 1)
+    assert g["fc"].kind is OpKind.LINEAR and g["fc"].inputs == ("fc.flatten",)
+    assert g["layer1.1.add"].inputs == ("layer1.1.bn2", "layer1.0.relu_1")
+    plan = ilp_planner.solve(g, cluster=CLUSTER)
+    assert plan.solver["status"] == "optimal"
+
+
+def test_loss_fn_is_traced_with_the_model():
+    def loss_fn(logits):
+        return logits.float().pow(2).mean()
+    g = from_module(NanoGPT(), (_ids(2, 8),), loss_fn=loss_fn)
+    assert g.ops[-1].kind is OpKind.LOSS and g.ops[-1].inputs == ("lm_head",)
+    assert "lm_head" in g  # module paths keep the user's names under the loss wrapper
+
+
+class _Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(torch.cumsum(self.fc(x), dim=-1))
+
+
+def test_unshardable_ops_are_kept_replicated_and_listed():
+    g = from_module(_Cumsum(), (torch.zeros(4, 8),))
+    opaque = [op for op in g.ops if op.kind is OpKind.OPAQUE]
+    assert [op.name for op in opaque] == ["cumsum"]
+    config = load_config({"model": g, "cluster": CLUSTER})
+    assert "unsharded 1 op(s) kept replicated (opaque): cumsum" in model_summary(config)
+    plan = ilp_planner.solve(config)
+    layer = next(ly for ly in plan.layers if ly.name == "cumsum")
+    assert not layer.output.has_partial
+    assert all(layer.output.split_degree(d) == 1 for d in range(2))  # replicated
+
+
+def test_graph_objects_round_trip_through_the_plan():
+    g = from_module(NanoGPT(), (_ids(2, 8),))
+    plan = ilp_planner.solve(g, cluster=CLUSTER, baselines=False)
+    text = json.dumps(plan.to_dict())
+    again = Plan.from_dict(json.loads(text))
+    rebuilt = load_config(again.config).graph
+    assert [(op.name, op.kind, op.output, op.params, op.source_params, op.block_index)
+            for op in rebuilt.ops] == \
+        [(op.name, op.kind, op.output, op.params, op.source_params, op.block_index)
+         for op in g.ops]
+
+
+def test_sections_as_objects():
+    g = from_module(MLP([8, 8]), (torch.zeros(4, 8),))
+    link = Link(5e-6, 1e-10)
+    cluster = Cluster(1, 4, 16 * 2**30, 1e13, link, link)
+    a = ilp_planner.solve(g, cluster=cluster, solver={"time_limit_s": 5})
+    b = ilp_planner.solve(g, cluster={"nodes": 1, "devices_per_node": 4, "memory_gib": 16,
+                                      "peak_tflops": 10, "links": {
+                                          "intra": {"alpha": 5e-6, "beta": 1e-10},
+                                          "inter": {"alpha": 5e-6, "beta": 1e-10}}})
+    assert a.cost.total_s == pytest.approx(b.cost.total_s)
+    with pytest.raises(ConfigError, match="no cluster given"):
+        ilp_planner.solve(g)
+
+
+def test_config_kind_torch(tmp_path):
+    path = tmp_path / "gpt.yaml"
+    path.write_text(
+        "model:\n  kind: torch\n  module: runtime.modules:GPT\n"
+        "  kwargs: {hidden: 16, layers: 2, heads: 2, seq_len: 8, vocab: 64}\n"
+        "  example_inputs: {ids: {shape: [32], dtype: int64, high: 64}}\n"
+        "cluster:\n  nodes: 1\n  devices_per_node: 4\n  memory_gib: 16\n  peak_tflops: 10\n"
+        "  links: {intra: {latency_us: 5, bandwidth_gbps: 100}, "
+        "inter: {latency_us: 10, bandwidth_gbps: 10}}\n")
+    config = load_config(path)
+    _same_ops(config.graph, models.gpt(16, 2, 2, 8, 64, 4))
+    assert config.model["kind"] == "torch"  # sweeps override kwargs and re-import
+    bad = path.read_text().replace("runtime.modules:GPT", "runtime.modules:Nope")
+    path.write_text(bad)
+    with pytest.raises(ConfigError, match=r"model\.module.*cannot import"):
+        load_config(path)
+
+
+def test_one_billion_parameter_model_on_meta_device():
+    with torch.device("meta"):
+        model = NanoGPT(vocab=50304, block_size=1024, n_embd=2048, n_head=16, n_layer=20)
+        ids = torch.zeros(4, 1024, dtype=torch.long)
+    g = from_module(model, (ids,))
+    n = sum(p.numel() for p in model.parameters())
+    assert g.total_params == n and n > 1e9
+    assert len({op.tie_key for op in g.ops if op.tie_key}) == 10  # one block's ops, tied
+    assert math.isclose(g["lm_head"].flops, 2.0 * 4 * 1024 * 2048 * 50304)
+
+
+def test_export_and_fx_failure_names_both():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y if float(y.sum()) > 0 else -y
+
+    with pytest.raises(ConfigError, match="torch.export failed.*symbolic tracing failed"):
+        from_module(DataDependent(), (torch.randn(2, 4),))
