@@ -17,7 +17,7 @@ Building it from a graph (:func:`build_problem`) does the two reductions the ILP
 * **merging followers** — an elementwise op, pooling, flatten or the loss with one input
   can only follow its producer, so it joins the producer's node: option k of the node is a
   producer strategy and, for a follower reading partial sums, how they are reduced
-  (reduce-scattered or all-reduced, :func:`ilp_planner.strategies.partial_resolutions`);
+  (reduce-scattered or all-reduced, :func:`ilp_planner.strategies.follower_inputs`);
   it fixes the followers' layouts and adds their costs;
 * **tying repeated layers** (AutoDDL §4.5.1) — the same op of every repetition of a block
   shares one group; costs, memory and edge matrices of the copies are summed.
@@ -50,9 +50,9 @@ from ilp_planner.strategies import (
     StrategyContext,
     SyncBucket,
     follow,
+    follower_inputs,
     grad_sync,
     op_strategies,
-    partial_resolutions,
     tied_exchange_seconds,
     tied_source,
 )
@@ -245,8 +245,8 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     opts = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
     for base in op_strategies(rep, in_specs, ctx):
-        choices = partial_resolutions(base.output, rep.output)
-        for picks in itertools.product(choices, repeat=len(readers)):
+        choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
+        for picks in itertools.product(*choices):
             opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
                                      ctx, microbatches, input_reached))
     if not opts:
@@ -260,7 +260,7 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
 def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
                  ctx: StrategyContext, microbatches: int, input_reached: bool) -> NodeOption:
     """One option: the base strategy, and each follower reading the base op's output in
-    ``resolved_for[follower]`` (one of :func:`partial_resolutions`)."""
+    ``resolved_for[follower]`` (one of :func:`follower_inputs`)."""
     rep = graph[members[0]]
     outputs = [base.output]
     inputs = [base.inputs]

@@ -3,7 +3,9 @@ torch.distributed runtime for the plans.
 
 Public API: :func:`solve`, :func:`load_config`, :class:`Config`, :class:`Plan`,
 :func:`sweep` and :func:`load_sweep` (batch solves, :mod:`ilp_planner.sweeps`),
-:func:`from_module` (a user's ``nn.Module`` → :class:`Graph`, :mod:`ilp_planner.importer`). They are
+:func:`from_module` (a user's ``nn.Module`` → :class:`Graph`, :mod:`ilp_planner.importer`)
+and :func:`apply` (a plan applied to that module, :mod:`runtime.apply`; also
+``plan.parallelize``). They are
 resolved lazily so that importing an IR module (``ilp_planner.graph``) does not pull in the
 solvers.
 """
@@ -20,6 +22,7 @@ _API = {
     "sweep": "ilp_planner.sweeps",
     "load_sweep": "ilp_planner.sweeps",
     "from_module": "ilp_planner.importer",
+    "apply": "runtime.apply",
     "Graph": "ilp_planner.graph",
 }
 

@@ -146,9 +146,10 @@ def _tokens_major(shape: Sequence[int]) -> tuple[int, ...]:
 class _Lifter:
     """One walk over an exported graph, building the IR ops."""
 
-    def __init__(self, module: Any, strip: str = ""):
+    def __init__(self, module: Any, strip: str = "", dtensor: bool = True):
         self.module = module
         self.strip = strip
+        self.dtensor = dtensor
         self.drafts: dict[str, _Draft] = {}
         self.values: dict[str, Any] = {}
         self.param_of: dict[str, str] = {}  # placeholder name -> parameter FQN
@@ -331,18 +332,19 @@ class _Lifter:
         if wname is None or not isinstance(x, _Act):
             return self._opaque(node, [a for a in (x, w) if isinstance(a, _Act)], val, "linear")
         n, k = self.param_shape[wname]
-        return self._linear(node, x, wname, self._param(b), k, n, val)
+        return self._linear(node, x, wname, self._param(b), k, n, val, stored_t=True)
 
     def _linear(self, node, x: _Act, wname: str, bname: str | None, k: int, n: int,
-                val) -> _Act:
+                val, stored_t: bool = False) -> _Act:
         """``x (tokens, k) × W (k, n)``; a weight an embedding already owns is its tied head."""
         src = self.ir(node, x)
         tokens = _numel(val.shape) // n
         tied = wname in self.owner and self.drafts[self.owner[wname]].kind is OpKind.EMBEDDING
         owned = [p for p in (wname, bname) if p is not None]
+        # ``weight_t``: the module stores the weight (out, in), as nn.Linear does
         act = self.add(node, OpKind.LINEAR, [src], (tokens, n), _dtype(val), weight=(k, n),
                        params=owned, flops=2.0 * tokens * k * n, bias=int(bname is not None),
-                       tied=int(tied))
+                       tied=int(tied), **({"weight_t": 1} if stored_t else {}))
         if tied:
             d = self.drafts[act.src[0]]
             d.source_params = (wname,) + d.source_params
@@ -378,7 +380,11 @@ class _Lifter:
             return self._opaque(node, [q, k, v], val, "attention")
         # grouped-query attention repeats k / v heads after the projection: count them there
         kv_heads = self.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 else heads
+        # the user's attention runs under DTensor (Plan.parallelize), whose 4-D matmul
+        # cannot merge a batch split with a head split: one or the other
         attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
+        if self.dtensor:
+            attrs["one_split"] = 1
         if kv_heads != heads:
             attrs["kv_heads"] = kv_heads
         if len(srcs) == 1 and not _head_major(q.chain):
@@ -519,7 +525,10 @@ class _Lifter:
     def _loss(self, node, x: _Act, val) -> _Act:
         src = self.ir(node, x)
         n = _numel(self.drafts[src].shape)
-        act = self.add(node, OpKind.LOSS, [src], (1,), "float32", flops=3.0 * n)
+        # the user's loss code runs on the output as DTensor sees it: no vocabulary-parallel
+        # loss, so the plan gathers split classes before it (strategies.follower_inputs)
+        act = self.add(node, OpKind.LOSS, [src], (1,), "float32", flops=3.0 * n,
+                       **({"whole_classes": 1} if self.dtensor else {}))
         return act
 
     def _fold(self, node, op: str, args, acts: list[_Act], val) -> _Act:
@@ -669,12 +678,19 @@ def _rel(name: str, prefix: str) -> str:
 
 
 def from_module(module: Any, example_inputs: Any, *,
-                loss_fn: Callable[[Any], Any] | None = None, name: str | None = None) -> Graph:
+                loss_fn: Callable[[Any], Any] | None = None, name: str | None = None,
+                dtensor: bool = True) -> Graph:
     """The layer graph of ``module`` run on ``example_inputs`` (a tensor, a tuple of them, or
     a mapping of keyword arguments), through ``torch.export``; ``torch.fx`` symbolic tracing
     where export fails. ``loss_fn(output) → scalar`` is traced with the model; without it the
     loss is the mean cross-entropy over the output's last dim. Tensors may live on the
-    ``meta`` device (a 1B-parameter model imports without allocating it)."""
+    ``meta`` device (a 1B-parameter model imports without allocating it).
+
+    ``dtensor`` (default): the plan will run on this module under ``Plan.parallelize``,
+    where the user's own code runs on DTensors — so attention splits the batch or the heads,
+    not both (DTensor's 4-D matmul cannot merge the two splits: ``attrs.one_split``), and the
+    user's loss reads its logits with whole classes (``attrs.whole_classes``). False gives
+    the bare graph, as the builders would (the runtime's own executor runs it)."""
     import torch
 
     args, kwargs = _split_inputs(example_inputs)
@@ -682,7 +698,7 @@ def from_module(module: Any, example_inputs: Any, *,
     if loss_fn is not None:
         root, strip = _WithLoss(module, loss_fn), "model."
     ep = _export(root, args, kwargs, torch)
-    lifter = _Lifter(module, strip)
+    lifter = _Lifter(module, strip, dtensor)
     try:
         lifter.lift(ep)
     except _Unsupported as exc:

@@ -21,8 +21,8 @@ from ilp_planner.strategies import (
     Strategy,
     StrategyContext,
     follow,
+    follower_inputs,
     op_strategies,
-    partial_resolutions,
 )
 
 FOLLOWS = "follows "
@@ -79,7 +79,7 @@ def _check_follower(op: Op, ly: LayerPlan, layers: dict[str, LayerPlan], graph: 
     src = op.inputs[0]
     tensor = graph[src].output
     producer = layers.get(src)
-    allowed = (partial_resolutions(producer.output, tensor)
+    allowed = (follower_inputs(op, producer.output, tensor)
                if producer is not None and producer.stage == ly.stage else ly.inputs[:1])
     if len(ly.inputs) != 1 or ly.inputs[0] not in allowed or ly.inputs[0].has_partial:
         raise PlanFormatError(f"{where}: a follower reads its producer's output with partial sums "

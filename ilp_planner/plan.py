@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ilp_planner.cluster import MeshAxis, fact_str
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective
@@ -207,6 +208,15 @@ class Plan:
     schedule: dict | None = None
     resharding: list[dict] = field(default_factory=list)
     version: int = PLAN_VERSION
+
+    def parallelize(self, module: Any, device_mesh: Any = None) -> Any:
+        """Apply this plan to the user's ``module`` (imported with
+        :func:`ilp_planner.importer.from_module`) on this rank of a ``torch.distributed``
+        job: parameters become DTensors in their planned placements and every planned
+        layout change runs at a module boundary (:mod:`runtime.apply`). Returns the module."""
+        from runtime.apply import parallelize
+
+        return parallelize(self, module, device_mesh)
 
     def to_dict(self) -> dict:
         return {

@@ -13,7 +13,9 @@ strategies on an ``r × c`` mesh: I, W, O all ``(S0:r, S1:c)``; forward AllGathe
 c and W along r, backward ReduceScatters dI along c and dW along r.
 
 Other ops: layernorm / softmax keep the last dim whole (tokens split or replicated);
-attention splits over batch (dim 0, whole sequences) and heads (dim 1); add takes any
+attention splits over batch (dim 0, whole sequences) and heads (dim 1) — one of the two
+where ``attrs.one_split`` is set (imported models: their attention runs under DTensor,
+whose 4-D matmul cannot merge a batch split with a head split); add takes any
 partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
 in-channels); elementwise ops, pooling, flatten and the loss *follow* their producer (they
 are merged into it before solving, see :mod:`formulations.sbp_problem`).
@@ -499,8 +501,11 @@ def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> lis
         heads = 1 if op.attrs.get("qkv_major") else math.gcd(op.attr("heads"),
                                                              op.attrs.get("kv_heads", 0))
         divs = {0: op.output.shape[0] // seq, 1: heads}
-        return _layout_strategies(op, candidate_layouts(op.output, ctx, (0, 1), divs),
-                                  len(op.inputs), ctx)
+        layouts = candidate_layouts(op.output, ctx, (0, 1), divs)
+        if op.attrs.get("one_split"):  # see the module docstring
+            layouts = [lay for lay in layouts
+                       if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
+        return _layout_strategies(op, layouts, len(op.inputs), ctx)
     if kind in (OpKind.ADD, OpKind.MUL):
         # images split over batch and channels only, as convolutions, pooling and flatten do
         dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
@@ -600,6 +605,17 @@ def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -
         out.append(coll(CollectiveKind.ALL_REDUCE, layout.fact, rows, LOSS_ITEMSIZE, ctx,
                          "forward", "loss"))
     return tuple(out)
+
+
+def follower_inputs(op: Op, layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...]:
+    """The layouts a follower may read its producer's output in: one of
+    :func:`partial_resolutions`; a loss marked ``whole_classes`` (the user's own loss code,
+    imported models) reads its logits with the class dim gathered, since only a vocabulary-
+    parallel loss the runtime writes itself can work on split classes."""
+    if op.kind is OpKind.LOSS and op.attrs.get("whole_classes"):
+        return (Layout(layout.fact, tuple(B if isinstance(pl, Partial) or pl == Split(1) else pl
+                                          for pl in layout.placements)),)
+    return partial_resolutions(layout, tensor)
 
 
 def partial_resolutions(layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...]:

@@ -11,3 +11,8 @@ class RuntimeSetupError(PlannerError):
 
 class ScheduleError(PlannerError):
     """A pipeline schedule's action list is malformed (unknown kind, missing micro-batch)."""
+
+
+class FidelityError(PlannerError):
+    """What ran differs from what the plan priced: a placement DTensor chose that the plan
+    does not have, or a gradient that skipped its planned reduction."""

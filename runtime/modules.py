@@ -4,9 +4,9 @@ They compute exactly what the runtime's kernels compute for the builders' graphs
 (:mod:`runtime.model`: ``y = x W + b`` with ``W`` stored ``(in, out)``, head-major fused QKV,
 a learned position table, GPT's head tied to the embedding table), so importing one
 (:func:`ilp_planner.importer.from_module`) must give the graph the builder gives, and a plan
-applied to it (:mod:`ilp_planner.parallelize`) must train like the runtime's own run.
-Parameters are initialised with the runtime's deterministic per-name draws
-(:func:`runtime.model.init_param`) when a ``seed`` is given.
+applied to it (:meth:`ilp_planner.plan.Plan.parallelize`) must train like the module in
+one process. Parameters are drawn as ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding``
+draw theirs (seed torch identically on every rank).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class Linear(nn.Module):
 
     def __init__(self, k: int, n: int, bias: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(k, n))
-        self.bias = nn.Parameter(torch.empty(n)) if bias else None
+        bound = 1.0 / k**0.5
+        self.weight = nn.Parameter(torch.empty(k, n).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(n).uniform_(-bound, bound)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return model.linear(x, self.weight, self.bias)
@@ -32,8 +33,8 @@ class Linear(nn.Module):
 class LayerNorm(nn.Module):
     def __init__(self, h: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(h))
-        self.bias = nn.Parameter(torch.empty(h))
+        self.weight = nn.Parameter(torch.ones(h))
+        self.bias = nn.Parameter(torch.zeros(h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return model.layer_norm(x, self.weight, self.bias)
@@ -63,8 +64,8 @@ class GPT(nn.Module):
     def __init__(self, hidden: int, layers: int, heads: int, seq_len: int, vocab: int):
         super().__init__()
         self.seq_len = seq_len
-        self.embed = nn.ParameterDict({"weight": nn.Parameter(torch.empty(vocab, hidden)),
-                                       "pos": nn.Parameter(torch.empty(seq_len, hidden))})
+        self.embed = nn.ParameterDict({"weight": nn.Parameter(torch.randn(vocab, hidden) * 0.02),
+                                       "pos": nn.Parameter(torch.randn(seq_len, hidden) * 0.02)})
         self.h = nn.ModuleList(Block(hidden, heads, seq_len) for _ in range(layers))
         self.ln_f = LayerNorm(hidden)
 

@@ -34,20 +34,31 @@ def _ids(*shape: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.long)
 
 
+# what an imported graph adds for running on the user's module (DTensor): attention splits
+# batch or heads, the user's loss reads whole classes
+_EXECUTION_ATTRS = ("one_split", "whole_classes")
+
+
+def _attrs(op) -> dict:
+    return {k: v for k, v in op.attrs.items() if k not in _EXECUTION_ATTRS}
+
+
 def _same_ops(a, b) -> None:
     assert len(a) == len(b)
     for x, y in zip(a.ops, b.ops, strict=True):
-        assert (x.kind, x.output, x.weight, x.params, x.flops, dict(x.attrs)) == \
-            (y.kind, y.output, y.weight, y.params, y.flops, dict(y.attrs)), (x.name, y.name)
+        assert (x.kind, x.output, x.weight, x.params, x.flops, _attrs(x)) == \
+            (y.kind, y.output, y.weight, y.params, y.flops, _attrs(y)), (x.name, y.name)
         assert (x.block is None) == (y.block is None) and x.block_index == y.block_index
         assert [a.ops.index(a[i]) for i in x.inputs] == [b.ops.index(b[i]) for i in y.inputs]
 
 
 def test_runtime_gpt_module_imports_to_the_builders_graph_and_plan():
     hidden, layers, heads, seq, vocab, batch = 16, 2, 2, 8, 64, 4
-    imported = from_module(GPT(hidden, layers, heads, seq, vocab), (_ids(batch * seq),))
+    imported = from_module(GPT(hidden, layers, heads, seq, vocab), (_ids(batch * seq),),
+                           dtensor=False)
     built = models.gpt(hidden, layers, heads, seq, vocab, batch)
     _same_ops(imported, built)
+    assert [dict(op.attrs) for op in imported.ops] == [dict(op.attrs) for op in built.ops]
     p_imp = ilp_planner.solve(imported, cluster=CLUSTER)
     p_built = ilp_planner.solve(dict(kind="gpt", hidden=hidden, layers=layers, heads=heads,
                                      seq_len=seq, vocab=vocab, batch=batch), cluster=CLUSTER)
@@ -72,7 +83,7 @@ def test_nanogpt_import():
     assert head.attrs["tied"] == 1 and head.params == 0  # nanoGPT ties wte and lm_head
     attn = g["transformer.h.0.attn.attention"]
     assert attn.inputs == ("transformer.h.0.attn.c_attn",)
-    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1}
+    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1, "one_split": 1}
     assert attn.flops == 4.0 * 16 * 8 * 16
     assert g["transformer.h.1.mlp.0"].block == "transformer.h"
     assert g["transformer.h.1.mlp.0"].block_index == 1
@@ -92,7 +103,7 @@ def test_llama_import():
     assert g.total_params == sum(p.numel() for p in model.parameters())
     attn = g["layers.0.attention"]
     assert attn.inputs == ("layers.0.wq", "layers.0.wk", "layers.0.wv")
-    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2}
+    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "one_split": 1}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM
