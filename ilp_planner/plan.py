@@ -218,6 +218,15 @@ class Plan:
 
         return parallelize(self, module, device_mesh)
 
+    def to_parallelize_plan(self) -> dict[str, Any]:
+        """The plan as PyTorch tensor-parallel styles (``ColwiseParallel`` /
+        ``RowwiseParallel`` per module path) for ``parallelize_module``, where its layouts are
+        those styles on one TP axis; ``ValueError`` naming the layer where they are not
+        (:func:`runtime.apply.to_parallelize_plan`)."""
+        from runtime.apply import to_parallelize_plan
+
+        return to_parallelize_plan(self)
+
     def to_dict(self) -> dict:
         return {
             "schema": PLAN_SCHEMA,

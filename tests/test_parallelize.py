@@ -130,3 +130,24 @@ def test_one_rank_applies_and_trains_like_the_module(one_rank):
     assert float(loss.full_tensor()) == pytest.approx(float(ref_loss), rel=1e-6)
     grad = applied.fc[0].weight.grad.full_tensor()
     assert torch.allclose(grad, ref.fc[0].weight.grad, atol=1e-6)
+
+
+def test_megatron_plans_map_onto_pytorch_tensor_parallel_styles():
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ilp_planner.baselines import megatron_filter
+    from ilp_planner.config import load_config
+    from runtime.plans import restricted_plan, three_d_filter
+
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    graph = ilp_planner.from_module(model, (torch.zeros(8, 32),))
+    config = load_config({"model": graph, "cluster": dict(CLUSTER, devices_per_node=4)})
+    dp, tp = MeshAxis(1, 2), MeshAxis(1, 2)
+    plan = restricted_plan(config, megatron_filter(dp, tp))
+    styles = plan.to_parallelize_plan()
+    kinds = {name: type(style) for name, style in styles.items()}
+    assert kinds == {"0": ColwiseParallel, "2": RowwiseParallel}
+    three_d = restricted_plan(config, three_d_filter((1, 2, 2)))
+    with pytest.raises(ValueError, match="splits its weight over 2 mesh axes"):
+        three_d.to_parallelize_plan()
