@@ -95,6 +95,8 @@ def test_nanogpt_import():
     ctx = StrategyContext(cluster, 2, 2, load_config({"model": g, "cluster": CLUSTER}).memory)
     strategies = op_strategies(attn, [g[i].output for i in attn.inputs], ctx)
     assert strategies and all(s.output.split_degree(1) == 1 for s in strategies)
+    text = ilp_planner.solve(g, cluster=CLUSTER, baselines=False).explain()
+    assert "transformer.h.[0,1].attn.c_attn" in text and "transformer.wte [embedding]" in text
 
 
 def test_llama_import():
