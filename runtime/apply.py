@@ -69,7 +69,8 @@ from ilp_planner.strategies import (
 from runtime.comm import Comm, LVal
 from runtime.errors import FidelityError, RuntimeSetupError
 from runtime.mesh import MeshRegistry
-from runtime.recorder import Recorder, tagged
+from runtime.ops import bias_share
+from runtime.recorder import tagged
 
 GROUP_TIMEOUT_S = 300.0
 
@@ -191,20 +192,6 @@ class _Hook:
     local: bool = False  # the module computes on this rank's blocks (see LOCAL_KINDS)
 
 
-class _Share(torch.autograd.Function):
-    """``b / p`` forward, the gradient unscaled — the runtime's :func:`runtime.ops.
-    bias_share`: every device of a partial group adds ``b / p``, so the reduced output
-    holds ``b`` once, and its replicated gradient is each share's full gradient."""
-
-    @staticmethod
-    def forward(ctx, b: torch.Tensor, p: float) -> torch.Tensor:
-        return b / p
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 class Applied:
     """The state :func:`parallelize` attaches to the module (``module.ilp_plan``)."""
 
@@ -228,7 +215,6 @@ class Applied:
         self.ctx = StrategyContext(cl, cl.nodes, cl.devices_per_node, self.config.memory,
                                    self.config.solver.max_weight_replication)
         self.registry = MeshRegistry(GROUP_TIMEOUT_S)
-        self.recorder: Recorder | None = None
         self.comm = Comm(self.registry, self.devices, self.rank, cl, None)
         self._check_ops()
         self.edges = {(e.consumer, e.index): e.program
@@ -522,15 +508,13 @@ class Applied:
                 args[idx] = _Unwrap.apply(x, _spec(self.mesh(grads[idx]),
                                                    placements(grads[idx], dims, where), x,
                                                    tuple(x.shape)))
-        out = ly.output
-        p = math.prod(out.fact[a].size for a in out.partial_axes)
         for role, fqn in zip(param_shapes(op), op.source_params, strict=True):
             param, stored, grad, dims = self.params[fqn]
             local = _Unwrap.apply(param, _spec(self.mesh(stored),
                                                placements(grad, dims, f"gradient of {fqn}"),
                                                param, tuple(param.shape)))
-            if role in ("bias", "pos") and p > 1:
-                local = _Share.apply(local, float(p))
+            if role in ("bias", "pos"):
+                local = bias_share(local, ly.output)
             owner, _, attr = fqn.rpartition(".")
             module = self.module.get_submodule(owner) if owner else self.module
             module._parameters[attr] = local  # nn.Module refuses non-Parameters via setattr

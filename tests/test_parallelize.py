@@ -10,11 +10,7 @@ become DTensor placements, and what parallelize refuses, with a clear error, bef
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,21 +23,7 @@ from ilp_planner.layouts import B, Layout, P, S
 from runtime.apply import DimMap, check_row_major, mesh_shape, placements
 from runtime.errors import RuntimeSetupError
 from runtime.modules import GPT, MLP
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:6])}… hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+from tests.helpers.procs import run
 
 
 def _torchrun(n: int, *args: str) -> list[str]:
@@ -51,7 +33,7 @@ def _torchrun(n: int, *args: str) -> list[str]:
 
 @pytest.mark.slow
 def test_user_example_trains_on_eight_ranks_like_one_process():
-    res = _run(_torchrun(8, "examples/train_own_model.py", "--steps", "5", "--audit"), 420)
+    res = run(_torchrun(8, "examples/train_own_model.py", "--steps", "5", "--audit"), 420)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert "all ranks: losses match and executed = planned" in res.stdout
     assert res.stdout.count("match") >= 5 and "MISMATCH" not in res.stdout
@@ -62,7 +44,7 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "llama"])
 def test_applied_modules_match_one_process_and_the_plan(model):
-    res = _run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
+    res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))
     if model == "mlp":  # weights split, so biases are added to partial sums (shares)

@@ -22,9 +22,6 @@ exists (in-process, no torchrun needed); a rank that dies mid-step ends the job 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +47,7 @@ from runtime.plans import (
     unit_tasks,
 )
 from runtime.reference import compare, run_reference, tolerance
+from tests.helpers.procs import run
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -112,20 +110,6 @@ def build_plan(n: int, model: str, variant: str) -> Plan:
     raise ValueError(variant)
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout kill the whole group (no strays)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[:6])}… hung for {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def _launch(n: int, tmp: Path) -> dict:
     """Build this world size's plans, train them all in one launch, return results by name."""
     cases = [c for c in REQUIRED + EXTRA if c[0] == n]
@@ -144,7 +128,7 @@ def _launch(n: int, tmp: Path) -> dict:
     else:  # torchrun directly
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                "8", "-m", "runtime.launch", *files, *common]
-    res = _run(cmd, timeout=420)
+    res = run(cmd, timeout=420)
     assert res.returncode == 0, f"launch failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     out = {Path(r["file"]).stem: r for r in json.loads((tmp / "results.json").read_text())}
     for stem in out:
@@ -240,7 +224,7 @@ def test_overlapped_gradient_sync_equals_the_sequential_one(runs, tmp_path) -> N
     bit-identical losses and parameters."""
     path = tmp_path / "mlp4-chunks.json"
     build_plan(4, "mlp", "chunks").save(path)
-    res = _run([sys.executable, "-m", "ilp_planner.cli", "run", str(path), "--nproc-per-node", "4",
+    res = run([sys.executable, "-m", "ilp_planner.cli", "run", str(path), "--nproc-per-node", "4",
                 "--steps", str(STEPS), "--optimizer", OPT["mlp"][0], "--lr", str(OPT["mlp"][1]),
                 "--results", str(tmp_path / "r.json"), "--save-params", str(tmp_path / "p"),
                 "--quiet", "--no-overlap"], timeout=180)
@@ -433,7 +417,7 @@ def test_crashed_rank_ends_the_job(tmp_path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "runtime.launch", str(path), "--steps", "3", "--timeout", "20",
            "--crash-rank", "1", "--crash-step", "1"]
-    res = _run(cmd, timeout=180)
+    res = run(cmd, timeout=180)
     assert res.returncode != 0
     assert "crashing on purpose at step 1" in res.stderr
 

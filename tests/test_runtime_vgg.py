@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime import RTOL, STEPS, _run
+from test_runtime import RTOL, STEPS
 from torch import nn
 
 from ilp_planner.cluster import MeshAxis
@@ -40,6 +40,7 @@ from runtime.executor import Executor, RunOptions
 from runtime.optim import OptimizerSpec
 from runtime.plans import restricted_plan
 from runtime.reference import compare, forward, run_reference
+from tests.helpers.procs import run as _run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-vgg-cpu.yaml"
