@@ -364,6 +364,9 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
                            microbatches)
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrix_cache: dict[tuple, np.ndarray] = {}
+    # tied nodes share one options list: the same (lists, positions, tensor) give the same
+    # layouts, so their matrix is found without hashing hundreds of layouts per edge
+    by_lists: dict[tuple, np.ndarray] = {}
     for src, dst in graph.edges():
         if graph[src].kind is OpKind.INPUT:
             continue
@@ -372,12 +375,16 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             continue
         idx = graph[dst].inputs.index(src)
         tensor = graph[src].output
-        outs = tuple(o.outputs[position[src]] for o in options[u])
-        ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx]) for o in options[v])
-        key = (tensor, outs, ins)
-        if key not in matrix_cache:
-            matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
-        r = matrix_cache[key]
+        quick = (id(options[u]), position[src], id(options[v]), position[dst], idx, tensor)
+        r = by_lists.get(quick)
+        if r is None:
+            outs = tuple(o.outputs[position[src]] for o in options[u])
+            ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx])
+                        for o in options[v])
+            key = (tensor, outs, ins)
+            if key not in matrix_cache:
+                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
+            r = by_lists[quick] = matrix_cache[key]
         gu, gv = group_of[u], group_of[v]
         if gu == gv:
             cost[gu] += np.diag(r)
