@@ -168,7 +168,7 @@ def dominated_free(problem: Problem) -> list[np.ndarray]:
     return kept
 
 
-def _weakly_below(f: np.ndarray, budget: int = 1 << 20) -> np.ndarray:
+def _weakly_below(f: np.ndarray, budget: int = 1 << 13) -> np.ndarray:
     """``le[l, k]``: row l of ``f`` is at most row k (+1e-15) in every column. The candidate
     pairs are narrowed column block by column block (cost and memory first), since most
     pairs fail early — a group with hundreds of strategies and thousands of edge columns
@@ -242,6 +242,7 @@ class BuildCache:
     options: dict[tuple, list[NodeOption]] = field(default_factory=dict)
     matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
     programs: dict[tuple, float] = field(default_factory=dict)
+    facts: dict[int, _ListFacts] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -389,11 +390,19 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         groups[group_index[gk]].append(node)
     group_of = {node: group_index[group_key[node]] for node in members}
 
+    derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
+
+    def facts(opts: list[NodeOption]) -> _ListFacts:
+        f = derived.get(id(opts))
+        if f is None:
+            f = derived[id(opts)] = _list_facts(opts)
+        return f
+
     cost = [np.zeros(len(options[g[0]])) for g in groups]
     mem = [np.zeros(len(options[g[0]])) for g in groups]
     for node, g in group_of.items():
-        cost[g] += [o.cost_s for o in options[node]]
-        mem[g] += [o.memory_bytes for o in options[node]]
+        cost[g] += facts(options[node]).cost
+        mem[g] += facts(options[node]).memory
 
     _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
                            microbatches, {} if cache is None else cache.programs)
@@ -428,50 +437,81 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
     _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
-    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx)
+    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
                if grad_bucket_bytes > 0 else None)
     problem = Problem(names, cost, mem, edges, memory_budget, buckets)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
                         microbatches, boundary, grad_bucket_bytes)
 
 
+@dataclass(frozen=True)
+class _ListFacts:
+    """Per options list, what every build reads from it: cost and memory per strategy and
+    its gradient reductions as rows (strategy, device-group key number, bytes), the keys
+    in order of first appearance with a sample collective each (for its latency)."""
+
+    cost: np.ndarray
+    memory: np.ndarray
+    sizes: frozenset[float]
+    sync_k: np.ndarray
+    sync_key: np.ndarray
+    sync_bytes: np.ndarray
+    keys: tuple[tuple, ...]
+    samples: tuple[Collective, ...]
+
+
+def _list_facts(opts: list[NodeOption]) -> _ListFacts:
+    ks, key_of, nbytes, keys, samples = [], [], [], {}, []
+    for k, o in enumerate(opts):
+        for sb in o.syncs:
+            key = device_groups(sb.fact, sb.axes)
+            if key not in keys:
+                keys[key] = len(keys)
+                samples.append(sb.collective)
+            ks.append(k)
+            key_of.append(keys[key])
+            nbytes.append(sb.collective.bytes)
+    return _ListFacts(np.array([o.cost_s for o in opts]), np.array([o.memory_bytes for o in opts]),
+                      frozenset(sb.collective.bytes / sb.numel for o in opts for sb in o.syncs),
+                      np.array(ks, dtype=np.int64), np.array(key_of, dtype=np.int64),
+                      np.array(nbytes, dtype=float), tuple(keys), tuple(samples))
+
+
 def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int],
-                  cost: list[np.ndarray], cap: float, ctx: StrategyContext) -> BucketTerms:
+                  cost: list[np.ndarray], cap: float, ctx: StrategyContext,
+                  facts) -> BucketTerms:
     """Move each gradient reduction's latency out of its op's cost into the bucket term of
-    its device group (the bandwidth part stays: it is linear in the bytes)."""
-    distinct = {id(opts): opts for opts in options.values()}.values()
-    sizes = {sb.collective.bytes / sb.numel for opts in distinct for o in opts for sb in o.syncs}
+    its device group (the bandwidth part stays: it is linear in the bytes). ``facts``:
+    :class:`_ListFacts` of an options list."""
+    distinct = list({id(opts): opts for opts in options.values()}.values())
+    sizes = set().union(*(facts(opts).sizes for opts in distinct))
     if len(sizes) > 1:
         raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
                           f"bytes; fused gradient buckets hold one (set training.grad_bucket_mb: 0 "
                           f"for one AllReduce per op)", key="training.grad_bucket_mb")
     index: dict[tuple, int] = {}
     alpha: list[float] = []
-    # per options list (tied layers share one): (strategy, device group, bytes) and the
-    # latency moved out of each strategy's cost
-    shared: dict[int, tuple[list[tuple[int, int, float]], np.ndarray]] = {}
-    for opts in options.values():
-        if id(opts) in shared:
-            continue
-        rows, moved = [], np.zeros(len(opts))
-        for k, o in enumerate(opts):
-            for sb in o.syncs:
-                key = device_groups(sb.fact, sb.axes)
-                if key not in index:
-                    index[key] = len(alpha)
-                    c = sb.collective
-                    alpha.append(collective_time(c.kind, c.group_size, 0.0,
-                                                 ctx.cluster.link(c.link == "inter")))
-                j = index[key]
-                moved[k] += alpha[j]
-                rows.append((k, j, sb.collective.bytes))
-        shared[id(opts)] = (rows, moved)
+    # per options list (tied layers share one): the device group index of each row and
+    # the latency moved out of each strategy's cost (added row by row, in order)
+    shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for opts in distinct:
+        f = facts(opts)
+        for key, c in zip(f.keys, f.samples, strict=True):
+            if key not in index:
+                index[key] = len(alpha)
+                alpha.append(collective_time(c.kind, c.group_size, 0.0,
+                                             ctx.cluster.link(c.link == "inter")))
+        js = np.array([index[key] for key in f.keys], dtype=np.int64)[f.sync_key] \
+            if len(f.keys) else np.zeros(0, dtype=np.int64)
+        moved = np.zeros(len(opts))
+        np.add.at(moved, f.sync_k, np.array(alpha)[js] if len(js) else np.zeros(0))
+        shared[id(opts)] = (js, moved)
     per_group = [np.zeros((len(c), len(alpha))) for c in cost]
     for node, g in group_of.items():
-        rows, moved = shared[id(options[node])]
+        f = facts(options[node])
+        js, moved = shared[id(options[node])]
         cost[g] -= moved
-        for k, j, nbytes in rows:
-            per_group[g][k, j] += nbytes
+        np.add.at(per_group[g], (f.sync_k, js), f.sync_bytes)
     return BucketTerms(np.array(alpha), per_group, cap)
 
 
