@@ -122,3 +122,42 @@ def test_a_shared_build_cache_gives_the_same_problems(nodes, local):
             assert np.array_equal(p.buckets.alpha, p_ref.buckets.alpha)
             assert all(np.array_equal(x, y) for x, y in zip(p.buckets.bytes, p_ref.buckets.bytes,
                                                             strict=True))
+
+
+def test_bucket_terms_are_the_plain_per_strategy_loop():
+    """Gradient-bucket rows (cached per options list, added with ``np.add.at``) equal the
+    plain loop over every node's strategies and their reductions, and each strategy's
+    cost lost exactly the latency the loop moves out of it."""
+    from ilp_planner.cost_model import collective_time
+    from ilp_planner.grad_buckets import device_groups
+
+    g = gpt(layers=3, hidden=32, heads=4, seq_len=8, vocab=64, batch=4)
+    for tie in (True, False):
+        gp = build_problem(g, CLUSTER, 2, 2, MemorySpec.preset("adam"), tie_layers=tie,
+                           grad_bucket_bytes=1 << 20)
+        plain = build_problem(g, CLUSTER, 2, 2, MemorySpec.preset("adam"), tie_layers=tie)
+        index: dict[tuple, int] = {}
+        alpha: list[float] = []
+        for node in gp.options:
+            for o in gp.options[node]:
+                for sb in o.syncs:
+                    key = device_groups(sb.fact, sb.axes)
+                    if key not in index:
+                        index[key] = len(alpha)
+                        c = sb.collective
+                        alpha.append(collective_time(c.kind, c.group_size, 0.0,
+                                                     CLUSTER.link(c.link == "inter")))
+        want = [np.zeros((len(c), len(alpha))) for c in gp.problem.cost]
+        cost = [c.copy() for c in plain.problem.cost]
+        for node, grp in gp.group_of.items():
+            moved = np.zeros(len(gp.options[node]))
+            for k, o in enumerate(gp.options[node]):
+                for sb in o.syncs:
+                    j = index[device_groups(sb.fact, sb.axes)]
+                    want[grp][k, j] += sb.collective.bytes
+                    moved[k] += alpha[j]
+            cost[grp] -= moved
+        assert np.array_equal(gp.problem.buckets.alpha, np.array(alpha))
+        assert all(np.array_equal(a, b) for a, b in zip(gp.problem.buckets.bytes, want,
+                                                        strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(gp.problem.cost, cost, strict=True))
