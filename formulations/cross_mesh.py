@@ -448,7 +448,7 @@ class _DfsState:
 
 
 def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
-        incumbent: Result | None = None) -> Result:
+        incumbent: Result | None = None, fallback: Result | None = None) -> Result:
     """Depth-first branch and bound (§3.2 "DFS with pruning").
 
     A node is a partial append sequence. Children: the next task — one per class of
@@ -458,7 +458,10 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
     makespan; per resource, its free time plus the fixed remaining load on it; per sender
     pool, (Σ free times + remaining pool load)/|pool|; per remaining class, its earliest
     finish — is not below the best makespan found. Exhausting the tree proves optimality;
-    otherwise the best schedule found within ``budget_s`` is returned."""
+    otherwise the best schedule found within ``budget_s`` is returned. The first dive
+    runs to its end whatever the budget — unless a ``fallback`` schedule (another
+    algorithm's) is given: then the budget binds there too, and a dive cut short returns
+    the fallback (on thousands of tasks one dive alone can take minutes)."""
     t0 = time.perf_counter()
     n, H = problem.size, problem.num_hosts
     if n == 0:
@@ -519,7 +522,8 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
     def visit(cur: float, depth: int, last: tuple[int, int] | None) -> None:
         st.nodes += 1
         # The budget binds once a schedule is known: the first dive always completes.
-        if st.nodes % 256 == 0 and math.isfinite(st.best) and time.perf_counter() > st.deadline:
+        if st.nodes % 256 == 0 and (math.isfinite(st.best) or fallback is not None) \
+                and time.perf_counter() > st.deadline:
             st.timed_out = True
         if st.timed_out:
             return
@@ -564,6 +568,11 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
         sys.setrecursionlimit(limit)
     exhausted = not st.timed_out
     if st.best_steps is None:
+        if incumbent is None and fallback is not None and st.timed_out:
+            return Result("dfs", fallback.status, fallback.makespan, root_lb,
+                          time.perf_counter() - t0, fallback.schedule,
+                          f"first dive stopped at the {budget_s:g} s budget "
+                          f"({st.nodes} nodes); {fallback.algorithm}'s schedule returned")
         if incumbent is None:
             raise InfeasibleError("DFS found no schedule within its budget")
         return Result("dfs", incumbent.status if not exhausted else Status.OPTIMAL,
@@ -800,7 +809,8 @@ def solve_all(problem: CrossMeshProblem, options: SchedulerOptions | None = None
         if name in ("cpsat", "brute_force"):
             continue
         if name == "dfs":
-            out[name] = dfs(problem, opts.dfs_budget_s)
+            out[name] = dfs(problem, opts.dfs_budget_s,
+                            fallback=best_result(out) if out else None)
         elif name == "randomized_greedy":
             out[name] = randomized_greedy(problem, opts.seed, opts.greedy_restarts,
                                           opts.greedy_samples)

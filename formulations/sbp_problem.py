@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from functools import cache
 
 import numpy as np
 
@@ -169,17 +168,23 @@ def dominated_free(problem: Problem) -> list[np.ndarray]:
     return kept
 
 
-def _weakly_below(f: np.ndarray, block: int = 32) -> np.ndarray:
+def _weakly_below(f: np.ndarray, budget: int = 1 << 13) -> np.ndarray:
     """``le[l, k]``: row l of ``f`` is at most row k (+1e-15) in every column. The candidate
-    pairs are narrowed block of columns by block (cost and memory first), since most pairs
-    fail early — a group with hundreds of strategies and thousands of edge columns would
-    otherwise need a k × k × columns array."""
+    pairs are narrowed column block by column block (cost and memory first), since most
+    pairs fail early — a group with hundreds of strategies and thousands of edge columns
+    would otherwise need a k × k × columns array. Blocks widen as the pairs thin out, so
+    each step compares about ``budget`` numbers; the pairs left at the end do not depend
+    on the blocking."""
     k = len(f)
-    ls, ks = np.divmod(np.arange(k * k), k)
-    for start in range(0, f.shape[1], block):
+    col = f[:, 0]
+    ls, ks = np.nonzero(col[:, None] <= col[None, :] + 1e-15)
+    start = 1
+    while start < f.shape[1] and len(ls):
+        block = max(1, min(f.shape[1] - start, budget // len(ls)))
         cols = f[:, start:start + block]
         ok = np.all(cols[ls] <= cols[ks] + 1e-15, axis=1)
         ls, ks = ls[ok], ks[ok]
+        start += block
     le = np.zeros((k, k), dtype=bool)
     le[ls, ks] = True
     return le
@@ -223,6 +228,27 @@ class GraphProblem:
 
     def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
         return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
+
+
+@dataclass
+class BuildCache:
+    """What :func:`build_problem` derives per distinct op and edge, kept across the builds
+    of graphs cut from one model (a pipeline's stage ranges on their sub-meshes). Node
+    options, edge matrices and boundary programs are pure functions of the ops' content
+    (names aside), the mesh and the micro-batch count, so a later build reuses them as
+    they are — the same arrays, bit for bit. The cache holds every options list it keys
+    matrices by, so their ids stay valid."""
+
+    options: dict[tuple, list[NodeOption]] = field(default_factory=dict)
+    matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
+    programs: dict[tuple, float] = field(default_factory=dict)
+    facts: dict[int, _ListFacts] = field(default_factory=dict)
+
+
+def _op_content(op: Op) -> tuple:
+    """An op without its name and its inputs' names: what its strategies depend on."""
+    return (op.kind, op.output, op.weight, op.params, op.flops, tuple(sorted(op.attrs.items())),
+            len(op.inputs))
 
 
 def _follower(op: Op, graph: Graph) -> bool:
@@ -299,13 +325,14 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
                   *, tie_layers: bool = True, max_weight_replication: int | None = None,
                   memory_budget: float | None = None, microbatches: int = 1,
                   boundary: StageBoundary | None = None,
-                  grad_bucket_bytes: float = 0.0) -> GraphProblem:
+                  grad_bucket_bytes: float = 0.0, cache: BuildCache | None = None) -> GraphProblem:
     """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
     costs are per step of ``microbatches`` accumulated micro-batches. ``boundary`` names
     the imported inputs and exported ops when ``graph`` is one pipeline stage.
     ``grad_bucket_bytes`` is the runtime's gradient bucket cap: above 0, gradient
     reductions are priced as fused buckets (:class:`BucketTerms`); 0 prices one AllReduce
-    per op and set of partial axes."""
+    per op and set of partial axes. ``cache`` (:class:`BuildCache`) carries per-op work
+    over to later builds of graphs cut from the same model."""
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication)
     owner: dict[str, str] = {}
@@ -324,20 +351,29 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             members[op.name] = [op.name]
         position[op.name] = len(members[owner[op.name]]) - 1
     options: dict[str, list[NodeOption]] = {}
-    cache: dict[tuple, list[NodeOption]] = {}
+    tied: dict[tuple, list[NodeOption]] = {}
     for node, mem in members.items():
         rep = graph[node]
         reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
         shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
                       for i, m in enumerate(mem))  # which member each follower reads
         key = (rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached) if rep.tie_key else None
-        if key is not None and key in cache:
-            options[node] = cache[key]
+        if key is not None and key in tied:
+            options[node] = tied[key]
             continue
-        opts = _node_options(graph, node, mem, ctx, microbatches, reached)
+        if cache is None:
+            opts = _node_options(graph, node, mem, ctx, microbatches, reached)
+        else:
+            content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
+                       tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
+                             for i, m in enumerate(mem)))
+            opts = cache.options.get(content)
+            if opts is None:
+                opts = cache.options[content] = _node_options(graph, node, mem, ctx,
+                                                              microbatches, reached)
         options[node] = opts
         if key is not None:
-            cache[key] = opts
+            tied[key] = opts
 
     # groups (tying)
     group_key: dict[str, str] = {}
@@ -354,16 +390,27 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         groups[group_index[gk]].append(node)
     group_of = {node: group_index[group_key[node]] for node in members}
 
+    derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
+
+    def facts(opts: list[NodeOption]) -> _ListFacts:
+        f = derived.get(id(opts))
+        if f is None:
+            f = derived[id(opts)] = _list_facts(opts)
+        return f
+
     cost = [np.zeros(len(options[g[0]])) for g in groups]
     mem = [np.zeros(len(options[g[0]])) for g in groups]
     for node, g in group_of.items():
-        cost[g] += [o.cost_s for o in options[node]]
-        mem[g] += [o.memory_bytes for o in options[node]]
+        cost[g] += facts(options[node]).cost
+        mem[g] += facts(options[node]).memory
 
     _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
-                           microbatches)
+                           microbatches, {} if cache is None else cache.programs)
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrix_cache: dict[tuple, np.ndarray] = {}
+    # tied nodes share one options list: the same (lists, positions, tensor) give the same
+    # layouts, so their matrix is found without hashing hundreds of layouts per edge
+    by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
     for src, dst in graph.edges():
         if graph[src].kind is OpKind.INPUT:
             continue
@@ -372,12 +419,17 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             continue
         idx = graph[dst].inputs.index(src)
         tensor = graph[src].output
-        outs = tuple(o.outputs[position[src]] for o in options[u])
-        ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx]) for o in options[v])
-        key = (tensor, outs, ins)
-        if key not in matrix_cache:
-            matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
-        r = matrix_cache[key]
+        quick = (id(options[u]), position[src], id(options[v]), position[dst], idx, tensor,
+                 microbatches)
+        r = by_lists.get(quick)
+        if r is None:
+            outs = tuple(o.outputs[position[src]] for o in options[u])
+            ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx])
+                        for o in options[v])
+            key = (tensor, outs, ins)
+            if key not in matrix_cache:
+                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
+            r = by_lists[quick] = matrix_cache[key]
         gu, gv = group_of[u], group_of[v]
         if gu == gv:
             cost[gu] += np.diag(r)
@@ -385,67 +437,103 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
     _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
-    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx)
+    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
                if grad_bucket_bytes > 0 else None)
     problem = Problem(names, cost, mem, edges, memory_budget, buckets)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
                         microbatches, boundary, grad_bucket_bytes)
 
 
+@dataclass(frozen=True)
+class _ListFacts:
+    """Per options list, what every build reads from it: cost and memory per strategy and
+    its gradient reductions as rows (strategy, device-group key number, bytes), the keys
+    in order of first appearance with a sample collective each (for its latency)."""
+
+    cost: np.ndarray
+    memory: np.ndarray
+    sizes: frozenset[float]
+    sync_k: np.ndarray
+    sync_key: np.ndarray
+    sync_bytes: np.ndarray
+    keys: tuple[tuple, ...]
+    samples: tuple[Collective, ...]
+
+
+def _list_facts(opts: list[NodeOption]) -> _ListFacts:
+    ks, key_of, nbytes, keys, samples = [], [], [], {}, []
+    for k, o in enumerate(opts):
+        for sb in o.syncs:
+            key = device_groups(sb.fact, sb.axes)
+            if key not in keys:
+                keys[key] = len(keys)
+                samples.append(sb.collective)
+            ks.append(k)
+            key_of.append(keys[key])
+            nbytes.append(sb.collective.bytes)
+    return _ListFacts(np.array([o.cost_s for o in opts]), np.array([o.memory_bytes for o in opts]),
+                      frozenset(sb.collective.bytes / sb.numel for o in opts for sb in o.syncs),
+                      np.array(ks, dtype=np.int64), np.array(key_of, dtype=np.int64),
+                      np.array(nbytes, dtype=float), tuple(keys), tuple(samples))
+
+
 def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int],
-                  cost: list[np.ndarray], cap: float, ctx: StrategyContext) -> BucketTerms:
+                  cost: list[np.ndarray], cap: float, ctx: StrategyContext,
+                  facts) -> BucketTerms:
     """Move each gradient reduction's latency out of its op's cost into the bucket term of
-    its device group (the bandwidth part stays: it is linear in the bytes)."""
-    distinct = {id(opts): opts for opts in options.values()}.values()
-    sizes = {sb.collective.bytes / sb.numel for opts in distinct for o in opts for sb in o.syncs}
+    its device group (the bandwidth part stays: it is linear in the bytes). ``facts``:
+    :class:`_ListFacts` of an options list."""
+    distinct = list({id(opts): opts for opts in options.values()}.values())
+    sizes = set().union(*(facts(opts).sizes for opts in distinct))
     if len(sizes) > 1:
         raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
                           f"bytes; fused gradient buckets hold one (set training.grad_bucket_mb: 0 "
                           f"for one AllReduce per op)", key="training.grad_bucket_mb")
     index: dict[tuple, int] = {}
     alpha: list[float] = []
-    # per options list (tied layers share one): (strategy, device group, bytes) and the
-    # latency moved out of each strategy's cost
-    shared: dict[int, tuple[list[tuple[int, int, float]], np.ndarray]] = {}
-    for opts in options.values():
-        if id(opts) in shared:
-            continue
-        rows, moved = [], np.zeros(len(opts))
-        for k, o in enumerate(opts):
-            for sb in o.syncs:
-                key = device_groups(sb.fact, sb.axes)
-                if key not in index:
-                    index[key] = len(alpha)
-                    c = sb.collective
-                    alpha.append(collective_time(c.kind, c.group_size, 0.0,
-                                                 ctx.cluster.link(c.link == "inter")))
-                j = index[key]
-                moved[k] += alpha[j]
-                rows.append((k, j, sb.collective.bytes))
-        shared[id(opts)] = (rows, moved)
+    # per options list (tied layers share one): the device group index of each row and
+    # the latency moved out of each strategy's cost (added row by row, in order)
+    shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for opts in distinct:
+        f = facts(opts)
+        for key, c in zip(f.keys, f.samples, strict=True):
+            if key not in index:
+                index[key] = len(alpha)
+                alpha.append(collective_time(c.kind, c.group_size, 0.0,
+                                             ctx.cluster.link(c.link == "inter")))
+        js = np.array([index[key] for key in f.keys], dtype=np.int64)[f.sync_key] \
+            if len(f.keys) else np.zeros(0, dtype=np.int64)
+        moved = np.zeros(len(opts))
+        np.add.at(moved, f.sync_k, np.array(alpha)[js] if len(js) else np.zeros(0))
+        shared[id(opts)] = (js, moved)
     per_group = [np.zeros((len(c), len(alpha))) for c in cost]
     for node, g in group_of.items():
-        rows, moved = shared[id(options[node])]
+        f = facts(options[node])
+        js, moved = shared[id(options[node])]
         cost[g] -= moved
-        for k, j, nbytes in rows:
-            per_group[g][k, j] += nbytes
+        np.add.at(per_group[g], (f.sync_k, js), f.sync_bytes)
     return BucketTerms(np.array(alpha), per_group, cap)
 
 
 def _add_boundary_programs(graph: Graph, cluster: Cluster, boundary: StageBoundary,
                            owner: dict[str, str], position: dict[str, int],
                            options: dict[str, list[NodeOption]], group_of: dict[str, int],
-                           cost: list[np.ndarray], microbatches: int) -> None:
+                           cost: list[np.ndarray], microbatches: int,
+                           memo: dict[tuple, float]) -> None:
     """Per micro-batch, the stage's own boundary programs into the cost of the node that
     runs them: the export of every exported op's output, the import (gradient back) of
-    every edge reading an imported tensor."""
-    @cache
+    every edge reading an imported tensor. ``memo`` keeps program seconds by layouts."""
     def export_s(out: Layout, tensor: TensorSpec) -> float:
-        return export_program(out, tensor, cluster).seconds
+        key = ("export", cluster, out, tensor)
+        if key not in memo:
+            memo[key] = export_program(out, tensor, cluster).seconds
+        return memo[key]
 
-    @cache
     def import_s(want: Layout, grad: Layout, tensor: TensorSpec) -> float:
-        return import_program(want, grad, tensor, cluster).seconds
+        key = ("import", cluster, want, grad, tensor)
+        if key not in memo:
+            memo[key] = import_program(want, grad, tensor, cluster).seconds
+        return memo[key]
 
     for name in boundary.exported:
         tensor, node, pos = graph[name].output, owner[name], position[name]

@@ -26,11 +26,14 @@ sent once, directly, in the plan.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import math
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 
+from formulations.sbp_problem import BuildCache
 from formulations.schedules import make_schedule
 from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
@@ -216,6 +219,7 @@ class _StageSolver:
         self.units = units
         self.keys = RangeKeys(graph, units)
         self.cache: dict[tuple, tuple | None] = {}
+        self.build_cache = BuildCache()  # per-op options and edge matrices across solves
         self.costs: dict[tuple, StageCost | None] = {}
         self.solves = 0
         self.solve_s = 0.0
@@ -246,7 +250,7 @@ class _StageSolver:
             try:
                 gp, res = solve_mesh(self.config, shape[0], shape[1], None,
                                      graph=subgraph(self.graph, names), microbatches=1,
-                                     boundary=boundary)
+                                     boundary=boundary, cache=self.build_cache)
             except InfeasibleError:
                 self.cache[key] = None
             else:
@@ -298,10 +302,11 @@ class _StageSolver:
     def set_incumbent(self, boundary, shapes: Sequence[tuple[int, int]],
                       num_stages: int | None, tolerance: float | None) -> None:
         """Price a few even pipelines (``S`` stages of ``L/S`` units on equal meshes of
-        ``D/S`` devices: the largest such ``S`` whose meshes are whole nodes, and the next
-        one) with real stage solves, which the DP reuses, and keep the best feasible one's
-        latency as the bound for :meth:`stage_cost`. Exact: the incumbent is one of the
-        DP's own plans (admissible pairs, memory checked by pipeline position)."""
+        ``D/S`` devices: the largest such ``S`` whose meshes are whole nodes, then smaller
+        ones — fewer micro-batches in flight — until two fit in memory) with real stage
+        solves, which the DP reuses, and keep the best feasible one's latency as the bound
+        for :meth:`stage_cost`. Exact: the incumbent is one of the DP's own plans
+        (admissible pairs, memory checked by pipeline position)."""
         from formulations.schedules import inflight_microbatches
         from formulations.stage_dp import admissible
 
@@ -312,8 +317,11 @@ class _StageSolver:
                   and (num_stages is None or S == num_stages)]
         counts.sort(key=lambda S: (L % S != 0, D // S < dpn, -S))
         prefix = [float(i) for i in range(L + 1)]
-        best, calls = None, self.calls
-        for S in counts[:2]:
+        best, calls, tried, fits = None, self.calls, 0, 0
+        for S in counts:
+            if fits == 2 or (tried >= 2 and fits):
+                break
+            tried += 1
             shape = sizes[D // S]
             q, r = divmod(L, S)
             ends = list(itertools.accumulate(q + (j < r) for j in range(S)))
@@ -331,6 +339,7 @@ class _StageSolver:
             else:
                 value = sum(times) + (pipe.microbatches - 1) * max(times)
                 best = value if best is None else min(best, value)
+                fits += 1
         self.incumbent_s, self.calls = best, calls
 
 
@@ -430,9 +439,28 @@ def stage_durations(stages: Sequence[dict], resharding: Sequence[dict]) -> Stage
                                activation_transfer=forward, gradient_transfer=backward)
 
 
+@contextmanager
+def _young_collections_only():
+    """The stage table keeps millions of small objects in its caches (layouts, options,
+    search rows); the cyclic collector's full passes walk all of them again and again and
+    free nothing there (a fifth of a 1,024-device plan's time). While the planner runs only
+    the young generations are collected; the previous thresholds come back after."""
+    old = gc.get_threshold()
+    gc.set_threshold(old[0], old[1] if len(old) > 1 else 10, 10**9)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     """Stages by the DP, intra-op plans per stage, resharding per crossing tensor, and the
     simulated schedule."""
+    with _young_collections_only():
+        return _solve_pipelined(config, baselines)
+
+
+def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     t0 = time.perf_counter()
     pipe = config.pipeline
     cluster = config.cluster

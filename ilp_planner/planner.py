@@ -16,6 +16,7 @@ from formulations.elimination import EliminationResult, solve_elimination
 from formulations.result import SolveResult
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import (
+    BuildCache,
     GraphProblem,
     build_problem,
     describe_infeasible,
@@ -85,10 +86,12 @@ def _as_config(config: Any, **sections: Any) -> Config:
 
 def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,
                graph=None, microbatches: int | None = None,
-               boundary: StageBoundary | None = None) -> tuple[GraphProblem, SolveResult]:
+               boundary: StageBoundary | None = None,
+               cache: BuildCache | None = None) -> tuple[GraphProblem, SolveResult]:
     """Build and solve the intra-op problem of ``graph`` (default: the config's graph of
     one micro-batch, with gradient accumulation over ``pipeline.microbatches``) on an
-    ``nodes × local`` mesh; ``boundary`` when ``graph`` is a pipeline stage. Raises
+    ``nodes × local`` mesh; ``boundary`` when ``graph`` is a pipeline stage; ``cache``
+    carries per-op build work across solves of graphs cut from one model. Raises
     :class:`InfeasibleError` naming the binding layer."""
     opts = config.solver
     t0 = time.perf_counter()
@@ -100,7 +103,8 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
                            tie_layers=opts.tie_layers,
                            max_weight_replication=opts.max_weight_replication,
                            memory_budget=memory_budget, microbatches=microbatches or 1,
-                           boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes)
+                           boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes,
+                           cache=cache)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     problem_s = time.perf_counter() - t0
@@ -116,7 +120,7 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
     tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
-                            boundary)
+                            boundary, cache)
     exact = None
     if opts.elimination:  # the fallback search gives an incumbent for pruning wide problems
         exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
@@ -191,7 +195,8 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
 
 def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: int,
                      memory_budget: float | None, graph, microbatches: int | None,
-                     boundary: StageBoundary | None) -> tuple[int, ...] | None:
+                     boundary: StageBoundary | None,
+                     cache: BuildCache | None = None) -> tuple[int, ...] | None:
     """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
     untied choice, since tying only restricts) as a warm start, in the pruned problem's
     indices. The ILP alone can stall far above it on large untied models, and the
@@ -200,7 +205,8 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
         return None
     tied_config = dataclasses.replace(
         config, solver=dataclasses.replace(config.solver, tie_layers=True))
-    tgp, tres = solve_mesh(tied_config, nodes, local, memory_budget, graph, microbatches, boundary)
+    tgp, tres = solve_mesh(tied_config, nodes, local, memory_budget, graph, microbatches, boundary,
+                           cache)
     full = [tres.choice[tgp.group_of[group[0]]] for group in gp.groups]
     positions = [{int(k): i for i, k in enumerate(kept[g])} for g in range(len(kept))]
     if any(k not in positions[g] for g, k in enumerate(full)):

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 
 import numpy as np
-from scipy.sparse import csr_matrix
+from scipy.sparse import csc_matrix, csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
 from ilp_planner.cluster import Cluster, Factorisation, MeshAxis, proper_factorisations
@@ -191,17 +191,40 @@ def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor
 _EPS = 1e-15  # weight of free edges: csgraph needs strictly positive weights
 
 
+_KINDS: tuple[CollectiveKind, ...] = tuple(CollectiveKind)
+
+
 @dataclass(frozen=True)
 class _Moves:
-    """The single-axis moves of a state graph, one entry per move: source and destination
-    state, collective kind (None: a free local re-split), mesh axis, and the tensor dim
-    whose block size changes (gathered dim, or the new split dim; -1 for none)."""
+    """The single-axis moves of a state graph as arrays, one entry per move: source and
+    destination state, the tensor dim whose block size changes (gathered dim, or the new
+    split dim; 0 for none), the axis size ``k``, the collective kind (an index into
+    ``_KINDS``, -1 for a free local re-split), the mesh axis (an index into ``axes``),
+    and whether the move gathers or scatters its block. ``cand``: the candidate index of
+    every state."""
 
-    src: list[int]
-    dst: list[int]
-    kind: list[CollectiveKind | None]
-    axis: list[MeshAxis]
-    dim: list[int]
+    src: np.ndarray
+    dst: np.ndarray
+    dim: np.ndarray
+    k: np.ndarray
+    kind: np.ndarray
+    axis: np.ndarray
+    axes: tuple[MeshAxis, ...]
+    gather: np.ndarray
+    scatter: np.ndarray
+    cand: np.ndarray
+
+
+@dataclass(frozen=True)
+class _RankTables:
+    """Tensor-independent facts about the candidate layouts of one tensor rank: the split
+    degree of every dim, whether the layout has partial sums, and for partial-free ones a
+    class id equal exactly when :meth:`Layout.canonical_key` is (the re-view class of an
+    evenly split tensor)."""
+
+    degrees: np.ndarray  # (candidates, rank)
+    partial: np.ndarray  # (candidates,) bool
+    view_class: np.ndarray  # (candidates,) int, -1 for layouts with partial sums
 
 
 @dataclass
@@ -211,8 +234,15 @@ class _StateGraph:
 
     states: list[Layout]
     index: dict[Layout, int]
-    matrix: object  # scipy.sparse.csr_matrix
+    matrix: csr_matrix
     hub_kind: dict[int, str]
+    _incoming: csc_matrix | None = None
+
+    def incoming(self) -> csc_matrix:
+        """The matrix by columns: the in-edges of every node."""
+        if self._incoming is None:
+            self._incoming = self.matrix.tocsc()
+        return self._incoming
 
 
 class RedistributionPlanner:
@@ -231,6 +261,7 @@ class RedistributionPlanner:
         self.universe: tuple[Factorisation, ...] = proper_factorisations(nodes, local, max_axes)
         self._graph = lru_cache(maxsize=64)(self._build_graph)
         self._candidates = cache(self._candidate_layouts)
+        self._tables = cache(self._rank_tables)
         self._moves = lru_cache(maxsize=16)(self._move_structure)
         self._search = lru_cache(maxsize=8192)(self._dijkstra)
         self._path = lru_cache(maxsize=65536)(self._find_path)
@@ -241,81 +272,117 @@ class RedistributionPlanner:
                                self.cluster, src.fact[axis].spans_nodes, (axis,))
 
     def _build_graph(self, tensor: TensorSpec) -> _StateGraph:
-        candidates = self._candidates(tensor.rank)
-        fits = tuple(_fits(lay, tensor) for lay in candidates)
-        states, index, moves = self._moves(tensor.rank, fits)
-        weights = self._move_seconds(states, moves, tensor)
-        rows, cols = list(moves.src), list(moves.dst)
-        hubs: dict[tuple, int] = {}
-        hub_kind: dict[int, str] = {}
-        for i, lay in enumerate(states):
-            if lay.has_partial:
-                continue
-            key = ("view", lay.block_key(tensor.shape))
-            if key not in hubs:
-                hubs[key] = len(states) + len(hubs)
-                hub_kind[hubs[key]] = "view"
-            h = hubs[key]
-            rows += [i, h]
-            cols += [h, i]
-        weights = np.concatenate([weights, np.full(len(rows) - len(moves.src), _EPS)])
-        n = len(states) + len(hubs)
-        matrix = csr_matrix((weights, (rows, cols)), shape=(n, n))
+        tables = self._tables(tensor.rank)
+        shape = np.array(tensor.shape, dtype=np.int64)
+        fits = tuple(np.all(tables.degrees <= shape, axis=1).tolist())
+        states, index, arrays = self._moves(tensor.rank, fits)
+        weights = self._move_seconds(arrays, tensor)
+        # re-view hubs: one per class of partial-free states holding the same block on
+        # every device (Layout.block_key), numbered in order of first appearance
+        free = np.flatnonzero(~tables.partial[arrays.cand])
+        degrees = tables.degrees[arrays.cand[free]]
+        even = np.all(shape % degrees == 0, axis=1)
+        keys = tables.view_class[arrays.cand[free]].copy()
+        regions: dict[bytes, int] = {}
+        base = int(tables.view_class.max(initial=-1)) + 1
+        for j in np.flatnonzero(~even).tolist():
+            key = states[free[j]].block_key(tensor.shape)[1]
+            keys[j] = base + regions.setdefault(key, len(regions))
+        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        number = np.empty(len(uniq), dtype=np.int64)
+        number[np.argsort(first, kind="stable")] = np.arange(len(uniq))
+        hub = len(states) + number[inverse.reshape(-1)]
+        rows = np.empty(2 * len(free), dtype=np.int64)
+        cols = np.empty(2 * len(free), dtype=np.int64)
+        rows[0::2], rows[1::2] = free, hub
+        cols[0::2], cols[1::2] = hub, free
+        hub_kind = {len(states) + h: "view" for h in range(len(uniq))}
+        weights = np.concatenate([weights, np.full(len(rows), _EPS)])
+        n = len(states) + len(uniq)
+        matrix = csr_matrix((weights, (np.concatenate([arrays.src, rows]),
+                                       np.concatenate([arrays.dst, cols]))), shape=(n, n))
         return _StateGraph(states, index, matrix, hub_kind)
 
     def _candidate_layouts(self, rank: int) -> tuple[Layout, ...]:
         return tuple(Layout(fact, pls) for fact in self.universe
                      for pls in _all_placements(len(fact), rank))
 
+    def _rank_tables(self, rank: int) -> _RankTables:
+        candidates = self._candidates(rank)
+        degrees = np.array([[lay.split_degree(d) for d in range(rank)] for lay in candidates],
+                           dtype=np.int64).reshape(len(candidates), rank)
+        partial = np.array([lay.has_partial for lay in candidates], dtype=bool)
+        classes: dict[tuple, int] = {}
+        view_class = np.array([-1 if p else classes.setdefault(lay.canonical_key(), len(classes))
+                               for lay, p in zip(candidates, partial.tolist(), strict=True)],
+                              dtype=np.int64)
+        return _RankTables(degrees, partial, view_class)
+
     def _move_structure(self, rank: int, fits: tuple[bool, ...]
                         ) -> tuple[list[Layout], dict[Layout, int], _Moves]:
         """The states (candidate layouts that fit) and single-axis moves between them:
         the same for every tensor of one rank whose dimensions admit the same layouts."""
-        states = [lay for lay, ok in zip(self._candidates(rank), fits, strict=True) if ok]
+        cand = [c for c, ok in enumerate(fits) if ok]
+        candidates = self._candidates(rank)
+        states = [candidates[c] for c in cand]
         index = {lay: i for i, lay in enumerate(states)}
-        cols: dict[str, list] = {f: [] for f in _Moves.__dataclass_fields__}
+        src: list[int] = []
+        dst: list[int] = []
+        kinds: list[CollectiveKind | None] = []
+        axis: list[MeshAxis] = []
+        dims: list[int] = []
         for i, lay in enumerate(states):
-            for pl, axis, kind in _axis_moves_rank(lay, rank):
-                j = index.get(_replace(lay, axis, pl))
+            for pl, a, kind in _axis_moves_rank(lay, rank):
+                j = index.get(_replace(lay, a, pl))
                 if j is None:
                     continue
-                dst_dim = pl.dim if isinstance(pl, Split) else -1
-                src_pl = lay.placements[axis]
-                cols["src"].append(i)
-                cols["dst"].append(j)
-                cols["kind"].append(kind)
-                cols["axis"].append(lay.fact[axis])
-                cols["dim"].append(src_pl.dim if kind is CollectiveKind.ALL_GATHER else dst_dim)
-        return states, index, _Moves(**cols)
+                src.append(i)
+                dst.append(j)
+                kinds.append(kind)
+                axis.append(lay.fact[a])
+                dims.append(lay.placements[a].dim if kind is CollectiveKind.ALL_GATHER
+                            else pl.dim if isinstance(pl, Split) else 0)
+        axes = tuple(dict.fromkeys(axis))
+        axis_id = {a: i for i, a in enumerate(axes)}
+        kind_id = {kd: i for i, kd in enumerate(_KINDS)}
+        moves = _Moves(
+            src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
+            dim=np.asarray(dims, dtype=np.int64),
+            k=np.array([a.size for a in axis], dtype=np.int64),
+            kind=np.array([-1 if kd is None else kind_id[kd] for kd in kinds], dtype=np.int64),
+            axis=np.array([axis_id[a] for a in axis], dtype=np.int64), axes=axes,
+            gather=np.array([kd is CollectiveKind.ALL_GATHER for kd in kinds], dtype=bool),
+            scatter=np.array([kd in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL)
+                              for kd in kinds], dtype=bool),
+            cand=np.asarray(cand, dtype=np.int64))
+        return states, index, moves
 
-    def _move_seconds(self, states: list[Layout], moves: _Moves, tensor: TensorSpec) -> np.ndarray:
-        """Seconds of every move: :func:`step_bytes` from the layouts' padded blocks, priced
-        once per distinct (kind, axis, bytes)."""
-        blocks = np.array([lay.padded_shape(tensor.shape) for lay in states], dtype=np.int64)
-        blocks = blocks.reshape(len(states), tensor.rank)
-        src, dst = np.asarray(moves.src, dtype=np.int64), np.asarray(moves.dst, dtype=np.int64)
-        dim = np.maximum(np.asarray(moves.dim, dtype=np.int64), 0)
-        k = np.array([a.size for a in moves.axis], dtype=np.int64)
+    def _move_seconds(self, moves: _Moves, tensor: TensorSpec) -> np.ndarray:
+        """Seconds of every move: :func:`step_bytes` from the layouts' padded blocks (a
+        nested ceil-division per dim is one ceil-division by the dim's split degree),
+        priced once per distinct (kind, axis, bytes)."""
+        tables = self._tables(tensor.rank)
+        shape = np.array(tensor.shape, dtype=np.int64)
+        blocks = -(-shape // tables.degrees[moves.cand])
+        src, dst, dim, k = moves.src, moves.dst, moves.dim, moves.k
         whole = np.prod(blocks, axis=1)[src]
-        kinds = moves.kind
-        gather = np.array([kd is CollectiveKind.ALL_GATHER for kd in kinds])
-        scatter = np.array([kd in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL)
-                            for kd in kinds])
-        moved = np.where(gather, whole * k, whole)
-        moved = np.where(scatter, whole // np.maximum(blocks[src, dim], 1) * blocks[dst, dim] * k,
-                         moved)
-        out = np.empty(len(kinds))
-        seconds: dict[tuple, float] = {}
-        for e, (kd, axis, nbytes) in enumerate(zip(kinds, moves.axis, moved.tolist(),
-                                                   strict=True)):
-            if kd is None:
-                out[e] = _EPS
-                continue
-            key = (kd, axis, float(nbytes * tensor.itemsize))
-            if key not in seconds:
-                seconds[key] = make_collective(kd, axis.size, key[2], self.cluster,
-                                               axis.spans_nodes).seconds
-            out[e] = seconds[key]
+        moved = np.where(moves.gather, whole * k, whole)
+        moved = np.where(moves.scatter,
+                         whole // np.maximum(blocks[src, dim], 1) * blocks[dst, dim] * k, moved)
+        out = np.full(len(src), _EPS)
+        priced = np.flatnonzero(moves.kind >= 0)
+        if not len(priced):
+            return out
+        sizes, size_of = np.unique(moved[priced] * tensor.itemsize, return_inverse=True)
+        keys = (moves.kind[priced] * len(moves.axes) + moves.axis[priced]) * len(sizes) + size_of
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        ka, nb = np.divmod(uniq, len(sizes))
+        kd, a = np.divmod(ka, len(moves.axes))
+        seconds = np.array([make_collective(_KINDS[k_], moves.axes[a_].size, float(n_),
+                                            self.cluster, moves.axes[a_].spans_nodes).seconds
+                            for k_, a_, n_ in zip(kd.tolist(), a.tolist(),
+                                                  sizes[nb].tolist(), strict=True)])
+        out[priced] = seconds[inverse]
         return out
 
     def _dijkstra(self, src: Layout, tensor: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -388,14 +455,16 @@ class RedistributionPlanner:
         for lay in (a, b):
             if lay not in graph.index:
                 raise LayoutError(f"layout {lay} uses a factorisation with more than three axes")
-        _, pred = self._search(a, tensor)
         target = graph.index[b]
-        if pred[target] < 0:
-            raise LayoutError(f"no redistribution path from {a} to {b}")
-        path = [target]
-        while path[-1] != graph.index[a]:
-            path.append(int(pred[path[-1]]))
-        path.reverse()
+        path = self._bounded_path(graph, graph.index[a], target)
+        if path is None:
+            _, pred = self._search(a, tensor)
+            if pred[target] < 0:
+                raise LayoutError(f"no redistribution path from {a} to {b}")
+            path = [target]
+            while path[-1] != graph.index[a]:
+                path.append(int(pred[path[-1]]))
+            path.reverse()
         steps: list[RedistStep] = []
         k = 0
         while k < len(path) - 1:
@@ -412,6 +481,49 @@ class RedistributionPlanner:
                                     self.collective(kind, u, v, axis, tensor)))
             k += 1
         return tuple(steps)
+
+    @staticmethod
+    def _bounded_path(graph: _StateGraph, source: int, target: int) -> list[int] | None:
+        """The path the full search from ``source`` would return to ``target``, found by a
+        search that stops at a known upper bound on the distance — a path of one or two
+        edges — or None (no such path, or a tie the bounded search cannot settle).
+
+        Exact: every node at most the bound away is settled with the same distance as in
+        the full search (weights are positive and float addition is monotone, so Dijkstra's
+        distances do not depend on the order nodes are scanned in), and the full search's
+        predecessor of a node is one of its in-neighbours ``u`` with ``dist[u] + w ==
+        dist[v]`` — all of them within the bound. Where every node of the path has exactly
+        one such in-neighbour, the full search returns this same path."""
+        m = graph.matrix
+        row = m.indices[m.indptr[source]:m.indptr[source + 1]]
+        weights = m.data[m.indptr[source]:m.indptr[source + 1]]
+        bound = math.inf
+        for u, w in zip(row.tolist(), weights.tolist(), strict=True):
+            if u == target:
+                bound = min(bound, w)
+                continue
+            lo, hi = m.indptr[u], m.indptr[u + 1]
+            hit = np.flatnonzero(m.indices[lo:hi] == target)
+            if len(hit):
+                bound = min(bound, w + float(m.data[lo + hit[0]]))
+        if not math.isfinite(bound):
+            return None
+        dist, pred = dijkstra(m, directed=True, indices=source, limit=bound,
+                              return_predecessors=True)
+        if not math.isfinite(dist[target]):
+            return None
+        incoming = graph.incoming()
+        path = [target]
+        while path[-1] != source:
+            v = path[-1]
+            lo, hi = incoming.indptr[v], incoming.indptr[v + 1]
+            us = incoming.indices[lo:hi]
+            ties = np.count_nonzero(dist[us] + incoming.data[lo:hi] == dist[v])
+            if ties != 1:
+                return None
+            path.append(int(pred[v]))
+        path.reverse()
+        return path
 
     def plan(self, src: Layout, dst: Layout, tensor: TensorSpec,
              grad_dst: Layout | None = None) -> Redistribution:

@@ -215,3 +215,20 @@ def test_every_registered_algorithm_runs() -> None:
     assert set(res) == set(ALGORITHMS)
     exact = res["brute_force"].makespan
     assert math.isclose(res["cpsat"].makespan, exact, rel_tol=1e-6)
+
+
+def test_dfs_first_dive_keeps_to_the_budget_only_with_a_fallback() -> None:
+    """Without a fallback the first dive runs to its end (a schedule is always returned);
+    with one, a budget the dive cannot meet returns the fallback's schedule, said so."""
+    p = random_problem(3, 400)
+    lb = load_balance(p)
+    whole = dfs(p, budget_s=1e-9)
+    assert whole.algorithm == "dfs" and validate_schedule(p, whole.schedule) == []
+    cut = dfs(p, budget_s=1e-9, fallback=lb)
+    assert cut.algorithm == "dfs" and "first dive stopped" in cut.note
+    assert (cut.makespan, cut.schedule, cut.status) == (lb.makespan, lb.schedule, lb.status)
+    small = random_problem(3, 8)  # a search within its budget is unaffected
+    plain, given = dfs(small, budget_s=30), dfs(small, budget_s=30, fallback=load_balance(small))
+    assert plain.status is Status.OPTIMAL
+    assert (given.makespan, given.schedule, given.status) == (plain.makespan, plain.schedule,
+                                                              plain.status)

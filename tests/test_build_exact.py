@@ -1,0 +1,163 @@
+"""The fast build paths give exactly what the plain definitions give: state-graph edge
+weights equal the scalar price of each move (:func:`step_bytes` on padded blocks), re-view
+hubs join exactly the layouts with equal :meth:`Layout.block_key`, the bounded path search
+returns the full search's path (or declines), and problems built with a shared
+:class:`BuildCache` are the problems built without one, array for array."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.sparse.csgraph import dijkstra
+
+from formulations.sbp_problem import BuildCache, build_problem
+from ilp_planner.cluster import Cluster, Link
+from ilp_planner.cost_model import MemorySpec, make_collective
+from ilp_planner.graph import TensorSpec
+from ilp_planner.models import gpt
+from ilp_planner.pipeline_planner import layer_units, subgraph
+from ilp_planner.redistribution import _EPS, RedistributionPlanner, _axis_moves, step_bytes
+from ilp_planner.stage_boundary import stage_boundary
+
+INTRA = Link(alpha=2e-6, beta=1e-11)
+INTER = Link(alpha=3e-5, beta=4e-10)
+CLUSTER = Cluster(4, 8, memory_bytes=80e9, peak_flops=1e14, intra=INTRA, inter=INTER)
+
+MESHES = [(2, 3), (3, 2), (2, 4), (1, 8)]
+TENSORS = [TensorSpec((64, 96)), TensorSpec((7, 5), "float16"), TensorSpec((6,)),
+           TensorSpec((12, 10, 3)), TensorSpec((1, 3))]
+
+
+def _graphs():
+    for nodes, local in MESHES:
+        planner = RedistributionPlanner(CLUSTER, nodes, local)
+        for tensor in TENSORS:
+            yield planner, tensor, planner._graph(tensor)
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+def test_edge_weights_and_hubs_are_the_scalar_definitions(nodes, local):
+    planner = RedistributionPlanner(CLUSTER, nodes, local)
+    for tensor in TENSORS:
+        graph = planner._graph(tensor)
+        n, m = len(graph.states), graph.matrix
+        hub_of: dict[int, int] = {}
+        for i, u in enumerate(graph.states):
+            for e in range(m.indptr[i], m.indptr[i + 1]):
+                j, w = int(m.indices[e]), float(m.data[e])
+                if j >= n:  # re-view hub: free both ways
+                    assert graph.hub_kind[j] == "view" and w == _EPS
+                    assert m[j, i] == _EPS
+                    hub_of[i] = j
+                    continue
+                v = graph.states[j]
+                [axis] = [a for a in range(len(u.fact)) if u.placements[a] != v.placements[a]]
+                [kind] = [kd for pl, ax, kd in _axis_moves(u, tensor)
+                          if ax == axis and pl == v.placements[axis]]
+                want = _EPS if kind is None else make_collective(
+                    kind, u.fact[axis].size, step_bytes(kind, u, v, axis, tensor), CLUSTER,
+                    u.fact[axis].spans_nodes).seconds
+                assert w == want, (u, v, tensor)
+        free = [i for i, u in enumerate(graph.states) if not u.has_partial]
+        assert sorted(hub_of) == free
+        keys = {i: graph.states[i].block_key(tensor.shape) for i in free}
+        for i in free:
+            for j in free:
+                assert (hub_of[i] == hub_of[j]) == (keys[i] == keys[j])
+        # hubs numbered in order of first appearance
+        firsts = list(dict.fromkeys(hub_of[i] for i in free))
+        assert firsts == sorted(firsts) == list(range(n, n + len(firsts)))
+
+
+def test_bounded_path_search_returns_the_full_search_path():
+    found = declined = 0
+    for _, _, graph in _graphs():
+        n = len(graph.states)
+        for s in range(0, n, max(1, n // 25)):
+            dist, pred = dijkstra(graph.matrix, directed=True, indices=s, return_predecessors=True)
+            for t in range(n):
+                if t == s or not np.isfinite(dist[t]):
+                    continue
+                got = RedistributionPlanner._bounded_path(graph, s, t)
+                if got is None:
+                    declined += 1
+                    continue
+                full = [t]
+                while full[-1] != s:
+                    full.append(int(pred[full[-1]]))
+                assert got == full[::-1]
+                found += 1
+    assert found > 1000 and declined > 0
+
+
+def _stage_problems(cache: BuildCache | None, nodes: int, local: int):
+    g = gpt(layers=5, hidden=32, heads=4, seq_len=8, vocab=64, batch=4)
+    units = layer_units(g)
+    out = []
+    for a, e in [(0, 2), (1, 3), (2, 4), (3, 5), (1, 4), (0, 5), (2, 3)]:
+        names = [n for u in units[a:e] for n in u]
+        sub = subgraph(g, names)
+        for tie in (True, False):
+            out.append(build_problem(sub, CLUSTER, nodes, local, MemorySpec.preset("adam"),
+                                     tie_layers=tie, boundary=stage_boundary(g, names),
+                                     grad_bucket_bytes=1 << 20, cache=cache).problem)
+    return out
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 4), (2, 2)])
+def test_a_shared_build_cache_gives_the_same_problems(nodes, local):
+    cache = BuildCache()
+    shared = _stage_problems(cache, nodes, local)
+    assert cache.options and cache.matrices and cache.programs
+    size = (len(cache.options), len(cache.matrices), len(cache.programs))
+    again = _stage_problems(cache, nodes, local)  # everything is found in the cache
+    assert (len(cache.options), len(cache.matrices), len(cache.programs)) == size
+    for p_ref, p_a, p_b in zip(_stage_problems(None, nodes, local), shared, again, strict=True):
+        for p in (p_a, p_b):
+            assert p.names == p_ref.names
+            for x, y in zip(p.cost + p.memory, p_ref.cost + p_ref.memory, strict=True):
+                assert np.array_equal(x, y)
+            assert p.edges.keys() == p_ref.edges.keys()
+            assert all(np.array_equal(p.edges[k], p_ref.edges[k]) for k in p.edges)
+            assert np.array_equal(p.buckets.alpha, p_ref.buckets.alpha)
+            assert all(np.array_equal(x, y) for x, y in zip(p.buckets.bytes, p_ref.buckets.bytes,
+                                                            strict=True))
+
+
+def test_bucket_terms_are_the_plain_per_strategy_loop():
+    """Gradient-bucket rows (cached per options list, added with ``np.add.at``) equal the
+    plain loop over every node's strategies and their reductions, and each strategy's
+    cost lost exactly the latency the loop moves out of it."""
+    from ilp_planner.cost_model import collective_time
+    from ilp_planner.grad_buckets import device_groups
+
+    g = gpt(layers=3, hidden=32, heads=4, seq_len=8, vocab=64, batch=4)
+    for tie in (True, False):
+        gp = build_problem(g, CLUSTER, 2, 2, MemorySpec.preset("adam"), tie_layers=tie,
+                           grad_bucket_bytes=1 << 20)
+        plain = build_problem(g, CLUSTER, 2, 2, MemorySpec.preset("adam"), tie_layers=tie)
+        index: dict[tuple, int] = {}
+        alpha: list[float] = []
+        for node in gp.options:
+            for o in gp.options[node]:
+                for sb in o.syncs:
+                    key = device_groups(sb.fact, sb.axes)
+                    if key not in index:
+                        index[key] = len(alpha)
+                        c = sb.collective
+                        alpha.append(collective_time(c.kind, c.group_size, 0.0,
+                                                     CLUSTER.link(c.link == "inter")))
+        want = [np.zeros((len(c), len(alpha))) for c in gp.problem.cost]
+        cost = [c.copy() for c in plain.problem.cost]
+        for node, grp in gp.group_of.items():
+            moved = np.zeros(len(gp.options[node]))
+            for k, o in enumerate(gp.options[node]):
+                for sb in o.syncs:
+                    j = index[device_groups(sb.fact, sb.axes)]
+                    want[grp][k, j] += sb.collective.bytes
+                    moved[k] += alpha[j]
+            cost[grp] -= moved
+        assert np.array_equal(gp.problem.buckets.alpha, np.array(alpha))
+        assert all(np.array_equal(a, b) for a, b in zip(gp.problem.buckets.bytes, want,
+                                                        strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(gp.problem.cost, cost, strict=True))
