@@ -30,6 +30,7 @@ stage runs for them (:mod:`ilp_planner.stage_boundary`) are part of its costs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -207,6 +208,9 @@ class NodeOption:
     state_bytes: float
     activation_bytes: float  # of one micro-batch
     syncs: tuple[SyncBucket, ...] = ()  # the base op's gradient reductions (priced in cost_s)
+    recompute: bool = False  # activations dropped after forward, recomputed in backward
+    recompute_bytes: float = 0.0  # those activations, re-materialised in the block's backward
+    transient_bytes: float = 0.0  # held while the node runs (state sharding)
 
 
 @dataclass
@@ -225,6 +229,8 @@ class GraphProblem:
     microbatches: int = 1
     boundary: StageBoundary = field(default_factory=StageBoundary)
     grad_bucket_bytes: float = 0.0  # the runtime's gradient bucket cap (grad_buckets)
+    recomputed: frozenset[str] = frozenset()  # nodes whose activations are recomputed
+    recompute_units: frozenset[tuple[str, int]] = frozenset()  # the blocks asked for
 
     def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
         return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
@@ -243,6 +249,7 @@ class BuildCache:
     matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
     programs: dict[tuple, float] = field(default_factory=dict)
     facts: dict[int, _ListFacts] = field(default_factory=dict)
+    recomputed: dict[tuple, tuple] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -316,25 +323,53 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         comp.append(secs)
         cost += _per_step(secs, fc, microbatches)
         act += out.local_bytes(op.output)
-    syncs = grad_sync(rep, base.label, base.inputs, base.weight, base.output, ctx)
+    syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
+                                           base.output, ctx)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,
-                      base.state_bytes + act, base.state_bytes, act, syncs)
+                      base.state_bytes + act, base.state_bytes, act, syncs,
+                      transient_bytes=base.transient_bytes)
+
+
+def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
+    """``opt`` with activation recomputation (:func:`torch.utils.checkpoint` over the
+    node's block): its forward compute and forward activation collectives run again in the
+    backward (listed again in phase ``recompute``), and its outputs are not held between
+    forward and backward. They are re-materialised while the block's backward runs, one
+    block at a time: the memory row charges ``activation / copies`` (``copies`` = the
+    blocks of this family), exact when the blocks are tied (the copies sum to one block),
+    and :func:`peak_memory` gives the exact peak of any choice."""
+    colls = [list(cs) + [c.with_phase("recompute") for c in cs
+                         if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
+             for cs in opt.collectives]
+    extra = [list(cs[len(orig):]) for cs, orig in zip(colls, opt.collectives, strict=True)]
+    again = sum(c / 3 for c in opt.compute_s) + sum(c.seconds for cs in extra for c in cs)
+    charged = opt.activation_bytes / copies
+    return dataclasses.replace(
+        opt, collectives=colls, compute_s=[c * 4 / 3 for c in opt.compute_s],
+        cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,
+        activation_bytes=charged, recompute=True, recompute_bytes=opt.activation_bytes)
 
 
 def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
                   *, tie_layers: bool = True, max_weight_replication: int | None = None,
                   memory_budget: float | None = None, microbatches: int = 1,
                   boundary: StageBoundary | None = None,
-                  grad_bucket_bytes: float = 0.0, cache: BuildCache | None = None) -> GraphProblem:
+                  grad_bucket_bytes: float = 0.0, cache: BuildCache | None = None,
+                  zero_levels: tuple[int, ...] = (0,),
+                  recompute: frozenset[tuple[str, int]] = frozenset()) -> GraphProblem:
     """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
     costs are per step of ``microbatches`` accumulated micro-batches. ``boundary`` names
     the imported inputs and exported ops when ``graph`` is one pipeline stage.
     ``grad_bucket_bytes`` is the runtime's gradient bucket cap: above 0, gradient
     reductions are priced as fused buckets (:class:`BucketTerms`); 0 prices one AllReduce
     per op and set of partial axes. ``cache`` (:class:`BuildCache`) carries per-op work
-    over to later builds of graphs cut from the same model."""
+    over to later builds of graphs cut from the same model. ``zero_levels`` are the state
+    sharding levels offered per weighted op (:func:`ilp_planner.strategies.state_sharded`);
+    ``recompute`` names the blocks ``(block, block_index)`` whose activations are
+    recomputed (:func:`recomputed`; the ops of a block whose outputs leave it are kept)."""
     boundary = boundary or StageBoundary()
-    ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication)
+    ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
+                          tuple(zero_levels))
     owner: dict[str, str] = {}
     position: dict[str, int] = {}
     members: dict[str, list[str]] = {}
@@ -352,12 +387,19 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         position[op.name] = len(members[owner[op.name]]) - 1
     options: dict[str, list[NodeOption]] = {}
     tied: dict[tuple, list[NodeOption]] = {}
+    again = recomputed_nodes(graph, members, recompute, boundary)
+    shapes: dict[str, tuple] = {}
+    # recomputed copies of an options list by (list id, micro-batches, copies); each entry
+    # keeps its source list alive so the id stays valid
+    recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
     for node, mem in members.items():
         rep = graph[node]
         reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
         shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
                       for i, m in enumerate(mem))  # which member each follower reads
-        key = (rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached) if rep.tie_key else None
+        shapes[node] = shape
+        key = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached, again.get(node))
+               if rep.tie_key else None)
         if key is not None and key in tied:
             options[node] = tied[key]
             continue
@@ -371,15 +413,23 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             if opts is None:
                 opts = cache.options[content] = _node_options(graph, node, mem, ctx,
                                                               microbatches, reached)
+        if node in again:
+            copies = again[node]
+            opts = recomputed_lists.setdefault((id(opts), microbatches, copies), (opts, [
+                recomputed(o, microbatches, copies) for o in opts]))[1]
         options[node] = opts
         if key is not None:
             tied[key] = opts
 
     # groups (tying)
+    # a repeated op ties with its copies that merged the same followers (the last block's
+    # op may have absorbed the loss, say)
     group_key: dict[str, str] = {}
+    first_shape: dict[str, tuple] = {}
     for node in members:
         tk = graph[node].tie_key
-        group_key[node] = tk if (tie_layers and tk) else node
+        tied_here = tie_layers and tk and first_shape.setdefault(tk, shapes[node]) == shapes[node]
+        group_key[node] = tk if tied_here else node
     group_index: dict[str, int] = {}
     groups: list[list[str]] = []
     for node in members:
@@ -426,9 +476,10 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             outs = tuple(o.outputs[position[src]] for o in options[u])
             ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx])
                         for o in options[v])
-            key = (tensor, outs, ins)
+            key = (tensor, outs, ins, v in again)
             if key not in matrix_cache:
-                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster)
+                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster,
+                                                                replay=v in again)
             r = by_lists[quick] = matrix_cache[key]
         gu, gv = group_of[u], group_of[v]
         if gu == gv:
@@ -441,7 +492,51 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
                if grad_bucket_bytes > 0 else None)
     problem = Problem(names, cost, mem, edges, memory_budget, buckets)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
-                        microbatches, boundary, grad_bucket_bytes)
+                        microbatches, boundary, grad_bucket_bytes, frozenset(again),
+                        frozenset(recompute))
+
+
+def recomputed_nodes(graph: Graph, members: dict[str, list[str]],
+                     blocks: frozenset[tuple[str, int]],
+                     boundary: StageBoundary) -> dict[str, int]:
+    """The nodes whose activations are recomputed, each with the number of recomputed
+    blocks of its block family (the copies its re-materialised activations are shared
+    over, :func:`recomputed`): nodes of a block in ``blocks`` whose every member is read
+    only inside that block — the block's outputs stay held, as the next block's input is
+    what a checkpoint saves — and is not sent to a later pipeline stage."""
+    if not blocks:
+        return {}
+    per_family: dict[str, int] = {}
+    for b, _ in blocks:
+        per_family[b] = per_family.get(b, 0) + 1
+    out = {}
+    for node, mem in members.items():
+        unit = (graph[node].block, graph[node].block_index)
+        if unit not in blocks or any(i in boundary.imported for i in graph[node].inputs):
+            continue
+        readers = [graph.consumers(m) for m in mem]
+        if all(rs and m not in boundary.exported
+               and all((graph[c].block, graph[c].block_index) == unit for c in rs)
+               for m, rs in zip(mem, readers, strict=True)):
+            out[node] = per_family[unit[0]]
+    return out
+
+
+def peak_memory(gp: GraphProblem, choice) -> float:
+    """The exact per-device peak of a choice (one micro-batch's activations): states and
+    held activations, plus the largest block's re-materialised activations (recomputed
+    blocks run their backward one at a time) and the largest op's transient (state
+    sharding's gathered weights and unscattered gradients)."""
+    chosen = gp.node_choice(choice)
+    held = sum(o.state_bytes + (0.0 if o.recompute else o.activation_bytes)
+               for o in chosen.values())
+    block: dict[tuple, float] = {}
+    for node, o in chosen.items():
+        if o.recompute:
+            unit = (gp.graph[node].block, gp.graph[node].block_index)
+            block[unit] = block.get(unit, 0.0) + o.recompute_bytes
+    return held + max(block.values(), default=0.0) + max(
+        (o.transient_bytes for o in chosen.values()), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -573,12 +668,16 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
 
 
 def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,
-                 cluster: Cluster) -> np.ndarray:
+                 cluster: Cluster, replay: bool = False) -> np.ndarray:
     """Edge program seconds (forward + backward) for every (producer output, consumer
-    (input layout, input gradient layout)) pair."""
+    (input layout, input gradient layout)) pair; with ``replay`` (a recomputed consumer)
+    the forward program twice, since the recomputation runs it again."""
     uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
     uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
-    small = planner_for(outs[0], cluster).edge_costs(list(uniq_out), list(uniq_in), tensor)
+    planner = planner_for(outs[0], cluster)
+    small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
+    if replay:
+        small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in], tensor)
     rows = [uniq_out[a] for a in outs]
     cols = [uniq_in[b] for b in ins]
     return small[np.ix_(rows, cols)]

@@ -32,14 +32,16 @@ _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
 
 
 def restrict(gp: GraphProblem, keep: Filter) -> tuple[Problem, list[np.ndarray]] | str:
-    """The sub-problem keeping only strategies passing ``keep``; or a reason string."""
+    """The sub-problem keeping only strategies passing ``keep`` (none with sharded state:
+    these baselines replicate it); or a reason string."""
     allowed: list[np.ndarray] = []
     for group in gp.groups:
         node = group[0]
         op = gp.graph[node]
         # an op nothing can shard is replicated in any hand-written layout too
         idx = np.array([k for k, o in enumerate(gp.options[node])
-                        if op.kind is OpKind.OPAQUE or keep(op, o.base)], dtype=int)
+                        if not o.base.zero and (op.kind is OpKind.OPAQUE or keep(op, o.base))],
+                       dtype=int)
         if idx.size == 0:
             offered = sorted({str(drop_unit_axes(o.base.output)) for o in gp.options[node]})
             return (f"no allowed strategy for {node} ({op.kind.value} {op.output.shape}): the "

@@ -55,6 +55,10 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       fallback: coordinate_descent   # | metropolis_hastings | random
       milp: scip                  # | cbc: the ILP's solver (SCIP in-process via OR-Tools;
                                   # cbc = PuLP's bundled CBC in a subprocess, the reference)
+      state_sharding: [0]         # ZeRO levels the ILP may pick per weighted op: 0 none,
+                                  # 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
+      recompute: never            # | auto (the planner picks how many blocks recompute)
+                                  # | always (every block's activations recomputed)
     pipeline:                     # optional, PipelineOptions fields
       stages: 1                   # 1 (no pipelining) | N | auto
       microbatches: 1             # must divide model.batch
@@ -103,8 +107,16 @@ from ilp_planner.files import read_input
 from ilp_planner.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.graph import Graph
 from ilp_planner.limits import check_limit
-from ilp_planner.options import FALLBACKS, MILPS, SCHEDULES, PipelineOptions, SolverOptions
+from ilp_planner.options import (
+    FALLBACKS,
+    MILPS,
+    RECOMPUTE,
+    SCHEDULES,
+    PipelineOptions,
+    SolverOptions,
+)
 from ilp_planner.schema import Reader, join
+from ilp_planner.strategies import ZERO_LEVELS
 
 MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph", "torch")
 MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -484,7 +496,8 @@ def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, floa
 def _parse_solver(r: Reader, value: Any) -> SolverOptions:
     d = _section(r, value, "solver", ("time_limit_s", "tie_layers", "max_weight_replication",
                                       "max_axes", "threads", "seed", "fallback",
-                                      "elimination", "gap", "milp"))
+                                      "elimination", "gap", "milp", "state_sharding",
+                                      "recompute"))
     kw: dict[str, Any] = {}
     if "time_limit_s" in d:
         kw["time_limit_s"] = r.number(d["time_limit_s"], "solver.time_limit_s", positive=True)
@@ -506,6 +519,16 @@ def _parse_solver(r: Reader, value: Any) -> SolverOptions:
         kw["fallback"] = r.choice(d["fallback"], "solver.fallback", FALLBACKS, "fallback")
     if "milp" in d:
         kw["milp"] = r.choice(d["milp"], "solver.milp", MILPS, "MILP solver")
+    if "state_sharding" in d:
+        levels = d["state_sharding"]
+        if not isinstance(levels, list) or not levels or any(
+                isinstance(z, bool) or z not in ZERO_LEVELS for z in levels):
+            r.fail("solver.state_sharding", f"expected a non-empty list of ZeRO levels from "
+                   f"{list(ZERO_LEVELS)}, got {levels!r}")
+        kw["state_sharding"] = tuple(sorted(set(levels) | {0}))
+    if "recompute" in d:
+        kw["recompute"] = r.choice(d["recompute"], "solver.recompute", RECOMPUTE,
+                                   "recomputation policy")
     return SolverOptions(**kw)
 
 

@@ -104,8 +104,12 @@ class Collective:
         )
 
 
-ONCE_PER_STEP = frozenset({"grad_sync", "tied_weight"})
-"""Purposes issued once per optimizer step; every other collective runs once per micro-batch."""
+ONCE_PER_STEP = frozenset({"grad_sync", "tied_weight", "shard_grad_sync", "weight_allgather"})
+"""Purposes issued once per optimizer step; every other collective runs once per micro-batch
+(state sharding's: ``shard_grad_sync`` a ZeRO-1 gradient ReduceScatter, ``weight_allgather``
+the updated weights gathered after a ZeRO-1/2 step; ZeRO-2/3's per-micro-batch
+``shard_grad`` ReduceScatter and ZeRO-3's ``fsdp_gather``, see
+:func:`ilp_planner.strategies.state_sharded`)."""
 
 
 def make_collective(

@@ -131,13 +131,17 @@ def exposed_grad_sync(layers: Sequence) -> float:
     the backward runs the layers in reverse, ``2/3`` of each layer's compute plus its
     backward activation collectives; a bucket starts when its launcher's backward is done
     and the previous bucket has finished (one channel); tied-weight exchanges run after
-    every bucket, unhidden."""
+    every bucket, unhidden. State sharding: a ZeRO-1 gradient ReduceScatter overlaps like a
+    bucket; the AllGather of updated weights follows the optimizer step, unhidden. A
+    recomputed layer's backward also runs its forward again (``3/4`` of its compute)."""
     t = channel = 0.0
     for ly in reversed(layers):
-        t += 2 * ly.compute_s / 3 + sum(c.seconds for c in ly.collectives
-                                        if c.phase != "forward" and c.purpose not in ONCE_PER_STEP)
+        t += (0.75 if ly.recompute else 2 / 3) * ly.compute_s + sum(
+            c.seconds for c in ly.collectives
+            if c.phase != "forward" and c.purpose not in ONCE_PER_STEP)
         for c in ly.collectives:
-            if c.purpose == "grad_sync":
+            if c.purpose in ("grad_sync", "shard_grad_sync"):
                 channel = max(channel, t) + c.seconds
-    tail = sum(c.seconds for ly in layers for c in ly.collectives if c.purpose == "tied_weight")
+    tail = sum(c.seconds for ly in layers for c in ly.collectives
+               if c.purpose in ("tied_weight", "weight_allgather"))
     return max(0.0, channel - t) + tail

@@ -10,6 +10,7 @@ SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
 FALLBACKS = ("coordinate_descent", "metropolis_hastings", "random")
 # MILP backends of the intra-op ILP (formulations.sbp_ilp runs them)
 MILPS = ("scip", "cbc")
+RECOMPUTE = ("never", "auto", "always")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,13 @@ class SolverOptions:
     rule out; False runs the ILP on the whole problem (the reference). ``gap`` is the
     relative optimality gap accepted as proof (0: proven exactly; the status is
     ``optimal`` either way and the plan reports the gap itself).
+
+    The search space beyond AutoDDL's layouts: ``state_sharding`` lists the ZeRO levels a
+    weighted op may take (0 none, 1 optimizer state, 2 + gradients, 3 + weights = FSDP;
+    :func:`ilp_planner.strategies.state_sharded`), chosen per op by the ILP;
+    ``recompute`` is ``never``, ``always`` (every block's activations recomputed) or
+    ``auto`` (the planner picks how many blocks recompute, each count an exact solve;
+    :func:`ilp_planner.planner.solve_mesh`).
     """
 
     time_limit_s: float = 60.0
@@ -39,6 +47,8 @@ class SolverOptions:
     elimination: bool = True
     gap: float = 0.0
     milp: str = "scip"
+    state_sharding: tuple[int, ...] = (0,)
+    recompute: str = "never"
 
 
 @dataclass(frozen=True)

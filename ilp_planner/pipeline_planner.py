@@ -648,7 +648,7 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
     except InfeasibleError as exc:
         return {"ilp_single_mesh": {"error": str(exc)}}
     out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
-    out.update(price_baselines(gp, config.solver.time_limit_s))
+    out.update(price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes))
     return out
 
 

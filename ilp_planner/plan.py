@@ -22,8 +22,8 @@ from ilp_planner.files import read_input, write_output
 from ilp_planner.layouts import Layout, parse_placement
 
 PLAN_SCHEMA = "ilp_planner.plan"
-PLAN_VERSION = 4  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes;
-# 4: fused gradient buckets, exposed gradient synchronisation
+PLAN_VERSION = 5  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes;
+# 4: fused gradient buckets, exposed gradient synchronisation; 5: per-layer zero and recompute
 
 
 def layout_to_dict(layout: Layout, shape: Sequence[int] | int | None = None) -> dict:
@@ -148,6 +148,8 @@ class LayerPlan:
     stage: int = 0
     input_shapes: tuple[tuple[int, ...], ...] = ()  # of the tensors the layouts describe, so an
     output_shape: tuple[int, ...] = ()               # edited config is caught, not re-modelled
+    zero: int = 0  # state sharding level (ilp_planner.strategies.state_sharded)
+    recompute: bool = False  # activations recomputed in the backward (checkpointed block)
 
     def to_dict(self) -> dict:
         fact = self.output.fact
@@ -167,6 +169,8 @@ class LayerPlan:
             },
             "compute_s": self.compute_s,
             "memory_bytes": self.memory_bytes,
+            "zero": self.zero,
+            "recompute": self.recompute,
             "collectives": [c.to_dict() for c in self.collectives],
         }
 
@@ -184,7 +188,14 @@ class LayerPlan:
             tuple(Collective.from_dict(c) for c in d["collectives"]), stage,
             tuple(_shape(x) for x in s["inputs"]),
             _shape(s["output"]),
+            int(number(d["zero"])), _flag(d["recompute"]),
         )
+
+
+def _flag(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {type(value).__name__}")
+    return value
 
 
 def _shape(layout_dict: dict) -> tuple[int, ...]:

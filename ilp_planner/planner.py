@@ -21,6 +21,7 @@ from formulations.sbp_problem import (
     build_problem,
     describe_infeasible,
     dominated_free,
+    peak_memory,
 )
 from formulations.sbp_search import SEARCHES
 from ilp_planner.baselines import baseline_choices
@@ -56,7 +57,7 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
     layers, cost = realise(gp, list(result.choice))
     plan = Plan(config.name, config.raw, result.to_dict(), cost, layers)
     if baselines:
-        plan.baselines = price_baselines(gp, config.solver.time_limit_s)
+        plan.baselines = price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes)
     return plan
 
 
@@ -92,21 +93,196 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     one micro-batch, with gradient accumulation over ``pipeline.microbatches``) on an
     ``nodes × local`` mesh; ``boundary`` when ``graph`` is a pipeline stage; ``cache``
     carries per-op build work across solves of graphs cut from one model. Raises
-    :class:`InfeasibleError` naming the binding layer."""
-    opts = config.solver
-    t0 = time.perf_counter()
+    :class:`InfeasibleError` naming the binding layer.
+
+    ``solver.recompute``: ``never`` solves once; ``always`` recomputes every block;
+    ``auto`` (under a memory budget — without one recomputation only costs) solves with
+    none, with every block, and with the fewest leading blocks that fit (bisection; every
+    count for up to :data:`EVERY_COUNT_UP_TO` blocks), each exactly, and keeps the cheapest
+    plan that fits. Counts in between are not tried on larger models."""
     if graph is None:
         graph = config.microbatch_graph()
         microbatches = config.pipeline.microbatches
+    if cache is None and (config.solver.recompute != "never"
+                          or set(config.solver.state_sharding) & {2, 3}):
+        cache = BuildCache()  # several builds of this graph follow
+    units = tuple(dict.fromkeys((op.block, op.block_index) for op in graph.ops
+                                if op.block is not None and op.block_index is not None))
+    policy = config.solver.recompute
+    if policy == "never" or not units:
+        return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
+                              boundary, cache, frozenset())
+    if policy == "always" or memory_budget is None:
+        chosen = frozenset(units) if policy == "always" else frozenset()
+        return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
+                              boundary, cache, chosen)
+    tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError] = {}
+
+    def attempt(k: int):
+        if k not in tried:
+            try:
+                tried[k] = _solve_fitting(config, nodes, local, memory_budget, graph,
+                                          microbatches, boundary, cache, frozenset(units[:k]))
+            except InfeasibleError as exc:
+                tried[k] = exc
+        return tried[k]
+
+    if len(units) <= EVERY_COUNT_UP_TO:
+        for k in range(len(units) + 1):
+            attempt(k)
+    if isinstance(attempt(len(units)), InfeasibleError):
+        raise attempt(len(units))  # type: ignore[misc]
+    lo, hi = 0, len(units)  # the fewest recomputed blocks that fit lie in (lo, hi]
+    if not isinstance(attempt(0), InfeasibleError):
+        hi = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if isinstance(attempt(mid), InfeasibleError):
+            lo = mid
+        else:
+            hi = mid
+    attempt(hi)
+    fits = [v for v in tried.values() if not isinstance(v, InfeasibleError)]
+    gp, best = min(fits, key=lambda v: v[1].objective)
+    counts = ", ".join(f"{k}: {'infeasible' if isinstance(v, InfeasibleError) else f'{v[1].objective:.6g} s'}"
+                       for k, v in sorted(tried.items()))
+    return gp, dataclasses.replace(best, message="; ".join(
+        m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
+                    f"{len(gp.recompute_units)}") if m))
+
+
+EVERY_COUNT_UP_TO = 3
+"""``recompute: auto`` solves every count of recomputed blocks for models this small."""
+
+
+def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float | None,
+                   graph, microbatches: int | None, boundary: StageBoundary | None,
+                   cache: BuildCache | None,
+                   recompute: frozenset) -> tuple[GraphProblem, SolveResult]:
+    """The best plan whose exact peak (:func:`peak_memory`) fits the budget.
+
+    State sharding's transients (gathered weights, unscattered gradients; at most one op's
+    at a time) are a max, not a sum: a cap ``T`` keeps only options whose transient is at
+    most ``T`` and reserves ``T`` of the budget. Solved for ``T = 0`` (the space without
+    transients: never worse than not sharding), for caps spread over the transients
+    (:func:`_cap_candidates`) and for the transient of each plan found (a plan that uses
+    less than its cap may improve with the smaller reserve) — every plan exact for its cap,
+    the cheapest kept. The optimum over all caps is only found where its cap is tried.
+    Untied recomputed blocks are charged their average in the memory row; where a plan's
+    largest re-materialised block exceeds what that leaves, the row is tightened by the
+    difference and the problem solved again (the message says so)."""
+    if memory_budget is None:
+        return _solve_once(config, nodes, local, None, graph, microbatches, boundary, cache,
+                           recompute, None)
+    results = []
+    caps: list[float] = [0.0]
+    if set(config.solver.state_sharding) & {2, 3}:
+        caps += _cap_candidates(config, nodes, local, graph, microbatches, boundary, cache,
+                                recompute)
+    failure: InfeasibleError | None = None
+    done: set[float] = set()
+    while caps:
+        cap = caps.pop(0)
+        if cap in done:
+            continue
+        done.add(cap)
+        try:
+            gp, res = _fit_blocks(config, nodes, local, memory_budget, graph, microbatches,
+                                  boundary, cache, recompute, cap)
+        except InfeasibleError as exc:
+            failure = failure or exc
+            continue
+        results.append((gp, res))
+        used = _transient(gp, res.choice)
+        if 0 < used < cap:
+            caps.insert(0, used)
+    if not results:
+        assert failure is not None
+        raise failure
+    return min(results, key=lambda r: r[1].objective)
+
+
+CAP_SAMPLES = 5
+
+
+def _cap_candidates(config: Config, nodes: int, local: int, graph, microbatches: int | None,
+                    boundary: StageBoundary | None, cache: BuildCache | None,
+                    recompute: frozenset) -> list[float]:
+    """Transient caps to try, largest first: :data:`CAP_SAMPLES` values spread evenly over
+    the sorted distinct transients of all options (the largest always among them)."""
+    gp = build_problem(graph, config.cluster, nodes, local, config.memory,
+                       tie_layers=config.solver.tie_layers,
+                       max_weight_replication=config.solver.max_weight_replication,
+                       microbatches=microbatches or 1, boundary=boundary,
+                       grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
+                       zero_levels=config.solver.state_sharding, recompute=recompute)
+    values = sorted({o.transient_bytes for opts in gp.options.values() for o in opts} - {0.0})
+    if len(values) > CAP_SAMPLES:
+        values = [values[round(i * (len(values) - 1) / (CAP_SAMPLES - 1))]
+                  for i in range(CAP_SAMPLES)]
+    return values[::-1]
+
+
+def _transient(gp: GraphProblem, choice) -> float:
+    return max((o.transient_bytes for o in gp.node_choice(choice).values()), default=0.0)
+
+
+def _fit_blocks(config: Config, nodes: int, local: int, memory_budget: float, graph,
+                microbatches: int | None, boundary: StageBoundary | None,
+                cache: BuildCache | None, recompute: frozenset,
+                cap: float) -> tuple[GraphProblem, SolveResult]:
+    """:func:`_solve_once` under transient cap ``cap``, with the re-materialised blocks
+    checked exactly (see :func:`_solve_fitting`)."""
+    row = memory_budget
+    for _ in range(4):
+        gp, res = _solve_once(config, nodes, local, row, graph, microbatches, boundary, cache,
+                              recompute, cap)
+        peak = peak_memory(gp, res.choice)
+        if peak <= memory_budget * (1 + 1e-9):
+            if row < memory_budget:
+                res = dataclasses.replace(res, message="; ".join(m for m in (
+                    res.message, f"memory row tightened by {(memory_budget - row) / 2**30:.4g} "
+                    f"GiB for the largest re-materialised block") if m))
+            return gp, res
+        charged = gp.problem.memory_of(res.choice) + _transient(gp, res.choice)
+        row = min(row - (peak - memory_budget), memory_budget - (peak - charged))
+        if row <= 0:
+            break
+    raise InfeasibleError(
+        f"no plan fits with its transients: the best plan under the memory row peaks at "
+        f"{peak / 2**30:.4g} GiB (re-materialised activations and gathered weights "
+        f"included); the budget is {memory_budget / 2**30:.4g} GiB")
+
+
+def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | None,
+                graph, microbatches: int | None, boundary: StageBoundary | None,
+                cache: BuildCache | None, recompute: frozenset,
+                transient_cap: float | None) -> tuple[GraphProblem, SolveResult]:
+    """Build and solve once. ``transient_cap`` (under a budget): only options whose
+    transient is at most the cap, and the cap reserved from the memory row."""
+    opts = config.solver
+    t0 = time.perf_counter()
     try:
         gp = build_problem(graph, config.cluster, nodes, local, config.memory,
                            tie_layers=opts.tie_layers,
                            max_weight_replication=opts.max_weight_replication,
                            memory_budget=memory_budget, microbatches=microbatches or 1,
                            boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes,
-                           cache=cache)
+                           cache=cache, zero_levels=opts.state_sharding, recompute=recompute)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
+    allowed = None
+    if transient_cap is not None:
+        allowed = [np.array([k for k in range(len(gp.problem.cost[g]))
+                             if all(gp.options[n][k].transient_bytes <= transient_cap
+                                    for n in group)], dtype=int)
+                   for g, group in enumerate(gp.groups)]
+        if transient_cap > 0:
+            memory_budget -= transient_cap
+            if memory_budget <= 0:
+                raise InfeasibleError("the largest transient of a sharded state exceeds the "
+                                      "memory budget")
+            gp.problem = dataclasses.replace(gp.problem, memory_budget=memory_budget)
     problem_s = time.perf_counter() - t0
     if memory_budget is not None and gp.problem.min_memory()[0] > memory_budget:
         raise InfeasibleError(describe_infeasible(gp, memory_budget))
@@ -114,13 +290,19 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
         raise ConfigError(f"unknown fallback search {opts.fallback!r}; expected one of "
                           f"{sorted(SEARCHES)}", key="solver.fallback")
     t1 = time.perf_counter()
-    kept = dominated_free(gp.problem)
+    if allowed is None:
+        kept = dominated_free(gp.problem)
+    else:  # the cap first: dominance does not compare transients
+        if any(a.size == 0 for a in allowed):
+            raise InfeasibleError(f"no strategy's transient fits the cap {transient_cap} B")
+        kept = [a[k] for a, k in zip(allowed, dominated_free(gp.problem.subset(allowed)),
+                                     strict=True)]
     problem = gp.problem.subset(kept)
     total = sum(len(c) for c in gp.problem.cost)
     notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
     tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
-                            boundary, cache)
+                            boundary, cache, recompute)
     exact = None
     if opts.elimination:  # the fallback search gives an incumbent for pruning wide problems
         exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
@@ -196,7 +378,8 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
 def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: int,
                      memory_budget: float | None, graph, microbatches: int | None,
                      boundary: StageBoundary | None,
-                     cache: BuildCache | None = None) -> tuple[int, ...] | None:
+                     cache: BuildCache | None = None,
+                     recompute: frozenset = frozenset()) -> tuple[int, ...] | None:
     """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
     untied choice, since tying only restricts) as a warm start, in the pruned problem's
     indices. The ILP alone can stall far above it on large untied models, and the
@@ -205,8 +388,11 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
         return None
     tied_config = dataclasses.replace(
         config, solver=dataclasses.replace(config.solver, tie_layers=True))
-    tgp, tres = solve_mesh(tied_config, nodes, local, memory_budget, graph, microbatches, boundary,
-                           cache)
+    try:
+        tgp, tres = _solve_once(tied_config, nodes, local, memory_budget, graph, microbatches,
+                                boundary, cache, recompute, None)
+    except InfeasibleError:
+        return None
     full = [tres.choice[tgp.group_of[group[0]]] for group in gp.groups]
     positions = [{int(k): i for i, k in enumerate(kept[g])} for g in range(len(kept))]
     if any(k not in positions[g] for g, k in enumerate(full)):
@@ -247,6 +433,8 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
             red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster,
                                       opt.grads[pos][idx])
             colls += red.forward + red.backward
+            if opt.recompute:  # the checkpointed block runs its input programs again
+                colls += [c.with_phase("recompute") for c in red.forward]
         colls += [c for c in opt.collectives[pos] if c.purpose != "grad_sync"]
         if pos == 0:  # the strategy's grad_sync collectives, as SyncBuckets to fuse
             syncs += [(op.name, b) for b in opt.syncs]
@@ -267,20 +455,31 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
     layers: list[LayerPlan] = []
     for op, pos, node, opt, colls in rows:
         is_base = pos == 0
-        mem = (opt.state_bytes if is_base else 0.0) + opt.outputs[pos].local_bytes(op.output)
+        held = 0.0 if opt.recompute else opt.outputs[pos].local_bytes(op.output)
         layers.append(LayerPlan(
             op.name, op.kind.value, opt.base.label if is_base else f"follows {node}",
             opt.inputs[pos], opt.base.weight if is_base else None, opt.outputs[pos],
-            opt.compute_s[pos], mem, tuple(colls), stage,
-            tuple(graph[s].output.shape for s in op.inputs), op.output.shape,
+            opt.compute_s[pos], (opt.state_bytes if is_base else 0.0) + held, tuple(colls),
+            stage, tuple(graph[s].output.shape for s in op.inputs), op.output.shape,
+            opt.base.zero if is_base else 0, opt.recompute,
         ))
     compute = sum(ly.compute_s for ly in layers)
-    memory = sum(ly.memory_bytes for ly in layers)
-    return layers, CostBreakdown.of(compute, [c for ly in layers for c in ly.collectives], memory,
-                                    gp.microbatches, exposed_grad_sync(layers))
+    return layers, CostBreakdown.of(compute, [c for ly in layers for c in ly.collectives],
+                                    peak_memory(gp, choice), gp.microbatches,
+                                    exposed_grad_sync(layers))
 
 
-def price_baselines(gp: GraphProblem, time_limit_s: float) -> dict[str, dict]:
+def price_baselines(gp: GraphProblem, time_limit_s: float,
+                    memory_budget: float | None = None) -> dict[str, dict]:
+    """The usual baselines (:func:`~ilp_planner.baselines.baseline_choices`), each on the
+    problem without state sharding and recomputation (``gp`` rebuilt where it has them,
+    under ``memory_budget``)."""
+    if gp.ctx.zero_levels != (0,) or gp.recompute_units:
+        gp = build_problem(gp.graph, gp.ctx.cluster, gp.ctx.nodes, gp.ctx.local, gp.ctx.memory,
+                           tie_layers=any(len(g) > 1 for g in gp.groups),
+                           max_weight_replication=gp.ctx.max_weight_replication,
+                           memory_budget=memory_budget, microbatches=gp.microbatches,
+                           boundary=gp.boundary, grad_bucket_bytes=gp.grad_bucket_bytes)
     out: dict[str, dict] = {}
     for name, choice in baseline_choices(gp, time_limit_s).items():
         if isinstance(choice, str):

@@ -26,6 +26,8 @@ state memory is its parameter shard × bytes per parameter.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +69,8 @@ class Strategy:
     activation_bytes: float
     input_grads: tuple[Layout, ...] = ()
     input_backward: tuple[Collective, ...] = ()  # op-internal, only if input 0 needs a gradient
+    zero: int = 0  # state sharding level over the gradient-sync group (:func:`state_sharded`)
+    transient_bytes: float = 0.0  # held only while the op runs (gathered weights, full grads)
 
     @property
     def grads_of_inputs(self) -> tuple[Layout, ...]:
@@ -102,6 +106,7 @@ class StrategyContext:
     local: int
     memory: MemorySpec
     max_weight_replication: int | None = None
+    zero_levels: tuple[int, ...] = (0,)
 
     @property
     def devices(self) -> int:
@@ -483,7 +488,73 @@ def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
 
 
 def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
-    """All strategies of a non-follower op on the context's mesh."""
+    """All strategies of a non-follower op on the context's mesh, each with its state-sharded
+    variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows."""
+    base = _base_strategies(op, inputs, ctx)
+    levels = tuple(z for z in ctx.zero_levels if z)
+    if not levels:
+        return base
+    return [v for s in base for v in (s, *state_sharded(op, s, levels, ctx))]
+
+
+ZERO_LEVELS = (0, 1, 2, 3)
+"""State sharding over the group a weight's gradient is synchronised in: 0 none (DDP),
+1 optimizer state (ZeRO-1), 2 + gradients (ZeRO-2), 3 + weights (ZeRO-3 / FSDP)."""
+
+
+def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
+                  ctx: StrategyContext) -> list[Strategy]:
+    """The ZeRO variants of ``base``: every set of parameters whose gradient ``base``
+    AllReduces over a group of p devices (its :class:`SyncBucket`) is instead kept as one
+    flat buffer padded to a multiple of p and sharded 1/p per device (FSDP's flat
+    parameter). With n local elements, s = ⌈n/p⌉, bytes per parameter w, g, o::
+
+        level  state per device      collectives                                  per
+        1      n(w+g) + s·o          ReduceScatter grads, AllGather new weights     step
+        2      n·w + s(g+o)          ReduceScatter grads                        micro-batch
+                                     AllGather new weights                          step
+        3      s(w+g+o)              AllGather weights (forward), again (backward),
+                                     ReduceScatter grads                        micro-batch
+
+    ReduceScatter moves gradients in the master dtype (fp32 under mixed precision), the
+    AllGathers move weights in the compute dtype (each device updates its shard of the
+    fp32 master and casts it). ``transient_bytes`` is what a level holds only while the op
+    runs: the op's full gradient before it is scattered (2, 3) and its gathered weights (3).
+    No variant without a gradient reduction: nothing is replicated there to shard."""
+    syncs = grad_sync(op, base.label, base.inputs, base.weight, base.output, ctx)
+    if not syncs:
+        return []
+    w, g, o = ctx.memory.weight_bytes, ctx.memory.grad_bytes, ctx.memory.optimizer_bytes
+    w_item = (op.weight or op.output).itemsize
+    kept = tuple(c for c in base.collectives if c.purpose != "grad_sync")
+    out = []
+    for z in levels:
+        state = base.state_bytes
+        colls: list[Collective] = []
+        transient = 0.0
+        for sb in syncs:
+            n = sb.numel
+            p = sb.collective.group_size
+            s = -(-n // p)
+            grad_item = sb.collective.bytes / n
+            state -= n * (w + g + o)
+            state += {1: n * (w + g) + s * o, 2: n * w + s * (g + o), 3: s * (w + g + o)}[z]
+            transient += {1: 0.0, 2: n * g, 3: n * (w + g)}[z]
+            rs = coll(CollectiveKind.REDUCE_SCATTER, sb.fact, sb.axes, s * p * grad_item, ctx,
+                      "backward", "shard_grad_sync" if z == 1 else "shard_grad")
+            ag = functools.partial(coll, CollectiveKind.ALL_GATHER, sb.fact, sb.axes,
+                                   s * p * w_item, ctx)
+            if z == 3:
+                colls += [ag("forward", "fsdp_gather"), ag("backward", "fsdp_gather"), rs]
+            else:
+                colls += [rs, ag("step", "weight_allgather")]
+        out.append(dataclasses.replace(base, label=f"{base.label}+zero{z}",
+                                       collectives=kept + tuple(colls), state_bytes=state,
+                                       zero=z, transient_bytes=transient))
+    return out
+
+
+def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
     kind = op.kind
     if kind in (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL):
         return _matmul_family(op, inputs, ctx)

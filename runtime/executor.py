@@ -125,6 +125,13 @@ class Executor:
         self.compute_dtype = model.compute_dtype(self.graph)
         self.loss_scale = model.loss_scale(self.graph)
         self.layers: dict[str, LayerPlan] = {lp.name: lp for lp in plan.layers}
+        sharded = [lp.name for lp in plan.layers if lp.zero or lp.recompute]
+        if sharded:
+            raise RuntimeSetupError(
+                f"plan {plan.name!r} shards optimizer state / weights or recomputes activations "
+                f"(layers {', '.join(sharded[:4])}{' …' if len(sharded) > 4 else ''}); this "
+                f"runtime does not execute state sharding or recomputation yet: re-solve with "
+                f"solver.state_sharding: [0] and solver.recompute: never")
         self._check_even()
         self.stages = checked.stages
         self.stage_of = {n: s.index for s in self.stages for n in s.layers}

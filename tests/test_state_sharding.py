@@ -1,0 +1,214 @@
+"""State sharding (ZeRO-1/2/3) and activation recomputation in the search space.
+
+Closed forms for one strategy's variants, realised cost and peak equal to what the problem
+prices, and the planner's answer equal to brute force over the joint space (strategies ×
+ZeRO levels × recomputed blocks, exact peak within the budget) on a small case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from formulations.sbp_problem import build_problem, peak_memory
+from ilp_planner import models
+from ilp_planner.cluster import Cluster, Link
+from ilp_planner.config import load_config
+from ilp_planner.cost_model import CollectiveKind, MemorySpec
+from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.graph import Graph, OpKind
+from ilp_planner.models import _Builder
+from ilp_planner.plan import Plan
+from ilp_planner.planner import realise, solve, solve_mesh
+from ilp_planner.strategies import StrategyContext, op_strategies
+
+ADAM = MemorySpec.preset("adam")
+LINK = Link(1e-5, 1e-9)
+CLUSTER = Cluster(1, 4, 2**30, 1e12, LINK, Link(2e-5, 2e-9), 0.5, "t")
+
+
+def _ctx(levels=(0, 1, 2, 3), devices: int = 4) -> StrategyContext:
+    return StrategyContext(CLUSTER, 1, devices, ADAM, None, levels)
+
+
+def test_zero_variants_closed_form():
+    """Data parallel on 4 devices: a 64×32 weight (2,048 elements) replicated; its ZeRO
+    variants hold the closed-form state and issue exactly the listed collectives."""
+    g = models.mlp([64, 32], batch=8)
+    fc = g["fc1"]
+    strategies = op_strategies(fc, [g["input"].output], _ctx())
+    dp = [s for s in strategies if s.fact[0].size == 4]
+    by_level = {s.zero: s for s in dp}
+    assert set(by_level) == {0, 1, 2, 3}
+    n, s = 64 * 32, 64 * 32 // 4
+    w, gr, o = ADAM.weight_bytes, ADAM.grad_bytes, ADAM.optimizer_bytes
+    assert by_level[0].state_bytes == n * (w + gr + o)
+    assert by_level[1].state_bytes == n * (w + gr) + s * o
+    assert by_level[2].state_bytes == n * w + s * (gr + o)
+    assert by_level[3].state_bytes == s * (w + gr + o)
+    assert [by_level[z].transient_bytes for z in (1, 2, 3)] == [0, n * gr, n * (w + gr)]
+
+    def kinds(z):
+        return sorted((c.kind.value, c.phase, c.purpose, c.bytes) for c in by_level[z].collectives)
+
+    ar = [c for c in by_level[0].collectives if c.purpose == "grad_sync"]
+    assert [(c.kind, c.bytes) for c in ar] == [(CollectiveKind.ALL_REDUCE, n * 4)]
+    assert kinds(1) == sorted([("reduce_scatter", "backward", "shard_grad_sync", n * 4),
+                               ("all_gather", "step", "weight_allgather", n * 4)])
+    assert kinds(2) == sorted([("reduce_scatter", "backward", "shard_grad", n * 4),
+                               ("all_gather", "step", "weight_allgather", n * 4)])
+    assert kinds(3) == sorted([("all_gather", "forward", "fsdp_gather", n * 4),
+                               ("all_gather", "backward", "fsdp_gather", n * 4),
+                               ("reduce_scatter", "backward", "shard_grad", n * 4)])
+    # ring cost: ReduceScatter + AllGather moves what one AllReduce moves
+    rs_ag = sum(c.seconds for c in by_level[1].collectives if c.purpose != "activation")
+    assert math.isclose(rs_ag, ar[0].seconds)
+    # a strategy without a gradient reduction has nothing replicated to shard
+    assert all(s.zero == 0 for s in strategies if s.fact[0].size == 1)
+
+
+def test_no_variants_unless_asked():
+    g = models.mlp([64, 32], batch=8)
+    assert all(s.zero == 0 for s in op_strategies(g["fc1"], [g["input"].output], _ctx((0,))))
+
+
+def _two_blocks() -> Graph:
+    """input → 2 blocks of (linear, relu, linear) → loss, on which every count of
+    recomputed blocks and every ZeRO level is small enough to enumerate."""
+    b = _Builder("float32")
+    x = b.add("input", OpKind.INPUT, [], b.t(16, 32))
+    for i in range(2):
+        b.block, b.block_index = "blk", i
+        y = b.linear(f"blk.{i}.fc1", x, 16, 32, 64, False)
+        y = b.elementwise(f"blk.{i}.relu", OpKind.RELU, [y], 16, 64)
+        x = b.linear(f"blk.{i}.fc2", y, 16, 64, 32, False)
+    b.block = b.block_index = None
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=3.0 * 16 * 32)
+    return Graph("two-blocks", b.ops)
+
+
+def _config(budget_bytes: float | None, levels=(0, 1, 2, 3), recompute: str = "auto",
+            tie: bool = False):
+    doc = {
+        "model": _two_blocks(),
+        "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gib": (budget_bytes or 2**30) / 2**30,
+                    "peak_tflops": 1, "links": {"intra": {"alpha": 1e-5, "beta": 1e-9},
+                                                "inter": {"alpha": 2e-5, "beta": 2e-9}}},
+        "training": {"optimizer": "adam", "grad_bucket_mb": 0},
+        "solver": {"state_sharding": list(levels), "recompute": recompute, "tie_layers": tie},
+    }
+    return load_config(doc)
+
+
+def _brute_force(config) -> float:
+    """min objective over every strategy choice of every count of recomputed leading
+    blocks, with the exact peak within the budget."""
+    budget = config.cluster.memory_bytes
+    best = math.inf
+    units = (("blk", 0), ("blk", 1))
+    for k in range(len(units) + 1):
+        gp = build_problem(config.graph, config.cluster, 1, 2, config.memory,
+                           tie_layers=config.solver.tie_layers,
+                           zero_levels=config.solver.state_sharding,
+                           recompute=frozenset(units[:k]))
+        for choice in itertools.product(*(range(len(c)) for c in gp.problem.cost)):
+            if peak_memory(gp, choice) <= budget * (1 + 1e-9):
+                best = min(best, gp.problem.objective(choice))
+    return best
+
+
+def _peaks(config) -> tuple[float, float]:
+    """The smallest exact peak with nothing recomputed and no sharding, and with all."""
+    lows = []
+    for levels, k in (((0,), 0), ((0, 1, 2, 3), 2)):
+        gp = build_problem(config.graph, config.cluster, 1, 2, config.memory, tie_layers=False,
+                           zero_levels=levels,
+                           recompute=frozenset((("blk", 0), ("blk", 1))[:k]))
+        lows.append(min(peak_memory(gp, c) for c in itertools.product(
+            *(range(len(c)) for c in gp.problem.cost))))
+    return lows[0], lows[1]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.7, 1.0, 1.6])
+def test_planner_equals_brute_force_over_the_joint_space(where, tie):
+    """Budgets from the smallest peak of the joint space to above the smallest of the plain
+    space: the planner's objective is the brute-force optimum, its plan's exact peak fits,
+    and the realised plan costs what the planner claims."""
+    base_low, joint_low = _peaks(_config(None))
+    budget = joint_low + where * (base_low - joint_low)
+    config = _config(budget, tie=tie)
+    gp, res = solve_mesh(config, 1, 2, config.cluster.memory_bytes)
+    assert math.isclose(res.objective, _brute_force(config), rel_tol=1e-9)
+    assert peak_memory(gp, res.choice) <= config.cluster.memory_bytes * (1 + 1e-9)
+    layers, cost = realise(gp, list(res.choice))
+    assert math.isclose(cost.total_s, res.objective, rel_tol=1e-9)
+    assert cost.peak_memory_bytes == pytest.approx(peak_memory(gp, res.choice))
+    if where == 0.0 and not tie:  # below anything the plain space can do
+        assert any(ly.zero or ly.recompute for ly in layers)
+        with pytest.raises(InfeasibleError):
+            solve_mesh(_config(budget, (0,), "never"), 1, 2, config.cluster.memory_bytes)
+
+
+def test_never_worse_than_the_plain_space():
+    base_low, joint_low = _peaks(_config(None))
+    for budget in np.linspace(base_low, 3 * base_low, 4):
+        plain = solve_mesh(_config(budget, (0,), "never"), 1, 2, budget)[1].objective
+        joint = solve_mesh(_config(budget), 1, 2, budget)[1].objective
+        assert joint <= plain * (1 + 1e-12)
+
+
+def test_recomputation_prices_the_forward_again():
+    """Recomputing both blocks: each op in them (the block outputs aside) computes 4/3 of
+    its forward + backward and lists its forward collectives again in phase recompute;
+    its activations leave the held memory."""
+    config = _config(None, (0,), "always")
+    gp, res = solve_mesh(config, 1, 2, None)
+    plain_gp = build_problem(config.graph, config.cluster, 1, 2, config.memory,
+                             tie_layers=False)
+    layers, _ = realise(gp, list(res.choice))
+    plain, _ = realise(plain_gp, list(res.choice))
+    again = {ly.name for ly in layers if ly.recompute}
+    assert again == {"blk.0.fc1", "blk.0.relu", "blk.1.fc1", "blk.1.relu"}
+    for ly, base in zip(layers, plain, strict=True):
+        if ly.name not in again:
+            assert ly.compute_s == base.compute_s and ly.collectives == base.collectives
+            continue
+        assert math.isclose(ly.compute_s, 4 / 3 * base.compute_s)
+        fwd = [c for c in base.collectives if c.phase == "forward" and c.purpose == "activation"]
+        assert [c.with_phase("forward") for c in ly.collectives if c.phase == "recompute"] == fwd
+        assert ly.memory_bytes < base.memory_bytes or base.memory_bytes == 0
+
+
+def test_plan_records_and_round_trips_the_decisions():
+    base_low, joint_low = _peaks(_config(None))
+    plan = solve(_config(joint_low + 0.1 * (base_low - joint_low)))
+    assert any(ly.zero for ly in plan.layers) or any(ly.recompute for ly in plan.layers)
+    again = Plan.from_dict(plan.to_dict())
+    assert [(ly.zero, ly.recompute) for ly in again.layers] == \
+        [(ly.zero, ly.recompute) for ly in plan.layers]
+    assert all(not name.startswith("error") for name in plan.baselines)
+
+
+@pytest.mark.parametrize("bad", [[4], [], "3", [True]])
+def test_bad_state_sharding_names_the_key(bad):
+    with pytest.raises(ConfigError, match="solver.state_sharding"):
+        load_config({"model": {"kind": "mlp", "dims": [8, 8], "batch": 4},
+                     "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gib": 1,
+                                 "peak_tflops": 1,
+                                 "links": {"intra": {"alpha": 1e-5, "beta": 1e-9},
+                                           "inter": {"alpha": 1e-5, "beta": 1e-9}}},
+                     "solver": {"state_sharding": bad}})
+
+
+def test_bad_recompute_policy_names_the_key():
+    with pytest.raises(ConfigError, match="solver.recompute"):
+        load_config({"model": {"kind": "mlp", "dims": [8, 8], "batch": 4},
+                     "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gib": 1,
+                                 "peak_tflops": 1,
+                                 "links": {"intra": {"alpha": 1e-5, "beta": 1e-9},
+                                           "inter": {"alpha": 1e-5, "beta": 1e-9}}},
+                     "solver": {"recompute": "sometimes"}})
