@@ -8,7 +8,14 @@ proven optimum and its wall time relative to the ILP (build + solve of the ILP m
 shared problem construction is reported once per setting). Seeded methods run ``--seeds``
 times: median and worst ratio, median time.
 
-    python benchmarks/search_quality.py [--seeds 10] [--max-points 1e8]
+    python benchmarks/search_quality.py [--seeds 10] [--max-points 1e8] [--joint-only]
+
+A second table (issue 13's joint space): a two-block network (linear, ReLU, linear per
+block, 32 → 64 → 32, 16 tokens) on 2 devices, where strategies × ZeRO levels × counts of
+recomputed blocks can be enumerated. Per memory budget (spread from the smallest peak of
+the joint space to above the smallest peak of the plain space): the planner
+(``state_sharding: [0,1,2,3]``, ``recompute: auto``), the torchtitan-style grid, and the
+plain space (no sharding, no recomputation), each relative to the exhaustive optimum.
 """
 
 from __future__ import annotations
@@ -97,15 +104,94 @@ def run_setting(nodes: int, seeds: int, max_points: float) -> None:
           f"(model build {res.build_s:.3g} s, solver {res.solve_s:.3g} s)")
 
 
+def _two_blocks():
+    from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
+
+    t = lambda *shape: TensorSpec(tuple(shape), "float32")  # noqa: E731
+    ops = [Op("input", OpKind.INPUT, (), t(16, 32))]
+    x = "input"
+    for i in range(2):
+        for name, kind, ins, out, w in (
+                ("fc1", OpKind.LINEAR, [x], t(16, 64), t(32, 64)),
+                ("relu", OpKind.RELU, [f"blk.{i}.fc1"], t(16, 64), None),
+                ("fc2", OpKind.LINEAR, [f"blk.{i}.relu"], t(16, 32), t(64, 32))):
+            ops.append(Op(f"blk.{i}.{name}", kind, tuple(ins), out, w,
+                          0 if w is None else w.numel, 2.0 * 16 * out.shape[1] * (
+                              w.shape[0] if w is not None else 0.5), "blk", i))
+        x = f"blk.{i}.fc2"
+    ops.append(Op("loss", OpKind.LOSS, (x,), t(1), None, 0, 3.0 * 16 * 32))
+    return Graph("two-blocks", ops)
+
+
+def run_joint() -> None:
+    import itertools
+
+    from formulations.sbp_problem import peak_memory
+    from ilp_planner.errors import InfeasibleError
+    from ilp_planner.planner import grid_baseline, solve_mesh
+
+    def config(budget: float, levels, recompute: str):
+        return load_config({
+            "model": _two_blocks(),
+            "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gib": budget / 2**30,
+                        "peak_tflops": 1,
+                        "links": {"intra": {"alpha": 1e-5, "beta": 1e-9},
+                                  "inter": {"alpha": 2e-5, "beta": 2e-9}}},
+            "training": {"optimizer": "adam", "grad_bucket_mb": 0},
+            "solver": {"state_sharding": list(levels), "recompute": recompute,
+                       "tie_layers": False}})
+
+    units = (("blk", 0), ("blk", 1))
+
+    def points(cfg, levels, ks):
+        for k in ks:
+            gp = build_problem(cfg.graph, cfg.cluster, 1, 2, cfg.memory, tie_layers=False,
+                               zero_levels=levels, recompute=frozenset(units[:k]))
+            for choice in itertools.product(*(range(len(c)) for c in gp.problem.cost)):
+                yield gp.problem.objective(choice), peak_memory(gp, choice)
+
+    probe = config(2**30, (0, 1, 2, 3), "auto")
+    joint = list(points(probe, (0, 1, 2, 3), range(3)))
+    plain_low = min(m for _, m in points(probe, (0,), [0]))
+    joint_low = min(m for _, m in joint)
+    print(f"\n== joint space (strategies × ZeRO levels × recomputed blocks): two blocks on 2 "
+          f"devices, {len(joint)} points; smallest peak {joint_low:.0f} B "
+          f"(plain space {plain_low:.0f} B)")
+    head = ("budget B", "exhaustive s", "planner/opt", "grid/opt", "grid point", "plain/opt",
+            "planner s")
+    rows = []
+    for where in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5):
+        budget = joint_low + where * (plain_low - joint_low)
+        opt = min(o for o, m in joint if m <= budget * (1 + 1e-9))
+        (gp, res), secs = _timed(lambda b=budget: solve_mesh(config(b, (0, 1, 2, 3), "auto"),
+                                                             1, 2, b))
+        grid = grid_baseline(config(budget, (0, 1, 2, 3), "auto"), 1, 2, budget)
+        try:
+            plain = solve_mesh(config(budget, (0,), "never"), 1, 2, budget)[1].objective
+            plain_txt = f"{plain / opt:.4f}"
+        except InfeasibleError:
+            plain_txt = "infeasible"
+        grid_txt = ("infeasible", "-") if isinstance(grid, str) else (
+            f"{grid.objective / opt:.4f}", grid.name)
+        rows.append((f"{budget:.0f}", f"{opt:.6g}", f"{res.objective / opt:.4f}", *grid_txt,
+                     plain_txt, f"{secs:.2f}"))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--max-points", type=float, default=1e8,
                     help="skip exhaustive search above this many points")
     ap.add_argument("--nodes", type=int, nargs="*", default=[128, 4096])
+    ap.add_argument("--joint-only", action="store_true", help="only the joint-space table")
     args = ap.parse_args()
-    for nodes in args.nodes:
-        run_setting(nodes, args.seeds, args.max_points)
+    if not args.joint_only:
+        for nodes in args.nodes:
+            run_setting(nodes, args.seeds, args.max_points)
+    run_joint()
 
 
 if __name__ == "__main__":

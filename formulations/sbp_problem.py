@@ -389,8 +389,12 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     tied: dict[tuple, list[NodeOption]] = {}
     again = recomputed_nodes(graph, members, recompute, boundary)
     shapes: dict[str, tuple] = {}
-    # recomputed copies of an options list by (list id, micro-batches, copies); each entry
-    # keeps its source list alive so the id stays valid
+    # a tied table's two copies exchange whole gradients after synchronisation
+    # (tied_exchange): they keep their state replicated
+    tied_tables = {name for op in graph.ops if op.attrs.get("tied")
+                   for name in (op.name, getattr(tied_source(graph, op), "name", None))}
+    # derived copies of an options list (recomputed; without state sharding) by (what, list
+    # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
     for node, mem in members.items():
         rep = graph[node]
@@ -413,6 +417,9 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             if opts is None:
                 opts = cache.options[content] = _node_options(graph, node, mem, ctx,
                                                               microbatches, reached)
+        if node in tied_tables and any(o.base.zero for o in opts):
+            opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
+                o for o in opts if not o.base.zero]))[1]
         if node in again:
             copies = again[node]
             opts = recomputed_lists.setdefault((id(opts), microbatches, copies), (opts, [

@@ -178,7 +178,34 @@ def _label_key(layer: LayerPlan, index: int | None) -> str:
 
 def _layer_signature(layer: LayerPlan, index: int | None) -> tuple:
     return (layer.kind, _label_key(layer, index), layer.inputs, layer.weight, layer.output,
-            layer.compute_s, layer.memory_bytes, layer.collectives, layer.stage)
+            layer.compute_s, layer.memory_bytes, layer.collectives, layer.stage, layer.zero,
+            layer.recompute)
+
+
+ZERO_TEXT = {1: "optimizer state", 2: "gradients + optimizer state",
+             3: "weights + gradients + optimizer state"}
+
+
+def decisions_text(layer: LayerPlan) -> str:
+    """The state sharding and recomputation of a layer, e.g. ``  [ZeRO-3: weights +
+    gradients + optimizer state sharded; recomputed]``."""
+    parts = []
+    if layer.zero:
+        parts.append(f"ZeRO-{layer.zero}: {ZERO_TEXT[layer.zero]} sharded")
+    if layer.recompute:
+        parts.append("recomputed")
+    return f"  [{'; '.join(parts)}]" if parts else ""
+
+
+def decisions_summary(plan: Plan) -> str:
+    """One line: how many ops shard their state at each ZeRO level and how many
+    recompute their activations."""
+    deciding = [ly for ly in plan.layers if not ly.strategy.startswith("follows ")]
+    zero = {z: sum(ly.zero == z for ly in deciding) for z in (1, 2, 3)}
+    shown = ", ".join(f"ZeRO-{z} ×{n}" for z, n in zero.items() if n) or "none"
+    again = sum(ly.recompute for ly in plan.layers)
+    return (f"state sharding: {shown}; activations recomputed in {again} of "
+            f"{len(plan.layers)} ops")
 
 
 def group_layers(layers: Sequence[LayerPlan], key=_layer_signature) -> list[tuple[str, list[LayerPlan]]]:
@@ -421,6 +448,7 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
             f"{name} {fmt_bytes(sum(x.memory_bytes for x in members))}" for name, members in heavy))
 
     # layers
+    lines += ["", decisions_summary(plan)]
     lines += ["", f"layers ({len(plan.layers)} ops; layouts as SBP (placement:axis) and DTensor; "
                   f"compute and collectives per micro-batch):"]
     programs: dict[str, list[EdgeProgram]] = defaultdict(list)
@@ -434,7 +462,7 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
         if len(members) > 1 and label.startswith("follows "):
             label = _label_key(layer, _template(layer.name)[1]).replace(".*.", ".[*].")
         lines.append(f"  {name} [{layer.kind}] {label} on mesh {fact_str(layer.output.fact)}"
-                     f"{stage}{count}")
+                     f"{stage}{count}{decisions_text(layer)}")
         if not layer.strategy.startswith("follows "):
             for j, x in enumerate(layer.inputs):
                 lines.append(f"      in{j}    {sbp_layout(x):<28} {dtensor_placements(x)}")
@@ -522,7 +550,8 @@ def _ratio(a: float, b: float) -> str:
 
 
 def _strategy_key(layer: LayerPlan) -> tuple:
-    return (layer.strategy, layer.inputs, layer.weight, layer.output)
+    return (layer.strategy, layer.inputs, layer.weight, layer.output, layer.zero,
+            layer.recompute)
 
 
 def diff(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B")) -> str:
@@ -626,6 +655,9 @@ def diff(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B")) -> str:
         ly = _label_key(y, index).replace(".*.", ".[*].")
         lines.append(f"  {name}{count}{stage}: {lx} on {fact_str(x.output.fact)}  →  "
                      f"{ly} on {fact_str(y.output.fact)}")
+        if (x.zero, x.recompute) != (y.zero, y.recompute):
+            lines.append(f"      state/recompute:{decisions_text(x) or '  [replicated, kept]'}"
+                         f"  →{decisions_text(y) or '  [replicated, kept]'}")
         if x.weight is not None or y.weight is not None:
             wx = "—" if x.weight is None else f"{sbp_layout(x.weight)} {dtensor_placements(x.weight)}"
             wy = "—" if y.weight is None else f"{sbp_layout(y.weight)} {dtensor_placements(y.weight)}"

@@ -640,7 +640,13 @@ def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequen
 def _single_mesh_baselines(config: Config) -> dict[str, dict]:
     """Without pipelining (gradient accumulation over the same micro-batches on the whole
     cluster): the planner's own single-mesh optimum and the usual baselines."""
-    from ilp_planner.planner import price_baselines, realise, solve_mesh
+    from ilp_planner.planner import (
+        grid_baseline,
+        price_baselines,
+        price_grid,
+        realise,
+        solve_mesh,
+    )
 
     cluster = config.cluster
     try:
@@ -649,6 +655,8 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
         return {"ilp_single_mesh": {"error": str(exc)}}
     out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
     out.update(price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes))
+    out.update(price_grid(grid_baseline(config, cluster.nodes, cluster.devices_per_node,
+                                        cluster.memory_bytes)))
     return out
 
 

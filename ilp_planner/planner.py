@@ -24,7 +24,7 @@ from formulations.sbp_problem import (
     peak_memory,
 )
 from formulations.sbp_search import SEARCHES
-from ilp_planner.baselines import baseline_choices
+from ilp_planner.baselines import GridPoint, baseline_choices, torchtitan_choice
 from ilp_planner.config import Config, load_config, read_yaml
 from ilp_planner.cost_model import Collective
 from ilp_planner.errors import ConfigError, InfeasibleError
@@ -53,12 +53,42 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
 
         return solve_pipelined(config, baselines=baselines)
     cluster = config.cluster
-    gp, result = solve_mesh(config, cluster.nodes, cluster.devices_per_node, cluster.memory_bytes)
+    nodes, local, budget = cluster.nodes, cluster.devices_per_node, cluster.memory_bytes
+    gp, result = solve_mesh(config, nodes, local, budget)
+    grid = grid_baseline(config, nodes, local, budget) if baselines else None
+    if isinstance(grid, GridPoint) and grid.objective < result.objective:
+        # the grid's point is in the planner's space: solve the whole space at its
+        # recomputed blocks and transient reserve, which can only do better
+        gp, result = _at_grid_point(config, gp, result, grid)
     layers, cost = realise(gp, list(result.choice))
     plan = Plan(config.name, config.raw, result.to_dict(), cost, layers)
     if baselines:
-        plan.baselines = price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes)
+        plan.baselines = price_baselines(gp, config.solver.time_limit_s, budget)
+        plan.baselines.update(price_grid(grid))
     return plan
+
+
+def price_grid(grid: GridPoint | str | None) -> dict[str, dict]:
+    """The torchtitan-style baseline's cost block (or why it has none)."""
+    if grid is None:
+        return {}
+    if isinstance(grid, str):
+        return {"torchtitan": {"error": grid}}
+    return {grid.name: realise(grid.gp, grid.choice)[1].to_dict()}
+
+
+def _at_grid_point(config: Config, gp: GraphProblem, result: SolveResult,
+                   grid: GridPoint) -> tuple[GraphProblem, SolveResult]:
+    cluster = config.cluster
+    graph = config.microbatch_graph()
+    sgp, sres = _fit_blocks(config, cluster.nodes, cluster.devices_per_node,
+                            cluster.memory_bytes, graph, config.pipeline.microbatches, None,
+                            BuildCache(), grid.gp.recompute_units, grid.reserve)
+    if sres.objective >= result.objective:
+        return gp, result
+    return sgp, dataclasses.replace(sres, message="; ".join(m for m in (
+        sres.message, f"solved at the recomputed blocks and transient reserve of the grid's "
+        f"best point {grid.name}, which the enumeration above had not tried") if m))
 
 
 def _as_config(config: Any, **sections: Any) -> Config:
@@ -487,3 +517,24 @@ def price_baselines(gp: GraphProblem, time_limit_s: float,
         else:
             out[name] = realise(gp, choice)[1].to_dict()
     return out
+
+
+def grid_baseline(config: Config, nodes: int, local: int, memory_budget: float | None,
+                  graph=None, microbatches: int | None = None) -> GridPoint | str:
+    """The torchtitan-style grid (:func:`~ilp_planner.baselines.torchtitan_choice`) on
+    the planner's own problems for this mesh."""
+    if graph is None:
+        graph = config.microbatch_graph()
+        microbatches = config.pipeline.microbatches
+    cache = BuildCache()
+
+    def build(levels: tuple[int, ...], blocks: frozenset) -> GraphProblem:
+        return build_problem(graph, config.cluster, nodes, local, config.memory,
+                             tie_layers=config.solver.tie_layers,
+                             max_weight_replication=config.solver.max_weight_replication,
+                             memory_budget=memory_budget, microbatches=microbatches or 1,
+                             grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
+                             zero_levels=levels, recompute=blocks)
+
+    return torchtitan_choice(graph, build, nodes, local, memory_budget,
+                             config.solver.time_limit_s)

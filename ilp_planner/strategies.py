@@ -691,19 +691,24 @@ def follower_inputs(op: Op, layout: Layout, tensor: TensorSpec) -> tuple[Layout,
 
 def partial_resolutions(layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...]:
     """The layouts a follower may read a partial-sum output in: reduce-scattered
-    (:func:`resolve_partial`) or all-reduced to replicated on the partial axes. Neither is
-    cheaper in general — a vocabulary-parallel loss wants its logits reduce-scattered, a
-    small head's loss wants them all-reduced (one collective, none in the loss) — so the
-    ILP chooses."""
+    (:func:`resolve_partial`), all-reduced to replicated on the partial axes, or, for a 2-D
+    activation, reduce-scattered onto its tokens (Megatron's sequence parallelism: the
+    row-parallel linear's output lands split over the sequence). None is cheaper in
+    general — a vocabulary-parallel loss wants its logits reduce-scattered, a small head's
+    loss wants them all-reduced (one collective, none in the loss) — so the ILP chooses."""
     if not layout.has_partial:
         return (layout,)
     scattered = resolve_partial(layout, tensor)
     reduced = Layout(layout.fact, tuple(B if isinstance(pl, Partial) else pl
                                         for pl in layout.placements))
-    return (scattered,) if reduced == scattered else (scattered, reduced)
+    out = [scattered, reduced]
+    if tensor.rank == 2:  # Megatron-SP: reduce-scattered onto the tokens (sequence parallel)
+        out.append(resolve_partial(layout, tensor, order=(0,)))
+    return tuple(dict.fromkeys(out))
 
 
-def resolve_partial(layout: Layout, tensor: TensorSpec) -> Layout:
+def resolve_partial(layout: Layout, tensor: TensorSpec,
+                    order: tuple[int, ...] | None = None) -> Layout:
     """Partial sums resolved by reduce-scatter (what a stage export sends; one of a
     follower's :func:`partial_resolutions`): each partial axis reduce-scattered onto the
     feature dim (the last dim of a 2-D activation, the channel dim of an (N, C, H, W)
@@ -711,7 +716,8 @@ def resolve_partial(layout: Layout, tensor: TensorSpec) -> Layout:
     data split, never splitting the spatial dims no strategy accepts."""
     if not layout.has_partial:
         return layout
-    order = (1, 0) if tensor.rank > 2 else tuple(reversed(range(tensor.rank)))
+    if order is None:
+        order = (1, 0) if tensor.rank > 2 else tuple(reversed(range(tensor.rank)))
     pls = list(layout.placements)
     for a in layout.partial_axes:
         cur = Layout(layout.fact, tuple(pls))

@@ -78,12 +78,41 @@ def test_baselines_are_restrictions_of_the_planner_space():
     gp = build_problem(g, cluster(2, 4), 2, 4, MemorySpec.preset("adam"))
     opt = SbpIlp(gp.problem).solve().objective
     choices = baseline_choices(gp)
-    assert len(choices) == 3
+    assert len(choices) == 4
     for name, choice in choices.items():
         assert not isinstance(choice, str), (name, choice)
         total = realise(gp, choice)[1].total_s
         assert math.isclose(total, gp.problem.objective(choice), rel_tol=1e-9)
         assert opt <= total * (1 + 1e-9), name
+
+
+def test_megatron_sp_trades_allreduce_for_reducescatter_and_allgather():
+    """Megatron-SP on dp × tp: norms and residual adds hold tokens split over both axes;
+    each block's row-parallel outputs are reduce-scattered (not all-reduced) into them and
+    gathered again before the column-parallel linears — the same ring bytes as Megatron's
+    AllReduce, so the two price within latency terms of each other."""
+    g = models.gpt(hidden=64, layers=2, heads=4, seq_len=16, vocab=128, batch=8)
+    gp = build_problem(g, cluster(1, 8), 1, 8, MemorySpec.preset("adam"))
+    choices = baseline_choices(gp)
+    sp_name = next(n for n in choices if n.startswith("megatron_sp"))
+    mg_name = next(n for n in choices if n.startswith("megatron("))
+    assert sp_name[len("megatron_sp"):] == mg_name[len("megatron"):]  # same dp × tp
+    sp_layers = {ly.name: ly for ly in realise(gp, choices[sp_name])[0]}
+    mg_layers = {ly.name: ly for ly in realise(gp, choices[mg_name])[0]}
+    for i in range(2):
+        norm = sp_layers[f"h.{i}.ln2"]
+        assert [x.split_degree(0) for x in (norm.output,)] == [8]  # tokens over dp and tp
+        drop = sp_layers[f"h.{i}.mlp.dropout"]  # reads fc2's partial sums
+        assert drop.output.split_degree(0) == 8
+        assert [(c.kind.value, c.group_size) for c in drop.collectives
+                if c.phase == "forward"] == [("reduce_scatter", 4)]
+        sp_fwd = [c for ly in sp_layers.values() if ly.name.startswith(f"h.{i}.mlp.")
+                  for c in ly.collectives if c.phase == "forward"]
+        assert not any(c.kind.value == "all_reduce" for c in sp_fwd)
+        assert any(c.kind.value == "all_gather" and c.phase == "forward"
+                   for c in sp_layers[f"h.{i}.mlp.fc1"].collectives)
+        mg_drop = mg_layers[f"h.{i}.mlp.dropout"]
+        assert mg_drop.output.split_degree(0) == 2  # Megatron: tokens over dp only
 
 
 # -- closed forms ----------------------------------------------------------------------------
