@@ -11,7 +11,7 @@ times: median and worst ratio, median time.
     python benchmarks/search_quality.py [--seeds 10] [--max-points 1e8] [--joint-only]
 
 A second table (issue 13's joint space): a two-block network (linear, ReLU, linear per
-block, 32 → 64 → 32, 16 tokens) on 2 devices, where strategies × ZeRO levels × counts of
+block, 32 → 64 → 32, 48 tokens) on 2 devices, where strategies × ZeRO levels × counts of
 recomputed blocks can be enumerated. Per memory budget (spread from the smallest peak of
 the joint space to above the smallest peak of the plain space): the planner
 (``state_sharding: [0,1,2,3]``, ``recompute: auto``), the torchtitan-style grid, and the
@@ -104,22 +104,25 @@ def run_setting(nodes: int, seeds: int, max_points: float) -> None:
           f"(model build {res.build_s:.3g} s, solver {res.solve_s:.3g} s)")
 
 
+TOKENS = 48
+
+
 def _two_blocks():
     from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
 
     t = lambda *shape: TensorSpec(tuple(shape), "float32")  # noqa: E731
-    ops = [Op("input", OpKind.INPUT, (), t(16, 32))]
+    ops = [Op("input", OpKind.INPUT, (), t(TOKENS, 32))]
     x = "input"
     for i in range(2):
         for name, kind, ins, out, w in (
-                ("fc1", OpKind.LINEAR, [x], t(16, 64), t(32, 64)),
-                ("relu", OpKind.RELU, [f"blk.{i}.fc1"], t(16, 64), None),
-                ("fc2", OpKind.LINEAR, [f"blk.{i}.relu"], t(16, 32), t(64, 32))):
+                ("fc1", OpKind.LINEAR, [x], t(TOKENS, 64), t(32, 64)),
+                ("relu", OpKind.RELU, [f"blk.{i}.fc1"], t(TOKENS, 64), None),
+                ("fc2", OpKind.LINEAR, [f"blk.{i}.relu"], t(TOKENS, 32), t(64, 32))):
             ops.append(Op(f"blk.{i}.{name}", kind, tuple(ins), out, w,
-                          0 if w is None else w.numel, 2.0 * 16 * out.shape[1] * (
+                          0 if w is None else w.numel, 2.0 * TOKENS * out.shape[1] * (
                               w.shape[0] if w is not None else 0.5), "blk", i))
         x = f"blk.{i}.fc2"
-    ops.append(Op("loss", OpKind.LOSS, (x,), t(1), None, 0, 3.0 * 16 * 32))
+    ops.append(Op("loss", OpKind.LOSS, (x,), t(1), None, 0, 3.0 * TOKENS * 32))
     return Graph("two-blocks", ops)
 
 
@@ -157,7 +160,7 @@ def run_joint() -> None:
     print(f"\n== joint space (strategies × ZeRO levels × recomputed blocks): two blocks on 2 "
           f"devices, {len(joint)} points; smallest peak {joint_low:.0f} B "
           f"(plain space {plain_low:.0f} B)")
-    head = ("budget B", "exhaustive s", "planner/opt", "grid/opt", "grid point", "plain/opt",
+    head = ("budget B", "optimum s", "planner/opt", "grid/opt", "grid point", "plain/opt",
             "planner s")
     rows = []
     for where in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5):

@@ -15,7 +15,7 @@ from ilp_planner.explain import step_seconds
 from ilp_planner.planner import solve
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
-BASELINES = ("ilp_single_mesh", "data_parallel", "megatron", "summa")
+BASELINES = ("ilp_single_mesh", "data_parallel", "megatron", "megatron_sp", "summa", "torchtitan")
 
 
 def main() -> None:

@@ -36,7 +36,8 @@ def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
     src = source or plan.name
     cluster = config.cluster
     contexts = {shape: StrategyContext(cluster, *shape, config.memory,
-                                       config.solver.max_weight_replication) for shape in meshes}
+                                       config.solver.max_weight_replication,
+                                       config.solver.state_sharding) for shape in meshes}
     layers = {ly.name: ly for ly in plan.layers}
     cache: dict[tuple, list[Strategy]] = {}
     for i, ly in enumerate(plan.layers):

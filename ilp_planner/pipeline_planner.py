@@ -645,18 +645,19 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
         price_baselines,
         price_grid,
         realise,
-        solve_mesh,
+        solve_single_mesh,
     )
 
     cluster = config.cluster
     try:
-        gp, res = solve_mesh(config, cluster.nodes, cluster.devices_per_node, cluster.memory_bytes)
+        gp, res, grid = solve_single_mesh(config)
     except InfeasibleError as exc:
-        return {"ilp_single_mesh": {"error": str(exc)}}
+        return {"ilp_single_mesh": {"error": str(exc)},
+                **price_grid(grid_baseline(config, cluster.nodes, cluster.devices_per_node,
+                                           cluster.memory_bytes))}
     out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
     out.update(price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes))
-    out.update(price_grid(grid_baseline(config, cluster.nodes, cluster.devices_per_node,
-                                        cluster.memory_bytes)))
+    out.update(price_grid(grid))
     return out
 
 

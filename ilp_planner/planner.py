@@ -52,20 +52,29 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
         from ilp_planner.pipeline_planner import solve_pipelined
 
         return solve_pipelined(config, baselines=baselines)
-    cluster = config.cluster
-    nodes, local, budget = cluster.nodes, cluster.devices_per_node, cluster.memory_bytes
-    gp, result = solve_mesh(config, nodes, local, budget)
-    grid = grid_baseline(config, nodes, local, budget) if baselines else None
-    if isinstance(grid, GridPoint) and grid.objective < result.objective:
-        # the grid's point is in the planner's space: solve the whole space at its
-        # recomputed blocks and transient reserve, which can only do better
-        gp, result = _at_grid_point(config, gp, result, grid)
+    gp, result, grid = solve_single_mesh(config, grid=baselines)
     layers, cost = realise(gp, list(result.choice))
     plan = Plan(config.name, config.raw, result.to_dict(), cost, layers)
     if baselines:
-        plan.baselines = price_baselines(gp, config.solver.time_limit_s, budget)
+        plan.baselines = price_baselines(gp, config.solver.time_limit_s,
+                                         config.cluster.memory_bytes)
         plan.baselines.update(price_grid(grid))
     return plan
+
+
+def solve_single_mesh(config: Config, grid: bool = True
+                      ) -> tuple[GraphProblem, SolveResult, GridPoint | str | None]:
+    """The whole cluster as one mesh (:func:`solve_mesh`), and with ``grid`` the
+    torchtitan-style baseline beside it: its point is in the planner's space, so where it
+    beats the planner's enumeration the whole space is solved again at its recomputed
+    blocks and transient reserve, which can only do better."""
+    cluster = config.cluster
+    nodes, local, budget = cluster.nodes, cluster.devices_per_node, cluster.memory_bytes
+    gp, result = solve_mesh(config, nodes, local, budget)
+    point = grid_baseline(config, nodes, local, budget) if grid else None
+    if isinstance(point, GridPoint) and point.objective < result.objective:
+        gp, result = _at_grid_point(config, gp, result, point)
+    return gp, result, point
 
 
 def price_grid(grid: GridPoint | str | None) -> dict[str, dict]:
@@ -146,21 +155,25 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
         chosen = frozenset(units) if policy == "always" else frozenset()
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
                               boundary, cache, chosen)
-    tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError] = {}
+    tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError | CutOff] = {}
 
     def attempt(k: int):
         if k not in tried:
+            best = min((v[1].objective for v in tried.values() if isinstance(v, tuple)),
+                       default=None)
             try:
                 tried[k] = _solve_fitting(config, nodes, local, memory_budget, graph,
-                                          microbatches, boundary, cache, frozenset(units[:k]))
-            except InfeasibleError as exc:
+                                          microbatches, boundary, cache, frozenset(units[:k]),
+                                          best)
+            except (InfeasibleError, CutOff) as exc:
                 tried[k] = exc
         return tried[k]
 
     if len(units) <= EVERY_COUNT_UP_TO:
         for k in range(len(units) + 1):
             attempt(k)
-    if isinstance(attempt(len(units)), InfeasibleError):
+    if isinstance(attempt(len(units)), InfeasibleError) and not any(
+            isinstance(v, tuple) for v in tried.values()):
         raise attempt(len(units))  # type: ignore[misc]
     lo, hi = 0, len(units)  # the fewest recomputed blocks that fit lie in (lo, hi]
     if not isinstance(attempt(0), InfeasibleError):
@@ -172,10 +185,15 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
         else:
             hi = mid
     attempt(hi)
-    fits = [v for v in tried.values() if not isinstance(v, InfeasibleError)]
+    fits = [v for v in tried.values() if isinstance(v, tuple)]
     gp, best = min(fits, key=lambda v: v[1].objective)
-    counts = ", ".join(f"{k}: {'infeasible' if isinstance(v, InfeasibleError) else f'{v[1].objective:.6g} s'}"
-                       for k, v in sorted(tried.items()))
+
+    def outcome(v) -> str:
+        if isinstance(v, InfeasibleError):
+            return "infeasible"
+        return "bound ≥ best" if isinstance(v, CutOff) else f"{v[1].objective:.6g} s"
+
+    counts = ", ".join(f"{k}: {outcome(v)}" for k, v in sorted(tried.items()))
     return gp, dataclasses.replace(best, message="; ".join(
         m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
                     f"{len(gp.recompute_units)}") if m))
@@ -187,17 +205,19 @@ EVERY_COUNT_UP_TO = 3
 
 def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float | None,
                    graph, microbatches: int | None, boundary: StageBoundary | None,
-                   cache: BuildCache | None,
-                   recompute: frozenset) -> tuple[GraphProblem, SolveResult]:
+                   cache: BuildCache | None, recompute: frozenset,
+                   cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
     """The best plan whose exact peak (:func:`peak_memory`) fits the budget.
 
     State sharding's transients (gathered weights, unscattered gradients; at most one op's
     at a time) are a max, not a sum: a cap ``T`` keeps only options whose transient is at
-    most ``T`` and reserves ``T`` of the budget. Solved for ``T = 0`` (the space without
-    transients: never worse than not sharding), for caps spread over the transients
-    (:func:`_cap_candidates`) and for the transient of each plan found (a plan that uses
-    less than its cap may improve with the smaller reserve) — every plan exact for its cap,
-    the cheapest kept. The optimum over all caps is only found where its cap is tried.
+    most ``T`` and reserves ``T`` of the budget. Caps spread over the transients
+    (:func:`_cap_candidates`) are tried from the largest down until one fits; from there the
+    transient each plan really uses (a plan using less than its cap may improve with the
+    smaller reserve), until it stops falling; last ``T = 0`` (the space without transients:
+    never worse than not sharding). Every plan is exact for its cap, the cheapest is kept;
+    a solve whose proven bound reaches the best plan so far is skipped (:class:`CutOff`).
+    The optimum over all caps is only found where its cap is tried.
     Untied recomputed blocks are charged their average in the memory row; where a plan's
     largest re-materialised block exceeds what that leaves, the row is tightened by the
     difference and the problem solved again (the message says so)."""
@@ -205,31 +225,42 @@ def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float 
         return _solve_once(config, nodes, local, None, graph, microbatches, boundary, cache,
                            recompute, None)
     results = []
-    caps: list[float] = [0.0]
+    caps: list[float] = []
     if set(config.solver.state_sharding) & {2, 3}:
         caps += _cap_candidates(config, nodes, local, graph, microbatches, boundary, cache,
                                 recompute)
-    failure: InfeasibleError | None = None
+    caps.append(0.0)
+    failure: InfeasibleError | CutOff | None = None
     done: set[float] = set()
+    chained: set[float] = set()
     while caps:
         cap = caps.pop(0)
         if cap in done:
             continue
         done.add(cap)
+        if results and cap > 0 and cap not in chained:
+            continue  # a sampled cap below a feasible one: only the chain and 0 go on
+        best = min([cutoff] * (cutoff is not None) + [r[1].objective for r in results],
+                   default=None)
         try:
             gp, res = _fit_blocks(config, nodes, local, memory_budget, graph, microbatches,
-                                  boundary, cache, recompute, cap)
+                                  boundary, cache, recompute, cap, best)
         except InfeasibleError as exc:
             failure = failure or exc
+            continue
+        except CutOff as exc:
+            failure = exc  # not better than a plan found: says more than infeasible
             continue
         results.append((gp, res))
         used = _transient(gp, res.choice)
         if 0 < used < cap:
             caps.insert(0, used)
+            chained.add(used)
     if not results:
         assert failure is not None
         raise failure
     return min(results, key=lambda r: r[1].objective)
+
 
 
 CAP_SAMPLES = 5
@@ -253,6 +284,10 @@ def _cap_candidates(config: Config, nodes: int, local: int, graph, microbatches:
     return values[::-1]
 
 
+class CutOff(Exception):
+    """A solve skipped because its proven lower bound reaches a plan already found."""
+
+
 def _transient(gp: GraphProblem, choice) -> float:
     return max((o.transient_bytes for o in gp.node_choice(choice).values()), default=0.0)
 
@@ -260,13 +295,13 @@ def _transient(gp: GraphProblem, choice) -> float:
 def _fit_blocks(config: Config, nodes: int, local: int, memory_budget: float, graph,
                 microbatches: int | None, boundary: StageBoundary | None,
                 cache: BuildCache | None, recompute: frozenset,
-                cap: float) -> tuple[GraphProblem, SolveResult]:
+                cap: float, cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
     """:func:`_solve_once` under transient cap ``cap``, with the re-materialised blocks
     checked exactly (see :func:`_solve_fitting`)."""
     row = memory_budget
     for _ in range(4):
         gp, res = _solve_once(config, nodes, local, row, graph, microbatches, boundary, cache,
-                              recompute, cap)
+                              recompute, cap, cutoff)
         peak = peak_memory(gp, res.choice)
         if peak <= memory_budget * (1 + 1e-9):
             if row < memory_budget:
@@ -287,9 +322,12 @@ def _fit_blocks(config: Config, nodes: int, local: int, memory_budget: float, gr
 def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | None,
                 graph, microbatches: int | None, boundary: StageBoundary | None,
                 cache: BuildCache | None, recompute: frozenset,
-                transient_cap: float | None) -> tuple[GraphProblem, SolveResult]:
+                transient_cap: float | None,
+                cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
     """Build and solve once. ``transient_cap`` (under a budget): only options whose
-    transient is at most the cap, and the cap reserved from the memory row."""
+    transient is at most the cap, and the cap reserved from the memory row. Raises
+    :class:`CutOff` when the elimination's proven bound is at least ``cutoff`` (a plan
+    found elsewhere is already as good): the ILP is not run."""
     opts = config.solver
     t0 = time.perf_counter()
     try:
@@ -338,6 +376,9 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
         exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
                                   search=lambda: SEARCHES[opts.fallback](problem,
                                                                          seed=opts.seed).choice)
+    if (cutoff is not None and exact is not None and exact.result.bound is not None
+            and exact.result.bound >= cutoff):
+        raise CutOff(exact.result.bound)
     if exact is not None and exact.keep is None:
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))

@@ -21,6 +21,8 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "mlp-autoddl-128": 613_416_960,
     "gpt-2.6b-2x4": 2_653_967_360,
     "gpt-6.7b-2x8": 6_662_266_880,
+    "gpt-13b-2x8": 12_858_214_400,
+    "llama-70b-16x8": 64_728_743_936,
     "transformer-autoddl-64": 3_649_486_848,
     "vgg13-2x8": 133_047_848,
     "u-transformer-2x4": 2_123_444_224,

@@ -1,0 +1,75 @@
+"""The torchtitan-style baseline on every shipped config: the planner's plan is never worse.
+
+The grid (FSDP/DDP degree × TP degree × sequence parallel × activation checkpointing) is
+priced under the same cost model and memory budget; every grid point is a member of the
+planner's space, so the planner's plan (or, for a pipelined config, its single-mesh plan)
+must cost at most the grid's best. On the memory-bound configs the planner's own space
+without state sharding and recomputation does not fit at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ilp_planner.config import load_config
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.explain import step_seconds
+from ilp_planner.planner import solve, solve_mesh
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+FAST = ["tiny-gpt-cpu", "tiny-gpt-bf16-cpu", "tiny-mlp-cpu", "tiny-vgg-cpu", "mlp-autoddl-128",
+        "transformer-autoddl-64"]
+SLOW = ["gpt-2.6b-2x4", "gpt-6.7b-2x8", "gpt-13b-2x8", "u-transformer-2x4", "vgg13-2x8",
+        "llama-70b-16x8"]
+MEMORY_BOUND = ["gpt-13b-2x8", "llama-70b-16x8"]
+
+
+def test_every_shipped_config_is_covered():
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(FAST + SLOW)
+
+
+def _check(name: str) -> None:
+    plan = solve(CONFIGS / f"{name}.yaml")
+    grid = {k: v for k, v in plan.baselines.items() if k.startswith("torchtitan")}
+    assert len(grid) == 1, grid
+    (point, block), = grid.items()
+    assert "error" not in block, block
+    if plan.stages:  # the pipelined plan against the grid, and its single-mesh plan
+        single = plan.baselines["ilp_single_mesh"]
+        assert "error" not in single
+        assert single["total_s"] <= block["total_s"] * (1 + 1e-9), point
+        assert step_seconds(plan) <= block["total_s"] * (1 + 1e-9), point
+    else:
+        assert plan.cost.total_s <= block["total_s"] * (1 + 1e-9), point
+        assert plan.cost.peak_memory_bytes <= load_config(
+            CONFIGS / f"{name}.yaml").cluster.memory_bytes * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_planner_is_no_worse_than_torchtitan(name):
+    _check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_planner_is_no_worse_than_torchtitan_on_large_configs(name):
+    _check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MEMORY_BOUND)
+def test_memory_bound_configs_need_the_new_space(name):
+    """The planner's space without state sharding and recomputation either does not fit
+    or costs more: the plan uses the new decisions (ZeRO at least)."""
+    config = load_config(CONFIGS / f"{name}.yaml")
+    c = config.cluster
+    plain = config.with_overrides({"solver.state_sharding": [0], "solver.recompute": "never"})
+    gp, res = solve_mesh(config, c.nodes, c.devices_per_node, c.memory_bytes)
+    assert any(o.base.zero for o in gp.node_choice(res.choice).values())
+    try:
+        worse = solve_mesh(plain, c.nodes, c.devices_per_node, c.memory_bytes)[1].objective
+    except InfeasibleError:
+        return
+    assert worse > res.objective * 1.05
