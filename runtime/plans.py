@@ -12,6 +12,8 @@
   eager-1F1B 2(S − i) + 1, capped by the number of micro-batches);
 * :func:`restricted_plan` — the best single-mesh plan among strategies a filter keeps
   (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
+* :func:`sharded_plan` — the same with every shardable op at one ZeRO level (and every
+  block recomputed, if asked);
 * :func:`pipelined_plan` — a hand-built pipelined plan: the devices cut into equal
   contiguous stages, the layers cut into consecutive stages, each stage's layouts the
   intra-op optimum on its sub-mesh, a resharding entry (forward and backward unit tasks)
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import build_problem
@@ -140,6 +144,44 @@ def restricted_plan(config: Config, keep: Filter | None = None, name: str | None
     choice, solver = _choose(gp, keep, time_limit_s)
     layers, cost = realise(gp, choice)
     return Plan(name or config.name, config.raw, solver, cost, layers)
+
+
+def sharded_plan(config: Config, zero: int, *, recompute: bool = False,
+                 keep: Filter | None = None, name: str | None = None,
+                 time_limit_s: float = 30.0) -> Plan:
+    """The best single-mesh plan in which every op that can shard its state among the
+    strategies ``keep`` accepts does so at level ``zero``
+    (:func:`ilp_planner.strategies.state_sharded`; the others keep theirs), with every
+    block recomputed when ``recompute`` — to exercise one ZeRO level whatever the memory
+    budget."""
+    config = config.with_overrides({"solver.state_sharding": sorted({0, zero}),
+                                    "solver.recompute": "always" if recompute else "never"})
+    c = config.cluster
+    graph = config.microbatch_graph()
+    units = frozenset((op.block, op.block_index) for op in graph.ops
+                      if recompute and op.block is not None and op.block_index is not None)
+    gp = build_problem(graph, c, c.nodes, c.devices_per_node, config.memory,
+                       tie_layers=config.solver.tie_layers,
+                       max_weight_replication=config.solver.max_weight_replication,
+                       microbatches=config.pipeline.microbatches,
+                       grad_bucket_bytes=config.grad_bucket_bytes,
+                       zero_levels=(0, zero) if zero else (0,), recompute=units)
+    allowed = []
+    for group in gp.groups:
+        op = gp.graph[group[0]]
+        passing = [k for k, o in enumerate(gp.options[group[0]])
+                   if keep is None or keep(op, o.base)]
+        at_level = [k for k in passing if gp.options[group[0]][k].base.zero == zero]
+        idx = np.array(at_level or passing, dtype=int)
+        if idx.size == 0:
+            raise InfeasibleError(f"no strategy of {op.name!r} at zero{zero} passes the filter")
+        allowed.append(idx)
+    out = SbpIlp(gp.problem.subset(allowed)).solve(time_limit_s=time_limit_s)
+    if out is None:
+        raise InfeasibleError("the restricted ILP found no solution in time")
+    choice = [int(allowed[g][k]) for g, k in enumerate(out.choice)]
+    layers, cost = realise(gp, choice)
+    return Plan(name or config.name, config.raw, out.to_dict(), cost, layers)
 
 
 def matmul_filter(predicate: Callable[[Op, Strategy], bool]) -> Filter:
