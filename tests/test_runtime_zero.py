@@ -253,3 +253,24 @@ def test_gpt_with_zero3_and_recomputation_on_eight_ranks(tmp_path) -> None:
     # bfloat16: weights gathered in bfloat16, gradients scattered in float32 (as priced);
     # SGD, as tests/test_runtime.py's bfloat16 runs (runtime.reference.RTOL's note)
     _train(plans, 8, tmp_path, opts)
+
+
+def test_parallelize_refuses_sharded_or_recomputed_layers() -> None:
+    """Plan.parallelize (a user's module under DTensor) does not shard state or recompute:
+    it says so instead of running the layers as if they were plain."""
+    import ilp_planner
+    from runtime.modules import MLP
+
+    mlp = MLP([8, 8])
+    cluster = {"nodes": 1, "devices_per_node": 1, "memory_gib": 16, "peak_tflops": 1,
+               "links": {"intra": {"latency_us": 1, "bandwidth_gbps": 10},
+                         "inter": {"latency_us": 1, "bandwidth_gbps": 10}}}
+    plan = ilp_planner.solve(ilp_planner.from_module(mlp, (torch.zeros(4, 8),)),
+                             cluster=cluster, baselines=False)
+    plan.layers[0] = dataclasses.replace(plan.layers[0], recompute=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeSetupError, match="state sharding or recomputation"):
+            plan.parallelize(mlp)
+    finally:
+        dist.destroy_process_group()
