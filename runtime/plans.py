@@ -166,6 +166,13 @@ def sharded_plan(config: Config, zero: int, *, recompute: bool = False,
                        microbatches=config.pipeline.microbatches,
                        grad_bucket_bytes=config.grad_bucket_bytes,
                        zero_levels=(0, zero) if zero else (0,), recompute=units)
+    choice, solver = _sharded_choice(gp, zero, keep, time_limit_s)
+    layers, cost = realise(gp, choice)
+    return Plan(name or config.name, config.raw, solver, cost, layers)
+
+
+def _sharded_choice(gp, zero: int, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+    """The best choice with every op at ``zero`` where a strategy ``keep`` accepts has it."""
     allowed = []
     for group in gp.groups:
         op = gp.graph[group[0]]
@@ -179,9 +186,7 @@ def sharded_plan(config: Config, zero: int, *, recompute: bool = False,
     out = SbpIlp(gp.problem.subset(allowed)).solve(time_limit_s=time_limit_s)
     if out is None:
         raise InfeasibleError("the restricted ILP found no solution in time")
-    choice = [int(allowed[g][k]) for g, k in enumerate(out.choice)]
-    layers, cost = realise(gp, choice)
-    return Plan(name or config.name, config.raw, out.to_dict(), cost, layers)
+    return [int(allowed[g][k]) for g, k in enumerate(out.choice)], out.to_dict()
 
 
 def matmul_filter(predicate: Callable[[Op, Strategy], bool]) -> Filter:
@@ -240,7 +245,7 @@ def _at_stage_boundaries(graph, gp, lp, outputs: dict[str, Layout], stage_of: di
 def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                    microbatches: int = 2, cut_after: Sequence[str] | None = None,
                    keep: Filter | None = None, name: str | None = None,
-                   time_limit_s: float = 30.0) -> Plan:
+                   time_limit_s: float = 30.0, zero: int = 0) -> Plan:
     """A hand-built pipelined plan (see the module docstring). ``cut_after`` names the last
     op of each stage but the last (default: the layer list cut into equal counts).
 
@@ -248,18 +253,23 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     bucket terms count one buffer per device group for the whole graph; the plan realises
     (and prices) the chunks per stage, as the runtime reduces them, so its cost is the
     program's but the choice is only near-optimal for it — the pipeline planner's
-    per-stage ILPs are exact."""
+    per-stage ILPs are exact. ``zero`` > 0: every op that can shard its state does so at
+    that level (:func:`sharded_plan`)."""
     raw = dict(config.raw)
     raw["pipeline"] = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
     cfg = config.with_overrides({"pipeline": raw["pipeline"]})
+    if zero:
+        cfg = cfg.with_overrides({"solver.state_sharding": [0, zero]})
     c = cfg.cluster
     n_s, d_s = _stage_shape(c.nodes, c.devices_per_node, stages)
     per_stage = n_s * d_s
     graph = cfg.microbatch_graph()
     gp = build_problem(graph, c, n_s, d_s, cfg.memory, tie_layers=cfg.solver.tie_layers,
                        max_weight_replication=cfg.solver.max_weight_replication,
-                       microbatches=microbatches, grad_bucket_bytes=cfg.grad_bucket_bytes)
-    choice, solver = _choose(gp, keep, time_limit_s)
+                       microbatches=microbatches, grad_bucket_bytes=cfg.grad_bucket_bytes,
+                       zero_levels=(0, zero) if zero else (0,))
+    choice, solver = (_sharded_choice(gp, zero, keep, time_limit_s) if zero
+                      else _choose(gp, keep, time_limit_s))
     names = [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
     if cut_after is None:
         cuts = [names[(len(names) * (s + 1)) // stages - 1] for s in range(stages - 1)]

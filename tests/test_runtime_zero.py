@@ -7,7 +7,8 @@ runtime cannot execute as priced (a sharded tied weight, a listing that is not w
 buckets give) are refused before any process group exists.
 
 Multi-process (slow, gloo, real ``torchrun`` processes): each ZeRO level forced on every
-shardable op of the tiny MLP (4 ranks, 2 micro-batches), every block of a tiny
+shardable op of the tiny MLP (4 ranks, 2 micro-batches; ZeRO-2 and 3 also on two
+pipeline stages under 1F1B), every block of a tiny
 U-Transformer recomputed with and without ZeRO-3, the tiny GPT (8 ranks, ZeRO-3 + every
 block recomputed, its tied pair left unsharded; in float32 and in bfloat16) and the
 planner's own plan of
@@ -38,7 +39,7 @@ from ilp_planner.plan import Plan
 from ilp_planner.planner import solve
 from runtime.errors import RuntimeSetupError
 from runtime.executor import Executor, RunOptions
-from runtime.plans import sharded_plan, three_d_filter
+from runtime.plans import pipelined_plan, sharded_plan, three_d_filter
 from runtime.recorder import Recorder, replaying
 from runtime.reference import tolerance
 from runtime.zero import ZeroBucket, gather, released
@@ -222,6 +223,9 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
     mlp, utf = _mlp4(), _utf4()
     plans = {f"mlp4-zero{z}": sharded_plan(mlp, z, keep=three_d_filter((2, 1, 2)))
              for z in (1, 2, 3)}
+    for z in (2, 3):  # per-micro-batch scatters and gathers interleaved by 1F1B, two stages
+        plans[f"mlp4-pp-zero{z}"] = pipelined_plan(_mlp4(), stages=2, schedule="1f1b",
+                                                   microbatches=4, zero=z)
     plans["utf4-recompute"] = sharded_plan(utf, 0, recompute=True)
     plans["utf4-zero3-recompute"] = sharded_plan(utf, 3, recompute=True)
     for name, plan in plans.items():
