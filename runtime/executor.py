@@ -375,6 +375,11 @@ class Executor:
         # levels 1, 2: the full blocks are refreshed by the all-gather, never updated
         self.zero_full = {f"{zb.layer}.{r}": (zb, r) for zb in self.zero_buckets
                           if zb.level < 3 for r in zb.sync.roles}
+        for zb in self.zero_buckets:
+            if zb.level == 1:  # reduce-scattered as soon as the last backward completes it
+                for role in zb.sync.roles:
+                    self.params[f"{zb.layer}.{role}"].t.register_post_accumulate_grad_hook(
+                        lambda p, zb=zb: self._zero1_ready(zb))
         self.layer_params = {name: {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
                                     if k.rsplit(".", 1)[0] == name} for name in s.layers}
         self._setup_grad_sync(s)
@@ -463,6 +468,8 @@ class Executor:
             self.ctx.reports.clear()
             self.chunk_waiting = list(self.chunk_needs)
             self.chunk_work: dict[int, Report] = {}
+            self.zero_waiting = {zb.key: len(zb.sync.roles) for zb in self.zero_buckets}
+            self.zero_work: dict[str, Report] = {}
         with rec if self.options.record else contextlib.nullcontext():
             if self.my_stage is not None:
                 for kind, mb in self.actions[self.my_stage.index]:
@@ -749,9 +756,13 @@ class Executor:
             if k not in out and k not in self.zero_full:
                 out[k] = self._grad(k)
         for zb in self.zero_buckets:
-            if zb.level == 1:  # once per step, after the last backward
-                self._check_zero_buffer(zb)
-                zb.grad_shard += zb.reduce_scatter(zb.full_grad, "shard_grad_sync", self.recorder)
+            if zb.level == 1:  # once per step: launched during the last backward, or now
+                if zb.key not in self.zero_work:
+                    self._check_zero_buffer(zb)
+                    zb.grad_shard += zb.reduce_scatter(zb.full_grad, "shard_grad_sync",
+                                                       self.recorder)
+                else:
+                    zb.grad_shard += self.zero_work[zb.key].value()
             out[zb.key] = zb.shard_grad()
         if self.loss_scale != 1.0:
             model.unscale(out, self.loss_scale)
@@ -763,6 +774,21 @@ class Executor:
             if g is None or g.data_ptr() != view.data_ptr():
                 raise RuntimeError(f"autograd replaced the flat gradient buffer of "
                                    f"{zb.layer}.{role} instead of accumulating into it")
+
+    def _zero1_ready(self, zb: ZeroBucket) -> None:
+        """During the step's last backward (with overlap): once every role of a ZeRO-1
+        bucket has its final gradient, reduce-scatter it asynchronously, as a gradient
+        chunk is AllReduced (the plan prices it overlapped with the rest of the backward)."""
+        if not self._armed:
+            return
+        self.zero_waiting[zb.key] -= 1
+        if self.zero_waiting[zb.key] == 0:
+            self._check_zero_buffer(zb)
+            out = torch.empty(zb.s, device=self.device, dtype=torch.float32)
+            first = len(self.recorder.events)
+            with tagged("backward", "shard_grad_sync", zb.layer):
+                work = dist.reduce_scatter_tensor(out, zb.full_grad, group=zb.group, async_op=True)
+            self.zero_work[zb.key] = Report(out, work, self.recorder.events[first:])
 
     def _reduce_scatter_microbatch(self) -> None:
         """ZeRO-2: after each micro-batch's backward, every flat gradient is reduce-scattered

@@ -242,6 +242,16 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
     plans["utf4-solved"] = solved
     out = _train(plans, 4, tmp_path)
     assert set(out) == set(plans)
+    # ZeRO-1 reduce-scatters during the last backward, as soon as a layer's gradient is
+    # final (overlapped, as priced), so fc3's comes before the backward reaches fc1
+    order = out["mlp4-zero1"]["order"]
+    rs = [i for i, x in enumerate(order) if x.startswith("backward/shard_grad_sync:")]
+    assert len(rs) == 3 and order[rs[0]] == "backward/shard_grad_sync:fc3"
+    into_fc1 = order.index("backward/activation:relu1", order.index("backward_end:0"))
+    assert rs[0] < into_fc1 < rs[-1] < order.index("backward_end:1"), order
+    # ZeRO-2 reduce-scatters after every micro-batch's backward
+    order = out["mlp4-zero2"]["order"]
+    assert sum(x.startswith("backward/shard_grad:") for x in order[:order.index("backward_end:0")]) == 3
 
 
 @pytest.mark.slow
