@@ -59,7 +59,7 @@ def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
                 cache[key] = op_strategies(op, in_specs, ctx)
         except (LayoutError, ValueError) as exc:
             raise PlanFormatError(f"{where}: {exc}") from exc
-        same = [s for s in cache[key] if s.label == ly.strategy]
+        same = [s for s in cache[key] if s.label == ly.strategy and s.zero == ly.zero]
         if not same:
             raise PlanFormatError(
                 f"{where}: label {ly.strategy!r} is not a strategy of a {op.kind.value} op on a "

@@ -246,6 +246,13 @@ class Applied:
 
     # -- checks and compile ----------------------------------------------------------------
     def _check_ops(self) -> None:
+        unsupported = [ly.name for ly in self.plan.layers if ly.zero or ly.recompute]
+        if unsupported:  # runtime.executor runs them on the runtime's own models
+            raise RuntimeSetupError(
+                f"layers {', '.join(unsupported[:4])}{' …' if len(unsupported) > 4 else ''} are "
+                f"planned with state sharding or recomputation, which parallelize does not "
+                f"apply to a user's module; solve with solver.state_sharding: [0] and "
+                f"solver.recompute: never")
         for op in self.graph.ops:
             if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
                 raise RuntimeSetupError(f"op {op.name!r} ties its weight to an embedding: one "

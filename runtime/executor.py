@@ -36,6 +36,23 @@ schedule that respects its own dependencies can deadlock; forward and backward t
 use distinct groups because a 1F1B stage interleaves the two directions differently from
 its neighbour.
 
+State sharding (``LayerPlan.zero``, :mod:`runtime.zero`): a sharded layer's gradient
+buckets (the planner's :func:`~ilp_planner.strategies.grad_sync`) are not AllReduced but
+kept as flat buffers sharded over the bucket's group; the optimizer updates each rank's
+fp32 shard. ZeRO-1 reduce-scatters the accumulated flat gradient once, after the step's
+last backward, ZeRO-2 after every micro-batch's backward; both all-gather the updated
+shards into the full blocks after the update. ZeRO-3 keeps only the shard, all-gathers it
+in the op's forward, keeps no gathered block for the backward (which gathers again) and
+reduce-scatters the gradient there. Compile checks that these are the collectives the
+plan lists for the layer. A sharded tied weight is refused (its exchange needs the full
+gradient).
+
+Recomputation (``LayerPlan.recompute``): each run of consecutive recomputed layers of one
+block executes under non-reentrant ``torch.utils.checkpoint``, with the edge programs of
+its inputs inside, so the backward replays them and the layers' own collectives; the
+replay is recorded in phase ``recompute`` (:func:`runtime.recorder.replaying`), the
+phase the plan lists it in.
+
 Tied weights (GPT's head uses the embedding table transposed): the head keeps its own copy
 in its planned layout, initialised identically; after gradient synchronisation both copies'
 gradients are summed and both copies take the same update.
@@ -44,12 +61,14 @@ gradients are summed and both copies take the same update.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from ilp_planner.grad_buckets import GradBucket, fill_buckets
 from ilp_planner.graph import OpKind, TensorSpec
@@ -65,6 +84,7 @@ from ilp_planner.strategies import (
     is_summa,
     loss_axes,
     param_layouts,
+    param_shapes,
     summa_programs,
     tied_exchange,
     tied_source,
@@ -76,7 +96,8 @@ from runtime.mesh import MeshRegistry
 from runtime.ops import OPS, StageContext
 from runtime.optim import Optimizer, OptimizerSpec
 from runtime.plans import device_regions
-from runtime.recorder import CommEvent, Recorder, tagged, timed
+from runtime.recorder import CommEvent, Recorder, replaying, tagged, timed
+from runtime.zero import ZERO_PURPOSES, ZeroBucket, gather, planned_collectives, released
 
 
 @dataclass(frozen=True)
@@ -125,13 +146,6 @@ class Executor:
         self.compute_dtype = model.compute_dtype(self.graph)
         self.loss_scale = model.loss_scale(self.graph)
         self.layers: dict[str, LayerPlan] = {lp.name: lp for lp in plan.layers}
-        sharded = [lp.name for lp in plan.layers if lp.zero or lp.recompute]
-        if sharded:
-            raise RuntimeSetupError(
-                f"plan {plan.name!r} shards optimizer state / weights or recomputes activations "
-                f"(layers {', '.join(sharded[:4])}{' …' if len(sharded) > 4 else ''}); this "
-                f"runtime does not execute state sharding or recomputation yet: re-solve with "
-                f"solver.state_sharding: [0] and solver.recompute: never")
         self._check_even()
         self.stages = checked.stages
         self.stage_of = {n: s.index for s in self.stages for n in s.layers}
@@ -188,6 +202,7 @@ class Executor:
             else:
                 self.edges[(ep.consumer, ep.index)] = ep.program
         self.buckets: dict[str, tuple[SyncBucket, ...]] = {}
+        self.zero_syncs: dict[str, tuple[SyncBucket, ...]] = {}  # layers with sharded state
         for s in self.stages:
             comm = self.comms[s.index]
             for name in s.layers:
@@ -214,16 +229,32 @@ class Executor:
                 for lay, _ in param_layouts(op, lp.strategy, lp.inputs, lp.weight,
                                             lp.output).values():
                     reg.need_mesh(s.devices, lay.fact)
-                self.buckets[name] = grad_sync(op, lp.strategy, lp.inputs, lp.weight, lp.output,
-                                               self.strategy_ctx)
-                for b in self.buckets[name]:
+                syncs = grad_sync(op, lp.strategy, lp.inputs, lp.weight, lp.output,
+                                  self.strategy_ctx)
+                for b in syncs:
                     reg.need_axes(s.devices, b.fact, b.axes)
+                if lp.zero:  # sharded: no AllReduce, no part in the fused buckets
+                    self._check_zero(op, lp, syncs)
+                    self.zero_syncs[name] = syncs
+                    self.buckets[name] = ()
+                else:
+                    self.buckets[name] = syncs
                 if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
                     src_op = tied_source(g, op)
                     if src_op is None:
                         raise RuntimeSetupError(f"tied linear {name!r} has no embedding to share")
                     self.tied[name] = src_op.name
+        for head, emb in self.tied.items():
+            sharded = [n for n in (head, emb) if self.layers[n].zero]
+            if sharded:
+                raise RuntimeSetupError(
+                    f"layer {sharded[0]!r} shards its state (zero{self.layers[sharded[0]].zero}) "
+                    f"but is one of the tied pair {emb!r} / {head!r}: the tied-weight exchange "
+                    f"sums the two copies' full gradients, which a sharded copy no longer holds "
+                    f"(the plan prices no gather for it); re-solve with solver.state_sharding: "
+                    f"[0] or an untied model")
         self.grad_chunks = {s.index: self._grad_chunks(s) for s in self.stages}
+        self.segments = {s.index: self._segments(s) for s in self.stages}
         for e in self.entries:
             src = self.stages[e.src_stage]
             self.comms[e.src_stage].register(self.exports[e.tensor])
@@ -260,6 +291,46 @@ class Executor:
                 f"and training.grad_bucket_mb give {issued}; re-solve the config")
         return chunks
 
+    def _check_zero(self, op, lp: LayerPlan, syncs: tuple[SyncBucket, ...]) -> None:
+        """The state-sharding collectives this runtime will issue for ``lp`` (from the
+        planner's own :func:`~ilp_planner.strategies.grad_sync` buckets, one flat buffer
+        each) must be the ones the plan lists and prices."""
+        if not syncs:
+            raise RuntimeSetupError(f"layer {lp.name!r} is planned with zero{lp.zero} but its "
+                                    f"strategy {lp.strategy!r} reduces no weight gradient")
+        item = torch.empty((), dtype=self.compute_dtype).element_size()
+        issued = sorted(c for b in syncs
+                        for c in planned_collectives(b, lp.zero, item, lp.recompute))
+        listed = sorted((c.kind.value, c.purpose, c.phase, c.bytes, c.group_size)
+                        for c in lp.collectives if c.purpose in ZERO_PURPOSES)
+        if issued != listed:
+            raise RuntimeSetupError(
+                f"layer {lp.name!r} (zero{lp.zero}): the plan lists state-sharding collectives "
+                f"{listed} but its gradient buckets give {issued}; re-solve the config")
+
+    def _segments(self, stage) -> list[tuple[bool, tuple[str, ...]]]:
+        """The stage's layers in order, cut into runs: each maximal run of consecutive
+        recomputed layers of one block is one checkpointed region (``True``); every other
+        layer runs alone."""
+        out: list[tuple[bool, list[str]]] = []
+        unit = None
+        for name in stage.layers:
+            lp, op = self.layers[name], self.graph[name]
+            if not lp.recompute:
+                out.append((False, [name]))
+                unit = None
+                continue
+            if op.kind is OpKind.LOSS or op.block is None:
+                raise RuntimeSetupError(f"layer {name!r} is planned as recomputed but is not "
+                                        f"inside a repeated block")
+            here = (op.block, op.block_index)
+            if unit == here and out and out[-1][0]:
+                out[-1][1].append(name)
+            else:
+                out.append((True, [name]))
+            unit = here
+        return [(rc, tuple(names)) for rc, names in out]
+
     # ---- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
         """Create the groups (collective) and this stage's parameters (local)."""
@@ -268,18 +339,47 @@ class Executor:
         if s is None:
             return
         self.ctx = StageContext(s.index, s.devices, self.rank, self.comms[s.index], self.graph)
+        self.zero_buckets: list[ZeroBucket] = []
+        self.zero_of: dict[str, list[ZeroBucket]] = {}
+        self.param_layout: dict[str, Layout] = {}
         for name in s.layers:
             op, lp = self.graph[name], self.layers[name]
             layouts = param_layouts(op, lp.strategy, lp.inputs, lp.weight, lp.output)
             specs = {p.role: p for p in model.param_specs(op)}
+            blocks: dict[str, torch.Tensor] = {}
             for role, (lay, _) in layouts.items():
                 if name in self.tied:
                     emb = self.graph[self.tied[name]]
                     full = model.init_param(model.param_specs(emb)[0], self.options.seed).t()
                 else:
                     full = model.init_param(specs[role], self.options.seed)
-                local = self.ctx.comm.block(full.to(self.device), lay)
-                self.params[f"{name}.{role}"] = LVal(local.requires_grad_(True), lay)
+                blocks[role] = self.ctx.comm.block(full.to(self.device), lay)
+                self.param_layout[f"{name}.{role}"] = lay
+            shard_only: set[str] = set()
+            for i, sync in enumerate(self.zero_syncs.get(name, ())):
+                zb = ZeroBucket(name, i, lp.zero, sync,
+                                {r: tuple(blocks[r].shape) for r in sync.roles},
+                                {r: math.prod(layouts[r][0].padded_shape(
+                                    param_shapes(op)[r])) for r in sync.roles},
+                                self.compute_dtype)
+                zb.init(blocks, self.registry.axes_group(s.devices, sync.fact, sync.axes),
+                        self.device)
+                self.zero_buckets.append(zb)
+                self.zero_of.setdefault(name, []).append(zb)
+                if lp.zero == 3:
+                    shard_only |= set(sync.roles)
+            for role, local in blocks.items():
+                if role not in shard_only:
+                    self.params[f"{name}.{role}"] = LVal(local.requires_grad_(True),
+                                                         layouts[role][0])
+        # levels 1, 2: the full blocks are refreshed by the all-gather, never updated
+        self.zero_full = {f"{zb.layer}.{r}": (zb, r) for zb in self.zero_buckets
+                          if zb.level < 3 for r in zb.sync.roles}
+        for zb in self.zero_buckets:
+            if zb.level == 1:  # reduce-scattered as soon as the last backward completes it
+                for role in zb.sync.roles:
+                    self.params[f"{zb.layer}.{role}"].t.register_post_accumulate_grad_hook(
+                        lambda p, zb=zb: self._zero1_ready(zb))
         self.layer_params = {name: {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
                                     if k.rsplit(".", 1)[0] == name} for name in s.layers}
         self._setup_grad_sync(s)
@@ -354,12 +454,22 @@ class Executor:
                 buf.zero_()
             for key, view in self.grad_view.items():
                 self.params[key].t.grad = view
+            for zb in self.zero_buckets:
+                if zb.level == 3:
+                    zb.master.grad = None
+                    continue
+                zb.full_grad.zero_()
+                zb.grad_shard.zero_()
+                for role, view in zb.views(zb.full_grad).items():
+                    self.params[f"{zb.layer}.{role}"].t.grad = view
         self.state = {}
         self.loss_sum = 0.0
         if self.my_stage is not None:
             self.ctx.reports.clear()
             self.chunk_waiting = list(self.chunk_needs)
             self.chunk_work: dict[int, Report] = {}
+            self.zero_waiting = {zb.key: len(zb.sync.roles) for zb in self.zero_buckets}
+            self.zero_work: dict[str, Report] = {}
         with rec if self.options.record else contextlib.nullcontext():
             if self.my_stage is not None:
                 for kind, mb in self.actions[self.my_stage.index]:
@@ -370,7 +480,8 @@ class Executor:
             if self.my_stage is not None:
                 grads = self._sync_grads()
                 self._exchange_tied(grads)
-                self.optimizer.step({k: v.t.data for k, v in self.params.items()}, grads)
+                self.optimizer.step(self._updated(), grads)
+                self._gather_updated()
                 self.loss_sum = sum(float((r.value() / self.microbatches).sum())
                                     for r in self.ctx.reports)
             with tagged("report", "report"):
@@ -403,35 +514,101 @@ class Executor:
         recv = st["recv"]
         data = self._batch()[mb]
         vals: dict[str, LVal] = {}
-        loss = None
-        for name in s.layers:
-            op, lp = g[name], self.layers[name]
-            xs = []
-            for idx, src in enumerate(op.inputs):
-                want = lp.inputs[idx]
-                if g[src].kind is OpKind.INPUT:
-                    key = (mb, src, want)  # the fixed batch: each rank's blocks cut once
-                    if key not in self._blocks:
-                        self._blocks[key] = comm.block(data[src], want)
-                    xs.append(LVal(self._blocks[key], want))
-                    continue
-                if self.stage_of[src] == s.index:
-                    have = vals[src]
-                else:
-                    have = recv[self.entry_of[(name, idx)]]
-                xs.append(comm.edge(have, self.edges[(name, idx)], "activation", name))
-            params = self.layer_params[name]
-            if self.compute_dtype != model.DTYPE:  # mixed precision: compute copies of the
-                # masters (SUMMA gathers its weight's master and casts it itself)
-                params = {r: v if r == "weight" and is_summa(lp.strategy)
-                          else LVal(v.t.to(self.compute_dtype), v.layout) for r, v in params.items()}
-            vals[name] = OPS[op.kind](self.ctx, op, lp, xs, params, data)
-            if op.kind is OpKind.LOSS:
-                loss = vals[name]
+
+        def have(name: str, idx: int, src: str) -> LVal:
+            return vals[src] if self.stage_of[src] == s.index else recv[self.entry_of[(name, idx)]]
+
+        for recompute, names in self.segments[s.index]:
+            if recompute:
+                self._checkpointed(names, mb, data, have, vals)
+            else:
+                vals[names[0]] = self._op_forward(names[0], mb, data, have)
+        loss = next((vals[n] for n in s.layers if g[n].kind is OpKind.LOSS), None)
         sent = {name: comm.edge(vals[name], red, "activation", "send")
                 for name, red in self.exports.items() if self.stage_of[name] == s.index}
         st["out"] = {e.index: sent[e.tensor] for e in self.entries if e.src_stage == s.index}
         st["loss"] = loss
+
+    def _op_forward(self, name: str, mb: int, data: dict,
+                    have: Callable[[str, int, str], LVal]) -> LVal:
+        """One op on micro-batch ``mb``: its inputs through their lowered edge programs
+        (``have`` gives the producer's value), then its kernel. A ZeRO-3 op gathers its
+        sharded parameters first and runs under :class:`runtime.zero.released`, so the
+        gathered blocks are not kept for the backward."""
+        g, comm = self.graph, self.ctx.comm
+        op, lp = g[name], self.layers[name]
+        xs = []
+        for idx, src in enumerate(op.inputs):
+            want = lp.inputs[idx]
+            if g[src].kind is OpKind.INPUT:
+                key = (mb, src, want)  # the fixed batch: each rank's blocks cut once
+                if key not in self._blocks:
+                    self._blocks[key] = comm.block(data[src], want)
+                xs.append(LVal(self._blocks[key], want))
+                continue
+            xs.append(comm.edge(have(name, idx, src), self.edges[(name, idx)], "activation", name))
+        params = dict(self.layer_params[name])
+        gathered = []
+        if lp.zero == 3:
+            for zb in self.zero_of[name]:
+                views, pair = gather(zb, self.recorder)
+                params.update({r: LVal(t, self.param_layout[f"{name}.{r}"])
+                               for r, t in views.items()})
+                gathered.append(pair)
+        if self.compute_dtype != model.DTYPE:  # mixed precision: compute copies of the
+            # masters (SUMMA gathers its weight's master and casts it itself; ZeRO-3
+            # gathers in the compute dtype)
+            params = {r: v if r == "weight" and is_summa(lp.strategy)
+                      else LVal(v.t.to(self.compute_dtype), v.layout) for r, v in params.items()}
+        with released(gathered) if gathered else contextlib.nullcontext():
+            return OPS[op.kind](self.ctx, op, lp, xs, params, data)
+
+    def _checkpointed(self, names: tuple[str, ...], mb: int, data: dict,
+                      have: Callable[[str, int, str], LVal], vals: dict[str, LVal]) -> None:
+        """A recomputed run of one block's layers under ``torch.utils.checkpoint``
+        (non-reentrant): the values it reads from outside enter as the checkpoint's inputs
+        and pass through the layers' edge programs *inside* it, so the recomputation in
+        the backward replays those programs and every collective of the layers — recorded
+        in phase ``recompute`` (:func:`runtime.recorder.replaying`), as the plan lists
+        them. Only the run's values read after it leave it. ``early_stop=False``: the whole
+        run is replayed (stopping at the last saved tensor would skip the collectives after
+        it). Dropout runs with p = 0 and the checkpoint restores the RNG state, so the
+        replay recomputes the same values."""
+        g = self.graph
+        inside = set(names)
+        ext: dict[tuple[str, int], tuple[str, int, str]] = {}  # first reader of each outside value
+        keys: list[tuple] = []
+        for name in names:
+            for idx, src in enumerate(g[name].inputs):
+                if src in inside or g[src].kind is OpKind.INPUT:
+                    continue
+                key = (src,) if self.stage_of[src] == self.my_stage.index else \
+                    ("recv", self.entry_of[(name, idx)])
+                if key not in keys:
+                    keys.append(key)
+                ext[(name, idx)] = key
+        first = {k: next(v for v, kk in ext.items() if kk == k) for k in keys}
+        given = [have(n, i, g[n].inputs[i]) for n, i in (first[k] for k in keys)]
+        outs = [n for n in names
+                if n in self.exports or any(c not in inside for c in g.consumers(n))]
+        layouts = [v.layout for v in given]
+
+        def run(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            local = {k: LVal(t, lay) for k, t, lay in zip(keys, ts, layouts, strict=True)}
+            here: dict[str, LVal] = {}
+
+            def lookup(name: str, idx: int, src: str) -> LVal:
+                return here[src] if src in inside else local[ext[(name, idx)]]
+
+            for name in names:
+                here[name] = self._op_forward(name, mb, data, lookup)
+            return tuple(here[n].t for n in outs)
+
+        got = torch.utils.checkpoint.checkpoint(
+            run, *(v.t for v in given), use_reentrant=False, early_stop=False,
+            context_fn=lambda: (contextlib.nullcontext(), replaying()))
+        for n, t in zip(outs, got, strict=True):
+            vals[n] = LVal(t, self.layers[n].output)
 
     def send_forward(self, mb: int) -> None:
         """SF: broadcast each outgoing tensor's unit tasks (asynchronously)."""
@@ -465,6 +642,7 @@ class Executor:
         if tensors:
             torch.autograd.backward(tensors, grads)
         self._armed = False
+        self._reduce_scatter_microbatch()
         self.recorder.mark(f"backward_end:{mb}")
         st["done"] = True
         del st["out"], st["grad_in"], st["loss"]
@@ -575,11 +753,70 @@ class Executor:
             chunk.value()
         out = dict(self.grad_view)
         for k in self.params:
-            if k not in out:
+            if k not in out and k not in self.zero_full:
                 out[k] = self._grad(k)
+        for zb in self.zero_buckets:
+            if zb.level == 1:  # once per step: launched during the last backward, or now
+                if zb.key not in self.zero_work:
+                    self._check_zero_buffer(zb)
+                    zb.grad_shard += zb.reduce_scatter(zb.full_grad, "shard_grad_sync",
+                                                       self.recorder)
+                else:
+                    zb.grad_shard += self.zero_work[zb.key].value()
+            out[zb.key] = zb.shard_grad()
         if self.loss_scale != 1.0:
             model.unscale(out, self.loss_scale)
         return out
+
+    def _check_zero_buffer(self, zb: ZeroBucket) -> None:
+        for role, view in zb.views(zb.full_grad).items():
+            g = self.params[f"{zb.layer}.{role}"].t.grad
+            if g is None or g.data_ptr() != view.data_ptr():
+                raise RuntimeError(f"autograd replaced the flat gradient buffer of "
+                                   f"{zb.layer}.{role} instead of accumulating into it")
+
+    def _zero1_ready(self, zb: ZeroBucket) -> None:
+        """During the step's last backward (with overlap): once every role of a ZeRO-1
+        bucket has its final gradient, reduce-scatter it asynchronously, as a gradient
+        chunk is AllReduced (the plan prices it overlapped with the rest of the backward)."""
+        if not self._armed:
+            return
+        self.zero_waiting[zb.key] -= 1
+        if self.zero_waiting[zb.key] == 0:
+            self._check_zero_buffer(zb)
+            out = torch.empty(zb.s, device=self.device, dtype=torch.float32)
+            first = len(self.recorder.events)
+            with tagged("backward", "shard_grad_sync", zb.layer):
+                work = dist.reduce_scatter_tensor(out, zb.full_grad, group=zb.group, async_op=True)
+            self.zero_work[zb.key] = Report(out, work, self.recorder.events[first:])
+
+    def _reduce_scatter_microbatch(self) -> None:
+        """ZeRO-2: after each micro-batch's backward, every flat gradient is reduce-scattered
+        into its shard (which accumulates) and the full buffer is emptied for the next."""
+        for zb in self.zero_buckets:
+            if zb.level == 2:
+                self._check_zero_buffer(zb)
+                zb.grad_shard += zb.reduce_scatter(zb.full_grad, "shard_grad", self.recorder)
+                zb.full_grad.zero_()
+
+    def _updated(self) -> dict[str, torch.Tensor]:
+        """What the optimizer updates: every parameter block this rank holds whole, and the
+        fp32 master shard of each sharded flat buffer (not the full blocks of ZeRO-1/2,
+        which the all-gather after the update refreshes)."""
+        out = {k: v.t.data for k, v in self.params.items() if k not in self.zero_full}
+        out.update({zb.key: zb.master.data for zb in self.zero_buckets})
+        return out
+
+    def _gather_updated(self) -> None:
+        """ZeRO-1/2: all-gather each updated shard (in the compute dtype, as priced) into the
+        full local blocks the next forward reads."""
+        for zb in self.zero_buckets:
+            if zb.level < 3:
+                full = zb.all_gather(zb.master.detach().to(self.compute_dtype), "step",
+                                     "weight_allgather", self.recorder)
+                with torch.no_grad():
+                    for role, view in zb.views(full).items():
+                        self.params[f"{zb.layer}.{role}"].t.copy_(view)
 
     def _grad(self, key: str) -> torch.Tensor:
         p = self.params[key].t
@@ -643,15 +880,18 @@ class Executor:
         """Full parameters (reference names) on every rank; tied copies are not listed. Each
         block is contributed once (by the first device holding it) to a world AllReduce."""
         out = {}
+        blocks = {k: v.t.detach() for k, v in self.params.items()}
+        for zb in getattr(self, "zero_buckets", ()):  # sharded: the fp32 masters, gathered
+            blocks.update({f"{zb.layer}.{r}": t for r, t in zb.full_master().items()})
         for spec in model.graph_param_specs(self.full_graph):
             full = torch.zeros(spec.shape, device=self.device, dtype=model.DTYPE)
-            if spec.name in self.params:
-                p = self.params[spec.name]
-                regions = p.layout.regions(spec.shape)
+            if spec.name in blocks:
+                layout = self.param_layout[spec.name]
+                regions = layout.regions(spec.shape)
                 me = self.ctx.comm.device_index
                 first = next(i for i in range(len(regions)) if (regions[i] == regions[me]).all())
                 if first == me:
-                    full[tuple(slice(int(lo), int(hi)) for lo, hi in regions[me])] = p.t.detach()
+                    full[tuple(slice(int(lo), int(hi)) for lo, hi in regions[me])] = blocks[spec.name]
             dist.all_reduce(full)
             out[spec.name] = full.cpu()
         return out

@@ -12,6 +12,8 @@
   eager-1F1B 2(S − i) + 1, capped by the number of micro-batches);
 * :func:`restricted_plan` — the best single-mesh plan among strategies a filter keeps
   (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
+* :func:`sharded_plan` — the same with every shardable op at one ZeRO level (and every
+  block recomputed, if asked);
 * :func:`pipelined_plan` — a hand-built pipelined plan: the devices cut into equal
   contiguous stages, the layers cut into consecutive stages, each stage's layouts the
   intra-op optimum on its sub-mesh, a resharding entry (forward and backward unit tasks)
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import build_problem
@@ -142,6 +146,49 @@ def restricted_plan(config: Config, keep: Filter | None = None, name: str | None
     return Plan(name or config.name, config.raw, solver, cost, layers)
 
 
+def sharded_plan(config: Config, zero: int, *, recompute: bool = False,
+                 keep: Filter | None = None, name: str | None = None,
+                 time_limit_s: float = 30.0) -> Plan:
+    """The best single-mesh plan in which every op that can shard its state among the
+    strategies ``keep`` accepts does so at level ``zero``
+    (:func:`ilp_planner.strategies.state_sharded`; the others keep theirs), with every
+    block recomputed when ``recompute`` — to exercise one ZeRO level whatever the memory
+    budget."""
+    config = config.with_overrides({"solver.state_sharding": sorted({0, zero}),
+                                    "solver.recompute": "always" if recompute else "never"})
+    c = config.cluster
+    graph = config.microbatch_graph()
+    units = frozenset((op.block, op.block_index) for op in graph.ops
+                      if recompute and op.block is not None and op.block_index is not None)
+    gp = build_problem(graph, c, c.nodes, c.devices_per_node, config.memory,
+                       tie_layers=config.solver.tie_layers,
+                       max_weight_replication=config.solver.max_weight_replication,
+                       microbatches=config.pipeline.microbatches,
+                       grad_bucket_bytes=config.grad_bucket_bytes,
+                       zero_levels=(0, zero) if zero else (0,), recompute=units)
+    choice, solver = _sharded_choice(gp, zero, keep, time_limit_s)
+    layers, cost = realise(gp, choice)
+    return Plan(name or config.name, config.raw, solver, cost, layers)
+
+
+def _sharded_choice(gp, zero: int, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+    """The best choice with every op at ``zero`` where a strategy ``keep`` accepts has it."""
+    allowed = []
+    for group in gp.groups:
+        op = gp.graph[group[0]]
+        passing = [k for k, o in enumerate(gp.options[group[0]])
+                   if keep is None or keep(op, o.base)]
+        at_level = [k for k in passing if gp.options[group[0]][k].base.zero == zero]
+        idx = np.array(at_level or passing, dtype=int)
+        if idx.size == 0:
+            raise InfeasibleError(f"no strategy of {op.name!r} at zero{zero} passes the filter")
+        allowed.append(idx)
+    out = SbpIlp(gp.problem.subset(allowed)).solve(time_limit_s=time_limit_s)
+    if out is None:
+        raise InfeasibleError("the restricted ILP found no solution in time")
+    return [int(allowed[g][k]) for g, k in enumerate(out.choice)], out.to_dict()
+
+
 def matmul_filter(predicate: Callable[[Op, Strategy], bool]) -> Filter:
     """Keep strategies of linear/embedding ops that satisfy ``predicate``; others free."""
     def keep(op: Op, s: Strategy) -> bool:
@@ -198,7 +245,7 @@ def _at_stage_boundaries(graph, gp, lp, outputs: dict[str, Layout], stage_of: di
 def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                    microbatches: int = 2, cut_after: Sequence[str] | None = None,
                    keep: Filter | None = None, name: str | None = None,
-                   time_limit_s: float = 30.0) -> Plan:
+                   time_limit_s: float = 30.0, zero: int = 0) -> Plan:
     """A hand-built pipelined plan (see the module docstring). ``cut_after`` names the last
     op of each stage but the last (default: the layer list cut into equal counts).
 
@@ -206,18 +253,23 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     bucket terms count one buffer per device group for the whole graph; the plan realises
     (and prices) the chunks per stage, as the runtime reduces them, so its cost is the
     program's but the choice is only near-optimal for it — the pipeline planner's
-    per-stage ILPs are exact."""
+    per-stage ILPs are exact. ``zero`` > 0: every op that can shard its state does so at
+    that level (:func:`sharded_plan`)."""
     raw = dict(config.raw)
     raw["pipeline"] = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
     cfg = config.with_overrides({"pipeline": raw["pipeline"]})
+    if zero:
+        cfg = cfg.with_overrides({"solver.state_sharding": [0, zero]})
     c = cfg.cluster
     n_s, d_s = _stage_shape(c.nodes, c.devices_per_node, stages)
     per_stage = n_s * d_s
     graph = cfg.microbatch_graph()
     gp = build_problem(graph, c, n_s, d_s, cfg.memory, tie_layers=cfg.solver.tie_layers,
                        max_weight_replication=cfg.solver.max_weight_replication,
-                       microbatches=microbatches, grad_bucket_bytes=cfg.grad_bucket_bytes)
-    choice, solver = _choose(gp, keep, time_limit_s)
+                       microbatches=microbatches, grad_bucket_bytes=cfg.grad_bucket_bytes,
+                       zero_levels=(0, zero) if zero else (0,))
+    choice, solver = (_sharded_choice(gp, zero, keep, time_limit_s) if zero
+                      else _choose(gp, keep, time_limit_s))
     names = [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
     if cut_after is None:
         cuts = [names[(len(names) * (s + 1)) // stages - 1] for s in range(stages - 1)]

@@ -33,7 +33,7 @@ class CommEvent:
     bytes: float
     link: str
     seconds: float
-    phase: str  # forward | backward | step | report
+    phase: str  # forward | backward | recompute | step | report
     purpose: str  # activation | weight | grad_sync | loss | tied_weight | resharding | report
     where: str = ""
     overlapped: bool = False  # asynchronous: ``seconds`` is the time the step waited for it
@@ -47,16 +47,31 @@ class _Tag:
 
 
 _TAGS: list[_Tag] = [_Tag()]
+_REPLAY: list[bool] = [False]
 
 
 @contextmanager
 def tagged(phase: str, purpose: str, where: str = "") -> Iterator[None]:
-    """Collectives issued inside are recorded with these tags."""
+    """Collectives issued inside are recorded with these tags (a ``forward`` one issued
+    while :func:`replaying` is recorded as ``recompute``)."""
+    if phase == "forward" and _REPLAY[-1]:
+        phase = "recompute"
     _TAGS.append(_Tag(phase, purpose, where))
     try:
         yield
     finally:
         _TAGS.pop()
+
+
+@contextmanager
+def replaying() -> Iterator[None]:
+    """Activation recomputation: the forward of a checkpointed block runs again inside the
+    backward, and its collectives are the plan's ``recompute`` phase, not its forward."""
+    _REPLAY.append(True)
+    try:
+        yield
+    finally:
+        _REPLAY.pop()
 
 
 def _nbytes(x) -> int:

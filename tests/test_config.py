@@ -29,6 +29,8 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "tiny-gpt-cpu": 109_312,
     "tiny-gpt-bf16-cpu": 109_312,
     "tiny-mlp-cpu": 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
+    # stem and head h² + h, two blocks 12h² + 13h, final layernorm 2h (h = 64)
+    "tiny-utf-zero-cpu": 2 * (64 * 64 + 64) + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64,
     "tiny-vgg-cpu": sum(o * i * 9 + o for i, o in [(3, 8), (8, 8), (8, 16), (16, 16), (16, 16),
                                                    (16, 16), (16, 32), (32, 32), (32, 32), (32, 32)])
                     + 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
