@@ -203,7 +203,7 @@ def targets(rows: list[str], gap: float, time_limit: float, ilp_alone: bool) -> 
     print("-" * len(head))
     for key in rows:
         label, target, make, how = TARGETS[key]
-        variants = [("elimination", {})]
+        variants = [("elimination" if how is timed else "stage DP", {})]
         if ilp_alone and how is timed and key not in NO_ILP_ALONE:
             variants.append(("ILP alone", {"solver.elimination": False}))
         for name, extra in variants:

@@ -194,15 +194,16 @@ def test_diff_across_pipelined_and_single_stage(tiny):
 # -- every shipped configuration, and the verbs ----------------------------------------------------
 
 
+SLOW_SOLVES = ("llama-70b-16x8", "u-transformer-2x4", "tiny-utf-zero-cpu")
+
+
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow)
-                                  if p.stem in ("llama-70b-16x8", "u-transformer-2x4") else p
+                                  if p.stem in SLOW_SOLVES else p
                                   for p in CONFIGS], ids=lambda p: p.stem)
 def test_every_shipped_config_explains_diffs_and_compiles_for_the_runtime(path, tiny, tmp_path):
     """Every shipped config's plan compiles for the runtime (each edge lowered, each crossing
     tensor with its entry, the schedule validated): conv, pooling and half precision
-    included; a plan with sharded state or recomputation is refused, loudly, until the
-    runtime executes them."""
-    from runtime.errors import RuntimeSetupError
+    included, sharded state and recomputation too."""
     from runtime.executor import Executor, RunOptions
 
     plan = solve(path, baselines=False)
@@ -215,9 +216,6 @@ def test_every_shipped_config_explains_diffs_and_compiles_for_the_runtime(path, 
     assert "cost per step:" in d and "configuration:" in d
     if any(ly.zero or ly.recompute for ly in loaded.layers):
         assert "ZeRO" in text or "recomputed" in text
-        with pytest.raises(RuntimeSetupError, match="state sharding or recomputation"):
-            Executor(loaded, RunOptions(), rank=0, world=loaded.num_devices)
-        return
     ex = Executor(loaded, RunOptions(), rank=0, world=loaded.num_devices)
     assert len(ex.entries) == len(loaded.resharding or ())
 
