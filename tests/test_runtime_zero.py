@@ -234,8 +234,9 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
     for z in (2, 3):  # per-micro-batch scatters and gathers interleaved by 1F1B, two stages
         plans[f"mlp4-pp-zero{z}"] = pipelined_plan(_mlp4(), stages=2, schedule="1f1b",
                                                    microbatches=4, zero=z)
+    summa = summa_filter(MeshAxis(1, 2), MeshAxis(1, 2))  # the baseline's layouts, any state
     plans["mlp4-summa-zero3"] = sharded_plan(  # SUMMA gathers its weight; ZeRO-3 its bias
-        _mlp4(), 3, keep=summa_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
+        _mlp4(), 3, keep=lambda op, s: summa(op, dataclasses.replace(s, zero=0)))
     plans["utf4-recompute"] = sharded_plan(utf, 0, recompute=True)
     plans["utf4-zero3-recompute"] = sharded_plan(utf, 3, recompute=True)
     for name, plan in plans.items():
