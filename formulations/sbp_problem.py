@@ -337,17 +337,35 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
     forward and backward. They are re-materialised while the block's backward runs, one
     block at a time: the memory row charges ``activation / copies`` (``copies`` = the
     blocks of this family), exact when the blocks are tied (the copies sum to one block),
-    and :func:`peak_memory` gives the exact peak of any choice."""
-    colls = [list(cs) + [c.with_phase("recompute") for c in cs
-                         if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
-             for cs in opt.collectives]
-    extra = [list(cs[len(orig):]) for cs, orig in zip(colls, opt.collectives, strict=True)]
-    again = sum(c / 3 for c in opt.compute_s) + sum(c.seconds for cs in extra for c in cs)
-    charged = opt.activation_bytes / copies
+    and :func:`peak_memory` gives the exact peak of any choice.
+
+    ZeRO-3 (FSDP with checkpointing): the recomputation gathers the weights again and the
+    op's backward reads that buffer — its own backward gather (listed where the input's
+    gradient reads the weights, :func:`ilp_planner.strategies.state_sharded`) is dropped,
+    two gathers per micro-batch instead of three. The kept buffer is held like a
+    re-materialised activation, from the block's recomputation to the op's backward, so
+    it joins ``recompute_bytes`` and leaves the op's transient."""
+    def regather(c: Collective) -> bool:
+        return c.purpose == "fsdp_gather" and c.phase == "backward"
+
+    dropped = [c for cs in opt.collectives for c in cs if regather(c)]
+    kept = [[c for c in cs if not regather(c)] for cs in opt.collectives]
+    colls = [cs + [c.with_phase("recompute") for c in cs
+                   if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
+             for cs in kept]
+    extra = [list(cs[len(orig):]) for cs, orig in zip(colls, kept, strict=True)]
+    again = (sum(c / 3 for c in opt.compute_s) + sum(c.seconds for cs in extra for c in cs)
+             - sum(c.seconds for c in dropped))
+    reused = opt.base.regathered_bytes if dropped else 0.0  # the recomputation's gather
+    rematerialised = opt.activation_bytes + reused
+    charged = rematerialised / copies
     return dataclasses.replace(
         opt, collectives=colls, compute_s=[c * 4 / 3 for c in opt.compute_s],
         cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,
-        activation_bytes=charged, recompute=True, recompute_bytes=opt.activation_bytes)
+        activation_bytes=charged, recompute=True, recompute_bytes=rematerialised,
+        # max(forward gather, full gradient + regathered) without the regathered weights,
+        # now in recompute_bytes: max(forward gather, full gradient)
+        transient_bytes=max(opt.base.gathered_bytes, opt.transient_bytes - reused))
 
 
 def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,

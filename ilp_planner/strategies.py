@@ -71,6 +71,12 @@ class Strategy:
     input_backward: tuple[Collective, ...] = ()  # op-internal, only if input 0 needs a gradient
     zero: int = 0  # state sharding level over the gradient-sync group (:func:`state_sharded`)
     transient_bytes: float = 0.0  # held only while the op runs (gathered weights, full grads)
+    # ZeRO-3 (memory-model bytes, n·w): the weights the forward gathers, and those the
+    # backward gathers again for the input's gradient (that gather is in ``input_backward``)
+    # — what a recomputed op keeps from its recomputation's gather instead
+    # (:func:`formulations.sbp_problem.recomputed`)
+    gathered_bytes: float = 0.0
+    regathered_bytes: float = 0.0
 
     @property
     def grads_of_inputs(self) -> tuple[Layout, ...]:
@@ -502,6 +508,20 @@ ZERO_LEVELS = (0, 1, 2, 3)
 1 optimizer state (ZeRO-1), 2 + gradients (ZeRO-2), 3 + weights (ZeRO-3 / FSDP)."""
 
 
+def input_grad_roles(op: Op) -> frozenset[str]:
+    """The parameter roles an op's backward reads to compute the gradient of its *input*.
+    The weight gradient itself never needs the weight (a matmul's ``dW = Xᵀ·dY``, a norm's
+    ``dγ = Σ dY·x̂``, a bias's ``Σ dY``), so a ZeRO-3 op gathers its weights in the backward
+    only for these roles, and only when autograd reaches the input (:func:`state_sharded`).
+    Matmul-like ops (``dX = dY·Wᵀ``), convolutions (the transposed convolution with W) and
+    norms (``dX`` scales by γ) read their weight; an embedding's input is token ids, so its
+    table is only indexed, never read backwards; biases never. An opaque op is assumed to
+    read its weight (nothing says otherwise)."""
+    if op.kind in (OpKind.LINEAR, OpKind.CONV2D, OpKind.BATCHNORM, OpKind.OPAQUE, *NORM_KINDS):
+        return frozenset({"weight"})
+    return frozenset()
+
+
 def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
                   ctx: StrategyContext) -> list[Strategy]:
     """The ZeRO variants of ``base``: every set of parameters whose gradient ``base``
@@ -513,25 +533,41 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
         1      n(w+g) + s·o          ReduceScatter grads, AllGather new weights     step
         2      n·w + s(g+o)          ReduceScatter grads                        micro-batch
                                      AllGather new weights                          step
-        3      s(w+g+o)              AllGather weights (forward), again (backward),
-                                     ReduceScatter grads                        micro-batch
+        3      s(w+g+o)              AllGather weights (forward),               micro-batch
+                                     again (backward) if the input's gradient
+                                     reads them, ReduceScatter grads
+
+    ZeRO-3's backward gather is FSDP's re-unshard, needed only where the backward reads
+    the weights: for the input's gradient (:func:`input_grad_roles`: a matmul's
+    ``dY·Wᵀ``, a norm's γ), not for the weight's own gradient. So a bucket holding no such
+    role (an embedding's tables, a bias alone) has none, and a bucket that does lists it in
+    ``input_backward``, which the problem adds only where autograd reaches the op's input
+    (not for the first layer reading the data). A recomputed ZeRO-3 op gathers twice per
+    micro-batch, forward and recompute: its backward reuses the recomputation's buffer
+    (:func:`formulations.sbp_problem.recomputed`).
 
     ReduceScatter moves gradients in the master dtype (fp32 under mixed precision), the
     AllGathers move weights in the compute dtype (each device updates its shard of the
     fp32 master and casts it). ``transient_bytes`` is what a level holds only while the op
-    runs: the op's full gradient before it is scattered (2, 3) and its gathered weights (3).
-    No variant without a gradient reduction: nothing is replicated there to shard."""
+    runs: the op's full gradient before it is scattered (2, 3) and, at 3, its gathered
+    weights — in the forward all of them, in the backward the full gradient and the
+    weights gathered again (the larger of the two; an op whose input is not reached
+    gathers nothing in the backward, which this per-strategy figure, not knowing, still
+    counts). No variant without a gradient reduction: nothing is replicated there to
+    shard."""
     syncs = grad_sync(op, base.label, base.inputs, base.weight, base.output, ctx)
     if not syncs:
         return []
     w, g, o = ctx.memory.weight_bytes, ctx.memory.grad_bytes, ctx.memory.optimizer_bytes
     w_item = (op.weight or op.output).itemsize
     kept = tuple(c for c in base.collectives if c.purpose != "grad_sync")
+    reads = input_grad_roles(op)
     out = []
     for z in levels:
         state = base.state_bytes
         colls: list[Collective] = []
-        transient = 0.0
+        again: list[Collective] = []  # ZeRO-3's backward gathers, if the input is reached
+        gathered = grads = regathered = 0.0
         for sb in syncs:
             n = sb.numel
             p = sb.collective.group_size
@@ -539,18 +575,25 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
             grad_item = sb.collective.bytes / n
             state -= n * (w + g + o)
             state += {1: n * (w + g) + s * o, 2: n * w + s * (g + o), 3: s * (w + g + o)}[z]
-            transient += {1: 0.0, 2: n * g, 3: n * (w + g)}[z]
+            grads += n * g if z > 1 else 0.0
             rs = coll(CollectiveKind.REDUCE_SCATTER, sb.fact, sb.axes, s * p * grad_item, ctx,
                       "backward", "shard_grad_sync" if z == 1 else "shard_grad")
             ag = functools.partial(coll, CollectiveKind.ALL_GATHER, sb.fact, sb.axes,
                                    s * p * w_item, ctx)
             if z == 3:
-                colls += [ag("forward", "fsdp_gather"), ag("backward", "fsdp_gather"), rs]
+                colls += [ag("forward", "fsdp_gather"), rs]
+                gathered += n * w
+                if reads.intersection(sb.roles):
+                    again.append(ag("backward", "fsdp_gather"))
+                    regathered += n * w
             else:
                 colls += [rs, ag("step", "weight_allgather")]
+        transient = max(gathered, grads + regathered)
         out.append(dataclasses.replace(base, label=f"{base.label}+zero{z}",
                                        collectives=kept + tuple(colls), state_bytes=state,
-                                       zero=z, transient_bytes=transient))
+                                       input_backward=base.input_backward + tuple(again),
+                                       zero=z, transient_bytes=transient,
+                                       gathered_bytes=gathered, regathered_bytes=regathered))
     return out
 
 

@@ -42,8 +42,10 @@ kept as flat buffers sharded over the bucket's group; the optimizer updates each
 fp32 shard. ZeRO-1 reduce-scatters the accumulated flat gradient once, after the step's
 last backward, ZeRO-2 after every micro-batch's backward; both all-gather the updated
 shards into the full blocks after the update. ZeRO-3 keeps only the shard, all-gathers it
-in the op's forward, keeps no gathered block for the backward (which gathers again) and
-reduce-scatters the gradient there. Compile checks that these are the collectives the
+in the op's forward, keeps no gathered block for the backward (which gathers again only
+where it reads the weights: for the input's gradient, when autograd reaches the input; a
+recomputed op's backward reads its recomputation's gather instead) and reduce-scatters
+the gradient there. Compile checks that these are the collectives the
 plan lists for the layer. A sharded tied weight is refused (its exchange needs the full
 gradient).
 
@@ -97,7 +99,14 @@ from runtime.ops import OPS, StageContext
 from runtime.optim import Optimizer, OptimizerSpec
 from runtime.plans import device_regions
 from runtime.recorder import CommEvent, Recorder, replaying, tagged, timed
-from runtime.zero import ZERO_PURPOSES, ZeroBucket, gather, planned_collectives, released
+from runtime.zero import (
+    ZERO_PURPOSES,
+    ZeroBucket,
+    backward_reads,
+    gather,
+    planned_collectives,
+    released,
+)
 
 
 @dataclass(frozen=True)
@@ -300,13 +309,20 @@ class Executor:
                                     f"strategy {lp.strategy!r} reduces no weight gradient")
         item = torch.empty((), dtype=self.compute_dtype).element_size()
         issued = sorted(c for b in syncs
-                        for c in planned_collectives(b, lp.zero, item, lp.recompute))
+                        for c in planned_collectives(b, lp.zero, item, lp.recompute,
+                                                     self._backward_reads(op, b)))
         listed = sorted((c.kind.value, c.purpose, c.phase, c.bytes, c.group_size)
                         for c in lp.collectives if c.purpose in ZERO_PURPOSES)
         if issued != listed:
             raise RuntimeSetupError(
                 f"layer {lp.name!r} (zero{lp.zero}): the plan lists state-sharding collectives "
                 f"{listed} but its gradient buckets give {issued}; re-solve the config")
+
+    def _backward_reads(self, op, sync: SyncBucket) -> bool:
+        """ZeRO-3: whether ``op``'s backward reads the bucket's weights
+        (:func:`runtime.zero.backward_reads`): autograd reaches its input unless that is
+        the model's data, as the planner's ``input_reached``."""
+        return backward_reads(op, sync.roles, self.graph[op.inputs[0]].kind is not OpKind.INPUT)
 
     def _segments(self, stage) -> list[tuple[bool, tuple[str, ...]]]:
         """The stage's layers in order, cut into runs: each maximal run of consecutive
@@ -364,6 +380,8 @@ class Executor:
                                 self.compute_dtype)
                 zb.init(blocks, self.registry.axes_group(s.devices, sync.fact, sync.axes),
                         self.device)
+                zb.backward_reads = self._backward_reads(op, sync)
+                zb.recomputed = lp.recompute
                 self.zero_buckets.append(zb)
                 self.zero_of.setdefault(name, []).append(zb)
                 if lp.zero == 3:
@@ -534,7 +552,8 @@ class Executor:
         """One op on micro-batch ``mb``: its inputs through their lowered edge programs
         (``have`` gives the producer's value), then its kernel. A ZeRO-3 op gathers its
         sharded parameters first and runs under :class:`runtime.zero.released`, so the
-        gathered blocks are not kept for the backward."""
+        gathered blocks are not kept for the backward (a recomputed op's recomputation
+        keeps its own gather for the backward, through the checkpoint)."""
         g, comm = self.graph, self.ctx.comm
         op, lp = g[name], self.layers[name]
         xs = []

@@ -7,8 +7,8 @@ prices), the whole padded to a multiple of the group size ``p`` (FSDP's flat par
 cut into ``p`` shards of ``s = ⌈n/p⌉`` elements; this rank keeps shard ``i`` (its index in the
 bucket's group, the order ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` use) as the
 fp32 master the optimizer updates. Nothing here chooses a group or a size: both come from the
-bucket the planner priced, and :meth:`ZeroBucket.planned` restates them as the collectives the
-plan lists, which the executor checks against ``LayerPlan.collectives`` before running.
+bucket the planner priced, and :func:`planned_collectives` restates them as the collectives
+the plan lists, which the executor checks against ``LayerPlan.collectives`` before running.
 
 ============  =====================================================================
 level         per micro-batch / per step (what the executor issues)
@@ -22,9 +22,28 @@ level         per micro-batch / per step (what the executor issues)
               backward (``shard_grad``) and accumulates in the shard
 3             only the shard kept: :func:`gather` all-gathers it (compute dtype,
               ``fsdp_gather``) in the op's forward; the gathered blocks are not kept for
-              the backward (:class:`released`), which all-gathers them again; the flat
-              gradient is reduce-scattered into the shard's gradient (``shard_grad``)
+              the backward (:class:`released`); the flat gradient is reduce-scattered
+              into the shard's gradient (``shard_grad``). The backward gathers again
+              only where it reads the weights (``ZeroBucket.backward_reads``)
 ============  =====================================================================
+
+ZeRO-3's backward, per bucket, as the plan prices it (:func:`planned_collectives`):
+
+* the op's backward reads the weights — they are in
+  :func:`~ilp_planner.strategies.input_grad_roles` (a linear's ``dX = dY·Wᵀ``, a norm's γ)
+  and autograd reaches the op's input: each saved view of the gathered buffer becomes a
+  token that gathers the buffer again (:class:`_Regather`, once, phase ``backward``) when
+  the backward unpacks it;
+* it does not (an embedding's tables, a bias alone, the first layer reading the data):
+  nothing is gathered. Autograd may still save views of the buffer (a layer norm or a
+  convolution saves its weight whatever the input needs) but reads only their shape when
+  the input needs no gradient; they are kept as :class:`_Unread` tokens that unpack to a
+  NaN-valued stand-in of the same shape — were a value read, the gradient would be NaN and
+  the reference check would fail, not silently differ;
+* a recomputed op (FSDP with checkpointing, ``ZeroBucket.recomputed``) that reads the
+  weights: the views go to the checkpoint's own hooks, which drop them in the forward and
+  keep the recomputation's, so the backward reads the buffer the recomputation gathered
+  (phase ``recompute``) — two gathers per micro-batch, forward and recompute, not three.
 
 Gradients are reduce-scattered in fp32 (the master dtype) and weights all-gathered in the
 compute dtype, as priced; the optimizer update is elementwise, so the shard's update is
@@ -41,8 +60,9 @@ import torch
 import torch.distributed as dist
 
 from ilp_planner.cost_model import CollectiveKind
+from ilp_planner.graph import Op
 from ilp_planner.layouts import Layout
-from ilp_planner.strategies import SyncBucket
+from ilp_planner.strategies import SyncBucket, input_grad_roles
 from runtime.recorder import Recorder, tagged, timed
 
 ZERO_PURPOSES = frozenset({"shard_grad_sync", "shard_grad", "weight_allgather", "fsdp_gather"})
@@ -65,6 +85,10 @@ class ZeroBucket:
     grad_shard: torch.Tensor | None = None  # levels 1, 2: the shard's accumulated gradient
     full_grad: torch.Tensor | None = None  # levels 1, 2: flat fp32 gradient of the full blocks
     offsets: dict[str, int] = field(default_factory=dict)
+    # level 3: the op's backward reads these weights (for its input's gradient), so they are
+    # gathered again there, or kept from the recomputation's gather when ``recomputed``
+    backward_reads: bool = True
+    recomputed: bool = False
 
     def __post_init__(self) -> None:
         off = 0
@@ -147,13 +171,24 @@ class ZeroBucket:
         return {r: v.clone() for r, v in self.views(flat).items()}
 
 
+def backward_reads(op: Op, roles: tuple[str, ...], input_reached: bool) -> bool:
+    """Whether a ZeRO-3 op's backward reads the weights of a bucket holding ``roles``: some
+    role is read for the input's gradient
+    (:func:`~ilp_planner.strategies.input_grad_roles`) and autograd reaches the input —
+    exactly when the planner lists the bucket's backward gather (``input_backward``)."""
+    return input_reached and bool(input_grad_roles(op).intersection(roles))
+
+
 def planned_collectives(sync: SyncBucket, level: int, weight_itemsize: int,
-                        recompute: bool = False) -> list[tuple[str, str, str, float, int]]:
+                        recompute: bool = False, reads: bool = True,
+                        ) -> list[tuple[str, str, str, float, int]]:
     """The collectives one sharded bucket issues per its level, as a plan lists them —
     (kind, purpose, phase, bytes, group size), :func:`ilp_planner.strategies.state_sharded`'s
     table restated with the runtime's own sizes: gradients reduce-scattered in the master
     dtype of the bucket, weights gathered with ``weight_itemsize`` (the compute dtype the
-    runtime gathers in). A recomputed layer's forward gather runs again (``recompute``)."""
+    runtime gathers in). At level 3 the backward gathers again where it reads the weights
+    (``reads``, :func:`backward_reads`); a recomputed layer's forward gather runs again
+    (``recompute``) and its buffer serves the backward, which then gathers nothing."""
     p = sync.collective.group_size
     padded = -(-sync.numel // p) * p
     grad_item = sync.collective.bytes / sync.numel
@@ -161,15 +196,16 @@ def planned_collectives(sync: SyncBucket, level: int, weight_itemsize: int,
           "backward", padded * grad_item, p)
     ag = padded * weight_itemsize
     if level == 3:
-        out = [("all_gather", "fsdp_gather", "forward", ag, p),
-               ("all_gather", "fsdp_gather", "backward", ag, p), rs]
+        out = [("all_gather", "fsdp_gather", "forward", ag, p), rs]
         if recompute:
             out.append(("all_gather", "fsdp_gather", "recompute", ag, p))
+        elif reads:
+            out.append(("all_gather", "fsdp_gather", "backward", ag, p))
         return out
     return [rs, ("all_gather", "weight_allgather", "step", ag, p)]
 
 
-# -- ZeRO-3: gather in forward, free, gather again in backward -------------------------------
+# -- ZeRO-3: gather in forward, free, gather again in backward where it is read ---------------
 
 
 class _Regather:
@@ -196,7 +232,7 @@ class _Gather(torch.autograd.Function):
     gathered buffer lives only as long as the forward holds it (see :class:`released`)."""
 
     @staticmethod
-    def forward(ctx, master: torch.Tensor, bucket: ZeroBucket, regather: _Regather,
+    def forward(ctx, master: torch.Tensor, bucket: ZeroBucket, regather: _Regather | None,
                 recorder) -> torch.Tensor:
         ctx.bucket, ctx.regather, ctx.recorder = bucket, regather, recorder
         return bucket.all_gather(master.detach().to(bucket.compute_dtype), "forward",
@@ -204,11 +240,10 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        # FSDP unshards in every backward, as the plan prices; when no saved tensor of the
-        # op needed the weights (an embedding lookup, a linear on the data input) the
-        # gather still runs here, before the gradient is scattered
-        ctx.regather.get()
-        ctx.regather.full = None
+        # the op's backward is done (its gradient flows into this one): the buffer it
+        # gathered again, if it read the weights, may go
+        if ctx.regather is not None:
+            ctx.regather.full = None
         return ctx.bucket.reduce_scatter(g, "shard_grad", ctx.recorder), None, None, None
 
 
@@ -221,28 +256,51 @@ class _Token:
 
 
 @dataclass
+class _Unread:
+    """A saved view of a gathered buffer the backward reads only the shape of."""
+
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def stand_in(self) -> torch.Tensor:
+        # one NaN broadcast to the shape: no memory, and any value read poisons the gradient
+        return torch.full((), math.nan, dtype=self.dtype, device=self.device).expand(self.size)
+
+
+@dataclass
 class _Outer:
     packed: object
     unpack: Callable
 
 
+_TO_CHECKPOINT = object()  # a recomputed op's buffer: the checkpoint keeps the recomputation's
+
+
 class released(torch.autograd.graph.saved_tensors_hooks):
     """While active, tensors autograd saves that live in a gathered ZeRO-3 buffer are not
-    kept: each becomes a token that, when the backward unpacks it, re-gathers the buffer
-    (:class:`_Regather`, once per forward) and takes the same view of it. Every other saved
-    tensor goes to the hooks active outside (activation checkpointing's, which drop and
-    recompute) or is kept as usual. Hooks nest by replacement in PyTorch, so the outer pair
-    is read once on entry and called from here."""
+    kept. Per buffer (see the module docstring): a token that re-gathers it (once per
+    forward, :class:`_Regather`) and takes the same view when the backward unpacks it; an
+    :class:`_Unread` stand-in where the backward does not read the weights; or, for a
+    recomputed op whose backward reads them, the checkpoint's hooks (outside), which drop
+    the forward's and hand the backward the recomputation's. Every other saved tensor goes
+    to the hooks active outside (activation checkpointing's, which drop and recompute) or
+    is kept as usual. Hooks nest by replacement in PyTorch, so the outer pair is read once
+    on entry and called from here."""
 
-    def __init__(self, gathered: list[tuple[torch.Tensor, _Regather]]):
-        self.by_storage = {t.untyped_storage().data_ptr(): (t, rg) for t, rg in gathered}
+    def __init__(self, gathered: list[tuple[torch.Tensor, object]]):
+        self.by_storage = {t.untyped_storage().data_ptr(): (t, how) for t, how in gathered}
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
         def pack(x: torch.Tensor):
             hit = self.by_storage.get(x.untyped_storage().data_ptr()) if x.layout == torch.strided \
                 else None
             if hit is not None and x.device == hit[0].device:
-                return _Token(hit[1], tuple(x.shape), tuple(x.stride()), x.storage_offset())
+                how = hit[1]
+                if isinstance(how, _Regather):
+                    return _Token(how, tuple(x.shape), tuple(x.stride()), x.storage_offset())
+                if how is None:
+                    return _Unread(tuple(x.shape), x.dtype, x.device)
             if outer is None:
                 return x
             return _Outer(outer[0](x), outer[1])
@@ -251,6 +309,8 @@ class released(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(packed, _Token):
                 full = packed.regather.get()
                 return full.as_strided(packed.size, packed.stride, packed.offset)
+            if isinstance(packed, _Unread):
+                return packed.stand_in()
             if isinstance(packed, _Outer):
                 return packed.unpack(packed.packed)
             return packed
@@ -263,13 +323,18 @@ class released(torch.autograd.graph.saved_tensors_hooks):
 
 
 def gather(bucket: ZeroBucket, recorder: Recorder | None) -> tuple[dict[str, torch.Tensor],
-                                                                  tuple[torch.Tensor, _Regather]]:
+                                                                  tuple[torch.Tensor, object]]:
     """ZeRO-3 forward: the bucket's roles as views of the all-gathered flat buffer (autograd
-    flows to the shard through :class:`_Gather`), and the (buffer, re-gatherer) pair to
-    hand to :class:`released` around the op."""
-    regather = _Regather(bucket, recorder)
-    full = _Gather.apply(bucket.master, bucket, regather, recorder)
-    return bucket.views(full), (full, regather)
+    flows to the shard through :class:`_Gather`), and the (buffer, how its saved views are
+    kept) pair to hand to :class:`released` around the op: a :class:`_Regather` where the
+    backward reads the weights and gathers them again, the checkpoint's hooks where a
+    recomputed op's backward reads them, ``None`` (:class:`_Unread`) where it does not."""
+    how: object = None
+    if bucket.backward_reads:
+        how = _TO_CHECKPOINT if bucket.recomputed else _Regather(bucket, recorder)
+    full = _Gather.apply(bucket.master, bucket, how if isinstance(how, _Regather) else None,
+                         recorder)
+    return bucket.views(full), (full, how)
 
 
 def local_shapes(layouts: dict[str, tuple[Layout, Layout]], shapes: dict[str, tuple[int, ...]],

@@ -1,10 +1,13 @@
 """State sharding (ZeRO-1/2/3) and activation recomputation executed as planned.
 
 In-process (fast): the ZeRO-3 gather keeps no gathered weight alive between forward and
-backward and gathers again exactly once in the backward — inside a checkpointed block
-too, where the recomputation gathers once more (the plan's ``recompute`` phase); plans the
-runtime cannot execute as priced (a sharded tied weight, a listing that is not what the
-buckets give) are refused before any process group exists.
+backward and gathers again exactly once in the backward where the backward reads the
+weights (a linear whose input needs a gradient); an op reading the data (linear, layer
+norm, convolution) gathers nothing for its backward; inside a checkpointed block the
+recomputation gathers once more (the plan's ``recompute`` phase) and the backward reads
+that buffer — two gathers, not three; plans the runtime cannot execute as priced (a
+sharded tied weight, a listing that is not what the buckets give) are refused before any
+process group exists.
 
 Multi-process (slow, gloo, real ``torchrun`` processes): each ZeRO level forced on every
 shardable op of the tiny MLP (4 ranks, 2 micro-batches; ZeRO-2 and 3 also on two
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import socket
 import sys
 import weakref
@@ -39,6 +43,7 @@ from ilp_planner.config import load_config, parse_config
 from ilp_planner.graph import OpKind
 from ilp_planner.plan import Plan
 from ilp_planner.planner import solve
+from runtime import model
 from runtime.errors import RuntimeSetupError
 from runtime.executor import Executor, RunOptions
 from runtime.plans import pipelined_plan, sharded_plan, three_d_filter
@@ -131,25 +136,88 @@ def test_zero3_frees_the_gathered_weight_and_gathers_again_once(one_rank) -> Non
     assert torch.allclose(x.grad, x0.grad)
 
 
-def test_zero3_inside_a_checkpoint_gathers_forward_recompute_backward(one_rank) -> None:
-    """Recomputation replays the forward gather (recorded as ``recompute``); the backward
-    still gathers once, as the plan lists for a recomputed ZeRO-3 op; values unchanged."""
+def test_zero3_inside_a_checkpoint_gathers_forward_and_recompute_only(one_rank) -> None:
+    """FSDP with checkpointing: recomputation replays the forward gather (recorded as
+    ``recompute``) and the backward reads that buffer, through the checkpoint's own hooks
+    — two gathers per micro-batch, as the plan lists for a recomputed ZeRO-3 op; no
+    gathered buffer outlives the backward; values unchanged."""
     zb, w = _bucket(one_rank)
+    zb.recomputed = True
     rec = Recorder(4)
     x = torch.randn(4, 8, requires_grad=True)
     alive: list = []
     with rec:
         y = checkpoint(lambda t: _zero3_linear(zb, t, rec, alive) * 2.0, x, use_reentrant=False,
                        early_stop=False, context_fn=lambda: (contextlib.nullcontext(), replaying()))
+        assert alive[0]() is None  # the checkpoint dropped the forward's buffer
         y.sum().backward()
-    phases = [e.phase for e in rec.take() if e.purpose == "fsdp_gather"]
-    assert sorted(phases) == ["backward", "forward", "recompute"]
-    assert all(a() is None for a in alive)
+    phases = [(e.purpose, e.phase) for e in rec.take()]
+    assert phases == [("fsdp_gather", "forward"), ("fsdp_gather", "recompute"),
+                      ("shard_grad", "backward")]
+    assert len(alive) == 2 and all(a() is None for a in alive)
     w0 = w.clone().requires_grad_(True)
     x0 = x.detach().clone().requires_grad_(True)
     (torch.tanh(x0 @ w0) * 2.0).sum().backward()
     assert torch.allclose(zb.master.grad, w0.grad.reshape(-1))
     assert torch.allclose(x.grad, x0.grad)
+
+
+def _flat(group, shapes: dict[str, tuple[int, ...]]) -> tuple[ZeroBucket, dict[str, torch.Tensor]]:
+    """A level-3 bucket of ``shapes`` (roles in order) over the one-process group, its
+    backward not reading the weights (the op reads the data: no input gradient)."""
+    zb0, _ = _bucket(group)
+    numel = sum(math.prod(v) for v in shapes.values())
+    sync = dataclasses.replace(zb0.sync, roles=tuple(shapes), numel=numel)
+    zb = ZeroBucket("op", 0, 3, sync, dict(shapes), {r: math.prod(v) for r, v in shapes.items()},
+                    torch.float32, backward_reads=False)
+    blocks = {r: torch.randn(v) for r, v in shapes.items()}
+    zb.init(blocks, group, torch.device("cpu"))
+    return zb, blocks
+
+
+@pytest.mark.parametrize("kind", ["linear", "layernorm", "conv2d"])
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_zero3_on_the_data_gathers_nothing_for_the_backward(one_rank, kind, recomputed) -> None:
+    """An op reading the data computes no input gradient, so its backward does not read the
+    weights: no backward gather (a recomputed one gathers in the recomputation only). A
+    linear saves no weight then; a layer norm and a convolution save theirs all the same
+    but read only the shape — they get NaN stand-ins, and the weight gradients still equal
+    plain autograd's exactly (a value read would make them NaN)."""
+    shapes = {"linear": {"weight": (8, 6), "bias": (6,)},
+              "layernorm": {"weight": (6,), "bias": (6,)},
+              "conv2d": {"weight": (4, 3, 3, 3), "bias": (4,)}}[kind]
+    fn = {"linear": lambda x, p: x @ p["weight"] + p["bias"],
+          "layernorm": lambda x, p: model.layer_norm(x, p["weight"], p["bias"]),
+          "conv2d": lambda x, p: model.conv2d(x, p["weight"], p["bias"])}[kind]
+    x = torch.randn(2, 3, 5, 5) if kind == "conv2d" else torch.randn(4, 8 if kind == "linear" else 6)
+    zb, blocks = _flat(one_rank, shapes)
+    zb.recomputed = recomputed
+    rec = Recorder(4)
+    alive: list = []
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        views, pair = gather(zb, rec)
+        alive.append(weakref.ref(pair[0]))
+        with released([pair]):
+            return torch.tanh(fn(t, views))
+
+    with rec:
+        if recomputed:
+            y = checkpoint(op, x, use_reentrant=False, early_stop=False,
+                           context_fn=lambda: (contextlib.nullcontext(), replaying()))
+        else:
+            y = op(x)
+        assert alive[0]() is None
+        (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    phases = [(e.purpose, e.phase) for e in rec.take()]
+    assert phases == [("fsdp_gather", "forward")] + [("fsdp_gather", "recompute")] * recomputed \
+        + [("shard_grad", "backward")]
+    ref = {r: b.clone().requires_grad_(True) for r, b in blocks.items()}
+    y0 = torch.tanh(fn(x, ref))
+    (y0 * torch.linspace(-1, 1, y0.numel()).reshape(y0.shape)).sum().backward()
+    want = torch.cat([ref[r].grad.reshape(-1) for r in shapes])
+    assert torch.isfinite(zb.master.grad).all()
+    assert torch.allclose(zb.master.grad, want, atol=1e-6)
 
 
 # -- in-process: what cannot run as priced is refused ---------------------------------------------

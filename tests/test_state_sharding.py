@@ -19,7 +19,7 @@ from ilp_planner.cluster import Cluster, Link
 from ilp_planner.config import load_config
 from ilp_planner.cost_model import CollectiveKind, MemorySpec
 from ilp_planner.errors import ConfigError, InfeasibleError
-from ilp_planner.graph import Graph, OpKind
+from ilp_planner.graph import Graph, OpKind, TensorSpec
 from ilp_planner.models import _Builder
 from ilp_planner.plan import Plan
 from ilp_planner.planner import realise, solve, solve_mesh
@@ -61,8 +61,11 @@ def test_zero_variants_closed_form():
     assert kinds(2) == sorted([("reduce_scatter", "backward", "shard_grad", n * 4),
                                ("all_gather", "step", "weight_allgather", n * 4)])
     assert kinds(3) == sorted([("all_gather", "forward", "fsdp_gather", n * 4),
-                               ("all_gather", "backward", "fsdp_gather", n * 4),
                                ("reduce_scatter", "backward", "shard_grad", n * 4)])
+    # the backward gather reads W for dX = dY·Wᵀ: listed only where the input is reached
+    assert [(c.kind.value, c.phase, c.purpose, c.bytes) for c in by_level[3].input_backward] \
+        == [("all_gather", "backward", "fsdp_gather", n * 4)]
+    assert all(not by_level[z].input_backward for z in (0, 1, 2))
     # ring cost: ReduceScatter + AllGather moves what one AllReduce moves
     rs_ag = sum(c.seconds for c in by_level[1].collectives if c.purpose != "activation")
     assert math.isclose(rs_ag, ar[0].seconds)
@@ -181,6 +184,102 @@ def test_recomputation_prices_the_forward_again():
         fwd = [c for c in base.collectives if c.phase == "forward" and c.purpose == "activation"]
         assert [c.with_phase("forward") for c in ly.collectives if c.phase == "recompute"] == fwd
         assert ly.memory_bytes < base.memory_bytes or base.memory_bytes == 0
+
+
+def _gathers(opt) -> list[tuple[str, float]]:
+    """(phase, bytes) of every ZeRO-3 gather an option lists, per micro-batch."""
+    return sorted((c.phase, c.bytes) for cs in opt.collectives for c in cs
+                  if c.purpose == "fsdp_gather")
+
+
+def _embedded() -> Graph:
+    """tokens → untied embedding → layernorm → linear → loss: a table never read backwards,
+    and a norm and a linear whose inputs autograd reaches."""
+    b = _Builder("float32")
+    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((16,), "int64"))
+    x = b.add("embed", OpKind.EMBEDDING, [ids], b.t(16, 32), weight=b.t(64, 32),
+              params=64 * 32 + 8 * 32, flops=16.0 * 32, vocab=64, seq_len=8)
+    x = b.layernorm("ln", x, 16, 32)
+    x = b.linear("fc", x, 16, 32, 64, False)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=3.0 * 16 * 64)
+    return Graph("embedded", b.ops)
+
+
+def test_zero3_gathers_for_the_backward_only_where_it_reads_the_weights():
+    """Data parallel over 2 (every weight whole on each device), ZeRO-3: the embedding
+    (its input is token ids, its table only indexed) and the first linear (reading the
+    data: no dX) gather once per micro-batch; a linear or a norm whose input autograd
+    reaches gathers again in the backward (dX = dY·Wᵀ, γ), the same bytes. The transient
+    is the larger of the forward's gathered weights and the backward's full gradient plus
+    the weights gathered for dX — counted per strategy, which does not know whether the
+    input is the data (the first linear's is an over-estimate by n·min(w, g))."""
+    w, g = ADAM.weight_bytes, ADAM.grad_bytes
+
+    def dp3(gp, node):
+        return next(o for o in gp.options[node] if o.base.zero == 3)  # over both devices
+
+    gp = build_problem(_two_blocks(), CLUSTER, 1, 2, ADAM, tie_layers=False, zero_levels=(0, 3))
+    for node, n, again in (("blk.0.fc1", 32 * 64, False), ("blk.0.fc2", 64 * 32, True),
+                           ("blk.1.fc1", 32 * 64, True)):
+        o = dp3(gp, node)
+        assert _gathers(o) == sorted([("forward", n * 4)] + [("backward", n * 4)] * again), node
+        assert o.transient_bytes == n * (w + g), node
+    gp = build_problem(_embedded(), CLUSTER, 1, 2, ADAM, zero_levels=(0, 3))
+    n_table = 64 * 32 + 8 * 32  # the table and the positions: one bucket
+    assert _gathers(dp3(gp, "embed")) == [("forward", n_table * 4)]
+    assert dp3(gp, "embed").transient_bytes == n_table * max(w, g)
+    assert _gathers(dp3(gp, "ln")) == [("backward", 2 * 32 * 4), ("forward", 2 * 32 * 4)]
+    assert _gathers(dp3(gp, "fc")) == [("backward", 32 * 64 * 4), ("forward", 32 * 64 * 4)]
+
+
+def test_recomputed_zero3_gathers_twice_per_microbatch():
+    """FSDP with checkpointing: a recomputed ZeRO-3 linear gathers in the forward and in
+    the recomputation, whose buffer its backward reads — no third gather. Per step it
+    costs the plain ZeRO-3 option, plus a third of its compute and the recompute gather,
+    less the backward gather, per micro-batch; the reused buffer is held like the
+    re-materialised activations (until the op's backward) and leaves the transient."""
+    m = 3
+    units = frozenset({("blk", 1)})
+    plain = build_problem(_two_blocks(), CLUSTER, 1, 2, ADAM, tie_layers=False,
+                          zero_levels=(0, 3), microbatches=m)
+    again = build_problem(_two_blocks(), CLUSTER, 1, 2, ADAM, tie_layers=False,
+                          zero_levels=(0, 3), microbatches=m, recompute=units)
+    assert "blk.1.fc1" in again.recomputed and "blk.1.fc2" not in again.recomputed
+    n = 32 * 64
+    w, g = ADAM.weight_bytes, ADAM.grad_bytes
+    seen = 0
+    for k, (o, r) in enumerate(zip(plain.options["blk.1.fc1"], again.options["blk.1.fc1"],
+                                   strict=True)):
+        assert r.recompute and r.base == o.base
+        if o.base.zero != 3:
+            assert not _gathers(r)
+            continue
+        fwd = [c for cs in o.collectives for c in cs
+               if c.purpose == "fsdp_gather" and c.phase == "forward"]
+        bwd = [c for cs in o.collectives for c in cs
+               if c.purpose == "fsdp_gather" and c.phase == "backward"]
+        assert len(fwd) == len(bwd) == 1, k
+        assert _gathers(r) == [("forward", fwd[0].bytes), ("recompute", fwd[0].bytes)], k
+        rc = [c for cs in r.collectives for c in cs if c.phase == "recompute"]
+        assert r.cost_s == pytest.approx(o.cost_s + m * (sum(o.compute_s) / 3
+                                                          + sum(c.seconds for c in rc)
+                                                          - bwd[0].seconds))
+        # on 2 devices only data parallel reduces the weight's gradient: it is whole
+        assert o.base.regathered_bytes == n * w
+        assert r.recompute_bytes == o.activation_bytes + n * w
+        assert r.transient_bytes == n * max(w, g) < o.transient_bytes
+        seen += 1
+    assert seen
+    # the exact peak charges the kept buffer once, with the block's activations
+    choice = [next(k for k, opt in enumerate(again.options[grp[0]]) if opt.base.zero == 3)
+              if any(opt.base.zero == 3 for opt in again.options[grp[0]]) else 0
+              for grp in again.groups]
+    chosen = again.node_choice(choice)
+    held = sum(o.state_bytes + (0.0 if o.recompute else o.activation_bytes)
+               for o in chosen.values())
+    assert peak_memory(again, choice) == pytest.approx(
+        held + sum(o.recompute_bytes for o in chosen.values() if o.recompute)
+        + max(o.transient_bytes for o in chosen.values()))
 
 
 def test_plan_records_and_round_trips_the_decisions():
