@@ -289,6 +289,12 @@ def _train(plans: dict[str, Plan], n: int, tmp: Path,
     return out
 
 
+def _gather_phases(plan: Plan) -> dict[str, list[str]]:
+    """Per ZeRO-3 layer, the phases of the ``fsdp_gather`` collectives its plan lists."""
+    return {lp.name: sorted(c.phase for c in lp.collectives if c.purpose == "fsdp_gather")
+            for lp in plan.layers if lp.zero == 3}
+
+
 SOLVED_FOUR = {**FOUR, "cluster.memory_gib": 0.0007}
 """The shipped config on one node of 4 (its own 2 × 4 solve takes over a minute here), the
 budget scaled so that the planner still shards state (ZeRO-3 among it) and recomputes."""
@@ -311,6 +317,14 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
         levels = {lp.zero for lp in plan.layers if lp.kind == "linear"}
         assert levels == {0 if "zero" not in name else int(name.split("zero")[1][0])}, name
         assert any(lp.recompute for lp in plan.layers) == ("recompute" in name)
+    # the audit's equality then proves the runtime gathers as little: fc1 reads the data
+    # (once per micro-batch), fc2 and fc3 read W for dX (twice); a recomputed op gathers
+    # in the forward and the recomputation, whose buffer its backward reads (twice)
+    assert _gather_phases(plans["mlp4-zero3"]) == {
+        "fc1": ["forward"], "fc2": ["backward", "forward"], "fc3": ["backward", "forward"]}
+    rc = _gather_phases(plans["utf4-zero3-recompute"])
+    again = [lp.name for lp in plans["utf4-zero3-recompute"].layers if lp.recompute and lp.zero]
+    assert again and all(rc[n] == ["forward", "recompute"] for n in again)
     solved = solve(load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(SOLVED_FOUR),
                    baselines=False)
     assert 3 in {lp.zero for lp in solved.layers} and any(lp.recompute for lp in solved.layers)
