@@ -73,7 +73,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from ilp_planner.grad_buckets import GradBucket, fill_buckets
-from ilp_planner.graph import OpKind, TensorSpec
+from ilp_planner.graph import Op, OpKind, TensorSpec
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import LayerPlan, Plan
 from ilp_planner.plan_check import CheckedPlan, Entry, Task, check_plan
@@ -318,7 +318,7 @@ class Executor:
                 f"layer {lp.name!r} (zero{lp.zero}): the plan lists state-sharding collectives "
                 f"{listed} but its gradient buckets give {issued}; re-solve the config")
 
-    def _backward_reads(self, op, sync: SyncBucket) -> bool:
+    def _backward_reads(self, op: Op, sync: SyncBucket) -> bool:
         """ZeRO-3: whether ``op``'s backward reads the bucket's weights
         (:func:`runtime.zero.backward_reads`): autograd reaches its input unless that is
         the model's data, as the planner's ``input_reached``."""
