@@ -476,8 +476,11 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     cost = [np.zeros(len(options[g[0]])) for g in groups]
     mem = [np.zeros(len(options[g[0]])) for g in groups]
     for node, g in group_of.items():
-        cost[g] += facts(options[node]).cost
-        mem[g] += facts(options[node]).memory
+        f = facts(options[node])
+        cost[g] += f.cost
+        mem[g] += f.memory
+        if boundary.inflight > 1:  # every micro-batch in flight holds its activations
+            mem[g] += (boundary.inflight - 1) * f.held
 
     _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
                            microbatches, {} if cache is None else cache.programs)
@@ -548,13 +551,13 @@ def recomputed_nodes(graph: Graph, members: dict[str, list[str]],
 
 
 def peak_memory(gp: GraphProblem, choice) -> float:
-    """The exact per-device peak of a choice (one micro-batch's activations): states and
-    held activations, plus the largest block's re-materialised activations (recomputed
-    blocks run their backward one at a time) and the largest op's transient (state
-    sharding's gathered weights and unscattered gradients)."""
+    """The exact per-device peak of a choice: states and held activations (of
+    ``boundary.inflight`` micro-batches), plus the largest block's re-materialised
+    activations (recomputed blocks run their backward one at a time) and the largest op's
+    transient (state sharding's gathered weights and unscattered gradients)."""
     chosen = gp.node_choice(choice)
-    held = sum(o.state_bytes + (0.0 if o.recompute else o.activation_bytes)
-               for o in chosen.values())
+    held = sum(o.state_bytes for o in chosen.values()) + gp.boundary.inflight * held_activations(
+        gp, choice)
     block: dict[tuple, float] = {}
     for node, o in chosen.items():
         if o.recompute:
@@ -564,6 +567,13 @@ def peak_memory(gp: GraphProblem, choice) -> float:
         (o.transient_bytes for o in chosen.values()), default=0.0)
 
 
+def held_activations(gp: GraphProblem, choice) -> float:
+    """Activation bytes a choice holds per micro-batch in flight (recomputed blocks hold
+    none): the part of :func:`peak_memory` that grows with the in-flight count."""
+    return sum(0.0 if o.recompute else o.activation_bytes
+               for o in gp.node_choice(choice).values())
+
+
 @dataclass(frozen=True)
 class _ListFacts:
     """Per options list, what every build reads from it: cost and memory per strategy and
@@ -571,7 +581,8 @@ class _ListFacts:
     in order of first appearance with a sample collective each (for its latency)."""
 
     cost: np.ndarray
-    memory: np.ndarray
+    memory: np.ndarray  # one micro-batch's activations
+    held: np.ndarray  # activations held per micro-batch in flight (0 when recomputed)
     sizes: frozenset[float]
     sync_k: np.ndarray
     sync_key: np.ndarray
@@ -592,6 +603,7 @@ def _list_facts(opts: list[NodeOption]) -> _ListFacts:
             key_of.append(keys[key])
             nbytes.append(sb.collective.bytes)
     return _ListFacts(np.array([o.cost_s for o in opts]), np.array([o.memory_bytes for o in opts]),
+                      np.array([0.0 if o.recompute else o.activation_bytes for o in opts]),
                       frozenset(sb.collective.bytes / sb.numel for o in opts for sb in o.syncs),
                       np.array(ks, dtype=np.int64), np.array(key_of, dtype=np.int64),
                       np.array(nbytes, dtype=float), tuple(keys), tuple(samples))

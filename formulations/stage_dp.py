@@ -106,13 +106,18 @@ class StageCost:
     activation_bytes_per_microbatch: float
 
 
-StageCostFn = Callable[[int, int, Shape], "StageCost | None"]
+StageCostFn = Callable[[int, int, Shape], "StageCost | Sequence[StageCost] | None"]
+"""A stage's cost, or its *variants*: plans of the same range on the same mesh trading time
+for memory (say one that recomputes activations to fit deeper in the pipeline). The DP
+picks, per stage, the fastest variant that fits at the stage's position."""
 BoundaryCostFn = Callable[[int, Shape], float]
 
 
 @dataclass(frozen=True)
 class StageChoice:
-    """One stage of the answer. Layers ``[start, end)``; ``time_s`` = compute + boundary."""
+    """One stage of the answer. Layers ``[start, end)``; ``time_s`` = compute + boundary;
+    ``variant``: which of ``stage_cost``'s variants for that range and mesh (0 when it gave
+    one cost)."""
 
     start: int
     end: int
@@ -123,6 +128,7 @@ class StageChoice:
     memory_bytes: float
     inflight_microbatches: int
     placement: SubMesh | None = None
+    variant: int = 0
 
     @property
     def devices(self) -> int:
@@ -137,6 +143,7 @@ class StageChoice:
             "boundary_time_s": self.boundary_time_s,
             "memory_bytes": self.memory_bytes,
             "inflight_microbatches": self.inflight_microbatches,
+            "variant": self.variant,
         }
         if self.placement is not None:
             d["devices"] = self.placement.device_ids()
@@ -215,8 +222,10 @@ def _positions_saturate(schedule: str, M: int) -> int:
 @dataclass(frozen=True)
 class StageCostTable:
     """All admissible (range, shape) costs. Arrays are ``[k, i, m]`` for layers ``k..i``
-    (inclusive) on shape ``m``; ``time`` includes the boundary send; ``inf``/``nan`` mark
-    pairs that are infeasible, pruned or impossible."""
+    (inclusive) on column ``m``: shape ``shapes[m]``, variant ``variants[m]`` (a shape has
+    as many columns as its most variants; a range with fewer has ``inf`` in the rest);
+    ``time`` includes the boundary send; ``inf``/``nan`` mark pairs that are infeasible,
+    pruned or impossible."""
 
     num_layers: int
     num_devices: int
@@ -230,6 +239,11 @@ class StageCostTable:
     calls: int
     pruned: int
     undefined: int
+    variants: tuple[int, ...]
+
+    def columns(self, shape: Shape) -> list[int]:
+        """The columns (variants) of ``shape``."""
+        return [m for m, sh in enumerate(self.shapes) if sh == shape]
 
 
 def admissible(
@@ -266,21 +280,23 @@ def _work_prefix(num_layers: int, layer_work: Sequence[float] | None) -> list[fl
     return [0.0, *itertools.accumulate(work)]
 
 
-def _stage_cost_checked(fn: StageCostFn, a: int, e: int, sh: Shape) -> StageCost | None:
-    c = fn(a, e, sh)
-    if c is None:
-        return None
-    if not (
-        math.isfinite(c.time_s)
-        and c.time_s >= 0
-        and c.memory_bytes_fixed >= 0
-        and c.activation_bytes_per_microbatch >= 0
-    ):
-        raise ConfigError(
-            f"stage_cost({a}, {e}, {sh}) returned {c}: times and memory must be finite and "
-            f"non-negative (return None for an infeasible stage)"
-        )
-    return c
+def _stage_cost_checked(fn: StageCostFn, a: int, e: int, sh: Shape) -> list[StageCost]:
+    """``stage_cost``'s variants as a list (empty: infeasible), each checked."""
+    out = fn(a, e, sh)
+    variants = [] if out is None else [out] if isinstance(out, StageCost) else list(out)
+    for c in variants:
+        if not (
+            isinstance(c, StageCost)
+            and math.isfinite(c.time_s)
+            and c.time_s >= 0
+            and c.memory_bytes_fixed >= 0
+            and c.activation_bytes_per_microbatch >= 0
+        ):
+            raise ConfigError(
+                f"stage_cost({a}, {e}, {sh}) returned {out}: times and memory must be finite "
+                f"and non-negative (return None for an infeasible stage)"
+            )
+    return variants
 
 
 def build_cost_table(
@@ -312,13 +328,7 @@ def build_cost_table(
     )
     shapes = list(dict.fromkeys(shapes))
     prefix = _work_prefix(L, layer_work)
-    nsh = len(shapes)
-    time_ = np.full((L, L, nsh), np.inf)
-    compute = np.full((L, L, nsh), np.inf)
-    boundary = np.zeros((L, L, nsh))
-    mem = np.full((L, L, nsh), np.nan)
-    act = np.full((L, L, nsh), np.nan)
-    bcost = np.zeros((L + 1, nsh))
+    bcost = np.zeros((L + 1, len(shapes)))
     if boundary_cost is not None:
         for e in range(1, L):
             for m, sh in enumerate(shapes):
@@ -327,6 +337,7 @@ def build_cost_table(
                     raise ConfigError(f"boundary_cost({e}, {sh}) returned {b}: need seconds >= 0")
                 bcost[e, m] = b
     calls = pruned = undefined = 0
+    found: dict[tuple[int, int, int], list[StageCost]] = {}
     for k in range(L):
         for i in range(k, L):
             for m, sh in enumerate(shapes):
@@ -334,21 +345,33 @@ def build_cost_table(
                     pruned += 1
                     continue
                 calls += 1
-                c = _stage_cost_checked(stage_cost, k, i + 1, sh)
-                if c is None:
-                    undefined += 1
-                    continue
-                b = bcost[i + 1, m] if i + 1 < L else 0.0
-                compute[k, i, m] = c.time_s
-                boundary[k, i, m] = b
-                time_[k, i, m] = c.time_s + b
-                mem[k, i, m] = c.memory_bytes_fixed
-                act[k, i, m] = c.activation_bytes_per_microbatch
+                found[k, i, m] = _stage_cost_checked(stage_cost, k, i + 1, sh)
+                undefined += not found[k, i, m]
+    # one column per (shape, variant)
+    width = [max((len(v) for (_, _, m), v in found.items() if m == j), default=0) or 1
+             for j in range(len(shapes))]
+    first = [0, *itertools.accumulate(width)]
+    cols = [(sh, v) for sh, w in zip(shapes, width, strict=True) for v in range(w)]
+    ncol = len(cols)
+    time_ = np.full((L, L, ncol), np.inf)
+    compute = np.full((L, L, ncol), np.inf)
+    boundary = np.zeros((L, L, ncol))
+    mem = np.full((L, L, ncol), np.nan)
+    act = np.full((L, L, ncol), np.nan)
+    for (k, i, m), variants in found.items():
+        b = bcost[i + 1, m] if i + 1 < L else 0.0
+        for v, c in enumerate(variants):
+            col = first[m] + v
+            compute[k, i, col] = c.time_s
+            boundary[k, i, col] = b
+            time_[k, i, col] = c.time_s + b
+            mem[k, i, col] = c.memory_bytes_fixed
+            act[k, i, col] = c.activation_bytes_per_microbatch
     return StageCostTable(
         L,
         D,
-        tuple(shapes),
-        np.array([a * b for a, b in shapes], dtype=np.int64),
+        tuple(sh for sh, _ in cols),
+        np.array([a * b for (a, b), _ in cols], dtype=np.int64),
         time_,
         compute,
         boundary,
@@ -357,6 +380,7 @@ def build_cost_table(
         calls,
         pruned,
         undefined,
+        tuple(v for _, v in cols),
     )
 
 
@@ -498,28 +522,31 @@ def _dp(
 
 def _dp_fixed_shapes(
     cost_at: Callable[[int], np.ndarray],
-    shape_idx: Sequence[int],
+    shape_cols: Sequence[Sequence[int]],
     num_layers: int,
     combine,
 ) -> _DPResult:
-    """Stage ``j`` must use shape ``shape_idx[j]``: DP over (stage, first layer)."""
-    L, S = num_layers, len(shape_idx)
+    """Stage ``j`` must use one of the columns ``shape_cols[j]`` (its fixed shape's
+    variants): DP over (stage, first layer)."""
+    L, S = num_layers, len(shape_cols)
     V = np.full((S + 1, L + 1), np.inf)
     V[S, L] = 0.0
     arg = np.full((S + 1, L + 1), -1, dtype=np.int64)
+    col = np.full((S + 1, L + 1), -1, dtype=np.int64)
     for j in range(S - 1, -1, -1):
-        c = cost_at(S - j)[:, :, shape_idx[j]]  # [k, i]
+        cs = list(shape_cols[j])
+        c = cost_at(S - j)[:, :, cs]  # [k, i, variant]
         for k in range(L):
-            vals = combine(c[k, k:], V[j + 1, k + 1 :])
-            if len(vals) and np.isfinite(vals).any():
-                r = int(np.argmin(vals))
-                V[j, k], arg[j, k] = vals[r], k + r
+            vals = combine(c[k, k:], V[j + 1, k + 1 :, None])
+            if vals.size and np.isfinite(vals).any():
+                r, v = np.unravel_index(int(np.argmin(vals)), vals.shape)
+                V[j, k], arg[j, k], col[j, k] = vals[r, v], k + r, cs[v]
     if not np.isfinite(V[0, 0]):
         return _DPResult(np.inf, [])
     stages, k = [], 0
     for j in range(S):
         i = int(arg[j, k])
-        stages.append((k, i, shape_idx[j]))
+        stages.append((k, i, int(col[j, k])))
         k = i + 1
     return _DPResult(float(V[0, 0]), stages)
 
@@ -604,7 +631,7 @@ class _Problem:
         M: int,
         budget: float,
         num_stages: int | None,
-        fixed_idx: list[int] | None,
+        fixed_idx: list[list[int]] | None,
     ):
         self.table, self.schedule, self.M, self.budget = table, schedule, M, budget
         self.num_stages, self.fixed_idx = num_stages, fixed_idx
@@ -621,7 +648,7 @@ class _Problem:
         usable = self.smax > 0
         if fixed_idx is not None:
             mask = np.zeros_like(usable)
-            mask[:, :, sorted(set(fixed_idx))] = True
+            mask[:, :, sorted({m for cols in fixed_idx for m in cols})] = True
             usable &= mask
         self.candidates = np.unique(table.time[usable])
         self.solves = 0
@@ -812,7 +839,7 @@ def _infeasible(prob: _Problem) -> InfeasibleError:
         f"{t.num_layers} layers on {t.num_devices} devices"
         + (f" with {prob.num_stages} stages" if prob.num_stages is not None else "")
         + (
-            f" on the fixed sub-meshes {[t.shapes[m] for m in prob.fixed_idx]}"
+            f" on the fixed sub-meshes {[t.shapes[cols[0]] for cols in prob.fixed_idx]}"
             if prob.fixed_idx is not None
             else ""
         )
@@ -840,7 +867,7 @@ def _infeasible(prob: _Problem) -> InfeasibleError:
         return err
     err = InfeasibleError(
         f"no assignment of {where} uses every device exactly once with defined stage costs "
-        f"(sub-meshes {list(t.shapes)}; stage_cost returned None for {t.undefined} of "
+        f"(sub-meshes {list(dict.fromkeys(t.shapes))}; stage_cost returned None for {t.undefined} of "
         f"{t.calls} (range, mesh) pairs, {t.pruned} pairs pruned by the all-devices rule or "
         f"the imbalance tolerance)"
     )
@@ -887,7 +914,7 @@ def solve_stages_from_table(
             raise ConfigError(
                 f"fixed sub-meshes {missing} are not in the cost table shapes", key="pipeline.submeshes"
             )
-        fixed_idx = [table.shapes.index(sh) for sh in fixed]
+        fixed_idx = [table.columns(sh) for sh in fixed]
         num_stages = len(fixed)
         pack_submeshes(fixed, nodes, devices_per_node)
     if num_stages is not None and not 1 <= num_stages <= min(L, D):
@@ -918,6 +945,7 @@ def solve_stages_from_table(
                 memory_bytes=float(table.mem_fixed[k, i, m] + n_in * table.act[k, i, m]),
                 inflight_microbatches=n_in,
                 placement=placement[j],
+                variant=table.variants[m],
             )
         )
     return StagePlan(
@@ -1022,16 +1050,21 @@ def brute_force_stages(
         "pipeline.submesh_shapes",
     )
     prefix = _work_prefix(L, layer_work)
-    cache: dict[tuple[int, int, Shape], StageCost | None] = {}
+    cache: dict[tuple[int, int, Shape], list[StageCost]] = {}
 
-    def cost(a: int, e: int, sh: Shape) -> StageCost | None:
+    def cost(a: int, e: int, sh: Shape, n_in: int) -> tuple[int, StageCost] | None:
+        """The fastest variant that fits holding ``n_in`` micro-batches (the objective
+        only grows with a stage's time, so it is the only one worth trying)."""
         if (a, e, sh) not in cache:
             cache[(a, e, sh)] = (
                 _stage_cost_checked(stage_cost, a, e, sh)
                 if admissible(a, e, sh, L, D, imbalance_tolerance, prefix)
-                else None
+                else []
             )
-        return cache[(a, e, sh)]
+        fits = [(c.time_s, v, c) for v, c in enumerate(cache[(a, e, sh)])
+                if c.memory_bytes_fixed + n_in * c.activation_bytes_per_microbatch
+                <= memory_budget_bytes]
+        return min(fits, key=lambda f: f[:2])[1:] if fits else None
 
     best = None
     counts = [num_stages] if num_stages is not None else range(1, min(L, D) + 1)
@@ -1051,18 +1084,16 @@ def brute_force_stages(
                     continue
                 times, rows, ok = [], [], True
                 for j, ((a, e), sh) in enumerate(zip(ranges, assign, strict=True)):
-                    c = cost(a, e, sh)
-                    if c is None:
-                        ok = False
-                        break
                     n_in = inflight_microbatches(schedule, S - j, M)
-                    memory = c.memory_bytes_fixed + n_in * c.activation_bytes_per_microbatch
-                    if memory > memory_budget_bytes:
+                    found = cost(a, e, sh, n_in)
+                    if found is None:
                         ok = False
                         break
+                    v, c = found
+                    memory = c.memory_bytes_fixed + n_in * c.activation_bytes_per_microbatch
                     b = float(boundary_cost(e, sh)) if (boundary_cost and e < L) else 0.0
                     times.append(c.time_s + b)
-                    rows.append((a, e, sh, c.time_s, b, memory, n_in))
+                    rows.append((a, e, sh, c.time_s, b, memory, n_in, v))
                 if not ok:
                     continue
                 obj = sum(times) + (M - 1) * max(times)
@@ -1076,8 +1107,8 @@ def brute_force_stages(
         raise InfeasibleError(f"brute force: no feasible assignment of {L} layers on {D} devices")
     obj, total, tmax, rows, placement = best
     stages = tuple(
-        StageChoice(a, e, sh, t + b, t, b, mem, n_in, placement[j])
-        for j, (a, e, sh, t, b, mem, n_in) in enumerate(rows)
+        StageChoice(a, e, sh, t + b, t, b, mem, n_in, placement[j], v)
+        for j, (a, e, sh, t, b, mem, n_in, v) in enumerate(rows)
     )
     return StagePlan(
         stages=stages,

@@ -21,6 +21,18 @@ tensor crossing it, estimated with the stage's batch-split layout on both sides;
 final plan re-plans every crossing tensor with its real layouts (CP-SAT). A skip edge
 crossing several cuts is charged at each cut it crosses in the DP (as if relayed), and
 sent once, directly, in the plan.
+
+Stage memory. A stage at position ``s`` from the end holds the activations of
+``inflight(s)`` micro-batches (1F1B: ``min(s, B)``). Each (range, mesh) pair is solved
+first without a memory row — the fastest plan, whose peak ``fixed + inflight · act`` is
+exact at every position — and then, for each in-flight count the pair can meet (its
+possible positions) at which no variant so far fits, again with the memory row of that
+count (:attr:`StageBoundary.inflight`): the fastest plan that fits there, with state
+sharding and recomputation where the config offers them. The DP picks per stage the
+fastest variant that fits its position (:data:`formulations.stage_dp.StageCostFn`).
+Stage ILPs price one step of ``B`` accumulated micro-batches (per-micro-batch work ``B``
+times, gradient synchronisation and ZeRO's weight gathers once), the DP's stage time is
+that divided by ``B``.
 """
 
 from __future__ import annotations
@@ -33,8 +45,8 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from formulations.sbp_problem import BuildCache
-from formulations.schedules import make_schedule
+from formulations.sbp_problem import BuildCache, held_activations, peak_memory
+from formulations.schedules import inflight_microbatches, make_schedule
 from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
 from ilp_planner.cluster import Cluster, SubMesh, submesh_shapes
@@ -220,7 +232,7 @@ class _StageSolver:
         self.keys = RangeKeys(graph, units)
         self.cache: dict[tuple, tuple | None] = {}
         self.build_cache = BuildCache()  # per-op options and edge matrices across solves
-        self.costs: dict[tuple, StageCost | None] = {}
+        self.costs: dict[tuple, list[tuple[int | None, StageCost]]] = {}
         self.solves = 0
         self.solve_s = 0.0
         self.build_s = 0.0
@@ -233,23 +245,32 @@ class _StageSolver:
         self.num_devices = cluster.num_devices
         self.incumbent_s: float | None = None
         self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
+        self.num_stages = (len(pipe.submeshes) if pipe.submeshes else
+                           None if pipe.stages == "auto" else int(pipe.stages))
 
     def names(self, a: int, e: int) -> list[str]:
         return [n for u in self.units[a:e] for n in u]
 
-    def solve(self, a: int, e: int, shape: tuple[int, int]):
-        """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None."""
+    def solve(self, a: int, e: int, shape: tuple[int, int], inflight: int | None = None):
+        """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None.
+        ``inflight`` None: without a memory row (the fastest plan); a count: the fastest
+        plan whose exact peak holding that many micro-batches fits the budget."""
         from ilp_planner.planner import realise, solve_mesh
 
-        key = (self.keys.key(a, e), shape)
+        key = (self.keys.key(a, e), shape, inflight)
         if key not in self.cache:
             self.solves += 1
             t0 = time.perf_counter()
             names = self.names(a, e)
             boundary = stage_boundary(self.graph, names)
+            budget = None
+            if inflight is not None:
+                boundary = dataclasses.replace(boundary, inflight=inflight)
+                budget = self.config.cluster.memory_bytes
             try:
-                gp, res = solve_mesh(self.config, shape[0], shape[1], None,
-                                     graph=subgraph(self.graph, names), microbatches=1,
+                gp, res = solve_mesh(self.config, shape[0], shape[1], budget,
+                                     graph=subgraph(self.graph, names),
+                                     microbatches=self.config.pipeline.microbatches,
                                      boundary=boundary, cache=self.build_cache)
             except InfeasibleError:
                 self.cache[key] = None
@@ -261,19 +282,22 @@ class _StageSolver:
             self.solve_s += time.perf_counter() - t0
         return self.cache[key]
 
-    def lower_bound(self, a: int, e: int, shape: tuple[int, int]) -> float:
+    def lower_bound(self, a: int, e: int, shape: tuple[int, int],
+                    time_s: float | None = None) -> float:
         """Least pipeline latency ``Σ t + (B − 1) max t`` of any plan with units [a, e) on
-        ``shape``: every stage's time is at least its FLOPs (×3 for the backward) spread
-        perfectly over its devices, and the other stages share the rest of the work on
-        the rest of the devices (their largest time ≥ that average, their sum ≥ it too)."""
+        ``shape`` (taking at least ``time_s`` per micro-batch when given): every stage's
+        time is at least its FLOPs (×3 for the backward) spread perfectly over its
+        devices, and the other stages share the rest of the work on the rest of the
+        devices (their largest time ≥ that average, their sum ≥ it too)."""
         W, D, z = self.work_prefix, self.num_devices, shape[0] * shape[1]
-        mine = (W[e] - W[a]) / z
+        mine = max((W[e] - W[a]) / z, time_s or 0.0)
         rest = (W[-1] - W[e] + W[a]) / (D - z) if z < D else 0.0
         return mine + rest + (self.config.pipeline.microbatches - 1) * max(mine, rest)
 
-    def stage_cost(self, a: int, e: int, shape: tuple[int, int]) -> StageCost | None:
-        """Per micro-batch: compute + activation communication, plus the weight-gradient
-        synchronisation amortised over the step's micro-batches. With an incumbent plan
+    def stage_cost(self, a: int, e: int, shape: tuple[int, int]) -> list[StageCost]:
+        """The variants of units [a, e) on ``shape`` (module docstring, *Stage memory*),
+        each per micro-batch: compute + activation communication, plus the step's
+        once-per-step communication divided by the micro-batches. With an incumbent plan
         (:meth:`set_incumbent`), a pair whose :meth:`lower_bound` exceeds it is not solved:
         it gets its time lower bound (and no memory), so every plan using it costs more
         than the incumbent in the DP's table too and the DP's optimum is unchanged."""
@@ -283,21 +307,57 @@ class _StageSolver:
                 and self.lower_bound(a, e, shape) * (1 - 1e-9) > self.incumbent_s):
             self.bounded.add((a, e, shape))
             z = shape[0] * shape[1]
-            return StageCost((self.work_prefix[e] - self.work_prefix[a]) / z, 0.0, 0.0)
+            return [StageCost((self.work_prefix[e] - self.work_prefix[a]) / z, 0.0, 0.0)]
         if key not in self.costs:
-            solved = self.solve(a, e, shape)
-            if solved is None:
-                self.costs[key] = None
-            else:
-                gp, res, _, cost = solved
-                choice = gp.node_choice(list(res.choice))
-                state = sum(o.state_bytes for o in choice.values())
-                act = sum(o.activation_bytes for o in choice.values())
-                m = self.config.pipeline.microbatches
-                self.costs[key] = StageCost(
-                    cost.compute_s + cost.activation_comm_s + cost.grad_sync_s / m, state, act)
-        return self.costs[key]
+            self.costs[key] = self._variants(a, e, shape)
+        return [c for _, c in self.costs[key]]
 
+    def variant_inflight(self, a: int, e: int, shape: tuple[int, int], variant: int
+                         ) -> int | None:
+        """The in-flight count variant ``variant`` of [a, e) on ``shape`` was solved for."""
+        return self.costs[(self.keys.key(a, e), shape)][variant][0]
+
+    def _variants(self, a: int, e: int, shape: tuple[int, int]
+                  ) -> list[tuple[int | None, StageCost]]:
+        solved = self.solve(a, e, shape)
+        if solved is None:
+            return []
+        out = [(None, self._cost(solved))]
+        if (self.incumbent_s is not None and self.lower_bound(a, e, shape, out[0][1].time_s)
+                * (1 - 1e-9) > self.incumbent_s):
+            return out  # slower variants: every plan using them costs more than the incumbent
+        budget = self.config.cluster.memory_bytes
+        for held in self._inflight_levels(a, e, shape):
+            if any(c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch <= budget
+                   for _, c in out):
+                continue
+            solved = self.solve(a, e, shape, held)
+            if solved is None:
+                break  # holding more micro-batches fits no better
+            out.append((held, self._cost(solved)))
+        return out
+
+    def _cost(self, solved) -> StageCost:
+        gp, res, _, cost = solved
+        act = held_activations(gp, res.choice)
+        fixed = peak_memory(gp, res.choice) - gp.boundary.inflight * act
+        return StageCost(cost.total_s / self.config.pipeline.microbatches, fixed, act)
+
+    def _inflight_levels(self, start: int, end: int, shape: tuple[int, int]) -> list[int]:
+        """The in-flight counts a stage of units [start, end) on ``shape`` can hold: its
+        position ``s`` (counted from the last stage, 1) is 1 if it ends the model, else at
+        least 2 and at most ``1 +`` the units and the devices left after it; with ``S``
+        stages fixed, ``s = S`` if it starts the model, else ``S − start ≤ s < S``."""
+        pipe = self.config.pipeline
+        L = len(self.units)
+        lo, hi = (1, 1) if end == L else (
+            2, 1 + min(L - end, self.num_devices - shape[0] * shape[1]))
+        if self.num_stages is not None:
+            S = self.num_stages
+            lo, hi = (max(lo, S), min(hi, S)) if start == 0 else (max(lo, S - start),
+                                                                  min(hi, S - 1))
+        return sorted({inflight_microbatches(pipe.schedule, s, pipe.microbatches)
+                       for s in range(lo, hi + 1)})
 
     def set_incumbent(self, boundary, shapes: Sequence[tuple[int, int]],
                       num_stages: int | None, tolerance: float | None) -> None:
@@ -307,7 +367,6 @@ class _StageSolver:
         solves, which the DP reuses, and keep the best feasible one's latency as the bound
         for :meth:`stage_cost`. Exact: the incumbent is one of the DP's own plans
         (admissible pairs, memory checked by pipeline position)."""
-        from formulations.schedules import inflight_microbatches
         from formulations.stage_dp import admissible
 
         pipe, cluster = self.config.pipeline, self.config.cluster
@@ -330,12 +389,13 @@ class _StageSolver:
                 a = ends[j - 1] if j else 0
                 if not admissible(a, e, shape, L, D, tolerance, prefix):
                     break
-                c = self.stage_cost(a, e, shape)
                 held = inflight_microbatches(pipe.schedule, S - j, pipe.microbatches)
-                if c is None or c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch \
-                        > cluster.memory_bytes:
+                fitting = [c.time_s for c in self.stage_cost(a, e, shape)
+                           if c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch
+                           <= cluster.memory_bytes]
+                if not fitting:
                     break
-                times.append(c.time_s + (boundary(e, shape) if e < L else 0.0))
+                times.append(min(fitting) + (boundary(e, shape) if e < L else 0.0))
             else:
                 value = sum(times) + (pipe.microbatches - 1) * max(times)
                 best = value if best is None else min(best, value)
@@ -496,7 +556,8 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     in_layouts: dict[tuple[str, str], Layout] = {}
     status, gaps = "optimal", []
     for i, st in enumerate(dp.stages):
-        _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh)  # type: ignore[misc]
+        held = solver.variant_inflight(st.start, st.end, st.submesh, st.variant)
+        _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh, held)  # type: ignore[misc]
         names = solver.names(st.start, st.end)
         rename = dict(zip((ly.name for ly in stage_layers), names, strict=True))
         for ly in stage_layers:
@@ -521,6 +582,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
             "dp_boundary_time_s": st.boundary_time_s,
             "memory_bytes": st.memory_bytes,
             "inflight_microbatches": st.inflight_microbatches,
+            "memory_solved_for_inflight": held,
             "solver": res.to_dict(),
         })
     t_resharding = time.perf_counter()

@@ -31,10 +31,14 @@ from ilp_planner.strategies import resolve_partial
 @dataclass(frozen=True)
 class StageBoundary:
     """Of a stage's op list: ``imported`` tensors come from an earlier stage (autograd
-    reaches them and their gradients go back); ``exported`` ops are read by a later stage."""
+    reaches them and their gradients go back); ``exported`` ops are read by a later stage.
+    ``inflight``: the micro-batches whose activations the stage holds at its peak — its
+    pipeline position's in-flight count under the schedule (1 without pipelining, where
+    gradient accumulation runs one micro-batch's forward and backward at a time)."""
 
     imported: frozenset[str] = frozenset()
     exported: frozenset[str] = frozenset()
+    inflight: int = 1
 
 
 def stage_boundary(graph: Graph, names: Sequence[str]) -> StageBoundary:

@@ -170,6 +170,63 @@ def test_stage_memory_is_within_budget_and_an_impossible_budget_is_explained(tin
         solve_pipelined(tiny(**{"cluster.memory_gib": 1e-5}), baselines=False)
 
 
+UTF_PIPE = {"cluster.nodes": 1, "cluster.devices_per_node": 4, "pipeline.stages": 2,
+            "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}
+PLAIN = {"solver.state_sharding": [0], "solver.recompute": "never"}
+
+
+def _utf_pipe(gib: float, **more):
+    return load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
+        {**UTF_PIPE, "cluster.memory_gib": gib, **more})
+
+
+def _stage_peaks(plan, config) -> list[tuple[float, float]]:
+    """Per stage: (the DP's memory, the exact peak of the stage's solve evaluated at the
+    micro-batches its position holds), re-solving the stage as the planner did."""
+    from dataclasses import replace
+
+    from formulations.sbp_problem import peak_memory
+    from ilp_planner.planner import solve_mesh
+    from ilp_planner.stage_boundary import stage_boundary
+
+    graph = config.microbatch_graph()
+    out = []
+    for st in plan.stages:
+        held = st["memory_solved_for_inflight"]
+        names = st["layers"]
+        bound = stage_boundary(graph, names)
+        gp, res = solve_mesh(config, *st["mesh"], None if held is None else
+                             config.cluster.memory_bytes, graph=subgraph(graph, names),
+                             microbatches=config.pipeline.microbatches,
+                             boundary=bound if held is None else replace(bound, inflight=held))
+        at = replace(gp, boundary=replace(gp.boundary, inflight=st["inflight_microbatches"]))
+        out.append((st["memory_bytes"], peak_memory(at, res.choice)))
+    return out
+
+
+def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
+    """A budget where no stage plan of the plain space fits holding its position's
+    micro-batches: the stage solves under that memory row recompute activations; with a
+    little more memory, sharded optimizer state beats the plain space's best. Each stage's
+    memory is the exact peak of its plan at the micro-batches its position holds."""
+    with pytest.raises(InfeasibleError, match="least memory any assignment needs"):
+        solve_pipelined(_utf_pipe(0.0005, **PLAIN), baselines=False)
+    tight = _utf_pipe(0.0005)
+    plan = solve_pipelined(tight, baselines=False)
+    assert any(lp.recompute for lp in plan.layers)
+    assert [st["inflight_microbatches"] for st in plan.stages] == [2, 1]
+    for dp_memory, peak in _stage_peaks(plan, tight):
+        assert dp_memory == pytest.approx(peak, rel=1e-12)
+        assert peak <= tight.cluster.memory_bytes
+    roomier = _utf_pipe(0.0006)
+    joint = solve_pipelined(roomier, baselines=False)
+    plain = solve_pipelined(_utf_pipe(0.0006, **PLAIN), baselines=False)
+    assert any(lp.zero for lp in joint.layers) and not any(lp.zero for lp in plain.layers)
+    assert joint.schedule["dp_objective_s"] < plain.schedule["dp_objective_s"] * (1 - 1e-6)
+    for dp_memory, peak in _stage_peaks(joint, roomier):
+        assert dp_memory == pytest.approx(peak, rel=1e-12) and peak <= roomier.cluster.memory_bytes
+
+
 def test_auto_stage_count_solves():
     plan = solve(tiny(**{"pipeline.stages": "auto"}), baselines=False)
     assert 1 <= len(plan.stages) <= 8

@@ -300,6 +300,9 @@ SOLVED_FOUR = {**FOUR, "cluster.memory_gib": 0.0007}
 budget scaled so that the planner still shards state (ZeRO-3 among it) and recomputes."""
 
 
+PIPE_FOUR = {**FOUR, "pipeline.stages": 2, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}
+
+
 @pytest.mark.slow
 def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> None:
     mlp, utf = _mlp4(), _utf4()
@@ -329,6 +332,13 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
                    baselines=False)
     assert 3 in {lp.zero for lp in solved.layers} and any(lp.recompute for lp in solved.layers)
     plans["utf4-solved"] = solved
+    for gib, what in ((0.0005, "recompute"), (0.0006, "zero")):  # pipelined: stages solved
+        # under their positions' memory rows (tests/test_pipeline_planner.py)
+        plans[f"utf4-pp-{what}"] = solve(load_config(CONFIGS / "tiny-utf-zero-cpu.yaml")
+                                         .with_overrides({**PIPE_FOUR, "cluster.memory_gib": gib}),
+                                         baselines=False)
+    assert any(lp.recompute for lp in plans["utf4-pp-recompute"].layers)
+    assert any(lp.zero for lp in plans["utf4-pp-zero"].layers)
     out = _train(plans, 4, tmp_path)
     assert set(out) == set(plans)
     # ZeRO-1 reduce-scatters during the last backward, as soon as a layer's gradient is

@@ -123,6 +123,59 @@ def test_dp_equals_brute_force_on_random_instances():
     assert feasible > 60 and infeasible > 5  # the sample exercises both outcomes
 
 
+def _with_variants(kw: dict, seed: int) -> dict:
+    """``kw`` with every stage cost replaced by up to three variants, each slower and
+    leaner than the one before (a stage that recomputes, or shards its state, to fit
+    deeper in the pipeline), under a finite memory budget."""
+    rng = random.Random(seed)
+    base, out = kw["stage_cost"], {}
+
+    def stage_cost(a, e, sh):
+        if (a, e, sh) not in out:
+            c = base(a, e, sh)
+            variants = [] if c is None else [c]
+            for _ in range(rng.randint(0, 2) if c is not None else 0):
+                p = variants[-1]
+                variants.append(StageCost(
+                    p.time_s * rng.uniform(1.05, 1.6),
+                    p.memory_bytes_fixed * rng.uniform(0.4, 1.0),
+                    p.activation_bytes_per_microbatch * rng.uniform(0.1, 0.9)))
+            out[(a, e, sh)] = variants or None
+        return out[(a, e, sh)]
+
+    return {**kw, "stage_cost": stage_cost, "memory_budget_bytes": rng.uniform(1, 6) * GiB}
+
+
+def test_dp_with_stage_variants_equals_brute_force():
+    """Stage costs with variants (time for memory): the DP picks per stage the fastest one
+    that fits at its position, as the brute force does; fixed sub-meshes too."""
+    used_variant = feasible = 0
+    for seed in range(120):
+        kw = _with_variants(random_instance(3000 + seed), seed)
+        if seed % 4 == 0:  # a fixed assignment of sub-meshes: one shape per stage
+            D = kw["nodes"] * kw["devices_per_node"]
+            S = min(kw["num_layers"], D, 2)
+            kw.pop("num_stages", None)
+            if S == 2 and D % 2 == 0 and kw["devices_per_node"] % 2 == 0:
+                kw["fixed_submeshes"] = [(kw["nodes"], kw["devices_per_node"] // 2)] * 2 \
+                    if kw["nodes"] == 1 else [(kw["nodes"] // 2, kw["devices_per_node"])] * 2
+        ref, got = _solve_both(kw)
+        assert (ref is None) == (got is None), seed
+        if ref is None:
+            continue
+        feasible += 1
+        assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12), seed
+        _check_plan(got, kw)
+        for st in got.stages:  # the reported variant is the one priced
+            v = kw["stage_cost"](st.start, st.end, st.submesh)
+            c = v[st.variant] if isinstance(v, list) else v
+            assert st.compute_time_s == c.time_s
+            assert st.memory_bytes == pytest.approx(
+                c.memory_bytes_fixed + st.inflight_microbatches * c.activation_bytes_per_microbatch)
+        used_variant += any(st.variant > 0 for st in got.stages)
+    assert feasible > 60 and used_variant > 10
+
+
 def test_bisection_search_equals_alpa_enumeration():
     """The bounded bisection over T_max returns Alpa's enumeration optimum with fewer DP
     solves (medium instances: too big for brute force, many distinct stage times)."""
