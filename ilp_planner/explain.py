@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from ilp_planner.cluster import fact_str
 from ilp_planner.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.layouts import Broadcast, Layout, Split
-from ilp_planner.plan import CostBreakdown, LayerPlan, Plan
+from ilp_planner.plan import CostBreakdown, LayerPlan, Plan, baseline_seconds
 from ilp_planner.programs import EdgeProgram, edge_programs, steps_text
 
 _GIB = 2**30
@@ -514,9 +514,9 @@ def _baseline_table(plan: Plan) -> list[str]:
             notes.append(f"  {name}: n/a — {b['error']}")
             continue
         cb = CostBreakdown.from_dict(b)
-        ratio = f"{cb.total_s / mine:.2f}" if mine else "n/a"
-        rows.append([name, fmt_seconds(cb.total_s), fmt_seconds(cb.compute_s), fmt_seconds(cb.comm_s),
-                     fmt_bytes(cb.peak_memory_bytes), ratio])
+        ratio = f"{baseline_seconds(b) / mine:.2f}" if mine else "n/a"
+        rows.append([name, fmt_seconds(baseline_seconds(b)), fmt_seconds(cb.compute_s),
+                     fmt_seconds(cb.comm_s), fmt_bytes(cb.peak_memory_bytes), ratio])
     if not plan.baselines:
         notes.append("  (none priced: solved with baselines off)")
     return text_table(["plan", "step", "compute", "comm", "memory", "ratio"], rows) + notes
@@ -703,7 +703,7 @@ def diff(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B")) -> str:
             if "error" in block:
                 fam[tag] = f"n/a ({name})"
             else:
-                total = CostBreakdown.from_dict(block).total_s
+                total = baseline_seconds(block)
                 fam[tag] = f"{total / mine:.2f} ({name})" if mine else f"n/a ({name})"
     if fams:
         lines += text_table(["baseline", na, nb], [[f, x or "—", y or "—"] for f, (x, y) in fams.items()])

@@ -44,11 +44,13 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from formulations.sbp_problem import BuildCache, held_activations, peak_memory
 from formulations.schedules import inflight_microbatches, make_schedule
 from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageCost, solve_stages
+from ilp_planner.baselines import GridPoint
 from ilp_planner.cluster import Cluster, SubMesh, submesh_shapes
 from ilp_planner.config import Config
 from ilp_planner.cost_model import (
@@ -232,7 +234,7 @@ class _StageSolver:
         self.keys = RangeKeys(graph, units)
         self.cache: dict[tuple, tuple | None] = {}
         self.build_cache = BuildCache()  # per-op options and edge matrices across solves
-        self.costs: dict[tuple, list[tuple[int | None, StageCost]]] = {}
+        self.costs: dict[tuple, list[tuple[int | AtGridPoint | None, StageCost]]] = {}
         self.solves = 0
         self.solve_s = 0.0
         self.build_s = 0.0
@@ -251,27 +253,36 @@ class _StageSolver:
     def names(self, a: int, e: int) -> list[str]:
         return [n for u in self.units[a:e] for n in u]
 
-    def solve(self, a: int, e: int, shape: tuple[int, int], inflight: int | None = None):
+    def solve(self, a: int, e: int, shape: tuple[int, int],
+              how: int | AtGridPoint | None = None):
         """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None.
-        ``inflight`` None: without a memory row (the fastest plan); a count: the fastest
-        plan whose exact peak holding that many micro-batches fits the budget."""
-        from ilp_planner.planner import realise, solve_mesh
+        ``how`` None: without a memory row (the fastest plan); a count: the fastest plan
+        whose exact peak holding that many micro-batches fits the budget; an
+        :class:`AtGridPoint`: that, at a grid point's recomputed blocks and reserve."""
+        from ilp_planner.planner import _fit_blocks, realise, solve_mesh
 
-        key = (self.keys.key(a, e), shape, inflight)
+        key = (self.keys.key(a, e), shape, how)
         if key not in self.cache:
             self.solves += 1
             t0 = time.perf_counter()
             names = self.names(a, e)
+            graph = subgraph(self.graph, names)
             boundary = stage_boundary(self.graph, names)
             budget = None
-            if inflight is not None:
-                boundary = dataclasses.replace(boundary, inflight=inflight)
+            held = how.inflight if isinstance(how, AtGridPoint) else how
+            if held is not None:
+                boundary = dataclasses.replace(boundary, inflight=held)
                 budget = self.config.cluster.memory_bytes
+            M = self.config.pipeline.microbatches
             try:
-                gp, res = solve_mesh(self.config, shape[0], shape[1], budget,
-                                     graph=subgraph(self.graph, names),
-                                     microbatches=self.config.pipeline.microbatches,
-                                     boundary=boundary, cache=self.build_cache)
+                if isinstance(how, AtGridPoint):
+                    gp, res = _fit_blocks(self.config, shape[0], shape[1], budget, graph, M,
+                                          boundary, self.build_cache, how.blocks(graph),
+                                          how.reserve)
+                else:
+                    gp, res = solve_mesh(self.config, shape[0], shape[1], budget, graph=graph,
+                                         microbatches=M, boundary=boundary,
+                                         cache=self.build_cache)
             except InfeasibleError:
                 self.cache[key] = None
             else:
@@ -312,13 +323,23 @@ class _StageSolver:
             self.costs[key] = self._variants(a, e, shape)
         return [c for _, c in self.costs[key]]
 
-    def variant_inflight(self, a: int, e: int, shape: tuple[int, int], variant: int
-                         ) -> int | None:
-        """The in-flight count variant ``variant`` of [a, e) on ``shape`` was solved for."""
+    def variant_how(self, a: int, e: int, shape: tuple[int, int], variant: int
+                    ) -> int | AtGridPoint | None:
+        """How variant ``variant`` of [a, e) on ``shape`` was solved (:meth:`solve`)."""
         return self.costs[(self.keys.key(a, e), shape)][variant][0]
 
+    def add_variant(self, a: int, e: int, shape: tuple[int, int], how: AtGridPoint) -> None:
+        """Solve [a, e) on ``shape`` as ``how`` says and offer it to the DP as a variant of
+        every range of its signature class."""
+        key = (self.keys.key(a, e), shape)
+        if key not in self.costs:
+            self.costs[key] = self._variants(a, e, shape)
+        solved = self.solve(a, e, shape, how)
+        if solved is not None and all(h != how for h, _ in self.costs[key]):
+            self.costs[key].append((how, self._cost(solved)))
+
     def _variants(self, a: int, e: int, shape: tuple[int, int]
-                  ) -> list[tuple[int | None, StageCost]]:
+                  ) -> list[tuple[int | AtGridPoint | None, StageCost]]:
         solved = self.solve(a, e, shape)
         if solved is None:
             return []
@@ -536,19 +557,30 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     shapes = submesh_shapes(cluster.nodes, cluster.devices_per_node, pipe.submesh_space)
     if fixed is None and pipe.stage_bound:
         solver.set_incumbent(boundary, shapes, num_stages, pipe.imbalance_tolerance)
-    while True:
-        dp = solve_stages(
-            len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
-            solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
-            memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
-            submesh_shapes=shapes, fixed_submeshes=fixed,
-            imbalance_tolerance=pipe.imbalance_tolerance,
-        )
-        if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
-            break
-        # cannot happen if the bound is valid; stay exact regardless
-        solver.incumbent_s = None
-        solver.bounded.clear()
+
+    def run_dp():
+        while True:
+            dp = solve_stages(
+                len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
+                solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
+                memory_budget_bytes=cluster.memory_bytes, num_stages=num_stages,
+                submesh_shapes=shapes, fixed_submeshes=fixed,
+                imbalance_tolerance=pipe.imbalance_tolerance,
+            )
+            if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
+                return dp
+            # cannot happen if the bound is valid; stay exact regardless
+            solver.incumbent_s = None
+            solver.bounded.clear()
+
+    dp = run_dp()
+    grid = None
+    if baselines and fixed is None and num_stages != 1:
+        grid = pipelined_grid(config, graph, solver, boundary, shapes, num_stages)
+        if isinstance(grid, GridPipeline) and grid.latency_s < dp.objective_s:
+            for st in grid.stages:  # its stage plans, re-solved in the whole space
+                solver.add_variant(st.start, st.end, grid.shape, st.how)
+            dp = run_dp()
     layers = []
     stages = []
     stage_of: dict[str, int] = {}
@@ -556,8 +588,8 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     in_layouts: dict[tuple[str, str], Layout] = {}
     status, gaps = "optimal", []
     for i, st in enumerate(dp.stages):
-        held = solver.variant_inflight(st.start, st.end, st.submesh, st.variant)
-        _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh, held)  # type: ignore[misc]
+        how = solver.variant_how(st.start, st.end, st.submesh, st.variant)
+        _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh, how)  # type: ignore[misc]
         names = solver.names(st.start, st.end)
         rename = dict(zip((ly.name for ly in stage_layers), names, strict=True))
         for ly in stage_layers:
@@ -582,7 +614,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
             "dp_boundary_time_s": st.boundary_time_s,
             "memory_bytes": st.memory_bytes,
             "inflight_microbatches": st.inflight_microbatches,
-            "memory_solved_for_inflight": held,
+            "memory_solved_for_inflight": how.inflight if isinstance(how, AtGridPoint) else how,
             "solver": res.to_dict(),
         })
     t_resharding = time.perf_counter()
@@ -635,7 +667,125 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
                 schedule=schedule, resharding=resharding)
     if baselines:
         plan.baselines = _single_mesh_baselines(config)
+        plan.baselines.update(price_pipelined_grid(grid))
     return plan
+
+
+@dataclass(frozen=True)
+class AtGridPoint:
+    """A stage solved in the planner's whole space at a grid point's recomputed blocks
+    (``offsets`` into the range's blocks, so one entry serves every range of its signature
+    class) and transient reserve, holding ``inflight`` micro-batches."""
+
+    inflight: int
+    offsets: tuple[int, ...]
+    reserve: float
+
+    def blocks(self, graph: Graph) -> frozenset[tuple[str, int]]:
+        units = list(dict.fromkeys((op.block, op.block_index) for op in graph.ops
+                                   if op.block is not None and op.block_index is not None))
+        return frozenset(units[i] for i in self.offsets)
+
+
+@dataclass(frozen=True)
+class GridStage:
+    start: int
+    end: int
+    point: GridPoint
+    time_s: float  # per micro-batch, boundary send included
+    how: AtGridPoint
+
+
+@dataclass(frozen=True)
+class GridPipeline:
+    """torchtitan's pipeline dimension: ``S`` stages of ``L/S`` units on equal meshes of
+    ``shape``, each stage at its best grid point; ``latency_s`` = ``Σ t + (B − 1) max t``
+    with the DP's boundary estimates, the formula of the planner's ``dp_objective_s``."""
+
+    shape: tuple[int, int]
+    stages: tuple[GridStage, ...]
+    latency_s: float
+
+
+def pipelined_grid(config: Config, graph: Graph, solver: _StageSolver, boundary: _BoundaryCost,
+                   shapes: Sequence[tuple[int, int]], num_stages: int | None
+                   ) -> GridPipeline | str:
+    """The torchtitan-style grid with pipelining: every PP degree ``S ≥ 2`` (the stage
+    count when the config fixes it) whose equal meshes are an allowed sub-mesh shape, the
+    units split evenly (torchtitan's default split), and per stage the best point of the
+    intra-stage grid (:func:`~ilp_planner.baselines.torchtitan_choice`: DDP/FSDP × dp × tp
+    × SP × AC) holding its position's in-flight micro-batches. torchtitan applies one
+    point to every stage; taking each stage's best is at least as good. Returns the
+    fastest, or why none fits."""
+    from formulations.sbp_problem import build_problem
+    from ilp_planner.baselines import torchtitan_choice
+    from ilp_planner.planner import realise
+
+    pipe, cluster, opts = config.pipeline, config.cluster, config.solver
+    L, D, M = len(solver.units), cluster.num_devices, pipe.microbatches
+    sizes = {n * d: (n, d) for n, d in shapes}
+    best: GridPipeline | None = None
+    reasons = []
+    for S in range(2, min(L, D) + 1):
+        if D % S or D // S not in sizes or (num_stages is not None and S != num_stages):
+            continue
+        n, d = sizes[D // S]
+        q, r = divmod(L, S)
+        ends = list(itertools.accumulate(q + (j < r) for j in range(S)))
+        stages = []
+        for j, e in enumerate(ends):
+            a = ends[j - 1] if j else 0
+            held = inflight_microbatches(pipe.schedule, S - j, M)
+            names = solver.names(a, e)
+            sub = subgraph(graph, names)
+            bound = dataclasses.replace(stage_boundary(graph, names), inflight=held)
+
+            def build(levels, blocks, sub=sub, bound=bound, n=n, d=d):
+                return build_problem(sub, cluster, n, d, config.memory,
+                                     tie_layers=opts.tie_layers,
+                                     max_weight_replication=opts.max_weight_replication,
+                                     memory_budget=cluster.memory_bytes, microbatches=M,
+                                     boundary=bound, grad_bucket_bytes=config.grad_bucket_bytes,
+                                     cache=solver.build_cache, zero_levels=levels,
+                                     recompute=blocks)
+
+            point = torchtitan_choice(sub, build, n, d, cluster.memory_bytes, solver.time_limit_s)
+            if isinstance(point, str):
+                reasons.append(f"pp={S}, stage {j}: {point}")
+                break
+            units = list(dict.fromkeys((op.block, op.block_index) for op in sub.ops
+                                       if op.block is not None and op.block_index is not None))
+            how = AtGridPoint(held, tuple(i for i, u in enumerate(units)
+                                          if u in point.gp.recompute_units), point.reserve)
+            t = realise(point.gp, point.choice)[1].total_s / M
+            stages.append(GridStage(a, e, point, t + (boundary(e, (n, d)) if e < L else 0.0), how))
+        else:
+            times = [st.time_s for st in stages]
+            latency = sum(times) + (M - 1) * max(times)
+            if best is None or latency < best.latency_s:
+                best = GridPipeline((n, d), tuple(stages), latency)
+    if best is None:
+        return reasons[0] if reasons else "no pipeline degree splits the cluster into " \
+            "allowed equal meshes"
+    return best
+
+
+def price_pipelined_grid(grid: GridPipeline | str | None) -> dict[str, dict]:
+    """The pipelined grid's baseline block: its busiest stage's cost breakdown (per step),
+    with ``pipeline_s`` the latency that ratios compare (or why it has none)."""
+    from ilp_planner.planner import realise
+
+    if grid is None:
+        return {}
+    if isinstance(grid, str):
+        return {"torchtitan_pp": {"error": grid}}
+    busiest = max(grid.stages, key=lambda st: st.time_s)
+    points = dict.fromkeys(st.point.name.removeprefix("torchtitan(").rstrip(")")
+                           for st in grid.stages)
+    name = f"torchtitan(pp={len(grid.stages)}; {' | '.join(points)})"
+    block = realise(busiest.point.gp, busiest.point.choice)[1].to_dict()
+    block["pipeline_s"] = grid.latency_s
+    return {name: block}
 
 
 def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,

@@ -360,9 +360,16 @@ class Plan:
             if "error" in b:
                 lines.append(f"  {name:<28}n/a: {b['error']}")
             else:
-                c = CostBreakdown.from_dict(b)
-                lines.append(row(name, c, c.total_s))
+                lines.append(row(name, CostBreakdown.from_dict(b), baseline_seconds(b)))
         return "\n".join(lines)
+
+
+def baseline_seconds(block: dict) -> float:
+    """A baseline's seconds per step as ratios compare them: a pipelined baseline's
+    latency (``pipeline_s``), else its cost breakdown's total."""
+    if "pipeline_s" in block:
+        return number(block["pipeline_s"])
+    return CostBreakdown.from_dict(block).total_s
 
 
 def _fmt(x: float | None) -> str:

@@ -460,7 +460,7 @@ def _config_error(exc: ConfigError, task: PointTask) -> str:
 def plan_row(plan) -> dict[str, Any]:
     """The result columns of a solved plan."""
     from ilp_planner.explain import baseline_family, layout_summary, microbatches, step_seconds
-    from ilp_planner.plan import CostBreakdown
+    from ilp_planner.plan import baseline_seconds
 
     s, c = plan.solver, plan.cost
     step = step_seconds(plan)
@@ -488,7 +488,7 @@ def plan_row(plan) -> dict[str, Any]:
             baselines[name] = block["error"]
             ratios.setdefault(fam, None)
             continue
-        ratio = CostBreakdown.from_dict(block).total_s / step if step else None
+        ratio = baseline_seconds(block) / step if step else None
         baselines[name] = ratio
         if ratio is not None and (ratios.get(fam) is None or ratio < ratios[fam]):
             ratios[fam] = ratio
