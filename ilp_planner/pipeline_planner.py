@@ -25,11 +25,14 @@ sent once, directly, in the plan.
 Stage memory. A stage at position ``s`` from the end holds the activations of
 ``inflight(s)`` micro-batches (1F1B: ``min(s, B)``). Each (range, mesh) pair is solved
 first without a memory row — the fastest plan, whose peak ``fixed + inflight · act`` is
-exact at every position — and then, for each in-flight count the pair can meet (its
-possible positions) at which no variant so far fits, again with the memory row of that
-count (:attr:`StageBoundary.inflight`): the fastest plan that fits there, with state
-sharding and recomputation where the config offers them. The DP picks per stage the
-fastest variant that fits its position (:data:`formulations.stage_dp.StageCostFn`).
+exact at every position — and then, for the in-flight counts the pair can meet (its
+possible positions) at which that plan does not fit, with the memory row of a count
+(:attr:`StageBoundary.inflight`): the fastest plan that fits there, with state sharding
+and recomputation where the config offers them. Counts are bisected: the best time grows
+with the count, so where two solved counts give the same time the larger one's plan is
+the best for every count between (exact for an exact stage solver; the ``recompute:
+auto`` enumeration and the transient caps are exact per choice, not over all choices).
+The DP picks per stage the fastest variant that fits its position (:data:`formulations.stage_dp.StageCostFn`).
 Stage ILPs price one step of ``B`` accumulated micro-batches (per-micro-batch work ``B``
 times, gradient synchronisation and ZeRO's weight gathers once), the DP's stage time is
 that divided by ``B``.
@@ -45,6 +48,8 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import numpy as np
 
 from formulations.sbp_problem import BuildCache, held_activations, peak_memory
 from formulations.schedules import inflight_microbatches, make_schedule
@@ -249,6 +254,7 @@ class _StageSolver:
         self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
         self.num_stages = (len(pipe.submeshes) if pipe.submeshes else
                            None if pipe.stages == "auto" else int(pipe.stages))
+        self.max_position: int | None = None  # deepest position a better plan can use
 
     def names(self, a: int, e: int) -> list[str]:
         return [n for u in self.units[a:e] for n in u]
@@ -348,14 +354,43 @@ class _StageSolver:
                 * (1 - 1e-9) > self.incumbent_s):
             return out  # slower variants: every plan using them costs more than the incumbent
         budget = self.config.cluster.memory_bytes
-        for held in self._inflight_levels(a, e, shape):
-            if any(c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch <= budget
-                   for _, c in out):
-                continue
-            solved = self.solve(a, e, shape, held)
-            if solved is None:
-                break  # holding more micro-batches fits no better
-            out.append((held, self._cost(solved)))
+        fastest = out[0][1]
+        levels = [h for h in self._inflight_levels(a, e, shape)
+                  if fastest.memory_bytes_fixed + h * fastest.activation_bytes_per_microbatch
+                  > budget]
+        sig = self.keys.key(a, e)
+        found: dict[int, StageCost | None] = {  # counts solved already (the incumbent's)
+            i: None if self.cache[(sig, shape, h)] is None else self._cost(self.cache[(sig, shape, h)])
+            for i, h in enumerate(levels) if (sig, shape, h) in self.cache}
+
+        def at(i: int) -> StageCost | None:
+            if i not in found:
+                solved = self.solve(a, e, shape, levels[i])
+                found[i] = None if solved is None else self._cost(solved)
+            return found[i]
+
+        if not levels or at(0) is None:
+            return out
+        # the best time T(h) holding h micro-batches grows with h (fewer plans fit) and a
+        # plan fitting h fits every smaller count: where two solved counts take the same
+        # time, the plan for the larger is the best for every count between (not solved)
+        last = len(levels) - 1
+        if at(last) is None:  # the most held that fits: infeasibility is monotone too
+            good, bad = 0, last
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                good, bad = (good, mid) if at(mid) is None else (mid, bad)
+            last = good
+        spans = [(0, last)]
+        while spans:
+            i, j = spans.pop()
+            lo, hi = at(i), at(j)
+            if j - i > 1 and lo is not None and hi is not None \
+                    and lo.time_s < hi.time_s * (1 - 1e-9):
+                mid = (i + j) // 2
+                at(mid)
+                spans += [(i, mid), (mid, j)]
+        out += [(levels[i], c) for i, c in sorted(found.items()) if c is not None]
         return out
 
     def _cost(self, solved) -> StageCost:
@@ -373,6 +408,8 @@ class _StageSolver:
         L = len(self.units)
         lo, hi = (1, 1) if end == L else (
             2, 1 + min(L - end, self.num_devices - shape[0] * shape[1]))
+        if self.max_position is not None:
+            hi = min(hi, self.max_position)
         if self.num_stages is not None:
             S = self.num_stages
             lo, hi = (max(lo, S), min(hi, S)) if start == 0 else (max(lo, S - start),
@@ -397,7 +434,7 @@ class _StageSolver:
                   and (num_stages is None or S == num_stages)]
         counts.sort(key=lambda S: (L % S != 0, D // S < dpn, -S))
         prefix = [float(i) for i in range(L + 1)]
-        best, calls, tried, fits = None, self.calls, 0, 0
+        best, calls, tried, fits, stages = None, self.calls, 0, 0, 1
         for S in counts:
             if fits == 2 or (tried >= 2 and fits):
                 break
@@ -411,17 +448,51 @@ class _StageSolver:
                 if not admissible(a, e, shape, L, D, tolerance, prefix):
                     break
                 held = inflight_microbatches(pipe.schedule, S - j, pipe.microbatches)
-                fitting = [c.time_s for c in self.stage_cost(a, e, shape)
-                           if c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch
-                           <= cluster.memory_bytes]
-                if not fitting:
+                t = self._fastest_at(a, e, shape, held)
+                if t is None:
                     break
-                times.append(min(fitting) + (boundary(e, shape) if e < L else 0.0))
+                times.append(t + (boundary(e, shape) if e < L else 0.0))
             else:
                 value = sum(times) + (pipe.microbatches - 1) * max(times)
-                best = value if best is None else min(best, value)
+                if best is None or value < best:
+                    best, stages = value, S
                 fits += 1
         self.incumbent_s, self.calls = best, calls
+        if best is not None:  # a first guess; the DP's loop widens it (_solve_pipelined)
+            self.max_position = min(self.most_stages(best), stages)
+
+    def _fastest_at(self, a: int, e: int, shape: tuple[int, int], held: int) -> float | None:
+        """Time of the fastest plan of [a, e) on ``shape`` that fits holding ``held``
+        micro-batches (one solve at that count at most; no variant table)."""
+        budget = self.config.cluster.memory_bytes
+        for how in (None, held):
+            solved = self.solve(a, e, shape, how)
+            if solved is None:
+                return None
+            c = self._cost(solved)
+            if c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch <= budget:
+                return c.time_s
+        return None
+
+    def most_stages(self, incumbent: float) -> int:
+        """The most stages a plan faster than ``incumbent`` can have, so the deepest
+        position a stage can take. With ``S`` stages of work ``W_j`` on ``z_j`` devices,
+        ``Σ t ≥ Σ W_j / z_j ≥ (Σ √W_j)² / D`` (Cauchy–Schwarz, ``Σ z_j = D``) and ``max t ≥
+        W / D``; the least ``Σ √W_j`` over contiguous splits into ``S`` ranges grows with
+        ``S`` (merging two ranges never raises it), found by a DP over split points."""
+        W = np.array(self.work_prefix)
+        L, D, M = len(self.units), self.num_devices, self.config.pipeline.microbatches
+        root = np.sqrt(np.maximum(W[None, :] - W[:, None], 0.0))
+        root[np.tril_indices(L + 1)] = np.inf  # a range needs a unit
+        f = root[0].copy()  # least Σ √W_j covering units [0, e) with s ranges
+        floor = (M - 1) * W[-1] / D
+        most = 1
+        for S in range(2, min(L, D) + 1):
+            f = (f[:, None] + root).min(axis=0)
+            if f[L] ** 2 / D + floor > incumbent * (1 + 1e-9):
+                break
+            most = S
+        return most
 
 
 class _BoundaryCost:
@@ -560,6 +631,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
 
     def run_dp():
         while True:
+            solver.calls = 0  # the pairs of the last table
             dp = solve_stages(
                 len(units), cluster.nodes, cluster.devices_per_node, pipe.microbatches,
                 solver.stage_cost, boundary_cost=boundary, schedule=pipe.schedule,
@@ -567,11 +639,20 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
                 submesh_shapes=shapes, fixed_submeshes=fixed,
                 imbalance_tolerance=pipe.imbalance_tolerance,
             )
+            if solver.max_position is not None:
+                # variants were solved for positions up to max_position only: exact once
+                # no plan with a deeper stage can beat this one, else widen and solve again
+                deepest = solver.most_stages(dp.objective_s)
+                if deepest > solver.max_position:
+                    solver.max_position = deepest
+                    solver.costs.clear()  # stage solves stay cached
+                    continue
             if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
                 return dp
             # cannot happen if the bound is valid; stay exact regardless
-            solver.incumbent_s = None
+            solver.incumbent_s = solver.max_position = None
             solver.bounded.clear()
+            solver.costs.clear()  # variants were cut at the incumbent's deepest position
 
     dp = run_dp()
     grid = None
