@@ -239,7 +239,7 @@ class _StageSolver:
         self.keys = RangeKeys(graph, units)
         self.cache: dict[tuple, tuple | None] = {}
         self.build_cache = BuildCache()  # per-op options and edge matrices across solves
-        self.costs: dict[tuple, list[tuple[int | AtGridPoint | None, StageCost]]] = {}
+        self.costs: dict[tuple, list[tuple[int | AtGridPoint | Gap | None, StageCost]]] = {}
         self.solves = 0
         self.solve_s = 0.0
         self.build_s = 0.0
@@ -255,6 +255,7 @@ class _StageSolver:
         self.num_stages = (len(pipe.submeshes) if pipe.submeshes else
                            None if pipe.stages == "auto" else int(pipe.stages))
         self.max_position: int | None = None  # deepest position a better plan can use
+        self.lazy = True  # in-flight counts between solved ones as Gap variants
 
     def names(self, a: int, e: int) -> list[str]:
         return [n for u in self.units[a:e] for n in u]
@@ -330,7 +331,7 @@ class _StageSolver:
         return [c for _, c in self.costs[key]]
 
     def variant_how(self, a: int, e: int, shape: tuple[int, int], variant: int
-                    ) -> int | AtGridPoint | None:
+                    ) -> int | AtGridPoint | Gap | None:
         """How variant ``variant`` of [a, e) on ``shape`` was solved (:meth:`solve`)."""
         return self.costs[(self.keys.key(a, e), shape)][variant][0]
 
@@ -345,7 +346,7 @@ class _StageSolver:
             self.costs[key].append((how, self._cost(solved)))
 
     def _variants(self, a: int, e: int, shape: tuple[int, int]
-                  ) -> list[tuple[int | AtGridPoint | None, StageCost]]:
+                  ) -> list[tuple[int | AtGridPoint | Gap | None, StageCost]]:
         solved = self.solve(a, e, shape)
         if solved is None:
             return []
@@ -375,23 +376,61 @@ class _StageSolver:
         # plan fitting h fits every smaller count: where two solved counts take the same
         # time, the plan for the larger is the best for every count between (not solved)
         last = len(levels) - 1
-        if at(last) is None:  # the most held that fits: infeasibility is monotone too
-            good, bad = 0, last
-            while bad - good > 1:
-                mid = (good + bad) // 2
-                good, bad = (good, mid) if at(mid) is None else (mid, bad)
-            last = good
-        spans = [(0, last)]
-        while spans:
-            i, j = spans.pop()
-            lo, hi = at(i), at(j)
-            if j - i > 1 and lo is not None and hi is not None \
-                    and lo.time_s < hi.time_s * (1 - 1e-9):
-                mid = (i + j) // 2
-                at(mid)
-                spans += [(i, mid), (mid, j)]
-        out += [(levels[i], c) for i, c in sorted(found.items()) if c is not None]
-        return out
+        at(last)
+        if not self.lazy:
+            if found[last] is None:  # the most held that fits: infeasibility is monotone
+                good, bad = 0, last
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    good, bad = (good, mid) if at(mid) is None else (mid, bad)
+            spans = [(0, last)]
+            while spans:
+                i, j = spans.pop()
+                lo, hi = at(i), at(j)
+                if j - i > 1 and lo is not None and (hi is None or lo.time_s < hi.time_s
+                                                     * (1 - 1e-9)):
+                    mid = (i + j) // 2
+                    at(mid)
+                    spans += [(i, mid), (mid, j)]
+        done = sorted(found.items())
+        for (i, lo), (j, hi) in itertools.pairwise(done):
+            if lo is None:
+                break
+            if j - i > 1 and (hi is None or lo.time_s < hi.time_s * (1 - 1e-9)):
+                # the counts strictly between, not solved yet: the time of the count below,
+                # fitting every count up to the one before ``j`` (:class:`Gap`)
+                out.append((Gap(levels[i], levels[j]),
+                            StageCost(lo.time_s, 0.0, budget / (levels[j - 1] + 0.5))))
+        return out + [(levels[i], c) for i, c in done if c is not None]
+
+    def refine(self, stage) -> bool:
+        """Resolve a :class:`Gap` variant the DP chose for ``stage`` (a StageChoice): solve
+        its range at the micro-batches its position holds and rebuild the pair's variants.
+        False when a solved variant already serves that position at the gap's time (then
+        :meth:`serving` names it)."""
+        if self.serving(stage) is not None:
+            return False
+        a, e, shape = stage.start, stage.end, stage.submesh
+        key = (self.keys.key(a, e), shape)
+        if (*key, stage.inflight_microbatches) in self.cache:
+            raise AssertionError(f"gap variant chosen at a solved count: {stage}")
+        self.solve(a, e, shape, stage.inflight_microbatches)
+        grid = [v for v in self.costs[key] if isinstance(v[0], AtGridPoint)]
+        self.costs[key] = self._variants(a, e, shape) + grid
+        return True
+
+    def serving(self, stage) -> int | None:
+        """A solved variant of ``stage``'s pair that fits its position and is as fast as
+        the :class:`Gap` variant chosen (the gap's lower end, when the position holds no
+        more than it), or None."""
+        variants = self.costs[(self.keys.key(stage.start, stage.end), stage.submesh)]
+        gap = variants[stage.variant][1]
+        budget, n = self.config.cluster.memory_bytes, stage.inflight_microbatches
+        for v, (how, c) in enumerate(variants):
+            if not isinstance(how, Gap) and c.time_s <= gap.time_s \
+                    and c.memory_bytes_fixed + n * c.activation_bytes_per_microbatch <= budget:
+                return v
+        return None
 
     def _cost(self, solved) -> StageCost:
         gp, res, _, cost = solved
@@ -647,6 +686,13 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
                     solver.max_position = deepest
                     solver.costs.clear()  # stage solves stay cached
                     continue
+            gaps = [j for j, st in enumerate(dp.stages) if isinstance(
+                solver.variant_how(st.start, st.end, st.submesh, st.variant), Gap)]
+            if any([solver.refine(dp.stages[j]) for j in gaps]):
+                continue
+            if gaps:  # each chosen gap's time is that of a solved variant fitting there
+                dp = dataclasses.replace(dp, stages=tuple(
+                    _served(solver, st) if j in gaps else st for j, st in enumerate(dp.stages)))
             if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
                 return dp
             # cannot happen if the bound is valid; stay exact regardless
@@ -750,6 +796,20 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         plan.baselines = _single_mesh_baselines(config)
         plan.baselines.update(price_pipelined_grid(grid))
     return plan
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A stand-in variant for the in-flight counts strictly between two solved ones,
+    ``below`` and ``above`` (their plans differ in time, or none fits ``above``): the time
+    of ``below``'s plan (a lower bound: fewer plans fit holding more), fitting every count
+    below ``above`` and no more (its memory figures are made for that, not measured). The DP may choose it;
+    :meth:`_StageSolver.refine` then solves the count the stage holds and the DP runs
+    again, until no gap is chosen — exact, as a gap never costs more than what it stands
+    for, with far fewer stage solves."""
+
+    below: int
+    above: int
 
 
 @dataclass(frozen=True)
@@ -867,6 +927,15 @@ def price_pipelined_grid(grid: GridPipeline | str | None) -> dict[str, dict]:
     block = realise(busiest.point.gp, busiest.point.choice)[1].to_dict()
     block["pipeline_s"] = grid.latency_s
     return {name: block}
+
+
+def _served(solver: _StageSolver, stage):
+    """``stage`` (a StageChoice on a :class:`Gap`) on the solved variant serving it."""
+    v = solver.serving(stage)
+    assert v is not None
+    c = solver.costs[(solver.keys.key(stage.start, stage.end), stage.submesh)][v][1]
+    return dataclasses.replace(stage, variant=v, memory_bytes=c.memory_bytes_fixed
+                               + stage.inflight_microbatches * c.activation_bytes_per_microbatch)
 
 
 def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,

@@ -227,6 +227,34 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
         assert dp_memory == pytest.approx(peak, rel=1e-12) and peak <= roomier.cluster.memory_bytes
 
 
+def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
+    """Six blocks on 8 devices, 8 micro-batches under 1F1B and a budget that binds: the
+    planner solves the in-flight counts between two solved ones only where the DP chooses
+    their stand-in (:class:`~ilp_planner.pipeline_planner.Gap`), and bounds the positions
+    by its incumbent; the table of every count (bisected), without incumbent, has the same
+    optimum and needs more solves."""
+    from formulations.stage_dp import solve_stages
+    from ilp_planner.cluster import submesh_shapes
+    from ilp_planner.pipeline_planner import _BoundaryCost, _StageSolver
+
+    config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
+                     "pipeline.stages": "auto", "pipeline.microbatches": 8,
+                     "pipeline.schedule": "1f1b"})
+    plan = solve_pipelined(config, baselines=False)
+    assert any(st["memory_solved_for_inflight"] for st in plan.stages)
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    full = _StageSolver(config, graph, units)
+    full.lazy = False
+    c = config.cluster
+    dp = solve_stages(len(units), c.nodes, c.devices_per_node, 8, full.stage_cost,
+                      boundary_cost=_BoundaryCost(config, graph, units), schedule="1f1b",
+                      memory_budget_bytes=c.memory_bytes,
+                      submesh_shapes=submesh_shapes(c.nodes, c.devices_per_node))
+    assert plan.schedule["dp_objective_s"] == pytest.approx(dp.objective_s, rel=1e-12)
+    assert plan.solver["stage_solves"] < full.solves
+
+
 def test_auto_stage_count_solves():
     plan = solve(tiny(**{"pipeline.stages": "auto"}), baselines=False)
     assert 1 <= len(plan.stages) <= 8
