@@ -327,7 +327,9 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                                            base.output, ctx)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,
                       base.state_bytes + act, base.state_bytes, act, syncs,
-                      transient_bytes=base.transient_bytes)
+                      transient_bytes=base.transient_bytes if input_reached else
+                      # no input gradient: no backward gather held beside the full gradient
+                      max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes))
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
