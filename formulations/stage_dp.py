@@ -105,6 +105,10 @@ class StageCost:
     memory_bytes_fixed: float
     activation_bytes_per_microbatch: float
 
+    def memory(self, inflight: int) -> float:
+        """Per-device bytes holding ``inflight`` micro-batches."""
+        return self.memory_bytes_fixed + inflight * self.activation_bytes_per_microbatch
+
 
 StageCostFn = Callable[[int, int, Shape], "StageCost | Sequence[StageCost] | None"]
 """A stage's cost, or its *variants*: plans of the same range on the same mesh trading time
@@ -1062,8 +1066,7 @@ def brute_force_stages(
                 else []
             )
         fits = [(c.time_s, v, c) for v, c in enumerate(cache[(a, e, sh)])
-                if c.memory_bytes_fixed + n_in * c.activation_bytes_per_microbatch
-                <= memory_budget_bytes]
+                if c.memory(n_in) <= memory_budget_bytes]
         return min(fits, key=lambda f: f[:2])[1:] if fits else None
 
     best = None
@@ -1090,7 +1093,7 @@ def brute_force_stages(
                         ok = False
                         break
                     v, c = found
-                    memory = c.memory_bytes_fixed + n_in * c.activation_bytes_per_microbatch
+                    memory = c.memory(n_in)
                     b = float(boundary_cost(e, sh)) if (boundary_cost and e < L) else 0.0
                     times.append(c.time_s + b)
                     rows.append((a, e, sh, c.time_s, b, memory, n_in, v))

@@ -356,13 +356,13 @@ class _StageSolver:
             return out  # slower variants: every plan using them costs more than the incumbent
         budget = self.config.cluster.memory_bytes
         fastest = out[0][1]
-        levels = [h for h in self._inflight_levels(a, e, shape)
-                  if fastest.memory_bytes_fixed + h * fastest.activation_bytes_per_microbatch
-                  > budget]
+        levels = [h for h in self._inflight_levels(a, e, shape) if fastest.memory(h) > budget]
         sig = self.keys.key(a, e)
-        found: dict[int, StageCost | None] = {  # counts solved already (the incumbent's)
-            i: None if self.cache[(sig, shape, h)] is None else self._cost(self.cache[(sig, shape, h)])
-            for i, h in enumerate(levels) if (sig, shape, h) in self.cache}
+        found: dict[int, StageCost | None] = {}  # counts solved already (the incumbent's)
+        for i, h in enumerate(levels):
+            if (sig, shape, h) in self.cache:
+                cached = self.cache[(sig, shape, h)]
+                found[i] = None if cached is None else self._cost(cached)
 
         def at(i: int) -> StageCost | None:
             if i not in found:
@@ -428,7 +428,7 @@ class _StageSolver:
         budget, n = self.config.cluster.memory_bytes, stage.inflight_microbatches
         for v, (how, c) in enumerate(variants):
             if not isinstance(how, Gap) and c.time_s <= gap.time_s \
-                    and c.memory_bytes_fixed + n * c.activation_bytes_per_microbatch <= budget:
+                    and c.memory(n) <= budget:
                 return v
         return None
 
@@ -509,7 +509,7 @@ class _StageSolver:
             if solved is None:
                 return None
             c = self._cost(solved)
-            if c.memory_bytes_fixed + held * c.activation_bytes_per_microbatch <= budget:
+            if c.memory(held) <= budget:
                 return c.time_s
         return None
 
@@ -934,8 +934,7 @@ def _served(solver: _StageSolver, stage):
     v = solver.serving(stage)
     assert v is not None
     c = solver.costs[(solver.keys.key(stage.start, stage.end), stage.submesh)][v][1]
-    return dataclasses.replace(stage, variant=v, memory_bytes=c.memory_bytes_fixed
-                               + stage.inflight_microbatches * c.activation_bytes_per_microbatch)
+    return dataclasses.replace(stage, variant=v, memory_bytes=c.memory(stage.inflight_microbatches))
 
 
 def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,
