@@ -39,13 +39,14 @@ its neighbour.
 State sharding (``LayerPlan.zero``, :mod:`runtime.zero`): a sharded layer's gradient
 buckets (the planner's :func:`~ilp_planner.strategies.grad_sync`) are not AllReduced but
 kept as flat buffers sharded over the bucket's group; the optimizer updates each rank's
-fp32 shard. ZeRO-1 reduce-scatters the accumulated flat gradient once, after the step's
-last backward, ZeRO-2 after every micro-batch's backward; both all-gather the updated
-shards into the full blocks after the update. ZeRO-3 keeps only the shard, all-gathers it
-in the op's forward, keeps no gathered block for the backward (which gathers again only
-where it reads the weights: for the input's gradient, when autograd reaches the input; a
-recomputed op's backward reads its recomputation's gather instead) and reduce-scatters
-the gradient there. Compile checks that these are the collectives the
+fp32 shard. ZeRO-1/2 keep the full blocks in the compute dtype and add each micro-batch's
+gradient to a flat fp32 buffer, as the planner prices them; ZeRO-1 reduce-scatters it
+once, after the step's last backward, ZeRO-2 after every micro-batch's backward; both
+all-gather the updated shards into the full blocks after the update. ZeRO-3 keeps only the
+shard, all-gathers it in the op's forward, keeps no gathered block for the backward (which
+gathers again only where it reads the weights: for the input's gradient, when autograd
+reaches the input; a recomputed op's backward reads its recomputation's gather instead)
+and reduce-scatters the gradient there. Compile checks that these are the collectives the
 plan lists for the layer. A sharded tied weight is refused (its exchange needs the full
 gradient).
 
@@ -386,18 +387,28 @@ class Executor:
                 self.zero_of.setdefault(name, []).append(zb)
                 if lp.zero == 3:
                     shard_only |= set(sync.roles)
+                elif lp.zero:  # levels 1, 2: the full blocks in the compute dtype (the
+                    # planner's w bytes; the fp32 master is the shard), refreshed by the
+                    # all-gather after each update, never updated themselves — but SUMMA
+                    # gathers its weight from the master's dtype (as priced) and casts it
+                    for role in sync.roles:
+                        if not (role == "weight" and is_summa(lp.strategy)):
+                            blocks[role] = blocks[role].to(self.compute_dtype)
             for role, local in blocks.items():
                 if role not in shard_only:
                     self.params[f"{name}.{role}"] = LVal(local.requires_grad_(True),
                                                          layouts[role][0])
-        # levels 1, 2: the full blocks are refreshed by the all-gather, never updated
         self.zero_full = {f"{zb.layer}.{r}": (zb, r) for zb in self.zero_buckets
                           if zb.level < 3 for r in zb.sync.roles}
         for zb in self.zero_buckets:
-            if zb.level == 1:  # reduce-scattered as soon as the last backward completes it
-                for role in zb.sync.roles:
-                    self.params[f"{zb.layer}.{role}"].t.register_post_accumulate_grad_hook(
-                        lambda p, zb=zb: self._zero1_ready(zb))
+            if zb.level == 3:
+                continue
+            for role, view in zb.views(zb.full_grad).items():
+                t = self.params[f"{zb.layer}.{role}"].t
+                t.register_post_accumulate_grad_hook(
+                    lambda p, view=view: self._zero_accumulate(p, view))
+                if zb.level == 1:  # reduce-scattered once the last backward completes it
+                    t.register_post_accumulate_grad_hook(lambda p, zb=zb: self._zero1_ready(zb))
         self.layer_params = {name: {k.rsplit(".", 1)[1]: v for k, v in self.params.items()
                                     if k.rsplit(".", 1)[0] == name} for name in s.layers}
         self._setup_grad_sync(s)
@@ -478,8 +489,6 @@ class Executor:
                     continue
                 zb.full_grad.zero_()
                 zb.grad_shard.zero_()
-                for role, view in zb.views(zb.full_grad).items():
-                    self.params[f"{zb.layer}.{role}"].t.grad = view
         self.state = {}
         self.loss_sum = 0.0
         if self.my_stage is not None:
@@ -777,7 +786,6 @@ class Executor:
         for zb in self.zero_buckets:
             if zb.level == 1:  # once per step: launched during the last backward, or now
                 if zb.key not in self.zero_work:
-                    self._check_zero_buffer(zb)
                     zb.grad_shard += zb.reduce_scatter(zb.full_grad, "shard_grad_sync",
                                                        self.recorder)
                 else:
@@ -787,12 +795,13 @@ class Executor:
             model.unscale(out, self.loss_scale)
         return out
 
-    def _check_zero_buffer(self, zb: ZeroBucket) -> None:
-        for role, view in zb.views(zb.full_grad).items():
-            g = self.params[f"{zb.layer}.{role}"].t.grad
-            if g is None or g.data_ptr() != view.data_ptr():
-                raise RuntimeError(f"autograd replaced the flat gradient buffer of "
-                                   f"{zb.layer}.{role} instead of accumulating into it")
+    @staticmethod
+    def _zero_accumulate(p: torch.Tensor, view: torch.Tensor) -> None:
+        """ZeRO-1/2: a full block's gradient (in the block's compute dtype) joins the flat
+        fp32 buffer the reduce-scatter reads, and leaves the block — gradients accumulate
+        in fp32, as the planner prices them (its g bytes), whatever the block's dtype."""
+        view.add_(p.grad)
+        p.grad = None
 
     def _zero1_ready(self, zb: ZeroBucket) -> None:
         """During the step's last backward (with overlap): once every role of a ZeRO-1
@@ -802,7 +811,6 @@ class Executor:
             return
         self.zero_waiting[zb.key] -= 1
         if self.zero_waiting[zb.key] == 0:
-            self._check_zero_buffer(zb)
             out = torch.empty(zb.s, device=self.device, dtype=torch.float32)
             first = len(self.recorder.events)
             with tagged("backward", "shard_grad_sync", zb.layer):
@@ -814,7 +822,6 @@ class Executor:
         into its shard (which accumulates) and the full buffer is emptied for the next."""
         for zb in self.zero_buckets:
             if zb.level == 2:
-                self._check_zero_buffer(zb)
                 zb.grad_shard += zb.reduce_scatter(zb.full_grad, "shard_grad", self.recorder)
                 zb.full_grad.zero_()
 

@@ -178,7 +178,10 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                      "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
                      "microbatches": ex.microbatches, "stages": len(ex.stages),
                      "audit_ok": all(audited) if args.audit else None,
-                     "order": order}  # rank 0's first step: collectives and marks, if recorded
+                     "order": order,  # rank 0's first step: collectives and marks, if recorded
+                     # rank 0's parameter blocks as held between steps: dtype, elements
+                     "held": {k: [str(v.t.dtype).removeprefix("torch."), v.t.numel()]
+                              for k, v in getattr(ex, "params", {}).items()}}
             if rank == 0:
                 if args.save_params:
                     out = Path(args.save_params)

@@ -13,8 +13,9 @@ the plan lists, which the executor checks against ``LayerPlan.collectives`` befo
 ============  =====================================================================
 level         per micro-batch / per step (what the executor issues)
 ============  =====================================================================
-1             full local blocks kept (fp32 leaves; gradients accumulate in one flat
-              buffer); after the step's last backward one ``reduce_scatter`` of the
+1             full local blocks kept in the compute dtype (the planner's w bytes;
+              each micro-batch's gradient is added to one flat fp32 buffer, its g
+              bytes); after the step's last backward one ``reduce_scatter`` of the
               flat gradient (``shard_grad_sync``); the optimizer updates the shard; one
               ``all_gather`` of the updated shard (compute dtype, ``weight_allgather``)
               refreshes the full blocks
