@@ -173,6 +173,7 @@ class Executor:
         self._compile()
         self.my_stage = next((s for s in self.stages if rank in s.devices), None)
         self.params: dict[str, LVal] = {}
+        self._copies: dict[str, LVal] = {}  # this step's compute copies (_compute_copy)
         self.state: dict[int, dict] = {}
         self.pending: list = []
         # kind -> handler (formulations.schedules action kinds; lowered schedules)
@@ -490,6 +491,7 @@ class Executor:
                 zb.full_grad.zero_()
                 zb.grad_shard.zero_()
         self.state = {}
+        self._copies = {}
         self.loss_sum = 0.0
         if self.my_stage is not None:
             self.ctx.reports.clear()
@@ -507,6 +509,7 @@ class Executor:
             if self.my_stage is not None:
                 grads = self._sync_grads()
                 self._exchange_tied(grads)
+                self._copies = {}  # the next step casts the updated masters
                 self.optimizer.step(self._updated(), grads)
                 self._gather_updated()
                 self.loss_sum = sum(float((r.value() / self.microbatches).sum())
@@ -584,12 +587,23 @@ class Executor:
                                for r, t in views.items()})
                 gathered.append(pair)
         if self.compute_dtype != model.DTYPE:  # mixed precision: compute copies of the
-            # masters (SUMMA gathers its weight's master and casts it itself; ZeRO-3
-            # gathers in the compute dtype)
-            params = {r: v if r == "weight" and is_summa(lp.strategy)
-                      else LVal(v.t.to(self.compute_dtype), v.layout) for r, v in params.items()}
+            # masters (SUMMA gathers its weight's master and casts it itself; ZeRO gathers
+            # and ZeRO-1/2 blocks are in the compute dtype already)
+            params = {r: v if (r == "weight" and is_summa(lp.strategy))
+                      or v.t.dtype == self.compute_dtype else self._compute_copy(f"{name}.{r}", v)
+                      for r, v in params.items()}
         with released(gathered) if gathered else contextlib.nullcontext():
             return OPS[op.kind](self.ctx, op, lp, xs, params, data)
+
+    def _compute_copy(self, key: str, master: LVal) -> LVal:
+        """The compute-dtype copy of a master block, cast once per step: every micro-batch's
+        forward (and a recomputation) reads the same copy, so the step holds it once — the
+        planner's w bytes a parameter — not once per micro-batch in flight, and autograd
+        adds each micro-batch's gradient to the fp32 master through the one cast."""
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._copies[key] = LVal(master.t.to(self.compute_dtype), master.layout)
+        return copy
 
     def _checkpointed(self, names: tuple[str, ...], mb: int, data: dict,
                       have: Callable[[str, int, str], LVal], vals: dict[str, LVal]) -> None:

@@ -439,3 +439,38 @@ def test_recomputed_blocks_keep_no_activations_between_forward_and_backward() ->
     assert 0 < rc < held
     # the recomputed layers' outputs (what the planner stops charging) are no longer held
     assert held - rc >= recomputed, (held, rc, recomputed)
+
+
+def test_mixed_precision_casts_each_master_once_a_step() -> None:
+    """Under bf16 every micro-batch's forward reads one compute copy of each weight, cast
+    once a step: what two forwards (two micro-batches in flight) save for their backwards
+    shares those copies — the planner charges w = 2 bytes a parameter once, not once per
+    micro-batch in flight."""
+    one = load_config(CONFIGS / "tiny-gpt-bf16-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 1, "pipeline.microbatches": 2})
+    ex = Executor(sharded_plan(one, 0), RunOptions(record=False), rank=0, world=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    saved: list[set[int]] = [set(), set()]
+
+    def keep(mb: int):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[mb].add(t.untyped_storage().data_ptr())
+            return t
+        return pack
+
+    try:
+        ex.setup()
+        ex.state = {}
+        for mb in (0, 1):
+            with torch.autograd.graph.saved_tensors_hooks(keep(mb), lambda t: t):
+                ex.forward(mb)
+    finally:
+        dist.destroy_process_group()
+    weights = {k: c.t for k, c in ex._copies.items()
+               if ex.graph[k.rsplit(".", 1)[0]].kind is OpKind.LINEAR and k.endswith(".weight")}
+    assert weights and all(t.dtype == torch.bfloat16 for t in weights.values())
+    for k, t in weights.items():  # both micro-batches saved the one copy
+        ptr = t.untyped_storage().data_ptr()
+        assert ptr in saved[0] and ptr in saved[1], k
+    masters = {ex.params[k].t.untyped_storage().data_ptr() for k in weights}
+    assert not masters & (saved[0] | saved[1])  # no fp32 master saved in their place
