@@ -492,7 +492,7 @@ class _StageSolver:
                     break
                 times.append(t + (boundary(e, shape) if e < L else 0.0))
             else:
-                value = sum(times) + (pipe.microbatches - 1) * max(times)
+                value = _latency(times, pipe.microbatches)
                 if best is None or value < best:
                     best, stages = value, S
                 fits += 1
@@ -703,7 +703,8 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     dp = run_dp()
     grid = None
     if baselines and fixed is None and num_stages != 1:
-        grid = pipelined_grid(config, graph, solver, boundary, shapes, num_stages)
+        grid = pipelined_grid(config, graph, solver, boundary, shapes, num_stages,
+                              len(dp.stages))
         if isinstance(grid, GridPipeline) and grid.latency_s < dp.objective_s:
             for st in grid.stages:  # its stage plans, re-solved in the whole space
                 solver.add_variant(st.start, st.end, grid.shape, st.how)
@@ -943,15 +944,21 @@ class GridPipeline:
 
 
 def pipelined_grid(config: Config, graph: Graph, solver: _StageSolver, boundary: _BoundaryCost,
-                   shapes: Sequence[tuple[int, int]], num_stages: int | None
-                   ) -> GridPipeline | str:
+                   shapes: Sequence[tuple[int, int]], num_stages: int | None,
+                   first: int | None = None) -> GridPipeline | str:
     """The torchtitan-style grid with pipelining: every PP degree ``S ≥ 2`` (the stage
     count when the config fixes it) whose equal meshes are an allowed sub-mesh shape, the
     units split evenly (torchtitan's default split), and per stage the best point of the
     intra-stage grid (:func:`~ilp_planner.baselines.torchtitan_choice`: DDP/FSDP × dp × tp
     × SP × AC) holding its position's in-flight micro-batches. torchtitan applies one
     point to every stage; taking each stage's best is at least as good. Returns the
-    fastest, or why none fits."""
+    fastest, or why none fits.
+
+    Exact pruning (each grid point is several exact solves, and 1,024 devices have many
+    PP degrees): no stage runs a micro-batch faster than its FLOPs spread perfectly over
+    its mesh (:attr:`_StageSolver.work_prefix`), so a degree whose latency with those
+    floors for the stages not yet priced reaches the best found is dropped — before its
+    first stage or after any. The degree ``first`` (the stage DP's) is tried first."""
     from formulations.sbp_problem import build_problem
     from ilp_planner.baselines import torchtitan_choice
     from ilp_planner.planner import realise
@@ -961,14 +968,19 @@ def pipelined_grid(config: Config, graph: Graph, solver: _StageSolver, boundary:
     sizes = {n * d: (n, d) for n, d in shapes}
     best: GridPipeline | None = None
     reasons = []
-    for S in range(2, min(L, D) + 1):
-        if D % S or D // S not in sizes or (num_stages is not None and S != num_stages):
-            continue
+    degrees = [S for S in range(2, min(L, D) + 1) if D % S == 0 and D // S in sizes
+               and (num_stages is None or S == num_stages)]
+    W = solver.work_prefix
+    for S in sorted(degrees, key=lambda S: (S != first, S)):
         n, d = sizes[D // S]
         q, r = divmod(L, S)
         ends = list(itertools.accumulate(q + (j < r) for j in range(S)))
-        stages = []
+        floors = [(W[e] - W[ends[j - 1] if j else 0]) / (n * d) for j, e in enumerate(ends)]
+        stages: list[GridStage] = []
         for j, e in enumerate(ends):
+            if best is not None and _latency([st.time_s for st in stages] + floors[j:], M) * (
+                    1 - 1e-9) >= best.latency_s:
+                break  # this degree cannot beat the best found
             a = ends[j - 1] if j else 0
             held = inflight_microbatches(pipe.schedule, S - j, M)
             names = solver.names(a, e)
@@ -995,15 +1007,19 @@ def pipelined_grid(config: Config, graph: Graph, solver: _StageSolver, boundary:
             t = realise(point.gp, point.choice)[1].total_s / M
             send = boundary(e, (n, d)) if e < L else 0.0
             stages.append(GridStage(a, e, point, t + send, send, how))
-        else:
-            times = [st.time_s for st in stages]
-            latency = sum(times) + (M - 1) * max(times)
+        if len(stages) == S:
+            latency = _latency([st.time_s for st in stages], M)
             if best is None or latency < best.latency_s:
                 best = GridPipeline((n, d), tuple(stages), latency)
     if best is None:
         return reasons[0] if reasons else "no pipeline degree splits the cluster into " \
             "allowed equal meshes"
     return best
+
+
+def _latency(times: Sequence[float], microbatches: int) -> float:
+    """The stage DP's pipeline latency: ``Σ t + (B − 1) max t``."""
+    return sum(times) + (microbatches - 1) * max(times)
 
 
 def price_pipelined_grid(grid: GridPipeline | str | None,

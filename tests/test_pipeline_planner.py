@@ -448,3 +448,48 @@ def test_stage_dp_over_one_unit_per_block_equals_brute_force(space):
     ref = brute_force_stages(5, 3, 2, 8, solver.stage_cost, **kw)
     assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
     assert solver.solves < solver.calls
+
+
+def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
+    """The pipelined torchtitan grid drops a PP degree once its latency with FLOP floors
+    for the stages not yet priced reaches the best found; its answer equals the best of
+    every degree priced alone (the config fixing the stage count: nothing to prune), and
+    the floors did cut work here."""
+    from ilp_planner.cluster import submesh_shapes
+    from ilp_planner.pipeline_planner import _BoundaryCost, _StageSolver, pipelined_grid
+
+    config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
+                     "pipeline.stages": "auto", "pipeline.microbatches": 8,
+                     "pipeline.schedule": "1f1b"})
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    c = config.cluster
+    shapes = submesh_shapes(c.nodes, c.devices_per_node)
+
+    from ilp_planner import baselines
+
+    priced = []
+    point = baselines.torchtitan_choice
+    monkeypatch.setattr(baselines, "torchtitan_choice",
+                        lambda *a, **k: priced.append(1) or point(*a, **k))
+
+    def grid(num_stages=None, first=None):
+        priced.clear()
+        solver = _StageSolver(config, graph, units)
+        return pipelined_grid(config, graph, solver, _BoundaryCost(config, graph, units), shapes,
+                              num_stages, first), len(priced)
+
+    alone, work = {}, 0
+    for S in (2, 4, 8):
+        g, n = grid(S)
+        work += n
+        if not isinstance(g, str):
+            alone[S] = g.latency_s
+    assert len(alone) >= 2, alone
+    best = min(alone, key=alone.get)
+    for first in (None, best, max(alone, key=alone.get)):
+        pruned, n = grid(first=first)
+        assert pruned.latency_s == pytest.approx(alone[best], rel=1e-12)
+        assert len(pruned.stages) == best
+        if first == best:
+            assert n < work, (n, work)
