@@ -250,6 +250,10 @@ class BuildCache:
     programs: dict[tuple, float] = field(default_factory=dict)
     facts: dict[int, _ListFacts] = field(default_factory=dict)
     recomputed: dict[tuple, tuple] = field(default_factory=dict)
+    # whole problems of one graph (``problems_of``) by their build arguments save the
+    # budget, for the rebuilds one solve repeats (:func:`ilp_planner.planner._built`)
+    problems: dict[tuple, GraphProblem] = field(default_factory=dict)
+    problems_of: Graph | None = None
 
 
 def _op_content(op: Op) -> tuple:

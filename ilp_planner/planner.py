@@ -271,17 +271,43 @@ def _cap_candidates(config: Config, nodes: int, local: int, graph, microbatches:
                     recompute: frozenset) -> list[float]:
     """Transient caps to try, largest first: :data:`CAP_SAMPLES` values spread evenly over
     the sorted distinct transients of all options (the largest always among them)."""
-    gp = build_problem(graph, config.cluster, nodes, local, config.memory,
-                       tie_layers=config.solver.tie_layers,
-                       max_weight_replication=config.solver.max_weight_replication,
-                       microbatches=microbatches or 1, boundary=boundary,
-                       grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
-                       zero_levels=config.solver.state_sharding, recompute=recompute)
+    gp = _built(config, nodes, local, graph, microbatches, boundary, cache, recompute, None)
     values = sorted({o.transient_bytes for opts in gp.options.values() for o in opts} - {0.0})
     if len(values) > CAP_SAMPLES:
         values = [values[round(i * (len(values) - 1) / (CAP_SAMPLES - 1))]
                   for i in range(CAP_SAMPLES)]
     return values[::-1]
+
+
+def _built(config: Config, nodes: int, local: int, graph, microbatches: int | None,
+           boundary: StageBoundary | None, cache: BuildCache | None, recompute: frozenset,
+           memory_budget: float | None) -> GraphProblem:
+    """:func:`build_problem` for one solve. The caps, budgets and recomputed sets that
+    :func:`solve_mesh` tries rebuild the same problem many times over with only the memory
+    row's budget changed; ``cache`` keeps the problems of the graph it last saw (a new graph
+    replaces them, so it holds one graph's) and each caller gets its own copy with its
+    budget — the same arrays, so the same problem bit for bit."""
+    opts = config.solver
+    key = (config.cluster, nodes, local, config.memory, opts.tie_layers,
+           opts.max_weight_replication, microbatches or 1, boundary, config.grad_bucket_bytes,
+           tuple(opts.state_sharding), recompute)
+    gp = None
+    if cache is not None:
+        if cache.problems_of is not graph:
+            cache.problems.clear()
+            cache.problems_of = graph
+        gp = cache.problems.get(key)
+    if gp is None:
+        gp = build_problem(graph, config.cluster, nodes, local, config.memory,
+                           tie_layers=opts.tie_layers,
+                           max_weight_replication=opts.max_weight_replication,
+                           microbatches=microbatches or 1, boundary=boundary,
+                           grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
+                           zero_levels=opts.state_sharding, recompute=recompute)
+        if cache is not None:
+            cache.problems[key] = gp
+    return dataclasses.replace(gp, problem=dataclasses.replace(gp.problem,
+                                                               memory_budget=memory_budget))
 
 
 class CutOff(Exception):
@@ -331,12 +357,8 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
     opts = config.solver
     t0 = time.perf_counter()
     try:
-        gp = build_problem(graph, config.cluster, nodes, local, config.memory,
-                           tie_layers=opts.tie_layers,
-                           max_weight_replication=opts.max_weight_replication,
-                           memory_budget=memory_budget, microbatches=microbatches or 1,
-                           boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes,
-                           cache=cache, zero_levels=opts.state_sharding, recompute=recompute)
+        gp = _built(config, nodes, local, graph, microbatches, boundary, cache, recompute,
+                    memory_budget)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     allowed = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ from ilp_planner.models import _Builder
 from ilp_planner.plan import Plan
 from ilp_planner.planner import realise, solve, solve_mesh
 from ilp_planner.strategies import StrategyContext, op_strategies
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 ADAM = MemorySpec.preset("adam")
 LINK = Link(1e-5, 1e-9)
@@ -311,3 +314,42 @@ def test_bad_recompute_policy_names_the_key():
                                  "links": {"intra": {"alpha": 1e-5, "beta": 1e-9},
                                            "inter": {"alpha": 1e-5, "beta": 1e-9}}},
                      "solver": {"recompute": "sometimes"}})
+
+
+class _Forgetful(dict):
+    """A problem memo that keeps nothing: every solve builds afresh."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def test_one_solve_builds_each_problem_once_and_reusing_it_changes_nothing(monkeypatch):
+    """A tight-budget solve tries several transient caps and recomputed sets; each distinct
+    problem (recomputed set, tying) is built once and reused with its budget, and the
+    result is the one rebuilding every time gives."""
+    import formulations.sbp_problem as sp
+    import ilp_planner.planner as planner
+
+    config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": 0.0007})
+    c = config.cluster
+    built: list[tuple] = []
+    build = planner.build_problem
+    monkeypatch.setattr(planner, "build_problem", lambda *a, **k: built.append(
+        (k["recompute"], k["tie_layers"])) or build(*a, **k))
+    gp, res = solve_mesh(config, c.nodes, c.devices_per_node, c.memory_bytes)
+    assert built and len(built) == len(set(built))
+    reused = len(built)
+    built.clear()
+    monkeypatch.setattr(sp.BuildCache, "__init__", _forgetting_init(sp.BuildCache.__init__))
+    gp2, res2 = solve_mesh(config, c.nodes, c.devices_per_node, c.memory_bytes)
+    assert len(built) > reused  # caps and budgets rebuilt the same problems
+    assert res2.choice == res.choice and res2.objective == res.objective
+    assert gp2.recompute_units == gp.recompute_units
+
+
+def _forgetting_init(init):
+    def wrapped(self, *a, **k):
+        init(self, *a, **k)
+        self.problems = _Forgetful()
+    return wrapped
