@@ -715,16 +715,17 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh, how)  # type: ignore[misc]
         chosen.append(_StagePlan(st, solver.names(st.start, st.end), stage_layers, res.to_dict(),
                                  how.inflight if isinstance(how, AtGridPoint) else how))
-    pipeline = _assemble(config, graph, chosen, dp.objective_s)
+    reshardings: dict[tuple, ReshardingPlan] = {}
+    pipeline = _assemble(config, graph, chosen, dp.objective_s, reshardings)
     grid_pipeline = None
     if isinstance(grid, GridPipeline):
         grid_pipeline = _assemble(config, graph, _grid_stage_plans(config, solver, grid),
-                                  grid.latency_s)
+                                  grid.latency_s, reshardings)
         if grid_pipeline.step_s < pipeline.step_s:
             # the DP's formula and the simulated schedule disagree here: the grid's stages,
             # re-solved in the whole space, or the grid's own points (members of the space)
             rivals = [_assemble(config, graph, _grid_stage_plans(config, solver, grid, True),
-                                grid.latency_s), grid_pipeline]
+                                grid.latency_s, reshardings), grid_pipeline]
             better = min(rivals, key=lambda p: p.step_s)
             if better.step_s < pipeline.step_s:
                 pipeline = dataclasses.replace(better, note=(
@@ -806,12 +807,14 @@ class _Pipeline:
 
 
 def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
-              dp_objective_s: float) -> _Pipeline:
+              dp_objective_s: float, reshardings: dict | None = None) -> _Pipeline:
     """The pipeline of ``plans`` as it runs: resharding solved for every crossing tensor,
     the stage boundaries checked and priced, each stage's forward and backward per
     micro-batch, and the schedule simulated (``step_s``: makespan + the exposed gradient
     synchronisation tail). The planner's plan and the pipelined grid baseline both come
-    from here, so their steps compare like for like."""
+    from here, so their steps compare like for like; ``reshardings`` carries the solved
+    resharding schedules from one assembly to the next (pipelines on the same meshes share
+    their crossings)."""
     pipe = config.pipeline
     layers: list[LayerPlan] = []
     stages: list[dict] = []
@@ -844,7 +847,8 @@ def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
         })
     t0 = time.perf_counter()
     resharding = _plan_resharding(config, graph, [sp.choice.placement for sp in plans],
-                                  stage_of, out_layout, in_layouts)
+                                  stage_of, out_layout, in_layouts,
+                                  {} if reshardings is None else reshardings)
     resharding_s = time.perf_counter() - t0
     layers = price_stage_boundaries(graph, layers, stages, resharding, config.cluster)
     for s, priced in zip(stages, stage_costs(layers, stages, pipe.microbatches), strict=True):
@@ -1158,12 +1162,13 @@ def _task_rows(rp: ReshardingPlan) -> list[dict]:
 
 def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | None],
                      stage_of: dict[str, int],
-                     out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout]
-                     ) -> list[dict]:
+                     out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout],
+                     solved: dict[tuple, ReshardingPlan]) -> list[dict]:
     """Every tensor crossing stages, once per (tensor, destination stage, layout), with its
     CP-SAT resharding schedules: ``tasks`` forward, ``backward_tasks`` for its gradient
     going back (from the devices that received it to those that sent it). A partial-sum
-    output is reduced inside its stage first."""
+    output is reduced inside its stage first. ``solved``: schedules by (tensor, meshes,
+    layouts), reused and filled."""
     out: list[dict] = []
     seen: set[tuple] = set()
     options = ReshardOptions(compare_strategies=False)
@@ -1178,10 +1183,12 @@ def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | No
         if key in seen:
             continue
         seen.add(key)
-        fwd = plan_resharding(tensor, meshes[a], src_layout, meshes[b], dst_layout, config.cluster,
-                              options)
-        bwd = plan_resharding(tensor, meshes[b], dst_layout, meshes[a], src_layout, config.cluster,
-                              options)
+        for ends in ((meshes[a], src_layout, meshes[b], dst_layout),
+                     (meshes[b], dst_layout, meshes[a], src_layout)):
+            if (tensor, *ends) not in solved:
+                solved[(tensor, *ends)] = plan_resharding(tensor, *ends, config.cluster, options)
+        fwd = solved[(tensor, meshes[a], src_layout, meshes[b], dst_layout)]
+        bwd = solved[(tensor, meshes[b], dst_layout, meshes[a], src_layout)]
         out.append({
             "src_stage": a, "dst_stage": b, "tensor": src, "consumer": dst,
             "shape": list(tensor.shape), "dtype": tensor.dtype,
