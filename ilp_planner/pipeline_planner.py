@@ -719,19 +719,21 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     pipeline = _assemble(config, graph, chosen, dp.objective_s, reshardings)
     grid_pipeline = None
     if isinstance(grid, GridPipeline):
-        grid_pipeline = _assemble(config, graph, _grid_stage_plans(config, solver, grid),
-                                  grid.latency_s, reshardings)
+        own = _grid_stage_plans(config, solver, grid)
+        assert own is not None
+        grid_pipeline = _assemble(config, graph, own, grid.latency_s, reshardings)
         if grid_pipeline.step_s < pipeline.step_s:
             # the DP's formula and the simulated schedule disagree here: the grid's stages,
             # re-solved in the whole space, or the grid's own points (members of the space)
-            rivals = [_assemble(config, graph, _grid_stage_plans(config, solver, grid, True),
-                                grid.latency_s, reshardings), grid_pipeline]
+            resolved = _grid_stage_plans(config, solver, grid, True)
+            rivals = [grid_pipeline] if resolved is None else [
+                _assemble(config, graph, resolved, grid.latency_s, reshardings), grid_pipeline]
             better = min(rivals, key=lambda p: p.step_s)
             if better.step_s < pipeline.step_s:
                 pipeline = dataclasses.replace(better, note=(
                     f"the stage DP's pipeline simulates to {pipeline.step_s:.6g} s a step; "
                     f"kept the torchtitan grid's {len(grid.stages)} stages"
-                    f"{' re-solved in the whole space' if better is rivals[0] else ''}, "
+                    f"{'' if better is grid_pipeline else ' re-solved in the whole space'}, "
                     f"{better.step_s:.6g} s"))
     layers, stages, resharding = pipeline.layers, pipeline.stages, pipeline.resharding
     schedule, resharding_s = pipeline.schedule, pipeline.resharding_s
@@ -870,10 +872,11 @@ def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
 
 
 def _grid_stage_plans(config: Config, solver: _StageSolver, grid: GridPipeline,
-                      whole_space: bool = False) -> list[_StagePlan]:
+                      whole_space: bool = False) -> list[_StagePlan] | None:
     """The pipelined grid's stages on equal meshes packed in stage order: each at its grid
     point, or (``whole_space``) re-solved in the planner's whole space at the point's
-    recomputed blocks and reserve (never slower per step: the point is in that space)."""
+    recomputed blocks and reserve (never slower per step: the point is in that space;
+    None should a re-solve find nothing)."""
     from ilp_planner.planner import realise
 
     cluster = config.cluster
@@ -883,7 +886,10 @@ def _grid_stage_plans(config: Config, solver: _StageSolver, grid: GridPipeline,
     for st, mesh in zip(grid.stages, meshes, strict=True):
         names = solver.names(st.start, st.end)
         if whole_space:
-            gp, res, layers, _ = solver.solve(st.start, st.end, grid.shape, st.how)  # type: ignore[misc]
+            solved = solver.solve(st.start, st.end, grid.shape, st.how)
+            if solved is None:
+                return None
+            gp, res, layers, _ = solved
             report, choice = res.to_dict(), list(res.choice)
         else:
             gp, choice = st.point.gp, st.point.choice
