@@ -52,10 +52,11 @@ solves only the others; ``retry_failed=True`` also re-solves recorded failures.
 Row columns: the overrides; ``status`` (the solver's, or ``config_error`` / ``infeasible``
 / ``timeout`` / ``error``) and ``error``; ``method``, ``objective_s``, ``gap``,
 ``build_s``, ``solve_s``, ``wall_s``; the cost breakdown (``step_s`` = the schedule's
-makespan for pipelined plans, else ``total_s``); ``peak_memory_gib`` and
-``memory_fraction`` of the budget; ``stages`` = max(1, len(plan.stages)); ``layout`` (a
-one-line summary); ``ratio_<baseline>`` = baseline total / plan ``step_s`` (> 1: the plan
-is faster); ``plan`` (path relative to the output folder).
+makespan plus its exposed gradient synchronisation for pipelined plans, else
+``total_s``); ``peak_memory_gib`` and ``memory_fraction`` of the budget; ``stages`` =
+max(1, len(plan.stages)); ``layout`` (a one-line summary); ``ratio_<baseline>`` =
+baseline total / plan ``step_s`` (> 1: the plan is faster); ``plan`` (path relative to the
+output folder).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def pipelined(plan: Plan) -> Plan:
                  "solver": plan.solver},
                 {"index": 1, "devices": [4, 5, 6, 7], "mesh": [[1, 4]], "layers": names[half:]}],
         schedule={"name": "1f1b", "num_microbatches": 4, "makespan_s": 0.0125,
-                  "bubble_fraction": 0.2},
+                  "bubble_fraction": 0.2, "step_s": 0.013},
         resharding=[{"tensor": names[half - 1], "src_stage": 0, "dst_stage": 1,
                      "bytes": 4096.0, "seconds": 1.5e-4}],
     )
@@ -138,14 +138,15 @@ def test_explain_pipelined_plan(tiny):
     assert "stage 0: devices 0-3, mesh (4)" in text and "stage 1: devices 4-7" in text
     assert re.search(r"stage 0: .*\n    ILP optimal: [\d,]+ variables", text)  # stage stats
     assert "schedule 1f1b: 4 micro-batches, makespan 12.5 ms, bubble 20.0%" in text
-    assert "step time 12.5 ms (schedule makespan)" in text
+    assert ("step time 13 ms (schedule makespan 12.5 ms + exposed gradient synchronisation)"
+            in text)
     assert "cross-mesh resharding (1 transfers):" in text and "seconds 150 µs" in text
     assert "  stage 1 " in text or "stage 1" in text
     assert stage_count(plan) == 2 and stage_count(tiny) == 1
-    assert step_seconds(plan) == 0.0125 and step_seconds(tiny) == tiny.cost.total_s
+    assert step_seconds(plan) == 0.013 and step_seconds(tiny) == tiny.cost.total_s
     assert layout_summary(plan).startswith("2 stages (4+4 devices, 1f1b): ")
     row = plan_row(plan)
-    assert row["stages"] == 2 and row["step_s"] == 0.0125 and row["bubble_fraction"] == 0.2
+    assert row["stages"] == 2 and row["step_s"] == 0.013 and row["bubble_fraction"] == 0.2
     assert row["microbatches"] == 4
 
 
@@ -186,7 +187,7 @@ def test_diff_names_the_changed_keys_layers_and_costs(tiny):
 
 def test_diff_across_pipelined_and_single_stage(tiny):
     text = diff(tiny, pipelined(tiny))
-    assert "stages: 1 → 2" in text and "step (makespan)" in text
+    assert "stages: 1 → 2" in text and "step (makespan + exposed sync)" in text
     assert "(stage 0 → 1)" in text
     assert "cross-mesh resharding: 0 → 1 transfers" in text
 
