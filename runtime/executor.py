@@ -491,7 +491,6 @@ class Executor:
                 zb.full_grad.zero_()
                 zb.grad_shard.zero_()
         self.state = {}
-        self._copies = {}
         self.loss_sum = 0.0
         if self.my_stage is not None:
             self.ctx.reports.clear()
