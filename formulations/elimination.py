@@ -117,33 +117,43 @@ Input = tuple[tuple[int, ...], np.ndarray, "int | None"]  # (vars, table, produc
 @dataclass
 class _Step:
     """One elimination: group ``y`` minimised out of ``inputs`` (factors over
-    ``scope ∪ {y}``, each with the step that produced it, None for the problem's own);
-    ``best`` the argmin over y for each assignment of ``scope``."""
+    ``scope ∪ {y}``, each with the step that produced it, None for the problem's own)."""
 
     y: int
     scope: tuple[int, ...]
     inputs: list[Input]
-    best: np.ndarray
 
     @property
     def axes(self) -> list[int]:
         return [*self.scope, self.y]
 
-    def total(self, sizes: list[int], extra: tuple[Input, ...] = ()) -> np.ndarray:
-        """Σ of the inputs (and ``extra`` factors) over ``scope + (y,)``, in one table.
+    def total(self, sizes: list[int], extra: tuple[Input, ...] = (),
+              at: dict[int, int] | None = None) -> np.ndarray:
+        """Σ of the inputs (and ``extra`` factors) over ``scope + (y,)``, in one table;
+        with ``at`` (a strategy per scope group), only its row over y.
 
         Factors whose groups are a subset of a larger factor's are first folded into it
         (small tables), so the full table is written by as few broadcast additions as
-        there are maximal factors — usually one or two."""
+        there are maximal factors — usually one or two. The row is the same additions on
+        the factors' rows, so its entries are bit-identical to the full table's."""
         axes = self.axes
         parts: list[tuple[tuple[int, ...], np.ndarray]] = []
         for vars_, table, _ in sorted([*self.inputs, *extra], key=lambda f: -np.ndim(f[1])):
             host = next((i for i, (vs, _) in enumerate(parts) if set(vars_) <= set(vs)), None)
+            table = np.asarray(table, dtype=float)
+            if at is not None:  # the row (1-d over y, or a scalar): broadcasts as it is
+                piece = table[tuple(slice(None) if v == self.y else at[v] for v in vars_)]
             if host is None:
-                parts.append((vars_, np.asarray(table, dtype=float)))
+                parts.append((vars_, table if at is None else piece))
             else:
                 vs, t = parts[host]
-                parts[host] = (vs, t + _aligned(vars_, table, list(vs)))
+                parts[host] = (vs, t + (_aligned(vars_, table, list(vs)) if at is None
+                                        else piece))
+        if at is not None:
+            out = np.zeros(1)
+            for _, t in parts:
+                out = out + t
+            return np.broadcast_to(out, [sizes[self.y]])
         out = np.zeros([1] * len(axes))
         for vs, t in parts:
             term = _aligned(vs, t, axes)
@@ -182,18 +192,18 @@ def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
             for v in vars_:
                 touching[v].discard(f)
         scope = tuple(sorted({v for vars_, _, _ in inputs for v in vars_} - {y}))
-        step = _Step(y, scope, inputs, np.empty(0, dtype=int))
-        total = step.total(sizes)
-        step.best = total.argmin(axis=-1)
-        reduced = np.take_along_axis(total, step.best[..., None], axis=-1)[..., 0]
+        step = _Step(y, scope, inputs)
+        reduced = step.total(sizes).min(axis=-1)
         steps.append(step)
         if scope:
             add(scope, reduced, len(steps) - 1)
         else:
             constant += float(reduced)
+    # the argmins on the way back: each step's row at its scope's choice (cheaper than an
+    # argmin over every table, and the same first minimum: the row is bit-identical)
     choice = [0] * len(unary)
     for step in reversed(steps):
-        choice[step.y] = int(step.best[tuple(choice[v] for v in step.scope)])
+        choice[step.y] = int(step.total(sizes, at={v: choice[v] for v in step.scope}).argmin())
     return constant, choice, steps
 
 
@@ -403,7 +413,8 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(), sear
     lower, best, steps = relax.run(theta, usage, lam)
     found = [*incumbents]
     if not problem.feasible(best):
-        lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower)
+        lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower,
+                                     best)
         found += [c for c in seen if problem.feasible(c)] + [_mix(problem, seen)]
         steps = None
     else:
@@ -444,45 +455,74 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(), sear
     return EliminationResult(result, keep)
 
 
-def _lagrange(problem: Problem, relaxed, lower: float) -> tuple[float, list[list[int]], float]:
-    """Bisection on λ ≥ 0 for ``min obj + λ (mem − M)`` (``relaxed(λ)`` gives the dual
-    value, a lower bound, and its minimiser): the largest dual value seen (returned with
-    its λ) and every minimiser met, the least-memory choice included."""
+def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
+              ) -> tuple[float, list[list[int]], float]:
+    """The best λ ≥ 0 for ``min obj + λ (mem − M)`` (``relaxed(λ)`` gives the dual value,
+    a lower bound, and its minimiser; ``lower`` and ``first`` are those at λ = 0): the
+    largest dual value seen (returned with its λ) and every minimiser met, the
+    least-memory choice included.
+
+    The dual is the lower envelope of one line per choice c, ``obj(c) + λ (mem(c) − M)``,
+    and each pass returns the line of its minimiser. So λ is grown until a minimiser fits
+    (a line sloping down), then found by cutting planes (Kelley): the next λ maximises
+    the envelope of the lines met so far, an upper bound on the dual; when the pass there
+    adds no lower line, that λ maximises the dual itself (exact; usually a few passes,
+    where bisection spent its whole budget approaching the same kink)."""
     least = [int(np.argmin(m)) for m in problem.memory]
     if not problem.feasible(least):
         raise ValueError("no choice meets the memory budget")
     span = max(float(np.ptp(m)) for m in problem.memory) or 1.0
     scale = sum(float(np.max(c)) for c in problem.cost) + sum(
         float(np.max(r)) for r in problem.edges.values()) + 1e-30
+    budget = problem.memory_budget
     seen = [least]
     best_obj = problem.objective(least)
     best_lam = 0.0
+    # (value at λ = 0, slope) of each minimiser met
+    lines = [(lower, problem.memory_of(first) - budget)]
 
-    def visit(lam: float) -> bool:
+    def visit(lam: float) -> float:
+        """The pass at ``lam``; returns its dual value."""
         nonlocal lower, best_obj, best_lam
         value, choice, _ = relaxed(lam)
         seen.append(choice)
         if value > lower:
             lower, best_lam = value, lam
-        if not problem.feasible(choice):
-            return False
-        best_obj = min(best_obj, problem.objective(choice))
-        return True
+        slope = problem.memory_of(choice) - budget
+        lines.append((value - lam * slope, slope))
+        if slope <= budget * 1e-9:
+            best_obj = min(best_obj, problem.objective(choice))
+        return value
 
-    lo, hi = 0.0, scale / span
+    lam = scale / span
     for _ in range(LAGRANGE_STEPS):  # grow λ until its minimiser fits
-        if visit(hi):
+        visit(lam)
+        if lines[-1][1] <= budget * 1e-9:
             break
-        lo, hi = hi, 4 * hi
+        lam *= 4
+    else:
+        return lower, seen, best_lam
+    tol = 1e-9 * max(abs(best_obj), 1e-30)
     for _ in range(LAGRANGE_STEPS):
-        if best_obj - lower <= 1e-9 * best_obj or hi - lo <= 1e-12 * hi:
+        if best_obj - lower <= tol:
             break
-        mid = 0.5 * (lo + hi)
-        if visit(mid):
-            hi = mid
-        else:
-            lo = mid
+        lam, envelope = _envelope_peak(lines)
+        if envelope - visit(lam) <= tol:
+            break
     return lower, seen, best_lam
+
+
+def _envelope_peak(lines: list[tuple[float, float]]) -> tuple[float, float]:
+    """The λ ≥ 0 maximising ``min_i a_i + s_i λ`` over ``lines`` ``(a_i, s_i)`` (one of
+    them sloping down), and that maximum: at λ = 0 or where a rising and a falling line
+    cross."""
+    def envelope(lam: float) -> float:
+        return min(a + s * lam for a, s in lines)
+
+    candidates = [0.0] + [(a2 - a1) / (s1 - s2) for a1, s1 in lines if s1 > 0
+                          for a2, s2 in lines if s2 <= 0 and s1 > s2]
+    lam = max((c for c in candidates if c >= 0), key=envelope)
+    return lam, envelope(lam)
 
 
 # seconds for the ILP that mixes the Lagrangian minimisers into one incumbent (:func:`_mix`)

@@ -170,18 +170,25 @@ def dominated_free(problem: Problem) -> list[np.ndarray]:
 
 
 def _weakly_below(f: np.ndarray, budget: int = 1 << 13) -> np.ndarray:
-    """``le[l, k]``: row l of ``f`` is at most row k (+1e-15) in every column. The candidate
-    pairs are narrowed column block by column block (cost and memory first), since most
-    pairs fail early — a group with hundreds of strategies and thousands of edge columns
-    would otherwise need a k × k × columns array. Blocks widen as the pairs thin out, so
-    each step compares about ``budget`` numbers; the pairs left at the end do not depend
-    on the blocking."""
-    k = len(f)
-    col = f[:, 0]
-    ls, ks = np.nonzero(col[:, None] <= col[None, :] + 1e-15)
-    start = 1
-    while start < f.shape[1] and len(ls):
-        block = max(1, min(f.shape[1] - start, budget // len(ls)))
+    """``le[l, k]``: row l of ``f`` is at most row k (+1e-15) in every column. The first
+    columns (cost and memory first) are compared for all pairs at once, one k × k
+    comparison each, while most pairs survive; then the candidate pairs are narrowed
+    column block by column block, since most fail early — a group with hundreds of
+    strategies and thousands of edge columns would otherwise need a k × k × columns
+    array. Blocks widen as the pairs thin out, so each step compares about ``budget``
+    numbers; the pairs left at the end do not depend on the blocking."""
+    k, width = f.shape
+    le = np.ones((k, k), dtype=bool)
+    start = 0
+    while start < width:
+        col = f[:, start]
+        le &= col[:, None] <= col[None, :] + 1e-15
+        start += 1
+        if start >= 2 and np.count_nonzero(le) * 8 < k * k:
+            break
+    ls, ks = np.nonzero(le)
+    while start < width and len(ls):
+        block = max(1, min(width - start, budget // len(ls)))
         cols = f[:, start:start + block]
         ok = np.all(cols[ls] <= cols[ks] + 1e-15, axis=1)
         ls, ks = ls[ok], ks[ok]

@@ -394,6 +394,15 @@ def build_cost_table(
 _INF_POS = np.iinfo(np.int64).max // 2
 
 
+def device_step(table: StageCostTable) -> int:
+    """The common divisor of the device counts a plan can add up: the whole mesh's and
+    every sub-mesh size with a finite entry. Every sum of stage sizes is a multiple of
+    it, so the DP's device axis steps by it — exactly, and that many times fewer states
+    when the small sub-meshes cannot hold a stage (a large model on many devices)."""
+    used = np.isfinite(table.time).any(axis=(0, 1))
+    return math.gcd(table.num_devices, *table.sizes[used].tolist())
+
+
 def _max_positions(table: StageCostTable, schedule: str, M: int, budget: float) -> np.ndarray:
     """``s_max[k,i,m]``: the entry is memory-feasible exactly at positions ``1..s_max``
     (``_INF_POS``: at every position; 0: nowhere or undefined)."""
@@ -640,6 +649,10 @@ class _Problem:
         self.table, self.schedule, self.M, self.budget = table, schedule, M, budget
         self.num_stages, self.fixed_idx = num_stages, fixed_idx
         L, D = table.num_layers, table.num_devices
+        step = device_step(table)
+        self.devices = D // step
+        # a column no entry uses gets a size no device count reaches
+        self.sizes = np.where(table.sizes % step == 0, table.sizes // step, self.devices + 1)
         self.smax = _max_positions(table, schedule, M, budget)
         finite_pos = self.smax[(self.smax > 0) & (self.smax < _INF_POS)]
         self.max_stages = min(L, D)
@@ -671,9 +684,9 @@ class _Problem:
         c = np.where(usable & (smax > 0), smax.astype(float), np.inf)
 
         def after(cap: np.ndarray, n: np.ndarray) -> np.ndarray:
-            return np.where(n + 1 <= cap, n + 1, np.inf)
+            return np.where((n + 1 <= cap) & np.isfinite(cap), n + 1, np.inf)
 
-        return _dp(lambda p: c, 0, c, t.sizes, t.num_layers, t.num_devices, after, None)
+        return _dp(lambda p: c, 0, c, self.sizes, t.num_layers, self.devices, after, None)
 
     def feasible(self, T: float) -> bool:
         """Whether some assignment has every stage time ``≤ T`` and fits the budget (free
@@ -698,9 +711,9 @@ class _Problem:
             lambda p: self._time_at(p, T),
             exact,
             tail,
-            t.sizes,
+            self.sizes,
             t.num_layers,
-            t.num_devices,
+            self.devices,
             np.add,
             self.num_stages,
         )
@@ -717,7 +730,7 @@ class _Problem:
         t = self.table
         finite = np.isfinite(t.time)
         sat = _positions_saturate(self.schedule, self.M)
-        L, D = t.num_layers, t.num_devices
+        L, D, sizes = t.num_layers, self.devices, self.sizes
 
         def mem_at(p: int) -> np.ndarray:
             k = inflight_microbatches(self.schedule, p, self.M)
@@ -728,11 +741,11 @@ class _Problem:
             return r.value, r.stages
         if self.num_stages is not None:
             S = self.num_stages
-            r = _dp(mem_at, S, None, t.sizes, L, D, np.maximum, S)
+            r = _dp(mem_at, S, None, sizes, L, D, np.maximum, S)
             return r.value, r.stages
         lo_arr, hi_arr = mem_at(1), mem_at(sat)
-        low = _dp(lambda p: lo_arr, 0, lo_arr, t.sizes, L, D, np.maximum, None).value
-        high = _dp(lambda p: hi_arr, 0, hi_arr, t.sizes, L, D, np.maximum, None)
+        low = _dp(lambda p: lo_arr, 0, lo_arr, sizes, L, D, np.maximum, None).value
+        high = _dp(lambda p: hi_arr, 0, hi_arr, sizes, L, D, np.maximum, None)
         if not np.isfinite(high.value):
             return np.inf, []
         levels = sorted({inflight_microbatches(self.schedule, p, self.M) for p in range(1, sat + 1)})

@@ -316,16 +316,17 @@ class _StageSolver:
         """The variants of units [a, e) on ``shape`` (module docstring, *Stage memory*),
         each per micro-batch: compute + activation communication, plus the step's
         once-per-step communication divided by the micro-batches. With an incumbent plan
-        (:meth:`set_incumbent`), a pair whose :meth:`lower_bound` exceeds it is not solved:
-        it gets its time lower bound (and no memory), so every plan using it costs more
-        than the incumbent in the DP's table too and the DP's optimum is unchanged."""
+        (:meth:`set_incumbent`), a pair whose :meth:`lower_bound` exceeds it is not solved
+        and left out of the DP's table (no variant): every plan using it costs more than
+        the incumbent, itself a plan of the table, so the DP's optimum is unchanged — and
+        the DP, without the small sub-meshes no stage can use, steps its device count by
+        their common divisor (:func:`formulations.stage_dp.device_step`)."""
         self.calls += 1
         key = (self.keys.key(a, e), shape)
         if (key not in self.costs and self.incumbent_s is not None
                 and self.lower_bound(a, e, shape) * (1 - 1e-9) > self.incumbent_s):
             self.bounded.add((a, e, shape))
-            z = shape[0] * shape[1]
-            return [StageCost((self.work_prefix[e] - self.work_prefix[a]) / z, 0.0, 0.0)]
+            return []
         if key not in self.costs:
             self.costs[key] = self._variants(a, e, shape)
         return [c for _, c in self.costs[key]]
@@ -693,9 +694,9 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
             if gaps:  # each chosen gap's time is that of a solved variant fitting there
                 dp = dataclasses.replace(dp, stages=tuple(
                     _served(solver, st) if j in gaps else st for j, st in enumerate(dp.stages)))
-            if not any((st.start, st.end, st.submesh) in solver.bounded for st in dp.stages):
+            if solver.incumbent_s is None or dp.objective_s <= solver.incumbent_s * (1 + 1e-9):
                 return dp
-            # cannot happen if the bound is valid; stay exact regardless
+            # the incumbent is a plan of the table: cannot happen; stay exact regardless
             solver.incumbent_s = solver.max_position = None
             solver.bounded.clear()
             solver.costs.clear()  # variants were cut at the incumbent's deepest position

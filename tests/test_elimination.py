@@ -18,6 +18,8 @@ import pytest
 from test_sbp_ilp import random_problem
 
 from formulations.elimination import (
+    _lagrange,
+    _merged_edges,
     bound_prune,
     elimination_order,
     min_marginals,
@@ -94,6 +96,34 @@ def test_bound_and_kept_strategies_contain_the_optimum(seed, budget):
         return
     sub = p.subset(res.keep)
     assert math.isclose(exhaustive(sub).objective, opt.objective, rel_tol=1e-8, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lagrangian_reaches_the_exact_dual_maximum(seed):
+    """The memory row's dual, ``max_λ min_c obj(c) + λ (mem(c) − M)``, computed from every
+    choice's line: the cutting-plane search returns exactly its maximum (bisection only
+    approached it), and a λ attaining it."""
+    p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=5, max_k=4)
+    choices = list(itertools.product(*(range(len(c)) for c in p.cost)))
+    lines = [(_pairwise(p, c), p.memory_of(c) - p.memory_budget) for c in choices]
+    kinks = [0.0] + [(a2 - a1) / (s1 - s2) for a1, s1 in lines for a2, s2 in lines
+                     if s1 > s2 and (a2 - a1) / (s1 - s2) > 0]
+    dual = max(min(a + s * lam for a, s in lines) for lam in kinks)
+    edges = _merged_edges(p)
+    order = elimination_order([len(c) for c in p.cost], edges)
+
+    def relaxed(lam):
+        value, choice, _ = minimise([c + lam * m for c, m in zip(p.cost, p.memory, strict=True)],
+                                    edges, order)
+        return value - lam * p.memory_budget, choice, None
+
+    lower0, first, _ = relaxed(0.0)
+    if p.feasible(first):
+        pytest.skip("the unconstrained optimum fits: no Lagrangian")
+    lower, seen, lam = _lagrange(p, relaxed, lower0, first)
+    assert math.isclose(lower, dual, rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(min(a + s * lam for a, s in lines), dual, rel_tol=1e-9, abs_tol=1e-12)
+    assert all(len(c) == p.num_groups for c in seen)
 
 
 def test_too_wide_a_graph_is_refused():

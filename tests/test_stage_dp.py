@@ -14,6 +14,7 @@ from formulations.stage_dp import (
     admissible,
     brute_force_stages,
     build_cost_table,
+    device_step,
     pack_submeshes,
     solve_stages,
     solve_stages_from_table,
@@ -174,6 +175,27 @@ def test_dp_with_stage_variants_equals_brute_force():
                 c.memory_bytes_fixed + st.inflight_microbatches * c.activation_bytes_per_microbatch)
         used_variant += any(st.variant > 0 for st in got.stages)
     assert feasible > 60 and used_variant > 10
+
+
+def test_device_steps_of_the_usable_submeshes_keep_the_dp_exact():
+    """When no stage fits below some sub-mesh size, the DP's device axis steps by the
+    usable sizes' common divisor (``device_step``): same optimum as the brute force."""
+    stepped = 0
+    for seed in range(60):
+        kw = random_instance(5000 + seed, clusters=((2, 4), (1, 4), (4, 2), (2, 6)))
+        smallest = random.Random(seed).choice([2, 3, 4])
+        base = kw["stage_cost"]
+        kw["stage_cost"] = lambda a, e, sh, base=base, lo=smallest: (
+            None if sh[0] * sh[1] < lo else base(a, e, sh))
+        table = build_cost_table(kw["num_layers"], kw["nodes"], kw["devices_per_node"],
+                                 kw["stage_cost"])
+        stepped += device_step(table) > 1
+        ref, got = _solve_both(kw)
+        assert (ref is None) == (got is None), seed
+        if ref is not None:
+            assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12), seed
+            _check_plan(got, kw)
+    assert stepped > 20
 
 
 def test_bisection_search_equals_alpa_enumeration():
