@@ -1167,6 +1167,21 @@ def _task_rows(rp: ReshardingPlan) -> list[dict]:
     ]
 
 
+def _resharding(tensor: TensorSpec, src: SubMesh, src_layout: Layout, dst: SubMesh,
+                dst_layout: Layout, cluster: Cluster, options: ReshardOptions,
+                solved: dict[tuple, ReshardingPlan]) -> ReshardingPlan:
+    """:func:`plan_resharding`, solved once per crossing shape: meshes that differ from a
+    solved pair's by the same whole number of nodes get its plan shifted there
+    (:meth:`ReshardingPlan.shifted`) — an even pipeline's crossings are one problem."""
+    base = min(src.node0, dst.node0)
+    key = (tensor, dataclasses.replace(src, node0=src.node0 - base), src_layout,
+           dataclasses.replace(dst, node0=dst.node0 - base), dst_layout)
+    if key not in solved:
+        solved[key] = plan_resharding(tensor, src, src_layout, dst, dst_layout, cluster,
+                                      options)
+    return solved[key].shifted(src.node0 - solved[key].src.node0)
+
+
 def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | None],
                      stage_of: dict[str, int],
                      out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout],
@@ -1190,12 +1205,9 @@ def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | No
         if key in seen:
             continue
         seen.add(key)
-        for ends in ((meshes[a], src_layout, meshes[b], dst_layout),
-                     (meshes[b], dst_layout, meshes[a], src_layout)):
-            if (tensor, *ends) not in solved:
-                solved[(tensor, *ends)] = plan_resharding(tensor, *ends, config.cluster, options)
-        fwd = solved[(tensor, meshes[a], src_layout, meshes[b], dst_layout)]
-        bwd = solved[(tensor, meshes[b], dst_layout, meshes[a], src_layout)]
+        fwd, bwd = (_resharding(tensor, *ends, config.cluster, options, solved)
+                    for ends in ((meshes[a], src_layout, meshes[b], dst_layout),
+                                 (meshes[b], dst_layout, meshes[a], src_layout)))
         out.append({
             "src_stage": a, "dst_stage": b, "tensor": src, "consumer": dst,
             "shape": list(tensor.shape), "dtype": tensor.dtype,

@@ -491,6 +491,24 @@ class ReshardingPlan:
         base = self.strategy_makespans.get("local_allgather", {}).get("in_order_greedy")
         return None if base is None or self.makespan_s <= 0 else base / self.makespan_s
 
+    def shifted(self, nodes: int) -> ReshardingPlan:
+        """This plan moved ``nodes`` whole nodes along the cluster (both meshes, every
+        device and host id). Exact: the cost model sees only which devices share a host
+        and the two link levels, so the moved problem is the same problem, and this its
+        solution — the pipeline planner solves each crossing shape once this way."""
+        if nodes == 0:
+            return self
+        dev = nodes * self.src.devices_per_node
+        return replace(
+            self, src=replace(self.src, node0=self.src.node0 + nodes),
+            dst=replace(self.dst, node0=self.dst.node0 + nodes),
+            tasks=tuple(replace(t, holders=tuple(d + dev for d in t.holders),
+                                receivers=tuple(d + dev for d in t.receivers))
+                        for t in self.tasks),
+            transfers=tuple(replace(x, sender_host=x.sender_host + nodes,
+                                    sender_device=x.sender_device + dev)
+                            for x in self.transfers))
+
     def deliveries(self) -> list[Delivery]:
         """Every (region, destination device) transfer in launch order."""
         return [Delivery(i, self.transfers[i].sender_device, d, self.tasks[i].region)

@@ -259,6 +259,38 @@ def test_plan_json_round_trip_and_schedule_feasible() -> None:
         ReshardingPlan.from_dict({"tasks": []})
 
 
+@pytest.mark.parametrize("src_spec, dst_spec, src_mesh, dst_mesh, dst_node0, dst_local0, shift", [
+    ("S01RR", "RS01R", "2x4", "2x4", None, 0, 3),
+    ("RS1S0", "S0RR", "1x4", "3x2", None, 0, 2),
+    ("S0S1R", "RRS01", "2x2", "1x2", 1, 2, 5),  # meshes sharing a host
+])
+def test_a_shifted_plan_is_the_plan_of_the_shifted_meshes(src_spec, dst_spec, src_mesh,
+                                                         dst_mesh, dst_node0, dst_local0,
+                                                         shift) -> None:
+    """What the pipeline planner relies on to solve each crossing shape once: moving both
+    meshes by whole nodes gives the same unit tasks moved, and the moved schedule is a
+    feasible schedule of the moved problem with the directly solved one's makespan."""
+    tensor = TensorSpec((16, 12, 8), "float32")
+    src, dst = meshes(src_mesh, dst_mesh, dst_node0=dst_node0, dst_local0=dst_local0)
+    plan = plan_resharding(tensor, src, src_spec, dst, dst_spec, LINKS, FAST)
+    moved = plan.shifted(shift)
+    s2 = SubMesh(src.node0 + shift, src.nodes, src.local0, src.devices, src.devices_per_node)
+    d2 = SubMesh(dst.node0 + shift, dst.nodes, dst.local0, dst.devices, dst.devices_per_node)
+    direct = plan_resharding(tensor, s2, src_spec, d2, dst_spec, LINKS, FAST)
+    assert (moved.src, moved.dst, moved.tasks) == (s2, d2, direct.tasks)
+    assert moved.lower_bound_s == direct.lower_bound_s
+    assert moved.makespan_s == pytest.approx(direct.makespan_s, rel=1e-12)
+    problem, _ = scheduling_problem(moved.tasks, moved.strategy, LINKS)
+    from formulations.cross_mesh import ScheduledTask
+
+    sched = tuple(ScheduledTask(x.task, problem.tasks[x.task].candidates.index(
+        next(c for c in problem.tasks[x.task].candidates if c.sender == x.sender_host)),
+        x.sender_host, x.start_s, x.end_s, x.finish_s) for x in moved.transfers)
+    assert validate_schedule(problem, sched) == []
+    assemble_and_check(moved, regions(tensor, s2, src_spec), regions(tensor, d2, dst_spec))
+    assert plan.shifted(0) is plan
+
+
 def test_reshard_verb_prints_table_and_json(capsys) -> None:
     args = ["reshard", "--shape", "1024,1024,512", "--src-mesh", "2x4", "--src-spec", "RS^0R",
             "--dst-mesh", "2x4", "--dst-spec", "S^0RR", "--time-limit", "1", "--workers", "1",
