@@ -394,10 +394,8 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
     tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
                             boundary, cache, recompute)
     exact = None
-    if opts.elimination:  # the fallback search gives an incumbent for pruning wide problems
-        exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
-                                  search=lambda: SEARCHES[opts.fallback](problem,
-                                                                         seed=opts.seed).choice)
+    if opts.elimination:
+        exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [])
     if (cutoff is not None and exact is not None and exact.result.bound is not None
             and exact.result.bound >= cutoff):
         raise CutOff(exact.result.bound)

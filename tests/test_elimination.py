@@ -215,9 +215,28 @@ def test_a_too_wide_problem_is_pruned_by_an_incumbent_then_solved():
                    [np.concatenate([m, np.full(extra, m.min())]) for m in p.memory],
                    {(u, v): np.pad(r, ((0, extra), (0, extra))) for (u, v), r in p.edges.items()})
     opt = exhaustive(p)
-    assert solve_elimination(wide, max_work=limit) is None
     hopeless = tuple(len(c) for c in p.cost)  # a feasible choice of only the added strategies
-    res = solve_elimination(wide, max_work=limit, prune_above=limit,
-                            incumbents=[hopeless, opt.choice])
-    assert math.isclose(res.result.objective, opt.objective, rel_tol=1e-9)
-    assert "ruled out by the forest bound" in res.result.message
+    for incumbents in ([hopeless], [hopeless, opt.choice]):  # the forest's own, or given
+        res = solve_elimination(wide, max_work=limit, prune_above=limit, incumbents=incumbents)
+        assert math.isclose(res.result.objective, opt.objective, rel_tol=1e-9)
+        assert "ruled out by the forest bound" in res.result.message
+
+
+def test_the_forest_incumbent_is_feasible_and_priced_exactly():
+    """The wide branch's own incumbent: a feasible choice of the whole problem (memory
+    row included) whenever one exists, never below the optimum, and the optimum on a
+    problem that is itself a forest."""
+    from formulations.elimination import _forest_incumbent
+
+    for seed in range(45):
+        p = random_problem(seed, budget=(None, "mid", "tight")[seed % 3], max_groups=6,
+                           max_k=4)
+        opt = exhaustive(p)
+        choice = _forest_incumbent(p)
+        assert p.feasible(choice)
+        assert p.objective(choice) >= opt.objective * (1 - 1e-9)
+        forest = Problem(p.names, p.cost, p.memory, {})  # no edges: the relaxation is exact
+        if forest.memory_budget is None or forest.feasible(
+                tuple(int(np.argmin(c)) for c in forest.cost)):
+            assert math.isclose(forest.objective(_forest_incumbent(forest)),
+                                exhaustive(forest).objective, rel_tol=1e-9)
