@@ -330,6 +330,30 @@ def _on_subset(problem: Problem, keep: list[np.ndarray], t0: float,
         None if inner.keep is None else [keep[g][k] for g, k in enumerate(inner.keep)])
 
 
+def _forest_unary(problem: Problem) -> list[np.ndarray]:
+    """The strategies' costs with every bucket chunk priced α (the relaxation's unary)."""
+    relax = _Relaxation(problem, {}, Elimination((), 0.0, 0))
+    return [c + x @ relax.alpha for c, x in zip(problem.cost, relax.chunks, strict=True)]
+
+
+def _forest_pass(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
+                 ) -> tuple[float, list[_Step], float]:
+    """The graph cut to a spanning forest, the edges outside it (the lightest) replaced by
+    their smallest entry, eliminated once: (its minimum, the eliminations, the constant
+    of the replaced edges, part of the minimum)."""
+    tree = _spanning_forest(len(unary), edges)
+    constant = sum(float(r.min()) for e, r in edges.items() if e not in tree)
+    forest = {e: edges[e] for e in tree}
+    value, _, steps = minimise(unary, forest, elimination_order([len(x) for x in unary], forest))
+    return value + constant, steps, constant
+
+
+def relaxation_bound(problem: Problem) -> float:
+    """A lower bound on every choice's objective (the memory row aside), cheap however
+    many strategies a group has: :func:`bound_prune`'s relaxation minimised once."""
+    return _forest_pass(_forest_unary(problem), _merged_edges(problem))[0]
+
+
 def bound_prune(problem: Problem, upper: float) -> list[np.ndarray]:
     """Per group, the strategies whose lower bound does not exceed ``upper``, repeated
     until nothing more drops. The bound is exact on a relaxation: bucket chunks priced α
@@ -338,19 +362,14 @@ def bound_prune(problem: Problem, upper: float) -> list[np.ndarray]:
     its min-marginals are cheap however many strategies a group has. No choice using a
     dropped strategy costs ``upper`` or less, so an optimum survives when ``upper`` is a
     feasible choice's objective."""
-    relax = _Relaxation(problem, {}, Elimination((), 0.0, 0))
-    unary = [c + x @ relax.alpha for c, x in zip(problem.cost, relax.chunks, strict=True)]
+    unary = _forest_unary(problem)
     merged = _merged_edges(problem)
     keep = [np.arange(len(u)) for u in unary]
     while True:
         edges = {e: r[np.ix_(keep[e[0]], keep[e[1]])] for e, r in merged.items()}
-        tree = _spanning_forest(len(unary), edges)
-        constant = sum(float(r.min()) for e, r in edges.items() if e not in tree)
-        forest = {e: edges[e] for e in tree}
         u = [x[k] for x, k in zip(unary, keep, strict=True)]
-        sizes = [len(x) for x in u]
-        _, _, steps = minimise(u, forest, elimination_order(sizes, forest))
-        marg = min_marginals(steps, sizes)
+        _, steps, constant = _forest_pass(u, edges)
+        marg = min_marginals(steps, [len(x) for x in u])
         limit = upper * (1 + EXACT) - constant
         new = [k[m <= limit] for k, m in zip(keep, marg, strict=True)]
         if sum(map(len, new)) == sum(map(len, keep)):

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from formulations.elimination import EliminationResult, solve_elimination
+from formulations.elimination import EliminationResult, relaxation_bound, solve_elimination
 from formulations.result import SolveResult
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import (
@@ -145,8 +145,7 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     if cache is None and (config.solver.recompute != "never"
                           or set(config.solver.state_sharding) & {2, 3}):
         cache = BuildCache()  # several builds of this graph follow
-    units = tuple(dict.fromkeys((op.block, op.block_index) for op in graph.ops
-                                if op.block is not None and op.block_index is not None))
+    units = _blocks(graph)
     policy = config.solver.recompute
     if policy == "never" or not units:
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
@@ -197,6 +196,27 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     return gp, dataclasses.replace(best, message="; ".join(
         m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
                     f"{len(gp.recompute_units)}") if m))
+
+
+def _blocks(graph) -> tuple[tuple[str, int], ...]:
+    """The graph's blocks ``(block, block_index)`` in order: the units of recomputation."""
+    return tuple(dict.fromkeys((op.block, op.block_index) for op in graph.ops
+                               if op.block is not None and op.block_index is not None))
+
+
+def fastest_bound(config: Config, nodes: int, local: int, graph, microbatches: int,
+                  boundary: StageBoundary, cache: BuildCache) -> float:
+    """A lower bound on the objective of :func:`solve_mesh` without a memory budget (the
+    fastest plan) on the same arguments, from the problem that solve builds (kept in
+    ``cache`` for it) relaxed by :func:`relaxation_bound` — no dominance, no search: the
+    pipeline planner drops the (range, mesh) pairs it proves slower than a plan in hand.
+    Raises :class:`InfeasibleError` where that build does."""
+    chosen = frozenset(_blocks(graph)) if config.solver.recompute == "always" else frozenset()
+    try:
+        gp = _built(config, nodes, local, graph, microbatches, boundary, cache, chosen, None)
+    except ValueError as exc:
+        raise InfeasibleError(str(exc)) from exc
+    return relaxation_bound(gp.problem)
 
 
 EVERY_COUNT_UP_TO = 3

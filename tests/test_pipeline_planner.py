@@ -414,8 +414,8 @@ def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
      "pipeline.microbatches": 2, "pipeline.schedule": "gpipe", "pipeline.submesh_space": "all"},
 ], ids=["1x4", "2x2", "2x4-gpipe"])
 def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
-    """The FLOP lower bound against an even incumbent pipeline never changes the DP's
-    optimum; it only saves intra-op solves."""
+    """The FLOP and relaxation lower bounds against an even incumbent pipeline never
+    change the DP's optimum; they only save intra-op solves."""
     config = tiny(**{"pipeline.stages": "auto", **overrides})
     exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
                             baselines=False)
@@ -424,6 +424,46 @@ def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
     assert bounded.solver["incumbent_s"] >= exact.solver["objective"] * (1 - 1e-12)
     assert bounded.solver["stage_solves"] <= exact.solver["stage_solves"]
     assert bounded.solver["stage_pairs"] == exact.solver["stage_pairs"]
+    assert bounded.solver["stage_relaxed"] <= bounded.solver["stage_bounded"]
+    assert exact.solver["stage_relaxed"] == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.layers": 4, "cluster.nodes": 2, "cluster.devices_per_node": 4},
+    {"model.layers": 3, "cluster.nodes": 1, "cluster.devices_per_node": 4,
+     "training.grad_bucket_mb": 0},
+    {"model.layers": 3, "cluster.nodes": 2, "cluster.devices_per_node": 2,
+     "solver.recompute": "always"},
+], ids=["2x4", "1x4-no-buckets", "2x2-recompute"])
+def test_the_relaxation_bounds_every_stage_solve_from_below(overrides):
+    """What the planner drops pairs with: :func:`fastest_bound` of a range on a shape is
+    at most the time the stage solve prices its fastest plan at (the plan's realised
+    cost, every collective and boundary program included), for every range and shape."""
+    from formulations.sbp_problem import BuildCache
+    from ilp_planner.cluster import submesh_shapes
+    from ilp_planner.pipeline_planner import _StageSolver
+    from ilp_planner.planner import fastest_bound
+
+    config = tiny(**{"pipeline.stages": "auto", **overrides})
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    solver = _StageSolver(config, graph, units)
+    M = config.pipeline.microbatches
+    c = config.cluster
+    checked = 0
+    for shape in submesh_shapes(c.nodes, c.devices_per_node):
+        for a in range(len(units)):
+            for e in range(a + 1, len(units) + 1):
+                solved = solver.solve(a, e, shape)
+                if solved is None:
+                    continue
+                sub, boundary = solver._stage_graph(a, e)
+                bound = fastest_bound(config, shape[0], shape[1], sub, M, boundary,
+                                      BuildCache())
+                assert bound <= solved[3].total_s * (1 + 1e-9), (a, e, shape)
+                assert bound >= 0.5 * solved[3].total_s  # a bound worth computing
+                checked += 1
+    assert checked >= 10
 
 
 @pytest.mark.parametrize("space", ["all", "power_of_two"])
