@@ -19,7 +19,7 @@ The two terms that couple every group are handled with certified bounds
   ``θ_j + Σ_g μ_gj ≤ α_j`` (``⌈x⌉ ≥ x`` and ``⌈x⌉ ≥ 1`` once anything is reduced): first
   ``θ = α``, then the chunk a choice fills only partly is charged to its users;
 * **the memory row** ``Σ mem ≤ M``: Lagrangian relaxation, ``min obj + λ (mem − M)``, with
-  λ found by bisection.
+  λ found by cutting planes on the dual (:func:`_lagrange`).
 
 Every pass is exact for its prices, so its value is a lower bound and every feasible
 minimiser an upper one. When they do not meet, min-marginals (a second, backward pass)
@@ -47,7 +47,7 @@ MAX_WORK = 4e8
 # above this many entries in one elimination table, strategies an incumbent rules out are
 # dropped first (tied models on large meshes: width 3 with hundreds of strategies a group)
 PRUNE_ABOVE = 1e7
-# λ bisection steps on a binding memory row
+# most passes of each phase of the λ search on a binding memory row (:func:`_lagrange`)
 LAGRANGE_STEPS = 16
 # relative gap below which the incumbent counts as proven optimal (float rounding)
 EXACT = 1e-9
