@@ -415,7 +415,11 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
                             boundary, cache, recompute)
     exact = None
     if opts.elimination:
-        exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [])
+        try:
+            exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [])
+        except ValueError as exc:  # under a transient cap, fewer strategies than checked above
+            raise InfeasibleError(f"{exc} (strategies with transients up to {transient_cap} B)"
+                                  ) from exc
     if (cutoff is not None and exact is not None and exact.result.bound is not None
             and exact.result.bound >= cutoff):
         raise CutOff(exact.result.bound)

@@ -353,3 +353,31 @@ def _forgetting_init(init):
         init(self, *a, **k)
         self.problems = _Forgetful()
     return wrapped
+
+
+def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash():
+    """A budget between the least state and activation memory of all strategies and that
+    of the strategies without transients: a cap above 0 reserves its gathered weights and
+    leaves too little; the cap of 0, tried last, leaves no strategy that fits. Each is an
+    :class:`InfeasibleError` the caps loop handles (the elimination's "no choice meets the
+    budget" used to escape as a ValueError out of ``solve_mesh``)."""
+    from formulations.sbp_problem import BuildCache
+    from ilp_planner import planner
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" /
+                         "tiny-gpt-cpu.yaml").with_overrides({"solver.state_sharding": [0, 3]})
+    n, local = config.cluster.nodes, config.cluster.devices_per_node
+    graph, M = config.microbatch_graph(), config.pipeline.microbatches
+    gp = planner._built(config, n, local, graph, M, None, BuildCache(), frozenset(), None)
+    no_transient = [np.array([k for k in range(len(gp.problem.cost[g]))
+                              if all(gp.options[node][k].transient_bytes == 0 for node in group)])
+                    for g, group in enumerate(gp.groups)]
+    least = gp.problem.min_memory()[0]
+    least_without = gp.problem.subset(no_transient).min_memory()[0]
+    assert least < least_without
+    budget = (least + least_without) / 2
+    with pytest.raises(InfeasibleError, match="transients up to 0.0 B"):
+        planner._solve_once(config, n, local, budget, graph, M, None, BuildCache(),
+                            frozenset(), 0.0)
+    with pytest.raises(InfeasibleError):
+        solve_mesh(config, n, local, budget)
