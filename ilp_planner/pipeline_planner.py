@@ -514,7 +514,7 @@ class _StageSolver:
                   and (num_stages is None or S == num_stages)]
         counts.sort(key=lambda S: (L % S != 0, D // S < dpn, -S))
         prefix = [float(i) for i in range(L + 1)]
-        best, calls, tried, fits, stages = None, self.calls, 0, 0, 1
+        best, calls, tried, fits = None, self.calls, 0, 0
         for S in counts:
             if fits == 2 or (tried >= 2 and fits):
                 break
@@ -535,11 +535,11 @@ class _StageSolver:
             else:
                 value = _latency(times, pipe.microbatches)
                 if best is None or value < best:
-                    best, stages = value, S
+                    best = value
                 fits += 1
         self.incumbent_s, self.calls = best, calls
-        if best is not None:  # a first guess; the DP's loop widens it (_solve_pipelined)
-            self.max_position = min(self.most_stages(best), stages)
+        if best is not None:  # the DP's optimum is at most the incumbent: exact bound
+            self.max_position = self.most_stages(best)
 
     def _fastest_at(self, a: int, e: int, shape: tuple[int, int], held: int) -> float | None:
         """Time of the fastest plan of [a, e) on ``shape`` that fits holding ``held``
@@ -722,6 +722,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
             if solver.max_position is not None:
                 # variants were solved for positions up to max_position only: exact once
                 # no plan with a deeper stage can beat this one, else widen and solve again
+                # (the incumbent's bound holds it already, up to the float tolerance)
                 deepest = solver.most_stages(dp.objective_s)
                 if deepest > solver.max_position:
                     solver.max_position = deepest
