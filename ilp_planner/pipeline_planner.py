@@ -253,6 +253,8 @@ class _StageSolver:
         self.incumbent_s: float | None = None
         self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
         self.relaxed = 0  # of them, bounded by their relaxation (built, not solved)
+        # (signature class, shape, count) solves cut off: slower than the incumbent
+        self.cut_off: set[tuple] = set()
         # per (signature class, shape): the relaxation's time per micro-batch, a lower bound
         self.relaxations: dict[tuple, float] = {}
         self._last: tuple[int, int, Graph, StageBoundary] | None = None
@@ -274,16 +276,22 @@ class _StageSolver:
         return self._last[2], self._last[3]
 
     def solve(self, a: int, e: int, shape: tuple[int, int],
-              how: int | AtGridPoint | None = None):
+              how: int | AtGridPoint | None = None, useful_only: bool = False):
         """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None.
         ``how`` None: without a memory row (the fastest plan); a count: the fastest plan
         whose exact peak holding that many micro-batches fits the budget; an
-        :class:`AtGridPoint`: that, at a grid point's recomputed blocks and reserve."""
-        from ilp_planner.planner import _fit_blocks, realise, solve_mesh
+        :class:`AtGridPoint`: that, at a grid point's recomputed blocks and reserve.
+        ``useful_only`` (a count, with an incumbent): None too when the solve proves
+        every plan using the variant slower than the incumbent (:meth:`_cutoff`) — as if
+        it did not fit, which :meth:`_variants` may assume: the best time grows with the
+        count, so every larger count is as useless."""
+        from ilp_planner.planner import CutOff, _fit_blocks, realise, solve_mesh
 
         key = (self.keys.key(a, e), shape, how)
+        if useful_only and key in self.cut_off:
+            return None
         if key not in self.cache:
-            self.solves += 1
+            cutoff = self._cutoff(a, e, shape) if useful_only and isinstance(how, int) else None
             t0 = time.perf_counter()
             graph, boundary = self._stage_graph(a, e)
             budget = None
@@ -300,16 +308,41 @@ class _StageSolver:
                 else:
                     gp, res = solve_mesh(self.config, shape[0], shape[1], budget, graph=graph,
                                          microbatches=M, boundary=boundary,
-                                         cache=self.build_cache)
+                                         cache=self.build_cache, cutoff=cutoff)
             except InfeasibleError:
                 self.cache[key] = None
+            except CutOff:
+                self.cut_off.add(key)
+                return None
             else:
                 layers, cost = realise(gp, list(res.choice))
                 self.cache[key] = (gp, res, layers, cost)
                 self.build_s += res.build_s
                 self.not_optimal += res.status != "optimal"
-            self.solve_s += time.perf_counter() - t0
+            finally:
+                self.solves += 1
+                self.solve_s += time.perf_counter() - t0
         return self.cache[key]
+
+    def _cutoff(self, a: int, e: int, shape: tuple[int, int]) -> float | None:
+        """The objective per step from which every plan using [a, e) on ``shape`` is
+        slower than the incumbent: the largest time per micro-batch ``t`` whose
+        :meth:`lower_bound` ``t + rest + (B − 1) max(t, rest)`` stays within the
+        incumbent, times ``B`` (a hair above, so a cut-off variant is one the DP's own
+        test would drop)."""
+        if self.incumbent_s is None:
+            return None
+        B = self.config.pipeline.microbatches
+        rest = self._rest(a, e, shape)
+        inc = self.incumbent_s * (1 + 2e-9)
+        t = (inc - rest) / B if inc >= (B + 1) * rest else inc - B * rest
+        return t * B * (1 + 1e-6)
+
+    def _rest(self, a: int, e: int, shape: tuple[int, int]) -> float:
+        """The other stages' least largest time: the rest of the work spread perfectly
+        over the rest of the devices."""
+        W, D, z = self.work_prefix, self.num_devices, shape[0] * shape[1]
+        return (W[-1] - W[e] + W[a]) / (D - z) if z < D else 0.0
 
     def lower_bound(self, a: int, e: int, shape: tuple[int, int],
                     time_s: float | None = None) -> float:
@@ -318,9 +351,9 @@ class _StageSolver:
         time is at least its FLOPs (×3 for the backward) spread perfectly over its
         devices, and the other stages share the rest of the work on the rest of the
         devices (their largest time ≥ that average, their sum ≥ it too)."""
-        W, D, z = self.work_prefix, self.num_devices, shape[0] * shape[1]
+        W, z = self.work_prefix, shape[0] * shape[1]
         mine = max((W[e] - W[a]) / z, time_s or 0.0)
-        rest = (W[-1] - W[e] + W[a]) / (D - z) if z < D else 0.0
+        rest = self._rest(a, e, shape)
         return mine + rest + (self.config.pipeline.microbatches - 1) * max(mine, rest)
 
     def stage_cost(self, a: int, e: int, shape: tuple[int, int]) -> list[StageCost]:
@@ -407,7 +440,7 @@ class _StageSolver:
 
         def at(i: int) -> StageCost | None:
             if i not in found:
-                solved = self.solve(a, e, shape, levels[i])
+                solved = self.solve(a, e, shape, levels[i], useful_only=True)
                 found[i] = None if solved is None else self._cost(solved)
             return found[i]
 
@@ -455,7 +488,7 @@ class _StageSolver:
         key = (self.keys.key(a, e), shape)
         if (*key, stage.inflight_microbatches) in self.cache:
             raise AssertionError(f"gap variant chosen at a solved count: {stage}")
-        self.solve(a, e, shape, stage.inflight_microbatches)
+        self.solve(a, e, shape, stage.inflight_microbatches, useful_only=True)
         grid = [v for v in self.costs[key] if isinstance(v[0], AtGridPoint)]
         self.costs[key] = self._variants(a, e, shape) + grid
         return True
@@ -740,6 +773,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
             # the incumbent is a plan of the table: cannot happen; stay exact regardless
             solver.incumbent_s = solver.max_position = None
             solver.bounded.clear()
+            solver.cut_off.clear()
             solver.costs.clear()  # variants were cut at the incumbent's deepest position
 
     dp = run_dp()
@@ -801,6 +835,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         "stage_pairs": solver.calls,
         "stage_bounded": len(solver.bounded),
         "stage_relaxed": solver.relaxed,
+        "stage_cut_off": len(solver.cut_off),
         "incumbent_s": solver.incumbent_s,
         "stage_not_optimal": solver.not_optimal,
         "stage_time_limit_s": solver.time_limit_s,

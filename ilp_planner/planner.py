@@ -127,12 +127,16 @@ def _as_config(config: Any, **sections: Any) -> Config:
 def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,
                graph=None, microbatches: int | None = None,
                boundary: StageBoundary | None = None,
-               cache: BuildCache | None = None) -> tuple[GraphProblem, SolveResult]:
+               cache: BuildCache | None = None,
+               cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
     """Build and solve the intra-op problem of ``graph`` (default: the config's graph of
     one micro-batch, with gradient accumulation over ``pipeline.microbatches``) on an
     ``nodes × local`` mesh; ``boundary`` when ``graph`` is a pipeline stage; ``cache``
     carries per-op build work across solves of graphs cut from one model. Raises
-    :class:`InfeasibleError` naming the binding layer.
+    :class:`InfeasibleError` naming the binding layer. ``cutoff``: no plan costing that
+    much is wanted — :class:`CutOff` is raised instead of proving the optimum when the
+    elimination's bound reaches it (the pipeline planner's variants slower than a plan in
+    hand).
 
     ``solver.recompute``: ``never`` solves once; ``always`` recomputes every block;
     ``auto`` (under a memory budget — without one recomputation only costs) solves with
@@ -149,16 +153,17 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     policy = config.solver.recompute
     if policy == "never" or not units:
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
-                              boundary, cache, frozenset())
+                              boundary, cache, frozenset(), cutoff)
     if policy == "always" or memory_budget is None:
         chosen = frozenset(units) if policy == "always" else frozenset()
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
-                              boundary, cache, chosen)
+                              boundary, cache, chosen, cutoff)
     tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError | CutOff] = {}
 
     def attempt(k: int):
         if k not in tried:
-            best = min((v[1].objective for v in tried.values() if isinstance(v, tuple)),
+            best = min([cutoff] * (cutoff is not None)
+                       + [v[1].objective for v in tried.values() if isinstance(v, tuple)],
                        default=None)
             try:
                 tried[k] = _solve_fitting(config, nodes, local, memory_budget, graph,
@@ -185,6 +190,8 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
             hi = mid
     attempt(hi)
     fits = [v for v in tried.values() if isinstance(v, tuple)]
+    if not fits:  # every count infeasible or cut off: the cut-off says more
+        raise next((v for v in tried.values() if isinstance(v, CutOff)), attempt(hi))
     gp, best = min(fits, key=lambda v: v[1].objective)
 
     def outcome(v) -> str:

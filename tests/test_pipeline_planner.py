@@ -428,6 +428,38 @@ def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
     assert exact.solver["stage_relaxed"] == 0
 
 
+def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
+    """A memory-bound variant whose solve proves it slower than the incumbent pipeline
+    stops there (:meth:`_StageSolver._cutoff`); the DP's optimum is the one found with no
+    bound at all, and the cut-off is exactly the DP's own test: just below it a stage
+    time can still be part of a better plan, at it none can."""
+    from ilp_planner.pipeline_planner import _StageSolver
+
+    config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
+                     "pipeline.stages": "auto", "pipeline.microbatches": 8,
+                     "pipeline.schedule": "1f1b"})
+    exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
+                            baselines=False)
+    cut = solve_pipelined(config, baselines=False)
+    assert cut.solver["stage_cut_off"] > 0
+    assert cut.solver["objective"] == pytest.approx(exact.solver["objective"], rel=1e-12)
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    solver = _StageSolver(config, graph, units)
+    solver.incumbent_s = cut.solver["incumbent_s"]
+    M = config.pipeline.microbatches
+    checked = 0
+    for a, e, shape in [(0, 2, (1, 1)), (1, 4, (1, 2)), (2, 6, (1, 1)), (0, 6, (1, 2))]:
+        per_step = solver._cutoff(a, e, shape)
+        if solver.lower_bound(a, e, shape) > solver.incumbent_s:
+            continue  # bounded by its FLOPs before any solve
+        t_star = per_step / M / (1 + 1e-6)
+        assert solver.lower_bound(a, e, shape, t_star * (1 - 1e-7)) <= solver.incumbent_s
+        assert solver.lower_bound(a, e, shape, per_step / M) * (1 - 1e-9) > solver.incumbent_s
+        checked += 1
+    assert checked >= 2
+
+
 @pytest.mark.parametrize("overrides", [
     {"model.layers": 4, "cluster.nodes": 2, "cluster.devices_per_node": 4},
     {"model.layers": 3, "cluster.nodes": 1, "cluster.devices_per_node": 4,
