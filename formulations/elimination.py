@@ -336,14 +336,20 @@ def _forest_unary(problem: Problem) -> list[np.ndarray]:
     return [c + x @ relax.alpha for c, x in zip(problem.cost, relax.chunks, strict=True)]
 
 
+def _forest(n: int, edges: dict[tuple[int, int], np.ndarray]
+            ) -> tuple[dict[tuple[int, int], np.ndarray], float]:
+    """The graph cut to a spanning forest: its edges, and the sum of the smallest entries
+    of the edges outside it (the lightest), which the relaxation charges instead."""
+    tree = _spanning_forest(n, edges)
+    constant = sum(float(r.min()) for e, r in edges.items() if e not in tree)
+    return {e: edges[e] for e in tree}, constant
+
+
 def _forest_pass(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray]
                  ) -> tuple[float, list[_Step], float]:
-    """The graph cut to a spanning forest, the edges outside it (the lightest) replaced by
-    their smallest entry, eliminated once: (its minimum, the eliminations, the constant
-    of the replaced edges, part of the minimum)."""
-    tree = _spanning_forest(len(unary), edges)
-    constant = sum(float(r.min()) for e, r in edges.items() if e not in tree)
-    forest = {e: edges[e] for e in tree}
+    """The forest relaxation (:func:`_forest`) eliminated once: (its minimum, the
+    eliminations, the constant of the replaced edges, part of the minimum)."""
+    forest, constant = _forest(len(unary), edges)
     value, _, steps = minimise(unary, forest, elimination_order([len(x) for x in unary], forest))
     return value + constant, steps, constant
 
@@ -387,8 +393,7 @@ def _forest_incumbent(problem: Problem) -> tuple[int, ...]:
     elimination then runs on 40× fewer table entries. (Mixing the minimisers per group,
     :func:`_mix`, gains 0.1 % there for an ILP solve; the elimination does it later.)
     Raises ValueError when no choice meets the memory budget."""
-    merged = _merged_edges(problem)
-    forest = {e: merged[e] for e in _spanning_forest(problem.num_groups, merged)}
+    forest, _ = _forest(problem.num_groups, _merged_edges(problem))
     sizes = [len(c) for c in problem.cost]
     relax = _Relaxation(problem, forest, elimination_order(sizes, forest))
     theta, usage = relax.alpha, np.zeros((len(sizes), len(relax.alpha)))

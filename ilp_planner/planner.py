@@ -155,9 +155,9 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
                               boundary, cache, frozenset(), cutoff)
     if policy == "always" or memory_budget is None:
-        chosen = frozenset(units) if policy == "always" else frozenset()
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
-                              boundary, cache, chosen, cutoff)
+                              boundary, cache, _recomputed_without_budget(config, units),
+                              cutoff)
     tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError | CutOff] = {}
 
     def attempt(k: int):
@@ -211,6 +211,12 @@ def _blocks(graph) -> tuple[tuple[str, int], ...]:
                                if op.block is not None and op.block_index is not None))
 
 
+def _recomputed_without_budget(config: Config, units) -> frozenset:
+    """The blocks :func:`solve_mesh` recomputes with no memory budget: all under
+    ``recompute: always``, else none (recomputation then only costs)."""
+    return frozenset(units) if config.solver.recompute == "always" else frozenset()
+
+
 def fastest_bound(config: Config, nodes: int, local: int, graph, microbatches: int,
                   boundary: StageBoundary, cache: BuildCache) -> float:
     """A lower bound on the objective of :func:`solve_mesh` without a memory budget (the
@@ -218,7 +224,7 @@ def fastest_bound(config: Config, nodes: int, local: int, graph, microbatches: i
     ``cache`` for it) relaxed by :func:`relaxation_bound` — no dominance, no search: the
     pipeline planner drops the (range, mesh) pairs it proves slower than a plan in hand.
     Raises :class:`InfeasibleError` where that build does."""
-    chosen = frozenset(_blocks(graph)) if config.solver.recompute == "always" else frozenset()
+    chosen = _recomputed_without_budget(config, _blocks(graph))
     try:
         gp = _built(config, nodes, local, graph, microbatches, boundary, cache, chosen, None)
     except ValueError as exc:
