@@ -227,6 +227,11 @@ class _RankTables:
     view_class: np.ndarray  # (candidates,) int, -1 for layouts with partial sums
 
 
+# a search on the reversed graph costs about this many forward ones: it reaches the
+# partial-sum layouts, which nothing leads to
+REVERSED_COST = 2.0
+
+
 @dataclass
 class _StateGraph:
     """All layouts of one tensor on one device set as a weighted digraph. Node ids below
@@ -237,12 +242,20 @@ class _StateGraph:
     matrix: csr_matrix
     hub_kind: dict[int, str]
     _incoming: csc_matrix | None = None
+    _reversed: csr_matrix | None = None
 
     def incoming(self) -> csc_matrix:
         """The matrix by columns: the in-edges of every node."""
         if self._incoming is None:
             self._incoming = self.matrix.tocsc()
         return self._incoming
+
+    def reversed(self) -> csr_matrix:
+        """The graph with every edge turned round (the in-edges' arrays as rows)."""
+        if self._reversed is None:
+            inc = self.incoming()
+            self._reversed = csr_matrix((inc.data, inc.indices, inc.indptr), shape=inc.shape)
+        return self._reversed
 
 
 class RedistributionPlanner:
@@ -264,6 +277,7 @@ class RedistributionPlanner:
         self._tables = cache(self._rank_tables)
         self._moves = lru_cache(maxsize=16)(self._move_structure)
         self._search = lru_cache(maxsize=8192)(self._dijkstra)
+        self._search_to = lru_cache(maxsize=8192)(self._dijkstra_to)
         self._path = lru_cache(maxsize=65536)(self._find_path)
 
     def collective(self, kind: CollectiveKind, src: Layout, dst: Layout, axis: int,
@@ -391,6 +405,11 @@ class RedistributionPlanner:
                               return_predecessors=True)
         return dist, pred
 
+    def _dijkstra_to(self, dst: Layout, tensor: TensorSpec) -> np.ndarray:
+        """Every layout's distance to ``dst``: the search on the reversed graph."""
+        graph = self._graph(tensor)
+        return dijkstra(graph.reversed(), directed=True, indices=graph.index[dst])
+
     def forward_cost(self, src: Layout, dst: Layout, tensor: TensorSpec) -> float:
         """Seconds of the cheapest path ``src → dst`` (free steps weigh 1e-15 s each),
         without building the step list — what the ILP's cost matrices need."""
@@ -413,10 +432,20 @@ class RedistributionPlanner:
     def forward_costs(self, srcs: Sequence[Layout], dsts: Sequence[Layout],
                       tensor: TensorSpec) -> np.ndarray:
         """:meth:`forward_cost` of every (source, destination) pair, read off one Dijkstra
-        row per source (the ILP's matrices need thousands of pairs)."""
+        row per source, or per destination on the reversed graph where there are fewer
+        (the ILP's matrices need thousands of pairs). A distance summed from the other end
+        may differ from :meth:`forward_cost`'s in the last bits; the choice depends on the
+        layouts asked for alone, so a problem's matrices do not depend on what was built
+        before."""
         graph = self._graph(tensor)
-        cols = [graph.index[drop_unit_axes(d)] for d in dsts]
-        out = np.array([self._search(drop_unit_axes(s), tensor)[0][cols] for s in srcs])
+        srcs = [drop_unit_axes(s) for s in srcs]
+        dsts = [drop_unit_axes(d) for d in dsts]
+        if REVERSED_COST * len(set(dsts)) < len(set(srcs)):  # a search per destination
+            rows = [graph.index[s] for s in srcs]
+            out = np.array([self._search_to(d, tensor)[rows] for d in dsts]).T
+        else:
+            cols = [graph.index[d] for d in dsts]
+            out = np.array([self._search(s, tensor)[0][cols] for s in srcs])
         out = out.reshape(len(srcs), len(dsts))
         if not np.all(np.isfinite(out)):
             raise LayoutError(f"no redistribution path between some layouts of {tensor.shape}")
@@ -455,14 +484,16 @@ class RedistributionPlanner:
         for lay in (a, b):
             if lay not in graph.index:
                 raise LayoutError(f"layout {lay} uses a factorisation with more than three axes")
-        target = graph.index[b]
-        path = self._bounded_path(graph, graph.index[a], target)
+        source, target = graph.index[a], graph.index[b]
+        path = self._bounded_path(graph, source, target)
         if path is None:
-            _, pred = self._search(a, tensor)
+            dist, pred = self._search(a, tensor)
             if pred[target] < 0:
                 raise LayoutError(f"no redistribution path from {a} to {b}")
+            path = _walk_back(graph.incoming(), dist, source, target)
+        if path is None:  # rounding left no walk back: the search's own tree
             path = [target]
-            while path[-1] != graph.index[a]:
+            while path[-1] != source:
                 path.append(int(pred[path[-1]]))
             path.reverse()
         steps: list[RedistStep] = []
@@ -484,52 +515,69 @@ class RedistributionPlanner:
 
     @staticmethod
     def _bounded_path(graph: _StateGraph, source: int, target: int) -> list[int] | None:
-        """The path the full search from ``source`` would return to ``target``, found by a
-        search that stops at a known upper bound on the distance — a path of one or two
-        edges — or None (no such path, or a tie the bounded search cannot settle).
+        """:func:`_walk_back`'s path from ``source`` to ``target``, found by a search that
+        stops at an upper bound on the distance — a path of up to four edges — or None (no
+        such path, or no walk back).
 
         Exact: every node at most the bound away is settled with the same distance as in
         the full search (weights are positive and float addition is monotone, so Dijkstra's
-        distances do not depend on the order nodes are scanned in), and the full search's
-        predecessor of a node is one of its in-neighbours ``u`` with ``dist[u] + w ==
-        dist[v]`` — all of them within the bound. Where every node of the path has exactly
-        one such in-neighbour, the full search returns this same path."""
+        distances do not depend on the order nodes are scanned in), and the walk back reads
+        only nodes nearer than the target, so it takes the same path on either search."""
         m = graph.matrix
-        row = m.indices[m.indptr[source]:m.indptr[source + 1]]
-        weights = m.data[m.indptr[source]:m.indptr[source + 1]]
-        bound = math.inf
-        for u, w in zip(row.tolist(), weights.tolist(), strict=True):
-            if u == target:
-                bound = min(bound, w)
-                continue
-            lo, hi = m.indptr[u], m.indptr[u + 1]
-            hit = np.flatnonzero(m.indices[lo:hi] == target)
-            if len(hit):
-                bound = min(bound, w + float(m.data[lo + hit[0]]))
+        incoming = graph.incoming()
+        # two edges out of the source meeting two into the target (the CSC arrays of the
+        # in-edges read as the reversed graph's CSR rows)
+        bound = float(np.min(_near(m.indptr, m.indices, m.data, source)
+                             + _near(incoming.indptr, incoming.indices, incoming.data, target)))
         if not math.isfinite(bound):
             return None
-        dist, pred = dijkstra(m, directed=True, indices=source, limit=bound,
-                              return_predecessors=True)
+        # the halves were summed in another order than the search sums its path
+        dist = dijkstra(m, directed=True, indices=source, limit=bound * (1 + 1e-9))
         if not math.isfinite(dist[target]):
             return None
-        incoming = graph.incoming()
-        path = [target]
-        while path[-1] != source:
-            v = path[-1]
-            lo, hi = incoming.indptr[v], incoming.indptr[v + 1]
-            us = incoming.indices[lo:hi]
-            ties = np.count_nonzero(dist[us] + incoming.data[lo:hi] == dist[v])
-            if ties != 1:
-                return None
-            path.append(int(pred[v]))
-        path.reverse()
-        return path
+        return _walk_back(incoming, dist, source, target)
 
     def plan(self, src: Layout, dst: Layout, tensor: TensorSpec,
              grad_dst: Layout | None = None) -> Redistribution:
         back = grad_dst if grad_dst is not None else grad_layout(dst)
         return Redistribution(src, dst, tensor, self.path(src, dst, tensor), back,
                               self.path(back, grad_layout(src), tensor))
+
+
+def _walk_back(incoming: csc_matrix, dist: np.ndarray, source: int, target: int
+               ) -> list[int] | None:
+    """The shortest path ``source → target`` that steps back from each node to its
+    lowest-numbered in-neighbour ``u`` on a shortest path (``dist[u] + w == dist[v]``,
+    ``dist[u] < dist[v]``). Commuting moves tie often (a free re-view before or after a
+    collective); this rule settles the tie by the distances alone, so a search bounded
+    near the target and the full search return the same path. None when float rounding
+    absorbed a free step into a long path's distance and no such in-neighbour is left."""
+    path = [target]
+    while path[-1] != source:
+        v = path[-1]
+        lo, hi = incoming.indptr[v], incoming.indptr[v + 1]
+        us = incoming.indices[lo:hi]
+        du = dist[us]
+        on = (du + incoming.data[lo:hi] == dist[v]) & (du < dist[v])
+        if not on.any():
+            return None
+        path.append(int(us[on].min()))
+    path.reverse()
+    return path
+
+
+def _near(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, start: int
+          ) -> np.ndarray:
+    """Per node, the least weight of a path of at most two edges from ``start`` in the
+    graph whose CSR arrays these are (inf where there is none)."""
+    out = np.full(len(indptr) - 1, np.inf)
+    out[start] = 0.0
+    lo, hi = indptr[start], indptr[start + 1]
+    np.minimum.at(out, indices[lo:hi], data[lo:hi])
+    for u, w in zip(indices[lo:hi].tolist(), data[lo:hi].tolist(), strict=True):
+        a, b = indptr[u], indptr[u + 1]
+        np.minimum.at(out, indices[a:b], w + data[a:b])
+    return out
 
 
 @cache
