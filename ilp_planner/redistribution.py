@@ -229,7 +229,7 @@ class _RankTables:
 
 # a search on the reversed graph costs about this many forward ones: it reaches the
 # partial-sum layouts, which nothing leads to
-REVERSED_COST = 2.0
+REVERSED_COST = 3.0
 
 
 @dataclass

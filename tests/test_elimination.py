@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 from test_sbp_ilp import random_problem
 
+from formulations import elimination
 from formulations.elimination import (
+    _BranchAndBound,
+    _enumerated,
     _lagrange,
     _merged_edges,
     bound_prune,
@@ -125,6 +128,49 @@ def test_lagrangian_reaches_the_exact_dual_maximum(seed):
     assert math.isclose(lower, dual, rel_tol=1e-9, abs_tol=1e-12)
     assert math.isclose(min(a + s * lam for a, s in lines), dual, rel_tol=1e-9, abs_tol=1e-12)
     assert all(len(c) == p.num_groups for c in seen)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_evaluating_every_choice_finds_the_optimum(seed):
+    p = random_problem(seed, budget=[None, "mid", "tight"][seed % 3], max_groups=6, max_k=4)
+    if seed % 2:
+        p = _with_buckets(p, seed)
+    try:
+        opt = exhaustive(p).objective
+    except ValueError:
+        assert _enumerated(p) is None
+        return
+    found = _enumerated(p)
+    assert p.feasible(found)
+    assert math.isclose(p.objective(found), opt, rel_tol=1e-8, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("gap", [0.0, 0.02])
+@pytest.mark.parametrize("enumerate_below", [0, 12])
+def test_branch_and_bound_on_the_memory_row_equals_enumeration(seed, gap, enumerate_below,
+                                                               monkeypatch):
+    """The search over memory splits, from the least-memory choice (nodes of at most
+    ``enumerate_below`` choices evaluated outright): what it returns fits, and a bound it
+    proves is at most the optimum and within ``gap`` of what it returns."""
+    monkeypatch.setattr(elimination, "ENUMERATE_POINTS", enumerate_below)
+    p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=6, max_k=4)
+    if seed % 2:
+        p = _with_buckets(p, seed)
+    try:
+        opt = exhaustive(p).objective
+    except ValueError:
+        return
+    search = _BranchAndBound(p, gap)
+    best, bound = search.run(tuple(int(np.argmin(m)) for m in p.memory))
+    assert p.feasible(best) and p.objective(best) >= opt * (1 - REL) - 1e-12
+    if seed % 2 == 0:  # without buckets the dual closes every node: always proven
+        assert bound is not None
+    if bound is not None:
+        assert bound <= opt * (1 + REL) + 1e-12
+        assert p.objective(best) - bound <= max(gap, 1e-9) * abs(p.objective(best)) + 1e-12
+        if gap == 0.0:
+            assert math.isclose(p.objective(best), opt, rel_tol=1e-8, abs_tol=1e-12)
 
 
 def test_too_wide_a_graph_is_refused():
