@@ -390,9 +390,8 @@ def _forest_incumbent(problem: Problem) -> tuple[int, ...]:
     of the whole problem, priced exactly here. The prune is only as strong as this
     incumbent: on the tied GPT-175B on 1,024 devices it comes within 2.5 % of the optimum
     (21.55 s a step against 21.05 s) where local search stops at 39.5 s, and the
-    elimination then runs on 40× fewer table entries. (Mixing the minimisers per group,
-    :func:`_mix`, gains 0.1 % there for an ILP solve; the elimination does it later.)
-    Raises ValueError when no choice meets the memory budget."""
+    elimination then runs on 40× fewer table entries (whose branch and bound closes the
+    rest). Raises ValueError when no choice meets the memory budget."""
     forest, _ = _forest(problem.num_groups, _merged_edges(problem))
     sizes = [len(c) for c in problem.cost]
     relax = _Relaxation(problem, forest, elimination_order(sizes, forest))
@@ -461,11 +460,11 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     if not problem.feasible(best):
         lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower,
                                      best)
-        found += [c for c in seen if problem.feasible(c)] + [_mix(problem, seen)]
+        found += [c for c in seen if problem.feasible(c)]
         steps = None
     else:
         found.append(best)
-    best = min((tuple(c) for c in found if c is not None), key=problem.objective)
+    best = min((tuple(c) for c in found), key=problem.objective)
 
     def gap_of(low: float) -> float:
         return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
@@ -726,21 +725,3 @@ def _envelope_peak(lines: list[tuple[float, float]]) -> tuple[float, float]:
                           for a2, s2 in lines if s2 <= 0 and s1 > s2]
     lam = max((c for c in candidates if c >= 0), key=envelope)
     return lam, envelope(lam)
-
-
-# seconds for the ILP that mixes the Lagrangian minimisers into one incumbent (:func:`_mix`)
-MIX_TIME_LIMIT_S = 10.0
-
-
-def _mix(problem: Problem, seen: list[list[int]]) -> tuple[int, ...] | None:
-    """The best feasible choice using, per group, only strategies some Lagrangian
-    minimiser used: at the critical λ the minimisers jump between extremes (every layer
-    replicated, every layer sharded), and the optimum usually mixes them per layer. A
-    small ILP (a handful of strategies per group) finds that mixture."""
-    from formulations.sbp_ilp import SbpIlp
-
-    allowed = [np.unique([c[g] for c in seen]) for g in range(problem.num_groups)]
-    res = SbpIlp(problem.subset(allowed)).solve(time_limit_s=MIX_TIME_LIMIT_S)
-    if res is None:
-        return None
-    return tuple(int(allowed[g][k]) for g, k in enumerate(res.choice))
