@@ -502,6 +502,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     # tied nodes share one options list: the same (lists, positions, tensor) give the same
     # layouts, so their matrix is found without hashing hundreds of layouts per edge
     by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
+    uses: dict[tuple[int, int], dict[int, tuple[np.ndarray, int]]] = {}
     for src, dst in graph.edges():
         if graph[src].kind is OpKind.INPUT:
             continue
@@ -522,11 +523,15 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
                 matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster,
                                                                 replay=v in again)
             r = by_lists[quick] = matrix_cache[key]
-        gu, gv = group_of[u], group_of[v]
+        # tied layers add one matrix many times: counted here, added once scaled below
+        terms = uses.setdefault((group_of[u], group_of[v]), {})
+        terms[id(r)] = (r, terms.get(id(r), (r, 0))[1] + 1)
+    for (gu, gv), terms in uses.items():
+        total = sum(n * r if n > 1 else r for r, n in terms.values())  # a new array
         if gu == gv:
-            cost[gu] += np.diag(r)
-            continue
-        edges[(gu, gv)] = edges[(gu, gv)] + r if (gu, gv) in edges else r.copy()
+            cost[gu] += np.diag(total)
+        else:
+            edges[(gu, gv)] = total
     _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
     buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)

@@ -227,8 +227,9 @@ class _RankTables:
     view_class: np.ndarray  # (candidates,) int, -1 for layouts with partial sums
 
 
-# a search on the reversed graph costs about this many forward ones: it reaches the
-# partial-sum layouts, which nothing leads to
+# a search on the reversed graph costs up to about this many forward ones (1.2-2.8×
+# measured, by destination: the reversed graph reaches the partial-sum layouts, which no
+# forward search from a partial-free layout does)
 REVERSED_COST = 3.0
 
 
