@@ -24,8 +24,11 @@ The two terms that couple every group are handled with certified bounds
 Every pass is exact for its prices, so its value is a lower bound and every feasible
 minimiser an upper one. When they do not meet, min-marginals (a second, backward pass)
 bound the best objective of any choice using each strategy, and only strategies whose
-bound does not exceed the incumbent go on to the ILP, which is small and proves the
-optimum (reduced-cost fixing by dynamic programming, ``ilp_planner.planner.solve_mesh``).
+bound does not exceed the incumbent are kept (reduced-cost fixing by dynamic
+programming). Over those, a branch and bound on the memory row (:class:`_BranchAndBound`)
+closes the Lagrangian gap, and a restriction of a few thousand choices is solved by
+evaluating them all (:func:`_enumerated`); what neither closes goes on to the ILP, which
+proves the optimum on the kept strategies (``ilp_planner.planner.solve_mesh``).
 """
 
 from __future__ import annotations
