@@ -457,17 +457,10 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     if order.work > max_work:
         return None
     relax = _Relaxation(problem, edges, order)
-    theta, usage, lam = relax.alpha, np.zeros((len(sizes), len(relax.alpha))), 0.0
-    lower, best, steps = relax.run(theta, usage, lam)
-    found = [*incumbents]
-    if not problem.feasible(best):
-        lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower,
-                                     best)
-        found += [c for c in seen if problem.feasible(c)]
-        steps = None
-    else:
-        found.append(best)
-    best = min((tuple(c) for c in found), key=problem.objective)
+    theta, usage = relax.alpha, np.zeros((len(sizes), len(relax.alpha)))
+    lower, seen, lam, steps = _dual(problem, relax)
+    best = min([*incumbents, *(tuple(c) for c in seen if problem.feasible(c))],
+               key=problem.objective)
 
     def gap_of(low: float) -> float:
         return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
@@ -559,15 +552,16 @@ class _BranchAndBound:
     child and forces the other to save memory elsewhere, and each child's dual is again
     exact for its prices. Best-first by bound; a node closes when its bound is within the
     gap of the incumbent. On GPT-175B tied on 1,024 devices this proves the optimum within
-    0.1 % in 7 nodes (79 passes, about 1 s) where SCIP took 39 s on the same kept
+    0.1 % in 7 nodes (58 passes, about 1 s) where SCIP took 39 s on the same kept
     strategies (at a zero gap it stops at a node left open by bucket rounding alone).
 
     A node of at most ``ENUMERATE_POINTS`` choices is solved outright by evaluating them
     all (:func:`_enumerated`), bucket rounding included. In larger nodes the bucket terms
-    stay relaxed (α per chunk): a node whose minimiser fits but whose bound is still below
-    the incumbent cannot be split on memory, so the search stops and :meth:`run` returns
-    no bound (the ILP, warm-started from its incumbent, proves the rest); so it does after
-    ``BRANCH_PASSES`` passes."""
+    stay relaxed (α per chunk; the usage re-pricing of :func:`solve_elimination` closed
+    nothing here that the incumbent did not, for a quarter more passes): a node whose
+    minimiser fits but whose bound is still below the incumbent cannot be split on memory,
+    so the search stops and :meth:`run` returns no bound (the ILP, warm-started from its
+    incumbent, proves the rest); so it does after ``BRANCH_PASSES`` passes."""
 
     def __init__(self, problem: Problem, gap: float):
         self.problem = problem
@@ -630,28 +624,12 @@ class _BranchAndBound:
         fits), in the problem's indices; None when no allowed choice fits."""
         sub = self.problem.subset(allowed)
         relax = _Relaxation(sub, _merged_edges(sub), self.order)
-        theta, usage = relax.alpha, np.zeros((sub.num_groups, len(relax.alpha)))
-        lower, first, _ = relax.run(theta, usage, 0.0)
-        seen, lam = [first], 0.0
         try:
-            if not sub.feasible(first):
-                lower, met, lam = _lagrange(sub, lambda v: relax.run(theta, usage, v), lower,
-                                            first)
-                seen += met
+            lower, seen, _, _ = _dual(sub, relax)
         except ValueError:
-            self.passes += relax.passes
             return None
-        last = seen[-1]
-        for _ in range(USAGE_ROUNDS if sub.buckets is not None else 0):
-            if not sub.feasible(last):
-                break
-            # the minimiser fits: what is left is the buckets' gap (first chunks underpriced)
-            value, last, _ = relax.run(*relax.usage_prices(last), lam)
-            seen.append(last)
-            if value <= lower:
-                break
-            lower = value
-        self.passes += relax.passes
+        finally:
+            self.passes += relax.passes
 
         def full(c) -> tuple[int, ...]:
             return tuple(int(a[k]) for a, k in zip(allowed, c, strict=True))
@@ -659,6 +637,20 @@ class _BranchAndBound:
         over = [c for c in seen if not sub.feasible(c)]
         return (lower, [full(c) for c in seen if sub.feasible(c)],
                 full(over[-1]) if over else None)
+
+
+def _dual(problem: Problem, relax: _Relaxation
+          ) -> tuple[float, list[list[int]], float, list[_Step] | None]:
+    """The memory row's Lagrangian bound at bucket prices α: the pass at λ = 0, and where
+    its minimiser does not fit, the dual's maximum (:func:`_lagrange`). Returns the bound,
+    every minimiser met (the first included), the λ, and the eliminations of the λ = 0
+    pass when that pass is the bound (else None). Raises ValueError when no choice fits."""
+    theta, usage = relax.alpha, np.zeros((problem.num_groups, len(relax.alpha)))
+    lower, first, steps = relax.run(theta, usage, 0.0)
+    if problem.feasible(first):
+        return lower, [first], 0.0, steps
+    lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower, first)
+    return lower, [first, *seen], lam, None
 
 
 def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]

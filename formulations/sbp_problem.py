@@ -525,9 +525,10 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             r = by_lists[quick] = matrix_cache[key]
         # tied layers add one matrix many times: counted here, added once scaled below
         terms = uses.setdefault((group_of[u], group_of[v]), {})
-        terms[id(r)] = (r, terms.get(id(r), (r, 0))[1] + 1)
+        _, n = terms.get(id(r), (r, 0))
+        terms[id(r)] = (r, n + 1)
     for (gu, gv), terms in uses.items():
-        total = sum(n * r if n > 1 else r for r, n in terms.values())  # a new array
+        total = sum(n * r for r, n in terms.values())  # a new array
         if gu == gv:
             cost[gu] += np.diag(total)
         else:

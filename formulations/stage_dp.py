@@ -519,7 +519,10 @@ def _dp(
         C = tail if cls == "tail" else cost_at(cls)
         table = nxt if cls == "tail" else F[cls - 1]
         fits = np.flatnonzero(sizes <= d)
-        cand = combine(C[k, k:][:, fits], table[k + 1 :, d - sizes[fits]])
+        c = C[k, k:][:, fits]
+        # an entry without a cost is no candidate, whatever ``combine`` makes of it (as
+        # in :func:`_relax_row`)
+        cand = np.where(np.isfinite(c), combine(c, table[k + 1 :, d - sizes[fits]]), np.inf)
         r, j = np.argwhere(cand == target)[0]
         m = int(fits[j])
         i = k + int(r)
@@ -684,7 +687,7 @@ class _Problem:
         c = np.where(usable & (smax > 0), smax.astype(float), np.inf)
 
         def after(cap: np.ndarray, n: np.ndarray) -> np.ndarray:
-            return np.where((n + 1 <= cap) & np.isfinite(cap), n + 1, np.inf)
+            return np.where(n + 1 <= cap, n + 1, np.inf)
 
         return _dp(lambda p: c, 0, c, self.sizes, t.num_layers, self.devices, after, None)
 

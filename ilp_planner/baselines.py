@@ -177,8 +177,7 @@ layer-level selective mode with frequency 2)."""
 
 def ac_blocks(graph, mode: str) -> frozenset[tuple[str, int]]:
     """The blocks an activation checkpointing mode recomputes."""
-    units = list(dict.fromkeys((op.block, op.block_index) for op in graph.ops
-                               if op.block is not None and op.block_index is not None))
+    units = graph.blocks()
     return frozenset({"none": [], "full": units, "selective": units[::2]}[mode])
 
 

@@ -69,7 +69,7 @@ graph), a cluster, the training memory model, and solver / pipeline options. Ref
       submesh_space: all          # | power_of_two | small_power_of_two (Alpa's shape spaces)
       max_units: null             # null: one layer unit per block; N: coarsen to ≤ N units
       stage_time_limit_s: null    # per stage ILP; null: min(solver.time_limit_s, 10)
-      stage_bound: true           # skip stage solves a FLOP bound proves useless (exact)
+      stage_bound: true           # skip or stop stage solves proven slower than a plan in hand (exact)
 
 Rules: unknown keys are errors (the message lists the allowed ones), so a typo never falls
 back to a default silently; missing required keys, wrong types, non-positive sizes and unknown

@@ -190,6 +190,11 @@ class Graph:
                     self._consumers[src].append(op.name)
         return list(self._consumers[name])
 
+    def blocks(self) -> tuple[tuple[str, int], ...]:
+        """The blocks ``(block, block_index)`` in graph order: the units of recomputation."""
+        return tuple(dict.fromkeys((op.block, op.block_index) for op in self._ops.values()
+                                   if op.block is not None and op.block_index is not None))
+
     @property
     def total_params(self) -> int:
         return sum(op.params for op in self._ops.values())

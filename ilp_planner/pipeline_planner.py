@@ -246,13 +246,15 @@ class _StageSolver:
         self.not_optimal = 0
         self.calls = 0
         # exact pruning (set_incumbent): a lower bound on every stage's time from its FLOPs
+        # (then from its relaxation, :meth:`_relaxed_above`, and a solve's own bound, CutOff)
         cluster = config.cluster
         work = [sum(compute_time(3.0 * graph[n].flops, cluster) for n in u) for u in units]
         self.work_prefix = [0.0, *itertools.accumulate(work)]
         self.num_devices = cluster.num_devices
         self.incumbent_s: float | None = None
         self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
-        self.relaxed = 0  # of them, bounded by their relaxation (built, not solved)
+        self.relaxed: set[tuple[int, int, tuple[int, int]]] = set()  # of them, by their
+        # relaxation (built, not solved)
         # (signature class, shape, count) solves cut off: slower than the incumbent
         self.cut_off: set[tuple] = set()
         # per (signature class, shape): the relaxation's time per micro-batch, a lower bound
@@ -396,12 +398,14 @@ class _StageSolver:
             try:
                 self.relaxations[key] = fastest_bound(self.config, shape[0], shape[1], graph,
                                                       M, boundary, self.build_cache) / M
-            except InfeasibleError:
-                self.relaxations[key] = 0.0  # the solve reports it
+            except InfeasibleError:  # what the solve would find: no build to repeat
+                self.cache[(*key, None)] = None
+                return False
             self.solve_s += time.perf_counter() - t0
         above = (self.lower_bound(a, e, shape, self.relaxations[key]) * (1 - 1e-9)
                  > self.incumbent_s)
-        self.relaxed += above
+        if above:
+            self.relaxed.add((a, e, shape))
         return above
 
     def variant_how(self, a: int, e: int, shape: tuple[int, int], variant: int
@@ -437,6 +441,8 @@ class _StageSolver:
             if (sig, shape, h) in self.cache:
                 cached = self.cache[(sig, shape, h)]
                 found[i] = None if cached is None else self._cost(cached)
+            elif (sig, shape, h) in self.cut_off:  # useless: as if it did not fit (solve)
+                found[i] = None
 
         def at(i: int) -> StageCost | None:
             if i not in found:
@@ -486,7 +492,7 @@ class _StageSolver:
             return False
         a, e, shape = stage.start, stage.end, stage.submesh
         key = (self.keys.key(a, e), shape)
-        if (*key, stage.inflight_microbatches) in self.cache:
+        if (*key, stage.inflight_microbatches) in self.cache.keys() | self.cut_off:
             raise AssertionError(f"gap variant chosen at a solved count: {stage}")
         self.solve(a, e, shape, stage.inflight_microbatches, useful_only=True)
         grid = [v for v in self.costs[key] if isinstance(v[0], AtGridPoint)]
@@ -773,6 +779,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
             # the incumbent is a plan of the table: cannot happen; stay exact regardless
             solver.incumbent_s = solver.max_position = None
             solver.bounded.clear()
+            solver.relaxed.clear()
             solver.cut_off.clear()
             solver.costs.clear()  # variants were cut at the incumbent's deepest position
 
@@ -834,7 +841,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         "stage_solves": solver.solves,
         "stage_pairs": solver.calls,
         "stage_bounded": len(solver.bounded),
-        "stage_relaxed": solver.relaxed,
+        "stage_relaxed": len(solver.relaxed),
         "stage_cut_off": len(solver.cut_off),
         "incumbent_s": solver.incumbent_s,
         "stage_not_optimal": solver.not_optimal,
@@ -1005,8 +1012,7 @@ class AtGridPoint:
     reserve: float
 
     def blocks(self, graph: Graph) -> frozenset[tuple[str, int]]:
-        units = list(dict.fromkeys((op.block, op.block_index) for op in graph.ops
-                                   if op.block is not None and op.block_index is not None))
+        units = graph.blocks()
         return frozenset(units[i] for i in self.offsets)
 
 
@@ -1088,8 +1094,7 @@ def pipelined_grid(config: Config, graph: Graph, solver: _StageSolver, boundary:
             if isinstance(point, str):
                 reasons.append(f"pp={S}, stage {j}: {point}")
                 break
-            units = list(dict.fromkeys((op.block, op.block_index) for op in sub.ops
-                                       if op.block is not None and op.block_index is not None))
+            units = sub.blocks()
             how = AtGridPoint(held, tuple(i for i, u in enumerate(units)
                                           if u in point.gp.recompute_units), point.reserve)
             t = realise(point.gp, point.choice)[1].total_s / M

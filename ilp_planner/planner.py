@@ -149,7 +149,7 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     if cache is None and (config.solver.recompute != "never"
                           or set(config.solver.state_sharding) & {2, 3}):
         cache = BuildCache()  # several builds of this graph follow
-    units = _blocks(graph)
+    units = graph.blocks()
     policy = config.solver.recompute
     if policy == "never" or not units:
         return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
@@ -160,11 +160,14 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
                               cutoff)
     tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError | CutOff] = {}
 
-    def attempt(k: int):
-        if k not in tried:
+    def attempt(k: int, cut: bool = True):
+        """Count ``k`` solved; with ``cut``, stopped once proven no better than the best
+        so far (or ``cutoff``). The bisection steers by whether a count fits, which a
+        cut-off solve does not tell: its probes run (again) without one."""
+        if k not in tried or (not cut and isinstance(tried[k], CutOff)):
             best = min([cutoff] * (cutoff is not None)
                        + [v[1].objective for v in tried.values() if isinstance(v, tuple)],
-                       default=None)
+                       default=None) if cut else None
             try:
                 tried[k] = _solve_fitting(config, nodes, local, memory_budget, graph,
                                           microbatches, boundary, cache, frozenset(units[:k]),
@@ -179,19 +182,20 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     if isinstance(attempt(len(units)), InfeasibleError) and not any(
             isinstance(v, tuple) for v in tried.values()):
         raise attempt(len(units))  # type: ignore[misc]
-    lo, hi = 0, len(units)  # the fewest recomputed blocks that fit lie in (lo, hi]
-    if not isinstance(attempt(0), InfeasibleError):
-        hi = 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if isinstance(attempt(mid), InfeasibleError):
-            lo = mid
-        else:
-            hi = mid
-    attempt(hi)
+    if len(units) > EVERY_COUNT_UP_TO:
+        lo, hi = 0, len(units)  # the fewest recomputed blocks that fit lie in (lo, hi]
+        if not isinstance(attempt(0, cut=False), InfeasibleError):
+            hi = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if isinstance(attempt(mid, cut=False), InfeasibleError):
+                lo = mid
+            else:
+                hi = mid
     fits = [v for v in tried.values() if isinstance(v, tuple)]
     if not fits:  # every count infeasible or cut off: the cut-off says more
-        raise next((v for v in tried.values() if isinstance(v, CutOff)), attempt(hi))
+        raise next((v for v in tried.values() if isinstance(v, CutOff)),
+                   attempt(len(units)))
     gp, best = min(fits, key=lambda v: v[1].objective)
 
     def outcome(v) -> str:
@@ -203,12 +207,6 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
     return gp, dataclasses.replace(best, message="; ".join(
         m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
                     f"{len(gp.recompute_units)}") if m))
-
-
-def _blocks(graph) -> tuple[tuple[str, int], ...]:
-    """The graph's blocks ``(block, block_index)`` in order: the units of recomputation."""
-    return tuple(dict.fromkeys((op.block, op.block_index) for op in graph.ops
-                               if op.block is not None and op.block_index is not None))
 
 
 def _recomputed_without_budget(config: Config, units) -> frozenset:
@@ -224,7 +222,7 @@ def fastest_bound(config: Config, nodes: int, local: int, graph, microbatches: i
     ``cache`` for it) relaxed by :func:`relaxation_bound` — no dominance, no search: the
     pipeline planner drops the (range, mesh) pairs it proves slower than a plan in hand.
     Raises :class:`InfeasibleError` where that build does."""
-    chosen = _recomputed_without_budget(config, _blocks(graph))
+    chosen = _recomputed_without_budget(config, graph.blocks())
     try:
         gp = _built(config, nodes, local, graph, microbatches, boundary, cache, chosen, None)
     except ValueError as exc:

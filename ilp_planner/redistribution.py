@@ -433,11 +433,11 @@ class RedistributionPlanner:
     def forward_costs(self, srcs: Sequence[Layout], dsts: Sequence[Layout],
                       tensor: TensorSpec) -> np.ndarray:
         """:meth:`forward_cost` of every (source, destination) pair, read off one Dijkstra
-        row per source, or per destination on the reversed graph where there are fewer
-        (the ILP's matrices need thousands of pairs). A distance summed from the other end
-        may differ from :meth:`forward_cost`'s in the last bits; the choice depends on the
-        layouts asked for alone, so a problem's matrices do not depend on what was built
-        before."""
+        row per source, or per destination on the reversed graph where destinations are
+        fewer by ``REVERSED_COST`` (the ILP's matrices need thousands of pairs). A
+        distance summed from the other end may differ from :meth:`forward_cost`'s in the
+        last bits; the choice depends on the layouts asked for alone, so a problem's
+        matrices do not depend on what was built before."""
         graph = self._graph(tensor)
         srcs = [drop_unit_axes(s) for s in srcs]
         dsts = [drop_unit_axes(d) for d in dsts]
@@ -524,19 +524,15 @@ class RedistributionPlanner:
         the full search (weights are positive and float addition is monotone, so Dijkstra's
         distances do not depend on the order nodes are scanned in), and the walk back reads
         only nodes nearer than the target, so it takes the same path on either search."""
-        m = graph.matrix
-        incoming = graph.incoming()
-        # two edges out of the source meeting two into the target (the CSC arrays of the
-        # in-edges read as the reversed graph's CSR rows)
-        bound = float(np.min(_near(m.indptr, m.indices, m.data, source)
-                             + _near(incoming.indptr, incoming.indices, incoming.data, target)))
+        # two edges out of the source meeting two into the target
+        bound = float(np.min(_near(graph.matrix, source) + _near(graph.reversed(), target)))
         if not math.isfinite(bound):
             return None
         # the halves were summed in another order than the search sums its path
-        dist = dijkstra(m, directed=True, indices=source, limit=bound * (1 + 1e-9))
+        dist = dijkstra(graph.matrix, directed=True, indices=source, limit=bound * (1 + 1e-9))
         if not math.isfinite(dist[target]):
             return None
-        return _walk_back(incoming, dist, source, target)
+        return _walk_back(graph.incoming(), dist, source, target)
 
     def plan(self, src: Layout, dst: Layout, tensor: TensorSpec,
              grad_dst: Layout | None = None) -> Redistribution:
@@ -567,10 +563,10 @@ def _walk_back(incoming: csc_matrix, dist: np.ndarray, source: int, target: int
     return path
 
 
-def _near(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, start: int
-          ) -> np.ndarray:
-    """Per node, the least weight of a path of at most two edges from ``start`` in the
-    graph whose CSR arrays these are (inf where there is none)."""
+def _near(m: csr_matrix, start: int) -> np.ndarray:
+    """Per node, the least weight of a path of at most two edges from ``start`` in ``m``
+    (inf where there is none)."""
+    indptr, indices, data = m.indptr, m.indices, m.data
     out = np.full(len(indptr) - 1, np.inf)
     out[start] = 0.0
     lo, hi = indptr[start], indptr[start + 1]

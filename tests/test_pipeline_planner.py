@@ -460,6 +460,58 @@ def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
     assert checked >= 2
 
 
+def test_refining_a_gap_at_a_cut_off_count_removes_the_gap_there():
+    """A gap variant the DP chose, resolved at its position's count whose solve is cut
+    off (useless): the rebuilt variants no longer offer that count a gap, so the DP's
+    refine loop moves on (it repeated the same gap before)."""
+    import types
+
+    from formulations.stage_dp import StageCost
+    from ilp_planner.pipeline_planner import Gap, _StageSolver
+
+    class Stub(_StageSolver):
+        """The table logic over canned solves: fastest fits no count ≥ 2, count 2 fits,
+        counts ≥ 3 are cut off by the incumbent."""
+
+        def __init__(self):
+            self.cache, self.cut_off, self.costs = {}, set(), {}
+            self.incumbent_s, self.lazy = 100.0, True
+            self.keys = types.SimpleNamespace(key=lambda a, e: ("sig", a, e))
+            self.config = types.SimpleNamespace(
+                cluster=types.SimpleNamespace(memory_bytes=100.0),
+                pipeline=types.SimpleNamespace(microbatches=8))
+
+        def _inflight_levels(self, a, e, shape):
+            return [2, 3, 4, 5]
+
+        def lower_bound(self, a, e, shape, t=None):
+            return 0.0
+
+        def _cost(self, solved):
+            return solved
+
+        def solve(self, a, e, shape, how=None, useful_only=False):
+            key = (self.keys.key(a, e), shape, how)
+            if key in self.cache or (useful_only and key in self.cut_off):
+                return self.cache.get(key)
+            if how is None or how == 2:
+                self.cache[key] = StageCost(1.0, 50.0 if how is None else 10.0,
+                                            30.0 if how is None else 40.0)
+                return self.cache[key]
+            self.cut_off.add(key)
+            return None
+
+    s = Stub()
+    pair = (s.keys.key(0, 1), (1, 1))
+    s.costs[pair] = s._variants(0, 1, (1, 1))
+    [gap] = [v for v, (how, _) in enumerate(s.costs[pair]) if isinstance(how, Gap)]
+    stage = types.SimpleNamespace(start=0, end=1, submesh=(1, 1), inflight_microbatches=3,
+                                  variant=gap)
+    assert s.refine(stage)
+    budget = s.config.cluster.memory_bytes
+    assert not any(isinstance(how, Gap) and c.memory(3) <= budget for how, c in s.costs[pair])
+
+
 @pytest.mark.parametrize("overrides", [
     {"model.layers": 4, "cluster.nodes": 2, "cluster.devices_per_node": 4},
     {"model.layers": 3, "cluster.nodes": 1, "cluster.devices_per_node": 4,
