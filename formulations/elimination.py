@@ -50,8 +50,8 @@ MAX_WORK = 4e8
 # above this many entries in one elimination table, strategies an incumbent rules out are
 # dropped first (tied models on large meshes: width 3 with hundreds of strategies a group)
 PRUNE_ABOVE = 1e7
-# most passes of each phase of the λ search on a binding memory row (:func:`_lagrange`)
-LAGRANGE_STEPS = 16
+# most passes of the λ search on a binding memory row (:func:`_lagrange`)
+LAGRANGE_STEPS = 32
 # relative gap below which the incumbent counts as proven optimal (float rounding)
 EXACT = 1e-9
 
@@ -671,23 +671,24 @@ def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
     least-memory choice included.
 
     The dual is the lower envelope of one line per choice c, ``obj(c) + λ (mem(c) − M)``,
-    and each pass returns the line of its minimiser. So λ is grown until a minimiser fits
-    (a line sloping down), then found by cutting planes (Kelley): the next λ maximises
-    the envelope of the lines met so far, an upper bound on the dual; when the pass there
-    adds no lower line, that λ maximises the dual itself (exact; usually a few passes,
-    where bisection spent its whole budget approaching the same kink)."""
+    and each pass returns the line of its minimiser. So λ is found by cutting planes
+    (Kelley), starting from the λ = 0 minimiser's line and the least-memory choice's (a
+    line sloping down): the next λ maximises the envelope of the lines met so far, an
+    upper bound on the dual; when the pass there adds no lower line, that λ maximises the
+    dual itself (exact; usually a few passes, where bisection spent its whole budget
+    approaching the same kink)."""
     least = [int(np.argmin(m)) for m in problem.memory]
     if not problem.feasible(least):
         raise ValueError("no choice meets the memory budget")
-    span = max(float(np.ptp(m)) for m in problem.memory) or 1.0
-    scale = sum(float(np.max(c)) for c in problem.cost) + sum(
-        float(np.max(r)) for r in problem.edges.values()) + 1e-30
     budget = problem.memory_budget
     seen = [least]
     best_obj = problem.objective(least)
     best_lam = 0.0
-    # (value at λ = 0, slope) of each minimiser met
-    lines = [(lower, problem.memory_of(first) - budget)]
+    # (value at λ = 0, slope) of each minimiser met, and of the least-memory choice: its
+    # line (true objective, at least its relaxed one) slopes down and bounds the dual
+    # from above like any choice's, so the cutting planes start at once
+    lines = [(lower, problem.memory_of(first) - budget),
+             (best_obj, problem.memory_of(least) - budget)]
 
     def visit(lam: float) -> float:
         """The pass at ``lam``; returns its dual value."""
@@ -702,14 +703,6 @@ def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
             best_obj = min(best_obj, problem.objective(choice))
         return value
 
-    lam = scale / span
-    for _ in range(LAGRANGE_STEPS):  # grow λ until its minimiser fits
-        visit(lam)
-        if lines[-1][1] <= budget * 1e-9:
-            break
-        lam *= 4
-    else:
-        return lower, seen, best_lam
     tol = 1e-9 * max(abs(best_obj), 1e-30)
     for _ in range(LAGRANGE_STEPS):
         if best_obj - lower <= tol:
