@@ -552,7 +552,7 @@ class _BranchAndBound:
     child and forces the other to save memory elsewhere, and each child's dual is again
     exact for its prices. Best-first by bound; a node closes when its bound is within the
     gap of the incumbent. On GPT-175B tied on 1,024 devices this proves the optimum within
-    0.1 % in 7 nodes (79 passes, about 1 s) where SCIP took 39 s on the same kept
+    0.1 % in 7 nodes (77 passes, about 1 s) where SCIP took 39 s on the same kept
     strategies (at a zero gap it stops at a node left open by bucket rounding alone).
 
     A node of at most ``ENUMERATE_POINTS`` choices is solved outright by evaluating them
