@@ -192,6 +192,7 @@ _EPS = 1e-15  # weight of free edges: csgraph needs strictly positive weights
 
 
 _KINDS: tuple[CollectiveKind, ...] = tuple(CollectiveKind)
+_KIND_ID = {kd: i for i, kd in enumerate(_KINDS)}
 
 
 @dataclass(frozen=True)
@@ -227,10 +228,13 @@ class _RankTables:
     view_class: np.ndarray  # (candidates,) int, -1 for layouts with partial sums
 
 
-# a search on the reversed graph costs up to about this many forward ones (1.2-2.8×
-# measured, by destination: the reversed graph reaches the partial-sum layouts, which no
-# forward search from a partial-free layout does)
+# a search on the reversed graph costs up to about this many forward ones (2.8× measured
+# on 128 × 8 from a partial-free destination: the reversed graph reaches the partial-sum
+# layouts, which no forward search from a partial-free layout does) ...
 REVERSED_COST = 3.0
+# ... and this many on the partial-free part of the reversed graph (1.2× measured on
+# 128 × 8), which holds every path between partial-free layouts
+FREE_REVERSED_COST = 1.2
 
 
 @dataclass
@@ -242,8 +246,10 @@ class _StateGraph:
     index: dict[Layout, int]
     matrix: csr_matrix
     hub_kind: dict[int, str]
+    partial: np.ndarray  # (states,) bool: the layout has partial sums
     _incoming: csc_matrix | None = None
     _reversed: csr_matrix | None = None
+    _free_reversed: tuple[csr_matrix, np.ndarray] | None = None
 
     def incoming(self) -> csc_matrix:
         """The matrix by columns: the in-edges of every node."""
@@ -257,6 +263,17 @@ class _StateGraph:
             inc = self.incoming()
             self._reversed = csr_matrix((inc.data, inc.indices, inc.indptr), shape=inc.shape)
         return self._reversed
+
+    def free_reversed(self) -> tuple[csr_matrix, np.ndarray]:
+        """The reversed graph on the partial-free layouts and the hubs, and those nodes'
+        ids. No move creates partial sums, so every path between two partial-free layouts
+        lies in it, and a search there settles the same distances as on the whole reversed
+        graph, without visiting the partial-sum layouts (more than half on 128 × 8)."""
+        if self._free_reversed is None:
+            keep = np.flatnonzero(np.concatenate(
+                [~self.partial, np.ones(self.matrix.shape[0] - len(self.states), dtype=bool)]))
+            self._free_reversed = (self.reversed()[keep][:, keep].tocsr(), keep)
+        return self._free_reversed
 
 
 class RedistributionPlanner:
@@ -316,7 +333,7 @@ class RedistributionPlanner:
         n = len(states) + len(uniq)
         matrix = csr_matrix((weights, (np.concatenate([arrays.src, rows]),
                                        np.concatenate([arrays.dst, cols]))), shape=(n, n))
-        return _StateGraph(states, index, matrix, hub_kind)
+        return _StateGraph(states, index, matrix, hub_kind, tables.partial[arrays.cand])
 
     def _candidate_layouts(self, rank: int) -> tuple[Layout, ...]:
         return tuple(Layout(fact, pls) for fact in self.universe
@@ -336,40 +353,75 @@ class RedistributionPlanner:
     def _move_structure(self, rank: int, fits: tuple[bool, ...]
                         ) -> tuple[list[Layout], dict[Layout, int], _Moves]:
         """The states (candidate layouts that fit) and single-axis moves between them:
-        the same for every tensor of one rank whose dimensions admit the same layouts."""
-        cand = [c for c, ok in enumerate(fits) if ok]
+        the same for every tensor of one rank whose dimensions admit the same layouts.
+
+        The rules of :func:`_axis_moves_rank`, applied to every candidate of a
+        factorisation at once: a candidate is its factorisation's offset plus its
+        placement code (:func:`_placement_codes`), so the move on axis ``a`` to option
+        ``o`` leads to ``code + (o - current) · (rank + 2)^(k-1-a)``. Moves are ordered by
+        source, axis and new placement (B, then S(0), S(1), …), as the rules list them."""
+        fits_arr = np.asarray(fits, dtype=bool)
+        cand = np.flatnonzero(fits_arr)
+        state_of = np.full(len(fits_arr), -1, dtype=np.int64)
+        state_of[cand] = np.arange(len(cand))
         candidates = self._candidates(rank)
         states = [candidates[c] for c in cand]
         index = {lay: i for i, lay in enumerate(states)}
-        src: list[int] = []
-        dst: list[int] = []
-        kinds: list[CollectiveKind | None] = []
-        axis: list[MeshAxis] = []
-        dims: list[int] = []
-        for i, lay in enumerate(states):
-            for pl, a, kind in _axis_moves_rank(lay, rank):
-                j = index.get(_replace(lay, a, pl))
-                if j is None:
+        base = rank + 2
+        axis_id: dict[MeshAxis, int] = {}
+        cols: list[tuple[np.ndarray, ...]] = []  # src, dst, dim, kind, axis, axis no., target
+        offset = 0
+        for fact in self.universe:
+            k = len(fact)
+            opts = _placement_codes(k, rank)
+            codes = np.arange(len(opts))
+            # the minor-most axis splitting each dim (-1: none)
+            last = np.full((len(opts), rank), -1, dtype=np.int64)
+            for i in range(k):
+                for d in range(rank):
+                    last[opts[:, i] == 2 + d, d] = i
+            for a, ax in enumerate(fact):
+                if ax.size == 1:
                     continue
-                src.append(i)
-                dst.append(j)
-                kinds.append(kind)
-                axis.append(lay.fact[a])
-                dims.append(lay.placements[a].dim if kind is CollectiveKind.ALL_GATHER
-                            else pl.dim if isinstance(pl, Split) else 0)
-        axes = tuple(dict.fromkeys(axis))
-        axis_id = {a: i for i, a in enumerate(axes)}
-        kind_id = {kd: i for i, kd in enumerate(_KINDS)}
+                cur = opts[:, a]
+                split = cur >= 2
+                cur_dim = np.where(split, cur - 2, 0)
+                # a split axis may change only if it is the minor-most one on its dim
+                movable = split & (last[codes, cur_dim] == a)
+                moves = [(cur == 1, 0, _KIND_ID[CollectiveKind.ALL_REDUCE], 0),
+                         (movable, 0, _KIND_ID[CollectiveKind.ALL_GATHER], cur_dim)]
+                for d in range(rank):
+                    take = last[:, d] < a  # no later axis splits d yet
+                    moves += [
+                        ((cur == 1) & take, 2 + d, _KIND_ID[CollectiveKind.REDUCE_SCATTER], d),
+                        (movable & (cur != 2 + d) & take, 2 + d,
+                         _KIND_ID[CollectiveKind.ALL_TO_ALL], d),
+                        ((cur == 0) & take, 2 + d, -1, d)]
+                step = base ** (k - 1 - a)
+                for mask, new, kind, dim in moves:
+                    src = state_of[offset + codes[mask]]
+                    dst = state_of[offset + codes[mask] + (new - cur[mask]) * step]
+                    ok = (src >= 0) & (dst >= 0)
+                    n = int(ok.sum())
+                    if not n:
+                        continue
+                    dims = dim[mask][ok] if isinstance(dim, np.ndarray) else np.full(n, dim)
+                    cols.append((src[ok], dst[ok], dims, np.full(n, kind), np.full(n, ax.size),
+                                 np.full(n, axis_id.setdefault(ax, len(axis_id))),
+                                 np.full(n, a), np.full(n, new)))
+            offset += len(opts)
+        src, dst, dim, kind, size, axis, axis_no, target = (
+            np.concatenate(c).astype(np.int64) for c in zip(*cols, strict=True)
+        ) if cols else (np.zeros(0, dtype=np.int64) for _ in range(8))
+        order = np.lexsort((target, axis_no, src))
+        kind = kind[order]
         moves = _Moves(
-            src=np.asarray(src, dtype=np.int64), dst=np.asarray(dst, dtype=np.int64),
-            dim=np.asarray(dims, dtype=np.int64),
-            k=np.array([a.size for a in axis], dtype=np.int64),
-            kind=np.array([-1 if kd is None else kind_id[kd] for kd in kinds], dtype=np.int64),
-            axis=np.array([axis_id[a] for a in axis], dtype=np.int64), axes=axes,
-            gather=np.array([kd is CollectiveKind.ALL_GATHER for kd in kinds], dtype=bool),
-            scatter=np.array([kd in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL)
-                              for kd in kinds], dtype=bool),
-            cand=np.asarray(cand, dtype=np.int64))
+            src=src[order], dst=dst[order], dim=dim[order], k=size[order], kind=kind,
+            axis=axis[order], axes=tuple(axis_id),
+            gather=kind == _KIND_ID[CollectiveKind.ALL_GATHER],
+            scatter=(kind == _KIND_ID[CollectiveKind.REDUCE_SCATTER])
+            | (kind == _KIND_ID[CollectiveKind.ALL_TO_ALL]),
+            cand=cand)
         return states, index, moves
 
     def _move_seconds(self, moves: _Moves, tensor: TensorSpec) -> np.ndarray:
@@ -406,10 +458,18 @@ class RedistributionPlanner:
                               return_predecessors=True)
         return dist, pred
 
-    def _dijkstra_to(self, dst: Layout, tensor: TensorSpec) -> np.ndarray:
-        """Every layout's distance to ``dst``: the search on the reversed graph."""
+    def _dijkstra_to(self, dst: Layout, tensor: TensorSpec, free: bool) -> np.ndarray:
+        """Every layout's distance to ``dst``: the search on the reversed graph; with
+        ``free``, on its partial-free part (:meth:`_StateGraph.free_reversed`: the
+        distances of partial-free layouts, the same; inf for the others)."""
         graph = self._graph(tensor)
-        return dijkstra(graph.reversed(), directed=True, indices=graph.index[dst])
+        if not free:
+            return dijkstra(graph.reversed(), directed=True, indices=graph.index[dst])
+        matrix, keep = graph.free_reversed()
+        out = np.full(graph.matrix.shape[0], np.inf)
+        out[keep] = dijkstra(matrix, directed=True,
+                             indices=int(np.searchsorted(keep, graph.index[dst])))
+        return out
 
     def forward_cost(self, src: Layout, dst: Layout, tensor: TensorSpec) -> float:
         """Seconds of the cheapest path ``src → dst`` (free steps weigh 1e-15 s each),
@@ -434,16 +494,19 @@ class RedistributionPlanner:
                       tensor: TensorSpec) -> np.ndarray:
         """:meth:`forward_cost` of every (source, destination) pair, read off one Dijkstra
         row per source, or per destination on the reversed graph where destinations are
-        fewer by ``REVERSED_COST`` (the ILP's matrices need thousands of pairs). A
+        fewer by ``REVERSED_COST`` (``FREE_REVERSED_COST`` where every layout is
+        partial-free: the search then keeps to the partial-free part; the ILP's matrices
+        need thousands of pairs). A
         distance summed from the other end may differ from :meth:`forward_cost`'s in the
         last bits; the choice depends on the layouts asked for alone, so a problem's
         matrices do not depend on what was built before."""
         graph = self._graph(tensor)
         srcs = [drop_unit_axes(s) for s in srcs]
         dsts = [drop_unit_axes(d) for d in dsts]
-        if REVERSED_COST * len(set(dsts)) < len(set(srcs)):  # a search per destination
-            rows = [graph.index[s] for s in srcs]
-            out = np.array([self._search_to(d, tensor)[rows] for d in dsts]).T
+        free = not any(lay.has_partial for lay in (*srcs, *dsts))
+        if (FREE_REVERSED_COST if free else REVERSED_COST) * len(set(dsts)) < len(set(srcs)):
+            rows = [graph.index[s] for s in srcs]  # a search per destination
+            out = np.array([self._search_to(d, tensor, free)[rows] for d in dsts]).T
         else:
             cols = [graph.index[d] for d in dsts]
             out = np.array([self._search(s, tensor)[0][cols] for s in srcs])
@@ -584,6 +647,15 @@ def _all_placements(k: int, rank: int) -> list[tuple[Placement, ...]]:
     for _ in range(k):
         out = [t + (o,) for t in out for o in opts]
     return out
+
+
+@cache
+def _placement_codes(k: int, rank: int) -> np.ndarray:
+    """``(rank+2)^k × k``: option of every axis in :func:`_all_placements`'s order (0 B,
+    1 P, 2 + d S(d); the first axis most significant)."""
+    base = rank + 2
+    codes = np.arange(base ** k)
+    return np.stack([codes // base ** (k - 1 - i) % base for i in range(k)], axis=1)
 
 
 @lru_cache(maxsize=64)

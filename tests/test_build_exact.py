@@ -14,14 +14,18 @@ from scipy.sparse.csgraph import dijkstra
 
 from formulations.sbp_problem import BuildCache, build_problem
 from ilp_planner.cluster import Cluster, Link
-from ilp_planner.cost_model import MemorySpec, make_collective
+from ilp_planner.cost_model import CollectiveKind, MemorySpec, make_collective
 from ilp_planner.graph import TensorSpec
+from ilp_planner.layouts import Split
 from ilp_planner.models import gpt
 from ilp_planner.pipeline_planner import layer_units, subgraph
 from ilp_planner.redistribution import (
     _EPS,
+    _KIND_ID,
     RedistributionPlanner,
     _axis_moves,
+    _axis_moves_rank,
+    _replace,
     _walk_back,
     step_bytes,
 )
@@ -75,6 +79,48 @@ def test_edge_weights_and_hubs_are_the_scalar_definitions(nodes, local):
         # hubs numbered in order of first appearance
         firsts = list(dict.fromkeys(hub_of[i] for i in free))
         assert firsts == sorted(firsts) == list(range(n, n + len(firsts)))
+
+
+@pytest.mark.parametrize("nodes,local", MESHES + [(1, 1), (4, 8)])
+def test_the_move_structure_is_the_per_layout_rules(nodes, local):
+    """The vectorised move structure lists exactly the moves :func:`_axis_moves_rank`
+    gives layout by layout, in the same order (source, axis, new placement)."""
+    planner = RedistributionPlanner(CLUSTER, nodes, local)
+    for tensor in TENSORS + [TensorSpec((4096, 2560))]:
+        tables = planner._tables(tensor.rank)
+        fits = tuple(np.all(tables.degrees <= np.array(tensor.shape), axis=1).tolist())
+        states, index, moves = planner._move_structure(tensor.rank, fits)
+        want = []
+        for i, lay in enumerate(states):
+            for pl, a, kind in _axis_moves_rank(lay, tensor.rank):
+                j = index.get(_replace(lay, a, pl))
+                if j is not None:
+                    dim = lay.placements[a].dim if kind is CollectiveKind.ALL_GATHER else (
+                        pl.dim if isinstance(pl, Split) else 0)
+                    want.append((i, j, -1 if kind is None else _KIND_ID[kind], lay.fact[a],
+                                 lay.fact[a].size, dim))
+        got = list(zip(moves.src.tolist(), moves.dst.tolist(), moves.kind.tolist(),
+                       [moves.axes[x] for x in moves.axis.tolist()], moves.k.tolist(),
+                       moves.dim.tolist(), strict=True))
+        assert got == want, (nodes, local, tensor)
+        assert np.array_equal(moves.gather, moves.kind == _KIND_ID[CollectiveKind.ALL_GATHER])
+
+
+def test_the_partial_free_reversed_search_settles_the_same_distances():
+    """Between partial-free layouts the search on the partial-free part of the reversed
+    graph gives the whole reversed graph's distances, bit for bit."""
+    checked = 0
+    for _, _, graph in _graphs():
+        matrix, keep = graph.free_reversed()
+        n = len(graph.states)
+        free = np.flatnonzero(~graph.partial)
+        assert np.array_equal(keep[keep < n], free)
+        for t in free[:: max(1, len(free) // 6)].tolist():
+            whole = dijkstra(graph.reversed(), directed=True, indices=t)
+            part = dijkstra(matrix, directed=True, indices=int(np.searchsorted(keep, t)))
+            assert np.array_equal(part[: len(free)], whole[free])
+            checked += 1
+    assert checked > 50
 
 
 def test_bounded_path_search_returns_the_full_search_path():
