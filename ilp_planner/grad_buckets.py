@@ -75,10 +75,12 @@ def device_groups(fact: Factorisation, axes: tuple[int, ...]) -> tuple[tuple[int
     Cached: the problem build asks for it once per strategy of every layer."""
     coords = axis_coordinates(fact)
     keep = [a for a in range(len(fact)) if a not in axes]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, row in enumerate(coords):
-        groups.setdefault(tuple(int(row[a]) for a in keep), []).append(i)
-    return tuple(sorted(tuple(g) for g in groups.values()))
+    # devices with the same coordinates off ``axes`` form a group (listed in mesh order)
+    key = (np.ravel_multi_index(tuple(coords[:, keep].T), [fact[a].size for a in keep])
+           if keep else np.zeros(len(coords), dtype=np.int64))
+    order = np.argsort(key, kind="stable")
+    groups = np.split(order, np.flatnonzero(np.diff(key[order])) + 1)
+    return tuple(sorted(tuple(g.tolist()) for g in groups))
 
 
 def fill_buckets(syncs: Sequence[tuple[str, SyncBucket]], cap_bytes: float,

@@ -60,7 +60,13 @@ import numpy as np
 from scipy.sparse import csc_matrix, csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
-from ilp_planner.cluster import Cluster, Factorisation, MeshAxis, proper_factorisations
+from ilp_planner.cluster import (
+    Cluster,
+    Factorisation,
+    MeshAxis,
+    axis_coordinates,
+    proper_factorisations,
+)
 from ilp_planner.cost_model import Collective, CollectiveKind, make_collective
 from ilp_planner.errors import LayoutError
 from ilp_planner.graph import TensorSpec
@@ -340,15 +346,35 @@ class RedistributionPlanner:
                      for pls in _all_placements(len(fact), rank))
 
     def _rank_tables(self, rank: int) -> _RankTables:
-        candidates = self._candidates(rank)
-        degrees = np.array([[lay.split_degree(d) for d in range(rank)] for lay in candidates],
-                           dtype=np.int64).reshape(len(candidates), rank)
-        partial = np.array([lay.has_partial for lay in candidates], dtype=bool)
+        """The tables of every candidate, a factorisation's placement codes at a time
+        (:func:`_placement_codes`): split degrees and partial sums from the codes, and
+        the re-view classes from every device's block index (the key
+        :meth:`Layout.canonical_key` compares: equal degrees and equal blocks)."""
+        degrees, partial, view_class = [], [], []
         classes: dict[tuple, int] = {}
-        view_class = np.array([-1 if p else classes.setdefault(lay.canonical_key(), len(classes))
-                               for lay, p in zip(candidates, partial.tolist(), strict=True)],
-                              dtype=np.int64)
-        return _RankTables(degrees, partial, view_class)
+        for fact in self.universe:
+            opts = _placement_codes(len(fact), rank)
+            coords = axis_coordinates(fact)
+            deg = np.ones((len(opts), rank), dtype=np.int64)
+            # per candidate and device, the block index of every dim, nested major first
+            blocks = np.zeros((len(opts), len(coords), rank), dtype=np.int64)
+            for i, ax in enumerate(fact):
+                for d in range(rank):
+                    on = opts[:, i] == 2 + d
+                    deg[on, d] *= ax.size
+                    blocks[on, :, d] = blocks[on, :, d] * ax.size + coords[:, i]
+            part = np.any(opts == 1, axis=1)
+            # one number per device: the block's position in the row-major grid of blocks
+            flat = np.zeros((len(opts), len(coords)), dtype=np.int64)
+            for d in range(rank):
+                flat = flat * deg[:, d, None] + blocks[:, :, d]
+            for c in range(len(opts)):
+                view_class.append(-1 if part[c] else classes.setdefault(
+                    (tuple(deg[c].tolist()), flat[c].tobytes()), len(classes)))
+            degrees.append(deg)
+            partial.append(part)
+        return _RankTables(np.concatenate(degrees), np.concatenate(partial),
+                           np.array(view_class, dtype=np.int64))
 
     def _move_structure(self, rank: int, fits: tuple[bool, ...]
                         ) -> tuple[list[Layout], dict[Layout, int], _Moves]:

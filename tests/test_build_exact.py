@@ -106,6 +106,23 @@ def test_the_move_structure_is_the_per_layout_rules(nodes, local):
         assert np.array_equal(moves.gather, moves.kind == _KIND_ID[CollectiveKind.ALL_GATHER])
 
 
+@pytest.mark.parametrize("nodes,local", MESHES + [(1, 1), (4, 8)])
+def test_rank_tables_are_the_per_layout_definitions(nodes, local):
+    """Split degrees, partial sums and re-view classes (numbered by first appearance,
+    equal exactly when :meth:`Layout.canonical_key` is) of every candidate layout."""
+    planner = RedistributionPlanner(CLUSTER, nodes, local)
+    for rank in (1, 2, 3):
+        tables = planner._tables(rank)
+        candidates = planner._candidates(rank)
+        classes: dict[tuple, int] = {}
+        for c, lay in enumerate(candidates):
+            assert tables.degrees[c].tolist() == [lay.split_degree(d) for d in range(rank)]
+            assert bool(tables.partial[c]) == lay.has_partial
+            want = -1 if lay.has_partial else classes.setdefault(lay.canonical_key(), len(classes))
+            assert tables.view_class[c] == want
+        assert len(tables.view_class) == len(candidates)
+
+
 def test_the_partial_free_reversed_search_settles_the_same_distances():
     """Between partial-free layouts the search on the partial-free part of the reversed
     graph gives the whole reversed graph's distances, bit for bit."""

@@ -12,11 +12,11 @@ from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import build_problem, dominated_free
 from formulations.sbp_search import _Evaluator, chain_dp, exhaustive
 from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link, MeshAxis
+from ilp_planner.cluster import Cluster, Link, MeshAxis, axis_coordinates, proper_factorisations
 from ilp_planner.config import load_config
 from ilp_planner.cost_model import Collective, CollectiveKind, MemorySpec
 from ilp_planner.errors import ConfigError
-from ilp_planner.grad_buckets import chunk_count, exposed_grad_sync, fill_buckets
+from ilp_planner.grad_buckets import chunk_count, device_groups, exposed_grad_sync, fill_buckets
 from ilp_planner.layouts import Layout
 from ilp_planner.plan import LayerPlan
 from ilp_planner.planner import realise
@@ -47,6 +47,23 @@ def _syncs(gp, choice):
 def _random_choices(problem, n: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [[int(rng.integers(len(c))) for c in problem.cost] for _ in range(n)]
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 1), (2, 4), (4, 8), (3, 2)])
+def test_device_groups_are_the_devices_sharing_coordinates_off_the_axes(nodes, local):
+    """The plain definition: devices (mesh order) grouped by their coordinates on the
+    axes a collective does not run over; groups listed sorted."""
+    import itertools
+
+    for fact in proper_factorisations(nodes, local):
+        coords = axis_coordinates(fact)
+        for r in range(len(fact) + 1):
+            for axes in itertools.combinations(range(len(fact)), r):
+                keep = [a for a in range(len(fact)) if a not in axes]
+                groups: dict[tuple[int, ...], list[int]] = {}
+                for i, row in enumerate(coords):
+                    groups.setdefault(tuple(int(row[a]) for a in keep), []).append(i)
+                assert device_groups(fact, axes) == tuple(sorted(map(tuple, groups.values())))
 
 
 @pytest.mark.parametrize("cap", CAPS[1:])
