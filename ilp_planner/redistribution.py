@@ -315,8 +315,9 @@ class RedistributionPlanner:
         fits = tuple(np.all(tables.degrees <= shape, axis=1).tolist())
         states, index, arrays = self._moves(tensor.rank, fits)
         weights = self._move_seconds(arrays, tensor)
-        # re-view hubs: one per class of partial-free states holding the same block on
-        # every device (Layout.block_key), numbered in order of first appearance
+        # re-view hubs: one per class of two or more partial-free states holding the same
+        # block on every device (Layout.block_key), numbered in order of first appearance
+        # (a lone state's hub would only lead back to it: most classes on 128 × 8)
         free = np.flatnonzero(~tables.partial[arrays.cand])
         degrees = tables.degrees[arrays.cand[free]]
         even = np.all(shape % degrees == 0, axis=1)
@@ -326,17 +327,23 @@ class RedistributionPlanner:
         for j in np.flatnonzero(~even).tolist():
             key = states[free[j]].block_key(tensor.shape)[1]
             keys[j] = base + regions.setdefault(key, len(regions))
-        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        number = np.empty(len(uniq), dtype=np.int64)
-        number[np.argsort(first, kind="stable")] = np.arange(len(uniq))
-        hub = len(states) + number[inverse.reshape(-1)]
+        uniq, first, inverse, count = np.unique(keys, return_index=True, return_inverse=True,
+                                                return_counts=True)
+        inverse = inverse.reshape(-1)
+        shared = count > 1
+        number = np.full(len(uniq), -1, dtype=np.int64)
+        order = np.argsort(first, kind="stable")
+        number[order[shared[order]]] = np.arange(int(shared.sum()))
+        member = shared[inverse]
+        free, hub = free[member], len(states) + number[inverse[member]]
         rows = np.empty(2 * len(free), dtype=np.int64)
         cols = np.empty(2 * len(free), dtype=np.int64)
         rows[0::2], rows[1::2] = free, hub
         cols[0::2], cols[1::2] = hub, free
-        hub_kind = {len(states) + h: "view" for h in range(len(uniq))}
+        hubs = int(shared.sum())
+        hub_kind = {len(states) + h: "view" for h in range(hubs)}
         weights = np.concatenate([weights, np.full(len(rows), _EPS)])
-        n = len(states) + len(uniq)
+        n = len(states) + hubs
         matrix = csr_matrix((weights, (np.concatenate([arrays.src, rows]),
                                        np.concatenate([arrays.dst, cols]))), shape=(n, n))
         return _StateGraph(states, index, matrix, hub_kind, tables.partial[arrays.cand])
