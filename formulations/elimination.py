@@ -140,18 +140,7 @@ class _Step:
         there are maximal factors — usually one or two. The row is the same additions on
         the factors' rows, so its entries are bit-identical to the full table's."""
         axes = self.axes
-        parts: list[tuple[tuple[int, ...], np.ndarray]] = []
-        for vars_, table, _ in sorted([*self.inputs, *extra], key=lambda f: -np.ndim(f[1])):
-            host = next((i for i, (vs, _) in enumerate(parts) if set(vars_) <= set(vs)), None)
-            table = np.asarray(table, dtype=float)
-            if at is not None:  # the row (1-d over y, or a scalar): broadcasts as it is
-                piece = table[tuple(slice(None) if v == self.y else at[v] for v in vars_)]
-            if host is None:
-                parts.append((vars_, table if at is None else piece))
-            else:
-                vs, t = parts[host]
-                parts[host] = (vs, t + (_aligned(vars_, table, list(vs)) if at is None
-                                        else piece))
+        parts = self._parts(extra, at)
         if at is not None:
             out = np.zeros(1)
             for _, t in parts:
@@ -165,6 +154,60 @@ class _Step:
             else:
                 out = out + term
         return np.broadcast_to(out, [sizes[v] for v in axes])
+
+    def _parts(self, extra: tuple[Input, ...] = (), at: dict[int, int] | None = None
+               ) -> list[tuple[tuple[int, ...], np.ndarray]]:
+        """The maximal factors, each with the smaller ones folded into it (their rows at
+        ``at`` when given), in the order :meth:`total` adds them."""
+        parts: list[tuple[tuple[int, ...], np.ndarray]] = []
+        for vars_, table, _ in sorted([*self.inputs, *extra], key=lambda f: -np.ndim(f[1])):
+            host = next((i for i, (vs, _) in enumerate(parts) if set(vars_) <= set(vs)), None)
+            table = np.asarray(table, dtype=float)
+            if at is not None:  # the row (1-d over y, or a scalar): broadcasts as it is
+                piece = table[tuple(slice(None) if v == self.y else at[v] for v in vars_)]
+            if host is None:
+                parts.append((vars_, table if at is None else piece))
+            else:
+                vs, t = parts[host]
+                parts[host] = (vs, t + (_aligned(vars_, table, list(vs)) if at is None
+                                        else piece))
+        return parts
+
+    def reduced(self, sizes: list[int]) -> np.ndarray:
+        """``total(sizes).min(axis=-1)`` — the message this elimination sends — a slab
+        of one scope axis at a time when the table is large. A treewidth-3 step of GPT-175B
+        tied (25M entries, three pairwise factors) then adds the factors without that
+        axis once, and per slab only the rest, in cache, instead of writing the whole
+        table per factor. Entries are the same additions in the same order: bit-identical."""
+        axes = self.axes
+        shape = [sizes[v] for v in axes]
+        if math.prod(shape) <= SLAB or not self.scope:
+            return self.total(sizes).min(axis=-1)
+        terms = [_aligned(vs, t, axes) for vs, t in self._parts()]
+        # per scope axis, the first term spanning it: slab the axis that comes in last
+        first = {a: next(i for i, t in enumerate(terms) if t.shape[a] > 1)
+                 for a in range(len(self.scope)) if shape[a] > 1}
+        if not first:
+            return self.total(sizes).min(axis=-1)
+        a = max(first, key=lambda x: (first[x], shape[x]))
+        shared = np.zeros([1] * len(axes))
+        for t in terms[: first[a]]:
+            shared = shared + t
+        out = np.empty(shape[:-1])
+        width = max(1, SLAB * shape[a] // math.prod(shape))
+        for lo in range(0, shape[a], width):
+            cut = tuple(slice(lo, lo + width) if i == a else slice(None)
+                        for i in range(len(axes)))
+            acc = shared
+            for t in terms[first[a]:]:
+                acc = acc + (t[cut] if t.shape[a] > 1 else t)
+            slab = [min(width, shape[a] - lo) if i == a else n for i, n in enumerate(shape)]
+            out[cut[:-1]] = np.broadcast_to(acc, slab).min(axis=-1)
+        return out
+
+
+# entries of the largest table :meth:`_Step.reduced` writes at once (2 MiB: in cache)
+SLAB = 1 << 18
 
 
 def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
@@ -196,7 +239,7 @@ def minimise(unary: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
                 touching[v].discard(f)
         scope = tuple(sorted({v for vars_, _, _ in inputs for v in vars_} - {y}))
         step = _Step(y, scope, inputs)
-        reduced = step.total(sizes).min(axis=-1)
+        reduced = step.reduced(sizes)
         steps.append(step)
         if scope:
             add(scope, reduced, len(steps) - 1)
