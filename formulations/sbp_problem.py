@@ -176,9 +176,11 @@ def _weakly_below(f: np.ndarray, budget: int = 1 << 13) -> np.ndarray:
     column block by column block, since most fail early — a group with hundreds of
     strategies and thousands of edge columns would otherwise need a k × k × columns
     array. Blocks widen as the pairs thin out, so each step compares about ``budget``
-    numbers; the pairs left at the end do not depend on the blocking."""
+    numbers; the pairs left at the end do not depend on the blocking. The diagonal (a
+    row is below itself) is set at the end, not carried through every block."""
     k, width = f.shape
     le = np.ones((k, k), dtype=bool)
+    np.fill_diagonal(le, False)
     start = 0
     while start < width:
         col = f[:, start]
@@ -193,7 +195,7 @@ def _weakly_below(f: np.ndarray, budget: int = 1 << 13) -> np.ndarray:
         ok = np.all(cols[ls] <= cols[ks] + 1e-15, axis=1)
         ls, ks = ls[ok], ks[ok]
         start += block
-    le = np.zeros((k, k), dtype=bool)
+    le = np.eye(k, dtype=bool)
     le[ls, ks] = True
     return le
 

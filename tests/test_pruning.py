@@ -58,6 +58,7 @@ def test_weakly_below_equals_the_all_pairs_comparison():
     for k, cols in [(1, 1), (5, 3), (40, 100), (90, 260)]:
         f = rng.integers(0, 3, (k, cols)).astype(float)
         f[::3] = f[0]
+        f[-1, 0] = np.inf  # an infinite entry is below itself too
         full = np.all(f[:, None, :] <= f[None, :, :] + 1e-15, axis=2)
         for budget in (1, 7, 1000, 1 << 20):  # one column at a time … all at once
             assert np.array_equal(_weakly_below(f, budget), full)
