@@ -206,7 +206,8 @@ class _Step:
         return out
 
 
-# entries of the largest table :meth:`_Step.reduced` writes at once (2 MiB: in cache)
+# entries a slab of :meth:`_Step.reduced` aims at (2 MiB: in cache; a slab is at least one
+# index of its axis)
 SLAB = 1 << 18
 
 

@@ -168,16 +168,6 @@ def _axis_moves_rank(layout: Layout, rank: int) -> list[tuple[Placement, int, Co
     return moves
 
 
-def _replace(layout: Layout, axis: int, pl: Placement) -> Layout:
-    pls = list(layout.placements)
-    pls[axis] = pl
-    return Layout(layout.fact, tuple(pls))
-
-
-def _fits(layout: Layout, tensor: TensorSpec) -> bool:
-    return all(d < tensor.rank and k <= tensor.shape[d] for d, k in layout._degrees.items())
-
-
 def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor: TensorSpec,
                src_block: tuple[int, ...] | None = None,
                dst_block: tuple[int, ...] | None = None) -> float:
@@ -234,11 +224,11 @@ class _RankTables:
     view_class: np.ndarray  # (candidates,) int, -1 for layouts with partial sums
 
 
-# a search on the reversed graph costs up to about this many forward ones (2.8× measured
-# on 128 × 8 from a partial-free destination: the reversed graph reaches the partial-sum
+# a search on the reversed graph costs up to about this many forward ones (2.8-3.5×
+# measured on 128 × 8 from a partial-free destination: the reversed graph reaches the partial-sum
 # layouts, which no forward search from a partial-free layout does) ...
 REVERSED_COST = 3.0
-# ... and this many on the partial-free part of the reversed graph (1.2× measured on
+# ... and this many on the partial-free part of the reversed graph (1.2-1.4× measured on
 # 128 × 8), which holds every path between partial-free layouts
 FREE_REVERSED_COST = 1.2
 
