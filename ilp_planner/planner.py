@@ -5,6 +5,7 @@ the baselines under the same cost model."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -427,7 +428,8 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
     exact = None
     if opts.elimination:
         try:
-            exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [])
+            exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
+                                      node_solver=functools.partial(_node_ilp, opts))
         except ValueError as exc:  # under a transient cap, fewer strategies than checked above
             raise InfeasibleError(f"{exc} (strategies with transients up to {transient_cap} B)"
                                   ) from exc
@@ -441,6 +443,18 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
         result = _solve_ilp(config, problem, exact, tied, notes, problem_s)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     return gp, dataclasses.replace(result, choice=full)
+
+
+def _node_ilp(opts, problem) -> tuple[tuple[int, ...], float] | None:
+    """The elimination's node solver: the ILP on one branch-and-bound node's strategies,
+    to the configured gap — its choice and proven bound, or None when it stops short of
+    the gap (a time limit). An optimal run within SCIP's own tolerance counts as exact,
+    as :meth:`SbpIlp.solve` reports it."""
+    res = SbpIlp(problem, opts.milp).solve(time_limit_s=opts.time_limit_s,
+                                           threads=opts.threads, seed=opts.seed, gap=opts.gap)
+    if res is None or res.status != "optimal":
+        return None
+    return res.choice, res.objective if not res.gap else res.bound
 
 
 def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, notes: list[str],

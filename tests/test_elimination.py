@@ -167,14 +167,23 @@ def test_evaluating_every_choice_finds_the_optimum(seed):
     assert math.isclose(p.objective(found), opt, rel_tol=1e-8, abs_tol=1e-12)
 
 
+def _exhaustive_node(sub):
+    """A node solver that enumerates the node: exact, its optimum is its bound."""
+    found = exhaustive(sub)
+    return tuple(found.choice), found.objective
+
+
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("gap", [0.0, 0.02])
 @pytest.mark.parametrize("enumerate_below", [0, 12])
+@pytest.mark.parametrize("node_solver", [None, _exhaustive_node])
 def test_branch_and_bound_on_the_memory_row_equals_enumeration(seed, gap, enumerate_below,
-                                                               monkeypatch):
+                                                               node_solver, monkeypatch):
     """The search over memory splits, from the least-memory choice (nodes of at most
-    ``enumerate_below`` choices evaluated outright): what it returns fits, and a bound it
-    proves is at most the optimum and within ``gap`` of what it returns."""
+    ``enumerate_below`` choices evaluated outright; nodes left open by bucket rounding
+    alone solved by ``node_solver`` when given): what it returns fits, and a bound it
+    proves is at most the optimum and within ``gap`` of what it returns — always proven
+    with a node solver."""
     monkeypatch.setattr(elimination, "ENUMERATE_POINTS", enumerate_below)
     p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=6, max_k=4)
     if seed % 2:
@@ -183,11 +192,13 @@ def test_branch_and_bound_on_the_memory_row_equals_enumeration(seed, gap, enumer
         opt = exhaustive(p).objective
     except ValueError:
         return
-    search = _BranchAndBound(p, gap)
+    search = _BranchAndBound(p, gap, node_solver)
     best, bound = search.run(tuple(int(np.argmin(m)) for m in p.memory))
     assert p.feasible(best) and p.objective(best) >= opt * (1 - REL) - 1e-12
-    if seed % 2 == 0:  # without buckets the dual closes every node: always proven
+    if seed % 2 == 0 or node_solver:  # without buckets the dual closes every node
         assert bound is not None
+    if seed % 2 == 0:
+        assert search.solved == 0
     if bound is not None:
         assert bound <= opt * (1 + REL) + 1e-12
         assert p.objective(best) - bound <= max(gap, 1e-9) * abs(p.objective(best)) + 1e-12
@@ -212,6 +223,23 @@ def _tiny_gpt(layers: int, nodes: int, local: int, **solver) -> object:
         "training": {"grad_bucket_mb": 0.01},
         "solver": {"time_limit_s": 120, **solver},
     })
+
+
+@pytest.mark.parametrize("seed", range(0, 24, 3))
+def test_the_planners_node_solver_is_the_ilp_on_the_node(seed):
+    """``planner._node_ilp`` (what the branch and bound hands a node that bucket rounding
+    alone leaves open): the node's optimum and a bound at most it, at a zero gap."""
+    from ilp_planner.planner import _node_ilp
+
+    p = _with_buckets(random_problem(seed, budget="mid", max_groups=5, max_k=3), seed)
+    try:
+        opt = exhaustive(p).objective
+    except ValueError:
+        return
+    choice, bound = _node_ilp(_tiny_gpt(1, 1, 2).solver, p)
+    assert p.feasible(choice)
+    assert math.isclose(p.objective(choice), opt, rel_tol=1e-7, abs_tol=1e-12)
+    assert bound <= opt * (1 + 1e-7) + 1e-12
 
 
 def _pair(config, budget=None, **kw):
