@@ -57,6 +57,10 @@ LAGRANGE_STEPS = 32
 EXACT = 1e-9
 
 
+class NoFit(ValueError):
+    """No choice meets the memory budget (a ValueError: the callers' infeasibility)."""
+
+
 @dataclass(frozen=True)
 class Elimination:
     """An elimination order of a group graph and its cost: ``work`` table entries computed
@@ -439,7 +443,7 @@ def _forest_incumbent(problem: Problem) -> tuple[int, ...]:
     incumbent: on the tied GPT-175B on 1,024 devices it comes within 2.5 % of the optimum
     (21.55 s a step against 21.05 s) where local search stops at 39.5 s, and the
     elimination then runs on 40× fewer table entries (whose branch and bound closes the
-    rest). Raises ValueError when no choice meets the memory budget."""
+    rest). Raises :class:`NoFit` when no choice meets the memory budget."""
     forest, _ = _forest(problem.num_groups, _merged_edges(problem))
     sizes = [len(c) for c in problem.cost]
     relax = _Relaxation(problem, forest, elimination_order(sizes, forest))
@@ -484,7 +488,7 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     ``max_work`` (too wide a graph: use the ILP). The incumbent
     counts as optimal when its relative gap is at most ``gap`` (or float rounding).
     ``node_solver``: solves the branch and bound's nodes that bucket rounding alone leaves
-    open (:class:`_BranchAndBound`). Raises ValueError when no choice meets the memory
+    open (:class:`_BranchAndBound`). Raises :class:`NoFit` when no choice meets the memory
     budget."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
@@ -581,10 +585,18 @@ def _enumerated(problem: Problem) -> tuple[int, ...] | None:
     choice fits. The kept strategies of a stage solve are often a handful of choices
     whose only open question is the buckets' rounding: this settles it without an ILP."""
     sizes = [len(c) for c in problem.cost]
-    if math.prod(sizes) > ENUMERATE_POINTS:
-        raise ValueError(f"{math.prod(sizes)} choices exceed {ENUMERATE_POINTS}")
-    grid = np.indices(sizes).reshape(len(sizes), -1)
-    value = sum(c[k] for c, k in zip(problem.cost, grid, strict=True))
+    n = math.prod(sizes)
+    if n > ENUMERATE_POINTS:
+        raise ValueError(f"{n} choices exceed {ENUMERATE_POINTS}")
+    # an index array per group with a choice to make, the rest fixed at their one strategy
+    # (a grid with a dimension per group would not do: a model's restriction has hundreds)
+    free = [g for g, k in enumerate(sizes) if k > 1]
+    grid: list[np.ndarray | int] = [0] * len(sizes)
+    if free:
+        for g, k in zip(free, np.unravel_index(np.arange(n), [sizes[g] for g in free]),
+                        strict=True):
+            grid[g] = k
+    value = np.zeros(n) + sum(c[k] for c, k in zip(problem.cost, grid, strict=True))
     value = value + sum(r[grid[u], grid[v]] for (u, v), r in problem.edges.items())
     b = problem.buckets
     if b is not None:
@@ -593,7 +605,9 @@ def _enumerated(problem: Problem) -> tuple[int, ...] | None:
         memory = sum(m[k] for m, k in zip(problem.memory, grid, strict=True))
         value = np.where(memory <= problem.memory_budget * (1 + 1e-9), value, np.inf)
     best = int(np.argmin(value))
-    return None if not np.isfinite(value[best]) else tuple(int(k) for k in grid[:, best])
+    if not np.isfinite(value[best]):
+        return None
+    return tuple(int(k[best]) if isinstance(k, np.ndarray) else 0 for k in grid)
 
 
 class _BranchAndBound:
@@ -697,7 +711,7 @@ class _BranchAndBound:
         relax = _Relaxation(sub, _merged_edges(sub), self.order)
         try:
             lower, seen, lam, _ = _dual(sub, relax)
-        except ValueError:
+        except NoFit:
             self.passes += relax.passes
             return None
         last = seen[-1]
@@ -725,7 +739,7 @@ def _dual(problem: Problem, relax: _Relaxation
     """The memory row's Lagrangian bound at bucket prices α: the pass at λ = 0, and where
     its minimiser does not fit, the dual's maximum (:func:`_lagrange`). Returns the bound,
     every minimiser met (the first included), the λ, and the eliminations of the λ = 0
-    pass when that pass is the bound (else None). Raises ValueError when no choice fits."""
+    pass when that pass is the bound (else None). Raises :class:`NoFit` when no choice fits."""
     theta, usage = relax.alpha, np.zeros((problem.num_groups, len(relax.alpha)))
     lower, first, steps = relax.run(theta, usage, 0.0)
     if problem.feasible(first):
@@ -750,7 +764,7 @@ def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
     approaching the same kink)."""
     least = [int(np.argmin(m)) for m in problem.memory]
     if not problem.feasible(least):
-        raise ValueError("no choice meets the memory budget")
+        raise NoFit("no choice meets the memory budget")
     budget = problem.memory_budget
     seen = [least]
     best_obj = problem.objective(least)

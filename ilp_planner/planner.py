@@ -13,7 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from formulations.elimination import EliminationResult, relaxation_bound, solve_elimination
+from formulations.elimination import (
+    EliminationResult,
+    NoFit,
+    relaxation_bound,
+    solve_elimination,
+)
 from formulations.result import SolveResult
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_problem import (
@@ -430,7 +435,7 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
         try:
             exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
                                       node_solver=functools.partial(_node_ilp, opts))
-        except ValueError as exc:  # under a transient cap, fewer strategies than checked above
+        except NoFit as exc:  # under a transient cap, fewer strategies than checked above
             raise InfeasibleError(f"{exc} (strategies with transients up to {transient_cap} B)"
                                   ) from exc
     if (cutoff is not None and exact is not None and exact.result.bound is not None

@@ -167,6 +167,26 @@ def test_evaluating_every_choice_finds_the_optimum(seed):
     assert math.isclose(p.objective(found), opt, rel_tol=1e-8, abs_tol=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_evaluating_every_choice_of_many_groups_most_decided(seed):
+    """A model's restriction: hundreds of groups, most with one strategy left (more than
+    an array has dimensions), a chain of edges, buckets and a memory row."""
+    rng = np.random.default_rng(seed)
+    sizes = [1] * 150
+    for g in rng.choice(150, 4, replace=False):
+        sizes[g] = int(rng.integers(2, 4))
+    cost = [rng.uniform(0, 1, k) for k in sizes]
+    memory = [rng.uniform(1, 10, k) for k in sizes]
+    edges = {(g, g + 1): rng.uniform(0, 1, (sizes[g], sizes[g + 1])) for g in range(149)}
+    lo, hi = sum(m.min() for m in memory), sum(m.max() for m in memory)
+    p = _with_buckets(Problem([f"g{g}" for g in range(150)], cost, memory, edges,
+                              float(lo + 0.5 * (hi - lo))), seed)
+    found = _enumerated(p)
+    want = exhaustive(p)
+    assert p.feasible(found)
+    assert math.isclose(p.objective(found), want.objective, rel_tol=1e-9)
+
+
 def _exhaustive_node(sub):
     """A node solver that enumerates the node: exact, its optimum is its bound."""
     found = exhaustive(sub)
