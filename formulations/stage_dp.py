@@ -441,14 +441,21 @@ def _relax_row(
     width = nxt.shape[1]
     best = np.full(width, np.inf)
     ok = np.isfinite(c) & (hi >= 0)[:, None]
-    for m in np.flatnonzero(ok.any(axis=0)):
-        z = int(sizes[m])
-        rows = np.flatnonzero(ok[:, m])
-        d0, d1 = int(lo[rows].min()), min(int(hi[rows].max()), width - 1 - z)
-        if d1 < d0:
+    shapes = np.flatnonzero(ok.any(axis=0))
+    if not len(shapes):
+        return best
+    # per shape, at once: its candidate rows and their finite columns' span
+    okm = ok[:, shapes]
+    of_shape, row = np.nonzero(okm.T)
+    rows = np.split(row, np.flatnonzero(np.diff(of_shape)) + 1)
+    d0 = np.where(okm, lo[:, None], width).min(axis=0)
+    d1 = np.minimum(np.where(okm, hi[:, None], -1).max(axis=0), width - 1 - sizes[shapes])
+    for m, r, lo_d, hi_d in zip(shapes.tolist(), rows, d0.tolist(), d1.tolist(), strict=True):
+        if hi_d < lo_d:
             continue
-        vals = combine(c[rows, m][:, None], nxt[rows, d0 : d1 + 1])
-        seg = best[d0 + z : d1 + z + 1]
+        z = int(sizes[m])
+        vals = combine(c[r, m][:, None], nxt[r, lo_d : hi_d + 1])
+        seg = best[lo_d + z : hi_d + z + 1]
         np.minimum(seg, vals.min(axis=0), out=seg)
     return best
 
