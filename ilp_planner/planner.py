@@ -452,14 +452,13 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
 
 def _node_ilp(opts, problem) -> tuple[tuple[int, ...], float] | None:
     """The elimination's node solver: the ILP on one branch-and-bound node's strategies,
-    to the configured gap — its choice and proven bound, or None when it stops short of
-    the gap (a time limit). An optimal run within SCIP's own tolerance counts as exact,
-    as :meth:`SbpIlp.solve` reports it."""
+    to the configured gap — its choice and the bound SCIP proved (never more than the
+    choice's objective), or None when it stops short of the gap (a time limit)."""
     res = SbpIlp(problem, opts.milp).solve(time_limit_s=opts.time_limit_s,
                                            threads=opts.threads, seed=opts.seed, gap=opts.gap)
     if res is None or res.status != "optimal":
         return None
-    return res.choice, res.objective if not res.gap else res.bound
+    return res.choice, min(res.objective, res.bound)
 
 
 def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, notes: list[str],

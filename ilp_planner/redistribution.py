@@ -678,7 +678,9 @@ def _placement_codes(k: int, rank: int) -> np.ndarray:
     1 P, 2 + d S(d); the first axis most significant)."""
     base = rank + 2
     codes = np.arange(base ** k)
-    return np.stack([codes // base ** (k - 1 - i) % base for i in range(k)], axis=1)
+    out = np.stack([codes // base ** (k - 1 - i) % base for i in range(k)], axis=1)
+    out.setflags(write=False)  # cached: shared by every table built from it
+    return out
 
 
 @lru_cache(maxsize=64)

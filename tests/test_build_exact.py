@@ -83,12 +83,12 @@ def test_edge_weights_and_hubs_are_the_scalar_definitions(nodes, local):
         assert firsts == sorted(firsts) == list(range(n, n + len(firsts)))
 
 
-@pytest.mark.parametrize("nodes,local", MESHES + [(1, 1), (4, 8)])
+@pytest.mark.parametrize("nodes,local", MESHES + [(1, 1), (2, 2), (16, 1), (4, 8)])
 def test_the_move_structure_is_the_per_layout_rules(nodes, local):
     """The vectorised move structure lists exactly the moves :func:`_axis_moves_rank`
     gives layout by layout, in the same order (source, axis, new placement)."""
     planner = RedistributionPlanner(CLUSTER, nodes, local)
-    for tensor in TENSORS + [TensorSpec((4096, 2560))]:
+    for tensor in TENSORS + [TensorSpec((4096, 2560)), TensorSpec((4, 2, 3, 2))]:
         tables = planner._tables(tensor.rank)
         fits = tuple(np.all(tables.degrees <= np.array(tensor.shape), axis=1).tolist())
         states, index, moves = planner._move_structure(tensor.rank, fits)
@@ -109,12 +109,12 @@ def test_the_move_structure_is_the_per_layout_rules(nodes, local):
         assert np.array_equal(moves.gather, moves.kind == _KIND_ID[CollectiveKind.ALL_GATHER])
 
 
-@pytest.mark.parametrize("nodes,local", MESHES + [(1, 1), (4, 8)])
+@pytest.mark.parametrize("nodes,local", MESHES + [(1, 1), (2, 2), (16, 1), (4, 8)])
 def test_rank_tables_are_the_per_layout_definitions(nodes, local):
     """Split degrees, partial sums and re-view classes (numbered by first appearance,
     equal exactly when :meth:`Layout.canonical_key` is) of every candidate layout."""
     planner = RedistributionPlanner(CLUSTER, nodes, local)
-    for rank in (1, 2, 3):
+    for rank in (1, 2, 3, 4):
         tables = planner._tables(rank)
         candidates = planner._candidates(rank)
         classes: dict[tuple, int] = {}
