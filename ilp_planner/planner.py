@@ -433,8 +433,10 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
     exact = None
     if opts.elimination:
         try:
-            exact = solve_elimination(problem, gap=opts.gap, incumbents=[tied] if tied else [],
-                                      node_solver=functools.partial(_node_ilp, opts))
+            exact = solve_elimination(
+                problem, gap=opts.gap, incumbents=[tied] if tied else [],
+                node_solver=functools.partial(_node_ilp, opts,
+                                              time.perf_counter() + opts.time_limit_s))
         except NoFit as exc:  # under a transient cap, fewer strategies than checked above
             raise InfeasibleError(f"{exc} (strategies with transients up to {transient_cap} B)"
                                   ) from exc
@@ -450,12 +452,18 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
     return gp, dataclasses.replace(result, choice=full)
 
 
-def _node_ilp(opts, problem) -> tuple[tuple[int, ...], float] | None:
+def _node_ilp(opts, until: float, problem) -> tuple[tuple[int, ...], float] | None:
     """The elimination's node solver: the ILP on one branch-and-bound node's strategies,
     to the configured gap — its choice and the bound SCIP proved (never more than the
-    choice's objective), or None when it stops short of the gap (a time limit)."""
-    res = SbpIlp(problem, opts.milp).solve(time_limit_s=opts.time_limit_s,
-                                           threads=opts.threads, seed=opts.seed, gap=opts.gap)
+    choice's objective), or None when it stops short of the gap. The nodes of one solve
+    share one ``solver.time_limit_s``, ending at ``until`` (``time.perf_counter``); when
+    it runs out the branch and bound stops and the ILP on every kept strategy runs with its
+    own limit, as without a node solver."""
+    left = until - time.perf_counter()
+    if left <= 0:
+        return None
+    res = SbpIlp(problem, opts.milp).solve(time_limit_s=left, threads=opts.threads,
+                                           seed=opts.seed, gap=opts.gap)
     if res is None or res.status != "optimal":
         return None
     return res.choice, min(res.objective, res.bound)

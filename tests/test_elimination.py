@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -256,10 +257,12 @@ def test_the_planners_node_solver_is_the_ilp_on_the_node(seed):
         opt = exhaustive(p).objective
     except ValueError:
         return
-    choice, bound = _node_ilp(_tiny_gpt(1, 1, 2).solver, p)
+    opts = _tiny_gpt(1, 1, 2).solver
+    choice, bound = _node_ilp(opts, time.perf_counter() + 60, p)
     assert p.feasible(choice)
     assert math.isclose(p.objective(choice), opt, rel_tol=1e-7, abs_tol=1e-12)
     assert bound <= opt * (1 + 1e-7) + 1e-12
+    assert _node_ilp(opts, time.perf_counter(), p) is None  # the solve's budget is spent
 
 
 def _pair(config, budget=None, **kw):
