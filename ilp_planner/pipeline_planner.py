@@ -253,8 +253,8 @@ class _StageSolver:
         self.num_devices = cluster.num_devices
         self.incumbent_s: float | None = None
         self.bounded: set[tuple[int, int, tuple[int, int]]] = set()
-        self.relaxed: set[tuple[int, int, tuple[int, int]]] = set()  # of them, by their
-        # relaxation (built, not solved)
+        # of them, those bounded by their relaxation (built, not solved)
+        self.relaxed: set[tuple[int, int, tuple[int, int]]] = set()
         # (signature class, shape, count) solves cut off: slower than the incumbent
         self.cut_off: set[tuple] = set()
         # per (signature class, shape): the relaxation's time per micro-batch, a lower bound

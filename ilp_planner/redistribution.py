@@ -411,15 +411,17 @@ class RedistributionPlanner:
                 cur_dim = np.where(split, cur - 2, 0)
                 # a split axis may change only if it is the minor-most one on its dim
                 movable = split & (last[codes, cur_dim] == a)
-                moves = [(cur == 1, 0, _KIND_ID[CollectiveKind.ALL_REDUCE], 0),
+                # (which candidates, new option, kind, the dim whose block changes)
+                moves = [(cur == 1, 0, _KIND_ID[CollectiveKind.ALL_REDUCE], 0 * cur),
                          (movable, 0, _KIND_ID[CollectiveKind.ALL_GATHER], cur_dim)]
                 for d in range(rank):
                     take = last[:, d] < a  # no later axis splits d yet
+                    dim = np.full(len(opts), d)
                     moves += [
-                        ((cur == 1) & take, 2 + d, _KIND_ID[CollectiveKind.REDUCE_SCATTER], d),
+                        ((cur == 1) & take, 2 + d, _KIND_ID[CollectiveKind.REDUCE_SCATTER], dim),
                         (movable & (cur != 2 + d) & take, 2 + d,
-                         _KIND_ID[CollectiveKind.ALL_TO_ALL], d),
-                        ((cur == 0) & take, 2 + d, -1, d)]
+                         _KIND_ID[CollectiveKind.ALL_TO_ALL], dim),
+                        ((cur == 0) & take, 2 + d, -1, dim)]
                 step = base ** (k - 1 - a)
                 for mask, new, kind, dim in moves:
                     src = state_of[offset + codes[mask]]
@@ -428,8 +430,8 @@ class RedistributionPlanner:
                     n = int(ok.sum())
                     if not n:
                         continue
-                    dims = dim[mask][ok] if isinstance(dim, np.ndarray) else np.full(n, dim)
-                    cols.append((src[ok], dst[ok], dims, np.full(n, kind), np.full(n, ax.size),
+                    cols.append((src[ok], dst[ok], dim[mask][ok], np.full(n, kind),
+                                 np.full(n, ax.size),
                                  np.full(n, axis_id.setdefault(ax, len(axis_id))),
                                  np.full(n, a), np.full(n, new)))
             offset += len(opts)
@@ -519,10 +521,9 @@ class RedistributionPlanner:
         row per source, or per destination on the reversed graph where destinations are
         fewer by ``REVERSED_COST`` (``FREE_REVERSED_COST`` where every layout is
         partial-free: the search then keeps to the partial-free part; the ILP's matrices
-        need thousands of pairs). A
-        distance summed from the other end may differ from :meth:`forward_cost`'s in the
-        last bits; the choice depends on the layouts asked for alone, so a problem's
-        matrices do not depend on what was built before."""
+        need thousands of pairs). A distance summed from the other end may differ from
+        :meth:`forward_cost`'s in the last bits; the choice depends on the layouts asked
+        for alone, so a problem's matrices do not depend on what was built before."""
         graph = self._graph(tensor)
         srcs = [drop_unit_axes(s) for s in srcs]
         dsts = [drop_unit_axes(d) for d in dsts]
