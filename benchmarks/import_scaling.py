@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.train_own_model import TinyLM  # noqa: E402
-from ilp_planner.importer import from_module  # noqa: E402
+from ilp_planner.inputs.importer import from_module
 
 MODELS = [
     ("TinyLM (example)", dict(vocab=128, dim=64, heads=4, layers=2), (2, 16)),

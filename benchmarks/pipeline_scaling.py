@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from ilp_planner.config import parse_config
 from ilp_planner.errors import InfeasibleError
-from ilp_planner.pipeline_planner import solve_pipelined
+from ilp_planner.inputs.config import parse_config
+from ilp_planner.inter_op.pipeline import solve_pipelined
 
 ROWS = ((24, 16), (48, 64), (96, 128))  # (layers, nodes of 8 devices)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from formulations.schedules import make_schedule
 from formulations.simulator import simulate
-from ilp_planner.config import load_config
-from ilp_planner.pipeline_planner import stage_durations
-from ilp_planner.planner import solve
+from ilp_planner.api import solve
+from ilp_planner.inputs.config import load_config
+from ilp_planner.inter_op.pipeline import stage_durations
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")

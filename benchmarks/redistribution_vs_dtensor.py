@@ -32,10 +32,10 @@ import logging
 import time
 import warnings
 
-from ilp_planner.cluster import Cluster, Factorisation, Link, MeshAxis
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import Layout, Partial
-from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.ir.cluster import Cluster, Factorisation, Link, MeshAxis
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import Layout, Partial
+from ilp_planner.lowering.redistribution import plan_redistribution
 from runtime.fidelity import Recorded, critical, device_mesh, fake_world, placement_pairs, record_dtensor
 from runtime.recorder import Recorder
 

@@ -55,15 +55,15 @@ import statistics
 import time
 
 from formulations.cross_mesh import SchedulerOptions
-from ilp_planner.cluster import Link
-from ilp_planner.graph import TensorSpec
-from ilp_planner.resharding import (
+from ilp_planner.inter_op.resharding import (
     TABLE2_CASES,
     HostLinks,
     ReshardOptions,
     parse_mesh,
     plan_resharding,
 )
+from ilp_planner.ir.cluster import Link
+from ilp_planner.ir.graph import TensorSpec
 
 TENSOR = TensorSpec((1024, 1024, 512), "float32")
 LINKS = HostLinks(intra=Link.from_bandwidth(5, 1200), inter=Link.from_bandwidth(10, 10))

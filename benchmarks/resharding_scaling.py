@@ -39,9 +39,9 @@ from formulations.cross_mesh import (
     naive,
     randomized_greedy,
 )
-from ilp_planner.cluster import Link
-from ilp_planner.graph import TensorSpec
-from ilp_planner.resharding import HostLinks, parse_mesh, scheduling_problem, unit_tasks
+from ilp_planner.inter_op.resharding import HostLinks, parse_mesh, scheduling_problem, unit_tasks
+from ilp_planner.ir.cluster import Link
+from ilp_planner.ir.graph import TensorSpec
 
 LINKS = HostLinks(intra=Link.from_bandwidth(5, 1200), inter=Link.from_bandwidth(10, 10))
 

@@ -30,13 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from ilp_planner.baselines import Filter, data_parallel_filter
-from ilp_planner.cluster import MeshAxis
 from ilp_planner.commands.run import torchrun_command
-from ilp_planner.config import load_config, parse_config
-from ilp_planner.graph import Op, OpKind
-from ilp_planner.strategies import Strategy
-from runtime.plans import restricted_plan
+from ilp_planner.inputs.config import load_config, parse_config
+from ilp_planner.intra_op.baselines import Filter, data_parallel_filter
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.graph import Op, OpKind
+from ilp_planner.lowering.strategies import Strategy
+from ilp_planner.testing import restricted_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {  # label -> (config, overrides, parallelism, hand-written side)
@@ -76,7 +76,7 @@ def ddp_worker(plan_path: str, steps: int, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ilp_planner.plan import Plan
+    from ilp_planner.plan.data import Plan
     from runtime import model
     from runtime.reference import forward
 
@@ -129,7 +129,7 @@ def tp_worker(plan_path: str, steps: int, out: str) -> None:
         parallelize_module,
     )
 
-    from ilp_planner.plan import Plan
+    from ilp_planner.plan.data import Plan
     from runtime import model
 
     dist.init_process_group("gloo")

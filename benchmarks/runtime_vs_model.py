@@ -3,7 +3,7 @@
 
 1. Calibrate on this machine: ``runtime.measure`` times the collectives on N gloo processes
    (``--devices-per-node`` ranks per virtual node, so both link levels get fitted), and
-   :func:`ilp_planner.calibration.fit_links` fits α, β per link level.
+   :func:`ilp_planner.inputs.calibration.fit_links` fits α, β per link level.
 2. Build several plans of one model (default: ``configs/tiny-gpt-cpu.yaml``, 8 devices) with
    the calibrated cluster: the ILP's plan, data parallel, Megatron, SUMMA and members of
    AutoDDL's 3-D family forced on every linear. Each plan's predicted communication per step
@@ -15,7 +15,7 @@
    over steps (first step dropped) of the mean over ranks.
 4. Print both side by side with their ranks and Kendall's τ between the two orderings, and
    the number of collectives per step the plan prices for rank 0
-   (:func:`ilp_planner.audit.predicted`, micro-batches counted) beside the number the
+   (:func:`ilp_planner.plan.audit.predicted`, micro-batches counted) beside the number the
    runtime issued there (counted at dispatch level) — equal since the runtime executes the
    plan's lowered programs (``--audit`` checks it on every rank, and this run uses it).
 5. Per collective: every collective the recorder timed (``--timings``), grouped by (kind,
@@ -40,14 +40,14 @@ from pathlib import Path
 
 from scipy.stats import kendalltau, spearmanr
 
-from ilp_planner.audit import predicted as predicted_collectives
-from ilp_planner.baselines import data_parallel_filter, megatron_filter, summa_filter
-from ilp_planner.calibration import fit_links, fit_report, read_timings_csv
-from ilp_planner.cluster import MeshAxis
 from ilp_planner.commands.run import torchrun_command
-from ilp_planner.config import load_config
-from ilp_planner.cost_model import collective_time
-from runtime.plans import restricted_plan, three_d_filter
+from ilp_planner.inputs.calibration import fit_links, fit_report, read_timings_csv
+from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.baselines import data_parallel_filter, megatron_filter, summa_filter
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.lowering.cost_model import collective_time
+from ilp_planner.plan.audit import predicted as predicted_collectives
+from ilp_planner.testing import restricted_plan, three_d_filter
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 
 MLP 32768 → 16384 → 4096 → 2048 → 512, batch 1024, fp32, on 128 and on 4096 single-GPU
 Piz Daint nodes (configs/mlp-autoddl-128.yaml; 4096 via ``cluster.nodes``). Every method
-works on the same :class:`~formulations.sbp_problem.Problem` (same strategies, same α–β
+works on the same :class:`~formulations.problem.Problem` (same strategies, same α–β
 costs, memory budget = the device memory). For each method: its cost relative to the
 proven optimum and its wall time relative to the ILP (build + solve of the ILP model; the
 shared problem construction is reported once per setting). Seeded methods run ``--seeds``
@@ -28,7 +28,6 @@ from pathlib import Path
 
 from formulations.elimination import solve_elimination
 from formulations.sbp_ilp import SbpIlp
-from formulations.sbp_problem import build_problem
 from formulations.sbp_search import (
     chain_dp,
     coordinate_descent,
@@ -36,7 +35,8 @@ from formulations.sbp_search import (
     metropolis_hastings,
     random_search,
 )
-from ilp_planner.config import load_config
+from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.problem import build_problem
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "mlp-autoddl-128.yaml"
 
@@ -108,7 +108,7 @@ TOKENS = 48
 
 
 def _two_blocks():
-    from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
+    from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 
     t = lambda *shape: TensorSpec(tuple(shape), "float32")  # noqa: E731
     ops = [Op("input", OpKind.INPUT, (), t(TOKENS, 32))]
@@ -129,9 +129,9 @@ def _two_blocks():
 def run_joint() -> None:
     import itertools
 
-    from formulations.sbp_problem import peak_memory
     from ilp_planner.errors import InfeasibleError
-    from ilp_planner.planner import grid_baseline, solve_mesh
+    from ilp_planner.intra_op.problem import peak_memory
+    from ilp_planner.intra_op.solve_mesh import grid_baseline, solve_mesh
 
     def config(budget: float, levels, recompute: str):
         return load_config({

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ilp_planner.explain import step_seconds
-from ilp_planner.planner import solve
+from ilp_planner.api import solve
+from ilp_planner.reports.explain import step_seconds
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 BASELINES = ("ilp_single_mesh", "data_parallel", "megatron", "megatron_sp", "summa", "torchtitan")

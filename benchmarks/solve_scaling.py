@@ -1,7 +1,7 @@
 """Intra-op solve time at scale: issue 14's targets side by side, and a depth sweep.
 
-Default (the targets table), each row one in-process :func:`~ilp_planner.planner.solve_mesh`
-(or, for the last row, :func:`~ilp_planner.pipeline_planner.solve_pipelined`) timed from the
+Default (the targets table), each row one in-process :func:`~ilp_planner.intra_op.solve_mesh.solve_mesh`
+(or, for the last row, :func:`~ilp_planner.inter_op.pipeline.solve_pipelined`) timed from the
 configuration to the plan choice, builds included:
 
 * tied 96-layer GPT (h 2560, fp16) on 8 × 8 A100-like devices (target < 1 s);
@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from ilp_planner.config import parse_config
-from ilp_planner.pipeline_planner import solve_pipelined
-from ilp_planner.planner import solve_mesh
+from ilp_planner.inputs.config import parse_config
+from ilp_planner.inter_op.pipeline import solve_pipelined
+from ilp_planner.intra_op.solve_mesh import solve_mesh
 
 LAYERS = (4, 12, 24, 48, 96)
 CLUSTERS = ((1, 8), (2, 8), (8, 8))

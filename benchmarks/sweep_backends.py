@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from ilp_planner.sweep_backends import import_ray
-from ilp_planner.sweeps import TIMING_COLUMNS, SweepSpec, load_sweep, parse_sweep, sweep
+from ilp_planner.sweeps.backends import import_ray
+from ilp_planner.sweeps.sweep import TIMING_COLUMNS, SweepSpec, load_sweep, parse_sweep, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT_2X2 = {

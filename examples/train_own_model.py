@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ilp_planner
-from ilp_planner.audit import format_rows
-from ilp_planner.plan import Plan
+from ilp_planner.plan.audit import format_rows
+from ilp_planner.plan.data import Plan
 from runtime.apply import audit
 from runtime.recorder import Recorder
 
@@ -110,7 +110,7 @@ def main() -> int:
         print(f"plan: {plan.cost.total_s * 1e3:.3f} ms per step (modelled); strategies "
               f"{', '.join(kinds)}")
 
-    model = plan.parallelize(model)
+    model = ilp_planner.parallelize(plan, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     ok = True

@@ -28,7 +28,7 @@ bound does not exceed the incumbent are kept (reduced-cost fixing by dynamic
 programming). Over those, a branch and bound on the memory row (:class:`_BranchAndBound`)
 closes the Lagrangian gap, and a restriction of a few thousand choices is solved by
 evaluating them all (:func:`_enumerated`); what neither closes goes on to the ILP, which
-proves the optimum on the kept strategies (``ilp_planner.planner.solve_mesh``).
+proves the optimum on the kept strategies (``ilp_planner.intra_op.solve_mesh.solve_mesh``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from formulations.problem import Problem
 from formulations.result import SolveResult, SolveStats
-from formulations.sbp_problem import Problem
 
 # largest elimination work (table entries summed over eliminations) attempted
 MAX_WORK = 4e8

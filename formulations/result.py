@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# The MILP backends an intra-op solve can use (the config's ``solver.milp`` choices).
+MILP_BACKENDS = ("scip", "cbc")
+
 
 @dataclass(frozen=True)
 class SolveStats:

@@ -28,7 +28,7 @@ Objective
     min Σ_g Σ_k cost[g,k]·s[g,k] + Σ_(u,v) Σ_(a,b) R[u,v,a,b]·e[u,v,a,b] + Σ_j α[j]·z[j]
 
 Minimising makes z[j] = ⌈Σ bytes / cap⌉ — exactly the chunks the runtime reduces
-(:mod:`ilp_planner.grad_buckets`), so the bucket term is exact, not an estimate.
+(:mod:`ilp_planner.lowering.grad_buckets`), so the bucket term is exact, not an estimate.
 
 The edge variables linearise s_uᵀ R s_v. Strategies of u whose rows of R are identical
 form one class a (and likewise columns for v), so e is indexed by classes, not strategy
@@ -67,13 +67,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from formulations.result import SolveResult, SolveStats
-from formulations.sbp_problem import Problem
-from ilp_planner.options import MILPS
+from formulations.problem import Problem
+from formulations.result import MILP_BACKENDS, SolveResult, SolveStats
 
 # the scaled objective of the costliest possible choice (see the module docstring)
 OBJECTIVE_SCALE = 1e6
-MILP_BACKENDS = MILPS  # the config's choices (ilp_planner.options), one list
 DEFAULT_MILP = "scip"
 
 

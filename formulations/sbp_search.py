@@ -1,7 +1,7 @@
 """Searches kept beside the ILP (AutoDDL §4.6): exhaustive, random, Metropolis–Hastings,
 coordinate descent with restarts, and an exact dynamic program for chains.
 
-All work on a :class:`~formulations.sbp_problem.Problem` and return a
+All work on a :class:`~formulations.problem.Problem` and return a
 :class:`~formulations.result.SolveResult`. Memory is handled by a penalty: an over-budget
 choice scores ``objective + U + penalty × excess``, with U an upper bound on any choice's
 objective, so every infeasible choice scores worse than every feasible one and searches walk
@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
+from formulations.problem import Problem
 from formulations.result import SolveResult
-from formulations.sbp_problem import Problem
 
 
 class _Evaluator:

@@ -675,3 +675,10 @@ def _check_deadlock(schedule: Schedule, pos: list[dict[tuple[ActionKind, int], i
             f"({schedule.rows[ds][ptr[ds]]})"
         )
     raise _fail(schedule, "deadlock: no stage can proceed.\n  " + "\n  ".join(waits), cells)
+
+
+def schedule_actions(name: str, stages: int, microbatches: int) -> dict[str, list[str]]:
+    """Per-stage action lists (``"F3"`` = forward of micro-batch 3, ``"B3"`` its backward)
+    of the lead's generators (:func:`formulations.schedules.make_schedule`)."""
+    rows = make_schedule(name, stages, microbatches).to_strings()
+    return {str(i): row for i, row in enumerate(rows)}

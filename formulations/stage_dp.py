@@ -4,7 +4,7 @@ Problem
 -------
 Layers ``0..L-1`` (in order) are cut into ``S`` contiguous stages ``[a_j, e_j)``; stage ``j``
 runs on a sub-mesh of shape ``(n_j, d_j)`` drawn from the allowed shapes (default
-:func:`ilp_planner.cluster.submesh_shapes`: ``(1, d)`` for ``d | devices_per_node`` and
+:func:`ilp_planner.ir.cluster.submesh_shapes`: ``(1, d)`` for ``d | devices_per_node`` and
 ``(n, devices_per_node)``). With ``B`` micro-batches the pipeline latency is
 
 .. math::  T = \sum_j t_j + (B - 1) \max_j t_j ,
@@ -88,8 +88,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from formulations.schedules import check_schedule_name, inflight_microbatches
-from ilp_planner.cluster import SubMesh, submesh_shapes
 from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.ir.cluster import SubMesh, submesh_shapes
+from ilp_planner.ir.cluster import submesh_shapes as default_shapes
 
 Shape = tuple[int, int]
 
@@ -1068,7 +1069,6 @@ def brute_force_stages(
     t0 = time.perf_counter()
     schedule = check_schedule_name(schedule)
     L, D, M = num_layers, nodes * devices_per_node, num_microbatches
-    from ilp_planner.cluster import submesh_shapes as default_shapes
 
     shapes = _check_shapes(
         default_shapes(nodes, devices_per_node) if submesh_shapes is None else submesh_shapes,

@@ -1,13 +1,13 @@
 """ilp_planner: auto-parallel planning (SBP ILP, stage DP, cross-mesh resharding) and a
 torch.distributed runtime for the plans.
 
-Public API: :func:`solve`, :func:`load_config`, :class:`Config`, :class:`Plan`,
-:func:`sweep` and :func:`load_sweep` (batch solves, :mod:`ilp_planner.sweeps`),
-:func:`from_module` (a user's ``nn.Module`` → :class:`Graph`, :mod:`ilp_planner.importer`)
-and :func:`apply` (a plan applied to that module, :mod:`runtime.apply`; also
-``plan.parallelize``). They are
-resolved lazily so that importing an IR module (``ilp_planner.graph``) does not pull in the
-solvers.
+Public API: :func:`solve` (:mod:`ilp_planner.api`), :func:`load_config`, :class:`Config`,
+:class:`Plan`, :func:`explain` and :func:`summary` (reports of a plan), :func:`sweep` and
+:func:`load_sweep` (batch solves), :func:`from_module` (a user's ``nn.Module`` → :class:`Graph`),
+:func:`parallelize` (a plan applied to that module under ``torchrun``, :mod:`runtime.apply`;
+``apply`` is the same function) and :func:`to_parallelize_plan` (the plan as PyTorch
+tensor-parallel styles). They are resolved lazily so that importing an IR module
+(``ilp_planner.ir.graph``) pulls in neither the solvers nor torch.
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ from __future__ import annotations
 import importlib
 
 _API = {
-    "solve": "ilp_planner.planner",
-    "load_config": "ilp_planner.config",
-    "Config": "ilp_planner.config",
-    "Plan": "ilp_planner.plan",
-    "sweep": "ilp_planner.sweeps",
-    "load_sweep": "ilp_planner.sweeps",
-    "from_module": "ilp_planner.importer",
+    "solve": "ilp_planner.api",
+    "explain": "ilp_planner.reports.explain",
+    "summary": "ilp_planner.reports.explain",
+    "parallelize": "runtime.apply",
+    "to_parallelize_plan": "runtime.apply",
+    "load_config": "ilp_planner.inputs.config",
+    "Config": "ilp_planner.inputs.config",
+    "Plan": "ilp_planner.plan.data",
+    "sweep": "ilp_planner.sweeps.sweep",
+    "load_sweep": "ilp_planner.sweeps.sweep",
+    "from_module": "ilp_planner.inputs.importer",
     "apply": "runtime.apply",
-    "Graph": "ilp_planner.graph",
+    "Graph": "ilp_planner.ir.graph",
 }
 
 __all__ = sorted(_API)

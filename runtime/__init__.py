@@ -1,4 +1,4 @@
-"""Torch runtime: execute a solved :class:`~ilp_planner.plan.Plan` with ``torch.distributed``.
+"""Torch runtime: execute a solved :class:`~ilp_planner.plan.data.Plan` with ``torch.distributed``.
 
 Modules, in the order data flows through them:
 
@@ -8,7 +8,7 @@ Modules, in the order data flows through them:
 * :mod:`runtime.optim` — SGD and Adam as elementwise updates (identical on shards and on
   full tensors);
 * :mod:`runtime.reference` — the unsharded single-process run the executor must match;
-* :mod:`runtime.plans` — pure helpers: unit tasks of a cross-mesh transfer, pipeline action
+* :mod:`ilp_planner.testing` — pure helpers: unit tasks of a cross-mesh transfer, pipeline action
   lists, hand-built pipelined plans and strategy-restricted plans (tests, benchmarks);
 * :mod:`runtime.mesh` — every process group of the stages' mesh axes, created in one order
   on all ranks;

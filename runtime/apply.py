@@ -1,13 +1,13 @@
 """Apply a solved plan to the user's own ``nn.Module`` (``plan.parallelize(module)``).
 
-The module was imported (:func:`ilp_planner.importer.from_module`), so each op of the plan's
+The module was imported (:func:`ilp_planner.inputs.importer.from_module`), so each op of the plan's
 graph names the user's module path and parameters. :func:`parallelize` turns the module into
 the plan's program, in place, on every rank of the job:
 
 * **parameters** become DTensors in their planned placements (each rank keeps its block of
   the value the module already holds — seed it identically on every rank);
 * **edges**: every layout change the plan prices between two ops runs its lowered program
-  (:func:`ilp_planner.programs.edge_programs`, the ones the planner priced and ``explain``
+  (:func:`ilp_planner.plan.programs.edge_programs`, the ones the planner priced and ``explain``
   prints) on this rank's block, through the runtime's :class:`~runtime.comm.Comm` — in a
   forward pre-hook of the consumer's module, or a forward hook of the producer's module when
   the consumer is functional code; autograd runs the program's backward steps;
@@ -17,12 +17,12 @@ the plan's program, in place, on every rank of the job:
   difference is an error (:class:`~runtime.errors.FidelityError`), never a silent
   redistribution;
 * **weight gradients** are reduced in the plan's buckets
-  (:func:`ilp_planner.grad_buckets.fill_buckets`) once every gradient of the step has
+  (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
   accumulated, then handed to the optimizer in the parameter's placements.
 
 Everything the program issues is tagged for the dispatch-level
 :class:`~runtime.recorder.Recorder`, so :func:`audit` compares it with what the plan prices
-(:func:`ilp_planner.audit.predicted`): a collective DTensor slipped in is ``untagged`` and
+(:func:`ilp_planner.plan.audit.predicted`): a collective DTensor slipped in is ``untagged`` and
 shows as a mismatch. The loss is the user's code on the module's output (a DTensor in the
 planned layout of the loss's input); its scalar reduction is not part of the comparison.
 
@@ -48,17 +48,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import implicit_replication
 
-from ilp_planner.audit import AuditRow, compare, executed, predicted
-from ilp_planner.cluster import Factorisation, axis_coordinates
-from ilp_planner.config import parse_config
-from ilp_planner.grad_buckets import fill_buckets
-from ilp_planner.graph import Graph, OpKind
-from ilp_planner.layouts import B, Layout, Split, drop_unit_axes, grad_layout
-from ilp_planner.layouts import Partial as IRPartial
-from ilp_planner.plan import Plan
-from ilp_planner.programs import edge_programs
-from ilp_planner.redistribution import Redistribution
-from ilp_planner.strategies import (
+from ilp_planner.inputs.config import parse_config
+from ilp_planner.ir.cluster import Factorisation, axis_coordinates
+from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes, grad_layout
+from ilp_planner.ir.layouts import Partial as IRPartial
+from ilp_planner.lowering.grad_buckets import fill_buckets
+from ilp_planner.lowering.redistribution import Redistribution
+from ilp_planner.lowering.strategies import (
     StrategyContext,
     grad_sync,
     input_grad_layouts,
@@ -66,6 +63,9 @@ from ilp_planner.strategies import (
     param_layouts,
     param_shapes,
 )
+from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
+from ilp_planner.plan.data import Plan
+from ilp_planner.plan.programs import edge_programs
 from runtime.comm import Comm, LVal
 from runtime.errors import FidelityError, RuntimeSetupError
 from runtime.mesh import MeshRegistry

@@ -1,10 +1,10 @@
-"""Communication of the runtime: the lowered programs of :mod:`ilp_planner.redistribution`
+"""Communication of the runtime: the lowered programs of :mod:`ilp_planner.lowering.redistribution`
 executed step by step on local blocks.
 
 A value inside a stage is an :class:`LVal` — this rank's local block (a plain tensor, the
-``torch.chunk``-style region :meth:`~ilp_planner.layouts.Layout.regions` gives) and the
-planner :class:`~ilp_planner.layouts.Layout` it is in. Nothing here re-derives a path:
-:meth:`Comm.edge` takes the planner's :class:`~ilp_planner.redistribution.Redistribution`
+``torch.chunk``-style region :meth:`~ilp_planner.ir.layouts.Layout.regions` gives) and the
+planner :class:`~ilp_planner.ir.layouts.Layout` it is in. Nothing here re-derives a path:
+:meth:`Comm.edge` takes the planner's :class:`~ilp_planner.lowering.redistribution.Redistribution`
 (forward steps and the backward steps autograd will run) and executes exactly those, with
 one c10d collective per priced step, every piece padded to the layout's largest block so
 each rank moves the bytes the plan prices:
@@ -22,7 +22,7 @@ re-view      nothing: the block is the same on the other factorisation
 
 Each edge is a custom autograd function whose forward runs ``steps`` and whose backward
 runs ``backward_steps`` on the incoming gradient (which arrives in the consumer's gradient
-layout, see :func:`ilp_planner.strategies.input_grad_layouts`).
+layout, see :func:`ilp_planner.lowering.strategies.input_grad_layouts`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ilp_planner.cluster import Cluster, axis_coordinates
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import Broadcast, Layout, Partial, Split
-from ilp_planner.redistribution import Redistribution, RedistStep, plan_redistribution
-from ilp_planner.resharding import chunk_bounds
+from ilp_planner.ir.cluster import Cluster, axis_coordinates
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import Broadcast, Layout, Partial, Split
+from ilp_planner.ir.regions import chunk_bounds
+from ilp_planner.lowering.redistribution import Redistribution, RedistStep, plan_redistribution
 from runtime.mesh import MeshRegistry
 from runtime.recorder import Recorder, tagged, timed
 

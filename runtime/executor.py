@@ -1,7 +1,7 @@
 """Execute a solved plan: per-stage programs, cross-mesh transfers, the pipeline schedule.
 
 A plan is a program: every collective this executor issues comes from the planner's own
-lowering (:mod:`ilp_planner.redistribution` for edges, :mod:`ilp_planner.strategies` for
+lowering (:mod:`ilp_planner.lowering.redistribution` for edges, :mod:`ilp_planner.lowering.strategies` for
 SUMMA's gathers, weight-gradient buckets, the loss and tied-weight exchanges), and the
 dispatch-level :class:`runtime.recorder.Recorder` counts what really ran, so ``--audit``
 can compare the two.
@@ -37,7 +37,7 @@ use distinct groups because a 1F1B stage interleaves the two directions differen
 its neighbour.
 
 State sharding (``LayerPlan.zero``, :mod:`runtime.zero`): a sharded layer's gradient
-buckets (the planner's :func:`~ilp_planner.strategies.grad_sync`) are not AllReduced but
+buckets (the planner's :func:`~ilp_planner.lowering.strategies.grad_sync`) are not AllReduced but
 kept as flat buffers sharded over the bucket's group; the optimizer updates each rank's
 fp32 shard. ZeRO-1/2 keep the full blocks in the compute dtype and add each micro-batch's
 gradient to a flat fp32 buffer, as the planner prices them; ZeRO-1 reduce-scatters it
@@ -73,14 +73,12 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from ilp_planner.grad_buckets import GradBucket, fill_buckets
-from ilp_planner.graph import Op, OpKind, TensorSpec
-from ilp_planner.layouts import Layout
-from ilp_planner.plan import LayerPlan, Plan
-from ilp_planner.plan_check import CheckedPlan, Entry, Task, check_plan
-from ilp_planner.programs import edge_programs
-from ilp_planner.redistribution import Redistribution
-from ilp_planner.strategies import (
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.ir.regions import layout_blocks
+from ilp_planner.lowering.grad_buckets import GradBucket, fill_buckets
+from ilp_planner.lowering.redistribution import Redistribution
+from ilp_planner.lowering.strategies import (
     StrategyContext,
     SyncBucket,
     grad_sync,
@@ -92,13 +90,15 @@ from ilp_planner.strategies import (
     tied_exchange,
     tied_source,
 )
+from ilp_planner.plan.check import CheckedPlan, Entry, Task, check_plan
+from ilp_planner.plan.data import LayerPlan, Plan
+from ilp_planner.plan.programs import edge_programs
 from runtime import model
 from runtime.comm import Comm, LVal, Report, all_reduce_async
 from runtime.errors import RuntimeSetupError
 from runtime.mesh import MeshRegistry
 from runtime.ops import OPS, StageContext
 from runtime.optim import Optimizer, OptimizerSpec
-from runtime.plans import device_regions
 from runtime.recorder import CommEvent, Recorder, replaying, tagged, timed
 from runtime.zero import (
     ZERO_PURPOSES,
@@ -135,7 +135,7 @@ class Executor:
 
     def __init__(self, plan: Plan, options: RunOptions, *, rank: int, world: int,
                  device: torch.device | None = None, checked: CheckedPlan | None = None):
-        """``checked``: the plan's :func:`~ilp_planner.plan_check.check_plan` result when the
+        """``checked``: the plan's :func:`~ilp_planner.plan.check.check_plan` result when the
         caller already has it (it is computed otherwise)."""
         self.plan = plan
         self.options = options
@@ -199,7 +199,7 @@ class Executor:
                                             f"micro-batch shapes)")
 
     def _compile(self) -> None:
-        """Take every edge's lowered program (:func:`ilp_planner.programs.edge_programs`, the
+        """Take every edge's lowered program (:func:`ilp_planner.plan.programs.edge_programs`, the
         ones the plan priced and ``explain`` prints; identical on all ranks) and register
         every group the programs, transfers, weight-gradient buckets, loss and tied-weight
         exchanges use."""
@@ -289,7 +289,7 @@ class Executor:
                 reg.need_group(("tied", head), self.stages[a].devices + self.stages[b].devices)
 
     def _grad_chunks(self, stage) -> tuple[GradBucket, ...]:
-        """The stage's gradient chunks (:func:`ilp_planner.grad_buckets.fill_buckets` with
+        """The stage's gradient chunks (:func:`ilp_planner.lowering.grad_buckets.fill_buckets` with
         the config's cap), checked against the ones the plan lists and prices."""
         syncs = [(n, b) for n in stage.layers for b in self.buckets[n]]
         chunks = fill_buckets(syncs, self.config.grad_bucket_bytes, self.strategy_ctx)
@@ -304,7 +304,7 @@ class Executor:
 
     def _check_zero(self, op, lp: LayerPlan, syncs: tuple[SyncBucket, ...]) -> None:
         """The state-sharding collectives this runtime will issue for ``lp`` (from the
-        planner's own :func:`~ilp_planner.strategies.grad_sync` buckets, one flat buffer
+        planner's own :func:`~ilp_planner.lowering.strategies.grad_sync` buckets, one flat buffer
         each) must be the ones the plan lists and prices."""
         if not syncs:
             raise RuntimeSetupError(f"layer {lp.name!r} is planned with zero{lp.zero} but its "
@@ -700,7 +700,7 @@ class Executor:
 
     # ---- cross-mesh transfers ---------------------------------------------------------------
     def _region(self, layout: Layout, shape, devices) -> tuple[tuple[int, int], ...]:
-        return device_regions(layout, shape)[devices.index(self.rank)]
+        return layout_blocks(layout, shape)[devices.index(self.rank)]
 
     def _rel(self, task_region, mine) -> tuple[slice, ...]:
         return tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(task_region, mine, strict=True))
@@ -863,7 +863,7 @@ class Executor:
 
     def _exchange_tied(self, grads: dict[str, torch.Tensor]) -> None:
         """Sum the gradients of a tied weight's two copies into both. On one stage: the
-        lowered programs of :func:`ilp_planner.strategies.tied_exchange`. Across stages:
+        lowered programs of :func:`ilp_planner.lowering.strategies.tied_exchange`. Across stages:
         each stage gathers its copy's gradient (lowered program to replicated), one
         AllReduce over both stages' ranks sums them, each keeps its block."""
         comm = self.ctx.comm

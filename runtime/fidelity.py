@@ -22,7 +22,7 @@ accelerator meshes and falls back to AllGather + chunk on ``cpu`` meshes only be
 has no all-to-all; the reference that matters is the accelerator path. Local tensors stay on
 the CPU (DTensors are built directly from their spec, never moved).
 
-Bytes follow the α–β convention of :mod:`ilp_planner.cost_model` on both sides (the
+Bytes follow the α–β convention of :mod:`ilp_planner.lowering.cost_model` on both sides (the
 recorder's *n*): DTensor pads a gathered or exchanged shard to the largest chunk of its
 group, the runtime to the layout's largest block, so on ranks holding the smaller chunks
 DTensor may move fewer bytes. Rank 0 holds the first (largest) chunk on every axis, so its
@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ilp_planner.cluster import Cluster, Factorisation
-from ilp_planner.cost_model import CollectiveKind, collective_time
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import B, Layout, P, Placement, S, grad_layout
-from ilp_planner.redistribution import Redistribution
+from ilp_planner.ir.cluster import Cluster, Factorisation
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import B, Layout, P, Placement, S, grad_layout
+from ilp_planner.lowering.cost_model import CollectiveKind, collective_time
+from ilp_planner.lowering.redistribution import Redistribution
 from runtime.comm import Comm, LVal
 from runtime.mesh import mesh_array
 from runtime.recorder import CommEvent, Recorder, tagged

@@ -23,6 +23,7 @@ and fail (exit 1) unless every step's loss and every final parameter agree withi
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import faulthandler
 import gc
@@ -31,8 +32,15 @@ import os
 import sys
 from pathlib import Path
 
-from ilp_planner.errors import PlannerError
-from ilp_planner.plan import Plan
+import torch
+import torch.distributed as dist
+
+from ilp_planner.errors import ConfigError, PlannerError
+from ilp_planner.plan import audit
+from ilp_planner.plan.data import Plan
+from runtime.executor import Executor, RunOptions
+from runtime.optim import OptimizerSpec
+from runtime.reference import compare, run_reference, tolerance
 
 CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -117,11 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
     plans = [Plan.load(p) for p in args.plans]  # PlanFormatError before any process group
-    import torch
-
-    from runtime.executor import Executor, RunOptions
-    from runtime.optim import OptimizerSpec
-
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
     lrs = _per_plan(args.lr, len(plans), "--lr", float)
@@ -132,7 +135,6 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
     executors = [Executor(p, o, rank=rank, world=world, device=device)
                  for p, o in zip(plans, options, strict=True)]
 
-    import torch.distributed as dist
 
     faulthandler.enable()  # a rank killed by a signal prints where it was
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -188,7 +190,6 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                     out.mkdir(parents=True, exist_ok=True)
                     torch.save(params, out / f"{Path(path).stem}.pt")
                 if args.check_reference:
-                    from runtime.reference import compare, run_reference, tolerance
 
                     ref = run_reference(ex.full_graph, steps=args.steps, seed=args.seed,
                                         optimizer=ex.options.optimizer, microbatches=ex.microbatches)
@@ -207,7 +208,6 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
         dist.gather_object(timing_rows, gathered, dst=0)
         if rank == 0:
             if args.timings:
-                import csv
 
                 with open(args.timings, "w", newline="") as fh:
                     w = csv.writer(fh)
@@ -228,9 +228,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
 def _audit(ex, events, rank: int, world: int, step: int) -> bool:
     """Compare this rank's executed collectives with the plan's; rank 0 prints every
     rank's table. True when every rank matches."""
-    import torch.distributed as dist
 
-    from ilp_planner import audit
 
     rows = audit.compare(audit.predicted(ex.plan, rank, ex.microbatches), audit.executed(events))
     ok = all(r.ok for r in rows)
@@ -250,8 +248,6 @@ def _audit(ex, events, rank: int, world: int, step: int) -> bool:
 
 
 def _per_plan(text: str, n: int, flag: str, cast) -> list:
-    from ilp_planner.errors import ConfigError
-
     parts = [x.strip() for x in str(text).split(",")]
     if len(parts) not in (1, n):
         raise ConfigError(f"{flag} lists {len(parts)} values for {n} plans; give one or {n}")

@@ -5,7 +5,7 @@ in the same order, even for groups it is not in. The executor therefore first *r
 everything it will need while compiling the plan (identical on all ranks, since all read the
 same plan), then :meth:`MeshRegistry.create` makes the groups in registration order.
 
-Mesh convention (:mod:`ilp_planner.cluster`): a layout's factorisation ``fact`` over a
+Mesh convention (:mod:`ilp_planner.ir.cluster`): a layout's factorisation ``fact`` over a
 stage's devices ``D`` is the n-d array ``mesh[coords(i)] = D[i]`` with
 ``coords = axis_coordinates(fact)``. Each mesh axis needs one group per line of the array
 along that axis. Groups are shared between meshes by rank set (a gloo/NCCL group may carry
@@ -28,7 +28,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from ilp_planner.cluster import Factorisation, axis_coordinates, fact_str
+from ilp_planner.ir.cluster import Factorisation, axis_coordinates, fact_str
 from runtime.errors import RuntimeSetupError
 
 

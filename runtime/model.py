@@ -3,7 +3,7 @@ synthetic data, all derived from the same IR graph the planner solved.
 
 Kernels work on local tensors (a shard or the whole tensor): the distributed executor calls
 them on shards, the single-process reference on full tensors, so both compute the same
-arithmetic. Conventions (those of :mod:`ilp_planner.models`):
+arithmetic. Conventions (those of :mod:`ilp_planner.inputs.models`):
 
 * activations are 2-D ``(tokens, features)``; a linear is ``y = x W (+ b)`` with ``W`` of
   shape ``(in, out)`` — the weight layout the planner shards;
@@ -37,7 +37,7 @@ twice or a gain gradient lost would change the loss at once.
 Precision: the graph's dtype is the compute dtype (float32, or bfloat16 / float16 for mixed
 precision). Parameters are float32 masters; each forward casts them to the compute dtype
 (autograd casts their gradients back, so gradients accumulate, are reduced and update in
-float32 — :attr:`ilp_planner.graph.TensorSpec.master`); activations and their gradients,
+float32 — :attr:`ilp_planner.ir.graph.TensorSpec.master`); activations and their gradients,
 hence every activation collective, are in the compute dtype; the loss statistics are
 float32 (``strategies.LOSS_ITEMSIZE``). float16 adds a static loss scale
 (:func:`loss_scale`) so small gradients do not underflow, and a non-finite gradient after
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ilp_planner.graph import Graph, Op, OpKind
+from ilp_planner.ir.graph import Graph, Op, OpKind
 from runtime.errors import RuntimeSetupError
 
 DTYPE = torch.float32  # parameters (masters), their gradients and optimizer state

@@ -3,8 +3,8 @@
 They compute exactly what the runtime's kernels compute for the builders' graphs
 (:mod:`runtime.model`: ``y = x W + b`` with ``W`` stored ``(in, out)``, head-major fused QKV,
 a learned position table, GPT's head tied to the embedding table), so importing one
-(:func:`ilp_planner.importer.from_module`) must give the graph the builder gives, and a plan
-applied to it (:meth:`ilp_planner.plan.Plan.parallelize`) must train like the module in
+(:func:`ilp_planner.inputs.importer.from_module`) must give the graph the builder gives, and a plan
+applied to it (:meth:`ilp_planner.plan.data.Plan.parallelize`) must train like the module in
 one process. Parameters are drawn as ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding``
 draw theirs (seed torch identically on every rank).
 """
@@ -59,7 +59,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """:func:`ilp_planner.models.gpt` as a module: token ids ``(batch·seq_len,)`` → logits."""
+    """:func:`ilp_planner.inputs.models.gpt` as a module: token ids ``(batch·seq_len,)`` → logits."""
 
     def __init__(self, hidden: int, layers: int, heads: int, seq_len: int, vocab: int):
         super().__init__()
@@ -79,7 +79,7 @@ class GPT(nn.Module):
 
 
 class MLP(nn.Module):
-    """:func:`ilp_planner.models.mlp` as a module."""
+    """:func:`ilp_planner.inputs.models.mlp` as a module."""
 
     def __init__(self, dims: list[int], bias: bool = False):
         super().__init__()

@@ -1,17 +1,17 @@
 """Distributed ops: each computes on this rank's local blocks and returns its output block.
 
-Every function takes the stage context, the op, its :class:`~ilp_planner.plan.LayerPlan`,
+Every function takes the stage context, the op, its :class:`~ilp_planner.plan.data.LayerPlan`,
 the input values already in the planned input layouts, and the op's parameters (local
-leaf blocks in the layouts :func:`ilp_planner.strategies.param_layouts` gives), and returns
+leaf blocks in the layouts :func:`ilp_planner.lowering.strategies.param_layouts` gives), and returns
 the output :class:`~runtime.comm.LVal` in ``LayerPlan.output``.
 
 Gradients. Every op's local backward is plain autograd on local blocks; what its results
 *mean* is fixed by the planner's tables, which the runtime shares rather than restates:
-:func:`~ilp_planner.strategies.matmul_placements` (a matmul's output and gradient
-placements), :func:`~ilp_planner.strategies.input_grad_layouts` (the layout each input's
+:func:`~ilp_planner.lowering.strategies.matmul_placements` (a matmul's output and gradient
+placements), :func:`~ilp_planner.lowering.strategies.input_grad_layouts` (the layout each input's
 gradient leaves in — the start of its edge's backward program) and
-:func:`~ilp_planner.strategies.param_layouts` (each parameter's gradient layout, reduced by
-:func:`~ilp_planner.strategies.grad_sync`). A bias (and an embedding's position table) on
+:func:`~ilp_planner.lowering.strategies.param_layouts` (each parameter's gradient layout, reduced by
+:func:`~ilp_planner.lowering.strategies.grad_sync`). A bias (and an embedding's position table) on
 a partial-sum output is added as a share by every device of the partial group
 (:func:`bias_share`), so its gradient needs no reduction over that group — what Megatron
 gets by adding a row-parallel layer's bias after the AllReduce.
@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ilp_planner.graph import Graph, Op, OpKind, TensorSpec
-from ilp_planner.layouts import Layout
-from ilp_planner.plan import LayerPlan
-from ilp_planner.strategies import (
+from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.strategies import (
     conv_layouts,
     is_summa,
     loss_axes,
     matmul_placements,
     summa_programs,
 )
+from ilp_planner.plan.data import LayerPlan
 from runtime import model
 from runtime.comm import Comm, LVal, Report, reduce_replicated
 from runtime.errors import RuntimeSetupError
@@ -79,7 +79,7 @@ def bias_share(b: torch.Tensor, out: Layout) -> torch.Tensor:
     once. The output's gradient is replicated over that group (the gradient of a reduction),
     so each device's local gradient of its share, taken unscaled, is already the full
     gradient of ``b``: no reduction over the partial axes
-    (:func:`ilp_planner.strategies.param_layouts` prices none)."""
+    (:func:`ilp_planner.lowering.strategies.param_layouts` prices none)."""
     p = math.prod(out.fact[a].size for a in out.partial_axes)
     return b if p == 1 else _Share.apply(b, float(p))
 
@@ -133,7 +133,7 @@ def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: 
 
 def conv2d(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
            data: dict) -> LVal:
-    """The conv2d 3-D family (:func:`~ilp_planner.strategies.conv_layouts`): this rank's
+    """The conv2d 3-D family (:func:`~ilp_planner.lowering.strategies.conv_layouts`): this rank's
     batch rows and input-channel block convolved with its weight block. The output is a
     partial sum over the input-channel axis (its bias added as shares, :func:`bias_share`);
     autograd of the local convolution leaves the input's gradient partial over the
@@ -169,7 +169,7 @@ def flatten(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: di
             data: dict) -> LVal:
     """Channel-major flatten: a block of whole channels is a block of columns of the
     flattened tensor, so the batch and channel splits carry over with no communication
-    (:func:`ilp_planner.strategies.follow`)."""
+    (:func:`ilp_planner.lowering.strategies.follow`)."""
     lay = _whole_images(op, lp, xs)
     return LVal(model.flatten(xs[0].t), lay)
 
@@ -220,7 +220,7 @@ def add(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[s
 def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
          data: dict) -> LVal:
     """Mean cross-entropy, vocabulary-parallel when the class dim is split — the collectives
-    of :func:`ilp_planner.strategies.loss_collectives`: the row max (detached) MAX-reduced,
+    of :func:`ilp_planner.lowering.strategies.loss_collectives`: the row max (detached) MAX-reduced,
     then the two per-row sums Σexp and the target logit in one AllReduce over the class
     axes; the mean over rows is a partial sum over the row axes, reduced asynchronously
     into the reported loss (``ctx.reports``) while autograd runs from this rank's part.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ilp_planner.graph import Graph, OpKind
+from ilp_planner.ir.graph import Graph, OpKind
 from runtime import model
 from runtime.optim import Optimizer, OptimizerSpec
 

@@ -1,6 +1,7 @@
-"""State sharding (ZeRO-1/2/3) as the planner lowers it (:func:`ilp_planner.strategies.state_sharded`).
+"""State sharding (ZeRO-1/2/3) as the planner lowers it
+(:func:`ilp_planner.lowering.strategies.state_sharded`).
 
-Every :class:`~ilp_planner.strategies.SyncBucket` of a layer the plan shards (``LayerPlan.zero``
+Every :class:`~ilp_planner.lowering.strategies.SyncBucket` of a layer the plan shards (``LayerPlan.zero``
 > 0) becomes one :class:`ZeroBucket`: the bucket's parameter roles, each rank's local block of
 each flattened in role order at the offsets of their *padded* blocks (the ``numel`` the planner
 prices), the whole padded to a multiple of the group size ``p`` (FSDP's flat parameter) and
@@ -31,7 +32,7 @@ level         per micro-batch / per step (what the executor issues)
 ZeRO-3's backward, per bucket, as the plan prices it (:func:`planned_collectives`):
 
 * the op's backward reads the weights — they are in
-  :func:`~ilp_planner.strategies.input_grad_roles` (a linear's ``dX = dY·Wᵀ``, a norm's γ)
+  :func:`~ilp_planner.lowering.strategies.input_grad_roles` (a linear's ``dX = dY·Wᵀ``, a norm's γ)
   and autograd reaches the op's input: each saved view of the gathered buffer becomes a
   token that gathers the buffer again (:class:`_Regather`, once, phase ``backward``) when
   the backward unpacks it;
@@ -60,10 +61,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ilp_planner.cost_model import CollectiveKind
-from ilp_planner.graph import Op
-from ilp_planner.layouts import Layout
-from ilp_planner.strategies import SyncBucket, input_grad_roles
+from ilp_planner.ir.graph import Op
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.cost_model import CollectiveKind
+from ilp_planner.lowering.strategies import SyncBucket, input_grad_roles
 from runtime.recorder import Recorder, tagged, timed
 
 ZERO_PURPOSES = frozenset({"shard_grad_sync", "shard_grad", "weight_allgather", "fsdp_gather"})
@@ -175,7 +176,7 @@ class ZeroBucket:
 def backward_reads(op: Op, roles: tuple[str, ...], input_reached: bool) -> bool:
     """Whether a ZeRO-3 op's backward reads the weights of a bucket holding ``roles``: some
     role is read for the input's gradient
-    (:func:`~ilp_planner.strategies.input_grad_roles`) and autograd reaches the input —
+    (:func:`~ilp_planner.lowering.strategies.input_grad_roles`) and autograd reaches the input —
     exactly when the planner lists the bucket's backward gather (``input_backward``)."""
     return input_reached and bool(input_grad_roles(op).intersection(roles))
 
@@ -184,7 +185,7 @@ def planned_collectives(sync: SyncBucket, level: int, weight_itemsize: int,
                         recompute: bool = False, reads: bool = True,
                         ) -> list[tuple[str, str, str, float, int]]:
     """The collectives one sharded bucket issues per its level, as a plan lists them —
-    (kind, purpose, phase, bytes, group size), :func:`ilp_planner.strategies.state_sharded`'s
+    (kind, purpose, phase, bytes, group size), :func:`ilp_planner.lowering.strategies.state_sharded`'s
     table restated with the runtime's own sizes: gradients reduce-scattered in the master
     dtype of the bucket, weights gathered with ``weight_itemsize`` (the compute dtype the
     runtime gathers in). At level 3 the backward gathers again where it reads the weights

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from scipy.sparse.csgraph import dijkstra
 
-from formulations.sbp_problem import BuildCache, build_problem
-from ilp_planner.cluster import Cluster, Link
-from ilp_planner.cost_model import CollectiveKind, MemorySpec, make_collective
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import Layout, Split
-from ilp_planner.models import gpt
-from ilp_planner.pipeline_planner import layer_units, subgraph
-from ilp_planner.redistribution import (
+from ilp_planner.inputs.models import gpt
+from ilp_planner.inter_op.pipeline import layer_units, subgraph
+from ilp_planner.intra_op.problem import BuildCache, build_problem
+from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import Layout, Split
+from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, make_collective
+from ilp_planner.lowering.redistribution import (
     _EPS,
     _KIND_ID,
     RedistributionPlanner,
@@ -29,7 +29,7 @@ from ilp_planner.redistribution import (
     _walk_back,
     step_bytes,
 )
-from ilp_planner.stage_boundary import stage_boundary
+from ilp_planner.lowering.stage_boundary import stage_boundary
 
 INTRA = Link(alpha=2e-6, beta=1e-11)
 INTER = Link(alpha=3e-5, beta=4e-10)
@@ -207,8 +207,8 @@ def test_bucket_terms_are_the_plain_per_strategy_loop():
     """Gradient-bucket rows (cached per options list, added with ``np.add.at``) equal the
     plain loop over every node's strategies and their reductions, and each strategy's
     cost lost exactly the latency the loop moves out of it."""
-    from ilp_planner.cost_model import collective_time
-    from ilp_planner.grad_buckets import device_groups
+    from ilp_planner.lowering.cost_model import collective_time
+    from ilp_planner.lowering.grad_buckets import device_groups
 
     g = gpt(layers=3, hidden=32, heads=4, seq_len=8, vocab=64, batch=4)
     for tie in (True, False):

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from ilp_planner.calibration import (
+from ilp_planner.cli import main
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.calibration import (
     TimingRow,
     cluster_fragment,
     coefficients,
@@ -17,11 +19,9 @@ from ilp_planner.calibration import (
     read_timings_csv,
     write_timings_csv,
 )
-from ilp_planner.cli import main
-from ilp_planner.cluster import Link
-from ilp_planner.config import parse_config
-from ilp_planner.cost_model import CollectiveKind, collective_time
-from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import parse_config
+from ilp_planner.ir.cluster import Link
+from ilp_planner.lowering.cost_model import CollectiveKind, collective_time
 
 K = CollectiveKind
 TRUE = {

@@ -8,7 +8,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from ilp_planner.cluster import (
+from ilp_planner.errors import ConfigError
+from ilp_planner.ir.cluster import (
     Cluster,
     Link,
     MeshAxis,
@@ -22,7 +23,6 @@ from ilp_planner.cluster import (
     proper_factorisations,
     submesh_shapes,
 )
-from ilp_planner.errors import ConfigError
 
 
 # ---- links and clusters -----------------------------------------------------------------------

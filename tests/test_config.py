@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from ilp_planner import cli
-from ilp_planner.cluster import Link
-from ilp_planner.config import apply_overrides, load_config, parse_config
-from ilp_planner.cost_model import MemorySpec
 from ilp_planner.errors import ConfigError
-from ilp_planner.summary import memory_lower_bound, model_summary
+from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
+from ilp_planner.ir.cluster import Link
+from ilp_planner.lowering.cost_model import MemorySpec
+from ilp_planner.reports.summary import memory_lower_bound, model_summary
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ilp_planner.cluster import Cluster, Link, MeshAxis, group_spans_nodes
-from ilp_planner.cost_model import (
+from ilp_planner.errors import ConfigError
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, group_spans_nodes
+from ilp_planner.lowering.cost_model import (
     Collective,
     CollectiveKind,
     MemorySpec,
@@ -15,7 +16,6 @@ from ilp_planner.cost_model import (
     make_collective,
     memory_bytes,
 )
-from ilp_planner.errors import ConfigError
 
 K = CollectiveKind
 LINK = Link(alpha=1e-5, beta=1e-9)

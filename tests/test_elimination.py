@@ -30,12 +30,12 @@ from formulations.elimination import (
     minimise,
     solve_elimination,
 )
-from formulations.sbp_problem import BucketTerms, Problem
+from formulations.problem import BucketTerms, Problem
 from formulations.sbp_search import exhaustive
-from ilp_planner.config import parse_config
-from ilp_planner.pipeline_planner import subgraph
-from ilp_planner.planner import solve_mesh
-from ilp_planner.stage_boundary import stage_boundary
+from ilp_planner.inputs.config import parse_config
+from ilp_planner.inter_op.pipeline import subgraph
+from ilp_planner.intra_op.solve_mesh import solve_mesh
+from ilp_planner.lowering.stage_boundary import stage_boundary
 
 REL = 1e-9
 
@@ -250,7 +250,7 @@ def _tiny_gpt(layers: int, nodes: int, local: int, **solver) -> object:
 def test_the_planners_node_solver_is_the_ilp_on_the_node(seed):
     """``planner._node_ilp`` (what the branch and bound hands a node that bucket rounding
     alone leaves open): the node's optimum and a bound at most it, at a zero gap."""
-    from ilp_planner.planner import _node_ilp
+    from ilp_planner.intra_op.solve_mesh import _node_ilp
 
     p = _with_buckets(random_problem(seed, budget="mid", max_groups=5, max_k=3), seed)
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from ilp_planner import cli
 from ilp_planner.errors import ConfigError, PlanFormatError
-from ilp_planner.files import read_input
+from ilp_planner.inputs.files import read_input
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-mlp-cpu.yaml"
@@ -140,8 +140,8 @@ def test_validate_estimates_the_solve_size(capsys, tmp_path):
 
 
 def test_simulate_bounds_its_micro_batch_override(capsys, tmp_path):
-    from ilp_planner.config import load_config
-    from runtime.plans import pipelined_plan
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.testing import pipelined_plan
 
     plan = tmp_path / "pp.json"
     pipelined_plan(load_config(TINY), stages=2, schedule="1f1b", microbatches=2).save(plan)

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from ilp_planner import cli
-from ilp_planner.config import load_config
-from ilp_planner.planner import solve
-from runtime.plans import pipelined_plan
+from ilp_planner.api import solve
+from ilp_planner.inputs.config import load_config
+from ilp_planner.testing import pipelined_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY_MLP = CONFIGS / "tiny-mlp-cpu.yaml"

@@ -8,19 +8,20 @@ import math
 import numpy as np
 import pytest
 
+from formulations.problem import dominated_free
 from formulations.sbp_ilp import SbpIlp
-from formulations.sbp_problem import build_problem, dominated_free
 from formulations.sbp_search import _Evaluator, chain_dp, exhaustive
-from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link, MeshAxis, axis_coordinates, proper_factorisations
-from ilp_planner.config import load_config
-from ilp_planner.cost_model import Collective, CollectiveKind, MemorySpec
 from ilp_planner.errors import ConfigError
-from ilp_planner.grad_buckets import chunk_count, device_groups, exposed_grad_sync, fill_buckets
-from ilp_planner.layouts import Layout
-from ilp_planner.plan import LayerPlan
-from ilp_planner.planner import realise
-from ilp_planner.strategies import grad_sync
+from ilp_planner.inputs import models
+from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.intra_op.solve_mesh import realise
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, axis_coordinates, proper_factorisations
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.cost_model import Collective, CollectiveKind, MemorySpec
+from ilp_planner.lowering.grad_buckets import chunk_count, device_groups, exposed_grad_sync, fill_buckets
+from ilp_planner.lowering.strategies import grad_sync
+from ilp_planner.plan.data import LayerPlan
 
 CLUSTER = Cluster(2, 2, memory_bytes=16 * 2**30, peak_flops=1e13,
                   intra=Link.from_bandwidth(5, 800), inter=Link.from_bandwidth(10, 50))

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 import ilp_planner
-from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link
-from ilp_planner.config import load_config
 from ilp_planner.errors import ConfigError
-from ilp_planner.graph import OpKind
-from ilp_planner.importer import from_module
-from ilp_planner.plan import Plan
-from ilp_planner.strategies import StrategyContext, op_strategies
-from ilp_planner.summary import model_summary
+from ilp_planner.inputs import models
+from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.importer import from_module
+from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+from ilp_planner.plan.data import Plan
+from ilp_planner.reports.summary import model_summary
 from runtime.modules import GPT, MLP
 from tests.helpers.user_models import Llama, NanoGPT, ResNet
 
@@ -95,7 +95,7 @@ def test_nanogpt_import():
     ctx = StrategyContext(cluster, 2, 2, load_config({"model": g, "cluster": CLUSTER}).memory)
     strategies = op_strategies(attn, [g[i].output for i in attn.inputs], ctx)
     assert strategies and all(s.output.split_degree(1) == 1 for s in strategies)
-    text = ilp_planner.solve(g, cluster=CLUSTER, baselines=False).explain()
+    text = ilp_planner.explain(ilp_planner.solve(g, cluster=CLUSTER, baselines=False))
     assert "transformer.h.[0,1].attn.c_attn" in text and "transformer.wte [embedding]" in text
 
 

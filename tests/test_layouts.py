@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ilp_planner.cluster import MeshAxis
 from ilp_planner.errors import LayoutError
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import (
-    B,
-    Broadcast,
-    Layout,
-    P,
-    S,
-    Split,
-    drop_unit_axes,
-    parse_placement,
-)
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import B, Broadcast, Layout, P, S, Split, drop_unit_axes, parse_placement
 
 
 def mesh(*sizes: int) -> tuple[MeshAxis, ...]:

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from formulations.sbp_problem import build_problem
-from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link, MeshAxis
-from ilp_planner.config import load_config
-from ilp_planner.cost_model import MemorySpec
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import B, Layout, S
-from ilp_planner.redistribution import plan_redistribution
-from ilp_planner.strategies import grad_sync, tied_exchange_collectives
+from ilp_planner.inputs import models
+from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import B, Layout, S
+from ilp_planner.lowering.cost_model import MemorySpec
+from ilp_planner.lowering.redistribution import plan_redistribution
+from ilp_planner.lowering.strategies import grad_sync, tied_exchange_collectives
 from runtime import model
 from runtime.errors import RuntimeSetupError
 from runtime.optim import OptimizerSpec
@@ -128,7 +128,7 @@ def test_runtime_refuses_float64_and_mixed_graphs(dtypes):
 def test_summa_gathers_the_fp32_master_weight():
     """SUMMA's weight gather (and its backward reduce-scatter of weight gradients) moves the
     fp32 master whatever the compute dtype; the activation gather moves the half type."""
-    from ilp_planner.strategies import summa_programs
+    from ilp_planner.lowering.strategies import summa_programs
 
     fact = (MeshAxis(1, 2), MeshAxis(1, 2))
     half = summa_programs(fact, TensorSpec((16, 32), "bfloat16"), TensorSpec((32, 8), "bfloat16"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ilp_planner import models
 from ilp_planner.errors import ConfigError
-from ilp_planner.graph import OpKind
+from ilp_planner.inputs import models
+from ilp_planner.ir.graph import OpKind
 
 
 @pytest.mark.parametrize("hidden,layers,seq,vocab", [(64, 2, 16, 128), (96, 3, 32, 1000),

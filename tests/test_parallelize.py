@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import ilp_planner
-from ilp_planner.cluster import MeshAxis
-from ilp_planner.layouts import B, Layout, P, S
-from runtime.apply import DimMap, check_row_major, mesh_shape, placements
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.layouts import B, Layout, P, S
+from runtime.apply import DimMap, check_row_major, mesh_shape, parallelize, placements, to_parallelize_plan
 from runtime.errors import RuntimeSetupError
 from runtime.modules import GPT, MLP
 from tests.helpers.procs import run
@@ -89,12 +89,12 @@ def test_refusals_name_the_reason(one_rank):
     plan = ilp_planner.solve(ilp_planner.from_module(tied, (torch.zeros(16, dtype=torch.long),)),
                              cluster=CLUSTER, baselines=False)
     with pytest.raises(RuntimeSetupError, match="ties its weight"):
-        plan.parallelize(tied)
+        parallelize(plan, tied)
     mlp = MLP([8, 8])
     graph = ilp_planner.from_module(mlp, (torch.zeros(4, 8),))
     two = dict(CLUSTER, devices_per_node=2)
     with pytest.raises(RuntimeSetupError, match="for 2 devices, the job has 1"):
-        ilp_planner.solve(graph, cluster=two, baselines=False).parallelize(mlp)
+        parallelize(ilp_planner.solve(graph, cluster=two, baselines=False), mlp)
 
 
 def test_one_rank_applies_and_trains_like_the_module(one_rank):
@@ -118,18 +118,18 @@ def test_megatron_plans_map_onto_pytorch_tensor_parallel_styles():
     from torch import nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ilp_planner.baselines import megatron_filter
-    from ilp_planner.config import load_config
-    from runtime.plans import restricted_plan, three_d_filter
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.intra_op.baselines import megatron_filter
+    from ilp_planner.testing import restricted_plan, three_d_filter
 
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
     graph = ilp_planner.from_module(model, (torch.zeros(8, 32),))
     config = load_config({"model": graph, "cluster": dict(CLUSTER, devices_per_node=4)})
     dp, tp = MeshAxis(1, 2), MeshAxis(1, 2)
     plan = restricted_plan(config, megatron_filter(dp, tp))
-    styles = plan.to_parallelize_plan()
+    styles = to_parallelize_plan(plan)
     kinds = {name: type(style) for name, style in styles.items()}
     assert kinds == {"0": ColwiseParallel, "2": RowwiseParallel}
     three_d = restricted_plan(config, three_d_filter((1, 2, 2)))
     with pytest.raises(ValueError, match="splits its weight over 2 mesh axes"):
-        three_d.to_parallelize_plan()
+        to_parallelize_plan(three_d)

@@ -10,11 +10,11 @@ import pytest
 
 from formulations.schedules import make_schedule, validate
 from formulations.simulator import simulate
-from ilp_planner.config import load_config
+from ilp_planner.api import solve
 from ilp_planner.errors import InfeasibleError
-from ilp_planner.graph import OpKind
-from ilp_planner.models import gpt, mlp, u_transformer
-from ilp_planner.pipeline_planner import (
+from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.models import gpt, mlp, u_transformer
+from ilp_planner.inter_op.pipeline import (
     RangeKeys,
     crossing,
     layer_units,
@@ -23,8 +23,8 @@ from ilp_planner.pipeline_planner import (
     stage_durations,
     subgraph,
 )
-from ilp_planner.plan import Plan, layout_from_dict
-from ilp_planner.planner import solve
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.plan.data import Plan, layout_from_dict
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-gpt-cpu.yaml"
@@ -64,7 +64,7 @@ def test_long_models_keep_one_unit_per_block_and_mlp_units_are_weighted_ops():
 def test_range_keys_are_the_signature_classes(graph):
     """RangeKeys (built from per-unit parts) splits the ranges exactly as the full
     signatures with their stage boundaries do."""
-    from ilp_planner.stage_boundary import stage_boundary
+    from ilp_planner.lowering.stage_boundary import stage_boundary
 
     units = layer_units(graph)
     keys = RangeKeys(graph, units)
@@ -185,9 +185,9 @@ def _stage_peaks(plan, config) -> list[tuple[float, float]]:
     micro-batches its position holds), re-solving the stage as the planner did."""
     from dataclasses import replace
 
-    from formulations.sbp_problem import peak_memory
-    from ilp_planner.planner import solve_mesh
-    from ilp_planner.stage_boundary import stage_boundary
+    from ilp_planner.intra_op.problem import peak_memory
+    from ilp_planner.intra_op.solve_mesh import solve_mesh
+    from ilp_planner.lowering.stage_boundary import stage_boundary
 
     graph = config.microbatch_graph()
     out = []
@@ -230,12 +230,12 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
 def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
     """Six blocks on 8 devices, 8 micro-batches under 1F1B and a budget that binds: the
     planner solves the in-flight counts between two solved ones only where the DP chooses
-    their stand-in (:class:`~ilp_planner.pipeline_planner.Gap`), and bounds the positions
+    their stand-in (:class:`~ilp_planner.inter_op.pipeline.Gap`), and bounds the positions
     by its incumbent; the table of every count (bisected), without incumbent, has the same
     optimum and needs more solves."""
     from formulations.stage_dp import solve_stages
-    from ilp_planner.cluster import submesh_shapes
-    from ilp_planner.pipeline_planner import _BoundaryCost, _StageSolver
+    from ilp_planner.inter_op.pipeline import _BoundaryCost, _StageSolver
+    from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
                      "pipeline.stages": "auto", "pipeline.microbatches": 8,
@@ -309,11 +309,11 @@ def test_stage_ilp_prices_its_boundary_programs_exactly():
     collectives realise() lists on top, and those include every boundary program."""
     from collections import Counter
 
-    from formulations.sbp_problem import build_problem
-    from ilp_planner.cost_model import MemorySpec
-    from ilp_planner.planner import realise
-    from ilp_planner.stage_boundary import export_program, import_program, stage_boundary
-    from ilp_planner.strategies import input_grad_layouts
+    from ilp_planner.intra_op.problem import build_problem
+    from ilp_planner.intra_op.solve_mesh import realise
+    from ilp_planner.lowering.cost_model import MemorySpec
+    from ilp_planner.lowering.stage_boundary import export_program, import_program, stage_boundary
+    from ilp_planner.lowering.strategies import input_grad_layouts
 
     config = load_config(TINY)
     g = mlp([64, 64, 64, 64, 64], 16)
@@ -353,8 +353,8 @@ def test_stage_ilp_prices_its_boundary_programs_exactly():
 
 
 def test_stage_costs_are_the_layers_own_and_gradients_have_their_own_tasks(tiny_plan):
-    from ilp_planner.pipeline_planner import stage_costs
-    from runtime.plans import device_regions
+    from ilp_planner.inter_op.pipeline import stage_costs
+    from ilp_planner.ir.regions import layout_blocks
 
     m = tiny_plan.schedule["num_microbatches"]
     for st, again in zip(tiny_plan.stages, stage_costs(tiny_plan.layers, tiny_plan.stages, m),
@@ -366,9 +366,9 @@ def test_stage_costs_are_the_layers_own_and_gradients_have_their_own_tasks(tiny_
     for r in tiny_plan.resharding:
         shape = r["shape"]
         src = dict(zip(tiny_plan.stages[r["src_stage"]]["devices"],
-                       device_regions(layout_from_dict(r["src_layout"]), shape), strict=True))
+                       layout_blocks(layout_from_dict(r["src_layout"]), shape), strict=True))
         dst = dict(zip(tiny_plan.stages[r["dst_stage"]]["devices"],
-                       device_regions(layout_from_dict(r["dst_layout"]), shape), strict=True))
+                       layout_blocks(layout_from_dict(r["dst_layout"]), shape), strict=True))
         got = dict.fromkeys(src, 0)
         for t in r["backward_tasks"]:  # gradients: from devices holding the received block
             sl = [tuple(x) for x in t["slice"]]
@@ -385,7 +385,7 @@ def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
     """No unit ceiling, and one intra-op solve per (signature class, sub-mesh shape) that the
     DP asks for — not one per (range, shape): on 1 × 2 devices every partial range runs on
     (1, 1) and only the whole model on (1, 2)."""
-    from ilp_planner.stage_boundary import stage_boundary
+    from ilp_planner.lowering.stage_boundary import stage_boundary
 
     config = tiny(**{"model.layers": 40, "cluster.nodes": 1, "cluster.devices_per_node": 2,
                      "pipeline.stages": "auto", "pipeline.stage_bound": False})
@@ -433,7 +433,7 @@ def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
     stops there (:meth:`_StageSolver._cutoff`); the DP's optimum is the one found with no
     bound at all, and the cut-off is exactly the DP's own test: just below it a stage
     time can still be part of a better plan, at it none can."""
-    from ilp_planner.pipeline_planner import _StageSolver
+    from ilp_planner.inter_op.pipeline import _StageSolver
 
     config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
                      "pipeline.stages": "auto", "pipeline.microbatches": 8,
@@ -467,7 +467,7 @@ def test_refining_a_gap_at_a_cut_off_count_removes_the_gap_there():
     import types
 
     from formulations.stage_dp import StageCost
-    from ilp_planner.pipeline_planner import Gap, _StageSolver
+    from ilp_planner.inter_op.pipeline import Gap, _StageSolver
 
     class Stub(_StageSolver):
         """The table logic over canned solves: fastest fits no count ≥ 2, count 2 fits,
@@ -523,10 +523,10 @@ def test_the_relaxation_bounds_every_stage_solve_from_below(overrides):
     """What the planner drops pairs with: :func:`fastest_bound` of a range on a shape is
     at most the time the stage solve prices its fastest plan at (the plan's realised
     cost, every collective and boundary program included), for every range and shape."""
-    from formulations.sbp_problem import BuildCache
-    from ilp_planner.cluster import submesh_shapes
-    from ilp_planner.pipeline_planner import _StageSolver
-    from ilp_planner.planner import fastest_bound
+    from ilp_planner.inter_op.pipeline import _StageSolver
+    from ilp_planner.intra_op.problem import BuildCache
+    from ilp_planner.intra_op.solve_mesh import fastest_bound
+    from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"pipeline.stages": "auto", **overrides})
     graph = config.microbatch_graph()
@@ -556,8 +556,8 @@ def test_stage_dp_over_one_unit_per_block_equals_brute_force(space):
     per block: the DP's optimum is the brute-force enumeration's over every slicing and
     sub-mesh assignment."""
     from formulations.stage_dp import brute_force_stages, solve_stages
-    from ilp_planner.cluster import submesh_shapes
-    from ilp_planner.pipeline_planner import _BoundaryCost, _StageSolver
+    from ilp_planner.inter_op.pipeline import _BoundaryCost, _StageSolver
+    from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"model.layers": 5, "cluster.nodes": 3, "cluster.devices_per_node": 2,
                      "pipeline.stages": "auto", "pipeline.microbatches": 8})
@@ -579,8 +579,8 @@ def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
     for the stages not yet priced reaches the best found; its answer equals the best of
     every degree priced alone (the config fixing the stage count: nothing to prune), and
     the floors did cut work here."""
-    from ilp_planner.cluster import submesh_shapes
-    from ilp_planner.pipeline_planner import _BoundaryCost, _StageSolver, pipelined_grid
+    from ilp_planner.inter_op.pipeline import _BoundaryCost, _StageSolver, pipelined_grid
+    from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
                      "pipeline.stages": "auto", "pipeline.microbatches": 8,
@@ -590,11 +590,11 @@ def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
     c = config.cluster
     shapes = submesh_shapes(c.nodes, c.devices_per_node)
 
-    from ilp_planner import baselines
+    from ilp_planner.inter_op import pipeline
 
     priced = []
-    point = baselines.torchtitan_choice
-    monkeypatch.setattr(baselines, "torchtitan_choice",
+    point = pipeline.torchtitan_choice
+    monkeypatch.setattr(pipeline, "torchtitan_choice",
                         lambda *a, **k: priced.append(1) or point(*a, **k))
 
     def grid(num_stages=None, first=None):

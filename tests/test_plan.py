@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from ilp_planner.api import solve
 from ilp_planner.errors import PlanFormatError
-from ilp_planner.plan import PLAN_SCHEMA, PLAN_VERSION, Plan
-from ilp_planner.planner import solve
+from ilp_planner.plan.data import PLAN_SCHEMA, PLAN_VERSION, Plan
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt-cpu.yaml"
 

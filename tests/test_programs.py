@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from ilp_planner.config import load_config
-from ilp_planner.explain import explain
-from ilp_planner.planner import solve
-from ilp_planner.programs import edge_programs
-from runtime.plans import pipelined_plan
+from ilp_planner.api import solve
+from ilp_planner.inputs.config import load_config
+from ilp_planner.plan.programs import edge_programs
+from ilp_planner.reports.explain import explain
+from ilp_planner.testing import pipelined_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from formulations.sbp_problem import Problem, dominated_free
+from formulations.problem import Problem, dominated_free
 from formulations.sbp_search import exhaustive
 
 
@@ -52,7 +52,7 @@ def test_weakly_below_equals_the_all_pairs_comparison():
     comparison finds, ties and repeated rows included."""
     import numpy as np
 
-    from formulations.sbp_problem import _weakly_below
+    from formulations.problem import _weakly_below
 
     rng = np.random.default_rng(0)
     for k, cols in [(1, 1), (5, 3), (40, 100), (90, 260)]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from ilp_planner.cluster import Cluster, Factorisation, Link, MeshAxis
-from ilp_planner.cost_model import CollectiveKind, collective_time
 from ilp_planner.errors import LayoutError
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import B, Layout, P, S
-from ilp_planner.redistribution import plan_redistribution
+from ilp_planner.ir.cluster import Cluster, Factorisation, Link, MeshAxis
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import B, Layout, P, S
+from ilp_planner.lowering.cost_model import CollectiveKind, collective_time
+from ilp_planner.lowering.redistribution import plan_redistribution
 
 K = CollectiveKind
 INTRA = Link(alpha=2e-6, beta=1e-11)
@@ -118,7 +118,7 @@ def test_vectorised_edge_costs_equal_the_pairwise_ones():
     end."""
     import itertools
 
-    from ilp_planner.redistribution import planner_for
+    from ilp_planner.lowering.redistribution import planner_for
 
     c = cluster(2, 4)
     facts = [(MeshAxis(2, 4),), (MeshAxis(2, 1), MeshAxis(1, 4)), (MeshAxis(1, 4), MeshAxis(2, 1))]

@@ -30,11 +30,11 @@ from functools import cache
 
 import pytest
 
-from ilp_planner.cluster import Cluster, Factorisation, Link, MeshAxis
 from ilp_planner.errors import LayoutError
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import Layout, Partial
-from ilp_planner.redistribution import Redistribution, plan_redistribution, redistribution_seconds
+from ilp_planner.ir.cluster import Cluster, Factorisation, Link, MeshAxis
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import Layout, Partial
+from ilp_planner.lowering.redistribution import Redistribution, plan_redistribution, redistribution_seconds
 from runtime.comm import Comm
 from runtime.fidelity import (
     device_mesh,

@@ -1,4 +1,4 @@
-"""Cross-mesh resharding planner (ilp_planner.resharding): unit tasks from specs, exact
+"""Cross-mesh resharding planner (ilp_planner.inter_op.resharding): unit tasks from specs, exact
 delivery checked by assembling destination shards with numpy (even and uneven shapes),
 strategy costs against seed 003 §3.1, the nine Table 2 cases, plan JSON round-trip, the
 ``reshard`` verb, and clear errors for bad specs and overlapping meshes."""
@@ -12,16 +12,12 @@ import pytest
 
 from formulations.cross_mesh import SchedulerOptions, validate_schedule
 from ilp_planner.cli import main
-from ilp_planner.cluster import Cluster, Link, SubMesh
 from ilp_planner.errors import ConfigError, LayoutError, PlanFormatError
-from ilp_planner.graph import TensorSpec
-from ilp_planner.resharding import (
+from ilp_planner.inter_op.resharding import (
     TABLE2_CASES,
     HostLinks,
     ReshardingPlan,
     ReshardOptions,
-    chunk_bounds,
-    device_regions,
     mesh_layout,
     parse_mesh,
     plan_resharding,
@@ -29,6 +25,9 @@ from ilp_planner.resharding import (
     transfer_cost,
     unit_tasks,
 )
+from ilp_planner.ir.cluster import Cluster, Link, SubMesh
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.regions import chunk_bounds, device_regions
 
 LINKS = HostLinks(Link.from_bandwidth(5, 1200), Link.from_bandwidth(10, 10))
 FAST = ReshardOptions(scheduler=SchedulerOptions(
@@ -107,8 +106,8 @@ def test_assembled_destination_equals_source(shape, src_spec, dst_spec, src_mesh
 
 
 def test_layout_objects_on_other_factorisations() -> None:
-    from ilp_planner.cluster import MeshAxis
-    from ilp_planner.layouts import B, Layout, P, S
+    from ilp_planner.ir.cluster import MeshAxis
+    from ilp_planner.ir.layouts import B, Layout, P, S
 
     tensor = TensorSpec((8, 6, 4))
     src, dst = meshes("2x4", "2x4")

@@ -28,24 +28,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from formulations.schedules import schedule_actions
 from ilp_planner import cli
-from ilp_planner.baselines import data_parallel_filter, summa_filter
-from ilp_planner.cluster import MeshAxis
-from ilp_planner.config import load_config, parse_config
-from ilp_planner.layouts import B, Layout, S
-from ilp_planner.plan import Plan
-from ilp_planner.planner import solve
+from ilp_planner.api import solve
+from ilp_planner.inputs.config import load_config, parse_config
+from ilp_planner.intra_op.baselines import data_parallel_filter, summa_filter
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.layouts import B, Layout, S
+from ilp_planner.ir.regions import layout_blocks
+from ilp_planner.plan.data import Plan
+from ilp_planner.testing import greedy_unit_tasks, pipelined_plan, restricted_plan, three_d_filter
 from runtime import launch
 from runtime.executor import Executor, RunOptions
 from runtime.optim import OptimizerSpec
-from runtime.plans import (
-    device_regions,
-    pipelined_plan,
-    restricted_plan,
-    schedule_actions,
-    three_d_filter,
-    unit_tasks,
-)
 from runtime.reference import compare, run_reference, tolerance
 from tests.helpers.procs import run
 
@@ -437,9 +432,9 @@ def _fact(*sizes: int):
 def test_unit_tasks_deliver_every_element_once(src: Layout, dst: Layout) -> None:
     shape = (8, 12)
     src_dev, dst_dev = [0, 1, 2, 3], [4, 5, 6, 7]
-    tasks = unit_tasks(shape, 4, src, src_dev, dst, dst_dev)
-    src_reg = dict(zip(src_dev, device_regions(src, shape), strict=True))
-    dst_reg = dict(zip(dst_dev, device_regions(dst, shape), strict=True))
+    tasks = greedy_unit_tasks(shape, 4, src, src_dev, dst, dst_dev)
+    src_reg = dict(zip(src_dev, layout_blocks(src, shape), strict=True))
+    dst_reg = dict(zip(dst_dev, layout_blocks(dst, shape), strict=True))
     got = {d: torch.zeros(shape, dtype=torch.int64) for d in dst_dev}
     for t in tasks:
         assert t["sender"] in t["holders"]

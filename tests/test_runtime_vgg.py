@@ -25,20 +25,20 @@ import torch
 from test_runtime import RTOL, STEPS
 from torch import nn
 
-from ilp_planner.cluster import MeshAxis
-from ilp_planner.config import load_config
+from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError
-from ilp_planner.graph import Op, OpKind
-from ilp_planner.layouts import B, Layout, P, S
-from ilp_planner.models import graph_from_spec
-from ilp_planner.plan import Plan
-from ilp_planner.planner import solve
-from ilp_planner.strategies import Strategy, conv_layouts
+from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.models import graph_from_spec
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.graph import Op, OpKind
+from ilp_planner.ir.layouts import B, Layout, P, S
+from ilp_planner.lowering.strategies import Strategy, conv_layouts
+from ilp_planner.plan.data import Plan
+from ilp_planner.testing import restricted_plan
 from runtime import model
 from runtime.errors import RuntimeSetupError
 from runtime.executor import Executor, RunOptions
 from runtime.optim import OptimizerSpec
-from runtime.plans import restricted_plan
 from runtime.reference import compare, forward, run_reference
 from tests.helpers.procs import run as _run
 

@@ -37,16 +37,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ilp_planner.baselines import summa_filter
-from ilp_planner.cluster import MeshAxis
-from ilp_planner.config import load_config, parse_config
-from ilp_planner.graph import OpKind
-from ilp_planner.plan import Plan
-from ilp_planner.planner import solve
+from ilp_planner.api import solve
+from ilp_planner.inputs.config import load_config, parse_config
+from ilp_planner.intra_op.baselines import summa_filter
+from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.plan.data import Plan
+from ilp_planner.testing import pipelined_plan, sharded_plan, three_d_filter
 from runtime import model
 from runtime.errors import RuntimeSetupError
 from runtime.executor import Executor, RunOptions
-from runtime.plans import pipelined_plan, sharded_plan, three_d_filter
 from runtime.recorder import Recorder, replaying
 from runtime.reference import tolerance
 from runtime.zero import ZeroBucket, gather, released
@@ -92,10 +92,10 @@ def one_rank():
 
 def _bucket(group) -> tuple[ZeroBucket, torch.Tensor]:
     """The planner's bucket of a data-parallel linear (weight 8×6), sharded at level 3."""
-    from ilp_planner import models
-    from ilp_planner.cluster import Cluster, Link
-    from ilp_planner.cost_model import MemorySpec
-    from ilp_planner.strategies import StrategyContext, grad_sync, op_strategies
+    from ilp_planner.inputs import models
+    from ilp_planner.ir.cluster import Cluster, Link
+    from ilp_planner.lowering.cost_model import MemorySpec
+    from ilp_planner.lowering.strategies import StrategyContext, grad_sync, op_strategies
 
     g = models.mlp([8, 6], batch=4)
     ctx = StrategyContext(Cluster(1, 2, 2**30, 1e12, Link(1e-5, 1e-9), Link(1e-5, 1e-9), 0.5, "t"),
@@ -228,7 +228,7 @@ def test_tied_weights_are_never_offered_sharded_state() -> None:
     """The tied exchange needs both copies' whole gradients, so the planner offers no ZeRO
     level to a tied table or head (the executor refuses one as a guard); other weighted
     layers get them."""
-    from formulations.sbp_problem import build_problem
+    from ilp_planner.intra_op.problem import build_problem
 
     c = load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(FOUR)
     gp = build_problem(c.graph, c.cluster, c.cluster.nodes, c.cluster.devices_per_node,
@@ -407,7 +407,7 @@ def test_parallelize_refuses_sharded_or_recomputed_layers() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeSetupError, match="state sharding or recomputation"):
-            plan.parallelize(mlp)
+            ilp_planner.parallelize(plan, mlp)
     finally:
         dist.destroy_process_group()
 

@@ -18,8 +18,8 @@ import math
 import numpy as np
 import pytest
 
+from formulations.problem import Problem
 from formulations.sbp_ilp import DEFAULT_MILP, MILP_BACKENDS, SbpIlp
-from formulations.sbp_problem import Problem, build_problem
 from formulations.sbp_search import (
     chain_dp,
     coordinate_descent,
@@ -27,10 +27,11 @@ from formulations.sbp_search import (
     metropolis_hastings,
     random_search,
 )
-from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link
-from ilp_planner.cost_model import MemorySpec
-from ilp_planner.planner import realise
+from ilp_planner.inputs import models
+from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.intra_op.solve_mesh import realise
+from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.lowering.cost_model import MemorySpec
 
 N_RANDOM = 40
 REL = 1e-9
@@ -397,9 +398,9 @@ def test_followers_choose_how_partial_sums_are_reduced():
     ILP chooses. Row-parallel MLP on 1 × 4: its loss reads the logits all-reduced (no
     collective in the loss), strictly cheaper than the reduce-scattered (vocabulary-
     parallel) logits that were the only option before; ILP = exhaustive on both spaces."""
-    from ilp_planner.baselines import restrict
-    from ilp_planner.strategies import partial_resolutions, resolve_partial
-    from runtime.plans import three_d_filter
+    from ilp_planner.intra_op.baselines import restrict
+    from ilp_planner.lowering.strategies import partial_resolutions, resolve_partial
+    from ilp_planner.testing import three_d_filter
 
     g = models.mlp([32, 64, 64, 16], batch=32, bias=True)
     gp = build_problem(g, small_cluster(1, 4), 1, 4, MemorySpec.preset("adam"), tie_layers=False)

@@ -15,16 +15,18 @@ import pytest
 
 from formulations.result import SolveStats
 from formulations.sbp_ilp import SbpIlp
-from formulations.sbp_problem import build_problem
-from ilp_planner import cli, models
-from ilp_planner.baselines import baseline_choices, megatron_filter, restrict
-from ilp_planner.cluster import Cluster, Link, MeshAxis
-from ilp_planner.config import apply_overrides, load_config, parse_config
-from ilp_planner.cost_model import CollectiveKind, MemorySpec, collective_time
+from ilp_planner import cli
+from ilp_planner.api import solve
 from ilp_planner.errors import InfeasibleError
-from ilp_planner.graph import OpKind
-from ilp_planner.plan import PLAN_VERSION, Plan
-from ilp_planner.planner import realise, solve, solve_mesh
+from ilp_planner.inputs import models
+from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
+from ilp_planner.intra_op.baselines import baseline_choices, megatron_filter, restrict
+from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.intra_op.solve_mesh import realise, solve_mesh
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, collective_time
+from ilp_planner.plan.data import PLAN_VERSION, Plan
 
 K = CollectiveKind
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

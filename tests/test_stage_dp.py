@@ -19,8 +19,8 @@ from formulations.stage_dp import (
     solve_stages,
     solve_stages_from_table,
 )
-from ilp_planner.cluster import submesh_shapes
 from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.ir.cluster import submesh_shapes
 
 GiB = 2**30
 

@@ -14,17 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from formulations.sbp_problem import build_problem, peak_memory
-from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link
-from ilp_planner.config import load_config
-from ilp_planner.cost_model import CollectiveKind, MemorySpec
+from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError, InfeasibleError
-from ilp_planner.graph import Graph, OpKind, TensorSpec
-from ilp_planner.models import _Builder
-from ilp_planner.plan import Plan
-from ilp_planner.planner import realise, solve, solve_mesh
-from ilp_planner.strategies import StrategyContext, op_strategies
+from ilp_planner.inputs import models
+from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.models import _Builder
+from ilp_planner.intra_op.problem import build_problem, peak_memory
+from ilp_planner.intra_op.solve_mesh import realise, solve_mesh
+from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
+from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec
+from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+from ilp_planner.plan.data import Plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -327,8 +328,8 @@ def test_one_solve_builds_each_problem_once_and_reusing_it_changes_nothing(monke
     """A tight-budget solve tries several transient caps and recomputed sets; each distinct
     problem (recomputed set, tying) is built once and reused with its budget, and the
     result is the one rebuilding every time gives."""
-    import formulations.sbp_problem as sp
-    import ilp_planner.planner as planner
+    import ilp_planner.intra_op.problem as sp
+    import ilp_planner.intra_op.solve_mesh as planner
 
     config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
         {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": 0.0007})
@@ -361,8 +362,8 @@ def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash(
     leaves too little; the cap of 0, tried last, leaves no strategy that fits. Each is an
     :class:`InfeasibleError` the caps loop handles (the elimination's "no choice meets the
     budget" used to escape as a ValueError out of ``solve_mesh``)."""
-    from formulations.sbp_problem import BuildCache
-    from ilp_planner import planner
+    from ilp_planner.intra_op import solve_mesh as planner
+    from ilp_planner.intra_op.problem import BuildCache
 
     config = load_config(Path(__file__).resolve().parent.parent / "configs" /
                          "tiny-gpt-cpu.yaml").with_overrides({"solver.state_sharding": [0, 3]})

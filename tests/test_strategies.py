@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from ilp_planner import models
-from ilp_planner.cluster import Cluster, Link, MeshAxis, mesh_factorisations
-from ilp_planner.cost_model import CollectiveKind, MemorySpec, collective_time
-from ilp_planner.graph import OpKind
-from ilp_planner.layouts import B, P, Split
-from ilp_planner.strategies import Strategy, StrategyContext, op_strategies
+from ilp_planner.inputs import models
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, mesh_factorisations
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.layouts import B, P, Split
+from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, collective_time
+from ilp_planner.lowering.strategies import Strategy, StrategyContext, op_strategies
 
 K = CollectiveKind
 INTRA = Link.from_bandwidth(5, 2400)
@@ -211,10 +211,10 @@ def test_memory_is_state_plus_output_shard(kind):
 def test_partial_conv_outputs_resolve_onto_channels_not_spatial_dims():
     """A conv's partial-sum output (S0, S1, P) is reduce-scattered onto channels (or the
     batch), never onto H or W, so pooling and flatten see a layout they can carry."""
-    from ilp_planner.cluster import MeshAxis
-    from ilp_planner.graph import TensorSpec
-    from ilp_planner.layouts import Layout, P, S
-    from ilp_planner.strategies import resolve_partial
+    from ilp_planner.ir.cluster import MeshAxis
+    from ilp_planner.ir.graph import TensorSpec
+    from ilp_planner.ir.layouts import Layout, P, S
+    from ilp_planner.lowering.strategies import resolve_partial
 
     fact = (MeshAxis(1, 2), MeshAxis(1, 2), MeshAxis(1, 2))
     fmap = TensorSpec((8, 64, 14, 14))
@@ -228,8 +228,8 @@ def test_tied_exchange_price_is_its_programs_collectives():
     """The ILP's edge price of a tied table's exchange (fast, no step lists) equals the
     seconds of the collectives the plan lists and the runtime runs, for every pair of the
     embedding's and the head's weight layouts."""
-    from ilp_planner.graph import TensorSpec
-    from ilp_planner.strategies import tied_exchange_collectives, tied_exchange_seconds
+    from ilp_planner.ir.graph import TensorSpec
+    from ilp_planner.lowering.strategies import tied_exchange_collectives, tied_exchange_seconds
 
     c = ctx()
     g = models.gpt(64, 2, 4, 16, 128, 8)

@@ -17,13 +17,12 @@ import yaml
 
 from ilp_planner import cli
 from ilp_planner.errors import BackendError, ConfigError
-from ilp_planner.plan import Plan
-from ilp_planner.sweep_backends import RayBackend
-from ilp_planner.sweeps import (
+from ilp_planner.plan.data import Plan
+from ilp_planner.sweeps.backends import RayBackend
+from ilp_planner.sweeps.points import Point, PointTask
+from ilp_planner.sweeps.sweep import (
     TIMING_COLUMNS,
     PlotSpec,
-    Point,
-    PointTask,
     Progress,
     format_progress,
     load_sweep,
@@ -301,7 +300,7 @@ def test_plots_can_be_chosen_or_turned_off(tmp_path):
 
 
 def test_python_api_exposes_sweep():
-    import ilp_planner.sweeps  # noqa: F401 - importing the module must not shadow the function
+    import ilp_planner.sweeps.sweep
 
     assert ilp_planner.sweep is sweep and callable(ilp_planner.sweep)
     assert ilp_planner.load_sweep is load_sweep

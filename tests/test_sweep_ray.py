@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ilp_planner import cli
-from ilp_planner.sweeps import TIMING_COLUMNS, load_sweep, parse_sweep, read_rows, sweep
+from ilp_planner.sweeps.sweep import TIMING_COLUMNS, load_sweep, parse_sweep, read_rows, sweep
 
 ray = pytest.importorskip("ray", reason="ray is not installed; install the extra: "
                                         "pip install -e '.[dev,ray]' (CI does)")

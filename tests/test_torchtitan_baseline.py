@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ilp_planner.config import load_config
+from ilp_planner.api import solve
 from ilp_planner.errors import InfeasibleError
-from ilp_planner.explain import step_seconds
-from ilp_planner.plan import Plan
-from ilp_planner.plan_check import check_plan
-from ilp_planner.planner import solve, solve_mesh
+from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.solve_mesh import solve_mesh
+from ilp_planner.plan.check import check_plan
+from ilp_planner.plan.data import Plan
+from ilp_planner.reports.explain import step_seconds
 from tests.helpers.cases import GRID_WINS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

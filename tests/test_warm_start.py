@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ilp_planner.config import load_config
-from ilp_planner.planner import solve_mesh
+from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.solve_mesh import solve_mesh
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt-cpu.yaml"
 

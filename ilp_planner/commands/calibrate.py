@@ -10,10 +10,14 @@ backend actually used (the CSV argument, if given, is where those timings are wr
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from ilp_planner.calibration import (
+from ilp_planner.commands.run import torchrun_command
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.calibration import (
     CSV_COLUMNS,
     TimingRow,
     cluster_fragment,
@@ -21,7 +25,6 @@ from ilp_planner.calibration import (
     fit_report,
     read_timings_csv,
 )
-from ilp_planner.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,10 +63,7 @@ def _load_rows(args: argparse.Namespace) -> list[TimingRow]:
         if args.timings is None:
             raise ConfigError("give a timings CSV, or --measure --nproc-per-node N")
         return read_timings_csv(args.timings)
-    import subprocess
-    import tempfile
 
-    from ilp_planner.commands.run import torchrun_command
 
     with tempfile.TemporaryDirectory() as tmp:
         out = args.timings or str(Path(tmp) / "timings.csv")

@@ -1,11 +1,16 @@
 """``ilp-planner check PLAN [PLAN …]``: check plan files without running anything — the
 checks every verb and every rank run before reading a plan as a program
-(:mod:`ilp_planner.plan_check`) — and say whether the torch runtime can execute each one
+(:mod:`ilp_planner.plan.check`) — and say whether the torch runtime can execute each one
 here (supported ops, even splits, float32)."""
 
 from __future__ import annotations
 
 import argparse
+
+from ilp_planner.errors import PlannerError
+from ilp_planner.plan.check import check_plan
+from ilp_planner.plan.data import Plan
+from runtime.executor import Executor, RunOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,11 +25,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.errors import PlannerError
-    from ilp_planner.plan import Plan
-    from ilp_planner.plan_check import check_plan
-    from runtime.executor import Executor, RunOptions
-
     for path in args.plans:
         plan = Plan.load(path)
         checked = check_plan(plan, str(path))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from ilp_planner.commands.explain import emit, load_plan_or_solve
+from ilp_planner.reports.explain import diff
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -21,8 +24,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.commands.explain import emit, load_plan_or_solve
-    from ilp_planner.explain import diff
-
     emit(diff(load_plan_or_solve(args.a), load_plan_or_solve(args.b)))
     return 0

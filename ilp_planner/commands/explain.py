@@ -8,6 +8,10 @@ import argparse
 import os
 import sys
 
+from ilp_planner.api import solve
+from ilp_planner.plan.check import load_checked
+from ilp_planner.reports.explain import explain
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -25,10 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def load_plan_or_solve(path: str):
     """A plan file (checked), or the plan of a YAML configuration (solved with its
     baselines)."""
-    from ilp_planner.plan_check import load_checked
 
     if path.endswith((".yaml", ".yml")):
-        from ilp_planner.planner import solve
 
         return solve(path)
     return load_checked(path)
@@ -44,7 +46,5 @@ def emit(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.explain import explain
-
     emit(explain(load_plan_or_solve(args.plan), collectives=not args.no_collectives))
     return 0

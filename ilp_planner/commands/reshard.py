@@ -25,16 +25,10 @@ from typing import Any
 import yaml
 
 from formulations.cross_mesh import ALGORITHMS, SchedulerOptions
-from ilp_planner.cluster import Link
 from ilp_planner.errors import ConfigError
-from ilp_planner.graph import DTYPE_BYTES, TensorSpec
-from ilp_planner.resharding import (
-    STRATEGIES,
-    HostLinks,
-    ReshardOptions,
-    parse_mesh,
-    plan_resharding,
-)
+from ilp_planner.inter_op.resharding import STRATEGIES, HostLinks, ReshardOptions, parse_mesh, plan_resharding
+from ilp_planner.ir.cluster import Link
+from ilp_planner.ir.graph import DTYPE_BYTES, TensorSpec
 
 _DEFAULTS = {"devices_per_node": 4, "intra": Link.from_bandwidth(5, 1200),
              "inter": Link.from_bandwidth(10, 10)}

@@ -15,6 +15,9 @@ import argparse
 import subprocess
 import sys
 
+from ilp_planner.errors import ConfigError
+from ilp_planner.plan.data import Plan
+from runtime.executor import Executor, RunOptions
 from runtime.launch import add_training_options, forward_options
 
 
@@ -40,10 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.errors import ConfigError
-    from ilp_planner.plan import Plan
-    from runtime.executor import Executor, RunOptions
-
     plans = {path: Plan.load(path) for path in args.plans}
     n = args.nproc_per_node or next(iter(plans.values())).num_devices
     for path, plan in plans.items():

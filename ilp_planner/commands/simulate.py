@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-from ilp_planner.options import SCHEDULES
+from formulations.schedules import make_schedule
+from formulations.simulator import plot_timeline, simulate
+from ilp_planner.errors import ConfigError, PlanFormatError
+from ilp_planner.inputs.files import prepare_output
+from ilp_planner.inputs.limits import check_limit
+from ilp_planner.inputs.options import SCHEDULES
+from ilp_planner.inter_op.pipeline import stage_durations
+from ilp_planner.plan.check import load_checked
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,14 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from formulations.schedules import make_schedule
-    from formulations.simulator import plot_timeline, simulate
-    from ilp_planner.errors import ConfigError, PlanFormatError
-    from ilp_planner.files import prepare_output
-    from ilp_planner.limits import check_limit
-    from ilp_planner.pipeline_planner import stage_durations
-    from ilp_planner.plan_check import load_checked
-
     plan = load_checked(args.plan)
     if not plan.stages or not plan.schedule:
         raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no pipeline stages; solve a "

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from ilp_planner.api import solve
+from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
+from ilp_planner.reports.explain import summary
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -23,15 +27,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.config import apply_overrides, load_config, parse_config
-    from ilp_planner.planner import solve
-
     config = load_config(args.config)
     if args.time_limit is not None:
         config = parse_config(apply_overrides(config.raw, {"solver.time_limit_s": args.time_limit}),
                               args.config)
     plan = solve(config, baselines=not args.no_baselines)
-    print(plan.summary())
+    print(summary(plan))
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}")

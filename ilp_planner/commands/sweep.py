@@ -5,7 +5,7 @@ every point's plan and the PNG plots, and print the results table.
 
 A failing point (bad override value, infeasible, time-out) is recorded in its row and the
 sweep goes on; the exit status is 0 unless the sweep file itself is wrong (2). The sweep
-file format is documented in :mod:`ilp_planner.sweeps`.
+file format is documented in :mod:`ilp_planner.sweeps.sweep`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from ilp_planner.sweep_backends import BACKENDS
+from ilp_planner.errors import ConfigError
+from ilp_planner.sweeps.backends import BACKENDS
+from ilp_planner.sweeps.sweep import RESULTS_JSONL, PlotSpec, check_metric, default_output, load_sweep, sweep
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,9 +56,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _plot_specs(items: list[str], keys: tuple[str, ...]):
-    from ilp_planner.errors import ConfigError
-    from ilp_planner.sweeps import PlotSpec, check_metric
-
     out = []
     for item in items:
         parts = item.split(":")
@@ -72,8 +71,6 @@ def _plot_specs(items: list[str], keys: tuple[str, ...]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.sweeps import RESULTS_JSONL, default_output, load_sweep, sweep
-
     spec = load_sweep(args.sweep, args.max_points)
     plots = False if args.no_plots else (_plot_specs(args.plot, spec.keys) if args.plot else True)
     points = len(spec.points())

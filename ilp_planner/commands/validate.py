@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ilp_planner.config import parse_config, read_yaml
 from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import parse_config, read_yaml
+from ilp_planner.reports.summary import model_summary
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,8 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ilp_planner.summary import model_summary
-
     failed = 0
     for i, path in enumerate(args.configs):
         if i:

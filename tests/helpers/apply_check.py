@@ -24,9 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ilp_planner  # noqa: E402
-from ilp_planner.audit import format_rows  # noqa: E402
-from ilp_planner.plan import Plan  # noqa: E402
-from runtime.apply import audit  # noqa: E402
+from ilp_planner.plan.audit import format_rows
+from ilp_planner.plan.data import Plan
+from runtime.apply import audit, parallelize  # noqa: E402
 from runtime.modules import MLP  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
 from tests.helpers.user_models import Llama  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> int:
            if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     plan = Plan.from_dict(box[0])
-    model = plan.parallelize(model)
+    model = parallelize(plan, model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     failures = []

@@ -11,10 +11,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ilp_planner.cluster import Cluster, Link, MeshAxis
 from ilp_planner.errors import LayoutError
-from ilp_planner.graph import TensorSpec
-from ilp_planner.layouts import B, Layout, P, S, grad_layout
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import B, Layout, P, S, grad_layout
 from runtime.comm import Comm
 from runtime.mesh import MeshRegistry
 

@@ -1,0 +1,61 @@
+"""The one entry of a solve: config → graph → intra-op solve on one mesh, or inter-op
+(pipelined) solve over stages → :class:`~ilp_planner.plan.data.Plan` with its baselines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import Config, load_config, read_yaml
+from ilp_planner.inter_op.pipeline import solve_pipelined
+from ilp_planner.intra_op.solve_mesh import price_baselines, price_grid, realise, solve_single_mesh
+from ilp_planner.ir.graph import Graph
+from ilp_planner.plan.data import Plan
+
+
+def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: Any = None,
+          training: Any = None, solver: Any = None, pipeline: Any = None,
+          name: str | None = None, baselines: bool = True) -> Plan:
+    """Solve a problem and return its plan. ``config`` is a :class:`Config`, a YAML path, a
+    whole document as a mapping, or just the model — a :class:`Graph` (e.g. from
+    :func:`ilp_planner.inputs.importer.from_module`) or a ``model:`` mapping — with the other
+    sections as keywords, each a mapping in the schema's form or its object::
+
+        plan = ilp_planner.solve(graph, cluster=cluster, solver={"time_limit_s": 10})
+    """
+    config = _as_config(config, cluster=cluster, training=training, solver=solver,
+                        pipeline=pipeline, name=name)
+    if config.pipeline.pipelined:
+        return solve_pipelined(config, baselines=baselines)
+    gp, result, grid = solve_single_mesh(config, grid=baselines)
+    layers, cost = realise(gp, list(result.choice))
+    plan = Plan(config.name, config.raw, result.to_dict(), cost, layers)
+    if baselines:
+        plan.baselines = price_baselines(gp, config.solver.time_limit_s,
+                                         config.cluster.memory_bytes)
+        plan.baselines.update(price_grid(grid))
+    return plan
+def _as_config(config: Any, **sections: Any) -> Config:
+    given = {k: v for k, v in sections.items() if v is not None}
+    if isinstance(config, Config) and not given:
+        return config
+    if isinstance(config, (str, Path)) and not given:
+        return load_config(config)
+    if isinstance(config, Config):
+        doc = dict(config.raw)
+    elif isinstance(config, (str, Path)):
+        doc = dict(read_yaml(config))
+    elif isinstance(config, Mapping) and "model" in config:
+        doc = dict(config)
+    elif isinstance(config, (Graph, Mapping)):
+        doc = {"model": config}
+    else:
+        raise ConfigError(f"expected a Config, a YAML path, a document or a model (Graph or "
+                          f"model mapping), got {type(config).__name__}")
+    doc.update(given)
+    if "cluster" not in doc:
+        raise ConfigError("no cluster given: pass cluster=... (a mapping in the config "
+                          "schema's form or a Cluster)", key="cluster")
+    return load_config(doc)

@@ -1,0 +1,1 @@
+"""Inputs: the config schema, options, limits, files, model builders, the nn.Module importer, calibration."""

@@ -1,0 +1,396 @@
+"""Model builders: MLP, GPT, VGG13, U-Transformer as layer graphs.
+
+Transformer activations are 2-D ``(tokens, hidden)`` with ``tokens = batch · seq_len``
+(see :mod:`ilp_planner.ir.graph`). The fused QKV projection's output columns are laid out
+head-major (``[head0: q k v | head1: q k v | …]``) so that splitting them over mesh devices
+keeps whole heads together, as Megatron does.
+
+GPT parameter count (tied input/output embedding, learned positions)::
+
+    12·L·h² + 13·L·h + V·h + s·h   (+ 2h for the final layernorm)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.schema import Reader, join
+from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec
+
+
+def _attrs(**kw: int) -> MappingProxyType:
+    return MappingProxyType(dict(kw))
+
+
+def _positive(**kw: int) -> None:
+    for k, v in kw.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"expected a positive integer, got {v!r}", key=k)
+
+
+class _Builder:
+    """Appends ops in topological order, tracking the current block for tying."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.ops: list[Op] = []
+        self.block: str | None = None
+        self.block_index: int | None = None
+
+    def t(self, *shape: int) -> TensorSpec:
+        return TensorSpec(tuple(shape), self.dtype)
+
+    def add(self, name: str, kind: OpKind, inputs: list[str], out: TensorSpec, *,
+            weight: TensorSpec | None = None, params: int = 0, flops: float = 0.0,
+            **attrs: int) -> str:
+        self.ops.append(Op(name, kind, tuple(inputs), out, weight, params, float(flops),
+                           self.block, self.block_index, _attrs(**attrs)))
+        return name
+
+    def linear(self, name: str, x: str, tokens: int, k: int, n: int, bias: bool = True,
+               tied: bool = False) -> str:
+        params = 0 if tied else k * n + (n if bias else 0)
+        return self.add(name, OpKind.LINEAR, [x], self.t(tokens, n), weight=self.t(k, n),
+                        params=params, flops=2.0 * tokens * k * n, bias=int(bias), tied=int(tied))
+
+    def layernorm(self, name: str, x: str, tokens: int, h: int) -> str:
+        return self.add(name, OpKind.LAYERNORM, [x], self.t(tokens, h), params=2 * h,
+                        flops=8.0 * tokens * h)
+
+    def elementwise(self, name: str, kind: OpKind, xs: list[str], tokens: int, h: int) -> str:
+        return self.add(name, kind, xs, self.t(tokens, h), flops=float(tokens * h))
+
+
+def mlp(dims: list[int], batch: int, bias: bool = False, dtype: str = "float32") -> Graph:
+    """A chain of linear layers ``dims[0] → dims[1] → …`` with ReLU between and a loss."""
+    if len(dims) < 2:
+        raise ConfigError("an MLP needs at least two dims", key="model.dims")
+    _positive(batch=batch, **{f"dims[{i}]": d for i, d in enumerate(dims)})
+    b = _Builder(dtype)
+    x = b.add("input", OpKind.INPUT, [], b.t(batch, dims[0]))
+    for i, (k, n) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        x = b.linear(f"fc{i + 1}", x, batch, k, n, bias)
+        if i < len(dims) - 2:
+            x = b.elementwise(f"relu{i + 1}", OpKind.RELU, [x], batch, n)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * batch * dims[-1]))
+    return Graph(f"mlp{len(dims) - 1}", b.ops)
+
+
+def _transformer_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
+                       seq: int, skip: str | None = None) -> str:
+    """Pre-LN block: x + proj(attn(qkv(ln1(x)))), then + fc2(gelu(fc1(ln2(.))))."""
+    if skip is not None:
+        x = b.elementwise(f"{prefix}skip_add", OpKind.ADD, [x, skip], tokens, h)
+    ln1 = b.layernorm(f"{prefix}ln1", x, tokens, h)
+    qkv = b.linear(f"{prefix}attn.qkv", ln1, tokens, h, 3 * h)
+    attn = b.add(f"{prefix}attn.core", OpKind.ATTENTION, [qkv], b.t(tokens, h),
+                 flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq)
+    proj = b.linear(f"{prefix}attn.proj", attn, tokens, h, h)
+    d1 = b.elementwise(f"{prefix}attn.dropout", OpKind.DROPOUT, [proj], tokens, h)
+    r1 = b.elementwise(f"{prefix}attn.residual", OpKind.ADD, [x, d1], tokens, h)
+    ln2 = b.layernorm(f"{prefix}ln2", r1, tokens, h)
+    fc1 = b.linear(f"{prefix}mlp.fc1", ln2, tokens, h, 4 * h)
+    act = b.elementwise(f"{prefix}mlp.gelu", OpKind.GELU, [fc1], tokens, 4 * h)
+    fc2 = b.linear(f"{prefix}mlp.fc2", act, tokens, 4 * h, h)
+    d2 = b.elementwise(f"{prefix}mlp.dropout", OpKind.DROPOUT, [fc2], tokens, h)
+    return b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, d2], tokens, h)
+
+
+def _check_heads(hidden: int, heads: int) -> None:
+    if hidden % heads:
+        raise ConfigError(f"hidden size {hidden} is not divisible by {heads} heads",
+                          key="model.heads")
+
+
+def gpt(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: int,
+        dtype: str = "float32") -> Graph:
+    """GPT (pre-LN decoder): embedding, ``layers`` blocks ``h.{i}.*``, final LN, tied head."""
+    _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, vocab=vocab, batch=batch)
+    _check_heads(hidden, heads)
+    b = _Builder(dtype)
+    tokens = batch * seq_len
+    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((tokens,), "int64"))
+    x = b.add("embed", OpKind.EMBEDDING, [ids], b.t(tokens, hidden), weight=b.t(vocab, hidden),
+              params=vocab * hidden + seq_len * hidden, flops=float(tokens * hidden),
+              vocab=vocab, seq_len=seq_len)
+    for i in range(layers):
+        b.block, b.block_index = "h", i
+        x = _transformer_block(b, f"h.{i}.", x, tokens, hidden, heads, seq_len)
+    b.block = b.block_index = None
+    x = b.layernorm("ln_f", x, tokens, hidden)
+    x = b.linear("lm_head", x, tokens, hidden, vocab, bias=False, tied=True)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
+    return Graph(f"gpt-L{layers}-h{hidden}", b.ops)
+
+
+def gpt_params_closed_form(hidden: int, layers: int, vocab: int, seq_len: int) -> int:
+    """12·L·h² + 13·L·h + V·h + s·h (without the final layernorm's 2h)."""
+    return 12 * layers * hidden**2 + 13 * layers * hidden + vocab * hidden + seq_len * hidden
+
+
+def u_transformer(hidden: int, layers: int, heads: int, seq_len: int, batch: int,
+                  dtype: str = "float32") -> Graph:
+    """U-shaped transformer (seed 003 §5.2): ``layers`` blocks where the output of block i
+    also feeds block ``layers − 1 − i`` (i < layers/2) through a long skip edge, as U-Net's
+    i-th layer feeds the i-th layer from last. Input and output are ``(tokens, hidden)``
+    feature maps; a linear stem and head frame the blocks."""
+    _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, batch=batch)
+    _check_heads(hidden, heads)
+    if layers % 2:
+        raise ConfigError(f"a U-Transformer needs an even number of layers, got {layers}",
+                          key="model.layers")
+    b = _Builder(dtype)
+    tokens = batch * seq_len
+    x = b.add("input", OpKind.INPUT, [], b.t(tokens, hidden))
+    x = b.linear("stem", x, tokens, hidden, hidden)
+    outs: list[str] = []
+    for i in range(layers):
+        b.block, b.block_index = "u", i
+        skip = outs[layers - 1 - i] if i >= layers // 2 else None
+        x = _transformer_block(b, f"u.{i}.", x, tokens, hidden, heads, seq_len, skip)
+        outs.append(x)
+    b.block = b.block_index = None
+    x = b.layernorm("ln_f", x, tokens, hidden)
+    x = b.linear("head", x, tokens, hidden, hidden)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * hidden))
+    return Graph(f"u-transformer-L{layers}-h{hidden}", b.ops)
+
+
+VGG13_WIDTHS = (64, 128, 256, 512, 512)
+"""Output channels of VGG13's five blocks (two 3×3 convolutions, then a 2×2 max-pool each)."""
+VGG13_HIDDEN = 4096
+"""Width of VGG13's two hidden dense layers."""
+
+
+def vgg13(batch: int, image: int = 224, classes: int = 1000, dtype: str = "float32",
+          channels: tuple[int, ...] | list[int] = VGG13_WIDTHS, hidden: int = VGG13_HIDDEN) -> Graph:
+    """VGG13: ten 3×3 convolutions (stride 1, padding 1) with ReLU, five 2×2 max-pools
+    (stride 2), three dense layers. ``channels`` (one width per block) and ``hidden`` scale
+    it down for CPU runs of the runtime with the same structure (defaults: the paper's)."""
+    _positive(batch=batch, image=image, classes=classes, hidden=hidden,
+              **{f"channels[{i}]": c for i, c in enumerate(channels)})
+    if len(channels) != len(VGG13_WIDTHS):
+        raise ConfigError(f"VGG13 has {len(VGG13_WIDTHS)} blocks: expected {len(VGG13_WIDTHS)} "
+                          f"widths, got {len(channels)}", key="model.channels")
+    if image % 32:
+        raise ConfigError(f"VGG13 needs an image size divisible by 32, got {image}",
+                          key="model.image")
+    b = _Builder(dtype)
+    c, hw = 3, image
+    x = b.add("input", OpKind.INPUT, [], b.t(batch, c, hw, hw))
+    conv_i = 0
+    for block, cout in enumerate(channels):
+        for _ in range(2):
+            conv_i += 1
+            x = b.add(f"conv{conv_i}", OpKind.CONV2D, [x], b.t(batch, cout, hw, hw),
+                      weight=b.t(cout, c, 3, 3), params=cout * c * 9 + cout,
+                      flops=2.0 * batch * hw * hw * cout * c * 9, kernel=3)
+            x = b.add(f"relu_c{conv_i}", OpKind.RELU, [x], b.t(batch, cout, hw, hw),
+                      flops=float(batch * cout * hw * hw))
+            c = cout
+        hw //= 2
+        x = b.add(f"pool{block + 1}", OpKind.POOL, [x], b.t(batch, c, hw, hw),
+                  flops=float(batch * c * hw * hw * 4), kernel=2)
+    feat = c * hw * hw
+    x = b.add("flatten", OpKind.FLATTEN, [x], b.t(batch, feat))
+    for i, (k, n) in enumerate([(feat, hidden), (hidden, hidden), (hidden, classes)]):
+        x = b.linear(f"fc{i + 1}", x, batch, k, n)
+        if i < 2:
+            x = b.elementwise(f"relu_f{i + 1}", OpKind.RELU, [x], batch, n)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * batch * classes))
+    return Graph("vgg13", b.ops)
+
+
+# -- explicit graphs ----------------------------------------------------------------------
+
+GRAPH_OP_KEYS = ("name", "kind", "inputs", "shape", "dtype", "weight", "params", "flops",
+                 "block", "block_index", "attrs", "source_params")
+"""Keys of one op in the explicit-graph YAML form (``model: {kind: graph, ops: [...]}``)."""
+
+
+def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
+                   in_shapes: list[tuple[int, ...]], attrs: dict[str, int]) -> float:
+    """Forward FLOPs when an explicit op gives none, with the builders' conventions:
+    2·out·K for matmuls/linears (K = weight rows or the first input's last dim),
+    2·out·(C_in·k·k) for convolutions, 4·tokens·seq·h for attention, 8·out for layernorm,
+    0 for inputs and flatten, one FLOP per output element otherwise."""
+    n = float(out.numel)
+    if kind in (OpKind.LINEAR, OpKind.MATMUL):
+        k = weight.shape[0] if weight is not None else (in_shapes[0][-1] if in_shapes else 1)
+        return 2.0 * n * k
+    if kind is OpKind.CONV2D and weight is not None:
+        fan_in = 1
+        for d in weight.shape[1:]:
+            fan_in *= d
+        return 2.0 * n * fan_in
+    if kind is OpKind.ATTENTION:
+        return 4.0 * n * attrs.get("seq_len", 1)
+    if kind is OpKind.LAYERNORM:
+        return 8.0 * n
+    if kind in (OpKind.INPUT, OpKind.FLATTEN):
+        return 0.0
+    return n
+
+
+def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
+                    key: str = "model") -> Graph:
+    """Build a :class:`Graph` from the explicit YAML form::
+
+        model:
+          kind: graph
+          name: my-net                    # optional
+          dtype: float32                  # optional default dtype of every op's tensors
+          ops:
+            - {name: x, kind: input, shape: [64, 512]}
+            - {name: fc1, kind: linear, inputs: [x], shape: [64, 1024], weight: [512, 1024]}
+            - {name: act, kind: relu, inputs: [fc1], shape: [64, 1024]}
+            - {name: loss, kind: loss, inputs: [act], shape: [1]}
+
+    Ops come in topological order. ``kind`` is an :class:`OpKind` value; ``shape`` the
+    global output shape; ``weight`` the main parameter tensor as strategies shard it;
+    ``params`` defaults to the weight's element count (add biases yourself); ``flops``
+    (forward) defaults as in :func:`_default_flops`; ``block``/``block_index`` mark repeated
+    blocks for tying; ``attrs`` are integers. Attention needs ``attrs: {heads, seq_len}``;
+    a linear's weight is ``(in, out)`` and must match its input's and output's last dims.
+
+    Every error names ``source`` and the key path (``model.ops[3].inputs[0]``) — checked
+    here, before :class:`Graph` sees the ops, so the messages can say where.
+    """
+    r = Reader(source)
+    spec = r.mapping(spec, key, required=("ops",), optional=("kind", "name", "dtype"))
+    if "kind" in spec and spec["kind"] != "graph":
+        r.fail(join(key, "kind"), f"expected 'graph' for an explicit graph, got {spec['kind']!r}")
+    name = r.string(spec.get("name", "graph"), join(key, "name"))
+    dtype = r.choice(spec.get("dtype", "float32"), join(key, "dtype"), DTYPE_BYTES, "dtype")
+    raw_ops = r.sequence(spec["ops"], join(key, "ops"), min_len=1)
+
+    # All names first, so a forward reference can be told apart from a typo.
+    all_names = {
+        o.get("name"): i for i, o in enumerate(raw_ops)
+        if isinstance(o, Mapping) and isinstance(o.get("name"), str)
+    }
+    ops: list[Op] = []
+    seen: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    kinds = [k.value for k in OpKind]
+    for i, raw in enumerate(raw_ops):
+        path = join(join(key, "ops"), i)
+        d = r.mapping(raw, path, required=("name", "kind", "shape"), optional=GRAPH_OP_KEYS)
+        op_name = r.string(d["name"], join(path, "name"))
+        if op_name in seen:
+            r.fail(join(path, "name"),
+                   f"duplicate op name {op_name!r} (first defined at {key}.ops[{seen[op_name]}])")
+        kind = OpKind(r.choice(d["kind"], join(path, "kind"), kinds, "op kind"))
+        inputs = r.sequence(d.get("inputs", []), join(path, "inputs"))
+        for j, src in enumerate(inputs):
+            ipath = join(join(path, "inputs"), j)
+            r.string(src, ipath)
+            if src in seen:
+                continue
+            if src in all_names:
+                r.fail(ipath, f"{src!r} is defined later (at {key}.ops[{all_names[src]}]); "
+                              f"ops must be listed in topological order")
+            r.fail(ipath, f"{src!r} is not an op of this graph; an input must name an "
+                          f"earlier op")
+        if kind is OpKind.INPUT and inputs:
+            r.fail(join(path, "inputs"), "an input op reads no other op")
+        if kind is not OpKind.INPUT and not inputs:
+            r.fail(join(path, "inputs"), f"a {kind.value} op needs at least one input")
+        op_dtype = r.choice(d.get("dtype", dtype), join(path, "dtype"), DTYPE_BYTES, "dtype")
+        out = TensorSpec(r.shape(d["shape"], join(path, "shape")), op_dtype)
+        weight = None
+        if d.get("weight") is not None:
+            weight = TensorSpec(r.shape(d["weight"], join(path, "weight")), op_dtype)
+        attrs_raw = d.get("attrs", {})
+        if not isinstance(attrs_raw, Mapping):
+            r.fail(join(path, "attrs"), f"expected a mapping of integers, got {attrs_raw!r}")
+        attrs: dict[str, int] = {}
+        for k, v in attrs_raw.items():
+            if not isinstance(k, str):
+                r.fail(join(path, "attrs"), f"attribute names must be strings, got {k!r}")
+            attrs[k] = r.integer(v, join(join(path, "attrs"), k))
+        in_shapes = [shapes[s] for s in inputs]
+        _check_explicit_op(r, path, kind, out, weight, in_shapes, attrs)
+        params = (r.nonneg_int(d["params"], join(path, "params")) if "params" in d
+                  else (weight.numel if weight is not None else 0))
+        if kind is OpKind.LINEAR and weight is not None:
+            attrs.setdefault("bias", int(params == weight.numel + weight.shape[1]))
+            attrs.setdefault("tied", int(params == 0))
+        flops = (r.number(d["flops"], join(path, "flops"), nonneg=True) if "flops" in d
+                 else _default_flops(kind, out, weight, in_shapes, attrs))
+        block = d.get("block")
+        block_index = d.get("block_index")
+        if (block is None) != (block_index is None):
+            r.fail(join(path, "block_index" if block_index is None else "block"),
+                   "block and block_index must be given together")
+        if block is not None:
+            block = r.string(block, join(path, "block"))
+            block_index = r.nonneg_int(block_index, join(path, "block_index"))
+        source_params = tuple(r.string(x, join(join(path, "source_params"), j)) for j, x in
+                              enumerate(r.sequence(d.get("source_params", []),
+                                                   join(path, "source_params"))))
+        ops.append(Op(op_name, kind, tuple(inputs), out, weight, params, float(flops),
+                      block, block_index, _attrs(**attrs), source_params))
+        seen[op_name] = i
+        shapes[op_name] = out.shape
+    try:
+        return Graph(name, ops)
+    except ConfigError as exc:  # defensive: the checks above should have caught it
+        raise ConfigError(str(exc), source=source, key=join(key, "ops")) from exc
+
+
+def graph_to_spec(graph: Graph) -> dict[str, Any]:
+    """The explicit ``kind: graph`` form of ``graph`` (every field spelled out), which
+    :func:`graph_from_spec` reads back to an equal graph: how a plan records a model given as
+    an object (an imported ``nn.Module``)."""
+    ops = []
+    for op in graph.ops:
+        d: dict[str, Any] = {"name": op.name, "kind": op.kind.value, "inputs": list(op.inputs),
+                             "shape": list(op.output.shape), "dtype": op.output.dtype,
+                             "params": op.params, "flops": op.flops}
+        if op.weight is not None:
+            d["weight"] = list(op.weight.shape)
+        if op.block is not None:
+            d["block"], d["block_index"] = op.block, op.block_index
+        if op.attrs:
+            d["attrs"] = dict(op.attrs)
+        if op.source_params:
+            d["source_params"] = list(op.source_params)
+        ops.append(d)
+    return {"kind": "graph", "name": graph.name, "ops": ops}
+
+
+def _check_explicit_op(r: Reader, path: str, kind: OpKind, out: TensorSpec,
+                       weight: TensorSpec | None, in_shapes: list[tuple[int, ...]],
+                       attrs: dict[str, int]) -> None:
+    """Shape rules the strategy generators rely on, checked per kind."""
+    if kind is OpKind.LINEAR:
+        if weight is None or weight.rank != 2:
+            r.fail(join(path, "weight"), "a linear op needs a 2-D weight [in, out]")
+        if out.shape[-1] != weight.shape[1]:
+            r.fail(join(path, "shape"), f"last dim {out.shape[-1]} != weight out-features "
+                                        f"{weight.shape[1]}")
+        if in_shapes and in_shapes[0][-1] != weight.shape[0]:
+            r.fail(join(path, "weight"), f"in-features {weight.shape[0]} != the input's last "
+                                         f"dim {in_shapes[0][-1]}")
+    elif kind is OpKind.EMBEDDING:
+        if weight is None or weight.rank != 2:
+            r.fail(join(path, "weight"), "an embedding op needs a 2-D weight [vocab, hidden]")
+        attrs.setdefault("vocab", weight.shape[0])
+    elif kind is OpKind.CONV2D:
+        if weight is None or weight.rank != 4:
+            r.fail(join(path, "weight"), "a conv2d op needs a 4-D weight [c_out, c_in, k, k]")
+        attrs.setdefault("kernel", weight.shape[-1])
+    elif kind is OpKind.ATTENTION:
+        for a in ("heads", "seq_len"):
+            if a not in attrs:
+                r.fail(join(path, "attrs"), f"an attention op needs attrs.{a}")
+        if out.shape[-1] % attrs["heads"]:
+            r.fail(join(join(path, "attrs"), "heads"),
+                   f"hidden size {out.shape[-1]} is not divisible by {attrs['heads']} heads")
+    elif kind is OpKind.POOL and "kernel" not in attrs:
+        if out.rank == 4 and in_shapes and len(in_shapes[0]) == 4:
+            attrs["kernel"] = max(1, in_shapes[0][-1] // out.shape[-1])

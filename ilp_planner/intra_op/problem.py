@@ -1,0 +1,616 @@
+"""The intra-op sharding problem as solver-independent data, built from a layer graph.
+
+A :class:`Problem` has *groups* (ILP nodes) with one cost and one memory figure per
+strategy, and *edges* with a resharding cost matrix ``R[k, l]``. The objective of a choice
+``c`` (one strategy index per group) is::
+
+    Σ_g cost_g[c_g]  +  Σ_(u,v) R_uv[c_u, c_v]  +  Σ_j α_j ⌈Σ_g bytes_g[c_g, j] / cap⌉
+                                                      subject to  Σ_g mem_g[c_g] ≤ M
+
+The last term prices the runtime's fused gradient buckets (:class:`BucketTerms`,
+:mod:`ilp_planner.lowering.grad_buckets`): the gradients reduced over device group j are one flat
+buffer reduced in ⌈bytes/cap⌉ equal chunks, so each chunk's latency ``α_j`` is paid once
+however many ops fill it, while the bandwidth part stays in each op's own cost.
+
+Building it from a graph (:func:`build_problem`) does the two reductions the ILP needs:
+
+* **merging followers** — an elementwise op, pooling, flatten or the loss with one input
+  can only follow its producer, so it joins the producer's node: option k of the node is a
+  producer strategy and, for a follower reading partial sums, how they are reduced
+  (reduce-scattered or all-reduced, :func:`ilp_planner.lowering.strategies.follower_inputs`);
+  it fixes the followers' layouts and adds their costs;
+* **tying repeated layers** (AutoDDL §4.5.1) — the same op of every repetition of a block
+  shares one group; costs, memory and edge matrices of the copies are summed.
+
+Graph inputs are free: data is loaded directly in whatever layout its consumer asks for.
+A pipeline stage's graph (``boundary``) also has *imported* inputs — tensors from an earlier
+stage, whose gradients go back — and *exported* ops read by a later stage; the programs the
+stage runs for them (:mod:`ilp_planner.lowering.stage_boundary`) are part of its costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from formulations.problem import BucketTerms, Problem
+from ilp_planner.errors import ConfigError
+from ilp_planner.ir.cluster import Cluster
+from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective, MemorySpec, collective_time
+from ilp_planner.lowering.grad_buckets import device_groups
+from ilp_planner.lowering.redistribution import plan_redistribution, planner_for
+from ilp_planner.lowering.stage_boundary import StageBoundary, export_program, import_program
+from ilp_planner.lowering.strategies import (
+    FOLLOWER_KINDS,
+    Strategy,
+    StrategyContext,
+    SyncBucket,
+    follow,
+    follower_inputs,
+    grad_sync,
+    op_strategies,
+    tied_exchange_seconds,
+    tied_source,
+)
+
+
+@dataclass
+class NodeOption:
+    """Strategy k of an ILP node: the base strategy plus what its followers do. Per-op
+    lists are indexed by the op's position in the node (0 = the base op), so tied nodes of
+    different blocks can share one option list."""
+
+    base: Strategy
+    outputs: list[Layout]
+    inputs: list[tuple[Layout, ...]]
+    grads: list[tuple[Layout, ...]]  # the layout each input's gradient leaves the op in
+    collectives: list[list[Collective]]  # intra-op collectives, a follower's resolve included
+    compute_s: list[float]
+    cost_s: float  # per step: microbatches × (compute + activation comm) + grad sync
+    memory_bytes: float
+    state_bytes: float
+    activation_bytes: float  # of one micro-batch
+    syncs: tuple[SyncBucket, ...] = ()  # the base op's gradient reductions (priced in cost_s)
+    recompute: bool = False  # activations dropped after forward, recomputed in backward
+    recompute_bytes: float = 0.0  # those activations, re-materialised in the block's backward
+    transient_bytes: float = 0.0  # held while the node runs (state sharding)
+
+
+@dataclass
+class GraphProblem:
+    """A :class:`Problem` together with what maps its solution back to the graph."""
+
+    problem: Problem
+    graph: Graph
+    ctx: StrategyContext
+    owner: dict[str, str]  # op -> node (representative op); inputs map to themselves
+    position: dict[str, int]  # op -> index within its node
+    members: dict[str, list[str]]  # node -> ops in it (representative first)
+    options: dict[str, list[NodeOption]]  # node -> options
+    group_of: dict[str, int]  # node -> group index
+    groups: list[list[str]] = field(default_factory=list)  # group -> nodes
+    microbatches: int = 1
+    boundary: StageBoundary = field(default_factory=StageBoundary)
+    grad_bucket_bytes: float = 0.0  # the runtime's gradient bucket cap (grad_buckets)
+    recomputed: frozenset[str] = frozenset()  # nodes whose activations are recomputed
+    recompute_units: frozenset[tuple[str, int]] = frozenset()  # the blocks asked for
+
+    def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
+        return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
+
+
+@dataclass
+class BuildCache:
+    """What :func:`build_problem` derives per distinct op and edge, kept across the builds
+    of graphs cut from one model (a pipeline's stage ranges on their sub-meshes). Node
+    options, edge matrices and boundary programs are pure functions of the ops' content
+    (names aside), the mesh and the micro-batch count, so a later build reuses them as
+    they are — the same arrays, bit for bit. The cache holds every options list it keys
+    matrices by, so their ids stay valid."""
+
+    options: dict[tuple, list[NodeOption]] = field(default_factory=dict)
+    matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
+    programs: dict[tuple, float] = field(default_factory=dict)
+    facts: dict[int, _ListFacts] = field(default_factory=dict)
+    recomputed: dict[tuple, tuple] = field(default_factory=dict)
+    # whole problems of one graph (``problems_of``) by their build arguments save the
+    # budget, for the rebuilds one solve repeats (:func:`ilp_planner.intra_op.solve_mesh._built`)
+    problems: dict[tuple, GraphProblem] = field(default_factory=dict)
+    problems_of: Graph | None = None
+
+
+def _op_content(op: Op) -> tuple:
+    """An op without its name and its inputs' names: what its strategies depend on."""
+    return (op.kind, op.output, op.weight, op.params, op.flops, tuple(sorted(op.attrs.items())),
+            len(op.inputs))
+
+
+def _follower(op: Op, graph: Graph) -> bool:
+    return (op.kind in FOLLOWER_KINDS and len(op.inputs) == 1
+            and graph[op.inputs[0]].kind is not OpKind.INPUT)
+
+
+def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> float:
+    """Seconds per step: compute and activation collectives run once per micro-batch,
+    weight-gradient synchronisation once per step (gradient accumulation)."""
+    act = sum(c.seconds for c in colls if c.purpose not in ONCE_PER_STEP)
+    grad = sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP)
+    return microbatches * (compute_s + act) + grad
+
+
+def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext,
+                  microbatches: int, input_reached: bool) -> list[NodeOption]:
+    rep = graph[node]
+    in_specs = [graph[i].output for i in rep.inputs]
+    opts = []
+    readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
+    for base in op_strategies(rep, in_specs, ctx):
+        choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
+        for picks in itertools.product(*choices):
+            opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
+                                     ctx, microbatches, input_reached))
+    if not opts:
+        raise ValueError(
+            f"op {node!r} ({rep.kind.value}, output {rep.output.shape}) has no strategy on a "
+            f"{ctx.nodes}x{ctx.local} mesh (no factorisation divides its dimensions)"
+        )
+    return opts
+
+
+def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
+                 ctx: StrategyContext, microbatches: int, input_reached: bool) -> NodeOption:
+    """One option: the base strategy, and each follower reading the base op's output in
+    ``resolved_for[follower]`` (one of :func:`follower_inputs`)."""
+    rep = graph[members[0]]
+    outputs = [base.output]
+    inputs = [base.inputs]
+    grads = [base.grads_of_inputs]
+    own = list(base.collectives)
+    if input_reached:  # autograd reaches the input
+        own += base.input_backward
+    colls = [own]
+    comp = [base.compute_s]
+    cost = _per_step(base.compute_s, own, microbatches)
+    act = base.activation_bytes
+    for f in members[1:]:
+        op = graph[f]
+        src = op.inputs[0]
+        tensor = graph[src].output
+        raw = outputs[members.index(src)]
+        resolved = resolved_for.get(f, raw)
+        out, fc, secs = follow(op, tensor, resolved, ctx)
+        fc = list(fc)
+        if resolved != raw:
+            red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
+            fc = red.forward + red.backward + fc
+        outputs.append(out)
+        inputs.append((resolved,))
+        grads.append((resolved,))
+        colls.append(fc)
+        comp.append(secs)
+        cost += _per_step(secs, fc, microbatches)
+        act += out.local_bytes(op.output)
+    syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
+                                           base.output, ctx)
+    return NodeOption(base, outputs, inputs, grads, colls, comp, cost,
+                      base.state_bytes + act, base.state_bytes, act, syncs,
+                      transient_bytes=base.transient_bytes if input_reached else
+                      # no input gradient: no backward gather held beside the full gradient
+                      max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes))
+
+
+def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
+    """``opt`` with activation recomputation (:func:`torch.utils.checkpoint` over the
+    node's block): its forward compute and forward activation collectives run again in the
+    backward (listed again in phase ``recompute``), and its outputs are not held between
+    forward and backward. They are re-materialised while the block's backward runs, one
+    block at a time: the memory row charges ``activation / copies`` (``copies`` = the
+    blocks of this family), exact when the blocks are tied (the copies sum to one block),
+    and :func:`peak_memory` gives the exact peak of any choice.
+
+    ZeRO-3 (FSDP with checkpointing): the recomputation gathers the weights again and the
+    op's backward reads that buffer — its own backward gather (listed where the input's
+    gradient reads the weights, :func:`ilp_planner.lowering.strategies.state_sharded`) is dropped,
+    two gathers per micro-batch instead of three. The kept buffer is held like a
+    re-materialised activation, from the block's recomputation to the op's backward, so
+    it joins ``recompute_bytes`` and leaves the op's transient."""
+    def regather(c: Collective) -> bool:
+        return c.purpose == "fsdp_gather" and c.phase == "backward"
+
+    dropped = [c for cs in opt.collectives for c in cs if regather(c)]
+    kept = [[c for c in cs if not regather(c)] for cs in opt.collectives]
+    colls = [cs + [c.with_phase("recompute") for c in cs
+                   if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
+             for cs in kept]
+    extra = [list(cs[len(orig):]) for cs, orig in zip(colls, kept, strict=True)]
+    again = (sum(c / 3 for c in opt.compute_s) + sum(c.seconds for cs in extra for c in cs)
+             - sum(c.seconds for c in dropped))
+    reused = opt.base.regathered_bytes if dropped else 0.0  # the recomputation's gather
+    rematerialised = opt.activation_bytes + reused
+    charged = rematerialised / copies
+    return dataclasses.replace(
+        opt, collectives=colls, compute_s=[c * 4 / 3 for c in opt.compute_s],
+        cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,
+        activation_bytes=charged, recompute=True, recompute_bytes=rematerialised,
+        # max(forward gather, full gradient + regathered) without the regathered weights,
+        # now in recompute_bytes: max(forward gather, full gradient)
+        transient_bytes=max(opt.base.gathered_bytes, opt.transient_bytes - reused))
+
+
+def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
+                  *, tie_layers: bool = True, max_weight_replication: int | None = None,
+                  memory_budget: float | None = None, microbatches: int = 1,
+                  boundary: StageBoundary | None = None,
+                  grad_bucket_bytes: float = 0.0, cache: BuildCache | None = None,
+                  zero_levels: tuple[int, ...] = (0,),
+                  recompute: frozenset[tuple[str, int]] = frozenset()) -> GraphProblem:
+    """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
+    costs are per step of ``microbatches`` accumulated micro-batches. ``boundary`` names
+    the imported inputs and exported ops when ``graph`` is one pipeline stage.
+    ``grad_bucket_bytes`` is the runtime's gradient bucket cap: above 0, gradient
+    reductions are priced as fused buckets (:class:`BucketTerms`); 0 prices one AllReduce
+    per op and set of partial axes. ``cache`` (:class:`BuildCache`) carries per-op work
+    over to later builds of graphs cut from the same model. ``zero_levels`` are the state
+    sharding levels offered per weighted op (:func:`ilp_planner.lowering.strategies.state_sharded`);
+    ``recompute`` names the blocks ``(block, block_index)`` whose activations are
+    recomputed (:func:`recomputed`; the ops of a block whose outputs leave it are kept)."""
+    boundary = boundary or StageBoundary()
+    ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
+                          tuple(zero_levels))
+    owner: dict[str, str] = {}
+    position: dict[str, int] = {}
+    members: dict[str, list[str]] = {}
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT:
+            owner[op.name] = op.name
+            position[op.name] = 0
+            continue
+        if _follower(op, graph):
+            owner[op.name] = owner[op.inputs[0]]
+            members[owner[op.name]].append(op.name)
+        else:
+            owner[op.name] = op.name
+            members[op.name] = [op.name]
+        position[op.name] = len(members[owner[op.name]]) - 1
+    options: dict[str, list[NodeOption]] = {}
+    tied: dict[tuple, list[NodeOption]] = {}
+    again = recomputed_nodes(graph, members, recompute, boundary)
+    shapes: dict[str, tuple] = {}
+    # a tied table's two copies exchange whole gradients after synchronisation
+    # (tied_exchange): they keep their state replicated
+    tied_tables = {name for op in graph.ops if op.attrs.get("tied")
+                   for name in (op.name, getattr(tied_source(graph, op), "name", None))}
+    # derived copies of an options list (recomputed; without state sharding) by (what, list
+    # id, …); each entry keeps its source list alive so the id stays valid
+    recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
+    for node, mem in members.items():
+        rep = graph[node]
+        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
+        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
+                      for i, m in enumerate(mem))  # which member each follower reads
+        shapes[node] = shape
+        key = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached, again.get(node))
+               if rep.tie_key else None)
+        if key is not None and key in tied:
+            options[node] = tied[key]
+            continue
+        if cache is None:
+            opts = _node_options(graph, node, mem, ctx, microbatches, reached)
+        else:
+            content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
+                       tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
+                             for i, m in enumerate(mem)))
+            opts = cache.options.get(content)
+            if opts is None:
+                opts = cache.options[content] = _node_options(graph, node, mem, ctx,
+                                                              microbatches, reached)
+        if node in tied_tables and any(o.base.zero for o in opts):
+            opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
+                o for o in opts if not o.base.zero]))[1]
+        if node in again:
+            copies = again[node]
+            opts = recomputed_lists.setdefault((id(opts), microbatches, copies), (opts, [
+                recomputed(o, microbatches, copies) for o in opts]))[1]
+        options[node] = opts
+        if key is not None:
+            tied[key] = opts
+
+    # groups (tying)
+    # a repeated op ties with its copies that merged the same followers (the last block's
+    # op may have absorbed the loss, say)
+    group_key: dict[str, str] = {}
+    first_shape: dict[str, tuple] = {}
+    for node in members:
+        tk = graph[node].tie_key
+        tied_here = tie_layers and tk and first_shape.setdefault(tk, shapes[node]) == shapes[node]
+        group_key[node] = tk if tied_here else node
+    group_index: dict[str, int] = {}
+    groups: list[list[str]] = []
+    for node in members:
+        gk = group_key[node]
+        if gk not in group_index:
+            group_index[gk] = len(groups)
+            groups.append([])
+        groups[group_index[gk]].append(node)
+    group_of = {node: group_index[group_key[node]] for node in members}
+
+    derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
+
+    def facts(opts: list[NodeOption]) -> _ListFacts:
+        f = derived.get(id(opts))
+        if f is None:
+            f = derived[id(opts)] = _list_facts(opts)
+        return f
+
+    cost = [np.zeros(len(options[g[0]])) for g in groups]
+    mem = [np.zeros(len(options[g[0]])) for g in groups]
+    for node, g in group_of.items():
+        f = facts(options[node])
+        cost[g] += f.cost
+        mem[g] += f.memory
+        if boundary.inflight > 1:  # every micro-batch in flight holds its activations
+            mem[g] += (boundary.inflight - 1) * f.held
+
+    _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
+                           microbatches, {} if cache is None else cache.programs)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    matrix_cache: dict[tuple, np.ndarray] = {}
+    # tied nodes share one options list: the same (lists, positions, tensor) give the same
+    # layouts, so their matrix is found without hashing hundreds of layouts per edge
+    by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
+    uses: dict[tuple[int, int], dict[int, tuple[np.ndarray, int]]] = {}
+    for src, dst in graph.edges():
+        if graph[src].kind is OpKind.INPUT:
+            continue
+        u, v = owner[src], owner[dst]
+        if u == v:
+            continue
+        idx = graph[dst].inputs.index(src)
+        tensor = graph[src].output
+        quick = (id(options[u]), position[src], id(options[v]), position[dst], idx, tensor,
+                 microbatches)
+        r = by_lists.get(quick)
+        if r is None:
+            outs = tuple(o.outputs[position[src]] for o in options[u])
+            ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx])
+                        for o in options[v])
+            key = (tensor, outs, ins, v in again)
+            if key not in matrix_cache:
+                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster,
+                                                                replay=v in again)
+            r = by_lists[quick] = matrix_cache[key]
+        # tied layers add one matrix many times: counted here, added once scaled below
+        terms = uses.setdefault((group_of[u], group_of[v]), {})
+        _, n = terms.get(id(r), (r, 0))
+        terms[id(r)] = (r, n + 1)
+    for (gu, gv), terms in uses.items():
+        total = sum(n * r for r, n in terms.values())  # a new array
+        if gu == gv:
+            cost[gu] += np.diag(total)
+        else:
+            edges[(gu, gv)] = total
+    _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
+    names = [group_key[g[0]] for g in groups]
+    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
+               if grad_bucket_bytes > 0 else None)
+    problem = Problem(names, cost, mem, edges, memory_budget, buckets)
+    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
+                        microbatches, boundary, grad_bucket_bytes, frozenset(again),
+                        frozenset(recompute))
+
+
+def recomputed_nodes(graph: Graph, members: dict[str, list[str]],
+                     blocks: frozenset[tuple[str, int]],
+                     boundary: StageBoundary) -> dict[str, int]:
+    """The nodes whose activations are recomputed, each with the number of recomputed
+    blocks of its block family (the copies its re-materialised activations are shared
+    over, :func:`recomputed`): nodes of a block in ``blocks`` whose every member is read
+    only inside that block — the block's outputs stay held, as the next block's input is
+    what a checkpoint saves — and is not sent to a later pipeline stage."""
+    if not blocks:
+        return {}
+    per_family: dict[str, int] = {}
+    for b, _ in blocks:
+        per_family[b] = per_family.get(b, 0) + 1
+    out = {}
+    for node, mem in members.items():
+        unit = (graph[node].block, graph[node].block_index)
+        if unit not in blocks or any(i in boundary.imported for i in graph[node].inputs):
+            continue
+        readers = [graph.consumers(m) for m in mem]
+        if all(rs and m not in boundary.exported
+               and all((graph[c].block, graph[c].block_index) == unit for c in rs)
+               for m, rs in zip(mem, readers, strict=True)):
+            out[node] = per_family[unit[0]]
+    return out
+
+
+def peak_memory(gp: GraphProblem, choice) -> float:
+    """The exact per-device peak of a choice: states and held activations (of
+    ``boundary.inflight`` micro-batches), plus the largest block's re-materialised
+    activations (recomputed blocks run their backward one at a time) and the largest op's
+    transient (state sharding's gathered weights and unscattered gradients)."""
+    chosen = gp.node_choice(choice)
+    held = sum(o.state_bytes for o in chosen.values()) + gp.boundary.inflight * held_activations(
+        gp, choice)
+    block: dict[tuple, float] = {}
+    for node, o in chosen.items():
+        if o.recompute:
+            unit = (gp.graph[node].block, gp.graph[node].block_index)
+            block[unit] = block.get(unit, 0.0) + o.recompute_bytes
+    return held + max(block.values(), default=0.0) + max(
+        (o.transient_bytes for o in chosen.values()), default=0.0)
+
+
+def held_activations(gp: GraphProblem, choice) -> float:
+    """Activation bytes a choice holds per micro-batch in flight (recomputed blocks hold
+    none): the part of :func:`peak_memory` that grows with the in-flight count."""
+    return sum(0.0 if o.recompute else o.activation_bytes
+               for o in gp.node_choice(choice).values())
+
+
+@dataclass(frozen=True)
+class _ListFacts:
+    """Per options list, what every build reads from it: cost and memory per strategy and
+    its gradient reductions as rows (strategy, device-group key number, bytes), the keys
+    in order of first appearance with a sample collective each (for its latency)."""
+
+    cost: np.ndarray
+    memory: np.ndarray  # one micro-batch's activations
+    held: np.ndarray  # activations held per micro-batch in flight (0 when recomputed)
+    sizes: frozenset[float]
+    sync_k: np.ndarray
+    sync_key: np.ndarray
+    sync_bytes: np.ndarray
+    keys: tuple[tuple, ...]
+    samples: tuple[Collective, ...]
+
+
+def _list_facts(opts: list[NodeOption]) -> _ListFacts:
+    ks, key_of, nbytes, keys, samples = [], [], [], {}, []
+    for k, o in enumerate(opts):
+        for sb in o.syncs:
+            key = device_groups(sb.fact, sb.axes)
+            if key not in keys:
+                keys[key] = len(keys)
+                samples.append(sb.collective)
+            ks.append(k)
+            key_of.append(keys[key])
+            nbytes.append(sb.collective.bytes)
+    return _ListFacts(np.array([o.cost_s for o in opts]), np.array([o.memory_bytes for o in opts]),
+                      np.array([0.0 if o.recompute else o.activation_bytes for o in opts]),
+                      frozenset(sb.collective.bytes / sb.numel for o in opts for sb in o.syncs),
+                      np.array(ks, dtype=np.int64), np.array(key_of, dtype=np.int64),
+                      np.array(nbytes, dtype=float), tuple(keys), tuple(samples))
+
+
+def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int],
+                  cost: list[np.ndarray], cap: float, ctx: StrategyContext,
+                  facts) -> BucketTerms:
+    """Move each gradient reduction's latency out of its op's cost into the bucket term of
+    its device group (the bandwidth part stays: it is linear in the bytes). ``facts``:
+    :class:`_ListFacts` of an options list."""
+    distinct = list({id(opts): opts for opts in options.values()}.values())
+    sizes = set().union(*(facts(opts).sizes for opts in distinct))
+    if len(sizes) > 1:
+        raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
+                          f"bytes; fused gradient buckets hold one (set training.grad_bucket_mb: 0 "
+                          f"for one AllReduce per op)", key="training.grad_bucket_mb")
+    index: dict[tuple, int] = {}
+    alpha: list[float] = []
+    # per options list (tied layers share one): the device group index of each row and
+    # the latency moved out of each strategy's cost (added row by row, in order)
+    shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for opts in distinct:
+        f = facts(opts)
+        for key, c in zip(f.keys, f.samples, strict=True):
+            if key not in index:
+                index[key] = len(alpha)
+                alpha.append(collective_time(c.kind, c.group_size, 0.0,
+                                             ctx.cluster.link(c.link == "inter")))
+        js = np.array([index[key] for key in f.keys], dtype=np.int64)[f.sync_key] \
+            if len(f.keys) else np.zeros(0, dtype=np.int64)
+        moved = np.zeros(len(opts))
+        np.add.at(moved, f.sync_k, np.array(alpha)[js] if len(js) else np.zeros(0))
+        shared[id(opts)] = (js, moved)
+    per_group = [np.zeros((len(c), len(alpha))) for c in cost]
+    for node, g in group_of.items():
+        f = facts(options[node])
+        js, moved = shared[id(options[node])]
+        cost[g] -= moved
+        np.add.at(per_group[g], (f.sync_k, js), f.sync_bytes)
+    return BucketTerms(np.array(alpha), per_group, cap)
+
+
+def _add_boundary_programs(graph: Graph, cluster: Cluster, boundary: StageBoundary,
+                           owner: dict[str, str], position: dict[str, int],
+                           options: dict[str, list[NodeOption]], group_of: dict[str, int],
+                           cost: list[np.ndarray], microbatches: int,
+                           memo: dict[tuple, float]) -> None:
+    """Per micro-batch, the stage's own boundary programs into the cost of the node that
+    runs them: the export of every exported op's output, the import (gradient back) of
+    every edge reading an imported tensor. ``memo`` keeps program seconds by layouts."""
+    def export_s(out: Layout, tensor: TensorSpec) -> float:
+        key = ("export", cluster, out, tensor)
+        if key not in memo:
+            memo[key] = export_program(out, tensor, cluster).seconds
+        return memo[key]
+
+    def import_s(want: Layout, grad: Layout, tensor: TensorSpec) -> float:
+        key = ("import", cluster, want, grad, tensor)
+        if key not in memo:
+            memo[key] = import_program(want, grad, tensor, cluster).seconds
+        return memo[key]
+
+    for name in boundary.exported:
+        tensor, node, pos = graph[name].output, owner[name], position[name]
+        cost[group_of[node]] += microbatches * np.array(
+            [export_s(o.outputs[pos], tensor) for o in options[node]])
+    for dst, idx, src in ((op.name, i, s) for op in graph.ops for i, s in enumerate(op.inputs)):
+        if src not in boundary.imported:
+            continue
+        tensor, node, pos = graph[src].output, owner[dst], position[dst]
+        cost[group_of[node]] += microbatches * np.array(
+            [import_s(o.inputs[pos][idx], o.grads[pos][idx], tensor) for o in options[node]])
+
+
+def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], position: dict[str, int],
+                       options: dict[str, list[NodeOption]], group_of: dict[str, int],
+                       edges: dict[tuple[int, int], np.ndarray]) -> None:
+    """An edge between a tied head and its embedding: the per-step gradient exchange of
+    the two copies of the table (:func:`ilp_planner.lowering.strategies.tied_exchange`), priced for
+    every pair of their weight layouts."""
+    for op in graph.ops:
+        if op.kind is not OpKind.LINEAR or not op.attrs.get("tied"):
+            continue
+        emb = tied_source(graph, op)
+        if emb is None or emb.name not in owner or position[op.name] or position[emb.name]:
+            continue
+        gu, gv = group_of[owner[emb.name]], group_of[owner[op.name]]
+        if gu == gv:
+            continue
+        ew = [o.base.weight for o in options[owner[emb.name]]]
+        hw = [o.base.weight for o in options[owner[op.name]]]
+        uniq_e, uniq_h = {w: i for i, w in enumerate(dict.fromkeys(ew))}, \
+            {w: i for i, w in enumerate(dict.fromkeys(hw))}
+        small = tied_exchange_seconds(list(uniq_e), list(uniq_h), emb.weight, cluster)
+        r = small[np.ix_([uniq_e[w] for w in ew], [uniq_h[w] for w in hw])]
+        key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
+        edges[key] = edges[key] + mat if key in edges else mat.copy()
+
+
+def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,
+                 cluster: Cluster, replay: bool = False) -> np.ndarray:
+    """Edge program seconds (forward + backward) for every (producer output, consumer
+    (input layout, input gradient layout)) pair; with ``replay`` (a recomputed consumer)
+    the forward program twice, since the recomputation runs it again."""
+    uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
+    uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
+    planner = planner_for(outs[0], cluster)
+    small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
+    if replay:
+        small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in], tensor)
+    rows = [uniq_out[a] for a in outs]
+    cols = [uniq_in[b] for b in ins]
+    return small[np.ix_(rows, cols)]
+
+
+def describe_infeasible(gp: GraphProblem, budget: float) -> str:
+    """Why no plan fits: the smallest per-device memory any plan needs and the layer
+    holding the biggest part of it."""
+    total, g = gp.problem.min_memory()
+    node = gp.groups[g][0]
+    share = float(gp.problem.memory[g].min())
+    gib = 1024**3
+    tied = f" (tied over {len(gp.groups[g])} layers)" if len(gp.groups[g]) > 1 else ""
+    return (
+        f"the smallest per-device memory any plan needs is {total / gib:.4g} GiB; the budget is "
+        f"{budget / gib:.4g} GiB (largest share: layer {node}{tied} with {share / gib:.4g} GiB "
+        f"at best)"
+    )
+

@@ -1,0 +1,1 @@
+"""IR: layer graph, cluster and meshes, SBP layouts, tensor regions — torch-free values."""

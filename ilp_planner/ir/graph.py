@@ -1,0 +1,215 @@
+"""Layer-graph IR: a DAG of ops, each producing one tensor.
+
+Activations of MLPs and transformers are kept 2-D, ``(tokens, features)`` with
+``tokens = batch * seq_len``: every linear is then a plain matmul ``I (M, K) × W (K, N)``
+and the SBP strategies of AutoDDL §4.2.2 apply unchanged. Attention splits over batch
+(dim 0, whole sequences) or heads (dim 1, heads are contiguous column blocks).
+Convolutional activations are ``(N, C, H, W)``; ``pool`` is max pooling with stride equal to
+``attrs.kernel`` (VGG's), or average pooling where ``attrs.avg`` is 1 (imported models).
+
+Imported models (:mod:`ilp_planner.inputs.importer`) add ``silu``, ``mul`` (a binary elementwise
+product, sharded like ``add``), ``rmsnorm`` (a layernorm with a gain only), ``batchnorm``
+(statistics over batch and space, so only channels split without communication) and
+``opaque``: an op the planner cannot shard, kept replicated on every device. Attention may
+read one fused QKV tensor or three tensors ``q, k, v``; ``attrs.kv_heads`` (grouped-query
+attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, whose column
+blocks are not whole heads, so it may only split over batch) refine it.
+
+The IR is torch-free and frozen: the planner, the cost model and the runtime all read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+
+from ilp_planner.errors import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+class OpKind(str, Enum):
+    """What an op computes; strategy generation dispatches on it."""
+
+    INPUT = "input"
+    LINEAR = "linear"
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    LAYERNORM = "layernorm"
+    SOFTMAX = "softmax"
+    GELU = "gelu"
+    RELU = "relu"
+    ADD = "add"
+    DROPOUT = "dropout"
+    EMBEDDING = "embedding"
+    CONV2D = "conv2d"
+    POOL = "pool"
+    FLATTEN = "flatten"
+    LOSS = "loss"
+    # Kinds that imported models (ilp_planner.inputs.importer) use; the runtime's own kernels do not
+    # cover them (plans of such graphs run through ``Plan.parallelize`` on the user's module).
+    SILU = "silu"
+    MUL = "mul"
+    RMSNORM = "rmsnorm"
+    BATCHNORM = "batchnorm"
+    OPAQUE = "opaque"
+
+    @property
+    def is_elementwise(self) -> bool:
+        return self in (OpKind.GELU, OpKind.RELU, OpKind.ADD, OpKind.DROPOUT, OpKind.SILU,
+                        OpKind.MUL)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor (global, unsharded)."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+        if not self.shape or any(int(d) <= 0 for d in self.shape):
+            raise ConfigError(f"tensor shape must be non-empty and positive, got {self.shape}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def master(self) -> TensorSpec:
+        """The spec of this parameter's master copy and gradient. Half-precision models
+        train mixed-precision: fp32 master weights, and gradients reduced and exchanged in
+        fp32 (a sum of many half-precision terms loses the small ones), while the forward
+        and backward compute — and communicate activations — in the half type."""
+        return TensorSpec(self.shape, "float32") if self.dtype in HALF_DTYPES else self
+
+
+@dataclass(frozen=True)
+class Op:
+    """One node of the layer graph.
+
+    ``weight`` is the op's main parameter tensor as the strategies shard it (a linear's
+    ``(in, out)`` matrix, an embedding's ``(vocab, hidden)`` table); ``params`` counts every
+    parameter including biases and norm gains. ``block``/``block_index`` mark repeated blocks:
+    ops with the same ``block`` and the same ``name`` suffix after the block prefix may be
+    tied to one strategy. ``attrs`` carries kind-specific integers (heads, kernel, seq_len).
+    ``source_params`` names, for an op imported from an ``nn.Module``, the module's
+    parameters the op owns (so a plan can be applied back to the module).
+    """
+
+    name: str
+    kind: OpKind
+    inputs: tuple[str, ...]
+    output: TensorSpec
+    weight: TensorSpec | None = None
+    params: int = 0
+    flops: float = 0.0
+    block: str | None = None
+    block_index: int | None = None
+    attrs: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    source_params: tuple[str, ...] = ()
+
+    def attr(self, key: str) -> int:
+        if key not in self.attrs:
+            raise KeyError(f"op {self.name!r} ({self.kind.value}) has no attribute {key!r}")
+        return self.attrs[key]
+
+    @property
+    def tie_key(self) -> str | None:
+        """Key shared by the same op in every repetition of a block (None if not repeated)."""
+        if self.block is None or self.block_index is None:
+            return None
+        prefix = f"{self.block}.{self.block_index}."
+        suffix = self.name[len(prefix):] if self.name.startswith(prefix) else self.name
+        return f"{self.block}.*.{suffix}"
+
+
+class Graph:
+    """A DAG of ops in topological order, addressed by name."""
+
+    def __init__(self, name: str, ops: Iterable[Op]):
+        self.name = name
+        self._ops: dict[str, Op] = {}
+        for op in ops:
+            if op.name in self._ops:
+                raise ConfigError(f"duplicate op name {op.name!r} in graph {name!r}")
+            for src in op.inputs:
+                if src not in self._ops:
+                    raise ConfigError(
+                        f"op {op.name!r} reads {src!r}, which is not defined before it "
+                        f"(ops must be listed in topological order)"
+                    )
+            self._ops[op.name] = op
+        if not self._ops:
+            raise ConfigError(f"graph {name!r} has no ops")
+        self._consumers: dict[str, list[str]] | None = None
+
+    @property
+    def ops(self) -> list[Op]:
+        return list(self._ops.values())
+
+    def __getitem__(self, name: str) -> Op:
+        return self._ops[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ops
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def edges(self) -> list[tuple[str, str]]:
+        """(producer, consumer) pairs in topological order of the consumer."""
+        return [(src, op.name) for op in self._ops.values() for src in op.inputs]
+
+    def consumers(self, name: str) -> list[str]:
+        """Ops reading ``name``, in graph order (one pass builds the map for every op)."""
+        if self._consumers is None:
+            self._consumers = {n: [] for n in self._ops}
+            for op in self._ops.values():
+                for src in dict.fromkeys(op.inputs):
+                    self._consumers[src].append(op.name)
+        return list(self._consumers[name])
+
+    def blocks(self) -> tuple[tuple[str, int], ...]:
+        """The blocks ``(block, block_index)`` in graph order: the units of recomputation."""
+        return tuple(dict.fromkeys((op.block, op.block_index) for op in self._ops.values()
+                                   if op.block is not None and op.block_index is not None))
+
+    @property
+    def total_params(self) -> int:
+        return sum(op.params for op in self._ops.values())
+
+    @property
+    def forward_flops(self) -> float:
+        return sum(op.flops for op in self._ops.values())
+
+    @property
+    def step_flops(self) -> float:
+        """Forward + backward FLOPs of one training step (backward ≈ 2 × forward)."""
+        return 3.0 * self.forward_flops
+
+    def summary(self) -> str:
+        return (
+            f"{self.name}: {len(self)} ops, {self.total_params:,} parameters, "
+            f"{self.step_flops:.3e} FLOPs per step"
+        )

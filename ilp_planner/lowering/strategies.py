@@ -1,0 +1,773 @@
+"""Per-op sharding strategies: layouts of inputs, weight and output on a mesh, plus the
+compute time, intra-op collectives and per-device memory each implies.
+
+Linear / matmul / embedding use AutoDDL's 3-D family (§4.2.2) on every ordered
+factorisation ``p0·p1·p2`` of the mesh, each axis a (nodes, local) pair (§4.2.3)::
+
+    I (S0:p0, B:p1, S1:p2) × W (B:p0, S1:p1, S0:p2) → O (S0:p0, S1:p1, P:p2)
+
+Data parallel is ``p1 = p2 = 1``; Megatron column-parallel ``p2 = 1``, row-parallel
+``p1 = 1``. The weight gradient is partial over axis 0 (rows of I are split there), so it
+is AllReduced over p0 in the backward pass (AutoDDL §4.4.1). A linear also has 2-D SUMMA
+strategies on an ``r × c`` mesh: I, W, O all ``(S0:r, S1:c)``; forward AllGathers I along
+c and W along r, backward ReduceScatters dI along c and dW along r.
+
+Other ops: layernorm / softmax keep the last dim whole (tokens split or replicated);
+attention splits over batch (dim 0, whole sequences) and heads (dim 1) — one of the two
+where ``attrs.one_split`` is set (imported models: their attention runs under DTensor,
+whose 4-D matmul cannot merge a batch split with a head split); add takes any
+partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
+in-channels); elementwise ops, pooling, flatten and the loss *follow* their producer (they
+are merged into it before solving, see :mod:`ilp_planner.intra_op.problem`).
+
+Every op's activation memory is its output shard (what its consumers keep for backward);
+state memory is its parameter shard × bytes per parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ilp_planner.errors import LayoutError
+from ilp_planner.ir.cluster import Cluster, Factorisation, fact_str, mesh_factorisations
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec
+from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
+from ilp_planner.lowering.cost_model import (
+    Collective,
+    CollectiveKind,
+    MemorySpec,
+    compute_time,
+    make_collective,
+)
+from ilp_planner.lowering.redistribution import Redistribution, plan_redistribution, planner_for
+
+FOLLOWER_KINDS = frozenset(
+    {OpKind.GELU, OpKind.RELU, OpKind.SILU, OpKind.DROPOUT, OpKind.POOL, OpKind.FLATTEN,
+     OpKind.LOSS}
+)
+NORM_KINDS = (OpKind.LAYERNORM, OpKind.RMSNORM)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op: layouts, costs and the collectives issued inside the op."""
+
+    label: str
+    fact: Factorisation
+    inputs: tuple[Layout, ...]
+    weight: Layout | None
+    output: Layout
+    compute_s: float
+    collectives: tuple[Collective, ...]
+    state_bytes: float
+    activation_bytes: float
+    input_grads: tuple[Layout, ...] = ()
+    input_backward: tuple[Collective, ...] = ()  # op-internal, only if input 0 needs a gradient
+    zero: int = 0  # state sharding level over the gradient-sync group (:func:`state_sharded`)
+    transient_bytes: float = 0.0  # held only while the op runs (gathered weights, full grads)
+    # ZeRO-3 (memory-model bytes, n·w): the weights the forward gathers, and those the
+    # backward gathers again for the input's gradient (that gather is in ``input_backward``)
+    # — what a recomputed op keeps from its recomputation's gather instead
+    # (:func:`ilp_planner.intra_op.problem.recomputed`)
+    gathered_bytes: float = 0.0
+    regathered_bytes: float = 0.0
+
+    @property
+    def grads_of_inputs(self) -> tuple[Layout, ...]:
+        """The layout the op's backward hands each input's gradient back in (partial
+        where its local backward yields partial sums); the edge programs start there."""
+        return self.input_grads or self.inputs
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def cost_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        ins = ", ".join(str(x) for x in self.inputs)
+        w = f" W{self.weight}" if self.weight is not None else ""
+        return f"{self.label} on {fact_str(self.fact)}: I[{ins}]{w} -> O{self.output}"
+
+
+@dataclass(frozen=True)
+class StrategyContext:
+    """What strategy generation needs besides the op: the mesh shape, the cluster's links
+    and speeds, bytes per parameter, and the AutoDDL p0 cap."""
+
+    cluster: Cluster
+    nodes: int
+    local: int
+    memory: MemorySpec
+    max_weight_replication: int | None = None
+    zero_levels: tuple[int, ...] = (0,)
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.local
+
+
+def _three_axis(ctx: StrategyContext) -> tuple[Factorisation, ...]:
+    return mesh_factorisations(ctx.nodes, ctx.local, 3)
+
+
+def _two_axis(ctx: StrategyContext) -> tuple[Factorisation, ...]:
+    return mesh_factorisations(ctx.nodes, ctx.local, 2)
+
+
+def _compute(op: Op, split: float, ctx: StrategyContext) -> float:
+    """Forward + backward (≈ 3 × forward FLOPs) on ``1/split`` of the work."""
+    return compute_time(3.0 * op.flops / split, ctx.cluster)
+
+
+def coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbytes: float,
+          ctx: StrategyContext, phase: str, purpose: str) -> Collective:
+    size = math.prod(fact[a].size for a in axes)
+    spans = any(fact[a].nodes > 1 for a in axes)
+    return make_collective(kind, size, nbytes, ctx.cluster, spans, axes, phase, purpose)
+
+
+def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
+    """Parameters each op holds on its devices, by role. A tied head holds its own copy of
+    the embedding table (transposed), with gradients and optimizer state: the runtime
+    trains both copies and exchanges their gradients (:func:`tied_exchange`)."""
+    if op.kind is OpKind.LINEAR:
+        assert op.weight is not None
+        out = {"weight": op.weight.shape}
+        if op.attrs.get("bias"):
+            out["bias"] = (op.weight.shape[1],)
+        return out
+    if op.kind is OpKind.EMBEDDING:
+        assert op.weight is not None
+        out = {"weight": op.weight.shape}
+        if "seq_len" in op.attrs:  # a learned position table (imported models may have none)
+            out["pos"] = (op.attr("seq_len"), op.weight.shape[1])
+        return out
+    if op.kind in NORM_KINDS:
+        h = op.output.shape[-1]
+        with_bias = op.kind is OpKind.LAYERNORM and op.attrs.get("bias", 1)
+        return {"weight": (h,), "bias": (h,)} if with_bias else {"weight": (h,)}
+    if op.kind is OpKind.BATCHNORM:
+        c = op.output.shape[1]
+        return {"weight": (c,), "bias": (c,)}
+    if op.kind is OpKind.OPAQUE and op.params:
+        return {"weight": (op.params,)}
+    if op.kind is OpKind.CONV2D:
+        assert op.weight is not None
+        return {"weight": op.weight.shape, "bias": (op.weight.shape[0],)}
+    return {}
+
+
+def matmul_placements(x: Layout, w: Layout, ids: bool = False) -> tuple[list, list, list]:
+    """Per mesh axis, (output, dX, dW) placements of ``Y = X W`` with local operands —
+    AutoDDL §4.2.2 and SUMMA's compute step::
+
+        X      W      → Y      dX     dW
+        S(0)   B        S(0)   S(0)   P     rows split: W's gradient is a partial sum
+        B      S(1)     S(1)   P      S(1)  columns split: X's gradient is a partial sum
+        S(1)   S(0)     P      S(1)   S(0)  contraction split: Y is a partial sum
+        B      B        B      B      B
+
+    For an embedding (``ids``) X is the token-id vector standing for the one-hot matrix: a
+    replicated id vector against a vocabulary-split table gives partial sums."""
+    out: list[Placement] = []
+    gx: list[Placement] = []
+    gw: list[Placement] = []
+    for a, (pi, pw) in enumerate(zip(x.placements, w.placements, strict=True)):
+        cols = pi == Split(1) if not ids else False
+        if pi == Split(0) and pw == B:
+            out.append(Split(0)); gx.append(pi); gw.append(P)  # noqa: E702
+        elif pi == B and pw == Split(1):
+            out.append(Split(1)); gx.append(P); gw.append(pw)  # noqa: E702
+        elif (cols or (ids and pi == B)) and pw == Split(0):
+            out.append(P); gx.append(pi); gw.append(pw)  # noqa: E702
+        elif pi == B and pw == B:
+            out.append(B); gx.append(B); gw.append(B)  # noqa: E702
+        else:
+            raise LayoutError(f"mesh axis {a} pairs input {pi} with weight {pw}; a matmul runs "
+                              f"the 3-D family (S0,B)/(B,S1)/(S1,S0)/(B,B) per axis only")
+    return out, gx, gw
+
+
+def bias_layout(out: Layout, dim: int = 0) -> Layout:
+    """A bias-like parameter along the output's last dim (``dim`` of the parameter): split
+    where the output's columns are, replicated elsewhere."""
+    return Layout(out.fact, tuple(Split(dim) if pl == Split(1) else B for pl in out.placements))
+
+
+def _bias_grad(out: Layout, dim: int = 0) -> Layout:
+    """Partial over the axes splitting rows (each device sums its own rows); complete over
+    the output's partial axes, where every device adds a share of the bias and its
+    gradient is the row sum of the replicated output gradient (``runtime.ops.bias_share``:
+    no reduction, as Megatron's row-parallel bias added after the AllReduce)."""
+    return Layout(out.fact, tuple(P if pl == Split(0) else (Split(dim) if pl == Split(1) else B)
+                                  for pl in out.placements))
+
+
+def is_summa(label: str) -> bool:
+    return label.startswith("summa")
+
+
+def summa_compute_layouts(fact: Factorisation) -> tuple[Layout, Layout]:
+    """SUMMA gathers I along the column axis and W along the row axis, then multiplies."""
+    return Layout(fact, (Split(0), B)), Layout(fact, (B, Split(1)))
+
+
+def input_grad_layouts(op: Op, label: str, inputs: tuple[Layout, ...],
+                       weight: Layout | None) -> tuple[Layout, ...]:
+    """The layout each input's gradient leaves the op's backward in — where edge backward
+    programs start. Partial where the op's local backward yields partial sums (a matmul
+    input replicated against column-split weights; a conv input against output-channel
+    splits); the input layout itself otherwise (SUMMA's own gathers reduce-scatter back)."""
+    if op.kind in (OpKind.LINEAR, OpKind.MATMUL) and not is_summa(label):
+        w = inputs[1] if op.kind is OpKind.MATMUL else weight
+        assert w is not None
+        _, gx, gw = matmul_placements(inputs[0], w)
+        grads = (Layout(inputs[0].fact, tuple(gx)),)
+        return grads + ((Layout(w.fact, tuple(gw)),) if op.kind is OpKind.MATMUL else ())
+    if op.kind is OpKind.CONV2D:
+        x = inputs[0]
+        return (Layout(x.fact, tuple(P if (pl == B and x.fact[a].size > 1 and a == 1) else pl
+                                     for a, pl in enumerate(x.placements))),)
+    return inputs
+
+
+def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
+                  output: Layout) -> dict[str, tuple[Layout, Layout]]:
+    """Per parameter role: (layout it is stored in, layout its gradient leaves the op's
+    backward in). Where the two differ, weight-gradient synchronisation reduces the partial
+    axes (:func:`grad_sync`). One place for both the cost model and the runtime."""
+    out: dict[str, tuple[Layout, Layout]] = {}
+    if op.kind in (OpKind.LINEAR, OpKind.EMBEDDING):
+        assert weight is not None
+        if is_summa(label):
+            out["weight"] = (weight, weight)  # its gather's backward ReduceScatter lands it
+        else:
+            _, _, gw = matmul_placements(inputs[0], weight, op.kind is OpKind.EMBEDDING)
+            out["weight"] = (weight, Layout(weight.fact, tuple(gw)))
+        if op.kind is OpKind.EMBEDDING:
+            if "seq_len" in op.attrs:
+                out["pos"] = (bias_layout(output, 1), _bias_grad(output, 1))
+        elif op.attrs.get("bias"):
+            out["bias"] = (bias_layout(output), _bias_grad(output))
+    elif op.kind is OpKind.CONV2D:
+        assert weight is not None
+        x = inputs[0]
+        # the weight's gradient sums over the batch rows this device holds
+        out["weight"] = (weight, Layout(weight.fact, tuple(
+            P if x.placements[a] == Split(0) and pl == B else pl
+            for a, pl in enumerate(weight.placements))))
+        out["bias"] = (bias_layout(output), _bias_grad(output))
+    elif op.kind in NORM_KINDS:
+        lay = inputs[0]
+        rep = Layout.replicated(lay.fact)
+        g = Layout(lay.fact, tuple(P if pl == Split(0) else B for pl in lay.placements))
+        out = {role: (rep, g) for role in param_shapes(op)}
+    elif op.kind is OpKind.BATCHNORM:
+        # channels split, batch and space whole: each device owns its channels' statistics,
+        # gains and offsets, whose gradients are complete where they live
+        lay = Layout(output.fact, tuple(Split(0) if pl == Split(1) else B
+                                        for pl in output.placements))
+        out = {"weight": (lay, lay), "bias": (lay, lay)}
+    elif op.kind is OpKind.OPAQUE and op.params:
+        rep = Layout.replicated(output.fact)
+        out = {"weight": (rep, rep)}
+    return out
+
+
+@dataclass(frozen=True)
+class SyncBucket:
+    """One weight-gradient AllReduce: the parameter roles whose gradients are partial over
+    exactly ``axes``, flattened into one buffer."""
+
+    roles: tuple[str, ...]
+    fact: Factorisation
+    axes: tuple[int, ...]
+    collective: Collective
+    numel: int  # elements of the local gradient blocks (padded), in role order
+
+
+def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
+              output: Layout, ctx: StrategyContext) -> tuple[SyncBucket, ...]:
+    """The op's weight-gradient synchronisation (AutoDDL §4.4.1), exactly as the runtime
+    issues it: per distinct set of partial axes, one AllReduce of those parameters' local
+    shards over the joint group of those axes."""
+    shapes = param_shapes(op)
+    lays = param_layouts(op, label, inputs, weight, output)
+    by_axes: dict[tuple[int, ...], list[str]] = {}
+    for role, (_, grad) in lays.items():
+        axes = tuple(a for a in grad.partial_axes if grad.fact[a].size > 1)
+        if axes:
+            by_axes.setdefault(axes, []).append(role)
+    itemsize = (op.weight or op.output).master.itemsize  # fp32 reduction under mixed precision
+    out = []
+    for axes, roles in by_axes.items():
+        fact = lays[roles[0]][0].fact
+        numel = sum(math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles)
+        out.append(SyncBucket(tuple(roles), fact, axes,
+                              coll(CollectiveKind.ALL_REDUCE, fact, axes, numel * itemsize, ctx,
+                                   "backward", "grad_sync"), numel))
+    return tuple(out)
+
+
+def _local_params(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | None,
+                  output: Layout) -> float:
+    shapes = param_shapes(op)
+    return float(sum(math.prod(lay.padded_shape(shapes[r])) for r, (lay, _) in
+                     param_layouts(op, label, inputs, weight, output).items()))
+
+
+def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
+    """AutoDDL's 3-D family and the SUMMA strategies for ``I (M,K) × W (K,N)``.
+
+    For an embedding, I is the (tokens, vocab) one-hot matrix: the token ids are split like
+    I's rows and the vocabulary split (p2) yields a partial-sum output (masked lookup).
+    For a matmul of two activations, W is the second input: no parameters, no gradient
+    synchronisation, and W's layout becomes an input layout.
+    """
+    weight = inputs[1] if op.kind is OpKind.MATMUL else op.weight
+    assert weight is not None
+    m = op.output.shape[0]
+    k, n = weight.shape[0], weight.shape[1]
+    is_embedding = op.kind is OpKind.EMBEDDING
+    is_matmul = op.kind is OpKind.MATMUL
+    out: list[Strategy] = []
+    for fact in _three_axis(ctx):
+        p0, p1, p2 = (a.size for a in fact)
+        if m % p0 or k % p2 or n % p1:
+            continue
+        if ctx.max_weight_replication is not None and p0 > ctx.max_weight_replication:
+            continue
+        if is_embedding:
+            i_layout = Layout(fact, (Split(0), B, B))
+        else:
+            i_layout = Layout(fact, (Split(0), B, Split(1)))
+        w_layout = Layout(fact, (B, Split(1), Split(0)))
+        o_layout = Layout(fact, (Split(0), Split(1), P))
+        label = f"3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
+        ins = (i_layout, w_layout) if is_matmul else (i_layout,)
+        grads = input_grad_layouts(op, label, ins, None if is_matmul else w_layout)
+        if is_matmul:
+            colls: tuple[Collective, ...] = ()
+            state = 0.0
+        else:
+            colls = tuple(b.collective for b in grad_sync(op, label, ins, w_layout, o_layout, ctx))
+            state = _local_params(op, label, ins, w_layout, o_layout) * ctx.memory.bytes_per_param
+        out.append(Strategy(
+            label, fact, ins, None if is_matmul else w_layout, o_layout,
+            _compute(op, p0 * p1 * p2, ctx), colls, state, o_layout.local_bytes(op.output), grads,
+        ))
+    if not is_embedding and not is_matmul:
+        out.extend(_summa(op, inputs[0], ctx))
+    return out
+
+
+def summa_programs(fact: Factorisation, in_tensor: TensorSpec, weight: TensorSpec,
+                   cluster: Cluster) -> tuple[Redistribution, Redistribution]:
+    """SUMMA's two gathers as lowered edge programs: I (S0,S1) → (S0,B) with its gradient
+    (partial over the column axis) reduce-scattered back; W (S0,S1) → (B,S1) likewise over
+    the row axis. Executed per micro-batch by the runtime. W is gathered from its master
+    (fp32 under mixed precision, cast after the gather) so that the backward
+    reduce-scatter sums weight gradients in fp32."""
+    lay = Layout(fact, (Split(0), Split(1)))
+    xc, wc = summa_compute_layouts(fact)
+    _, gx, gw = matmul_placements(xc, wc)
+    return (plan_redistribution(lay, xc, in_tensor, cluster, Layout(fact, tuple(gx))),
+            plan_redistribution(lay, wc, weight.master, cluster, Layout(fact, tuple(gw))))
+
+
+def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
+    assert op.weight is not None
+    m = op.output.shape[0]
+    k, n = op.weight.shape
+    out = []
+    for fact in _two_axis(ctx):
+        r, c = (a.size for a in fact)
+        if r == 1 or c == 1 or m % r or k % c or k % r or n % c:
+            continue
+        lay = Layout(fact, (Split(0), Split(1)))
+        label = f"summa({fact[0]}x{fact[1]})"
+        x_prog, w_prog = summa_programs(fact, in_tensor, op.weight, ctx.cluster)
+        colls = (*x_prog.forward, *(c.with_phase("forward", "weight") for c in w_prog.forward),
+                 *(c.with_phase("backward", "weight") for c in w_prog.backward),
+                 *(b.collective for b in grad_sync(op, label, (lay,), lay, lay, ctx)))
+        gathered = in_tensor.nbytes / r + op.weight.nbytes / c  # I[i, :] and W[:, j] held
+        out.append(Strategy(
+            label, fact, (lay,), lay, lay, _compute(op, r * c, ctx), colls,
+            _local_params(op, label, (lay,), lay, lay) * ctx.memory.bytes_per_param + gathered,
+            lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
+        ))
+    return out
+
+
+def conv_layouts(fact: Factorisation) -> tuple[Layout, Layout, Layout]:
+    """(input, weight, output) layouts of the conv2d 3-D family on ``fact = (p0, p1, p2)``::
+
+        I (N,Cin,H,W) (S0:p0, B:p1, S1:p2) ⊛ W (Cout,Cin,k,k) (B:p0, S0:p1, S1:p2)
+            → O (N,Cout,H,W) (S0:p0, S1:p1, P:p2)
+
+    Each device convolves its batch rows and input-channel block with its (output-channel,
+    input-channel) weight block: the output sums over the p2 input-channel blocks. The
+    spatial dims are never split, so the convolution's halo stays local. One table for the
+    strategies and the runtime, which checks a plan's layouts against it."""
+    return (Layout(fact, (Split(0), B, Split(1))), Layout(fact, (B, Split(0), Split(1))),
+            Layout(fact, (Split(0), Split(1), P)))
+
+
+def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
+    """3-D family for conv2d (:func:`conv_layouts`): batch split p0, output channels p1,
+    input channels p2. The input's gradient is partial over p1 (each output-channel block
+    contributes)."""
+    assert op.weight is not None
+    nb, cin = op.output.shape[0], op.weight.shape[1]
+    cout = op.weight.shape[0]
+    out = []
+    for fact in _three_axis(ctx):
+        p0, p1, p2 = (a.size for a in fact)
+        if nb % p0 or cout % p1 or cin % p2:
+            continue
+        if ctx.max_weight_replication is not None and p0 > ctx.max_weight_replication:
+            continue
+        i_layout, w_layout, o_layout = conv_layouts(fact)
+        label = f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
+        colls = tuple(b.collective for b in grad_sync(op, label, (i_layout,), w_layout, o_layout, ctx))
+        out.append(Strategy(
+            label, fact, (i_layout,), w_layout, o_layout, _compute(op, p0 * p1 * p2, ctx), colls,
+            _local_params(op, label, (i_layout,), w_layout, o_layout) * ctx.memory.bytes_per_param,
+            o_layout.local_bytes(op.output),
+            input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
+        ))
+    return out
+
+
+def _unique(layouts: list[Layout]) -> list[Layout]:
+    """Drop layouts holding exactly the same data per device as an earlier one."""
+    seen: dict[tuple, Layout] = {}
+    for lay in layouts:
+        seen.setdefault(lay.canonical_key(), lay)
+    return list(seen.values())
+
+
+def candidate_layouts(tensor: TensorSpec, ctx: StrategyContext, dims: tuple[int, ...],
+                      divisors: dict[int, int] | None = None) -> list[Layout]:
+    """Partial-free layouts on two-axis factorisations splitting only ``dims`` (each split
+    degree must divide ``divisors[d]``, default the tensor's size along d)."""
+    opts: list[Placement] = [B] + [Split(d) for d in dims]
+    out = []
+    for fact in _two_axis(ctx):
+        for a in opts:
+            for b in opts:
+                lay = Layout(fact, (a, b))
+                if all((divisors or {}).get(d, tensor.shape[d]) % lay.split_degree(d) == 0
+                       for d in range(tensor.rank)):
+                    out.append(lay)
+    return _unique(out)
+
+
+def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
+                       ctx: StrategyContext) -> list[Strategy]:
+    """Ops whose inputs and output share one layout (attention maps (T,3h) to (T,h) with
+    the same placements)."""
+    out = []
+    for lay in layouts:
+        split = math.prod(lay.split_degree(d) for d in range(op.output.rank))
+        ins = tuple(lay for _ in range(n_inputs))
+        state = _local_params(op, lay.sbp(), ins, None, lay) * ctx.memory.bytes_per_param
+        colls = tuple(b.collective for b in grad_sync(op, lay.sbp(), ins, None, lay, ctx))
+        out.append(Strategy(
+            lay.sbp(), lay.fact, ins, None, lay,
+            _compute(op, split, ctx), colls, state, lay.local_bytes(op.output),
+        ))
+    return out
+
+
+def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
+    """All strategies of a non-follower op on the context's mesh, each with its state-sharded
+    variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows."""
+    base = _base_strategies(op, inputs, ctx)
+    levels = tuple(z for z in ctx.zero_levels if z)
+    if not levels:
+        return base
+    return [v for s in base for v in (s, *state_sharded(op, s, levels, ctx))]
+
+
+ZERO_LEVELS = (0, 1, 2, 3)
+"""State sharding over the group a weight's gradient is synchronised in: 0 none (DDP),
+1 optimizer state (ZeRO-1), 2 + gradients (ZeRO-2), 3 + weights (ZeRO-3 / FSDP)."""
+
+
+def input_grad_roles(op: Op) -> frozenset[str]:
+    """The parameter roles an op's backward reads to compute the gradient of its *input*.
+    The weight gradient itself never needs the weight (a matmul's ``dW = Xᵀ·dY``, a norm's
+    ``dγ = Σ dY·x̂``, a bias's ``Σ dY``), so a ZeRO-3 op gathers its weights in the backward
+    only for these roles, and only when autograd reaches the input (:func:`state_sharded`).
+    Matmul-like ops (``dX = dY·Wᵀ``), convolutions (the transposed convolution with W) and
+    norms (``dX`` scales by γ) read their weight; an embedding's input is token ids, so its
+    table is only indexed, never read backwards; biases never. An opaque op is assumed to
+    read its weight (nothing says otherwise)."""
+    if op.kind in (OpKind.LINEAR, OpKind.CONV2D, OpKind.BATCHNORM, OpKind.OPAQUE, *NORM_KINDS):
+        return frozenset({"weight"})
+    return frozenset()
+
+
+def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
+                  ctx: StrategyContext) -> list[Strategy]:
+    """The ZeRO variants of ``base``: every set of parameters whose gradient ``base``
+    AllReduces over a group of p devices (its :class:`SyncBucket`) is instead kept as one
+    flat buffer padded to a multiple of p and sharded 1/p per device (FSDP's flat
+    parameter). With n local elements, s = ⌈n/p⌉, bytes per parameter w, g, o::
+
+        level  state per device      collectives                                  per
+        1      n(w+g) + s·o          ReduceScatter grads, AllGather new weights     step
+        2      n·w + s(g+o)          ReduceScatter grads                        micro-batch
+                                     AllGather new weights                          step
+        3      s(w+g+o)              AllGather weights (forward),               micro-batch
+                                     again (backward) if the input's gradient
+                                     reads them, ReduceScatter grads
+
+    ZeRO-3's backward gather is FSDP's re-unshard, needed only where the backward reads
+    the weights: for the input's gradient (:func:`input_grad_roles`: a matmul's
+    ``dY·Wᵀ``, a norm's γ), not for the weight's own gradient. So a bucket holding no such
+    role (an embedding's tables, a bias alone) has none, and a bucket that does lists it in
+    ``input_backward``, which the problem adds only where autograd reaches the op's input
+    (not for the first layer reading the data). A recomputed ZeRO-3 op gathers twice per
+    micro-batch, forward and recompute: its backward reuses the recomputation's buffer
+    (:func:`ilp_planner.intra_op.problem.recomputed`).
+
+    ReduceScatter moves gradients in the master dtype (fp32 under mixed precision), the
+    AllGathers move weights in the compute dtype (each device updates its shard of the
+    fp32 master and casts it). ``transient_bytes`` is what a level holds only while the op
+    runs: the op's full gradient before it is scattered (2, 3) and, at 3, its gathered
+    weights — in the forward all of them, in the backward the full gradient and the
+    weights gathered again (the larger of the two; an op whose input is not reached
+    gathers nothing in the backward, which this per-strategy figure, not knowing, still
+    counts). No variant without a gradient reduction: nothing is replicated there to
+    shard."""
+    syncs = grad_sync(op, base.label, base.inputs, base.weight, base.output, ctx)
+    if not syncs:
+        return []
+    w, g, o = ctx.memory.weight_bytes, ctx.memory.grad_bytes, ctx.memory.optimizer_bytes
+    w_item = (op.weight or op.output).itemsize
+    kept = tuple(c for c in base.collectives if c.purpose != "grad_sync")
+    reads = input_grad_roles(op)
+    out = []
+    for z in levels:
+        state = base.state_bytes
+        colls: list[Collective] = []
+        again: list[Collective] = []  # ZeRO-3's backward gathers, if the input is reached
+        gathered = grads = regathered = 0.0
+        for sb in syncs:
+            n = sb.numel
+            p = sb.collective.group_size
+            s = -(-n // p)
+            grad_item = sb.collective.bytes / n
+            state -= n * (w + g + o)
+            state += {1: n * (w + g) + s * o, 2: n * w + s * (g + o), 3: s * (w + g + o)}[z]
+            grads += n * g if z > 1 else 0.0
+            rs = coll(CollectiveKind.REDUCE_SCATTER, sb.fact, sb.axes, s * p * grad_item, ctx,
+                      "backward", "shard_grad_sync" if z == 1 else "shard_grad")
+            ag = functools.partial(coll, CollectiveKind.ALL_GATHER, sb.fact, sb.axes,
+                                   s * p * w_item, ctx)
+            if z == 3:
+                colls += [ag("forward", "fsdp_gather"), rs]
+                gathered += n * w
+                if reads.intersection(sb.roles):
+                    again.append(ag("backward", "fsdp_gather"))
+                    regathered += n * w
+            else:
+                colls += [rs, ag("step", "weight_allgather")]
+        transient = max(gathered, grads + regathered)
+        out.append(dataclasses.replace(base, label=f"{base.label}+zero{z}",
+                                       collectives=kept + tuple(colls), state_bytes=state,
+                                       input_backward=base.input_backward + tuple(again),
+                                       zero=z, transient_bytes=transient,
+                                       gathered_bytes=gathered, regathered_bytes=regathered))
+    return out
+
+
+def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
+    kind = op.kind
+    if kind in (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL):
+        return _matmul_family(op, inputs, ctx)
+    if kind is OpKind.CONV2D:
+        return _conv_family(op, ctx)
+    if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX):
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
+    if kind is OpKind.BATCHNORM:
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, (1,)), 1, ctx)
+    if kind is OpKind.OPAQUE:
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, ()), len(op.inputs), ctx)
+    if kind is OpKind.ATTENTION:
+        seq = op.attr("seq_len")
+        # a [q | k | v] fused tensor's column blocks are not whole heads: batch splits only
+        heads = 1 if op.attrs.get("qkv_major") else math.gcd(op.attr("heads"),
+                                                             op.attrs.get("kv_heads", 0))
+        divs = {0: op.output.shape[0] // seq, 1: heads}
+        layouts = candidate_layouts(op.output, ctx, (0, 1), divs)
+        if op.attrs.get("one_split"):  # see the module docstring
+            layouts = [lay for lay in layouts
+                       if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
+        return _layout_strategies(op, layouts, len(op.inputs), ctx)
+    if kind in (OpKind.ADD, OpKind.MUL):
+        # images split over batch and channels only, as convolutions, pooling and flatten do
+        dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
+    raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
+
+
+def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
+           ctx: StrategyContext) -> tuple[Layout, tuple[Collective, ...], float]:
+    """A follower's (output layout, collectives, compute seconds) given its producer's
+    partial-free output layout, which is also the follower's input layout.
+
+    Elementwise, pooling: same layout. Flatten (N,C,H,W)→(N,C·H·W): batch and channel
+    splits carry over (channels are the major part of the flattened dim). Loss: see
+    :func:`loss_collectives`.
+    """
+    split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
+    if op.kind is OpKind.LOSS:
+        return (Layout.replicated(in_layout.fact), loss_collectives(in_tensor, in_layout, ctx),
+                _compute(op, split, ctx))
+    if op.kind is OpKind.FLATTEN:
+        if any(isinstance(pl, Split) and pl.dim > 1 for pl in in_layout.placements):
+            raise ValueError(f"flatten {op.name!r} cannot follow a spatially split layout "
+                             f"{in_layout}; only batch and channel splits carry over")
+        return in_layout, (), 0.0
+    return in_layout, (), _compute(op, split, ctx)
+
+
+def tied_source(graph, op: Op) -> Op | None:
+    """The embedding whose table a tied linear uses (transposed), or None."""
+    if op.weight is None:
+        return None
+    for cand in graph.ops:
+        if cand.kind is OpKind.EMBEDDING and cand.weight is not None \
+                and cand.weight.shape == op.weight.shape[::-1]:
+            return cand
+    return None
+
+
+def transposed(layout: Layout) -> Layout:
+    """A 2-D layout seen on the transposed tensor (S(0) ↔ S(1))."""
+    swap = {Split(0): Split(1), Split(1): Split(0)}
+    return Layout(layout.fact, tuple(swap.get(pl, pl) for pl in layout.placements))
+
+
+def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
+                  cluster: Cluster) -> tuple[Redistribution, Redistribution]:
+    """A tied table's gradient exchange on one device set, as the runtime runs it after
+    weight-gradient synchronisation: the head's gradient (transposed) is brought to the
+    embedding's layout, the two are added, and the sum is brought back to the head's
+    layout. Both copies then take the same update. Gradients move in the master dtype."""
+    head_t, table = transposed(head_weight), table.master
+    return (plan_redistribution(head_t, emb_weight, table, cluster),
+            plan_redistribution(emb_weight, head_t, table, cluster))
+
+
+def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[Layout],
+                          table: TensorSpec, cluster: Cluster) -> np.ndarray:
+    """Seconds of :func:`tied_exchange` for every (embedding weight, head weight) pair,
+    without building step lists (the ILP's edge matrix between the two layers)."""
+    heads_t, table = [transposed(h) for h in head_weights], table.master
+    planner = planner_for(heads_t[0], cluster)
+    return (planner.forward_costs(heads_t, emb_weights, table).T
+            + planner.forward_costs(emb_weights, heads_t, table))
+
+
+def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
+                              cluster: Cluster) -> tuple[Collective, ...]:
+    to_emb, back = tied_exchange(emb_weight, head_weight, table, cluster)
+    return tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward)
+
+
+LOSS_ITEMSIZE = 4  # the loss statistics are fp32
+
+
+def loss_axes(layout: Layout, rank: int = 2) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(class-splitting axes, row-splitting axes) of the logits layout, size-1 axes aside."""
+    vocab = tuple(a for a in layout.split_axes(rank - 1) if layout.fact[a].size > 1)
+    rows = tuple(a for a in layout.split_axes(0) if layout.fact[a].size > 1)
+    return vocab, rows
+
+
+def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -> tuple[Collective, ...]:
+    """Mean cross-entropy on sharded logits, as the runtime issues it: with the class dim
+    split (vocab-parallel), a MAX AllReduce of the row maxima and one AllReduce of the two
+    per-row sums (Σexp, target logit) over the class axes; with rows split, the scalar
+    mean is a partial sum AllReduced over the row axes. No backward collective: the
+    gradient of each statistic is replicated."""
+    vocab, rows = loss_axes(layout, logits.rank)
+    local_rows = layout.padded_shape(logits.shape)[0]
+    out = []
+    if vocab:
+        for n in (local_rows, 2 * local_rows):
+            out.append(coll(CollectiveKind.ALL_REDUCE, layout.fact, vocab, n * LOSS_ITEMSIZE, ctx,
+                             "forward", "loss"))
+    if rows:
+        out.append(coll(CollectiveKind.ALL_REDUCE, layout.fact, rows, LOSS_ITEMSIZE, ctx,
+                         "forward", "loss"))
+    return tuple(out)
+
+
+def follower_inputs(op: Op, layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...]:
+    """The layouts a follower may read its producer's output in: one of
+    :func:`partial_resolutions`; a loss marked ``whole_classes`` (the user's own loss code,
+    imported models) reads its logits with the class dim gathered, since only a vocabulary-
+    parallel loss the runtime writes itself can work on split classes."""
+    if op.kind is OpKind.LOSS and op.attrs.get("whole_classes"):
+        return (Layout(layout.fact, tuple(B if isinstance(pl, Partial) or pl == Split(1) else pl
+                                          for pl in layout.placements)),)
+    return partial_resolutions(layout, tensor)
+
+
+def partial_resolutions(layout: Layout, tensor: TensorSpec) -> tuple[Layout, ...]:
+    """The layouts a follower may read a partial-sum output in: reduce-scattered
+    (:func:`resolve_partial`), all-reduced to replicated on the partial axes, or, for a 2-D
+    activation, reduce-scattered onto its tokens (Megatron's sequence parallelism: the
+    row-parallel linear's output lands split over the sequence). None is cheaper in
+    general — a vocabulary-parallel loss wants its logits reduce-scattered, a small head's
+    loss wants them all-reduced (one collective, none in the loss) — so the ILP chooses."""
+    if not layout.has_partial:
+        return (layout,)
+    scattered = resolve_partial(layout, tensor)
+    reduced = Layout(layout.fact, tuple(B if isinstance(pl, Partial) else pl
+                                        for pl in layout.placements))
+    out = [scattered, reduced]
+    if tensor.rank == 2:  # Megatron-SP: reduce-scattered onto the tokens (sequence parallel)
+        out.append(resolve_partial(layout, tensor, order=(0,)))
+    return tuple(dict.fromkeys(out))
+
+
+def resolve_partial(layout: Layout, tensor: TensorSpec,
+                    order: tuple[int, ...] | None = None) -> Layout:
+    """Partial sums resolved by reduce-scatter (what a stage export sends; one of a
+    follower's :func:`partial_resolutions`): each partial axis reduce-scattered onto the
+    feature dim (the last dim of a 2-D activation, the channel dim of an (N, C, H, W)
+    feature map, then the batch dim) when it still divides, else all-reduced — keeping the
+    data split, never splitting the spatial dims no strategy accepts."""
+    if not layout.has_partial:
+        return layout
+    if order is None:
+        order = (1, 0) if tensor.rank > 2 else tuple(reversed(range(tensor.rank)))
+    pls = list(layout.placements)
+    for a in layout.partial_axes:
+        cur = Layout(layout.fact, tuple(pls))
+        target: Placement = B
+        for d in order:
+            if tensor.shape[d] % (cur.split_degree(d) * layout.fact[a].size) == 0:
+                target = Split(d)
+                break
+        pls[a] = target
+    return Layout(layout.fact, tuple(pls))

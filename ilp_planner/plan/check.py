@@ -1,0 +1,426 @@
+"""A plan checked before anything reads it as a program (issues 11 and 17).
+
+A plan file is input like any other: edited, truncated, produced by another version, or
+simply wrong. Every verb that reads a plan (``explain``, ``diff``, ``simulate``, ``check``,
+``run`` in its parent process) and the runtime on every rank run :func:`check_plan` first,
+so a bad plan ends with one :class:`~ilp_planner.errors.PlanFormatError` naming the file, the
+place in it and what was expected — never a traceback, never a different program. Checked,
+in order:
+
+1. every number finite, and non-negative where it is a time, a size or a count;
+2. the embedded config parses and re-derives the layer graph of the plan's layers (names,
+   kinds, input counts, the tensor shapes each layer recorded, every layout valid for its
+   tensor): an edited config is a mismatch, not a different model;
+3. stages: indices in order, disjoint device sets inside the cluster, each mesh the size of
+   its device set, every layer in exactly one stage and saying so;
+4. strategy labels and layouts against the op and its stage's mesh
+   (:mod:`ilp_planner.plan.layer_check`);
+5. the schedule, validated *after* lowering to per-rank actions (FIFO order per link);
+6. resharding entries: ops, stages and shapes that exist, the layouts the producer exports
+   and the consumer reads, and forward and backward unit tasks whose senders hold their
+   slices and whose receivers get exactly their blocks.
+
+The runtime adds only what is its own (supported ops, even splits, the world size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from formulations.schedules import (
+    Schedule,
+    ScheduleError,
+    lower,
+    make_schedule,
+    validate,
+)
+from ilp_planner.errors import LayoutError, PlanFormatError, PlannerError
+from ilp_planner.inputs.config import Config, parse_config
+from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.ir.regions import Region, region_numel
+from ilp_planner.lowering.strategies import resolve_partial
+from ilp_planner.plan.data import Plan, layout_from_dict
+from ilp_planner.plan.layer_check import check_layer_strategies
+
+# keys whose numbers are times, sizes or counts (so never negative)
+_NON_NEGATIVE = ("_s", "bytes", "seconds", "group_size", "microbatches", "size", "stage",
+                 "index", "gap", "fraction")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One broadcast of a resharding schedule: ``region`` from ``sender`` (one of the
+    ``holders``) to ``receivers``."""
+
+    region: Region
+    sender: int
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        return tuple(sorted({self.sender, *self.receivers}))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One resharding entry of the plan: a tensor moving between two stages, forward
+    (``tasks``, source stage → destination) and its gradient back (``backward_tasks``)."""
+
+    index: int
+    src_stage: int
+    dst_stage: int
+    tensor: str
+    consumer: str
+    shape: tuple[int, ...]
+    src_layout: Layout
+    dst_layout: Layout
+    tasks: tuple[Task, ...]
+    backward_tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    devices: tuple[int, ...]
+    layers: list[str]
+    mesh: tuple[int, int]  # (nodes, devices per node) of the stage's sub-mesh
+
+
+@dataclass(frozen=True)
+class CheckedPlan:
+    """What checking derived, for the runtime to reuse."""
+
+    config: Config
+    graph: Graph
+    microbatches: int
+    stages: list[Stage]
+    entries: list[Entry]
+    entry_of: dict[tuple[str, int], int]  # (consumer, input index) -> entry bringing it
+    actions: dict[int, list[tuple[str, int]]]
+
+
+def check_plan(plan: Plan, source: str | None = None, microbatches: int | None = None) -> CheckedPlan:
+    """Check ``plan`` (see the module docstring); ``microbatches`` overrides a single-stage
+    plan's gradient accumulation as the runtime may. Raises :class:`PlanFormatError`."""
+    src = source or f"plan {plan.name!r}"
+    try:
+        _check_numbers(plan.to_dict(), src)
+        try:
+            config = parse_config(plan.config)
+        except PlannerError as exc:
+            raise PlanFormatError(f"{src}: config: {exc}") from exc
+        m = plan_microbatches(plan, config, microbatches, src)
+        graph = microbatch_graph(config, m, src)
+        _check_layers(plan, graph, src)
+        stages = plan_stages(plan, config, src)
+        check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src)
+        stage_of = {n: s.index for s in stages for n in s.layers}
+        entries, entry_of = plan_entries(plan, graph, stages, stage_of, src)
+        actions = lowered_actions(plan, len(stages), m, src)
+    except (ScheduleError, LayoutError) as exc:
+        raise PlanFormatError(f"{src}: {exc}") from exc
+    return CheckedPlan(config, graph, m, stages, entries, entry_of, actions)
+
+
+def load_checked(path: str | Path) -> Plan:
+    """A plan file, loaded and checked (what every verb reading a plan uses)."""
+    plan = Plan.load(path)
+    check_plan(plan, str(path))
+    return plan
+
+
+def _numbers(d, path: str) -> Iterator[tuple[str, str, object]]:
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _numbers(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            yield from _numbers(v, f"{path}[{i}]")
+    else:
+        yield path, path.rsplit(".", 1)[-1].split("[", 1)[0], d
+
+
+def _check_numbers(d: dict, src: str) -> None:
+    for path, key, v in _numbers({k: v for k, v in d.items() if k != "config"}, ""):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if not math.isfinite(v):
+            raise PlanFormatError(f"{src}: {path}: expected a finite number, got {v}")
+        if v < 0 and key.endswith(_NON_NEGATIVE):
+            raise PlanFormatError(f"{src}: {path}: expected a non-negative number, got {v}")
+
+
+def plan_microbatches(plan: Plan, config: Config, override: int | None, src: str) -> int:
+    """Micro-batches per step: the schedule's, else ``override``, else the config's."""
+    if plan.schedule:
+        if not isinstance(plan.schedule, dict):
+            raise PlanFormatError(f"{src}: schedule: expected a mapping, got "
+                                  f"{type(plan.schedule).__name__}")
+        m = plan.schedule.get("num_microbatches")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise PlanFormatError(f"{src}: schedule.num_microbatches: expected a positive "
+                                  f"integer, got {m!r}")
+        return m
+    return override or config.pipeline.microbatches
+
+
+def microbatch_graph(config: Config, m: int, src: str) -> Graph:
+    """The layer graph of one of ``m`` micro-batches."""
+    if m == 1:
+        return config.graph
+    if "batch" not in config.model or config.model["batch"] % m:
+        raise PlanFormatError(f"{src}: model batch {config.model.get('batch')} does not split "
+                              f"into {m} micro-batches")
+    return config.with_overrides({"model.batch": config.model["batch"] // m,
+                                  "pipeline.microbatches": 1}).graph
+
+
+def _check_layers(plan: Plan, graph: Graph, src: str) -> None:
+    ops = [op for op in graph.ops if op.kind is not OpKind.INPUT]
+    names = [ly.name for ly in plan.layers]
+    if sorted(names) != sorted(op.name for op in ops) or len(set(names)) != len(names):
+        missing = sorted({op.name for op in ops} - set(names))
+        extra = sorted(set(names) - {op.name for op in ops})
+        raise PlanFormatError(f"{src}: layers do not match the config's graph (missing "
+                              f"{missing[:5]}, not in the graph {extra[:5]}, or duplicated): the "
+                              f"config was edited or the plan is for another model")
+    for i, ly in enumerate(plan.layers):
+        op = graph[ly.name]
+        where = f"{src}: layers[{i}] ({ly.name})"
+        if ly.kind != op.kind.value:
+            raise PlanFormatError(f"{where}.kind: {ly.kind!r}, the config's op is {op.kind.value!r}")
+        if len(ly.inputs) != len(op.inputs):
+            raise PlanFormatError(f"{where}.strategy.inputs: {len(ly.inputs)} layouts for "
+                                  f"{len(op.inputs)} inputs")
+        shapes = [(f"inputs[{j}]", ly.input_shapes[j] if j < len(ly.input_shapes) else None,
+                   graph[s].output.shape) for j, s in enumerate(op.inputs)]
+        for what, have, want in [*shapes, ("output", ly.output_shape or None, op.output.shape)]:
+            if have is None or tuple(have) != tuple(want):
+                raise PlanFormatError(
+                    f"{where}.strategy.{what}.shape: the plan was solved for "
+                    f"{list(have) if have else 'no recorded shape'}, its config gives {list(want)} "
+                    f"(the config was edited, or the plan is for another model: re-solve it)")
+        try:
+            for j, (lay, s) in enumerate(zip(ly.inputs, op.inputs, strict=True)):
+                where_j = f"{where}.strategy.inputs[{j}]"
+                lay.check(graph[s].output)
+            where_j = f"{where}.strategy.output"
+            ly.output.check(op.output)
+            if ly.weight is not None and op.weight is not None:
+                where_j = f"{where}.strategy.weight"
+                ly.weight.check(op.weight)
+        except LayoutError as exc:
+            raise PlanFormatError(f"{where_j}: {exc}") from exc
+
+
+def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
+    """The plan's stages (one stage on every device when it has none), checked."""
+    num_devices = config.cluster.num_devices
+    layers = {ly.name: ly for ly in plan.layers}
+    if not plan.stages:
+        if any(ly.stage != 0 for ly in plan.layers):
+            raise PlanFormatError(f"{src}: a plan without stages has layers on stage > 0")
+        out = [Stage(0, tuple(range(num_devices)), list(layers),
+                     (config.cluster.nodes, config.cluster.devices_per_node))]
+    else:
+        out = []
+        if not isinstance(plan.stages, list):
+            raise PlanFormatError(f"{src}: stages: expected a list, got {type(plan.stages).__name__}")
+        for i, s in enumerate(plan.stages):
+            where = f"{src}: stages[{i}]"
+            if not isinstance(s, dict):
+                raise PlanFormatError(f"{where}: expected a mapping")
+            if s.get("index") != i or isinstance(s.get("index"), bool):
+                raise PlanFormatError(f"{where}.index is {s.get('index')!r}, expected {i}")
+            devices, names, mesh = s.get("devices"), s.get("layers"), s.get("mesh")
+            if not isinstance(devices, list) or not isinstance(names, list) \
+                    or not all(isinstance(n, str) for n in names):
+                raise PlanFormatError(f"{where}: expected lists of devices and layer names")
+            if not (isinstance(mesh, list) and len(mesh) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in mesh)
+                    and mesh[0] * mesh[1] == len(devices)):
+                raise PlanFormatError(f"{where}.mesh: expected [nodes, devices per node] with "
+                                      f"{len(devices)} devices in all, got {mesh!r}")
+            out.append(Stage(i, tuple(_int(d, f"{where}.devices") for d in devices), names,
+                             (mesh[0], mesh[1])))
+        placed = [n for s in out for n in s.layers]
+        if sorted(placed) != sorted(layers):
+            raise PlanFormatError(f"{src}: stages list {len(placed)} layers, the plan has "
+                                  f"{len(layers)} (each layer in exactly one stage)")
+        used = [d for s in out for d in s.devices]
+        if len(set(used)) != len(used) or any(not 0 <= d < num_devices for d in used):
+            raise PlanFormatError(f"{src}: stage devices {used} overlap or lie outside "
+                                  f"0..{num_devices - 1}")
+    for s in out:
+        for n in s.layers:
+            if layers[n].stage != s.index:
+                raise PlanFormatError(f"{src}: layer {n!r} says stage {layers[n].stage} but is "
+                                      f"listed in stage {s.index}")
+            for what, lay in (("output", layers[n].output), ("weight", layers[n].weight),
+                              *(("input", x) for x in layers[n].inputs)):
+                if lay is not None and lay.num_devices != len(s.devices):
+                    raise PlanFormatError(f"{src}: layer {n!r} {what} is laid out on "
+                                          f"{lay.num_devices} devices, its stage {s.index} has "
+                                          f"{len(s.devices)}")
+    return out
+
+
+def _int(v, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PlanFormatError(f"{where}: expected an integer, got {v!r}")
+    return v
+
+
+def _tasks(rows) -> tuple[Task, ...]:
+    return tuple(Task(tuple((int(a), int(b)) for a, b in t["slice"]), int(t["sender"]),
+                      tuple(int(h) for h in t["holders"]), tuple(int(r) for r in t["receivers"]))
+                 for t in rows)
+
+
+def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
+                 src: str) -> tuple[list[Entry], dict[tuple[str, int], int]]:
+    """The resharding entries, parsed and checked (module docstring, item 6), and which
+    entry brings each cross-stage input ``(consumer, input index)``."""
+    out = []
+    if not isinstance(plan.resharding or [], list):
+        raise PlanFormatError(f"{src}: resharding: expected a list of entries, got "
+                              f"{type(plan.resharding).__name__}")
+    for i, e in enumerate(plan.resharding or ()):
+        try:
+            ent = Entry(i, int(e["src_stage"]), int(e["dst_stage"]), e["tensor"], e["consumer"],
+                        tuple(int(x) for x in e["shape"]), layout_from_dict(e["src_layout"]),
+                        layout_from_dict(e["dst_layout"]), _tasks(e["tasks"]),
+                        _tasks(e["backward_tasks"]))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
+                LayoutError) as exc:
+            raise PlanFormatError(f"{src}: resharding entry {i} is malformed "
+                                  f"({type(exc).__name__}: {exc})") from exc
+        _check_entry(plan, graph, stages, stage_of, ent, f"{src}: resharding entry {i} "
+                                                         f"({ent.tensor} -> {ent.consumer})")
+        out.append(ent)
+    rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in out]
+    entry_of: dict[tuple[str, int], int] = {}
+    for ly in plan.layers:
+        for idx, s in enumerate(graph[ly.name].inputs):
+            if graph[s].kind is OpKind.INPUT or stage_of[s] == stage_of[ly.name]:
+                continue
+            k = find_entry(rows, s, ly.name, stage_of[ly.name], ly.inputs[idx])
+            if k is None:
+                raise PlanFormatError(
+                    f"{src}: edge {s} -> {ly.name} crosses stages {stage_of[s]} -> "
+                    f"{stage_of[ly.name]} but the plan has no resharding entry bringing {s} to "
+                    f"stage {stage_of[ly.name]} in the layout {ly.inputs[idx]} it reads")
+            entry_of[(ly.name, idx)] = k
+    return out, entry_of
+
+
+def _check_entry(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
+                 e: Entry, where: str) -> None:
+    if not isinstance(e.tensor, str) or not isinstance(e.consumer, str) or \
+            e.tensor not in stage_of or e.consumer not in stage_of:
+        raise PlanFormatError(f"{where}: names an op the plan does not have")
+    spec = graph[e.tensor].output
+    if tuple(spec.shape) != e.shape:
+        raise PlanFormatError(f"{where}: shape {list(e.shape)} but the op's output is "
+                              f"{list(spec.shape)}")
+    if stage_of[e.tensor] != e.src_stage or stage_of[e.consumer] != e.dst_stage:
+        raise PlanFormatError(f"{where}: stages {e.src_stage}->{e.dst_stage} disagree with the "
+                              f"stage lists")
+    if e.src_stage >= e.dst_stage:
+        raise PlanFormatError(f"{where}: goes from stage {e.src_stage} to {e.dst_stage}; "
+                              f"transfers must go to a later stage")
+    if e.src_layout.has_partial or e.dst_layout.has_partial:
+        raise PlanFormatError(f"{where}: cross-mesh layouts must be free of partial sums")
+    sent = resolve_partial(plan.layer(e.tensor).output, spec)
+    if e.src_layout != sent:
+        raise PlanFormatError(f"{where}: sends from {e.src_layout}, but the producer's export "
+                              f"program (priced) yields {sent}")
+    for stage, lay in ((e.src_stage, e.src_layout), (e.dst_stage, e.dst_layout)):
+        if lay.num_devices != len(stages[stage].devices):
+            raise PlanFormatError(f"{where}: layout {lay} is not on stage {stage}'s "
+                                  f"{len(stages[stage].devices)} devices")
+    src_reg = _regions(e.src_layout, e.shape, stages[e.src_stage].devices)
+    dst_reg = _regions(e.dst_layout, e.shape, stages[e.dst_stage].devices)
+    check_tasks(f"{where}, forward", e.tasks, src_reg, dst_reg)
+    check_tasks(f"{where}, backward", e.backward_tasks, dst_reg, src_reg)
+
+
+def _regions(layout: Layout, shape: tuple[int, ...], devices: Sequence[int]) -> dict[int, Region]:
+    return {d: tuple((int(lo), int(hi)) for lo, hi in reg)
+            for d, reg in zip(devices, layout.regions(shape), strict=True)}
+
+
+def check_tasks(where: str, tasks: tuple[Task, ...], have: dict, need: dict) -> None:
+    """Every task's sender holds its slice (in ``have``: device → region), every receiver
+    needs it, and every needing device receives exactly its whole region."""
+    covered = dict.fromkeys(need, 0)
+    for k, t in enumerate(tasks):
+        if t.sender not in t.holders or not t.receivers:
+            raise PlanFormatError(f"{where}: task {k} sender {t.sender} is not a holder, or no "
+                                  f"receivers")
+        for h in t.holders:
+            if h not in have or not _inside(t.region, have[h]):
+                raise PlanFormatError(f"{where}: task {k} slice {t.region} is not held by {h}")
+        for r in t.receivers:
+            if r not in need or not _inside(t.region, need[r]):
+                raise PlanFormatError(f"{where}: task {k} slice {t.region} not needed by {r}")
+            covered[r] += region_numel(t.region)
+    for r, n in covered.items():
+        if n != region_numel(need[r]):
+            raise PlanFormatError(f"{where}: device {r} receives {n} of the {region_numel(need[r])} "
+                                  f"elements of its shard")
+
+
+def _inside(inner, outer) -> bool:
+    return len(inner) == len(outer) and all(
+        o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(inner, outer, strict=True))
+
+
+def lowered_actions(plan: Plan, num_stages: int, m: int, src: str) -> dict[int, list[tuple[str, int]]]:
+    """The schedule as it will run: per stage the lowered ``(kind, micro-batch)`` list,
+    validated after lowering (complete, locally ordered, FIFO per link, deadlock-free).
+    Accepted forms: ``{"actions": {"0": ["F0", …], …}, "num_microbatches": M}`` or
+    ``{"rows": ["F0 F1 …", …]}``; a single-stage plan without one runs 1F1B."""
+    raw = plan.schedule or {}
+    name = str(raw.get("name", "custom"))
+    if raw.get("actions"):
+        acts = raw["actions"]
+        try:
+            rows = [acts[str(i)] if str(i) in acts else acts[i] for i in range(num_stages)]
+        except (KeyError, TypeError) as exc:
+            raise PlanFormatError(f"{src}: schedule.actions needs one list per stage "
+                                  f"0..{num_stages - 1} ({exc})") from exc
+    elif raw.get("rows"):
+        rows = raw["rows"]
+    elif num_stages == 1:
+        rows = make_schedule("1f1b", 1, m).to_strings()
+    else:
+        raise PlanFormatError(f"{src}: {num_stages} stages but no schedule actions")
+    if not isinstance(rows, list) or len(rows) != num_stages:
+        raise PlanFormatError(f"{src}: schedule has {len(rows) if isinstance(rows, list) else 0} "
+                              f"rows for {num_stages} stages")
+    try:
+        sched = lower(Schedule.from_strings(rows, num_microbatches=m, name=name))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise PlanFormatError(f"{src}: schedule actions do not parse ({exc})") from exc
+    validate(sched)
+    return {i: [(a.kind.value, a.microbatch) for a in row] for i, row in enumerate(sched.rows)}
+
+
+def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,
+               stage: int, want: Layout) -> int | None:
+    """Which resharding entry brings ``tensor`` to ``consumer`` on ``stage`` in the layout
+    ``want`` it reads: the entry naming that consumer, else another delivering that layout
+    to that stage (entries are shared by consumers of one stage). ``entries`` are
+    ``(tensor, consumer, dst_stage, dst_layout)`` rows; one rule for planner and runtime.
+    No entry delivering another layout is accepted: its conversion would be unpriced."""
+    for rule in (lambda e: e[1] == consumer, lambda e: True):
+        for i, e in enumerate(entries):
+            if e[0] == tensor and e[2] == stage and e[3] == want and rule(e):
+                return i
+    return None

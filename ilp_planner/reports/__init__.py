@@ -1,0 +1,1 @@
+"""Reports of plans: explain, summary, diff — pure strings built from plan data."""

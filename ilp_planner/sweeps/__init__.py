@@ -1,0 +1,1 @@
+"""Batch solves: sweep points, the driver and its worker backends."""

@@ -1,0 +1,302 @@
+"""Plans built by hand for tests and benchmarks (planner-side fixtures; no torch, never on a rank).
+
+* :func:`greedy_unit_tasks` — a cross-mesh transfer cut into unit tasks (seed 003 §2.2): devices
+  holding the same source block form a source slice σ, devices needing the same destination
+  block a destination slice δ, each non-empty σ ∩ δ is one task with ``holders`` = σ and
+  ``receivers`` = δ; the sender is the least-loaded holder (greedy) and ``start_s`` comes
+  from a greedy list schedule (one send and one receive per device at a time, α + nβ per
+  task). Hand-built plans use this; the planner's own plans carry the CP-SAT order;
+* :func:`restricted_plan` — the best single-mesh plan among strategies a filter keeps
+  (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
+* :func:`sharded_plan` — the same with every shardable op at one ZeRO level (and every
+  block recomputed, if asked);
+* :func:`pipelined_plan` — a hand-built pipelined plan: the devices cut into equal
+  contiguous stages, the layers cut into consecutive stages, each stage's layouts the
+  intra-op optimum on its sub-mesh, a resharding entry (forward and backward unit tasks)
+  for every edge crossing stages, and the schedule's action lists — the format the
+  pipelined planner emits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from formulations.sbp_ilp import SbpIlp
+from formulations.schedules import schedule_actions
+from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.inputs.config import Config
+from ilp_planner.inter_op.pipeline import price_stage_boundaries, stage_costs
+from ilp_planner.intra_op.baselines import Filter, restrict
+from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.intra_op.solve_mesh import realise
+from ilp_planner.ir.graph import Op, OpKind
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.ir.regions import Region, intersect, layout_blocks, region_empty, region_numel
+from ilp_planner.lowering.redistribution import plan_redistribution
+from ilp_planner.lowering.stage_boundary import export_program, import_program
+from ilp_planner.lowering.strategies import Strategy, input_grad_layouts, resolve_partial, tied_source
+from ilp_planner.plan.data import CostBreakdown, Plan, layout_to_dict
+
+# -- regions and unit tasks ------------------------------------------------------------------
+
+
+
+
+
+
+
+
+# -- schedules -------------------------------------------------------------------------------
+
+
+
+
+# -- plans built by hand ---------------------------------------------------------------------
+
+
+def greedy_unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout,
+                      src_devices: Sequence[int], dst_layout: Layout, dst_devices: Sequence[int], *,
+                      alpha: float = 1e-5,
+                      beta: float = 1e-9) -> list[dict]:
+    """Unit tasks of moving a tensor from ``src_layout`` over ``src_devices`` to
+    ``dst_layout`` over ``dst_devices`` (global ranks, mesh order), in a greedy order."""
+    src_regions = layout_blocks(src_layout, shape)
+    dst_regions = layout_blocks(dst_layout, shape)
+    sigma: dict[Region, list[int]] = {}
+    for dev, reg in zip(src_devices, src_regions, strict=True):
+        sigma.setdefault(reg, []).append(dev)
+    delta: dict[Region, list[int]] = {}
+    for dev, reg in zip(dst_devices, dst_regions, strict=True):
+        delta.setdefault(reg, []).append(dev)
+    sent: dict[int, float] = dict.fromkeys(src_devices, 0.0)
+    send_free: dict[int, float] = dict.fromkeys(src_devices, 0.0)
+    recv_free: dict[int, float] = dict.fromkeys(dst_devices, 0.0)
+    tasks = []
+    for dreg, receivers in delta.items():
+        for sreg, holders in sigma.items():
+            piece = intersect(sreg, dreg)
+            if region_empty(piece):
+                continue
+            nbytes = region_numel(piece) * itemsize
+            sender = min(holders, key=lambda h: (sent[h], holders.index(h)))
+            sent[sender] += nbytes
+            start = max([send_free[sender]] + [recv_free[r] for r in receivers])
+            end = start + alpha + nbytes * beta
+            send_free[sender] = end
+            for r in receivers:
+                recv_free[r] = end
+            tasks.append({"slice": [list(x) for x in piece], "sender": sender,
+                          "holders": list(holders), "receivers": list(receivers),
+                          "start_s": start})
+    tasks.sort(key=lambda t: t["start_s"])
+    return tasks
+
+
+def _choose(gp, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+    if keep is None:
+        problem, allowed = gp.problem, None
+    else:
+        res = restrict(gp, keep)
+        if isinstance(res, str):
+            raise InfeasibleError(res)
+        problem, allowed = res
+    out = SbpIlp(problem).solve(time_limit_s=time_limit_s)
+    if out is None:
+        raise InfeasibleError("the restricted ILP found no solution in time")
+    choice = list(out.choice) if allowed is None else \
+        [int(allowed[g][k]) for g, k in enumerate(out.choice)]
+    return choice, out.to_dict()
+
+
+def restricted_plan(config: Config, keep: Filter | None = None, name: str | None = None,
+                    time_limit_s: float = 30.0) -> Plan:
+    """The best single-mesh plan using only strategies ``keep`` accepts (all if None), for
+    one micro-batch with gradient accumulation over ``pipeline.microbatches`` (as
+    :func:`ilp_planner.intra_op.solve_mesh.solve_mesh` plans)."""
+    c = config.cluster
+    gp = build_problem(config.microbatch_graph(), c, c.nodes, c.devices_per_node, config.memory,
+                       tie_layers=config.solver.tie_layers,
+                       max_weight_replication=config.solver.max_weight_replication,
+                       microbatches=config.pipeline.microbatches,
+                       grad_bucket_bytes=config.grad_bucket_bytes)
+    choice, solver = _choose(gp, keep, time_limit_s)
+    layers, cost = realise(gp, choice)
+    return Plan(name or config.name, config.raw, solver, cost, layers)
+
+
+def sharded_plan(config: Config, zero: int, *, recompute: bool = False,
+                 keep: Filter | None = None, name: str | None = None,
+                 time_limit_s: float = 30.0) -> Plan:
+    """The best single-mesh plan in which every op that can shard its state among the
+    strategies ``keep`` accepts does so at level ``zero``
+    (:func:`ilp_planner.lowering.strategies.state_sharded`; the others keep theirs), with every
+    block recomputed when ``recompute`` — to exercise one ZeRO level whatever the memory
+    budget."""
+    config = config.with_overrides({"solver.state_sharding": sorted({0, zero}),
+                                    "solver.recompute": "always" if recompute else "never"})
+    c = config.cluster
+    graph = config.microbatch_graph()
+    units = frozenset((op.block, op.block_index) for op in graph.ops
+                      if recompute and op.block is not None and op.block_index is not None)
+    gp = build_problem(graph, c, c.nodes, c.devices_per_node, config.memory,
+                       tie_layers=config.solver.tie_layers,
+                       max_weight_replication=config.solver.max_weight_replication,
+                       microbatches=config.pipeline.microbatches,
+                       grad_bucket_bytes=config.grad_bucket_bytes,
+                       zero_levels=(0, zero) if zero else (0,), recompute=units)
+    choice, solver = _sharded_choice(gp, zero, keep, time_limit_s)
+    layers, cost = realise(gp, choice)
+    return Plan(name or config.name, config.raw, solver, cost, layers)
+
+
+def _sharded_choice(gp, zero: int, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+    """The best choice with every op at ``zero`` where a strategy ``keep`` accepts has it."""
+    allowed = []
+    for group in gp.groups:
+        op = gp.graph[group[0]]
+        passing = [k for k, o in enumerate(gp.options[group[0]])
+                   if keep is None or keep(op, o.base)]
+        at_level = [k for k in passing if gp.options[group[0]][k].base.zero == zero]
+        idx = np.array(at_level or passing, dtype=int)
+        if idx.size == 0:
+            raise InfeasibleError(f"no strategy of {op.name!r} at zero{zero} passes the filter")
+        allowed.append(idx)
+    out = SbpIlp(gp.problem.subset(allowed)).solve(time_limit_s=time_limit_s)
+    if out is None:
+        raise InfeasibleError("the restricted ILP found no solution in time")
+    return [int(allowed[g][k]) for g, k in enumerate(out.choice)], out.to_dict()
+
+
+def matmul_filter(predicate: Callable[[Op, Strategy], bool]) -> Filter:
+    """Keep strategies of linear/embedding ops that satisfy ``predicate``; others free."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.kind in (OpKind.LINEAR, OpKind.EMBEDDING):
+            return predicate(op, s)
+        return True
+    return keep
+
+
+def three_d_filter(sizes: tuple[int, int, int]) -> Filter:
+    """Linear and embedding ops in AutoDDL's 3-D family on a ``p0 × p1 × p2`` mesh."""
+    return matmul_filter(lambda op, s: s.label.startswith("3d")
+                         and tuple(a.size for a in s.fact) == tuple(sizes))
+
+
+def _stage_shape(nodes: int, local: int, stages: int) -> tuple[int, int]:
+    if nodes % stages == 0:
+        return nodes // stages, local
+    if nodes == 1 and local % stages == 0:
+        return 1, local // stages
+    raise ConfigError(f"cannot cut a {nodes}x{local} cluster into {stages} equal stage meshes")
+
+
+def _at_stage_boundaries(graph, gp, lp, outputs: dict[str, Layout], stage_of: dict[str, int]) -> tuple:
+    """A layer's collectives once the single-mesh plan is cut into stages: the edge
+    programs of inputs from another stage (they arrive by cross-mesh resharding, exactly in
+    the layout the layer reads) replaced by their import programs, the export program added
+    where a later stage reads the output (:mod:`ilp_planner.lowering.stage_boundary`), and a tied
+    exchange whose partner is on another stage dropped (:func:`price_stage_boundaries` adds
+    the cross-stage one)."""
+    colls = list(lp.collectives)
+    op = graph[lp.name]
+    cluster = gp.ctx.cluster
+    emb = tied_source(graph, op) if op.attrs.get("tied") else None
+    if emb is not None and stage_of[emb.name] != stage_of[lp.name]:  # exchanged across stages
+        colls = [c for c in colls if c.purpose != "tied_weight"]
+    grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
+    for idx, src in enumerate(op.inputs):
+        if (graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[lp.name]
+                or gp.owner[src] == gp.owner[lp.name]):  # a follower's input is priced inside
+            continue
+        tensor = graph[src].output
+        red = plan_redistribution(outputs[src], lp.inputs[idx], tensor, cluster, grads[idx])
+        for c in red.forward + red.backward:
+            colls.remove(c)
+        imp = import_program(lp.inputs[idx], grads[idx], tensor, cluster)
+        colls += imp.forward + imp.backward
+    if any(stage_of[c] > stage_of[lp.name] for c in graph.consumers(lp.name)):
+        exp = export_program(lp.output, op.output, cluster)
+        colls += exp.forward + exp.backward
+    return tuple(colls)
+
+
+def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
+                   microbatches: int = 2, cut_after: Sequence[str] | None = None,
+                   keep: Filter | None = None, name: str | None = None,
+                   time_limit_s: float = 30.0, zero: int = 0) -> Plan:
+    """A hand-built pipelined plan (see the module docstring). ``cut_after`` names the last
+    op of each stage but the last (default: the layer list cut into equal counts).
+
+    The layouts come from one ILP over the whole graph on the stage mesh, whose gradient
+    bucket terms count one buffer per device group for the whole graph; the plan realises
+    (and prices) the chunks per stage, as the runtime reduces them, so its cost is the
+    program's but the choice is only near-optimal for it — the pipeline planner's
+    per-stage ILPs are exact. ``zero`` > 0: every op that can shard its state does so at
+    that level (:func:`sharded_plan`)."""
+    raw = dict(config.raw)
+    raw["pipeline"] = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
+    cfg = config.with_overrides({"pipeline": raw["pipeline"]})
+    if zero:
+        cfg = cfg.with_overrides({"solver.state_sharding": [0, zero]})
+    c = cfg.cluster
+    n_s, d_s = _stage_shape(c.nodes, c.devices_per_node, stages)
+    per_stage = n_s * d_s
+    graph = cfg.microbatch_graph()
+    gp = build_problem(graph, c, n_s, d_s, cfg.memory, tie_layers=cfg.solver.tie_layers,
+                       max_weight_replication=cfg.solver.max_weight_replication,
+                       microbatches=microbatches, grad_bucket_bytes=cfg.grad_bucket_bytes,
+                       zero_levels=(0, zero) if zero else (0,))
+    choice, solver = (_sharded_choice(gp, zero, keep, time_limit_s) if zero
+                      else _choose(gp, keep, time_limit_s))
+    names = [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
+    if cut_after is None:
+        cuts = [names[(len(names) * (s + 1)) // stages - 1] for s in range(stages - 1)]
+    else:
+        cuts = list(cut_after)
+    if len(cuts) != stages - 1 or any(x not in names for x in cuts):
+        raise ConfigError(f"cut_after must name {stages - 1} ops of the graph, got {cuts}")
+    stage_of: dict[str, int] = {}
+    s = 0
+    for n in names:
+        stage_of[n] = s
+        if s < stages - 1 and n == cuts[s]:
+            s += 1
+    layers, cost = realise(gp, choice, stage_of=stage_of)
+    outputs = {lp.name: lp.output for lp in layers}
+    layers = [replace(lp, stage=stage_of[lp.name],
+                      collectives=_at_stage_boundaries(graph, gp, lp, outputs, stage_of))
+              for lp in layers]
+    devices = [list(range(i * per_stage, (i + 1) * per_stage)) for i in range(stages)]
+    stage_list = [{"index": i, "devices": devices[i], "mesh": [n_s, d_s],
+                   "layers": [n for n in names if stage_of[n] == i]} for i in range(stages)]
+    by_name = {lp.name: lp for lp in layers}
+    resharding = []
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT:
+            continue
+        for idx, src in enumerate(op.inputs):
+            if graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[op.name]:
+                continue
+            tensor = graph[src].output
+            src_layout = resolve_partial(by_name[src].output, tensor)
+            dst_layout = by_name[op.name].inputs[idx]
+            a, b = stage_of[src], stage_of[op.name]
+            resharding.append({
+                "src_stage": a, "dst_stage": b, "tensor": src, "consumer": op.name,
+                "shape": list(tensor.shape), "dtype": tensor.dtype,
+                "src_layout": layout_to_dict(src_layout), "dst_layout": layout_to_dict(dst_layout),
+                "tasks": greedy_unit_tasks(tensor.shape, tensor.itemsize, src_layout, devices[a],
+                                    dst_layout, devices[b]),
+                "backward_tasks": greedy_unit_tasks(tensor.shape, tensor.itemsize, dst_layout, devices[b],
+                                             src_layout, devices[a]),
+            })
+    sched = {"name": schedule, "num_microbatches": microbatches,
+             "actions": schedule_actions(schedule, stages, microbatches)}
+    layers = price_stage_boundaries(graph, layers, stage_list, resharding, c)
+    for st, priced in zip(stage_list, stage_costs(layers, stage_list, microbatches), strict=True):
+        st.update(priced)
+    return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
+                CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)
