@@ -20,7 +20,7 @@ from ilp_planner.ir.cluster import MeshAxis, fact_str
 from ilp_planner.ir.layouts import Layout, parse_placement
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 
-PLAN_SCHEMA = "ilp_planner.plan.data"
+PLAN_SCHEMA = "ilp_planner.plan"  # the identity plan files carry (not a module path)
 PLAN_VERSION = 5  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes;
 # 4: fused gradient buckets, exposed gradient synchronisation; 5: per-layer zero and recompute
 
