@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from ilp_planner.errors import PlannerError
 
@@ -30,16 +32,29 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ilp-planner",
         description="Auto-parallel planner: SBP ILP, pipeline stage DP, cross-mesh resharding.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for verb in VERBS:
         importlib.import_module(f"ilp_planner.commands.{verb}").register(sub)
     return parser
 
 
+def _version() -> str:
+    try:
+        return version("ilp-planner")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # the reader went away (``… | head``): stop quietly, as a Unix filter does; stdout is
+        # pointed at /dev/null so the interpreter's final flush cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except PlannerError as exc:
         text = str(exc)
         if len(text) > MAX_ERROR_CHARS:  # never echo a huge input back
