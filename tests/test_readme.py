@@ -315,3 +315,18 @@ def test_architecture_layer_order_matches_may_import():
     wrong = [f"{a} may import {b}, listed above it" for i, a in enumerate(order)
              for b in order[i + 1:] if b in MAY_IMPORT[a]]
     assert not wrong, f"ARCHITECTURE.md's layer table is out of order: {wrong}"
+
+
+def test_install_and_test_commands_are_ci_s():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    readme = _text(README)
+    pins = set(re.findall(r'"torch==([\d.]+)"', ci))
+    assert pins, ".ci/run pins no torch version"
+    named = set(re.findall(r'"torch==([\d.]+)"', readme))
+    assert named == pins, f"README.md pins torch {sorted(named)}; .ci/run pins {sorted(pins)}"
+    line = next((ln for ln in readme.splitlines() if "torch==" in ln and "pip install -e" in ln), "")
+    assert line.index("torch==") < line.index("pip install -e") if line else False, (
+        "README.md's install line must install the torch pin before the package")
+    test_cmd = re.findall(r"^(python -m pytest[^\n]*)$", ci, re.M)
+    assert test_cmd and test_cmd[0] in readme, (
+        f"README.md does not give .ci/run's test command {test_cmd}")
