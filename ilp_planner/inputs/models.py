@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.errors import ConfigError
-from ilp_planner.inputs.schema import Reader, join
+from ilp_planner.inputs.schema import Key, Reader, join
 from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec
 
 
@@ -206,9 +206,37 @@ def vgg13(batch: int, image: int = 224, classes: int = 1000, dtype: str = "float
 
 # -- explicit graphs ----------------------------------------------------------------------
 
-GRAPH_OP_KEYS = ("name", "kind", "inputs", "shape", "dtype", "weight", "params", "flops",
-                 "block", "block_index", "attrs", "source_params")
-"""Keys of one op in the explicit-graph YAML form (``model: {kind: graph, ops: [...]}``)."""
+GRAPH_KEYS: dict[str, Key] = {
+    "kind": Key("choice", "the explicit form (optional where the caller knows it)", "graph",
+                choices=("graph",)),
+    "ops": Key("list", "the layer graph's ops in topological order (see model.ops[i])"),
+    "name": Key("string", "the graph's name", "graph"),
+    "dtype": Key("choice", "default dtype of every op's tensors", "float32",
+                 choices=tuple(DTYPE_BYTES), noun="dtype"),
+}
+"""Keys of the explicit-graph YAML form (``model: {kind: graph, ops: [...]}``)."""
+
+GRAPH_OP_KEYS: dict[str, Key] = {
+    "name": Key("string", "the op's name"),
+    "kind": Key("choice", "what the op computes", choices=tuple(k.value for k in OpKind),
+                noun="op kind"),
+    "shape": Key("list", "global output shape (positive integers)"),
+    "inputs": Key("list", "names of earlier ops it reads (none for an input)", ()),
+    "dtype": Key("choice", "dtype of its tensors", None, choices=tuple(DTYPE_BYTES),
+                 noun="dtype", default_text="the graph's dtype"),
+    "weight": Key("list", "main parameter shape as strategies shard it (a linear's (in, out))",
+                  None, null=True),
+    "params": Key("integer", "parameter count", None, nonneg=True,
+                  default_text="the weight's elements"),
+    "flops": Key("number", "forward FLOPs", None, nonneg=True,
+                 default_text="as the builders count"),
+    "block": Key("string", "repeated block it belongs to (with block_index)", None),
+    "block_index": Key("integer", "its repetition of the block", None, nonneg=True),
+    "attrs": Key("mapping", "integer attributes (attention: heads, seq_len)", None,
+                 default_text="none"),
+    "source_params": Key("list", "the module parameters it owns", ()),
+}
+"""Keys of one op of the explicit-graph form."""
 
 
 def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
@@ -260,11 +288,12 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
     here, before :class:`Graph` sees the ops, so the messages can say where.
     """
     r = Reader(source)
-    spec = r.mapping(spec, key, required=("ops",), optional=("kind", "name", "dtype"))
+    spec = r.section(spec, key, GRAPH_KEYS)
     if "kind" in spec and spec["kind"] != "graph":
         r.fail(join(key, "kind"), f"expected 'graph' for an explicit graph, got {spec['kind']!r}")
-    name = r.string(spec.get("name", "graph"), join(key, "name"))
-    dtype = r.choice(spec.get("dtype", "float32"), join(key, "dtype"), DTYPE_BYTES, "dtype")
+    name = r.read(GRAPH_KEYS["name"], spec.get("name", GRAPH_KEYS["name"].default), join(key, "name"))
+    dtype = r.read(GRAPH_KEYS["dtype"], spec.get("dtype", GRAPH_KEYS["dtype"].default),
+                   join(key, "dtype"))
     raw_ops = r.sequence(spec["ops"], join(key, "ops"), min_len=1)
 
     # All names first, so a forward reference can be told apart from a typo.
@@ -277,13 +306,12 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
     shapes: dict[str, tuple[int, ...]] = {}
     for i, raw in enumerate(raw_ops):
         path = join(join(key, "ops"), i)
-        d = r.mapping(raw, path, required=("name", "kind", "shape"), optional=GRAPH_OP_KEYS)
+        d = r.section(raw, path, GRAPH_OP_KEYS)
         op_name = r.string(d["name"], join(path, "name"))
         if op_name in seen:
             r.fail(join(path, "name"),
                    f"duplicate op name {op_name!r} (first defined at {key}.ops[{seen[op_name]}])")
-        kind = OpKind(r.choice(d["kind"], join(path, "kind"), [k.value for k in OpKind],
-                               "op kind"))
+        kind = OpKind(r.read(GRAPH_OP_KEYS["kind"], d["kind"], join(path, "kind")))
         inputs = _spec_inputs(r, d, path, key, seen, all_names)
         op = _spec_op(r, d, path, op_name, kind, inputs, [shapes[s] for s in inputs], dtype)
         ops.append(op)
@@ -321,7 +349,7 @@ def _spec_op(r: Reader, d: Mapping[str, Any], path: str, op_name: str, kind: OpK
         r.fail(join(path, "inputs"), "an input op reads no other op")
     if kind is not OpKind.INPUT and not inputs:
         r.fail(join(path, "inputs"), f"a {kind.value} op needs at least one input")
-    op_dtype = r.choice(d.get("dtype", dtype), join(path, "dtype"), DTYPE_BYTES, "dtype")
+    op_dtype = r.read(GRAPH_OP_KEYS["dtype"], d.get("dtype", dtype), join(path, "dtype"))
     out = TensorSpec(r.shape(d["shape"], join(path, "shape")), op_dtype)
     weight = None
     if d.get("weight") is not None:
