@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ilp_planner.inputs.lift_graph import DraftGraph
-from ilp_planner.inputs.lift_layers import Handler, lift_norm
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_layers import lift_norm
 from ilp_planner.inputs.lift_values import (
     CONCATS,
     FOLLOWERS,

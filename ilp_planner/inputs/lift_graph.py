@@ -9,15 +9,17 @@ through it, so naming and parameter ownership are decided in one place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ilp_planner.inputs.lift_values import (
     Act,
+    Call,
     Const,
     Draft,
     Unsupported,
     dtype_of,
+    first_output,
     flatten,
     numel,
     tokens_major,
@@ -36,7 +38,6 @@ class DraftGraph:
         self.dtensor = dtensor
         self.drafts: dict[str, Draft] = {}
         self.values: dict[str, Any] = {}  # node name -> Const / Act (or a list of them)
-        self.param_of: dict[str, str] = {}  # placeholder name -> parameter FQN
         self.param_shape: dict[str, tuple[int, ...]] = {}
         self.owner: dict[str, str] = {}  # parameter FQN -> first op using it
         self.counters: dict[str, int] = {}
@@ -90,7 +91,6 @@ class DraftGraph:
         val = node.meta.get("val")
         if node.name in params:
             fqn = params[node.name].removeprefix(self.strip)
-            self.param_of[node.name] = fqn
             self.param_shape[fqn] = tuple(val.shape)
             return Const((fqn,))
         if node.name in constants or not hasattr(val, "shape"):
@@ -157,7 +157,7 @@ class DraftGraph:
     def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
         """An op the planner cannot shard: kept replicated, its inputs gathered; it owns the
         parameters among ``args``."""
-        out = val[0] if isinstance(val, (list, tuple)) else val
+        out = first_output(val)
         srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
         shape = tuple(out.shape)
         spec = shape if len(shape) == 4 else tokens_major(shape)
@@ -175,6 +175,10 @@ class DraftGraph:
         # loss, so the plan gathers split classes before it (strategies.follower_inputs)
         return self.add(node, OpKind.LOSS, [src], (1,), "float32", flops=3.0 * n,
                         **({"whole_classes": 1} if self.dtensor else {}))
+
+
+Handler = Callable[[DraftGraph, Call], Any]
+"""What the walk's table maps an aten op name to: the node's value from its lifted call."""
 
 
 def _is_image(d: Draft) -> bool:

@@ -9,11 +9,10 @@ the planner cannot read, becomes opaque.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from ilp_planner.inputs.lift_graph import DraftGraph
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_values import (
     SPLITS,
     Act,
@@ -26,8 +25,6 @@ from ilp_planner.inputs.lift_values import (
     tokens_major,
 )
 from ilp_planner.ir.graph import OpKind
-
-Handler = Callable[[DraftGraph, Call], Any]
 
 
 def lift_linear(g: DraftGraph, call: Call) -> Any:

@@ -12,8 +12,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.inputs.lift_elementwise import ELEMENTWISE_HANDLERS, lift_const
-from ilp_planner.inputs.lift_graph import DraftGraph
-from ilp_planner.inputs.lift_layers import LAYER_HANDLERS, Handler
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_layers import LAYER_HANDLERS
 from ilp_planner.inputs.lift_values import IGNORED, Call, Const, flatten, op_name
 
 HANDLERS: MappingProxyType[str, Handler] = MappingProxyType(
