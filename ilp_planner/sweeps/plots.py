@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ilp_planner.sweeps.points import _num, _short
+from ilp_planner.sweeps.points import finite_or_none, short_text
 from ilp_planner.sweeps.spec import PlotSpec
 
 Row = Mapping[str, Any]
@@ -26,7 +26,7 @@ def plot_rows(rows: Sequence[Row], ps: PlotSpec, keys: Sequence[str], path: Path
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    good = [r for r in rows if not r.get("error") and _num(r.get(ps.metric)) is not None]
+    good = [r for r in rows if not r.get("error") and finite_or_none(r.get(ps.metric)) is not None]
     if not good:
         return None
     varying = [k for k in keys if len({json.dumps(_value(r, k), sort_keys=True)
@@ -74,15 +74,15 @@ class _XAxis:
         categories: list[str] = []
         if not numeric:
             for x in xs:
-                if _short(x) not in categories:
-                    categories.append(_short(x))
+                if short_text(x) not in categories:
+                    categories.append(short_text(x))
         log = ps.logx
         if log is None:
             log = numeric and min(xs) > 0 and max(xs) / min(xs) >= 8
         return cls(xs, numeric, tuple(categories), bool(log))
 
     def position(self, x: Any) -> Any:
-        return x if self.numeric else self.categories.index(_short(x))
+        return x if self.numeric else self.categories.index(short_text(x))
 
 
 def _draw_panel(ax: Any, rows: Sequence[Row], ps: PlotSpec, line_keys: Sequence[str],
@@ -100,7 +100,7 @@ def _draw_panel(ax: Any, rows: Sequence[Row], ps: PlotSpec, line_keys: Sequence[
         ax.set_xticks(range(len(axis.categories)), list(axis.categories))
     elif len(set(axis.values)) <= 12:
         ticks = sorted(set(axis.values))
-        ax.set_xticks(ticks, [_short(t) for t in ticks])
+        ax.set_xticks(ticks, [short_text(t) for t in ticks])
         ax.minorticks_off()
     ax.set_xlabel(ps.x)
     ax.set_ylabel(ps.metric)
@@ -114,4 +114,4 @@ def _value(row: Row, key: str) -> Any:
 
 
 def _label(row: Row, keys: Sequence[str]) -> str:
-    return ", ".join(f"{k.rsplit('.', 1)[-1]}={_short(_value(row, k))}" for k in keys)
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={short_text(_value(row, k))}" for k in keys)

@@ -30,7 +30,7 @@ from typing import Any
 
 from ilp_planner.inputs.files import read_input
 from ilp_planner.reports.explain import fmt_seconds, text_table
-from ilp_planner.sweeps.points import Point, _num, _short
+from ilp_planner.sweeps.points import Point, finite_or_none, short_text
 
 RESULTS_JSONL = "results.jsonl"
 RESULTS_CSV = "results.csv"
@@ -162,7 +162,7 @@ def _summary_cells(row: Mapping[str, Any], keys: Sequence[str], ratio_cols: Sequ
                    max_layout: int) -> list[str]:
     """Table cells of one row; a failed point shows its error in the layout column."""
     ov = row.get("overrides") or {}
-    cells = [str(row.get("point")), *(_short(ov.get(k)) for k in keys), str(row.get("status"))]
+    cells = [str(row.get("point")), *(short_text(ov.get(k)) for k in keys), str(row.get("status"))]
     if row.get("error"):
         err = " ".join(str(row["error"]).split())
         return cells + ["—"] * (4 + len(ratio_cols)) + [_cut(err, max_layout)]
@@ -211,4 +211,4 @@ def results_markdown(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> 
 
 
 def _sec(x: Any) -> str:
-    return fmt_seconds(_num(x))
+    return fmt_seconds(finite_or_none(x))

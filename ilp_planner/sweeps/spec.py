@@ -49,7 +49,7 @@ from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
 from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.schema import Reader, join, show
 from ilp_planner.plan.data import PLAN_VERSION
-from ilp_planner.sweeps.points import Point, _safe
+from ilp_planner.sweeps.points import Point, file_safe
 
 # Numeric result columns a plot may use (besides ratio_<baseline family>).
 METRICS = (
@@ -75,7 +75,7 @@ class PlotSpec:
 
     @property
     def filename(self) -> str:
-        return _safe(f"{self.metric}_vs_{self.x}") + ".png"
+        return file_safe(f"{self.metric}_vs_{self.x}") + ".png"
 
 
 @dataclass(frozen=True)

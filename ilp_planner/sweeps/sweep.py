@@ -31,7 +31,7 @@ from ilp_planner.inputs.files import prepare_output
 from ilp_planner.plan.data import Plan
 from ilp_planner.sweeps.backends import make_backend
 from ilp_planner.sweeps.plots import plot_rows
-from ilp_planner.sweeps.points import PointOutcome, PointTask, _safe
+from ilp_planner.sweeps.points import PointOutcome, PointTask, file_safe
 from ilp_planner.sweeps.progress import Progress
 from ilp_planner.sweeps.results import (
     PLANS_DIR,
@@ -151,7 +151,7 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
 
 def default_output(spec: SweepSpec) -> Path:
     """Where a sweep writes when given no folder: ``sweep-results/<name>``."""
-    return Path("sweep-results") / _safe(spec.name)
+    return Path("sweep-results") / file_safe(spec.name)
 
 
 def _threads(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> int:
