@@ -23,10 +23,9 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   cross-entropy of the output over its last dim, the runtime's convention.
 
 An op the planner cannot shard becomes ``opaque``: kept replicated, its inputs gathered,
-listed by ``validate`` (:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated blocks —
-children ``i`` of a
-``ModuleList`` / ``Sequential`` of one class whose ops have the same signature — are marked
-``block`` / ``block_index`` so tying applies. Op names are the user's module paths
+listed by ``validate`` (:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated
+blocks — children ``i`` of a ``ModuleList`` / ``Sequential`` of one class whose ops have the
+same signature — are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
 (``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>``), and
 each op lists the parameters it owns (``Op.source_params``) so a plan can be applied back to
 the module (:mod:`ilp_planner.parallelize`).
@@ -34,8 +33,8 @@ the module (:mod:`ilp_planner.parallelize`).
 The walk and its handlers live in :mod:`ilp_planner.inputs.lifting` (the ``op → handler``
 table), :mod:`ilp_planner.inputs.lift_layers`, :mod:`ilp_planner.inputs.lift_elementwise`
 and :mod:`ilp_planner.inputs.lift_graph` (the draft IR); block marking in
-:mod:`ilp_planner.inputs.block_marking`. This module exports the module and assembles the
-graph.
+:mod:`ilp_planner.inputs.block_marking`. This module runs ``torch.export`` on the user's
+module and freezes the walk's drafts into the :class:`Graph`.
 
 ``torch.fx`` symbolic tracing is the fallback where ``torch.export`` fails: the traced
 ``GraphModule`` (whose Python control flow tracing has resolved) is exported again; where
