@@ -27,7 +27,9 @@ from pathlib import Path
 import yaml
 
 from ilp_planner.sweeps.backends import import_ray
-from ilp_planner.sweeps.sweep import TIMING_COLUMNS, SweepSpec, load_sweep, parse_sweep, sweep
+from ilp_planner.sweeps.results import TIMING_COLUMNS
+from ilp_planner.sweeps.spec import SweepSpec, load_sweep, parse_sweep
+from ilp_planner.sweeps.sweep import sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT_2X2 = {

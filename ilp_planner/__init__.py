@@ -24,7 +24,7 @@ _API = {
     "Config": "ilp_planner.inputs.config",
     "Plan": "ilp_planner.plan.data",
     "sweep": "ilp_planner.sweeps.sweep",
-    "load_sweep": "ilp_planner.sweeps.sweep",
+    "load_sweep": "ilp_planner.sweeps.spec",
     "from_module": "ilp_planner.inputs.importer",
     "apply": "runtime.apply",
     "Graph": "ilp_planner.ir.graph",

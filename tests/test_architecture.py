@@ -53,7 +53,7 @@ LAZY: dict[tuple[str, str], str] = {
     ("formulations.sbp_ilp", "ortools"): "the SCIP backend: only a solve that reaches the MILP loads it",
     ("formulations.sbp_ilp", "pulp"): "the CBC backend: only a solve that reaches the MILP loads it",
     ("formulations.simulator", "matplotlib"): "plots are optional output (simulate --plot)",
-    ("ilp_planner.sweeps.sweep", "matplotlib"): "plots are optional output (sweep plots:)",
+    ("ilp_planner.sweeps.plots", "matplotlib"): "plots are optional output (sweep plots:)",
     ("ilp_planner.sweeps.backends", "ray"): "the Ray backend is an optional extra",
     ("ilp_planner.ir.layouts", "torch"): "DTensor conversions for users of torch; the IR is torch-free",
     ("ilp_planner.inputs.config", "torch"): "a `kind: torch` model only; YAML configs need no torch",

@@ -12,6 +12,7 @@ import yaml
 from ilp_planner import cli
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
+from ilp_planner.inputs.config_keys import SECTIONS, reference_markdown
 from ilp_planner.ir.cluster import Link
 from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.reports.summary import memory_lower_bound, model_summary
@@ -243,3 +244,37 @@ def test_bad_yaml_names_the_file(tmp_path, text, phrase):
 def test_missing_file():
     with pytest.raises(ConfigError, match="no-such.yaml: file not found"):
         load_config("no-such.yaml")
+
+
+# -- the declared keys ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("section", ["solver", "pipeline", "training", "cluster"])
+def test_parser_allows_exactly_the_declared_keys(section):
+    """The parser's allowed keys are the declaration's (one table, read by both)."""
+    doc = apply_overrides(BASE, {f"{section}.zzz": 1})
+    with pytest.raises(ConfigError) as exc:
+        parse_config(doc)
+    keys = SECTIONS[section]
+    declared = [k for k, key in keys.items() if key.required] + \
+        [k for k, key in keys.items() if not key.required]
+    assert str(exc.value).endswith("allowed keys: " + ", ".join(declared))
+
+
+def test_declared_defaults_are_the_parsers():
+    """An empty section parses to the defaults the reference shows."""
+    cfg = parse_config({**BASE, "solver": {}, "pipeline": {}})
+    for section, options in (("solver", cfg.solver), ("pipeline", cfg.pipeline)):
+        for name, key in SECTIONS[section].items():
+            assert getattr(options, name) == key.default, (section, name)
+
+
+def test_reference_markdown_has_a_row_per_declared_key():
+    lines = reference_markdown().splitlines()
+    assert lines[0] == "| section | key | type | default | description |"
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
+    assert [(r[0].replace("\\|", "|"), r[1]) for r in rows] == [
+        (section, f"`{name}`") for section, keys in SECTIONS.items() for name in keys]
+    assert all(len(r) == 5 and all(r) for r in rows)
+    assert ["solver", "`milp`", "one of: scip, cbc", "scip"] == rows[
+        [r[1] for r in rows].index("`milp`")][:4]

@@ -20,16 +20,10 @@ from ilp_planner.errors import BackendError, ConfigError
 from ilp_planner.plan.data import Plan
 from ilp_planner.sweeps.backends import RayBackend
 from ilp_planner.sweeps.points import Point, PointTask
-from ilp_planner.sweeps.sweep import (
-    TIMING_COLUMNS,
-    PlotSpec,
-    Progress,
-    format_progress,
-    load_sweep,
-    parse_sweep,
-    read_rows,
-    sweep,
-)
+from ilp_planner.sweeps.progress import Progress, format_progress
+from ilp_planner.sweeps.results import TIMING_COLUMNS, read_rows
+from ilp_planner.sweeps.spec import PlotSpec, load_sweep, parse_sweep
+from ilp_planner.sweeps.sweep import sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "configs" / "sweeps").glob("*.yaml"))

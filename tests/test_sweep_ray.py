@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from ilp_planner import cli
-from ilp_planner.sweeps.sweep import TIMING_COLUMNS, load_sweep, parse_sweep, read_rows, sweep
+from ilp_planner.sweeps.results import TIMING_COLUMNS, read_rows
+from ilp_planner.sweeps.spec import load_sweep, parse_sweep
+from ilp_planner.sweeps.sweep import sweep
 
 ray = pytest.importorskip("ray", reason="ray is not installed; install the extra: "
                                         "pip install -e '.[dev,ray]' (CI does)")

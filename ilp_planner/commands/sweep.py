@@ -5,7 +5,7 @@ every point's plan and the PNG plots, and print the results table.
 
 A failing point (bad override value, infeasible, time-out) is recorded in its row and the
 sweep goes on; the exit status is 0 unless the sweep file itself is wrong (2). The sweep
-file format is documented in :mod:`ilp_planner.sweeps.sweep`.
+file format is documented in :mod:`ilp_planner.sweeps.spec`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from pathlib import Path
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.sweeps.backends import BACKENDS
-from ilp_planner.sweeps.sweep import RESULTS_JSONL, PlotSpec, check_metric, default_output, load_sweep, sweep
+from ilp_planner.sweeps.results import RESULTS_JSONL
+from ilp_planner.sweeps.spec import PlotSpec, check_metric, load_sweep
+from ilp_planner.sweeps.sweep import default_output, sweep
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

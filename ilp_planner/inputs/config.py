@@ -1,75 +1,30 @@
 """YAML configuration files → typed objects (:class:`Config`).
 
 A configuration names one planning problem: a model (built-in builder or an explicit layer
-graph), a cluster, the training memory model, and solver / pipeline options. Reference::
+graph), a cluster, the training memory model, and solver / pipeline options, e.g.::
 
     name: gpt-2.6b-2x4            # optional; defaults to the file stem
-    model:
-      kind: gpt                   # mlp | gpt | u_transformer | vgg13 | graph | torch
-      # gpt:           hidden, layers, heads, seq_len, vocab, batch       (all required)
-      # u_transformer: hidden, layers (even), heads, seq_len, batch       (all required)
-      # mlp:           dims: [d0, d1, ..], batch (required); bias (false)
-      # vgg13:         batch (required); image (224, divisible by 32), classes (1000),
-      #                channels ([64, 128, 256, 512, 512]: one width per block), hidden (4096)
-      # every builder: dtype (float32 | float16 | bfloat16 | float64; default float32)
-      # graph:         ops: [ {name, kind, inputs: [..], shape: [..], dtype?, weight: [..]?,
-      #                        params?, flops?, block?, block_index?, attrs?: {..}} ],
-      #                name?, dtype?       (see ilp_planner.inputs.models.graph_from_spec)
-      # torch:         module: "mypkg.models:GPT" (importable "module:attribute"), kwargs: {..},
-      #                example_inputs: {name: {shape: [..], dtype: int64, high: 50304}} or a
-      #                list of such specs (int tensors draw ids in [0, high)); the module is
-      #                built and traced on the meta device (no memory) and imported
-      #                (ilp_planner.inputs.importer.from_module)
-      hidden: 2560
-      layers: 32
-      heads: 32
-      seq_len: 2048
-      vocab: 51200
-      batch: 32
-      dtype: float16
+    model: {kind: gpt, hidden: 2560, layers: 32, heads: 32, seq_len: 2048, vocab: 51200,
+            batch: 32, dtype: float16}
     cluster:
       nodes: 2
       devices_per_node: 4
-      memory_gib: 16              # per device, GiB = 2^30 bytes
-      peak_tflops: 125            # per device
-      efficiency: 0.5             # optional, achieved / peak FLOP/s, in (0, 1]
-      name: aws-p3               # optional
-      links:                      # both levels required, even on one-device nodes
-        intra: {latency_us: 5, bandwidth_gbps: 1200}   # Gbit/s; or {alpha: s, beta: s/byte}
+      memory_gib: 16
+      peak_tflops: 125
+      links:
+        intra: {latency_us: 5, bandwidth_gbps: 1200}
         inter: {latency_us: 10, bandwidth_gbps: 10}
-    training:                     # optional
-      optimizer: adam_mixed       # a cost_model.OPTIMIZER_PRESETS name; default adam_mixed
-                                  # for float16/bfloat16 models, adam otherwise
-      bytes_per_param: {weight: 2, grad: 2, optimizer: 12}   # optional, overrides the preset
-      grad_bucket_mb: 25          # optional, MiB per fused gradient AllReduce (DDP's default);
-                                  # 0: one AllReduce per op and set of partial axes
-    solver:                       # optional, SolverOptions fields
-      time_limit_s: 60
-      tie_layers: true
-      elimination: true           # exact DP (variable elimination) first; false: the ILP alone
-      gap: 0                      # relative optimality gap accepted as optimal (0.001 = 0.1 %)
-      max_weight_replication: null
-      max_axes: 3
-      threads: 1
-      seed: 0
-      fallback: coordinate_descent   # | metropolis_hastings | random
-      milp: scip                  # | cbc: the ILP's solver (SCIP in-process via OR-Tools;
-                                  # cbc = PuLP's bundled CBC in a subprocess, the reference)
-      state_sharding: [0]         # ZeRO levels the ILP may pick per weighted op: 0 none,
-                                  # 1 optimizer state, 2 + gradients, 3 + weights (FSDP)
-      recompute: never            # | auto (the planner picks how many blocks recompute)
-                                  # | always (every block's activations recomputed)
-    pipeline:                     # optional, PipelineOptions fields
-      stages: 1                   # 1 (no pipelining) | N | auto
-      microbatches: 1             # must divide model.batch
-      schedule: 1f1b              # gpipe | 1f1b | eager-1f1b
-      submeshes: [[1, 4], [1, 4]] # optional (nodes, devices) per stage; one per stage
-      imbalance_tolerance: null
-      overlap: true
-      submesh_space: all          # | power_of_two | small_power_of_two (Alpa's shape spaces)
-      max_units: null             # null: one layer unit per block; N: coarsen to ≤ N units
-      stage_time_limit_s: null    # per stage ILP; null: min(solver.time_limit_s, 10)
-      stage_bound: true           # skip or stop stage solves proven slower than a plan in hand (exact)
+    solver: {time_limit_s: 60}
+    pipeline: {stages: auto, microbatches: 4}
+
+Every key, its type, default and meaning is declared once, in
+:data:`ilp_planner.inputs.config_keys.SECTIONS`; this module's parsers read the allowed keys
+and the plain values' checks from there, and
+:func:`ilp_planner.inputs.config_keys.reference_markdown` prints the reference. What the
+table cannot say is checked here: a model kind's cross-key rules (heads divide hidden, a
+U-Transformer's even layers, VGG13's image divisible by 32), links given either physically or
+fitted, ZeRO levels, stages against the cluster, micro-batches dividing the batch, sub-mesh
+shapes.
 
 Rules: unknown keys are errors (the message lists the allowed ones), so a typo never falls
 back to a default silently; missing required keys, wrong types, non-positive sizes and unknown
@@ -92,43 +47,28 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs import models
+from ilp_planner.inputs.config_keys import BUILDERS, MODEL_KINDS, SECTIONS, model_section
 from ilp_planner.inputs.files import read_input
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.limits import check_limit
-from ilp_planner.inputs.options import FALLBACKS, MILPS, RECOMPUTE, SCHEDULES, PipelineOptions, SolverOptions
+from ilp_planner.inputs.options import PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import Reader, join
-from ilp_planner.ir.cluster import SUBMESH_SPACES, Cluster, Link, submesh_shapes
+from ilp_planner.ir.cluster import Cluster, Link, submesh_shapes
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.lowering.strategies import ZERO_LEVELS
 
-MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph", "torch")
-MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-# kind -> (required keys, optional keys with defaults); "kind" itself is always allowed.
-_BUILDER_SCHEMA: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "mlp": (("dims", "batch"), {"bias": False, "dtype": "float32"}),
-    "gpt": (("hidden", "layers", "heads", "seq_len", "vocab", "batch"), {"dtype": "float32"}),
-    "u_transformer": (("hidden", "layers", "heads", "seq_len", "batch"), {"dtype": "float32"}),
-    "vgg13": (("batch",), {"image": 224, "classes": 1000, "dtype": "float32",
-                           "channels": models.VGG13_WIDTHS, "hidden": models.VGG13_HIDDEN}),
-}
-_BUILDERS = {
-    "mlp": models.mlp,
-    "gpt": models.gpt,
-    "u_transformer": models.u_transformer,
-    "vgg13": models.vgg13,
-}
 _GIB = 2**30
 
 
@@ -238,8 +178,7 @@ def section_mapping(value: Any) -> Any:
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     """Validate a parsed document (see the module docstring for the schema)."""
     r = Reader(source)
-    top = r.mapping(data, "", required=("model", "cluster"),
-                    optional=("name", "training", "solver", "pipeline"))
+    top = r.section(data, "", SECTIONS["top level"])
     top = {k: section_mapping(v) for k, v in top.items()}
     graph, dtype, batch = _parse_model(r, top["model"])
     if isinstance(top["model"], Graph):
@@ -249,7 +188,7 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     solver = _parse_solver(r, top.get("solver"))
     pipeline = _parse_pipeline(r, top.get("pipeline"), cluster, batch)
     if "name" in top:
-        name = r.string(top["name"], "name")
+        name = r.read(SECTIONS["top level"]["name"], top["name"], "name")
     else:
         name = Path(source).stem if source else graph.name
     return Config(name, graph, copy.deepcopy(dict(top["model"])), cluster, memory, solver,
@@ -278,9 +217,24 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
 # -- sections ---------------------------------------------------------------------------------
 
 
-def _section(r: Reader, value: Any, path: str, optional: tuple[str, ...]) -> dict[str, Any]:
+def _section(r: Reader, value: Any, path: str) -> dict[str, Any]:
     """An optional top-level section: absent or empty (``solver:``) means all defaults."""
-    return {} if value is None else r.mapping(value, path, optional=optional)
+    return {} if value is None else r.section(value, path, SECTIONS[path])
+
+
+def _read_keys(r: Reader, d: Mapping[str, Any], section: str,
+               special: Mapping[str, Callable[[Any, str, dict[str, Any]], Any]] = MappingProxyType({}),
+               ) -> dict[str, Any]:
+    """The keys ``d`` gives of ``section``, in declaration order: each read as
+    :data:`SECTIONS` declares it, or by its ``special`` reader (which also sees the keys read
+    before it); a null where the key allows one means its default, so it is left out."""
+    kw: dict[str, Any] = {}
+    for key, spec in SECTIONS[section].items():
+        if key not in d or (spec.null and d[key] is None):
+            continue
+        path = join(section, key)
+        kw[key] = special[key](d[key], path, kw) if key in special else r.read(spec, d[key], path)
+    return kw
 
 
 def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
@@ -292,40 +246,37 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
     if "kind" not in value:
         r.fail("model.kind", f"missing required key 'kind'; expected one of: "
                              f"{', '.join(MODEL_KINDS)}")
-    kind = r.choice(value["kind"], "model.kind", MODEL_KINDS, "model kind")
+    kind = r.read(SECTIONS["model"]["kind"], value["kind"], "model.kind")
     if kind == "graph":
         graph = models.graph_from_spec(value, r.source, key="model")
         return graph, str(value.get("dtype", "float32")), None
     if kind == "torch":
         graph = _parse_torch_model(r, value)
         return graph, _graph_dtype(graph), None
+    return _parse_builder(r, kind, value)
 
-    required, defaults = _BUILDER_SCHEMA[kind]
-    d = r.mapping(value, "model", required=("kind",) + required, optional=tuple(defaults))
+
+def _parse_builder(r: Reader, kind: str, value: Mapping[str, Any]) -> tuple[Graph, str, int]:
+    """A built-in model: its keys read as declared, the rules across keys checked here so
+    the messages name the config's keys, then the builder called."""
+    keys = SECTIONS[model_section(kind)]
+    d = r.section(value, "model", {**SECTIONS["model"], **keys})
     kw: dict[str, Any] = {}
-    for key in required + tuple(k for k in defaults if k in d):
+    for key in (k for k in keys if k in d):
         path = join("model", key)
-        v = d[key]
         if key == "dims":
-            dims = r.sequence(v, path, min_len=2)
+            dims = r.sequence(d[key], path, min_len=2)
             check_limit("layers", len(dims), "the number of MLP dims", source=r.source, key=path)
-            kw[key] = [r.positive_int(x, join(path, i)) for i, x in enumerate(dims)]
-            for i, x in enumerate(kw[key]):
-                check_limit("dim", x, "a model size", source=r.source, key=join(path, i))
+            kw[key] = _model_sizes(r, dims, path)
         elif key == "channels":
-            widths = r.sequence(v, path)
+            widths = r.sequence(d[key], path)
             if len(widths) != len(models.VGG13_WIDTHS):
                 r.fail(path, f"expected {len(models.VGG13_WIDTHS)} widths (one per VGG13 block), "
                              f"got {len(widths)}")
-            kw[key] = [r.positive_int(x, join(path, i)) for i, x in enumerate(widths)]
-            for i, x in enumerate(kw[key]):
-                check_limit("dim", x, "a model size", source=r.source, key=join(path, i))
-        elif key == "bias":
-            kw[key] = r.boolean(v, path)
-        elif key == "dtype":
-            kw[key] = r.choice(v, path, MODEL_DTYPES, "dtype")
+            kw[key] = _model_sizes(r, widths, path)
         else:
-            kw[key] = r.positive_int(v, path)
+            kw[key] = r.read(keys[key], d[key], path)
+        if keys[key].type == "integer":
             check_limit("layers" if key == "layers" else "dim", kw[key],
                         "the number of layers" if key == "layers" else "a model size",
                         source=r.source, key=path)
@@ -338,13 +289,21 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
     if kind == "vgg13" and kw.get("image", 224) % 32:
         r.fail("model.image", f"VGG13 needs an image size divisible by 32, got {kw['image']}")
     try:
-        graph = _BUILDERS[kind](**kw)
+        graph = BUILDERS[kind](**kw)
     except ConfigError as exc:  # builders name bare keys; re-anchor them under model.
         key = exc.key or ""
         msg = str(exc)[len(key) + 2:] if key and str(exc).startswith(key + ": ") else str(exc)
         key = key if key.startswith("model") else join("model", key) if key else "model"
         raise ConfigError(msg, source=r.source, key=key) from None
     return graph, kw.get("dtype", "float32"), kw["batch"]
+
+
+def _model_sizes(r: Reader, items: list[Any], path: str) -> list[int]:
+    """A list of widths: positive integers, each within the model-size limit."""
+    sizes = [r.positive_int(x, join(path, i)) for i, x in enumerate(items)]
+    for i, x in enumerate(sizes):
+        check_limit("dim", x, "a model size", source=r.source, key=join(path, i))
+    return sizes
 
 
 def _graph_dtype(graph: Graph) -> str:
@@ -354,15 +313,11 @@ def _graph_dtype(graph: Graph) -> str:
                 "float32")
 
 
-_TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
-
-
 def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
     """``kind: torch``: import ``module`` (``"pkg.mod:Class"``), build it with ``kwargs`` on
     the meta device and trace it on ``example_inputs`` (:func:`ilp_planner.inputs.importer.
     from_module`)."""
-    d = r.mapping(value, "model", required=("kind", "module", "example_inputs"),
-                  optional=("kwargs", "name"))
+    d = r.section(value, "model", {**SECTIONS["model"], **SECTIONS[model_section("torch")]})
     target = r.string(d["module"], "model.module")
     mod_name, _, attr = target.partition(":")
     if not mod_name or not attr:
@@ -378,13 +333,14 @@ def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
     named = isinstance(raw_inputs, Mapping)
     items = list(raw_inputs.items()) if named else list(enumerate(
         r.sequence(raw_inputs, "model.example_inputs", min_len=1)))
+    keys = SECTIONS["model.example_inputs[i]"]
     specs = []
     for key, spec in items:
         path = join("model.example_inputs", key)
-        t = r.mapping(spec, path, required=("shape",), optional=("dtype", "high"))
+        t = r.section(spec, path, keys)
         shape = r.shape(t["shape"], join(path, "shape"))
-        dtype = r.choice(t.get("dtype", "float32"), join(path, "dtype"), _TORCH_DTYPES, "dtype")
-        high = r.positive_int(t["high"], join(path, "high")) if "high" in t else 2
+        dtype = r.read(keys["dtype"], t.get("dtype", keys["dtype"].default), join(path, "dtype"))
+        high = r.read(keys["high"], t.get("high", keys["high"].default), join(path, "high"))
         specs.append((key, shape, dtype, high))
 
     import torch
@@ -411,7 +367,8 @@ def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
 
 def _parse_link(r: Reader, value: Any, path: str) -> Link:
     """``{latency_us, bandwidth_gbps}`` (Gbit/s) or ``{alpha, beta}`` (s, s/byte)."""
-    d = r.mapping(value, path, optional=("latency_us", "bandwidth_gbps", "alpha", "beta"))
+    keys = SECTIONS["cluster.links.<intra|inter>"]
+    d = r.section(value, path, keys)
     physical = [k for k in ("latency_us", "bandwidth_gbps") if k in d]
     fitted = [k for k in ("alpha", "beta") if k in d]
     if physical and fitted:
@@ -421,153 +378,98 @@ def _parse_link(r: Reader, value: Any, path: str) -> Link:
         for k in ("alpha", "beta"):
             if k not in d:
                 r.fail(join(path, k), f"missing required key {k!r} (alpha and beta go together)")
-        return Link(alpha=r.number(d["alpha"], join(path, "alpha"), nonneg=True),
-                    beta=r.number(d["beta"], join(path, "beta"), positive=True))
+        return Link(alpha=r.read(keys["alpha"], d["alpha"], join(path, "alpha")),
+                    beta=r.read(keys["beta"], d["beta"], join(path, "beta")))
     for k in ("latency_us", "bandwidth_gbps"):
         if k not in d:
             r.fail(join(path, k), f"missing required key {k!r} (expected latency_us and "
                                   f"bandwidth_gbps, or alpha and beta)")
     return Link.from_bandwidth(
-        r.number(d["latency_us"], join(path, "latency_us"), nonneg=True, at_most=_PHYSICAL_MAX),
-        r.number(d["bandwidth_gbps"], join(path, "bandwidth_gbps"), positive=True,
-                 at_most=_PHYSICAL_MAX),
+        r.read(keys["latency_us"], d["latency_us"], join(path, "latency_us")),
+        r.read(keys["bandwidth_gbps"], d["bandwidth_gbps"], join(path, "bandwidth_gbps")),
     )
 
 
-# No device has 10^9 GiB, 10^9 TFLOP/s or 10^9 Gbit/s links, and no link 10^9 µs of latency:
-# beyond this a figure is a typo, and it would overflow the memory row or underflow β to 0.
-_PHYSICAL_MAX = 1e9
-
-
 def _parse_cluster(r: Reader, value: Any) -> Cluster:
-    d = r.mapping(value, "cluster",
-                  required=("nodes", "devices_per_node", "memory_gib", "peak_tflops", "links"),
-                  optional=("efficiency", "name"))
-    nodes = r.positive_int(d["nodes"], "cluster.nodes")
-    per_node = r.positive_int(d["devices_per_node"], "cluster.devices_per_node")
+    keys = SECTIONS["cluster"]
+    d = r.section(value, "cluster", keys)
+    nodes = r.read(keys["nodes"], d["nodes"], "cluster.nodes")
+    per_node = r.read(keys["devices_per_node"], d["devices_per_node"], "cluster.devices_per_node")
     check_limit("devices", nodes * per_node, "the number of devices (nodes × devices_per_node)",
                 source=r.source, key="cluster.nodes")
-    memory = r.number(d["memory_gib"], "cluster.memory_gib", positive=True,
-                      at_most=_PHYSICAL_MAX) * _GIB
-    peak = r.number(d["peak_tflops"], "cluster.peak_tflops", positive=True,
-                    at_most=_PHYSICAL_MAX) * 1e12
-    efficiency = 0.5
-    if "efficiency" in d:
-        efficiency = r.number(d["efficiency"], "cluster.efficiency", positive=True, at_most=1.0)
-    links = r.mapping(d["links"], "cluster.links", required=("intra", "inter"))
+    memory = r.read(keys["memory_gib"], d["memory_gib"], "cluster.memory_gib") * _GIB
+    peak = r.read(keys["peak_tflops"], d["peak_tflops"], "cluster.peak_tflops") * 1e12
+    efficiency = r.read(keys["efficiency"], d.get("efficiency", keys["efficiency"].default),
+                        "cluster.efficiency")
+    links = r.section(d["links"], "cluster.links", SECTIONS["cluster.links"])
     intra = _parse_link(r, links["intra"], "cluster.links.intra")
     inter = _parse_link(r, links["inter"], "cluster.links.inter")
-    name = r.string(d["name"], "cluster.name") if "name" in d else f"{nodes}x{per_node}"
+    name = r.read(keys["name"], d["name"], "cluster.name") if "name" in d else f"{nodes}x{per_node}"
     return Cluster(nodes, per_node, memory, peak, intra, inter, efficiency, name)
 
 
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:
     """Bytes per parameter, and the gradient bucket cap in bytes."""
-    d = _section(r, value, "training", ("optimizer", "bytes_per_param", "grad_bucket_mb"))
-    default = "adam_mixed" if dtype in ("float16", "bfloat16") else "adam"
-    optimizer = r.choice(d.get("optimizer", default), "training.optimizer",
-                         OPTIMIZER_PRESETS, "optimizer")
+    d = _section(r, value, "training")
+    kw = _read_keys(r, d, "training", {"bytes_per_param": lambda v, path, _: _read_keys(
+        r, r.section(v, path, SECTIONS[path]), path)})
+    optimizer = kw.get("optimizer", "adam_mixed" if dtype in ("float16", "bfloat16") else "adam")
     weight, grad, opt_state = OPTIMIZER_PRESETS[optimizer]
-    if d.get("bytes_per_param") is not None:
-        path = "training.bytes_per_param"
-        b = r.mapping(d["bytes_per_param"], path, optional=("weight", "grad", "optimizer"))
-        if "weight" in b:
-            weight = r.number(b["weight"], join(path, "weight"), positive=True)
-        if "grad" in b:
-            grad = r.number(b["grad"], join(path, "grad"), positive=True)
-        if "optimizer" in b:
-            opt_state = r.number(b["optimizer"], join(path, "optimizer"), nonneg=True)
-    bucket_mb = DDP_BUCKET_MB
-    if d.get("grad_bucket_mb") is not None:
-        bucket_mb = r.number(d["grad_bucket_mb"], "training.grad_bucket_mb", nonneg=True)
-        if bucket_mb > 2**20:
-            r.fail("training.grad_bucket_mb", f"{bucket_mb} MiB is beyond any device's memory; "
-                   f"expected a bucket size in MiB, e.g. 25")
+    per_param = kw.get("bytes_per_param", {})
+    weight = per_param.get("weight", weight)
+    grad = per_param.get("grad", grad)
+    opt_state = per_param.get("optimizer", opt_state)
+    bucket_mb = kw.get("grad_bucket_mb", SECTIONS["training"]["grad_bucket_mb"].default)
+    if bucket_mb > 2**20:
+        r.fail("training.grad_bucket_mb", f"{bucket_mb} MiB is beyond any device's memory; "
+               f"expected a bucket size in MiB, e.g. 25")
     return MemorySpec(weight, grad, opt_state), bucket_mb * 2**20
 
 
 def _parse_solver(r: Reader, value: Any) -> SolverOptions:
-    d = _section(r, value, "solver", ("time_limit_s", "tie_layers", "max_weight_replication",
-                                      "max_axes", "threads", "seed", "fallback",
-                                      "elimination", "gap", "milp", "state_sharding",
-                                      "recompute"))
-    kw: dict[str, Any] = {}
-    if "time_limit_s" in d:
-        kw["time_limit_s"] = r.number(d["time_limit_s"], "solver.time_limit_s", positive=True)
-    if "tie_layers" in d:
-        kw["tie_layers"] = r.boolean(d["tie_layers"], "solver.tie_layers")
-    if "elimination" in d:
-        kw["elimination"] = r.boolean(d["elimination"], "solver.elimination")
-    if "gap" in d:
-        kw["gap"] = r.number(d["gap"], "solver.gap", nonneg=True, at_most=1)
-    if d.get("max_weight_replication") is not None:
-        kw["max_weight_replication"] = r.positive_int(d["max_weight_replication"],
-                                                      "solver.max_weight_replication")
-    for key in ("max_axes", "threads"):
-        if key in d:
-            kw[key] = r.positive_int(d[key], join("solver", key))
-    if "seed" in d:
-        kw["seed"] = r.nonneg_int(d["seed"], "solver.seed")
-    if "fallback" in d:
-        kw["fallback"] = r.choice(d["fallback"], "solver.fallback", FALLBACKS, "fallback")
-    if "milp" in d:
-        kw["milp"] = r.choice(d["milp"], "solver.milp", MILPS, "MILP solver")
-    if "state_sharding" in d:
-        levels = d["state_sharding"]
+    d = _section(r, value, "solver")
+    return SolverOptions(**_read_keys(r, d, "solver", {"state_sharding": _state_sharding(r)}))
+
+
+def _state_sharding(r: Reader) -> Callable[[Any, str, dict[str, Any]], tuple[int, ...]]:
+    """The reader of ``solver.state_sharding``: ZeRO levels, 0 always among them."""
+
+    def read(levels: Any, path: str, _: dict[str, Any]) -> tuple[int, ...]:
         if not isinstance(levels, list) or not levels or any(
                 isinstance(z, bool) or z not in ZERO_LEVELS for z in levels):
-            r.fail("solver.state_sharding", f"expected a non-empty list of ZeRO levels from "
+            r.fail(path, f"expected a non-empty list of ZeRO levels from "
                    f"{list(ZERO_LEVELS)}, got {levels!r}")
-        kw["state_sharding"] = tuple(sorted(set(levels) | {0}))
-    if "recompute" in d:
-        kw["recompute"] = r.choice(d["recompute"], "solver.recompute", RECOMPUTE,
-                                   "recomputation policy")
-    return SolverOptions(**kw)
+        return tuple(sorted(set(levels) | {0}))
+
+    return read
 
 
 def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) -> PipelineOptions:
-    d = _section(r, value, "pipeline", ("stages", "microbatches", "schedule", "submeshes",
-                                        "imbalance_tolerance", "overlap", "submesh_space",
-                                        "max_units", "stage_time_limit_s", "stage_bound"))
-    kw: dict[str, Any] = {}
-    if "stages" in d:
-        stages = d["stages"]
-        if stages != "auto":
-            if isinstance(stages, str) or isinstance(stages, bool) or not isinstance(stages, int):
-                r.fail("pipeline.stages", f"expected a positive integer or 'auto', got {stages!r}")
-            stages = r.positive_int(stages, "pipeline.stages")
-            if stages > cluster.num_devices:
-                r.fail("pipeline.stages", f"{stages} stages need at least {stages} devices; the "
-                                          f"cluster has {cluster.num_devices}")
-        kw["stages"] = stages
-    if "microbatches" in d:
-        m = r.positive_int(d["microbatches"], "pipeline.microbatches")
-        check_limit("microbatches", m, "the number of micro-batches", source=r.source,
-                    key="pipeline.microbatches")
+    d = _section(r, value, "pipeline")
+
+    def stages(value: Any, path: str, _: dict[str, Any]) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, str) or isinstance(value, bool) or not isinstance(value, int):
+            r.fail(path, f"expected a positive integer or 'auto', got {value!r}")
+        n = r.positive_int(value, path)
+        if n > cluster.num_devices:
+            r.fail(path, f"{n} stages need at least {n} devices; the cluster has "
+                         f"{cluster.num_devices}")
+        return n
+
+    def microbatches(value: Any, path: str, _: dict[str, Any]) -> int:
+        m = r.read(SECTIONS["pipeline"]["microbatches"], value, path)
+        check_limit("microbatches", m, "the number of micro-batches", source=r.source, key=path)
         if batch is not None and batch % m:
-            r.fail("pipeline.microbatches", f"model.batch {batch} is not divisible by {m} "
-                                            f"micro-batches")
-        kw["microbatches"] = m
-    if "schedule" in d:
-        kw["schedule"] = r.choice(d["schedule"], "pipeline.schedule", SCHEDULES, "schedule")
-    if d.get("submeshes") is not None:
-        kw["submeshes"] = _parse_submeshes(r, d["submeshes"], cluster, kw.get("stages", 1))
-    if d.get("imbalance_tolerance") is not None:
-        kw["imbalance_tolerance"] = r.number(d["imbalance_tolerance"],
-                                             "pipeline.imbalance_tolerance", nonneg=True)
-    if "overlap" in d:
-        kw["overlap"] = r.boolean(d["overlap"], "pipeline.overlap")
-    if "submesh_space" in d:
-        kw["submesh_space"] = r.choice(d["submesh_space"], "pipeline.submesh_space",
-                                       SUBMESH_SPACES, "sub-mesh space")
-    if d.get("max_units") is not None:
-        kw["max_units"] = r.positive_int(d["max_units"], "pipeline.max_units")
-    if d.get("stage_time_limit_s") is not None:
-        kw["stage_time_limit_s"] = r.number(d["stage_time_limit_s"], "pipeline.stage_time_limit_s",
-                                            positive=True)
-    if "stage_bound" in d:
-        kw["stage_bound"] = r.boolean(d["stage_bound"], "pipeline.stage_bound")
-    return PipelineOptions(**kw)
+            r.fail(path, f"model.batch {batch} is not divisible by {m} micro-batches")
+        return m
+
+    def submeshes(value: Any, path: str, kw: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+        return _parse_submeshes(r, value, cluster, kw.get("stages", 1))
+
+    return PipelineOptions(**_read_keys(r, d, "pipeline", {
+        "stages": stages, "microbatches": microbatches, "submeshes": submeshes}))
 
 
 def _parse_submeshes(r: Reader, value: Any, cluster: Cluster,

@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.errors import ConfigError
-from ilp_planner.inputs.schema import Reader, join
+from ilp_planner.inputs.schema import Key, Reader, join
 from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec
 
 
@@ -206,9 +206,37 @@ def vgg13(batch: int, image: int = 224, classes: int = 1000, dtype: str = "float
 
 # -- explicit graphs ----------------------------------------------------------------------
 
-GRAPH_OP_KEYS = ("name", "kind", "inputs", "shape", "dtype", "weight", "params", "flops",
-                 "block", "block_index", "attrs", "source_params")
-"""Keys of one op in the explicit-graph YAML form (``model: {kind: graph, ops: [...]}``)."""
+GRAPH_KEYS: dict[str, Key] = {
+    "kind": Key("choice", "the explicit form (optional where the caller knows it)", "graph",
+                choices=("graph",)),
+    "ops": Key("list", "the layer graph's ops in topological order (see model.ops[i])"),
+    "name": Key("string", "the graph's name", "graph"),
+    "dtype": Key("choice", "default dtype of every op's tensors", "float32",
+                 choices=tuple(DTYPE_BYTES), noun="dtype"),
+}
+"""Keys of the explicit-graph YAML form (``model: {kind: graph, ops: [...]}``)."""
+
+GRAPH_OP_KEYS: dict[str, Key] = {
+    "name": Key("string", "the op's name"),
+    "kind": Key("choice", "what the op computes", choices=tuple(k.value for k in OpKind),
+                noun="op kind"),
+    "shape": Key("list", "global output shape (positive integers)"),
+    "inputs": Key("list", "names of earlier ops it reads (none for an input)", ()),
+    "dtype": Key("choice", "dtype of its tensors", None, choices=tuple(DTYPE_BYTES),
+                 noun="dtype", default_text="the graph's dtype"),
+    "weight": Key("list", "main parameter shape as strategies shard it (a linear's (in, out))",
+                  None, null=True),
+    "params": Key("integer", "parameter count", None, nonneg=True,
+                  default_text="the weight's elements"),
+    "flops": Key("number", "forward FLOPs", None, nonneg=True,
+                 default_text="as the builders count"),
+    "block": Key("string", "repeated block it belongs to (with block_index)", None),
+    "block_index": Key("integer", "its repetition of the block", None, nonneg=True),
+    "attrs": Key("mapping", "integer attributes (attention: heads, seq_len)", None,
+                 default_text="none"),
+    "source_params": Key("list", "the module parameters it owns", ()),
+}
+"""Keys of one op of the explicit-graph form."""
 
 
 def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
@@ -260,11 +288,12 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
     here, before :class:`Graph` sees the ops, so the messages can say where.
     """
     r = Reader(source)
-    spec = r.mapping(spec, key, required=("ops",), optional=("kind", "name", "dtype"))
+    spec = r.section(spec, key, GRAPH_KEYS)
     if "kind" in spec and spec["kind"] != "graph":
         r.fail(join(key, "kind"), f"expected 'graph' for an explicit graph, got {spec['kind']!r}")
-    name = r.string(spec.get("name", "graph"), join(key, "name"))
-    dtype = r.choice(spec.get("dtype", "float32"), join(key, "dtype"), DTYPE_BYTES, "dtype")
+    name = r.read(GRAPH_KEYS["name"], spec.get("name", GRAPH_KEYS["name"].default), join(key, "name"))
+    dtype = r.read(GRAPH_KEYS["dtype"], spec.get("dtype", GRAPH_KEYS["dtype"].default),
+                   join(key, "dtype"))
     raw_ops = r.sequence(spec["ops"], join(key, "ops"), min_len=1)
 
     # All names first, so a forward reference can be told apart from a typo.
@@ -275,71 +304,94 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
     ops: list[Op] = []
     seen: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    kinds = [k.value for k in OpKind]
     for i, raw in enumerate(raw_ops):
         path = join(join(key, "ops"), i)
-        d = r.mapping(raw, path, required=("name", "kind", "shape"), optional=GRAPH_OP_KEYS)
+        d = r.section(raw, path, GRAPH_OP_KEYS)
         op_name = r.string(d["name"], join(path, "name"))
         if op_name in seen:
             r.fail(join(path, "name"),
                    f"duplicate op name {op_name!r} (first defined at {key}.ops[{seen[op_name]}])")
-        kind = OpKind(r.choice(d["kind"], join(path, "kind"), kinds, "op kind"))
-        inputs = r.sequence(d.get("inputs", []), join(path, "inputs"))
-        for j, src in enumerate(inputs):
-            ipath = join(join(path, "inputs"), j)
-            r.string(src, ipath)
-            if src in seen:
-                continue
-            if src in all_names:
-                r.fail(ipath, f"{src!r} is defined later (at {key}.ops[{all_names[src]}]); "
-                              f"ops must be listed in topological order")
-            r.fail(ipath, f"{src!r} is not an op of this graph; an input must name an "
-                          f"earlier op")
-        if kind is OpKind.INPUT and inputs:
-            r.fail(join(path, "inputs"), "an input op reads no other op")
-        if kind is not OpKind.INPUT and not inputs:
-            r.fail(join(path, "inputs"), f"a {kind.value} op needs at least one input")
-        op_dtype = r.choice(d.get("dtype", dtype), join(path, "dtype"), DTYPE_BYTES, "dtype")
-        out = TensorSpec(r.shape(d["shape"], join(path, "shape")), op_dtype)
-        weight = None
-        if d.get("weight") is not None:
-            weight = TensorSpec(r.shape(d["weight"], join(path, "weight")), op_dtype)
-        attrs_raw = d.get("attrs", {})
-        if not isinstance(attrs_raw, Mapping):
-            r.fail(join(path, "attrs"), f"expected a mapping of integers, got {attrs_raw!r}")
-        attrs: dict[str, int] = {}
-        for k, v in attrs_raw.items():
-            if not isinstance(k, str):
-                r.fail(join(path, "attrs"), f"attribute names must be strings, got {k!r}")
-            attrs[k] = r.integer(v, join(join(path, "attrs"), k))
-        in_shapes = [shapes[s] for s in inputs]
-        _check_explicit_op(r, path, kind, out, weight, in_shapes, attrs)
-        params = (r.nonneg_int(d["params"], join(path, "params")) if "params" in d
-                  else (weight.numel if weight is not None else 0))
-        if kind is OpKind.LINEAR and weight is not None:
-            attrs.setdefault("bias", int(params == weight.numel + weight.shape[1]))
-            attrs.setdefault("tied", int(params == 0))
-        flops = (r.number(d["flops"], join(path, "flops"), nonneg=True) if "flops" in d
-                 else _default_flops(kind, out, weight, in_shapes, attrs))
-        block = d.get("block")
-        block_index = d.get("block_index")
-        if (block is None) != (block_index is None):
-            r.fail(join(path, "block_index" if block_index is None else "block"),
-                   "block and block_index must be given together")
-        if block is not None:
-            block = r.string(block, join(path, "block"))
-            block_index = r.nonneg_int(block_index, join(path, "block_index"))
-        source_params = tuple(r.string(x, join(join(path, "source_params"), j)) for j, x in
-                              enumerate(r.sequence(d.get("source_params", []),
-                                                   join(path, "source_params"))))
-        ops.append(Op(op_name, kind, tuple(inputs), out, weight, params, float(flops),
-                      block, block_index, _attrs(**attrs), source_params))
+        kind = OpKind(r.read(GRAPH_OP_KEYS["kind"], d["kind"], join(path, "kind")))
+        inputs = _spec_inputs(r, d, path, key, seen, all_names)
+        op = _spec_op(r, d, path, op_name, kind, inputs, [shapes[s] for s in inputs], dtype)
+        ops.append(op)
         seen[op_name] = i
-        shapes[op_name] = out.shape
+        shapes[op_name] = op.output.shape
     try:
         return Graph(name, ops)
     except ConfigError as exc:  # defensive: the checks above should have caught it
         raise ConfigError(str(exc), source=source, key=join(key, "ops")) from exc
+
+
+def _spec_inputs(r: Reader, d: Mapping[str, Any], path: str, key: str, seen: Mapping[str, int],
+                 all_names: Mapping[str, int]) -> list[str]:
+    """The op's ``inputs``, each an earlier op: a later one is named as an ordering error,
+    not as a typo, since both read alike in a long list."""
+    inputs = r.sequence(d.get("inputs", []), join(path, "inputs"))
+    for j, src in enumerate(inputs):
+        ipath = join(join(path, "inputs"), j)
+        r.string(src, ipath)
+        if src in seen:
+            continue
+        if src in all_names:
+            r.fail(ipath, f"{src!r} is defined later (at {key}.ops[{all_names[src]}]); "
+                          f"ops must be listed in topological order")
+        r.fail(ipath, f"{src!r} is not an op of this graph; an input must name an "
+                      f"earlier op")
+    return inputs
+
+
+def _spec_op(r: Reader, d: Mapping[str, Any], path: str, op_name: str, kind: OpKind,
+             inputs: list[str], in_shapes: list[tuple[int, ...]], dtype: str) -> Op:
+    """One op of the explicit form, its kind and inputs already read; defaults (params,
+    flops, a linear's bias / tied) are derived here from the fields the user gave."""
+    if kind is OpKind.INPUT and inputs:
+        r.fail(join(path, "inputs"), "an input op reads no other op")
+    if kind is not OpKind.INPUT and not inputs:
+        r.fail(join(path, "inputs"), f"a {kind.value} op needs at least one input")
+    op_dtype = r.read(GRAPH_OP_KEYS["dtype"], d.get("dtype", dtype), join(path, "dtype"))
+    out = TensorSpec(r.shape(d["shape"], join(path, "shape")), op_dtype)
+    weight = None
+    if d.get("weight") is not None:
+        weight = TensorSpec(r.shape(d["weight"], join(path, "weight")), op_dtype)
+    attrs = _spec_attrs(r, d.get("attrs", {}), join(path, "attrs"))
+    _check_explicit_op(r, path, kind, out, weight, in_shapes, attrs)
+    params = (r.nonneg_int(d["params"], join(path, "params")) if "params" in d
+              else (weight.numel if weight is not None else 0))
+    if kind is OpKind.LINEAR and weight is not None:
+        attrs.setdefault("bias", int(params == weight.numel + weight.shape[1]))
+        attrs.setdefault("tied", int(params == 0))
+    flops = (r.number(d["flops"], join(path, "flops"), nonneg=True) if "flops" in d
+             else _default_flops(kind, out, weight, in_shapes, attrs))
+    block, block_index = _spec_block(r, d, path)
+    source_params = tuple(r.string(x, join(join(path, "source_params"), j)) for j, x in
+                          enumerate(r.sequence(d.get("source_params", []),
+                                               join(path, "source_params"))))
+    return Op(op_name, kind, tuple(inputs), out, weight, params, float(flops),
+              block, block_index, _attrs(**attrs), source_params)
+
+
+def _spec_attrs(r: Reader, raw: Any, path: str) -> dict[str, int]:
+    """``attrs``: a mapping of string names to integers."""
+    if not isinstance(raw, Mapping):
+        r.fail(path, f"expected a mapping of integers, got {raw!r}")
+    attrs: dict[str, int] = {}
+    for k, v in raw.items():
+        if not isinstance(k, str):
+            r.fail(path, f"attribute names must be strings, got {k!r}")
+        attrs[k] = r.integer(v, join(path, k))
+    return attrs
+
+
+def _spec_block(r: Reader, d: Mapping[str, Any], path: str) -> tuple[str | None, int | None]:
+    """``block`` / ``block_index``: both or neither, since tying needs the pair."""
+    block, block_index = d.get("block"), d.get("block_index")
+    if (block is None) != (block_index is None):
+        r.fail(join(path, "block_index" if block_index is None else "block"),
+               "block and block_index must be given together")
+    if block is None:
+        return None, None
+    return r.string(block, join(path, "block")), r.nonneg_int(block_index, join(path, "block_index"))
 
 
 def graph_to_spec(graph: Graph) -> dict[str, Any]:

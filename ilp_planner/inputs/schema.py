@@ -5,6 +5,10 @@ Every check takes the dotted key path of the value it reads (``cluster.links.int
 file, that path and what was expected, e.g.
 ``configs/x.yaml: cluster.nodes: expected a positive integer, got 'two'``.
 
+A :class:`Key` declares one configuration key (type, bounds, default, meaning); the
+declarations themselves are :data:`ilp_planner.inputs.config_keys.SECTIONS`, which
+:meth:`Reader.section` and :meth:`Reader.read` check a document against.
+
 Numbers: YAML 1.1 (PyYAML) reads ``1e-6`` (no dot) as a *string*; number fields therefore
 also accept strings that Python's ``float`` parses, so ``beta: 8e-10`` works as written.
 Integers must be integers (``4``, not ``4.0`` nor ``true``).
@@ -15,6 +19,7 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ilp_planner.errors import ConfigError
@@ -37,6 +42,71 @@ def show(value: Any, limit: int = 60) -> str:
     YAML alias bomb is a small file but an astronomically large ``repr``)."""
     text = _SHORT.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+REQUIRED = object()
+"""The default of a key that must be given."""
+
+# the types :meth:`Reader.read` checks; a key of another type (a list, a mapping, "an integer
+# or auto") is read by its section's parser, which the reference describes by ``type``
+_PLAIN_TYPES = ("integer", "number", "boolean", "string", "choice")
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: its type and bounds, its default and what it means.
+
+    ``positive`` / ``nonneg`` / ``at_most`` bound integers and numbers as
+    :meth:`Reader.integer` and :meth:`Reader.number` do; ``choices`` and ``noun`` are a
+    choice's values and what the error calls them; ``null``: an explicit null means the
+    default (``max_units: null``); ``default_text`` describes a default computed from
+    other keys."""
+
+    type: str
+    description: str
+    default: Any = REQUIRED
+    positive: bool = False
+    nonneg: bool = False
+    at_most: float | None = None
+    choices: tuple[Any, ...] = ()
+    noun: str = "value"
+    null: bool = False
+    default_text: str = ""
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    def type_text(self) -> str:
+        """The type column of the reference: ``integer ≥ 1``, ``one of: a, b``, …"""
+        if self.type == "choice":
+            return "one of: " + ", ".join(str(c) for c in self.choices)
+        bound = ("> 0" if self.type == "number" else "≥ 1") if self.positive else (
+            "≥ 0" if self.nonneg else "")
+        if self.at_most is not None:
+            most = f"≤ {_number_text(self.at_most)}"
+            bound = f"{bound}, {most}" if bound else most
+        return f"{self.type} {bound}".strip() + (" or null" if self.null else "")
+
+    def default_str(self) -> str:
+        if self.default_text:
+            return self.default_text
+        if self.required:
+            return "required"
+        if self.default is None:
+            return "null"
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        if isinstance(self.default, tuple):
+            return str(list(self.default))
+        if isinstance(self.default, float):
+            return _number_text(self.default)
+        return str(self.default)
+
+
+def _number_text(x: float) -> str:
+    """``60``, ``0.5``, ``1e9``: how a YAML file would write the number."""
+    return f"{x:g}".replace("e+0", "e").replace("e+", "e")
 
 
 class Reader:
@@ -77,6 +147,28 @@ class Reader:
         if len(value) < min_len:
             self.fail(path, f"expected a list of at least {min_len} items, got {len(value)}")
         return list(value)
+
+    def section(self, value: Any, path: str, keys: Mapping[str, Key]) -> dict[str, Any]:
+        """A mapping with the keys :data:`SECTIONS` declares for it (required ones first in
+        the allowed-keys message, each group in declaration order)."""
+        return self.mapping(value, path, required=[k for k, key in keys.items() if key.required],
+                            optional=[k for k, key in keys.items() if not key.required])
+
+    def read(self, key: Key, value: Any, path: str) -> Any:
+        """A value of one of the plain types, checked as ``key`` declares."""
+        if key.type == "integer":
+            return self.integer(value, path,
+                                minimum=1 if key.positive else 0 if key.nonneg else None)
+        if key.type == "number":
+            return self.number(value, path, positive=key.positive, nonneg=key.nonneg,
+                               at_most=key.at_most)
+        if key.type == "boolean":
+            return self.boolean(value, path)
+        if key.type == "string":
+            return self.string(value, path)
+        if key.type == "choice":
+            return self.choice(value, path, key.choices, key.noun)
+        raise TypeError(f"{path}: a {key.type} is read by its section's parser, not Reader.read")
 
     # -- scalars ----------------------------------------------------------------------
 
@@ -140,3 +232,4 @@ class Reader:
         """A non-empty list of positive integers."""
         items = self.sequence(value, path, min_len=1)
         return tuple(self.positive_int(d, join(path, i)) for i, d in enumerate(items))
+

@@ -4,8 +4,9 @@
 and hands the list to a backend together with a ``record`` callback. A backend runs
 :func:`~ilp_planner.sweeps.points.solve_point` on every task and calls ``record`` once per task, in
 the calling thread, as outcomes arrive (a row plus the plan's JSON text). Everything else —
-resume, results files, plan files, progress, plots — stays in :mod:`ilp_planner.sweeps.sweep`, so
-the backends differ only in where the solves run and how a lost worker is handled:
+resume, results files, plan files, progress, plots — stays with the driver
+(:mod:`ilp_planner.sweeps.sweep`), so the backends differ only in where the solves run and
+how a lost worker is handled:
 
 ``local`` (:class:`LocalBackend`, the default): ``jobs`` worker processes started with
 *spawn*; ``jobs=1`` solves in the calling process. A worker that dies fails its point.

@@ -45,7 +45,7 @@ class Point:
 
     @property
     def label(self) -> str:
-        return ", ".join(f"{k}={_short(v)}" for k, v in self.overrides.items()) or "base"
+        return ", ".join(f"{k}={short_text(v)}" for k, v in self.overrides.items()) or "base"
 
     @property
     def filename(self) -> str:
@@ -53,7 +53,7 @@ class Point:
         leaves = [k.rsplit(".", 1)[-1] for k in self.overrides]
         names = [leaf if leaves.count(leaf) == 1 else k for leaf, k in zip(leaves, self.overrides,
                                                                            strict=True)]
-        slug = _safe("_".join(f"{n}-{_short(v)}" for n, v in zip(names, self.overrides.values(),
+        slug = file_safe("_".join(f"{n}-{short_text(v)}" for n, v in zip(names, self.overrides.values(),
                                                                   strict=True)))[:80] or "base"
         return f"{slug}-{hashlib.sha1(self.id.encode()).hexdigest()[:8]}.json"
 @dataclass(frozen=True)
@@ -173,12 +173,12 @@ def plan_row(plan) -> dict[str, Any]:
 
     s, c = plan.solver, plan.cost
     step = step_seconds(plan)
-    budget = _num((plan.config.get("cluster") or {}).get("memory_gib"))
+    budget = finite_or_none((plan.config.get("cluster") or {}).get("memory_gib"))
     peak_gib = c.peak_memory_bytes / 2**30
     row: dict[str, Any] = {
         "status": s.get("status"), "error": None, "method": s.get("method"),
-        "objective_s": _num(s.get("objective")), "gap": _num(s.get("gap")),
-        "build_s": _num(s.get("build_s")), "solve_s": _num(s.get("solve_s")),
+        "objective_s": finite_or_none(s.get("objective")), "gap": finite_or_none(s.get("gap")),
+        "build_s": finite_or_none(s.get("build_s")), "solve_s": finite_or_none(s.get("solve_s")),
         "step_s": step, "total_s": c.total_s, "compute_s": c.compute_s, "comm_s": c.comm_s,
         "activation_comm_s": c.activation_comm_s, "grad_sync_s": c.grad_sync_s,
         "activation_comm_bytes": c.activation_comm_bytes, "grad_sync_bytes": c.grad_sync_bytes,
@@ -186,7 +186,7 @@ def plan_row(plan) -> dict[str, Any]:
         "memory_fraction": peak_gib / budget if budget else None,
         "stages": max(1, len(plan.stages)), "devices": plan.num_devices,
         "microbatches": microbatches(plan),
-        "bubble_fraction": _num((plan.schedule or {}).get("bubble_fraction")),
+        "bubble_fraction": finite_or_none((plan.schedule or {}).get("bubble_fraction")),
         "layout": layout_summary(plan),
     }
     ratios: dict[str, float | None] = {}
@@ -204,12 +204,8 @@ def plan_row(plan) -> dict[str, Any]:
     row.update(ratios)
     row["baselines"] = baselines
     return row
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+
+
 def failed_row(task: PointTask, error: str) -> dict[str, Any]:
     """The row of a point whose worker never returned one (it died, or raised)."""
     return {"point": task.index, "id": Point(task.index, task.overrides).id,
@@ -217,11 +213,25 @@ def failed_row(task: PointTask, error: str) -> dict[str, Any]:
             "status": "error", "error": error}
 
 
-def _short(v: Any) -> str:
+def finite_or_none(x: Any) -> float | None:
+    """``x`` as a finite float, or None: a row's metric may be missing, text or NaN."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def short_text(v: Any) -> str:
+    """A swept value as it reads in a label, a table cell or a file name (``1e-05``,
+    ``[1,4]``)."""
     if isinstance(v, float):
         return f"{v:g}"
     if isinstance(v, str | int) or v is None:
         return str(v)
     return json.dumps(v, separators=(",", ":"))
-def _safe(text: str) -> str:
+
+
+def file_safe(text: str) -> str:
+    """``text`` with every run of characters unsafe in a file name replaced by ``_``."""
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")

@@ -1,0 +1,212 @@
+"""Every key a configuration file may hold, declared once: :data:`SECTIONS` maps a section
+(``cluster``, ``solver``, ``model (kind: gpt)``…) to its keys and each key to a
+:class:`~ilp_planner.inputs.schema.Key` (type and bounds, default, meaning).
+
+The parsers (:mod:`ilp_planner.inputs.config`) take the allowed keys and the plain values'
+checks from it, so a key added here is parsed, rejected when misspelt and documented at
+once; :func:`reference_markdown` turns it into the configuration reference the README
+includes. Defaults are not restated: the builders' come from their signatures, the solver's
+and the pipeline's from :class:`SolverOptions` / :class:`PipelineOptions`, and an explicit
+graph's from :mod:`ilp_planner.inputs.models`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+
+from ilp_planner.inputs import models
+from ilp_planner.inputs.options import FALLBACKS, MILPS, RECOMPUTE, SCHEDULES, PipelineOptions, SolverOptions
+from ilp_planner.inputs.schema import REQUIRED, Key
+from ilp_planner.ir.cluster import SUBMESH_SPACES
+from ilp_planner.ir.graph import Graph
+from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS
+from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
+from ilp_planner.lowering.strategies import ZERO_LEVELS
+
+MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph", "torch")
+BUILDERS: dict[str, Callable[..., Graph]] = {
+    "mlp": models.mlp,
+    "gpt": models.gpt,
+    "u_transformer": models.u_transformer,
+    "vgg13": models.vgg13,
+}
+MODEL_DTYPES = ("float32", "float16", "bfloat16", "float64")
+TORCH_INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32")
+# No device has 10^9 GiB, 10^9 TFLOP/s or 10^9 Gbit/s links, and no link 10^9 µs of latency:
+# beyond this a figure is a typo, and it would overflow the memory row or underflow β to 0.
+PHYSICAL_MAX = 1e9
+
+_SOLVER = {f.name: f.default for f in dataclasses.fields(SolverOptions)}
+_PIPELINE = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
+
+# A builder's arguments as configuration keys; their defaults are the builder's own.
+_BUILDER_ARGS = {
+    "dims": Key("list", "layer widths [d0, d1, …] (at least two)"),
+    "hidden": Key("integer", "hidden size (VGG13: the classifier's hidden linears)",
+                  positive=True),
+    "layers": Key("integer", "blocks (U-Transformer: even)", positive=True),
+    "heads": Key("integer", "attention heads (dividing hidden)", positive=True),
+    "seq_len": Key("integer", "sequence length", positive=True),
+    "vocab": Key("integer", "vocabulary size", positive=True),
+    "batch": Key("integer", "global batch size", positive=True),
+    "image": Key("integer", "image side, divisible by 32", positive=True),
+    "classes": Key("integer", "output classes", positive=True),
+    "channels": Key("list", f"one width per convolution block ({len(models.VGG13_WIDTHS)} "
+                            f"positive integers)"),
+    "bias": Key("boolean", "linears carry a bias"),
+    "dtype": Key("choice", "dtype of every tensor", choices=MODEL_DTYPES, noun="dtype"),
+}
+
+
+def model_section(kind: str) -> str:
+    """The :data:`SECTIONS` name of a model kind's keys."""
+    return f"model (kind: {kind})"
+
+
+def _builder_section(builder: Callable[..., Graph]) -> dict[str, Key]:
+    """The keys of a builder kind: its arguments, in order, with its defaults."""
+    out = {}
+    for name, p in inspect.signature(builder).parameters.items():
+        default = REQUIRED if p.default is inspect.Parameter.empty else p.default
+        out[name] = dataclasses.replace(_BUILDER_ARGS[name], default=default)
+    return out
+
+
+SECTIONS: dict[str, dict[str, Key]] = {
+    "top level": {
+        "model": Key("mapping", "the model: a builder, an explicit layer graph or a torch module"),
+        "cluster": Key("mapping", "the devices and their links"),
+        "name": Key("string", "the problem's name", None, default_text="the file stem"),
+        "training": Key("mapping", "the memory model", None, default_text="all defaults"),
+        "solver": Key("mapping", "intra-op solver options (SolverOptions)", None,
+                      default_text="all defaults"),
+        "pipeline": Key("mapping", "inter-op options (PipelineOptions)", None,
+                        default_text="all defaults"),
+    },
+    "model": {
+        "kind": Key("choice", "which model: a builder, an explicit graph or a torch module",
+                    choices=MODEL_KINDS, noun="model kind"),
+    },
+    **{model_section(kind): _builder_section(builder) for kind, builder in BUILDERS.items()},
+    model_section("graph"): models.GRAPH_KEYS,
+    "model.ops[i]": models.GRAPH_OP_KEYS,
+    model_section("torch"): {
+        "module": Key("string", "an importable 'package.module:Class' (or factory), built on "
+                                "the meta device and imported through torch.export"),
+        "example_inputs": Key("mapping or list", "a mapping of name → input spec, or a list of input "
+                                         "specs (see model.example_inputs[i])"),
+        "kwargs": Key("mapping", "constructor arguments", None, default_text="none"),
+        "name": Key("string", "the graph's name", None, default_text="the class name"),
+    },
+    "model.example_inputs[i]": {
+        "shape": Key("list", "the input's shape (positive integers)"),
+        "dtype": Key("choice", "its dtype", "float32", choices=TORCH_INPUT_DTYPES, noun="dtype"),
+        "high": Key("integer", "integer inputs draw ids in [0, high)", 2, positive=True),
+    },
+    "cluster": {
+        "nodes": Key("integer", "machines", positive=True),
+        "devices_per_node": Key("integer", "devices per machine", positive=True),
+        "memory_gib": Key("number", "memory per device, GiB = 2^30 bytes", positive=True,
+                          at_most=PHYSICAL_MAX),
+        "peak_tflops": Key("number", "peak TFLOP/s per device", positive=True,
+                           at_most=PHYSICAL_MAX),
+        "links": Key("mapping", "intra- and inter-node links (both, even on one-device nodes)"),
+        "efficiency": Key("number", "achieved / peak FLOP/s", 0.5, positive=True, at_most=1.0),
+        "name": Key("string", "the cluster's name", None, default_text="<nodes>x<devices_per_node>"),
+    },
+    "cluster.links": {
+        "intra": Key("mapping", "the link between devices of one node"),
+        "inter": Key("mapping", "the link between nodes"),
+    },
+    "cluster.links.<intra|inter>": {
+        "latency_us": Key("number", "latency in µs (with bandwidth_gbps)", nonneg=True,
+                          at_most=PHYSICAL_MAX, default=None, default_text="—"),
+        "bandwidth_gbps": Key("number", "bandwidth in Gbit/s (with latency_us)", positive=True,
+                              at_most=PHYSICAL_MAX, default=None, default_text="—"),
+        "alpha": Key("number", "fitted latency in s (with beta, instead of the two above)",
+                     nonneg=True, default=None, default_text="—"),
+        "beta": Key("number", "fitted seconds per byte (with alpha)", positive=True,
+                    default=None, default_text="—"),
+    },
+    "training": {
+        "optimizer": Key("choice", "the optimizer preset of bytes per parameter",
+                         default=None, default_text="adam_mixed for float16 / bfloat16 models, else adam",
+                         choices=tuple(OPTIMIZER_PRESETS), noun="optimizer"),
+        "bytes_per_param": Key("mapping", "overrides the preset's bytes per parameter",
+                               None, null=True, default_text="the preset's"),
+        "grad_bucket_mb": Key("number", "MiB per fused gradient AllReduce (DDP's default); "
+                                        "0: one AllReduce per op and set of partial axes",
+                              DDP_BUCKET_MB, nonneg=True, null=True),
+    },
+    "training.bytes_per_param": {
+        "weight": Key("number", "bytes per weight", None, default_text="the preset's", positive=True),
+        "grad": Key("number", "bytes per gradient", None, default_text="the preset's", positive=True),
+        "optimizer": Key("number", "bytes of optimizer state per parameter",
+                         None, default_text="the preset's", nonneg=True),
+    },
+    "solver": {
+        "time_limit_s": Key("number", "wall-clock limit of the intra-op solve",
+                            _SOLVER["time_limit_s"], positive=True),
+        "tie_layers": Key("boolean", "every repetition of a block gets one strategy",
+                          _SOLVER["tie_layers"]),
+        "max_weight_replication": Key("integer", "cap on a linear's weight replication (p0)",
+                                      _SOLVER["max_weight_replication"], positive=True, null=True),
+        "max_axes": Key("integer", "mesh axes a factorisation may have",
+                        _SOLVER["max_axes"], positive=True),
+        "threads": Key("integer", "CBC's threads", _SOLVER["threads"], positive=True),
+        "seed": Key("integer", "seed of the solvers and fallback searches", _SOLVER["seed"],
+                    nonneg=True),
+        "fallback": Key("choice", "heuristic search when the ILP gives up", _SOLVER["fallback"],
+                        choices=FALLBACKS, noun="fallback"),
+        "elimination": Key("boolean", "exact variable elimination first; false: the ILP alone",
+                           _SOLVER["elimination"]),
+        "gap": Key("number", "relative optimality gap accepted as optimal (0.001 = 0.1 %)",
+                   _SOLVER["gap"], nonneg=True, at_most=1),
+        "milp": Key("choice", "the ILP's solver: SCIP in-process (OR-Tools) or PuLP's CBC in a "
+                              "subprocess (the reference)", _SOLVER["milp"], choices=MILPS,
+                    noun="MILP solver"),
+        "state_sharding": Key("list", "ZeRO levels the ILP may pick per weighted op: 0 none, "
+                                      "1 optimizer state, 2 + gradients, 3 + weights (FSDP), "
+                                      f"from {list(ZERO_LEVELS)}", _SOLVER["state_sharding"]),
+        "recompute": Key("choice", "activation recomputation: never, auto (the planner picks "
+                                   "how many blocks) or always", _SOLVER["recompute"],
+                         choices=RECOMPUTE, noun="recomputation policy"),
+    },
+    "pipeline": {
+        "stages": Key("integer or auto", "pipeline stages: 1 (none), N or auto",
+                      _PIPELINE["stages"]),
+        "microbatches": Key("integer", "micro-batches (divide model.batch)",
+                            _PIPELINE["microbatches"], positive=True),
+        "schedule": Key("choice", "the pipeline schedule", _PIPELINE["schedule"],
+                        choices=SCHEDULES, noun="schedule"),
+        "submeshes": Key("list", "[nodes, devices] per stage, one per stage",
+                         _PIPELINE["submeshes"], null=True),
+        "imbalance_tolerance": Key("number", "stage imbalance the DP tolerates",
+                                   _PIPELINE["imbalance_tolerance"], nonneg=True, null=True),
+        "overlap": Key("boolean", "overlap gradient synchronisation with the backward pass",
+                       _PIPELINE["overlap"]),
+        "submesh_space": Key("choice", "the shapes a stage may take (Alpa's spaces)",
+                             _PIPELINE["submesh_space"], choices=SUBMESH_SPACES,
+                             noun="sub-mesh space"),
+        "max_units": Key("integer", "null: one layer unit per block; N: coarsen to ≤ N units",
+                         _PIPELINE["max_units"], positive=True, null=True),
+        "stage_time_limit_s": Key("number", "per stage ILP limit",
+                                  _PIPELINE["stage_time_limit_s"], positive=True, null=True,
+                                  default_text="min(solver.time_limit_s, 10)"),
+        "stage_bound": Key("boolean", "skip or stop stage solves proven slower than a plan in "
+                                      "hand (exact)", _PIPELINE["stage_bound"]),
+    },
+}
+
+
+def reference_markdown() -> str:
+    """The configuration reference as a Markdown table (section, key, type, default,
+    description), one row per key of :data:`SECTIONS`: what the README includes."""
+    rows = ["| section | key | type | default | description |", "|---|---|---|---|---|"]
+    for section, keys in SECTIONS.items():
+        for name, key in keys.items():
+            cells = (section, f"`{name}`", key.type_text(), key.default_str(), key.description)
+            rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,199 @@
+"""Lifting the ops between the weighted layers: followers (activations, dropout), views and
+splits, softmax, reductions, element-wise arithmetic, concatenation and losses — and the
+values that do not depend on the inputs at all.
+
+Most of these fold into the activation they act on (a step of its ``chain``) rather than
+becoming IR ops: the builders count FLOPs only in linears and attention, and the chain is
+what lets attention and a hand-written RMSNorm be recognised later. :data:`ELEMENTWISE_HANDLERS`
+maps aten op names to the handlers for the walk's table (:mod:`ilp_planner.inputs.lifting`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_layers import lift_norm
+from ilp_planner.inputs.lift_values import (
+    CONCATS,
+    FOLLOWERS,
+    LOSSES,
+    REDUCTIONS,
+    SOFTMAXES,
+    SPLITS,
+    UNARY_FOLDS,
+    VIEWS,
+    Act,
+    Call,
+    Const,
+    dtype_of,
+    first_output,
+    flatten,
+    numel,
+    param_name,
+    tokens_major,
+)
+from ilp_planner.ir.graph import OpKind
+
+
+def lift_const(g: DraftGraph, call: Call) -> Any:
+    """A value none of the model's inputs flows into; it remembers the parameters it came
+    from, a position-table lookup and a weight's transpose (a tied head reads ``E.t()``)."""
+    op, args, val = call.op, call.args, call.val
+    if op == "embedding" and isinstance(args[0], Const) and args[0].params:
+        return Const(args[0].params, int(g.param_shape[args[0].params[0]][0]))
+    params = tuple(p for a in flatten(args) if isinstance(a, Const) for p in a.params)
+    if op in ("t", "transpose", "permute") and isinstance(args[0], Const) \
+            and len(args[0].params) == 1 and len(g.param_shape[args[0].params[0]]) == 2:
+        return Const(args[0].params, transposed=not args[0].transposed)
+    if op in VIEWS and isinstance(args[0], Const) and args[0].transposed:
+        return args[0]
+    if isinstance(val, (list, tuple)):
+        return [Const(params) for _ in val]
+    return Const(params)
+
+
+def _follower(kind: OpKind) -> Handler:
+    """The handler of an element-wise op of one activation that stays an op of its own."""
+
+    def lift_follower(g: DraftGraph, call: Call) -> Any:
+        x, val = call.args[0], call.val
+        out = first_output(val)
+        if isinstance(x, Act) and x.role:
+            return x  # dropout on attention probabilities folds into the attention
+        src = g.ir(call.node, x)
+        d = g.drafts[src]
+        shape = d.shape if numel(d.shape) == numel(out.shape) else tokens_major(out.shape)
+        act = g.add(call.node, kind, [src], shape, dtype_of(out), flops=float(numel(out.shape)))
+        res = Act(act.src, tuple(out.shape), act.dtype)
+        return [res, Const()] if isinstance(val, (list, tuple)) else res
+
+    return lift_follower
+
+
+def lift_view(g: DraftGraph, call: Call) -> Any:
+    """A re-view of one activation: a step of its chain."""
+    x, val = call.args[0], call.val
+    if not isinstance(x, Act):
+        return Const()
+    step = (call.op,) + tuple(a for a in call.args[1:] if isinstance(a, (int, list, tuple)))
+    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts)
+
+
+def lift_split(g: DraftGraph, call: Call) -> list:
+    """The parts of one activation, each remembering its dim and index (q / k / v of a
+    fused projection)."""
+    op, args = call.op, call.args
+    x = args[0]
+    dim = args[2] if len(args) > 2 else (args[1] if op == "unbind" and len(args) > 1 else 0)
+    return [Act(x.src, tuple(v.shape), dtype_of(v),
+                x.chain + ((op, int(dim) % len(x.shape), i),))
+            for i, v in enumerate(call.val)]
+
+
+def lift_softmax(g: DraftGraph, call: Call) -> Act:
+    """Softmax of attention scores makes them probabilities; any other is an op."""
+    x, val = call.args[0], call.val
+    if x.role == "scores":
+        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", x.parts)
+    src = g.ir(call.node, x)
+    act = g.add(call.node, OpKind.SOFTMAX, [src], tokens_major(val.shape), dtype_of(val),
+                flops=5.0 * numel(val.shape))
+    return Act(act.src, tuple(val.shape), act.dtype)
+
+
+def lift_reduction(g: DraftGraph, call: Call) -> Act:
+    """A reduction to a scalar is the loss; over the last dim, a step a hand-written
+    RMSNorm is recognised by."""
+    x, val = call.args[0], call.val
+    if not val.shape or numel(val.shape) == 1:  # a scalar: the loss
+        return g.loss(call.node, x)
+    dims = call.args[1] if len(call.args) > 1 else None
+    last = isinstance(dims, (list, tuple)) and len(dims) == 1 and \
+        int(dims[0]) % len(x.shape) == len(x.shape) - 1
+    step = ("reduce_last",) if last else ("reduce",)
+    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts)
+
+
+def lift_loss(g: DraftGraph, call: Call) -> Act:
+    return g.loss(call.node, call.acts[0])
+
+
+def lift_arithmetic(g: DraftGraph, call: Call) -> Act:
+    """An element-wise op: folded into its activation's chain, a norm, or a binary op."""
+    acts = call.acts
+    if len(acts) == 1:
+        return _fold_into(g, call, acts[0])
+    return _combine(g, call, acts[0], acts[1])
+
+
+def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
+    """One activation with constants: a gain after a last-dim mean is an RMSNorm, a
+    position table added to an embedding folds into it, a bias / scale parameter belongs to
+    the op it follows; the op itself becomes a step of the chain."""
+    op, val = call.op, call.val
+    shape, dtype = tuple(val.shape), dtype_of(val)
+    consts = [a for a in call.args if isinstance(a, Const)]
+    gain = next((param_name(c) for c in consts if param_name(c)), None)
+    if gain is not None and op == "mul" and any(s[0] == "reduce_last" for s in x.chain) \
+            and g.param_shape[gain] == (shape[-1],) and len(x.src) == 1:
+        return lift_norm(g, call.node, Act(x.src, shape, dtype), val, OpKind.RMSNORM, [gain])
+    pos = next((c for c in consts if c.table_of_positions), None)
+    if pos is not None and op == "add" and len(x.src) == 1 \
+            and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
+        d = g.drafts[x.src[0]]
+        d.attrs["seq_len"] = pos.table_of_positions
+        g.adopt(d, pos.params)
+        return Act(x.src, shape, dtype)
+    if len(x.src) == 1:
+        d = g.drafts[x.src[0]]
+        for c in consts:
+            for p in g.adopt(d, c.params):
+                if d.kind is OpKind.LINEAR and g.param_shape[p] == (d.shape[-1],):
+                    d.attrs["bias"] = 1
+    return Act(x.src, shape, dtype, x.chain + ((op,),), x.role, x.parts)
+
+
+def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
+    """Two activations: steps of one tensor (rotary, normalisation), a mask on attention
+    scores, or a sum / product that becomes an ``add`` / ``mul`` op."""
+    op, val = call.op, call.val
+    shape, dtype = tuple(val.shape), dtype_of(val)
+    if set(a.src) == set(b.src) and (a.chain or b.chain):  # rotary, normalisation steps
+        return Act(a.src, shape, dtype, a.chain + b.chain + ((op,),), a.role or b.role,
+                   a.parts or b.parts)
+    if a.role or b.role:  # an additive mask on attention scores
+        x = a if a.role else b
+        return Act(x.src, shape, dtype, x.chain, x.role, x.parts)
+    kind = OpKind.ADD if op in ("add", "sub", "rsub") else (
+        OpKind.MUL if op in ("mul", "div", "true_divide") else OpKind.OPAQUE)
+    srcs = [g.ir(call.node, a), g.ir(call.node, b)]
+    image = all(len(g.drafts[s].shape) == 4 for s in srcs)
+    out = shape if image else tokens_major(shape)
+    act = g.add(call.node, kind, srcs, out, dtype, flops=float(numel(shape)),
+                label=op if kind is OpKind.OPAQUE else None)
+    return Act(act.src, shape, dtype)
+
+
+def lift_concat(g: DraftGraph, call: Call) -> Any:
+    """Parts of one tensor put back together (rotate-half) stay it; anything else is opaque."""
+    acts, val = call.acts, call.val
+    srcs = tuple(dict.fromkeys(s for a in acts for s in a.src))
+    if len(set(a.src for a in acts)) == 1:
+        a = acts[0]
+        return Act(a.src, tuple(val.shape), dtype_of(val), a.chain + (("cat",),), a.role,
+                   a.parts)
+    return g.opaque(call.node, call.args, [Act(srcs, tuple(val.shape), dtype_of(val))], val,
+                    "cat")
+
+
+ELEMENTWISE_HANDLERS: dict[str, Handler] = {
+    **{op: _follower(kind) for op, kind in FOLLOWERS.items()},
+    **dict.fromkeys(VIEWS, lift_view),
+    **dict.fromkeys(SPLITS, lift_split),
+    **dict.fromkeys(LOSSES, lift_loss),
+    **dict.fromkeys(SOFTMAXES, lift_softmax),
+    **dict.fromkeys(REDUCTIONS, lift_reduction),
+    **dict.fromkeys(UNARY_FOLDS, lift_arithmetic),
+    **dict.fromkeys(CONCATS, lift_concat),
+}

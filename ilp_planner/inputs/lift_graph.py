@@ -1,0 +1,185 @@
+"""The IR under construction while the importer walks an exported graph.
+
+:class:`DraftGraph` holds the draft ops, the value of every node visited so far and which op
+owns each parameter; it names ops after the user's module paths and materialises an
+activation as an IR op when a handler needs one to read. The handlers
+(:mod:`ilp_planner.inputs.lift_layers`, :mod:`ilp_planner.inputs.lift_elementwise`) build
+through it, so naming and parameter ownership are decided in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ilp_planner.inputs.lift_values import (
+    Act,
+    Call,
+    Const,
+    Draft,
+    Unsupported,
+    dtype_of,
+    first_output,
+    flatten,
+    numel,
+    tokens_major,
+)
+from ilp_planner.ir.graph import OpKind
+
+_IMAGE_KINDS = (OpKind.CONV2D, OpKind.POOL, OpKind.BATCHNORM)
+
+
+class DraftGraph:
+    """Drafts, node values and parameter ownership of one walk over an exported graph."""
+
+    def __init__(self, module: Any, strip: str = "", dtensor: bool = True):
+        self.module = module
+        self.strip = strip  # the prefix of the loss wrapper's paths (``model.``)
+        self.dtensor = dtensor
+        self.drafts: dict[str, Draft] = {}
+        self.values: dict[str, Any] = {}  # node name -> Const / Act (or a list of them)
+        self.param_shape: dict[str, tuple[int, ...]] = {}
+        self.owner: dict[str, str] = {}  # parameter FQN -> first op using it
+        self.counters: dict[str, int] = {}
+        self.outputs: list[Any] = []
+
+    # -- naming --------------------------------------------------------------------------
+
+    def scope(self, node: Any) -> tuple[tuple[str, str], ...]:
+        """The node's module stack as ``(path, class name)``, outermost first."""
+        stack = node.meta.get("nn_module_stack") or {}
+        out = []
+        for path, cls in stack.values():
+            path = path.removeprefix(self.strip) if path != self.strip.rstrip(".") else ""
+            if path:
+                out.append((path, cls if isinstance(cls, str) else getattr(cls, "__name__", "")))
+        return tuple(out)
+
+    def _name(self, node: Any, label: str, main: bool) -> str:
+        """The module path for a leaf module's own op (``main``); ``<path>.<kind>[_i]``
+        otherwise — counted per scope, so repeated blocks get the same suffixes."""
+        scope = self.scope(node)
+        path = scope[-1][0] if scope else ""
+        if main and path and path not in self.drafts and self._is_leaf(path):
+            return path
+        base = f"{path}.{label}" if path else label
+        n = self.counters.get(base, 0)
+        self.counters[base] = n + 1
+        name = base if n == 0 else f"{base}_{n}"
+        while name in self.drafts:
+            n += 1
+            self.counters[base] = n + 1
+            name = f"{base}_{n}"
+        return name
+
+    def _is_leaf(self, path: str) -> bool:
+        try:
+            sub = self.module.get_submodule(path)
+        except AttributeError:
+            return False
+        return not any(True for _ in sub.children())
+
+    # -- values --------------------------------------------------------------------------
+
+    def arg(self, a: Any) -> Any:
+        """A node argument's value: a visited node's, or the literal itself."""
+        name = getattr(a, "name", None)
+        return self.values.get(name, Const()) if name is not None else a
+
+    def placeholder(self, node: Any, params: dict[str, str], constants: set[str]) -> Any:
+        """A graph input's value: a parameter, a buffer / constant, or a model input."""
+        val = node.meta.get("val")
+        if node.name in params:
+            fqn = params[node.name].removeprefix(self.strip)
+            self.param_shape[fqn] = tuple(val.shape)
+            return Const((fqn,))
+        if node.name in constants or not hasattr(val, "shape"):
+            return Const()
+        shape = tuple(int(d) for d in val.shape)
+        dtype = dtype_of(val)
+        spec_shape = shape if len(shape) == 4 else (
+            (numel(shape),) if dtype.startswith("int") else tokens_major(shape))
+        self.drafts[node.name] = Draft(node.name, OpKind.INPUT, (), spec_shape, dtype)
+        return Act((node.name,), shape, dtype)
+
+    # -- building ------------------------------------------------------------------------
+
+    def add(self, node: Any, kind: OpKind, inputs: Sequence[str], shape: Sequence[int],
+            dtype: str, *, weight: tuple[int, ...] | None = None, params: Sequence[str] = (),
+            flops: float = 0.0, main: bool = True, label: str | None = None,
+            **attrs: int) -> Act:
+        """A new op; it owns those of ``params`` no earlier op has claimed."""
+        name = self._name(node, label or kind.value, main)
+        owned = tuple(p for p in params if p not in self.owner)
+        for p in owned:
+            self.owner[p] = name
+        shape = tuple(int(d) for d in shape)
+        self.drafts[name] = Draft(
+            name, kind, tuple(dict.fromkeys(inputs)), shape, dtype, weight,
+            sum(numel(self.param_shape[p]) for p in owned), float(flops), dict(attrs), owned,
+            self.scope(node))
+        return Act((name,), shape, dtype)
+
+    def adopt(self, draft: Draft, params: Sequence[str]) -> list[str]:
+        """Give ``draft`` those of ``params`` no op owns yet (a bias, a position table that
+        folds into the op it follows); the ones it took."""
+        taken = []
+        for p in params:
+            if p not in self.owner:
+                self.owner[p] = draft.name
+                draft.source_params += (p,)
+                draft.params += numel(self.param_shape[p])
+                taken.append(p)
+        return taken
+
+    def ir(self, node: Any, x: Any) -> str:
+        """The IR op whose output ``x`` is (re-viewed); materialise one if it is not."""
+        if isinstance(x, Act) and len(x.src) == 1:
+            d = self.drafts[x.src[0]]
+            if numel(d.shape) == numel(x.shape):
+                if d.kind is OpKind.INPUT:
+                    return d.name
+                if d.kind in _IMAGE_KINDS or _is_image(d):
+                    if len(x.shape) == 4:
+                        return d.name
+                    if len(x.shape) == 2 and x.shape[0] == d.shape[0]:
+                        act = self.add(node, OpKind.FLATTEN, [d.name], x.shape, x.dtype,
+                                       main=False)
+                        return act.src[0]
+                elif x.shape[-1] == d.shape[-1] or len(x.shape) == 1:
+                    return d.name
+        if not isinstance(x, Act):
+            raise Unsupported(node, "reads a value that does not depend on the model's inputs")
+        act = self.add(node, OpKind.OPAQUE, list(x.src), tokens_major(x.shape), x.dtype,
+                       flops=float(numel(x.shape)), main=False)
+        return act.src[0]
+
+    def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
+        """An op the planner cannot shard: kept replicated, its inputs gathered; it owns the
+        parameters among ``args``."""
+        out = first_output(val)
+        srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
+        shape = tuple(out.shape)
+        spec = shape if len(shape) == 4 else tokens_major(shape)
+        params = [p for a in flatten(args) if isinstance(a, Const) for p in a.params]
+        act = self.add(node, OpKind.OPAQUE, srcs, spec, dtype_of(out), params=params,
+                       flops=float(numel(shape)), label=op)
+        res = Act(act.src, shape, act.dtype)
+        return [res] + [Const() for _ in val[1:]] if isinstance(val, (list, tuple)) else res
+
+    def loss(self, node: Any, x: Act) -> Act:
+        """The scalar loss over ``x``: the user's, or the default one the importer adds."""
+        src = self.ir(node, x)
+        n = numel(self.drafts[src].shape)
+        # the user's loss code runs on the output as DTensor sees it: no vocabulary-parallel
+        # loss, so the plan gathers split classes before it (strategies.follower_inputs)
+        return self.add(node, OpKind.LOSS, [src], (1,), "float32", flops=3.0 * n,
+                        **({"whole_classes": 1} if self.dtensor else {}))
+
+
+Handler = Callable[[DraftGraph, Call], Any]
+"""What the walk's table maps an aten op name to: the node's value from its lifted call."""
+
+
+def _is_image(d: Draft) -> bool:
+    return len(d.shape) == 4 and d.kind is not OpKind.INPUT

@@ -1,0 +1,212 @@
+"""Lifting the ops that carry the model's weights: linear (and ``x @ W``), attention (fused
+and hand-written), embedding, norms, convolution, batch norm and pooling.
+
+Each handler reads one :class:`~ilp_planner.inputs.lift_values.Call` and returns the node's
+value; :data:`LAYER_HANDLERS` maps aten op names to them for the walk's dispatch table
+(:mod:`ilp_planner.inputs.lifting`). An op whose weight is not a parameter, or whose inputs
+the planner cannot read, becomes opaque.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_values import (
+    SPLITS,
+    Act,
+    Call,
+    Const,
+    dtype_of,
+    first_output,
+    numel,
+    param_name,
+    tokens_major,
+)
+from ilp_planner.ir.graph import OpKind
+
+
+def lift_linear(g: DraftGraph, call: Call) -> Any:
+    args = call.args
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else call.kwargs.get("bias")
+    wname = param_name(w)
+    if wname is None or not isinstance(x, Act):
+        return g.opaque(call.node, call.args, [a for a in (x, w) if isinstance(a, Act)],
+                        call.val, "linear")
+    n, k = g.param_shape[wname]
+    return _linear(g, call.node, x, wname, param_name(b), k, n, call.val, stored_t=True)
+
+
+def _linear(g: DraftGraph, node: Any, x: Act, wname: str, bname: str | None, k: int, n: int,
+            val: Any, stored_t: bool = False) -> Act:
+    """``x (tokens, k) × W (k, n)``; a weight an embedding already owns is its tied head."""
+    src = g.ir(node, x)
+    tokens = numel(val.shape) // n
+    tied = wname in g.owner and g.drafts[g.owner[wname]].kind is OpKind.EMBEDDING
+    owned = [p for p in (wname, bname) if p is not None]
+    # ``weight_t``: the module stores the weight (out, in), as nn.Linear does
+    act = g.add(node, OpKind.LINEAR, [src], (tokens, n), dtype_of(val), weight=(k, n),
+                params=owned, flops=2.0 * tokens * k * n, bias=int(bname is not None),
+                tied=int(tied), **({"weight_t": 1} if stored_t else {}))
+    if tied:
+        d = g.drafts[act.src[0]]
+        d.source_params = (wname,) + d.source_params
+    return Act(act.src, tuple(val.shape), act.dtype)
+
+
+def lift_matmul(g: DraftGraph, call: Call) -> Any:
+    """``x @ W`` with a parameter is a linear; ``q @ kᵀ`` then ``probs @ v`` are the two
+    halves of hand-written attention (the first only marks its result ``scores``)."""
+    a, b, val = call.args[0], call.args[1], call.val
+    w = param_name(b)
+    if isinstance(a, Act) and isinstance(b, Const) and w and len(g.param_shape[w]) == 2:
+        k, n = g.param_shape[w][::-1] if b.transposed else g.param_shape[w]
+        return _linear(g, call.node, a, w, None, k, n, val)
+    if isinstance(a, Act) and isinstance(b, Act):
+        if a.role == "probs":
+            return _attention(g, call, a.parts["q"], a.parts["k"], b)
+        if len(a.shape) == 4 and len(b.shape) == 4:
+            return Act(tuple(dict.fromkeys(a.src + b.src)), tuple(val.shape), dtype_of(val),
+                       role="scores", parts=MappingProxyType({"q": a, "k": b}))
+    acts = [x for x in (a, b) if isinstance(x, Act)]
+    return g.opaque(call.node, call.args, acts, val, call.op)
+
+
+def lift_sdpa(g: DraftGraph, call: Call) -> Any:
+    return _attention(g, call, call.args[0], call.args[1], call.args[2])
+
+
+def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act) -> Any:
+    val = call.val
+    batch, heads, seq, hd = (int(d) for d in q.shape)
+    srcs = list(dict.fromkeys(q.src + k.src + v.src))
+    if not all(isinstance(x, Act) and len(x.src) == 1 for x in (q, k, v)) \
+            or any(g.drafts[s].kind is OpKind.INPUT for s in srcs):
+        return g.opaque(call.node, call.args, [q, k, v], val, "attention")
+    # grouped-query attention repeats k / v heads after the projection: count them there
+    kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 else heads
+    # the user's attention runs under DTensor (Plan.parallelize), whose 4-D matmul
+    # cannot merge a batch split with a head split: one or the other
+    attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
+    if g.dtensor:
+        attrs["one_split"] = 1
+    if kv_heads != heads:
+        attrs["kv_heads"] = kv_heads
+    if len(srcs) == 1 and not _head_major(q.chain):
+        attrs["qkv_major"] = 1
+    tokens = batch * seq
+    flops = 4.0 * tokens * seq * heads * hd  # the two matmuls, as the builders count
+    act = g.add(call.node, OpKind.ATTENTION, srcs, (tokens, heads * hd), dtype_of(val),
+                flops=flops, **attrs)
+    # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use
+    return Act(act.src, tuple(val.shape), act.dtype, chain=(("heads_out",),))
+
+
+def _head_major(chain: tuple[tuple, ...]) -> bool:
+    """Whether q reaches a fused projection by picking, per head, one of q / k / v — the
+    projection is ``[head0: q k v | head1: …]`` — rather than one ``[q | k | v]`` third."""
+    for step in chain:
+        if step[0] in SPLITS and step[1] is not None:
+            return False  # split first along the features: [q | k | v] blocks
+        if step[0] in ("view", "_unsafe_view", "reshape") and len(step) > 1:
+            shape = step[1]
+            return isinstance(shape, (list, tuple)) and len(shape) >= 4
+    return False
+
+
+def lift_embedding(g: DraftGraph, call: Call) -> Any:
+    w, ids = call.args[0], call.args[1]
+    wname = param_name(w)
+    if wname is None or not isinstance(ids, Act):
+        return g.opaque(call.node, call.args, [a for a in (w, ids) if isinstance(a, Act)],
+                        call.val, "embedding")
+    vocab, h = g.param_shape[wname]
+    src = g.ir(call.node, ids)
+    tokens = numel(call.val.shape) // h
+    act = g.add(call.node, OpKind.EMBEDDING, [src], (tokens, h), dtype_of(call.val),
+                weight=(vocab, h), params=[wname], flops=float(tokens * h), vocab=vocab)
+    return Act(act.src, tuple(call.val.shape), act.dtype)
+
+
+def lift_layer_norm(g: DraftGraph, call: Call) -> Act:
+    args = call.args
+    w = param_name(args[2]) if len(args) > 2 else None
+    b = param_name(args[3]) if len(args) > 3 else None
+    return lift_norm(g, call.node, args[0], call.val, OpKind.LAYERNORM, [p for p in (w, b) if p],
+                     **({} if b is not None else {"bias": 0}))
+
+
+def lift_rms_norm(g: DraftGraph, call: Call) -> Act:
+    w = param_name(call.args[2]) if len(call.args) > 2 else None
+    return lift_norm(g, call.node, call.args[0], call.val, OpKind.RMSNORM, [w] if w else [])
+
+
+def lift_norm(g: DraftGraph, node: Any, x: Any, val: Any, kind: OpKind, params: list[str],
+              **attrs: int) -> Act:
+    """A layer / RMS norm over the last dim, owning its gain (and bias)."""
+    src = g.ir(node, x)
+    shape = tokens_major(val.shape)
+    act = g.add(node, kind, [src], shape, dtype_of(val), params=params,
+                flops=8.0 * numel(shape), **attrs)
+    return Act(act.src, tuple(val.shape), act.dtype)
+
+
+def lift_batch_norm(g: DraftGraph, call: Call) -> Any:
+    args, val = call.args, call.val
+    params = [p for p in (param_name(args[1]), param_name(args[2])) if p]
+    src = g.ir(call.node, args[0])
+    out = first_output(val)
+    act = g.add(call.node, OpKind.BATCHNORM, [src], tuple(out.shape), dtype_of(out),
+                params=params, flops=8.0 * numel(out.shape))
+    res = Act(act.src, tuple(out.shape), act.dtype)
+    return [res, Const(), Const(), Const(), Const()] if isinstance(val, (list, tuple)) else res
+
+
+def lift_conv2d(g: DraftGraph, call: Call) -> Any:
+    args, val = call.args, call.val
+    x, wname = args[0], param_name(args[1])
+    b = param_name(args[2]) if len(args) > 2 else None
+    if wname is None:
+        return g.opaque(call.node, call.args, [x], val, "conv2d")
+    src = g.ir(call.node, x)
+    c_out, c_in, kh, kw = g.param_shape[wname]
+    act = g.add(call.node, OpKind.CONV2D, [src], tuple(val.shape), dtype_of(val),
+                weight=(c_out, c_in, kh, kw), params=[p for p in (wname, b) if p],
+                flops=2.0 * numel(val.shape) * c_in * kh * kw, kernel=int(kw))
+    return Act(act.src, tuple(val.shape), act.dtype)
+
+
+def _pool(avg: bool) -> Handler:
+    """The handler of max (``avg`` False) or average pooling; its kernel is read off the
+    input and output widths, which adaptive pooling has no argument for."""
+
+    def lift_pool(g: DraftGraph, call: Call) -> Any:
+        out = first_output(call.val)
+        src = g.ir(call.node, call.args[0])
+        kernel = max(1, int(g.drafts[src].shape[-1]) // int(out.shape[-1]))
+        attrs = {"kernel": kernel, **({"avg": 1} if avg else {})}
+        act = g.add(call.node, OpKind.POOL, [src], tuple(out.shape), dtype_of(out),
+                    flops=float(numel(g.drafts[src].shape)), **attrs)
+        res = Act(act.src, tuple(out.shape), act.dtype)
+        return [res, Const()] if isinstance(call.val, (list, tuple)) else res
+
+    return lift_pool
+
+
+LAYER_HANDLERS: dict[str, Handler] = {
+    "linear": lift_linear,
+    "matmul": lift_matmul, "bmm": lift_matmul, "mm": lift_matmul,
+    "scaled_dot_product_attention": lift_sdpa,
+    "embedding": lift_embedding,
+    "layer_norm": lift_layer_norm,
+    "rms_norm": lift_rms_norm,
+    "batch_norm": lift_batch_norm, "_native_batch_norm_legit_functional": lift_batch_norm,
+    "_native_batch_norm_legit": lift_batch_norm,
+    "_native_batch_norm_legit_no_training": lift_batch_norm,
+    "conv2d": lift_conv2d, "convolution": lift_conv2d,
+    "max_pool2d": _pool(avg=False), "max_pool2d_with_indices": _pool(avg=False),
+    "avg_pool2d": _pool(avg=True), "adaptive_avg_pool2d": _pool(avg=True),
+    "_adaptive_avg_pool2d": _pool(avg=True),
+}

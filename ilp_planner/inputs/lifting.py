@@ -1,0 +1,55 @@
+"""The importer's walk: every node of an exported graph, in order, to a value, through one
+``aten op name → handler`` table (as DTensor's op registry dispatches).
+
+Nodes no input flows into become constants; an op with no handler becomes opaque (kept
+replicated, listed by ``validate``), so any model imports and the plan says what it could
+not shard.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from ilp_planner.inputs.lift_elementwise import ELEMENTWISE_HANDLERS, lift_const
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_layers import LAYER_HANDLERS
+from ilp_planner.inputs.lift_values import IGNORED, Call, Const, flatten, op_name
+
+HANDLERS: MappingProxyType[str, Handler] = MappingProxyType(
+    {**ELEMENTWISE_HANDLERS, **LAYER_HANDLERS})
+
+
+def lift(g: DraftGraph, ep: Any) -> None:
+    """Walk the exported program ``ep``, filling ``g``'s drafts, values and outputs."""
+    sig = ep.graph_signature
+    params = dict(sig.inputs_to_parameters)
+    constants = set(sig.inputs_to_buffers) | set(
+        getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            g.values[node.name] = g.placeholder(node, params, constants)
+        elif node.op == "call_function":
+            g.values[node.name] = _visit(g, node)
+        elif node.op == "output":
+            g.outputs = [g.values.get(getattr(a, "name", ""), Const())
+                         for a in flatten(node.args)]
+
+
+def _visit(g: DraftGraph, node: Any) -> Any:
+    """One ``call_function`` node's value, by its op's handler."""
+    op = op_name(node.target)
+    args = [g.arg(a) for a in node.args]
+    if op == "getitem":
+        seq, idx = args[0], args[1]
+        return seq[idx] if isinstance(seq, (list, tuple)) else Const()
+    call = Call(node, op, args, {k: g.arg(v) for k, v in node.kwargs.items()},
+                node.meta.get("val"))
+    if op in IGNORED or call.val is None:
+        return Const()
+    if not call.acts:  # nothing here depends on the inputs
+        return lift_const(g, call)
+    handler = HANDLERS.get(op)
+    if handler is not None:
+        return handler(g, call)
+    return g.opaque(node, args, call.acts, call.val, op)
