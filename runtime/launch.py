@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
             ex.setup()
             if rank == 0:
                 print(f"plan {ex.plan.name} ({path}): {world} {backend} processes, "
-                      f"{len(ex.stages)} stage(s), {ex.microbatches} micro-batch(es), "
+                      f"{len(ex.compiled.stages)} stage(s), {ex.compiled.microbatches} micro-batch(es), "
                       f"{ex.registry.num_groups} process groups", flush=True)
             losses, secs, comm, audited, order = [], [], [], [], None
             for step in range(args.steps):
@@ -178,12 +178,12 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
             dist.gather_object([c["total_s"] for c in comm] if record else None, by_rank, dst=0)
             entry = {"plan": ex.plan.name, "file": str(path), "losses": losses, "step_s": secs,
                      "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
-                     "microbatches": ex.microbatches, "stages": len(ex.stages),
+                     "microbatches": ex.compiled.microbatches, "stages": len(ex.compiled.stages),
                      "audit_ok": all(audited) if args.audit else None,
                      "order": order,  # rank 0's first step: collectives and marks, if recorded
                      # rank 0's parameter blocks as held between steps: dtype, elements
                      "held": {k: [str(v.t.dtype).removeprefix("torch."), v.t.numel()]
-                              for k, v in getattr(ex, "params", {}).items()}}
+                              for k, v in ex.params.items()}}
             if rank == 0:
                 if args.save_params:
                     out = Path(args.save_params)
@@ -191,11 +191,11 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
                     torch.save(params, out / f"{Path(path).stem}.pt")
                 if args.check_reference:
 
-                    ref = run_reference(ex.full_graph, steps=args.steps, seed=args.seed,
-                                        optimizer=ex.options.optimizer, microbatches=ex.microbatches)
+                    ref = run_reference(ex.compiled.full_graph, steps=args.steps, seed=args.seed,
+                                        optimizer=ex.options.optimizer, microbatches=ex.compiled.microbatches)
                     cmp = compare(losses, params, ref)
                     entry["reference"] = {**cmp.to_dict(), "reference_losses": ref.losses}
-                    rtol = args.rtol if args.rtol is not None else tolerance(ex.full_graph)
+                    rtol = args.rtol if args.rtol is not None else tolerance(ex.compiled.full_graph)
                     ok = cmp.ok(rtol)
                     failed |= not ok
                     skipped = (f" ({cmp.undetermined_elements} elements with rounding-noise "
@@ -230,7 +230,7 @@ def _audit(ex, events, rank: int, world: int, step: int) -> bool:
     rank's table. True when every rank matches."""
 
 
-    rows = audit.compare(audit.predicted(ex.plan, rank, ex.microbatches), audit.executed(events))
+    rows = audit.compare(audit.predicted(ex.plan, rank, ex.compiled.microbatches), audit.executed(events))
     ok = all(r.ok for r in rows)
     tables = [None] * world if rank == 0 else None
     dist.gather_object((ok, audit.format_rows(rank, rows)), tables, dst=0)
