@@ -96,7 +96,6 @@ def _check_world(plan: Plan, world: int) -> None:
 class StageRuntime:
     """What this rank runs of its stage, built by :meth:`Executor.setup`."""
 
-    stage: Stage
     ctx: StageContext
     zero: ZeroState
     grad_sync: GradSync
@@ -142,6 +141,7 @@ class Executor:
             self.stage = self._stage_runtime(self.my_stage)
 
     def _stage_runtime(self, s: Stage) -> StageRuntime:
+        """This rank's parameters and the collaborators that run its stage, wired."""
         c, opts = self.compiled, self.options
         ctx = StageContext(s.index, s.devices, self.rank, self.comms[s.index], c.graph)
         zero = ZeroState(c, s.devices, self.registry, self.recorder, self.device)
@@ -153,7 +153,7 @@ class Executor:
         loop = ScheduleLoop(c, s, compute, self.transfers, grad_sync, zero, self.recorder,
                             opts.overlap, self.device)
         tied = TiedWeights(c, s, self.rank, ctx.comm, self.registry, self.recorder)
-        return StageRuntime(s, ctx, zero, grad_sync, compute, loop, tied)
+        return StageRuntime(ctx, zero, grad_sync, compute, loop, tied)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step. Every collective issued — forward, autograd backward,
