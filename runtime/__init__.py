@@ -20,9 +20,11 @@ Modules, in the order data flows through them:
   process group: the runtime's execution of a lowered program and ``DTensor.redistribute``'s
   own (tests and ``benchmarks/redistribution_vs_dtensor.py``);
 * :mod:`runtime.ops` — the distributed op implementations (kind → function table);
-* :mod:`runtime.executor` — compiles a plan into per-stage programs and interprets the
-  pipeline schedule (kind → handler table), cross-mesh broadcasts, gradient
-  synchronisation, optimizer step;
+* :mod:`runtime.executor` — the facade a rank drives: a plan compiled into per-stage
+  programs (:mod:`runtime.compiled`, :mod:`runtime.groups`), the schedule interpreted
+  (:mod:`runtime.step_loop`, kind → handler table), cross-mesh broadcasts
+  (:mod:`runtime.transfers`), gradient synchronisation (:mod:`runtime.grad_sync`,
+  :mod:`runtime.zero_state`), tied weights (:mod:`runtime.tied`), optimizer step;
 * :mod:`runtime.launch` — the ``torchrun`` entry point; :mod:`runtime.measure` — collective
   micro-benchmarks for ``ilp-planner calibrate --measure``.
 

@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -124,113 +125,167 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
-    plans = [Plan.load(p) for p in args.plans]  # PlanFormatError before any process group
+    """Compile every plan (fails before any process group), start the backend, train each
+    plan in turn, write the outputs; 1 when an audit or reference check failed."""
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
-    lrs = _per_plan(args.lr, len(plans), "--lr", float)
-    record = args.record or args.audit or bool(args.timings)
-    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout, args.microbatches,
-                          record, not args.no_overlap)
-               for o, lr in zip(opts, lrs, strict=True)]
-    executors = [Executor(p, o, rank=rank, world=world, device=device)
-                 for p, o in zip(plans, options, strict=True)]
-
-
+    executors = _executors(args, rank, world, device)
     faulthandler.enable()  # a rank killed by a signal prints where it was
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
-    failed = False
-    results = []
-    timing_rows = []
+    backend = _init_backend(device, args.timeout)
     try:
-        for path, ex in zip(args.plans, executors, strict=True):
-            ex.setup()
-            if rank == 0:
-                print(f"plan {ex.plan.name} ({path}): {world} {backend} processes, "
-                      f"{len(ex.stages)} stage(s), {ex.microbatches} micro-batch(es), "
-                      f"{ex.registry.num_groups} process groups", flush=True)
-            losses, secs, comm, audited, order = [], [], [], [], None
-            for step in range(args.steps):
-                if args.crash_rank == rank and step == args.crash_step:
-                    print(f"[rank {rank}] crashing on purpose at step {step}", file=sys.stderr,
-                          flush=True)
-                    os._exit(13)
-                r = ex.train_step(step)
-                if args.audit:
-                    audited.append(_audit(ex, r.events, rank, world, step))
-                    failed |= not audited[-1]
-                losses.append(r.loss)
-                order = order or r.order
-                secs.append(r.seconds)
-                comm.append(_comm_summary(r.events) if record else None)
-                timing_rows += [(e.kind, e.group_size, e.bytes, e.link, e.seconds) for e in r.events
-                                if e.kind in CALIBRATION_KINDS
-                                and e.group_size >= (1 if e.kind == "broadcast" else 2)
-                                and e.seconds > 0 and not e.overlapped]
-                if rank == 0 and not args.quiet:
-                    said = f"  comm {comm[-1]['total_s'] * 1e3:.1f} ms" if record else ""
-                    print(f"  step {step}: loss {r.loss:.6f}  time {r.seconds * 1e3:.1f} ms{said}",
-                          flush=True)
-            params = ex.gather_params()
-            by_rank = [None] * world if rank == 0 else None
-            dist.gather_object([c["total_s"] for c in comm] if record else None, by_rank, dst=0)
-            entry = {"plan": ex.plan.name, "file": str(path), "losses": losses, "step_s": secs,
-                     "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
-                     "microbatches": ex.microbatches, "stages": len(ex.stages),
-                     "audit_ok": all(audited) if args.audit else None,
-                     "order": order,  # rank 0's first step: collectives and marks, if recorded
-                     # rank 0's parameter blocks as held between steps: dtype, elements
-                     "held": {k: [str(v.t.dtype).removeprefix("torch."), v.t.numel()]
-                              for k, v in getattr(ex, "params", {}).items()}}
-            if rank == 0:
-                if args.save_params:
-                    out = Path(args.save_params)
-                    out.mkdir(parents=True, exist_ok=True)
-                    torch.save(params, out / f"{Path(path).stem}.pt")
-                if args.check_reference:
-
-                    ref = run_reference(ex.full_graph, steps=args.steps, seed=args.seed,
-                                        optimizer=ex.options.optimizer, microbatches=ex.microbatches)
-                    cmp = compare(losses, params, ref)
-                    entry["reference"] = {**cmp.to_dict(), "reference_losses": ref.losses}
-                    rtol = args.rtol if args.rtol is not None else tolerance(ex.full_graph)
-                    ok = cmp.ok(rtol)
-                    failed |= not ok
-                    skipped = (f" ({cmp.undetermined_elements} elements with rounding-noise "
-                               f"gradients under Adam left out)" if cmp.undetermined_elements else "")
-                    print(f"  reference: loss rel err {cmp.loss_rel_err:.2e}, worst param "
-                          f"{cmp.worst_param} rel err {cmp.param_rel_err:.2e}{skipped} -> "
-                          f"{'OK' if ok else 'MISMATCH'} at rtol {rtol:g}", flush=True)
-            results.append(entry)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(timing_rows, gathered, dst=0)
-        if rank == 0:
-            if args.timings:
-
-                with open(args.timings, "w", newline="") as fh:
-                    w = csv.writer(fh)
-                    w.writerow(("collective", "group_size", "bytes", "link", "seconds"))
-                    for rows in gathered:
-                        for row in rows:
-                            w.writerow(row)
-            if args.results:
-                Path(args.results).write_text(json.dumps(results, indent=1))
+        runs = [_train(ex, path, args, rank, world, backend)
+                for path, ex in zip(args.plans, executors, strict=True)]
+        _write_outputs(args, runs, rank, world)
         dist.barrier()
     finally:
         executors.clear()
         gc.collect()
         dist.destroy_process_group()
-    return 1 if failed else 0
+    return 1 if any(r.failed for r in runs) else 0
 
 
-def _audit(ex, events, rank: int, world: int, step: int) -> bool:
+def _executors(args: argparse.Namespace, rank: int, world: int,
+               device: torch.device) -> list[Executor]:
+    """Every plan read, validated and compiled, with its own optimizer and learning rate
+    (PlanFormatError and RuntimeSetupError here, before any process group)."""
+    plans = [Plan.load(p) for p in args.plans]
+    opts = _per_plan(args.optimizer, len(plans), "--optimizer", str)
+    lrs = _per_plan(args.lr, len(plans), "--lr", float)
+    options = [RunOptions(args.steps, args.seed, OptimizerSpec(o, lr), args.timeout,
+                          args.microbatches, _recording(args), not args.no_overlap)
+               for o, lr in zip(opts, lrs, strict=True)]
+    return [Executor(p, o, rank=rank, world=world, device=device)
+            for p, o in zip(plans, options, strict=True)]
+
+
+def _recording(args: argparse.Namespace) -> bool:
+    return args.record or args.audit or bool(args.timings)
+
+
+def _init_backend(device: torch.device, timeout_s: float) -> str:
+    """The default process group: NCCL on CUDA, gloo otherwise, with the collective
+    timeout (a rank that dies mid-step ends the job with an error)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return backend
+
+
+@dataclass
+class _PlanRun:
+    """One plan's outcome: its results entry, this rank's calibration rows, and whether a
+    check failed."""
+
+    entry: dict
+    timing_rows: list[tuple] = field(default_factory=list)
+    failed: bool = False
+
+
+def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: int,
+           backend: str) -> _PlanRun:
+    """Set one plan up, train it for ``--steps`` steps, gather its parameters and results."""
+    ex.setup()
+    c = ex.compiled
+    if rank == 0:
+        print(f"plan {ex.plan.name} ({path}): {world} {backend} processes, "
+              f"{len(c.stages)} stage(s), {c.microbatches} micro-batch(es), "
+              f"{ex.registry.num_groups} process groups", flush=True)
+    run = _PlanRun({})
+    record = _recording(args)
+    losses, secs, comm, audited, order = [], [], [], [], None
+    for step in range(args.steps):
+        _maybe_crash(args, rank, step)
+        r = ex.train_step(step)
+        if args.audit:
+            audited.append(_audit(ex, r.events, rank, world, step))
+        losses.append(r.loss)
+        order = order or r.order
+        secs.append(r.seconds)
+        comm.append(_comm_summary(r.events) if record else None)
+        run.timing_rows += _calibration_rows(r.events)
+        if rank == 0 and not args.quiet:
+            said = f"  comm {comm[-1]['total_s'] * 1e3:.1f} ms" if record else ""
+            print(f"  step {step}: loss {r.loss:.6f}  time {r.seconds * 1e3:.1f} ms{said}",
+                  flush=True)
+    params = ex.gather_params()
+    by_rank = [None] * world if rank == 0 else None
+    dist.gather_object([s["total_s"] for s in comm] if record else None, by_rank, dst=0)
+    run.failed = not all(audited)
+    run.entry = {"plan": ex.plan.name, "file": str(path), "losses": losses, "step_s": secs,
+                 "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
+                 "microbatches": c.microbatches, "stages": len(c.stages),
+                 "audit_ok": all(audited) if args.audit else None,
+                 "order": order,  # rank 0's first step: collectives and marks, if recorded
+                 # rank 0's parameter blocks as held between steps: dtype, elements
+                 "held": {k: [str(v.t.dtype).removeprefix("torch."), v.t.numel()]
+                          for k, v in ex.params.items()}}
+    if rank == 0:
+        if args.save_params:
+            out = Path(args.save_params)
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(params, out / f"{Path(path).stem}.pt")
+        if args.check_reference:
+            run.failed |= not _check_reference(ex, args, losses, params, run.entry)
+    return run
+
+
+def _maybe_crash(args: argparse.Namespace, rank: int, step: int) -> None:
+    """Testing (``--crash-rank``): this rank exits abruptly at ``--crash-step``."""
+    if args.crash_rank == rank and step == args.crash_step:
+        print(f"[rank {rank}] crashing on purpose at step {step}", file=sys.stderr, flush=True)
+        os._exit(13)
+
+
+def _calibration_rows(events) -> list[tuple]:
+    """The step's single, exposed collectives in the calibration format."""
+    return [(e.kind, e.group_size, e.bytes, e.link, e.seconds) for e in events
+            if e.kind in CALIBRATION_KINDS
+            and e.group_size >= (1 if e.kind == "broadcast" else 2)
+            and e.seconds > 0 and not e.overlapped]
+
+
+def _check_reference(ex: Executor, args: argparse.Namespace, losses: list[float],
+                     params: dict[str, torch.Tensor], entry: dict) -> bool:
+    """Rank 0: the single-process reference's losses and final parameters against this
+    run's, within ``--rtol``; the comparison joins the results ``entry``."""
+    c = ex.compiled
+    ref = run_reference(c.full_graph, steps=args.steps, seed=args.seed,
+                        optimizer=ex.options.optimizer, microbatches=c.microbatches)
+    cmp = compare(losses, params, ref)
+    entry["reference"] = {**cmp.to_dict(), "reference_losses": ref.losses}
+    rtol = args.rtol if args.rtol is not None else tolerance(c.full_graph)
+    ok = cmp.ok(rtol)
+    skipped = (f" ({cmp.undetermined_elements} elements with rounding-noise "
+               f"gradients under Adam left out)" if cmp.undetermined_elements else "")
+    print(f"  reference: loss rel err {cmp.loss_rel_err:.2e}, worst param "
+          f"{cmp.worst_param} rel err {cmp.param_rel_err:.2e}{skipped} -> "
+          f"{'OK' if ok else 'MISMATCH'} at rtol {rtol:g}", flush=True)
+    return ok
+
+
+def _write_outputs(args: argparse.Namespace, runs: list[_PlanRun], rank: int,
+                   world: int) -> None:
+    """Rank 0 writes every rank's calibration rows (``--timings``) and the per-plan results
+    (``--results``)."""
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object([row for r in runs for row in r.timing_rows], gathered, dst=0)
+    if rank != 0:
+        return
+    if args.timings:
+        with open(args.timings, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(("collective", "group_size", "bytes", "link", "seconds"))
+            for rows in gathered:
+                for row in rows:
+                    w.writerow(row)
+    if args.results:
+        Path(args.results).write_text(json.dumps([r.entry for r in runs], indent=1))
+
+
+def _audit(ex: Executor, events, rank: int, world: int, step: int) -> bool:
     """Compare this rank's executed collectives with the plan's; rank 0 prints every
     rank's table. True when every rank matches."""
-
-
-    rows = audit.compare(audit.predicted(ex.plan, rank, ex.microbatches), audit.executed(events))
+    rows = audit.compare(audit.predicted(ex.plan, rank, ex.compiled.microbatches), audit.executed(events))
     ok = all(r.ok for r in rows)
     tables = [None] * world if rank == 0 else None
     dist.gather_object((ok, audit.format_rows(rank, rows)), tables, dst=0)

@@ -219,7 +219,7 @@ def test_every_shipped_config_explains_diffs_and_compiles_for_the_runtime(path, 
     if any(ly.zero or ly.recompute for ly in loaded.layers):
         assert "ZeRO" in text or "recomputed" in text
     ex = Executor(loaded, RunOptions(), rank=0, world=loaded.num_devices)
-    assert len(ex.entries) == len(loaded.resharding or ())
+    assert len(ex.compiled.entries) == len(loaded.resharding or ())
 
 
 def test_explain_and_diff_verbs(tiny, tmp_path, capsys):

@@ -186,7 +186,7 @@ def test_config_reads_the_bucket_cap(tmp_path):
 def test_the_last_backward_is_the_last_in_action_order():
     """A schedule may run its backwards out of micro-batch order: the gradients are complete
     (and the chunks may be launched) only in the last B action, not the highest index."""
-    from runtime.executor import last_backward
+    from runtime.grad_sync import last_backward
 
     assert last_backward([("F", 0), ("F", 1), ("B", 1), ("B", 0)]) == 0
     assert last_backward([("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 1)]) == 1

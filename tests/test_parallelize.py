@@ -20,7 +20,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import ilp_planner
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.ir.layouts import B, Layout, P, S
-from runtime.apply import DimMap, check_row_major, mesh_shape, parallelize, placements, to_parallelize_plan
+from runtime.apply import parallelize, to_parallelize_plan
+from runtime.dtensors import DimMap, check_row_major, mesh_shape, placements
 from runtime.errors import RuntimeSetupError
 from runtime.modules import GPT, MLP
 from tests.helpers.procs import run

@@ -171,8 +171,8 @@ def test_matches_single_process(runs, n: int, model: str, variant: str) -> None:
     r = runs[n][f"{model}{n}-{variant}"]
     plan = r["plan"]
     ex = Executor(plan, RunOptions(), rank=0, world=n)  # pure: how many micro-batches
-    ref = reference(plan, model, ex.microbatches)
-    rtol = tolerance(ex.graph)
+    ref = reference(plan, model, ex.compiled.microbatches)
+    rtol = tolerance(ex.compiled.graph)
     assert rtol == (RTOL if model != "gpt-bf16" else BF16_RTOL)
     assert len(r["losses"]) == STEPS
     for step, (got, want) in enumerate(zip(r["losses"], ref.losses, strict=True)):
@@ -189,7 +189,8 @@ def test_adam_leaves_out_only_the_gradient_free_key_biases(runs) -> None:
     """Under Adam, the elements left out of the comparison are the GPT's key biases (zero
     gradient in exact arithmetic: softmax ignores them) and nothing else."""
     r = runs[8]["gpt8-solved"]
-    ref = reference(r["plan"], "gpt", Executor(r["plan"], RunOptions(), rank=0, world=8).microbatches)
+    ex = Executor(r["plan"], RunOptions(), rank=0, world=8)
+    ref = reference(r["plan"], "gpt", ex.compiled.microbatches)
     heads = r["plan"].config["model"]["heads"]
     left_out = {k: m for k, m in ref.undetermined.items() if m.any()}
     assert left_out and all(k.endswith("qkv.bias") for k in left_out)

@@ -261,7 +261,7 @@ def test_plans_split_the_convolutions_as_claimed(plans) -> None:
     assert len(plans["vgg8-solved-pp"].stages) == 2 and any(len(e["shape"]) == 4 for e in crossing)
     for p in plans.values():  # every conv's gradients go through the priced buckets
         ex = Executor(p, RunOptions(), rank=0, world=8)
-        synced = {(m.layer, r) for chunks in ex.grad_chunks.values() for c in chunks
+        synced = {(m.layer, r) for chunks in ex.compiled.grad_chunks.values() for c in chunks
                   for m in c.members for r in m.roles}
         assert all({(ly.name, "weight"), (ly.name, "bias")} <= synced
                    for ly in p.layers if ly.kind == "conv2d")
@@ -300,7 +300,7 @@ def test_vgg_plans_run_as_planned_and_match_one_process(plans, runs) -> None:
     graph = load_config(TINY).graph
     for name, plan in plans.items():
         ref = run_reference(graph, steps=STEPS, seed=0, optimizer=OptimizerSpec(*OPT),
-                            microbatches=Executor(plan, RunOptions(), rank=0, world=8).microbatches)
+                            microbatches=Executor(plan, RunOptions(), rank=0, world=8).compiled.microbatches)
         assert all(b < a for a, b in pairwise(ref.losses))  # it trains
         r = runs[name]
         assert r["audit_ok"] is True, name

@@ -241,7 +241,7 @@ def test_tied_weights_are_never_offered_sharded_state() -> None:
 def test_state_sharding_listing_must_match_the_buckets() -> None:
     plan = sharded_plan(_mlp4(), 3, keep=three_d_filter((2, 1, 2)))
     ex = Executor(plan, RunOptions(), rank=0, world=4)  # as solved: accepted
-    assert [ex.layers[n].zero for n in ex.zero_syncs] == [3, 3, 3]
+    assert [ex.compiled.layers[n].zero for n in ex.compiled.zero_syncs] == [3, 3, 3]
     fc2 = next(i for i, lp in enumerate(plan.layers) if lp.name == "fc2")
     colls = [dataclasses.replace(c, bytes=c.bytes / 2) if c.purpose == "shard_grad" else c
              for c in plan.layers[fc2].collectives]
@@ -253,10 +253,10 @@ def test_state_sharding_listing_must_match_the_buckets() -> None:
 def test_recomputed_runs_are_the_blocks() -> None:
     plan = sharded_plan(_utf4(), 0, recompute=True)
     ex = Executor(plan, RunOptions(), rank=0, world=4)
-    runs = [names for rc, names in ex.segments[0] if rc]
-    assert [{(ex.graph[n].block, ex.graph[n].block_index) for n in r} for r in runs] == \
+    runs = [names for rc, names in ex.compiled.segments[0] if rc]
+    assert [{(ex.compiled.graph[n].block, ex.compiled.graph[n].block_index) for n in r} for r in runs] == \
         [{("u", 0)}, {("u", 1)}]
-    kept = {n for rc, names in ex.segments[0] if not rc for n in names}
+    kept = {n for rc, names in ex.compiled.segments[0] if not rc for n in names}
     assert {"u.0.mlp.residual", "u.1.mlp.residual"} <= kept  # block outputs are held
 
 
@@ -420,10 +420,9 @@ def _saved_bytes(plan: Plan) -> int:
     kept = []
     try:
         ex.setup()
-        ex.state = {}
         with torch.autograd.graph.saved_tensors_hooks(
                 lambda t: kept.append(t.numel() * t.element_size()) or t, lambda t: t):
-            ex.forward(0)
+            ex.stage.loop.forward(0)
     finally:
         dist.destroy_process_group()
     return sum(kept)
@@ -460,14 +459,13 @@ def test_mixed_precision_casts_each_master_once_a_step() -> None:
 
     try:
         ex.setup()
-        ex.state = {}
         for mb in (0, 1):
             with torch.autograd.graph.saved_tensors_hooks(keep(mb), lambda t: t):
-                ex.forward(mb)
+                ex.stage.loop.forward(mb)
     finally:
         dist.destroy_process_group()
-    weights = {k: c.t for k, c in ex._copies.items()
-               if ex.graph[k.rsplit(".", 1)[0]].kind is OpKind.LINEAR and k.endswith(".weight")}
+    weights = {k: c.t for k, c in ex.stage.compute.copies.items()
+               if ex.compiled.graph[k.rsplit(".", 1)[0]].kind is OpKind.LINEAR and k.endswith(".weight")}
     assert weights and all(t.dtype == torch.bfloat16 for t in weights.values())
     for k, t in weights.items():  # both micro-batches saved the one copy
         ptr = t.untyped_storage().data_ptr()

@@ -5,7 +5,7 @@ sent in, the cross-mesh broadcasts move it (:mod:`ilp_planner.inter_op.reshardin
 resharding entry), and the consumer reads it. The first and last depend only on the
 stage's own layouts, so the stage's intra-op ILP prices them exactly and
 :func:`ilp_planner.intra_op.solve_mesh.realise` lists them on the layers; the runtime runs the same
-lowered programs (:mod:`runtime.executor`):
+lowered programs (:mod:`runtime.stage_forward`, :mod:`runtime.transfers`):
 
 * **export** (producer side, once per tensor whatever the number of entries reading it):
   partial sums resolved (:func:`~ilp_planner.lowering.strategies.resolve_partial`) — a device holds

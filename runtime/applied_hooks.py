@@ -1,0 +1,299 @@
+"""The module-boundary hooks that run the plan's edge programs on the user's module, for
+:mod:`runtime.apply`.
+
+:func:`hook_table` decides, from the plan alone, what each module boundary runs: for each
+input of a module the edge program (or a check that it already arrives in its planned
+layout), and for the output a program for functional consumers (or a check). A layout
+change between two pieces of functional code has no boundary to run at and is refused.
+:class:`BoundaryHooks` installs and runs them: the root module's pre-hook cuts the full batch
+into the planned blocks, each leaf's hooks convert and check, the root's forward hook
+converts the module's output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from ilp_planner.ir.graph import Graph, Op, OpKind
+from ilp_planner.ir.layouts import Layout, grad_layout
+from ilp_planner.lowering.redistribution import Redistribution
+from ilp_planner.lowering.strategies import input_grad_layouts, is_summa, param_shapes
+from ilp_planner.plan.data import LayerPlan
+from runtime.applied_edges import EdgeRunner
+from runtime.applied_params import AppliedParams, owner_of
+from runtime.comm import Comm
+from runtime.dtensors import ContextStack, DimMap, Meshes, Unwrap, Wrap, dtensor_spec, placements
+from runtime.errors import RuntimeSetupError
+from runtime.ops import bias_share
+from runtime.recorder import tagged
+
+LOCAL_KINDS = (OpKind.LINEAR, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.CONV2D, OpKind.EMBEDDING)
+"""Ops whose module computes on local blocks exactly as the plan's layouts say (the runtime's
+kernels' arithmetic): a matmul of blocks is the block of the product, or its partial sum; a
+norm over whole rows is local. The user's other code runs on DTensors."""
+
+
+@dataclass
+class Hook:
+    """What one module boundary runs: per input index the edge program (or a check), and
+    for the output a program for functional consumers (or a check)."""
+
+    op: str
+    inputs: dict[int, tuple[Layout, Redistribution | None, Layout]] = field(default_factory=dict)
+    output: tuple[Layout, Redistribution | None] | None = None
+    local: bool = False  # the module computes on this rank's blocks (see LOCAL_KINDS)
+
+
+Programs = dict[str, tuple[Layout, Redistribution]]  # producer -> (layout read, program)
+
+
+def runs_locally(op: Op, ly: LayerPlan) -> bool:
+    if op.kind not in LOCAL_KINDS or len(op.source_params) != len(param_shapes(op)):
+        return False
+    if op.kind is OpKind.EMBEDDING:  # a vocabulary split needs a masked lookup
+        return ly.weight is not None and ly.weight.split_degree(0) == 1
+    if op.kind is OpKind.LINEAR:
+        return not is_summa(ly.strategy)
+    return True
+
+
+def leaf_module(module: nn.Module, name: str) -> nn.Module | None:
+    """The childless submodule named ``name``, if the op is one."""
+    try:
+        sub = module.get_submodule(name)
+    except AttributeError:
+        return None
+    return sub if not any(True for _ in sub.children()) else None
+
+
+def output_op(graph: Graph) -> str:
+    """The op whose value the module returns: the loss's input, or the last op."""
+    loss = [op for op in graph.ops if op.kind is OpKind.LOSS]
+    return loss[-1].inputs[0] if loss else graph.ops[-1].name
+
+
+def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str, int], Redistribution],
+               module: nn.Module) -> tuple[dict[str, Hook], Programs]:
+    """Every module boundary's :class:`Hook`, and the programs run on a producer's output
+    for functional consumers (the module's own output's among them)."""
+    hooks: dict[str, Hook] = {}
+    post: Programs = {}
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT:
+            continue
+        ly = layers[op.name]
+        for idx, src in enumerate(op.inputs):
+            if graph[src].kind is OpKind.INPUT:
+                continue
+            red = edges[(op.name, idx)]
+            moves = bool(red.steps or red.backward_steps)
+            if op.kind is OpKind.LOSS:
+                if moves:
+                    post[src] = (ly.inputs[idx], red)
+                continue
+            if leaf_module(module, op.name) is not None:
+                h = hooks.setdefault(op.name, Hook(op.name))
+                h.inputs[idx] = (layers[src].output, red if moves else None, ly.inputs[idx])
+            elif moves:
+                prev = post.get(src)
+                if prev is not None and prev[0] != ly.inputs[idx]:
+                    raise RuntimeSetupError(
+                        f"{src!r} feeds functional code in two layouts ({prev[0]}, "
+                        f"{ly.inputs[idx]}): no module boundary can run both programs")
+                post[src] = (ly.inputs[idx], red)
+    _outputs(graph, layers, module, hooks, post)
+    return hooks, post
+
+
+def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
+             hooks: dict[str, Hook], post: Programs) -> None:
+    """Each module's output check and program; refuses a program between two pieces of
+    functional code."""
+    out_op = output_op(graph)
+    for src, (dst, _) in post.items():
+        if leaf_module(module, src) is None and src != out_op:
+            raise RuntimeSetupError(
+                f"the plan changes the layout of {src!r} ({layers[src].output} → {dst}) "
+                f"between two pieces of functional code; parallelize runs programs at module "
+                f"boundaries only — make {src!r} or its consumer a module")
+    for op in graph.ops:
+        if op.kind is OpKind.INPUT or leaf_module(module, op.name) is None:
+            continue
+        h = hooks.setdefault(op.name, Hook(op.name))
+        # the module's own output is converted once, by the root's hook
+        red = None if op.name == out_op else post.get(op.name, (None, None))[1]
+        h.output = (layers[op.name].output, red)
+        h.local = runs_locally(op, layers[op.name])
+
+
+class BoundaryHooks:
+    """Runs the hook table on the module's forward (and, through autograd, its backward)."""
+
+    def __init__(self, graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
+                 comm: Comm, meshes: Meshes, edges: EdgeRunner, params: AppliedParams,
+                 replicating: ContextStack, device_type: str):
+        self.graph = graph
+        self.layers = layers
+        self.module = module
+        self.comm = comm
+        self.meshes = meshes
+        self.edges = edges
+        self.params = params
+        self.replicating = replicating  # from the forward until the gradients are reduced
+        self.device_type = device_type
+        self.forward_only = ContextStack()
+        self.origin: dict[int, tuple[DTensor, DTensor]] = {}  # converted -> (it, original)
+        self.hooks: dict[str, Hook] = {}
+        self.final: tuple[Layout, Redistribution] | None = None
+
+    def install(self, programs: dict[tuple[str, int], Redistribution]) -> None:
+        self.hooks, post = hook_table(self.graph, self.layers, programs, self.module)
+        for name, h in self.hooks.items():
+            mod = self.module.get_submodule(name)
+            mod.register_forward_pre_hook(lambda m, args, h=h: self._pre(h, args))
+            mod.register_forward_hook(lambda m, args, out, h=h: self._post(h, out))
+        self.final = post.get(output_op(self.graph))
+        self.module.register_forward_pre_hook(lambda m, args, kwargs: self._inputs(args, kwargs),
+                                              with_kwargs=True)
+        self.module.register_forward_hook(lambda m, args, out: self._output(out),
+                                          always_call=True)
+
+    def _pre(self, h: Hook, args: tuple) -> tuple:
+        args = list(args)
+        op = self.graph[h.op]
+        for idx, (src, red, dst) in h.inputs.items():
+            producer = op.inputs[idx]
+            where = f"input {idx} of {h.op}"
+            origin = self.origin.get(id(args[idx]))
+            if origin is not None and origin[0] is args[idx]:
+                # the producer's hook converted it for functional consumers: this module's
+                # own program starts from the producer's planned output, as priced
+                args[idx] = origin[1]
+            self.edges.check(args[idx], src, producer, where)
+            if red is not None:
+                with tagged("forward", "activation", h.op):
+                    args[idx] = self.edges.run(args[idx], src, red, dst, producer, where)
+        if h.local:
+            args = self._to_blocks(h, args)
+        return tuple(args)
+
+    def _to_blocks(self, h: Hook, args: list) -> list:
+        """The module's inputs and parameters as this rank's blocks for its forward; their
+        gradients come back in the plan's layouts (:func:`input_grad_layouts`, the
+        parameters' gradient layouts). A bias added to partial sums is each device's share
+        (``b / p``, the runtime's :func:`runtime.ops.bias_share`)."""
+        op, ly = self.graph[h.op], self.layers[h.op]
+        grads = input_grad_layouts(op, ly.strategy, ly.inputs, ly.weight)
+        for idx in range(len(op.inputs)):
+            x = args[idx]
+            if isinstance(x, DTensor):
+                dims = self.edges.dims(op.inputs[idx], x)
+                pls = placements(grads[idx], dims, f"input {idx} of {h.op}")
+                args[idx] = Unwrap.apply(x, dtensor_spec(self.meshes.of(grads[idx]), pls, x,
+                                                         tuple(x.shape)))
+        for role, fqn in zip(param_shapes(op), op.source_params, strict=True):
+            p = self.params.by_fqn[fqn]
+            local = Unwrap.apply(p.param, dtensor_spec(
+                self.meshes.of(p.stored), placements(p.grad, p.dims, f"gradient of {fqn}"),
+                p.param, tuple(p.param.shape)))
+            if role in ("bias", "pos"):
+                local = bias_share(local, ly.output)
+            owner, attr = owner_of(self.module, fqn)
+            owner._parameters[attr] = local  # nn.Module refuses non-Parameters via setattr
+        return args
+
+    def _restore_params(self, h: Hook) -> None:
+        for fqn in self.graph[h.op].source_params:
+            owner, attr = owner_of(self.module, fqn)
+            owner._parameters[attr] = self.params.by_fqn[fqn].param
+
+    def _post(self, h: Hook, out: Any) -> Any:
+        layout, red = h.output
+        where = f"output of {h.op}"
+        if h.local:
+            self._restore_params(h)
+            full = self._global_shape(h.op, out)
+            dims = DimMap(full, self.graph[h.op].output.rank)
+            out = Wrap.apply(out, dtensor_spec(self.meshes.of(layout),
+                                               placements(layout, dims, where), out, full),
+                             placements(grad_layout(layout), dims, where), where)
+        self.edges.check(out, layout, h.op, where)
+        if red is None:
+            return out
+        with tagged("forward", "activation", h.op):
+            converted = self.edges.run(out, layout, red, red.dst, h.op, where)
+        self.origin[id(converted)] = (converted, out)
+        return converted
+
+    def _global_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
+        """The real global shape of a block computed locally: the IR's global shape with
+        the block's trailing real dims (tokens split over the batch dim only)."""
+        ir = self.graph[name].output.shape
+        if local.dim() == len(ir):
+            return tuple(ir)
+        rows = ir[0] // math.prod(local.shape[1:-1])
+        return (rows, *local.shape[1:-1], ir[-1])
+
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The module's tensors (the same full batch on every rank) → planned blocks.
+
+        From here until the step's gradients are reduced, plain tensors — masks and rotary
+        tables the forward makes or keeps as buffers, the user's targets — act as replicas
+        (DTensor's ``implicit_replication``: local, no communication; autograd replays the
+        flag into the backward only if it is on when ``backward()`` is called). On CPU
+        meshes SDPA takes its math path: DTensor shards its matmuls and softmax, the fused
+        CPU kernel has no sharding rule."""
+        self.origin = {}
+        if not self.replicating:
+            self.replicating.enter(implicit_replication())
+        if self.device_type == "cpu":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            self.forward_only.enter(sdpa_kernel([SDPBackend.MATH]))
+        inputs = [op for op in self.graph.ops if op.kind is OpKind.INPUT]
+        values = list(args) + list(kwargs.values())
+        if len(values) != len(inputs):
+            raise RuntimeSetupError(f"the plan's graph has {len(inputs)} input(s), the module "
+                                    f"got {len(values)}")
+        out = [self._input_block(op, x) for op, x in zip(inputs, values, strict=True)]
+        return tuple(out[:len(args)]), dict(zip(kwargs, out[len(args):], strict=True))
+
+    def _input_block(self, op: Op, x: torch.Tensor) -> DTensor:
+        """Input ``op``'s full tensor ``x`` as this rank's block of the one layout its
+        consumers read."""
+        wants = {self.layers[c].inputs[list(self.graph[c].inputs).index(op.name)]
+                 for c in self.graph.consumers(op.name)}
+        if len(wants) != 1:
+            raise RuntimeSetupError(f"input {op.name!r} is read in {len(wants)} layouts")
+        lay = wants.pop()
+        local = self.comm.block(x.reshape(op.output.shape), lay)
+        dims = DimMap(tuple(x.shape), op.output.rank)
+        spec = dtensor_spec(self.meshes.of(lay), placements(lay, dims, op.name), x, tuple(x.shape))
+        return DTensor(_real_block(local, x, lay), spec, requires_grad=False)
+
+    def _output(self, out: Any) -> Any:
+        self.forward_only.leave()
+        name = output_op(self.graph)
+        self.edges.check(out, self.layers[name].output, name, f"output of the module ({name})")
+        if self.final is not None:
+            dst, red = self.final
+            with tagged("forward", "activation", name):
+                out = self.edges.run(out, self.layers[name].output, red, dst, name,
+                                     "the module's output")
+        return out
+
+
+def _real_block(local: torch.Tensor, x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """An IR block (tokens-major) reshaped to the real tensor's dims: tokens split over
+    the batch dim keep whole rows of the trailing dims."""
+    if local.dim() == x.dim():
+        return local.contiguous()
+    k = lay.split_degree(0)
+    return local.reshape(x.shape[0] // k, *x.shape[1:]).contiguous()

@@ -1,0 +1,158 @@
+"""The bridge between the IR's layouts and DTensor, for :mod:`runtime.apply`.
+
+An IR layout on its mesh is a tuple of DTensor placements on a ``DeviceMesh`` without the
+size-1 axes (:func:`mesh_shape`, :func:`placements`); the IR's ``(tokens, features)`` dims
+sit in the user's real tensor as :class:`DimMap` says. :class:`Wrap` and :class:`Unwrap`
+turn a local block into a DTensor and back without communicating, and check on the way
+back that the gradient arrives in the placements the plan's backward program starts from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ilp_planner.ir.cluster import Factorisation, axis_coordinates
+from ilp_planner.ir.layouts import Layout, Split, drop_unit_axes
+from ilp_planner.ir.layouts import Partial as IRPartial
+from runtime.errors import FidelityError, RuntimeSetupError
+
+
+def mesh_shape(layout: Layout) -> tuple[int, ...]:
+    """The DeviceMesh shape a layout lives on: its mesh without size-1 axes."""
+    return tuple(a.size for a in layout.fact if a.size > 1) or (1,)
+
+
+def check_row_major(fact: Factorisation, world: int) -> None:
+    """A layout's mesh must be the ranks in row-major order (DeviceMesh's convention)."""
+    sizes = [a.size for a in fact]
+    if math.prod(sizes) != world:
+        raise RuntimeSetupError(f"a layout's mesh covers {math.prod(sizes)} ranks, not {world}")
+    coords = axis_coordinates(fact)
+    flat = np.ravel_multi_index(coords.T, sizes)
+    if not np.array_equal(flat, np.arange(world)):
+        raise RuntimeSetupError(
+            f"mesh {sizes} is not a row-major view of the ranks (its axes interleave nodes and "
+            f"devices); parallelize needs row-major meshes")
+
+
+@dataclass(frozen=True)
+class DimMap:
+    """How the IR's tensor dims sit in the real tensor: IR ``(tokens, features)`` is the
+    real ``(batch, …, features)`` (tokens split only over the batch dim), a linear's
+    ``(in, out)`` weight may be stored ``(out, in)`` (``transposed``)."""
+
+    real_shape: tuple[int, ...]
+    ir_rank: int
+    transposed: bool = False
+
+    def real_dim(self, d: int) -> int:
+        if self.transposed:
+            return 1 - d
+        if self.ir_rank == len(self.real_shape):
+            return d
+        return 0 if d == 0 else len(self.real_shape) - 1
+
+
+def placements(layout: Layout, dims: DimMap, where: str) -> tuple:
+    """The DTensor placements of an IR layout on its mesh (:func:`mesh_shape`)."""
+    out: list[Any] = []
+    split_of: dict[int, int] = {}
+    for axis, pl in zip(layout.fact, layout.placements, strict=True):
+        if axis.size == 1:
+            continue
+        if isinstance(pl, IRPartial):
+            out.append(Partial())
+        elif isinstance(pl, Split):
+            real = dims.real_dim(pl.dim)
+            out.append(Shard(real))
+            split_of[real] = split_of.get(real, 1) * axis.size
+        else:
+            out.append(Replicate())
+    for real, k in split_of.items():
+        if dims.real_shape[real] % k:
+            raise RuntimeSetupError(
+                f"{where}: {layout} splits dim {real} of the module's tensor "
+                f"{tuple(dims.real_shape)} {k} ways; parallelize needs even splits of the real "
+                f"dims (tokens split over the batch dim only)")
+    return tuple(out) or (Replicate(),)
+
+
+def dtensor_spec(mesh: DeviceMesh, pls: tuple, like: torch.Tensor | DTensor,
+          shape: tuple[int, ...]) -> DTensorSpec:
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return DTensorSpec(mesh, tuple(pls), tensor_meta=TensorMeta(torch.Size(shape), stride,
+                                                                like.dtype))
+
+
+class Wrap(torch.autograd.Function):
+    """A local block as a DTensor (no communication); its gradient must come back in the
+    placements the plan's backward program starts from."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_pls: tuple, where: str):
+        ctx.grad_pls, ctx.where = grad_pls, where
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if tuple(grad.placements) != tuple(ctx.grad_pls):
+            raise FidelityError(f"{ctx.where}: the gradient arrives as {grad.placements}, the "
+                                f"plan's backward program expects {ctx.grad_pls}")
+        return grad._local_tensor, None, None, None
+
+
+class Unwrap(torch.autograd.Function):
+    """A DTensor's local block; its gradient returns as a DTensor in ``grad_spec``."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_spec: DTensorSpec):
+        ctx.grad_spec = grad_spec
+        return x._local_tensor.view_as(x._local_tensor)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return DTensor(g.contiguous(), ctx.grad_spec, requires_grad=False), None
+
+
+class Meshes:
+    """One DeviceMesh per mesh shape the plan's layouts use (each op's operands share its
+    strategy's mesh), created in one order on every rank; each must be a row-major view
+    of the ranks."""
+
+    def __init__(self, layouts: Iterable[Layout], device_type: str, world: int):
+        layouts = list(layouts)
+        for lay in layouts:
+            check_row_major(drop_unit_axes(lay).fact, world)
+        self.by_shape = {shape: DeviceMesh(device_type, torch.arange(world).reshape(shape))
+                         for shape in sorted({mesh_shape(lay) for lay in layouts})}
+
+    def of(self, layout: Layout) -> DeviceMesh:
+        return self.by_shape[mesh_shape(layout)]
+
+
+class ContextStack:
+    """Context managers entered by one hook and left by a later one (the forward's
+    pre-hook opens, the output hook or the gradient reduction closes)."""
+
+    def __init__(self) -> None:
+        self._open: list[Any] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._open)
+
+    def enter(self, ctx: Any) -> None:
+        ctx.__enter__()
+        self._open.append(ctx)
+
+    def leave(self) -> None:
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
