@@ -90,8 +90,8 @@ from ilp_planner.lowering.strategies import (
     tied_exchange,
     tied_source,
 )
-from ilp_planner.plan.check import CheckedPlan, Entry, Task, check_plan
-from ilp_planner.plan.data import LayerPlan, Plan
+from ilp_planner.plan.check import CheckedPlan, check_plan
+from ilp_planner.plan.data import LayerPlan, Plan, ReshardingEntry, UnitTask
 from ilp_planner.plan.programs import edge_programs
 from runtime import model
 from runtime.comm import Comm, LVal, Report, all_reduce_async
@@ -530,7 +530,7 @@ class Executor:
         """RF: receive every boundary tensor this stage reads, as leaf blocks."""
         s = self.my_stage
         self.state.setdefault(mb, {})["recv"] = {
-            e.index: self._recv_forward(e) for e in self.entries if e.dst_stage == s.index}
+            i: self._recv_forward(e) for i, e in enumerate(self.entries) if e.dst_stage == s.index}
 
     def forward(self, mb: int) -> None:
         """F: run the stage's ops on micro-batch ``mb`` through the lowered edge programs;
@@ -555,7 +555,7 @@ class Executor:
         loss = next((vals[n] for n in s.layers if g[n].kind is OpKind.LOSS), None)
         sent = {name: comm.edge(vals[name], red, "activation", "send")
                 for name, red in self.exports.items() if self.stage_of[name] == s.index}
-        st["out"] = {e.index: sent[e.tensor] for e in self.entries if e.src_stage == s.index}
+        st["out"] = {i: sent[e.tensor] for i, e in enumerate(self.entries) if e.src_stage == s.index}
         st["loss"] = loss
 
     def _op_forward(self, name: str, mb: int, data: dict,
@@ -705,7 +705,7 @@ class Executor:
     def _rel(self, task_region, mine) -> tuple[slice, ...]:
         return tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(task_region, mine, strict=True))
 
-    def _send(self, tasks: tuple[Task, ...], local: torch.Tensor, mine, direction: str,
+    def _send(self, tasks: tuple[UnitTask, ...], local: torch.Tensor, mine, direction: str,
               tensor: str) -> None:
         """Post (asynchronously) every task this rank sends, a slice of its block ``local``
         (whose region is ``mine``); waited at the end of the step."""
@@ -720,7 +720,7 @@ class Executor:
     def _dtype(self, tensor: str) -> torch.dtype:
         return getattr(torch, self.graph[tensor].output.dtype)
 
-    def _post_receives(self, tasks: tuple[Task, ...], direction: str, tensor: str) -> list:
+    def _post_receives(self, tasks: tuple[UnitTask, ...], direction: str, tensor: str) -> list:
         posted = []
         for t in tasks:
             if self.rank in t.receivers:
@@ -732,11 +732,11 @@ class Executor:
                 posted.append((t, buf, work))
         return posted
 
-    def _send_forward(self, e: Entry, v: LVal) -> None:
+    def _send_forward(self, e: ReshardingEntry, v: LVal) -> None:
         mine = self._region(e.src_layout, e.shape, self.stages[e.src_stage].devices)
         self._send(e.tasks, v.t.detach(), mine, "forward", e.tensor)
 
-    def _recv_forward(self, e: Entry) -> LVal:
+    def _recv_forward(self, e: ReshardingEntry) -> LVal:
         mine = self._region(e.dst_layout, e.shape, self.stages[e.dst_stage].devices)
         local = torch.empty([b - a for a, b in mine], device=self.device, dtype=self._dtype(e.tensor))
         with timed(self.recorder):  # receives block: their time is the transfer's
@@ -747,7 +747,7 @@ class Executor:
             local[self._rel(t.region, mine)] = buf
         return LVal(local.requires_grad_(True), e.dst_layout)
 
-    def _send_backward(self, e: Entry, leaf: LVal) -> None:
+    def _send_backward(self, e: ReshardingEntry, leaf: LVal) -> None:
         g = leaf.t.grad
         if g is None:
             g = torch.zeros_like(leaf.t)

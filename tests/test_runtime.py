@@ -266,11 +266,11 @@ def test_rowwise_plan_reduces_partial_sums_both_ways() -> None:
 @pytest.mark.parametrize("schedule", ["eager-1f1b", "1f1b"])
 def test_pipelined_plans_cut_two_stages(schedule: str) -> None:
     plan = build_plan(8, "gpt", schedule)
-    assert [s["devices"] for s in plan.stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert plan.schedule["actions"] == schedule_actions(schedule, 2, 4)
+    assert [s.devices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert plan.schedule.to_dict()["actions"] == schedule_actions(schedule, 2, 4)
     assert {lp.stage for lp in plan.layers} == {0, 1} and plan.resharding
     warm = {"eager-1f1b": 3, "1f1b": 2}[schedule]
-    assert plan.schedule["actions"]["0"][:warm + 1] == [f"F{k}" for k in range(warm)] + ["B0"]
+    assert list(plan.schedule.actions[0][:warm + 1]) == [f"F{k}" for k in range(warm)] + ["B0"]
 
 
 # -- failure modes -----------------------------------------------------------------------------
@@ -437,11 +437,11 @@ def test_unit_tasks_deliver_every_element_once(src: Layout, dst: Layout) -> None
     dst_reg = dict(zip(dst_dev, layout_blocks(dst, shape), strict=True))
     got = {d: torch.zeros(shape, dtype=torch.int64) for d in dst_dev}
     for t in tasks:
-        assert t["sender"] in t["holders"]
-        sl = tuple(slice(a, b) for a, b in t["slice"])
-        for h in t["holders"]:
-            assert all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(t["slice"], src_reg[h], strict=True))
-        for r in t["receivers"]:
+        assert t.sender in t.holders
+        sl = tuple(slice(a, b) for a, b in t.region)
+        for h in t.holders:
+            assert all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(t.region, src_reg[h], strict=True))
+        for r in t.receivers:
             got[r][sl] += 1
     for d in dst_dev:
         want = torch.zeros(shape, dtype=torch.int64)
