@@ -136,7 +136,7 @@ class Executor:
     def __init__(self, plan: Plan, options: RunOptions, *, rank: int, world: int,
                  device: torch.device | None = None, checked: CheckedPlan | None = None):
         """``checked``: the plan's :func:`~ilp_planner.plan.check.check_plan` result when the
-        caller already has it (it is computed otherwise)."""
+        caller already has it (computed otherwise, without the strategy enumeration)."""
         self.plan = plan
         self.options = options
         self.rank = rank
@@ -146,7 +146,7 @@ class Executor:
             raise RuntimeSetupError(
                 f"plan {plan.name!r} is for {plan.num_devices} devices but the world has {world} "
                 f"processes; launch with --nproc-per-node {plan.num_devices} (or re-solve)")
-        checked = checked or check_plan(plan, microbatches=options.microbatches)
+        checked = checked or check_plan(plan, microbatches=options.microbatches, strategies=False)
         self.config = checked.config
         self.cluster = self.config.cluster
         self.full_graph = self.config.graph

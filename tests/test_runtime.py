@@ -347,9 +347,16 @@ CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+# a rank skips the strategy enumeration (``check`` and ``run`` ran it): a label no strategy has
+# compiles on a rank; layouts no strategy has are refused by the rank's own lowering instead
+ENUMERATION_ONLY = {"bogus-label"}
+RANK_MESSAGES = {"layouts-not-the-strategy's": "a matmul runs the 3-D family"}
+
+
+@pytest.mark.parametrize("case", sorted(set(CORRUPTIONS) - ENUMERATION_ONLY))
 def test_corrupted_plan_fails_fast(monkeypatch, capsys, tmp_path, plan4, case: str) -> None:
     edit, message = CORRUPTIONS[case]
+    message = RANK_MESSAGES.get(case, message)
     if edit is None:
         bad = tmp_path / "bad.json"
         bad.write_text(plan4.read_text()[:500])
@@ -371,6 +378,28 @@ def test_check_verb_names_what_is_wrong(capsys, tmp_path, plan4, case: str) -> N
     assert cli.main(["check", str(bad)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(bad) in err.splitlines()[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", sorted(ENUMERATION_ONLY))
+def test_a_rank_leaves_the_strategy_enumeration_to_the_verbs(monkeypatch, capsys, tmp_path,
+                                                             plan4, case: str) -> None:
+    """A rank's check enumerates no strategy (the check and run verbs do, in full), so a
+    plan only the enumeration refuses compiles on a rank and is refused by both verbs."""
+    from ilp_planner.plan import layer_check
+
+    edit, message = CORRUPTIONS[case]
+    bad = _corrupt(plan4, tmp_path, edit)
+    plan = Plan.load(bad)
+
+    def enumerated(*_):
+        raise AssertionError("a rank enumerated strategies")
+
+    monkeypatch.setattr(layer_check, "op_strategies", enumerated)
+    Executor(plan, RunOptions(), rank=0, world=4)
+    monkeypatch.undo()
+    assert cli.main(["check", str(bad)]) == 2 and message in capsys.readouterr().err
+    assert cli.main(["run", str(bad), "--nproc-per-node", "4"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_check_verb_accepts_a_valid_plan_and_says_if_it_runs_here(capsys, plan4) -> None:

@@ -22,7 +22,9 @@ in order:
    and the consumer reads, and forward and backward unit tasks whose senders hold their
    slices and whose receivers get exactly their blocks.
 
-The runtime adds only what is its own (supported ops, even splits, the world size).
+The runtime adds only what is its own (supported ops, even splits, the world size), and a
+rank skips item 4's comparison with the enumerated strategies: ``check`` and ``run`` ran it
+before any rank starts, and enumerating on every rank repeats the planner's costliest step.
 """
 
 from __future__ import annotations
@@ -63,9 +65,13 @@ class CheckedPlan:
     actions: dict[int, list[tuple[str, int]]]
 
 
-def check_plan(plan: Plan, source: str | None = None, microbatches: int | None = None) -> CheckedPlan:
+def check_plan(plan: Plan, source: str | None = None, microbatches: int | None = None, *,
+               strategies: bool = True) -> CheckedPlan:
     """Check ``plan`` (see the module docstring); ``microbatches`` overrides a single-stage
-    plan's gradient accumulation as the runtime may. Raises :class:`PlanFormatError`."""
+    plan's gradient accumulation as the runtime may. ``strategies=False`` skips comparing
+    the deciding layers with the enumerated strategies (item 4; what a training rank does:
+    ``check``, ``run`` and ``explain`` ran the whole check before). Raises
+    :class:`PlanFormatError`."""
     src = source or f"plan {plan.name!r}"
     try:
         try:
@@ -76,7 +82,8 @@ def check_plan(plan: Plan, source: str | None = None, microbatches: int | None =
         graph = microbatch_graph(config, m, src)
         _check_layers(plan, graph, src)
         stages = plan_stages(plan, config, src)
-        check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src)
+        check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src,
+                               strategies=strategies)
         stage_of = {n: s.index for s in stages for n in s.layers}
         entries, entry_of = plan_entries(plan, graph, stages, stage_of, src)
         actions = lowered_actions(plan, len(stages), m, src)
