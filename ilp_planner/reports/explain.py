@@ -1,4 +1,5 @@
-"""Readable reports of plans: :func:`explain` (one plan) and :func:`diff` (two plans).
+"""Readable reports of a plan: :func:`explain` and :func:`summary` (two plans:
+:func:`ilp_planner.reports.diff.diff`, which shares the formatters here).
 
 Both are pure: a string built from :class:`~ilp_planner.plan.data.Plan` data, nothing re-solved
 and nothing re-priced. Every number is the one the cost model wrote into the plan at solve
@@ -23,10 +24,11 @@ the placements, so no torch import is needed.
 Repeated blocks (GPT's ``h.0.*`` … ``h.31.*``) whose layers have identical strategies,
 layouts and costs are printed once as ``h.[0-31].attn.qkv`` with a ``×32`` count.
 
-Pipelined plans also carry ``stages`` (dicts with ``index``, ``devices``, ``mesh``,
-``layers``), ``schedule`` (``name``, ``num_microbatches``, ``makespan_s``,
-``bubble_fraction``) and ``resharding`` (one dict per cross-mesh transfer); they are
-printed when present. The stage count of any plan is ``max(1, len(plan.stages))``.
+Pipelined plans also carry ``stages`` (:class:`~ilp_planner.plan.data.Stage`),
+``schedule`` (:class:`~ilp_planner.plan.data.PipelineSchedule`) and ``resharding`` (one
+:class:`~ilp_planner.plan.data.ReshardingEntry` per cross-mesh transfer); they are printed
+when present. The stage count of any plan is ``max(1, len(plan.stages))``. :func:`explain`
+is a list of sections, each built by its own function.
 """
 
 from __future__ import annotations
