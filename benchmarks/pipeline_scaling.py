@@ -61,19 +61,19 @@ def pipelined_case(layers: int, nodes: int, local: int = 8, **kw) -> dict:
         plan = solve_pipelined(config, baselines=False)
     except InfeasibleError as exc:
         return {"wall_s": time.perf_counter() - t0, "status": "infeasible", "error": str(exc)}
-    s = plan.solver
+    s, dp = plan.solver, plan.solver.stages
     return {
         "wall_s": time.perf_counter() - t0,
-        "status": s["status"],
-        "units": s["units"],
-        "pairs": s["stage_pairs"],
-        "solves": s["stage_solves"],
-        "bounded": s.get("stage_bounded", 0),
-        "not_optimal": s["stage_not_optimal"],
-        "stages": [(st["layer_units"], tuple(st["mesh"])) for st in plan.stages],
+        "status": s.status,
+        "units": dp.units,
+        "pairs": dp.stage_pairs,
+        "solves": dp.stage_solves,
+        "bounded": dp.stage_bounded,
+        "not_optimal": dp.stage_not_optimal,
+        "stages": [(list(st.dp.layer_units), st.mesh) for st in plan.stages],
         "step_s": plan.step_s,
-        "objective_s": s["objective"],
-        **s["timings"],
+        "objective_s": s.objective,
+        **dp.timings,
     }
 
 

@@ -32,15 +32,15 @@ def main() -> None:
         t0 = time.perf_counter()
         plan = solve(config, baselines=False)
         solve_s = time.perf_counter() - t0
-        durations = stage_durations(plan.stages, plan.resharding)
+        durations = stage_durations([s.times for s in plan.stages], plan.resharding)
         free = dataclasses.replace(durations,
                                    activation_transfer=(0.0,) * len(durations.activation_transfer),
                                    gradient_transfer=(0.0,) * len(durations.gradient_transfer))
-        m = plan.schedule["num_microbatches"]
+        m = plan.schedule.num_microbatches
         S = len(plan.stages)
         per_mb = [round(f + b, 4) for f, b in
                   zip(durations.forward, durations.backward, strict=True)]
-        meshes = [tuple(s["mesh"]) for s in plan.stages]
+        meshes = [s.mesh for s in plan.stages]
         print(f"\n{name}: {S} stages {meshes}, {m} micro-batches, per-micro-batch stage time "
               f"{per_mb} s, transfer per boundary "
               f"{[round(t, 4) for t in durations.activation_transfer]} s (solved in {solve_s:.1f} s)")

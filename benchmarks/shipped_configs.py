@@ -38,7 +38,7 @@ def main() -> None:
             cells.append("n/a" if "error" in v else f"{v['total_s'] / mine:.2f}×")
         print(f"{path.stem:<26}{max(1, len(plan.stages)):>7}{mine:>11.4g}"
               + "".join(f"{c:>17}" for c in cells)
-              + f"{plan.solver.get('status', '?'):>10}{wall:>9.1f}")
+              + f"{plan.solver.status:>10}{wall:>9.1f}")
 
 
 if __name__ == "__main__":

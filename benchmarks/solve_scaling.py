@@ -162,10 +162,10 @@ def pipelined(config) -> dict:
     t0 = time.perf_counter()
     plan = solve_pipelined(config, baselines=False)
     info = plan.solver
-    return {"groups": info.get("units"), "k": None, "vars": None, "cons": None,
-            "nodes": info.get("stage_solves"), "build_s": None, "solve_s": None,
-            "total_s": time.perf_counter() - t0, "status": info.get("status"),
-            "gap": info.get("gap"), "objective": plan.cost.total_s, "method": "stage DP",
+    return {"groups": info.stages.units, "k": None, "vars": None, "cons": None,
+            "nodes": info.stages.stage_solves, "build_s": None, "solve_s": None,
+            "total_s": time.perf_counter() - t0, "status": info.status,
+            "gap": info.gap, "objective": plan.cost.total_s, "method": "stage DP",
             "mem": None}
 
 

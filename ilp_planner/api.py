@@ -12,7 +12,7 @@ from ilp_planner.inputs.config import Config, load_config, read_yaml
 from ilp_planner.inter_op.pipeline import solve_pipelined
 from ilp_planner.intra_op.solve_mesh import price_baselines, price_grid, realise, solve_single_mesh
 from ilp_planner.ir.graph import Graph
-from ilp_planner.plan.data import Plan
+from ilp_planner.plan.data import Plan, SolverReport
 
 
 def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: Any = None,
@@ -31,7 +31,7 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
         return solve_pipelined(config, baselines=baselines)
     gp, result, grid = solve_single_mesh(config, grid=baselines)
     layers, cost = realise(gp, list(result.choice))
-    plan = Plan(config.name, config.raw, result.to_dict(), cost, layers)
+    plan = Plan(config.name, config.raw, SolverReport.of(result), cost, layers)
     if baselines:
         plan.baselines = price_baselines(gp, config.solver.time_limit_s,
                                          config.cluster.memory_bytes)

@@ -38,7 +38,15 @@ from ilp_planner.ir.regions import Region, intersect, layout_blocks, region_empt
 from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.stage_boundary import export_program, import_program
 from ilp_planner.lowering.strategies import Strategy, input_grad_layouts, resolve_partial, tied_source
-from ilp_planner.plan.data import CostBreakdown, Plan, layout_to_dict
+from ilp_planner.plan.data import (
+    CostBreakdown,
+    PipelineSchedule,
+    Plan,
+    ReshardingEntry,
+    SolverReport,
+    Stage,
+    UnitTask,
+)
 
 # -- regions and unit tasks ------------------------------------------------------------------
 
@@ -60,7 +68,7 @@ from ilp_planner.plan.data import CostBreakdown, Plan, layout_to_dict
 def greedy_unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout,
                       src_devices: Sequence[int], dst_layout: Layout, dst_devices: Sequence[int], *,
                       alpha: float = 1e-5,
-                      beta: float = 1e-9) -> list[dict]:
+                      beta: float = 1e-9) -> list[UnitTask]:
     """Unit tasks of moving a tensor from ``src_layout`` over ``src_devices`` to
     ``dst_layout`` over ``dst_devices`` (global ranks, mesh order), in a greedy order."""
     src_regions = layout_blocks(src_layout, shape)
@@ -88,14 +96,12 @@ def greedy_unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout,
             send_free[sender] = end
             for r in receivers:
                 recv_free[r] = end
-            tasks.append({"slice": [list(x) for x in piece], "sender": sender,
-                          "holders": list(holders), "receivers": list(receivers),
-                          "start_s": start})
-    tasks.sort(key=lambda t: t["start_s"])
+            tasks.append(UnitTask(piece, sender, tuple(holders), tuple(receivers), start))
+    tasks.sort(key=lambda t: t.start_s)
     return tasks
 
 
-def _choose(gp, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+def _choose(gp, keep: Filter | None, time_limit_s: float) -> tuple[list[int], SolverReport]:
     if keep is None:
         problem, allowed = gp.problem, None
     else:
@@ -108,7 +114,7 @@ def _choose(gp, keep: Filter | None, time_limit_s: float) -> tuple[list[int], di
         raise InfeasibleError("the restricted ILP found no solution in time")
     choice = list(out.choice) if allowed is None else \
         [int(allowed[g][k]) for g, k in enumerate(out.choice)]
-    return choice, out.to_dict()
+    return choice, SolverReport.of(out)
 
 
 def restricted_plan(config: Config, keep: Filter | None = None, name: str | None = None,
@@ -152,7 +158,8 @@ def sharded_plan(config: Config, zero: int, *, recompute: bool = False,
     return Plan(name or config.name, config.raw, solver, cost, layers)
 
 
-def _sharded_choice(gp, zero: int, keep: Filter | None, time_limit_s: float) -> tuple[list[int], dict]:
+def _sharded_choice(gp, zero: int, keep: Filter | None, time_limit_s: float
+                    ) -> tuple[list[int], SolverReport]:
     """The best choice with every op at ``zero`` where a strategy ``keep`` accepts has it."""
     allowed = []
     for group in gp.groups:
@@ -167,7 +174,7 @@ def _sharded_choice(gp, zero: int, keep: Filter | None, time_limit_s: float) -> 
     out = SbpIlp(gp.problem.subset(allowed)).solve(time_limit_s=time_limit_s)
     if out is None:
         raise InfeasibleError("the restricted ILP found no solution in time")
-    return [int(allowed[g][k]) for g, k in enumerate(out.choice)], out.to_dict()
+    return [int(allowed[g][k]) for g, k in enumerate(out.choice)], SolverReport.of(out)
 
 
 def matmul_filter(predicate: Callable[[Op, Strategy], bool]) -> Filter:
@@ -270,8 +277,8 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                       collectives=_at_stage_boundaries(graph, gp, lp, outputs, stage_of))
               for lp in layers]
     devices = [list(range(i * per_stage, (i + 1) * per_stage)) for i in range(stages)]
-    stage_list = [{"index": i, "devices": devices[i], "mesh": [n_s, d_s],
-                   "layers": [n for n in names if stage_of[n] == i]} for i in range(stages)]
+    stage_list = [Stage(i, tuple(devices[i]), (n_s, d_s),
+                        tuple(n for n in names if stage_of[n] == i)) for i in range(stages)]
     by_name = {lp.name: lp for lp in layers}
     resharding = []
     for op in graph.ops:
@@ -284,19 +291,17 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
             src_layout = resolve_partial(by_name[src].output, tensor)
             dst_layout = by_name[op.name].inputs[idx]
             a, b = stage_of[src], stage_of[op.name]
-            resharding.append({
-                "src_stage": a, "dst_stage": b, "tensor": src, "consumer": op.name,
-                "shape": list(tensor.shape), "dtype": tensor.dtype,
-                "src_layout": layout_to_dict(src_layout), "dst_layout": layout_to_dict(dst_layout),
-                "tasks": greedy_unit_tasks(tensor.shape, tensor.itemsize, src_layout, devices[a],
-                                    dst_layout, devices[b]),
-                "backward_tasks": greedy_unit_tasks(tensor.shape, tensor.itemsize, dst_layout, devices[b],
-                                             src_layout, devices[a]),
-            })
-    sched = {"name": schedule, "num_microbatches": microbatches,
-             "actions": schedule_actions(schedule, stages, microbatches)}
+            resharding.append(ReshardingEntry(
+                a, b, src, op.name, tuple(tensor.shape), tensor.dtype, src_layout, dst_layout,
+                tuple(greedy_unit_tasks(tensor.shape, tensor.itemsize, src_layout, devices[a],
+                                        dst_layout, devices[b])),
+                tuple(greedy_unit_tasks(tensor.shape, tensor.itemsize, dst_layout, devices[b],
+                                        src_layout, devices[a]))))
+    actions = schedule_actions(schedule, stages, microbatches)
+    sched = PipelineSchedule(schedule, microbatches,
+                             tuple(tuple(actions[str(i)]) for i in range(stages)))
     layers = price_stage_boundaries(graph, layers, stage_list, resharding, c)
-    for st, priced in zip(stage_list, stage_costs(layers, stage_list, microbatches), strict=True):
-        st.update(priced)
+    stage_list = [replace(st, times=t) for st, t in
+                  zip(stage_list, stage_costs(layers, stage_list, microbatches), strict=True)]
     return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
                 CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)

@@ -29,7 +29,8 @@ from ilp_planner.lowering.strategies import (
     tied_exchange,
     tied_source,
 )
-from ilp_planner.plan.check import CheckedPlan, Entry, Stage
+from ilp_planner.plan.check import CheckedPlan
+from ilp_planner.plan.data import ReshardingEntry, Stage
 from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
 from runtime import model
@@ -54,7 +55,7 @@ class CompiledPlan:
     strategy_ctx: StrategyContext
     stages: list[Stage]
     stage_of: dict[str, int]  # layer -> stage index
-    entries: list[Entry]  # cross-mesh transfers
+    entries: list[ReshardingEntry]  # cross-mesh transfers
     entry_of: dict[tuple[str, int], int]  # (consumer, input index) -> entry bringing it
     actions: dict[int, list[tuple[str, int]]]  # stage -> lowered schedule (kind, micro-batch)
     edges: dict[tuple[str, int], Redistribution]  # (consumer, input index) -> edge program

@@ -111,14 +111,14 @@ class Executor:
                  device: torch.device | None = None, checked: CheckedPlan | None = None):
         """Compile the plan (pure: no process group needed). ``checked``: the plan's
         :func:`~ilp_planner.plan.check.check_plan` result when the caller already has it
-        (it is computed otherwise)."""
+        (computed otherwise, without the strategy enumeration: the verbs ran it before launch)."""
         self.plan = plan
         self.options = options
         self.rank = rank
         self.world = world
         self.device = device or torch.device("cpu")
         _check_world(plan, world)
-        checked = checked or check_plan(plan, microbatches=options.microbatches)
+        checked = checked or check_plan(plan, microbatches=options.microbatches, strategies=False)
         self.compiled: CompiledPlan = compile_plan(plan, checked)
         c = self.compiled
         self.recorder = Recorder(c.cluster.devices_per_node)

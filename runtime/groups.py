@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.strategies import is_summa, loss_axes, param_layouts, summa_programs
-from ilp_planner.plan.check import Stage
+from ilp_planner.plan.data import Stage
 from runtime.comm import Comm
 from runtime.compiled import CompiledPlan
 from runtime.mesh import MeshRegistry

@@ -12,7 +12,7 @@ import torch
 
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.strategies import param_layouts
-from ilp_planner.plan.check import Stage
+from ilp_planner.plan.data import Stage
 from runtime import model
 from runtime.comm import Comm, LVal
 from runtime.compiled import CompiledPlan

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.strategies import is_summa
-from ilp_planner.plan.check import Stage
+from ilp_planner.plan.data import Stage
 from runtime import model
 from runtime.comm import LVal
 from runtime.compiled import CompiledPlan
@@ -71,7 +71,7 @@ class StageForward:
         loss = next((vals[n] for n in s.layers if c.graph[n].kind is OpKind.LOSS), None)
         sent = {name: comm.edge(vals[name], red, "activation", "send")
                 for name, red in c.exports.items() if c.stage_of[name] == s.index}
-        return {e.index: sent[e.tensor] for e in c.entries if e.src_stage == s.index}, loss
+        return {i: sent[e.tensor] for i, e in enumerate(c.entries) if e.src_stage == s.index}, loss
 
     def drop_copies(self) -> None:
         """The next step casts the updated masters again."""

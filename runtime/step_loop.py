@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ilp_planner.plan.check import Stage
+from ilp_planner.plan.data import Stage
 from runtime.compiled import CompiledPlan
 from runtime.grad_sync import GradSync, last_backward
 from runtime.recorder import Recorder
@@ -57,7 +57,7 @@ class ScheduleLoop:
     def recv_forward(self, mb: int) -> None:
         """RF: receive every boundary tensor this stage reads, as leaf blocks."""
         self.state.setdefault(mb, {})["recv"] = {
-            e.index: self.transfers.recv_forward(e) for e in self.compiled.entries
+            i: self.transfers.recv_forward(e) for i, e in enumerate(self.compiled.entries)
             if e.dst_stage == self.stage.index}
 
     def forward(self, mb: int) -> None:

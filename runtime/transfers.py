@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ilp_planner.ir.graph import Graph
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.ir.regions import layout_blocks
-from ilp_planner.plan.check import Entry, Stage, Task
+from ilp_planner.plan.data import ReshardingEntry, Stage, UnitTask
 from runtime.comm import LVal
 from runtime.mesh import MeshRegistry
 from runtime.recorder import Recorder, tagged, timed
@@ -46,7 +46,7 @@ class Transfers:
     """This rank's part of every cross-mesh transfer; :meth:`wait_sends` ends a step."""
 
     def __init__(self, rank: int, device: torch.device, registry: MeshRegistry,
-                 recorder: Recorder, stages: Sequence[Stage], entries: Sequence[Entry],
+                 recorder: Recorder, stages: Sequence[Stage], entries: Sequence[ReshardingEntry],
                  graph: Graph):
         self.rank = rank
         self.device = device
@@ -57,12 +57,12 @@ class Transfers:
         self.graph = graph
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends not yet waited
 
-    def send_forward(self, e: Entry, v: LVal) -> None:
+    def send_forward(self, e: ReshardingEntry, v: LVal) -> None:
         """Post the forward tasks this rank sends of entry ``e``'s tensor ``v``."""
         mine = self._region(e.src_layout, e, e.src_stage)
         self._send(e.tasks, v.t.detach(), mine, "forward", e.tensor)
 
-    def recv_forward(self, e: Entry) -> LVal:
+    def recv_forward(self, e: ReshardingEntry) -> LVal:
         """This rank's block of ``e``'s ``dst_layout``, as a leaf that requires its
         gradient (received: the blocking receives' time is the transfer's)."""
         mine = self._region(e.dst_layout, e, e.dst_stage)
@@ -75,7 +75,7 @@ class Transfers:
             local[_relative(t.region, mine)] = buf
         return LVal(local.requires_grad_(True), e.dst_layout)
 
-    def send_backward(self, e: Entry, leaf: LVal) -> None:
+    def send_backward(self, e: ReshardingEntry, leaf: LVal) -> None:
         """Post the backward tasks this rank sends of the gradient of ``leaf`` (zeros when
         autograd did not reach it)."""
         g = leaf.t.grad
@@ -113,17 +113,17 @@ class Transfers:
             work.wait()
         self.pending = []
 
-    def _region(self, layout: Layout, e: Entry, stage: int) -> Region:
+    def _region(self, layout: Layout, e: ReshardingEntry, stage: int) -> Region:
         devices = self.stages[stage].devices
         return layout_blocks(layout, e.shape)[devices.index(self.rank)]
 
     def _dtype(self, tensor: str) -> torch.dtype:
         return getattr(torch, self.graph[tensor].output.dtype)
 
-    def _group(self, direction: str, t: Task):
+    def _group(self, direction: str, t: UnitTask):
         return self.registry.group((_GROUP_TAG[direction], t.group))
 
-    def _send(self, tasks: tuple[Task, ...], local: torch.Tensor, mine: Region, direction: str,
+    def _send(self, tasks: tuple[UnitTask, ...], local: torch.Tensor, mine: Region, direction: str,
               tensor: str) -> None:
         """Post (asynchronously) every task this rank sends, a slice of its block ``local``
         (whose region is ``mine``); waited at the end of the step."""
@@ -135,8 +135,8 @@ class Transfers:
                                           group=self._group(direction, t))
                 self.pending.append((work, buf))
 
-    def _post_receives(self, tasks: tuple[Task, ...], direction: str, tensor: str
-                       ) -> list[tuple[Task, torch.Tensor, dist.Work]]:
+    def _post_receives(self, tasks: tuple[UnitTask, ...], direction: str, tensor: str
+                       ) -> list[tuple[UnitTask, torch.Tensor, dist.Work]]:
         posted = []
         for t in tasks:
             if self.rank in t.receivers:

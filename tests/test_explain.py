@@ -12,16 +12,26 @@ from pathlib import Path
 
 import pytest
 
+from formulations.schedules import schedule_actions
 from ilp_planner import cli
 from ilp_planner.api import solve
 from ilp_planner.inputs.config import load_config
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.ir.layouts import B, Layout, P, S
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP
-from ilp_planner.plan.data import PLAN_VERSION, Plan
+from ilp_planner.plan.data import (
+    PLAN_VERSION,
+    PipelineSchedule,
+    Plan,
+    ReshardingEntry,
+    Simulated,
+    Stage,
+    StageDP,
+    Transfer,
+)
+from ilp_planner.reports.diff import diff
 from ilp_planner.reports.explain import (
     collective_totals,
-    diff,
     dtensor_placements,
     explain,
     layout_summary,
@@ -41,20 +51,26 @@ def tiny() -> Plan:
 
 
 def pipelined(plan: Plan) -> Plan:
-    """The tiny plan dressed as a two-stage pipeline (stages, schedule, resharding), the
-    shape the pipeline planner writes."""
+    """The tiny plan dressed as a two-stage pipeline (stages, schedule, resharding) with
+    the records the pipeline planner writes: stage 0 chosen by the DP, a simulated schedule,
+    one solved transfer."""
     half = len(plan.layers) // 2
     layers = [dataclasses.replace(x, stage=0 if i < half else 1) for i, x in enumerate(plan.layers)]
-    names = [x.name for x in layers]
+    names = tuple(x.name for x in layers)
+    sent, reader = layers[half - 1], layers[half]
+    actions = schedule_actions("1f1b", 2, 4)
     return dataclasses.replace(
         plan, layers=layers,
-        stages=[{"index": 0, "devices": [0, 1, 2, 3], "mesh": [[1, 4]], "layers": names[:half],
-                 "solver": plan.solver},
-                {"index": 1, "devices": [4, 5, 6, 7], "mesh": [[1, 4]], "layers": names[half:]}],
-        schedule={"name": "1f1b", "num_microbatches": 4, "makespan_s": 0.0125,
-                  "bubble_fraction": 0.2, "step_s": 0.013},
-        resharding=[{"tensor": names[half - 1], "src_stage": 0, "dst_stage": 1,
-                     "bytes": 4096.0, "seconds": 1.5e-4}],
+        stages=[Stage(0, (0, 1, 2, 3), (1, 4), names[:half],
+                      StageDP("1x4@n0d0", (0, 1), 6e-3, 0.0, 2**20, 2, None, plan.solver)),
+                Stage(1, (4, 5, 6, 7), (1, 4), names[half:])],
+        schedule=PipelineSchedule("1f1b", 4, (tuple(actions["0"]), tuple(actions["1"])),
+                                  Simulated(0.0125, 0.2, (2, 1), True, 0.012, 0.013)),
+        resharding=[ReshardingEntry(
+            0, 1, sent.name, reader.name, sent.output_shape, "float32", sent.output,
+            reader.inputs[0], (), (),
+            Transfer("S^0", "S^0", "cpsat", "optimal", 1.5e-4, 1.5e-4, {"cpsat": 1.5e-4},
+                     1e-4, 1e-4))],
     )
 
 
@@ -78,13 +94,13 @@ def test_explain_reports_every_section(tiny):
     text = explain(tiny)
     assert text.startswith(f"plan {tiny.name} (schema v{PLAN_VERSION})")
     assert "status optimal" in text and "stages: 1" in text
-    st = tiny.solver["stats"]
+    st = tiny.solver.stats
     stats = re.search(r"\n  stats     ([\d,]+) variables \(([\d,]+) integer\), ([\d,]+) "
                       r"constraints, (\d+) nodes; build \S+ m?s, presolve \S+ m?s, search "
                       r"\S+ [mµ]?s, proof \S+ [mµ]?s \[SCIP", text)
     assert stats, text[:600]
     assert [int(x.replace(",", "")) for x in stats.groups()] == [
-        st["variables"], st["integer_variables"], st["constraints"], st["nodes"]]
+        st.variables, st.integer_variables, st.constraints, st.nodes]
     assert "solver stats: " in summary(tiny)
     assert "one stage on all 8 devices" in text
     assert re.search(r"memory per device:\n  [\d.]+ [KM]iB of 2\.00 GiB", text)
@@ -136,12 +152,12 @@ def test_explain_pipelined_plan(tiny):
     plan = pipelined(tiny)
     text = explain(plan)
     assert "stages: 2" in text
-    assert "stage 0: devices 0-3, mesh (4)" in text and "stage 1: devices 4-7" in text
+    assert "stage 0: devices 0-3, mesh 1 × 4" in text and "stage 1: devices 4-7" in text
     assert re.search(r"stage 0: .*\n    ILP optimal: [\d,]+ variables", text)  # stage stats
     assert "schedule 1f1b: 4 micro-batches, makespan 12.5 ms, bubble 20.0%" in text
     assert ("step time 13 ms (schedule makespan 12.5 ms + exposed gradient synchronisation)"
             in text)
-    assert "cross-mesh resharding (1 transfers):" in text and "seconds 150 µs" in text
+    assert "cross-mesh resharding (1 transfers):" in text and "makespan_s 150 µs" in text
     assert "  stage 1 " in text or "stage 1" in text
     assert stage_count(plan) == 2 and stage_count(tiny) == 1
     assert step_seconds(plan) == 0.013 and step_seconds(tiny) == tiny.cost.total_s
@@ -193,6 +209,22 @@ def test_diff_across_pipelined_and_single_stage(tiny):
     assert "cross-mesh resharding: 0 → 1 transfers" in text
 
 
+def test_diff_prices_the_solved_transfers_forward_and_backward(tiny):
+    """The transfers' seconds are their solved makespans (150 µs forward + 100 µs for the
+    gradient back), not a key no entry carries."""
+    text = diff(tiny, pipelined(tiny))
+    assert "cross-mesh resharding: 0 → 1 transfers, 0 s → 250 µs per micro-batch" in text
+
+
+def test_diff_shows_schedule_fractions_as_percentages(tiny):
+    plan = pipelined(tiny)
+    sim = dataclasses.replace(plan.schedule.simulated, bubble_fraction=0.3648805365323905)
+    other = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, simulated=sim))
+    text = diff(plan, other)
+    assert "bubble_fraction 20.0%" in text and "bubble_fraction 36.5%" in text
+    assert "0.3648805365323905" not in text
+
+
 # -- every shipped configuration, and the verbs ----------------------------------------------------
 
 
@@ -219,7 +251,7 @@ def test_every_shipped_config_explains_diffs_and_compiles_for_the_runtime(path, 
     if any(ly.zero or ly.recompute for ly in loaded.layers):
         assert "ZeRO" in text or "recomputed" in text
     ex = Executor(loaded, RunOptions(), rank=0, world=loaded.num_devices)
-    assert len(ex.compiled.entries) == len(loaded.resharding or ())
+    assert len(ex.compiled.entries) == len(loaded.resharding)
 
 
 def test_explain_and_diff_verbs(tiny, tmp_path, capsys):
@@ -244,6 +276,6 @@ def test_explain_verb_rejects_foreign_and_old_files(tmp_path, capsys):
     assert cli.main(["explain", str(foreign)]) == 2
     assert "not an ilp_planner plan" in capsys.readouterr().err
     old = tmp_path / "old.json"
-    old.write_text(json.dumps({"schema": "ilp_planner.plan.data", "version": 0}))
+    old.write_text(json.dumps({"schema": "ilp_planner.plan", "version": 0}))
     assert cli.main(["diff", str(old), str(old)]) == 2
     assert "plan schema version 0 is not supported" in capsys.readouterr().err

@@ -115,7 +115,7 @@ def test_llama_import():
     assert "seq_len" not in g["tok_embeddings"].attrs  # rotary: no position table
     assert not any(op.kind is OpKind.OPAQUE for op in g.ops)
     plan = ilp_planner.solve(g, cluster=CLUSTER)
-    assert plan.solver["status"] == "optimal"
+    assert plan.solver.status == "optimal"
     assert all(plan.cost.total_s <= b["total_s"] + 1e-15
                for b in plan.baselines.values() if b.get("total_s") is not None)
 
@@ -130,7 +130,7 @@ def test_resnet_import_and_solve():
     assert g["fc"].kind is OpKind.LINEAR and g["fc"].inputs == ("fc.flatten",)
     assert g["layer1.1.add"].inputs == ("layer1.1.bn2", "layer1.0.relu_1")
     plan = ilp_planner.solve(g, cluster=CLUSTER)
-    assert plan.solver["status"] == "optimal"
+    assert plan.solver.status == "optimal"
 
 
 def test_loss_fn_is_traced_with_the_model():

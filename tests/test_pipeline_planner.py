@@ -24,7 +24,7 @@ from ilp_planner.inter_op.pipeline import (
     subgraph,
 )
 from ilp_planner.ir.graph import OpKind
-from ilp_planner.plan.data import Plan, layout_from_dict
+from ilp_planner.plan.data import Plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-gpt-cpu.yaml"
@@ -110,17 +110,17 @@ def tiny_plan() -> Plan:
 def test_stages_cover_the_cluster_and_the_model(tiny_plan):
     plan = tiny_plan
     assert len(plan.stages) == 2
-    devices = [d for st in plan.stages for d in st["devices"]]
+    devices = [d for st in plan.stages for d in st.devices]
     assert sorted(devices) == list(range(8))
-    names = [n for st in plan.stages for n in st["layers"]]
+    names = [n for st in plan.stages for n in st.layers]
     graph = load_config(TINY).microbatch_graph()
     assert names == [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
     for st in plan.stages:
-        for name in st["layers"]:
+        for name in st.layers:
             layer = plan.layer(name)
-            assert layer.stage == st["index"]
+            assert layer.stage == st.index
             size = int(np.prod([a.size for a in layer.output.fact]))
-            assert size == len(st["devices"])
+            assert size == len(st.devices)
 
 
 def test_every_crossing_tensor_has_a_resharding_schedule(tiny_plan):
@@ -130,31 +130,31 @@ def test_every_crossing_tensor_has_a_resharding_schedule(tiny_plan):
     crossing_edges = {(s, d) for s, d in graph.edges()
                       if graph[s].kind is not OpKind.INPUT and stage_of[s] != stage_of[d]}
     assert crossing_edges
-    covered = {(r["tensor"], r["consumer"]) for r in plan.resharding}
+    covered = {(r.tensor, r.consumer) for r in plan.resharding}
     for s, d in crossing_edges:
         assert any(t == s for t, _ in covered), (s, d)
     for r in plan.resharding:
-        src_devices = set(plan.stages[r["src_stage"]]["devices"])
-        dst_devices = set(plan.stages[r["dst_stage"]]["devices"])
-        assert r["makespan_s"] >= r["lower_bound_s"] - 1e-12
-        assert r["dst_layout"] == plan.layer(r["consumer"]).to_dict()["strategy"]["inputs"][
-            list(graph[r["consumer"]].inputs).index(r["tensor"])]
-        layout_from_dict(r["src_layout"])
-        for task in r["tasks"]:
-            assert task["sender"] in task["holders"] and set(task["holders"]) <= src_devices
-            assert set(task["receivers"]) <= dst_devices
+        src_devices = set(plan.stages[r.src_stage].devices)
+        dst_devices = set(plan.stages[r.dst_stage].devices)
+        assert r.transfer is not None
+        assert r.transfer.makespan_s >= r.transfer.lower_bound_s - 1e-12
+        assert r.dst_layout == plan.layer(r.consumer).inputs[
+            list(graph[r.consumer].inputs).index(r.tensor)]
+        for task in r.tasks:
+            assert task.sender in task.holders and set(task.holders) <= src_devices
+            assert set(task.receivers) <= dst_devices
 
 
 def test_schedule_is_valid_and_matches_its_simulation(tiny_plan):
     sc = tiny_plan.schedule
-    rows = [sc["actions"][str(i)] for i in range(len(tiny_plan.stages))]
+    rows = [list(row) for row in sc.actions]
     from formulations.schedules import Schedule
 
-    validate(Schedule.from_strings(rows, num_microbatches=sc["num_microbatches"]))
-    again = simulate(make_schedule(sc["name"], len(tiny_plan.stages), sc["num_microbatches"]),
-                     stage_durations(tiny_plan.stages, tiny_plan.resharding))
-    assert again.makespan_s == pytest.approx(sc["makespan_s"])
-    assert tiny_plan.step_s >= sc["makespan_s"]
+    validate(Schedule.from_strings(rows, num_microbatches=sc.num_microbatches))
+    again = simulate(make_schedule(sc.name, len(tiny_plan.stages), sc.num_microbatches),
+                     stage_durations([st.times for st in tiny_plan.stages], tiny_plan.resharding))
+    assert again.makespan_s == pytest.approx(sc.simulated.makespan_s)
+    assert tiny_plan.step_s >= sc.simulated.makespan_s
 
 
 def test_pipelined_plan_round_trips(tiny_plan, tmp_path):
@@ -165,7 +165,7 @@ def test_pipelined_plan_round_trips(tiny_plan, tmp_path):
 
 def test_stage_memory_is_within_budget_and_an_impossible_budget_is_explained(tiny_plan):
     budget = load_config(TINY).cluster.memory_bytes
-    assert all(st["memory_bytes"] <= budget for st in tiny_plan.stages)
+    assert all(st.dp.memory_bytes <= budget for st in tiny_plan.stages)
     with pytest.raises(InfeasibleError, match="least memory any assignment needs"):
         solve_pipelined(tiny(**{"cluster.memory_gib": 1e-5}), baselines=False)
 
@@ -192,15 +192,15 @@ def _stage_peaks(plan, config) -> list[tuple[float, float]]:
     graph = config.microbatch_graph()
     out = []
     for st in plan.stages:
-        held = st["memory_solved_for_inflight"]
-        names = st["layers"]
+        held = st.dp.memory_solved_for_inflight
+        names = st.layers
         bound = stage_boundary(graph, names)
-        gp, res = solve_mesh(config, *st["mesh"], None if held is None else
+        gp, res = solve_mesh(config, *st.mesh, None if held is None else
                              config.cluster.memory_bytes, graph=subgraph(graph, names),
                              microbatches=config.pipeline.microbatches,
                              boundary=bound if held is None else replace(bound, inflight=held))
-        at = replace(gp, boundary=replace(gp.boundary, inflight=st["inflight_microbatches"]))
-        out.append((st["memory_bytes"], peak_memory(at, res.choice)))
+        at = replace(gp, boundary=replace(gp.boundary, inflight=st.dp.inflight_microbatches))
+        out.append((st.dp.memory_bytes, peak_memory(at, res.choice)))
     return out
 
 
@@ -214,7 +214,7 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
     tight = _utf_pipe(0.0005)
     plan = solve_pipelined(tight, baselines=False)
     assert any(lp.recompute for lp in plan.layers)
-    assert [st["inflight_microbatches"] for st in plan.stages] == [2, 1]
+    assert [st.dp.inflight_microbatches for st in plan.stages] == [2, 1]
     for dp_memory, peak in _stage_peaks(plan, tight):
         assert dp_memory == pytest.approx(peak, rel=1e-12)
         assert peak <= tight.cluster.memory_bytes
@@ -222,7 +222,8 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
     joint = solve_pipelined(roomier, baselines=False)
     plain = solve_pipelined(_utf_pipe(0.0006, **PLAIN), baselines=False)
     assert any(lp.zero for lp in joint.layers) and not any(lp.zero for lp in plain.layers)
-    assert joint.schedule["dp_objective_s"] < plain.schedule["dp_objective_s"] * (1 - 1e-6)
+    assert (joint.schedule.simulated.dp_objective_s
+            < plain.schedule.simulated.dp_objective_s * (1 - 1e-6))
     for dp_memory, peak in _stage_peaks(joint, roomier):
         assert dp_memory == pytest.approx(peak, rel=1e-12) and peak <= roomier.cluster.memory_bytes
 
@@ -241,7 +242,7 @@ def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
                      "pipeline.stages": "auto", "pipeline.microbatches": 8,
                      "pipeline.schedule": "1f1b"})
     plan = solve_pipelined(config, baselines=False)
-    assert any(st["memory_solved_for_inflight"] for st in plan.stages)
+    assert any(st.dp.memory_solved_for_inflight for st in plan.stages)
     graph = config.microbatch_graph()
     units = layer_units(graph)
     full = _StageSolver(config, graph, units)
@@ -251,14 +252,14 @@ def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
                       boundary_cost=_BoundaryCost(config, graph, units), schedule="1f1b",
                       memory_budget_bytes=c.memory_bytes,
                       submesh_shapes=submesh_shapes(c.nodes, c.devices_per_node))
-    assert plan.schedule["dp_objective_s"] == pytest.approx(dp.objective_s, rel=1e-12)
-    assert plan.solver["stage_solves"] < full.solves
+    assert plan.schedule.simulated.dp_objective_s == pytest.approx(dp.objective_s, rel=1e-12)
+    assert plan.solver.stages.stage_solves < full.solves
 
 
 def test_auto_stage_count_solves():
     plan = solve(tiny(**{"pipeline.stages": "auto"}), baselines=False)
     assert 1 <= len(plan.stages) <= 8
-    assert sorted(d for st in plan.stages for d in st["devices"]) == list(range(8))
+    assert sorted(d for st in plan.stages for d in st.devices) == list(range(8))
 
 
 # -- seed 003 §4: eager-1F1B never slower than 1F1B with communication overlapped ---------------
@@ -268,9 +269,9 @@ def test_auto_stage_count_solves():
 def test_eager_1f1b_is_no_slower_than_1f1b_on_shipped_configs(name):
     plan = solve(load_config(CONFIGS / f"{name}.yaml"), baselines=False)
     assert len(plan.stages) >= 2 and plan.resharding
-    durations = stage_durations(plan.stages, plan.resharding)
+    durations = stage_durations([st.times for st in plan.stages], plan.resharding)
     assert sum(durations.activation_transfer) > 0
-    m = plan.schedule["num_microbatches"]
+    m = plan.schedule.num_microbatches
     span = {s: simulate(make_schedule(s, len(plan.stages), m), durations, overlap=True).makespan_s
             for s in ("1f1b", "eager-1f1b")}
     assert span["eager-1f1b"] <= span["1f1b"] * (1 + 1e-12)
@@ -356,29 +357,28 @@ def test_stage_costs_are_the_layers_own_and_gradients_have_their_own_tasks(tiny_
     from ilp_planner.inter_op.pipeline import stage_costs
     from ilp_planner.ir.regions import layout_blocks
 
-    m = tiny_plan.schedule["num_microbatches"]
+    m = tiny_plan.schedule.num_microbatches
     for st, again in zip(tiny_plan.stages, stage_costs(tiny_plan.layers, tiny_plan.stages, m),
                          strict=True):
-        assert st["cost"] == again["cost"] and st["forward_s"] == again["forward_s"]
-    durations = stage_durations(tiny_plan.stages, tiny_plan.resharding)
+        assert st.times == again
+    durations = stage_durations([st.times for st in tiny_plan.stages], tiny_plan.resharding)
     assert sum(durations.gradient_transfer) == pytest.approx(
-        sum(r["backward_makespan_s"] for r in tiny_plan.resharding))
+        sum(r.transfer.backward_makespan_s for r in tiny_plan.resharding))
     for r in tiny_plan.resharding:
-        shape = r["shape"]
-        src = dict(zip(tiny_plan.stages[r["src_stage"]]["devices"],
-                       layout_blocks(layout_from_dict(r["src_layout"]), shape), strict=True))
-        dst = dict(zip(tiny_plan.stages[r["dst_stage"]]["devices"],
-                       layout_blocks(layout_from_dict(r["dst_layout"]), shape), strict=True))
+        src = dict(zip(tiny_plan.stages[r.src_stage].devices,
+                       layout_blocks(r.src_layout, r.shape), strict=True))
+        dst = dict(zip(tiny_plan.stages[r.dst_stage].devices,
+                       layout_blocks(r.dst_layout, r.shape), strict=True))
         got = dict.fromkeys(src, 0)
-        for t in r["backward_tasks"]:  # gradients: from devices holding the received block
-            sl = [tuple(x) for x in t["slice"]]
-            assert t["sender"] in t["holders"] and set(t["holders"]) <= set(dst)
+        for t in r.backward_tasks:  # gradients: from devices holding the received block
+            sl = t.region
+            assert t.sender in t.holders and set(t.holders) <= set(dst)
             assert all(all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(sl, dst[h], strict=True))
-                       for h in t["holders"])
-            for d in t["receivers"]:
+                       for h in t.holders)
+            for d in t.receivers:
                 got[d] += int(np.prod([b - a for a, b in sl]))
         assert got == {d: int(np.prod([b - a for a, b in reg])) for d, reg in src.items()}
-        assert r["backward_makespan_s"] >= r["backward_lower_bound_s"] - 1e-12
+        assert r.transfer.backward_makespan_s >= r.transfer.backward_lower_bound_s - 1e-12
 
 
 def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
@@ -393,16 +393,16 @@ def test_forty_blocks_are_forty_units_and_solves_are_the_distinct_signatures():
     graph = config.microbatch_graph()
     units = layer_units(graph)
     L = len(units)
-    assert plan.solver["units"] == L == 40
-    assert plan.solver["stage_pairs"] == L * (L + 1) // 2  # every range, one admissible shape
+    assert plan.solver.stages.units == L == 40
+    assert plan.solver.stages.stage_pairs == L * (L + 1) // 2  # every range, one admissible shape
     sigs = set()
     for a in range(L):
         for e in range(a + 1, L + 1):
             names = [n for u in units[a:e] for n in u]
             shape = (1, 2) if (a, e) == (0, L) else (1, 1)
             sigs.add((signature(graph, names, stage_boundary(graph, names)), shape))
-    assert plan.solver["stage_solves"] == len(sigs) == 3 * L - 3
-    assert set(plan.solver["timings"]) >= {"stage_solve_s", "dp_s", "resharding_s", "total_s"}
+    assert plan.solver.stages.stage_solves == len(sigs) == 3 * L - 3
+    assert set(plan.solver.stages.timings) >= {"stage_solve_s", "dp_s", "resharding_s", "total_s"}
 
 
 @pytest.mark.parametrize("overrides", [
@@ -420,12 +420,12 @@ def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
     exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
                             baselines=False)
     bounded = solve_pipelined(config, baselines=False)
-    assert bounded.solver["objective"] == pytest.approx(exact.solver["objective"], rel=1e-12)
-    assert bounded.solver["incumbent_s"] >= exact.solver["objective"] * (1 - 1e-12)
-    assert bounded.solver["stage_solves"] <= exact.solver["stage_solves"]
-    assert bounded.solver["stage_pairs"] == exact.solver["stage_pairs"]
-    assert bounded.solver["stage_relaxed"] <= bounded.solver["stage_bounded"]
-    assert exact.solver["stage_relaxed"] == 0
+    assert bounded.solver.objective == pytest.approx(exact.solver.objective, rel=1e-12)
+    assert bounded.solver.stages.incumbent_s >= exact.solver.objective * (1 - 1e-12)
+    assert bounded.solver.stages.stage_solves <= exact.solver.stages.stage_solves
+    assert bounded.solver.stages.stage_pairs == exact.solver.stages.stage_pairs
+    assert bounded.solver.stages.stage_relaxed <= bounded.solver.stages.stage_bounded
+    assert exact.solver.stages.stage_relaxed == 0
 
 
 def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
@@ -441,12 +441,12 @@ def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
     exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
                             baselines=False)
     cut = solve_pipelined(config, baselines=False)
-    assert cut.solver["stage_cut_off"] > 0
-    assert cut.solver["objective"] == pytest.approx(exact.solver["objective"], rel=1e-12)
+    assert cut.solver.stages.stage_cut_off > 0
+    assert cut.solver.objective == pytest.approx(exact.solver.objective, rel=1e-12)
     graph = config.microbatch_graph()
     units = layer_units(graph)
     solver = _StageSolver(config, graph, units)
-    solver.incumbent_s = cut.solver["incumbent_s"]
+    solver.incumbent_s = cut.solver.stages.incumbent_s
     M = config.pipeline.microbatches
     checked = 0
     for a, e, shape in [(0, 2, (1, 1)), (1, 4, (1, 2)), (2, 6, (1, 1)), (0, 6, (1, 2))]:

@@ -267,11 +267,11 @@ def test_rowwise_plan_reduces_partial_sums_both_ways() -> None:
 @pytest.mark.parametrize("schedule", ["eager-1f1b", "1f1b"])
 def test_pipelined_plans_cut_two_stages(schedule: str) -> None:
     plan = build_plan(8, "gpt", schedule)
-    assert [s["devices"] for s in plan.stages] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert plan.schedule["actions"] == schedule_actions(schedule, 2, 4)
+    assert [s.devices for s in plan.stages] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert plan.schedule.to_dict()["actions"] == schedule_actions(schedule, 2, 4)
     assert {lp.stage for lp in plan.layers} == {0, 1} and plan.resharding
     warm = {"eager-1f1b": 3, "1f1b": 2}[schedule]
-    assert plan.schedule["actions"]["0"][:warm + 1] == [f"F{k}" for k in range(warm)] + ["B0"]
+    assert list(plan.schedule.actions[0][:warm + 1]) == [f"F{k}" for k in range(warm)] + ["B0"]
 
 
 # -- failure modes -----------------------------------------------------------------------------
@@ -348,9 +348,16 @@ CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+# a rank skips the strategy enumeration (``check`` and ``run`` ran it): a label no strategy has
+# compiles on a rank; layouts no strategy has are refused by the rank's own lowering instead
+ENUMERATION_ONLY = {"bogus-label"}
+RANK_MESSAGES = {"layouts-not-the-strategy's": "a matmul runs the 3-D family"}
+
+
+@pytest.mark.parametrize("case", sorted(set(CORRUPTIONS) - ENUMERATION_ONLY))
 def test_corrupted_plan_fails_fast(monkeypatch, capsys, tmp_path, plan4, case: str) -> None:
     edit, message = CORRUPTIONS[case]
+    message = RANK_MESSAGES.get(case, message)
     if edit is None:
         bad = tmp_path / "bad.json"
         bad.write_text(plan4.read_text()[:500])
@@ -372,6 +379,28 @@ def test_check_verb_names_what_is_wrong(capsys, tmp_path, plan4, case: str) -> N
     assert cli.main(["check", str(bad)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(bad) in err.splitlines()[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", sorted(ENUMERATION_ONLY))
+def test_a_rank_leaves_the_strategy_enumeration_to_the_verbs(monkeypatch, capsys, tmp_path,
+                                                             plan4, case: str) -> None:
+    """A rank's check enumerates no strategy (the check and run verbs do, in full), so a
+    plan only the enumeration refuses compiles on a rank and is refused by both verbs."""
+    from ilp_planner.plan import layer_check
+
+    edit, message = CORRUPTIONS[case]
+    bad = _corrupt(plan4, tmp_path, edit)
+    plan = Plan.load(bad)
+
+    def enumerated(*_):
+        raise AssertionError("a rank enumerated strategies")
+
+    monkeypatch.setattr(layer_check, "op_strategies", enumerated)
+    Executor(plan, RunOptions(), rank=0, world=4)
+    monkeypatch.undo()
+    assert cli.main(["check", str(bad)]) == 2 and message in capsys.readouterr().err
+    assert cli.main(["run", str(bad), "--nproc-per-node", "4"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_check_verb_accepts_a_valid_plan_and_says_if_it_runs_here(capsys, plan4) -> None:
@@ -438,11 +467,11 @@ def test_unit_tasks_deliver_every_element_once(src: Layout, dst: Layout) -> None
     dst_reg = dict(zip(dst_dev, layout_blocks(dst, shape), strict=True))
     got = {d: torch.zeros(shape, dtype=torch.int64) for d in dst_dev}
     for t in tasks:
-        assert t["sender"] in t["holders"]
-        sl = tuple(slice(a, b) for a, b in t["slice"])
-        for h in t["holders"]:
-            assert all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(t["slice"], src_reg[h], strict=True))
-        for r in t["receivers"]:
+        assert t.sender in t.holders
+        sl = tuple(slice(a, b) for a, b in t.region)
+        for h in t.holders:
+            assert all(a >= lo and b <= hi for (a, b), (lo, hi) in zip(t.region, src_reg[h], strict=True))
+        for r in t.receivers:
             got[r][sl] += 1
     for d in dst_dev:
         want = torch.zeros(shape, dtype=torch.int64)

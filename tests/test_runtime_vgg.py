@@ -258,7 +258,7 @@ def test_plans_split_the_convolutions_as_claimed(plans) -> None:
     assert partial == [f"conv{i}" for i in range(2, 11)]  # conv1 has 3 input channels
     assert all(ly.weight.split_degree(0) > 1 for ly in chan)
     crossing = plans["vgg8-solved-pp"].resharding
-    assert len(plans["vgg8-solved-pp"].stages) == 2 and any(len(e["shape"]) == 4 for e in crossing)
+    assert len(plans["vgg8-solved-pp"].stages) == 2 and any(len(e.shape) == 4 for e in crossing)
     for p in plans.values():  # every conv's gradients go through the priced buckets
         ex = Executor(p, RunOptions(), rank=0, world=8)
         synced = {(m.layer, r) for chunks in ex.compiled.grad_chunks.values() for c in chunks

@@ -349,7 +349,7 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
     # a plan that is the torchtitan grid's pipeline (it simulates faster than the DP's)
     plans["gpt4-pp-grid"] = solve(load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(
         GRID_WINS))
-    assert "kept the torchtitan grid" in plans["gpt4-pp-grid"].solver["message"]
+    assert "kept the torchtitan grid" in plans["gpt4-pp-grid"].solver.message
     # bf16 with Adam's normalised update amplifies rounding (runtime/reference.py): SGD
     out = _train(plans, 4, tmp_path, {n: ("sgd", 0.1) for n in plans if "bf16" in n})
     assert set(out) == set(plans)

@@ -55,8 +55,8 @@ def _check(name: str | Path, overrides: dict | None = None) -> None:
             assert len(pp) == 1, pp  # (fixed sub-meshes: the user chose the stages)
         for k, v in pp.items():
             assert step_seconds(plan) <= v["pipeline_s"] * (1 + 1e-9), k
-            if "torchtitan grid" not in plan.solver["message"]:
-                assert plan.schedule["dp_objective_s"] <= v["dp_formula_s"] * (1 + 1e-9), k
+            if "torchtitan grid" not in plan.solver.message:
+                assert plan.schedule.simulated.dp_objective_s <= v["dp_formula_s"] * (1 + 1e-9), k
     else:
         assert plan.cost.total_s <= block["total_s"] * (1 + 1e-9), point
         assert plan.cost.peak_memory_bytes <= load_config(
@@ -86,14 +86,14 @@ def test_a_grid_pipeline_simulating_faster_than_the_dp_optimum_becomes_the_plan(
     grid's pipeline (a member of the planner's space), checked as any plan is, and its
     step is the baseline's — the plan is never worse than the grid in what it reports."""
     plan = solve(load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(GRID_WINS))
-    assert "kept the torchtitan grid" in plan.solver["message"]
+    assert "kept the torchtitan grid" in plan.solver.message
     (_, block), = ((k, v) for k, v in plan.baselines.items() if "pp=" in k)
     assert step_seconds(plan) <= block["pipeline_s"] * (1 + 1e-9)
-    assert plan.schedule["dp_objective_s"] == pytest.approx(block["dp_formula_s"])
+    assert plan.schedule.simulated.dp_objective_s == pytest.approx(block["dp_formula_s"])
     check_plan(Plan.from_dict(plan.to_dict()))
     for st in plan.stages:  # each stage fits at its position's in-flight count
-        assert st["memory_bytes"] <= plan.cost.peak_memory_bytes * (1 + 1e-9)
-        assert st["memory_bytes"] <= load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(
+        assert st.dp.memory_bytes <= plan.cost.peak_memory_bytes * (1 + 1e-9)
+        assert st.dp.memory_bytes <= load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(
             GRID_WINS).cluster.memory_bytes * (1 + 1e-9)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ilp_planner.commands.explain import emit, load_plan_or_solve
-from ilp_planner.reports.explain import diff
+from ilp_planner.reports.diff import diff
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

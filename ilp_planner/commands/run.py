@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from ilp_planner.errors import ConfigError
+from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.executor import Executor, RunOptions
 from runtime.launch import add_training_options, forward_options
@@ -50,8 +51,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"plan {path} is for {plan.num_devices} devices but --nproc-per-node "
                               f"is {n}; start {plan.num_devices} processes or re-solve the plan "
                               f"for {n}")
-        # the compile every rank will do (pure: layers, strategies, stages, entries, lowered
-        # schedule, edge programs): an invalid plan fails here, once, before any rank starts
-        Executor(plan, RunOptions(microbatches=args.microbatches), rank=0, world=n)
+        # the whole check (the ranks skip the strategy enumeration), then the compile every
+        # rank will do (pure: stages, entries, lowered schedule, edge programs): an invalid
+        # plan fails here, once, before any rank starts
+        checked = check_plan(plan, str(path), args.microbatches)
+        Executor(plan, RunOptions(microbatches=args.microbatches), rank=0, world=n, checked=checked)
     return subprocess.call(torchrun_command(n, "runtime.launch",
                                            [*args.plans, *forward_options(args)]))

@@ -36,19 +36,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_checked(args.plan)
-    if not plan.stages or not plan.schedule:
+    if not plan.stages or plan.schedule is None:
         raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no pipeline stages; solve a "
                               f"config with pipeline.stages > 1 or auto")
-    name = args.schedule or plan.schedule["name"]
-    m = args.microbatches or plan.schedule["num_microbatches"]
+    name = args.schedule or plan.schedule.name
+    m = args.microbatches or plan.schedule.num_microbatches
     if m < 1:
         raise ConfigError(f"--microbatches: expected a positive integer, got {m}")
     check_limit("microbatches", m, "the number of micro-batches", key="--microbatches")
-    try:
-        durations = stage_durations(plan.stages, plan.resharding)
-    except (KeyError, TypeError) as exc:
+    times = [s.times for s in plan.stages if s.times is not None]
+    if len(times) < len(plan.stages) or any(e.transfer is None for e in plan.resharding):
         raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no priced stage or transfer "
-                              f"times ({exc}); simulate needs a plan the planner solved") from exc
+                              f"times; simulate needs a plan the planner solved")
+    durations = stage_durations(times, plan.resharding)
     overlap = not args.no_overlap
     print(f"{plan.name}: {len(plan.stages)} stages, {m} micro-batches, overlap {overlap}")
     print(f"  {'schedule':<12}{'makespan s':>12}{'bubble':>9}  peak in-flight per stage")

@@ -85,7 +85,21 @@ from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.stage_boundary import StageBoundary, stage_boundary
 from ilp_planner.lowering.strategies import resolve_partial, tied_source
 from ilp_planner.plan.check import find_entry
-from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, layout_from_dict, layout_to_dict
+from ilp_planner.plan.data import (
+    CostBreakdown,
+    LayerPlan,
+    PipelineSchedule,
+    Plan,
+    ReshardingEntry,
+    Simulated,
+    SolverReport,
+    Stage,
+    StageDP,
+    StageSolves,
+    StageTimes,
+    Transfer,
+    UnitTask,
+)
 
 #: Default per-stage intra-op time limit (s) when ``pipeline.stage_time_limit_s`` is unset:
 #: ``min(solver.time_limit_s, STAGE_TIME_LIMIT_S)`` — the DP runs hundreds of stage solves.
@@ -680,7 +694,8 @@ def _estimate_spec(tensor: TensorSpec, src: SubMesh, dst: SubMesh) -> str:
     return "R" + rest
 
 
-def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[dict], microbatches: int) -> list[dict]:
+def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[Stage], microbatches: int
+                ) -> list[StageTimes]:
     """Per stage, what its layers price (boundary programs and tied exchanges included):
     per micro-batch ``forward_s`` (a third of the compute, backward ≈ 2 × forward FLOPs,
     plus the forward-phase activation collectives) and ``backward_s``; per step
@@ -688,23 +703,22 @@ def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[dict], microbatche
     from the stage's DP row when present, else its layers')."""
     out = []
     for s in stages:
-        mine = [ly for ly in layers if ly.stage == int(s["index"])]
+        mine = [ly for ly in layers if ly.stage == s.index]
         compute = sum(ly.compute_s for ly in mine)
         colls = [c for ly in mine for c in ly.collectives]
         act = [c for c in colls if c.purpose not in ONCE_PER_STEP]
-        memory = s.get("memory_bytes", sum(ly.memory_bytes for ly in mine))
+        memory = s.dp.memory_bytes if s.dp else sum(ly.memory_bytes for ly in mine)
         exposed = exposed_grad_sync(mine)
-        out.append({
-            "forward_s": compute / 3 + sum(c.seconds for c in act if c.phase == "forward"),
-            "backward_s": 2 * compute / 3 + sum(c.seconds for c in act if c.phase != "forward"),
-            "grad_sync_s": sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP),
-            "grad_sync_exposed_s": exposed,
-            "cost": CostBreakdown.of(compute, colls, memory, microbatches, exposed).to_dict(),
-        })
+        out.append(StageTimes(
+            compute / 3 + sum(c.seconds for c in act if c.phase == "forward"),
+            2 * compute / 3 + sum(c.seconds for c in act if c.phase != "forward"),
+            sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP), exposed,
+            CostBreakdown.of(compute, colls, memory, microbatches, exposed)))
     return out
 
 
-def stage_durations(stages: Sequence[dict], resharding: Sequence[dict]) -> StageDurations:
+def stage_durations(stages: Sequence[StageTimes], resharding: Sequence[ReshardingEntry]
+                    ) -> StageDurations:
     """Simulator durations of a pipelined plan: each stage's priced forward and backward
     per micro-batch (:func:`stage_costs`); each boundary's transfers are the solved
     resharding makespans of the tensors entering the next stage, forward (``tasks``) and
@@ -713,9 +727,10 @@ def stage_durations(stages: Sequence[dict], resharding: Sequence[dict]) -> Stage
     S = len(stages)
     forward, backward = [0.0] * (S - 1), [0.0] * (S - 1)
     for r in resharding:
-        forward[r["dst_stage"] - 1] += r["makespan_s"]
-        backward[r["dst_stage"] - 1] += r["backward_makespan_s"]
-    return StageDurations.make(S, [s["forward_s"] for s in stages], [s["backward_s"] for s in stages],
+        assert r.transfer is not None, "a solved pipeline's entries carry their transfers"
+        forward[r.dst_stage - 1] += r.transfer.makespan_s
+        backward[r.dst_stage - 1] += r.transfer.backward_makespan_s
+    return StageDurations.make(S, [s.forward_s for s in stages], [s.backward_s for s in stages],
                                activation_transfer=forward, gradient_transfer=backward)
 
 
@@ -805,7 +820,8 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     for st in dp.stages:
         how = solver.variant_how(st.start, st.end, st.submesh, st.variant)
         _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh, how)  # type: ignore[misc]
-        chosen.append(_StagePlan(st, solver.names(st.start, st.end), stage_layers, res.to_dict(),
+        chosen.append(_StagePlan(st, solver.names(st.start, st.end), stage_layers,
+                                 SolverReport.of(res),
                                  how.inflight if isinstance(how, AtGridPoint) else how))
     reshardings: dict[tuple, ReshardingPlan] = {}
     pipeline = _assemble(config, graph, chosen, dp.objective_s, reshardings)
@@ -830,38 +846,31 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     layers, stages, resharding = pipeline.layers, pipeline.stages, pipeline.resharding
     schedule, resharding_s = pipeline.schedule, pipeline.resharding_s
     status = "optimal"
-    for s in stages:
-        st = s["solver"].get("status", "optimal")
+    reports = [s.dp.solver for s in stages if s.dp is not None]
+    for st in (r.status for r in reports):
         if st != "optimal":
             status = "feasible" if st == "feasible" and status == "optimal" else st
-    gaps = [s["solver"]["gap"] for s in stages if s["solver"].get("gap")]
+    gaps = [r.gap for r in reports if r.gap]
     S = len(stages)
     total_s = time.perf_counter() - t0
     table_rest_s = max(0.0, dp.table_s - solver.solve_s - boundary.seconds)
-    solver_report = {
-        "status": status, "objective": schedule["dp_objective_s"], "bound": None,
-        "gap": max(gaps) if gaps else (0.0 if status == "optimal" else None),
-        "build_s": dp.table_s, "solve_s": total_s - dp.table_s, "method": "stage_dp+ilp",
-        "message": f"{S} stages from {solver.solves} intra-op solves ({len(units)} layer "
-                   f"units, {solver.calls} (range, sub-mesh) pairs); each stage's ILP "
-                   f"{status}; the stage DP is exact over its cost table"
-                   + (f"; {pipeline.note}" if pipeline.note else ""),
-        "units": len(units),
-        "stage_solves": solver.solves,
-        "stage_pairs": solver.calls,
-        "stage_bounded": len(solver.bounded),
-        "stage_relaxed": len(solver.relaxed),
-        "stage_cut_off": len(solver.cut_off),
-        "incumbent_s": solver.incumbent_s,
-        "stage_not_optimal": solver.not_optimal,
-        "stage_time_limit_s": solver.time_limit_s,
-        "timings": {
-            "stage_solve_s": solver.solve_s, "stage_build_s": solver.build_s,
-            "boundary_s": boundary.seconds, "dp_s": dp.solve_s + table_rest_s,
-            "resharding_s": resharding_s, "total_s": total_s,
-        },
-    }
-    per_stage = [CostBreakdown.from_dict(s["cost"]) for s in stages]
+    assert schedule.simulated is not None
+    solver_report = SolverReport(
+        status, schedule.simulated.dp_objective_s, "stage_dp+ilp", None,
+        max(gaps) if gaps else (0.0 if status == "optimal" else None),
+        dp.table_s, total_s - dp.table_s,
+        f"{S} stages from {solver.solves} intra-op solves ({len(units)} layer "
+        f"units, {solver.calls} (range, sub-mesh) pairs); each stage's ILP "
+        f"{status}; the stage DP is exact over its cost table"
+        + (f"; {pipeline.note}" if pipeline.note else ""),
+        stages=StageSolves(
+            len(units), solver.solves, solver.calls, len(solver.bounded), len(solver.relaxed),
+            len(solver.cut_off), solver.incumbent_s, solver.not_optimal, solver.time_limit_s,
+            {"stage_solve_s": solver.solve_s, "stage_build_s": solver.build_s,
+             "boundary_s": boundary.seconds, "dp_s": dp.solve_s + table_rest_s,
+             "resharding_s": resharding_s, "total_s": total_s}),
+    )
+    per_stage = [s.times.cost for s in stages if s.times is not None]
     busiest = max(per_stage, key=lambda c: c.total_s)
     cost = dataclasses.replace(busiest, peak_memory_bytes=max(c.peak_memory_bytes for c in per_stage))
     plan = Plan(config.name, config.raw, solver_report, cost, layers, stages=stages,
@@ -881,7 +890,7 @@ class _StagePlan:
     choice: StageChoice
     names: list[str]
     layers: list[LayerPlan]
-    solver: dict
+    solver: SolverReport
     solved_for: int | None
 
 
@@ -891,15 +900,16 @@ class _Pipeline:
     rows, the cross-mesh resharding entries, and the simulated schedule."""
 
     layers: list[LayerPlan]
-    stages: list[dict]
-    resharding: list[dict]
-    schedule: dict
+    stages: list[Stage]
+    resharding: list[ReshardingEntry]
+    schedule: PipelineSchedule
     resharding_s: float
     note: str = ""
 
     @property
     def step_s(self) -> float:
-        return float(self.schedule["step_s"])
+        assert self.schedule.simulated is not None
+        return self.schedule.simulated.step_s
 
 
 def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
@@ -913,7 +923,7 @@ def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
     their crossings)."""
     pipe = config.pipeline
     layers: list[LayerPlan] = []
-    stages: list[dict] = []
+    stages: list[Stage] = []
     stage_of: dict[str, int] = {}
     out_layout: dict[str, Layout] = {}
     in_layouts: dict[tuple[str, str], Layout] = {}
@@ -927,41 +937,26 @@ def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
             for src, lay in zip(graph[name].inputs, ly.inputs, strict=True):
                 in_layouts[(src, name)] = lay
             layers.append(_renamed(ly, name, i))
-        stages.append({
-            "index": i,
-            "devices": st.placement.device_ids() if st.placement else [],
-            "mesh": list(st.submesh),
-            "placement": str(st.placement),
-            "layers": sp.names,
-            "layer_units": [st.start, st.end],
-            "dp_time_s": st.time_s,
-            "dp_boundary_time_s": st.boundary_time_s,
-            "memory_bytes": st.memory_bytes,
-            "inflight_microbatches": st.inflight_microbatches,
-            "memory_solved_for_inflight": sp.solved_for,
-            "solver": sp.solver,
-        })
+        stages.append(Stage(
+            i, tuple(st.placement.device_ids() if st.placement else ()), st.submesh,
+            tuple(sp.names),
+            StageDP(str(st.placement), (st.start, st.end), st.time_s, st.boundary_time_s,
+                    st.memory_bytes, st.inflight_microbatches, sp.solved_for, sp.solver)))
     t0 = time.perf_counter()
     resharding = _plan_resharding(config, graph, [sp.choice.placement for sp in plans],
                                   stage_of, out_layout, in_layouts,
                                   {} if reshardings is None else reshardings)
     resharding_s = time.perf_counter() - t0
     layers = price_stage_boundaries(graph, layers, stages, resharding, config.cluster)
-    for s, priced in zip(stages, stage_costs(layers, stages, pipe.microbatches), strict=True):
-        s.update(priced)
+    times = stage_costs(layers, stages, pipe.microbatches)
+    stages = [dataclasses.replace(s, times=t) for s, t in zip(stages, times, strict=True)]
     sched = make_schedule(pipe.schedule, len(plans), pipe.microbatches)
-    sim = simulate(sched, stage_durations(stages, resharding), overlap=pipe.overlap)
-    schedule = {
-        "name": pipe.schedule,
-        "num_microbatches": pipe.microbatches,
-        "actions": {str(i): [str(a) for a in row] for i, row in enumerate(sched.rows)},
-        "makespan_s": sim.makespan_s,
-        "bubble_fraction": sim.bubble_fraction,
-        "peak_inflight": list(sim.peak_inflight),
-        "overlap": pipe.overlap,
-        "dp_objective_s": dp_objective_s,
-        "step_s": sim.makespan_s + max(s["grad_sync_exposed_s"] for s in stages),
-    }
+    sim = simulate(sched, stage_durations(times, resharding), overlap=pipe.overlap)
+    schedule = PipelineSchedule(
+        pipe.schedule, pipe.microbatches,
+        tuple(tuple(str(a) for a in row) for row in sched.rows),
+        Simulated(sim.makespan_s, sim.bubble_fraction, tuple(sim.peak_inflight), pipe.overlap,
+                  dp_objective_s, sim.makespan_s + max(t.grad_sync_exposed_s for t in times)))
     return _Pipeline(layers, stages, resharding, schedule, resharding_s)
 
 
@@ -983,12 +978,11 @@ def _grid_stage_plans(config: Config, solver: _StageSolver, grid: GridPipeline,
             if solved is None:
                 return None
             gp, res, layers, _ = solved
-            report, choice = res.to_dict(), list(res.choice)
+            report, choice = SolverReport.of(res), list(res.choice)
         else:
             gp, choice = st.point.gp, st.point.choice
             layers = realise(gp, choice)[0]
-            report = {"status": "optimal", "objective": st.point.objective,
-                      "method": f"grid point {st.point.name}"}
+            report = SolverReport("optimal", st.point.objective, f"grid point {st.point.name}")
         stage = StageChoice(st.start, st.end, grid.shape, st.time_s, st.time_s - st.boundary_s,
                             st.boundary_s, peak_memory(gp, choice), st.how.inflight, mesh)
         out.append(_StagePlan(stage, names, layers, report, st.how.inflight))
@@ -1165,16 +1159,16 @@ def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Seque
                         phase="step", purpose="tied_weight")]
 
 
-def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequence[dict],
-                           resharding: Sequence[dict], cluster: Cluster) -> list[LayerPlan]:
+def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequence[Stage],
+                           resharding: Sequence[ReshardingEntry], cluster: Cluster
+                           ) -> list[LayerPlan]:
     """Check that every edge crossing stages has a resharding entry delivering exactly the
     layout its consumer reads (the stage's own export and import programs are already on
     its layers, :mod:`ilp_planner.lowering.stage_boundary`), and add the one boundary cost no stage
     ILP can see: the gradient exchange of a table tied across two stages."""
     by_name = {ly.name: ly for ly in layers}
     stage_of = {ly.name: ly.stage for ly in layers}
-    rows = [(e["tensor"], e["consumer"], int(e["dst_stage"]), layout_from_dict(e["dst_layout"]))
-            for e in resharding]
+    rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in resharding]
     extra: dict[str, list[Collective]] = {ly.name: [] for ly in layers}
     for op in graph.ops:
         if op.name not in by_name:
@@ -1189,7 +1183,7 @@ def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequen
         emb = tied_source(graph, op) if op.attrs.get("tied") else None
         if emb is not None and stage_of[emb.name] != ly.stage:
             assert emb.weight is not None
-            ranks = [d for n in (emb.name, op.name) for d in stages[stage_of[n]]["devices"]]
+            ranks = [d for n in (emb.name, op.name) for d in stages[stage_of[n]].devices]
             for name, table in ((emb.name, emb.weight),
                                 (op.name, TensorSpec(emb.weight.shape[::-1], emb.weight.dtype))):
                 weight = by_name[name].weight
@@ -1221,17 +1215,12 @@ def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:
     return dataclasses.replace(layer, name=name, stage=stage)
 
 
-def _task_rows(rp: ReshardingPlan) -> list[dict]:
+def _task_rows(rp: ReshardingPlan) -> tuple[UnitTask, ...]:
     """A solved resharding's unit tasks in their scheduled order, as the plan stores them."""
-    return [
-        {"slice": [list(r) for r in rp.tasks[t].region],
-         "sender": rp.transfers[t].sender_device,
-         "holders": list(rp.tasks[t].holders),
-         "receivers": list(rp.tasks[t].receivers),
-         "start_s": rp.transfers[t].start_s,
-         "bytes": rp.tasks[t].nbytes}
-        for t in rp.order
-    ]
+    return tuple(UnitTask(rp.tasks[t].region, rp.transfers[t].sender_device,
+                          tuple(rp.tasks[t].holders), tuple(rp.tasks[t].receivers),
+                          rp.transfers[t].start_s, rp.tasks[t].nbytes)
+                 for t in rp.order)
 
 
 def _resharding(tensor: TensorSpec, src: SubMesh, src_layout: Layout, dst: SubMesh,
@@ -1252,13 +1241,13 @@ def _resharding(tensor: TensorSpec, src: SubMesh, src_layout: Layout, dst: SubMe
 def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | None],
                      stage_of: dict[str, int],
                      out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout],
-                     solved: dict[tuple, ReshardingPlan]) -> list[dict]:
+                     solved: dict[tuple, ReshardingPlan]) -> list[ReshardingEntry]:
     """Every tensor crossing stages, once per (tensor, destination stage, layout), with its
     CP-SAT resharding schedules: ``tasks`` forward, ``backward_tasks`` for its gradient
     going back (from the devices that received it to those that sent it). A partial-sum
     output is reduced inside its stage first. ``solved``: schedules by (tensor, meshes,
     layouts), reused and filled."""
-    out: list[dict] = []
+    out: list[ReshardingEntry] = []
     seen: set[tuple] = set()
     options = ReshardOptions(compare_strategies=False)
     for src, dst in graph.edges():
@@ -1275,18 +1264,10 @@ def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | No
         fwd, bwd = (_resharding(tensor, *ends, config.cluster, options, solved)
                     for ends in ((meshes[a], src_layout, meshes[b], dst_layout),
                                  (meshes[b], dst_layout, meshes[a], src_layout)))
-        out.append({
-            "src_stage": a, "dst_stage": b, "tensor": src, "consumer": dst,
-            "shape": list(tensor.shape), "dtype": tensor.dtype,
-            "src_layout": layout_to_dict(src_layout, tensor.shape),
-            "dst_layout": layout_to_dict(dst_layout, tensor.shape),
-            "src_spec": fwd.src_spec, "dst_spec": fwd.dst_spec,
-            "algorithm": fwd.algorithm, "status": fwd.status,
-            "makespan_s": fwd.makespan_s, "lower_bound_s": fwd.lower_bound_s,
-            "algorithms": {r.name: r.makespan_s for r in fwd.runs},
-            "tasks": _task_rows(fwd),
-            "backward_makespan_s": bwd.makespan_s,
-            "backward_lower_bound_s": bwd.lower_bound_s,
-            "backward_tasks": _task_rows(bwd),
-        })
+        out.append(ReshardingEntry(
+            a, b, src, dst, tuple(tensor.shape), tensor.dtype, src_layout, dst_layout,
+            _task_rows(fwd), _task_rows(bwd),
+            Transfer(fwd.src_spec, fwd.dst_spec, fwd.algorithm, fwd.status, fwd.makespan_s,
+                     fwd.lower_bound_s, {r.name: r.makespan_s for r in fwd.runs},
+                     bwd.makespan_s, bwd.lower_bound_s)))
     return out

@@ -27,9 +27,9 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
     ``microbatches`` micro-batches."""
     m = microbatches
     stage = 0
-    for s in plan.stages or ():
-        if rank in s["devices"]:
-            stage = int(s["index"])
+    for s in plan.stages:
+        if rank in s.devices:
+            stage = s.index
     out: dict[Key, list[float]] = {}
 
     def add(key: Key, times: int, nbytes: float) -> None:
@@ -43,12 +43,12 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
         for c in layer.collectives:
             add((c.kind.value, c.purpose, c.phase, c.group_size),
                 1 if c.purpose in ONCE_PER_STEP else m, c.bytes)
-    for e in plan.resharding or ():
-        itemsize = DTYPE_BYTES[e.get("dtype", "float32")]
-        for phase, tasks in (("forward", e["tasks"]), ("backward", e["backward_tasks"])):
+    for e in plan.resharding:
+        itemsize = DTYPE_BYTES[e.dtype]
+        for phase, tasks in (("forward", e.tasks), ("backward", e.backward_tasks)):
             for t in tasks:
-                nbytes = region_numel(tuple((int(lo), int(hi)) for lo, hi in t["slice"])) * itemsize
-                group = {int(t["sender"]), *map(int, t["receivers"])}
+                nbytes = region_numel(t.region) * itemsize
+                group = set(t.group)
                 if rank in group:
                     add(("broadcast", "resharding", phase, len(group) - 1), m, nbytes)
     return {k: (int(v[0]), float(v[1])) for k, v in out.items()}

@@ -7,7 +7,9 @@ so a bad plan ends with one :class:`~ilp_planner.errors.PlanFormatError` naming 
 place in it and what was expected — never a traceback, never a different program. Checked,
 in order:
 
-1. every number finite, and non-negative where it is a time, a size or a count;
+1. every field present with its type, every number finite, and non-negative where it is a
+   time, a size or a count — as the file is read (:meth:`Plan.from_dict
+   <ilp_planner.plan.data.Plan.from_dict>` and :mod:`ilp_planner.plan.fields`);
 2. the embedded config parses and re-derives the layer graph of the plan's layers (names,
    kinds, input counts, the tensor shapes each layer recorded, every layout valid for its
    tensor): an edited config is a mismatch, not a different model;
@@ -20,13 +22,14 @@ in order:
    and the consumer reads, and forward and backward unit tasks whose senders hold their
    slices and whose receivers get exactly their blocks.
 
-The runtime adds only what is its own (supported ops, even splits, the world size).
+The runtime adds only what is its own (supported ops, even splits, the world size), and a
+rank skips item 4's comparison with the enumerated strategies: ``check`` and ``run`` ran it
+before any rank starts, and enumerating on every rank repeats the planner's costliest step.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,73 +46,34 @@ from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.ir.regions import Region, region_numel
 from ilp_planner.lowering.strategies import resolve_partial
-from ilp_planner.plan.data import Plan, layout_from_dict
+from ilp_planner.plan.data import Plan, ReshardingEntry, Stage, UnitTask
 from ilp_planner.plan.layer_check import check_layer_strategies
-
-# keys whose numbers are times, sizes or counts (so never negative)
-_NON_NEGATIVE = ("_s", "bytes", "seconds", "group_size", "microbatches", "size", "stage",
-                 "index", "gap", "fraction")
-
-
-@dataclass(frozen=True)
-class Task:
-    """One broadcast of a resharding schedule: ``region`` from ``sender`` (one of the
-    ``holders``) to ``receivers``."""
-
-    region: Region
-    sender: int
-    holders: tuple[int, ...]
-    receivers: tuple[int, ...]
-
-    @property
-    def group(self) -> tuple[int, ...]:
-        return tuple(sorted({self.sender, *self.receivers}))
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One resharding entry of the plan: a tensor moving between two stages, forward
-    (``tasks``, source stage → destination) and its gradient back (``backward_tasks``)."""
-
-    index: int
-    src_stage: int
-    dst_stage: int
-    tensor: str
-    consumer: str
-    shape: tuple[int, ...]
-    src_layout: Layout
-    dst_layout: Layout
-    tasks: tuple[Task, ...]
-    backward_tasks: tuple[Task, ...]
-
-
-@dataclass(frozen=True)
-class Stage:
-    index: int
-    devices: tuple[int, ...]
-    layers: list[str]
-    mesh: tuple[int, int]  # (nodes, devices per node) of the stage's sub-mesh
 
 
 @dataclass(frozen=True)
 class CheckedPlan:
-    """What checking derived, for the runtime to reuse."""
+    """What checking derived, for the runtime to reuse: the stages (one on every device for a
+    plan without any), the resharding entries and which brings each cross-stage input, and
+    per stage its lowered ``(kind, micro-batch)`` actions."""
 
     config: Config
     graph: Graph
     microbatches: int
     stages: list[Stage]
-    entries: list[Entry]
+    entries: list[ReshardingEntry]
     entry_of: dict[tuple[str, int], int]  # (consumer, input index) -> entry bringing it
     actions: dict[int, list[tuple[str, int]]]
 
 
-def check_plan(plan: Plan, source: str | None = None, microbatches: int | None = None) -> CheckedPlan:
+def check_plan(plan: Plan, source: str | None = None, microbatches: int | None = None, *,
+               strategies: bool = True) -> CheckedPlan:
     """Check ``plan`` (see the module docstring); ``microbatches`` overrides a single-stage
-    plan's gradient accumulation as the runtime may. Raises :class:`PlanFormatError`."""
+    plan's gradient accumulation as the runtime may. ``strategies=False`` skips comparing
+    the deciding layers with the enumerated strategies (item 4; what a training rank does:
+    ``check``, ``run`` and ``explain`` ran the whole check before). Raises
+    :class:`PlanFormatError`."""
     src = source or f"plan {plan.name!r}"
     try:
-        _check_numbers(plan.to_dict(), src)
         try:
             config = parse_config(plan.config)
         except PlannerError as exc:
@@ -118,7 +82,8 @@ def check_plan(plan: Plan, source: str | None = None, microbatches: int | None =
         graph = microbatch_graph(config, m, src)
         _check_layers(plan, graph, src)
         stages = plan_stages(plan, config, src)
-        check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src)
+        check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src,
+                               strategies=strategies)
         stage_of = {n: s.index for s in stages for n in s.layers}
         entries, entry_of = plan_entries(plan, graph, stages, stage_of, src)
         actions = lowered_actions(plan, len(stages), m, src)
@@ -134,38 +99,10 @@ def load_checked(path: str | Path) -> Plan:
     return plan
 
 
-def _numbers(d, path: str) -> Iterator[tuple[str, str, object]]:
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from _numbers(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(d, list):
-        for i, v in enumerate(d):
-            yield from _numbers(v, f"{path}[{i}]")
-    else:
-        yield path, path.rsplit(".", 1)[-1].split("[", 1)[0], d
-
-
-def _check_numbers(d: dict, src: str) -> None:
-    for path, key, v in _numbers({k: v for k, v in d.items() if k != "config"}, ""):
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            continue
-        if not math.isfinite(v):
-            raise PlanFormatError(f"{src}: {path}: expected a finite number, got {v}")
-        if v < 0 and key.endswith(_NON_NEGATIVE):
-            raise PlanFormatError(f"{src}: {path}: expected a non-negative number, got {v}")
-
-
 def plan_microbatches(plan: Plan, config: Config, override: int | None, src: str) -> int:
     """Micro-batches per step: the schedule's, else ``override``, else the config's."""
-    if plan.schedule:
-        if not isinstance(plan.schedule, dict):
-            raise PlanFormatError(f"{src}: schedule: expected a mapping, got "
-                                  f"{type(plan.schedule).__name__}")
-        m = plan.schedule.get("num_microbatches")
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise PlanFormatError(f"{src}: schedule.num_microbatches: expected a positive "
-                                  f"integer, got {m!r}")
-        return m
+    if plan.schedule is not None:
+        return plan.schedule.num_microbatches
     return override or config.pipeline.microbatches
 
 
@@ -225,29 +162,17 @@ def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
     if not plan.stages:
         if any(ly.stage != 0 for ly in plan.layers):
             raise PlanFormatError(f"{src}: a plan without stages has layers on stage > 0")
-        out = [Stage(0, tuple(range(num_devices)), list(layers),
-                     (config.cluster.nodes, config.cluster.devices_per_node))]
+        out = [Stage(0, tuple(range(num_devices)),
+                     (config.cluster.nodes, config.cluster.devices_per_node), tuple(layers))]
     else:
-        out = []
-        if not isinstance(plan.stages, list):
-            raise PlanFormatError(f"{src}: stages: expected a list, got {type(plan.stages).__name__}")
-        for i, s in enumerate(plan.stages):
+        out = list(plan.stages)
+        for i, s in enumerate(out):
             where = f"{src}: stages[{i}]"
-            if not isinstance(s, dict):
-                raise PlanFormatError(f"{where}: expected a mapping")
-            if s.get("index") != i or isinstance(s.get("index"), bool):
-                raise PlanFormatError(f"{where}.index is {s.get('index')!r}, expected {i}")
-            devices, names, mesh = s.get("devices"), s.get("layers"), s.get("mesh")
-            if not isinstance(devices, list) or not isinstance(names, list) \
-                    or not all(isinstance(n, str) for n in names):
-                raise PlanFormatError(f"{where}: expected lists of devices and layer names")
-            if not (isinstance(mesh, list) and len(mesh) == 2
-                    and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in mesh)
-                    and mesh[0] * mesh[1] == len(devices)):
+            if s.index != i:
+                raise PlanFormatError(f"{where}.index is {s.index}, expected {i}")
+            if s.mesh[0] * s.mesh[1] != len(s.devices):
                 raise PlanFormatError(f"{where}.mesh: expected [nodes, devices per node] with "
-                                      f"{len(devices)} devices in all, got {mesh!r}")
-            out.append(Stage(i, tuple(_int(d, f"{where}.devices") for d in devices), names,
-                             (mesh[0], mesh[1])))
+                                      f"{len(s.devices)} devices in all, got {list(s.mesh)}")
         placed = [n for s in out for n in s.layers]
         if sorted(placed) != sorted(layers):
             raise PlanFormatError(f"{src}: stages list {len(placed)} layers, the plan has "
@@ -270,39 +195,14 @@ def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
     return out
 
 
-def _int(v, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise PlanFormatError(f"{where}: expected an integer, got {v!r}")
-    return v
-
-
-def _tasks(rows) -> tuple[Task, ...]:
-    return tuple(Task(tuple((int(a), int(b)) for a, b in t["slice"]), int(t["sender"]),
-                      tuple(int(h) for h in t["holders"]), tuple(int(r) for r in t["receivers"]))
-                 for t in rows)
-
-
 def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
-                 src: str) -> tuple[list[Entry], dict[tuple[str, int], int]]:
+                 src: str) -> tuple[list[ReshardingEntry], dict[tuple[str, int], int]]:
     """The resharding entries, parsed and checked (module docstring, item 6), and which
     entry brings each cross-stage input ``(consumer, input index)``."""
-    out = []
-    if not isinstance(plan.resharding or [], list):
-        raise PlanFormatError(f"{src}: resharding: expected a list of entries, got "
-                              f"{type(plan.resharding).__name__}")
-    for i, e in enumerate(plan.resharding or ()):
-        try:
-            ent = Entry(i, int(e["src_stage"]), int(e["dst_stage"]), e["tensor"], e["consumer"],
-                        tuple(int(x) for x in e["shape"]), layout_from_dict(e["src_layout"]),
-                        layout_from_dict(e["dst_layout"]), _tasks(e["tasks"]),
-                        _tasks(e["backward_tasks"]))
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
-                LayoutError) as exc:
-            raise PlanFormatError(f"{src}: resharding entry {i} is malformed "
-                                  f"({type(exc).__name__}: {exc})") from exc
+    out = list(plan.resharding)
+    for i, ent in enumerate(out):
         _check_entry(plan, graph, stages, stage_of, ent, f"{src}: resharding entry {i} "
                                                          f"({ent.tensor} -> {ent.consumer})")
-        out.append(ent)
     rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in out]
     entry_of: dict[tuple[str, int], int] = {}
     for ly in plan.layers:
@@ -320,9 +220,8 @@ def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: di
 
 
 def _check_entry(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
-                 e: Entry, where: str) -> None:
-    if not isinstance(e.tensor, str) or not isinstance(e.consumer, str) or \
-            e.tensor not in stage_of or e.consumer not in stage_of:
+                 e: ReshardingEntry, where: str) -> None:
+    if e.tensor not in stage_of or e.consumer not in stage_of:
         raise PlanFormatError(f"{where}: names an op the plan does not have")
     spec = graph[e.tensor].output
     if tuple(spec.shape) != e.shape:
@@ -355,7 +254,7 @@ def _regions(layout: Layout, shape: tuple[int, ...], devices: Sequence[int]) -> 
             for d, reg in zip(devices, layout.regions(shape), strict=True)}
 
 
-def check_tasks(where: str, tasks: tuple[Task, ...], have: dict, need: dict) -> None:
+def check_tasks(where: str, tasks: tuple[UnitTask, ...], have: dict, need: dict) -> None:
     """Every task's sender holds its slice (in ``have``: device → region), every receiver
     needs it, and every needing device receives exactly its whole region."""
     covered = dict.fromkeys(need, 0)
@@ -384,26 +283,15 @@ def _inside(inner, outer) -> bool:
 def lowered_actions(plan: Plan, num_stages: int, m: int, src: str) -> dict[int, list[tuple[str, int]]]:
     """The schedule as it will run: per stage the lowered ``(kind, micro-batch)`` list,
     validated after lowering (complete, locally ordered, FIFO per link, deadlock-free).
-    Accepted forms: ``{"actions": {"0": ["F0", …], …}, "num_microbatches": M}`` or
-    ``{"rows": ["F0 F1 …", …]}``; a single-stage plan without one runs 1F1B."""
-    raw = plan.schedule or {}
-    name = str(raw.get("name", "custom"))
-    if raw.get("actions"):
-        acts = raw["actions"]
-        try:
-            rows = [acts[str(i)] if str(i) in acts else acts[i] for i in range(num_stages)]
-        except (KeyError, TypeError) as exc:
-            raise PlanFormatError(f"{src}: schedule.actions needs one list per stage "
-                                  f"0..{num_stages - 1} ({exc})") from exc
-    elif raw.get("rows"):
-        rows = raw["rows"]
+    A single-stage plan without a schedule runs 1F1B."""
+    if plan.schedule is not None and plan.schedule.actions:
+        name, rows = plan.schedule.name, [list(row) for row in plan.schedule.actions]
     elif num_stages == 1:
-        rows = make_schedule("1f1b", 1, m).to_strings()
+        name, rows = "1f1b", make_schedule("1f1b", 1, m).to_strings()
     else:
         raise PlanFormatError(f"{src}: {num_stages} stages but no schedule actions")
-    if not isinstance(rows, list) or len(rows) != num_stages:
-        raise PlanFormatError(f"{src}: schedule has {len(rows) if isinstance(rows, list) else 0} "
-                              f"rows for {num_stages} stages")
+    if len(rows) != num_stages:
+        raise PlanFormatError(f"{src}: schedule has {len(rows)} rows for {num_stages} stages")
     try:
         sched = lower(Schedule.from_strings(rows, num_microbatches=m, name=name))
     except (TypeError, ValueError, AttributeError) as exc:

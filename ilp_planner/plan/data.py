@@ -14,11 +14,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from formulations.result import SolveResult, SolveStats
 from ilp_planner.errors import LayoutError, PlanFormatError
 from ilp_planner.inputs.files import read_input, write_output
 from ilp_planner.ir.cluster import MeshAxis, fact_str
 from ilp_planner.ir.layouts import Layout, parse_placement
+from ilp_planner.ir.regions import Region
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
+from ilp_planner.plan.fields import (
+    amount,
+    finite,
+    flag,
+    integer,
+    items,
+    mapping,
+    optional,
+    required,
+    string,
+)
 
 PLAN_SCHEMA = "ilp_planner.plan"  # the identity plan files carry (not a module path)
 PLAN_VERSION = 5  # 2: resharding backward_tasks, priced stage forward_s/backward_s/cost; 3: shapes;
@@ -109,10 +122,15 @@ class CostBreakdown:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> CostBreakdown:
-        return cls(*(number(d[k]) for k in ("compute_s", "activation_comm_s", "grad_sync_s",
-                                            "activation_comm_bytes", "grad_sync_bytes",
-                                            "peak_memory_bytes", "grad_sync_exposed_s")))
+    def from_dict(cls, d: dict, path: str = "cost") -> CostBreakdown:
+        """The breakdown a file stores; every figure (the derived totals too) a non-negative
+        number."""
+        for k in ("total_s", "comm_s", "step_s"):
+            amount(required(d, k, path), f"{path}.{k}")
+        return cls(*(float(amount(required(d, k, path), f"{path}.{k}"))
+                     for k in ("compute_s", "activation_comm_s", "grad_sync_s",
+                               "activation_comm_bytes", "grad_sync_bytes",
+                               "peak_memory_bytes", "grad_sync_exposed_s")))
 
     @classmethod
     def of(cls, compute_s: float, collectives: list[Collective], memory: float,
@@ -174,32 +192,435 @@ class LayerPlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> LayerPlan:
+    def from_dict(cls, d: dict, path: str = "layer") -> LayerPlan:
         s = d["strategy"]
-        stage = d.get("stage", 0)
-        if isinstance(stage, bool) or not isinstance(stage, int):
-            raise TypeError(f"stage: expected an integer, got {type(stage).__name__}")
         return cls(
             text(d["name"]), text(d["kind"]), text(s["label"]),
             tuple(layout_from_dict(x) for x in s["inputs"]),
             None if s["weight"] is None else layout_from_dict(s["weight"]),
-            layout_from_dict(s["output"]), number(d["compute_s"]), number(d["memory_bytes"]),
-            tuple(Collective.from_dict(c) for c in d["collectives"]), stage,
+            layout_from_dict(s["output"]),
+            float(amount(required(d, "compute_s", path), f"{path}.compute_s")),
+            float(amount(required(d, "memory_bytes", path), f"{path}.memory_bytes")),
+            items(required(d, "collectives", path), f"{path}.collectives", _collective),
+            integer(d.get("stage", 0), f"{path}.stage"),
             tuple(_shape(x) for x in s["inputs"]),
             _shape(s["output"]),
-            int(number(d["zero"])), _flag(d["recompute"]),
+            int(number(d["zero"])), flag(required(d, "recompute", path), f"{path}.recompute"),
         )
 
 
-def _flag(value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"expected true or false, got {type(value).__name__}")
-    return value
+def _collective(d, path: str) -> Collective:
+    """A collective whose size, bytes and seconds are non-negative numbers, its link,
+    phase and purpose strings and its mesh axes integers."""
+    for k in ("group_size", "bytes", "seconds"):
+        amount(required(d, k, path), f"{path}.{k}")
+    string(required(d, "link", path), f"{path}.link")
+    for k in ("phase", "purpose"):
+        optional(d.get(k), f"{path}.{k}", string)
+    items(d.get("axes", []), f"{path}.axes", integer)
+    return Collective.from_dict(d)
 
 
 def _shape(layout_dict: dict) -> tuple[int, ...]:
     shape = layout_dict.get("shape")
     return () if shape is None else tuple(int(n) for n in shape)
+
+
+def _layout(value, path: str) -> Layout:
+    """A layout the plan stores with its tensor's shape: mesh and placements parsed, the
+    derived spellings (SBP, rank, GSPMD, shape) of their types."""
+    string(required(value, "sbp", path), f"{path}.sbp")
+    if "shape" in value:
+        items(value["shape"], f"{path}.shape", integer)
+    if "rank" in value:
+        integer(value["rank"], f"{path}.rank")
+    optional(value.get("gspmd"), f"{path}.gspmd", string)
+    try:
+        return layout_from_dict(value)
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, LayoutError) as exc:
+        raise PlanFormatError(f"{path}: not a layout ({type(exc).__name__}: {exc})") from exc
+
+
+def _amounts(d: dict, keys: Sequence[str], path: str) -> list[float]:
+    return [amount(required(d, k, path), f"{path}.{k}") for k in keys]
+
+
+def _stats(d, path: str) -> SolveStats:
+    """A solver's statistics: counts non-negative integers, times non-negative, each may be null."""
+    counts = {k: optional(required(d, k, path), f"{path}.{k}", integer)
+              for k in ("variables", "integer_variables", "constraints", "nodes")}
+    times = {k: optional(required(d, k, path), f"{path}.{k}", amount)
+             for k in ("build_s", "presolve_s", "search_s", "proof_s")}
+    return SolveStats(**counts, **times, note=string(required(d, "note", path), f"{path}.note"))
+
+
+_STAGE_COUNTS = ("units", "stage_solves", "stage_pairs", "stage_bounded", "stage_relaxed",
+                 "stage_cut_off")
+
+
+@dataclass(frozen=True)
+class StageSolves:
+    """What a pipelined solve did on top of its stage ILPs (the solver report's pipeline
+    part): layer units, stage solves and the (range, sub-mesh) pairs priced, how many the
+    bounds pruned, and where the time went (``timings``: named non-negative seconds)."""
+
+    units: int
+    stage_solves: int
+    stage_pairs: int
+    stage_bounded: int
+    stage_relaxed: int
+    stage_cut_off: int
+    incumbent_s: float | None
+    stage_not_optimal: int
+    stage_time_limit_s: float
+    timings: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in _STAGE_COUNTS},
+                "incumbent_s": self.incumbent_s, "stage_not_optimal": self.stage_not_optimal,
+                "stage_time_limit_s": self.stage_time_limit_s, "timings": dict(self.timings)}
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> StageSolves:
+        timings = mapping(required(d, "timings", path), f"{path}.timings")
+        return cls(*(integer(required(d, k, path), f"{path}.{k}") for k in _STAGE_COUNTS),
+                   optional(required(d, "incumbent_s", path), f"{path}.incumbent_s", amount),
+                   integer(required(d, "stage_not_optimal", path), f"{path}.stage_not_optimal"),
+                   amount(required(d, "stage_time_limit_s", path), f"{path}.stage_time_limit_s"),
+                   {k: amount(v, f"{path}.timings.{k}") for k, v in timings.items()})
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    """How a plan (or a stage of it) was solved. A report without ``build_s`` is a priced
+    point, not a solve (a pipelined grid stage): it carries only status, objective and
+    method. A solve's report carries its bound, gap, times and message, and either its
+    model's ``stats`` or, for a pipelined solve, its ``stages`` (:class:`StageSolves`)."""
+
+    status: str
+    objective: float
+    method: str
+    bound: float | None = None
+    gap: float | None = None
+    build_s: float | None = None
+    solve_s: float | None = None
+    message: str = ""
+    stats: SolveStats | None = None
+    stages: StageSolves | None = None
+
+    @classmethod
+    def of(cls, result: SolveResult) -> SolverReport:
+        """The report of one ILP (or search) solve."""
+        return cls(result.status, result.objective, result.method, result.bound, result.gap,
+                   result.build_s, result.solve_s, result.message, result.stats)
+
+    def to_dict(self) -> dict:
+        if self.build_s is None:
+            return {"status": self.status, "objective": self.objective, "method": self.method}
+        head = {"status": self.status, "objective": self.objective, "bound": self.bound,
+                "gap": self.gap, "build_s": self.build_s, "solve_s": self.solve_s,
+                "method": self.method, "message": self.message}
+        if self.stages is not None:
+            return {**head, **self.stages.to_dict()}
+        return {**head, "stats": None if self.stats is None else self.stats.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d, path: str) -> SolverReport:
+        status = string(required(d, "status", path), f"{path}.status")
+        objective = finite(required(d, "objective", path), f"{path}.objective")
+        method = string(required(d, "method", path), f"{path}.method")
+        if "build_s" not in d:
+            return cls(status, objective, method)
+        pipelined = "units" in d
+        return cls(
+            status, objective, method,
+            optional(required(d, "bound", path), f"{path}.bound", finite),
+            optional(required(d, "gap", path), f"{path}.gap", amount),
+            *_amounts(d, ("build_s", "solve_s"), path),
+            string(required(d, "message", path), f"{path}.message"),
+            None if pipelined else optional(required(d, "stats", path), f"{path}.stats", _stats),
+            StageSolves.from_dict(d, path) if pipelined else None,
+        )
+
+
+_STAGE_TIMES = ("forward_s", "backward_s", "grad_sync_s", "grad_sync_exposed_s")
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """What a stage's layers price (:func:`ilp_planner.inter_op.pipeline.stage_costs`): per
+    micro-batch ``forward_s`` and ``backward_s``, per step ``grad_sync_s`` and its exposed
+    part, and the stage's cost breakdown."""
+
+    forward_s: float
+    backward_s: float
+    grad_sync_s: float
+    grad_sync_exposed_s: float
+    cost: CostBreakdown
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in _STAGE_TIMES}, "cost": self.cost.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> StageTimes:
+        cost = mapping(required(d, "cost", path), f"{path}.cost")
+        return cls(*_amounts(d, _STAGE_TIMES, path), CostBreakdown.from_dict(cost, f"{path}.cost"))
+
+
+_STAGE_DP_TIMES = ("dp_time_s", "dp_boundary_time_s", "memory_bytes")
+
+
+@dataclass(frozen=True)
+class StageDP:
+    """How the stage DP chose a stage: the sub-mesh's placement, the layer-unit range, the
+    DP's time and boundary time for it, its memory at ``inflight_microbatches``, the
+    in-flight count its memory was solved for (None: the stage ILP's own), and the stage
+    ILP's report."""
+
+    placement: str
+    layer_units: tuple[int, int]
+    dp_time_s: float
+    dp_boundary_time_s: float
+    memory_bytes: float
+    inflight_microbatches: int
+    memory_solved_for_inflight: int | None
+    solver: SolverReport
+
+    def to_dict(self) -> dict:
+        return {"layer_units": list(self.layer_units),
+                **{k: getattr(self, k) for k in _STAGE_DP_TIMES},
+                "inflight_microbatches": self.inflight_microbatches,
+                "memory_solved_for_inflight": self.memory_solved_for_inflight,
+                "solver": self.solver.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> StageDP:
+        units = items(required(d, "layer_units", path), f"{path}.layer_units", integer)
+        if len(units) != 2:
+            raise PlanFormatError(f"{path}.layer_units: expected [start, end], got {list(units)}")
+        return cls(string(required(d, "placement", path), f"{path}.placement"), (units[0], units[1]),
+                   *_amounts(d, _STAGE_DP_TIMES, path),
+                   integer(required(d, "inflight_microbatches", path), f"{path}.inflight_microbatches"),
+                   optional(required(d, "memory_solved_for_inflight", path),
+                            f"{path}.memory_solved_for_inflight", integer),
+                   SolverReport.from_dict(mapping(required(d, "solver", path), f"{path}.solver"),
+                                          f"{path}.solver"))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its index, global device ids (mesh order), sub-mesh shape
+    ``(nodes, devices per node)`` and layer names; ``dp`` where the stage DP chose it,
+    ``times`` once its layers are priced."""
+
+    index: int
+    devices: tuple[int, ...]
+    mesh: tuple[int, int]
+    layers: tuple[str, ...]
+    dp: StageDP | None = None
+    times: StageTimes | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"index": self.index, "devices": list(self.devices), "mesh": list(self.mesh)}
+        if self.dp is not None:
+            d["placement"] = self.dp.placement
+        d["layers"] = list(self.layers)
+        if self.dp is not None:
+            d.update(self.dp.to_dict())
+        if self.times is not None:
+            d.update(self.times.to_dict())
+        return d
+
+    @classmethod
+    def from_dict(cls, d, path: str) -> Stage:
+        mesh = items(required(d, "mesh", path), f"{path}.mesh", lambda v, p: integer(v, p, 1))
+        if len(mesh) != 2:
+            raise PlanFormatError(f"{path}.mesh: expected [nodes, devices per node], got "
+                                  f"{list(mesh)}")
+        return cls(integer(required(d, "index", path), f"{path}.index"),
+                   items(required(d, "devices", path), f"{path}.devices", integer), (mesh[0], mesh[1]),
+                   items(required(d, "layers", path), f"{path}.layers", string),
+                   StageDP.from_dict(d, path) if "placement" in d else None,
+                   StageTimes.from_dict(d, path) if "forward_s" in d else None)
+
+
+_SIMULATED = ("makespan_s", "bubble_fraction")
+
+
+@dataclass(frozen=True)
+class Simulated:
+    """The planner's schedule as simulated: makespan, bubble fraction, peak in-flight
+    micro-batches per stage, whether transfers overlap compute, the stage DP's objective,
+    and the step (makespan + the exposed gradient synchronisation tail)."""
+
+    makespan_s: float
+    bubble_fraction: float
+    peak_inflight: tuple[int, ...]
+    overlap: bool
+    dp_objective_s: float
+    step_s: float
+
+    def to_dict(self) -> dict:
+        return {"makespan_s": self.makespan_s, "bubble_fraction": self.bubble_fraction,
+                "peak_inflight": list(self.peak_inflight), "overlap": self.overlap,
+                "dp_objective_s": self.dp_objective_s, "step_s": self.step_s}
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> Simulated:
+        return cls(*_amounts(d, _SIMULATED, path),
+                   items(required(d, "peak_inflight", path), f"{path}.peak_inflight", integer),
+                   flag(required(d, "overlap", path), f"{path}.overlap"),
+                   *_amounts(d, ("dp_objective_s", "step_s"), path))
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipelined plan's schedule: its name, micro-batches per step, per stage the actions
+    it runs (``"F0"``, ``"B1"``, …; lowered and validated by the check), and where the
+    planner simulated it, the simulation (``simulated``)."""
+
+    name: str
+    num_microbatches: int
+    actions: tuple[tuple[str, ...], ...]
+    simulated: Simulated | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"name": self.name, "num_microbatches": self.num_microbatches,
+                   "actions": {str(i): list(row) for i, row in enumerate(self.actions)}}
+        return d if self.simulated is None else {**d, **self.simulated.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d, path: str) -> PipelineSchedule:
+        acts = mapping(required(d, "actions", path), f"{path}.actions")
+        if list(acts) != [str(i) for i in range(len(acts))]:
+            raise PlanFormatError(f"{path}.actions: expected one list per stage keyed "
+                                  f"'0'..'{len(acts) - 1}', got keys {list(acts)[:8]}")
+        return cls(string(required(d, "name", path), f"{path}.name"),
+                   integer(required(d, "num_microbatches", path), f"{path}.num_microbatches", 1),
+                   tuple(items(row, f"{path}.actions.{k}", string) for k, row in acts.items()),
+                   Simulated.from_dict(d, path) if "makespan_s" in d else None)
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    """One broadcast of a resharding schedule: ``region`` from ``sender`` (one of the
+    ``holders``) to ``receivers``, starting at ``start_s`` in the solved schedule;
+    ``bytes`` where the solver priced it."""
+
+    region: Region
+    sender: int
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+    start_s: float
+    bytes: float | None = None
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        return tuple(sorted({self.sender, *self.receivers}))
+
+    def to_dict(self) -> dict:
+        d = {"slice": [list(r) for r in self.region], "sender": self.sender,
+             "holders": list(self.holders), "receivers": list(self.receivers),
+             "start_s": self.start_s}
+        return d if self.bytes is None else {**d, "bytes": self.bytes}
+
+    @classmethod
+    def from_dict(cls, d, path: str) -> UnitTask:
+        region = items(required(d, "slice", path), f"{path}.slice", _interval)
+        return cls(region, integer(required(d, "sender", path), f"{path}.sender"),
+                   items(required(d, "holders", path), f"{path}.holders", integer),
+                   items(required(d, "receivers", path), f"{path}.receivers", integer),
+                   amount(required(d, "start_s", path), f"{path}.start_s"),
+                   optional(d.get("bytes"), f"{path}.bytes", amount))
+
+
+def _interval(value, path: str) -> tuple[int, int]:
+    bounds = items(value, path, integer)
+    if len(bounds) != 2:
+        raise PlanFormatError(f"{path}: expected [start, end], got {list(bounds)}")
+    return bounds[0], bounds[1]
+
+
+_TRANSFER_TIMES = ("makespan_s", "lower_bound_s")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How the resharding planner solved an entry (:mod:`ilp_planner.inter_op.resharding`):
+    the GSPMD specs of both ends, the chosen algorithm and its status, the forward makespan
+    and lower bound, every algorithm's makespan, and the backward's makespan and bound."""
+
+    src_spec: str
+    dst_spec: str
+    algorithm: str
+    status: str
+    makespan_s: float
+    lower_bound_s: float
+    algorithms: dict[str, float]
+    backward_makespan_s: float
+    backward_lower_bound_s: float
+
+    @classmethod
+    def from_dict(cls, d: dict, path: str) -> Transfer:
+        algorithms = mapping(required(d, "algorithms", path), f"{path}.algorithms")
+        return cls(*(string(required(d, k, path), f"{path}.{k}")
+                     for k in ("src_spec", "dst_spec", "algorithm", "status")),
+                   *_amounts(d, _TRANSFER_TIMES, path),
+                   {k: amount(v, f"{path}.algorithms.{k}") for k, v in algorithms.items()},
+                   *_amounts(d, ("backward_makespan_s", "backward_lower_bound_s"), path))
+
+
+@dataclass(frozen=True)
+class ReshardingEntry:
+    """A tensor moving between two stages: ``tensor`` (its producer) to ``consumer`` on
+    ``dst_stage``, from ``src_layout`` on the source stage's devices to ``dst_layout`` on
+    the destination's; ``tasks`` forward and ``backward_tasks`` for its gradient going
+    back; ``transfer`` where the resharding planner solved it (hand-built plans have
+    only the tasks)."""
+
+    src_stage: int
+    dst_stage: int
+    tensor: str
+    consumer: str
+    shape: tuple[int, ...]
+    dtype: str
+    src_layout: Layout
+    dst_layout: Layout
+    tasks: tuple[UnitTask, ...]
+    backward_tasks: tuple[UnitTask, ...]
+    transfer: Transfer | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"src_stage": self.src_stage, "dst_stage": self.dst_stage,
+                   "tensor": self.tensor, "consumer": self.consumer, "shape": list(self.shape),
+                   "dtype": self.dtype,
+                   "src_layout": layout_to_dict(self.src_layout, self.shape),
+                   "dst_layout": layout_to_dict(self.dst_layout, self.shape)}
+        tasks = [t.to_dict() for t in self.tasks]
+        back = [t.to_dict() for t in self.backward_tasks]
+        t = self.transfer
+        if t is None:
+            return {**d, "tasks": tasks, "backward_tasks": back}
+        return {**d, "src_spec": t.src_spec, "dst_spec": t.dst_spec, "algorithm": t.algorithm,
+                "status": t.status, "makespan_s": t.makespan_s, "lower_bound_s": t.lower_bound_s,
+                "algorithms": dict(t.algorithms), "tasks": tasks,
+                "backward_makespan_s": t.backward_makespan_s,
+                "backward_lower_bound_s": t.backward_lower_bound_s, "backward_tasks": back}
+
+    @classmethod
+    def from_dict(cls, d, path: str) -> ReshardingEntry:
+        return cls(integer(required(d, "src_stage", path), f"{path}.src_stage"),
+                   integer(required(d, "dst_stage", path), f"{path}.dst_stage"),
+                   string(required(d, "tensor", path), f"{path}.tensor"),
+                   string(required(d, "consumer", path), f"{path}.consumer"),
+                   items(required(d, "shape", path), f"{path}.shape", integer),
+                   string(required(d, "dtype", path), f"{path}.dtype"),
+                   _layout(required(d, "src_layout", path), f"{path}.src_layout"),
+                   _layout(required(d, "dst_layout", path), f"{path}.dst_layout"),
+                   items(required(d, "tasks", path), f"{path}.tasks", UnitTask.from_dict),
+                   items(required(d, "backward_tasks", path), f"{path}.backward_tasks",
+                         UnitTask.from_dict),
+                   Transfer.from_dict(d, path) if "algorithm" in d else None)
 
 
 @dataclass
@@ -210,13 +631,13 @@ class Plan:
 
     name: str
     config: dict
-    solver: dict
+    solver: SolverReport
     cost: CostBreakdown
     layers: list[LayerPlan]
     baselines: dict[str, dict] = field(default_factory=dict)
-    stages: list[dict] = field(default_factory=list)
-    schedule: dict | None = None
-    resharding: list[dict] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
+    schedule: PipelineSchedule | None = None
+    resharding: list[ReshardingEntry] = field(default_factory=list)
     version: int = PLAN_VERSION
 
     def to_dict(self) -> dict:
@@ -225,13 +646,13 @@ class Plan:
             "version": self.version,
             "name": self.name,
             "config": self.config,
-            "solver": self.solver,
+            "solver": self.solver.to_dict(),
             "cost": self.cost.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
             "baselines": self.baselines,
-            "stages": self.stages,
-            "schedule": self.schedule,
-            "resharding": self.resharding,
+            "stages": [s.to_dict() for s in self.stages],
+            "schedule": None if self.schedule is None else self.schedule.to_dict(),
+            "resharding": [e.to_dict() for e in self.resharding],
         }
 
     @classmethod
@@ -246,10 +667,17 @@ class Plan:
             )
         try:
             return cls(
-                d["name"], d["config"], d["solver"], CostBreakdown.from_dict(d["cost"]),
-                [LayerPlan.from_dict(x) for x in d["layers"]], d.get("baselines", {}),
-                d.get("stages", []), d.get("schedule"), d.get("resharding", []), d["version"],
+                d["name"], d["config"], SolverReport.from_dict(mapping(d["solver"], "solver"), "solver"),
+                CostBreakdown.from_dict(mapping(d["cost"], "cost")),
+                [LayerPlan.from_dict(x, f"layers[{i}]") for i, x in enumerate(d["layers"])],
+                _baselines(d.get("baselines", {})),
+                list(items(d.get("stages", []), "stages", Stage.from_dict)),
+                optional(d.get("schedule"), "schedule", PipelineSchedule.from_dict),
+                list(items(d.get("resharding", []), "resharding", ReshardingEntry.from_dict)),
+                d["version"],
             )
+        except PlanFormatError as exc:
+            raise PlanFormatError(f"{source}: {exc}") from exc
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
                 LayoutError) as exc:
             # parsing untrusted data: any of these means a field of the wrong shape or type
@@ -291,12 +719,23 @@ class Plan:
         """Predicted seconds per training step: the simulated pipeline makespan plus the
         slowest stage's gradient synchronisation for pipelined plans, else compute +
         communication of the single mesh."""
-        if self.schedule and "step_s" in self.schedule:
-            return float(self.schedule["step_s"])
-        if self.schedule and self.schedule.get("makespan_s") is not None:
-            return float(self.schedule["makespan_s"])  # a schedule written without it
+        if self.schedule is not None and self.schedule.simulated is not None:
+            return self.schedule.simulated.step_s
         return self.cost.total_s
 
+
+def _baselines(value) -> dict[str, dict]:
+    """The baselines block, each entry an error or a cost breakdown (with a pipelined
+    baseline's ``pipeline_s`` and ``dp_formula_s``), every figure non-negative."""
+    for name, block in mapping(value, "baselines").items():
+        path = f"baselines.{name}"
+        if "error" in mapping(block, path):
+            string(block["error"], f"{path}.error")
+            continue
+        CostBreakdown.from_dict(block, path)
+        for k in ("pipeline_s", "dp_formula_s"):
+            optional(block.get(k), f"{path}.{k}", amount)
+    return value
 
 
 def baseline_seconds(block: dict) -> float:

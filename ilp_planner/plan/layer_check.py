@@ -29,10 +29,15 @@ FOLLOWS = "follows "
 
 
 def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
-                           meshes: list[tuple[int, int]], source: str | None = None) -> None:
+                           meshes: list[tuple[int, int]], source: str | None = None, *,
+                           strategies: bool = True) -> None:
     """Raise :class:`PlanFormatError` naming (``source``, default the plan's name) the first
     layer whose strategy label or layouts are not what the planner generates for its op on
-    its stage's mesh (``meshes[stage]`` = (nodes, devices per node), already checked)."""
+    its stage's mesh (``meshes[stage]`` = (nodes, devices per node), already checked).
+
+    ``strategies=False`` leaves the deciding layers unchecked against the enumerated
+    strategies — the one costly part, which a training rank skips because the verbs that
+    start ranks ran it — and still checks every op, stage and follower."""
     src = source or plan.name
     cluster = config.cluster
     contexts = {shape: StrategyContext(cluster, *shape, config.memory,
@@ -51,6 +56,8 @@ def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
         try:
             if ly.strategy.startswith(FOLLOWS):
                 _check_follower(op, ly, layers, graph, ctx, where)
+                continue
+            if not strategies:
                 continue
             in_specs = [graph[s].output for s in op.inputs]
             key = (op.kind, op.output, op.weight, tuple(in_specs), tuple(sorted(op.attrs.items())),

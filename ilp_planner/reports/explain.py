@@ -1,4 +1,5 @@
-"""Readable reports of plans: :func:`explain` (one plan) and :func:`diff` (two plans).
+"""Readable reports of a plan: :func:`explain` and :func:`summary` (two plans:
+:func:`ilp_planner.reports.diff.diff`, which shares the formatters here).
 
 Both are pure: a string built from :class:`~ilp_planner.plan.data.Plan` data, nothing re-solved
 and nothing re-priced. Every number is the one the cost model wrote into the plan at solve
@@ -23,10 +24,11 @@ the placements, so no torch import is needed.
 Repeated blocks (GPT's ``h.0.*`` … ``h.31.*``) whose layers have identical strategies,
 layouts and costs are printed once as ``h.[0-31].attn.qkv`` with a ``×32`` count.
 
-Pipelined plans also carry ``stages`` (dicts with ``index``, ``devices``, ``mesh``,
-``layers``), ``schedule`` (``name``, ``num_microbatches``, ``makespan_s``,
-``bubble_fraction``) and ``resharding`` (one dict per cross-mesh transfer); they are
-printed when present. The stage count of any plan is ``max(1, len(plan.stages))``.
+Pipelined plans also carry ``stages`` (:class:`~ilp_planner.plan.data.Stage`),
+``schedule`` (:class:`~ilp_planner.plan.data.PipelineSchedule`) and ``resharding`` (one
+:class:`~ilp_planner.plan.data.ReshardingEntry` per cross-mesh transfer); they are printed
+when present. The stage count of any plan is ``max(1, len(plan.stages))``. :func:`explain`
+is a list of sections, each built by its own function.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from formulations.result import SolveStats
 from ilp_planner.ir.cluster import fact_str
 from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
@@ -96,8 +99,8 @@ def stage_count(plan: Plan) -> int:
 
 def microbatches(plan: Plan) -> int:
     """Micro-batches per step: the schedule's, else the config's gradient accumulation."""
-    if plan.schedule and plan.schedule.get("num_microbatches"):
-        return int(plan.schedule["num_microbatches"])
+    if plan.schedule is not None:
+        return plan.schedule.num_microbatches
     pipe = plan.config.get("pipeline") or {}
     return int(pipe.get("microbatches", 1) or 1)
 
@@ -132,8 +135,8 @@ def layout_summary(plan: Plan, top: int = 4) -> str:
         parts.append(f"+{len(ranked) - top} more")
     text = ", ".join(parts) or "no layers"
     if plan.stages:
-        sizes = "+".join(str(len(s.get("devices", ()) or ())) for s in plan.stages)
-        sched = (plan.schedule or {}).get("name")
+        sizes = "+".join(str(len(s.devices)) for s in plan.stages)
+        sched = plan.schedule.name if plan.schedule is not None else None
         text = f"{len(plan.stages)} stages ({sizes} devices{', ' + sched if sched else ''}): {text}"
     return text
 
@@ -154,7 +157,7 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence[str]], indent: str
 # -- grouping of repeated blocks -------------------------------------------------------------
 
 
-def _template(name: str) -> tuple[str, int | None]:
+def name_template(name: str) -> tuple[str, int | None]:
     """``h.12.attn.qkv`` → (``h.{}.attn.qkv``, 12); names without an index → (name, None)."""
     m = _INDEX.search(name)
     if m is None:
@@ -169,15 +172,15 @@ def _index_range(indices: Sequence[int]) -> str:
     return "[" + ",".join(map(str, idx)) + "]"
 
 
-def _label_key(layer: LayerPlan, index: int | None) -> str:
+def label_key(layer: LayerPlan, index: int | None) -> str:
     """Strategy label with the block index of a ``follows`` target abstracted."""
     if index is not None and layer.strategy.startswith("follows "):
         return layer.strategy.replace(f".{index}.", ".*.")
     return layer.strategy
 
 
-def _layer_signature(layer: LayerPlan, index: int | None) -> tuple:
-    return (layer.kind, _label_key(layer, index), layer.inputs, layer.weight, layer.output,
+def layer_signature(layer: LayerPlan, index: int | None) -> tuple:
+    return (layer.kind, label_key(layer, index), layer.inputs, layer.weight, layer.output,
             layer.compute_s, layer.memory_bytes, layer.collectives, layer.stage, layer.zero,
             layer.recompute)
 
@@ -208,12 +211,12 @@ def decisions_summary(plan: Plan) -> str:
             f"{len(plan.layers)} ops")
 
 
-def group_layers(layers: Sequence[LayerPlan], key=_layer_signature) -> list[tuple[str, list[LayerPlan]]]:
+def group_layers(layers: Sequence[LayerPlan], key=layer_signature) -> list[tuple[str, list[LayerPlan]]]:
     """Layers of repeated blocks with equal ``key`` merged: ``[(display name, members)]`` in
     order of first appearance."""
     groups: dict[tuple, tuple[str, list[int], list[LayerPlan]]] = {}
     for layer in layers:
-        tmpl, index = _template(layer.name)
+        tmpl, index = name_template(layer.name)
         k = (tmpl, key(layer, index)) if index is not None else (layer.name, None)
         if k not in groups:
             groups[k] = (tmpl, [], [])
@@ -290,75 +293,60 @@ def _budget(plan: Plan) -> float | None:
         return None
 
 
-def _stage_layers_text(layers) -> str:
-    if isinstance(layers, list | tuple):
-        if not layers:
-            return "no ops"
-        if all(isinstance(x, str) for x in layers):
-            return f"{len(layers)} ops {layers[0]} .. {layers[-1]}"
-        if len(layers) == 2 and all(isinstance(x, int) for x in layers):
-            return f"ops [{layers[0]}, {layers[1]})"
-    if isinstance(layers, int):
-        return f"{layers} ops"
-    return str(layers)
+def stage_layers_text(layers: Sequence[str]) -> str:
+    return f"{len(layers)} ops {layers[0]} .. {layers[-1]}" if layers else "no ops"
 
 
-def _mesh_text(mesh) -> str:
-    if isinstance(mesh, list | tuple) and mesh and all(isinstance(a, list | tuple) for a in mesh):
-        return "(" + ", ".join("x".join(map(str, a)) if a[0] != 1 else str(a[1]) for a in mesh) + ")"
-    if isinstance(mesh, list | tuple):
-        return " × ".join(map(str, mesh))
-    return str(mesh)
+def mesh_text(mesh: tuple[int, int]) -> str:
+    return " × ".join(map(str, mesh))
 
 
-def _devices_text(devices) -> str:
-    if not isinstance(devices, list | tuple) or not devices:
-        return str(devices)
+def devices_text(devices: Sequence[int]) -> str:
+    """``0-7`` for a run of more than two devices, else ``0,1``."""
     d = list(devices)
-    if all(isinstance(x, int) for x in d) and d == list(range(d[0], d[-1] + 1)) and len(d) > 2:
+    if len(d) > 2 and d == list(range(d[0], d[-1] + 1)):
         return f"{d[0]}-{d[-1]}"
     return ",".join(map(str, d))
 
 
 def _stage_memory(plan: Plan) -> dict[int, float]:
-    """Per stage: the stage dict's own figure when it has one, else the sum over its ops
-    (as the solve's cost breakdown sums them)."""
+    """Per stage: the memory the stage DP solved it for when it has one, else the sum over
+    its ops (as the solve's cost breakdown sums them)."""
     out: dict[int, float] = defaultdict(float)
     for layer in plan.layers:
         out[layer.stage] += layer.memory_bytes
     for s in plan.stages:
-        for key in ("peak_memory_bytes", "memory_bytes"):
-            if isinstance(s.get(key), int | float):
-                out[int(s.get("index", 0))] = float(s[key])
-                break
+        if s.dp is not None:
+            out[s.index] = float(s.dp.memory_bytes)
     return dict(out)
 
 
-def solver_stats_text(stats: dict) -> str:
+def solver_stats_text(stats: SolveStats) -> str:
     """One line of a plan's solver statistics (:class:`formulations.result.SolveStats`):
     model size, nodes and where the time went; figures the solver did not report are
     ``n/a``."""
-    def count(key: str) -> str:
-        v = stats.get(key)
-        return "n/a" if v is None else f"{int(v):,}"
+    def count(v: int | None) -> str:
+        return "n/a" if v is None else f"{v:,}"
 
-    size = (f"{count('variables')} variables ({count('integer_variables')} integer), "
-            f"{count('constraints')} constraints, {count('nodes')} nodes")
-    times = ", ".join(f"{name} {fmt_seconds(stats.get(name + '_s'))}"
+    size = (f"{count(stats.variables)} variables ({count(stats.integer_variables)} integer), "
+            f"{count(stats.constraints)} constraints, {count(stats.nodes)} nodes")
+    times = ", ".join(f"{name} {fmt_seconds(getattr(stats, name + '_s'))}"
                       for name in ("build", "presolve", "search", "proof"))
-    note = f" [{stats['note']}]" if stats.get("note") else ""
+    note = f" [{stats.note}]" if stats.note else ""
     return f"{size}; {times}{note}"
 
 
-def _generic(d: dict) -> str:
-    """``k v`` pairs of a free-form record (a resharding transfer, a schedule), seconds and
-    bytes in readable units."""
+def record_text(d: dict) -> str:
+    """``k v`` pairs of a plan record (a resharding entry, a schedule): seconds and bytes in
+    readable units, fractions as percentages; long lists and mappings left out."""
     def value(k: str, v) -> str:
         if isinstance(v, int | float) and not isinstance(v, bool):
             if k == "seconds" or k.endswith("_s"):
                 return fmt_seconds(v)
             if k == "bytes" or k.endswith("_bytes"):
                 return fmt_bytes(v)
+            if k.endswith("_fraction"):
+                return f"{v:.1%}"
         return str(v)
 
     return ", ".join(f"{k} {value(k, v)}" for k, v in d.items()
@@ -374,85 +362,103 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
     resharding and the baselines with ratios.
 
     ``collectives=False`` leaves out the per-layer collective lines (the totals stay)."""
+    sections = [_solver_lines(plan), _cost_lines(plan), _stage_lines(plan), _memory_lines(plan),
+                [decisions_summary(plan)], _layer_lines(plan, collectives),
+                _totals_lines(plan), _resharding_lines(plan),
+                ["baselines (same cost model; ratio = baseline / plan, > 1 means the plan is "
+                 "faster):", *_baseline_table(plan)]]
+    return "\n\n".join("\n".join(lines) for lines in sections if lines)
+
+
+def _solver_lines(plan: Plan) -> list[str]:
+    """The header: how the plan was solved, the model and the cluster."""
     s = plan.solver
-    m = microbatches(plan)
     lines = [
         f"plan {plan.name} (schema v{plan.version})",
         "  solver    status {} (method {}), objective {}, bound {}, gap {}, build {}, solve {}".format(
-            s.get("status"), s.get("method"), fmt_seconds(s.get("objective")),
-            fmt_seconds(s.get("bound")), "n/a" if s.get("gap") is None else f"{s['gap']:.3g}",
-            fmt_seconds(s.get("build_s")), fmt_seconds(s.get("solve_s"))),
+            s.status, s.method, fmt_seconds(s.objective), fmt_seconds(s.bound),
+            "n/a" if s.gap is None else f"{s.gap:.3g}", fmt_seconds(s.build_s),
+            fmt_seconds(s.solve_s)),
     ]
-    if isinstance(s.get("stats"), dict):
-        lines.append(f"  stats     {solver_stats_text(s['stats'])}")
-    if s.get("message"):
-        lines.append(f"  note      {s['message']}")
-    lines += ["  " + _model_line(plan.config), "  " + _cluster_line(plan.config)]
-    c = plan.cost
-    lines += [
-        "",
+    if s.stats is not None:
+        lines.append(f"  stats     {solver_stats_text(s.stats)}")
+    if s.message:
+        lines.append(f"  note      {s.message}")
+    return [*lines, "  " + _model_line(plan.config), "  " + _cluster_line(plan.config)]
+
+
+def _cost_lines(plan: Plan) -> list[str]:
+    """The cost breakdown per step, and a pipelined plan's simulated step."""
+    c, m = plan.cost, microbatches(plan)
+    lines = [
         f"cost per step ({m} micro-batch{'es' if m != 1 else ''}): total {fmt_seconds(c.total_s)} = "
         f"compute {fmt_seconds(c.compute_s)} + activation comm {fmt_seconds(c.activation_comm_s)} "
         f"({fmt_bytes(c.activation_comm_bytes)}) + grad sync {fmt_seconds(c.grad_sync_s)} "
         f"({fmt_bytes(c.grad_sync_bytes)}); grad sync overlapped with the backward in buckets: "
         f"{fmt_seconds(c.grad_sync_exposed_s)} exposed, step {fmt_seconds(c.step_s)}",
     ]
-    if plan.schedule:
+    if plan.schedule is not None:
+        sim = plan.schedule.simulated
         lines.append(f"step time {fmt_seconds(step_seconds(plan))} (schedule makespan "
-                     f"{fmt_seconds(float(plan.schedule.get('makespan_s', 0.0)))} + exposed "
+                     f"{fmt_seconds(sim.makespan_s if sim else 0.0)} + exposed "
                      f"gradient synchronisation)")
+    return lines
 
-    # stages and schedule
-    lines += ["", f"stages: {stage_count(plan)}"]
-    if plan.stages:
-        per_stage = defaultdict(lambda: [0.0, 0.0, 0])
-        for layer in plan.layers:
-            acc = per_stage[layer.stage]
-            acc[0] += layer.compute_s
-            acc[1] += sum(x.seconds for x in layer.collectives)
-            acc[2] += 1
-        for st in plan.stages:
-            i = int(st.get("index", 0))
-            comp, comm, n = per_stage.get(i, (0.0, 0.0, 0))
-            lines.append(f"  stage {i}: devices {_devices_text(st.get('devices'))}, mesh "
-                         f"{_mesh_text(st.get('mesh'))}, {_stage_layers_text(st.get('layers'))}; "
-                         f"per micro-batch compute {fmt_seconds(comp)}, collectives "
-                         f"{fmt_seconds(comm)}")
-            stage_solver = st.get("solver")
-            if isinstance(stage_solver, dict) and isinstance(stage_solver.get("stats"), dict):
-                lines.append(f"    ILP {stage_solver.get('status')}: "
-                             f"{solver_stats_text(stage_solver['stats'])}")
-        if plan.schedule:
-            sch = plan.schedule
-            bubble = sch.get("bubble_fraction")
-            lines.append(f"  schedule {sch.get('name')}: {sch.get('num_microbatches')} micro-batches, "
-                         f"makespan {fmt_seconds(sch.get('makespan_s'))}, bubble "
-                         f"{'n/a' if bubble is None else f'{bubble:.1%}'}")
-    else:
+
+def _stage_lines(plan: Plan) -> list[str]:
+    """Each stage's devices, mesh, ops and per-micro-batch seconds, its ILP's statistics,
+    and the schedule; a plan without stages: its one stage's layer meshes."""
+    lines = [f"stages: {stage_count(plan)}"]
+    if not plan.stages:
         devices = plan.num_devices if "cluster" in plan.config else "?"
         meshes = sorted({fact_str(layer.output.fact) for layer in plan.layers})
-        lines.append(f"  one stage on all {devices} devices; layer meshes: {', '.join(meshes)}")
+        return [*lines, f"  one stage on all {devices} devices; layer meshes: {', '.join(meshes)}"]
+    per_stage = defaultdict(lambda: [0.0, 0.0])
+    for layer in plan.layers:
+        per_stage[layer.stage][0] += layer.compute_s
+        per_stage[layer.stage][1] += sum(x.seconds for x in layer.collectives)
+    for st in plan.stages:
+        comp, comm = per_stage.get(st.index, (0.0, 0.0))
+        lines.append(f"  stage {st.index}: devices {devices_text(st.devices)}, mesh "
+                     f"{mesh_text(st.mesh)}, {stage_layers_text(st.layers)}; "
+                     f"per micro-batch compute {fmt_seconds(comp)}, collectives "
+                     f"{fmt_seconds(comm)}")
+        if st.dp is not None and st.dp.solver.stats is not None:
+            lines.append(f"    ILP {st.dp.solver.status}: {solver_stats_text(st.dp.solver.stats)}")
+    if plan.schedule is not None:
+        sch, sim = plan.schedule, plan.schedule.simulated
+        lines.append(f"  schedule {sch.name}: {sch.num_microbatches} micro-batches, "
+                     f"makespan {fmt_seconds(sim.makespan_s if sim else None)}, bubble "
+                     f"{f'{sim.bubble_fraction:.1%}' if sim else 'n/a'}")
+    return lines
 
-    # memory
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """Memory per device (per stage for pipelined plans) against the budget, and the three
+    heaviest layer groups."""
     budget = _budget(plan)
-    lines += ["", "memory per device:"]
+
+    def share(mem: float) -> str:
+        return f" of {fmt_bytes(budget)} ({mem / budget:.1%})" if budget else ""
+
+    lines = ["memory per device:"]
     if plan.stages:
-        for i, mem in sorted(_stage_memory(plan).items()):
-            lines.append(f"  stage {i}: {fmt_bytes(mem)}" +
-                         (f" of {fmt_bytes(budget)} ({mem / budget:.1%})" if budget else ""))
+        lines += [f"  stage {i}: {fmt_bytes(mem)}{share(mem)}"
+                  for i, mem in sorted(_stage_memory(plan).items())]
     else:
-        mem = c.peak_memory_bytes
-        lines.append(f"  {fmt_bytes(mem)}" + (f" of {fmt_bytes(budget)} ({mem / budget:.1%})"
-                                              if budget else ""))
+        lines.append(f"  {fmt_bytes(plan.cost.peak_memory_bytes)}{share(plan.cost.peak_memory_bytes)}")
     heavy = sorted(group_layers(plan.layers), key=lambda g: -sum(x.memory_bytes for x in g[1]))[:3]
     if heavy:
         lines.append("  largest: " + ", ".join(
             f"{name} {fmt_bytes(sum(x.memory_bytes for x in members))}" for name, members in heavy))
+    return lines
 
-    # layers
-    lines += ["", decisions_summary(plan)]
-    lines += ["", f"layers ({len(plan.layers)} ops; layouts as SBP (placement:axis) and DTensor; "
-                  f"compute and collectives per micro-batch):"]
+
+def _layer_lines(plan: Plan, collectives: bool) -> list[str]:
+    """Every layer (repeated blocks folded): strategy, layouts, the programs of its input
+    edges, compute, memory and (``collectives``) each collective."""
+    lines = [f"layers ({len(plan.layers)} ops; layouts as SBP (placement:axis) and DTensor; "
+             f"compute and collectives per micro-batch):"]
     programs: dict[str, list[EdgeProgram]] = defaultdict(list)
     for ep in edge_programs(plan):
         programs[ep.consumer].append(ep)
@@ -462,48 +468,57 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
         stage = f"  stage {layer.stage}" if plan.stages else ""
         label = layer.strategy
         if len(members) > 1 and label.startswith("follows "):
-            label = _label_key(layer, _template(layer.name)[1]).replace(".*.", ".[*].")
+            label = label_key(layer, name_template(layer.name)[1]).replace(".*.", ".[*].")
         lines.append(f"  {name} [{layer.kind}] {label} on mesh {fact_str(layer.output.fact)}"
                      f"{stage}{count}{decisions_text(layer)}")
-        if not layer.strategy.startswith("follows "):
-            for j, x in enumerate(layer.inputs):
-                lines.append(f"      in{j}    {sbp_layout(x):<28} {dtensor_placements(x)}")
-            if (w := layer.weight) is not None:
-                lines.append(f"      weight {sbp_layout(w):<28} {dtensor_placements(w)}")
-        lines.append(f"      out    {sbp_layout(layer.output):<28} {dtensor_placements(layer.output)}")
-        for ep in programs[layer.name]:
-            what = "export" if ep.role == "export" else f"in{ep.index} {ep.role} from {ep.producer}"
-            red = ep.program
-            lines.append(f"      {what}: fwd {steps_text(red.steps)}")
-            if red.backward_steps:
-                lines.append(f"      {' ' * len(what)}  bwd {steps_text(red.backward_steps)}")
+        lines += _layout_lines(layer)
+        lines += _program_lines(programs[layer.name])
         comm = sum(x.seconds for x in layer.collectives)
         lines.append(f"      compute {fmt_seconds(layer.compute_s)}, memory {fmt_bytes(layer.memory_bytes)}, "
                      f"{len(layer.collectives)} collective(s) {fmt_seconds(comm)}")
         if collectives:
-            for coll in layer.collectives:
-                lines.append(f"        - {_collective_line(coll)}")
+            lines += [f"        - {_collective_line(coll)}" for coll in layer.collectives]
+    return lines
 
-    # collective totals
+
+def _layout_lines(layer: LayerPlan) -> list[str]:
+    """A layer's layouts in SBP and DTensor notation (a follower's inputs and weight are
+    its leader's, so only its output)."""
+    lines = []
+    if not layer.strategy.startswith("follows "):
+        lines += [f"      in{j}    {sbp_layout(x):<28} {dtensor_placements(x)}"
+                  for j, x in enumerate(layer.inputs)]
+        if (w := layer.weight) is not None:
+            lines.append(f"      weight {sbp_layout(w):<28} {dtensor_placements(w)}")
+    return [*lines, f"      out    {sbp_layout(layer.output):<28} {dtensor_placements(layer.output)}"]
+
+
+def _program_lines(programs: Sequence[EdgeProgram]) -> list[str]:
+    """The lowered steps of a layer's edge programs, forward and backward."""
+    lines = []
+    for ep in programs:
+        what = "export" if ep.role == "export" else f"in{ep.index} {ep.role} from {ep.producer}"
+        lines.append(f"      {what}: fwd {steps_text(ep.program.steps)}")
+        if ep.program.backward_steps:
+            lines.append(f"      {' ' * len(what)}  bwd {steps_text(ep.program.backward_steps)}")
+    return lines
+
+
+def _totals_lines(plan: Plan) -> list[str]:
     totals = collective_totals(plan)
-    lines += ["", "collectives per step (predicted by the α–β model):"]
-    if totals:
-        lines += text_table(["kind", "link", "purpose", "count", "bytes", "seconds"],
-                        [[k, link, p, str(n), fmt_bytes(b), fmt_seconds(t)]
-                         for (k, link, p), (n, b, t) in totals.items()])
-    else:
-        lines.append("  none")
+    lines = ["collectives per step (predicted by the α–β model):"]
+    if not totals:
+        return [*lines, "  none"]
+    return lines + text_table(["kind", "link", "purpose", "count", "bytes", "seconds"],
+                              [[k, link, p, str(n), fmt_bytes(b), fmt_seconds(t)]
+                               for (k, link, p), (n, b, t) in totals.items()])
 
-    # cross-mesh resharding
-    if plan.resharding:
-        lines += ["", f"cross-mesh resharding ({len(plan.resharding)} transfers):"]
-        for r in plan.resharding:
-            lines.append("  " + (_generic(r) if isinstance(r, dict) else str(r)))
 
-    # baselines
-    lines += ["", "baselines (same cost model; ratio = baseline / plan, > 1 means the plan is faster):"]
-    lines += _baseline_table(plan)
-    return "\n".join(lines)
+def _resharding_lines(plan: Plan) -> list[str]:
+    if not plan.resharding:
+        return []
+    return [f"cross-mesh resharding ({len(plan.resharding)} transfers):",
+            *("  " + record_text(e.to_dict()) for e in plan.resharding)]
 
 
 def _baseline_table(plan: Plan) -> list[str]:
@@ -524,217 +539,26 @@ def _baseline_table(plan: Plan) -> list[str]:
     return text_table(["plan", "step", "compute", "comm", "memory", "ratio"], rows) + notes
 
 
-# -- diff ------------------------------------------------------------------------------------
-
-
-def _flatten(d, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, dict) and v:
-                out.update(_flatten(v, key))
-            else:
-                out[key] = v
-    else:
-        out[prefix] = d
-    return out
-
-
-def _delta(a: float, b: float, fmt) -> str:
-    d = b - a
-    sign = "+" if d > 0 else "-" if d < 0 else "±"
-    return sign + fmt(abs(d))
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{b / a:.3f}" if a else "n/a"
-
-
-def _strategy_key(layer: LayerPlan) -> tuple:
-    return (layer.strategy, layer.inputs, layer.weight, layer.output, layer.zero,
-            layer.recompute)
-
-
-def diff(a: Plan, b: Plan, *, names: tuple[str, str] = ("A", "B")) -> str:
-    """What differs between two plans and what it costs: configuration keys, cost per step
-    (each component with its change and ratio), stages and schedule, the layers whose
-    strategy changed (with their compute and collective seconds before and after),
-    collective totals per kind, and the baselines."""
-    na, nb = names
-    lines = [f"diff {na}: {a.name}  →  {nb}: {b.name}"]
-
-    # configuration
-    fa, fb = _flatten(a.config), _flatten(b.config)
-    changed = [k for k in sorted(set(fa) | set(fb))  # names are in the header already
-               if k != "name" and fa.get(k, "<absent>") != fb.get(k, "<absent>")]
-    lines += ["", f"configuration: {len(changed)} key(s) differ" + (":" if changed else "")]
-    for k in changed:
-        lines.append(f"  {k}: {fa.get(k, '<absent>')!r} → {fb.get(k, '<absent>')!r}")
-
-    # cost
-    ca, cb = a.cost, b.cost
-    rows = []
-    pipelined = a.schedule is not None or b.schedule is not None
-    for label, x, y, fmt in (
-        *([("step (makespan + exposed sync)", step_seconds(a), step_seconds(b), fmt_seconds)]
-          if pipelined else []),
-        ("total (no overlap)" if pipelined else "total", ca.total_s, cb.total_s, fmt_seconds),
-        ("compute", ca.compute_s, cb.compute_s, fmt_seconds),
-        ("activation comm", ca.activation_comm_s, cb.activation_comm_s, fmt_seconds),
-        ("grad sync", ca.grad_sync_s, cb.grad_sync_s, fmt_seconds),
-        ("activation bytes", ca.activation_comm_bytes, cb.activation_comm_bytes, fmt_bytes),
-        ("grad sync bytes", ca.grad_sync_bytes, cb.grad_sync_bytes, fmt_bytes),
-        ("memory / device", ca.peak_memory_bytes, cb.peak_memory_bytes, fmt_bytes),
-    ):
-        rows.append([label, fmt(x), fmt(y), _delta(x, y, fmt), _ratio(x, y)])
-    lines += ["", "cost per step:"]
-    lines += text_table(["", na, nb, "change", f"{nb}/{na}"], rows)
-    sa, sb = step_seconds(a), step_seconds(b)
-    if sa == sb:
-        verdict = "equal step time"
-    elif sb < sa:
-        verdict = f"{nb} is {sa / sb:.3g}× faster per step" if sb else f"{nb} is faster"
-    else:
-        verdict = f"{nb} is {sb / sa:.3g}× slower per step" if sa else f"{nb} is slower"
-    comps = sorted(((abs(y - x), lbl, y - x) for lbl, x, y in (
-        ("compute", ca.compute_s, cb.compute_s),
-        ("activation comm", ca.activation_comm_s, cb.activation_comm_s),
-        ("grad sync", ca.grad_sync_s, cb.grad_sync_s))), reverse=True)
-    if comps[0][0] > 0:
-        verdict += f"; largest change: {comps[0][1]} {_delta(0, comps[0][2], fmt_seconds)}"
-    lines.append(f"  → {verdict}")
-
-    # stages / schedule
-    ka, kb = stage_count(a), stage_count(b)
-    lines += ["", f"stages: {ka} → {kb}" if ka != kb else f"stages: {ka} (both)"]
-    for i in range(max(len(a.stages), len(b.stages))):
-        x = a.stages[i] if i < len(a.stages) else None
-        y = b.stages[i] if i < len(b.stages) else None
-        if x != y:
-            def show(st):
-                if st is None:
-                    return "—"
-                return (f"devices {_devices_text(st.get('devices'))}, mesh {_mesh_text(st.get('mesh'))}, "
-                        f"{_stage_layers_text(st.get('layers'))}")
-            lines.append(f"  stage {i}: {show(x)}  →  {show(y)}")
-    if a.schedule != b.schedule:
-        lines.append(f"  schedule: {_generic(a.schedule) if a.schedule else '—'}  →  "
-                     f"{_generic(b.schedule) if b.schedule else '—'}")
-
-    # layers
-    la = {x.name: x for x in a.layers}
-    lb = {x.name: x for x in b.layers}
-    only_a = [n for n in la if n not in lb]
-    only_b = [n for n in lb if n not in la]
-    common = [x for x in a.layers if x.name in lb]
-    moved = [x for x in common if _strategy_key(x) != _strategy_key(lb[x.name])
-             or x.stage != lb[x.name].stage]
-    repriced = [x for x in common if x not in moved and (
-        x.compute_s != lb[x.name].compute_s or x.collectives != lb[x.name].collectives
-        or x.memory_bytes != lb[x.name].memory_bytes)]
-    lines += ["", f"layers: {len(moved)} of {len(common)} common ops changed strategy"
-                  f"{f', {len(repriced)} kept it at a different cost' if repriced else ''}; "
-                  f"{len(only_a)} only in {na}, {len(only_b)} only in {nb}"]
-    for tag, names_ in ((na, only_a), (nb, only_b)):
-        if names_:
-            shown = ", ".join(names_[:6]) + (f", … ({len(names_) - 6} more)" if len(names_) > 6 else "")
-            lines.append(f"  only in {tag}: {shown}")
-
-    def pair_key(layer: LayerPlan, index: int | None) -> tuple:
-        other = lb[layer.name]
-        return (_layer_signature(layer, index), _layer_signature(other, index))
-
-    for name, members in group_layers(moved, key=pair_key):
-        x = members[0]
-        y = lb[x.name]
-        n = len(members)
-        count = f" ×{n}" if n > 1 else ""
-        comm_x = sum(c.seconds for c in x.collectives)
-        comm_y = sum(c.seconds for c in y.collectives)
-        stage = f" (stage {x.stage} → {y.stage})" if x.stage != y.stage else ""
-        index = _template(x.name)[1] if n > 1 else None
-        lx = _label_key(x, index).replace(".*.", ".[*].")
-        ly = _label_key(y, index).replace(".*.", ".[*].")
-        lines.append(f"  {name}{count}{stage}: {lx} on {fact_str(x.output.fact)}  →  "
-                     f"{ly} on {fact_str(y.output.fact)}")
-        if (x.zero, x.recompute) != (y.zero, y.recompute):
-            lines.append(f"      state/recompute:{decisions_text(x) or '  [replicated, kept]'}"
-                         f"  →{decisions_text(y) or '  [replicated, kept]'}")
-        if x.weight is not None or y.weight is not None:
-            wx = "—" if x.weight is None else f"{sbp_layout(x.weight)} {dtensor_placements(x.weight)}"
-            wy = "—" if y.weight is None else f"{sbp_layout(y.weight)} {dtensor_placements(y.weight)}"
-            if wx != wy:
-                lines.append(f"      weight {wx}  →  {wy}")
-        ox = f"{sbp_layout(x.output)} {dtensor_placements(x.output)}"
-        oy = f"{sbp_layout(y.output)} {dtensor_placements(y.output)}"
-        if ox != oy:
-            lines.append(f"      out    {ox}  →  {oy}")
-        lines.append(f"      each: compute {fmt_seconds(x.compute_s)} → {fmt_seconds(y.compute_s)}, "
-                     f"collectives {fmt_seconds(comm_x)} → {fmt_seconds(comm_y)} "
-                     f"({_delta(comm_x + x.compute_s, comm_y + y.compute_s, fmt_seconds)} per micro-batch)")
-
-    # collective totals
-    ta, tb = collective_totals(a), collective_totals(b)
-    keys = sorted(set(ta) | set(tb))
-    rows = []
-    for k in keys:
-        xa = ta.get(k, (0, 0.0, 0.0))
-        xb = tb.get(k, (0, 0.0, 0.0))
-        if xa != xb:
-            rows.append([" ".join(k), f"{xa[0]}", f"{xb[0]}", fmt_bytes(xa[1]), fmt_bytes(xb[1]),
-                         fmt_seconds(xa[2]), fmt_seconds(xb[2]), _delta(xa[2], xb[2], fmt_seconds)])
-    lines += ["", "collectives per step that differ:" if rows else "collectives per step: identical"]
-    if rows:
-        lines += text_table(["kind link purpose", f"n {na}", f"n {nb}", f"bytes {na}", f"bytes {nb}",
-                         f"s {na}", f"s {nb}", "change"], rows)
-
-    # resharding
-    if a.resharding or b.resharding:
-        ra = sum(float(r.get("seconds", 0) or 0) for r in a.resharding if isinstance(r, dict))
-        rb = sum(float(r.get("seconds", 0) or 0) for r in b.resharding if isinstance(r, dict))
-        lines += ["", f"cross-mesh resharding: {len(a.resharding)} → {len(b.resharding)} transfers, "
-                      f"{fmt_seconds(ra)} → {fmt_seconds(rb)}"]
-
-    # baselines
-    lines += ["", "baselines (ratio = baseline / plan):"]
-    fams: dict[str, list] = {}
-    for tag, plan in ((0, a), (1, b)):
-        mine = step_seconds(plan)
-        for name, block in plan.baselines.items():
-            fam = fams.setdefault(baseline_family(name), [None, None])
-            if "error" in block:
-                fam[tag] = f"n/a ({name})"
-            else:
-                total = baseline_seconds(block)
-                fam[tag] = f"{total / mine:.2f} ({name})" if mine else f"n/a ({name})"
-    if fams:
-        lines += text_table(["baseline", na, nb], [[f, x or "—", y or "—"] for f, (x, y) in fams.items()])
-    else:
-        lines.append("  none priced")
-    return "\n".join(lines)
-
-
 def summary(plan: Plan) -> str:
     """Solver status, cost breakdown and the baselines beside it with ratios (baseline
     step time / this plan's step time)."""
     s = plan.solver
     lines = [
-        f"plan {plan.name}: status {s['status']} (method {s.get('method')}), objective "
-        f"{s['objective']:.6g} s, bound {_fmt(s.get('bound'))}, gap {_fmt(s.get('gap'))}, "
-        f"build {s['build_s']:.2f} s, solve {s['solve_s']:.2f} s",
+        f"plan {plan.name}: status {s.status} (method {s.method}), objective "
+        f"{s.objective:.6g} s, bound {_fmt(s.bound)}, gap {_fmt(s.gap)}, "
+        f"build {_fixed(s.build_s)} s, solve {_fixed(s.solve_s)} s",
     ]
-    if isinstance(s.get("stats"), dict):
-                lines.append(f"  solver stats: {solver_stats_text(s['stats'])}")
-    if s.get("message"):
-        lines.append(f"  note: {s['message']}")
-    if plan.schedule:
-        sc = plan.schedule
+    if s.stats is not None:
+        lines.append(f"  solver stats: {solver_stats_text(s.stats)}")
+    if s.message:
+        lines.append(f"  note: {s.message}")
+    if plan.schedule is not None and plan.schedule.simulated is not None:
+        sc, sim = plan.schedule, plan.schedule.simulated
         lines.append(
             f"  pipeline: {len(plan.stages)} stages "
-            f"{[tuple(st['mesh']) for st in plan.stages]}, {sc['name']} with "
-            f"{sc['num_microbatches']} micro-batches: makespan {sc['makespan_s']:.4g} s, "
-            f"bubble {sc['bubble_fraction']:.1%}; per-device costs below are the busiest "
+            f"{[st.mesh for st in plan.stages]}, {sc.name} with "
+            f"{sc.num_microbatches} micro-batches: makespan {sim.makespan_s:.4g} s, "
+            f"bubble {sim.bubble_fraction:.1%}; per-device costs below are the busiest "
             f"stage's")
     header = f"  {'plan':<28}{'step s':>11}{'compute s':>11}{'act comm s':>11}" \
              f"{'grad sync s':>12}{'memory GiB':>11}{'ratio':>8}"
@@ -757,3 +581,7 @@ def summary(plan: Plan) -> str:
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
+
+
+def _fixed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"

@@ -176,9 +176,9 @@ def plan_row(plan) -> dict[str, Any]:
     budget = finite_or_none((plan.config.get("cluster") or {}).get("memory_gib"))
     peak_gib = c.peak_memory_bytes / 2**30
     row: dict[str, Any] = {
-        "status": s.get("status"), "error": None, "method": s.get("method"),
-        "objective_s": finite_or_none(s.get("objective")), "gap": finite_or_none(s.get("gap")),
-        "build_s": finite_or_none(s.get("build_s")), "solve_s": finite_or_none(s.get("solve_s")),
+        "status": s.status, "error": None, "method": s.method,
+        "objective_s": finite_or_none(s.objective), "gap": finite_or_none(s.gap),
+        "build_s": finite_or_none(s.build_s), "solve_s": finite_or_none(s.solve_s),
         "step_s": step, "total_s": c.total_s, "compute_s": c.compute_s, "comm_s": c.comm_s,
         "activation_comm_s": c.activation_comm_s, "grad_sync_s": c.grad_sync_s,
         "activation_comm_bytes": c.activation_comm_bytes, "grad_sync_bytes": c.grad_sync_bytes,
@@ -186,7 +186,8 @@ def plan_row(plan) -> dict[str, Any]:
         "memory_fraction": peak_gib / budget if budget else None,
         "stages": max(1, len(plan.stages)), "devices": plan.num_devices,
         "microbatches": microbatches(plan),
-        "bubble_fraction": finite_or_none((plan.schedule or {}).get("bubble_fraction")),
+        "bubble_fraction": finite_or_none(plan.schedule.simulated.bubble_fraction
+                                if plan.schedule and plan.schedule.simulated else None),
         "layout": layout_summary(plan),
     }
     ratios: dict[str, float | None] = {}
