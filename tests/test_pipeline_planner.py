@@ -186,6 +186,7 @@ def _stage_peaks(plan, config) -> list[tuple[float, float]]:
     from dataclasses import replace
 
     from ilp_planner.intra_op.problem import peak_memory
+    from ilp_planner.intra_op.request import MeshSolveRequest
     from ilp_planner.intra_op.solve_mesh import solve_mesh
     from ilp_planner.lowering.stage_boundary import stage_boundary
 
@@ -195,10 +196,10 @@ def _stage_peaks(plan, config) -> list[tuple[float, float]]:
         held = st["memory_solved_for_inflight"]
         names = st["layers"]
         bound = stage_boundary(graph, names)
-        gp, res = solve_mesh(config, *st["mesh"], None if held is None else
-                             config.cluster.memory_bytes, graph=subgraph(graph, names),
-                             microbatches=config.pipeline.microbatches,
-                             boundary=bound if held is None else replace(bound, inflight=held))
+        gp, res = solve_mesh(MeshSolveRequest(
+            config, *st["mesh"], None if held is None else config.cluster.memory_bytes,
+            subgraph(graph, names), config.pipeline.microbatches,
+            bound if held is None else replace(bound, inflight=held)))
         at = replace(gp, boundary=replace(gp.boundary, inflight=st["inflight_microbatches"]))
         out.append((st["memory_bytes"], peak_memory(at, res.choice)))
     return out
@@ -310,7 +311,7 @@ def test_stage_ilp_prices_its_boundary_programs_exactly():
     from collections import Counter
 
     from ilp_planner.intra_op.problem import build_problem
-    from ilp_planner.intra_op.solve_mesh import realise
+    from ilp_planner.intra_op.realise import realise
     from ilp_planner.lowering.cost_model import MemorySpec
     from ilp_planner.lowering.stage_boundary import export_program, import_program, stage_boundary
     from ilp_planner.lowering.strategies import input_grad_layouts
@@ -525,6 +526,7 @@ def test_the_relaxation_bounds_every_stage_solve_from_below(overrides):
     cost, every collective and boundary program included), for every range and shape."""
     from ilp_planner.inter_op.pipeline import _StageSolver
     from ilp_planner.intra_op.problem import BuildCache
+    from ilp_planner.intra_op.request import MeshSolveRequest
     from ilp_planner.intra_op.solve_mesh import fastest_bound
     from ilp_planner.ir.cluster import submesh_shapes
 
@@ -542,8 +544,8 @@ def test_the_relaxation_bounds_every_stage_solve_from_below(overrides):
                 if solved is None:
                     continue
                 sub, boundary = solver._stage_graph(a, e)
-                bound = fastest_bound(config, shape[0], shape[1], sub, M, boundary,
-                                      BuildCache())
+                bound = fastest_bound(MeshSolveRequest(config, shape[0], shape[1], None, sub,
+                                                       M, boundary, BuildCache()))
                 assert bound <= solved[3].total_s * (1 + 1e-9), (a, e, shape)
                 assert bound >= 0.5 * solved[3].total_s  # a bound worth computing
                 checked += 1

@@ -57,16 +57,15 @@ from formulations.stage_dp import StageChoice, StageCost, admissible, pack_subme
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
 from ilp_planner.inter_op.resharding import ReshardingPlan, ReshardOptions, plan_resharding, with_scheduler
+from ilp_planner.intra_op.baseline_prices import grid_baseline, price_baselines, price_grid
 from ilp_planner.intra_op.baselines import GridPoint, torchtitan_choice
 from ilp_planner.intra_op.problem import BuildCache, build_problem, held_activations, peak_memory
+from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import (
     CutOff,
     _fit_blocks,
     fastest_bound,
-    grid_baseline,
-    price_baselines,
-    price_grid,
-    realise,
     solve_mesh,
     solve_single_mesh,
 )
@@ -314,14 +313,13 @@ class _StageSolver:
                 budget = self.config.cluster.memory_bytes
             M = self.config.pipeline.microbatches
             try:
+                request = MeshSolveRequest(self.config, shape[0], shape[1], budget, graph, M,
+                                           boundary, self.build_cache)
                 if isinstance(how, AtGridPoint):
-                    gp, res = _fit_blocks(self.config, shape[0], shape[1], budget, graph, M,
-                                          boundary, self.build_cache, how.blocks(graph),
-                                          how.reserve)
+                    gp, res = _fit_blocks(dataclasses.replace(
+                        request, recompute=how.blocks(graph)), how.reserve)
                 else:
-                    gp, res = solve_mesh(self.config, shape[0], shape[1], budget, graph=graph,
-                                         microbatches=M, boundary=boundary,
-                                         cache=self.build_cache, cutoff=cutoff)
+                    gp, res = solve_mesh(request, cutoff)
             except InfeasibleError:
                 self.cache[key] = None
             except CutOff:
@@ -406,8 +404,9 @@ class _StageSolver:
             t0 = time.perf_counter()
             graph, boundary = self._stage_graph(a, e)
             try:
-                self.relaxations[key] = fastest_bound(self.config, shape[0], shape[1], graph,
-                                                      M, boundary, self.build_cache) / M
+                self.relaxations[key] = fastest_bound(MeshSolveRequest(
+                    self.config, shape[0], shape[1], None, graph, M, boundary,
+                    self.build_cache)) / M
             except InfeasibleError:  # what the solve would find: no build to repeat
                 self.cache[(*key, None)] = None
                 return False
@@ -1208,8 +1207,7 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
         gp, res, grid = solve_single_mesh(config)
     except InfeasibleError as exc:
         return {"ilp_single_mesh": {"error": str(exc)},
-                **price_grid(grid_baseline(config, cluster.nodes, cluster.devices_per_node,
-                                           cluster.memory_bytes))}
+                **price_grid(grid_baseline(MeshSolveRequest.whole_cluster(config)))}
     out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
     out.update(price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes))
     out.update(price_grid(grid))
