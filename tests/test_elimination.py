@@ -34,7 +34,7 @@ from formulations.elimination import (
 from formulations.problem import BucketTerms, Problem
 from formulations.sbp_search import exhaustive
 from ilp_planner.inputs.config import parse_config
-from ilp_planner.inter_op.pipeline import subgraph
+from ilp_planner.inter_op.layer_units import subgraph
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
 from ilp_planner.lowering.stage_boundary import stage_boundary
