@@ -291,39 +291,6 @@ def simulate(
     return tuple(out), makespan  # type: ignore[arg-type]
 
 
-def validate_schedule(problem: CrossMeshProblem, schedule: Sequence[ScheduledTask]) -> list[str]:
-    """Every violation of eqs. (2)–(3) and of the timing, as readable lines (empty = valid)."""
-    errors: list[str] = []
-    if len(schedule) != problem.size:
-        return [f"schedule has {len(schedule)} entries for {problem.size} tasks"]
-    busy: dict[int, list[tuple[float, float, int]]] = {}
-    for i, s in enumerate(schedule):
-        t = problem.tasks[i]
-        if s.task != i:
-            errors.append(f"entry {i} is for task {s.task}")
-            continue
-        if not 0 <= s.candidate < len(t.candidates) or t.candidates[s.candidate].sender != s.sender:
-            errors.append(f"task {i} ({t.name}): sender {s.sender} is not candidate {s.candidate}")
-            continue
-        c = t.candidates[s.candidate]
-        tol = _REL_TOL * max(1.0, s.end)
-        if s.start < -tol or abs(s.end - s.start - c.duration) > tol or \
-                abs(s.finish - s.end - c.tail) > tol:
-            errors.append(f"task {i} ({t.name}): times [{s.start}, {s.end}, {s.finish}] do not "
-                          f"match duration {c.duration} and tail {c.tail}")
-        for r in problem.resources(i, s.candidate):
-            busy.setdefault(r, []).append((s.start, s.end, i))
-    H = problem.num_hosts
-    for r, spans in sorted(busy.items()):
-        spans.sort()
-        for (s0, e0, i0), (s1, _e1, i1) in itertools.pairwise(spans):
-            if s1 < e0 - _REL_TOL * max(1.0, e0):
-                side = "send" if r < H else "receive"
-                errors.append(f"host {r % H} {side} side: task {i0} [{s0}, {e0}) overlaps task "
-                              f"{i1} starting {s1}")
-    return errors
-
-
 def _result(problem: CrossMeshProblem, name: str, schedule: tuple[ScheduledTask, ...],
             makespan: float, t0: float, proved: bool = False, note: str = "") -> Result:
     lb = problem.lower_bound()

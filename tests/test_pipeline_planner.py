@@ -19,6 +19,7 @@ from ilp_planner.inter_op.layer_units import RangeKeys, crossing, layer_units, s
 from ilp_planner.inter_op.pipeline import solve_pipelined
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.plan.data import Plan, layout_from_dict
+from tests.helpers.oracles import brute_force_stages
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-gpt-cpu.yaml"
@@ -554,7 +555,7 @@ def test_stage_dp_over_one_unit_per_block_equals_brute_force(space):
     """The planner's real stage costs (shared by signature) and boundary costs, one unit
     per block: the DP's optimum is the brute-force enumeration's over every slicing and
     sub-mesh assignment."""
-    from formulations.stage_dp import brute_force_stages, solve_stages
+    from formulations.stage_dp import solve_stages
     from ilp_planner.inter_op.boundary_estimate import BoundaryCost
     from ilp_planner.inter_op.stage_solver import StageSolver
     from ilp_planner.ir.cluster import submesh_shapes
