@@ -38,7 +38,7 @@ from ilp_planner.inter_op.stage_variants import AtGridPoint, Gap, How
 from ilp_planner.intra_op.problem import BuildCache, held_activations, peak_memory
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
-from ilp_planner.intra_op.solve_mesh import CutOff, _fit_blocks, fastest_bound, solve_mesh
+from ilp_planner.intra_op.solve_mesh import CutOff, fastest_bound, solve_mesh, solve_under_reserve
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.cost_model import compute_time
 from ilp_planner.lowering.stage_boundary import StageBoundary, stage_boundary
@@ -179,7 +179,7 @@ class StageSolver:
                 request = MeshSolveRequest(self.config, shape[0], shape[1], budget, graph, M,
                                            boundary, self.state.build_cache)
                 if isinstance(how, AtGridPoint):
-                    gp, res = _fit_blocks(dataclasses.replace(
+                    gp, res = solve_under_reserve(dataclasses.replace(
                         request, recompute=how.blocks(graph)), how.reserve)
                 else:
                     gp, res = solve_mesh(request, cutoff)

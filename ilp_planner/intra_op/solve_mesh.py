@@ -65,7 +65,7 @@ def solve_single_mesh(config: Config, grid: bool = True
 def _at_grid_point(request: MeshSolveRequest, solved: Solved, grid: GridPoint) -> Solved:
     """``solved``, or the whole space at the grid point's recomputed blocks and transient
     reserve where that is cheaper."""
-    sgp, sres = _fit_blocks(dataclasses.replace(request, cache=BuildCache(),
+    sgp, sres = solve_under_reserve(dataclasses.replace(request, cache=BuildCache(),
                                                 recompute=grid.gp.recompute_units),
                             grid.reserve)
     if sres.objective >= solved[1].objective:
@@ -223,7 +223,7 @@ def _solve_fitting(request: MeshSolveRequest, cutoff: float | None = None) -> So
         best = min([cutoff] * (cutoff is not None) + [r[1].objective for r in results],
                    default=None)
         try:
-            gp, res = _fit_blocks(request, cap, best)
+            gp, res = solve_under_reserve(request, cap, best)
         except InfeasibleError as exc:
             failure = failure or exc
             continue
@@ -286,9 +286,13 @@ def _transient(gp: GraphProblem, choice) -> float:
     return max((o.transient_bytes for o in gp.node_choice(choice).values()), default=0.0)
 
 
-def _fit_blocks(request: MeshSolveRequest, cap: float, cutoff: float | None = None) -> Solved:
-    """:func:`_solve_once` under transient cap ``cap``, with the re-materialised blocks
-    checked exactly (see :func:`_solve_fitting`)."""
+def solve_under_reserve(request: MeshSolveRequest, cap: float,
+                        cutoff: float | None = None) -> Solved:
+    """The best plan of ``request`` (its recomputed blocks as given) whose exact peak fits
+    its budget with ``cap`` reserved for state sharding's transients (and no option's
+    transient above it): :func:`_solve_once`, with the re-materialised blocks checked
+    exactly (see :func:`_solve_fitting`). The solve at one point of the space — a grid
+    point's blocks and reserve, say — where :func:`solve_mesh` searches them."""
     budget = request.memory_budget
     assert budget is not None
     row = budget
