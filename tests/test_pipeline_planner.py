@@ -15,11 +15,11 @@ from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.models import gpt, mlp, u_transformer
 from ilp_planner.inter_op.assembly import stage_durations
-from ilp_planner.inter_op.layer_units import RangeKeys, crossing, layer_units, signature, subgraph
+from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
 from ilp_planner.inter_op.pipeline import solve_pipelined
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.plan.data import Plan, layout_from_dict
-from tests.helpers.oracles import brute_force_stages
+from tests.helpers.oracles import brute_force_stages, crossing, signature
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-gpt-cpu.yaml"

@@ -25,7 +25,7 @@ class BoundaryCost:
         self.cache: dict[tuple, float] = {}
         self.options = with_scheduler(ReshardOptions(compare_strategies=False),
                                       algorithms=("load_balance", "randomized_greedy"))
-        # tensors crossing each cut (in the order of :func:`crossing`), from one pass
+        # tensors crossing each cut, in graph edge order, from one pass
         unit_of = {n: j for j, u in enumerate(units) for n in u}
         cuts: list[dict[str, None]] = [{} for _ in range(len(units) + 1)]
         for src, dst in graph.edges():

@@ -7,8 +7,9 @@ a 96-block model gives the DP 96 units. ``pipeline.max_units`` coarsens explicit
 (consecutive units merged into at most that many) where a long block-free graph would
 otherwise need too many distinct intra-op solves.
 
-Ranges with the same signature (:func:`signature`: the ops, their in-range wiring and
-which tensors cross the range's boundary) share one solve per sub-mesh shape, so for a
+Ranges with the same signature (the ops, their in-range wiring and which tensors cross
+the range's boundary; the test oracle ``tests/helpers/oracles.py: signature`` spells it
+out) share one solve per sub-mesh shape, so for a
 model of ``L`` identical blocks the intra-op solves number about ``3 L`` per shape (a
 range is its block count, whether it holds the first unit's extra ops and whether it
 holds the last's), not ``L²/2``. :class:`RangeKeys` finds a range's signature class from
@@ -21,7 +22,6 @@ import math
 from collections.abc import Sequence
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
-from ilp_planner.lowering.stage_boundary import StageBoundary
 
 
 def layer_units(graph: Graph, max_units: int | None = None) -> list[list[str]]:
@@ -77,19 +77,6 @@ def subgraph(graph: Graph, names: Sequence[str]) -> Graph:
     return Graph(f"{graph.name}[{names[0]}..{names[-1]}]", ops)
 
 
-def signature(graph: Graph, names: Sequence[str], boundary: StageBoundary | None = None) -> tuple:
-    """Name-free description of a range: equal for any k consecutive repeated blocks with
-    the same boundary (which ops a later stage reads, which inputs come from a stage)."""
-    index = {n: i for i, n in enumerate(names)}
-    b = boundary or StageBoundary()
-    return tuple(
-        (*_op_key(op), n in b.exported,
-         tuple(index[s] - index[n] if s in index else ("ext", graph[s].output, s in b.imported)
-               for s in op.inputs))
-        for n in names for op in (graph[n],)
-    )
-
-
 def _op_key(op: Op) -> tuple:
     """What of an op, besides its wiring, its stage problem depends on (no names)."""
     return (op.kind, op.output, op.weight, op.params, op.flops,
@@ -99,7 +86,7 @@ def _op_key(op: Op) -> tuple:
 class RangeKeys:
     """Signature classes of unit ranges ``[a, e)`` without building their op lists.
 
-    A range's :func:`signature` is the concatenation of its units' parts, and unit ``u``'s
+    A range's signature (module docstring) is the concatenation of its units' parts, and unit ``u``'s
     part depends on the range only through which of its inputs come from before ``a`` and
     which of its outputs are read at or after ``e``: that is, through ``x = min(u − a,
     back(u))`` and ``y = min(e − 1 − u, ahead(u))`` with ``back``/``ahead`` the farthest
@@ -151,12 +138,3 @@ class RangeKeys:
             self._keys[k] = tuple(self.part(u, min(u - a, self.back[u]), min(e - 1 - u, self.ahead[u]))
                                   for u in range(a, e))
         return self._keys[k]
-
-
-def crossing(graph: Graph, units: list[list[str]], cut: int) -> list[tuple[str, str]]:
-    """(producer, consumer) edges from units ``< cut`` to units ``≥ cut``."""
-    before = {n for u in units[:cut] for n in u} | {op.name for op in graph.ops
-                                                    if op.kind is OpKind.INPUT}
-    after = {n for u in units[cut:] for n in u}
-    return [(s, d) for s, d in graph.edges() if s in before and d in after
-            and graph[s].kind is not OpKind.INPUT]

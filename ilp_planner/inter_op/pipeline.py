@@ -77,6 +77,7 @@ class _StageSpace:
 
     @classmethod
     def of(cls, config: Config, num_units: int) -> _StageSpace:
+        """The config's space for ``num_units`` layer units (no more stages than units)."""
         pipe, cluster = config.pipeline, config.cluster
         num_stages = None if pipe.stages == "auto" else int(pipe.stages)
         if num_stages is not None and num_stages > num_units:
@@ -87,6 +88,9 @@ class _StageSpace:
 
 
 def _solve_pipelined(config: Config, baselines: bool) -> Plan:
+    """The steps of :func:`solve_pipelined` (module docstring); with ``baselines``, the
+    torchtitan grid's stages are offered to the DP as variants where it is faster, and the
+    plan carries the baselines' costs."""
     t0 = time.perf_counter()
     graph = config.microbatch_graph()
     units = layer_units(graph, config.pipeline.max_units)

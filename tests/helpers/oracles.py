@@ -25,7 +25,10 @@ from formulations.stage_dp import (
     pack_submeshes,
 )
 from ilp_planner.errors import InfeasibleError
+from ilp_planner.inter_op.layer_units import _op_key
 from ilp_planner.ir.cluster import submesh_shapes as all_shapes
+from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.lowering.stage_boundary import StageBoundary
 
 
 def brute_force_stages(
@@ -168,3 +171,27 @@ def strip_comm(schedule: Schedule) -> Schedule:
     return Schedule(
         schedule.name, schedule.num_stages, schedule.num_microbatches, rows, schedule.split_backward
     )
+
+
+def signature(graph: Graph, names: Sequence[str], boundary: StageBoundary | None = None) -> tuple:
+    """The signature of a unit range (what :class:`~ilp_planner.inter_op.layer_units.RangeKeys`
+    finds part by part): a name-free description of a range, equal for any k consecutive repeated blocks with
+    the same boundary (which ops a later stage reads, which inputs come from a stage)."""
+    index = {n: i for i, n in enumerate(names)}
+    b = boundary or StageBoundary()
+    return tuple(
+        (*_op_key(op), n in b.exported,
+         tuple(index[s] - index[n] if s in index else ("ext", graph[s].output, s in b.imported)
+               for s in op.inputs))
+        for n in names for op in (graph[n],)
+    )
+
+
+def crossing(graph: Graph, units: list[list[str]], cut: int) -> list[tuple[str, str]]:
+    """(producer, consumer) edges from units ``< cut`` to units ``≥ cut`` (what
+    :class:`~ilp_planner.inter_op.boundary_estimate.BoundaryCost` finds in one pass)."""
+    before = {n for u in units[:cut] for n in u} | {op.name for op in graph.ops
+                                                    if op.kind is OpKind.INPUT}
+    after = {n for u in units[cut:] for n in u}
+    return [(s, d) for s, d in graph.edges() if s in before and d in after
+            and graph[s].kind is not OpKind.INPUT]
