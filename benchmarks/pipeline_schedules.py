@@ -20,7 +20,7 @@ from formulations.schedules import make_schedule
 from formulations.simulator import simulate
 from ilp_planner.api import solve
 from ilp_planner.inputs.config import load_config
-from ilp_planner.inter_op.pipeline import stage_durations
+from ilp_planner.inter_op.assembly import stage_durations
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")

@@ -130,8 +130,10 @@ def run_joint() -> None:
     import itertools
 
     from ilp_planner.errors import InfeasibleError
+    from ilp_planner.intra_op.baseline_prices import grid_baseline
     from ilp_planner.intra_op.problem import peak_memory
-    from ilp_planner.intra_op.solve_mesh import grid_baseline, solve_mesh
+    from ilp_planner.intra_op.request import MeshSolveRequest
+    from ilp_planner.intra_op.solve_mesh import solve_mesh
 
     def config(budget: float, levels, recompute: str):
         return load_config({
@@ -166,11 +168,13 @@ def run_joint() -> None:
     for where in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5):
         budget = joint_low + where * (plain_low - joint_low)
         opt = min(o for o, m in joint if m <= budget * (1 + 1e-9))
-        (gp, res), secs = _timed(lambda b=budget: solve_mesh(config(b, (0, 1, 2, 3), "auto"),
-                                                             1, 2, b))
-        grid = grid_baseline(config(budget, (0, 1, 2, 3), "auto"), 1, 2, budget)
+        (gp, res), secs = _timed(lambda b=budget: solve_mesh(MeshSolveRequest.whole_model(
+            config(b, (0, 1, 2, 3), "auto"), 1, 2, b)))
+        grid = grid_baseline(MeshSolveRequest.whole_model(config(budget, (0, 1, 2, 3), "auto"),
+                                                         1, 2, budget))
         try:
-            plain = solve_mesh(config(budget, (0,), "never"), 1, 2, budget)[1].objective
+            plain = solve_mesh(MeshSolveRequest.whole_model(config(budget, (0,), "never"), 1, 2,
+                                                             budget))[1].objective
             plain_txt = f"{plain / opt:.4f}"
         except InfeasibleError:
             plain_txt = "infeasible"

@@ -34,6 +34,7 @@ import time
 
 from ilp_planner.inputs.config import parse_config
 from ilp_planner.inter_op.pipeline import solve_pipelined
+from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
 
 LAYERS = (4, 12, 24, 48, 96)
@@ -141,9 +142,8 @@ def run(layers: int, nodes: int, local: int, tie: bool, time_limit: float) -> di
 def timed(config, **overrides) -> dict:
     """One solve_mesh of ``config`` on its whole cluster, timed from the configuration."""
     config = config.with_overrides(overrides) if overrides else config
-    nodes, local = config.cluster.nodes, config.cluster.devices_per_node
     t0 = time.perf_counter()
-    gp, res = solve_mesh(config, nodes, local, config.cluster.memory_bytes)
+    gp, res = solve_mesh(MeshSolveRequest.whole_cluster(config))
     p = gp.problem
     stats = res.stats
     return {

@@ -291,39 +291,6 @@ def simulate(
     return tuple(out), makespan  # type: ignore[arg-type]
 
 
-def validate_schedule(problem: CrossMeshProblem, schedule: Sequence[ScheduledTask]) -> list[str]:
-    """Every violation of eqs. (2)–(3) and of the timing, as readable lines (empty = valid)."""
-    errors: list[str] = []
-    if len(schedule) != problem.size:
-        return [f"schedule has {len(schedule)} entries for {problem.size} tasks"]
-    busy: dict[int, list[tuple[float, float, int]]] = {}
-    for i, s in enumerate(schedule):
-        t = problem.tasks[i]
-        if s.task != i:
-            errors.append(f"entry {i} is for task {s.task}")
-            continue
-        if not 0 <= s.candidate < len(t.candidates) or t.candidates[s.candidate].sender != s.sender:
-            errors.append(f"task {i} ({t.name}): sender {s.sender} is not candidate {s.candidate}")
-            continue
-        c = t.candidates[s.candidate]
-        tol = _REL_TOL * max(1.0, s.end)
-        if s.start < -tol or abs(s.end - s.start - c.duration) > tol or \
-                abs(s.finish - s.end - c.tail) > tol:
-            errors.append(f"task {i} ({t.name}): times [{s.start}, {s.end}, {s.finish}] do not "
-                          f"match duration {c.duration} and tail {c.tail}")
-        for r in problem.resources(i, s.candidate):
-            busy.setdefault(r, []).append((s.start, s.end, i))
-    H = problem.num_hosts
-    for r, spans in sorted(busy.items()):
-        spans.sort()
-        for (s0, e0, i0), (s1, _e1, i1) in itertools.pairwise(spans):
-            if s1 < e0 - _REL_TOL * max(1.0, e0):
-                side = "send" if r < H else "receive"
-                errors.append(f"host {r % H} {side} side: task {i0} [{s0}, {e0}) overlaps task "
-                              f"{i1} starting {s1}")
-    return errors
-
-
 def _result(problem: CrossMeshProblem, name: str, schedule: tuple[ScheduledTask, ...],
             makespan: float, t0: float, proved: bool = False, note: str = "") -> Result:
     lb = problem.lower_bound()
@@ -463,35 +430,72 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
     algorithm's) is given: then the budget binds there too, and a dive cut short returns
     the fallback (on thousands of tasks one dive alone can take minutes)."""
     t0 = time.perf_counter()
-    n, H = problem.size, problem.num_hosts
+    n = problem.size
     if n == 0:
         return _result(problem, "dfs", (), 0.0, t0, proved=True)
     root_lb = problem.lower_bound()
-    cls = problem.classes
-    members: dict[int, list[int]] = {}
-    for i, c in enumerate(cls):
-        members.setdefault(c, []).append(i)
-    C = len(members)
-    rep = [members[c][0] for c in range(C)]
-    cands = [problem.tasks[rep[c]].candidates for c in range(C)]
-    res = [problem._resources[rep[c]] for c in range(C)]
-    min_d = [min(x.duration for x in cands[c]) for c in range(C)]
-    fixed = [set(res[c][0][1:]) | ({cands[c][0].sender} if len(cands[c]) == 1 else set())
-             for c in range(C)]
-    pool_sets = sorted({frozenset(x.sender for x in cands[c]) for c in range(C)}
-                       | {frozenset(x.sender for c in range(C) for x in cands[c])}, key=sorted)
-    pools = [(sorted(p), [c for c in range(C) if {x.sender for x in cands[c]} <= p])
-             for p in pool_sets]
-    count = [len(members[c]) for c in range(C)]
-    load = [0.0] * (2 * H)
-    for c in range(C):
-        for r in fixed[c]:
-            load[r] += count[c] * min_d[c]
-    pool_load = [sum(count[c] * min_d[c] for c in pcs) for _, pcs in pools]
-    free = [0.0] * (2 * H)
+    tables = _DfsTables.of(problem)
+    st = _DfsState(incumbent.makespan if incumbent else math.inf, None, t0 + budget_s)
+    _dfs_search(problem, tables, st, root_lb, fallback)
+    return _dfs_result(problem, tables, st, root_lb, t0, budget_s, incumbent, fallback)
 
-    st = _DfsState(incumbent.makespan if incumbent else math.inf,
-                   None, t0 + budget_s)
+
+@dataclass
+class _DfsTables:
+    """What :func:`dfs` branches over, per class of interchangeable tasks: its members, its
+    representative's candidates and their resources, its least duration, the resources
+    every candidate uses (``fixed``), and the sender pools (each with the classes it can
+    serve); and what the bound tracks as tasks are placed: the tasks left per class
+    (``count``), the fixed remaining load per resource and per pool, and each resource's
+    free time."""
+
+    members: dict[int, list[int]]
+    cands: list
+    res: list
+    min_d: list[float]
+    fixed: list[set[int]]
+    pools: list[tuple[list[int], list[int]]]
+    count: list[int]
+    load: list[float]
+    pool_load: list[float]
+    free: list[float]
+
+    @classmethod
+    def of(cls, problem: CrossMeshProblem) -> _DfsTables:
+        H = problem.num_hosts
+        members: dict[int, list[int]] = {}
+        for i, c in enumerate(problem.classes):
+            members.setdefault(c, []).append(i)
+        C = len(members)
+        rep = [members[c][0] for c in range(C)]
+        cands = [problem.tasks[rep[c]].candidates for c in range(C)]
+        res = [problem._resources[rep[c]] for c in range(C)]
+        min_d = [min(x.duration for x in cands[c]) for c in range(C)]
+        fixed = [set(res[c][0][1:]) | ({cands[c][0].sender} if len(cands[c]) == 1 else set())
+                 for c in range(C)]
+        pool_sets = sorted({frozenset(x.sender for x in cands[c]) for c in range(C)}
+                           | {frozenset(x.sender for c in range(C) for x in cands[c])}, key=sorted)
+        pools = [(sorted(p), [c for c in range(C) if {x.sender for x in cands[c]} <= p])
+                 for p in pool_sets]
+        count = [len(members[c]) for c in range(C)]
+        load = [0.0] * (2 * H)
+        for c in range(C):
+            for r in fixed[c]:
+                load[r] += count[c] * min_d[c]
+        pool_load = [sum(count[c] * min_d[c] for c in pcs) for _, pcs in pools]
+        return cls(members, cands, res, min_d, fixed, pools, count, load, pool_load,
+                   [0.0] * (2 * H))
+
+
+def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb: float,
+                fallback: Result | None) -> None:
+    """The branch and bound of :func:`dfs`, recording the best steps in ``st``. One piece:
+    its recursion reads the tables through closure cells (hot: millions of nodes)."""
+    n, H = problem.size, problem.num_hosts
+    C = len(t.members)
+    cands, res, min_d, fixed, pools = t.cands, t.res, t.min_d, t.fixed, t.pools
+    count, load, pool_load, free = t.count, t.load, t.pool_load, t.free
+
     def threshold() -> float:
         """Only strictly better schedules (beyond float noise) are worth exploring."""
         return st.best * (1 - 1e-12) if math.isfinite(st.best) else math.inf
@@ -566,6 +570,14 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
         visit(0.0, 0, None)
     finally:
         sys.setrecursionlimit(limit)
+
+
+def _dfs_result(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb: float,
+                t0: float, budget_s: float, incumbent: Result | None,
+                fallback: Result | None) -> Result:
+    """The schedule of the best steps :func:`_dfs_search` found (or the incumbent, or the
+    fallback, when it found none)."""
+    n = problem.size
     exhausted = not st.timed_out
     if st.best_steps is None:
         if incumbent is None and fallback is not None and st.timed_out:
@@ -580,7 +592,7 @@ def dfs(problem: CrossMeshProblem, budget_s: float = 1.0,
                       incumbent.schedule, "no improvement on the incumbent")
     choice = [0] * n
     order = []
-    nxt = {c: iter(members[c]) for c in range(C)}
+    nxt = {c: iter(ms) for c, ms in t.members.items()}
     for c, k in st.best_steps:
         i = next(nxt[c])
         choice[i] = k

@@ -515,28 +515,13 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     if order.work > max_work:
         return None
     relax = _Relaxation(problem, edges, order)
-    theta, usage = relax.alpha, np.zeros((len(sizes), len(relax.alpha)))
     lower, seen, lam, steps = _dual(problem, relax)
     best = min([*incumbents, *(tuple(c) for c in seen if problem.feasible(c))],
                key=problem.objective)
-
-    def gap_of(low: float) -> float:
-        return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
-
-    last = best
-    for _ in range(USAGE_ROUNDS if problem.buckets is not None else 0):
-        if gap_of(lower) <= max(gap, EXACT):
-            break
-        prices = relax.usage_prices(last)
-        value, last, run_steps = relax.run(*prices, lam)
-        if problem.feasible(last) and problem.objective(last) < problem.objective(best):
-            best = last
-        if value <= lower:
-            break
-        lower, (theta, usage), steps = value, prices, run_steps
+    best, lower, prices, steps = _usage_rounds(problem, relax, best, lower, lam, steps, gap)
     objective = problem.objective(best)
     lower = min(lower, objective)
-    rel = gap_of(lower)
+    rel = _rel_gap(problem, best, lower)
     search_s = time.perf_counter() - t0
     keep = None
     note = (f"elimination: width {order.width}, {order.work:.3g} table entries per pass, "
@@ -544,24 +529,18 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     passes = relax.passes
     if rel > max(gap, EXACT):
         if steps is None:
-            steps = relax.run(theta, usage, lam)[2]
+            steps = relax.run(*prices, lam)[2]
         slack = objective + EXACT * abs(objective) + (lam * problem.memory_budget if lam else 0.0)
         keep = [np.flatnonzero(m <= slack) for m in min_marginals(steps, sizes)]
         if lam or _space(keep) <= ENUMERATE_POINTS:  # branch on the memory row, or enumerate
             search = _BranchAndBound(problem.subset(keep), gap, node_solver)
             found, proven = search.run(_index_in(keep, best))
             passes += search.passes
-            note += (f"; the {_space(keep)} kept choices enumerated"
-                     if _space(keep) <= ENUMERATE_POINTS else
-                     f"; branch and bound on the memory row over the kept strategies: "
-                     f"{search.nodes} nodes, {search.passes} passes"
-                     + (f", {search.solved} solved by the ILP (bucket rounding alone open)"
-                        if search.solved else "")
-                     + ("" if proven is not None else " (stopped: the ILP proves the rest)"))
+            note += _search_note(search, keep, proven)
             best = _lifted(keep, found)
             objective = problem.objective(best)
             lower = min(max(lower, proven if proven is not None else lower), objective)
-            rel = gap_of(lower)
+            rel = _rel_gap(problem, best, lower)
             if proven is not None and rel <= max(gap, EXACT):
                 keep = None
     stats = SolveStats(variables=sum(sizes), nodes=passes, search_s=search_s,
@@ -570,6 +549,43 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     result = SolveResult("optimal" if keep is None else "feasible", objective, lower, rel, 0.0,
                          time.perf_counter() - t0, tuple(best), "elimination", note, stats)
     return EliminationResult(result, keep)
+
+
+def _rel_gap(problem: Problem, best, low: float) -> float:
+    """The relative gap between ``best``'s objective and the lower bound ``low``."""
+    return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
+
+
+def _usage_rounds(problem: Problem, relax: _Relaxation, best: tuple, lower: float, lam,
+                  steps, gap: float) -> tuple[tuple, float, tuple, object]:
+    """With bucket terms, the dual bound tightened by pricing each bucket's usage at the
+    last choice (up to :data:`USAGE_ROUNDS` rounds, while it rises and the gap is open):
+    the best choice, the bound, the prices ``(theta, usage)`` and the steps that proved it
+    (None: :func:`_dual`'s)."""
+    prices = (relax.alpha, np.zeros((len(problem.cost), len(relax.alpha))))
+    last = best
+    for _ in range(USAGE_ROUNDS if problem.buckets is not None else 0):
+        if _rel_gap(problem, best, lower) <= max(gap, EXACT):
+            break
+        tried = relax.usage_prices(last)
+        value, last, run_steps = relax.run(*tried, lam)
+        if problem.feasible(last) and problem.objective(last) < problem.objective(best):
+            best = last
+        if value <= lower:
+            break
+        lower, prices, steps = value, tried, run_steps
+    return best, lower, prices, steps
+
+
+def _search_note(search: _BranchAndBound, keep, proven: float | None) -> str:
+    """What the search over the kept strategies did, for the result's message."""
+    if _space(keep) <= ENUMERATE_POINTS:
+        return f"; the {_space(keep)} kept choices enumerated"
+    return (f"; branch and bound on the memory row over the kept strategies: "
+            f"{search.nodes} nodes, {search.passes} passes"
+            + (f", {search.solved} solved by the ILP (bucket rounding alone open)"
+               if search.solved else "")
+            + ("" if proven is not None else " (stopped: the ILP proves the rest)"))
 
 
 # most elimination passes :class:`_BranchAndBound` spends before leaving the proof to the ILP

@@ -402,14 +402,6 @@ def lower(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, S, schedule.num_microbatches, tuple(rows), schedule.split_backward)
 
 
-def strip_comm(schedule: Schedule) -> Schedule:
-    """Inverse of :func:`lower`: only the compute actions."""
-    rows = tuple(tuple(a for a in row if a.kind.is_compute) for row in schedule.rows)
-    return Schedule(
-        schedule.name, schedule.num_stages, schedule.num_microbatches, rows, schedule.split_backward
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # In-flight activations
 

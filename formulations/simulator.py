@@ -194,80 +194,108 @@ def simulate(
     if check:
         validate(sched, fifo_channels=False)
     S = sched.num_stages
-    split = sched.split_backward
-    dur = {
-        ActionKind.F: durations.forward,
-        ActionKind.B: durations.backward
-        if split
-        else tuple(b + w for b, w in zip(durations.backward, durations.weight, strict=True)),
-        ActionKind.W: durations.weight,
-    }
-    xfer = {ActionKind.SEND_F: durations.activation_transfer, ActionKind.SEND_B: durations.gradient_transfer}
-    # destination stage and matching receive of each send kind
-    dest = {ActionKind.SEND_F: (1, ActionKind.RECV_F), ActionKind.SEND_B: (-1, ActionKind.RECV_B)}
-
-    ptr = [0] * S
-    compute_free = [0.0] * S
-    comm_free = [0.0] * S
-    busy = [0.0] * S
-    arrival: dict[tuple[int, ActionKind, int], float] = {}
-    events: list[Event] = []
+    replay = _Replay.of(durations, sched.split_backward, overlap)
     remaining = sum(len(r) for r in sched.rows)
     while remaining:
-        progressed = False
-        for s in range(S):
-            row = sched.rows[s]
-            while ptr[s] < len(row):
-                a = row[ptr[s]]
-                k = a.kind
-                if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
-                    t = arrival.get((s, k, a.microbatch))
-                    if t is None:
-                        break
-                    compute_free[s] = max(compute_free[s], t)
-                elif k is ActionKind.SEND_F or k is ActionKind.SEND_B:
-                    step, recv = dest[k]
-                    boundary = s if step == 1 else s - 1
-                    d = xfer[k][boundary]
-                    if overlap:
-                        start = max(compute_free[s], comm_free[s])
-                        comm_free[s] = start + d
-                        stream = "comm"
-                    else:
-                        start = compute_free[s]
-                        compute_free[s] = start + d
-                        stream = "compute"
-                    events.append(Event(s, a, start, start + d, stream))
-                    arrival[(s + step, recv, a.microbatch)] = start + d
-                else:
-                    d = dur[k][s]
-                    start = compute_free[s]
-                    compute_free[s] = start + d
-                    busy[s] += d
-                    events.append(Event(s, a, start, start + d, "compute"))
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # only reachable with check=False on an invalid schedule
+        ran = sum(replay.advance(s, sched.rows[s]) for s in range(S))
+        if not ran:  # only reachable with check=False on an invalid schedule
             stuck = ", ".join(
-                f"stage {s} at {sched.rows[s][ptr[s]]}" for s in range(S) if ptr[s] < len(sched.rows[s])
+                f"stage {s} at {sched.rows[s][replay.ptr[s]]}" for s in range(S)
+                if replay.ptr[s] < len(sched.rows[s])
             )
             raise ScheduleError(f"simulation of {sched.name!r} deadlocked: {stuck}")
+        remaining -= ran
+    events = replay.events
     makespan = max((e.end for e in events), default=0.0)
-    bubble = 1.0 - sum(busy) / (S * makespan) if makespan > 0 else 0.0
+    bubble = 1.0 - sum(replay.busy) / (S * makespan) if makespan > 0 else 0.0
     events.sort(key=lambda e: (e.stage, e.stream, e.start, e.end))
     return SimResult(
         schedule=sched.name,
         num_stages=S,
         num_microbatches=sched.num_microbatches,
         overlap=overlap,
-        split_backward=split,
+        split_backward=sched.split_backward,
         timeline=tuple(events),
         makespan_s=makespan,
         bubble_fraction=bubble,
-        busy_s=tuple(busy),
+        busy_s=tuple(replay.busy),
         peak_inflight=peak_inflight(sched),
     )
+
+
+# destination stage and matching receive of each send kind
+_DEST = {ActionKind.SEND_F: (1, ActionKind.RECV_F), ActionKind.SEND_B: (-1, ActionKind.RECV_B)}
+
+
+@dataclass
+class _Replay:
+    """:func:`simulate`'s clock: what each action lasts (``dur`` per compute kind, ``xfer``
+    per send kind and boundary), per stage its next action (``ptr``), when its compute and
+    communication streams are free and its busy compute time; each receive's arrival time
+    by (stage, kind, micro-batch); and the events so far."""
+
+    dur: dict[ActionKind, tuple[float, ...]]
+    xfer: dict[ActionKind, tuple[float, ...]]
+    overlap: bool
+    ptr: list[int]
+    compute_free: list[float]
+    comm_free: list[float]
+    busy: list[float]
+    arrival: dict[tuple[int, ActionKind, int], float]
+    events: list[Event]
+
+    @classmethod
+    def of(cls, durations: StageDurations, split: bool, overlap: bool) -> _Replay:
+        S = durations.num_stages
+        dur = {
+            ActionKind.F: durations.forward,
+            ActionKind.B: durations.backward
+            if split
+            else tuple(b + w for b, w in zip(durations.backward, durations.weight, strict=True)),
+            ActionKind.W: durations.weight,
+        }
+        xfer = {ActionKind.SEND_F: durations.activation_transfer,
+                ActionKind.SEND_B: durations.gradient_transfer}
+        return cls(dur, xfer, overlap, [0] * S, [0.0] * S, [0.0] * S, [0.0] * S, {}, [])
+
+    def advance(self, s: int, row: Sequence[Action]) -> int:
+        """Run stage ``s``'s actions until one waits for a receive not yet sent; how many
+        ran."""
+        ran = 0
+        while self.ptr[s] < len(row) and self._run(s, row[self.ptr[s]]):
+            self.ptr[s] += 1
+            ran += 1
+        return ran
+
+    def _run(self, s: int, a: Action) -> bool:
+        """Action ``a`` of stage ``s`` timed and recorded; False for a receive whose send
+        has not run yet."""
+        k = a.kind
+        if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
+            t = self.arrival.get((s, k, a.microbatch))
+            if t is None:
+                return False
+            self.compute_free[s] = max(self.compute_free[s], t)
+        elif k is ActionKind.SEND_F or k is ActionKind.SEND_B:
+            step, recv = _DEST[k]
+            d = self.xfer[k][s if step == 1 else s - 1]
+            if self.overlap:
+                start = max(self.compute_free[s], self.comm_free[s])
+                self.comm_free[s] = start + d
+                stream = "comm"
+            else:
+                start = self.compute_free[s]
+                self.compute_free[s] = start + d
+                stream = "compute"
+            self.events.append(Event(s, a, start, start + d, stream))
+            self.arrival[(s + step, recv, a.microbatch)] = start + d
+        else:
+            d = self.dur[k][s]
+            start = self.compute_free[s]
+            self.compute_free[s] = start + d
+            self.busy[s] += d
+            self.events.append(Event(s, a, start, start + d, "compute"))
+        return True
 
 
 _COLOURS = {

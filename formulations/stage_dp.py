@@ -90,7 +90,6 @@ import numpy as np
 from formulations.schedules import check_schedule_name, inflight_microbatches
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.ir.cluster import SubMesh, submesh_shapes
-from ilp_planner.ir.cluster import submesh_shapes as default_shapes
 
 Shape = tuple[int, int]
 
@@ -333,14 +332,7 @@ def build_cost_table(
     )
     shapes = list(dict.fromkeys(shapes))
     prefix = _work_prefix(L, layer_work)
-    bcost = np.zeros((L + 1, len(shapes)))
-    if boundary_cost is not None:
-        for e in range(1, L):
-            for m, sh in enumerate(shapes):
-                b = float(boundary_cost(e, sh))
-                if not (math.isfinite(b) and b >= 0):
-                    raise ConfigError(f"boundary_cost({e}, {sh}) returned {b}: need seconds >= 0")
-                bcost[e, m] = b
+    bcost = _boundary_costs(L, shapes, boundary_cost)
     calls = pruned = undefined = 0
     found: dict[tuple[int, int, int], list[StageCost]] = {}
     for k in range(L):
@@ -352,6 +344,28 @@ def build_cost_table(
                 calls += 1
                 found[k, i, m] = _stage_cost_checked(stage_cost, k, i + 1, sh)
                 undefined += not found[k, i, m]
+    return _table(L, D, shapes, found, bcost, calls, pruned, undefined)
+
+
+def _boundary_costs(L: int, shapes: Sequence[Shape],
+                    boundary_cost: BoundaryCostFn | None) -> np.ndarray:
+    """``boundary_cost(end, shape)`` for every cut ``0 < end < L`` and shape (checked: seconds
+    ≥ 0), zero elsewhere."""
+    bcost = np.zeros((L + 1, len(shapes)))
+    if boundary_cost is not None:
+        for e in range(1, L):
+            for m, sh in enumerate(shapes):
+                b = float(boundary_cost(e, sh))
+                if not (math.isfinite(b) and b >= 0):
+                    raise ConfigError(f"boundary_cost({e}, {sh}) returned {b}: need seconds >= 0")
+                bcost[e, m] = b
+    return bcost
+
+
+def _table(L: int, D: int, shapes: list[Shape], found: dict[tuple[int, int, int], list[StageCost]],
+           bcost: np.ndarray, calls: int, pruned: int, undefined: int) -> StageCostTable:
+    """The stage costs ``found`` per (first, last unit, shape) laid out as the DP reads
+    them: one column per (shape, variant), infinite time where a pair has no variant."""
     # one column per (shape, variant)
     width = [max((len(v) for (_, _, m), v in found.items() if m == j), default=0) or 1
              for j in range(len(shapes))]
@@ -926,25 +940,8 @@ def solve_stages_from_table(
     L, D = table.num_layers, table.num_devices
     fixed_idx = None
     if fixed_submeshes is not None:
-        fixed = _check_shapes(fixed_submeshes, nodes, devices_per_node, "pipeline.submeshes")
-        if num_stages is not None and num_stages != len(fixed):
-            raise ConfigError(
-                f"{num_stages} stages requested but {len(fixed)} fixed sub-meshes given",
-                key="pipeline.submeshes",
-            )
-        if sum(n * d for n, d in fixed) != D:
-            raise ConfigError(
-                f"fixed sub-meshes {fixed} use {sum(n * d for n, d in fixed)} devices; the cluster has {D}",
-                key="pipeline.submeshes",
-            )
-        missing = [sh for sh in fixed if sh not in table.shapes]
-        if missing:
-            raise ConfigError(
-                f"fixed sub-meshes {missing} are not in the cost table shapes", key="pipeline.submeshes"
-            )
-        fixed_idx = [table.columns(sh) for sh in fixed]
-        num_stages = len(fixed)
-        pack_submeshes(fixed, nodes, devices_per_node)
+        fixed_idx = _fixed_columns(table, fixed_submeshes, num_stages, nodes, devices_per_node)
+        num_stages = len(fixed_idx)
     if num_stages is not None and not 1 <= num_stages <= min(L, D):
         raise ConfigError(
             f"{num_stages} stages impossible: need 1 ≤ stages ≤ min(layers={L}, devices={D})",
@@ -956,11 +953,58 @@ def solve_stages_from_table(
     obj, res, t_max = (_search if search == "bisect" else _search_enumerate)(prob)
     if not np.isfinite(obj):
         raise _infeasible(prob)
-    shapes = [table.shapes[m] for _, _, m in res.stages]
+    stages = _stage_choices(table, res.stages, schedule, M, nodes, devices_per_node)
+    return StagePlan(
+        stages=tuple(stages),
+        objective_s=float(obj),
+        sum_time_s=float(res.value),
+        t_max_s=float(t_max),
+        num_microbatches=M,
+        schedule=schedule,
+        memory_budget_bytes=float(memory_budget_bytes),
+        method="dp" if search == "bisect" else "dp-enumerate",
+        dp_solves=prob.solves,
+        feasibility_checks=prob.checks,
+        candidates=int(prob.candidates.size),
+        solve_s=time.perf_counter() - t0,
+    )
+
+
+def _fixed_columns(table: StageCostTable, fixed_submeshes: Sequence[Shape],
+                   num_stages: int | None, nodes: int, devices_per_node: int) -> list:
+    """The table's columns of each sub-mesh the config fixes, one per stage in order,
+    after checking that they cover the cluster, match the stage count, are in the table
+    and pack onto the nodes."""
+    D = table.num_devices
+    fixed = _check_shapes(fixed_submeshes, nodes, devices_per_node, "pipeline.submeshes")
+    if num_stages is not None and num_stages != len(fixed):
+        raise ConfigError(
+            f"{num_stages} stages requested but {len(fixed)} fixed sub-meshes given",
+            key="pipeline.submeshes",
+        )
+    if sum(n * d for n, d in fixed) != D:
+        raise ConfigError(
+            f"fixed sub-meshes {fixed} use {sum(n * d for n, d in fixed)} devices; the cluster has {D}",
+            key="pipeline.submeshes",
+        )
+    missing = [sh for sh in fixed if sh not in table.shapes]
+    if missing:
+        raise ConfigError(
+            f"fixed sub-meshes {missing} are not in the cost table shapes", key="pipeline.submeshes"
+        )
+    pack_submeshes(fixed, nodes, devices_per_node)
+    return [table.columns(sh) for sh in fixed]
+
+
+def _stage_choices(table: StageCostTable, chosen, schedule: str, M: int, nodes: int,
+                   devices_per_node: int) -> list[StageChoice]:
+    """The DP's stages ``(first unit, last unit, column)`` as :class:`StageChoice` rows,
+    packed onto the nodes, each with its memory at the micro-batches its position holds."""
+    shapes = [table.shapes[m] for _, _, m in chosen]
     placement = pack_submeshes(shapes, nodes, devices_per_node)
-    S = len(res.stages)
+    S = len(chosen)
     stages = []
-    for j, (k, i, m) in enumerate(res.stages):
+    for j, (k, i, m) in enumerate(chosen):
         n_in = inflight_microbatches(schedule, S - j, M)
         stages.append(
             StageChoice(
@@ -976,20 +1020,7 @@ def solve_stages_from_table(
                 variant=table.variants[m],
             )
         )
-    return StagePlan(
-        stages=tuple(stages),
-        objective_s=float(obj),
-        sum_time_s=float(res.value),
-        t_max_s=float(t_max),
-        num_microbatches=M,
-        schedule=schedule,
-        memory_budget_bytes=float(memory_budget_bytes),
-        method="dp" if search == "bisect" else "dp-enumerate",
-        dp_solves=prob.solves,
-        feasibility_checks=prob.checks,
-        candidates=int(prob.candidates.size),
-        solve_s=time.perf_counter() - t0,
-    )
+    return stages
 
 
 def solve_stages(
@@ -1042,108 +1073,3 @@ def solve_stages(
         fixed_submeshes=fixed_submeshes,
     )
     return dataclasses.replace(plan, table_s=table_s)
-
-
-# ---------------------------------------------------------------------------------------------
-# Reference
-
-
-def brute_force_stages(
-    num_layers: int,
-    nodes: int,
-    devices_per_node: int,
-    num_microbatches: int,
-    stage_cost: StageCostFn,
-    *,
-    boundary_cost: BoundaryCostFn | None = None,
-    schedule: str = "1f1b",
-    memory_budget_bytes: float = math.inf,
-    num_stages: int | None = None,
-    submesh_shapes: Sequence[Shape] | None = None,
-    fixed_submeshes: Sequence[Shape] | None = None,
-    imbalance_tolerance: float | None = None,
-    layer_work: Sequence[float] | None = None,
-) -> StagePlan:
-    """Reference for tests: enumerate every slicing × sub-mesh assignment (exponential; keep
-    ``L ≤ 6`` and small clusters). Same arguments and result as :func:`solve_stages`."""
-    t0 = time.perf_counter()
-    schedule = check_schedule_name(schedule)
-    L, D, M = num_layers, nodes * devices_per_node, num_microbatches
-
-    shapes = _check_shapes(
-        default_shapes(nodes, devices_per_node) if submesh_shapes is None else submesh_shapes,
-        nodes,
-        devices_per_node,
-        "pipeline.submesh_shapes",
-    )
-    prefix = _work_prefix(L, layer_work)
-    cache: dict[tuple[int, int, Shape], list[StageCost]] = {}
-
-    def cost(a: int, e: int, sh: Shape, n_in: int) -> tuple[int, StageCost] | None:
-        """The fastest variant that fits holding ``n_in`` micro-batches (the objective
-        only grows with a stage's time, so it is the only one worth trying)."""
-        if (a, e, sh) not in cache:
-            cache[(a, e, sh)] = (
-                _stage_cost_checked(stage_cost, a, e, sh)
-                if admissible(a, e, sh, L, D, imbalance_tolerance, prefix)
-                else []
-            )
-        fits = [(c.time_s, v, c) for v, c in enumerate(cache[(a, e, sh)])
-                if c.memory(n_in) <= memory_budget_bytes]
-        return min(fits, key=lambda f: f[:2])[1:] if fits else None
-
-    best = None
-    counts = [num_stages] if num_stages is not None else range(1, min(L, D) + 1)
-    if fixed_submeshes is not None:
-        counts = [len(fixed_submeshes)]
-    for S in counts:
-        for cuts in itertools.combinations(range(1, L), S - 1):
-            bounds = [0, *cuts, L]
-            ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
-            choices = (
-                [tuple(tuple(s) for s in fixed_submeshes)]
-                if fixed_submeshes is not None
-                else itertools.product(shapes, repeat=S)
-            )
-            for assign in choices:
-                if sum(n * d for n, d in assign) != D:
-                    continue
-                times, rows, ok = [], [], True
-                for j, ((a, e), sh) in enumerate(zip(ranges, assign, strict=True)):
-                    n_in = inflight_microbatches(schedule, S - j, M)
-                    found = cost(a, e, sh, n_in)
-                    if found is None:
-                        ok = False
-                        break
-                    v, c = found
-                    memory = c.memory(n_in)
-                    b = float(boundary_cost(e, sh)) if (boundary_cost and e < L) else 0.0
-                    times.append(c.time_s + b)
-                    rows.append((a, e, sh, c.time_s, b, memory, n_in, v))
-                if not ok:
-                    continue
-                obj = sum(times) + (M - 1) * max(times)
-                if best is None or obj < best[0]:
-                    try:
-                        placement = pack_submeshes(list(assign), nodes, devices_per_node)
-                    except InfeasibleError:
-                        continue
-                    best = (obj, sum(times), max(times), rows, placement)
-    if best is None:
-        raise InfeasibleError(f"brute force: no feasible assignment of {L} layers on {D} devices")
-    obj, total, tmax, rows, placement = best
-    stages = tuple(
-        StageChoice(a, e, sh, t + b, t, b, mem, n_in, placement[j], v)
-        for j, (a, e, sh, t, b, mem, n_in, v) in enumerate(rows)
-    )
-    return StagePlan(
-        stages=stages,
-        objective_s=obj,
-        sum_time_s=total,
-        t_max_s=tmax,
-        num_microbatches=M,
-        schedule=schedule,
-        memory_budget_bytes=float(memory_budget_bytes),
-        method="brute_force",
-        solve_s=time.perf_counter() - t0,
-    )

@@ -10,7 +10,9 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import Config, load_config, read_yaml
 from ilp_planner.inter_op.pipeline import solve_pipelined
-from ilp_planner.intra_op.solve_mesh import price_baselines, price_grid, realise, solve_single_mesh
+from ilp_planner.intra_op.baseline_prices import price_baselines, price_grid
+from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.solve_mesh import solve_single_mesh
 from ilp_planner.ir.graph import Graph
 from ilp_planner.plan.data import Plan, SolverReport
 

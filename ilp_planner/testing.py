@@ -28,10 +28,10 @@ from formulations.sbp_ilp import SbpIlp
 from formulations.schedules import schedule_actions
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs.config import Config
-from ilp_planner.inter_op.pipeline import price_stage_boundaries, stage_costs
+from ilp_planner.inter_op.assembly import price_stage_boundaries, stage_costs
 from ilp_planner.intra_op.baselines import Filter, restrict
 from ilp_planner.intra_op.problem import build_problem
-from ilp_planner.intra_op.solve_mesh import realise
+from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.ir.regions import Region, intersect, layout_blocks, region_empty, region_numel

@@ -30,8 +30,7 @@ from ilp_planner.lowering.strategies import (
     tied_source,
 )
 from ilp_planner.plan.check import CheckedPlan
-from ilp_planner.plan.data import ReshardingEntry, Stage
-from ilp_planner.plan.data import LayerPlan, Plan
+from ilp_planner.plan.data import LayerPlan, Plan, ReshardingEntry, Stage
 from ilp_planner.plan.programs import edge_programs
 from runtime import model
 from runtime.errors import RuntimeSetupError

@@ -14,7 +14,7 @@ import pytest
 from scipy.sparse.csgraph import dijkstra
 
 from ilp_planner.inputs.models import gpt
-from ilp_planner.inter_op.pipeline import layer_units, subgraph
+from ilp_planner.inter_op.layer_units import layer_units, subgraph
 from ilp_planner.intra_op.problem import BuildCache, build_problem
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import TensorSpec

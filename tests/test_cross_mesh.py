@@ -26,9 +26,9 @@ from formulations.cross_mesh import (
     randomized_greedy,
     simulate,
     solve_all,
-    validate_schedule,
 )
 from ilp_planner.errors import ConfigError, InfeasibleError
+from tests.helpers.oracles import validate_schedule
 
 HEURISTICS = {
     "naive": naive,

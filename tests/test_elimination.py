@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -33,7 +34,8 @@ from formulations.elimination import (
 from formulations.problem import BucketTerms, Problem
 from formulations.sbp_search import exhaustive
 from ilp_planner.inputs.config import parse_config
-from ilp_planner.inter_op.pipeline import subgraph
+from ilp_planner.inter_op.layer_units import subgraph
+from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
 from ilp_planner.lowering.stage_boundary import stage_boundary
 
@@ -268,9 +270,12 @@ def test_the_planners_node_solver_is_the_ilp_on_the_node(seed):
 def _pair(config, budget=None, **kw):
     """(elimination solve, ILP-alone solve) of one mesh."""
     nodes, local = config.cluster.nodes, config.cluster.devices_per_node
-    on = solve_mesh(config, nodes, local, budget, **kw)[1]
+    request = MeshSolveRequest.whole_model(config, nodes, local, budget)
+    if kw:
+        request = replace(request, **kw)
+    on = solve_mesh(request)[1]
     off_config = config.with_overrides({"solver.elimination": False})
-    off = solve_mesh(off_config, nodes, local, budget, **kw)[1]
+    off = solve_mesh(replace(request, config=off_config))[1]
     return on, off
 
 
@@ -284,7 +289,7 @@ def test_solve_mesh_equals_the_ilp_alone_on_a_gpt(tie):
 
 def test_solve_mesh_equals_the_ilp_alone_with_a_binding_memory_budget():
     config = _tiny_gpt(2, 1, 4, tie_layers=False)
-    free = solve_mesh(config, 1, 4, None)
+    free = solve_mesh(MeshSolveRequest.whole_model(config, 1, 4, None))
     gp, res = free
     least = gp.problem.min_memory()[0]
     budget = least + 0.3 * (gp.problem.memory_of(res.choice) - least)

@@ -15,7 +15,7 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config
 from ilp_planner.intra_op.problem import build_problem
-from ilp_planner.intra_op.solve_mesh import realise
+from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, axis_coordinates, proper_factorisations
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.cost_model import Collective, CollectiveKind, MemorySpec

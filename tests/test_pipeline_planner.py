@@ -14,17 +14,13 @@ from ilp_planner.api import solve
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.models import gpt, mlp, u_transformer
-from ilp_planner.inter_op.pipeline import (
-    RangeKeys,
-    crossing,
-    layer_units,
-    signature,
-    solve_pipelined,
-    stage_durations,
-    subgraph,
-)
+from ilp_planner.inter_op.assembly import stage_durations
+from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
+from ilp_planner.inter_op.pipeline import solve_pipelined
+from ilp_planner.inter_op.stage_solver import StageSolver
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.plan.data import Plan
+from tests.helpers.oracles import brute_force_stages, crossing, signature
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-gpt-cpu.yaml"
@@ -186,6 +182,7 @@ def _stage_peaks(plan, config) -> list[tuple[float, float]]:
     from dataclasses import replace
 
     from ilp_planner.intra_op.problem import peak_memory
+    from ilp_planner.intra_op.request import MeshSolveRequest
     from ilp_planner.intra_op.solve_mesh import solve_mesh
     from ilp_planner.lowering.stage_boundary import stage_boundary
 
@@ -195,10 +192,10 @@ def _stage_peaks(plan, config) -> list[tuple[float, float]]:
         held = st.dp.memory_solved_for_inflight
         names = st.layers
         bound = stage_boundary(graph, names)
-        gp, res = solve_mesh(config, *st.mesh, None if held is None else
-                             config.cluster.memory_bytes, graph=subgraph(graph, names),
-                             microbatches=config.pipeline.microbatches,
-                             boundary=bound if held is None else replace(bound, inflight=held))
+        gp, res = solve_mesh(MeshSolveRequest(
+            config, *st.mesh, None if held is None else config.cluster.memory_bytes,
+            subgraph(graph, names), config.pipeline.microbatches,
+            bound if held is None else replace(bound, inflight=held)))
         at = replace(gp, boundary=replace(gp.boundary, inflight=st.dp.inflight_microbatches))
         out.append((st.dp.memory_bytes, peak_memory(at, res.choice)))
     return out
@@ -231,11 +228,12 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
 def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
     """Six blocks on 8 devices, 8 micro-batches under 1F1B and a budget that binds: the
     planner solves the in-flight counts between two solved ones only where the DP chooses
-    their stand-in (:class:`~ilp_planner.inter_op.pipeline.Gap`), and bounds the positions
+    their stand-in (:class:`~ilp_planner.inter_op.stage_variants.Gap`), and bounds the positions
     by its incumbent; the table of every count (bisected), without incumbent, has the same
     optimum and needs more solves."""
     from formulations.stage_dp import solve_stages
-    from ilp_planner.inter_op.pipeline import _BoundaryCost, _StageSolver
+    from ilp_planner.inter_op.boundary_estimate import BoundaryCost
+    from ilp_planner.inter_op.stage_solver import StageSolver
     from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
@@ -245,15 +243,15 @@ def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
     assert any(st.dp.memory_solved_for_inflight for st in plan.stages)
     graph = config.microbatch_graph()
     units = layer_units(graph)
-    full = _StageSolver(config, graph, units)
+    full = StageSolver(config, graph, units)
     full.lazy = False
     c = config.cluster
     dp = solve_stages(len(units), c.nodes, c.devices_per_node, 8, full.stage_cost,
-                      boundary_cost=_BoundaryCost(config, graph, units), schedule="1f1b",
+                      boundary_cost=BoundaryCost(config, graph, units), schedule="1f1b",
                       memory_budget_bytes=c.memory_bytes,
                       submesh_shapes=submesh_shapes(c.nodes, c.devices_per_node))
     assert plan.schedule.simulated.dp_objective_s == pytest.approx(dp.objective_s, rel=1e-12)
-    assert plan.solver.stages.stage_solves < full.solves
+    assert plan.solver.stages.stage_solves < full.stats.solves
 
 
 def test_auto_stage_count_solves():
@@ -311,7 +309,7 @@ def test_stage_ilp_prices_its_boundary_programs_exactly():
     from collections import Counter
 
     from ilp_planner.intra_op.problem import build_problem
-    from ilp_planner.intra_op.solve_mesh import realise
+    from ilp_planner.intra_op.realise import realise
     from ilp_planner.lowering.cost_model import MemorySpec
     from ilp_planner.lowering.stage_boundary import export_program, import_program, stage_boundary
     from ilp_planner.lowering.strategies import input_grad_layouts
@@ -354,7 +352,7 @@ def test_stage_ilp_prices_its_boundary_programs_exactly():
 
 
 def test_stage_costs_are_the_layers_own_and_gradients_have_their_own_tasks(tiny_plan):
-    from ilp_planner.inter_op.pipeline import stage_costs
+    from ilp_planner.inter_op.assembly import stage_costs
     from ilp_planner.ir.regions import layout_blocks
 
     m = tiny_plan.schedule.num_microbatches
@@ -430,10 +428,9 @@ def test_stage_bound_skips_solves_but_not_the_optimum(overrides):
 
 def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
     """A memory-bound variant whose solve proves it slower than the incumbent pipeline
-    stops there (:meth:`_StageSolver._cutoff`); the DP's optimum is the one found with no
+    stops there (:meth:`StageSolver._cutoff`); the DP's optimum is the one found with no
     bound at all, and the cut-off is exactly the DP's own test: just below it a stage
     time can still be part of a better plan, at it none can."""
-    from ilp_planner.inter_op.pipeline import _StageSolver
 
     config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
                      "pipeline.stages": "auto", "pipeline.microbatches": 8,
@@ -445,17 +442,17 @@ def test_variants_cut_off_by_the_incumbent_leave_the_optimum():
     assert cut.solver.objective == pytest.approx(exact.solver.objective, rel=1e-12)
     graph = config.microbatch_graph()
     units = layer_units(graph)
-    solver = _StageSolver(config, graph, units)
-    solver.incumbent_s = cut.solver.stages.incumbent_s
+    solver = StageSolver(config, graph, units)
+    solver.state.incumbent_s = cut.solver.stages.incumbent_s
     M = config.pipeline.microbatches
     checked = 0
     for a, e, shape in [(0, 2, (1, 1)), (1, 4, (1, 2)), (2, 6, (1, 1)), (0, 6, (1, 2))]:
         per_step = solver._cutoff(a, e, shape)
-        if solver.lower_bound(a, e, shape) > solver.incumbent_s:
+        if solver.lower_bound(a, e, shape) > solver.state.incumbent_s:
             continue  # bounded by its FLOPs before any solve
         t_star = per_step / M / (1 + 1e-6)
-        assert solver.lower_bound(a, e, shape, t_star * (1 - 1e-7)) <= solver.incumbent_s
-        assert solver.lower_bound(a, e, shape, per_step / M) * (1 - 1e-9) > solver.incumbent_s
+        assert solver.lower_bound(a, e, shape, t_star * (1 - 1e-7)) <= solver.state.incumbent_s
+        assert solver.lower_bound(a, e, shape, per_step / M) * (1 - 1e-9) > solver.state.incumbent_s
         checked += 1
     assert checked >= 2
 
@@ -467,15 +464,16 @@ def test_refining_a_gap_at_a_cut_off_count_removes_the_gap_there():
     import types
 
     from formulations.stage_dp import StageCost
-    from ilp_planner.inter_op.pipeline import Gap, _StageSolver
+    from ilp_planner.inter_op.stage_solver import StageSolver, StageSolverState
+    from ilp_planner.inter_op.stage_variants import Gap
 
-    class Stub(_StageSolver):
+    class Stub(StageSolver):
         """The table logic over canned solves: fastest fits no count ≥ 2, count 2 fits,
         counts ≥ 3 are cut off by the incumbent."""
 
         def __init__(self):
-            self.cache, self.cut_off, self.costs = {}, set(), {}
-            self.incumbent_s, self.lazy = 100.0, True
+            self.state = StageSolverState(incumbent_s=100.0)
+            self.lazy = True
             self.keys = types.SimpleNamespace(key=lambda a, e: ("sig", a, e))
             self.config = types.SimpleNamespace(
                 cluster=types.SimpleNamespace(memory_bytes=100.0),
@@ -487,29 +485,30 @@ def test_refining_a_gap_at_a_cut_off_count_removes_the_gap_there():
         def lower_bound(self, a, e, shape, t=None):
             return 0.0
 
-        def _cost(self, solved):
+        def variant_cost(self, solved):
             return solved
 
         def solve(self, a, e, shape, how=None, useful_only=False):
             key = (self.keys.key(a, e), shape, how)
-            if key in self.cache or (useful_only and key in self.cut_off):
-                return self.cache.get(key)
+            state = self.state
+            if key in state.solved or (useful_only and key in state.cut_off):
+                return state.solved.get(key)
             if how is None or how == 2:
-                self.cache[key] = StageCost(1.0, 50.0 if how is None else 10.0,
-                                            30.0 if how is None else 40.0)
-                return self.cache[key]
-            self.cut_off.add(key)
+                state.solved[key] = StageCost(1.0, 50.0 if how is None else 10.0,
+                                              30.0 if how is None else 40.0)
+                return state.solved[key]
+            state.cut_off.add(key)
             return None
 
     s = Stub()
     pair = (s.keys.key(0, 1), (1, 1))
-    s.costs[pair] = s._variants(0, 1, (1, 1))
-    [gap] = [v for v, (how, _) in enumerate(s.costs[pair]) if isinstance(how, Gap)]
+    s.state.variants[pair] = s._variants(0, 1, (1, 1))
+    [gap] = [v for v, (how, _) in enumerate(s.state.variants[pair]) if isinstance(how, Gap)]
     stage = types.SimpleNamespace(start=0, end=1, submesh=(1, 1), inflight_microbatches=3,
                                   variant=gap)
     assert s.refine(stage)
     budget = s.config.cluster.memory_bytes
-    assert not any(isinstance(how, Gap) and c.memory(3) <= budget for how, c in s.costs[pair])
+    assert not any(isinstance(how, Gap) and c.memory(3) <= budget for how, c in s.state.variants[pair])
 
 
 @pytest.mark.parametrize("overrides", [
@@ -523,15 +522,16 @@ def test_the_relaxation_bounds_every_stage_solve_from_below(overrides):
     """What the planner drops pairs with: :func:`fastest_bound` of a range on a shape is
     at most the time the stage solve prices its fastest plan at (the plan's realised
     cost, every collective and boundary program included), for every range and shape."""
-    from ilp_planner.inter_op.pipeline import _StageSolver
+    from ilp_planner.inter_op.stage_solver import StageSolver
     from ilp_planner.intra_op.problem import BuildCache
+    from ilp_planner.intra_op.request import MeshSolveRequest
     from ilp_planner.intra_op.solve_mesh import fastest_bound
     from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"pipeline.stages": "auto", **overrides})
     graph = config.microbatch_graph()
     units = layer_units(graph)
-    solver = _StageSolver(config, graph, units)
+    solver = StageSolver(config, graph, units)
     M = config.pipeline.microbatches
     c = config.cluster
     checked = 0
@@ -542,8 +542,8 @@ def test_the_relaxation_bounds_every_stage_solve_from_below(overrides):
                 if solved is None:
                     continue
                 sub, boundary = solver._stage_graph(a, e)
-                bound = fastest_bound(config, shape[0], shape[1], sub, M, boundary,
-                                      BuildCache())
+                bound = fastest_bound(MeshSolveRequest(config, shape[0], shape[1], None, sub,
+                                                       M, boundary, BuildCache()))
                 assert bound <= solved[3].total_s * (1 + 1e-9), (a, e, shape)
                 assert bound >= 0.5 * solved[3].total_s  # a bound worth computing
                 checked += 1
@@ -555,8 +555,9 @@ def test_stage_dp_over_one_unit_per_block_equals_brute_force(space):
     """The planner's real stage costs (shared by signature) and boundary costs, one unit
     per block: the DP's optimum is the brute-force enumeration's over every slicing and
     sub-mesh assignment."""
-    from formulations.stage_dp import brute_force_stages, solve_stages
-    from ilp_planner.inter_op.pipeline import _BoundaryCost, _StageSolver
+    from formulations.stage_dp import solve_stages
+    from ilp_planner.inter_op.boundary_estimate import BoundaryCost
+    from ilp_planner.inter_op.stage_solver import StageSolver
     from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"model.layers": 5, "cluster.nodes": 3, "cluster.devices_per_node": 2,
@@ -564,14 +565,14 @@ def test_stage_dp_over_one_unit_per_block_equals_brute_force(space):
     graph = config.microbatch_graph()
     units = layer_units(graph)
     assert len(units) == 5
-    solver = _StageSolver(config, graph, units)
-    kw = dict(boundary_cost=_BoundaryCost(config, graph, units), schedule="1f1b",
+    solver = StageSolver(config, graph, units)
+    kw = dict(boundary_cost=BoundaryCost(config, graph, units), schedule="1f1b",
               memory_budget_bytes=config.cluster.memory_bytes,
               submesh_shapes=submesh_shapes(3, 2, space))
     got = solve_stages(5, 3, 2, 8, solver.stage_cost, **kw)
     ref = brute_force_stages(5, 3, 2, 8, solver.stage_cost, **kw)
     assert got.objective_s == pytest.approx(ref.objective_s, rel=1e-12)
-    assert solver.solves < solver.calls
+    assert solver.stats.solves < solver.stats.calls
 
 
 def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
@@ -579,7 +580,9 @@ def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
     for the stages not yet priced reaches the best found; its answer equals the best of
     every degree priced alone (the config fixing the stage count: nothing to prune), and
     the floors did cut work here."""
-    from ilp_planner.inter_op.pipeline import _BoundaryCost, _StageSolver, pipelined_grid
+    from ilp_planner.inter_op import pipelined_grid as grid_module
+    from ilp_planner.inter_op.boundary_estimate import BoundaryCost
+    from ilp_planner.inter_op.stage_solver import StageSolver
     from ilp_planner.ir.cluster import submesh_shapes
 
     config = tiny(**{"model.layers": 6, "cluster.memory_gib": 1.0 / 1024,
@@ -590,17 +593,15 @@ def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
     c = config.cluster
     shapes = submesh_shapes(c.nodes, c.devices_per_node)
 
-    from ilp_planner.inter_op import pipeline
-
     priced = []
-    point = pipeline.torchtitan_choice
-    monkeypatch.setattr(pipeline, "torchtitan_choice",
+    point = grid_module.torchtitan_choice
+    monkeypatch.setattr(grid_module, "torchtitan_choice",
                         lambda *a, **k: priced.append(1) or point(*a, **k))
 
     def grid(num_stages=None, first=None):
         priced.clear()
-        solver = _StageSolver(config, graph, units)
-        return pipelined_grid(config, graph, solver, _BoundaryCost(config, graph, units), shapes,
+        solver = StageSolver(config, graph, units)
+        return grid_module.pipelined_grid(config, graph, solver, BoundaryCost(config, graph, units), shapes,
                               num_stages, first), len(priced)
 
     alone, work = {}, 0

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from formulations.cross_mesh import SchedulerOptions, validate_schedule
+from formulations.cross_mesh import SchedulerOptions
 from ilp_planner.cli import main
 from ilp_planner.errors import ConfigError, LayoutError, PlanFormatError
 from ilp_planner.inter_op.resharding import (
@@ -28,6 +28,7 @@ from ilp_planner.inter_op.resharding import (
 from ilp_planner.ir.cluster import Cluster, Link, SubMesh
 from ilp_planner.ir.graph import TensorSpec
 from ilp_planner.ir.regions import chunk_bounds, device_regions
+from tests.helpers.oracles import validate_schedule
 
 LINKS = HostLinks(Link.from_bandwidth(5, 1200), Link.from_bandwidth(10, 10))
 FAST = ReshardOptions(scheduler=SchedulerOptions(

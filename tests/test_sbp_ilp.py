@@ -29,7 +29,7 @@ from formulations.sbp_search import (
 )
 from ilp_planner.inputs import models
 from ilp_planner.intra_op.problem import build_problem
-from ilp_planner.intra_op.solve_mesh import realise
+from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.lowering.cost_model import MemorySpec
 

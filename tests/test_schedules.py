@@ -20,10 +20,10 @@ from formulations.schedules import (
     make_schedule,
     one_f_one_b,
     peak_inflight,
-    strip_comm,
     validate,
     warmup_forwards,
 )
+from tests.helpers.oracles import strip_comm
 
 
 def _warmup_of(row) -> int:

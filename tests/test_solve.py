@@ -22,7 +22,9 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
 from ilp_planner.intra_op.baselines import baseline_choices, megatron_filter, restrict
 from ilp_planner.intra_op.problem import build_problem
-from ilp_planner.intra_op.solve_mesh import realise, solve_mesh
+from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.request import MeshSolveRequest
+from ilp_planner.intra_op.solve_mesh import solve_mesh
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, collective_time
@@ -69,7 +71,7 @@ def test_realised_cost_equals_ilp_objective_with_gradient_accumulation():
     count 32 times, the gradient AllReduce once — in the ILP's costs and in realise() alike."""
     config = load_config(CONFIGS / "transformer-autoddl-64.yaml")
     assert config.pipeline.microbatches > 1 and not config.pipeline.pipelined
-    gp, res = solve_mesh(config, 64, 1, config.cluster.memory_bytes)
+    gp, res = solve_mesh(MeshSolveRequest.whole_model(config, 64, 1, config.cluster.memory_bytes))
     _, cost = realise(gp, list(res.choice))
     assert math.isclose(cost.total_s, res.objective, rel_tol=1e-9)
     assert cost.peak_memory_bytes == pytest.approx(gp.problem.memory_of(res.choice))

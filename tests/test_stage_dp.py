@@ -12,7 +12,6 @@ from formulations.schedules import inflight_microbatches
 from formulations.stage_dp import (
     StageCost,
     admissible,
-    brute_force_stages,
     build_cost_table,
     device_step,
     pack_submeshes,
@@ -21,6 +20,7 @@ from formulations.stage_dp import (
 )
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.ir.cluster import submesh_shapes
+from tests.helpers.oracles import brute_force_stages
 
 GiB = 2**30
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,9 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.models import _Builder
 from ilp_planner.intra_op.problem import build_problem, peak_memory
-from ilp_planner.intra_op.solve_mesh import realise, solve_mesh
+from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.request import MeshSolveRequest
+from ilp_planner.intra_op.solve_mesh import solve_mesh
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec
@@ -148,7 +151,7 @@ def test_planner_equals_brute_force_over_the_joint_space(where, tie):
     base_low, joint_low = _peaks(_config(None))
     budget = joint_low + where * (base_low - joint_low)
     config = _config(budget, tie=tie)
-    gp, res = solve_mesh(config, 1, 2, config.cluster.memory_bytes)
+    gp, res = solve_mesh(MeshSolveRequest.whole_model(config, 1, 2, config.cluster.memory_bytes))
     assert math.isclose(res.objective, _brute_force(config), rel_tol=1e-9)
     assert peak_memory(gp, res.choice) <= config.cluster.memory_bytes * (1 + 1e-9)
     layers, cost = realise(gp, list(res.choice))
@@ -157,14 +160,16 @@ def test_planner_equals_brute_force_over_the_joint_space(where, tie):
     if where == 0.0 and not tie:  # below anything the plain space can do
         assert any(ly.zero or ly.recompute for ly in layers)
         with pytest.raises(InfeasibleError):
-            solve_mesh(_config(budget, (0,), "never"), 1, 2, config.cluster.memory_bytes)
+            solve_mesh(MeshSolveRequest.whole_model(_config(budget, (0,), "never"), 1, 2,
+                                                    config.cluster.memory_bytes))
 
 
 def test_never_worse_than_the_plain_space():
     base_low, joint_low = _peaks(_config(None))
     for budget in np.linspace(base_low, 3 * base_low, 4):
-        plain = solve_mesh(_config(budget, (0,), "never"), 1, 2, budget)[1].objective
-        joint = solve_mesh(_config(budget), 1, 2, budget)[1].objective
+        plain = solve_mesh(MeshSolveRequest.whole_model(
+            _config(budget, (0,), "never"), 1, 2, budget))[1].objective
+        joint = solve_mesh(MeshSolveRequest.whole_model(_config(budget), 1, 2, budget))[1].objective
         assert joint <= plain * (1 + 1e-12)
 
 
@@ -173,7 +178,7 @@ def test_recomputation_prices_the_forward_again():
     its forward + backward and lists its forward collectives again in phase recompute;
     its activations leave the held memory."""
     config = _config(None, (0,), "always")
-    gp, res = solve_mesh(config, 1, 2, None)
+    gp, res = solve_mesh(MeshSolveRequest.whole_model(config, 1, 2, None))
     plain_gp = build_problem(config.graph, config.cluster, 1, 2, config.memory,
                              tie_layers=False)
     layers, _ = realise(gp, list(res.choice))
@@ -333,17 +338,16 @@ def test_one_solve_builds_each_problem_once_and_reusing_it_changes_nothing(monke
 
     config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
         {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": 0.0007})
-    c = config.cluster
     built: list[tuple] = []
     build = planner.build_problem
     monkeypatch.setattr(planner, "build_problem", lambda *a, **k: built.append(
         (k["recompute"], k["tie_layers"])) or build(*a, **k))
-    gp, res = solve_mesh(config, c.nodes, c.devices_per_node, c.memory_bytes)
+    gp, res = solve_mesh(MeshSolveRequest.whole_cluster(config))
     assert built and len(built) == len(set(built))
     reused = len(built)
     built.clear()
     monkeypatch.setattr(sp.BuildCache, "__init__", _forgetting_init(sp.BuildCache.__init__))
-    gp2, res2 = solve_mesh(config, c.nodes, c.devices_per_node, c.memory_bytes)
+    gp2, res2 = solve_mesh(MeshSolveRequest.whole_cluster(config))
     assert len(built) > reused  # caps and budgets rebuilt the same problems
     assert res2.choice == res.choice and res2.objective == res.objective
     assert gp2.recompute_units == gp.recompute_units
@@ -369,7 +373,8 @@ def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash(
                          "tiny-gpt-cpu.yaml").with_overrides({"solver.state_sharding": [0, 3]})
     n, local = config.cluster.nodes, config.cluster.devices_per_node
     graph, M = config.microbatch_graph(), config.pipeline.microbatches
-    gp = planner._built(config, n, local, graph, M, None, BuildCache(), frozenset(), None)
+    request = MeshSolveRequest(config, n, local, None, graph, M, cache=BuildCache())
+    gp = planner._built(request)
     no_transient = [np.array([k for k in range(len(gp.problem.cost[g]))
                               if all(gp.options[node][k].transient_bytes == 0 for node in group)])
                     for g, group in enumerate(gp.groups)]
@@ -378,7 +383,6 @@ def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash(
     assert least < least_without
     budget = (least + least_without) / 2
     with pytest.raises(InfeasibleError, match="transients up to 0.0 B"):
-        planner._solve_once(config, n, local, budget, graph, M, None, BuildCache(),
-                            frozenset(), 0.0)
+        planner._solve_once(replace(request, memory_budget=budget, cache=BuildCache()), 0.0)
     with pytest.raises(InfeasibleError):
-        solve_mesh(config, n, local, budget)
+        solve_mesh(MeshSolveRequest.whole_model(config, n, local, budget))

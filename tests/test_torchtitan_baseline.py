@@ -16,6 +16,7 @@ import pytest
 from ilp_planner.api import solve
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import load_config
+from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
@@ -109,12 +110,11 @@ def test_memory_bound_configs_need_the_new_space(name):
     """The planner's space without state sharding and recomputation either does not fit
     or costs more: the plan uses the new decisions (ZeRO at least)."""
     config = load_config(CONFIGS / f"{name}.yaml")
-    c = config.cluster
     plain = config.with_overrides({"solver.state_sharding": [0], "solver.recompute": "never"})
-    gp, res = solve_mesh(config, c.nodes, c.devices_per_node, c.memory_bytes)
+    gp, res = solve_mesh(MeshSolveRequest.whole_cluster(config))
     assert any(o.base.zero for o in gp.node_choice(res.choice).values())
     try:
-        worse = solve_mesh(plain, c.nodes, c.devices_per_node, c.memory_bytes)[1].objective
+        worse = solve_mesh(MeshSolveRequest.whole_cluster(plain))[1].objective
     except InfeasibleError:
         return
     assert worse > res.objective * 1.05

@@ -13,7 +13,7 @@ from ilp_planner.errors import ConfigError, PlanFormatError
 from ilp_planner.inputs.files import prepare_output
 from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.options import SCHEDULES
-from ilp_planner.inter_op.pipeline import stage_durations
+from ilp_planner.inter_op.assembly import stage_durations
 from ilp_planner.plan.check import load_checked
 
 

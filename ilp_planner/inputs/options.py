@@ -67,7 +67,8 @@ class PipelineOptions:
     ``min(solver.time_limit_s, 10)``); a stage that hits it is priced by its best plan so
     far (status ``feasible``). ``stage_bound`` lets the planner skip the intra-op solve of
     a (range, sub-mesh) pair whose FLOP lower bound already loses to an even pipeline it
-    priced first (exact: same optimum; :meth:`_StageSolver.stage_cost`)."""
+    priced first (exact: same optimum;
+    :meth:`ilp_planner.inter_op.stage_solver.StageSolver.stage_cost`)."""
 
     stages: int | str = 1
     microbatches: int = 1

@@ -31,6 +31,7 @@ stage runs for them (:mod:`ilp_planner.lowering.stage_boundary`) are part of its
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -262,6 +263,38 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
                           tuple(zero_levels))
+    owner, position, members = _fused_nodes(graph)
+    again = recomputed_nodes(graph, members, recompute, boundary)
+    options, shapes = _options_per_node(graph, members, ctx, microbatches, boundary, again,
+                                        cache)
+    group_key, groups, group_of = _tie_groups(graph, members, shapes, tie_layers)
+    derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
+    facts = functools.partial(_cached_facts, derived)
+    cost = [np.zeros(len(options[g[0]])) for g in groups]
+    mem = [np.zeros(len(options[g[0]])) for g in groups]
+    for node, g in group_of.items():
+        f = facts(options[node])
+        cost[g] += f.cost
+        mem[g] += f.memory
+        if boundary.inflight > 1:  # every micro-batch in flight holds its activations
+            mem[g] += (boundary.inflight - 1) * f.held
+    _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
+                           microbatches, {} if cache is None else cache.programs)
+    edges = _edge_costs(graph, cluster, owner, position, options, group_of, again,
+                        microbatches, cost, cache)
+    _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
+    names = [group_key[g[0]] for g in groups]
+    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
+               if grad_bucket_bytes > 0 else None)
+    problem = Problem(names, cost, mem, edges, memory_budget, buckets)
+    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
+                        microbatches, boundary, grad_bucket_bytes, frozenset(again),
+                        frozenset(recompute))
+
+
+def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str, list[str]]]:
+    """Each op's node (the op its followers fuse into, :func:`_follower`), its position in
+    the node, and each node's members in graph order; an input is its own node."""
     owner: dict[str, str] = {}
     position: dict[str, int] = {}
     members: dict[str, list[str]] = {}
@@ -277,9 +310,18 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             owner[op.name] = op.name
             members[op.name] = [op.name]
         position[op.name] = len(members[owner[op.name]]) - 1
+    return owner, position, members
+
+
+def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: StrategyContext,
+                      microbatches: int, boundary: StageBoundary, again: dict[str, int],
+                      cache: BuildCache | None
+                      ) -> tuple[dict[str, list[NodeOption]], dict[str, tuple]]:
+    """Every node's options — one list shared by the tied copies of a repeated op, and with
+    ``cache`` by every node of the same content — and each node's shape (which member each
+    follower reads), which tying compares."""
     options: dict[str, list[NodeOption]] = {}
     tied: dict[tuple, list[NodeOption]] = {}
-    again = recomputed_nodes(graph, members, recompute, boundary)
     shapes: dict[str, tuple] = {}
     # a tied table's two copies exchange whole gradients after synchronisation
     # (tied_exchange): they keep their state replicated
@@ -319,10 +361,15 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
         options[node] = opts
         if key is not None:
             tied[key] = opts
+    return options, shapes
 
-    # groups (tying)
-    # a repeated op ties with its copies that merged the same followers (the last block's
-    # op may have absorbed the loss, say)
+
+def _tie_groups(graph: Graph, members: dict[str, list[str]], shapes: dict[str, tuple],
+                tie_layers: bool) -> tuple[dict[str, str], list[list[str]], dict[str, int]]:
+    """The problem's groups (one decision each): with ``tie_layers``, a repeated op ties
+    with its copies that merged the same followers (the last block's op may have absorbed
+    the loss, say); else every node alone. Returns each node's group key, the groups'
+    members, and each node's group."""
     group_key: dict[str, str] = {}
     first_shape: dict[str, tuple] = {}
     for node in members:
@@ -337,27 +384,24 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             group_index[gk] = len(groups)
             groups.append([])
         groups[group_index[gk]].append(node)
-    group_of = {node: group_index[group_key[node]] for node in members}
+    return group_key, groups, {node: group_index[group_key[node]] for node in members}
 
-    derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
 
-    def facts(opts: list[NodeOption]) -> _ListFacts:
-        f = derived.get(id(opts))
-        if f is None:
-            f = derived[id(opts)] = _list_facts(opts)
-        return f
+def _cached_facts(derived: dict[int, _ListFacts], opts: list[NodeOption]) -> _ListFacts:
+    """:func:`_list_facts` of ``opts``, once per list (``derived``, by the list's id)."""
+    f = derived.get(id(opts))
+    if f is None:
+        f = derived[id(opts)] = _list_facts(opts)
+    return f
 
-    cost = [np.zeros(len(options[g[0]])) for g in groups]
-    mem = [np.zeros(len(options[g[0]])) for g in groups]
-    for node, g in group_of.items():
-        f = facts(options[node])
-        cost[g] += f.cost
-        mem[g] += f.memory
-        if boundary.inflight > 1:  # every micro-batch in flight holds its activations
-            mem[g] += (boundary.inflight - 1) * f.held
 
-    _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
-                           microbatches, {} if cache is None else cache.programs)
+def _edge_costs(graph: Graph, cluster: Cluster, owner: dict[str, str],
+                position: dict[str, int], options: dict[str, list[NodeOption]],
+                group_of: dict[str, int], again: dict[str, int], microbatches: int,
+                cost: list[np.ndarray], cache: BuildCache | None
+                ) -> dict[tuple[int, int], np.ndarray]:
+    """The redistribution cost of every edge between nodes, as a matrix per pair of groups
+    (an edge inside one group adds its diagonal to ``cost``)."""
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrix_cache: dict[tuple, np.ndarray] = {}
     # tied nodes share one options list: the same (lists, positions, tensor) give the same
@@ -394,14 +438,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             cost[gu] += np.diag(total)
         else:
             edges[(gu, gv)] = total
-    _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
-    names = [group_key[g[0]] for g in groups]
-    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
-               if grad_bucket_bytes > 0 else None)
-    problem = Problem(names, cost, mem, edges, memory_budget, buckets)
-    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
-                        microbatches, boundary, grad_bucket_bytes, frozenset(again),
-                        frozenset(recompute))
+    return edges
 
 
 def recomputed_nodes(graph: Graph, members: dict[str, list[str]],

@@ -1,6 +1,7 @@
 """The solve pipeline for one mesh: build the problem, check memory, run a fast search as
-warm start and fallback, solve the ILP, turn the choice into a :class:`Plan`, and price
-the baselines under the same cost model."""
+warm start and fallback, solve the ILP, and keep the cheapest plan over the recomputed
+blocks and transient caps tried. What is solved travels as one
+:class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_search import SEARCHES
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs.config import Config
-from ilp_planner.intra_op.baselines import GridPoint, baseline_choices, torchtitan_choice
+from ilp_planner.intra_op.baseline_prices import grid_baseline
+from ilp_planner.intra_op.baselines import GridPoint
 from ilp_planner.intra_op.problem import (
     BuildCache,
     GraphProblem,
@@ -30,13 +32,20 @@ from ilp_planner.intra_op.problem import (
     describe_infeasible,
     peak_memory,
 )
-from ilp_planner.ir.graph import OpKind
-from ilp_planner.lowering.cost_model import Collective
-from ilp_planner.lowering.grad_buckets import exposed_grad_sync, fill_buckets
-from ilp_planner.lowering.redistribution import plan_redistribution
-from ilp_planner.lowering.stage_boundary import StageBoundary, export_program, import_program
-from ilp_planner.lowering.strategies import SyncBucket, tied_exchange_collectives, tied_source
-from ilp_planner.plan.data import CostBreakdown, LayerPlan
+from ilp_planner.intra_op.request import MeshSolveRequest
+
+EVERY_COUNT_UP_TO = 3
+"""``recompute: auto`` solves every count of recomputed blocks for models this small."""
+
+CAP_SAMPLES = 5
+"""Transient caps sampled per solve under state sharding (:func:`_cap_candidates`)."""
+
+
+class CutOff(Exception):
+    """A solve skipped because its proven lower bound reaches a plan already found."""
+
+
+Solved = tuple[GraphProblem, SolveResult]
 
 
 def solve_single_mesh(config: Config, grid: bool = True
@@ -45,49 +54,29 @@ def solve_single_mesh(config: Config, grid: bool = True
     torchtitan-style baseline beside it: its point is in the planner's space, so where it
     beats the planner's enumeration the whole space is solved again at its recomputed
     blocks and transient reserve, which can only do better."""
-    cluster = config.cluster
-    nodes, local, budget = cluster.nodes, cluster.devices_per_node, cluster.memory_bytes
-    gp, result = solve_mesh(config, nodes, local, budget)
-    point = grid_baseline(config, nodes, local, budget) if grid else None
+    request = MeshSolveRequest.whole_cluster(config)
+    gp, result = solve_mesh(request)
+    point = grid_baseline(request) if grid else None
     if isinstance(point, GridPoint) and point.objective < result.objective:
-        gp, result = _at_grid_point(config, gp, result, point)
+        gp, result = _at_grid_point(request, (gp, result), point)
     return gp, result, point
 
 
-def price_grid(grid: GridPoint | str | None) -> dict[str, dict]:
-    """The torchtitan-style baseline's cost block (or why it has none)."""
-    if grid is None:
-        return {}
-    if isinstance(grid, str):
-        return {"torchtitan": {"error": grid}}
-    return {grid.name: realise(grid.gp, grid.choice)[1].to_dict()}
-
-
-def _at_grid_point(config: Config, gp: GraphProblem, result: SolveResult,
-                   grid: GridPoint) -> tuple[GraphProblem, SolveResult]:
-    cluster = config.cluster
-    graph = config.microbatch_graph()
-    sgp, sres = _fit_blocks(config, cluster.nodes, cluster.devices_per_node,
-                            cluster.memory_bytes, graph, config.pipeline.microbatches, None,
-                            BuildCache(), grid.gp.recompute_units, grid.reserve)
-    if sres.objective >= result.objective:
-        return gp, result
+def _at_grid_point(request: MeshSolveRequest, solved: Solved, grid: GridPoint) -> Solved:
+    """``solved``, or the whole space at the grid point's recomputed blocks and transient
+    reserve where that is cheaper."""
+    sgp, sres = solve_under_reserve(dataclasses.replace(request, cache=BuildCache(),
+                                                recompute=grid.gp.recompute_units),
+                            grid.reserve)
+    if sres.objective >= solved[1].objective:
+        return solved
     return sgp, dataclasses.replace(sres, message="; ".join(m for m in (
         sres.message, f"solved at the recomputed blocks and transient reserve of the grid's "
         f"best point {grid.name}, which the enumeration above had not tried") if m))
 
 
-
-
-def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | None,
-               graph=None, microbatches: int | None = None,
-               boundary: StageBoundary | None = None,
-               cache: BuildCache | None = None,
-               cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
-    """Build and solve the intra-op problem of ``graph`` (default: the config's graph of
-    one micro-batch, with gradient accumulation over ``pipeline.microbatches``) on an
-    ``nodes × local`` mesh; ``boundary`` when ``graph`` is a pipeline stage; ``cache``
-    carries per-op build work across solves of graphs cut from one model. Raises
+def solve_mesh(request: MeshSolveRequest, cutoff: float | None = None) -> Solved:
+    """Build and solve the intra-op problem of ``request``. Raises
     :class:`InfeasibleError` naming the binding layer. ``cutoff``: no plan costing that
     much is wanted — :class:`CutOff` is raised instead of proving the optimum when the
     elimination's bound reaches it (the pipeline planner's variants slower than a plan in
@@ -95,73 +84,88 @@ def solve_mesh(config: Config, nodes: int, local: int, memory_budget: float | No
 
     ``solver.recompute``: ``never`` solves once; ``always`` recomputes every block;
     ``auto`` (under a memory budget — without one recomputation only costs) solves with
-    none, with every block, and with the fewest leading blocks that fit (bisection; every
-    count for up to :data:`EVERY_COUNT_UP_TO` blocks), each exactly, and keeps the cheapest
-    plan that fits. Counts in between are not tried on larger models."""
-    if graph is None:
-        graph = config.microbatch_graph()
-        microbatches = config.pipeline.microbatches
-    if cache is None and (config.solver.recompute != "never"
-                          or set(config.solver.state_sharding) & {2, 3}):
-        cache = BuildCache()  # several builds of this graph follow
-    units = graph.blocks()
+    none, with every block, and with the fewest leading blocks that fit
+    (:class:`_RecomputeSearch`), each exactly, and keeps the cheapest plan that fits."""
+    config = request.config
+    if request.cache is None and (config.solver.recompute != "never"
+                                  or set(config.solver.state_sharding) & {2, 3}):
+        request = dataclasses.replace(request, cache=BuildCache())  # several builds follow
+    units = request.graph.blocks()
     policy = config.solver.recompute
     if policy == "never" or not units:
-        return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
-                              boundary, cache, frozenset(), cutoff)
-    if policy == "always" or memory_budget is None:
-        return _solve_fitting(config, nodes, local, memory_budget, graph, microbatches,
-                              boundary, cache, _recomputed_without_budget(config, units),
-                              cutoff)
-    tried: dict[int, tuple[GraphProblem, SolveResult] | InfeasibleError | CutOff] = {}
+        return _solve_fitting(dataclasses.replace(request, recompute=frozenset()), cutoff)
+    if policy == "always" or request.memory_budget is None:
+        return _solve_fitting(dataclasses.replace(
+            request, recompute=_recomputed_without_budget(config, units)), cutoff)
+    return _RecomputeSearch(request, units, cutoff).best()
 
-    def attempt(k: int, cut: bool = True):
+
+class _RecomputeSearch:
+    """``recompute: auto`` under a budget: the counts of leading recomputed blocks solved —
+    every count for up to :data:`EVERY_COUNT_UP_TO` blocks, else none, all, and the fewest
+    that fit (bisection). Counts in between are not tried on larger models."""
+
+    def __init__(self, request: MeshSolveRequest, units: list, cutoff: float | None):
+        self.request = request
+        self.units = units
+        self.cutoff = cutoff
+        self.tried: dict[int, Solved | InfeasibleError | CutOff] = {}
+
+    def attempt(self, k: int, cut: bool = True) -> Solved | InfeasibleError | CutOff:
         """Count ``k`` solved; with ``cut``, stopped once proven no better than the best
         so far (or ``cutoff``). The bisection steers by whether a count fits, which a
         cut-off solve does not tell: its probes run (again) without one."""
+        tried = self.tried
         if k not in tried or (not cut and isinstance(tried[k], CutOff)):
-            best = min([cutoff] * (cutoff is not None)
+            best = min([self.cutoff] * (self.cutoff is not None)
                        + [v[1].objective for v in tried.values() if isinstance(v, tuple)],
                        default=None) if cut else None
             try:
-                tried[k] = _solve_fitting(config, nodes, local, memory_budget, graph,
-                                          microbatches, boundary, cache, frozenset(units[:k]),
-                                          best)
+                tried[k] = _solve_fitting(dataclasses.replace(
+                    self.request, recompute=frozenset(self.units[:k])), best)
             except (InfeasibleError, CutOff) as exc:
                 tried[k] = exc
         return tried[k]
 
-    if len(units) <= EVERY_COUNT_UP_TO:
-        for k in range(len(units) + 1):
-            attempt(k)
-    if isinstance(attempt(len(units)), InfeasibleError) and not any(
-            isinstance(v, tuple) for v in tried.values()):
-        raise attempt(len(units))  # type: ignore[misc]
-    if len(units) > EVERY_COUNT_UP_TO:
-        lo, hi = 0, len(units)  # the fewest recomputed blocks that fit lie in (lo, hi]
-        if not isinstance(attempt(0, cut=False), InfeasibleError):
+    def best(self) -> Solved:
+        """The cheapest plan over the counts tried; its message lists them."""
+        n = len(self.units)
+        if n <= EVERY_COUNT_UP_TO:
+            for k in range(n + 1):
+                self.attempt(k)
+        if isinstance(self.attempt(n), InfeasibleError) and not self._fits():
+            raise self.attempt(n)  # type: ignore[misc]
+        if n > EVERY_COUNT_UP_TO:
+            self._bisect_fewest_fitting()
+        fits = self._fits()
+        if not fits:  # every count infeasible or cut off: the cut-off says more
+            raise next((v for v in self.tried.values() if isinstance(v, CutOff)),
+                       self.attempt(n))
+        gp, best = min(fits, key=lambda v: v[1].objective)
+        counts = ", ".join(f"{k}: {_outcome(v)}" for k, v in sorted(self.tried.items()))
+        return gp, dataclasses.replace(best, message="; ".join(
+            m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
+                        f"{len(gp.recompute_units)}") if m))
+
+    def _fits(self) -> list[Solved]:
+        return [v for v in self.tried.values() if isinstance(v, tuple)]
+
+    def _bisect_fewest_fitting(self) -> None:
+        lo, hi = 0, len(self.units)  # the fewest recomputed blocks that fit lie in (lo, hi]
+        if not isinstance(self.attempt(0, cut=False), InfeasibleError):
             hi = 0
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if isinstance(attempt(mid, cut=False), InfeasibleError):
+            if isinstance(self.attempt(mid, cut=False), InfeasibleError):
                 lo = mid
             else:
                 hi = mid
-    fits = [v for v in tried.values() if isinstance(v, tuple)]
-    if not fits:  # every count infeasible or cut off: the cut-off says more
-        raise next((v for v in tried.values() if isinstance(v, CutOff)),
-                   attempt(len(units)))
-    gp, best = min(fits, key=lambda v: v[1].objective)
 
-    def outcome(v) -> str:
-        if isinstance(v, InfeasibleError):
-            return "infeasible"
-        return "bound ≥ best" if isinstance(v, CutOff) else f"{v[1].objective:.6g} s"
 
-    counts = ", ".join(f"{k}: {outcome(v)}" for k, v in sorted(tried.items()))
-    return gp, dataclasses.replace(best, message="; ".join(
-        m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
-                    f"{len(gp.recompute_units)}") if m))
+def _outcome(v: Solved | InfeasibleError | CutOff) -> str:
+    if isinstance(v, InfeasibleError):
+        return "infeasible"
+    return "bound ≥ best" if isinstance(v, CutOff) else f"{v[1].objective:.6g} s"
 
 
 def _recomputed_without_budget(config: Config, units) -> frozenset:
@@ -170,29 +174,21 @@ def _recomputed_without_budget(config: Config, units) -> frozenset:
     return frozenset(units) if config.solver.recompute == "always" else frozenset()
 
 
-def fastest_bound(config: Config, nodes: int, local: int, graph, microbatches: int,
-                  boundary: StageBoundary, cache: BuildCache) -> float:
+def fastest_bound(request: MeshSolveRequest) -> float:
     """A lower bound on the objective of :func:`solve_mesh` without a memory budget (the
-    fastest plan) on the same arguments, from the problem that solve builds (kept in
-    ``cache`` for it) relaxed by :func:`relaxation_bound` — no dominance, no search: the
-    pipeline planner drops the (range, mesh) pairs it proves slower than a plan in hand.
-    Raises :class:`InfeasibleError` where that build does."""
-    chosen = _recomputed_without_budget(config, graph.blocks())
+    fastest plan) on ``request``, from the problem that solve builds (kept in its cache
+    for it) relaxed by :func:`relaxation_bound` — no dominance, no search: the pipeline
+    planner drops the (range, mesh) pairs it proves slower than a plan in hand. Raises
+    :class:`InfeasibleError` where that build does."""
+    chosen = _recomputed_without_budget(request.config, request.graph.blocks())
     try:
-        gp = _built(config, nodes, local, graph, microbatches, boundary, cache, chosen, None)
+        gp = _built(dataclasses.replace(request, memory_budget=None, recompute=chosen))
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     return relaxation_bound(gp.problem)
 
 
-EVERY_COUNT_UP_TO = 3
-"""``recompute: auto`` solves every count of recomputed blocks for models this small."""
-
-
-def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float | None,
-                   graph, microbatches: int | None, boundary: StageBoundary | None,
-                   cache: BuildCache | None, recompute: frozenset,
-                   cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
+def _solve_fitting(request: MeshSolveRequest, cutoff: float | None = None) -> Solved:
     """The best plan whose exact peak (:func:`peak_memory`) fits the budget.
 
     State sharding's transients (gathered weights, unscattered gradients; at most one op's
@@ -207,14 +203,12 @@ def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float 
     Untied recomputed blocks are charged their average in the memory row; where a plan's
     largest re-materialised block exceeds what that leaves, the row is tightened by the
     difference and the problem solved again (the message says so)."""
-    if memory_budget is None:
-        return _solve_once(config, nodes, local, None, graph, microbatches, boundary, cache,
-                           recompute, None)
-    results = []
+    if request.memory_budget is None:
+        return _solve_once(request, None)
+    results: list[Solved] = []
     caps: list[float] = []
-    if set(config.solver.state_sharding) & {2, 3}:
-        caps += _cap_candidates(config, nodes, local, graph, microbatches, boundary, cache,
-                                recompute)
+    if set(request.config.solver.state_sharding) & {2, 3}:
+        caps += _cap_candidates(request)
     caps.append(0.0)
     failure: InfeasibleError | CutOff | None = None
     done: set[float] = set()
@@ -229,8 +223,7 @@ def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float 
         best = min([cutoff] * (cutoff is not None) + [r[1].objective for r in results],
                    default=None)
         try:
-            gp, res = _fit_blocks(config, nodes, local, memory_budget, graph, microbatches,
-                                  boundary, cache, recompute, cap, best)
+            gp, res = solve_under_reserve(request, cap, best)
         except InfeasibleError as exc:
             failure = failure or exc
             continue
@@ -248,16 +241,10 @@ def _solve_fitting(config: Config, nodes: int, local: int, memory_budget: float 
     return min(results, key=lambda r: r[1].objective)
 
 
-
-CAP_SAMPLES = 5
-
-
-def _cap_candidates(config: Config, nodes: int, local: int, graph, microbatches: int | None,
-                    boundary: StageBoundary | None, cache: BuildCache | None,
-                    recompute: frozenset) -> list[float]:
+def _cap_candidates(request: MeshSolveRequest) -> list[float]:
     """Transient caps to try, largest first: :data:`CAP_SAMPLES` values spread evenly over
     the sorted distinct transients of all options (the largest always among them)."""
-    gp = _built(config, nodes, local, graph, microbatches, boundary, cache, recompute, None)
+    gp = _built(dataclasses.replace(request, memory_budget=None))
     values = sorted({o.transient_bytes for opts in gp.options.values() for o in opts} - {0.0})
     if len(values) > CAP_SAMPLES:
         values = [values[round(i * (len(values) - 1) / (CAP_SAMPLES - 1))]
@@ -265,18 +252,17 @@ def _cap_candidates(config: Config, nodes: int, local: int, graph, microbatches:
     return values[::-1]
 
 
-def _built(config: Config, nodes: int, local: int, graph, microbatches: int | None,
-           boundary: StageBoundary | None, cache: BuildCache | None, recompute: frozenset,
-           memory_budget: float | None) -> GraphProblem:
+def _built(request: MeshSolveRequest) -> GraphProblem:
     """:func:`build_problem` for one solve. The caps, budgets and recomputed sets that
     :func:`solve_mesh` tries rebuild the same problem many times over with only the memory
-    row's budget changed; ``cache`` keeps the problems of the graph it last saw (a new graph
-    replaces them, so it holds one graph's) and each caller gets its own copy with its
-    budget — the same arrays, so the same problem bit for bit."""
+    row's budget changed; the request's cache keeps the problems of the graph it last saw
+    (a new graph replaces them, so it holds one graph's) and each caller gets its own copy
+    with its budget — the same arrays, so the same problem bit for bit."""
+    config, cache, graph = request.config, request.cache, request.graph
     opts = config.solver
-    key = (config.cluster, nodes, local, config.memory, opts.tie_layers,
-           opts.max_weight_replication, microbatches or 1, boundary, config.grad_bucket_bytes,
-           tuple(opts.state_sharding), recompute)
+    key = (config.cluster, request.nodes, request.local, config.memory, opts.tie_layers,
+           opts.max_weight_replication, request.microbatches, request.boundary,
+           config.grad_bucket_bytes, tuple(opts.state_sharding), request.recompute)
     gp = None
     if cache is not None:
         if cache.problems_of is not graph:
@@ -284,69 +270,64 @@ def _built(config: Config, nodes: int, local: int, graph, microbatches: int | No
             cache.problems_of = graph
         gp = cache.problems.get(key)
     if gp is None:
-        gp = build_problem(graph, config.cluster, nodes, local, config.memory,
+        gp = build_problem(graph, config.cluster, request.nodes, request.local, config.memory,
                            tie_layers=opts.tie_layers,
                            max_weight_replication=opts.max_weight_replication,
-                           microbatches=microbatches or 1, boundary=boundary,
+                           microbatches=request.microbatches, boundary=request.boundary,
                            grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
-                           zero_levels=opts.state_sharding, recompute=recompute)
+                           zero_levels=opts.state_sharding, recompute=request.recompute)
         if cache is not None:
             cache.problems[key] = gp
-    return dataclasses.replace(gp, problem=dataclasses.replace(gp.problem,
-                                                               memory_budget=memory_budget))
-
-
-class CutOff(Exception):
-    """A solve skipped because its proven lower bound reaches a plan already found."""
+    return dataclasses.replace(gp, problem=dataclasses.replace(
+        gp.problem, memory_budget=request.memory_budget))
 
 
 def _transient(gp: GraphProblem, choice) -> float:
     return max((o.transient_bytes for o in gp.node_choice(choice).values()), default=0.0)
 
 
-def _fit_blocks(config: Config, nodes: int, local: int, memory_budget: float, graph,
-                microbatches: int | None, boundary: StageBoundary | None,
-                cache: BuildCache | None, recompute: frozenset,
-                cap: float, cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
-    """:func:`_solve_once` under transient cap ``cap``, with the re-materialised blocks
-    checked exactly (see :func:`_solve_fitting`)."""
-    row = memory_budget
+def solve_under_reserve(request: MeshSolveRequest, cap: float,
+                        cutoff: float | None = None) -> Solved:
+    """The best plan of ``request`` (its recomputed blocks as given) whose exact peak fits
+    its budget with ``cap`` reserved for state sharding's transients (and no option's
+    transient above it): :func:`_solve_once`, with the re-materialised blocks checked
+    exactly (see :func:`_solve_fitting`). The solve at one point of the space — a grid
+    point's blocks and reserve, say — where :func:`solve_mesh` searches them."""
+    budget = request.memory_budget
+    assert budget is not None
+    row = budget
     for _ in range(4):
-        gp, res = _solve_once(config, nodes, local, row, graph, microbatches, boundary, cache,
-                              recompute, cap, cutoff)
+        gp, res = _solve_once(dataclasses.replace(request, memory_budget=row), cap, cutoff)
         peak = peak_memory(gp, res.choice)
-        if peak <= memory_budget * (1 + 1e-9):
-            if row < memory_budget:
+        if peak <= budget * (1 + 1e-9):
+            if row < budget:
                 res = dataclasses.replace(res, message="; ".join(m for m in (
-                    res.message, f"memory row tightened by {(memory_budget - row) / 2**30:.4g} "
+                    res.message, f"memory row tightened by {(budget - row) / 2**30:.4g} "
                     f"GiB for the largest re-materialised block") if m))
             return gp, res
         charged = gp.problem.memory_of(res.choice) + _transient(gp, res.choice)
-        row = min(row - (peak - memory_budget), memory_budget - (peak - charged))
+        row = min(row - (peak - budget), budget - (peak - charged))
         if row <= 0:
             break
     raise InfeasibleError(
         f"no plan fits with its transients: the best plan under the memory row peaks at "
         f"{peak / 2**30:.4g} GiB (re-materialised activations and gathered weights "
-        f"included); the budget is {memory_budget / 2**30:.4g} GiB")
+        f"included); the budget is {budget / 2**30:.4g} GiB")
 
 
-def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | None,
-                graph, microbatches: int | None, boundary: StageBoundary | None,
-                cache: BuildCache | None, recompute: frozenset,
-                transient_cap: float | None,
-                cutoff: float | None = None) -> tuple[GraphProblem, SolveResult]:
+def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
+                cutoff: float | None = None) -> Solved:
     """Build and solve once. ``transient_cap`` (under a budget): only options whose
     transient is at most the cap, and the cap reserved from the memory row. Raises
     :class:`CutOff` when the elimination's proven bound is at least ``cutoff`` (a plan
     found elsewhere is already as good): the ILP is not run."""
-    opts = config.solver
+    opts = request.config.solver
     t0 = time.perf_counter()
     try:
-        gp = _built(config, nodes, local, graph, microbatches, boundary, cache, recompute,
-                    memory_budget)
+        gp = _built(request)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
+    memory_budget = request.memory_budget
     allowed = None
     if transient_cap is not None:
         allowed = [np.array([k for k in range(len(gp.problem.cost[g]))
@@ -377,8 +358,7 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
     total = sum(len(c) for c in gp.problem.cost)
     notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
-    tied = _tied_warm_start(config, gp, kept, nodes, local, memory_budget, graph, microbatches,
-                            boundary, cache, recompute)
+    tied = _tied_warm_start(dataclasses.replace(request, memory_budget=memory_budget), gp, kept)
     exact = None
     if opts.elimination:
         try:
@@ -396,7 +376,7 @@ def _solve_once(config: Config, nodes: int, local: int, memory_budget: float | N
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
     else:
-        result = _solve_ilp(config, problem, exact, tied, notes, problem_s)
+        result = _solve_ilp(request.config, problem, exact, tied, notes, problem_s)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     return gp, dataclasses.replace(result, choice=full)
 
@@ -476,22 +456,19 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
                                                     for g, k in enumerate(result.choice)))
 
 
-def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: int,
-                     memory_budget: float | None, graph, microbatches: int | None,
-                     boundary: StageBoundary | None,
-                     cache: BuildCache | None = None,
-                     recompute: frozenset = frozenset()) -> tuple[int, ...] | None:
+def _tied_warm_start(request: MeshSolveRequest, gp: GraphProblem, kept
+                     ) -> tuple[int, ...] | None:
     """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
     untied choice, since tying only restricts) as a warm start, in the pruned problem's
     indices. The ILP alone can stall far above it on large untied models, and the
     elimination's incumbent ignores bucket rounding."""
+    config = request.config
     if config.solver.tie_layers or not any(op.tie_key for op in gp.graph.ops):
         return None
     tied_config = dataclasses.replace(
         config, solver=dataclasses.replace(config.solver, tie_layers=True))
     try:
-        tgp, tres = _solve_once(tied_config, nodes, local, memory_budget, graph, microbatches,
-                                boundary, cache, recompute, None)
+        tgp, tres = _solve_once(dataclasses.replace(request, config=tied_config), None)
     except InfeasibleError:
         return None
     full = [tres.choice[tgp.group_of[group[0]]] for group in gp.groups]
@@ -499,113 +476,3 @@ def _tied_warm_start(config: Config, gp: GraphProblem, kept, nodes: int, local: 
     if any(k not in positions[g] for g, k in enumerate(full)):
         return None
     return tuple(positions[g][k] for g, k in enumerate(full))
-
-
-def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
-            stage_of: dict[str, int] | None = None) -> tuple[list[LayerPlan], CostBreakdown]:
-    """Per-layer plans and the cost breakdown of a choice: intra-op collectives of each op
-    plus the redistribution of every input into the layout its consumer needs, and, for a
-    pipeline stage, its boundary programs (:mod:`ilp_planner.lowering.stage_boundary`). Each op's
-    gradient synchronisation is fused into the runtime's buckets
-    (:func:`~ilp_planner.lowering.grad_buckets.fill_buckets`, per stage when ``stage_of`` cuts the
-    graph into stages), listed on the layer completing each."""
-    chosen = gp.node_choice(choice)
-    graph = gp.graph
-    rows: list[tuple] = []
-    syncs: list[tuple[str, SyncBucket]] = []
-    for op in graph.ops:
-        if op.kind is OpKind.INPUT:
-            continue
-        node = gp.owner[op.name]
-        pos = gp.position[op.name]
-        opt = chosen[node]
-        colls: list[Collective] = []
-        for idx, src in enumerate(op.inputs):
-            want = opt.inputs[pos][idx]
-            if src in gp.boundary.imported:
-                red = import_program(want, opt.grads[pos][idx], graph[src].output, gp.ctx.cluster)
-                colls += red.forward + red.backward
-                continue
-            if graph[src].kind is OpKind.INPUT:
-                continue
-            if gp.owner[src] == node:
-                continue  # a follower reads its producer inside the node (resolve counted)
-            have = chosen[gp.owner[src]].outputs[gp.position[src]]
-            red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster,
-                                      opt.grads[pos][idx])
-            colls += red.forward + red.backward
-            if opt.recompute:  # the checkpointed block runs its input programs again
-                colls += [c.with_phase("recompute") for c in red.forward]
-        colls += [c for c in opt.collectives[pos] if c.purpose != "grad_sync"]
-        if pos == 0:  # the strategy's grad_sync collectives, as SyncBuckets to fuse
-            syncs += [(op.name, b) for b in opt.syncs]
-        if op.name in gp.boundary.exported:
-            red = export_program(opt.outputs[pos], op.output, gp.ctx.cluster)
-            colls += red.forward + red.backward
-        emb = tied_source(graph, op) if op.attrs.get("tied") else None
-        if emb is not None and emb.name in gp.owner and pos == 0:
-            colls += tied_exchange_collectives(chosen[gp.owner[emb.name]].base.weight,
-                                               opt.base.weight, emb.weight, gp.ctx.cluster)
-        rows.append((op, pos, node, opt, colls))
-    where = stage_of or {}
-    colls_of = {r[0].name: r[4] for r in rows}
-    for s in sorted({where.get(name, stage) for name, _ in syncs}):
-        mine = [(name, b) for name, b in syncs if where.get(name, stage) == s]
-        for bucket in fill_buckets(mine, gp.grad_bucket_bytes, gp.ctx):
-            colls_of[bucket.launcher].append(bucket.collective)
-    layers: list[LayerPlan] = []
-    for op, pos, node, opt, colls in rows:
-        is_base = pos == 0
-        held = 0.0 if opt.recompute else opt.outputs[pos].local_bytes(op.output)
-        layers.append(LayerPlan(
-            op.name, op.kind.value, opt.base.label if is_base else f"follows {node}",
-            opt.inputs[pos], opt.base.weight if is_base else None, opt.outputs[pos],
-            opt.compute_s[pos], (opt.state_bytes if is_base else 0.0) + held, tuple(colls),
-            stage, tuple(graph[s].output.shape for s in op.inputs), op.output.shape,
-            opt.base.zero if is_base else 0, opt.recompute,
-        ))
-    compute = sum(ly.compute_s for ly in layers)
-    return layers, CostBreakdown.of(compute, [c for ly in layers for c in ly.collectives],
-                                    peak_memory(gp, choice), gp.microbatches,
-                                    exposed_grad_sync(layers))
-
-
-def price_baselines(gp: GraphProblem, time_limit_s: float,
-                    memory_budget: float | None = None) -> dict[str, dict]:
-    """The usual baselines (:func:`~ilp_planner.intra_op.baselines.baseline_choices`), each on the
-    problem without state sharding and recomputation (``gp`` rebuilt where it has them,
-    under ``memory_budget``)."""
-    if gp.ctx.zero_levels != (0,) or gp.recompute_units:
-        gp = build_problem(gp.graph, gp.ctx.cluster, gp.ctx.nodes, gp.ctx.local, gp.ctx.memory,
-                           tie_layers=any(len(g) > 1 for g in gp.groups),
-                           max_weight_replication=gp.ctx.max_weight_replication,
-                           memory_budget=memory_budget, microbatches=gp.microbatches,
-                           boundary=gp.boundary, grad_bucket_bytes=gp.grad_bucket_bytes)
-    out: dict[str, dict] = {}
-    for name, choice in baseline_choices(gp, time_limit_s).items():
-        if isinstance(choice, str):
-            out[name] = {"error": choice}
-        else:
-            out[name] = realise(gp, choice)[1].to_dict()
-    return out
-
-
-def grid_baseline(config: Config, nodes: int, local: int, memory_budget: float | None,
-                  graph=None, microbatches: int | None = None) -> GridPoint | str:
-    """The torchtitan-style grid (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice`) on
-    the planner's own problems for this mesh."""
-    if graph is None:
-        graph = config.microbatch_graph()
-        microbatches = config.pipeline.microbatches
-    cache = BuildCache()
-
-    def build(levels: tuple[int, ...], blocks: frozenset) -> GraphProblem:
-        return build_problem(graph, config.cluster, nodes, local, config.memory,
-                             tie_layers=config.solver.tie_layers,
-                             max_weight_replication=config.solver.max_weight_replication,
-                             memory_budget=memory_budget, microbatches=microbatches or 1,
-                             grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
-                             zero_levels=levels, recompute=blocks)
-
-    return torchtitan_choice(graph, build, nodes, local, memory_budget,
-                             config.solver.time_limit_s)

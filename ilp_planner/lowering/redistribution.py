@@ -337,111 +337,13 @@ class RedistributionPlanner:
                      for pls in _all_placements(len(fact), rank))
 
     def _rank_tables(self, rank: int) -> _RankTables:
-        """The tables of every candidate, a factorisation's placement codes at a time
-        (:func:`_placement_codes`): split degrees and partial sums from the codes, and
-        the re-view classes from every device's block index (the key
-        :meth:`Layout.canonical_key` compares: equal degrees and equal blocks)."""
-        degrees, partial, view_class = [], [], []
-        classes: dict[tuple, int] = {}
-        for fact in self.universe:
-            opts = _placement_codes(len(fact), rank)
-            coords = axis_coordinates(fact)
-            deg = np.ones((len(opts), rank), dtype=np.int64)
-            # per candidate and device, the block index of every dim, nested major first
-            blocks = np.zeros((len(opts), len(coords), rank), dtype=np.int64)
-            for i, ax in enumerate(fact):
-                for d in range(rank):
-                    on = opts[:, i] == 2 + d
-                    deg[on, d] *= ax.size
-                    blocks[on, :, d] = blocks[on, :, d] * ax.size + coords[:, i]
-            part = np.any(opts == 1, axis=1)
-            # one number per device: the block's position in the row-major grid of blocks
-            flat = np.zeros((len(opts), len(coords)), dtype=np.int64)
-            for d in range(rank):
-                flat = flat * deg[:, d, None] + blocks[:, :, d]
-            for c in range(len(opts)):
-                view_class.append(-1 if part[c] else classes.setdefault(
-                    (tuple(deg[c].tolist()), flat[c].tobytes()), len(classes)))
-            degrees.append(deg)
-            partial.append(part)
-        return _RankTables(np.concatenate(degrees), np.concatenate(partial),
-                           np.array(view_class, dtype=np.int64))
+        """:func:`_rank_tables_of` this planner's universe."""
+        return _rank_tables_of(self.universe, rank)
 
     def _move_structure(self, rank: int, fits: tuple[bool, ...]
                         ) -> tuple[list[Layout], dict[Layout, int], _Moves]:
-        """The states (candidate layouts that fit) and single-axis moves between them:
-        the same for every tensor of one rank whose dimensions admit the same layouts.
-
-        The rules of :func:`_axis_moves_rank`, applied to every candidate of a
-        factorisation at once: a candidate is its factorisation's offset plus its
-        placement code (:func:`_placement_codes`), so the move on axis ``a`` to option
-        ``o`` leads to ``code + (o - current) · (rank + 2)^(k-1-a)``. Moves are ordered by
-        source, axis and new placement (B, then S(0), S(1), …), as the rules list them."""
-        fits_arr = np.asarray(fits, dtype=bool)
-        cand = np.flatnonzero(fits_arr)
-        state_of = np.full(len(fits_arr), -1, dtype=np.int64)
-        state_of[cand] = np.arange(len(cand))
-        candidates = self._candidates(rank)
-        states = [candidates[c] for c in cand]
-        index = {lay: i for i, lay in enumerate(states)}
-        base = rank + 2
-        axis_id: dict[MeshAxis, int] = {}
-        cols: list[tuple[np.ndarray, ...]] = []  # src, dst, dim, kind, axis, axis no., target
-        offset = 0
-        for fact in self.universe:
-            k = len(fact)
-            opts = _placement_codes(k, rank)
-            codes = np.arange(len(opts))
-            # the minor-most axis splitting each dim (-1: none)
-            last = np.full((len(opts), rank), -1, dtype=np.int64)
-            for i in range(k):
-                for d in range(rank):
-                    last[opts[:, i] == 2 + d, d] = i
-            for a, ax in enumerate(fact):
-                if ax.size == 1:
-                    continue
-                cur = opts[:, a]
-                split = cur >= 2
-                cur_dim = np.where(split, cur - 2, 0)
-                # a split axis may change only if it is the minor-most one on its dim
-                movable = split & (last[codes, cur_dim] == a)
-                # (which candidates, new option, kind, the dim whose block changes)
-                moves = [(cur == 1, 0, _KIND_ID[CollectiveKind.ALL_REDUCE], 0 * cur),
-                         (movable, 0, _KIND_ID[CollectiveKind.ALL_GATHER], cur_dim)]
-                for d in range(rank):
-                    take = last[:, d] < a  # no later axis splits d yet
-                    dim = np.full(len(opts), d)
-                    moves += [
-                        ((cur == 1) & take, 2 + d, _KIND_ID[CollectiveKind.REDUCE_SCATTER], dim),
-                        (movable & (cur != 2 + d) & take, 2 + d,
-                         _KIND_ID[CollectiveKind.ALL_TO_ALL], dim),
-                        ((cur == 0) & take, 2 + d, -1, dim)]
-                step = base ** (k - 1 - a)
-                for mask, new, kind, dim in moves:
-                    src = state_of[offset + codes[mask]]
-                    dst = state_of[offset + codes[mask] + (new - cur[mask]) * step]
-                    ok = (src >= 0) & (dst >= 0)
-                    n = int(ok.sum())
-                    if not n:
-                        continue
-                    cols.append((src[ok], dst[ok], dim[mask][ok], np.full(n, kind),
-                                 np.full(n, ax.size),
-                                 np.full(n, axis_id.setdefault(ax, len(axis_id))),
-                                 np.full(n, a), np.full(n, new)))
-            offset += len(opts)
-        src, dst, dim, kind, size, axis, axis_no, target = (
-            np.concatenate(c).astype(np.int64) for c in zip(*cols, strict=True)
-        ) if cols else (np.zeros(0, dtype=np.int64) for _ in range(8))
-        order = np.lexsort((target, axis_no, src))
-        kind = kind[order]
-        moves = _Moves(
-            src=src[order], dst=dst[order], dim=dim[order], k=size[order], kind=kind,
-            axis=axis[order], axes=tuple(axis_id),
-            gather=kind == _KIND_ID[CollectiveKind.ALL_GATHER],
-            scatter=(kind == _KIND_ID[CollectiveKind.REDUCE_SCATTER])
-            | (kind == _KIND_ID[CollectiveKind.ALL_TO_ALL]),
-            cand=cand)
-        return states, index, moves
+        """:func:`_move_structure_of` this planner's universe."""
+        return _move_structure_of(self.universe, self._candidates(rank), rank, fits)
 
     def _move_seconds(self, moves: _Moves, tensor: TensorSpec) -> np.ndarray:
         """Seconds of every move: :func:`step_bytes` from the layouts' padded blocks (a
@@ -620,6 +522,116 @@ class RedistributionPlanner:
         back = grad_dst if grad_dst is not None else grad_layout(dst)
         return Redistribution(src, dst, tensor, self.path(src, dst, tensor), back,
                               self.path(back, grad_layout(src), tensor))
+
+
+def _rank_tables_of(universe: tuple[Factorisation, ...], rank: int) -> _RankTables:
+    """The tables of every candidate, a factorisation's placement codes at a time
+    (:func:`_placement_codes`): split degrees and partial sums from the codes, and
+    the re-view classes from every device's block index (the key
+    :meth:`Layout.canonical_key` compares: equal degrees and equal blocks)."""
+    degrees, partial, view_class = [], [], []
+    classes: dict[tuple, int] = {}
+    for fact in universe:
+        opts = _placement_codes(len(fact), rank)
+        coords = axis_coordinates(fact)
+        deg = np.ones((len(opts), rank), dtype=np.int64)
+        # per candidate and device, the block index of every dim, nested major first
+        blocks = np.zeros((len(opts), len(coords), rank), dtype=np.int64)
+        for i, ax in enumerate(fact):
+            for d in range(rank):
+                on = opts[:, i] == 2 + d
+                deg[on, d] *= ax.size
+                blocks[on, :, d] = blocks[on, :, d] * ax.size + coords[:, i]
+        part = np.any(opts == 1, axis=1)
+        # one number per device: the block's position in the row-major grid of blocks
+        flat = np.zeros((len(opts), len(coords)), dtype=np.int64)
+        for d in range(rank):
+            flat = flat * deg[:, d, None] + blocks[:, :, d]
+        for c in range(len(opts)):
+            view_class.append(-1 if part[c] else classes.setdefault(
+                (tuple(deg[c].tolist()), flat[c].tobytes()), len(classes)))
+        degrees.append(deg)
+        partial.append(part)
+    return _RankTables(np.concatenate(degrees), np.concatenate(partial),
+                       np.array(view_class, dtype=np.int64))
+
+
+def _move_structure_of(universe: tuple[Factorisation, ...], candidates: tuple[Layout, ...],
+                       rank: int, fits: tuple[bool, ...]
+                       ) -> tuple[list[Layout], dict[Layout, int], _Moves]:
+    """The states (the ``candidates`` of ``universe`` that fit) and single-axis moves
+    between them: the same for every tensor of one rank whose dimensions admit the same
+    layouts.
+
+    The rules of :func:`_axis_moves_rank`, applied to every candidate of a
+    factorisation at once: a candidate is its factorisation's offset plus its
+    placement code (:func:`_placement_codes`), so the move on axis ``a`` to option
+    ``o`` leads to ``code + (o - current) · (rank + 2)^(k-1-a)``. Moves are ordered by
+    source, axis and new placement (B, then S(0), S(1), …), as the rules list them."""
+    fits_arr = np.asarray(fits, dtype=bool)
+    cand = np.flatnonzero(fits_arr)
+    state_of = np.full(len(fits_arr), -1, dtype=np.int64)
+    state_of[cand] = np.arange(len(cand))
+    states = [candidates[c] for c in cand]
+    index = {lay: i for i, lay in enumerate(states)}
+    base = rank + 2
+    axis_id: dict[MeshAxis, int] = {}
+    cols: list[tuple[np.ndarray, ...]] = []  # src, dst, dim, kind, axis, axis no., target
+    offset = 0
+    for fact in universe:
+        k = len(fact)
+        opts = _placement_codes(k, rank)
+        codes = np.arange(len(opts))
+        # the minor-most axis splitting each dim (-1: none)
+        last = np.full((len(opts), rank), -1, dtype=np.int64)
+        for i in range(k):
+            for d in range(rank):
+                last[opts[:, i] == 2 + d, d] = i
+        for a, ax in enumerate(fact):
+            if ax.size == 1:
+                continue
+            cur = opts[:, a]
+            split = cur >= 2
+            cur_dim = np.where(split, cur - 2, 0)
+            # a split axis may change only if it is the minor-most one on its dim
+            movable = split & (last[codes, cur_dim] == a)
+            # (which candidates, new option, kind, the dim whose block changes)
+            moves = [(cur == 1, 0, _KIND_ID[CollectiveKind.ALL_REDUCE], 0 * cur),
+                     (movable, 0, _KIND_ID[CollectiveKind.ALL_GATHER], cur_dim)]
+            for d in range(rank):
+                take = last[:, d] < a  # no later axis splits d yet
+                dim = np.full(len(opts), d)
+                moves += [
+                    ((cur == 1) & take, 2 + d, _KIND_ID[CollectiveKind.REDUCE_SCATTER], dim),
+                    (movable & (cur != 2 + d) & take, 2 + d,
+                     _KIND_ID[CollectiveKind.ALL_TO_ALL], dim),
+                    ((cur == 0) & take, 2 + d, -1, dim)]
+            step = base ** (k - 1 - a)
+            for mask, new, kind, dim in moves:
+                src = state_of[offset + codes[mask]]
+                dst = state_of[offset + codes[mask] + (new - cur[mask]) * step]
+                ok = (src >= 0) & (dst >= 0)
+                n = int(ok.sum())
+                if not n:
+                    continue
+                cols.append((src[ok], dst[ok], dim[mask][ok], np.full(n, kind),
+                             np.full(n, ax.size),
+                             np.full(n, axis_id.setdefault(ax, len(axis_id))),
+                             np.full(n, a), np.full(n, new)))
+        offset += len(opts)
+    src, dst, dim, kind, size, axis, axis_no, target = (
+        np.concatenate(c).astype(np.int64) for c in zip(*cols, strict=True)
+    ) if cols else (np.zeros(0, dtype=np.int64) for _ in range(8))
+    order = np.lexsort((target, axis_no, src))
+    kind = kind[order]
+    moves = _Moves(
+        src=src[order], dst=dst[order], dim=dim[order], k=size[order], kind=kind,
+        axis=axis[order], axes=tuple(axis_id),
+        gather=kind == _KIND_ID[CollectiveKind.ALL_GATHER],
+        scatter=(kind == _KIND_ID[CollectiveKind.REDUCE_SCATTER])
+        | (kind == _KIND_ID[CollectiveKind.ALL_TO_ALL]),
+        cand=cand)
+    return states, index, moves
 
 
 def _walk_back(incoming: csc_matrix, dist: np.ndarray, source: int, target: int

@@ -4,7 +4,7 @@ A tensor crossing stages costs three programs: the producer brings it to the lay
 sent in, the cross-mesh broadcasts move it (:mod:`ilp_planner.inter_op.resharding`, priced per
 resharding entry), and the consumer reads it. The first and last depend only on the
 stage's own layouts, so the stage's intra-op ILP prices them exactly and
-:func:`ilp_planner.intra_op.solve_mesh.realise` lists them on the layers; the runtime runs the same
+:func:`ilp_planner.intra_op.realise.realise` lists them on the layers; the runtime runs the same
 lowered programs (:mod:`runtime.stage_forward`, :mod:`runtime.transfers`):
 
 * **export** (producer side, once per tensor whatever the number of entries reading it):

@@ -1,0 +1,208 @@
+"""A pipeline assembled from its stage plans as it runs: the layers renamed into the full
+graph and tagged with their stages, the crossing tensors resharded
+(:mod:`ilp_planner.inter_op.stage_resharding`), the stage boundaries checked and priced,
+each stage's forward and backward priced, and the schedule simulated."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from formulations.schedules import make_schedule
+from formulations.simulator import StageDurations, simulate
+from formulations.stage_dp import StageChoice
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.inputs.config import Config
+from ilp_planner.inter_op.stage_resharding import _plan_resharding
+from ilp_planner.ir.cluster import Cluster
+from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
+from ilp_planner.lowering.grad_buckets import exposed_grad_sync
+from ilp_planner.lowering.redistribution import plan_redistribution
+from ilp_planner.lowering.strategies import tied_source
+from ilp_planner.plan.check import find_entry
+from ilp_planner.plan.data import (
+    CostBreakdown,
+    LayerPlan,
+    PipelineSchedule,
+    ReshardingEntry,
+    Simulated,
+    SolverReport,
+    Stage,
+    StageDP,
+    StageTimes,
+)
+
+
+@dataclass(frozen=True)
+class _StagePlan:
+    """One stage of a pipeline to assemble: where it runs (``choice``), its layers' names in
+    the full graph, its layer plans (under the names of the range they were solved for, in
+    the same order), the solver's report, and the in-flight count its memory was solved for."""
+
+    choice: StageChoice
+    names: list[str]
+    layers: list[LayerPlan]
+    solver: SolverReport
+    solved_for: int | None
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """A pipeline as the plan stores it: its layers tagged with their stages, the stage
+    rows, the cross-mesh resharding entries, and the simulated schedule."""
+
+    layers: list[LayerPlan]
+    stages: list[Stage]
+    resharding: list[ReshardingEntry]
+    schedule: PipelineSchedule
+    resharding_s: float
+    note: str = ""
+
+    @property
+    def step_s(self) -> float:
+        assert self.schedule.simulated is not None
+        return self.schedule.simulated.step_s
+
+
+def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
+              dp_objective_s: float, reshardings: dict | None = None) -> _Pipeline:
+    """The pipeline of ``plans`` as it runs: resharding solved for every crossing tensor,
+    the stage boundaries checked and priced, each stage's forward and backward per
+    micro-batch, and the schedule simulated (``step_s``: makespan + the exposed gradient
+    synchronisation tail). The planner's plan and the pipelined grid baseline both come
+    from here, so their steps compare like for like; ``reshardings`` carries the solved
+    resharding schedules from one assembly to the next (pipelines on the same meshes share
+    their crossings)."""
+    pipe = config.pipeline
+    layers: list[LayerPlan] = []
+    stages: list[Stage] = []
+    stage_of: dict[str, int] = {}
+    out_layout: dict[str, Layout] = {}
+    in_layouts: dict[tuple[str, str], Layout] = {}
+    for i, sp in enumerate(plans):
+        st = sp.choice
+        rename = dict(zip((ly.name for ly in sp.layers), sp.names, strict=True))
+        for ly in sp.layers:
+            name = rename[ly.name]
+            stage_of[name] = i
+            out_layout[name] = ly.output
+            for src, lay in zip(graph[name].inputs, ly.inputs, strict=True):
+                in_layouts[(src, name)] = lay
+            layers.append(_renamed(ly, name, i))
+        stages.append(Stage(
+            i, tuple(st.placement.device_ids() if st.placement else ()), st.submesh,
+            tuple(sp.names),
+            StageDP(str(st.placement), (st.start, st.end), st.time_s, st.boundary_time_s,
+                    st.memory_bytes, st.inflight_microbatches, sp.solved_for, sp.solver)))
+    t0 = time.perf_counter()
+    resharding = _plan_resharding(config, graph, [sp.choice.placement for sp in plans],
+                                  stage_of, out_layout, in_layouts,
+                                  {} if reshardings is None else reshardings)
+    resharding_s = time.perf_counter() - t0
+    layers = price_stage_boundaries(graph, layers, stages, resharding, config.cluster)
+    times = stage_costs(layers, stages, pipe.microbatches)
+    stages = [dataclasses.replace(s, times=t) for s, t in zip(stages, times, strict=True)]
+    sched = make_schedule(pipe.schedule, len(plans), pipe.microbatches)
+    sim = simulate(sched, stage_durations(times, resharding), overlap=pipe.overlap)
+    schedule = PipelineSchedule(
+        pipe.schedule, pipe.microbatches,
+        tuple(tuple(str(a) for a in row) for row in sched.rows),
+        Simulated(sim.makespan_s, sim.bubble_fraction, tuple(sim.peak_inflight), pipe.overlap,
+                  dp_objective_s, sim.makespan_s + max(t.grad_sync_exposed_s for t in times)))
+    return _Pipeline(layers, stages, resharding, schedule, resharding_s)
+
+
+def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:
+    """A stage's LayerPlan under its name in the full graph, tagged with its stage."""
+    return dataclasses.replace(layer, name=name, stage=stage)
+
+
+def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[Stage], microbatches: int
+                ) -> list[StageTimes]:
+    """Per stage, what its layers price (boundary programs and tied exchanges included):
+    per micro-batch ``forward_s`` (a third of the compute, backward ≈ 2 × forward FLOPs,
+    plus the forward-phase activation collectives) and ``backward_s``; per step
+    ``grad_sync_s`` (and its exposed part) and the stage's :class:`CostBreakdown` (memory
+    from the stage's DP row when present, else its layers')."""
+    out = []
+    for s in stages:
+        mine = [ly for ly in layers if ly.stage == s.index]
+        compute = sum(ly.compute_s for ly in mine)
+        colls = [c for ly in mine for c in ly.collectives]
+        act = [c for c in colls if c.purpose not in ONCE_PER_STEP]
+        memory = s.dp.memory_bytes if s.dp else sum(ly.memory_bytes for ly in mine)
+        exposed = exposed_grad_sync(mine)
+        out.append(StageTimes(
+            compute / 3 + sum(c.seconds for c in act if c.phase == "forward"),
+            2 * compute / 3 + sum(c.seconds for c in act if c.phase != "forward"),
+            sum(c.seconds for c in colls if c.purpose in ONCE_PER_STEP), exposed,
+            CostBreakdown.of(compute, colls, memory, microbatches, exposed)))
+    return out
+
+
+def stage_durations(stages: Sequence[StageTimes], resharding: Sequence[ReshardingEntry]
+                    ) -> StageDurations:
+    """Simulator durations of a pipelined plan: each stage's priced forward and backward
+    per micro-batch (:func:`stage_costs`); each boundary's transfers are the solved
+    resharding makespans of the tensors entering the next stage, forward (``tasks``) and
+    backward (``backward_tasks``); a skip edge from an earlier stage is charged to the
+    boundary just before its destination."""
+    S = len(stages)
+    forward, backward = [0.0] * (S - 1), [0.0] * (S - 1)
+    for r in resharding:
+        assert r.transfer is not None, "a solved pipeline's entries carry their transfers"
+        forward[r.dst_stage - 1] += r.transfer.makespan_s
+        backward[r.dst_stage - 1] += r.transfer.backward_makespan_s
+    return StageDurations.make(S, [s.forward_s for s in stages], [s.backward_s for s in stages],
+                               activation_transfer=forward, gradient_transfer=backward)
+
+
+def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Sequence[int],
+                                 cluster: Cluster) -> list[Collective]:
+    """One side of a tied table's gradient exchange across two stages, as the runtime runs
+    it: the copy's gradient gathered to replicated within its stage (lowered program), then
+    one AllReduce of the full table over both stages' ranks, in the master dtype."""
+    table = table.master
+    gather = plan_redistribution(layout, Layout.replicated(layout.fact), table, cluster)
+    spans = len({r // cluster.devices_per_node for r in ranks}) > 1
+    return [c.with_phase("step", "tied_weight") for c in gather.forward] + [
+        make_collective(CollectiveKind.ALL_REDUCE, len(ranks), table.nbytes, cluster, spans,
+                        phase="step", purpose="tied_weight")]
+
+
+def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequence[Stage],
+                           resharding: Sequence[ReshardingEntry], cluster: Cluster
+                           ) -> list[LayerPlan]:
+    """Check that every edge crossing stages has a resharding entry delivering exactly the
+    layout its consumer reads (the stage's own export and import programs are already on
+    its layers, :mod:`ilp_planner.lowering.stage_boundary`), and add the one boundary cost no stage
+    ILP can see: the gradient exchange of a table tied across two stages."""
+    by_name = {ly.name: ly for ly in layers}
+    stage_of = {ly.name: ly.stage for ly in layers}
+    rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in resharding]
+    extra: dict[str, list[Collective]] = {ly.name: [] for ly in layers}
+    for op in graph.ops:
+        if op.name not in by_name:
+            continue
+        ly = by_name[op.name]
+        for idx, src in enumerate(op.inputs):
+            if graph[src].kind is OpKind.INPUT or stage_of[src] == ly.stage:
+                continue
+            if find_entry(rows, src, op.name, ly.stage, ly.inputs[idx]) is None:
+                raise InfeasibleError(f"edge {src} -> {op.name} crosses stages without a "
+                                      f"resharding entry delivering {ly.inputs[idx]}")
+        emb = tied_source(graph, op) if op.attrs.get("tied") else None
+        if emb is not None and stage_of[emb.name] != ly.stage:
+            assert emb.weight is not None
+            ranks = [d for n in (emb.name, op.name) for d in stages[stage_of[n]].devices]
+            for name, table in ((emb.name, emb.weight),
+                                (op.name, TensorSpec(emb.weight.shape[::-1], emb.weight.dtype))):
+                weight = by_name[name].weight
+                assert weight is not None
+                extra[name] += cross_stage_tied_collectives(weight, table, ranks, cluster)
+    return [dataclasses.replace(ly, collectives=ly.collectives + tuple(extra[ly.name]))
+            for ly in layers]
