@@ -4,7 +4,7 @@
 
 Defines a small language model as any PyTorch user would (``nn.Embedding``, ``nn.LayerNorm``,
 ``nn.Linear``, SDPA attention), imports it (:func:`ilp_planner.from_module`), solves a plan
-for the job's ranks, applies it (``plan.parallelize``) and trains with a plain loop. Every
+for the job's ranks, applies it (``ilp_planner.parallelize``) and trains with a plain loop. Every
 rank also trains an unsharded copy of the model on the same batch: the losses must agree
 (fp32, 1e-4), and ``--audit`` prints, per step, the collectives the plan prices beside those
 the program issued (counted at dispatch level, DTensor's included). Exits 1 on a mismatch.

@@ -489,8 +489,8 @@ class _DfsTables:
 
 def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb: float,
                 fallback: Result | None) -> None:
-    """The branch and bound of :func:`dfs`, recording the best steps in ``st``. One piece:
-    its recursion reads the tables through closure cells (hot: millions of nodes)."""
+    """The branch and bound of :func:`dfs`, recording the best steps in ``st``. It must be one
+    piece: its recursion reads the tables through closure cells (hot: millions of nodes)."""
     n, H = problem.size, problem.num_hosts
     C = len(t.members)
     cands, res, min_d, fixed, pools = t.cands, t.res, t.min_d, t.fixed, t.pools

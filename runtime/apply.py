@@ -1,4 +1,4 @@
-"""Apply a solved plan to the user's own ``nn.Module`` (``plan.parallelize(module)``).
+"""Apply a solved plan to the user's own ``nn.Module`` (``ilp_planner.parallelize(plan, module)``).
 
 The module was imported (:func:`ilp_planner.inputs.importer.from_module`), so each op of the plan's
 graph names the user's module path and parameters. :func:`parallelize` turns the module into
@@ -174,7 +174,7 @@ def to_parallelize_plan(plan: Plan) -> dict[str, Any]:
     the batch (data parallelism, the user's DDP / FSDP over the other mesh dim). Token splits
     over the TP axis are batch splits in this IR, not ``SequenceParallel``'s sequence splits,
     so they do not map. Raises ``ValueError`` naming the first layer that does not fit —
-    ``Plan.parallelize`` runs any single-mesh plan."""
+    ``ilp_planner.parallelize`` runs any single-mesh plan."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     graph = parse_config(plan.config).graph

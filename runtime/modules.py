@@ -4,7 +4,7 @@ They compute exactly what the runtime's kernels compute for the builders' graphs
 (:mod:`runtime.model`: ``y = x W + b`` with ``W`` stored ``(in, out)``, head-major fused QKV,
 a learned position table, GPT's head tied to the embedding table), so importing one
 (:func:`ilp_planner.inputs.importer.from_module`) must give the graph the builder gives, and a plan
-applied to it (:meth:`ilp_planner.plan.data.Plan.parallelize`) must train like the module in
+applied to it (:func:`ilp_planner.parallelize`) must train like the module in
 one process. Parameters are drawn as ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.Embedding``
 draw theirs (seed torch identically on every rank).
 """

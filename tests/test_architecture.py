@@ -203,3 +203,27 @@ def test_a_rank_loads_no_solver():
     out = subprocess.run([sys.executable, "-c", RANK_IMPORTS], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 300
+ONE_PIECE = "must be one piece"  # the docstring phrase that explains an exception
+
+
+def _oversized() -> list[str]:
+    out = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if limit is None or node.end_lineno - node.lineno + 1 <= limit:
+                continue
+            if ONE_PIECE not in " ".join((ast.get_docstring(node) or "").split()):
+                out.append(f"{m}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return out
+
+
+def test_functions_and_classes_are_small_or_say_why():
+    """No function over 80 lines and no class over 300, unless its docstring says why it
+    must be one piece."""
+    assert _oversized() == []

@@ -1,4 +1,4 @@
-"""A plan applied to the user's own module (``plan.parallelize``, :mod:`runtime.apply`).
+"""A plan applied to the user's own module (``ilp_planner.parallelize``, :mod:`runtime.apply`).
 
 Multi-process (slow): the user-style example trains 5 steps on 8 gloo ranks with a plan
 that mixes five mesh shapes; the runtime's MLP module (biases on partial sums) and a Llama

@@ -392,7 +392,7 @@ def test_gpt_with_zero3_and_recomputation_on_eight_ranks(tmp_path) -> None:
 
 
 def test_parallelize_refuses_sharded_or_recomputed_layers() -> None:
-    """Plan.parallelize (a user's module under DTensor) does not shard state or recompute:
+    """ilp_planner.parallelize (a user's module under DTensor) does not shard state or recompute:
     it says so instead of running the layers as if they were plain."""
     import ilp_planner
     from runtime.modules import MLP

@@ -64,7 +64,7 @@ def from_module(module: Any, example_inputs: Any, *,
     loss is the mean cross-entropy over the output's last dim. Tensors may live on the
     ``meta`` device (a 1B-parameter model imports without allocating it).
 
-    ``dtensor`` (default): the plan will run on this module under ``Plan.parallelize``,
+    ``dtensor`` (default): the plan will run on this module under ``ilp_planner.parallelize``,
     where the user's own code runs on DTensors — so attention splits the batch or the heads,
     not both (DTensor's 4-D matmul cannot merge the two splits: ``attrs.one_split``), and the
     user's loss reads its logits with whole classes (``attrs.whole_classes``). False gives

@@ -50,7 +50,7 @@ class OpKind(str, Enum):
     FLATTEN = "flatten"
     LOSS = "loss"
     # Kinds that imported models (ilp_planner.inputs.importer) use; the runtime's own kernels do not
-    # cover them (plans of such graphs run through ``Plan.parallelize`` on the user's module).
+    # cover them (plans of such graphs run through ``ilp_planner.parallelize`` on the user's module).
     SILU = "silu"
     MUL = "mul"
     RMSNORM = "rmsnorm"

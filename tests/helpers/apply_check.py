@@ -1,4 +1,4 @@
-"""torchrun script: a user's module trained under ``plan.parallelize`` matches the same
+"""torchrun script: a user's module trained under ``ilp_planner.parallelize`` matches the same
 module trained in one process, and the collectives it issues are the plan's.
 
     torchrun --nproc-per-node N tests/helpers/apply_check.py MODEL [--steps 3]
