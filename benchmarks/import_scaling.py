@@ -1,5 +1,5 @@
 """Import time of users' models (``ilp_planner.from_module``, torch.export on the meta
-device, no memory) against issue 15's target: a 1B-parameter-shaped model in < 10 s.
+device, no memory) against the target: a 1B-parameter-shaped model in < 10 s.
 
     python benchmarks/import_scaling.py
 

@@ -7,7 +7,7 @@ Prints, per row (layers, cluster): units, (range, sub-mesh) pairs the DP costs, 
 intra-op stage solves (one per signature class × shape), how many pairs the exact bound
 settled without a solve, and where the wall time goes — stage solves (build + ILP), DP
 (table bookkeeping + search), boundary estimates, CP-SAT resharding, total — beside the
-stage count and status. Issue 14's target: 96 layers on 128 × 8 devices in < 60 s.
+stage count and status. Target: 96 layers on 128 × 8 devices in < 60 s.
 
 Run: ``python benchmarks/pipeline_scaling.py [--rows 24x16 48x64 96x128] [--space
 power_of_two] [--stage-time-limit 10]``.

@@ -1,11 +1,11 @@
-"""Simulated step time of GPipe, 1F1B and eager-1F1B (seed 003 §5.2) for the shipped
+"""Simulated step time of GPipe, 1F1B and eager-1F1B (Zhuang et al. §5.2) for the shipped
 GPT 2.6B and U-Transformer configs on 2 × 4 V100-like nodes.
 
 For each model the stage DP and the per-stage ILP choose the stages once (with the config's
 schedule); the resulting stage compute times and the solved cross-mesh resharding makespans
 are then replayed under each schedule, with communication on its own stream (overlap) and
 without. "signal send/recv" is the communication-free bound: the same schedule with every
-transfer taking zero time (seed 003's upper bound "Signal Send/Recv").
+transfer taking zero time (Zhuang et al.'s upper bound "Signal Send/Recv").
 
 Run: python benchmarks/pipeline_schedules.py
 """

@@ -2,7 +2,7 @@
 
 For every pair of placements (``S(d)`` per dim, ``B``, ``P`` per mesh axis) on the meshes
 (8,), (2, 4), (4, 2), (2, 2, 2) of the 2 × 4 cluster of ``configs/gpt-2.6b-2x4.yaml``
-(NVLink 1200 Gb/s, 5 µs inside a node; 10 Gb/s, 10 µs between), for the shapes of issue 11
+(NVLink 1200 Gb/s, 5 µs inside a node; 10 Gb/s, 10 µs between), for the shapes the tests use
 (1024 × 4096 and 8 × 512 × 1024 fp32, uneven 1023 × 4093 and 12 × 510 × 1021): the α–β
 seconds (forward + backward) of the planner's lowered program, and of the collectives
 DTensor issues for the same pair — recorded on torch's fake process group at dispatch level

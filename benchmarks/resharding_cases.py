@@ -1,6 +1,6 @@
-"""Seed 003 Table 2: the nine multi-device-to-multi-device cross-mesh resharding cases.
+"""Zhuang et al. Table 2: the nine multi-device-to-multi-device cross-mesh resharding cases.
 
-Setup (seed 003 §5, §5.1.2): tensor (1024, 1024, 512) float32 (2 GiB); AWS p3.8xlarge hosts
+Setup (Zhuang et al. §5, §5.1.2): tensor (1024, 1024, 512) float32 (2 GiB); AWS p3.8xlarge hosts
 with 4 V100s joined by NVLink; 10 Gb/s between hosts. Modelled here as intra 1200 Gb/s,
 5 µs and inter 10 Gb/s, 10 µs (the cluster of ``configs/gpt-2.6b-2x4.yaml``). The source
 mesh occupies the first hosts, the destination the next ones (the paper's meshes are on
@@ -88,7 +88,7 @@ def main() -> None:
             f"{'naive':>7} {'LB-only':>7} {'DFS':>7} {'rgreedy':>7} {'CP-SAT':>7} "
             f"{'bound':>7} | {'sat s':>6} {'status':<8} | {'sr':>7} {'sr+lAG':>7} "
             f"{'sr+gAG':>7} {'bcast':>7} | {'x Alpa':>6}")
-    print("Seed 003 Table 2 — makespan in ms (lower is better); strategies under the "
+    print("Zhuang et al. Table 2 — makespan in ms (lower is better); strategies under the "
           "paper's baseline scheduler")
     print(head)
     print("-" * len(head))

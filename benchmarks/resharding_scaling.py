@@ -1,6 +1,6 @@
 """CP-SAT solve time and optimality against the number of unit tasks (up to 1,024).
 
-Three families, broadcast-based costs on the seed-003 cluster (NVLink 1200 Gb/s, 10 Gb/s
+Three families, broadcast-based costs on Zhuang et al.'s cluster (NVLink 1200 Gb/s, 10 Gb/s
 between hosts):
 
 ``uniform``  RS^{01}R -> S^{01}RR of a (1024, 1024, 512) fp32 tensor between two equal meshes

@@ -10,7 +10,7 @@ times: median and worst ratio, median time.
 
     python benchmarks/search_quality.py [--seeds 10] [--max-points 1e8] [--joint-only]
 
-A second table (issue 13's joint space): a two-block network (linear, ReLU, linear per
+A second table (the joint space): a two-block network (linear, ReLU, linear per
 block, 32 → 64 → 32, 48 tokens) on 2 devices, where strategies × ZeRO levels × counts of
 recomputed blocks can be enumerated. Per memory budget (spread from the smallest peak of
 the joint space to above the smallest peak of the plain space): the planner

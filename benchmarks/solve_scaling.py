@@ -1,4 +1,4 @@
-"""Intra-op solve time at scale: issue 14's targets side by side, and a depth sweep.
+"""Intra-op solve time at scale: the targets side by side, and a depth sweep.
 
 Default (the targets table), each row one in-process :func:`~ilp_planner.intra_op.solve_mesh.solve_mesh`
 (or, for the last row, :func:`~ilp_planner.inter_op.pipeline.solve_pipelined`) timed from the

@@ -1,5 +1,5 @@
 """Cross-mesh resharding: choose the sender host and the start time of every unit task
-(seed 003 §3.2, eqs. 1–3), with OR-Tools CP-SAT and the paper's heuristics.
+(Zhuang et al. §3.2, eqs. 1–3), with OR-Tools CP-SAT and the paper's heuristics.
 
 Problem (:class:`CrossMeshProblem`, solver-free data). Unit task ``i`` moves one data slice.
 It is sent by one host ``n_i*`` chosen among the hosts ``n_i`` that hold a replica, to every
@@ -303,7 +303,7 @@ def _result(problem: CrossMeshProblem, name: str, schedule: tuple[ScheduledTask,
 
 
 def naive(problem: CrossMeshProblem) -> Result:
-    """Lowest-index sender host, tasks in their given order (seed 003 §3.2 "Naive")."""
+    """Lowest-index sender host, tasks in their given order (Zhuang et al. §3.2 "Naive")."""
     t0 = time.perf_counter()
     choice = [min(range(len(t.candidates)), key=lambda k, t=t: t.candidates[k].sender)
               for t in problem.tasks]

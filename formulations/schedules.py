@@ -24,7 +24,7 @@ Generators (warm-up = forwards a stage runs before its first backward, capped by
 * GPipe: every stage runs all ``M`` forwards, then all ``M`` backwards.
 * 1F1B (Narayanan et al.): stage ``i = 1..S`` warms up with ``S − i + 1`` forwards, then
   alternates one backward and one forward (steady phase), then drains its backwards.
-* eager-1F1B (seed 003 §4): the same with ``2(S − i) + 1`` warm-up forwards, so a stage has
+* eager-1F1B (Zhuang et al. §4): the same with ``2(S − i) + 1`` warm-up forwards, so a stage has
   computation of other micro-batches to run while a cross-mesh transfer is in flight.
 
 With ``delay_weight_grad`` every B is split into B (input gradient, which is all the upstream
@@ -247,7 +247,7 @@ def warmup_1f1b(num_stages: int, stage: int, num_microbatches: int) -> int:
 
 
 def warmup_eager_1f1b(num_stages: int, stage: int, num_microbatches: int) -> int:
-    """eager-1F1B (seed 003 §4): ``2(S − i) + 1`` warm-up forwards, capped by ``M``."""
+    """eager-1F1B (Zhuang et al. §4): ``2(S − i) + 1`` warm-up forwards, capped by ``M``."""
     return min(2 * (num_stages - 1 - stage) + 1, num_microbatches)
 
 
@@ -350,7 +350,7 @@ def one_f_one_b(
 def eager_1f1b(
     num_stages: int, num_microbatches: int, *, delay_weight_grad: bool | Sequence[int] = False
 ) -> Schedule:
-    """eager-1F1B: ``2(S − i) + 1`` warm-up forwards on stage ``i`` (seed 003 §4)."""
+    """eager-1F1B: ``2(S − i) + 1`` warm-up forwards on stage ``i`` (Zhuang et al. §4)."""
     _check_sizes(num_stages, num_microbatches)
     w = [warmup_eager_1f1b(num_stages, s, num_microbatches) for s in range(num_stages)]
     return _generate("eager-1f1b", num_stages, num_microbatches, w, delay_weight_grad)

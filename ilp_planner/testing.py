@@ -1,6 +1,6 @@
 """Plans built by hand for tests and benchmarks (planner-side fixtures; no torch, never on a rank).
 
-* :func:`greedy_unit_tasks` — a cross-mesh transfer cut into unit tasks (seed 003 §2.2): devices
+* :func:`greedy_unit_tasks` — a cross-mesh transfer cut into unit tasks (Zhuang et al. §2.2): devices
   holding the same source block form a source slice σ, devices needing the same destination
   block a destination slice δ, each non-empty σ ∩ δ is one task with ``holders`` = σ and
   ``receivers`` = δ; the sender is the least-loaded holder (greedy) and ``start_s`` comes

@@ -1,8 +1,8 @@
 """What really runs for one layout change, recorded on torch's fake process group: the
 runtime's execution of a lowered program, and ``DTensor.redistribute``'s own.
 
-The plan is only worth its price if the program it prices is the program that runs
-(issue 11). A fake process group (``torch.testing._internal.distributed.fake_pg``) lets one
+The plan is only worth its price if the program it prices is the program that runs.
+A fake process group (``torch.testing._internal.distributed.fake_pg``) lets one
 process play any rank of any world without communicating: collectives return at once with
 tensors of the right shape, so the :class:`~runtime.recorder.Recorder` sees exactly the
 calls — kind, group, bytes — that a real run on that rank issues. Values are meaningless

@@ -1,4 +1,4 @@
-"""Cross-mesh transfers between pipeline stages (seed 003), as the plan's unit tasks.
+"""Cross-mesh transfers between pipeline stages (Zhuang et al.), as the plan's unit tasks.
 
 Forward: the boundary tensor is brought (inside its source stage, by its export program,
 once per tensor) to the entries' ``src_layout``, then each unit task, in the plan's order, is

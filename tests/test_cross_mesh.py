@@ -113,7 +113,7 @@ def test_tail_holds_no_resource_but_counts_in_makespan() -> None:
 
 
 def test_sender_choice_balances_the_case_2_pattern() -> None:
-    # Seed 003 case 2: one slice replicated on both source hosts, two destination hosts.
+    # Zhuang et al. case 2: one slice replicated on both source hosts, two destination hosts.
     p = CrossMeshProblem((task("a", (2,), (0, 1.0), (1, 1.0)),
                           task("b", (3,), (0, 1.0), (1, 1.0))), 4)
     assert naive(p).makespan == 2.0  # both from host 0

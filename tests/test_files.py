@@ -1,4 +1,4 @@
-"""Inputs read and outputs written with errors a user can act on (issue 17's I/O part):
+"""Inputs read and outputs written with errors a user can act on (the I/O part):
 every case ends in one ``error:`` line naming the file, exit 2, no traceback."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every input checked (issue 17): malformed plans, configs, sweeps and results files thrown
+"""Every input checked: malformed plans, configs, sweeps and results files thrown
 at the CLI entry points, in process. For each: exit 0 (the input was still valid) or exit 2
 with exactly one ``error:`` naming the file — never an exception escaping, never unbounded
 output. The cases are generated deterministically from valid inputs: every field of a

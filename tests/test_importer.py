@@ -1,4 +1,4 @@
-"""Importing users' ``nn.Module`` s (issue 15): the runtime's own tiny models import to the
+"""Importing users' ``nn.Module`` s: the runtime's own tiny models import to the
 builders' graphs exactly (same plan, same cost); nanoGPT, a Llama block and a small ResNet
 import with their parameters, attention, norms and repeated blocks; every API path (solve,
 load_config, ``kind: torch``, plan round trip) takes an imported graph."""

@@ -1,5 +1,5 @@
 """Pipelined solves end to end: layer units, sub-graphs, stage placement, resharding of every
-crossing tensor, schedules, memory, and seed 003's eager-1F1B claim on the shipped configs."""
+crossing tensor, schedules, memory, and Zhuang et al.'s eager-1F1B claim on the shipped configs."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def test_auto_stage_count_solves():
     assert sorted(d for st in plan.stages for d in st.devices) == list(range(8))
 
 
-# -- seed 003 §4: eager-1F1B never slower than 1F1B with communication overlapped ---------------
+# -- Zhuang et al. §4: eager-1F1B never slower than 1F1B with communication overlapped ---------------
 
 
 @pytest.mark.parametrize("name", ["gpt-2.6b-2x4", "u-transformer-2x4"])

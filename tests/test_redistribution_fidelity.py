@@ -1,4 +1,4 @@
-"""Every layout pair, lowered and executed (issue 11, first two "done when" bullets).
+"""Every layout pair, lowered and executed.
 
 Pairs of placements (``S(d)`` for each dim, ``B``, ``P`` per mesh axis) on the meshes
 (8,), (2, 4), (4, 2), (2, 2, 2) of a 2-node × 4-device cluster — so axes within a node and

@@ -1,6 +1,6 @@
 """Cross-mesh resharding planner (ilp_planner.inter_op.resharding): unit tasks from specs, exact
 delivery checked by assembling destination shards with numpy (even and uneven shapes),
-strategy costs against seed 003 §3.1, the nine Table 2 cases, plan JSON round-trip, the
+strategy costs against Zhuang et al. §3.1, the nine Table 2 cases, plan JSON round-trip, the
 ``reshard`` verb, and clear errors for bad specs and overlapping meshes."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ FAST = ReshardOptions(scheduler=SchedulerOptions(
     algorithms=("naive", "load_balance", "randomized_greedy", "dfs", "cpsat"),
     time_limit_s=2, num_workers=1, dfs_budget_s=0.2, greedy_restarts=2, greedy_samples=4))
 
-TABLE2 = TABLE2_CASES  # seed 003 Table 2: (send spec, recv spec, send mesh, recv mesh)
+TABLE2 = TABLE2_CASES  # Zhuang et al. Table 2: (send spec, recv spec, send mesh, recv mesh)
 
 
 def meshes(src: str, dst: str, dpn: int = 4, dst_node0: int | None = None,

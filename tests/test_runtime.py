@@ -1,6 +1,6 @@
 """The torch runtime against the single-process reference, on gloo with real processes.
 
-Equivalence (DESIGN §5): for a tiny MLP and a tiny GPT, on 4 and on 8 processes, (a) a pure
+Equivalence with one process: for a tiny MLP and a tiny GPT, on 4 and on 8 processes, (a) a pure
 intra-op plan with AutoDDL's 3-D family and partial sums, (b) a 2-stage pipelined plan under
 eager-1F1B and (c) the same under 1F1B must give the loss of every step and the final
 parameters of one process running the unsharded model, within 1e-4 relative, over 3

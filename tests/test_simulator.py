@@ -35,7 +35,7 @@ def test_gpipe_closed_form(S, M, f, b):
 @pytest.mark.parametrize("S", range(1, 7))
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 12])
 def test_zero_comm_1f1b_equals_eager(S, M):
-    """Seed 003 §4: without communication cost the two schedules have the same latency
+    """Zhuang et al. §4: without communication cost the two schedules have the same latency
     (equal stages), and 1F1B matches GPipe's (S + M − 1)(f + b)."""
     for f, b in [(1.0, 2.0), (1.0, 1.0), (0.7, 1.9)]:
         d = StageDurations.make(S, f, b)

@@ -1,8 +1,8 @@
-"""``ilp-planner reshard``: plan one cross-mesh resharding (seed 003 §3) and print the unit
+"""``ilp-planner reshard``: plan one cross-mesh resharding (Zhuang et al. §3) and print the unit
 tasks, the chosen sender and start of each, the makespan, the lower bound and every
 scheduling algorithm's makespan (or the plan as JSON with ``--json``).
 
-Example (seed 003 Table 2, case 3)::
+Example (Zhuang et al. Table 2, case 3)::
 
     ilp-planner reshard --shape 1024,1024,512 --src-mesh 2x4 --src-spec 'RS^0R' \\
         --dst-mesh 2x4 --dst-spec 'S^0RR'
@@ -11,7 +11,7 @@ Meshes are NODESxDEVICES. The source starts at host ``--src-node0`` (0), the des
 right after the source's hosts unless ``--dst-node0`` says otherwise. Link parameters come
 from ``--cluster FILE`` (any YAML with a ``cluster:`` section holding ``links: {intra,
 inter}`` — a planner config or a ``calibrate`` fragment — and optionally
-``devices_per_node``) and/or the link flags, which win; without either, the seed-003 cluster:
+``devices_per_node``) and/or the link flags, which win; without either, Zhuang et al.'s cluster:
 4 GPUs per host, NVLink 1200 Gb/s and 5 µs inside a host, 10 Gb/s and 10 µs between hosts.
 """
 
@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="plan a cross-mesh resharding: unit tasks, senders, order (CP-SAT + heuristics)",
         description="Split a tensor's move from one mesh/spec to another into unit tasks, "
                     "price them as broadcasts and schedule them (sender host and order) with "
-                    "CP-SAT and the seed-003 heuristics; print every algorithm's makespan "
+                    "CP-SAT and Zhuang et al.'s heuristics; print every algorithm's makespan "
                     "beside the lower bound.",
     )
     p.add_argument("--shape", required=True, help="tensor shape, e.g. 1024,1024,512")

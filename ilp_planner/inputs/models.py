@@ -133,7 +133,7 @@ def gpt_params_closed_form(hidden: int, layers: int, vocab: int, seq_len: int) -
 
 def u_transformer(hidden: int, layers: int, heads: int, seq_len: int, batch: int,
                   dtype: str = "float32") -> Graph:
-    """U-shaped transformer (seed 003 §5.2): ``layers`` blocks where the output of block i
+    """U-shaped transformer (Zhuang et al. §5.2): ``layers`` blocks where the output of block i
     also feeds block ``layers − 1 − i`` (i < layers/2) through a long skip edge, as U-Net's
     i-th layer feeds the i-th layer from last. Input and output are ``(tokens, hidden)``
     feature maps; a linear stem and head frame the blocks."""

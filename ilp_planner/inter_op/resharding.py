@@ -1,4 +1,4 @@
-"""Cross-mesh resharding planner (seed 003 §2.2, §3): unit tasks from GSPMD sharding specs,
+"""Cross-mesh resharding planner (Zhuang et al. §2.2, §3): unit tasks from GSPMD sharding specs,
 the cost of each transfer strategy, and the scheduled plan. Pure; no torch.
 
 Meshes. A mesh is a :class:`~ilp_planner.ir.cluster.SubMesh` of one cluster — ``nodes ×
@@ -14,7 +14,7 @@ then each piece by axis 1.
 Slices. A dimension of size ``n`` split ``k`` ways gives pieces
 ``[min(j·c, n), min((j+1)·c, n))`` with ``c = ⌈n/k⌉`` — torch.chunk/DTensor's convention, i.e.
 the tensor is padded to ``k·c`` and the padding is never sent; trailing pieces may be short
-or empty (seed 003 pads in case 6: 1024 rows over 3 hosts = 342 + 342 + 340).
+or empty (Zhuang et al. pads in case 6: 1024 rows over 3 hosts = 342 + 342 + 340).
 
 Unit tasks (§2.2). Devices holding the same region form one *source slice* σ (its replicas);
 likewise destination devices needing the same region form a *destination slice* δ. Each
@@ -44,17 +44,17 @@ work after the NICs are free, which holds no host resource):
 ``global_allgather``  the copy is cut in D = Σ b_h parts, one per receiving device, then a
     ring all-gather over all D devices:  d = Σ_h b_h (α + nβ/D) + AG_inter(D, n),  e = 0
     (the all-gather crosses hosts, so it holds the NICs; on one host it becomes the tail).
-AG(p, n) = (p−1)α + (p−1)/p·nβ (DESIGN §3). Transfers the sender's own host receives over
+AG(p, n) = (p−1)α + (p−1)/p·nβ (AutoDDL, Table 2). Transfers the sender's own host receives over
 NVLink run beside the NIC part and do not add to ``d`` when A > 0.
 
 Host resources (what eq. 3 serialises): the sender host's send side and every receiving
 host's receive side, for ``d`` seconds — also when A = 0 (conservative: NVLink does not use
 the NIC, but the model keeps eq. 3 per host). In a ring broadcast the receiving hosts also
 forward chunks with their send sides; when source and destination are on different hosts
-(all of seed 003's cases) nothing else needs a destination host's send side, so eq. 3 leaves
+(all of Zhuang et al.'s cases) nothing else needs a destination host's send side, so eq. 3 leaves
 it out; meshes sharing a host are allowed but this forwarding load is then not modelled.
 
-Scheduling (seed 003 eqs. 1–3) is :mod:`formulations.cross_mesh`; the plan keeps every
+Scheduling (Zhuang et al. eqs. 1–3) is :mod:`formulations.cross_mesh`; the plan keeps every
 algorithm's makespan and uses the best.
 """
 
@@ -85,7 +85,7 @@ from ilp_planner.lowering.cost_model import CollectiveKind, collective_time
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")
 
-# Seed 003 Table 2, the nine microbenchmark cases (tensor 1024 × 1024 × 512, fp32, 4 GPUs
+# Zhuang et al. Table 2, the nine microbenchmark cases (tensor 1024 × 1024 × 512, fp32, 4 GPUs
 # per host): (send spec, receive spec, send mesh, receive mesh). Case 6's (3, 4) mesh splits
 # 1024 rows unevenly; see benchmarks/resharding_cases.py for how the table was read.
 TABLE2_CASES = (

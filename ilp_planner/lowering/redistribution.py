@@ -10,7 +10,7 @@ layouts, so the program priced is the program run.
 The search is Dijkstra over the states ``(factorisation, placements)`` of every proper
 factorisation with up to three axes (plus those of the endpoints). Edges:
 
-1. one mesh axis ``a`` changes state (DESIGN §3): ``P→B`` AllReduce, ``P→S(d)``
+1. one mesh axis ``a`` changes state (AutoDDL, Table 2): ``P→B`` AllReduce, ``P→S(d)``
    ReduceScatter, ``S(d)→B`` AllGather, ``S(i)→S(j)`` AlltoAll, ``B→S(d)`` local slice —
    but only where the result keeps *contiguous* nested blocks: a dim split by several axes
    is chunked major-first, so axis ``a`` may gather (or give away) dim ``d`` only when it

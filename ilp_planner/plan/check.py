@@ -1,4 +1,4 @@
-"""A plan checked before anything reads it as a program (issues 11 and 17).
+"""A plan checked before anything reads it as a program.
 
 A plan file is input like any other: edited, truncated, produced by another version, or
 simply wrong. Every verb that reads a plan (``explain``, ``diff``, ``simulate``, ``check``,
