@@ -1,11 +1,10 @@
 """Plans built by hand for tests and benchmarks (planner-side fixtures; no torch, never on a rank).
 
-* :func:`greedy_unit_tasks` — a cross-mesh transfer cut into unit tasks (Zhuang et al. §2.2): devices
-  holding the same source block form a source slice σ, devices needing the same destination
-  block a destination slice δ, each non-empty σ ∩ δ is one task with ``holders`` = σ and
-  ``receivers`` = δ; the sender is the least-loaded holder (greedy) and ``start_s`` comes
-  from a greedy list schedule (one send and one receive per device at a time, α + nβ per
-  task). Hand-built plans use this; the planner's own plans carry the CP-SAT order;
+* :func:`greedy_unit_tasks` — a cross-mesh transfer's unit tasks (Zhuang et al. §2.2, the
+  planner's own :func:`~ilp_planner.inter_op.resharding.unit_tasks`), the sender of each the
+  least-loaded holder and ``start_s`` from a greedy list schedule (one send and one receive
+  per device at a time, α + nβ per task). Hand-built plans use this; the planner's own plans
+  carry the CP-SAT order;
 * :func:`restricted_plan` — the best single-mesh plan among strategies a filter keeps
   (e.g. force AutoDDL's 3-D family with partial sums), solved exactly like the baselines;
 * :func:`sharded_plan` — the same with every shardable op at one ZeRO level (and every
@@ -19,6 +18,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -29,12 +29,13 @@ from formulations.schedules import schedule_actions
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs.config import Config
 from ilp_planner.inter_op.assembly import price_stage_boundaries, stage_costs
+from ilp_planner.inter_op.resharding import unit_tasks
 from ilp_planner.intra_op.baselines import Filter, restrict
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.intra_op.realise import realise
-from ilp_planner.ir.graph import Op, OpKind
+from ilp_planner.ir.cluster import Cluster, SubMesh
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
-from ilp_planner.ir.regions import Region, intersect, layout_blocks, region_empty, region_numel
 from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.stage_boundary import export_program, import_program
 from ilp_planner.lowering.strategies import Strategy, input_grad_layouts, resolve_partial, tied_source
@@ -65,38 +66,24 @@ from ilp_planner.plan.data import (
 # -- plans built by hand ---------------------------------------------------------------------
 
 
-def greedy_unit_tasks(shape: Sequence[int], itemsize: int, src_layout: Layout,
-                      src_devices: Sequence[int], dst_layout: Layout, dst_devices: Sequence[int], *,
-                      alpha: float = 1e-5,
-                      beta: float = 1e-9) -> list[UnitTask]:
-    """Unit tasks of moving a tensor from ``src_layout`` over ``src_devices`` to
-    ``dst_layout`` over ``dst_devices`` (global ranks, mesh order), in a greedy order."""
-    src_regions = layout_blocks(src_layout, shape)
-    dst_regions = layout_blocks(dst_layout, shape)
-    sigma: dict[Region, list[int]] = {}
-    for dev, reg in zip(src_devices, src_regions, strict=True):
-        sigma.setdefault(reg, []).append(dev)
-    delta: dict[Region, list[int]] = {}
-    for dev, reg in zip(dst_devices, dst_regions, strict=True):
-        delta.setdefault(reg, []).append(dev)
-    sent: dict[int, float] = dict.fromkeys(src_devices, 0.0)
-    send_free: dict[int, float] = dict.fromkeys(src_devices, 0.0)
-    recv_free: dict[int, float] = dict.fromkeys(dst_devices, 0.0)
+def greedy_unit_tasks(tensor: TensorSpec, src: SubMesh, src_layout: Layout, dst: SubMesh,
+                      dst_layout: Layout, *, alpha: float = 1e-5, beta: float = 1e-9
+                      ) -> list[UnitTask]:
+    """The unit tasks of :func:`ilp_planner.inter_op.resharding.unit_tasks` as a hand-built plan
+    carries them: each sent by its least-loaded holder, started by a greedy list schedule (one
+    send and one receive per device at a time, ``α + nβ`` a task), in order of start."""
+    sent: dict[int, float] = defaultdict(float)
+    send_free: dict[int, float] = defaultdict(float)
+    recv_free: dict[int, float] = defaultdict(float)
     tasks = []
-    for dreg, receivers in delta.items():
-        for sreg, holders in sigma.items():
-            piece = intersect(sreg, dreg)
-            if region_empty(piece):
-                continue
-            nbytes = region_numel(piece) * itemsize
-            sender = min(holders, key=lambda h: (sent[h], holders.index(h)))
-            sent[sender] += nbytes
-            start = max([send_free[sender]] + [recv_free[r] for r in receivers])
-            end = start + alpha + nbytes * beta
-            send_free[sender] = end
-            for r in receivers:
-                recv_free[r] = end
-            tasks.append(UnitTask(piece, sender, tuple(holders), tuple(receivers), start))
+    for t in unit_tasks(tensor, src, src_layout, dst, dst_layout):
+        sender = min(t.holders, key=lambda h: (sent[h], t.holders.index(h)))
+        sent[sender] += t.nbytes
+        start = max([send_free[sender]] + [recv_free[r] for r in t.receivers])
+        send_free[sender] = start + alpha + t.nbytes * beta
+        for r in t.receivers:
+            recv_free[r] = send_free[sender]
+        tasks.append(UnitTask(t.region, sender, t.holders, t.receivers, start))
     tasks.sort(key=lambda t: t.start_s)
     return tasks
 
@@ -200,6 +187,14 @@ def _stage_shape(nodes: int, local: int, stages: int) -> tuple[int, int]:
     raise ConfigError(f"cannot cut a {nodes}x{local} cluster into {stages} equal stage meshes")
 
 
+def _stage_mesh(cluster: Cluster, nodes: int, local: int, index: int) -> SubMesh:
+    """Stage ``index``'s mesh when the cluster is cut into equal contiguous stage meshes of
+    ``nodes × local`` (along the nodes, or along one node's devices)."""
+    if nodes == cluster.nodes and local < cluster.devices_per_node:
+        return SubMesh(0, nodes, index * local, local, cluster.devices_per_node)
+    return SubMesh(index * nodes, nodes, 0, local, cluster.devices_per_node)
+
+
 def _at_stage_boundaries(graph, gp, lp, outputs: dict[str, Layout], stage_of: dict[str, int]) -> tuple:
     """A layer's collectives once the single-mesh plan is cut into stages: the edge
     programs of inputs from another stage (they arrive by cross-mesh resharding, exactly in
@@ -250,7 +245,6 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
         cfg = cfg.with_overrides({"solver.state_sharding": [0, zero]})
     c = cfg.cluster
     n_s, d_s = _stage_shape(c.nodes, c.devices_per_node, stages)
-    per_stage = n_s * d_s
     graph = cfg.microbatch_graph()
     gp = build_problem(graph, c, n_s, d_s, cfg.memory, tie_layers=cfg.solver.tie_layers,
                        max_weight_replication=cfg.solver.max_weight_replication,
@@ -276,7 +270,8 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     layers = [replace(lp, stage=stage_of[lp.name],
                       collectives=_at_stage_boundaries(graph, gp, lp, outputs, stage_of))
               for lp in layers]
-    devices = [list(range(i * per_stage, (i + 1) * per_stage)) for i in range(stages)]
+    meshes = [_stage_mesh(c, n_s, d_s, i) for i in range(stages)]
+    devices = [m.device_ids() for m in meshes]
     stage_list = [Stage(i, tuple(devices[i]), (n_s, d_s),
                         tuple(n for n in names if stage_of[n] == i)) for i in range(stages)]
     by_name = {lp.name: lp for lp in layers}
@@ -293,10 +288,8 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
             a, b = stage_of[src], stage_of[op.name]
             resharding.append(ReshardingEntry(
                 a, b, src, op.name, tuple(tensor.shape), tensor.dtype, src_layout, dst_layout,
-                tuple(greedy_unit_tasks(tensor.shape, tensor.itemsize, src_layout, devices[a],
-                                        dst_layout, devices[b])),
-                tuple(greedy_unit_tasks(tensor.shape, tensor.itemsize, dst_layout, devices[b],
-                                        src_layout, devices[a]))))
+                tuple(greedy_unit_tasks(tensor, meshes[a], src_layout, meshes[b], dst_layout)),
+                tuple(greedy_unit_tasks(tensor, meshes[b], dst_layout, meshes[a], src_layout))))
     actions = schedule_actions(schedule, stages, microbatches)
     sched = PipelineSchedule(schedule, microbatches,
                              tuple(tuple(actions[str(i)]) for i in range(stages)))

@@ -33,7 +33,8 @@ from ilp_planner import cli
 from ilp_planner.api import solve
 from ilp_planner.inputs.config import load_config, parse_config
 from ilp_planner.intra_op.baselines import data_parallel_filter, summa_filter
-from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.cluster import MeshAxis, SubMesh
+from ilp_planner.ir.graph import TensorSpec
 from ilp_planner.ir.layouts import B, Layout, S
 from ilp_planner.ir.regions import layout_blocks
 from ilp_planner.plan.data import Plan
@@ -461,8 +462,9 @@ def _fact(*sizes: int):
 ])
 def test_unit_tasks_deliver_every_element_once(src: Layout, dst: Layout) -> None:
     shape = (8, 12)
-    src_dev, dst_dev = [0, 1, 2, 3], [4, 5, 6, 7]
-    tasks = greedy_unit_tasks(shape, 4, src, src_dev, dst, dst_dev)
+    src_mesh, dst_mesh = SubMesh(0, 1, 0, 4, 8), SubMesh(0, 1, 4, 4, 8)
+    src_dev, dst_dev = src_mesh.device_ids(), dst_mesh.device_ids()
+    tasks = greedy_unit_tasks(TensorSpec(shape), src_mesh, src, dst_mesh, dst)
     src_reg = dict(zip(src_dev, layout_blocks(src, shape), strict=True))
     dst_reg = dict(zip(dst_dev, layout_blocks(dst, shape), strict=True))
     got = {d: torch.zeros(shape, dtype=torch.int64) for d in dst_dev}
