@@ -520,7 +520,7 @@ class Applied:
             local = _Unwrap.apply(param, _spec(self.mesh(stored),
                                                placements(grad, dims, f"gradient of {fqn}"),
                                                param, tuple(param.shape)))
-            if role in ("bias", "pos"):
+            if role == "bias" or role.startswith("pos"):
                 local = bias_share(local, ly.output)
             owner, _, attr = fqn.rpartition(".")
             module = self.module.get_submodule(owner) if owner else self.module

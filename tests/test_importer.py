@@ -35,8 +35,8 @@ def _ids(*shape: int) -> torch.Tensor:
 
 
 # what an imported graph adds for running on the user's module (DTensor): attention splits
-# batch or heads, the user's loss reads whole classes
-_EXECUTION_ATTRS = ("one_split", "whole_classes")
+# batch or heads, the user's loss reads whole classes, a weight stored (out, in)
+_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t")
 
 
 def _attrs(op) -> dict:
@@ -58,7 +58,7 @@ def test_runtime_gpt_module_imports_to_the_builders_graph_and_plan():
                            dtensor=False)
     built = models.gpt(hidden, layers, heads, seq, vocab, batch)
     _same_ops(imported, built)
-    assert [dict(op.attrs) for op in imported.ops] == [dict(op.attrs) for op in built.ops]
+    assert [_attrs(op) for op in imported.ops] == [dict(op.attrs) for op in built.ops]
     p_imp = ilp_planner.solve(imported, cluster=CLUSTER)
     p_built = ilp_planner.solve(dict(kind="gpt", hidden=hidden, layers=layers, heads=heads,
                                      seq_len=seq, vocab=vocab, batch=batch), cluster=CLUSTER)

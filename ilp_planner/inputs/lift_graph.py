@@ -82,7 +82,10 @@ class DraftGraph:
     # -- values --------------------------------------------------------------------------
 
     def arg(self, a: Any) -> Any:
-        """A node argument's value: a visited node's, or the literal itself."""
+        """A node argument's value: a visited node's, the literal itself, or a list / tuple
+        of them looked up one by one (``cat``'s tensors would otherwise read as constants)."""
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.arg(x) for x in a)
         name = getattr(a, "name", None)
         return self.values.get(name, Const()) if name is not None else a
 
