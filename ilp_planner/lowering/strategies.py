@@ -625,8 +625,12 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                        if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
         return _layout_strategies(op, layouts, len(op.inputs), ctx)
     if kind in (OpKind.ADD, OpKind.MUL):
-        # images split over batch and channels only, as convolutions, pooling and flatten do
-        dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
+        # images split over batch and channels only, as convolutions, pooling and flatten do;
+        # a dim an operand broadcasts (a routing weight (T, 1) times an expert's (T, h)) is
+        # never split: the operand has no such split to be given
+        dims = tuple(d for d in ((0, 1) if op.output.rank == 4 else range(op.output.rank))
+                     if all(x.rank == op.output.rank and x.shape[d] == op.output.shape[d]
+                            for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
 
