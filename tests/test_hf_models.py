@@ -22,6 +22,7 @@ from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.strategies import param_shapes
+from ilp_planner.reports.summary import unsharded_summary
 
 T = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402 - after the skip
@@ -251,6 +252,16 @@ def test_opaque_op_flops_and_bytes_are_torchs_count():
     assert op.attrs["bytes_read"] == 2 * y.numel() * 4 and op.attrs["bytes_written"] == 2 * 8 * 8 * 4
 
 
+def test_validate_lists_opaque_ops_with_their_flops():
+    graph = from_module(_SelfSimilarity(), (torch.randn(2, 8, 16),))
+    lines = unsharded_summary(graph)
+    forward = sum(op.flops for op in graph.ops)
+    assert lines[0] == (f"unsharded 2 op(s) kept replicated (opaque): 4.10 K of "
+                        f"{forward / 1e3:.2f} K forward FLOPs ({4096 / forward:.1%})")
+    assert lines[1:] == ["  bmm: 4.10 K FLOPs, 2.0 KiB read, 0.5 KiB written",
+                         "  opaque: 0 FLOPs, 1.0 KiB read, 1.0 KiB written"]
+
+
 def test_a_constant_added_to_itself_lists_its_parameter_once():
     g = DraftGraph(nn.Linear(2, 2), lambda node: NodeCost(0.0, 0, 0))
     node = torch.fx.Graph().call_function(torch.add, ())
@@ -290,3 +301,14 @@ def test_a_causal_lm_with_its_cache_on_says_pass_use_cache_false():
     model.config.use_cache = True
     with pytest.raises(ConfigError, match="use_cache=False"):
         from_module(model, (_ids(),))
+
+
+def test_explain_lists_opaque_ops_with_their_share_of_the_step():
+    graph = from_module(_SelfSimilarity(), (torch.randn(2, 8, 16),))
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    line = next(x for x in ilp_planner.explain(plan).splitlines()
+                if x.startswith("unsharded"))
+    bmm = next(ly for ly in plan.layers if ly.name == "bmm")
+    share = (bmm.compute_s + sum(c.seconds for c in bmm.collectives)) / plan.cost.total_s
+    assert line.startswith("unsharded 2 opaque op(s), replicated: ")
+    assert f"bmm {share:.1%}" in line
