@@ -4,9 +4,11 @@ The exported (training-IR) graph is walked node by node and lifted to the planne
 (:mod:`ilp_planner.ir.graph`), whose activations are ``(tokens, features)`` (leading dims
 folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
 
-* ``linear`` (and ``x @ W`` with a parameter ``W``) → ``linear`` with the weight as
-  ``(in, out)``; ``embedding`` → ``embedding`` (a position table looked up with constant
-  ids and added to it folds into it, as the builders' GPT); ``layer_norm`` / ``rms_norm``
+* ``linear`` (and ``x @ W`` with a parameter ``W``, and ``addmm``: Hugging Face's
+  ``Conv1D``) → ``linear`` with the weight as ``(in, out)`` (``attrs.weight_t`` where the
+  module stores it ``(out, in)``); ``embedding`` → ``embedding`` (each table looked up with
+  constant ids and added to it — positions, token types — folds into it as one more
+  parameter, as the builders' GPT's position table); ``layer_norm`` / ``rms_norm``
   (and a hand-written RMSNorm: a last-dim mean, then a product with a 1-D gain) →
   ``layernorm`` / ``rmsnorm``; ``conv2d``, ``batch_norm``, pooling, ``flatten``;
 * ``scaled_dot_product_attention`` and hand-written attention (``q @ kᵀ``, mask, softmax,
@@ -19,13 +21,18 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /
   difference / product of two activations → ``add`` / ``mul``;
+* in-place ops (``out += identity``: ``add_``) are lifted as their out-of-place forms; list
+  arguments (``cat``, ``stack``) are looked up tensor by tensor;
 * the loss: ``loss_fn(output)`` traced with the model, or (without ``loss_fn``) the mean
-  cross-entropy of the output over its last dim, the runtime's convention.
+  cross-entropy of the output over its last dim, the runtime's convention — of its
+  ``logits`` field where it returns a structure (``output=`` picks another).
 
 An op the planner cannot shard becomes ``opaque``: kept replicated, its inputs gathered,
-listed by ``validate`` (:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated
-blocks — children ``i`` of a ``ModuleList`` / ``Sequential`` of one class whose ops have the
-same signature — are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
+priced with the FLOPs torch's ``FlopCounterMode`` counts for it and the bytes it reads and
+writes (``attrs.bytes_read`` / ``bytes_written``), listed by ``validate``
+(:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated blocks — children ``i`` of
+a numbered container whose ops have the same signature, whatever the container is called —
+are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
 (``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>``), and
 each op lists the parameters it owns (``Op.source_params``) so a plan can be applied back to
 the module (:mod:`ilp_planner.parallelize`).
