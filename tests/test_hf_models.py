@@ -312,3 +312,47 @@ def test_explain_lists_opaque_ops_with_their_share_of_the_step():
     share = (bmm.compute_s + sum(c.seconds for c in bmm.collectives)) / plan.cost.total_s
     assert line.startswith("unsharded 2 opaque op(s), replicated: ")
     assert f"bmm {share:.1%}" in line
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model with its logits as the output, which the runtime checks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ("gpt2", "bert", "resnet"))
+def test_applied_on_one_rank_computes_what_the_module_does(one_rank, name):
+    """The parameters map back: Conv1D's ``(in, out)`` weight, BERT's three embedding
+    tables, bias-free convolutions (untied heads: the runtime refuses tied weights)."""
+    torch.manual_seed(0)
+    untied = {"gpt2": T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB,
+                                   n_positions=16, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                   use_cache=False, tie_word_embeddings=False),
+              "bert": T.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, vocab_size=VOCAB,
+                                   max_position_embeddings=16, hidden_dropout_prob=0,
+                                   attention_probs_dropout_prob=0, tie_word_embeddings=False)}
+    if name == "resnet":
+        model, x = _builders()["resnet"]()[0], torch.randn(BATCH, 3, 32, 32)
+    else:
+        cls = T.GPT2LMHeadModel if name == "gpt2" else T.BertForMaskedLM
+        model, x = cls(untied[name]), _ids()
+    module = _Logits(model).eval()
+    expected = module(x)
+    one = dict(CLUSTER, nodes=1, devices_per_node=1)
+    plan = ilp_planner.solve(from_module(module, (x,)), cluster=one, baselines=False)
+    got = ilp_planner.apply(plan, module)(x)
+    assert torch.allclose(got.full_tensor(), expected, atol=1e-5)
