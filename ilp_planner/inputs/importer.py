@@ -216,7 +216,8 @@ def _model_output(values: list[Any], spec: Any, output: str | int | None, model:
 def _output_fields(spec: Any) -> dict[str | int, int]:
     """Field name and position → index of its first tensor among the output's leaves, for
     the top level of a structured output (none for a single tensor)."""
-    children = spec.children() if spec.num_children else []
+    # ``children()`` from torch 2.6; ``children_specs`` before (deprecated after)
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
     names = spec.context if isinstance(spec.context, (list, tuple)) else []
     out: dict[str | int, int] = {}
     first = 0
