@@ -356,3 +356,34 @@ def test_applied_on_one_rank_computes_what_the_module_does(one_rank, name):
     plan = ilp_planner.solve(from_module(module, (x,)), cluster=one, baselines=False)
     got = ilp_planner.apply(plan, module)(x)
     assert torch.allclose(got.full_tensor(), expected, atol=1e-5)
+
+
+@torch.library.custom_op("ilp_planner_test::square_mm", mutates_args=())
+def _square_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``(x W) W``: a custom op whose matmuls only its Python body shows the counter."""
+    return (x @ w) @ w
+
+
+@_square_mm.register_fake
+def _square_mm_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _NormThenCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _square_mm(self.norm(x), self.w)
+
+
+def test_a_custom_op_is_counted_on_the_example_and_leaves_the_module_untouched():
+    module = _NormThenCustom().train()
+    before = module.norm.running_mean.clone(), int(module.norm.num_batches_tracked)
+    graph = from_module(module, (torch.randn(4, 8) + 3.0,))
+    (op,) = [op for op in graph.ops if op.kind is OpKind.OPAQUE]
+    assert op.flops == 2 * (2 * 4 * 8 * 8) and op.source_params == ("w",)
+    assert torch.equal(module.norm.running_mean, before[0])
+    assert int(module.norm.num_batches_tracked) == before[1]

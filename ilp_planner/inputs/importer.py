@@ -162,8 +162,15 @@ def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], t
             counted[n.name] = float(counter.get_total_flops())
             return out
 
+    runner = ep.module()
+    # the run updates buffers (batch-norm statistics) the user's module shares: put them back
+    saved = {name: b.clone() for name, b in runner.named_buffers()}
     with torch.no_grad():
-        Counting(ep.module()).run(*flat)
+        try:
+            Counting(runner).run(*flat)
+        finally:
+            for name, b in runner.named_buffers():
+                b.copy_(saved[name])
     return counted
 
 
