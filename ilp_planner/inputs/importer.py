@@ -260,9 +260,10 @@ def _export(root: Any, args: tuple, kwargs: dict, torch: Any) -> Any:
 
 def _cache_hint(root: Any) -> str:
     """What to do when the model returns a key / value cache (a Hugging Face model built
-    with ``use_cache=True``): the cache is no tensor, so neither tracer can return it."""
-    model = getattr(root, "model", root)
-    if getattr(getattr(model, "config", None), "use_cache", False):
+    with ``use_cache=True``): the cache is no tensor, so neither tracer can return it. The
+    model is ``root`` or, under the loss wrapper, its ``model``."""
+    if any(getattr(getattr(m, "config", None), "use_cache", False)
+           for m in (root, getattr(root, "model", None))):
         return "; the model returns a key/value cache: pass use_cache=False (in its config)"
     return ""
 
