@@ -203,7 +203,7 @@ class BoundaryHooks:
             local = Unwrap.apply(p.param, dtensor_spec(
                 self.meshes.of(p.stored), placements(p.grad, p.dims, f"gradient of {fqn}"),
                 p.param, tuple(p.param.shape)))
-            if role in ("bias", "pos"):
+            if role == "bias" or role.startswith("pos"):
                 local = bias_share(local, ly.output)
             owner, attr = owner_of(self.module, fqn)
             owner._parameters[attr] = local  # nn.Module refuses non-Parameters via setattr

@@ -35,8 +35,8 @@ def _ids(*shape: int) -> torch.Tensor:
 
 
 # what an imported graph adds for running on the user's module (DTensor): attention splits
-# batch or heads, the user's loss reads whole classes
-_EXECUTION_ATTRS = ("one_split", "whole_classes")
+# batch or heads, the user's loss reads whole classes, a weight stored (out, in)
+_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t")
 
 
 def _attrs(op) -> dict:
@@ -58,7 +58,7 @@ def test_runtime_gpt_module_imports_to_the_builders_graph_and_plan():
                            dtensor=False)
     built = models.gpt(hidden, layers, heads, seq, vocab, batch)
     _same_ops(imported, built)
-    assert [dict(op.attrs) for op in imported.ops] == [dict(op.attrs) for op in built.ops]
+    assert [_attrs(op) for op in imported.ops] == [dict(op.attrs) for op in built.ops]
     p_imp = ilp_planner.solve(imported, cluster=CLUSTER)
     p_built = ilp_planner.solve(dict(kind="gpt", hidden=hidden, layers=layers, heads=heads,
                                      seq_len=seq, vocab=vocab, batch=batch), cluster=CLUSTER)
@@ -155,7 +155,9 @@ def test_unshardable_ops_are_kept_replicated_and_listed():
     opaque = [op for op in g.ops if op.kind is OpKind.OPAQUE]
     assert [op.name for op in opaque] == ["cumsum"]
     config = load_config({"model": g, "cluster": CLUSTER})
-    assert "unsharded 1 op(s) kept replicated (opaque): cumsum" in model_summary(config)
+    text = model_summary(config)
+    assert "unsharded 1 op(s) kept replicated (opaque): 0 of" in text
+    assert "cumsum: 0 FLOPs, 0.1 KiB read, 0.1 KiB written" in text  # torch counts no FLOPs
     plan = ilp_planner.solve(config)
     layer = next(ly for ly in plan.layers if ly.name == "cumsum")
     assert not layer.output.has_partial

@@ -4,9 +4,11 @@ The exported (training-IR) graph is walked node by node and lifted to the planne
 (:mod:`ilp_planner.ir.graph`), whose activations are ``(tokens, features)`` (leading dims
 folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
 
-* ``linear`` (and ``x @ W`` with a parameter ``W``) → ``linear`` with the weight as
-  ``(in, out)``; ``embedding`` → ``embedding`` (a position table looked up with constant
-  ids and added to it folds into it, as the builders' GPT); ``layer_norm`` / ``rms_norm``
+* ``linear`` (and ``x @ W`` with a parameter ``W``, and ``addmm``: Hugging Face's
+  ``Conv1D``) → ``linear`` with the weight as ``(in, out)`` (``attrs.weight_t`` where the
+  module stores it ``(out, in)``); ``embedding`` → ``embedding`` (each table looked up with
+  constant ids and added to it — positions, token types — folds into it as one more
+  parameter, as the builders' GPT's position table); ``layer_norm`` / ``rms_norm``
   (and a hand-written RMSNorm: a last-dim mean, then a product with a 1-D gain) →
   ``layernorm`` / ``rmsnorm``; ``conv2d``, ``batch_norm``, pooling, ``flatten``;
 * ``scaled_dot_product_attention`` and hand-written attention (``q @ kᵀ``, mask, softmax,
@@ -19,13 +21,18 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /
   difference / product of two activations → ``add`` / ``mul``;
+* in-place ops (``out += identity``: ``add_``) are lifted as their out-of-place forms; list
+  arguments (``cat``, ``stack``) are looked up tensor by tensor;
 * the loss: ``loss_fn(output)`` traced with the model, or (without ``loss_fn``) the mean
-  cross-entropy of the output over its last dim, the runtime's convention.
+  cross-entropy of the output over its last dim, the runtime's convention — of its
+  ``logits`` field where it returns a structure (``output=`` picks another).
 
 An op the planner cannot shard becomes ``opaque``: kept replicated, its inputs gathered,
-listed by ``validate`` (:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated
-blocks — children ``i`` of a ``ModuleList`` / ``Sequential`` of one class whose ops have the
-same signature — are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
+priced with the FLOPs torch's ``FlopCounterMode`` counts for it and the bytes it reads and
+writes (``attrs.bytes_read`` / ``bytes_written``), listed by ``validate``
+(:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated blocks — children ``i`` of
+a numbered container whose ops have the same signature, whatever the container is called —
+are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
 (``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>``), and
 each op lists the parameters it owns (``Op.source_params``) so a plan can be applied back to
 the module (:mod:`ilp_planner.parallelize`).
@@ -49,7 +56,7 @@ from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
-from ilp_planner.inputs.lift_graph import DraftGraph
+from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_values import Act, Draft, Unsupported
 from ilp_planner.inputs.lifting import lift
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
@@ -57,7 +64,7 @@ from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 
 def from_module(module: Any, example_inputs: Any, *,
                 loss_fn: Callable[[Any], Any] | None = None, name: str | None = None,
-                dtensor: bool = True) -> Graph:
+                dtensor: bool = True, output: str | int | None = None) -> Graph:
     """The layer graph of ``module`` run on ``example_inputs`` (a tensor, a tuple of them, or
     a mapping of keyword arguments), through ``torch.export``; ``torch.fx`` symbolic tracing
     where export fails. ``loss_fn(output) → scalar`` is traced with the model; without it the
@@ -68,7 +75,11 @@ def from_module(module: Any, example_inputs: Any, *,
     where the user's own code runs on DTensors — so attention splits the batch or the heads,
     not both (DTensor's 4-D matmul cannot merge the two splits: ``attrs.one_split``), and the
     user's loss reads its logits with whole classes (``attrs.whole_classes``). False gives
-    the bare graph, as the builders would (the runtime's own executor runs it)."""
+    the bare graph, as the builders would (the runtime's own executor runs it).
+
+    A model may return a structure — a Hugging Face ``ModelOutput``, a dict, a tuple: the
+    default loss reads its ``logits`` field, else its first tensor; ``output`` (a field name
+    or an index) picks another."""
     import torch
 
     args, kwargs = _split_inputs(example_inputs)
@@ -76,18 +87,95 @@ def from_module(module: Any, example_inputs: Any, *,
     if loss_fn is not None:
         root, strip = _WithLoss(module, loss_fn), "model."
     ep = _export(root, args, kwargs, torch)
-    g = DraftGraph(module, strip, dtensor)
+    g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor)
     try:
         lift(g, ep)
     except Unsupported as exc:
         raise ConfigError(f"cannot import {type(module).__name__}: {exc}") from None
-    outs = [o for o in g.outputs if isinstance(o, Act)]
-    if not outs:
-        raise ConfigError(f"cannot import {type(module).__name__}: its output does not depend "
-                          f"on the example inputs")
-    if g.drafts[outs[0].src[0]].kind is not OpKind.LOSS:
-        g.loss(_Synthetic("loss"), outs[0])
+    out = _model_output(g.outputs, ep.call_spec.out_spec, output, type(module).__name__)
+    if g.drafts[out.src[0]].kind is not OpKind.LOSS:
+        g.loss(_Synthetic("loss"), out)
     return Graph(name or type(module).__name__, _frozen_ops(list(g.drafts.values())))
+
+
+class _NodeCounter:
+    """Prices the nodes the planner cannot shard with torch's own ``FlopCounterMode``.
+
+    An aten op is run once more on its fake tensors (the export's fake mode: no memory, no
+    data). A custom op (``transformers::grouped_mm_fallback``, a mixture of experts'
+    matmuls) has only a shape function there, and what it computes depends on the data
+    (tokens per expert): it is counted on one run of the exported program on the example
+    inputs. Bytes are those of the tensors a node reads and writes."""
+
+    def __init__(self, ep: Any, args: tuple, kwargs: dict, torch: Any):
+        from torch._library.custom_ops import _maybe_get_opdef
+
+        self.torch = torch
+        bodies = {n.name: body for n in ep.graph.nodes
+                  if isinstance(n.target, torch._ops.OpOverload)
+                  and (body := _maybe_get_opdef(n.target)) is not None}
+        self.counted_on_data = _flops_on_data(ep, args, kwargs, bodies, torch) if bodies else {}
+
+    def __call__(self, node: Any) -> NodeCost:
+        torch = self.torch
+        from torch.utils.flop_counter import FlopCounterMode
+
+        def val(a: Any) -> Any:
+            return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+        args = torch.utils._pytree.tree_map(val, node.args)
+        kwargs = torch.utils._pytree.tree_map(val, node.kwargs)
+        inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)]
+        outputs = [t for t in torch.utils._pytree.tree_leaves(node.meta.get("val"))
+                   if isinstance(t, torch.Tensor)]
+        flops = self.counted_on_data.get(node.name)
+        if flops is None:
+            with torch._guards.detect_fake_mode(inputs + outputs), \
+                    FlopCounterMode(display=False) as counter:
+                node.target(*args, **kwargs)
+            flops = counter.get_total_flops()
+        return NodeCost(float(flops), _nbytes(inputs), _nbytes(outputs))
+
+
+def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], torch: Any
+                   ) -> dict[str, float]:
+    """The FLOPs of the custom-op nodes ``bodies`` (node name → the op's definition),
+    counted on one run of the exported program on the example inputs, without gradients;
+    none where the inputs hold no data (``meta``). Each runs its Python body there, so the
+    counter sees the aten ops inside (called through the op, they would run below the
+    counter, uncounted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flat = torch.utils._pytree.tree_leaves((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in flat):
+        return {}
+    counted: dict[str, float] = {}
+
+    class Counting(torch.fx.Interpreter):
+        def run_node(self, n: Any) -> Any:
+            if n.name not in bodies:
+                return super().run_node(n)
+            a, kw = self.fetch_args_kwargs_from_env(n)
+            with FlopCounterMode(display=False) as counter:
+                out = bodies[n.name]._init_fn(*a, **kw)
+            counted[n.name] = float(counter.get_total_flops())
+            return out
+
+    runner = ep.module()
+    # the run updates buffers (batch-norm statistics) the user's module shares: put them back
+    saved = {name: b.clone() for name, b in runner.named_buffers()}
+    with torch.no_grad():
+        try:
+            Counting(runner).run(*flat)
+        finally:
+            for name, b in runner.named_buffers():
+                b.copy_(saved[name])
+    return counted
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _frozen_ops(drafts: list[Draft]) -> list[Op]:
@@ -113,6 +201,41 @@ class _Synthetic:
         self.args: tuple = ()
 
 
+def _model_output(values: list[Any], spec: Any, output: str | int | None, model: str) -> Act:
+    """The activation the loss reads among the graph's outputs: the user's outputs are the
+    last ``spec.num_leaves`` (buffer updates come first), laid out as ``spec`` says."""
+    leaves = values[len(values) - spec.num_leaves:]
+    keys = _output_fields(spec)
+    if output is None:
+        picked = leaves[keys["logits"]] if "logits" in keys else next(
+            (v for v in leaves if isinstance(v, Act)), None)
+    elif output in keys:
+        picked = leaves[keys[output]]
+    else:
+        raise ConfigError(f"cannot import {model}: it returns no output {output!r} (it has "
+                          f"{', '.join(map(repr, keys)) or 'one tensor'})")
+    if not isinstance(picked, Act):
+        raise ConfigError(f"cannot import {model}: its output does not depend on the example "
+                          f"inputs")
+    return picked
+
+
+def _output_fields(spec: Any) -> dict[str | int, int]:
+    """Field name and position → index of its first tensor among the output's leaves, for
+    the top level of a structured output (none for a single tensor)."""
+    # ``children()`` from torch 2.6; ``children_specs`` before (deprecated after)
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    names = spec.context if isinstance(spec.context, (list, tuple)) else []
+    out: dict[str | int, int] = {}
+    first = 0
+    for i, child in enumerate(children):
+        out[i] = first
+        if i < len(names) and isinstance(names[i], str):
+            out[names[i]] = first
+        first += child.num_leaves
+    return out
+
+
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
@@ -131,7 +254,18 @@ def _export(root: Any, args: tuple, kwargs: dict, torch: Any) -> Any:
         except Exception as fx_error:  # noqa: BLE001 - report both
             raise ConfigError(
                 f"cannot import {type(root).__name__}: torch.export failed ({_first_line(export_error)}) "
-                f"and torch.fx symbolic tracing failed too ({_first_line(fx_error)})") from None
+                f"and torch.fx symbolic tracing failed too ({_first_line(fx_error)})"
+                f"{_cache_hint(root)}") from None
+
+
+def _cache_hint(root: Any) -> str:
+    """What to do when the model returns a key / value cache (a Hugging Face model built
+    with ``use_cache=True``): the cache is no tensor, so neither tracer can return it. The
+    model is ``root`` or, under the loss wrapper, its ``model``."""
+    if any(getattr(getattr(m, "config", None), "use_cache", False)
+           for m in (root, getattr(root, "model", None))):
+        return "; the model returns a key/value cache: pass use_cache=False (in its config)"
+    return ""
 
 
 def _first_line(exc: Exception) -> str:

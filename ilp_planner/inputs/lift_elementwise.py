@@ -33,7 +33,7 @@ from ilp_planner.inputs.lift_values import (
     param_name,
     tokens_major,
 )
-from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.graph import OpKind, position_table_attr
 
 
 def lift_const(g: DraftGraph, call: Call) -> Any:
@@ -42,12 +42,15 @@ def lift_const(g: DraftGraph, call: Call) -> Any:
     op, args, val = call.op, call.args, call.val
     if op == "embedding" and isinstance(args[0], Const) and args[0].params:
         return Const(args[0].params, int(g.param_shape[args[0].params[0]][0]))
-    params = tuple(p for a in flatten(args) if isinstance(a, Const) for p in a.params)
+    # each parameter once: ``x + x`` of a constant must not double its list (a ViT's
+    # residual adds would otherwise grow it without bound)
+    params = tuple(dict.fromkeys(p for a in flatten(args) if isinstance(a, Const)
+                                 for p in a.params))
     if op in ("t", "transpose", "permute") and isinstance(args[0], Const) \
             and len(args[0].params) == 1 and len(g.param_shape[args[0].params[0]]) == 2:
         return Const(args[0].params, transposed=not args[0].transposed)
-    if op in VIEWS and isinstance(args[0], Const) and args[0].transposed:
-        return args[0]
+    if op in VIEWS and isinstance(args[0], Const):
+        return args[0]  # a re-viewed (cast, sliced) table or transpose stays what it was
     if isinstance(val, (list, tuple)):
         return [Const(params) for _ in val]
     return Const(params)
@@ -142,8 +145,8 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     if pos is not None and op == "add" and len(x.src) == 1 \
             and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
         d = g.drafts[x.src[0]]
-        d.attrs["seq_len"] = pos.table_of_positions
-        g.adopt(d, pos.params)
+        if g.adopt(d, pos.params):
+            d.attrs[position_table_attr(d.attrs)] = pos.table_of_positions
         return Act(x.src, shape, dtype)
     if len(x.src) == 1:
         d = g.drafts[x.src[0]]
@@ -176,15 +179,16 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
 
 
 def lift_concat(g: DraftGraph, call: Call) -> Any:
-    """Parts of one tensor put back together (rotate-half) stay it; anything else is opaque."""
+    """Parts of one tensor put back together (rotate-half) stay it; activations joined with
+    parameters (a ViT's class token) or with each other become an opaque op that owns those
+    parameters, so they are priced and applied rather than dropped as constants."""
     acts, val = call.acts, call.val
-    srcs = tuple(dict.fromkeys(s for a in acts for s in a.src))
-    if len(set(a.src for a in acts)) == 1:
+    with_params = any(isinstance(a, Const) and a.params for a in flatten(call.args))
+    if len(set(a.src for a in acts)) == 1 and not with_params:
         a = acts[0]
         return Act(a.src, tuple(val.shape), dtype_of(val), a.chain + (("cat",),), a.role,
                    a.parts)
-    return g.opaque(call.node, call.args, [Act(srcs, tuple(val.shape), dtype_of(val))], val,
-                    "cat")
+    return g.opaque(call.node, call.args, acts, val, call.op)
 
 
 ELEMENTWISE_HANDLERS: dict[str, Handler] = {

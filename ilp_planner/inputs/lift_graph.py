@@ -10,6 +10,7 @@ through it, so naming and parameter ownership are decided in one place.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ilp_planner.inputs.lift_values import (
@@ -24,16 +25,29 @@ from ilp_planner.inputs.lift_values import (
     numel,
     tokens_major,
 )
-from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.graph import DTYPE_BYTES, OpKind
 
 _IMAGE_KINDS = (OpKind.CONV2D, OpKind.POOL, OpKind.BATCHNORM)
 
 
-class DraftGraph:
-    """Drafts, node values and parameter ownership of one walk over an exported graph."""
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs as torch counts it: FLOPs (``FlopCounterMode``'s count of the
+    node run on its fake tensors) and the bytes of the tensors it reads and writes."""
 
-    def __init__(self, module: Any, strip: str = "", dtensor: bool = True):
+    flops: float
+    bytes_read: int
+    bytes_written: int
+
+
+class DraftGraph:
+    """Drafts, node values and parameter ownership of one walk over an exported graph;
+    ``count`` prices a node the planner cannot shard (the importer counts with torch)."""
+
+    def __init__(self, module: Any, count: Callable[[Any], NodeCost], strip: str = "",
+                 dtensor: bool = True):
         self.module = module
+        self.count = count
         self.strip = strip  # the prefix of the loss wrapper's paths (``model.``)
         self.dtensor = dtensor
         self.drafts: dict[str, Draft] = {}
@@ -82,7 +96,10 @@ class DraftGraph:
     # -- values --------------------------------------------------------------------------
 
     def arg(self, a: Any) -> Any:
-        """A node argument's value: a visited node's, or the literal itself."""
+        """A node argument's value: a visited node's, the literal itself, or a list / tuple
+        of them looked up one by one (``cat``'s tensors would otherwise read as constants)."""
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.arg(x) for x in a)
         name = getattr(a, "name", None)
         return self.values.get(name, Const()) if name is not None else a
 
@@ -150,20 +167,25 @@ class DraftGraph:
                     return d.name
         if not isinstance(x, Act):
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
+        # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each way
+        moved = numel(x.shape) * DTYPE_BYTES[x.dtype]
         act = self.add(node, OpKind.OPAQUE, list(x.src), tokens_major(x.shape), x.dtype,
-                       flops=float(numel(x.shape)), main=False)
+                       main=False, bytes_read=moved, bytes_written=moved)
         return act.src[0]
 
     def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
         """An op the planner cannot shard: kept replicated, its inputs gathered; it owns the
-        parameters among ``args``."""
+        parameters among ``args``, and is priced with torch's own count of its FLOPs and
+        bytes (``attrs.bytes_read`` / ``bytes_written``), never a guess."""
         out = first_output(val)
         srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
         shape = tuple(out.shape)
         spec = shape if len(shape) == 4 else tokens_major(shape)
         params = [p for a in flatten(args) if isinstance(a, Const) for p in a.params]
+        cost = self.count(node)
         act = self.add(node, OpKind.OPAQUE, srcs, spec, dtype_of(out), params=params,
-                       flops=float(numel(shape)), label=op)
+                       flops=cost.flops, label=op, bytes_read=cost.bytes_read,
+                       bytes_written=cost.bytes_written)
         res = Act(act.src, shape, act.dtype)
         return [res] + [Const() for _ in val[1:]] if isinstance(val, (list, tuple)) else res
 

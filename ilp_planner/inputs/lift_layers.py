@@ -63,7 +63,7 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
     w = param_name(b)
     if isinstance(a, Act) and isinstance(b, Const) and w and len(g.param_shape[w]) == 2:
         k, n = g.param_shape[w][::-1] if b.transposed else g.param_shape[w]
-        return _linear(g, call.node, a, w, None, k, n, val)
+        return _linear(g, call.node, a, w, None, k, n, val, stored_t=b.transposed)
     if isinstance(a, Act) and isinstance(b, Act):
         if a.role == "probs":
             return _attention(g, call, a.parts["q"], a.parts["k"], b)
@@ -72,6 +72,19 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
                        role="scores", parts=MappingProxyType({"q": a, "k": b}))
     acts = [x for x in (a, b) if isinstance(x, Act)]
     return g.opaque(call.node, call.args, acts, val, call.op)
+
+
+def lift_addmm(g: DraftGraph, call: Call) -> Any:
+    """``bias + x @ W``: Hugging Face's ``Conv1D`` stores ``W`` as ``(in, out)`` — the IR's
+    own layout, so no ``weight_t`` — and ``nn.Linear`` traced to ``addmm(b, x, W.t())``
+    stores it ``(out, in)``; either is a linear owning its weight and bias."""
+    b, x, w = call.args[0], call.args[1], call.args[2]
+    wname = param_name(w)
+    if wname is None or not isinstance(x, Act) or len(g.param_shape[wname]) != 2:
+        return g.opaque(call.node, call.args, call.acts, call.val, call.op)
+    k, n = g.param_shape[wname][::-1] if w.transposed else g.param_shape[wname]
+    return _linear(g, call.node, x, wname, param_name(b), k, n, call.val,
+                   stored_t=w.transposed)
 
 
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
@@ -172,9 +185,12 @@ def lift_conv2d(g: DraftGraph, call: Call) -> Any:
         return g.opaque(call.node, call.args, [x], val, "conv2d")
     src = g.ir(call.node, x)
     c_out, c_in, kh, kw = g.param_shape[wname]
+    # ``bias``: 0 for a bias-free convolution (ResNet's, before a batch norm), so the
+    # op owns and is priced with exactly the module's parameters
     act = g.add(call.node, OpKind.CONV2D, [src], tuple(val.shape), dtype_of(val),
                 weight=(c_out, c_in, kh, kw), params=[p for p in (wname, b) if p],
-                flops=2.0 * numel(val.shape) * c_in * kh * kw, kernel=int(kw))
+                flops=2.0 * numel(val.shape) * c_in * kh * kw, kernel=int(kw),
+                **({} if b is not None else {"bias": 0}))
     return Act(act.src, tuple(val.shape), act.dtype)
 
 
@@ -197,6 +213,7 @@ def _pool(avg: bool) -> Handler:
 
 LAYER_HANDLERS: dict[str, Handler] = {
     "linear": lift_linear,
+    "addmm": lift_addmm,
     "matmul": lift_matmul, "bmm": lift_matmul, "mm": lift_matmul,
     "scaled_dot_product_attention": lift_sdpa,
     "embedding": lift_embedding,

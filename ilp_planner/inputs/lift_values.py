@@ -42,9 +42,9 @@ LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss",
                     "binary_cross_entropy_with_logits", "smooth_l1_loss", "huber_loss",
                     "nll_loss_nd"})
 CONCATS = frozenset({"cat", "stack"})
-IGNORED = frozenset({  # checks and in-place buffer updates (BatchNorm's batch counter)
+IGNORED = frozenset({  # checks, and copies into buffers (a cache, running statistics)
     "_assert_tensor_metadata", "_assert_scalar", "sym_size", "sym_constrain_range_for_size",
-    "add_", "copy_",
+    "copy_",
 })
 
 

@@ -37,8 +37,26 @@ def lift(g: DraftGraph, ep: Any) -> None:
 
 
 def _visit(g: DraftGraph, node: Any) -> Any:
-    """One ``call_function`` node's value, by its op's handler."""
-    op = op_name(node.target)
+    """One ``call_function`` node's value, by its op's handler; an in-place op is lifted as
+    its out-of-place form and the tensor it mutated takes the result (``out += identity``)."""
+    op = _in_place_base(op_name(node.target))
+    value = _lifted(g, node, op)
+    if op != op_name(node.target) and node.args and hasattr(node.args[0], "name"):
+        g.values[node.args[0].name] = value
+    return value
+
+
+def _in_place_base(op: str) -> str:
+    """``add_`` → ``add``: the out-of-place op an in-place one computes, when the table
+    lifts it and not the in-place name itself (``relu_`` has its own entry)."""
+    base = op.removesuffix("_")
+    if base != op and op not in HANDLERS and op not in IGNORED and base in HANDLERS:
+        return base
+    return op
+
+
+def _lifted(g: DraftGraph, node: Any, op: str) -> Any:
+    """The node's value from the handler of ``op``."""
     args = [g.arg(a) for a in node.args]
     if op == "getitem":
         seq, idx = args[0], args[1]

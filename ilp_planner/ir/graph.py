@@ -104,6 +104,23 @@ class TensorSpec:
         return TensorSpec(self.shape, "float32") if self.dtype in HALF_DTYPES else self
 
 
+def position_tables(attrs: Mapping[str, int]) -> dict[str, int]:
+    """An embedding's tables looked up by constant ids and added to its output — positions,
+    BERT's token types — as parameter role → rows: ``pos`` (``seq_len`` rows) first, then
+    ``pos_1``, ``pos_2``, … (``pos_1_rows``, …), in the order the op owns them, so each
+    table the module has is one parameter of the op."""
+    out = {"pos": attrs["seq_len"]} if "seq_len" in attrs else {}
+    while f"pos_{len(out)}_rows" in attrs:
+        out[f"pos_{len(out)}"] = attrs[f"pos_{len(out)}_rows"]
+    return out
+
+
+def position_table_attr(attrs: Mapping[str, int]) -> str:
+    """The attribute that records the rows of the next table an embedding adopts."""
+    n = len(position_tables(attrs))
+    return "seq_len" if n == 0 else f"pos_{n}_rows"
+
+
 @dataclass(frozen=True)
 class Op:
     """One node of the layer graph.

@@ -36,7 +36,7 @@ import numpy as np
 
 from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, fact_str, mesh_factorisations
-from ilp_planner.ir.graph import Op, OpKind, TensorSpec
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec, position_tables
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.lowering.cost_model import (
     Collective,
@@ -152,8 +152,9 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     if op.kind is OpKind.EMBEDDING:
         assert op.weight is not None
         out = {"weight": op.weight.shape}
-        if "seq_len" in op.attrs:  # a learned position table (imported models may have none)
-            out["pos"] = (op.attr("seq_len"), op.weight.shape[1])
+        # learned position (and token-type) tables; imported models may have none
+        for role, rows in position_tables(op.attrs).items():
+            out[role] = (rows, op.weight.shape[1])
         return out
     if op.kind in NORM_KINDS:
         h = op.output.shape[-1]
@@ -166,6 +167,8 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
         return {"weight": (op.params,)}
     if op.kind is OpKind.CONV2D:
         assert op.weight is not None
+        if not op.attrs.get("bias", 1):  # an imported bias-free convolution
+            return {"weight": op.weight.shape}
         return {"weight": op.weight.shape, "bias": (op.weight.shape[0],)}
     return {}
 
@@ -258,8 +261,8 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
             _, _, gw = matmul_placements(inputs[0], weight, op.kind is OpKind.EMBEDDING)
             out["weight"] = (weight, Layout(weight.fact, tuple(gw)))
         if op.kind is OpKind.EMBEDDING:
-            if "seq_len" in op.attrs:
-                out["pos"] = (bias_layout(output, 1), _bias_grad(output, 1))
+            for role in position_tables(op.attrs):
+                out[role] = (bias_layout(output, 1), _bias_grad(output, 1))
         elif op.attrs.get("bias"):
             out["bias"] = (bias_layout(output), _bias_grad(output))
     elif op.kind is OpKind.CONV2D:
@@ -269,7 +272,8 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
         out["weight"] = (weight, Layout(weight.fact, tuple(
             P if x.placements[a] == Split(0) and pl == B else pl
             for a, pl in enumerate(weight.placements))))
-        out["bias"] = (bias_layout(output), _bias_grad(output))
+        if op.attrs.get("bias", 1):
+            out["bias"] = (bias_layout(output), _bias_grad(output))
     elif op.kind in NORM_KINDS:
         lay = inputs[0]
         rep = Layout.replicated(lay.fact)
@@ -621,8 +625,12 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                        if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
         return _layout_strategies(op, layouts, len(op.inputs), ctx)
     if kind in (OpKind.ADD, OpKind.MUL):
-        # images split over batch and channels only, as convolutions, pooling and flatten do
-        dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
+        # images split over batch and channels only, as convolutions, pooling and flatten do;
+        # a dim an operand broadcasts (a routing weight (T, 1) times an expert's (T, h)) is
+        # never split: the operand has no such split to be given
+        dims = tuple(d for d in ((0, 1) if op.output.rank == 4 else range(op.output.rank))
+                     if all(x.rank == op.output.rank and x.shape[d] == op.output.shape[d]
+                            for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
 

@@ -353,6 +353,22 @@ def record_text(d: dict) -> str:
                      if not isinstance(v, dict | list) or len(str(v)) < 60)
 
 
+def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
+    """The ops kept replicated because the planner cannot shard them (``opaque``), with
+    their share of the predicted step (compute and the collectives each issues), the
+    costliest first: what importing the model left on the table."""
+    cost = {ly.name: ly.compute_s + sum(c.seconds for c in ly.collectives)
+            for ly in plan.layers if ly.kind == "opaque"}
+    if not cost:
+        return []
+    total = plan.cost.total_s or 1.0
+    top = sorted(cost, key=lambda name: -cost[name])[:shown]
+    listed = ", ".join(f"{name} {cost[name] / total:.1%}" for name in top)
+    more = f", … {len(cost) - shown} more" if len(cost) > shown else ""
+    return [f"unsharded {len(cost)} opaque op(s), replicated: {fmt_seconds(sum(cost.values()))} "
+            f"({sum(cost.values()) / total:.1%} of the step): {listed}{more}"]
+
+
 def explain(plan: Plan, *, collectives: bool = True) -> str:
     """A readable report of ``plan``: solver report, model and cluster, cost per step,
     stages and schedule (pipelined plans), memory per device, every layer's strategy in
@@ -397,6 +413,7 @@ def _cost_lines(plan: Plan) -> list[str]:
         f"({fmt_bytes(c.grad_sync_bytes)}); grad sync overlapped with the backward in buckets: "
         f"{fmt_seconds(c.grad_sync_exposed_s)} exposed, step {fmt_seconds(c.step_s)}",
     ]
+    lines += _opaque_lines(plan)
     if plan.schedule is not None:
         sim = plan.schedule.simulated
         lines.append(f"step time {fmt_seconds(step_seconds(plan))} (schedule makespan "

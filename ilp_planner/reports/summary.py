@@ -132,14 +132,25 @@ def model_summary(config: Config) -> str:
     return head + "\n" + "\n".join("  " + line for line in lines)
 
 
-def unsharded_summary(graph) -> list[str]:
+def unsharded_summary(graph: Graph, shown: int = 8) -> list[str]:
     """Ops the planner cannot shard (``opaque``: what an imported model did not map onto
-    the IR), kept replicated on every device — named, so the user can see the cost."""
-    names = [op.name for op in graph.ops if op.kind is OpKind.OPAQUE]
-    if not names:
+    the IR), kept replicated on every device — named with the FLOPs and bytes torch counted
+    for them, the costliest first, so the user sees what replicating them costs."""
+    opaque = sorted((op for op in graph.ops if op.kind is OpKind.OPAQUE),
+                    key=lambda op: -op.flops)
+    if not opaque:
         return []
-    shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
-    return [f"unsharded {len(names)} op(s) kept replicated (opaque): {shown}"]
+    forward = sum(op.flops for op in graph.ops)
+    flops = sum(op.flops for op in opaque)
+    share = f" ({flops / forward:.1%})" if forward else ""
+    lines = [f"unsharded {len(opaque)} op(s) kept replicated (opaque): {_count(flops)} of "
+             f"{_count(forward)} forward FLOPs{share}"]
+    lines += [f"  {op.name}: {_count(op.flops)} FLOPs, "
+              f"{_bytes(op.attrs.get('bytes_read', 0))} read, "
+              f"{_bytes(op.attrs.get('bytes_written', 0))} written" for op in opaque[:shown]]
+    if len(opaque) > shown:
+        lines.append(f"  … {len(opaque) - shown} more")
+    return lines
 
 
 # Measured on the shipped GPT configs: a linear op has about 1.6 strategies per proper

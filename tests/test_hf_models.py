@@ -1,0 +1,389 @@
+"""The models users bring: Hugging Face models (tiny configs, random weights, no download)
+import with every matmul, linear and convolution lifted (none opaque), each op owning
+exactly its module's parameters, repeated blocks tied whatever their names, and solve on a
+2 × 4 cluster; a mixture of experts imports with its experts replicated and priced by
+torch's own FLOP count."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import ilp_planner
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.importer import from_module
+from ilp_planner.inputs.lift_elementwise import lift_const
+from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
+from ilp_planner.inputs.lift_values import Call, Const
+from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.lowering.strategies import param_shapes
+from ilp_planner.reports.summary import unsharded_summary
+
+T = pytest.importorskip("transformers")
+from transformers.pytorch_utils import Conv1D  # noqa: E402 - after the skip
+
+CLUSTER = {"nodes": 2, "devices_per_node": 4, "memory_gib": 16, "peak_tflops": 10,
+           "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 100},
+                     "inter": {"latency_us": 10, "bandwidth_gbps": 10}}}
+BATCH, SEQ, VOCAB = 2, 8, 64
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ))
+
+
+def _llama(tied: bool) -> Any:
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False,
+        tie_word_embeddings=tied))
+
+
+def _builders() -> dict[str, Any]:
+    """Model name → (model, example inputs), each built on first use."""
+    return {
+        "gpt2": lambda: (T.GPT2LMHeadModel(T.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0,
+            embd_pdrop=0, attn_pdrop=0, use_cache=False)), (_ids(),)),
+        "llama_tied": lambda: (_llama(True), (_ids(),)),
+        "llama_untied": lambda: (_llama(False), (_ids(),)),
+        "bert": lambda: (T.BertForMaskedLM(T.BertConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0)), (_ids(),)),
+        "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            image_size=16, patch_size=4, num_labels=10, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0)), (torch.randn(BATCH, 3, 16, 16),)),
+        "resnet": lambda: (T.ResNetForImageClassification(T.ResNetConfig(
+            embedding_size=8, hidden_sizes=[8, 16], depths=[3, 1], num_labels=10)),
+            (torch.randn(BATCH, 3, 32, 32),)),
+        "t5": lambda: (T.T5ForConditionalGeneration(T.T5Config(
+            d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=VOCAB,
+            dropout_rate=0, use_cache=False)),
+            {"input_ids": _ids(), "decoder_input_ids": _ids()}),
+        "mixtral": lambda: (T.MixtralForCausalLM(T.MixtralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+            num_local_experts=4, num_experts_per_tok=2, use_cache=False)), (_ids(),)),
+    }
+
+
+DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "vit", "resnet", "t5")
+
+
+@pytest.fixture(scope="module")
+def imported() -> Iterator[dict[str, tuple[Any, Graph]]]:
+    """Name → (model, graph), each model built and imported once for the module."""
+    cache: dict[str, tuple[Any, Graph]] = {}
+
+    def get(name: str) -> tuple[Any, Graph]:
+        if name not in cache:
+            torch.manual_seed(0)
+            model, inputs = _builders()[name]()
+            model.eval()
+            cache[name] = (model, from_module(model, inputs))
+        return cache[name]
+
+    yield get
+
+
+def _aliases(model: nn.Module) -> dict[str, set[str]]:
+    """Every parameter name → all the names of its tensor (tied weights have several; the
+    exported graph names a tied tensor by one of them)."""
+    by_id: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), set()).add(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+def _owners(graph: Graph, aliases: dict[str, set[str]], fqn: str) -> list:
+    return [op for op in graph.ops if aliases[fqn] & set(op.source_params)]
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_every_matmul_linear_and_conv_is_lifted_not_opaque(imported, name):
+    model, graph = imported(name)
+    aliases = _aliases(model)
+    weights = [f"{path}.weight" for path, m in model.named_modules()
+               if isinstance(m, (nn.Linear, Conv1D, nn.Conv2d))]
+    assert weights
+    for fqn in weights:
+        kinds = {op.kind for op in _owners(graph, aliases, fqn)}
+        assert kinds & {OpKind.LINEAR, OpKind.CONV2D}, (fqn, kinds)
+    assert all(op.kind is not OpKind.OPAQUE or not op.weight for op in graph.ops)
+
+
+@pytest.mark.parametrize("name", ("gpt2", "llama_untied", "bert", "vit", "resnet"))
+def test_every_parameter_is_owned_by_an_op_that_prices_it(imported, name):
+    model, graph = imported(name)
+    aliases = _aliases(model)
+    owned = {a for op in graph.ops for p in op.source_params for a in aliases[p]}
+    assert owned == set(aliases)
+    for op in graph.ops:
+        if op.kind is not OpKind.OPAQUE:
+            assert len(op.source_params) == len(param_shapes(op)), op.name
+    assert sum(op.params for op in graph.ops) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", DENSE + ("mixtral",))
+def test_solves_on_two_by_four(imported, name):
+    _, graph = imported(name)
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    assert plan.cost.total_s > 0
+
+
+def test_gpt2_conv1d_is_a_linear_stored_in_out(imported):
+    model, graph = imported("gpt2")
+    c_attn = graph["transformer.h.0.attn.c_attn"]
+    assert c_attn.kind is OpKind.LINEAR
+    # Conv1D stores (in, out): the IR's own layout, so the runtime maps it untransposed
+    assert c_attn.weight.shape == tuple(model.transformer.h[0].attn.c_attn.weight.shape)
+    assert "weight_t" not in c_attn.attrs and c_attn.attrs["bias"] == 1
+    assert list(param_shapes(c_attn)) == ["weight", "bias"]
+
+
+def test_llama_linear_weights_are_marked_stored_out_in(imported):
+    model, graph = imported("llama_untied")
+    q = graph["model.layers.0.self_attn.q_proj"]
+    assert q.attrs["weight_t"] == 1 and q.attrs["bias"] == 0
+    assert q.weight.shape == tuple(model.model.layers[0].self_attn.q_proj.weight.shape)[::-1]
+
+
+@pytest.mark.parametrize("name,tied", [("llama_tied", 1), ("llama_untied", 0)])
+def test_llama_head_tied_or_not(imported, name, tied):
+    _, graph = imported(name)
+    assert graph["lm_head"].kind is OpKind.LINEAR and graph["lm_head"].attrs["tied"] == tied
+
+
+def test_bert_embedding_owns_its_three_tables(imported):
+    model, graph = imported("bert")
+    emb = graph["bert.embeddings.word_embeddings"]
+    assert list(param_shapes(emb)) == ["weight", "pos", "pos_1"]
+    tables = model.bert.embeddings
+    assert emb.params == sum(t.weight.numel() for t in (
+        tables.word_embeddings, tables.position_embeddings, tables.token_type_embeddings))
+    shapes = param_shapes(emb)
+    assert sorted([shapes["pos"], shapes["pos_1"]]) == sorted(
+        [tuple(tables.position_embeddings.weight.shape),
+         tuple(tables.token_type_embeddings.weight.shape)])
+
+
+def test_gpt2_position_table_is_the_embeddings_pos(imported):
+    model, graph = imported("gpt2")
+    emb = graph["transformer.wte"]
+    assert param_shapes(emb)["pos"] == tuple(model.transformer.wpe.weight.shape)
+
+
+def test_vit_class_token_and_positions_are_parameters_of_an_op(imported):
+    model, graph = imported("vit")
+    owners = _owners(graph, _aliases(model), "vit.embeddings.cls_token")
+    assert len(owners) == 1
+    assert "vit.embeddings.position_embeddings" in owners[0].source_params
+
+
+def test_resnet_bias_free_convs_and_in_place_residuals(imported):
+    model, graph = imported("resnet")
+    convs = [op for op in graph.ops if op.kind is OpKind.CONV2D]
+    assert len(convs) == sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    for op in convs:
+        assert list(param_shapes(op)) == ["weight"] and op.params == op.weight.numel
+    # ``hidden_state += residual`` (aten.add_) in each of the four bottleneck layers
+    assert sum(op.kind is OpKind.ADD for op in graph.ops) == 4
+
+
+def _blocks(graph: Graph) -> set[tuple[str, int]]:
+    return {(op.block, op.block_index) for op in graph.ops if op.block is not None}
+
+
+@pytest.mark.parametrize("name,container,count", [
+    ("gpt2", "transformer.h", 2), ("bert", "bert.encoder.layer", 2),
+    ("t5", "encoder.block", 2), ("vit", "vit.layers", 2),
+    # stage 0's three layers tie with each other; stage 1 (another width) ties with nothing
+    ("resnet", "resnet.encoder.stages.0.layers", 3),
+])
+def test_repeated_blocks_tied_whatever_their_names(imported, name, container, count):
+    _, graph = imported(name)
+    assert {i for block, i in _blocks(graph) if block == container} == set(range(count))
+    assert all(not b.startswith("resnet.encoder.stages.1") for b, _ in _blocks(graph))
+
+
+def test_mixtral_experts_replicated_and_counted_by_torch(imported):
+    model, graph = imported("mixtral")
+    aliases = _aliases(model)
+    experts = model.model.layers[0].mlp.experts
+    gate_up = _owners(graph, aliases, "model.layers.0.mlp.experts.gate_up_proj")
+    assert [op.kind for op in gate_up] == [OpKind.OPAQUE]
+    # each routed token (top-2 of the batch's tokens) through one expert's (h, 2·inter)
+    routed = BATCH * SEQ * model.config.num_experts_per_tok
+    assert gate_up[0].flops == 2 * routed * experts.gate_up_proj.shape[1] * \
+        experts.gate_up_proj.shape[2]
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    layer = next(ly for ly in plan.layers if ly.name == gate_up[0].name)
+    assert layer.output.split_degree(0) == layer.output.split_degree(1) == 1
+
+
+class _SelfSimilarity(nn.Module):
+    """``y yᵀ`` of one activation: a batched matmul the planner does not shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return torch.bmm(y, y.transpose(1, 2))
+
+
+def test_opaque_op_flops_and_bytes_are_torchs_count():
+    x = torch.randn(2, 8, 16)
+    graph = from_module(_SelfSimilarity(), (x,))
+    op = graph["bmm"]  # (its transposed operand is a relayout of its own: no FLOPs)
+    assert op.kind is OpKind.OPAQUE
+    y = torch.randn(2, 8, 16)
+    with FlopCounterMode(display=False) as counter:
+        torch.bmm(y, y.transpose(1, 2))
+    assert op.flops == counter.get_total_flops() == 2 * 2 * 8 * 8 * 16
+    assert op.attrs["bytes_read"] == 2 * y.numel() * 4 and op.attrs["bytes_written"] == 2 * 8 * 8 * 4
+
+
+def test_validate_lists_opaque_ops_with_their_flops():
+    graph = from_module(_SelfSimilarity(), (torch.randn(2, 8, 16),))
+    lines = unsharded_summary(graph)
+    forward = sum(op.flops for op in graph.ops)
+    assert lines[0] == (f"unsharded 2 op(s) kept replicated (opaque): 4.10 K of "
+                        f"{forward / 1e3:.2f} K forward FLOPs ({4096 / forward:.1%})")
+    assert lines[1:] == ["  bmm: 4.10 K FLOPs, 2.0 KiB read, 0.5 KiB written",
+                         "  opaque: 0 FLOPs, 1.0 KiB read, 1.0 KiB written"]
+
+
+def test_a_constant_added_to_itself_lists_its_parameter_once():
+    g = DraftGraph(nn.Linear(2, 2), lambda node: NodeCost(0.0, 0, 0))
+    node = torch.fx.Graph().call_function(torch.add, ())
+    c = Const(("p",))
+    for _ in range(3):
+        c = lift_const(g, Call(node, "add", [c, c], {}, torch.zeros(1)))
+    assert c.params == ("p",)
+
+
+class _TwoHeads(nn.Module):
+    """Returns a mapping whose logits are not its first field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 3)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"aux": self.aux(x), "logits": self.head(x)}
+
+
+@pytest.mark.parametrize("output,head", [(None, "head"), ("logits", "head"), ("aux", "aux"),
+                                         (0, "aux"), (1, "head")])
+def test_structured_output_picks_the_logits_or_the_named_field(output, head):
+    graph = from_module(_TwoHeads(), (torch.randn(4, 8),), output=output)
+    (loss,) = [op for op in graph.ops if op.kind is OpKind.LOSS]
+    assert loss.inputs == (head,)
+
+
+def test_an_unknown_output_field_is_refused_by_name():
+    with pytest.raises(ConfigError, match="no output 'hidden'"):
+        from_module(_TwoHeads(), (torch.randn(4, 8),), output="hidden")
+
+
+def test_a_causal_lm_with_its_cache_on_says_pass_use_cache_false():
+    model = _llama(False)
+    model.config.use_cache = True
+    with pytest.raises(ConfigError, match="use_cache=False"):
+        from_module(model, (_ids(),))
+
+
+def test_explain_lists_opaque_ops_with_their_share_of_the_step():
+    graph = from_module(_SelfSimilarity(), (torch.randn(2, 8, 16),))
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    line = next(x for x in ilp_planner.explain(plan).splitlines()
+                if x.startswith("unsharded"))
+    bmm = next(ly for ly in plan.layers if ly.name == "bmm")
+    share = (bmm.compute_s + sum(c.seconds for c in bmm.collectives)) / plan.cost.total_s
+    assert line.startswith("unsharded 2 opaque op(s), replicated: ")
+    assert f"bmm {share:.1%}" in line
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model with its logits as the output, which the runtime checks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ("gpt2", "bert", "resnet"))
+def test_applied_on_one_rank_computes_what_the_module_does(one_rank, name):
+    """The parameters map back: Conv1D's ``(in, out)`` weight, BERT's three embedding
+    tables, bias-free convolutions (untied heads: the runtime refuses tied weights)."""
+    torch.manual_seed(0)
+    untied = {"gpt2": T.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB,
+                                   n_positions=16, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                   use_cache=False, tie_word_embeddings=False),
+              "bert": T.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, vocab_size=VOCAB,
+                                   max_position_embeddings=16, hidden_dropout_prob=0,
+                                   attention_probs_dropout_prob=0, tie_word_embeddings=False)}
+    if name == "resnet":
+        model, x = _builders()["resnet"]()[0], torch.randn(BATCH, 3, 32, 32)
+    else:
+        cls = T.GPT2LMHeadModel if name == "gpt2" else T.BertForMaskedLM
+        model, x = cls(untied[name]), _ids()
+    module = _Logits(model).eval()
+    expected = module(x)
+    one = dict(CLUSTER, nodes=1, devices_per_node=1)
+    plan = ilp_planner.solve(from_module(module, (x,)), cluster=one, baselines=False)
+    got = ilp_planner.apply(plan, module)(x)
+    assert torch.allclose(got.full_tensor(), expected, atol=1e-5)
+
+
+@torch.library.custom_op("ilp_planner_test::square_mm", mutates_args=())
+def _square_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``(x W) W``: a custom op whose matmuls only its Python body shows the counter."""
+    return (x @ w) @ w
+
+
+@_square_mm.register_fake
+def _square_mm_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _NormThenCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _square_mm(self.norm(x), self.w)
+
+
+def test_a_custom_op_is_counted_on_the_example_and_leaves_the_module_untouched():
+    module = _NormThenCustom().train()
+    before = module.norm.running_mean.clone(), int(module.norm.num_batches_tracked)
+    graph = from_module(module, (torch.randn(4, 8) + 3.0,))
+    (op,) = [op for op in graph.ops if op.kind is OpKind.OPAQUE]
+    assert op.flops == 2 * (2 * 4 * 8 * 8) and op.source_params == ("w",)
+    assert torch.equal(module.norm.running_mean, before[0])
+    assert int(module.norm.num_batches_tracked) == before[1]
