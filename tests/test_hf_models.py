@@ -22,6 +22,7 @@ from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.strategies import param_shapes
+from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
 
 T = pytest.importorskip("transformers")
@@ -312,6 +313,18 @@ def test_explain_lists_opaque_ops_with_their_share_of_the_step():
     share = (bmm.compute_s + sum(c.seconds for c in bmm.collectives)) / plan.cost.total_s
     assert line.startswith("unsharded 2 opaque op(s), replicated: ")
     assert f"bmm {share:.1%}" in line
+
+
+def test_solve_summary_warns_when_opaque_ops_are_over_5_percent_of_the_step():
+    graph = from_module(_SelfSimilarity(), (torch.randn(2, 8, 16),))
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    share = opaque_share(plan)
+    first = ilp_planner.summary(plan).splitlines()[0]
+    assert share > OPAQUE_WARN_SHARE
+    assert f"WARNING: {share:.0%} of the step is in unsharded (opaque) ops" in first
+    lifted = ilp_planner.solve(from_module(_llama(False), (_ids(),)), cluster=CLUSTER,
+                               baselines=False)
+    assert opaque_share(lifted) == 0 and "WARNING" not in ilp_planner.summary(lifted)
 
 
 class _Logits(nn.Module):

@@ -353,12 +353,25 @@ def record_text(d: dict) -> str:
                      if not isinstance(v, dict | list) or len(str(v)) < 60)
 
 
-def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
-    """The ops kept replicated because the planner cannot shard them (``opaque``), with
-    their share of the predicted step (compute and the collectives each issues), the
-    costliest first: what importing the model left on the table."""
-    cost = {ly.name: ly.compute_s + sum(c.seconds for c in ly.collectives)
+OPAQUE_WARN_SHARE = 0.05  # above this share of the step, solve's summary line says so
+
+
+def _opaque_costs(plan: Plan) -> dict[str, float]:
+    """Seconds per step of each op kept replicated because the planner cannot shard it
+    (``opaque``): its compute and the collectives it issues."""
+    return {ly.name: ly.compute_s + sum(c.seconds for c in ly.collectives)
             for ly in plan.layers if ly.kind == "opaque"}
+
+
+def opaque_share(plan: Plan) -> float:
+    """The share of the predicted step the plan's opaque ops take (0 with none)."""
+    return sum(_opaque_costs(plan).values()) / (plan.cost.total_s or 1.0)
+
+
+def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
+    """The opaque ops with their share of the predicted step, the costliest first: what
+    importing the model left on the table."""
+    cost = _opaque_costs(plan)
     if not cost:
         return []
     total = plan.cost.total_s or 1.0
@@ -366,7 +379,7 @@ def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
     listed = ", ".join(f"{name} {cost[name] / total:.1%}" for name in top)
     more = f", … {len(cost) - shown} more" if len(cost) > shown else ""
     return [f"unsharded {len(cost)} opaque op(s), replicated: {fmt_seconds(sum(cost.values()))} "
-            f"({sum(cost.values()) / total:.1%} of the step): {listed}{more}"]
+            f"({opaque_share(plan):.1%} of the step): {listed}{more}"]
 
 
 def explain(plan: Plan, *, collectives: bool = True) -> str:
@@ -556,6 +569,15 @@ def _baseline_table(plan: Plan) -> list[str]:
     return text_table(["plan", "step", "compute", "comm", "memory", "ratio"], rows) + notes
 
 
+def _opaque_warning(plan: Plan) -> str:
+    """A clause for the summary line when ops the planner cannot shard take a real share of
+    the step: the plan is then only as good as their replicated cost."""
+    share = opaque_share(plan)
+    if share <= OPAQUE_WARN_SHARE:
+        return ""
+    return f"; WARNING: {share:.0%} of the step is in unsharded (opaque) ops, see explain"
+
+
 def summary(plan: Plan) -> str:
     """Solver status, cost breakdown and the baselines beside it with ratios (baseline
     step time / this plan's step time)."""
@@ -563,7 +585,7 @@ def summary(plan: Plan) -> str:
     lines = [
         f"plan {plan.name}: status {s.status} (method {s.method}), objective "
         f"{s.objective:.6g} s, bound {_fmt(s.bound)}, gap {_fmt(s.gap)}, "
-        f"build {_fixed(s.build_s)} s, solve {_fixed(s.solve_s)} s",
+        f"build {_fixed(s.build_s)} s, solve {_fixed(s.solve_s)} s" + _opaque_warning(plan),
     ]
     if s.stats is not None:
         lines.append(f"  solver stats: {solver_stats_text(s.stats)}")
