@@ -13,6 +13,7 @@ limit is a container's, not ``/proc/meminfo``'s.
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -69,13 +70,29 @@ def check_fits_host(plan: Plan, nproc: int, limit_gib: float | None = None) -> N
 
 def _check_devices(peaks: list[float]) -> None:
     """Each rank's peak against the free memory of the GPU it will use (local rank i on
-    device i)."""
+    visible device i)."""
+    free = free_gpu_bytes()
     for rank, need in enumerate(peaks):
-        free, _ = torch.cuda.mem_get_info(rank % torch.cuda.device_count())
-        if need > free:
+        if free and need > free[rank % len(free)]:
             raise RuntimeSetupError(
-                f"rank {rank} needs {_size(need)} but its GPU has {_size(free)} free; free the "
-                f"device or re-solve the plan with a smaller cluster.memory_gib")
+                f"rank {rank} needs {_size(need)} but its GPU has {_size(free[rank % len(free)])} "
+                f"free; free the device or re-solve the plan with a smaller cluster.memory_gib")
+
+
+def free_gpu_bytes() -> list[float]:
+    """Free memory of each visible GPU, from ``nvidia-smi`` — asking torch would create a
+    CUDA context in this launching process and hold part of rank 0's device for the whole
+    run. Empty where ``nvidia-smi`` is missing or fails (the check is then left out)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    free = [float(x) * 2**20 for x in out.split()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and all(v.strip().isdigit() for v in visible.split(",")):
+        free = [free[int(v)] for v in visible.split(",") if int(v) < len(free)]
+    return free
 
 
 def _size(n: float) -> str:

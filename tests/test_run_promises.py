@@ -20,7 +20,8 @@ from ilp_planner.intra_op.baselines import data_parallel_filter
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.plan.data import Plan
 from ilp_planner.testing import pipelined_plan, restricted_plan
-from runtime import failures
+from runtime import failures, host_memory
+from runtime.errors import RuntimeSetupError
 from runtime.failures import COMMUNICATION, EXCEPTION, STUCK, Failure, explain_failure
 from runtime.host_memory import HOST_MEMORY_ENV, peak_bytes_per_rank
 from tests.helpers.procs import run
@@ -71,6 +72,16 @@ def test_check_says_what_run_will_do_about_host_memory(capsys, dp2):
     assert "the runtime can execute it" in capsys.readouterr().out
     assert cli.main(["check", str(dp2), "--host-memory-gib", "64"]) == 0
     assert "the runtime can execute it" in capsys.readouterr().out
+
+
+def test_on_gpu_each_rank_is_held_against_its_own_device(monkeypatch, dp2):
+    """No GPU here: the device figures are stubbed, as ``nvidia-smi`` would give them."""
+    monkeypatch.setattr(host_memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory, "free_gpu_bytes", lambda: [1e12, 1e3])
+    with pytest.raises(RuntimeSetupError, match=r"rank 1 needs .* but its GPU has 0\.0 MiB free"):
+        host_memory.check_fits_host(Plan.load(dp2), 2)
+    monkeypatch.setattr(host_memory, "free_gpu_bytes", lambda: [1e12, 1e12])
+    host_memory.check_fits_host(Plan.load(dp2), 2)
 
 
 def test_a_pipelined_plan_counts_each_stage_s_own_peak():
