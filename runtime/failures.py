@@ -61,7 +61,7 @@ def redirect_stderr_to_log(rank: int) -> None:
     folder = run_dir()
     if folder is None:
         return
-    fd = os.open(log_path(folder, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(log_path(folder, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stderr.flush()
     os.dup2(fd, sys.stderr.fileno())
     os.close(fd)
@@ -95,6 +95,12 @@ def _is_communication_error(exc: BaseException) -> bool:
 def _first_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[0].strip() if lines else "(no message)"
+
+
+def clear_failures(folder: Path) -> None:
+    """Forget the accounts of an earlier run in the same folder (``--log-dir`` reused)."""
+    for path in folder.glob("rank*.failure.json"):
+        path.unlink()
 
 
 def read_failures(folder: Path) -> list[Failure]:

@@ -3,24 +3,25 @@ run into one line.
 
 Running the agent here (``torch.distributed.run``, as ``torchrun`` itself does) gives the
 exit status of the rank that failed first, which a torchrun subprocess only prints as a
-report; the agent's own log goes to ``torchrun.log`` in the run folder and each rank's stderr
+report; the agent's stderr goes to ``torchrun.log`` in the run folder and each rank's
 to ``rank{N}.log`` (:mod:`runtime.failures`), so the console shows rank 0's output and, on
 failure, the one line :func:`runtime.failures.explain_failure` writes.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from runtime.errors import RunFailedError
-from runtime.failures import CHECK_FAILED_STATUS, RUN_DIR_ENV, explain_failure
+from runtime.failures import CHECK_FAILED_STATUS, RUN_DIR_ENV, clear_failures, explain_failure
 
 
 def launch_ranks(nproc: int, module: str, module_args: list[str], folder: Path) -> int:
@@ -28,7 +29,8 @@ def launch_ranks(nproc: int, module: str, module_args: list[str], folder: Path) 
     ``folder``; 0 on success, :data:`CHECK_FAILED_STATUS` when a rank's check failed, and
     :class:`RunFailedError` with the one line otherwise."""
     argv = ["--standalone", "--nproc-per-node", str(nproc), "-m", module, *module_args]
-    with _environment(RUN_DIR_ENV, str(folder)), _agent_log(folder / "torchrun.log"):
+    clear_failures(folder)
+    with _environment(RUN_DIR_ENV, str(folder)), _stderr_to(folder / "torchrun.log"):
         try:
             torchrun.run(torchrun.parse_args(argv))
         except ChildFailedError as exc:
@@ -37,6 +39,8 @@ def launch_ranks(nproc: int, module: str, module_args: list[str], folder: Path) 
             if line is None:
                 return CHECK_FAILED_STATUS
             raise RunFailedError(line) from None
+        except SignalException as exc:  # Ctrl-C or a kill: the agent has stopped the ranks
+            raise RunFailedError(f"interrupted by {exc.sigval.name}; logs in {folder}") from None
     return 0
 
 
@@ -56,16 +60,18 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 
 @contextmanager
-def _agent_log(path: Path) -> Iterator[None]:
-    """The agent's messages (rendezvous, OMP_NUM_THREADS, the failure report) into ``path``
-    instead of the console."""
-    logger = logging.getLogger("torch.distributed")
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    console, propagate = logger.handlers[:], logger.propagate  # torch gives it a stderr handler
-    logger.handlers, logger.propagate = [handler], False
+def _stderr_to(path: Path) -> Iterator[None]:
+    """This process's stderr, and so the inherited stderr of the ranks until each opens its
+    own log, into ``path``: the agent's messages (rendezvous, OMP_NUM_THREADS, its failure
+    report) and whatever a rank prints before its log exists (an interrupted import)."""
+    sys.stderr.flush()
+    saved = os.dup(sys.stderr.fileno())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, sys.stderr.fileno())
+    os.close(fd)
     try:
         yield
     finally:
-        logger.handlers, logger.propagate = console, propagate
-        handler.close()
+        sys.stderr.flush()
+        os.dup2(saved, sys.stderr.fileno())
+        os.close(saved)
