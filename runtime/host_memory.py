@@ -64,8 +64,9 @@ def check_fits_host(plan: Plan, nproc: int, limit_gib: float | None = None) -> N
     if have is not None and need > have:
         raise RuntimeSetupError(
             f"plan {plan.name} needs {_size(need)} on this host ({nproc} ranks, up to "
-            f"{_size(max(peaks))} each) but {_size(have)} is available; run it on "
-            f"more hosts or re-solve it with a smaller cluster.memory_gib")
+            f"{_size(max(peaks))} each) but {_size(have)} is available; run it across more "
+            f"hosts, or re-solve it for this one (cluster.memory_gib at most "
+            f"{have / nproc / GIB:.2g}, or a smaller model)")
 
 
 def _check_devices(peaks: list[float]) -> None:
