@@ -13,8 +13,8 @@ each rank moves the bytes the plan prices:
 step         execution on this rank's block (axis ``a`` of size ``k``)
 ===========  ==============================================================
 P→B          ``all_reduce`` (padded)
-P→S(d)       chunk d into k pieces, pad, ``reduce_scatter_tensor``, unpad
-S(d)→B       pad, ``all_gather_into_tensor``, unpad each piece, concatenate
+P→S(d)       chunk d into k pieces, pad, ``reduce_scatter_single``, unpad
+S(d)→B       pad, ``all_gather_single``, unpad each piece, concatenate
 S(i)→S(j)    chunk j into k pieces, pad, ``all_to_all_single``, concatenate i
 B→S(d)       keep this rank's chunk of d (no communication)
 re-view      nothing: the block is the same on the other factorisation
@@ -214,7 +214,7 @@ class Comm:
                 pieces = [_pad_to(t.narrow(d, lo, hi - lo), tuple(piece))
                           for lo, hi in _pieces(t.shape[d], k)]
                 out = torch.empty(piece, dtype=t.dtype, device=t.device)
-                dist.reduce_scatter_tensor(out.view(-1), torch.stack(pieces).view(-1), group=group)
+                dist.reduce_scatter_single(out.view(-1), torch.stack(pieces).view(-1), group=group)
                 lo, hi = _pieces(t.shape[d], k)[self.coord(src, a)]
                 mine = list(t.shape)
                 mine[d] = hi - lo
@@ -223,7 +223,7 @@ class Comm:
                 d = cur.dim
                 pad = src.padded_shape(shape)
                 out = torch.empty((k, *pad), dtype=t.dtype, device=t.device)
-                dist.all_gather_into_tensor(out.view(-1), _pad_to(t, pad).view(-1), group=group)
+                dist.all_gather_single(out.view(-1), _pad_to(t, pad).view(-1), group=group)
                 parent = self.region(dst, shape)[d]
                 parts = []
                 for q, (lo, hi) in enumerate(_pieces(parent[1] - parent[0], k)):

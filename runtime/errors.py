@@ -16,3 +16,8 @@ class ScheduleError(PlannerError):
 class FidelityError(PlannerError):
     """What ran differs from what the plan priced: a placement DTensor chose that the plan
     does not have, or a gradient that skipped its planned reduction."""
+
+
+class RunFailedError(PlannerError):
+    """A rank of a launched run failed: the message names the rank, the cause and the log
+    that holds its traceback."""

@@ -8,7 +8,10 @@ validated and the world size (``WORLD_SIZE`` from torchrun) is compared with eac
 device count *before* the process group exists; then the backend is initialised — NCCL
 when CUDA is available, gloo otherwise — with a collective timeout (``--timeout``, default
 60 s), so a rank that dies mid-step ends the job with an error (torchrun also tears the
-other workers down as soon as one exits non-zero).
+other workers down as soon as one exits non-zero), and a heartbeat (``--heartbeat-s``,
+:mod:`runtime.heartbeat`) ends it within a few beats when a rank stops. Under
+``ilp-planner run`` each rank's stderr goes to its log in the run folder and a failure
+leaves the rank's account there (:mod:`runtime.failures`) for the run's one error line.
 
 Outputs (rank 0): ``--timings CSV`` — every single collective issued, in the calibration
 format (``collective,group_size,bytes,link,seconds``) that ``ilp-planner calibrate`` fits;
@@ -29,6 +32,7 @@ import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +43,7 @@ import torch.distributed as dist
 from ilp_planner.errors import ConfigError, PlannerError
 from ilp_planner.plan import audit
 from ilp_planner.plan.data import Plan
+from runtime import failures, heartbeat
 from runtime.executor import Executor, RunOptions
 from runtime.optim import OptimizerSpec
 from runtime.reference import compare, run_reference, tolerance
@@ -74,6 +79,10 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
                    help="relative tolerance of --check-reference (default: per compute dtype, "
                         "runtime.reference.RTOL: 1e-4 float32, 1e-2 bfloat16, 2e-3 float16)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--heartbeat-s", type=float, default=10.0,
+                   help="each rank beats through torchrun's store this often; a rank silent for "
+                        f"{heartbeat.MISSED_BEATS} beats (stopped, hung) ends the run naming it "
+                        "(0: off)")
 
 
 def forward_options(args: argparse.Namespace) -> list[str]:
@@ -111,11 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    failures.redirect_stderr_to_log(rank)
     try:
         rc = _run(args, rank, world, local_rank)
     except PlannerError as exc:
+        failures.report_exception(rank, exc)
         print(f"[rank {rank}] error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # the traceback goes on to this rank's log; the account, to the run's line
+        failures.report_exception(rank, exc)
+        raise
     # Leave without interpreter finalisation: gloo worker threads torn down there abort the
     # process now and then ("terminate called without an active exception") after all work
     # is done; the process groups are destroyed and every output is flushed by now.
@@ -131,11 +145,14 @@ def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> in
     executors = _executors(args, rank, world, device)
     faulthandler.enable()  # a rank killed by a signal prints where it was
     backend = _init_backend(device, args.timeout)
+    beat = heartbeat.start(rank, world, args.heartbeat_s)
     try:
         runs = [_train(ex, path, args, rank, world, backend)
                 for path, ex in zip(args.plans, executors, strict=True)]
         _write_outputs(args, runs, rank, world)
         dist.barrier()
+        if beat is not None:
+            beat.stop()
     finally:
         executors.clear()
         gc.collect()
@@ -230,10 +247,17 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
 
 
 def _maybe_crash(args: argparse.Namespace, rank: int, step: int) -> None:
-    """Testing (``--crash-rank``): this rank exits abruptly at ``--crash-step``."""
+    """Testing hooks: ``--crash-rank`` exits abruptly at ``--crash-step``; at its first step
+    the rank named by ``ILP_PLANNER_FAIL_RANK`` raises, as a rank out of memory would, and the
+    one named by ``ILP_PLANNER_STOP_RANK`` stops itself, as a hung rank would
+    (:mod:`runtime.failures`)."""
     if args.crash_rank == rank and step == args.crash_step:
         print(f"[rank {rank}] crashing on purpose at step {step}", file=sys.stderr, flush=True)
         os._exit(13)
+    if os.environ.get(failures.FAIL_RANK_ENV) == str(rank) and step == 0:
+        raise RuntimeError(f"injected failure ({failures.FAIL_RANK_ENV}={rank})")
+    if os.environ.get(failures.STOP_RANK_ENV) == str(rank) and step == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _calibration_rows(events) -> list[tuple]:

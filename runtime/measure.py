@@ -108,13 +108,13 @@ def _time(kind: str, n: int, ranks: list[int], group, repeats: int, device, torc
         inp = torch.ones(elems // p, device=device)
 
         def op():
-            dist.all_gather_into_tensor(out, inp, group=group)
+            dist.all_gather_single(out, inp, group=group)
     elif kind == "reduce_scatter":
         inp = torch.ones(elems, device=device)
         out = torch.empty(elems // p, device=device)
 
         def op():
-            dist.reduce_scatter_tensor(out, inp, group=group)
+            dist.reduce_scatter_single(out, inp, group=group)
     elif kind == "all_to_all":
         inp = torch.ones(elems, device=device)
         out = torch.empty(elems, device=device)

@@ -6,7 +6,7 @@ Every :class:`~ilp_planner.lowering.strategies.SyncBucket` of a layer the plan s
 each flattened in role order at the offsets of their *padded* blocks (the ``numel`` the planner
 prices), the whole padded to a multiple of the group size ``p`` (FSDP's flat parameter) and
 cut into ``p`` shards of ``s = ⌈n/p⌉`` elements; this rank keeps shard ``i`` (its index in the
-bucket's group, the order ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` use) as the
+bucket's group, the order ``reduce_scatter_single`` and ``all_gather_single`` use) as the
 fp32 master the optimizer updates. Nothing here chooses a group or a size: both come from the
 bucket the planner priced, and :func:`planned_collectives` restates them as the collectives
 the plan lists, which the executor checks against ``LayerPlan.collectives`` before running.
@@ -148,7 +148,7 @@ class ZeroBucket:
         """The full flat buffer from every rank's ``shard`` (in the shard's dtype)."""
         out = torch.empty(self.padded_numel, device=shard.device, dtype=shard.dtype)
         with tagged(phase, purpose, self.layer), timed(recorder):
-            dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
+            dist.all_gather_single(out, shard.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, flat_grad: torch.Tensor, purpose: str,
@@ -156,7 +156,7 @@ class ZeroBucket:
         """This rank's shard of the sum over the group of ``flat_grad`` (fp32)."""
         out = torch.empty(self.s, device=flat_grad.device, dtype=torch.float32)
         with tagged("backward", purpose, self.layer), timed(recorder):
-            dist.reduce_scatter_tensor(out, flat_grad.to(torch.float32).contiguous(),
+            dist.reduce_scatter_single(out, flat_grad.to(torch.float32).contiguous(),
                                        group=self.group)
         return out
 
@@ -169,7 +169,7 @@ class ZeroBucket:
     def full_master(self) -> dict[str, torch.Tensor]:
         """The full local blocks of the fp32 masters (an untagged gather, for results)."""
         flat = torch.empty(self.padded_numel, device=self.master.device, dtype=torch.float32)
-        dist.all_gather_into_tensor(flat, self.master.detach().contiguous(), group=self.group)
+        dist.all_gather_single(flat, self.master.detach().contiguous(), group=self.group)
         return {r: v.clone() for r, v in self.views(flat).items()}
 
 

@@ -118,7 +118,7 @@ class ZeroState:
             out = torch.empty(zb.s, device=self.device, dtype=torch.float32)
             first = len(self.recorder.events)
             with tagged("backward", "shard_grad_sync", zb.layer):
-                work = dist.reduce_scatter_tensor(out, zb.full_grad, group=zb.group, async_op=True)
+                work = dist.reduce_scatter_single(out, zb.full_grad, group=zb.group, async_op=True)
             self.work[zb.key] = Report(out, work, self.recorder.events[first:])
 
     def after_microbatch(self) -> None:

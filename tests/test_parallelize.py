@@ -38,6 +38,7 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert "all ranks: losses match and executed = planned" in res.stdout
     assert res.stdout.count("match") >= 5 and "MISMATCH" not in res.stdout
+    assert "Warning" not in res.stderr  # neither the example's code nor the collectives warn
     plan_line = next(line for line in res.stdout.splitlines() if line.startswith("plan:"))
     assert plan_line.count("3d(") >= 3  # the plan mixes mesh shapes, not plain data parallel
 

@@ -426,7 +426,7 @@ def test_run_verb_refuses_an_invalid_plan_before_any_rank_starts(monkeypatch, ca
     def spawn(*_args, **_kwargs):
         raise AssertionError("torchrun was spawned for an invalid plan")
 
-    monkeypatch.setattr(run_verb.subprocess, "call", spawn)
+    monkeypatch.setattr(run_verb, "launch_ranks", spawn)
     bad = _corrupt(plan4, tmp_path, CORRUPTIONS["microbatches-swapped"][0])
     assert cli.main(["run", str(bad), "--nproc-per-node", "4"]) == 2
     err = capsys.readouterr().err

@@ -443,3 +443,62 @@ def test_resume_re_solves_rows_it_cannot_trust(tmp_path, edit):
     again = sweep(spec, tmp_path, jobs=1, resume=True, progress=False)
     assert again.solved == 1 and again.skipped == 1
     assert all(isinstance(r["step_s"], float) for r in again.rows)
+
+
+def _children(pid: int) -> set[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+DRIVER = """
+import sys
+from tests.test_sweep import spec_of
+from ilp_planner.sweeps.sweep import sweep
+spec = spec_of(grid={"model.layers": list(range(1, 9)), "cluster.nodes": [1, 2]})
+sweep(spec, sys.argv[1], jobs=2, progress=False)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_and_resource_tracker_die_with_a_killed_driver(tmp_path):
+    """SIGKILL to a sweep's driver (no cleanup runs) takes its pool workers and
+    multiprocessing's resource tracker with it within seconds."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(children := _children(driver.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # two workers and the resource tracker
+        assert len(children) >= 3, f"the sweep started {len(children)} processes"
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in children if _alive(pid)]
+        for pid in left:  # do not leave them to the next test
+            os.kill(pid, signal.SIGKILL)
+        assert left == []
+    finally:
+        driver.kill()

@@ -1,16 +1,19 @@
 """``ilp-planner check PLAN [PLAN …]``: check plan files without running anything — the
 checks every verb and every rank run before reading a plan as a program
 (:mod:`ilp_planner.plan.check`) — and say whether the torch runtime can execute each one
-here (supported ops, even splits, float32)."""
+here (supported ops, even splits, float32, and with ``--for-host``, the default, whether this
+host's memory holds its ranks: ``run`` refuses exactly the plans this says it cannot run)."""
 
 from __future__ import annotations
 
 import argparse
 
+from ilp_planner.commands.run import add_host_memory_option
 from ilp_planner.errors import PlannerError
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.executor import Executor, RunOptions
+from runtime.host_memory import check_fits_host
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "with one error naming the file and the place in it on the first bad plan.",
     )
     p.add_argument("plans", nargs="+", metavar="PLAN.json")
+    p.add_argument("--for-host", action=argparse.BooleanOptionalAction, default=True,
+                   help="also check that this host's memory holds the plan's ranks, as `run` "
+                        "does (default: on)")
+    add_host_memory_option(p)
     p.set_defaults(func=run)
 
 
@@ -30,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         checked = check_plan(plan, str(path))
         try:
             Executor(plan, RunOptions(), rank=0, world=plan.num_devices, checked=checked)
+            if args.for_host:
+                check_fits_host(plan, plan.num_devices, args.host_memory_gib)
             runtime = "the runtime can execute it"
         except PlannerError as exc:
             runtime = f"valid, but the runtime cannot execute it here: {exc}"

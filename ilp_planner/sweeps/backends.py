@@ -23,8 +23,13 @@ its worker's main thread, where the alarm works), so a time-out row reads the sa
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -43,6 +48,7 @@ from ilp_planner.sweeps.points import (
 )
 
 BACKENDS = ("local", "ray")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 Record = Callable[[PointOutcome], None]
 Note = Callable[[str], None]
 
@@ -92,7 +98,8 @@ class LocalBackend:
                 record(outcome)
             return
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                 initializer=exit_with_driver, initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(solve_point, t): t for t in tasks}
             try:
                 for fut in as_completed(futures):
@@ -104,6 +111,27 @@ class LocalBackend:
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
+
+
+def exit_with_driver(driver_pid: int) -> None:
+    """Pool-worker initializer: a worker ends when the sweep's driver dies, even by SIGKILL
+    (no ``finally`` runs there). Without it an idle worker waits on its task queue forever
+    (it holds both ends of the pipe, so it never sees end-of-file), and multiprocessing's
+    resource tracker, which stops once every holder of its pipe is gone, stays with it.
+    Linux: the kernel sends SIGKILL when the parent goes (``prctl(PR_SET_PDEATHSIG)``, works
+    while a solver holds the GIL); elsewhere a thread polls for the parent."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+        threading.Thread(target=_watch_driver, args=(driver_pid,), daemon=True).start()
+    if os.getppid() != driver_pid:  # the driver died before the line above took effect
+        os._exit(1)
+
+
+def _watch_driver(driver_pid: int) -> None:
+    while os.getppid() == driver_pid:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _worker_failed(exc: BaseException) -> str:
