@@ -18,19 +18,25 @@ the plan's program, in place, on every rank of the job:
   redistribution;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
-  accumulated, then handed to the optimizer in the parameter's placements.
+  accumulated, then handed to the optimizer in the parameter's placements;
+* **a tied table** (an embedding and the head that uses it transposed) stays one parameter
+  with one gradient; the head computes with its own copy in its planned layout, as the plan
+  prices it (:mod:`runtime.applied_params`);
+* **the module's output**, whatever its structure, reaches the user's loss as the single-
+  process module returns it where its layout is replicated (plain tensors), as DTensors
+  where it is split.
 
 Everything the program issues is tagged for the dispatch-level
 :class:`~runtime.recorder.Recorder`, so :func:`audit` compares it with what the plan prices
 (:func:`ilp_planner.plan.audit.predicted`): a collective DTensor slipped in is ``untagged`` and
-shows as a mismatch. The loss is the user's code on the module's output (a DTensor in the
-planned layout of the loss's input); its scalar reduction is not part of the comparison.
+shows as a mismatch. The loss is the user's code on the module's output (in the planned
+layout of the loss's input); its scalar reduction is not part of the comparison.
 
-What it refuses, naming the op: pipelined or micro-batched plans, tied weights (one
-parameter in two layouts), a layout change between two ops written as functional code (no
-module boundary to run it at), an op whose module runs several of the plan's ops, a token
-split the module's batch dimension cannot carry, and meshes that are not a row-major view of
-the ranks.
+What it refuses, naming the op: pipelined or micro-batched plans, a layout change between
+two ops written as functional code (no module boundary to run it at), an op whose module runs
+several of the plan's ops, and a token split the module's batch dimension cannot carry.
+Meshes of any factorisation run: each is a DeviceMesh over the ranks at their coordinates
+(:func:`runtime.dtensors.rank_grid`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config, parse_config
 from ilp_planner.ir.graph import OpKind
@@ -52,8 +59,8 @@ from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
 from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
 from runtime.applied_edges import EdgeRunner
-from runtime.applied_hooks import BoundaryHooks
-from runtime.applied_params import AppliedParams
+from runtime.applied_hooks import BoundaryHooks, leaf_module
+from runtime.applied_params import AppliedParams, TiedHead, tied_heads
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
@@ -88,13 +95,18 @@ class Applied:
         for red in programs.values():
             self.comm.register(red)
         chunks = self._grad_chunks()
+        tied = tied_heads(self.config, self.layers)
+        _check_tied_heads(tied, module)
+        for t in tied.values():
+            self.comm.register(t.to_table)
+            self.comm.register(t.to_head)
         self.device_type = _device_type(device_mesh, self.world)
         self.registry.create()
         self.meshes = Meshes((lay for ly in plan.layers for lay in (*ly.inputs, ly.output)
                               if lay is not None), self.device_type, self.world)
         replicating = ContextStack()  # from the forward until the gradients are reduced
         self.params = AppliedParams(self.graph, self.layers, module, self.comm, self.meshes,
-                                    chunks, self.registry, replicating)
+                                    chunks, tied, self.registry, replicating)
         edges = EdgeRunner(self.graph, self.comm, self.meshes)
         self.hooks = BoundaryHooks(self.graph, self.layers, module, self.comm, self.meshes,
                                    edges, self.params, replicating, self.device_type)
@@ -140,12 +152,18 @@ def _check_applicable(plan: Plan, config: Config, layers: dict[str, LayerPlan],
             f"apply to a user's module; solve with solver.state_sharding: [0] and "
             f"solver.recompute: never")
     for op in config.graph.ops:
-        if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
-            raise RuntimeSetupError(f"op {op.name!r} ties its weight to an embedding: one "
-                                    f"parameter in two layouts is not supported by "
-                                    f"parallelize")
         if op.kind is not OpKind.INPUT and op.name not in layers:
             raise RuntimeSetupError(f"the plan has no layer for op {op.name!r}")
+
+
+def _check_tied_heads(tied: dict[str, TiedHead], module: nn.Module) -> None:
+    """A tied head computes with its own copy of the table, swapped into its module while
+    it runs: the head must be a module of its own, not functional code on the table."""
+    for head in tied:
+        if leaf_module(module, head) is None:
+            raise RuntimeSetupError(f"op {head!r} ties its weight to an embedding in "
+                                    f"functional code; parallelize needs the tied head to be a "
+                                    f"module (an nn.Linear sharing the embedding's weight)")
 
 
 def _device_type(device_mesh: DeviceMesh | None, world: int) -> str:
@@ -237,6 +255,12 @@ def parallelize(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = 
     return it; its :class:`Applied` state is ``module.ilp_plan``."""
     module.ilp_plan = Applied(plan, module, device_mesh)  # type: ignore[attr-defined]
     return module
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A tensor computed from the applied module's output, whole and detached: a loss is a
+    plain tensor where the output came back replicated and a DTensor where it stayed split."""
+    return t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
 def audit(plan: Plan, rank: int, events: list) -> list[AuditRow]:
