@@ -41,8 +41,6 @@ Meshes of any factorisation run: each is a DeviceMesh over the ranks at their co
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -51,8 +49,6 @@ from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config, parse_config
 from ilp_planner.ir.graph import OpKind
-from ilp_planner.ir.layouts import B, Split, drop_unit_axes
-from ilp_planner.ir.layouts import Partial as IRPartial
 from ilp_planner.lowering.grad_buckets import GradBucket, fill_buckets
 from ilp_planner.lowering.strategies import StrategyContext, grad_sync
 from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
@@ -174,74 +170,6 @@ def _device_type(device_mesh: DeviceMesh | None, world: int) -> str:
         raise RuntimeSetupError(f"device_mesh covers {device_mesh.size()} ranks, the job "
                                 f"has {world}")
     return device_mesh.device_type
-
-
-def to_parallelize_plan(plan: Plan) -> dict[str, Any]:
-    """The plan as PyTorch's tensor-parallel styles, for
-    ``torch.distributed.tensor.parallel.parallelize_module(module, tp_mesh, plan)``, where
-    its layouts are exactly those styles on one TP mesh axis:
-
-    * a linear whose weight splits its output features over the TP axis, input replicated
-      there → ``ColwiseParallel`` (output kept split on the features);
-    * one whose weight splits its input features, input split on the features → output
-      partial sums all-reduced to replicas → ``RowwiseParallel``;
-    * an embedding split on the vocabulary → ``RowwiseParallel``, on the hidden dim →
-      ``ColwiseParallel``; layers not split over the TP axis are left out.
-
-    The TP axis is the one mesh axis every split weight uses; every other axis may only split
-    the batch (data parallelism, the user's DDP / FSDP over the other mesh dim). Token splits
-    over the TP axis are batch splits in this IR, not ``SequenceParallel``'s sequence splits,
-    so they do not map. Raises ``ValueError`` naming the first layer that does not fit —
-    ``Plan.parallelize`` runs any single-mesh plan."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    graph = parse_config(plan.config).graph
-    tp_size: int | None = None
-    styles: dict[str, Any] = {}
-    for ly in plan.layers:
-        op = graph[ly.name]
-        lays = [lay for lay in (*ly.inputs, ly.output, ly.weight) if lay is not None]
-        if ly.strategy.startswith("follows "):
-            continue  # element-wise on its producer's layout (a GELU after a column split)
-        if op.kind not in (OpKind.LINEAR, OpKind.EMBEDDING):
-            if any(isinstance(pl, Split) and pl.dim != 0 for lay in lays
-                   for pl in drop_unit_axes(lay).placements):
-                raise ValueError(f"layer {ly.name!r} ({ly.strategy}) splits features outside a "
-                                 f"linear; no tensor-parallel style does that")
-            continue
-        if ly.weight is None or not ly.strategy.startswith("3d"):
-            raise ValueError(f"layer {ly.name!r} ({ly.strategy}) is not a 3-D matmul strategy")
-        split_axes = [a for a, (ax, pl) in enumerate(zip(ly.weight.fact, ly.weight.placements,
-                                                        strict=True))
-                      if ax.size > 1 and isinstance(pl, Split)]
-        if not split_axes:
-            continue
-        if len(split_axes) > 1:
-            raise ValueError(f"layer {ly.name!r} ({ly.strategy}) splits its weight over "
-                             f"{len(split_axes)} mesh axes; tensor-parallel styles use one")
-        a = split_axes[0]
-        size = ly.weight.fact[a].size
-        if tp_size not in (None, size):
-            raise ValueError(f"layer {ly.name!r} splits its weight {size} ways, an earlier "
-                             f"layer {tp_size}: one TP mesh axis has one size")
-        tp_size = size
-        x, w, out = ly.inputs[0].placements[a], ly.weight.placements[a], ly.output.placements[a]
-        col_dim, row_dim = (1, 0)
-        if op.kind is OpKind.EMBEDDING:
-            styles[ly.name] = RowwiseParallel() if w == Split(0) else ColwiseParallel()
-        elif w == Split(col_dim) and x == B and out == Split(1):
-            styles[ly.name] = ColwiseParallel()
-        elif w == Split(row_dim) and x == Split(1) and isinstance(out, IRPartial):
-            styles[ly.name] = RowwiseParallel()
-        else:
-            raise ValueError(f"layer {ly.name!r} ({ly.strategy}) is neither column- nor "
-                             f"row-parallel over its TP axis")
-        for other, (ax, pl) in enumerate(zip(ly.inputs[0].fact, ly.inputs[0].placements,
-                                             strict=True)):
-            if other != a and ax.size > 1 and pl not in (B, Split(0)):
-                raise ValueError(f"layer {ly.name!r} ({ly.strategy}) splits more than the batch "
-                                 f"outside its TP axis")
-    return styles
 
 
 def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) -> nn.Module:

@@ -4,7 +4,9 @@ Multi-process (slow): one torchrun launch per cluster shape runs every model of
 :data:`tests.helpers.hf_apply_check.MODELS` — imported with ``ilp_planner.from_module``,
 solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`` — and each
 test reads its model's line: the losses match one process (fp32, 1e-4) and the collectives
-executed are the planned ones, every step, on every rank. The 2 × 2 cluster gives plans on a
+executed are the planned ones, every step, on every rank. The 1 × 4 launch also trains
+Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``parallelize_module``
+(2-way data × 2-way tensor parallel), matching one process. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid.
 """
@@ -25,7 +27,8 @@ SHAPES = ("1x4", "2x2")
 def launch(shape: str) -> str:
     """The output of one 4-rank launch running every model on ``shape``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "tests/helpers/hf_apply_check.py", "--shape", shape]
+           "4", "tests/helpers/hf_apply_check.py", "--shape", shape,
+           *(["--tp-styles"] if shape == "1x4" else [])]
     res = run(cmd, 900)
     return res.stdout + res.stderr
 
@@ -46,6 +49,11 @@ def test_llama_trains_like_one_process_and_the_plan(model, shape):
     assert "3d(" in line  # the plan splits weights, not only the batch
     if shape == "2x2":
         assert "0,2,1,3" in line  # a mesh that is not a row-major view of the ranks
+
+
+@pytest.mark.slow
+def test_llamas_megatron_plan_trains_through_parallelize_module():
+    assert "styles" in line_of("1x4", "tp-styles")
 
 
 @pytest.mark.slow
@@ -106,3 +114,48 @@ def test_a_vocabulary_block_looks_up_its_rows_and_zeroes_the_others():
     assert torch.equal(parts[0] + parts[1], torch.nn.functional.embedding(ids, table))
     assert VocabMask.of(ids, (3, 6)).local_padding(4) == 1
     assert VocabMask.of(ids, (3, 6)).local_padding(0) is None
+
+
+def test_styles_keep_the_planned_layouts_up_to_the_loss():
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, megatron_plan
+
+    torch.manual_seed(0)
+    styles = to_parallelize_plan(megatron_plan(MODELS["llama"](), 1, 4))
+    attn = "model.layers.0.self_attn."
+    assert {type(styles[attn + p]) for p in ("q_proj", "k_proj", "v_proj")} == {ColwiseParallel}
+    assert type(styles[attn + "o_proj"]) is RowwiseParallel
+    # the loss reads whole logits: the head sums its partial sums and hands a plain tensor
+    head = styles["lm_head"]
+    assert head.output_layouts == (Replicate(),) and head.use_local_output
+    assert len(styles) == 2 + 7 * 2  # embedding, head, 7 linears per block
+
+
+def test_plans_no_style_expresses_raise_naming_their_layers():
+    import torch
+
+    import ilp_planner
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.intra_op.baselines import data_parallel_filter
+    from ilp_planner.ir.cluster import MeshAxis
+    from ilp_planner.testing import restricted_plan
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["llama"]()
+    graph = ilp_planner.from_module(case.model, (case.inputs,))
+    mixed = ilp_planner.solve(graph, cluster=cluster(1, 4), baselines=False)
+    four_way = [ly.name for ly in mixed.layers if ly.strategy == "3d(p0=4,p1=1,p2=1)"]
+    assert four_way  # 4-way data parallel beside 2 × 2 tensor parallel: no one TP mesh
+    with pytest.raises(ValueError, match="does not map") as err:
+        to_parallelize_plan(mixed)
+    assert f"{four_way[0]} (3d(p0=4,p1=1,p2=1)) runs on a mesh" in str(err.value)
+    config = load_config({"model": graph, "cluster": cluster(1, 4)})
+    data_parallel = restricted_plan(config, data_parallel_filter(MeshAxis(1, 4)))
+    with pytest.raises(ValueError, match="data parallel"):
+        to_parallelize_plan(data_parallel)

@@ -20,10 +20,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import ilp_planner
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.ir.layouts import B, Layout, P, S
-from runtime.apply import parallelize, to_parallelize_plan
+from runtime.apply import parallelize
 from runtime.dtensors import DimMap, placements, rank_grid
 from runtime.errors import RuntimeSetupError
 from runtime.modules import GPT, MLP
+from runtime.tp_styles import to_parallelize_plan
 from tests.helpers.procs import run
 
 

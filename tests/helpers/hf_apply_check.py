@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -36,6 +37,7 @@ from ilp_planner.plan.data import Plan  # noqa: E402
 from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.dtensors import rank_grid  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
+from runtime.tp_styles import tensor_parallel_mesh, to_parallelize_plan  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 8, 4
 
@@ -149,18 +151,79 @@ def describe(plan: Plan) -> str:
     return f"{' '.join(kinds)} grids={' '.join(grids)}"
 
 
+def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
+    """The best plan in Megatron's layouts on a 2 (data) × 2 (tensor) mesh, for PyTorch's
+    styles: imported without ``dtensor`` (the styles run the module on local tensors, so
+    attention may split the batch and the heads at once)."""
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.intra_op.baselines import megatron_filter
+    from ilp_planner.ir.cluster import MeshAxis
+    from ilp_planner.testing import restricted_plan
+
+    graph = ilp_planner.from_module(case.model, (case.inputs,), dtensor=False)
+    config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
+    return restricted_plan(config, megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
+
+
+def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str]:
+    """``to_parallelize_plan`` of a Megatron plan through ``parallelize_module``: each data-
+    parallel rank trains on its block of the batch (gradients averaged over ``mesh["dp"]``)
+    and the mean of their losses matches one process on the whole batch."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    case = MODELS[name]()
+    reference = copy.deepcopy(case.model)
+    box = [megatron_plan(case, nodes, devices).to_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    plan = Plan.from_dict(box[0])
+    mesh = tensor_parallel_mesh(plan)
+    model = parallelize_module(case.model, mesh["tp"], to_parallelize_plan(plan))
+    dp, dp_group = mesh["dp"].size(), mesh["dp"].get_group()
+    rows = slice(mesh["dp"].get_local_rank() * BATCH // dp,
+                 (mesh["dp"].get_local_rank() + 1) * BATCH // dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    failures = []
+    for step in range(steps):
+        loss = loss_of(model(case.inputs[rows]), case.targets[rows])
+        loss.backward()
+        for p in model.parameters():
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=dp_group)
+            grad /= dp
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)
+        ref = loss_of(reference(case.inputs), case.targets)
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(float(mean) / dp - float(ref)) > 1e-4 * max(1.0, abs(float(ref))):
+            failures.append(f"step {step}: loss {float(mean) / dp} vs single-process "
+                            f"{float(ref)}")
+    if dist.get_rank() == 0 and not failures:
+        print(f"OK tp-styles {name} {len(to_parallelize_plan(plan))} styles", flush=True)
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", default=list(MODELS))
     ap.add_argument("--shape", default="1x4", help="NODESxDEVICES_PER_NODE")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tp-styles", action="store_true",
+                    help="also train Llama's Megatron plan through parallelize_module")
     args = ap.parse_args()
     nodes, devices = (int(v) for v in args.shape.split("x"))
     dist.init_process_group("gloo")
     failed = 0
-    for name in args.models:
+    runs = [(check, name) for name in args.models]
+    runs += [(check_tp_styles, "llama")] if args.tp_styles else []
+    for run, name in runs:
         try:
-            failures = check(name, nodes, devices, args.steps)
+            failures = run(name, nodes, devices, args.steps)
         except Exception as exc:  # one model's failure is reported, the next model runs
             failures = [f"{type(exc).__name__}: {exc}"]
             if os.environ.get("HF_CHECK_TRACEBACK"):
