@@ -159,3 +159,12 @@ def test_plans_no_style_expresses_raise_naming_their_layers():
     data_parallel = restricted_plan(config, data_parallel_filter(MeshAxis(1, 4)))
     with pytest.raises(ValueError, match="data parallel"):
         to_parallelize_plan(data_parallel)
+
+
+@pytest.mark.slow
+def test_the_hf_example_trains_on_two_nodes_like_one_process():
+    res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "4", "examples/train_hf_model.py", "--nodes", "2", "--steps", "3"], 600)
+    assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    assert "all ranks: losses match and executed = planned" in res.stdout
+    assert res.stdout.count("match") >= 3
