@@ -173,7 +173,7 @@ class AppliedParams:
                     f"op {op.name!r}'s parameter {fqn} is "
                     f"{'shared with ' + table[0] if table else 'its own'} but the plan prices "
                     f"{'a tie with ' + tie.table[0] if tie else 'no tie'}; parallelize shares "
-                    f"a table only between an embedding and the bias-free nn.Linear head "
+                    f"a table only between an embedding and the nn.Linear head "
                     f"the importer marks tied")
             if table is None:
                 registered = self._registered(original, stored, dims, fqn,

@@ -32,8 +32,14 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ilp_planner  # noqa: E402
+from ilp_planner.inputs.config import load_config  # noqa: E402
+from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
+from ilp_planner.ir.cluster import MeshAxis  # noqa: E402
+from ilp_planner.ir.graph import Op  # noqa: E402
+from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
 from ilp_planner.plan.data import Plan  # noqa: E402
+from ilp_planner.testing import restricted_plan  # noqa: E402
 from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.dtensors import rank_grid  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
@@ -44,11 +50,13 @@ VOCAB, SEQ, BATCH = 64, 8, 4
 
 @dataclass(frozen=True)
 class Case:
-    """A model to plan and train: its module, the batch it reads, the targets of its loss."""
+    """A model to plan and train: its module, the batch it reads, the targets of its loss,
+    and the strategies its plan may use (all if None: the solver's plan)."""
 
     model: nn.Module
     inputs: torch.Tensor
     targets: torch.Tensor
+    keep: Filter | None = None
 
 
 def llama(tied: bool) -> Case:
@@ -78,9 +86,24 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
 
+def llama_tied_exchanging() -> Case:
+    """Tied Llama whose table is whole on every device while its head splits the vocabulary
+    4 ways: the tied exchange gathers the head's gradient and cuts the table."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name == "model.embed_tokens":
+            return s.weight is not None and s.weight.split_degree(0) == s.weight.split_degree(1) == 1
+        if op.name == "lm_head":
+            return s.weight is not None and s.weight.split_degree(1) == 4
+        return True
+
+    case = llama(tied=True)
+    return Case(case.model, case.inputs, case.targets, keep)
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
+    "llama-tied-exchanging": llama_tied_exchanging,
     "bert": bert,
 }
 
@@ -97,15 +120,27 @@ def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
 
 
-def solve_on_rank0(case: Case, nodes: int, devices: int) -> Plan:
+def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
     """One plan for every rank: solved on rank 0, broadcast."""
-    box = [None]
+    box: list = [None]
     if dist.get_rank() == 0:
-        graph = ilp_planner.from_module(case.model, (case.inputs,))
-        box = [ilp_planner.solve(graph, cluster=cluster(nodes, devices),
-                                 baselines=False).to_dict()]
+        try:
+            box = [make().to_dict()]
+        except Exception as exc:  # every rank raises it, none waits for a plan
+            box = [f"rank 0 could not plan: {type(exc).__name__}: {exc}"]
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(box[0])
     return Plan.from_dict(box[0])
+
+
+def solve(case: Case, nodes: int, devices: int) -> Plan:
+    """The solver's plan for ``case``, or the best one among the strategies it keeps."""
+    graph = ilp_planner.from_module(case.model, (case.inputs,))
+    if case.keep is None:
+        return ilp_planner.solve(graph, cluster=cluster(nodes, devices), baselines=False)
+    config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
+    return restricted_plan(config, case.keep)
 
 
 def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
@@ -114,7 +149,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     case = MODELS[name]()
     case.model.train()
     reference = copy.deepcopy(case.model)
-    plan = solve_on_rank0(case, nodes, devices)
+    plan = plan_on_rank0(lambda: solve(case, nodes, devices))
     model = parallelize(plan, case.model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -155,11 +190,6 @@ def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
     """The best plan in Megatron's layouts on a 2 (data) × 2 (tensor) mesh, for PyTorch's
     styles: imported without ``dtensor`` (the styles run the module on local tensors, so
     attention may split the batch and the heads at once)."""
-    from ilp_planner.inputs.config import load_config
-    from ilp_planner.intra_op.baselines import megatron_filter
-    from ilp_planner.ir.cluster import MeshAxis
-    from ilp_planner.testing import restricted_plan
-
     graph = ilp_planner.from_module(case.model, (case.inputs,), dtensor=False)
     config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
     return restricted_plan(config, megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
@@ -174,9 +204,7 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
     torch.manual_seed(0)
     case = MODELS[name]()
     reference = copy.deepcopy(case.model)
-    box = [megatron_plan(case, nodes, devices).to_dict() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    plan = Plan.from_dict(box[0])
+    plan = plan_on_rank0(lambda: megatron_plan(case, nodes, devices))
     mesh = tensor_parallel_mesh(plan)
     model = parallelize_module(case.model, mesh["tp"], to_parallelize_plan(plan))
     dp, dp_group = mesh["dp"].size(), mesh["dp"].get_group()
