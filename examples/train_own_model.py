@@ -25,7 +25,7 @@ from torch import nn
 import ilp_planner
 from ilp_planner.plan.audit import format_rows
 from ilp_planner.plan.data import Plan
-from runtime.apply import audit
+from runtime.apply import audit, full_value
 from runtime.recorder import Recorder
 
 
@@ -125,7 +125,7 @@ def main() -> int:
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        mine, single = float(loss.detach().full_tensor()), ref_loss.item()
+        mine, single = float(full_value(loss)), ref_loss.item()
         rows = audit(plan, rank, rec.events)
         same = abs(mine - single) <= 1e-4 * max(1.0, abs(single))
         ok = ok and same and all(r.ok for r in rows)

@@ -5,9 +5,11 @@ Public API: :func:`solve` (:mod:`ilp_planner.api`), :func:`load_config`, :class:
 :class:`Plan`, :func:`explain` and :func:`summary` (reports of a plan), :func:`sweep` and
 :func:`load_sweep` (batch solves), :func:`from_module` (a user's ``nn.Module`` → :class:`Graph`),
 :func:`parallelize` (a plan applied to that module under ``torchrun``, :mod:`runtime.apply`;
-``apply`` is the same function) and :func:`to_parallelize_plan` (the plan as PyTorch
-tensor-parallel styles). They are resolved lazily so that importing an IR module
-(``ilp_planner.ir.graph``) pulls in neither the solvers nor torch.
+``apply`` is the same function; :func:`full_value` reads a loss computed from its output),
+and :func:`to_parallelize_plan` with :func:`tensor_parallel_mesh` (the plan as PyTorch
+tensor-parallel styles and their mesh, :mod:`runtime.tp_styles`). They are resolved lazily
+so that importing an IR module (``ilp_planner.ir.graph``) pulls in neither the solvers nor
+torch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _API = {
     "explain": "ilp_planner.reports.explain",
     "summary": "ilp_planner.reports.explain",
     "parallelize": "runtime.apply",
-    "to_parallelize_plan": "runtime.apply",
+    "to_parallelize_plan": "runtime.tp_styles",
+    "tensor_parallel_mesh": "runtime.tp_styles",
     "load_config": "ilp_planner.inputs.config",
     "Config": "ilp_planner.inputs.config",
     "Plan": "ilp_planner.plan.data",
@@ -27,6 +30,7 @@ _API = {
     "load_sweep": "ilp_planner.sweeps.spec",
     "from_module": "ilp_planner.inputs.importer",
     "apply": "runtime.apply",
+    "full_value": "runtime.apply",
     "Graph": "ilp_planner.ir.graph",
 }
 

@@ -17,7 +17,7 @@ from ilp_planner.ir.graph import Graph
 from ilp_planner.ir.layouts import Layout, grad_layout
 from ilp_planner.lowering.redistribution import Redistribution
 from runtime.comm import Comm, LVal
-from runtime.dtensors import DimMap, Meshes, Unwrap, Wrap, dtensor_spec, mesh_shape, placements
+from runtime.dtensors import DimMap, Meshes, Unwrap, Wrap, dtensor_spec, placements
 from runtime.errors import FidelityError
 
 
@@ -61,6 +61,6 @@ class EdgeRunner:
             raise FidelityError(f"{where}: expected a DTensor in {layout}, got "
                                 f"{type(x).__name__} (a tensor made outside the plan's inputs)")
         want = placements(layout, self.dims(name, x), where)
-        if tuple(x.placements) != want or tuple(x.device_mesh.shape) != mesh_shape(layout):
+        if tuple(x.placements) != want or x.device_mesh != self.meshes.of(layout):
             raise FidelityError(f"{where}: DTensor placements {tuple(x.placements)}, the plan "
                                 f"has {layout} = {want}")

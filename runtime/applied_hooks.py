@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout, grad_layout
@@ -37,7 +38,37 @@ from runtime.recorder import tagged
 LOCAL_KINDS = (OpKind.LINEAR, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.CONV2D, OpKind.EMBEDDING)
 """Ops whose module computes on local blocks exactly as the plan's layouts say (the runtime's
 kernels' arithmetic): a matmul of blocks is the block of the product, or its partial sum; a
-norm over whole rows is local. The user's other code runs on DTensors."""
+norm over whole rows is local; a lookup in a block of vocabulary rows is a masked lookup
+(:class:`VocabMask`), its rows summed over the vocabulary split. The user's other code runs
+on DTensors."""
+
+
+@dataclass(frozen=True)
+class VocabMask:
+    """A lookup in this rank's rows ``[lo, hi)`` of a vocabulary-split table: ids outside
+    them look up row 0 and their outputs are zeroed, so the blocks' outputs sum to the
+    lookup (the partial sums the plan prices); the table's padding row, if this rank holds
+    it, keeps its zero gradient."""
+
+    outside: torch.Tensor
+    lo: int
+    hi: int
+
+    @staticmethod
+    def of(ids: torch.Tensor, rows: tuple[int, int]) -> VocabMask:
+        lo, hi = rows
+        return VocabMask((ids < lo) | (ids >= hi), lo, hi)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.outside, torch.zeros_like(ids), ids - self.lo)
+
+    def local_padding(self, padding_idx: int | None) -> int | None:
+        if padding_idx is None or not self.lo <= padding_idx < self.hi:
+            return None
+        return padding_idx - self.lo
+
+    def apply(self, out: torch.Tensor) -> torch.Tensor:
+        return out.masked_fill(self.outside.unsqueeze(-1), 0.0)
 
 
 @dataclass
@@ -57,8 +88,6 @@ Programs = dict[str, tuple[Layout, Redistribution]]  # producer -> (layout read,
 def runs_locally(op: Op, ly: LayerPlan) -> bool:
     if op.kind not in LOCAL_KINDS or len(op.source_params) != len(param_shapes(op)):
         return False
-    if op.kind is OpKind.EMBEDDING:  # a vocabulary split needs a masked lookup
-        return ly.weight is not None and ly.weight.split_degree(0) == 1
     if op.kind is OpKind.LINEAR:
         return not is_summa(ly.strategy)
     return True
@@ -152,6 +181,8 @@ class BoundaryHooks:
         self.origin: dict[int, tuple[DTensor, DTensor]] = {}  # converted -> (it, original)
         self.hooks: dict[str, Hook] = {}
         self.final: tuple[Layout, Redistribution] | None = None
+        self.masks: dict[str, VocabMask] = {}  # vocabulary-split lookups running now
+        self.paddings: dict[str, int] = {}  # their modules' own padding rows
 
     def install(self, programs: dict[tuple[str, int], Redistribution]) -> None:
         self.hooks, post = hook_table(self.graph, self.layers, programs, self.module)
@@ -182,6 +213,8 @@ class BoundaryHooks:
                     args[idx] = self.edges.run(args[idx], src, red, dst, producer, where)
         if h.local:
             args = self._to_blocks(h, args)
+        else:
+            self._swap_copies(h)
         return tuple(args)
 
     def _to_blocks(self, h: Hook, args: list) -> list:
@@ -198,27 +231,59 @@ class BoundaryHooks:
                 pls = placements(grads[idx], dims, f"input {idx} of {h.op}")
                 args[idx] = Unwrap.apply(x, dtensor_spec(self.meshes.of(grads[idx]), pls, x,
                                                          tuple(x.shape)))
-        for role, fqn in zip(param_shapes(op), op.source_params, strict=True):
-            p = self.params.by_fqn[fqn]
-            local = Unwrap.apply(p.param, dtensor_spec(
-                self.meshes.of(p.stored), placements(p.grad, p.dims, f"gradient of {fqn}"),
-                p.param, tuple(p.param.shape)))
+        if op.kind is OpKind.EMBEDDING and ly.weight is not None \
+                and ly.weight.split_degree(0) > 1:
+            args[0] = self._masked_lookup(h, args[0])
+        for (_, role), p in self.params.of_op(h.op).items():
+            local = Unwrap.apply(p.value, dtensor_spec(
+                self.meshes.of(p.stored), placements(p.grad, p.dims, f"gradient of {p.fqn}"),
+                p.value, tuple(p.value.shape)))
             if role == "bias" or role.startswith("pos"):
                 local = bias_share(local, ly.output)
-            owner, attr = owner_of(self.module, fqn)
+            owner, attr = owner_of(self.module, p.fqn)
             owner._parameters[attr] = local  # nn.Module refuses non-Parameters via setattr
         return args
 
+    def _masked_lookup(self, h: Hook, ids: torch.Tensor) -> torch.Tensor:
+        """The local ids of a lookup in this rank's vocabulary rows (:class:`VocabMask`),
+        the module's padding row made local while it runs."""
+        (lo, hi), *_ = self.comm.region(self.layers[h.op].weight, self.graph[h.op].weight.shape)
+        mask = VocabMask.of(ids, (lo, hi))
+        self.masks[h.op] = mask
+        mod = self.module.get_submodule(h.op)
+        padding = getattr(mod, "padding_idx", None)
+        if padding is not None:
+            self.paddings[h.op] = padding
+            mod.padding_idx = mask.local_padding(padding)
+        return mask.local_ids(ids)
+
+    def _unmask(self, h: Hook, out: torch.Tensor) -> torch.Tensor:
+        mask = self.masks.pop(h.op, None)
+        if mask is None:
+            return out
+        if h.op in self.paddings:
+            self.module.get_submodule(h.op).padding_idx = self.paddings.pop(h.op)
+        return mask.apply(out)
+
+    def _swap_copies(self, h: Hook) -> None:
+        """A tied head computes with its own copy of the table (DTensor code reads it where
+        the module is not run on local blocks)."""
+        for p in self.params.of_op(h.op).values():
+            if p.value is not p.registered:
+                owner, attr = owner_of(self.module, p.fqn)
+                owner._parameters[attr] = p.value
+
     def _restore_params(self, h: Hook) -> None:
-        for fqn in self.graph[h.op].source_params:
-            owner, attr = owner_of(self.module, fqn)
-            owner._parameters[attr] = self.params.by_fqn[fqn].param
+        for p in self.params.of_op(h.op).values():
+            owner, attr = owner_of(self.module, p.fqn)
+            owner._parameters[attr] = p.registered
 
     def _post(self, h: Hook, out: Any) -> Any:
         layout, red = h.output
         where = f"output of {h.op}"
+        self._restore_params(h)
         if h.local:
-            self._restore_params(h)
+            out = self._unmask(h, out)
             full = self._global_shape(h.op, out)
             dims = DimMap(full, self.graph[h.op].output.rank)
             out = Wrap.apply(out, dtensor_spec(self.meshes.of(layout),
@@ -251,6 +316,7 @@ class BoundaryHooks:
         meshes SDPA takes its math path: DTensor shards its matmuls and softmax, the fused
         CPU kernel has no sharding rule."""
         self.origin = {}
+        self.params.refresh_tied()
         if not self.replicating:
             self.replicating.enter(implicit_replication())
         if self.device_type == "cpu":
@@ -279,15 +345,37 @@ class BoundaryHooks:
         return DTensor(_real_block(local, x, lay), spec, requires_grad=False)
 
     def _output(self, out: Any) -> Any:
+        """The module's output, whatever its structure (a tensor, a tuple, a dict, a
+        ``ModelOutput``): its first tensor is the graph's output (the importer's), checked
+        and brought to the layout the loss reads; every tensor in it then reaches the user as
+        the single-process module returns it where its layout is replicated — a plain
+        tensor with the whole value — and as a DTensor where it is split or partial (the
+        user's loss on it is DTensor code)."""
         self.forward_only.leave()
+        leaves, structure = tree_flatten(out)
+        first = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
+        if first is None:
+            raise RuntimeSetupError(f"the module returned {type(out).__name__} with no tensor")
+        leaves[first] = self._planned_output(leaves[first])
+        return tree_unflatten([_user_tensor(x) for x in leaves], structure)
+
+    def _planned_output(self, out: Any) -> Any:
         name = output_op(self.graph)
         self.edges.check(out, self.layers[name].output, name, f"output of the module ({name})")
-        if self.final is not None:
-            dst, red = self.final
-            with tagged("forward", "activation", name):
-                out = self.edges.run(out, self.layers[name].output, red, dst, name,
-                                     "the module's output")
-        return out
+        if self.final is None:
+            return out
+        dst, red = self.final
+        with tagged("forward", "activation", name):
+            return self.edges.run(out, self.layers[name].output, red, dst, name,
+                                  "the module's output")
+
+
+def _user_tensor(x: Any) -> Any:
+    """A replicated DTensor as its local tensor (the whole value; its gradient comes back
+    replicated, no communication); anything else as it is."""
+    if not isinstance(x, DTensor) or any(not pl.is_replicate() for pl in x.placements):
+        return x
+    return Unwrap.apply(x, dtensor_spec(x.device_mesh, tuple(x.placements), x, tuple(x.shape)))
 
 
 def _real_block(local: torch.Tensor, x: torch.Tensor, lay: Layout) -> torch.Tensor:

@@ -2,9 +2,20 @@
 reduction in the plan's buckets, for :mod:`runtime.apply`.
 
 Each rank keeps its block of the value the module already holds (seed it identically on
-every rank). Once every gradient of the step has accumulated, the weight gradients are
-AllReduced in the plan's chunks (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) and
-handed to the optimizer in the parameter's placements.
+every rank). Every parameter an op owns is one *slot* ``(op, role)``, its roles in the order
+:func:`~ilp_planner.lowering.strategies.param_shapes` prices them, whatever the module calls
+them. Once every gradient of the step has accumulated, the weight gradients are AllReduced in
+the plan's chunks (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) and handed to the
+optimizer in the parameter's placements.
+
+A tied head (an output projection sharing the input embedding's table) is priced as the
+planner prices it (:func:`~ilp_planner.lowering.strategies.tied_exchange`): the head computes
+with its own copy in its planned layout, whose gradient is synchronised in its bucket and then
+brought to the embedding's layout and added to the table's gradient. The user's module keeps
+one parameter with one gradient: instead of sending the summed gradient back to the head's
+copy (the exchange's second program), the same program refreshes the copy from the updated
+parameter before the next forward — the same collectives, and the copy equals the parameter
+whatever the optimizer.
 """
 
 from __future__ import annotations
@@ -16,10 +27,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ilp_planner.ir.graph import Graph, Op
+from ilp_planner.inputs.config import Config
+from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.grad_buckets import GradBucket
-from ilp_planner.lowering.strategies import param_layouts, param_shapes
+from ilp_planner.lowering.redistribution import Redistribution
+from ilp_planner.lowering.strategies import param_layouts, param_shapes, tied_exchange, tied_source
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, dtensor_spec, placements
@@ -27,16 +40,51 @@ from runtime.errors import FidelityError, RuntimeSetupError
 from runtime.mesh import MeshRegistry
 from runtime.recorder import tagged
 
+Slot = tuple[str, str]  # (op name, parameter role)
+
 
 @dataclass(frozen=True)
 class PlacedParam:
-    """A parameter of the user's module as placed: the DTensor, its stored and gradient
+    """One parameter of an op as placed: ``value`` is the DTensor the op computes with (the
+    module's parameter, or a tied head's copy of it), ``registered`` the parameter the module
+    holds at ``fqn`` (the path through the op's own module), its stored and gradient
     layouts, and how the IR's dims sit in it."""
 
-    param: nn.Parameter
+    value: torch.Tensor
+    registered: nn.Parameter
+    fqn: str
     stored: Layout
     grad: Layout
     dims: DimMap
+
+
+@dataclass(frozen=True)
+class TiedHead:
+    """A head computing with its own copy of an embedding's table: the slots of both, and
+    the exchange's two lowered programs (head gradient → table layout, table → head copy)."""
+
+    head: Slot
+    table: Slot
+    to_table: Redistribution
+    to_head: Redistribution
+
+
+def tied_heads(config: Config, layers: dict[str, LayerPlan]) -> dict[str, TiedHead]:
+    """Each tied head of the plan's graph (by name) with its table and the lowered exchange
+    the planner prices (:func:`~ilp_planner.lowering.strategies.tied_exchange`)."""
+    graph = config.graph
+    out: dict[str, TiedHead] = {}
+    for op in graph.ops:
+        if op.kind is not OpKind.LINEAR or not op.attrs.get("tied"):
+            continue
+        emb = tied_source(graph, op)
+        if emb is None or emb.weight is None:
+            raise RuntimeSetupError(f"tied linear {op.name!r} has no embedding to share")
+        head_w, emb_w = layers[op.name].weight, layers[emb.name].weight
+        assert head_w is not None and emb_w is not None
+        to_table, to_head = tied_exchange(emb_w, head_w, emb.weight, config.cluster)
+        out[op.name] = TiedHead((op.name, "weight"), (emb.name, "weight"), to_table, to_head)
+    return out
 
 
 def owner_of(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -45,12 +93,33 @@ def owner_of(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(owner_path) if owner_path else module), attr
 
 
+def aliases(module: nn.Module) -> dict[int, list[str]]:
+    """Every path under which each parameter object is registered (a tied table has two)."""
+    out: dict[int, list[str]] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(fqn)
+    return out
+
+
+def own_path(op: Op, fqn: str, paths: list[str]) -> str:
+    """The path through ``op``'s own module to a parameter the importer named ``fqn`` (a
+    tied table is named once, by whichever module registered it first)."""
+    mine = [p for p in paths if p.startswith(f"{op.name}.")]
+    return mine[0] if mine else fqn
+
+
+def tied_heads_last(ops: tuple[Op, ...]) -> list[Op]:
+    """The ops in graph order with tied heads moved last, so a table is placed by its
+    embedding before a head copies it."""
+    return sorted(ops, key=lambda op: bool(op.kind is OpKind.LINEAR and op.attrs.get("tied")))
+
+
 class AppliedParams:
     """Places every parameter of the plan's ops and reduces their gradients each step."""
 
     def __init__(self, graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
                  comm: Comm, meshes: Meshes, chunks: tuple[GradBucket, ...],
-                 registry: MeshRegistry, replicating: ContextStack):
+                 tied: dict[str, TiedHead], registry: MeshRegistry, replicating: ContextStack):
         self.graph = graph
         self.layers = layers
         self.module = module
@@ -60,17 +129,27 @@ class AppliedParams:
         self.registry = registry
         self.replicating = replicating  # left once the gradients are reduced
         self.devices = comm.devices
-        self.by_fqn: dict[str, PlacedParam] = {}
-        for op in graph.ops:
+        self.slots: dict[Slot, PlacedParam] = {}
+        self.tied = tied
+        self._placed: dict[int, Slot] = {}  # id of the module's original parameter -> slot
+        originals = dict(module.named_parameters(remove_duplicate=False))
+        paths = aliases(module)
+        for op in tied_heads_last(self.graph.ops):
             if op.source_params:
-                self._place(op)
+                self._place(op, originals, paths)
         self._pending = 0
-        for fqn, placed in self.by_fqn.items():
-            placed.param.register_post_accumulate_grad_hook(
-                lambda p, fqn=fqn: self._grad_ready(fqn))
+        for placed in self.slots.values():
+            placed.value.register_post_accumulate_grad_hook(lambda p: self._grad_ready())
 
-    def _place(self, op: Op) -> None:
-        """Replace ``op``'s parameters in the module by DTensors of this rank's blocks."""
+    def of_op(self, name: str) -> dict[Slot, PlacedParam]:
+        """Op ``name``'s placed parameters in role order."""
+        return {slot: p for slot, p in self.slots.items() if slot[0] == name}
+
+    def _place(self, op: Op, originals: dict[str, nn.Parameter],
+               paths: dict[int, list[str]]) -> None:
+        """Replace ``op``'s parameters in the module (under every path they have) by
+        DTensors of this rank's blocks of their ``originals``; a table already placed
+        becomes a tied head's copy."""
         ly = self.layers[op.name]
         lays = param_layouts(op, ly.strategy, ly.inputs, ly.weight, ly.output)
         shapes = param_shapes(op)
@@ -78,65 +157,119 @@ class AppliedParams:
             raise RuntimeSetupError(f"op {op.name!r} owns parameters {op.source_params} but "
                                     f"the plan prices {list(shapes)}")
         for role, fqn in zip(shapes, op.source_params, strict=True):
-            owner, attr = owner_of(self.module, fqn)
-            full = owner.get_parameter(attr).detach()
-            ir_shape = shapes[role]
+            original = originals[fqn]
+            ir_shape = tuple(shapes[role])
             transposed = role == "weight" and bool(op.attrs.get("weight_t"))
-            if tuple(full.shape) != (tuple(ir_shape)[::-1] if transposed else tuple(ir_shape)):
-                raise RuntimeSetupError(f"parameter {fqn} has shape {tuple(full.shape)}, the "
-                                        f"plan's op {op.name!r} expects {ir_shape}")
+            if tuple(original.shape) != (ir_shape[::-1] if transposed else ir_shape):
+                raise RuntimeSetupError(f"parameter {fqn} has shape {tuple(original.shape)}, "
+                                        f"the plan's op {op.name!r} expects {ir_shape}")
             stored, grad = lays[role]
-            dims = DimMap(tuple(full.shape), len(ir_shape), transposed)
-            local = self.comm.block(full.t() if transposed else full, stored)
-            local = local.t().contiguous() if transposed else local
-            pls = placements(stored, dims, f"parameter {fqn}")
-            dt = DTensor(local.clone(), dtensor_spec(self.meshes.of(stored), pls, full,
-                                                     tuple(full.shape)),
-                         requires_grad=True)
-            param = nn.Parameter(dt)
-            setattr(owner, attr, param)
-            self.by_fqn[fqn] = PlacedParam(param, stored, grad, dims)
+            dims = DimMap(tuple(original.shape), len(ir_shape), transposed)
+            path = own_path(op, fqn, paths.get(id(original), [fqn]))
+            table = self._placed.get(id(original))
+            tie = self.tied.get(op.name)
+            if (table is not None) != (tie is not None and tie.table == table and transposed):
+                raise RuntimeSetupError(
+                    f"op {op.name!r}'s parameter {fqn} is "
+                    f"{'shared with ' + table[0] if table else 'its own'} but the plan prices "
+                    f"{'a tie with ' + tie.table[0] if tie else 'no tie'}; parallelize shares "
+                    f"a table only between an embedding and the nn.Linear head "
+                    f"the importer marks tied")
+            if table is None:
+                registered = self._registered(original, stored, dims, fqn,
+                                              paths.get(id(original), [fqn]))
+                self._placed[id(original)] = (op.name, role)
+                value: torch.Tensor = registered
+            else:
+                registered = self.slots[table].registered
+                value = self._dtensor(original, stored, dims, f"{op.name}'s copy of the table")
+            self.slots[(op.name, role)] = PlacedParam(value, registered, path, stored, grad,
+                                                      dims)
 
-    def _grad_ready(self, fqn: str) -> None:
+    def _registered(self, original: nn.Parameter, stored: Layout, dims: DimMap, fqn: str,
+                    paths: list[str]) -> nn.Parameter:
+        """The module's parameter as a DTensor of this rank's block, set under every path."""
+        param = nn.Parameter(self._dtensor(original, stored, dims, f"parameter {fqn}"))
+        for path in paths:
+            owner, attr = owner_of(self.module, path)
+            setattr(owner, attr, param)
+        return param
+
+    def _dtensor(self, original: nn.Parameter, stored: Layout, dims: DimMap,
+                 where: str) -> DTensor:
+        """This rank's block of the module's full value as a DTensor leaf in ``stored``."""
+        full = original.detach()
+        local = self.comm.block(full.t() if dims.transposed else full, stored)
+        local = local.t() if dims.transposed else local
+        pls = placements(stored, dims, where)
+        return DTensor(local.contiguous().clone(),
+                       dtensor_spec(self.meshes.of(stored), pls, full, tuple(full.shape)),
+                       requires_grad=True)
+
+    def refresh_tied(self) -> None:
+        """Each tied head's copy set to the table's current value in the head's layout (the
+        exchange's second program, run on the value: see the module docstring)."""
+        for t in self.tied.values():
+            table, head = self.slots[t.table], self.slots[t.head]
+            spec = self.graph[t.table[0]].weight
+            assert spec is not None
+            with torch.no_grad():
+                moved = self.comm.run(table.value._local_tensor.contiguous(), t.to_head.steps, spec.master,
+                                      "step", "tied_weight", t.head[0])
+                head.value._local_tensor.copy_(moved)
+
+    def _grad_ready(self) -> None:
         self._pending += 1
-        if self._pending == len(self.by_fqn):
+        if self._pending == len(self.slots):
             self._pending = 0
             self._sync_grads()
 
     def _sync_grads(self) -> None:
-        """Check every gradient's placements, then AllReduce the plan's buckets (the
-        backward is over: plain tensors stop acting as replicas)."""
+        """Check every gradient's placements, AllReduce the plan's buckets (the backward is
+        over: plain tensors stop acting as replicas), then add each tied head's gradient to
+        its table's."""
         self.replicating.leave()
         locals_ = self._local_grads()
-        by_role = {(op.name, role): fqn for op in self.graph.ops
-                   for role, fqn in zip(param_shapes(op), op.source_params, strict=False)}
-        flat = self._flat_buffers(locals_, by_role)
+        flat = self._flat_buffers(locals_)
         for c in self.chunks:
             with tagged("backward", "grad_sync", c.launcher):
                 dist.all_reduce(flat[c.buffer][c.start:c.stop],
                                 group=self.registry.axes_group(self.devices, c.fact, c.axes))
-        self._hand_back(flat, locals_, by_role)
-        for fqn, p in self.by_fqn.items():
+        self._hand_back(flat, locals_)
+        for slot, p in self.slots.items():
             if p.grad == p.stored or not p.grad.has_partial:
                 continue
-            if tuple(p.param.grad.placements) != placements(p.stored, p.dims, fqn):
-                raise FidelityError(f"gradient of {fqn} was not reduced by any bucket")
+            if tuple(p.value.grad.placements) != placements(p.stored, p.dims, p.fqn):
+                raise FidelityError(f"gradient of {p.fqn} ({slot[0]}) was not reduced by any "
+                                    f"bucket")
+        self._exchange_tied()
 
-    def _local_grads(self) -> dict[str, torch.Tensor]:
+    def _exchange_tied(self) -> None:
+        """Each tied head's synchronised gradient brought to the table's layout and added to
+        the table's: the module's one parameter gets one gradient."""
+        for t in self.tied.values():
+            table, head = self.slots[t.table], self.slots[t.head]
+            spec = self.graph[t.table[0]].weight
+            assert spec is not None
+            moved = self.comm.run(head.value.grad._local_tensor.contiguous(), t.to_table.steps, spec.master,
+                                  "step", "tied_weight", t.head[0])
+            table.value.grad._local_tensor.add_(moved.view_as(table.value.grad._local_tensor))
+            head.value.grad = None
+
+    def _local_grads(self) -> dict[Slot, torch.Tensor]:
         """Every parameter's local gradient block, its placements checked against the ones
         the plan's weight-gradient synchronisation expects."""
-        out: dict[str, torch.Tensor] = {}
-        for fqn, p in self.by_fqn.items():
-            want = placements(p.grad, p.dims, f"gradient of {fqn}")
-            got = tuple(p.param.grad.placements)
+        out: dict[Slot, torch.Tensor] = {}
+        for slot, p in self.slots.items():
+            want = placements(p.grad, p.dims, f"gradient of {p.fqn}")
+            got = tuple(p.value.grad.placements)
             if got != want:
-                raise FidelityError(f"gradient of {fqn} arrives as {got}; the plan's weight-"
-                                    f"gradient synchronisation expects {want}")
-            out[fqn] = p.param.grad._local_tensor
+                raise FidelityError(f"gradient of {p.fqn} ({slot[0]}) arrives as {got}; the "
+                                    f"plan's weight-gradient synchronisation expects {want}")
+            out[slot] = p.value.grad._local_tensor
         return out
 
-    def _flat_buffers(self, locals_: dict[str, torch.Tensor],
-                      by_role: dict[tuple[str, str], str]) -> dict[int, torch.Tensor]:
+    def _flat_buffers(self, locals_: dict[Slot, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each device group's flat buffer: its members' gradients concatenated in order."""
         flat: dict[int, torch.Tensor] = {}
         for c in self.chunks:
@@ -147,12 +280,12 @@ class AppliedParams:
                 if (m.layer, m.start) in seen:
                     continue
                 seen.add((m.layer, m.start))
-                parts += [locals_[by_role[(m.layer, role)]].reshape(-1) for role in m.roles]
+                parts += [locals_[(m.layer, role)].reshape(-1) for role in m.roles]
             flat[c.buffer] = torch.cat(parts)
         return flat
 
-    def _hand_back(self, flat: dict[int, torch.Tensor], locals_: dict[str, torch.Tensor],
-                   by_role: dict[tuple[str, str], str]) -> None:
+    def _hand_back(self, flat: dict[int, torch.Tensor],
+                   locals_: dict[Slot, torch.Tensor]) -> None:
         """Each reduced gradient, read from its slice of the flat buffer, becomes the
         parameter's ``.grad`` in its stored placements."""
         offsets: dict[int, int] = {}
@@ -164,14 +297,12 @@ class AppliedParams:
                 done.add((c.buffer, m.layer, m.start))
                 at = offsets.get(c.buffer, 0)
                 for role in m.roles:
-                    fqn = by_role[(m.layer, role)]
-                    p = self.by_fqn[fqn]
-                    n = locals_[fqn].numel()
-                    reduced = flat[c.buffer][at:at + n].view_as(locals_[fqn])
-                    at += n
-                    pls = placements(p.stored, p.dims, f"parameter {fqn}")
-                    p.param.grad = DTensor(reduced.clone(),
+                    p, local = self.slots[(m.layer, role)], locals_[(m.layer, role)]
+                    reduced = flat[c.buffer][at:at + local.numel()].view_as(local)
+                    at += local.numel()
+                    pls = placements(p.stored, p.dims, f"parameter {p.fqn}")
+                    p.value.grad = DTensor(reduced.clone(),
                                            dtensor_spec(self.meshes.of(p.stored), pls, reduced,
-                                                        tuple(p.param.shape)),
+                                                        tuple(p.value.shape)),
                                            requires_grad=False)
                 offsets[c.buffer] = at

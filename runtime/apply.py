@@ -1,4 +1,4 @@
-"""Apply a solved plan to the user's own ``nn.Module`` (``ilp_planner.parallelize(plan, module)``).
+"""Apply a solved plan to the user's own ``nn.Module`` (``plan.parallelize(module)``).
 
 The module was imported (:func:`ilp_planner.inputs.importer.from_module`), so each op of the plan's
 graph names the user's module path and parameters. :func:`parallelize` turns the module into
@@ -18,42 +18,45 @@ the plan's program, in place, on every rank of the job:
   redistribution;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
-  accumulated, then handed to the optimizer in the parameter's placements.
+  accumulated, then handed to the optimizer in the parameter's placements;
+* **a tied table** (an embedding and the head that uses it transposed) stays one parameter
+  with one gradient; the head computes with its own copy in its planned layout, as the plan
+  prices it (:mod:`runtime.applied_params`);
+* **the module's output**, whatever its structure, reaches the user's loss as the single-
+  process module returns it where its layout is replicated (plain tensors), as DTensors
+  where it is split.
 
 Everything the program issues is tagged for the dispatch-level
 :class:`~runtime.recorder.Recorder`, so :func:`audit` compares it with what the plan prices
 (:func:`ilp_planner.plan.audit.predicted`): a collective DTensor slipped in is ``untagged`` and
-shows as a mismatch. The loss is the user's code on the module's output (a DTensor in the
-planned layout of the loss's input); its scalar reduction is not part of the comparison.
+shows as a mismatch. The loss is the user's code on the module's output (in the planned
+layout of the loss's input); its scalar reduction is not part of the comparison.
 
-What it refuses, naming the op: pipelined or micro-batched plans, tied weights (one
-parameter in two layouts), a layout change between two ops written as functional code (no
-module boundary to run it at), an op whose module runs several of the plan's ops, a token
-split the module's batch dimension cannot carry, and meshes that are not a row-major view of
-the ranks.
+What it refuses, naming the op: pipelined or micro-batched plans, a layout change between
+two ops written as functional code (no module boundary to run it at), an op whose module runs
+several of the plan's ops, and a token split the module's batch dimension cannot carry.
+Meshes of any factorisation run: each is a DeviceMesh over the ranks at their coordinates
+(:func:`runtime.dtensors.rank_grid`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config, parse_config
 from ilp_planner.ir.graph import OpKind
-from ilp_planner.ir.layouts import B, Split, drop_unit_axes
-from ilp_planner.ir.layouts import Partial as IRPartial
 from ilp_planner.lowering.grad_buckets import GradBucket, fill_buckets
 from ilp_planner.lowering.strategies import StrategyContext, grad_sync
 from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
 from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
 from runtime.applied_edges import EdgeRunner
-from runtime.applied_hooks import BoundaryHooks
-from runtime.applied_params import AppliedParams
+from runtime.applied_hooks import BoundaryHooks, leaf_module
+from runtime.applied_params import AppliedParams, TiedHead, tied_heads
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
@@ -88,13 +91,18 @@ class Applied:
         for red in programs.values():
             self.comm.register(red)
         chunks = self._grad_chunks()
+        tied = tied_heads(self.config, self.layers)
+        _check_tied_heads(tied, module)
+        for t in tied.values():
+            self.comm.register(t.to_table)
+            self.comm.register(t.to_head)
         self.device_type = _device_type(device_mesh, self.world)
         self.registry.create()
         self.meshes = Meshes((lay for ly in plan.layers for lay in (*ly.inputs, ly.output)
                               if lay is not None), self.device_type, self.world)
         replicating = ContextStack()  # from the forward until the gradients are reduced
         self.params = AppliedParams(self.graph, self.layers, module, self.comm, self.meshes,
-                                    chunks, self.registry, replicating)
+                                    chunks, tied, self.registry, replicating)
         edges = EdgeRunner(self.graph, self.comm, self.meshes)
         self.hooks = BoundaryHooks(self.graph, self.layers, module, self.comm, self.meshes,
                                    edges, self.params, replicating, self.device_type)
@@ -140,12 +148,18 @@ def _check_applicable(plan: Plan, config: Config, layers: dict[str, LayerPlan],
             f"apply to a user's module; solve with solver.state_sharding: [0] and "
             f"solver.recompute: never")
     for op in config.graph.ops:
-        if op.kind is OpKind.LINEAR and op.attrs.get("tied"):
-            raise RuntimeSetupError(f"op {op.name!r} ties its weight to an embedding: one "
-                                    f"parameter in two layouts is not supported by "
-                                    f"parallelize")
         if op.kind is not OpKind.INPUT and op.name not in layers:
             raise RuntimeSetupError(f"the plan has no layer for op {op.name!r}")
+
+
+def _check_tied_heads(tied: dict[str, TiedHead], module: nn.Module) -> None:
+    """A tied head computes with its own copy of the table, swapped into its module while
+    it runs: the head must be a module of its own, not functional code on the table."""
+    for head in tied:
+        if leaf_module(module, head) is None:
+            raise RuntimeSetupError(f"op {head!r} ties its weight to an embedding in "
+                                    f"functional code; parallelize needs the tied head to be a "
+                                    f"module (an nn.Linear sharing the embedding's weight)")
 
 
 def _device_type(device_mesh: DeviceMesh | None, world: int) -> str:
@@ -156,74 +170,6 @@ def _device_type(device_mesh: DeviceMesh | None, world: int) -> str:
         raise RuntimeSetupError(f"device_mesh covers {device_mesh.size()} ranks, the job "
                                 f"has {world}")
     return device_mesh.device_type
-
-
-def to_parallelize_plan(plan: Plan) -> dict[str, Any]:
-    """The plan as PyTorch's tensor-parallel styles, for
-    ``torch.distributed.tensor.parallel.parallelize_module(module, tp_mesh, plan)``, where
-    its layouts are exactly those styles on one TP mesh axis:
-
-    * a linear whose weight splits its output features over the TP axis, input replicated
-      there → ``ColwiseParallel`` (output kept split on the features);
-    * one whose weight splits its input features, input split on the features → output
-      partial sums all-reduced to replicas → ``RowwiseParallel``;
-    * an embedding split on the vocabulary → ``RowwiseParallel``, on the hidden dim →
-      ``ColwiseParallel``; layers not split over the TP axis are left out.
-
-    The TP axis is the one mesh axis every split weight uses; every other axis may only split
-    the batch (data parallelism, the user's DDP / FSDP over the other mesh dim). Token splits
-    over the TP axis are batch splits in this IR, not ``SequenceParallel``'s sequence splits,
-    so they do not map. Raises ``ValueError`` naming the first layer that does not fit —
-    ``ilp_planner.parallelize`` runs any single-mesh plan."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    graph = parse_config(plan.config).graph
-    tp_size: int | None = None
-    styles: dict[str, Any] = {}
-    for ly in plan.layers:
-        op = graph[ly.name]
-        lays = [lay for lay in (*ly.inputs, ly.output, ly.weight) if lay is not None]
-        if ly.strategy.startswith("follows "):
-            continue  # element-wise on its producer's layout (a GELU after a column split)
-        if op.kind not in (OpKind.LINEAR, OpKind.EMBEDDING):
-            if any(isinstance(pl, Split) and pl.dim != 0 for lay in lays
-                   for pl in drop_unit_axes(lay).placements):
-                raise ValueError(f"layer {ly.name!r} ({ly.strategy}) splits features outside a "
-                                 f"linear; no tensor-parallel style does that")
-            continue
-        if ly.weight is None or not ly.strategy.startswith("3d"):
-            raise ValueError(f"layer {ly.name!r} ({ly.strategy}) is not a 3-D matmul strategy")
-        split_axes = [a for a, (ax, pl) in enumerate(zip(ly.weight.fact, ly.weight.placements,
-                                                        strict=True))
-                      if ax.size > 1 and isinstance(pl, Split)]
-        if not split_axes:
-            continue
-        if len(split_axes) > 1:
-            raise ValueError(f"layer {ly.name!r} ({ly.strategy}) splits its weight over "
-                             f"{len(split_axes)} mesh axes; tensor-parallel styles use one")
-        a = split_axes[0]
-        size = ly.weight.fact[a].size
-        if tp_size not in (None, size):
-            raise ValueError(f"layer {ly.name!r} splits its weight {size} ways, an earlier "
-                             f"layer {tp_size}: one TP mesh axis has one size")
-        tp_size = size
-        x, w, out = ly.inputs[0].placements[a], ly.weight.placements[a], ly.output.placements[a]
-        col_dim, row_dim = (1, 0)
-        if op.kind is OpKind.EMBEDDING:
-            styles[ly.name] = RowwiseParallel() if w == Split(0) else ColwiseParallel()
-        elif w == Split(col_dim) and x == B and out == Split(1):
-            styles[ly.name] = ColwiseParallel()
-        elif w == Split(row_dim) and x == Split(1) and isinstance(out, IRPartial):
-            styles[ly.name] = RowwiseParallel()
-        else:
-            raise ValueError(f"layer {ly.name!r} ({ly.strategy}) is neither column- nor "
-                             f"row-parallel over its TP axis")
-        for other, (ax, pl) in enumerate(zip(ly.inputs[0].fact, ly.inputs[0].placements,
-                                             strict=True)):
-            if other != a and ax.size > 1 and pl not in (B, Split(0)):
-                raise ValueError(f"layer {ly.name!r} ({ly.strategy}) splits more than the batch "
-                                 f"outside its TP axis")
-    return styles
 
 
 def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) -> nn.Module:
@@ -237,6 +183,12 @@ def parallelize(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = 
     return it; its :class:`Applied` state is ``module.ilp_plan``."""
     module.ilp_plan = Applied(plan, module, device_mesh)  # type: ignore[attr-defined]
     return module
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A tensor computed from the applied module's output, whole and detached: a loss is a
+    plain tensor where the output came back replicated and a DTensor where it stayed split."""
+    return t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
 def audit(plan: Plan, rank: int, events: list) -> list[AuditRow]:

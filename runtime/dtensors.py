@@ -1,7 +1,7 @@
 """The bridge between the IR's layouts and DTensor, for :mod:`runtime.apply`.
 
 An IR layout on its mesh is a tuple of DTensor placements on a ``DeviceMesh`` without the
-size-1 axes (:func:`mesh_shape`, :func:`placements`); the IR's ``(tokens, features)`` dims
+size-1 axes (:func:`rank_grid`, :func:`placements`); the IR's ``(tokens, features)`` dims
 sit in the user's real tensor as :class:`DimMap` says. :class:`Wrap` and :class:`Unwrap`
 turn a local block into a DTensor and back without communicating, and check on the way
 back that the gradient arrives in the placements the plan's backward program starts from.
@@ -21,27 +21,24 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ilp_planner.ir.cluster import Factorisation, axis_coordinates
-from ilp_planner.ir.layouts import Layout, Split, drop_unit_axes
+from ilp_planner.ir.layouts import Layout, Split
 from ilp_planner.ir.layouts import Partial as IRPartial
 from runtime.errors import FidelityError, RuntimeSetupError
 
 
-def mesh_shape(layout: Layout) -> tuple[int, ...]:
-    """The DeviceMesh shape a layout lives on: its mesh without size-1 axes."""
-    return tuple(a.size for a in layout.fact if a.size > 1) or (1,)
-
-
-def check_row_major(fact: Factorisation, world: int) -> None:
-    """A layout's mesh must be the ranks in row-major order (DeviceMesh's convention)."""
-    sizes = [a.size for a in fact]
+def rank_grid(fact: Factorisation, world: int) -> np.ndarray:
+    """The ranks laid out on a layout's mesh, size-1 axes dropped: entry ``[c0, c1, …]`` is
+    the rank at those axis coordinates. A factorisation that interleaves nodes and devices
+    (the solver offers ``[devices, nodes]`` meshes too) is not a row-major view of the ranks;
+    DeviceMesh takes any such array, so every mesh the solver offers can run."""
+    kept = [i for i, a in enumerate(fact) if a.size > 1]
+    sizes = [fact[i].size for i in kept] or [1]
     if math.prod(sizes) != world:
         raise RuntimeSetupError(f"a layout's mesh covers {math.prod(sizes)} ranks, not {world}")
-    coords = axis_coordinates(fact)
-    flat = np.ravel_multi_index(coords.T, sizes)
-    if not np.array_equal(flat, np.arange(world)):
-        raise RuntimeSetupError(
-            f"mesh {sizes} is not a row-major view of the ranks (its axes interleave nodes and "
-            f"devices); parallelize needs row-major meshes")
+    coords = axis_coordinates(fact)[:, kept] if kept else np.zeros((world, 1), dtype=np.int64)
+    grid = np.empty(sizes, dtype=np.int64)
+    grid[tuple(coords.T)] = np.arange(world)
+    return grid
 
 
 @dataclass(frozen=True)
@@ -124,19 +121,29 @@ class Unwrap(torch.autograd.Function):
 
 
 class Meshes:
-    """One DeviceMesh per mesh shape the plan's layouts use (each op's operands share its
-    strategy's mesh), created in one order on every rank; each must be a row-major view
-    of the ranks."""
+    """One DeviceMesh per rank grid (:func:`rank_grid`) the plan's layouts use (each op's
+    operands share its strategy's mesh), created in one order on every rank. Two meshes of
+    one shape that order the ranks differently are two DeviceMeshes."""
 
     def __init__(self, layouts: Iterable[Layout], device_type: str, world: int):
-        layouts = list(layouts)
-        for lay in layouts:
-            check_row_major(drop_unit_axes(lay).fact, world)
-        self.by_shape = {shape: DeviceMesh(device_type, torch.arange(world).reshape(shape))
-                         for shape in sorted({mesh_shape(lay) for lay in layouts})}
+        grids = {_grid_key(rank_grid(lay.fact, world)) for lay in layouts}
+        self.by_grid = {key: DeviceMesh(device_type, torch.tensor(_grid(key)))
+                        for key in sorted(grids)}
+        self.world = world
 
     def of(self, layout: Layout) -> DeviceMesh:
-        return self.by_shape[mesh_shape(layout)]
+        return self.by_grid[_grid_key(rank_grid(layout.fact, self.world))]
+
+
+GridKey = tuple[tuple[int, ...], tuple[int, ...]]  # (shape, ranks in row-major order)
+
+
+def _grid_key(grid: np.ndarray) -> GridKey:
+    return tuple(grid.shape), tuple(int(r) for r in grid.ravel())
+
+
+def _grid(key: GridKey) -> np.ndarray:
+    return np.array(key[1], dtype=np.int64).reshape(key[0])
 
 
 class ContextStack:

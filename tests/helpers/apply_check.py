@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ilp_planner  # noqa: E402
 from ilp_planner.plan.audit import format_rows
 from ilp_planner.plan.data import Plan
-from runtime.apply import audit, parallelize  # noqa: E402
+from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.modules import MLP  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
 from tests.helpers.user_models import Llama  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> int:
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        mine = float(loss.detach().full_tensor())
+        mine = float(full_value(loss))
         if abs(mine - float(ref)) > 1e-4 * max(1.0, abs(float(ref))):
             failures.append(f"step {step}: loss {mine} vs single-process {float(ref)}")
         rows = audit(plan, rank, rec.events)

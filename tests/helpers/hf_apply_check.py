@@ -1,0 +1,275 @@
+"""torchrun script: Hugging Face models trained under ``parallelize`` match the same models
+trained in one process, and the collectives they issue are the plan's.
+
+    torchrun --nproc-per-node 4 tests/helpers/hf_apply_check.py --shape 2x2 [MODEL …]
+
+One launch runs every model of :data:`MODELS` (or the ones named) on one cluster shape
+(``NODESxDEVICES``): each is built from a tiny config with random weights (seeded alike on
+every rank), imported with :func:`ilp_planner.from_module`, solved on rank 0 (the plan
+broadcast), applied and trained with a plain loop on the model's own output structure (a
+``ModelOutput``), beside an unsharded copy. Prints one line per model on rank 0 —
+``OK <model> <strategies>`` or ``FAIL <model>: <why>`` — and exits 1 if any failed. A new
+model is one builder in :data:`MODELS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ilp_planner  # noqa: E402
+from ilp_planner.inputs.config import load_config  # noqa: E402
+from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
+from ilp_planner.ir.cluster import MeshAxis  # noqa: E402
+from ilp_planner.ir.graph import Op  # noqa: E402
+from ilp_planner.lowering.strategies import Strategy  # noqa: E402
+from ilp_planner.plan.audit import format_rows  # noqa: E402
+from ilp_planner.plan.data import Plan  # noqa: E402
+from ilp_planner.testing import restricted_plan  # noqa: E402
+from runtime.apply import audit, full_value, parallelize  # noqa: E402
+from runtime.dtensors import rank_grid  # noqa: E402
+from runtime.recorder import Recorder  # noqa: E402
+from runtime.tp_styles import tensor_parallel_mesh, to_parallelize_plan  # noqa: E402
+
+VOCAB, SEQ, BATCH = 64, 8, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model to plan and train: its module, the batch it reads, the targets of its loss,
+    and the strategies its plan may use (all if None: the solver's plan)."""
+
+    model: nn.Module
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    keep: Filter | None = None
+
+
+def llama(tied: bool) -> Case:
+    """LlamaForCausalLM with grouped-query attention (4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2 * SEQ, use_cache=False,
+                      tie_word_embeddings=tied, attention_dropout=0.0)
+    return Case(LlamaForCausalLM(cfg), *_tokens())
+
+
+def bert() -> Case:
+    """BertForMaskedLM, decoder untied from the word embeddings (word, position and
+    token-type tables)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2 * SEQ,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     tie_word_embeddings=False)
+    return Case(BertForMaskedLM(cfg), *_tokens())
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
+
+
+def llama_tied_exchanging() -> Case:
+    """Tied Llama whose table is whole on every device while its head splits the vocabulary
+    4 ways: the tied exchange gathers the head's gradient and cuts the table."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name == "model.embed_tokens":
+            return s.weight is not None and s.weight.split_degree(0) == s.weight.split_degree(1) == 1
+        if op.name == "lm_head":
+            return s.weight is not None and s.weight.split_degree(1) == 4
+        return True
+
+    case = llama(tied=True)
+    return Case(case.model, case.inputs, case.targets, keep)
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "llama": lambda: llama(tied=False),
+    "llama-tied": lambda: llama(tied=True),
+    "llama-tied-exchanging": llama_tied_exchanging,
+    "bert": bert,
+}
+
+
+def cluster(nodes: int, devices: int) -> dict:
+    """A slow interconnect for tiny models, so plans split weights, not only the batch."""
+    return {"nodes": nodes, "devices_per_node": devices, "memory_gib": 16, "peak_tflops": 1,
+            "links": {"intra": {"latency_us": 1, "bandwidth_gbps": 10},
+                      "inter": {"latency_us": 2, "bandwidth_gbps": 5}}}
+
+
+def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
+    """The user's loss on the model's own output: next-token-style cross-entropy."""
+    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+
+
+def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
+    """One plan for every rank: solved on rank 0, broadcast."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [make().to_dict()]
+        except Exception as exc:  # every rank raises it, none waits for a plan
+            box = [f"rank 0 could not plan: {type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise RuntimeError(box[0])
+    return Plan.from_dict(box[0])
+
+
+def solve(case: Case, nodes: int, devices: int) -> Plan:
+    """The solver's plan for ``case``, or the best one among the strategies it keeps."""
+    graph = ilp_planner.from_module(case.model, (case.inputs,))
+    if case.keep is None:
+        return ilp_planner.solve(graph, cluster=cluster(nodes, devices), baselines=False)
+    config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
+    return restricted_plan(config, case.keep)
+
+
+def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
+    """This rank's differences from one process and from the plan (empty: all agree)."""
+    torch.manual_seed(0)
+    case = MODELS[name]()
+    case.model.train()
+    reference = copy.deepcopy(case.model)
+    plan = plan_on_rank0(lambda: solve(case, nodes, devices))
+    model = parallelize(plan, case.model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    failures = []
+    for step in range(steps):
+        rec = Recorder(dist.get_world_size())
+        with rec:
+            loss = loss_of(model(case.inputs), case.targets)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref = loss_of(reference(case.inputs), case.targets)
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine, want = float(full_value(loss)), float(ref)
+        if abs(mine - want) > 1e-4 * max(1.0, abs(want)):
+            failures.append(f"step {step}: loss {mine} vs single-process {want}")
+        rows = audit(plan, dist.get_rank(), rec.events)
+        if not all(r.ok for r in rows):
+            failures.append(format_rows(dist.get_rank(), rows))
+    if dist.get_rank() == 0 and not failures:
+        print(f"OK {name} {describe(plan)}", flush=True)
+    return failures
+
+
+def describe(plan: Plan) -> str:
+    """The plan's strategies and rank grids (``grids=`` lists each mesh's ranks in
+    DeviceMesh order: ``0,2,1,3`` is a mesh whose first axis walks a node's devices)."""
+    kinds = sorted({ly.strategy for ly in plan.layers if not ly.strategy.startswith("follows")})
+    world = dist.get_world_size()
+    grids = sorted({",".join(str(r) for r in rank_grid(lay.fact, world).ravel())
+                    for ly in plan.layers for lay in (*ly.inputs, ly.output) if lay is not None})
+    return f"{' '.join(kinds)} grids={' '.join(grids)}"
+
+
+def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
+    """The best plan in Megatron's layouts on a 2 (data) × 2 (tensor) mesh, for PyTorch's
+    styles: imported without ``dtensor`` (the styles run the module on local tensors, so
+    attention may split the batch and the heads at once)."""
+    graph = ilp_planner.from_module(case.model, (case.inputs,), dtensor=False)
+    config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
+    return restricted_plan(config, megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
+
+
+def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str]:
+    """``to_parallelize_plan`` of a Megatron plan through ``parallelize_module``: each data-
+    parallel rank trains on its block of the batch (gradients averaged over ``mesh["dp"]``)
+    and the mean of their losses matches one process on the whole batch."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    case = MODELS[name]()
+    reference = copy.deepcopy(case.model)
+    plan = plan_on_rank0(lambda: megatron_plan(case, nodes, devices))
+    mesh = tensor_parallel_mesh(plan)
+    model = parallelize_module(case.model, mesh["tp"], to_parallelize_plan(plan))
+    dp, dp_group = mesh["dp"].size(), mesh["dp"].get_group()
+    rows = slice(mesh["dp"].get_local_rank() * BATCH // dp,
+                 (mesh["dp"].get_local_rank() + 1) * BATCH // dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    failures = []
+    for step in range(steps):
+        loss = loss_of(model(case.inputs[rows]), case.targets[rows])
+        loss.backward()
+        for p in model.parameters():
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(grad, group=dp_group)
+            grad /= dp
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dp_group)
+        ref = loss_of(reference(case.inputs), case.targets)
+        ref.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if abs(float(mean) / dp - float(ref)) > 1e-4 * max(1.0, abs(float(ref))):
+            failures.append(f"step {step}: loss {float(mean) / dp} vs single-process "
+                            f"{float(ref)}")
+    if dist.get_rank() == 0 and not failures:
+        print(f"OK tp-styles {name} {len(to_parallelize_plan(plan))} styles", flush=True)
+    return failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="*", default=list(MODELS))
+    ap.add_argument("--shape", default="1x4", help="NODESxDEVICES_PER_NODE")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tp-styles", action="store_true",
+                    help="also train Llama's Megatron plan through parallelize_module")
+    args = ap.parse_args()
+    nodes, devices = (int(v) for v in args.shape.split("x"))
+    dist.init_process_group("gloo")
+    failed = 0
+    runs = [(check, name) for name in args.models]
+    runs += [(check_tp_styles, "llama")] if args.tp_styles else []
+    for run, name in runs:
+        try:
+            failures = run(name, nodes, devices, args.steps)
+        except Exception as exc:  # one model's failure is reported, the next model runs
+            failures = [f"{type(exc).__name__}: {exc}"]
+            if os.environ.get("HF_CHECK_TRACEBACK"):
+                traceback.print_exc()
+        flag = torch.tensor([len(failures)])
+        dist.all_reduce(flag)
+        if failures:
+            print(f"FAIL {name} (rank {dist.get_rank()}): " + "\n".join(failures), flush=True)
+        failed += int(flag) > 0
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # gloo's worker threads, torn down during interpreter finalisation, abort a process now
+    # and then after all work is done: leave without finalising, as runtime.launch does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

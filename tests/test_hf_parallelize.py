@@ -1,0 +1,170 @@
+"""Hugging Face models under ``parallelize`` (:mod:`runtime.apply`), the models users bring.
+
+Multi-process (slow): one torchrun launch per cluster shape runs every model of
+:data:`tests.helpers.hf_apply_check.MODELS` — imported with ``ilp_planner.from_module``,
+solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`` — and each
+test reads its model's line: the losses match one process (fp32, 1e-4) and the collectives
+executed are the planned ones, every step, on every rank. The 1 × 4 launch also trains
+Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``parallelize_module``
+(2-way data × 2-way tensor parallel), matching one process. The 2 × 2 cluster gives plans on a
+mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
+``parallelize`` runs as an explicit rank grid.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+
+from tests.helpers.procs import run
+
+SHAPES = ("1x4", "2x2")
+
+
+@functools.cache
+def launch(shape: str) -> str:
+    """The output of one 4-rank launch running every model on ``shape``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", "tests/helpers/hf_apply_check.py", "--shape", shape,
+           *(["--tp-styles"] if shape == "1x4" else [])]
+    res = run(cmd, 900)
+    return res.stdout + res.stderr
+
+
+def line_of(shape: str, model: str) -> str:
+    out = launch(shape)
+    ok = [ln for ln in out.splitlines() if ln.startswith(f"OK {model} ")]
+    assert ok, f"{model} on {shape}:\n" + "\n".join(
+        ln for ln in out.splitlines() if f" {model} " in ln or ln.startswith("FAIL"))[-4000:]
+    return ok[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["llama", "llama-tied", "llama-tied-exchanging"])
+def test_llama_trains_like_one_process_and_the_plan(model, shape):
+    """``llama-tied-exchanging``: the table whole, the head split 4 ways on the vocabulary,
+    so the tied exchange moves data (an AllGather the audit counts)."""
+    line = line_of(shape, model)
+    assert "3d(" in line  # the plan splits weights, not only the batch
+    if shape == "2x2" and model != "llama-tied-exchanging":
+        assert "0,2,1,3" in line  # a mesh that is not a row-major view of the ranks
+
+
+@pytest.mark.slow
+def test_llamas_megatron_plan_trains_through_parallelize_module():
+    assert "styles" in line_of("1x4", "tp-styles")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bert_trains_like_one_process_and_the_plan(shape):
+    line_of(shape, "bert")
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank):
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["llama-tied"]()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+    out = model(case.inputs)
+    assert type(out).__name__ == "CausalLMOutputWithPast" and type(out.logits) is torch.Tensor
+    F.cross_entropy(out.logits.flatten(0, 1), case.targets.flatten()).backward()
+    F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten()).backward()
+    table = model.lm_head.weight.grad.full_tensor()  # both uses' gradients, in one
+    assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
+
+
+def test_a_vocabulary_block_looks_up_its_rows_and_zeroes_the_others():
+    import torch
+
+    from runtime.applied_hooks import VocabMask
+
+    table = torch.arange(12.0).reshape(6, 2)
+    ids = torch.tensor([[0, 3, 5], [2, 4, 1]])
+    parts = []
+    for lo, hi in ((0, 3), (3, 6)):
+        mask = VocabMask.of(ids, (lo, hi))
+        parts.append(mask.apply(torch.nn.functional.embedding(mask.local_ids(ids),
+                                                              table[lo:hi])))
+    assert torch.equal(parts[0] + parts[1], torch.nn.functional.embedding(ids, table))
+    assert VocabMask.of(ids, (3, 6)).local_padding(4) == 1
+    assert VocabMask.of(ids, (3, 6)).local_padding(0) is None
+
+
+def test_styles_keep_the_planned_layouts_up_to_the_loss():
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, megatron_plan
+
+    torch.manual_seed(0)
+    styles = to_parallelize_plan(megatron_plan(MODELS["llama"](), 1, 4))
+    attn = "model.layers.0.self_attn."
+    assert {type(styles[attn + p]) for p in ("q_proj", "k_proj", "v_proj")} == {ColwiseParallel}
+    assert type(styles[attn + "o_proj"]) is RowwiseParallel
+    # the loss reads whole logits: the head sums its partial sums and hands a plain tensor
+    head = styles["lm_head"]
+    assert head.output_layouts == (Replicate(),) and head.use_local_output
+    assert len(styles) == 2 + 7 * 2  # embedding, head, 7 linears per block
+
+
+def test_plans_no_style_expresses_raise_naming_their_layers():
+    import torch
+
+    import ilp_planner
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.intra_op.baselines import data_parallel_filter
+    from ilp_planner.ir.cluster import MeshAxis
+    from ilp_planner.testing import restricted_plan
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["llama"]()
+    graph = ilp_planner.from_module(case.model, (case.inputs,))
+    mixed = ilp_planner.solve(graph, cluster=cluster(1, 4), baselines=False)
+    four_way = [ly.name for ly in mixed.layers if ly.strategy == "3d(p0=4,p1=1,p2=1)"]
+    assert four_way  # 4-way data parallel beside 2 × 2 tensor parallel: no one TP mesh
+    with pytest.raises(ValueError, match="does not map") as err:
+        to_parallelize_plan(mixed)
+    assert f"{four_way[0]} (3d(p0=4,p1=1,p2=1)) runs on a mesh" in str(err.value)
+    config = load_config({"model": graph, "cluster": cluster(1, 4)})
+    data_parallel = restricted_plan(config, data_parallel_filter(MeshAxis(1, 4)))
+    with pytest.raises(ValueError, match="data parallel"):
+        to_parallelize_plan(data_parallel)
+
+
+@pytest.mark.slow
+def test_the_hf_example_trains_on_two_nodes_like_one_process():
+    res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "4", "examples/train_hf_model.py", "--nodes", "2", "--steps", "3"], 600)
+    assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    assert "all ranks: losses match and executed = planned" in res.stdout
+    assert res.stdout.count("match") >= 3
