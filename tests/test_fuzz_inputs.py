@@ -18,6 +18,7 @@ import yaml
 from ilp_planner import cli
 from ilp_planner.api import solve
 from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.config_keys import SECTIONS, model_section
 from ilp_planner.testing import pipelined_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -143,3 +144,37 @@ def test_malformed_results_files(capsys, tmp_path, i):
         row[key] = rng.choice(ROW_VALUES)
         jsonl.write_text(json.dumps(row) + "\n")
     _run(capsys, ["sweep", str(sweep), "-q", "--no-plots", "--resume", "-o", str(out)], jsonl)
+
+
+def _numeric_keys():
+    """(section path in the tiny MLP config, key, huge value) for every number and integer
+    option :data:`SECTIONS` declares for it."""
+    places = {"solver": ("solver",), "pipeline": ("pipeline",), "training": ("training",),
+              "training.bytes_per_param": ("training", "bytes_per_param"),
+              "cluster": ("cluster",), "cluster.links.<intra|inter>": ("cluster", "links", "intra"),
+              model_section("mlp"): ("model",)}
+    for section, where in places.items():
+        for name, key in SECTIONS[section].items():
+            if key.type in ("integer", "number"):
+                yield where, name, 10**30 if key.type == "integer" else 1e308
+
+
+HUGE_CASES = list(_numeric_keys())
+
+
+@pytest.mark.parametrize("where, name, value", HUGE_CASES,
+                         ids=[".".join((*w, n)) for w, n, _ in HUGE_CASES])
+def test_huge_numbers_in_every_numeric_option(capsys, tmp_path, where, name, value):
+    """A huge number in any option is refused naming its bound, or solved — never an
+    overflow deep in a solver, never accepted and silently ignored."""
+    doc = copy.deepcopy(CONFIG_DOC)
+    node = doc
+    for k in where:
+        node = node.setdefault(k, {})
+    if name in ("alpha", "beta"):  # a fitted link gives both instead of latency and bandwidth
+        node.clear()
+        node.update(alpha=1e-5, beta=1e-9)
+    node[name] = value
+    bad = tmp_path / "config.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    _run(capsys, ["solve", str(bad)], bad)
