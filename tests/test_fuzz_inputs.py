@@ -81,8 +81,10 @@ def _run(capsys, argv, bad: Path) -> None:
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     mlp = load_config(TINY_MLP).with_overrides({"cluster.nodes": 1, "cluster.devices_per_node": 4})
+    piped = mlp.with_overrides({"pipeline.stages": 2, "pipeline.microbatches": 2})
     return {"pipelined": pipelined_plan(mlp, stages=2, schedule="1f1b", microbatches=2).to_dict(),
-            "single": solve(mlp, baselines=False).to_dict()}
+            "single": solve(mlp, baselines=False).to_dict(),
+            "solved-pipelined": solve(piped).to_dict()}
 
 
 PLAN_CASES = [(kind, i) for kind in ("pipelined", "single") for i in range(90)]
@@ -95,6 +97,71 @@ def test_malformed_plans(capsys, tmp_path, plans, kind, i):
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps(_mutated(doc, path, value)))
     _run(capsys, ["check", str(bad)], bad)
+
+
+def _mistyped(value):
+    """A value of another JSON type than ``value``."""
+    if isinstance(value, bool) or value is None or isinstance(value, int | float):
+        return "x"
+    return {str: 1, list: {"x": 1}, dict: [1]}[type(value)]
+
+
+def _get(doc, path):
+    for k in path:
+        doc = doc[k]
+    return doc
+
+
+@pytest.mark.parametrize("kind", ["single", "solved-pipelined"])
+def test_every_plan_field_deleted_or_mistyped(capsys, tmp_path, plans, kind):
+    """Each field of a solved plan (outside its embedded config, which the config cases
+    cover), deleted and then given a value of another type: ``check`` answers with one
+    error line or calls the plan runnable, never a traceback."""
+    doc = plans[kind]
+    bad = tmp_path / "plan.json"
+    for path in _paths(doc):
+        if path[0] == "config":
+            continue
+        for value in (DROP, _mistyped(_get(doc, path))):
+            bad.write_text(json.dumps(_mutated(doc, path, value)))
+            _run(capsys, ["check", str(bad)], bad)
+
+
+@pytest.mark.parametrize("edit, phrase", [
+    (lambda d: d["schedule"].update(name="zb-v"), "schedule.name: unknown pipeline schedule"),
+    (lambda d: d["schedule"].pop("name"), "schedule.name: missing"),
+    (lambda d: d["stages"][0].pop("dp_time_s"), "stages[0].dp_time_s: missing"),
+    (lambda d: d["stages"][0].update(dp_time_s="slow"), "stages[0].dp_time_s: expected"),
+    (lambda d: [ly["strategy"].update(mesh=[[1, 64]]) for ly in d["layers"]],
+     "layers[0].strategy.mesh: [[1, 64]] is not the mesh of its layouts"),
+    (lambda d: d.update(solver="x"), "solver: expected a mapping"),
+    (lambda d: d.update(baselines=[1]), "baselines: expected a mapping"),
+    (lambda d: d["resharding"][0].update(makespan_s="x"), "resharding[0].makespan_s: expected"),
+    (lambda d: d.update(name=1), "name: expected a string"),
+    (lambda d: d["layers"][0]["strategy"]["output"].update(sbp=1),
+     "layers[0].strategy.output.sbp: expected a string"),
+], ids=["unknown-schedule", "no-schedule-name", "no-dp-time", "slow-dp-time", "mesh-64",
+        "solver-x", "baselines-list", "makespan-x", "name-int", "sbp-int"])
+@pytest.mark.parametrize("verb", ["check", "explain", "simulate", "diff"])
+def test_plans_once_accepted_or_crashing_are_refused(capsys, tmp_path, plans, verb, edit, phrase):
+    """Plans every verb once ran (or crashed on): each verb now refuses them naming the field."""
+    doc = copy.deepcopy(plans["solved-pipelined"])
+    edit(doc)
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(doc))
+    argv = [verb, str(bad), str(bad)] if verb == "diff" else [verb, str(bad)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert phrase in err and err.count("error:") == 1, err
+
+
+@pytest.mark.parametrize("m", ["0", "-3"])
+def test_simulate_refuses_a_microbatch_count_below_one(capsys, tmp_path, plans, m):
+    """``--microbatches 0`` is an error, not the plan's own count silently used."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plans["solved-pipelined"]))
+    assert cli.main(["simulate", str(plan), "--microbatches", m]) == 2
+    assert f"--microbatches: expected a positive integer, got {m}" in capsys.readouterr().err
 
 
 CONFIG_DOC = yaml.safe_load(TINY_MLP.read_text())
