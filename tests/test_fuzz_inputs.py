@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,52 @@ def test_huge_numbers_in_every_numeric_option(capsys, tmp_path, where, name, val
     bad = tmp_path / "config.yaml"
     bad.write_text(yaml.safe_dump(doc))
     _run(capsys, ["solve", str(bad)], bad)
+
+
+@pytest.fixture(scope="module")
+def solved_sweep(tmp_path_factory):
+    """A sweep file and the results folder of its run, to copy and break."""
+    root = tmp_path_factory.mktemp("sweep")
+    sweep = root / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump(SWEEP_DOC))
+    assert cli.main(["sweep", str(sweep), "-q", "--no-plots", "-o", str(root / "out")]) == 0
+    return sweep, root / "out"
+
+
+@pytest.mark.parametrize("key", ["id", "overrides", "fingerprint", "plan", "status", "error"])
+@pytest.mark.parametrize("value", [[], ["a", 1], {"a": [1]}, 7, None])
+def test_every_results_row_key_malformed_on_resume(capsys, tmp_path, solved_sweep, key, value):
+    """Each key of a recorded row given a value of another shape: ``--resume`` solves the
+    point again (or keeps it, where the value is harmless) and never crashes on the row."""
+    sweep, done = solved_sweep
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    jsonl = out / "results.jsonl"
+    row = json.loads(jsonl.read_text().splitlines()[0])
+    row[key] = value
+    jsonl.write_text(json.dumps(row) + "\n")
+    _run(capsys, ["sweep", str(sweep), "-q", "--no-plots", "--resume", "-o", str(out)], jsonl)
+    kept = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    assert isinstance(kept["id"], str) and isinstance(kept["overrides"], dict)
+
+
+SWEEP_OUTPUTS = ["plans", "results.jsonl", "results.csv", "results.md",
+                 "solve_s_vs_solver.seed.png"]
+
+
+@pytest.mark.parametrize("name", SWEEP_OUTPUTS)
+def test_sweep_outputs_confused_file_and_folder(capsys, tmp_path, name):
+    """A file where the sweep writes a folder, or a folder where it writes a file: one
+    error naming it, before any point is solved."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({**SWEEP_DOC, "plot": [
+        {"metric": "solve_s", "x": "solver.seed"}]}))
+    out = tmp_path / "out"
+    out.mkdir()
+    if name == "plans":
+        (out / name).write_text("in the way")
+    else:
+        (out / name).mkdir()
+    argv = ["sweep", str(sweep), "-q", "-o", str(out)]
+    _run(capsys, argv, out / name)
+    assert not (out / "results.csv").is_file()
