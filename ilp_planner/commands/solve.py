@@ -7,6 +7,7 @@ import argparse
 
 from ilp_planner.api import solve
 from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
+from ilp_planner.inputs.files import prepare_output
 from ilp_planner.reports.explain import summary
 
 
@@ -27,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        prepare_output(args.output)  # a folder given for the plan is refused before solving
     config = load_config(args.config)
     if args.time_limit is not None:
         config = parse_config(apply_overrides(config.raw, {"solver.time_limit_s": args.time_limit}),
