@@ -342,7 +342,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
             gp.problem = dataclasses.replace(gp.problem, memory_budget=memory_budget)
     problem_s = time.perf_counter() - t0
     if memory_budget is not None and gp.problem.min_memory()[0] > memory_budget:
-        raise InfeasibleError(describe_infeasible(gp, memory_budget))
+        raise InfeasibleError(describe_infeasible(gp, memory_budget, opts.tie_layers))
     if opts.fallback not in SEARCHES:
         raise ConfigError(f"unknown fallback search {opts.fallback!r}; expected one of "
                           f"{sorted(SEARCHES)}", key="solver.fallback")
