@@ -7,6 +7,7 @@ wrong type, out of range, non-finite, huge, or removed."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import random
@@ -295,3 +296,46 @@ def test_sweep_outputs_confused_file_and_folder(capsys, tmp_path, name):
     argv = ["sweep", str(sweep), "-q", "-o", str(out)]
     _run(capsys, argv, out / name)
     assert not (out / "results.csv").is_file()
+
+
+RESHARD = ["reshard", "--shape", "64,64", "--src-mesh", "1x2", "--src-spec", "S0R",
+           "--dst-mesh", "1x2", "--dst-spec", "RS0", "--algo", "naive,load_balance,cpsat",
+           "--no-compare"]
+
+
+def _numeric_flags():
+    """(verb's argv, flag, value) for every int and float option of the verbs that run in
+    seconds, each given a huge, a negative, a zero and (floats) a non-finite value."""
+    sub = next(a for a in cli.build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    base = {"reshard": RESHARD, "simulate": ["simulate", "{plan}"],
+            "solve": ["solve", str(TINY_MLP), "--no-baselines"],
+            "sweep": ["sweep", "{sweep}", "-q", "--no-plots", "-j", "1", "-o", "{out}"]}
+    for verb, argv in base.items():
+        for action in sub.choices[verb]._actions:
+            if action.type not in (int, float) or not action.option_strings:
+                continue
+            if verb == "sweep" and action.dest == "jobs":
+                continue  # a worker count is capped by the points to solve (backends)
+            values = [str(10**30), "-5", "0"] + (["1e308", "nan"] if action.type is float else [])
+            for value in values:
+                yield argv, action.option_strings[-1], value
+
+
+FLAG_CASES = list(_numeric_flags())
+
+
+@pytest.mark.parametrize("argv, flag, value", FLAG_CASES,
+                         ids=[f"{a[0]}{f}={v}" for a, f, v in FLAG_CASES])
+def test_huge_and_odd_numbers_in_every_numeric_flag(capsys, tmp_path, plans, argv, flag, value):
+    """A command-line number out of range is one error naming the flag, or a valid run."""
+    plan, sweep = tmp_path / "plan.json", tmp_path / "sweep.yaml"
+    plan.write_text(json.dumps(plans["solved-pipelined"]))
+    sweep.write_text(yaml.safe_dump(SWEEP_DOC))
+    full = [a.format(plan=plan, sweep=sweep, out=tmp_path / "out") for a in argv] + [flag, value]
+    code = cli.main(full)
+    out, err = capsys.readouterr()
+    assert len(out) + len(err) < MAX_OUTPUT
+    assert code in (0, 2), (code, err)
+    if code == 2:
+        assert err.count("error:") == 1, err

@@ -27,7 +27,9 @@ import yaml
 
 from formulations.cross_mesh import ALGORITHMS, SchedulerOptions
 from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config_keys import MAX_SECONDS, MAX_SEED, MAX_THREADS, PHYSICAL_MAX
 from ilp_planner.inputs.files import prepare_output
+from ilp_planner.inputs.limits import limit
 from ilp_planner.inter_op.resharding import STRATEGIES, HostLinks, ReshardOptions, parse_mesh, plan_resharding
 from ilp_planner.ir.cluster import Link
 from ilp_planner.ir.graph import DTYPE_BYTES, TensorSpec
@@ -35,6 +37,8 @@ from ilp_planner.ir.graph import DTYPE_BYTES, TensorSpec
 _DEFAULTS = {"devices_per_node": 4, "intra": Link.from_bandwidth(5, 1200),
              "inter": Link.from_bandwidth(10, 10)}
 _DEFAULT_ALGOS = "naive,load_balance,dfs,randomized_greedy,cpsat"
+MAX_CHUNKS = 2**16  # pipelining a broadcast finer than 64 Ki chunks only adds latency
+MIN_GBPS = 1e-9  # one bit a second
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -172,7 +176,34 @@ def _report_model_dump(path: str | None, before: int | None, json_out: bool) -> 
               f"schedule", file=stream)
 
 
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag within the bounds the configuration keys use (a seed CP-SAT can
+    hold, host offsets inside the device limit, a link no faster than a typo): a huge or
+    non-finite value is one error naming the flag, not an overflow deep in the scheduler."""
+    devices = limit("devices")
+    bounds = [("--src-node0", args.src_node0, 0, devices), ("--dst-node0", args.dst_node0, 0, devices),
+              ("--src-local0", args.src_local0, 0, devices),
+              ("--dst-local0", args.dst_local0, 0, devices),
+              ("--devices-per-node", args.devices_per_node, 1, devices),
+              ("--chunks", args.chunks, 1, MAX_CHUNKS), ("--workers", args.workers, 1, MAX_THREADS),
+              ("--seed", args.seed, 0, MAX_SEED), ("--time-limit", args.time_limit, 0, MAX_SECONDS),
+              ("--dfs-budget", args.dfs_budget, 0, MAX_SECONDS),
+              ("--intra-gbps", args.intra_gbps, MIN_GBPS, PHYSICAL_MAX),
+              ("--inter-gbps", args.inter_gbps, MIN_GBPS, PHYSICAL_MAX),
+              ("--intra-latency-us", args.intra_latency_us, 0, PHYSICAL_MAX),
+              ("--inter-latency-us", args.inter_latency_us, 0, PHYSICAL_MAX)]
+    for flag, value, low, high in bounds:
+        if value is not None and not low <= value <= high:  # NaN fails both comparisons
+            raise ConfigError(f"{flag}: expected a value from {_number(low)} to {_number(high)}, "
+                              f"got {_number(value)}")
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_ranges(args)
     algos = tuple(a.strip() for a in args.algo.split(",") if a.strip())
     dump_before = _prepare_model_dump(args, algos)
     links, dpn = _links(args)
