@@ -71,13 +71,15 @@ def _cases(doc, n: int, seed: int):
     return out
 
 
-def _run(capsys, argv, bad: Path) -> None:
+def _run(capsys, argv, bad: Path) -> int:
+    """Run the CLI: exit 0, or 2 with one ``error:`` naming ``bad``; bounded output."""
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert len(out) + len(err) < MAX_OUTPUT
     assert code in (0, 2), (code, err)
     if code == 2:
         assert err.count("error:") == 1 and str(bad) in err, err
+    return code
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +341,37 @@ def test_huge_and_odd_numbers_in_every_numeric_flag(capsys, tmp_path, plans, arg
     assert code in (0, 2), (code, err)
     if code == 2:
         assert err.count("error:") == 1, err
+
+
+OUTPUTS = {  # verb argv with {out} for its output: a file it writes (or, for sweep, a folder)
+    "solve -o": ["solve", str(TINY_MLP), "--no-baselines", "-o", "{out}"],
+    "simulate --plot": ["simulate", "{plan}", "--plot", "{out}"],
+    "calibrate -o": ["calibrate", "{csv}", "-o", "{out}"],
+    "reshard --dump-model": [*RESHARD, "--dump-model", "{out}"],
+    "sweep -o": ["sweep", "{sweep}", "-q", "--no-plots", "-j", "1", "-o", "{out}"],
+}
+
+
+@pytest.mark.parametrize("confusion", ["folder-for-file", "file-in-the-path"])
+@pytest.mark.parametrize("output", sorted(OUTPUTS))
+def test_every_output_confused_file_and_folder(capsys, tmp_path, plans, output, confusion):
+    """Each verb's output given a folder where it writes a file (a file where the sweep
+    writes its folder), or a path through a file: one error naming that output."""
+    plan, sweep, csv = tmp_path / "plan.json", tmp_path / "sweep.yaml", tmp_path / "t.csv"
+    plan.write_text(json.dumps(plans["solved-pipelined"]))
+    sweep.write_text(yaml.safe_dump(SWEEP_DOC))
+    csv.write_text("collective,group_size,bytes,link,seconds\n" + "".join(
+        f"all_reduce,{p},{n},{link},{1e-5 + n * p * 1e-10}\n"
+        for link in ("intra", "inter") for p in (2, 4) for n in (1e3, 1e6)))
+    blocker = tmp_path / "blocker"
+    if confusion == "file-in-the-path":
+        blocker.write_text("a file")
+        out = blocker / "sub" / "out.x"
+    elif output == "sweep -o":
+        blocker.write_text("a file")
+        out = blocker
+    else:
+        blocker.mkdir()
+        out = blocker
+    argv = [a.format(plan=plan, sweep=sweep, csv=csv, out=out) for a in OUTPUTS[output]]
+    assert _run(capsys, argv, out) == 2
