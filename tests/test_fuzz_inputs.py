@@ -375,3 +375,14 @@ def test_every_output_confused_file_and_folder(capsys, tmp_path, plans, output, 
         out = blocker
     argv = [a.format(plan=plan, sweep=sweep, csv=csv, out=out) for a in OUTPUTS[output]]
     assert _run(capsys, argv, out) == 2
+
+
+@pytest.mark.parametrize("key", ["timeout_s", "memory_gib"])
+@pytest.mark.parametrize("value", [1e308, 10**30])
+def test_huge_numbers_in_every_sweep_option(capsys, tmp_path, key, value):
+    """A sweep's own numbers are bounded like a config's: refused naming the key, never
+    an overflow in each point's alarm clock recorded as that point's failure."""
+    bad = tmp_path / "sweep.yaml"
+    bad.write_text(yaml.safe_dump({**SWEEP_DOC, "solve": {**SWEEP_DOC["solve"], key: value}}))
+    argv = ["sweep", str(bad), "-q", "--no-plots", "-j", "1", "-o", str(tmp_path / "out")]
+    assert _run(capsys, argv, bad) == 2

@@ -132,6 +132,8 @@ def test_key_valid_only_under_another_swept_value_is_accepted():
     ({"solve": {"timeout_s": 0}}, "solve.timeout_s", "positive"),
     ({"solve": {"baseline": True}}, "solve.baseline", "unknown key"),
     ({"solve": {"memory_gib": 0}}, "solve.memory_gib", "positive"),
+    ({"solve": {"timeout_s": 1e308}}, "solve.timeout_s", "<= 1e+07"),
+    ({"solve": {"memory_gib": 1e308}}, "solve.memory_gib", "<= 1e+09"),
     ({"plot": {"metric": "speed", "x": "model.layers"}, "grid": {"model.layers": [1]}},
      "plot.metric", "unknown metric"),
     ({"plot": {"x": "cluster.nodes"}, "grid": {"model.layers": [1]}}, "plot.x", "not a swept key"),
