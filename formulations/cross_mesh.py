@@ -778,8 +778,8 @@ def cpsat(problem: CrossMeshProblem, time_limit_s: float = 5.0, num_workers: int
         hint = load_balance(problem)
     scale = 1e7 / max(hint.makespan, 1e-30)
     model = CpSatModel(problem, scale, hint.schedule)
-    if model_dump:
-        model.model.export_to_file(model_dump)
+    if model_dump and not model.model.export_to_file(model_dump):
+        raise ConfigError(f"{model_dump}: cannot write the CP-SAT model there")
     status, choice, starts, _bound = model.solve(time_limit_s, num_workers, seed)
     if not choice:
         return Result("cpsat", hint.status, hint.makespan, hint.lower_bound,

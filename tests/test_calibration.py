@@ -3,11 +3,14 @@ the CSV reader's errors, and the ``calibrate`` verb end to end."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
 
 from ilp_planner.cli import main
+from ilp_planner.commands import calibrate as calibrate_verb
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.calibration import (
     TimingRow,
@@ -247,3 +250,40 @@ def test_cli_reports_malformed_csv(tmp_path, capsys) -> None:
     assert main(["calibrate", str(csv_path)]) == 2
     err = capsys.readouterr().err
     assert "bad.csv:2: bytes: expected a number, got 'lots'" in err
+
+
+def test_cli_creates_the_fragment_folders_and_refuses_a_folder_before_measuring(
+        tmp_path, capsys, monkeypatch) -> None:
+    """``-o missing/dir/frag.yaml`` is created as every verb's output is; a folder given for
+    the fragment is refused before torchrun is started."""
+    csv_path = tmp_path / "timings.csv"
+    write_timings_csv(synthetic_rows(noise=0.0), csv_path)
+    out = tmp_path / "missing" / "dir" / "frag.yaml"
+    assert main(["calibrate", str(csv_path), "-o", str(out)]) == 0
+    assert yaml.safe_load(out.read_text())["cluster"]["links"]
+    capsys.readouterr()
+    monkeypatch.setattr(calibrate_verb.subprocess, "call",
+                        lambda *a, **k: pytest.fail("measured before checking the output"))
+    assert main(["calibrate", "--measure", "-o", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def _fake_measure(argv, stdout=None):
+    """``runtime.measure`` as torchrun would run it: timings written where ``--output`` says,
+    and the claim it prints."""
+    target = argv[argv.index("--output") + 1]
+    write_timings_csv(synthetic_rows(noise=0.0), target)
+    print(f"wrote timings to {target}", file=stdout)
+    return 0
+
+
+@pytest.mark.parametrize("with_output", [True, False])
+def test_cli_measure_keeps_the_timings_it_says_it_wrote(tmp_path, capsys, monkeypatch,
+                                                        with_output) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(calibrate_verb.subprocess, "call", _fake_measure)
+    argv = ["calibrate", "--measure"] + (["-o", "fits/frag.yaml"] if with_output else [])
+    assert main(argv) == 0
+    claimed = capsys.readouterr().err.split("wrote timings to ")[1].split()[0]
+    assert Path(claimed).is_file()
+    assert Path(claimed).parent == (Path("fits") if with_output else Path("."))

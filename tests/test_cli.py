@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from importlib.metadata import version
 from pathlib import Path
+
+import pytest
 
 from ilp_planner import cli
 
@@ -31,3 +34,20 @@ def test_a_closed_pipe_ends_quietly():
     proc.wait(timeout=120)
     assert first
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+# run.py and check.py are being rewritten on another branch, which adds their help texts
+_HELP_ELSEWHERE = {"run", "check"}
+
+
+@pytest.mark.parametrize("verb", [
+    pytest.param(v, marks=pytest.mark.xfail(reason="help added on the run/check branch"))
+    if v in _HELP_ELSEWHERE else v for v in cli.VERBS])
+def test_every_option_of_every_verb_has_help(verb):
+    """``ilp-planner VERB --help`` explains each argument: none is listed bare."""
+    sub = next(a for a in cli.build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction))
+    bare = [a.option_strings[0] if a.option_strings else a.dest
+            for a in sub.choices[verb]._actions
+            if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert not bare, f"{verb}: no help for {bare}"

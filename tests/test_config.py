@@ -4,6 +4,7 @@ the key path; the memory lower bound against a hand computation."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -128,11 +129,35 @@ def test_memory_lower_bound_by_hand():
     total = sum(op.params * 16 + op.output.nbytes for op in g.ops)
     bound, dominant = memory_lower_bound(g, cfg.cluster, spec)
     assert bound == pytest.approx(total / 8)
-    assert dominant == max(g.ops, key=lambda op: op.params * 16 + op.output.nbytes).name
+    by_term: dict[str, float] = {}  # a repeated op summed over its blocks, as the solver ties them
+    for op in g.ops:
+        key = op.tie_key or op.name
+        by_term[key] = by_term.get(key, 0.0) + op.params * 16 + op.output.nbytes
+    assert dominant.name == max(by_term, key=by_term.get)
+    untied = memory_lower_bound(g, cfg.cluster, spec, tie_layers=False)[1]
+    assert untied.name == max(g.ops, key=lambda op: op.params * 16 + op.output.nbytes).name
     # twice the devices, half the bound; no optimizer state, a smaller one
     bigger = cfg.with_overrides({"cluster.nodes": 4})
     assert memory_lower_bound(g, bigger.cluster, spec)[0] == pytest.approx(bound / 2)
     assert memory_lower_bound(g, cfg.cluster, MemorySpec(4, 4, 0))[0] < bound
+
+
+def test_validate_fails_a_config_that_exceeds_its_budget_naming_the_solver_s_term(
+        tmp_path, capsys):
+    """A config whose memory lower bound exceeds the budget is a failure of ``validate``
+    (exit 2), and the dominant term it names is the one ``solve`` blames."""
+    data = copy.deepcopy(BASE)
+    data["cluster"]["memory_gib"] = 1e-4
+    data.pop("pipeline")  # one mesh: the solve whose message names a term
+    f = tmp_path / "small.yaml"
+    f.write_text(yaml.safe_dump(data))
+    assert cli.main(["validate", str(f)]) == 2
+    out, err = capsys.readouterr()
+    assert "EXCEEDS the budget" in out and err.count("error:") == 1 and str(f) in err
+    validate_term = re.search(r"dominant  (\S+)", out).group(1)
+    assert cli.main(["solve", str(f), "--no-baselines"]) == 2
+    err = capsys.readouterr().err
+    assert f"dominant term: {validate_term} " in err, err
 
 
 def _set(path: str, value):
@@ -171,6 +196,13 @@ MALFORMED = [
     ("zero-memory", _set("cluster.memory_gib", 0), "cluster.memory_gib", "positive number"),
     ("efficiency-above-one", _set("cluster.efficiency", 1.5), "cluster.efficiency", "<= 1"),
     ("negative-seed", _set("solver.seed", -1), "solver.seed", "integer"),
+    ("huge-seed", _set("solver.seed", 10**30), "solver.seed", "<= 2147483646"),
+    ("huge-max-axes", _set("solver.max_axes", 10**30), "solver.max_axes", "<= 16"),
+    ("huge-threads", _set("solver.threads", 10**30), "solver.threads", "<= 1024"),
+    ("huge-time-limit", _set("solver.time_limit_s", 1e308), "solver.time_limit_s", "<= 1e+07"),
+    ("huge-stage-time-limit", _set("pipeline.stage_time_limit_s", 1e308),
+     "pipeline.stage_time_limit_s", "<= 1e+07"),
+    ("huge-max-units", _set("pipeline.max_units", 10**30), "pipeline.max_units", "<= 2147483647"),
     ("missing-top", _drop("cluster"), "cluster", "missing required key 'cluster'"),
     ("missing-model-key", _drop("model.vocab"), "model.vocab", "missing required key 'vocab'"),
     ("missing-link", _drop("cluster.links.inter"), "cluster.links.inter", "missing"),

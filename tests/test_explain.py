@@ -279,3 +279,31 @@ def test_explain_verb_rejects_foreign_and_old_files(tmp_path, capsys):
     old.write_text(json.dumps({"schema": "ilp_planner.plan", "version": 0}))
     assert cli.main(["diff", str(old), str(old)]) == 2
     assert "plan schema version 0 is not supported" in capsys.readouterr().err
+
+
+def test_solve_summary_explains_its_table_in_units_that_fit(tiny):
+    """The ratio is explained above the table; a tiny plan's memory is in KiB or MiB, not
+    ``0.00 GiB``; a long baseline name widens its column instead of pushing the others."""
+    long_name = "torchtitan(pp=2; ddp=2,tp=1,ac=none | ddp=1,tp=2,ac=none)"
+    plan = dataclasses.replace(tiny, baselines={**tiny.baselines,
+                                                long_name: tiny.cost.to_dict()})
+    lines = summary(plan).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["plan", "step"])
+    assert lines[head - 1].strip().startswith("ratio = a plan's step time / ilp_planner's")
+    table = [line for line in lines[head:] if line.startswith("  ")]
+    assert len({len(line) for line in table}) == 1  # right-aligned columns: one width
+    ours = next(line for line in table if line.split()[0] == "ilp_planner")
+    assert re.search(r"\d (KiB|MiB) +1\.00$", ours), ours
+    assert any(line.split()[0].startswith("torchtitan(pp=2;") for line in table)
+
+
+def test_solve_prints_a_wall_time_whose_parts_add_up(capsys):
+    assert cli.main(["solve", str(TINY)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    m = re.fullmatch(r"took ([\d.]+) s: loading the planner ([\d.]+) s, config and graph "
+                     r"([\d.]+) s, solving ([\d.]+) s, baselines ([\d.]+) s, plan and report "
+                     r"([\d.]+) s", line)
+    assert m, line
+    total, *parts = (float(x) for x in m.groups())
+    assert sum(parts) == pytest.approx(total, abs=0.03) and float(m.group(6)) >= 0
+    assert float(m.group(5)) > 0  # the baselines' time is counted, not hidden

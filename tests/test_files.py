@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ilp_planner import cli
+from ilp_planner.commands import solve as solve_verb
 from ilp_planner.errors import ConfigError, PlanFormatError
 from ilp_planner.inputs.files import read_input
 
@@ -147,3 +148,24 @@ def test_simulate_bounds_its_micro_batch_override(capsys, tmp_path):
     pipelined_plan(load_config(TINY), stages=2, schedule="1f1b", microbatches=2).save(plan)
     _fails(capsys, ["simulate", str(plan), "--microbatches", str(10**9)], "ILP_PLANNER_MAX_MICROBATCHES")
     _fails(capsys, ["simulate", str(plan), "--microbatches", "-3"], "positive integer")
+
+
+def test_solve_refuses_a_folder_for_its_plan_before_solving(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(solve_verb, "solve", lambda *a, **k: pytest.fail("solved first"))
+    _fails(capsys, ["solve", str(TINY), "-o", str(tmp_path)], str(tmp_path), "is a folder")
+
+
+RESHARD = ["reshard", "--shape", "64,64", "--src-mesh", "1x2", "--src-spec", "S0R",
+           "--dst-mesh", "1x2", "--dst-spec", "RS0", "--no-compare"]
+
+
+def test_reshard_dump_model_is_written_or_refused(capsys, tmp_path):
+    """``--dump-model`` creates its folders and writes the model, says so, and is refused
+    (before solving) where it cannot be written or no CP-SAT model is built."""
+    model = tmp_path / "out" / "m2" / "model.txt"
+    assert cli.main([*RESHARD, "--dump-model", str(model)]) == 0
+    assert model.is_file() and model.stat().st_size > 0
+    assert f"wrote {model}" in capsys.readouterr().out
+    _fails(capsys, [*RESHARD, "--dump-model", str(tmp_path)], "is a folder")
+    _fails(capsys, [*RESHARD, "--algo", "naive", "--dump-model", str(model)],
+           "does not run cpsat")

@@ -115,12 +115,12 @@ def test_corrupt_and_missing_files_are_rejected(plan, tmp_path):
     del d["layers"][0]["strategy"]["output"]
     path = tmp_path / "corrupt.json"
     path.write_text(json.dumps(d))
-    with pytest.raises(PlanFormatError, match=r"corrupt plan \(KeyError"):
+    with pytest.raises(PlanFormatError, match=r"layers\[0\]\.strategy\.output: missing"):
         Plan.load(path)
     d = plan.to_dict()
     d["layers"][0]["strategy"]["output"]["placements"] = ["Q"]
     path.write_text(json.dumps(d))
-    with pytest.raises(PlanFormatError, match="corrupt plan.*cannot parse placement 'Q'"):
+    with pytest.raises(PlanFormatError, match=r"output: not a layout .*cannot parse placement 'Q'"):
         Plan.load(path)
     with pytest.raises(PlanFormatError, match="file not found"):
         Plan.load(tmp_path / "missing.json")

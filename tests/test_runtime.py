@@ -315,7 +315,8 @@ def _corrupt(plan4: Path, tmp_path: Path, edit) -> Path:
 CORRUPTIONS = {
     "truncated": (None, "not valid JSON"),
     "no-schema": (lambda d: d.pop("schema"), "not an ilp_planner plan"),
-    "layer-missing-strategy": (lambda d: d["layers"][0].pop("strategy"), "corrupt plan"),
+    "layer-missing-strategy": (lambda d: d["layers"][0].pop("strategy"),
+                               "layers[0].strategy: missing"),
     "sender-not-holder": (lambda d: d["resharding"][0]["tasks"][0].update(sender=3),
                           "is not a holder"),
     "task-dropped": (lambda d: d["resharding"][0]["tasks"].pop(), "receives 0 of the"),

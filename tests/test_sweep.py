@@ -23,7 +23,7 @@ from ilp_planner.sweeps.points import Point, PointTask
 from ilp_planner.sweeps.progress import Progress, format_progress
 from ilp_planner.sweeps.results import TIMING_COLUMNS, read_rows
 from ilp_planner.sweeps.spec import PlotSpec, load_sweep, parse_sweep
-from ilp_planner.sweeps.sweep import sweep
+from ilp_planner.sweeps.sweep import default_output, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "configs" / "sweeps").glob("*.yaml"))
@@ -132,6 +132,8 @@ def test_key_valid_only_under_another_swept_value_is_accepted():
     ({"solve": {"timeout_s": 0}}, "solve.timeout_s", "positive"),
     ({"solve": {"baseline": True}}, "solve.baseline", "unknown key"),
     ({"solve": {"memory_gib": 0}}, "solve.memory_gib", "positive"),
+    ({"solve": {"timeout_s": 1e308}}, "solve.timeout_s", "<= 1e+07"),
+    ({"solve": {"memory_gib": 1e308}}, "solve.memory_gib", "<= 1e+09"),
     ({"plot": {"metric": "speed", "x": "model.layers"}, "grid": {"model.layers": [1]}},
      "plot.metric", "unknown metric"),
     ({"plot": {"x": "cluster.nodes"}, "grid": {"model.layers": [1]}}, "plot.x", "not a swept key"),
@@ -411,6 +413,29 @@ def test_cli_sweep_prints_the_table_and_resumes(tmp_path, capsys):
     assert "0 solved now, 2 kept" in captured.out and "sweep 2/2" not in captured.err
     plans = sorted((out / "plans").glob("*.json"))
     assert len(plans) == 2 and Plan.load(plans[0]).layers
+
+
+def test_cli_sweep_whose_every_point_is_a_config_error_exits_two(tmp_path, capsys):
+    """Every point failing with a configuration error is an error of the sweep: its rows are
+    written, and the exit status says it produced nothing."""
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"base": BASE, "grid": {"model.layers": [0, -1]},
+                                    "solve": {"baselines": False}}))
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(path), "-o", str(out), "-q", "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "all 2 point(s) failed with configuration errors" in err
+    assert len(read_rows(out / "results.jsonl")) == 2
+    path.write_text(yaml.safe_dump({"base": BASE, "grid": {"model.layers": [0, 1]},
+                                    "solve": {"baselines": False}}))
+    assert cli.main(["sweep", str(path), "-o", str(out), "-q", "--no-plots"]) == 0
+
+
+@pytest.mark.parametrize("name", ["..", ".", "/", "../.."])
+def test_a_sweep_name_never_places_results_outside_sweep_results(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    spec = spec_of(name=name)
+    assert default_output(spec).resolve().parent == (tmp_path / "sweep-results").resolve()
 
 
 def test_cli_sweep_reports_a_bad_key_and_exits_two(tmp_path, capsys):

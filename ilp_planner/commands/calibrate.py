@@ -4,7 +4,10 @@ fragment ``cluster: {links: {intra: {alpha, beta}, inter: {alpha, beta}}}``.
 
 The timings come from a CSV (``collective,group_size,bytes,link,seconds``), or, with
 ``--measure --nproc-per-node N``, from :mod:`runtime.measure` run under torchrun on the
-backend actually used (the CSV argument, if given, is where those timings are written).
+backend actually used. Measured timings are kept (a measurement is the costly part, and
+``runtime.measure`` says where it wrote them): in the CSV argument if given, else in
+``timings.csv`` beside the fragment (``-o``), else in the working folder. Every output is
+checked writable, its folders created, before anything is measured.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ilp_planner.commands.run import torchrun_command
@@ -25,6 +27,7 @@ from ilp_planner.inputs.calibration import (
     fit_report,
     read_timings_csv,
 )
+from ilp_planner.inputs.files import prepare_output, write_output
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "timings", metavar="TIMINGS.csv", nargs="?",
-        help=f"CSV with header {','.join(CSV_COLUMNS)} (with --measure: where to write them)",
+        help=f"CSV with header {','.join(CSV_COLUMNS)} (with --measure: where to keep them; "
+             f"default timings.csv beside -o's fragment, else in the working folder)",
     )
     p.add_argument("--measure", action="store_true",
                    help="measure the collectives now with torchrun (runtime.measure), then fit")
@@ -65,33 +69,39 @@ def _load_rows(args: argparse.Namespace) -> list[TimingRow]:
         return read_timings_csv(args.timings)
 
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = args.timings or str(Path(tmp) / "timings.csv")
-        extra = ["--output", out]
-        for flag, value in (("--devices-per-node", args.devices_per_node), ("--sizes", args.sizes),
-                            ("--repeats", args.repeats)):
-            if value is not None:
-                extra += [flag, str(value)]
-        rc = subprocess.call(torchrun_command(args.nproc_per_node, "runtime.measure", extra),
-                             stdout=sys.stderr)
-        if rc != 0:
-            raise ConfigError(f"measuring collectives failed (torchrun exit status {rc})")
-        return read_timings_csv(out)
+    out = str(prepare_output(measured_timings_path(args)))
+    extra = ["--output", out]
+    for flag, value in (("--devices-per-node", args.devices_per_node), ("--sizes", args.sizes),
+                        ("--repeats", args.repeats)):
+        if value is not None:
+            extra += [flag, str(value)]
+    rc = subprocess.call(torchrun_command(args.nproc_per_node, "runtime.measure", extra),
+                         stdout=sys.stderr)
+    if rc != 0:
+        raise ConfigError(f"measuring collectives failed (torchrun exit status {rc})")
+    return read_timings_csv(out)
+
+
+def measured_timings_path(args: argparse.Namespace) -> Path:
+    """Where ``--measure`` keeps its timings: the CSV argument, else ``timings.csv`` beside
+    the fragment, else in the working folder — never a temporary file deleted on exit, whose
+    path ``runtime.measure`` would print as if it were kept."""
+    if args.timings:
+        return Path(args.timings)
+    return (Path(args.output).parent if args.output else Path(".")) / "timings.csv"
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        prepare_output(args.output)  # before measuring: a measurement is the costly part
     rows = _load_rows(args)
     fits = fit_links(rows, weighting=args.weighting, nonnegative=not args.allow_negative_alpha)
     fragment = cluster_fragment(fits)
     if args.output:
-        out = Path(args.output)
-        try:
-            out.write_text(fragment)
-        except OSError as exc:
-            raise ConfigError(f"cannot write fragment: {exc.strerror}", source=str(out)) from exc
+        write_output(args.output, fragment)
         # Report on stdout, fragment in the file.
         print(fit_report(fits))
-        print(f"wrote {out}")
+        print(f"wrote {args.output}")
     else:
         # Fragment on stdout (pipe-able), report on stderr.
         print(fit_report(fits), file=sys.stderr)

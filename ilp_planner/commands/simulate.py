@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no pipeline stages; solve a "
                               f"config with pipeline.stages > 1 or auto")
     name = args.schedule or plan.schedule.name
-    m = args.microbatches or plan.schedule.num_microbatches
+    m = plan.schedule.num_microbatches if args.microbatches is None else args.microbatches
     if m < 1:
         raise ConfigError(f"--microbatches: expected a positive integer, got {m}")
     check_limit("microbatches", m, "the number of micro-batches", key="--microbatches")

@@ -4,8 +4,10 @@ cluster) with a progress bar, write ``results.csv`` / ``results.jsonl`` / ``resu
 every point's plan and the PNG plots, and print the results table.
 
 A failing point (bad override value, infeasible, time-out) is recorded in its row and the
-sweep goes on; the exit status is 0 unless the sweep file itself is wrong (2). The sweep
-file format is documented in :mod:`ilp_planner.sweeps.spec`.
+sweep goes on; the exit status is 0 unless the sweep file itself is wrong (2), which
+includes a sweep whose every point failed with a configuration error: its results hold no
+answer, only the same mistake once per point. The sweep file format is documented in
+:mod:`ilp_planner.sweeps.spec`.
 """
 
 from __future__ import annotations
@@ -95,4 +97,13 @@ def run(args: argparse.Namespace) -> int:
           f"{result.output / 'plans'}/")
     for path in result.plots:
         print(f"wrote {path}")
+    _refuse_all_config_errors(args.sweep, result.rows)
     return 0
+
+
+def _refuse_all_config_errors(source: str, rows: list[dict]) -> None:
+    """A sweep whose every point failed with a configuration error ends as an error (its
+    rows are written first, for reading): exit 0 would tell a script that it ran."""
+    if rows and all(r.get("status") == "config_error" for r in rows):
+        raise ConfigError(f"all {len(rows)} point(s) failed with configuration errors; the "
+                          f"first: {rows[0].get('error')}", source=source)

@@ -1,7 +1,9 @@
 """``ilp-planner validate CONFIG [CONFIG...]``: load each configuration and print what it
 describes (model size, cluster, links, memory lower bound vs budget) without solving.
 
-Every file is checked even when an earlier one fails; the exit status is 2 if any failed.
+Every file is checked even when an earlier one fails; the exit status is 2 if any failed —
+a configuration that parses but whose memory lower bound exceeds its budget fails too: no
+plan of it fits, and a script running ``validate`` before ``solve`` must hear so.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import parse_config, read_yaml
-from ilp_planner.reports.summary import model_summary
+from ilp_planner.reports.summary import fits_memory, model_summary
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
             failed += 1
             continue
         print(model_summary(config))
+        if not fits_memory(config):
+            print(f"error: {path}: the memory lower bound exceeds the budget of "
+                  f"cluster.memory_gib; no plan fits (see 'memory' above)", file=sys.stderr)
+            failed += 1
     if failed:
-        print(f"{failed} of {len(args.configs)} configuration(s) invalid", file=sys.stderr)
+        print(f"{failed} of {len(args.configs)} configuration(s) failed", file=sys.stderr)
     return 2 if failed else 0

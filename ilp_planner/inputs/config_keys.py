@@ -37,6 +37,20 @@ TORCH_INPUT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int
 # No device has 10^9 GiB, 10^9 TFLOP/s or 10^9 Gbit/s links, and no link 10^9 µs of latency:
 # beyond this a figure is a typo, and it would overflow the memory row or underflow β to 0.
 PHYSICAL_MAX = 1e9
+# Bounds of the solver's options, each far above any use and below what the solver behind it
+# can hold: SCIP counts its time limit in milliseconds in a 64-bit integer, CBC is given
+# ``seed + 1`` as a C int, and a mesh within the device limit (2^16) has at most 16 axes.
+MAX_SECONDS = 1e7  # about 16 weeks
+MAX_SEED = 2**31 - 2
+MAX_AXES = 16
+MAX_THREADS = 1024
+MAX_COUNT = 2**31 - 1  # any other count (a cap on replication, on layer units)
+# No optimizer keeps a kilobyte per parameter (fp64 Adam keeps 32 bytes), no link waits the
+# latency_us bound (10^3 s) nor moves less than a byte a second: beyond these the memory row
+# or a redistribution's price overflows to infinity.
+MAX_BYTES_PER_PARAM = 1024.0
+MAX_ALPHA_S = PHYSICAL_MAX * 1e-6
+MAX_BETA_S = 1.0
 
 _SOLVER = {f.name: f.default for f in dataclasses.fields(SolverOptions)}
 _PIPELINE = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
@@ -103,7 +117,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "model.example_inputs[i]": {
         "shape": Key("list", "the input's shape (positive integers)"),
         "dtype": Key("choice", "its dtype", "float32", choices=TORCH_INPUT_DTYPES, noun="dtype"),
-        "high": Key("integer", "integer inputs draw ids in [0, high)", 2, positive=True),
+        "high": Key("integer", "integer inputs draw ids in [0, high)", 2, positive=True,
+                    at_most=MAX_COUNT),
     },
     "cluster": {
         "nodes": Key("integer", "machines", positive=True),
@@ -126,9 +141,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "bandwidth_gbps": Key("number", "bandwidth in Gbit/s (with latency_us)", positive=True,
                               at_most=PHYSICAL_MAX, default=None, default_text="—"),
         "alpha": Key("number", "fitted latency in s (with beta, instead of the two above)",
-                     nonneg=True, default=None, default_text="—"),
+                     nonneg=True, at_most=MAX_ALPHA_S, default=None, default_text="—"),
         "beta": Key("number", "fitted seconds per byte (with alpha)", positive=True,
-                    default=None, default_text="—"),
+                    at_most=MAX_BETA_S, default=None, default_text="—"),
     },
     "training": {
         "optimizer": Key("choice", "the optimizer preset of bytes per parameter",
@@ -141,23 +156,28 @@ SECTIONS: dict[str, dict[str, Key]] = {
                               DDP_BUCKET_MB, nonneg=True, null=True),
     },
     "training.bytes_per_param": {
-        "weight": Key("number", "bytes per weight", None, default_text="the preset's", positive=True),
-        "grad": Key("number", "bytes per gradient", None, default_text="the preset's", positive=True),
+        "weight": Key("number", "bytes per weight", None, default_text="the preset's",
+                      positive=True, at_most=MAX_BYTES_PER_PARAM),
+        "grad": Key("number", "bytes per gradient", None, default_text="the preset's",
+                    positive=True, at_most=MAX_BYTES_PER_PARAM),
         "optimizer": Key("number", "bytes of optimizer state per parameter",
-                         None, default_text="the preset's", nonneg=True),
+                         None, default_text="the preset's", nonneg=True,
+                         at_most=MAX_BYTES_PER_PARAM),
     },
     "solver": {
         "time_limit_s": Key("number", "wall-clock limit of the intra-op solve",
-                            _SOLVER["time_limit_s"], positive=True),
+                            _SOLVER["time_limit_s"], positive=True, at_most=MAX_SECONDS),
         "tie_layers": Key("boolean", "every repetition of a block gets one strategy",
                           _SOLVER["tie_layers"]),
         "max_weight_replication": Key("integer", "cap on a linear's weight replication (p0)",
-                                      _SOLVER["max_weight_replication"], positive=True, null=True),
+                                      _SOLVER["max_weight_replication"], positive=True, null=True,
+                                      at_most=MAX_COUNT),
         "max_axes": Key("integer", "mesh axes a factorisation may have",
-                        _SOLVER["max_axes"], positive=True),
-        "threads": Key("integer", "CBC's threads", _SOLVER["threads"], positive=True),
+                        _SOLVER["max_axes"], positive=True, at_most=MAX_AXES),
+        "threads": Key("integer", "CBC's threads", _SOLVER["threads"], positive=True,
+                       at_most=MAX_THREADS),
         "seed": Key("integer", "seed of the solvers and fallback searches", _SOLVER["seed"],
-                    nonneg=True),
+                    nonneg=True, at_most=MAX_SEED),
         "fallback": Key("choice", "heuristic search when the ILP gives up", _SOLVER["fallback"],
                         choices=FALLBACKS, noun="fallback"),
         "elimination": Key("boolean", "exact variable elimination first; false: the ILP alone",
@@ -191,9 +211,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
                              _PIPELINE["submesh_space"], choices=SUBMESH_SPACES,
                              noun="sub-mesh space"),
         "max_units": Key("integer", "null: one layer unit per block; N: coarsen to ≤ N units",
-                         _PIPELINE["max_units"], positive=True, null=True),
+                         _PIPELINE["max_units"], positive=True, null=True, at_most=MAX_COUNT),
         "stage_time_limit_s": Key("number", "per stage ILP limit",
                                   _PIPELINE["stage_time_limit_s"], positive=True, null=True,
+                                  at_most=MAX_SECONDS,
                                   default_text="min(solver.time_limit_s, 10)"),
         "stage_bound": Key("boolean", "skip or stop stage solves proven slower than a plan in "
                                       "hand (exact)", _PIPELINE["stage_bound"]),

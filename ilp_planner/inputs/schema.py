@@ -84,7 +84,7 @@ class Key:
         bound = ("> 0" if self.type == "number" else "≥ 1") if self.positive else (
             "≥ 0" if self.nonneg else "")
         if self.at_most is not None:
-            most = f"≤ {_number_text(self.at_most)}"
+            most = f"≤ {self.at_most if self.type == 'integer' else _number_text(self.at_most)}"
             bound = f"{bound}, {most}" if bound else most
         return f"{self.type} {bound}".strip() + (" or null" if self.null else "")
 
@@ -158,7 +158,8 @@ class Reader:
         """A value of one of the plain types, checked as ``key`` declares."""
         if key.type == "integer":
             return self.integer(value, path,
-                                minimum=1 if key.positive else 0 if key.nonneg else None)
+                                minimum=1 if key.positive else 0 if key.nonneg else None,
+                                at_most=key.at_most)
         if key.type == "number":
             return self.number(value, path, positive=key.positive, nonneg=key.nonneg,
                                at_most=key.at_most)
@@ -172,7 +173,8 @@ class Reader:
 
     # -- scalars ----------------------------------------------------------------------
 
-    def integer(self, value: Any, path: str, *, minimum: int | None = None) -> int:
+    def integer(self, value: Any, path: str, *, minimum: int | None = None,
+                at_most: float | None = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             what = "a positive integer" if minimum == 1 else (
                 "a non-negative integer" if minimum == 0 else "an integer")
@@ -181,6 +183,8 @@ class Reader:
             what = ("a positive integer" if minimum == 1 else "a non-negative integer"
                     if minimum == 0 else f"an integer >= {minimum}")
             self.fail(path, f"expected {what}, got {value}")
+        if at_most is not None and value > at_most:
+            self.fail(path, f"expected an integer <= {at_most}, got {show(value)}")
         return int(value)
 
     def positive_int(self, value: Any, path: str) -> int:

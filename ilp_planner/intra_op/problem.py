@@ -42,7 +42,13 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
-from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective, MemorySpec, collective_time
+from ilp_planner.lowering.cost_model import (
+    ONCE_PER_STEP,
+    Collective,
+    MemorySpec,
+    collective_time,
+    dominant_memory_term,
+)
 from ilp_planner.lowering.grad_buckets import device_groups
 from ilp_planner.lowering.redistribution import plan_redistribution, planner_for
 from ilp_planner.lowering.stage_boundary import StageBoundary, export_program, import_program
@@ -637,17 +643,19 @@ def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...
     return small[np.ix_(rows, cols)]
 
 
-def describe_infeasible(gp: GraphProblem, budget: float) -> str:
-    """Why no plan fits: the smallest per-device memory any plan needs and the layer
-    holding the biggest part of it."""
-    total, g = gp.problem.min_memory()
-    node = gp.groups[g][0]
-    share = float(gp.problem.memory[g].min())
+def describe_infeasible(gp: GraphProblem, budget: float, tie_layers: bool = True) -> str:
+    """Why no plan fits: the smallest per-device memory any plan needs, and the dominant
+    term of the memory lower bound — the one ``validate`` names
+    (:func:`~ilp_planner.lowering.cost_model.dominant_memory_term`) — with the least memory
+    its ops take on a device under the strategies offered."""
+    total, _ = gp.problem.min_memory()
+    term = dominant_memory_term(gp.graph, gp.ctx.memory, tie_layers)
+    groups = {gp.group_of[gp.owner[op]] for op in term.ops if gp.owner.get(op) in gp.group_of}
+    share = sum(float(gp.problem.memory[g].min()) for g in groups)
     gib = 1024**3
-    tied = f" (tied over {len(gp.groups[g])} layers)" if len(gp.groups[g]) > 1 else ""
     return (
         f"the smallest per-device memory any plan needs is {total / gib:.4g} GiB; the budget is "
-        f"{budget / gib:.4g} GiB (largest share: layer {node}{tied} with {share / gib:.4g} GiB "
-        f"at best)"
+        f"{budget / gib:.4g} GiB (dominant term: {term.label} with {share / gib:.4g} GiB at "
+        f"best)"
     )
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ilp_planner.inputs.config import Config
@@ -44,3 +47,22 @@ class MeshSolveRequest:
         """The whole model on the whole cluster under its device memory."""
         c = config.cluster
         return cls.whole_model(config, c.nodes, c.devices_per_node, c.memory_bytes)
+
+
+@dataclass
+class PhaseTimes:
+    """Wall seconds a solve spent per phase: solving (the ILPs and searches, for a pipeline
+    the stage DP around them) and pricing the baselines beside it — so that a timing line
+    adds up to the time the command took, not just the final ILP's build and solve."""
+
+    solve_s: float = 0.0
+    baselines_s: float = 0.0
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` block to ``phase`` (``"solve_s"``, ...)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, phase, getattr(self, phase) + time.perf_counter() - t0)

@@ -32,7 +32,7 @@ from ilp_planner.intra_op.problem import (
     describe_infeasible,
     peak_memory,
 )
-from ilp_planner.intra_op.request import MeshSolveRequest
+from ilp_planner.intra_op.request import MeshSolveRequest, PhaseTimes
 
 EVERY_COUNT_UP_TO = 3
 """``recompute: auto`` solves every count of recomputed blocks for models this small."""
@@ -48,17 +48,22 @@ class CutOff(Exception):
 Solved = tuple[GraphProblem, SolveResult]
 
 
-def solve_single_mesh(config: Config, grid: bool = True
+def solve_single_mesh(config: Config, grid: bool = True, times: PhaseTimes | None = None
                       ) -> tuple[GraphProblem, SolveResult, GridPoint | str | None]:
     """The whole cluster as one mesh (:func:`solve_mesh`), and with ``grid`` the
     torchtitan-style baseline beside it: its point is in the planner's space, so where it
     beats the planner's enumeration the whole space is solved again at its recomputed
-    blocks and transient reserve, which can only do better."""
+    blocks and transient reserve, which can only do better. ``times`` collects the wall
+    time of the solves and of the baseline."""
+    times = times or PhaseTimes()
     request = MeshSolveRequest.whole_cluster(config)
-    gp, result = solve_mesh(request)
-    point = grid_baseline(request) if grid else None
+    with times.timing("solve_s"):
+        gp, result = solve_mesh(request)
+    with times.timing("baselines_s"):
+        point = grid_baseline(request) if grid else None
     if isinstance(point, GridPoint) and point.objective < result.objective:
-        gp, result = _at_grid_point(request, (gp, result), point)
+        with times.timing("solve_s"):
+            gp, result = _at_grid_point(request, (gp, result), point)
     return gp, result, point
 
 
@@ -342,7 +347,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
             gp.problem = dataclasses.replace(gp.problem, memory_budget=memory_budget)
     problem_s = time.perf_counter() - t0
     if memory_budget is not None and gp.problem.min_memory()[0] > memory_budget:
-        raise InfeasibleError(describe_infeasible(gp, memory_budget))
+        raise InfeasibleError(describe_infeasible(gp, memory_budget, opts.tie_layers))
     if opts.fallback not in SEARCHES:
         raise ConfigError(f"unknown fallback search {opts.fallback!r}; expected one of "
                           f"{sorted(SEARCHES)}", key="solver.fallback")

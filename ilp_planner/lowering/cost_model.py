@@ -19,6 +19,7 @@ from enum import Enum
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.ir.graph import Graph
 
 
 class CollectiveKind(str, Enum):
@@ -157,6 +158,45 @@ class MemorySpec:
     @property
     def bytes_per_param(self) -> float:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    """One term of the memory lower bound: the ops one decision covers (a repeated op in
+    every block where layers are tied, else one op), their training state and their output
+    activations, unsharded."""
+
+    name: str
+    ops: tuple[str, ...]
+    state_bytes: float
+    activation_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def label(self) -> str:
+        """``h.*.mlp.fc1 (12 layers)``, or an op's name."""
+        return self.name if len(self.ops) == 1 else f"{self.name} ({len(self.ops)} layers)"
+
+
+def memory_terms(graph: Graph, memory: MemorySpec, tie_layers: bool = True) -> list[MemoryTerm]:
+    """The memory lower bound's terms, grouped as the solver decides them (a repeated op's
+    tie key with ``tie_layers``), in graph order."""
+    grouped: dict[str, list] = {}
+    for op in graph.ops:
+        grouped.setdefault((op.tie_key if tie_layers else None) or op.name, []).append(op)
+    return [MemoryTerm(name, tuple(op.name for op in ops),
+                       sum(op.params * memory.bytes_per_param for op in ops),
+                       float(sum(op.output.nbytes for op in ops)))
+            for name, ops in grouped.items()]
+
+
+def dominant_memory_term(graph: Graph, memory: MemorySpec, tie_layers: bool = True) -> MemoryTerm:
+    """The largest term: what ``validate`` and the solver's infeasibility message both name,
+    so the two never blame different layers for one shortfall."""
+    return max(memory_terms(graph, memory, tie_layers), key=lambda t: t.total_bytes)
 
 
 def memory_bytes(local_params: float, activation_bytes: float, spec: MemorySpec) -> float:

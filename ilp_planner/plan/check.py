@@ -36,6 +36,7 @@ from pathlib import Path
 from formulations.schedules import (
     Schedule,
     ScheduleError,
+    check_schedule_name,
     lower,
     make_schedule,
     validate,
@@ -285,7 +286,7 @@ def lowered_actions(plan: Plan, num_stages: int, m: int, src: str) -> dict[int, 
     validated after lowering (complete, locally ordered, FIFO per link, deadlock-free).
     A single-stage plan without a schedule runs 1F1B."""
     if plan.schedule is not None and plan.schedule.actions:
-        name, rows = plan.schedule.name, [list(row) for row in plan.schedule.actions]
+        name, rows = known_schedule(plan.schedule.name, src), [list(row) for row in plan.schedule.actions]
     elif num_stages == 1:
         name, rows = "1f1b", make_schedule("1f1b", 1, m).to_strings()
     else:
@@ -298,6 +299,15 @@ def lowered_actions(plan: Plan, num_stages: int, m: int, src: str) -> dict[int, 
         raise PlanFormatError(f"{src}: schedule actions do not parse ({exc})") from exc
     validate(sched)
     return {i: [(a.kind.value, a.microbatch) for a in row] for i, row in enumerate(sched.rows)}
+
+
+def known_schedule(name: str, src: str) -> str:
+    """A schedule name the planner knows: the verbs that simulate a plan regenerate its
+    schedule by name, so an unknown one (``zb-v``) would be simulated as another."""
+    try:
+        return check_schedule_name(name)
+    except ScheduleError as exc:
+        raise PlanFormatError(f"{src}: schedule.name: {exc}") from None
 
 
 def find_entry(entries: Sequence[tuple[str, str, int, Layout]], tensor: str, consumer: str,

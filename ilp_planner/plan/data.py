@@ -193,12 +193,15 @@ class LayerPlan:
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "layer") -> LayerPlan:
-        s = d["strategy"]
+        s = mapping(required(d, "strategy", path), f"{path}.strategy")
+        where = f"{path}.strategy"
+        output = _layout(required(s, "output", where), f"{where}.output")
+        _check_strategy_mesh(s, output, where)
         return cls(
             text(d["name"]), text(d["kind"]), text(s["label"]),
-            tuple(layout_from_dict(x) for x in s["inputs"]),
-            None if s["weight"] is None else layout_from_dict(s["weight"]),
-            layout_from_dict(s["output"]),
+            items(required(s, "inputs", where), f"{where}.inputs", _layout),
+            optional(required(s, "weight", where), f"{where}.weight", _layout),
+            output,
             float(amount(required(d, "compute_s", path), f"{path}.compute_s")),
             float(amount(required(d, "memory_bytes", path), f"{path}.memory_bytes")),
             items(required(d, "collectives", path), f"{path}.collectives", _collective),
@@ -207,6 +210,19 @@ class LayerPlan:
             _shape(s["output"]),
             int(number(d["zero"])), flag(required(d, "recompute", path), f"{path}.recompute"),
         )
+
+
+def _check_strategy_mesh(strategy: dict, output: Layout, path: str) -> None:
+    """The mesh a layer's strategy names is the one its layouts are on: the file states it
+    twice, and an edit of one copy (every ``strategy.mesh`` set to 64 devices) would
+    otherwise be read as whichever copy a reader looks at."""
+    string(required(strategy, "mesh_str", path), f"{path}.mesh_str")
+    mesh = items(required(strategy, "mesh", path), f"{path}.mesh",
+                 lambda v, p: items(v, p, integer))
+    expected = [[a.nodes, a.local] for a in output.fact]
+    if [list(axis) for axis in mesh] != expected:
+        raise PlanFormatError(f"{path}.mesh: {[list(a) for a in mesh]} is not the mesh of its "
+                              f"layouts, {expected}")
 
 
 def _collective(d, path: str) -> Collective:
@@ -667,7 +683,8 @@ class Plan:
             )
         try:
             return cls(
-                d["name"], d["config"], SolverReport.from_dict(mapping(d["solver"], "solver"), "solver"),
+                string(d.get("name"), "name"), mapping(d.get("config"), "config"),
+                SolverReport.from_dict(mapping(d["solver"], "solver"), "solver"),
                 CostBreakdown.from_dict(mapping(d["cost"], "cost")),
                 [LayerPlan.from_dict(x, f"layers[{i}]") for i, x in enumerate(d["layers"])],
                 _baselines(d.get("baselines", {})),

@@ -599,23 +599,34 @@ def summary(plan: Plan) -> str:
             f"{sc.num_microbatches} micro-batches: makespan {sim.makespan_s:.4g} s, "
             f"bubble {sim.bubble_fraction:.1%}; per-device costs below are the busiest "
             f"stage's")
-    header = f"  {'plan':<28}{'step s':>11}{'compute s':>11}{'act comm s':>11}" \
-             f"{'grad sync s':>12}{'memory GiB':>11}{'ratio':>8}"
-    lines.append(header)
+    return "\n".join(lines + _cost_table(plan))
+
+
+RATIO_LEGEND = ("  ratio = a plan's step time / ilp_planner's (> 1: ilp_planner is faster); "
+                "memory = peak per device")
+
+
+def _cost_table(plan: Plan) -> list[str]:
+    """The plan and every baseline per step: times and memory in adaptive units (a tiny
+    config's memory is not ``0.00 GiB``), columns as wide as their longest cell (a long
+    baseline name does not shift them), the ratio explained above; a baseline that could
+    not be priced follows the table with its reason."""
     mine = plan.step_s
-
-    def row(name: str, c: CostBreakdown, step: float) -> str:
-        ratio = step / mine if mine else float("nan")
-        return (f"  {name:<28}{step:>11.4g}{c.compute_s:>11.4g}{c.activation_comm_s:>11.4g}"
-                f"{c.grad_sync_s:>12.4g}{c.peak_memory_bytes / 2**30:>11.2f}{ratio:>8.2f}")
-
-    lines.append(row("ilp_planner", plan.cost, mine))
+    rows = [_cost_row("ilp_planner", plan.cost, mine, mine)]
+    unpriced = []
     for name, b in plan.baselines.items():
         if "error" in b:
-            lines.append(f"  {name:<28}n/a: {b['error']}")
+            unpriced.append(f"  {name}: n/a — {b['error']}")
         else:
-            lines.append(row(name, CostBreakdown.from_dict(b), baseline_seconds(b)))
-    return "\n".join(lines)
+            rows.append(_cost_row(name, CostBreakdown.from_dict(b), baseline_seconds(b), mine))
+    header = ["plan", "step", "compute", "act comm", "grad sync", "memory", "ratio"]
+    return [RATIO_LEGEND, *text_table(header, rows), *unpriced]
+
+
+def _cost_row(name: str, c: CostBreakdown, step: float, mine: float) -> list[str]:
+    ratio = f"{step / mine:.2f}" if mine else "n/a"
+    return [name, fmt_seconds(step), fmt_seconds(c.compute_s), fmt_seconds(c.activation_comm_s),
+            fmt_seconds(c.grad_sync_s), fmt_bytes(c.peak_memory_bytes), ratio]
 
 
 def _fmt(x: float | None) -> str:

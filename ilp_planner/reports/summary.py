@@ -7,8 +7,10 @@ backward pass) must live somewhere, and the best any sharding can do is spread t
     M_lb = ( Σ_v params_v · bytes_per_param  +  Σ_v bytes(out_v) ) / p
 
 If ``M_lb`` exceeds the per-device budget, no single-stage plan over the full batch fits:
-micro-batching or pipelining (fewer activations in flight) is needed. The op with the
-largest ``params_v · bytes_per_param + bytes(out_v)`` is reported as the dominant one.
+micro-batching or pipelining (fewer activations in flight) is needed. The term with the
+largest ``params_v · bytes_per_param + bytes(out_v)`` — a repeated op summed over its blocks
+where the solver ties layers (:func:`~ilp_planner.lowering.cost_model.dominant_memory_term`)
+— is reported as the dominant one, the term the solver's infeasibility message names too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import defaultdict
 from ilp_planner.inputs.config import Config
 from ilp_planner.ir.cluster import Cluster, Link, proper_factorisations
 from ilp_planner.ir.graph import Graph, OpKind
-from ilp_planner.lowering.cost_model import MemorySpec
+from ilp_planner.lowering.cost_model import MemorySpec, MemoryTerm, dominant_memory_term
 
 _GIB = 2**30
 
@@ -29,12 +31,17 @@ def _op_bytes(graph: Graph, memory: MemorySpec) -> dict[str, tuple[float, float]
             for op in graph.ops}
 
 
-def memory_lower_bound(graph: Graph, cluster: Cluster, memory: MemorySpec) -> tuple[float, str]:
-    """``(M_lb in bytes per device, name of the op with the largest state + activation)``."""
-    per_op = _op_bytes(graph, memory)
-    total = sum(s + a for s, a in per_op.values())
-    dominant = max(per_op, key=lambda name: sum(per_op[name]))
-    return total / cluster.num_devices, dominant
+def memory_lower_bound(graph: Graph, cluster: Cluster, memory: MemorySpec,
+                       tie_layers: bool = True) -> tuple[float, MemoryTerm]:
+    """``(M_lb in bytes per device, the term with the largest state + activation)``."""
+    total = sum(s + a for s, a in _op_bytes(graph, memory).values())
+    return total / cluster.num_devices, dominant_memory_term(graph, memory, tie_layers)
+
+
+def fits_memory(config: Config) -> bool:
+    """Whether the memory lower bound is within the budget (else no plan fits)."""
+    bound, _ = memory_lower_bound(config.microbatch_graph(), config.cluster, config.memory)
+    return bound <= config.cluster.memory_bytes
 
 
 def _count(x: float) -> str:
@@ -93,16 +100,17 @@ def cluster_summary(cluster: Cluster) -> list[str]:
     ]
 
 
-def memory_summary(graph: Graph, cluster: Cluster, memory: MemorySpec) -> list[str]:
+def memory_summary(graph: Graph, cluster: Cluster, memory: MemorySpec,
+                   tie_layers: bool = True) -> list[str]:
     per_op = _op_bytes(graph, memory)
     state = sum(s for s, _ in per_op.values())
     acts = sum(a for _, a in per_op.values())
-    bound, dominant = memory_lower_bound(graph, cluster, memory)
+    bound, dominant = memory_lower_bound(graph, cluster, memory, tie_layers)
     ratio = bound / cluster.memory_bytes
     verdict = ("fits" if ratio <= 1 else
                "EXCEEDS the budget:\n            no single-stage plan fits at this micro-batch "
                "size (more micro-batches or pipeline stages needed)")
-    s, a = per_op[dominant]
+    s, a = dominant.state_bytes, dominant.activation_bytes
     p = cluster.num_devices
     return [
         f"training  {memory.bytes_per_param:g} B/param (weight {memory.weight_bytes:g} + "
@@ -110,7 +118,8 @@ def memory_summary(graph: Graph, cluster: Cluster, memory: MemorySpec) -> list[s
         f"memory    lower bound {_bytes(bound)}/device (state {_bytes(state / p)} + "
         f"activations {_bytes(acts / p)}) vs budget {_bytes(cluster.memory_bytes)}: "
         f"{ratio:.1%} — {verdict}",
-        f"dominant  {dominant}: state {_bytes(s / p)} + activation {_bytes(a / p)} per device",
+        f"dominant  {dominant.label}: state {_bytes(s / p)} + activation {_bytes(a / p)} "
+        f"per device",
     ]
 
 
@@ -123,7 +132,8 @@ def model_summary(config: Config) -> str:
         f"model     kind {config.model.get('kind')}, dtype {config.model.get('dtype', 'float32')}",
         *graph_summary(config.graph),
         *cluster_summary(config.cluster),
-        *memory_summary(config.microbatch_graph(), config.cluster, config.memory),
+        *memory_summary(config.microbatch_graph(), config.cluster, config.memory,
+                        config.solver.tie_layers),
         f"pipeline  stages {pipe.stages}, microbatches {pipe.microbatches}, "
         f"schedule {pipe.schedule}{sub}",
         solve_size(config),

@@ -53,8 +53,9 @@ class Point:
         leaves = [k.rsplit(".", 1)[-1] for k in self.overrides]
         names = [leaf if leaves.count(leaf) == 1 else k for leaf, k in zip(leaves, self.overrides,
                                                                            strict=True)]
-        slug = file_safe("_".join(f"{n}-{short_text(v)}" for n, v in zip(names, self.overrides.values(),
-                                                                  strict=True)))[:80] or "base"
+        joined = "_".join(f"{n}-{short_text(v)}" for n, v in zip(names, self.overrides.values(),
+                                                                 strict=True))
+        slug = file_safe(joined)[:80] if joined else "base"
         return f"{slug}-{hashlib.sha1(self.id.encode()).hexdigest()[:8]}.json"
 @dataclass(frozen=True)
 class PointTask:
@@ -234,5 +235,7 @@ def short_text(v: Any) -> str:
 
 
 def file_safe(text: str) -> str:
-    """``text`` with every run of characters unsafe in a file name replaced by ``_``."""
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")
+    """``text`` with every run of characters unsafe in a file name replaced by ``_``; a
+    name of dots alone (``..``) becomes ``_``, so it never names a folder above."""
+    safe = re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")
+    return safe if safe.strip(".") else "_"

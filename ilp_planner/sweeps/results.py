@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.files import read_input
 from ilp_planner.reports.explain import fmt_seconds, text_table
 from ilp_planner.sweeps.points import Point, finite_or_none, short_text
@@ -53,7 +54,9 @@ def resumable_rows(out: Path, points: Sequence[Point], fingerprint: str,
     ids = {p.id for p in points}
     kept: dict[str, dict[str, Any]] = {}
     for row in read_rows(out / RESULTS_JSONL):
-        if row.get("id") not in ids or row.get("fingerprint") != fingerprint:
+        if not _identity_valid(row):
+            continue
+        if row["id"] not in ids or row.get("fingerprint") != fingerprint:
             continue
         if row.get("error") and retry_failed:
             continue
@@ -63,6 +66,12 @@ def resumable_rows(out: Path, points: Sequence[Point], fingerprint: str,
             continue  # solved again: a row must not carry a metric it could not have
         kept[row["id"]] = row
     return kept
+
+
+def _identity_valid(row: Mapping[str, Any]) -> bool:
+    """A row names its point as a point does: an ``id`` string and an ``overrides`` mapping
+    (an edited row with a list there is solved again, not looked up or tabulated)."""
+    return isinstance(row.get("id"), str) and isinstance(row.get("overrides"), dict)
 
 
 def _plan_inside(out: Path, plan: Any) -> bool:
@@ -154,8 +163,11 @@ def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` whole to a temporary file and rename it into place, so a reader (or a
     resume after a kill) never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the file: {exc.strerror}", source=str(path)) from None
 
 
 def _summary_cells(row: Mapping[str, Any], keys: Sequence[str], ratio_cols: Sequence[str],

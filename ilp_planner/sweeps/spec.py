@@ -46,6 +46,7 @@ from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import apply_overrides, load_config, parse_config, read_yaml
+from ilp_planner.inputs.config_keys import MAX_SECONDS, PHYSICAL_MAX
 from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.schema import Reader, join, show
 from ilp_planner.plan.data import PLAN_VERSION
@@ -170,9 +171,11 @@ def parse_sweep(data: Mapping[str, Any], source: str | None = None,
     baselines = r.boolean(solve["baselines"], "solve.baselines") if "baselines" in solve else True
     timeout_s = memory_gib = None
     if solve.get("timeout_s") is not None:
-        timeout_s = r.number(solve["timeout_s"], "solve.timeout_s", positive=True)
+        timeout_s = r.number(solve["timeout_s"], "solve.timeout_s", positive=True,
+                             at_most=MAX_SECONDS)  # the alarm clock's range, as the solver's
     if solve.get("memory_gib") is not None:
-        memory_gib = r.number(solve["memory_gib"], "solve.memory_gib", positive=True)
+        memory_gib = r.number(solve["memory_gib"], "solve.memory_gib", positive=True,
+                              at_most=PHYSICAL_MAX)
 
     spec = SweepSpec(name, base, grid, zipped, baselines, timeout_s, (), source, base_source,
                      memory_gib)

@@ -37,6 +37,7 @@ from ilp_planner.sweeps.results import (
     PLANS_DIR,
     RESULTS_CSV,
     RESULTS_JSONL,
+    RESULTS_MD,
     results_table,
     resumable_rows,
     write_atomic,
@@ -100,7 +101,8 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
     if not isinstance(spec, SweepSpec):
         spec = load_sweep(spec)
     out = prepare_output(Path(output) if output is not None else default_output(spec), folder=True)
-    (out / PLANS_DIR).mkdir(parents=True, exist_ok=True)
+    chosen = spec.plots if plots is True else () if plots is False else tuple(plots)
+    _prepare_results_folder(out, chosen)
     points = spec.points()
     fingerprint = spec.fingerprint
 
@@ -140,13 +142,23 @@ def sweep(spec: SweepSpec | str | Path, output: str | Path | None = None, *, job
     ordered = [rows[i] for i in sorted(rows)]
     write_results(out, ordered, spec.keys)
     result = SweepResult(spec, out, ordered, solved=len(todo), skipped=len(points) - len(todo))
-    chosen = spec.plots if plots is True else () if plots is False else tuple(plots)
     for ps in chosen:
         path = plot_rows(ordered, ps, spec.keys, out / ps.filename, title=spec.name,
                          zipped=[k for k, _ in spec.zipped])
         if path is not None:
             result.plots.append(path)
     return result
+
+
+def _prepare_results_folder(out: Path, plots: Sequence[PlotSpec]) -> None:
+    """The plans folder created and every results file writable before any point is
+    solved: a file where ``plans/`` goes, or a folder where ``results.jsonl`` goes, ends the
+    sweep with an error naming it instead of after the solves, in a traceback."""
+    prepare_output(out / PLANS_DIR, folder=True)
+    for name in (RESULTS_JSONL, RESULTS_CSV, RESULTS_MD):
+        prepare_output(out / name)
+    for ps in plots:
+        prepare_output(out / ps.filename)
 
 
 def default_output(spec: SweepSpec) -> Path:
