@@ -54,8 +54,9 @@ CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
 def add_training_options(p: argparse.ArgumentParser) -> None:
     """The training options, shared by this launcher and ``ilp-planner run`` (which
     forwards them with :func:`forward_options`)."""
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps to train (default 3)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial parameters and the synthetic data (default 0)")
     p.add_argument("--optimizer", default="adam",
                    help="sgd or adam; a comma-separated list gives one per plan")
     p.add_argument("--lr", default="1e-2", help="learning rate; a comma list gives one per plan")
@@ -103,11 +104,12 @@ def forward_options(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.launch",
                                 description="Train solved plans under torchrun.")
-    p.add_argument("plans", nargs="+", metavar="PLAN.json")
+    p.add_argument("plans", nargs="+", metavar="PLAN.json", help="solved plan files, trained in turn")
     add_training_options(p)
     p.add_argument("--crash-rank", type=int, default=None,
                    help="testing: this rank exits abruptly at --crash-step")
-    p.add_argument("--crash-step", type=int, default=1)
+    p.add_argument("--crash-step", type=int, default=1,
+                   help="the step at which --crash-rank raises (default 1)")
     return p
 
 

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Check plan files as every verb and the runtime do before using them; exit 2 "
                     "with one error naming the file and the place in it on the first bad plan.",
     )
-    p.add_argument("plans", nargs="+", metavar="PLAN.json")
+    p.add_argument("plans", nargs="+", metavar="PLAN.json", help="plan files to check")
     p.add_argument("--for-host", action=argparse.BooleanOptionalAction, default=True,
                    help="also check that this host's memory holds the plan's ranks, as `run` "
                         "does (default: on)")
