@@ -25,10 +25,11 @@ Every pass is exact for its prices, so its value is a lower bound and every feas
 minimiser an upper one. When they do not meet, min-marginals (a second, backward pass)
 bound the best objective of any choice using each strategy, and only strategies whose
 bound does not exceed the incumbent are kept (reduced-cost fixing by dynamic
-programming). Over those, a branch and bound on the memory row (:class:`_BranchAndBound`)
-closes the Lagrangian gap, and a restriction of a few thousand choices is solved by
-evaluating them all (:func:`_enumerated`); what neither closes goes on to the ILP, which
-proves the optimum on the kept strategies (``ilp_planner.intra_op.solve_mesh.solve_mesh``).
+programming). Over those, a branch and bound on the memory row and on which device groups
+the buckets use (:class:`_BranchAndBound`) closes the Lagrangian and bucket gaps, and a
+restriction of a few thousand choices is solved by evaluating them all
+(:func:`_enumerated`); what neither closes goes on to the ILP, which proves the optimum
+on the kept strategies (``ilp_planner.intra_op.solve_mesh.solve_mesh``).
 """
 
 from __future__ import annotations
@@ -307,11 +308,19 @@ class _Relaxation:
     group's bucket chunks priced ``theta[j]`` per chunk plus ``usage[g, j]`` when group g's
     strategy reduces anything over j, and memory at ``lam`` per byte. Any ``theta[j] +
     Σ_g usage[g, j] ≤ α_j`` (all ≥ 0) and ``lam ≥ 0`` give a lower bound: ⌈x_j⌉ is at least
-    x_j and at least every usage indicator, and a feasible choice has mem ≤ M."""
+    x_j and at least every usage indicator, and a feasible choice has mem ≤ M.
+
+    ``used``: device groups every choice of interest reduces something over (a branch of
+    :class:`_BranchAndBound`). For those ``⌈x_j⌉ ≥ max(1, x_j)``, so
+    ``α_j ⌈x_j⌉ ≥ α_j + θ_j (x_j − 1)`` for any ``0 ≤ θ_j ≤ α_j``: the pass charges
+    ``α_j − θ_j`` as a constant and ``θ_j`` per chunk, no usage prices — exact at
+    ``θ_j = 0`` when the group reduces at most one chunk, the sum of first chunks the
+    usage prices could only share out among a group's users."""
 
     problem: Problem
     edges: dict[tuple[int, int], np.ndarray]
     order: Elimination
+    used: frozenset[int] = frozenset()
     passes: int = 0
 
     def __post_init__(self) -> None:
@@ -328,18 +337,32 @@ class _Relaxation:
         unary = [c + x @ theta + u @ usage[g] + lam * m for g, (c, x, u, m) in enumerate(zip(
             self.problem.cost, self.chunks, self.uses, self.problem.memory, strict=True))]
         value, choice, steps = minimise(unary, self.edges, self.order)
-        return value - (lam * self.problem.memory_budget if lam else 0.0), choice, steps
+        first_chunks = sum(float(self.alpha[j] - theta[j]) for j in self.used)
+        return (value + first_chunks - (lam * self.problem.memory_budget if lam else 0.0),
+                choice, steps)
+
+    def base_prices(self) -> tuple[np.ndarray, np.ndarray]:
+        """The first prices: α per chunk, and for a ``used`` group its first chunk as a
+        constant (θ = 0, exact up to one chunk)."""
+        theta = self.alpha.copy()
+        theta[list(self.used)] = 0.0
+        return theta, np.zeros((len(self.chunks), len(theta)))
 
     def usage_prices(self, choice) -> tuple[np.ndarray, np.ndarray]:
         """Prices that charge a device group's first chunk to its users: where ``choice``
         reduces less than one chunk over group j, α_j is split evenly over the groups that
         use j instead of being paid per chunk (the relaxation priced that chunk at a
-        fraction of α_j); elsewhere α_j per chunk."""
-        theta = self.alpha.copy()
-        usage = np.zeros((len(self.chunks), len(theta)))
+        fraction of α_j); elsewhere α_j per chunk. A ``used`` group keeps its constant
+        first chunk (θ = 0) where ``choice`` reduces at most one chunk over it, else is
+        charged α_j per chunk (θ = α)."""
+        theta, usage = self.base_prices()
         used = np.array([u[k] for u, k in zip(self.uses, choice, strict=True)])
         x = sum(c[k] for c, k in zip(self.chunks, choice, strict=True))
+        for j in self.used:
+            theta[j] = self.alpha[j] if x[j] > 1 else 0.0
         for j in np.flatnonzero((x > 0) & (x < 1)):
+            if j in self.used:
+                continue
             users = used[:, j] > 0
             theta[j] = 0.0
             usage[users, j] = self.alpha[j] / users.sum()
@@ -453,7 +476,7 @@ def _forest_incumbent(problem: Problem) -> tuple[int, ...]:
     forest, _ = _forest(problem.num_groups, _merged_edges(problem))
     sizes = [len(c) for c in problem.cost]
     relax = _Relaxation(problem, forest, elimination_order(sizes, forest))
-    theta, usage = relax.alpha, np.zeros((len(sizes), len(relax.alpha)))
+    theta, usage = relax.base_prices()
     lower, first, _ = relax.run(theta, usage, 0.0)
     if problem.feasible(first):
         return tuple(first)
@@ -532,7 +555,8 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
             steps = relax.run(*prices, lam)[2]
         slack = objective + EXACT * abs(objective) + (lam * problem.memory_budget if lam else 0.0)
         keep = [np.flatnonzero(m <= slack) for m in min_marginals(steps, sizes)]
-        if lam or _space(keep) <= ENUMERATE_POINTS:  # branch on the memory row, or enumerate
+        if lam or problem.buckets is not None or _space(keep) <= ENUMERATE_POINTS:
+            # branch on the memory row and the buckets' device groups, or enumerate
             search = _BranchAndBound(problem.subset(keep), gap, node_solver)
             found, proven = search.run(_index_in(keep, best))
             passes += search.passes
@@ -562,7 +586,7 @@ def _usage_rounds(problem: Problem, relax: _Relaxation, best: tuple, lower: floa
     last choice (up to :data:`USAGE_ROUNDS` rounds, while it rises and the gap is open):
     the best choice, the bound, the prices ``(theta, usage)`` and the steps that proved it
     (None: :func:`_dual`'s)."""
-    prices = (relax.alpha, np.zeros((len(problem.cost), len(relax.alpha))))
+    prices = relax.base_prices()
     last = best
     for _ in range(USAGE_ROUNDS if problem.buckets is not None else 0):
         if _rel_gap(problem, best, lower) <= max(gap, EXACT):
@@ -581,8 +605,9 @@ def _search_note(search: _BranchAndBound, keep, proven: float | None) -> str:
     """What the search over the kept strategies did, for the result's message."""
     if _space(keep) <= ENUMERATE_POINTS:
         return f"; the {_space(keep)} kept choices enumerated"
-    return (f"; branch and bound on the memory row over the kept strategies: "
-            f"{search.nodes} nodes, {search.passes} passes"
+    return (f"; branch and bound on the memory row and the buckets' device groups over the "
+            f"kept strategies: {search.nodes} nodes ({search.splits} on a device group's use), "
+            f"{search.passes} passes"
             + (f", {search.solved} solved by the ILP (bucket rounding alone open)"
                if search.solved else "")
             + ("" if proven is not None else " (stopped: the ILP proves the rest)"))
@@ -632,8 +657,24 @@ def _enumerated(problem: Problem) -> tuple[int, ...] | None:
     return tuple(int(k[best]) if isinstance(k, np.ndarray) else 0 for k in grid)
 
 
+@dataclass(frozen=True)
+class _Node:
+    """A restriction :class:`_BranchAndBound` bounds: the ``allowed`` strategies per group,
+    and the device groups ``used`` — only choices reducing something over each of them are
+    of interest here (the other choices lie in the sibling that forbids the group), so its
+    bound need only hold for those. ``over``: the over-budget minimiser its passes met last
+    (None when the bound's own minimiser fits); ``minimiser``: the choice of the pass that
+    gave the bound. Choices in the problem's indices."""
+
+    allowed: list[np.ndarray]
+    used: frozenset[int] = frozenset()
+    over: tuple[int, ...] | None = None
+    minimiser: tuple[int, ...] | None = None
+
+
 class _BranchAndBound:
-    """Branch and bound on the memory row, bounded by the Lagrangian dual.
+    """Branch and bound on the memory row and on the device groups the gradient buckets
+    use, bounded by the Lagrangian dual.
 
     The dual leaves a gap where the minimisers jump between extremes at the critical λ
     (every layer replicated, or every layer sharded). Splitting one group's strategies by
@@ -644,16 +685,28 @@ class _BranchAndBound:
     0.1 % in 7 nodes (77 passes, about 1 s) where SCIP took 39 s on the same kept
     strategies.
 
+    Where a node's minimiser fits, what is left open is the buckets' rounding: a device
+    group j whose gradients fill less than a chunk pays α_j for it, which the relaxation
+    charges only in part (α_j per chunk, or shared among the layers that use j). Each
+    choice either reduces nothing over j or pays at least α_j for it, so the node splits
+    into a child without the strategies that reduce over j and a child where j is
+    ``used``, whose first chunk is then a constant (:class:`_Relaxation`) — exact once
+    every group the minimiser uses is decided and fills at most one chunk. VGG13 and
+    ResNets on 64 devices, whose step is mostly such latencies (a few layers reduce over
+    each of several groups), close this way in a few dozen passes where SCIP stopped at
+    its time limit with a gap of 3 – 11 %.
+
     A node of at most ``ENUMERATE_POINTS`` choices is solved outright by evaluating them
-    all (:func:`_enumerated`), bucket rounding included. In larger nodes the bucket terms
-    stay relaxed (α per chunk, re-priced where a minimiser fits as in
-    :func:`solve_elimination`): a node whose minimiser fits but whose bound is still below
-    the incumbent cannot be split on memory. ``node_solver`` solves such a node outright
-    (the ILP on the node's strategies: a small fraction of the kept ones — GPT-175B tied
-    at a zero gap: one node, 115 of the 1,256 kept strategies, where SCIP on all of
-    them took 36 s); without one, or when it gives up, the search stops and :meth:`run`
-    returns no bound (the ILP on every kept strategy, warm-started from the incumbent,
-    proves the rest); so it does after ``BRANCH_PASSES`` passes."""
+    all (:func:`_enumerated`), bucket rounding included. A node whose minimiser fits with
+    no device group left to split (several chunks per group: the rounding of ⌈x⌉ ≥ x)
+    goes to ``node_solver``, which solves it outright (the ILP on the node's strategies:
+    after memory splits a small fraction of the kept ones — GPT-175B tied at a zero gap:
+    one node, 115 of the 1,256 kept strategies, where SCIP on all of them took 36 s).
+    Without one, when it gives up, or when the node has groups marked ``used`` (its
+    strategies, all the ILP would see, are its parent's: an untied ViT-B/16's node took
+    SCIP longer than the whole kept problem warm-started), the search stops and
+    :meth:`run` returns no bound (the ILP on every kept strategy, warm-started from the
+    incumbent, proves the rest); so it does after ``BRANCH_PASSES`` passes."""
 
     def __init__(self, problem: Problem, gap: float, node_solver: NodeSolver | None = None):
         self.problem = problem
@@ -664,79 +717,116 @@ class _BranchAndBound:
         self.passes = 0
         self.nodes = 0
         self.solved = 0  # nodes the node solver closed
+        self.splits = 0  # nodes split on a device group's use
+        self.best: tuple[int, ...] = ()
+        self.best_obj = math.inf
+        self._heap: list[tuple[float, int, _Node]] = []
+        self._ids = itertools.count()
 
     def run(self, incumbent: tuple[int, ...]) -> tuple[tuple[int, ...], float | None]:
         """The best choice found (at least as good as the feasible ``incumbent``) and a
         proven lower bound on every choice's objective, or None if the search stopped."""
-        p = self.problem
-        best, best_obj = tuple(incumbent), p.objective(incumbent)
-        heap: list[tuple[float, int, list[np.ndarray], tuple[int, ...] | None]] = []
-        ids = itertools.count()
-
-        def visit(allowed: list[np.ndarray]) -> None:
-            nonlocal best, best_obj
-            if _space(allowed) <= ENUMERATE_POINTS:  # enumerated when popped: no bound
-                heapq.heappush(heap, (-math.inf, next(ids), allowed, None))
-                return
-            bound = self._bound(allowed)
-            if bound is None:  # nothing allowed fits
-                return
-            low, fitting, over = bound
-            for c in fitting:
-                if p.objective(c) < best_obj:
-                    best, best_obj = c, p.objective(c)
-            heapq.heappush(heap, (low, next(ids), allowed, over))
-
-        visit([np.arange(len(c)) for c in p.cost])
+        self._offer(tuple(incumbent))
+        self._visit(_Node([np.arange(len(c)) for c in self.problem.cost]))
         floor = math.inf  # least bound of the nodes the node solver closed
-        while heap:
-            low, _, allowed, over = heapq.heappop(heap)
-            if best_obj - low <= self.gap * abs(best_obj):
-                return best, min(low, best_obj, floor)  # every open node is at least this
-            if _space(allowed) <= ENUMERATE_POINTS:  # solved outright: nothing left open
+        while self._heap:
+            low, _, node = heapq.heappop(self._heap)
+            if self.best_obj - low <= self.gap * abs(self.best_obj):
+                return self.best, min(low, self.best_obj, floor)  # every open node ≥ this
+            if _space(node.allowed) <= ENUMERATE_POINTS:  # solved outright: nothing open
                 self.nodes += 1
-                found = _enumerated(p.subset(allowed))
+                found = _enumerated(self.problem.subset(node.allowed))
                 if found is not None:
-                    found = _lifted(allowed, found)
-                    if p.objective(found) < best_obj:
-                        best, best_obj = found, p.objective(found)
+                    self._offer(_lifted(node.allowed, found))
                 continue
-            if over is None and self.node_solver is not None and self.passes <= BRANCH_PASSES:
-                solved = self.node_solver(p.subset(allowed))
-                if solved is None:  # gave up (a time limit)
-                    return best, None
-                self.nodes += 1
-                self.solved += 1
-                found, proven = solved
-                found = _lifted(allowed, found)
-                if p.feasible(found) and p.objective(found) < best_obj:
-                    best, best_obj = found, p.objective(found)
-                floor = min(floor, proven)
+            if self.passes > BRANCH_PASSES:
+                return self.best, None
+            if node.over is not None:
+                self._split_memory(node)
                 continue
-            if over is None or self.passes > BRANCH_PASSES:
-                return best, None
+            j = self._open_group(node)
+            if j is not None:
+                self._split_group(node, j)
+                continue
+            if self.node_solver is None or node.used:
+                return self.best, None
+            solved = self.node_solver(self.problem.subset(node.allowed))
+            if solved is None:  # gave up (a time limit)
+                return self.best, None
             self.nodes += 1
-            mem = [p.memory[g][a] for g, a in enumerate(allowed)]
-            idx = [int(np.searchsorted(a, k)) for a, k in zip(allowed, over, strict=True)]
-            g = max(range(p.num_groups), key=lambda g: mem[g][idx[g]] - mem[g].min())
-            cut = mem[g][idx[g]]
-            for part in (allowed[g][mem[g] < cut], allowed[g][mem[g] >= cut]):
-                visit([part if h == g else a for h, a in enumerate(allowed)])
-        return best, min(best_obj, floor)  # every node infeasible, closed or solved
+            self.solved += 1
+            self._offer(_lifted(node.allowed, solved[0]))
+            floor = min(floor, solved[1])
+        return self.best, min(self.best_obj, floor)  # every node infeasible, closed or solved
 
-    def _bound(self, allowed: list[np.ndarray]
-               ) -> tuple[float, list[tuple[int, ...]], tuple[int, ...] | None] | None:
-        """The restriction to ``allowed``: its dual bound, the fitting choices the passes
-        met and the over-budget minimiser met last (None when the bound's own minimiser
-        fits), in the problem's indices; None when no allowed choice fits."""
+    def _offer(self, choice: tuple[int, ...]) -> None:
+        """Keep ``choice`` (the problem's indices) as the incumbent if it fits and is better."""
+        p = self.problem
+        if p.feasible(choice) and p.objective(choice) < self.best_obj:
+            self.best, self.best_obj = choice, p.objective(choice)
+
+    def _visit(self, node: _Node) -> None:
+        """Bound ``node`` and queue it (a small one unbounded: it is enumerated when popped)."""
+        if _space(node.allowed) <= ENUMERATE_POINTS:
+            heapq.heappush(self._heap, (-math.inf, next(self._ids), node))
+            return
+        bound = self._bound(node)
+        if bound is None:  # nothing allowed fits
+            return
+        low, fitting, bounded = bound
+        for c in fitting:
+            self._offer(c)
+        heapq.heappush(self._heap, (low, next(self._ids), bounded))
+
+    def _split_memory(self, node: _Node) -> None:
+        """Children of ``node`` without, and with only, the strategies of one group using
+        at least the memory the over-budget minimiser gives it: the group where that is
+        most above the group's least."""
+        p, allowed = self.problem, node.allowed
+        self.nodes += 1
+        mem = [p.memory[g][a] for g, a in enumerate(allowed)]
+        idx = [int(np.searchsorted(a, k)) for a, k in zip(allowed, node.over, strict=True)]
+        g = max(range(p.num_groups), key=lambda g: mem[g][idx[g]] - mem[g].min())
+        cut = mem[g][idx[g]]
+        for part in (allowed[g][mem[g] < cut], allowed[g][mem[g] >= cut]):
+            self._visit(_Node([part if h == g else a for h, a in enumerate(allowed)],
+                              node.used))
+
+    def _open_group(self, node: _Node) -> int | None:
+        """The device group not yet decided in ``node`` that its minimiser reduces over
+        and whose chunks the relaxation undercharges most (``α_j (⌈x_j⌉ − x_j)``), or None."""
+        b = self.problem.buckets
+        if b is None or node.minimiser is None:
+            return None
+        x = b.totals(node.minimiser) / b.cap
+        short = np.where(x > 0, b.alpha * (np.ceil(x - 1e-9) - x), -1.0)
+        short[list(node.used)] = -1.0
+        j = int(np.argmax(short))
+        return j if short[j] > 0 else None
+
+    def _split_group(self, node: _Node, j: int) -> None:
+        """Children of ``node``: its strategies that reduce nothing over device group j
+        (none where some group has no such strategy), and all of them with j ``used``."""
+        self.nodes += 1
+        self.splits += 1
+        b = self.problem.buckets
+        without = [a[b.bytes[g][a, j] == 0] for g, a in enumerate(node.allowed)]
+        if all(len(a) for a in without):
+            self._visit(_Node(without, node.used))
+        self._visit(_Node(node.allowed, node.used | {j}))
+
+    def _bound(self, node: _Node) -> tuple[float, list[tuple[int, ...]], _Node] | None:
+        """The restriction ``node``: its dual bound, the fitting choices the passes met and
+        the node with its minimisers; None when no allowed choice fits."""
+        allowed = node.allowed
         sub = self.problem.subset(allowed)
-        relax = _Relaxation(sub, _merged_edges(sub), self.order)
+        relax = _Relaxation(sub, _merged_edges(sub), self.order, node.used)
         try:
             lower, seen, lam, _ = _dual(sub, relax)
         except NoFit:
             self.passes += relax.passes
             return None
-        last = seen[-1]
+        last = at = seen[-1]
         for _ in range(USAGE_ROUNDS if sub.buckets is not None else 0):
             if not sub.feasible(last):
                 break
@@ -745,21 +835,22 @@ class _BranchAndBound:
             seen.append(last)
             if value <= lower:
                 break
-            lower = value
+            lower, at = value, last
         self.passes += relax.passes
-
         over = [c for c in seen if not sub.feasible(c)]
         return (lower, [_lifted(allowed, c) for c in seen if sub.feasible(c)],
-                _lifted(allowed, over[-1]) if over else None)
+                dataclasses.replace(node, over=_lifted(allowed, over[-1]) if over else None,
+                                    minimiser=_lifted(allowed, at)))
 
 
 def _dual(problem: Problem, relax: _Relaxation
           ) -> tuple[float, list[list[int]], float, list[_Step] | None]:
-    """The memory row's Lagrangian bound at bucket prices α: the pass at λ = 0, and where
+    """The memory row's Lagrangian bound at the base bucket prices
+    (:meth:`_Relaxation.base_prices`): the pass at λ = 0, and where
     its minimiser does not fit, the dual's maximum (:func:`_lagrange`). Returns the bound,
     every minimiser met (the first included), the λ, and the eliminations of the λ = 0
     pass when that pass is the bound (else None). Raises :class:`NoFit` when no choice fits."""
-    theta, usage = relax.alpha, np.zeros((problem.num_groups, len(relax.alpha)))
+    theta, usage = relax.base_prices()
     lower, first, steps = relax.run(theta, usage, 0.0)
     if problem.feasible(first):
         return lower, [first], 0.0, steps
