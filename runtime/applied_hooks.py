@@ -85,11 +85,15 @@ class Hook:
 Programs = dict[str, tuple[Layout, Redistribution]]  # producer -> (layout read, program)
 
 
-def runs_locally(op: Op, ly: LayerPlan) -> bool:
+def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module) -> bool:
+    """Whether ``sub`` (op's module) computes on this rank's blocks. A linear must be
+    ``nn.Linear``: another projection module (Hugging Face's ``Conv1D``) may shape its output
+    from its own whole sizes (``view(..., self.nf)``), which a block does not have — it runs on
+    DTensors, whose shapes are the whole ones."""
     if op.kind not in LOCAL_KINDS or len(op.source_params) != len(param_shapes(op)):
         return False
     if op.kind is OpKind.LINEAR:
-        return not is_summa(ly.strategy)
+        return isinstance(sub, nn.Linear) and not is_summa(ly.strategy)
     return True
 
 
@@ -159,7 +163,7 @@ def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
         # the module's own output is converted once, by the root's hook
         red = None if op.name == out_op else post.get(op.name, (None, None))[1]
         h.output = (layers[op.name].output, red)
-        h.local = runs_locally(op, layers[op.name])
+        h.local = runs_locally(op, layers[op.name], module.get_submodule(op.name))
 
 
 class BoundaryHooks:

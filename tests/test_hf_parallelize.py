@@ -60,8 +60,11 @@ def test_llamas_megatron_plan_trains_through_parallelize_module():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bert_trains_like_one_process_and_the_plan(shape):
-    line_of(shape, "bert")
+@pytest.mark.parametrize("model", ["bert", "gpt2"])
+def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
+    """``gpt2``: Hugging Face's ``Conv1D`` projections shape their output from their whole
+    sizes, so they run on DTensors, not on blocks."""
+    line_of(shape, model)
 
 
 @pytest.fixture
