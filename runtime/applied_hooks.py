@@ -200,7 +200,8 @@ class BoundaryHooks:
         self.replicating = replicating  # from the forward until the gradients are reduced
         self.device_type = device_type
         self.forward_only = ContextStack()
-        self.origin: dict[int, tuple[DTensor, DTensor]] = {}  # converted -> (it, original)
+        # converted -> (it, original, producer)
+        self.origin: dict[int, tuple[DTensor, DTensor, str]] = {}
         self.hooks: dict[str, Hook] = {}
         self.final: tuple[Layout, Redistribution] | None = None
         self.masks: dict[str, VocabMask] = {}  # vocabulary-split lookups running now
@@ -247,7 +248,9 @@ class BoundaryHooks:
             producer = op.inputs[idx]
             where = f"input {idx} of {h.op}"
             origin = self.origin.get(id(args[idx]))
-            if origin is not None and origin[0] is args[idx]:
+            # (an in-place op of functional code — ``out += identity`` — keeps the converted
+            # tensor's identity but makes it another op's output: not the producer's then)
+            if origin is not None and origin[0] is args[idx] and origin[2] == producer:
                 # the producer's hook converted it for functional consumers: this module's
                 # own program starts from the producer's planned output, as priced
                 args[idx] = origin[1]
@@ -338,7 +341,7 @@ class BoundaryHooks:
             return out
         with tagged("forward", "activation", h.op):
             converted = self.edges.run(out, layout, red, red.dst, h.op, where)
-        self.origin[id(converted)] = (converted, out)
+        self.origin[id(converted)] = (converted, out, h.op)
         return converted
 
     def _global_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
