@@ -13,6 +13,7 @@ converts the module's output.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +86,15 @@ class Hook:
 Programs = dict[str, tuple[Layout, Redistribution]]  # producer -> (layout read, program)
 
 
-def runs_locally(op: Op, ly: LayerPlan) -> bool:
+def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module) -> bool:
+    """Whether ``sub`` (op's module) computes on this rank's blocks. A linear must be
+    ``nn.Linear``: another projection module (Hugging Face's ``Conv1D``) may shape its output
+    from its own whole sizes (``view(..., self.nf)``), which a block does not have — it runs on
+    DTensors, whose shapes are the whole ones."""
     if op.kind not in LOCAL_KINDS or len(op.source_params) != len(param_shapes(op)):
         return False
     if op.kind is OpKind.LINEAR:
-        return not is_summa(ly.strategy)
+        return isinstance(sub, nn.Linear) and not is_summa(ly.strategy)
     return True
 
 
@@ -100,6 +105,22 @@ def leaf_module(module: nn.Module, name: str) -> nn.Module | None:
     except AttributeError:
         return None
     return sub if not any(True for _ in sub.children()) else None
+
+
+def runner_path(module: nn.Module, op: Op) -> str | None:
+    """The path of the childless submodule that runs ``op``: the op's own name, or, for a
+    later call of a module the forward calls several times (one ``nn.Dropout`` after the
+    attention and after the MLP), the module whose call the importer named
+    ``<path>.<kind>[_i]``. The module's hooks run its ops in call order. None for an op of
+    functional code."""
+    if leaf_module(module, op.name) is not None:
+        return op.name
+    path, _, last = op.name.rpartition(".")
+    if path and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
+            and leaf_module(module, path) is not None and not op.source_params \
+            and not any(True for _ in module.get_submodule(path).parameters()):
+        return path
+    return None
 
 
 def output_op(graph: Graph) -> str:
@@ -127,7 +148,7 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
                 if moves:
                     post[src] = (ly.inputs[idx], red)
                 continue
-            if leaf_module(module, op.name) is not None:
+            if runner_path(module, op) is not None:
                 h = hooks.setdefault(op.name, Hook(op.name))
                 h.inputs[idx] = (layers[src].output, red if moves else None, ly.inputs[idx])
             elif moves:
@@ -147,19 +168,20 @@ def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
     functional code."""
     out_op = output_op(graph)
     for src, (dst, _) in post.items():
-        if leaf_module(module, src) is None and src != out_op:
+        if runner_path(module, graph[src]) is None and src != out_op:
             raise RuntimeSetupError(
                 f"the plan changes the layout of {src!r} ({layers[src].output} → {dst}) "
                 f"between two pieces of functional code; parallelize runs programs at module "
                 f"boundaries only — make {src!r} or its consumer a module")
     for op in graph.ops:
-        if op.kind is OpKind.INPUT or leaf_module(module, op.name) is None:
+        path = runner_path(module, op)
+        if op.kind is OpKind.INPUT or path is None:
             continue
         h = hooks.setdefault(op.name, Hook(op.name))
         # the module's own output is converted once, by the root's hook
         red = None if op.name == out_op else post.get(op.name, (None, None))[1]
         h.output = (layers[op.name].output, red)
-        h.local = runs_locally(op, layers[op.name])
+        h.local = runs_locally(op, layers[op.name], module.get_submodule(path))
 
 
 class BoundaryHooks:
@@ -178,23 +200,46 @@ class BoundaryHooks:
         self.replicating = replicating  # from the forward until the gradients are reduced
         self.device_type = device_type
         self.forward_only = ContextStack()
-        self.origin: dict[int, tuple[DTensor, DTensor]] = {}  # converted -> (it, original)
+        # converted -> (it, original, producer)
+        self.origin: dict[int, tuple[DTensor, DTensor, str]] = {}
         self.hooks: dict[str, Hook] = {}
         self.final: tuple[Layout, Redistribution] | None = None
         self.masks: dict[str, VocabMask] = {}  # vocabulary-split lookups running now
         self.paddings: dict[str, int] = {}  # their modules' own padding rows
+        self.calls: dict[str, int] = {}  # module path -> its calls so far in this forward
 
     def install(self, programs: dict[tuple[str, int], Redistribution]) -> None:
         self.hooks, post = hook_table(self.graph, self.layers, programs, self.module)
-        for name, h in self.hooks.items():
-            mod = self.module.get_submodule(name)
-            mod.register_forward_pre_hook(lambda m, args, h=h: self._pre(h, args))
-            mod.register_forward_hook(lambda m, args, out, h=h: self._post(h, out))
+        runs: dict[str, list[Hook]] = {}  # module path -> its ops' hooks in call order
+        for op in self.graph.ops:
+            if op.name in self.hooks:
+                path = runner_path(self.module, op)
+                assert path is not None
+                runs.setdefault(path, []).append(self.hooks[op.name])
+        for path, hs in runs.items():
+            mod = self.module.get_submodule(path)
+            mod.register_forward_pre_hook(lambda m, args, p=path, hs=hs: self._pre(
+                self._call(p, hs), args))
+            mod.register_forward_hook(lambda m, args, out, p=path, hs=hs: self._post(
+                self._finish(p, hs), out))
         self.final = post.get(output_op(self.graph))
         self.module.register_forward_pre_hook(lambda m, args, kwargs: self._inputs(args, kwargs),
                                               with_kwargs=True)
         self.module.register_forward_hook(lambda m, args, out: self._output(out),
                                           always_call=True)
+
+    def _call(self, path: str, hs: list[Hook]) -> Hook:
+        """The hook of this call of the module at ``path`` (its ops in call order)."""
+        n = self.calls.get(path, 0)
+        if n >= len(hs):
+            raise RuntimeSetupError(f"module {path!r} was called {n + 1} times in one forward; "
+                                    f"the plan has {len(hs)} op(s) for it")
+        return hs[n]
+
+    def _finish(self, path: str, hs: list[Hook]) -> Hook:
+        h = self._call(path, hs)
+        self.calls[path] = self.calls.get(path, 0) + 1
+        return h
 
     def _pre(self, h: Hook, args: tuple) -> tuple:
         args = list(args)
@@ -203,7 +248,9 @@ class BoundaryHooks:
             producer = op.inputs[idx]
             where = f"input {idx} of {h.op}"
             origin = self.origin.get(id(args[idx]))
-            if origin is not None and origin[0] is args[idx]:
+            # (an in-place op of functional code — ``out += identity`` — keeps the converted
+            # tensor's identity but makes it another op's output: not the producer's then)
+            if origin is not None and origin[0] is args[idx] and origin[2] == producer:
                 # the producer's hook converted it for functional consumers: this module's
                 # own program starts from the producer's planned output, as priced
                 args[idx] = origin[1]
@@ -294,7 +341,7 @@ class BoundaryHooks:
             return out
         with tagged("forward", "activation", h.op):
             converted = self.edges.run(out, layout, red, red.dst, h.op, where)
-        self.origin[id(converted)] = (converted, out)
+        self.origin[id(converted)] = (converted, out, h.op)
         return converted
 
     def _global_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
@@ -316,6 +363,7 @@ class BoundaryHooks:
         meshes SDPA takes its math path: DTensor shards its matmuls and softmax, the fused
         CPU kernel has no sharding rule."""
         self.origin = {}
+        self.calls = {}
         self.params.refresh_tied()
         if not self.replicating:
             self.replicating.enter(implicit_replication())

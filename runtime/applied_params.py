@@ -160,11 +160,14 @@ class AppliedParams:
             original = originals[fqn]
             ir_shape = tuple(shapes[role])
             transposed = role == "weight" and bool(op.attrs.get("weight_t"))
-            if tuple(original.shape) != (ir_shape[::-1] if transposed else ir_shape):
+            # an opaque op's parameters are priced flat (replicated, any shape)
+            flat = op.kind is OpKind.OPAQUE and ir_shape == (original.numel(),)
+            if not flat and tuple(original.shape) != (ir_shape[::-1] if transposed else ir_shape):
                 raise RuntimeSetupError(f"parameter {fqn} has shape {tuple(original.shape)}, "
                                         f"the plan's op {op.name!r} expects {ir_shape}")
             stored, grad = lays[role]
-            dims = DimMap(tuple(original.shape), len(ir_shape), transposed)
+            dims = DimMap(tuple(original.shape), original.dim() if flat else len(ir_shape),
+                          transposed)
             path = own_path(op, fqn, paths.get(id(original), [fqn]))
             table = self._placed.get(id(original))
             tie = self.tied.get(op.name)

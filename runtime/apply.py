@@ -33,8 +33,10 @@ shows as a mismatch. The loss is the user's code on the module's output (in the 
 layout of the loss's input); its scalar reduction is not part of the comparison.
 
 What it refuses, naming the op: pipelined or micro-batched plans, a layout change between
-two ops written as functional code (no module boundary to run it at), an op whose module runs
-several of the plan's ops, and a token split the module's batch dimension cannot carry.
+two ops written as functional code (no module boundary to run it at), a module with
+parameters the forward calls several times (a parameter-free one — a dropout called after the
+attention and after the MLP — runs its ops in call order), and a token split the module's
+batch dimension cannot carry.
 Meshes of any factorisation run: each is a DeviceMesh over the ranks at their coordinates
 (:func:`runtime.dtensors.rank_grid`).
 """

@@ -60,8 +60,14 @@ def test_llamas_megatron_plan_trains_through_parallelize_module():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bert_trains_like_one_process_and_the_plan(shape):
-    line_of(shape, "bert")
+@pytest.mark.parametrize("model", ["bert", "gpt2", "vit", "resnet"])
+def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
+    """``gpt2``: Hugging Face's ``Conv1D`` projections shape their output from their whole
+    sizes, so they run on DTensors, not on blocks. ``vit``: one opaque ``cat`` owns the class
+    token and the position table; one ``nn.Dropout`` is called twice per layer (its hooks run
+    its two ops in call order). ``resnet``: ``out += identity`` in place on a tensor a
+    module's hook converted for that functional code."""
+    line_of(shape, model)
 
 
 @pytest.fixture

@@ -231,3 +231,30 @@ def test_export_and_fx_failure_names_both():
 
     with pytest.raises(ConfigError, match="torch.export failed.*symbolic tracing failed"):
         from_module(DataDependent(), (torch.randn(2, 4),))
+
+
+def test_an_opaque_op_owning_several_parameters_prices_one_role_each():
+    """A class token and a position table read by one ``cat`` (ViT's embeddings): the plan
+    prices each as its own replicated parameter, as ``parallelize`` places them."""
+    from ilp_planner.lowering.strategies import param_layouts, param_shapes
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.cls = nn.Parameter(torch.zeros(1, 1, 8))
+            self.pos = nn.Parameter(torch.zeros(1, 5, 8))
+
+        def forward(self, x):
+            x = self.proj(x)
+            return torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+
+    graph = from_module(Tokens(), (torch.randn(2, 4, 8),))
+    (op,) = [op for op in graph.ops if op.kind is OpKind.OPAQUE and op.params]
+    assert op.source_params == ("cls", "pos")
+    assert param_shapes(op) == {"weight": (8,), "weight_1": (40,)}
+    config = load_config({"model": graph, "cluster": CLUSTER})
+    ctx = StrategyContext(config.cluster, 2, 2, config.memory)
+    for st in op_strategies(op, [graph[i].output for i in op.inputs], ctx):
+        assert set(param_layouts(op, st.label, st.inputs, st.weight, st.output)) == {
+            "weight", "weight_1"}

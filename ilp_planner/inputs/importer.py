@@ -57,7 +57,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
-from ilp_planner.inputs.lift_values import Act, Draft, Unsupported
+from ilp_planner.inputs.lift_values import Act, Draft, Unsupported, numel
 from ilp_planner.inputs.lifting import lift
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 
@@ -95,7 +95,7 @@ def from_module(module: Any, example_inputs: Any, *,
     out = _model_output(g.outputs, ep.call_spec.out_spec, output, type(module).__name__)
     if g.drafts[out.src[0]].kind is not OpKind.LOSS:
         g.loss(_Synthetic("loss"), out)
-    return Graph(name or type(module).__name__, _frozen_ops(list(g.drafts.values())))
+    return Graph(name or type(module).__name__, _frozen_ops(list(g.drafts.values()), g.param_shape))
 
 
 class _NodeCounter:
@@ -178,15 +178,21 @@ def _nbytes(tensors: list[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _frozen_ops(drafts: list[Draft]) -> list[Op]:
-    """The drafts as IR ops, with their repeated blocks marked."""
+def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) -> list[Op]:
+    """The drafts as IR ops, with their repeated blocks marked. An opaque op owning several
+    parameters records each one's size (:func:`ilp_planner.ir.graph.opaque_param_sizes`), so
+    the plan prices one role per parameter, as the runtime places them."""
     blocks = mark_blocks(drafts)
     ops = []
     for d in drafts:
         block, index = blocks.get(d.name, (None, None))
         weight = TensorSpec(d.weight, d.dtype) if d.weight is not None else None
+        attrs = dict(d.attrs)
+        if d.kind is OpKind.OPAQUE and len(d.source_params) > 1:
+            attrs.update({f"param_{i}": numel(param_shape[p])
+                          for i, p in enumerate(d.source_params)})
         ops.append(Op(d.name, d.kind, d.inputs, TensorSpec(d.shape, d.dtype), weight, d.params,
-                      d.flops, block, index, MappingProxyType(dict(d.attrs)),
+                      d.flops, block, index, MappingProxyType(attrs),
                       source_params=d.source_params))
     return ops
 

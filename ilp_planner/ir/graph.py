@@ -115,6 +115,16 @@ def position_tables(attrs: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
+def opaque_param_sizes(attrs: Mapping[str, int]) -> list[int]:
+    """The sizes of the parameters an opaque op owns, in order, where it owns several
+    (``param_0``, ``param_1``, …; an imported class token and position table read by one
+    ``cat``): each is one parameter role. Empty where the op owns one flat ``weight``."""
+    out: list[int] = []
+    while f"param_{len(out)}" in attrs:
+        out.append(attrs[f"param_{len(out)}"])
+    return out
+
+
 def position_table_attr(attrs: Mapping[str, int]) -> str:
     """The attribute that records the rows of the next table an embedding adopts."""
     n = len(position_tables(attrs))

@@ -36,7 +36,7 @@ import numpy as np
 
 from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, fact_str, mesh_factorisations
-from ilp_planner.ir.graph import Op, OpKind, TensorSpec, position_tables
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec, opaque_param_sizes, position_tables
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.lowering.cost_model import (
     Collective,
@@ -164,7 +164,8 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
         c = op.output.shape[1]
         return {"weight": (c,), "bias": (c,)}
     if op.kind is OpKind.OPAQUE and op.params:
-        return {"weight": (op.params,)}
+        sizes = opaque_param_sizes(op.attrs) or [op.params]  # one role per parameter owned
+        return {("weight" if i == 0 else f"weight_{i}"): (n,) for i, n in enumerate(sizes)}
     if op.kind is OpKind.CONV2D:
         assert op.weight is not None
         if not op.attrs.get("bias", 1):  # an imported bias-free convolution
@@ -287,7 +288,7 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
         out = {"weight": (lay, lay), "bias": (lay, lay)}
     elif op.kind is OpKind.OPAQUE and op.params:
         rep = Layout.replicated(output.fact)
-        out = {"weight": (rep, rep)}
+        out = {role: (rep, rep) for role in param_shapes(op)}
     return out
 
 
@@ -520,8 +521,10 @@ def input_grad_roles(op: Op) -> frozenset[str]:
     Matmul-like ops (``dX = dY·Wᵀ``), convolutions (the transposed convolution with W) and
     norms (``dX`` scales by γ) read their weight; an embedding's input is token ids, so its
     table is only indexed, never read backwards; biases never. An opaque op is assumed to
-    read its weight (nothing says otherwise)."""
-    if op.kind in (OpKind.LINEAR, OpKind.CONV2D, OpKind.BATCHNORM, OpKind.OPAQUE, *NORM_KINDS):
+    read all its parameters (nothing says otherwise)."""
+    if op.kind is OpKind.OPAQUE:
+        return frozenset(param_shapes(op)) if op.params else frozenset({"weight"})
+    if op.kind in (OpKind.LINEAR, OpKind.CONV2D, OpKind.BATCHNORM, *NORM_KINDS):
         return frozenset({"weight"})
     return frozenset()
 

@@ -45,7 +45,7 @@ from runtime.dtensors import rank_grid  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
 from runtime.tp_styles import tensor_parallel_mesh, to_parallelize_plan  # noqa: E402
 
-VOCAB, SEQ, BATCH = 64, 8, 4
+VOCAB, SEQ, BATCH, CLASSES = 64, 8, 4, 10
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,41 @@ def bert() -> Case:
     return Case(BertForMaskedLM(cfg), *_tokens())
 
 
+def gpt2() -> Case:
+    """GPT2LMHeadModel: HF ``Conv1D`` projections (weights stored ``(in, out)``), word and
+    position tables, the head tied to the word table."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=2 * SEQ,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return Case(GPT2LMHeadModel(cfg), *_tokens())
+
+
+def vit() -> Case:
+    """ViTForImageClassification: patch convolution, class token and position table, a
+    classifier on the class token."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, image_size=16, patch_size=4, num_labels=CLASSES,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return Case(ViTForImageClassification(cfg), *_images(16))
+
+
+def resnet() -> Case:
+    """ResNetForImageClassification: bias-free convolutions, batch norms, in-place residual
+    adds (``out += identity``)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                       num_labels=CLASSES)
+    return Case(ResNetForImageClassification(cfg), *_images(32))
+
+
+def _images(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, 3, size, size), torch.randint(0, CLASSES, (BATCH,))
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -105,6 +140,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "llama-tied": lambda: llama(tied=True),
     "llama-tied-exchanging": llama_tied_exchanging,
     "bert": bert,
+    "gpt2": gpt2,
+    "vit": vit,
+    "resnet": resnet,
 }
 
 
@@ -116,8 +154,9 @@ def cluster(nodes: int, devices: int) -> dict:
 
 
 def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
-    """The user's loss on the model's own output: next-token-style cross-entropy."""
-    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+    """The user's loss on the model's own output: cross-entropy per token (language models)
+    or per image (classifiers)."""
+    return F.cross_entropy(output.logits.flatten(0, -2), targets.flatten())
 
 
 def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
