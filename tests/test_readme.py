@@ -97,6 +97,27 @@ def test_every_ilp_planner_command_names_a_verb():
         assert not unknown, f"{doc.name} runs `ilp-planner` with unknown verb(s) {sorted(unknown)}"
 
 
+
+def _verb_options() -> dict[str, set[str]]:
+    """Each verb's option strings, read from the CLI's own parser."""
+    from ilp_planner.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "verb")
+    return {verb: {o for act in p._actions for o in act.option_strings}
+            for verb, p in sub.choices.items()}
+
+
+def test_every_option_the_docs_pass_exists():
+    """Every ``--option`` written after ``ilp-planner VERB`` in the docs (a code block line or
+    an inline command) is one of that verb's options."""
+    options = _verb_options()
+    for doc in (README, BENCHMARKS):
+        for verb, rest in re.findall(r"ilp-planner ([a-z][a-z-]*)([^`\n]*)", _text(doc)):
+            unknown = {o for o in re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", rest)
+                       if o not in options[verb]}
+            assert not unknown, f"{doc.name}: `ilp-planner {verb}` has no option {sorted(unknown)}"
+
+
 # -- the configuration reference -----------------------------------------------------------
 
 _BASE = {
