@@ -15,7 +15,7 @@ from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageChoice
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
-from ilp_planner.inter_op.stage_resharding import _plan_resharding
+from ilp_planner.inter_op.stage_resharding import plan_stage_resharding
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
@@ -38,7 +38,7 @@ from ilp_planner.plan.data import (
 
 
 @dataclass(frozen=True)
-class _StagePlan:
+class SolvedStage:
     """One stage of a pipeline to assemble: where it runs (``choice``), its layers' names in
     the full graph, its layer plans (under the names of the range they were solved for, in
     the same order), the solver's report, and the in-flight count its memory was solved for."""
@@ -51,7 +51,7 @@ class _StagePlan:
 
 
 @dataclass(frozen=True)
-class _Pipeline:
+class AssembledPipeline:
     """A pipeline as the plan stores it: its layers tagged with their stages, the stage
     rows, the cross-mesh resharding entries, and the simulated schedule."""
 
@@ -68,8 +68,8 @@ class _Pipeline:
         return self.schedule.simulated.step_s
 
 
-def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
-              dp_objective_s: float, reshardings: dict | None = None) -> _Pipeline:
+def assemble_pipeline(config: Config, graph: Graph, plans: Sequence[SolvedStage],
+                      dp_objective_s: float, reshardings: dict | None = None) -> AssembledPipeline:
     """The pipeline of ``plans`` as it runs: resharding solved for every crossing tensor,
     the stage boundaries checked and priced, each stage's forward and backward per
     micro-batch, and the schedule simulated (``step_s``: makespan + the exposed gradient
@@ -99,7 +99,7 @@ def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
             StageDP(str(st.placement), (st.start, st.end), st.time_s, st.boundary_time_s,
                     st.memory_bytes, st.inflight_microbatches, sp.solved_for, sp.solver)))
     t0 = time.perf_counter()
-    resharding = _plan_resharding(config, graph, [sp.choice.placement for sp in plans],
+    resharding = plan_stage_resharding(config, graph, [sp.choice.placement for sp in plans],
                                   stage_of, out_layout, in_layouts,
                                   {} if reshardings is None else reshardings)
     resharding_s = time.perf_counter() - t0
@@ -113,7 +113,7 @@ def _assemble(config: Config, graph: Graph, plans: Sequence[_StagePlan],
         tuple(tuple(str(a) for a in row) for row in sched.rows),
         Simulated(sim.makespan_s, sim.bubble_fraction, tuple(sim.peak_inflight), pipe.overlap,
                   dp_objective_s, sim.makespan_s + max(t.grad_sync_exposed_s for t in times)))
-    return _Pipeline(layers, stages, resharding, schedule, resharding_s)
+    return AssembledPipeline(layers, stages, resharding, schedule, resharding_s)
 
 
 def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:

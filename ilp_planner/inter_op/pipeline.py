@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from formulations.stage_dp import StagePlan, solve_stages
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
-from ilp_planner.inter_op.assembly import _assemble, _Pipeline, _StagePlan
+from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
 from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.inter_op.pipelined_grid import (
@@ -110,13 +110,13 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
                 solver.add_variant(st.start, st.end, grid.shape, st.how)
             dp = _stage_dp(config, solver, boundary, space)
     reshardings: dict[tuple, ReshardingPlan] = {}
-    pipeline = _assemble(config, graph, _chosen_stage_plans(solver, dp), dp.objective_s,
+    pipeline = assemble_pipeline(config, graph, _chosen_stage_plans(solver, dp), dp.objective_s,
                          reshardings)
     grid_pipeline = None
     if isinstance(grid, GridPipeline):
         own = grid_stage_plans(config, solver, grid)
         assert own is not None
-        grid_pipeline = _assemble(config, graph, own, grid.latency_s, reshardings)
+        grid_pipeline = assemble_pipeline(config, graph, own, grid.latency_s, reshardings)
         pipeline = _faster_of(config, solver, grid, pipeline, grid_pipeline, reshardings)
     report = _solver_report(pipeline, dp, solver, boundary, len(units),
                             time.perf_counter() - t0)
@@ -172,20 +172,20 @@ def _served(solver: StageSolver, stage):
     return dataclasses.replace(stage, variant=v, memory_bytes=c.memory(stage.inflight_microbatches))
 
 
-def _chosen_stage_plans(solver: StageSolver, dp: StagePlan) -> list[_StagePlan]:
+def _chosen_stage_plans(solver: StageSolver, dp: StagePlan) -> list[SolvedStage]:
     """The DP's stages with the plans their variants were solved with."""
     chosen = []
     for st in dp.stages:
         how = solver.variant_how(st.start, st.end, st.submesh, st.variant)
         _, res, stage_layers, _ = solver.solve(st.start, st.end, st.submesh, how)  # type: ignore[misc]
-        chosen.append(_StagePlan(st, solver.names(st.start, st.end), stage_layers,
+        chosen.append(SolvedStage(st, solver.names(st.start, st.end), stage_layers,
                                  SolverReport.of(res),
                                  how.inflight if isinstance(how, AtGridPoint) else how))
     return chosen
 
 
-def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline: _Pipeline,
-               grid_pipeline: _Pipeline, reshardings: dict) -> _Pipeline:
+def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline: AssembledPipeline,
+               grid_pipeline: AssembledPipeline, reshardings: dict) -> AssembledPipeline:
     """The DP's pipeline, or where the grid's simulates faster (the DP's formula and the
     simulated schedule disagree there) the grid's stages re-solved in the whole space, or
     the grid's own points (members of the space), whichever simulates fastest."""
@@ -193,7 +193,7 @@ def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline
         return pipeline
     resolved = grid_stage_plans(config, solver, grid, True)
     rivals = [grid_pipeline] if resolved is None else [
-        _assemble(config, solver.graph, resolved, grid.latency_s, reshardings), grid_pipeline]
+        assemble_pipeline(config, solver.graph, resolved, grid.latency_s, reshardings), grid_pipeline]
     better = min(rivals, key=lambda p: p.step_s)
     if better.step_s >= pipeline.step_s:
         return pipeline
@@ -204,7 +204,7 @@ def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline
         f"{better.step_s:.6g} s"))
 
 
-def _solver_report(pipeline: _Pipeline, dp: StagePlan, solver: StageSolver,
+def _solver_report(pipeline: AssembledPipeline, dp: StagePlan, solver: StageSolver,
                    boundary: BoundaryCost, num_units: int, total_s: float) -> SolverReport:
     """The plan's solver report: the stages' ILP statuses combined, the DP's objective, the
     stage solver's counts and where the time went."""
@@ -234,7 +234,7 @@ def _solver_report(pipeline: _Pipeline, dp: StagePlan, solver: StageSolver,
     )
 
 
-def _plan(config: Config, pipeline: _Pipeline, report: SolverReport) -> Plan:
+def _plan(config: Config, pipeline: AssembledPipeline, report: SolverReport) -> Plan:
     """The plan of ``pipeline``: its cost the busiest stage's, with the largest peak."""
     per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
     busiest = max(per_stage, key=lambda c: c.total_s)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from formulations.schedules import inflight_microbatches
 from formulations.stage_dp import StageChoice, pack_submeshes
 from ilp_planner.inputs.config import Config
-from ilp_planner.inter_op.assembly import _Pipeline, _StagePlan
+from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
 from ilp_planner.inter_op.layer_units import subgraph
 from ilp_planner.inter_op.stage_solver import StageSolver, pipeline_latency
@@ -119,7 +119,7 @@ def pipelined_grid(config: Config, graph: Graph, solver: StageSolver, boundary: 
 
 
 def grid_stage_plans(config: Config, solver: StageSolver, grid: GridPipeline,
-                      whole_space: bool = False) -> list[_StagePlan] | None:
+                      whole_space: bool = False) -> list[SolvedStage] | None:
     """The pipelined grid's stages on equal meshes packed in stage order: each at its grid
     point, or (``whole_space``) re-solved in the planner's whole space at the point's
     recomputed blocks and reserve (never slower per step: the point is in that space;
@@ -143,15 +143,15 @@ def grid_stage_plans(config: Config, solver: StageSolver, grid: GridPipeline,
             report = SolverReport("optimal", st.point.objective, f"grid point {st.point.name}")
         stage = StageChoice(st.start, st.end, grid.shape, st.time_s, st.time_s - st.boundary_s,
                             st.boundary_s, peak_memory(gp, choice), st.how.inflight, mesh)
-        out.append(_StagePlan(stage, names, layers, report, st.how.inflight))
+        out.append(SolvedStage(stage, names, layers, report, st.how.inflight))
     return out
 
 
 def price_pipelined_grid(grid: GridPipeline | str | None,
-                         pipeline: _Pipeline | None = None) -> dict[str, dict]:
+                         pipeline: AssembledPipeline | None = None) -> dict[str, dict]:
     """The pipelined grid's baseline block: its busiest stage's cost breakdown (per step),
     with ``pipeline_s`` the step that ratios compare — ``pipeline``'s, the grid assembled
-    and simulated as the planner's own pipeline is (:func:`_assemble`) — and
+    and simulated as the planner's own pipeline is (:func:`assemble_pipeline`) — and
     ``dp_formula_s`` its latency by the stage DP's formula (or why it has none)."""
 
     if grid is None:

@@ -39,10 +39,10 @@ def _resharding(tensor: TensorSpec, src: SubMesh, src_layout: Layout, dst: SubMe
     return solved[key].shifted(src.node0 - solved[key].src.node0)
 
 
-def _plan_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | None],
-                     stage_of: dict[str, int],
-                     out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout],
-                     solved: dict[tuple, ReshardingPlan]) -> list[ReshardingEntry]:
+def plan_stage_resharding(config: Config, graph: Graph, meshes: Sequence[SubMesh | None],
+                          stage_of: dict[str, int],
+                          out_layout: dict[str, Layout], in_layouts: dict[tuple[str, str], Layout],
+                          solved: dict[tuple, ReshardingPlan]) -> list[ReshardingEntry]:
     """Every tensor crossing stages, once per (tensor, destination stage, layout), with its
     CP-SAT resharding schedules: ``tasks`` forward, ``backward_tasks`` for its gradient
     going back (from the devices that received it to those that sent it). A partial-sum
