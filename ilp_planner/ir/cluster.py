@@ -20,6 +20,7 @@ from functools import cache
 import numpy as np
 
 from ilp_planner.errors import ConfigError
+from ilp_planner.ir.device import DeviceSpec
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,10 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A homogeneous cluster. ``efficiency`` scales peak FLOP/s to achieved FLOP/s."""
+    """A homogeneous cluster. ``efficiency`` scales peak FLOP/s to achieved FLOP/s in the
+    flat compute model; ``device``, where the cluster names a catalogue accelerator
+    (:mod:`ilp_planner.ir.device`), carries its per-dtype peaks and HBM bandwidth for the
+    roofline model."""
 
     nodes: int
     devices_per_node: int
@@ -61,6 +65,7 @@ class Cluster:
     inter: Link
     efficiency: float = 0.5
     name: str = "cluster"
+    device: DeviceSpec | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
