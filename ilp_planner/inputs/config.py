@@ -64,7 +64,9 @@ from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.options import PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import Reader, join
 from ilp_planner.ir.cluster import Cluster, Link, submesh_shapes
+from ilp_planner.ir.device import device_names, device_spec
 from ilp_planner.ir.graph import Graph
+from ilp_planner.ir.links import catalogue_link, link_names
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.lowering.strategies import ZERO_LEVELS
@@ -159,11 +161,7 @@ def section_mapping(value: Any) -> Any:
     :class:`SolverOptions`, :class:`PipelineOptions`) in the schema's mapping form, so that
     it validates like YAML and the plan records it; anything else unchanged."""
     if isinstance(value, Cluster):
-        return {"nodes": value.nodes, "devices_per_node": value.devices_per_node,
-                "memory_gib": value.memory_bytes / _GIB, "peak_tflops": value.peak_flops / 1e12,
-                "efficiency": value.efficiency, "name": value.name,
-                "links": {"intra": {"alpha": value.intra.alpha, "beta": value.intra.beta},
-                          "inter": {"alpha": value.inter.alpha, "beta": value.inter.beta}}}
+        return _cluster_mapping(value)
     if isinstance(value, MemorySpec):
         return {"bytes_per_param": {"weight": value.weight_bytes, "grad": value.grad_bytes,
                                     "optimizer": value.optimizer_bytes}}
@@ -175,6 +173,25 @@ def section_mapping(value: Any) -> Any:
     return value
 
 
+def _cluster_mapping(c: Cluster) -> dict[str, Any]:
+    """A :class:`Cluster` as its section: every figure as a number (so it parses back to
+    the same cluster whatever the model's dtype), plus its catalogue device's name and its
+    collective model; a launch cost only where a link has one (older readers' form
+    otherwise)."""
+    def link(x: Link) -> dict[str, float]:
+        return {"alpha": x.alpha, "beta": x.beta, **({"launch": x.launch} if x.launch else {})}
+
+    out = {"nodes": c.nodes, "devices_per_node": c.devices_per_node,
+           "memory_gib": c.memory_bytes / _GIB, "peak_tflops": c.peak_flops / 1e12,
+           "efficiency": c.efficiency, "name": c.name,
+           "links": {"intra": link(c.intra), "inter": link(c.inter)}}
+    if c.device is not None:
+        out["gpu"] = c.device.name
+    if c.collectives != "ring":
+        out["collectives"] = c.collectives
+    return out
+
+
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     """Validate a parsed document (see the module docstring for the schema)."""
     r = Reader(source)
@@ -183,7 +200,7 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     graph, dtype, batch = _parse_model(r, top["model"])
     if isinstance(top["model"], Graph):
         top["model"] = models.graph_to_spec(graph)
-    cluster = _parse_cluster(r, top["cluster"])
+    cluster = _parse_cluster(r, top["cluster"], dtype)
     memory, bucket_bytes = _parse_training(r, top.get("training"), dtype)
     solver = _parse_solver(r, top.get("solver"))
     pipeline = _parse_pipeline(r, top.get("pipeline"), cluster, batch)
@@ -365,8 +382,11 @@ def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
         raise ConfigError(str(exc), source=r.source, key="model.module") from None
 
 
-def _parse_link(r: Reader, value: Any, path: str) -> Link:
-    """``{latency_us, bandwidth_gbps}`` (Gbit/s) or ``{alpha, beta}`` (s, s/byte)."""
+def _parse_link(r: Reader, value: Any, path: str, base: Link | None = None) -> Link:
+    """``{latency_us, bandwidth_gbps}`` (Gbit/s) or ``{alpha, beta}`` (s, s/byte), with an
+    optional launch cost (``launch_us``, or ``launch`` in s). Over a catalogue link
+    ``base`` (the level is also named by ``cluster.intra`` / ``cluster.inter``) each key
+    is optional and replaces the named link's figure."""
     keys = SECTIONS["cluster.links.<intra|inter>"]
     d = r.section(value, path, keys)
     physical = [k for k in ("latency_us", "bandwidth_gbps") if k in d]
@@ -374,38 +394,88 @@ def _parse_link(r: Reader, value: Any, path: str) -> Link:
     if physical and fitted:
         r.fail(path, f"give either latency_us + bandwidth_gbps or alpha + beta, not both "
                      f"(got {', '.join(physical + fitted)})")
-    if fitted:
+    if base is None and fitted:
         for k in ("alpha", "beta"):
             if k not in d:
                 r.fail(join(path, k), f"missing required key {k!r} (alpha and beta go together)")
-        return Link(alpha=r.read(keys["alpha"], d["alpha"], join(path, "alpha")),
-                    beta=r.read(keys["beta"], d["beta"], join(path, "beta")))
-    for k in ("latency_us", "bandwidth_gbps"):
-        if k not in d:
-            r.fail(join(path, k), f"missing required key {k!r} (expected latency_us and "
-                                  f"bandwidth_gbps, or alpha and beta)")
-    return Link.from_bandwidth(
-        r.read(keys["latency_us"], d["latency_us"], join(path, "latency_us")),
-        r.read(keys["bandwidth_gbps"], d["bandwidth_gbps"], join(path, "bandwidth_gbps")),
-    )
+    elif base is None:
+        for k in ("latency_us", "bandwidth_gbps"):
+            if k not in d:
+                r.fail(join(path, k), f"missing required key {k!r} (expected latency_us and "
+                                      f"bandwidth_gbps, or alpha and beta)")
+    v = {k: r.read(keys[k], d[k], join(path, k)) for k in keys if k in d}
+    alpha = v["alpha"] if "alpha" in v else (
+        v["latency_us"] * 1e-6 if "latency_us" in v else base.alpha)
+    beta = v["beta"] if "beta" in v else (
+        8.0 / (v["bandwidth_gbps"] * 1e9) if "bandwidth_gbps" in v else base.beta)
+    if "launch" in v and "launch_us" in v:
+        r.fail(path, "give either launch_us or launch, not both")
+    launch = v["launch"] if "launch" in v else v["launch_us"] * 1e-6 if "launch_us" in v else (
+        base.launch if base else 0.0)
+    return Link(alpha=alpha, beta=beta, launch=launch)
 
 
-def _parse_cluster(r: Reader, value: Any) -> Cluster:
+def _named(r: Reader, d: dict, key: str, lookup: Callable[[str], Any]) -> Any:
+    """The catalogue entry ``cluster.<key>`` names (None where the key is absent); an
+    unknown name's error lists the valid ones."""
+    if key not in d:
+        return None
+    path = join("cluster", key)
+    try:
+        return lookup(r.read(SECTIONS["cluster"][key], d[key], path))
+    except ConfigError as exc:
+        if exc.key:  # already located
+            raise
+        raise ConfigError(str(exc), source=r.source, key=path) from None
+
+
+def _parse_links(r: Reader, d: dict) -> tuple[Link, Link]:
+    """The intra- and inter-node links: catalogue names (``cluster.intra``,
+    ``cluster.inter``), numbers (``cluster.links``), or names with numbers overriding."""
+    named = {lvl: _named(r, d, lvl, catalogue_link) for lvl in ("intra", "inter")}
+    if "links" not in d and None in named.values():
+        r.fail("cluster.links", f"missing required key 'links' (or name both levels: "
+                                f"cluster.intra and cluster.inter, from {link_names()})")
+    links = r.section(d.get("links", {}), "cluster.links", SECTIONS["cluster.links"])
+    out = []
+    for lvl in ("intra", "inter"):
+        path = join("cluster.links", lvl)
+        if lvl not in links and named[lvl] is None:
+            r.fail(path, f"missing required key {lvl!r} (or name the link: cluster.{lvl}: "
+                         f"one of {link_names()})")
+        out.append(_parse_link(r, links[lvl], path, named[lvl]) if lvl in links else named[lvl])
+    return out[0], out[1]
+
+
+def _parse_cluster(r: Reader, value: Any, dtype: str) -> Cluster:
+    """The cluster section: a catalogue ``gpu`` sets memory and peak (the peak of the
+    model's ``dtype``: tensor-core half precision for float16 / bfloat16, else fp32), raw
+    numbers override it; links come from :func:`_parse_links`."""
     keys = SECTIONS["cluster"]
     d = r.section(value, "cluster", keys)
     nodes = r.read(keys["nodes"], d["nodes"], "cluster.nodes")
     per_node = r.read(keys["devices_per_node"], d["devices_per_node"], "cluster.devices_per_node")
     check_limit("devices", nodes * per_node, "the number of devices (nodes × devices_per_node)",
                 source=r.source, key="cluster.nodes")
-    memory = r.read(keys["memory_gib"], d["memory_gib"], "cluster.memory_gib") * _GIB
-    peak = r.read(keys["peak_tflops"], d["peak_tflops"], "cluster.peak_tflops") * 1e12
+    device = _named(r, d, "gpu", device_spec)
+    figures = {}
+    for key, scale, default in (("memory_gib", _GIB, device and device.memory_bytes),
+                                ("peak_tflops", 1e12, device and device.peak(dtype))):
+        path = join("cluster", key)
+        if key not in d and device is None:
+            r.fail(path, f"missing required key {key!r} (or name a catalogue device: "
+                         f"cluster.gpu: one of {device_names()})")
+        figures[key] = r.read(keys[key], d[key], path) * scale if key in d else default
     efficiency = r.read(keys["efficiency"], d.get("efficiency", keys["efficiency"].default),
                         "cluster.efficiency")
-    links = r.section(d["links"], "cluster.links", SECTIONS["cluster.links"])
-    intra = _parse_link(r, links["intra"], "cluster.links.intra")
-    inter = _parse_link(r, links["inter"], "cluster.links.inter")
-    name = r.read(keys["name"], d["name"], "cluster.name") if "name" in d else f"{nodes}x{per_node}"
-    return Cluster(nodes, per_node, memory, peak, intra, inter, efficiency, name)
+    intra, inter = _parse_links(r, d)
+    named_links = "intra" in d or "inter" in d
+    collectives = r.read(keys["collectives"], d["collectives"], "cluster.collectives") \
+        if "collectives" in d else ("nccl" if named_links else "ring")
+    default_name = f"{nodes}x{per_node}" + (f"-{device.name}" if device else "")
+    name = r.read(keys["name"], d["name"], "cluster.name") if "name" in d else default_name
+    return Cluster(nodes, per_node, figures["memory_gib"], figures["peak_tflops"], intra, inter,
+                   efficiency, name, device, collectives)
 
 
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:

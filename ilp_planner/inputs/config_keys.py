@@ -19,8 +19,10 @@ from collections.abc import Callable
 from ilp_planner.inputs import models
 from ilp_planner.inputs.options import FALLBACKS, MILPS, RECOMPUTE, SCHEDULES, PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import REQUIRED, Key
-from ilp_planner.ir.cluster import SUBMESH_SPACES
+from ilp_planner.ir.cluster import COLLECTIVE_MODELS, SUBMESH_SPACES
+from ilp_planner.ir.device import device_names
 from ilp_planner.ir.graph import Graph
+from ilp_planner.ir.links import link_names
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.lowering.strategies import ZERO_LEVELS
@@ -123,17 +125,38 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "cluster": {
         "nodes": Key("integer", "machines", positive=True),
         "devices_per_node": Key("integer", "devices per machine", positive=True),
-        "memory_gib": Key("number", "memory per device, GiB = 2^30 bytes", positive=True,
-                          at_most=PHYSICAL_MAX),
-        "peak_tflops": Key("number", "peak TFLOP/s per device", positive=True,
-                           at_most=PHYSICAL_MAX),
-        "links": Key("mapping", "intra- and inter-node links (both, even on one-device nodes)"),
+        "gpu": Key("string", "a catalogue accelerator (case-insensitive): "
+                             f"{', '.join(device_names())}; sets memory_gib and peak_tflops "
+                             "(the half-precision peak for a float16 / bfloat16 model, else "
+                             "fp32's)", None, default_text="none"),
+        "intra": Key("string", "a catalogue link between devices of one node: "
+                               f"{', '.join(link_names())}", None, default_text="none"),
+        "inter": Key("string", "a catalogue link between nodes (same names; <N>x- = N NICs "
+                               "per node, e.g. 8x-ib-hdr200)", None, default_text="none"),
+        "memory_gib": Key("number", "memory per device, GiB = 2^30 bytes; overrides the gpu's",
+                          None, positive=True, at_most=PHYSICAL_MAX,
+                          default_text="the gpu's (required without gpu)"),
+        "peak_tflops": Key("number", "peak TFLOP/s per device; overrides the gpu's", None,
+                           positive=True, at_most=PHYSICAL_MAX,
+                           default_text="the gpu's (required without gpu)"),
+        "links": Key("mapping", "intra- and inter-node links as numbers (both, even on "
+                                "one-device nodes); a level also named by intra / inter "
+                                "overrides the named link's figures it gives", None,
+                     default_text="the named links (required without them)"),
+        "collectives": Key("choice", "collective model: nccl (NCCL's ring or tree by size and "
+                                     "group, per-call launch cost) or ring (textbook ring "
+                                     "formulas)", None, choices=COLLECTIVE_MODELS,
+                           noun="collective model",
+                           default_text="nccl where intra or inter names a link, else ring"),
         "efficiency": Key("number", "achieved / peak FLOP/s", 0.5, positive=True, at_most=1.0),
-        "name": Key("string", "the cluster's name", None, default_text="<nodes>x<devices_per_node>"),
+        "name": Key("string", "the cluster's name", None,
+                    default_text="<nodes>x<devices_per_node>[-<gpu>]"),
     },
     "cluster.links": {
-        "intra": Key("mapping", "the link between devices of one node"),
-        "inter": Key("mapping", "the link between nodes"),
+        "intra": Key("mapping", "the link between devices of one node", None,
+                     default_text="cluster.intra's (required without it)"),
+        "inter": Key("mapping", "the link between nodes", None,
+                     default_text="cluster.inter's (required without it)"),
     },
     "cluster.links.<intra|inter>": {
         "latency_us": Key("number", "latency in µs (with bandwidth_gbps)", nonneg=True,
@@ -144,6 +167,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
                      nonneg=True, at_most=MAX_ALPHA_S, default=None, default_text="—"),
         "beta": Key("number", "fitted seconds per byte (with alpha)", positive=True,
                     at_most=MAX_BETA_S, default=None, default_text="—"),
+        "launch_us": Key("number", "per-call launch cost in µs, paid once by every collective",
+                         nonneg=True, at_most=PHYSICAL_MAX, default=None,
+                         default_text="0, or the named link's"),
+        "launch": Key("number", "the same in s (the fitted form, beside alpha and beta)",
+                      nonneg=True, at_most=MAX_ALPHA_S, default=None,
+                      default_text="0, or the named link's"),
     },
     "training": {
         "optimizer": Key("choice", "the optimizer preset of bytes per parameter",

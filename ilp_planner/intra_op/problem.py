@@ -46,7 +46,7 @@ from ilp_planner.lowering.cost_model import (
     ONCE_PER_STEP,
     Collective,
     MemorySpec,
-    collective_time,
+    collective_seconds,
     dominant_memory_term,
 )
 from ilp_planner.lowering.grad_buckets import device_groups
@@ -554,8 +554,8 @@ def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int]
         for key, c in zip(f.keys, f.samples, strict=True):
             if key not in index:
                 index[key] = len(alpha)
-                alpha.append(collective_time(c.kind, c.group_size, 0.0,
-                                             ctx.cluster.link(c.link == "inter")))
+                alpha.append(collective_seconds(c.kind, c.group_size, 0.0, ctx.cluster,
+                                                c.link == "inter", c.nodes))
         js = np.array([index[key] for key in f.keys], dtype=np.int64)[f.sync_key] \
             if len(f.keys) else np.zeros(0, dtype=np.int64)
         moved = np.zeros(len(opts))

@@ -22,17 +22,26 @@ import numpy as np
 from ilp_planner.errors import ConfigError
 from ilp_planner.ir.device import DeviceSpec
 
+COLLECTIVE_MODELS = ("ring", "nccl")
+"""How collectives are priced (:mod:`ilp_planner.lowering.cost_model`): ``ring`` the
+textbook ring formulas (AutoDDL Table 2), ``nccl`` the algorithm NCCL would choose."""
+
 
 @dataclass(frozen=True)
 class Link:
-    """One link level: α = latency in seconds, β = seconds per byte."""
+    """One link level: α = latency in seconds (per ring step), β = seconds per byte, and
+    ``launch`` = seconds every collective call pays once (kernel launch and NCCL's base
+    latency; 0 for links given as raw numbers, which keeps their prices as they were)."""
 
     alpha: float
     beta: float
+    launch: float = 0.0
 
     def __post_init__(self) -> None:
         if self.alpha < 0 or self.beta <= 0:
             raise ConfigError(f"link needs alpha >= 0 and beta > 0, got α={self.alpha}, β={self.beta}")
+        if self.launch < 0:
+            raise ConfigError(f"link needs a launch cost >= 0, got {self.launch}")
 
     @classmethod
     def from_bandwidth(cls, latency_us: float, bandwidth_gbps: float) -> Link:
@@ -55,7 +64,7 @@ class Cluster:
     """A homogeneous cluster. ``efficiency`` scales peak FLOP/s to achieved FLOP/s in the
     flat compute model; ``device``, where the cluster names a catalogue accelerator
     (:mod:`ilp_planner.ir.device`), carries its per-dtype peaks and HBM bandwidth for the
-    roofline model."""
+    roofline model; ``collectives`` picks the collective model (:data:`COLLECTIVE_MODELS`)."""
 
     nodes: int
     devices_per_node: int
@@ -66,8 +75,12 @@ class Cluster:
     efficiency: float = 0.5
     name: str = "cluster"
     device: DeviceSpec | None = None
+    collectives: str = "ring"
 
     def __post_init__(self) -> None:
+        if self.collectives not in COLLECTIVE_MODELS:
+            raise ConfigError(f"unknown collective model {self.collectives!r}; expected one of "
+                              f"{list(COLLECTIVE_MODELS)}")
         if self.nodes < 1 or self.devices_per_node < 1:
             raise ConfigError(
                 f"cluster needs nodes >= 1 and devices_per_node >= 1, got "

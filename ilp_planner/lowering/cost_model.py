@@ -1,20 +1,51 @@
-"""α–β cost model for ring collectives (AutoDDL Table 2), compute and memory.
+"""Collective cost models (the textbook ring, and NCCL's choice of algorithm), compute and
+memory.
 
-For a group of p devices and n bytes (n = the output size per device; the input size for
-ReduceScatter):
+Two collective models, picked per cluster (``Cluster.collectives``; the config's
+``cluster.collectives``): ``ring`` for clusters given as raw numbers unless they opt in,
+``nccl`` for clusters whose links come from the catalogue (:mod:`ilp_planner.ir.links`).
 
-    AllReduce                        2(p−1)α + 2(p−1)/p · nβ
-    AllGather, ReduceScatter, A2A     (p−1)α +  (p−1)/p · nβ
-    P2P send                              α +          nβ
-    pipelined broadcast to A hosts   (K + A − 1)(α + nβ/K)      (K chunks)
+**ring** — AutoDDL Table 2. For a group of p devices and n bytes (n = the output size per
+device; the input size for ReduceScatter), on the link level the group uses (the inter-node
+one as soon as it crosses a node), plus the link's per-call launch cost L (0 for links
+given as raw numbers, so their prices are what they always were):
 
-The link level is the inter-node one as soon as the group crosses a node. All functions are
-pure; nothing here knows about graphs or solvers.
+    AllReduce                        L + 2(p−1)α + 2(p−1)/p · nβ
+    AllGather, ReduceScatter, A2A    L +  (p−1)α +  (p−1)/p · nβ
+    P2P send                         L +      α +          nβ
+    pipelined broadcast to A hosts   L + (K + A − 1)(α + nβ/K)      (K chunks)
+
+**nccl** — what NCCL's tuner (``src/graph/tuning.cc``) predicts and picks. A group of p
+devices on N nodes (p/N on each) has intra-node steps at the intra link's α_i and
+node-crossing steps at the inter link's α_o; its bandwidth is the bus bandwidth of the
+slowest level it uses (β of the inter link once N > 1, which is what a multi-node
+nccl-tests ``busbw`` measures), and L is that level's launch cost:
+
+    AllReduce, ring    L + 2(p − N)α_i + 2(N − 1)α_o + 2(p−1)/p · nβ
+    AllReduce, tree    L + 2((p/N − 1)α_i + ⌈log2 N⌉α_o) + 2nβ / 0.9
+    AllReduce          the cheaper of the two (NCCL's choice by size and group)
+    AllGather, RS      L +  (p − N)α_i +  (N − 1)α_o +  (p−1)/p · nβ
+    A2A, P2P, bcast    the ring model's formulas on the group's level
+
+Ring steps and node crossings are NCCL's ``nsteps`` and ``nInterSteps``; the tree is its
+double binary tree (a chain inside a node, a tree of depth log2 N across nodes) and 0.9 its
+tree bandwidth factor (busBw × 0.9, then algBw = busBw / 2). Within one node the tree is a
+chain with the ring's latency and less bandwidth, so it never wins; across nodes it wins
+below a size where its ~log N latency stops paying for its bandwidth — e.g. 16 devices on
+2 nodes of nvlink3 + 8x-ib-hdr200 switch to ring near 3.6 MB. Simplifications, on purpose:
+one protocol (LL's latency with Simple's bandwidth: the lower envelope of NCCL's
+protocols, optimistic between ~64 KiB and a few MiB), no NVLink SHARP / CollNet, no
+per-size tree correction.
+
+A group that crosses nodes without saying how many (``nodes=None``) is taken to have
+every rank on its own node — every step crosses, as the ring model assumes. All functions
+are pure; nothing here knows about graphs or solvers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from enum import Enum
 
 from ilp_planner.errors import ConfigError
@@ -32,7 +63,8 @@ class CollectiveKind(str, Enum):
 
 
 def collective_time(kind: CollectiveKind, p: int, nbytes: float, link: Link, chunks: int = 1) -> float:
-    """Seconds for one collective of ``kind`` over ``p`` devices moving ``nbytes``.
+    """Seconds for one collective of ``kind`` over ``p`` devices moving ``nbytes``, by the
+    textbook ring model (module docstring), plus the link's launch cost.
 
     For BROADCAST, ``p`` is the number of receivers A and ``chunks`` the pipelining K.
     A group of one device costs nothing.
@@ -43,19 +75,84 @@ def collective_time(kind: CollectiveKind, p: int, nbytes: float, link: Link, chu
         raise ValueError(f"bytes must be >= 0, got {nbytes}")
     a, b = link.alpha, link.beta
     if kind is CollectiveKind.P2P:
-        return a + nbytes * b
+        return link.launch + a + nbytes * b
     if kind is CollectiveKind.BROADCAST:
         if chunks < 1:
             raise ValueError("broadcast needs at least one chunk")
-        return (chunks + p - 1) * (a + nbytes * b / chunks)
+        return link.launch + (chunks + p - 1) * (a + nbytes * b / chunks)
     if p == 1:
         return 0.0
     frac = (p - 1) / p
     if kind is CollectiveKind.ALL_REDUCE:
-        return 2 * (p - 1) * a + 2 * frac * nbytes * b
+        return link.launch + 2 * (p - 1) * a + 2 * frac * nbytes * b
     if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
-        return (p - 1) * a + frac * nbytes * b
+        return link.launch + (p - 1) * a + frac * nbytes * b
     raise ValueError(f"unknown collective {kind}")
+
+
+TREE_BANDWIDTH = 0.9
+"""NCCL's tree bus bandwidth as a fraction of the ring's (``busBw * .9`` in tuning.cc)."""
+
+
+def nccl_allreduce_times(p: int, nbytes: float, intra: Link, inter: Link,
+                         nodes: int = 1) -> dict[str, float]:
+    """Seconds of an AllReduce of ``nbytes`` over ``p`` devices on ``nodes`` nodes by each
+    algorithm NCCL weighs, ``{"ring": …, "tree": …}`` (module docstring)."""
+    _check_group(p, nbytes, nodes)
+    level = inter if nodes > 1 else intra
+    if p == 1:
+        return {"ring": 0.0, "tree": 0.0}
+    ring = (level.launch + 2 * (p - nodes) * intra.alpha + 2 * (nodes - 1) * inter.alpha
+            + 2 * (p - 1) / p * nbytes * level.beta)
+    tree = (level.launch + 2 * ((p // nodes - 1) * intra.alpha
+                                + math.ceil(math.log2(nodes)) * inter.alpha)
+            + 2 * nbytes * level.beta / TREE_BANDWIDTH)
+    return {"ring": ring, "tree": tree}
+
+
+def nccl_algorithm(p: int, nbytes: float, intra: Link, inter: Link, nodes: int = 1) -> str:
+    """The AllReduce algorithm NCCL would choose (the cheaper; ring on a tie)."""
+    t = nccl_allreduce_times(p, nbytes, intra, inter, nodes)
+    return "tree" if t["tree"] < t["ring"] else "ring"
+
+
+def nccl_time(kind: CollectiveKind, p: int, nbytes: float, intra: Link, inter: Link,
+              nodes: int = 1, chunks: int = 1) -> float:
+    """Seconds for one collective as NCCL runs it: ``p`` devices on ``nodes`` nodes
+    (``p / nodes`` on each), intra- and inter-node links (module docstring)."""
+    _check_group(p, nbytes, nodes)
+    level = inter if nodes > 1 else intra
+    if kind is CollectiveKind.ALL_REDUCE:
+        return min(nccl_allreduce_times(p, nbytes, intra, inter, nodes).values())
+    if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) and p > 1:
+        return (level.launch + (p - nodes) * intra.alpha + (nodes - 1) * inter.alpha
+                + (p - 1) / p * nbytes * level.beta)
+    return collective_time(kind, p, nbytes, level, chunks)
+
+
+def _check_group(p: int, nbytes: float, nodes: int) -> None:
+    if p < 1 or nodes < 1 or p % nodes:
+        raise ValueError(f"a group of {p} devices cannot span {nodes} nodes evenly")
+    if nbytes < 0:
+        raise ValueError(f"bytes must be >= 0, got {nbytes}")
+
+
+def group_nodes(p: int, spans_nodes: bool, nodes: int | None = None) -> int:
+    """The nodes a group of ``p`` devices spans: 1 within a node, ``nodes`` where the
+    caller knows it, else every rank on its own node (module docstring)."""
+    if not spans_nodes:
+        return 1
+    return nodes if nodes else p
+
+
+def collective_seconds(kind: CollectiveKind, p: int, nbytes: float, cluster: Cluster,
+                       spans_nodes: bool, nodes: int | None = None, chunks: int = 1) -> float:
+    """Seconds for one collective under the cluster's collective model: the ring model on
+    the group's link level, or NCCL's over the ``nodes`` nodes the group spans."""
+    if cluster.collectives == "ring":
+        return collective_time(kind, p, nbytes, cluster.link(spans_nodes), chunks)
+    return nccl_time(kind, p, nbytes, cluster.intra, cluster.inter,
+                     group_nodes(p, spans_nodes, nodes), chunks)
 
 
 @dataclass(frozen=True)
@@ -72,6 +169,9 @@ class Collective:
     axes: tuple[int, ...] = ()
     phase: str = "forward"  # "forward" | "backward"
     purpose: str = "activation"  # "activation" | "grad_sync"
+    # nodes the group spans (0: not known, e.g. read from a plan file): what the NCCL
+    # model prices latency by; not part of a collective's identity, nor of the plan file
+    nodes: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict:
         return {
@@ -101,7 +201,7 @@ class Collective:
     def with_phase(self, phase: str, purpose: str | None = None) -> Collective:
         return Collective(
             self.kind, self.group_size, self.bytes, self.link, self.seconds, self.axes,
-            phase, purpose or self.purpose,
+            phase, purpose or self.purpose, self.nodes,
         )
 
 
@@ -116,11 +216,14 @@ the updated weights gathered after a ZeRO-1/2 step; ZeRO-2/3's per-micro-batch
 def make_collective(
     kind: CollectiveKind, p: int, nbytes: float, cluster: Cluster, spans_nodes: bool,
     axes: tuple[int, ...] = (), phase: str = "forward", purpose: str = "activation",
+    nodes: int | None = None,
 ) -> Collective:
-    link = cluster.link(spans_nodes)
+    """One collective priced under the cluster's model; ``nodes``: how many nodes the group
+    spans, where the caller knows it (:func:`group_nodes` otherwise)."""
+    n = group_nodes(p, spans_nodes, nodes)
     return Collective(
         kind, p, float(nbytes), "inter" if spans_nodes else "intra",
-        collective_time(kind, p, nbytes, link), axes, phase, purpose,
+        collective_seconds(kind, p, nbytes, cluster, spans_nodes, n), axes, phase, purpose, n,
     )
 
 

@@ -64,7 +64,7 @@ from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, axis_coordinates, proper_factorisations
 from ilp_planner.ir.graph import TensorSpec
 from ilp_planner.ir.layouts import B, Layout, Partial, Placement, Split, drop_unit_axes, grad_layout
-from ilp_planner.lowering.cost_model import Collective, CollectiveKind, make_collective
+from ilp_planner.lowering.cost_model import Collective, CollectiveKind, collective_seconds, make_collective
 
 
 @dataclass(frozen=True)
@@ -290,8 +290,9 @@ class RedistributionPlanner:
 
     def collective(self, kind: CollectiveKind, src: Layout, dst: Layout, axis: int,
                    tensor: TensorSpec) -> Collective:
-        return make_collective(kind, src.fact[axis].size, step_bytes(kind, src, dst, axis, tensor),
-                               self.cluster, src.fact[axis].spans_nodes, (axis,))
+        ax = src.fact[axis]
+        return make_collective(kind, ax.size, step_bytes(kind, src, dst, axis, tensor),
+                               self.cluster, ax.spans_nodes, (axis,), nodes=ax.nodes)
 
     def _build_graph(self, tensor: TensorSpec) -> _StateGraph:
         tables = self._tables(tensor.rank)
@@ -366,8 +367,9 @@ class RedistributionPlanner:
         uniq, inverse = np.unique(keys, return_inverse=True)
         ka, nb = np.divmod(uniq, len(sizes))
         kd, a = np.divmod(ka, len(moves.axes))
-        seconds = np.array([make_collective(_KINDS[k_], moves.axes[a_].size, float(n_),
-                                            self.cluster, moves.axes[a_].spans_nodes).seconds
+        seconds = np.array([collective_seconds(_KINDS[k_], moves.axes[a_].size, float(n_),
+                                               self.cluster, moves.axes[a_].spans_nodes,
+                                               moves.axes[a_].nodes)
                             for k_, a_, n_ in zip(kd.tolist(), a.tolist(),
                                                   sizes[nb].tolist(), strict=True)])
         out[priced] = seconds[inverse]

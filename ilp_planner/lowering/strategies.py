@@ -135,8 +135,9 @@ def _compute(op: Op, split: float, ctx: StrategyContext) -> float:
 def coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbytes: float,
           ctx: StrategyContext, phase: str, purpose: str) -> Collective:
     size = math.prod(fact[a].size for a in axes)
-    spans = any(fact[a].nodes > 1 for a in axes)
-    return make_collective(kind, size, nbytes, ctx.cluster, spans, axes, phase, purpose)
+    nodes = math.prod(fact[a].nodes for a in axes)
+    return make_collective(kind, size, nbytes, ctx.cluster, nodes > 1, axes, phase, purpose,
+                           nodes)
 
 
 def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
