@@ -24,6 +24,7 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "gpt-2.6b-2x4": 2_653_967_360,
     "gpt-6.7b-2x8": 6_662_266_880,
     "gpt-13b-2x8": 12_858_214_400,
+    "gpt-13b-a100-2x8": 12_858_214_400,
     "llama-70b-16x8": 64_728_743_936,
     "transformer-autoddl-64": 3_649_486_848,
     "vgg13-2x8": 133_047_848,

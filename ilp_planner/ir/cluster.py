@@ -14,7 +14,7 @@ exactly when ``nodes_i > 1``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
@@ -74,7 +74,9 @@ class Cluster:
     inter: Link
     efficiency: float = 0.5
     name: str = "cluster"
-    device: DeviceSpec | None = None
+    # not hashed: DeviceSpec holds a read-only mapping (unhashable); the cluster is a cache
+    # key of the lowering, and its other fields already tell clusters apart
+    device: DeviceSpec | None = field(default=None, hash=False)
     collectives: str = "ring"
 
     def __post_init__(self) -> None:
