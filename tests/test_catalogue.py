@@ -1,0 +1,285 @@
+"""The hardware catalogue (accelerators and links by name), the NCCL-style collective model
+against hand-computed cases, and the lowering's choice of one collective or a chain under it."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import sys
+
+import pytest
+
+from ilp_planner.api import solve
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import load_config, parse_config, section_mapping
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
+from ilp_planner.ir.device import DEVICES, device_names
+from ilp_planner.ir.graph import TensorSpec
+from ilp_planner.ir.layouts import B, Layout, P
+from ilp_planner.ir.links import LINKS, catalogue_cluster, catalogue_link, link_names
+from ilp_planner.lowering.cost_model import (
+    CollectiveKind,
+    collective_time,
+    nccl_algorithm,
+    nccl_allreduce_times,
+    nccl_time,
+)
+from ilp_planner.lowering.redistribution import plan_redistribution
+from ilp_planner.plan.data import Plan
+from tests.helpers.procs import ROOT, run
+
+AR = CollectiveKind.ALL_REDUCE
+
+
+def doc(cluster: dict, dtype: str = "bfloat16") -> dict:
+    return {"name": "cat", "model": {"kind": "mlp", "dims": [16, 16], "batch": 8, "dtype": dtype},
+            "cluster": cluster}
+
+
+NAMED = {"gpu": "a100-80gb", "nodes": 2, "devices_per_node": 8, "intra": "nvlink3",
+         "inter": "8x-ib-hdr200"}
+
+
+def parse(cluster: dict, dtype: str = "bfloat16") -> Cluster:
+    return parse_config(doc(cluster, dtype), "cat.yaml").cluster
+
+
+# -- the catalogue ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", LINKS, ids=lambda s: s.name)
+def test_every_link_entry_loads_at_both_levels(spec):
+    names = [spec.name, f"4x-{spec.name}"] if spec.per_nic else [spec.name]
+    for name in names:
+        nics = 4 if name.startswith("4x-") else 1
+        c = parse({**NAMED, "intra": name, "inter": name})
+        for link in (c.intra, c.inter):
+            assert link.alpha == pytest.approx(spec.latency_us * 1e-6)
+            assert link.launch == pytest.approx(spec.launch_us * 1e-6)
+            # β is 1 / bus bandwidth (GB/s = 1e9 B/s), scaled by the NIC count
+            assert 1.0 / link.beta == pytest.approx(spec.busbw_gbs * 1e9 * nics)
+        assert c.collectives == "nccl"
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+def test_every_device_entry_loads_with_the_peak_of_the_model_dtype(device):
+    for name in (device.name, *device.aliases):
+        half = parse({**NAMED, "gpu": name}, "bfloat16")
+        assert half.device == device and half.memory_bytes == device.memory_bytes
+        assert half.peak_flops == device.peak("bfloat16")
+        assert half.name == f"2x8-{device.name}"
+        fp32 = parse({**NAMED, "gpu": name}, "float32")
+        assert fp32.peak_flops == device.peak_flops["float32"] < half.peak_flops
+
+
+def test_names_are_case_insensitive():
+    c = parse({**NAMED, "gpu": "A100-80GB", "intra": "NVLink3", "inter": "8X-IB-HDR200"})
+    assert c == parse(NAMED)
+
+
+def test_numbers_override_the_catalogue():
+    c = parse({**NAMED, "memory_gib": 70, "peak_tflops": 100, "name": "mine",
+               "links": {"inter": {"bandwidth_gbps": 800}, "intra": {"launch_us": 2}}})
+    base = parse(NAMED)
+    assert c.memory_bytes == 70 * 2**30 and c.peak_flops == 100e12 and c.name == "mine"
+    assert c.device == base.device  # still the A100 for the roofline
+    assert c.inter == Link(base.inter.alpha, 8.0 / 800e9, base.inter.launch)
+    assert c.intra == Link(base.intra.alpha, base.intra.beta, 2e-6)
+    fitted = parse({**NAMED, "links": {"inter": {"alpha": 1e-5, "beta": 1e-10, "launch": 0}}})
+    assert fitted.inter == Link(1e-5, 1e-10, 0.0)
+
+
+def test_collective_model_defaults_and_choice():
+    raw = {"nodes": 2, "devices_per_node": 8, "memory_gib": 80, "peak_tflops": 312,
+           "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 2400},
+                     "inter": {"latency_us": 10, "bandwidth_gbps": 200}}}
+    assert parse(raw).collectives == "ring"  # raw numbers keep today's prices
+    assert parse(raw).intra.launch == 0.0 and parse(raw).device is None
+    assert parse({**raw, "collectives": "nccl"}).collectives == "nccl"
+    assert parse({**NAMED, "collectives": "ring"}).collectives == "ring"
+    # one level named is enough for the NCCL default; its numbers given too override the
+    # named figures they give (here α and β), the launch cost stays the catalogue's
+    mixed = parse({**raw, "intra": "nvlink4", "gpu": "h200"})
+    assert mixed.collectives == "nccl"
+    assert mixed.intra == Link(5 * 1e-6, 8 / 2400e9, catalogue_link("nvlink4").launch)
+    assert mixed.memory_bytes == 80 * 2**30  # memory_gib overrides the H200's 141 GiB
+
+
+BAD = [
+    ({"gpu": "a200"}, "cluster.gpu", "unknown device 'a200'"),
+    ({"intra": "nvlink5"}, "cluster.intra", "unknown link 'nvlink5'"),
+    ({"inter": "2x-nvlink3"}, "cluster.inter", "unknown link '2x-nvlink3'"),
+    ({"inter": "0x-ib-hdr200"}, "cluster.inter", "1 to 64 NICs"),
+    ({"inter": "100x-ib-ndr400"}, "cluster.inter", "1 to 64 NICs"),
+    ({"inter": 200}, "cluster.inter", "string"),
+    ({"collectives": "tree"}, "cluster.collectives", "unknown collective model 'tree'"),
+    ({"links": {"inter": {"launch_us": 1, "launch": 1e-6}}}, "cluster.links.inter", "not both"),
+    ({"links": {"inter": {"alpha": 1e-6, "latency_us": 1}}}, "cluster.links.inter", "not both"),
+    ({"links": {"ethernet": {}}}, "cluster.links.ethernet", "unknown key"),
+]
+
+
+@pytest.mark.parametrize("change,key,phrase", BAD, ids=[b[1] + ":" + b[2][:20] for b in BAD])
+def test_bad_names_and_keys_name_the_key(change, key, phrase):
+    with pytest.raises(ConfigError) as info:
+        parse({**NAMED, **change})
+    assert str(info.value).startswith(f"cat.yaml: {key}: "), info.value
+    assert phrase in str(info.value)
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ConfigError, match="nvlink3") as info:
+        parse({**NAMED, "intra": "nvlink"})
+    assert all(n in str(info.value) for n in link_names())
+    with pytest.raises(ConfigError) as info:
+        parse({**NAMED, "gpu": "b200"})
+    assert all(n in str(info.value) for n in device_names())
+
+
+def test_what_is_missing_without_names():
+    bare = {"nodes": 2, "devices_per_node": 8}
+    with pytest.raises(ConfigError, match="cluster.memory_gib: missing required key.*cluster.gpu"):
+        parse(bare)
+    with pytest.raises(ConfigError, match="cluster.links: missing required key 'links'"):
+        parse({**bare, "gpu": "l4", "intra": "pcie4"})
+    with pytest.raises(ConfigError, match="cluster.links.inter: missing required key 'inter'"):
+        parse({**bare, "gpu": "l4", "intra": "pcie4", "links": {}})
+    with pytest.raises(ConfigError, match="cluster.links.inter.bandwidth_gbps: missing"):
+        parse({**bare, "gpu": "l4", "intra": "pcie4", "links": {"inter": {"latency_us": 3}}})
+
+
+def test_cluster_objects_and_plans_round_trip(tmp_path):
+    c = dataclasses.replace(catalogue_cluster("h100", 2, 8, "nvlink4", "8x-ib-ndr400"),
+                            intra=Link(3e-7, 1 / 370e9, 1.7e-6 / 3))
+    assert parse(section_mapping(c)) == c
+    assert parse(section_mapping(c)).device == c.device
+    config = load_config(ROOT / "configs" / "gpt-13b-a100-2x8.yaml").with_overrides(
+        {"model.layers": 1, "model.hidden": 256, "model.heads": 4, "model.vocab": 512,
+         "model.seq_len": 64})
+    plan = solve(config, baselines=False)
+    plan.save(tmp_path / "p.json")
+    again = parse_config(Plan.load(tmp_path / "p.json").config).cluster
+    assert again == config.cluster and again.device == config.cluster.device
+    assert again.collectives == "nccl" and again.inter == catalogue_link("8x-ib-hdr200")
+
+
+# -- the collective model, by hand ---------------------------------------------------------------
+
+INTRA = Link(alpha=1e-6, beta=1e-9, launch=5e-6)
+INTER = Link(alpha=1e-5, beta=1e-8, launch=5e-6)
+
+
+def test_allreduce_ring_and_tree_by_hand():
+    # 16 devices on 4 nodes (4 each), n = 10,000 bytes:
+    # ring: 5 + 2(16-4)·1 + 2(4-1)·10 = 89 µs, plus 2·15/16 · n · 1e-8 = 187.5 µs
+    # tree: 5 + 2((4-1)·1 + log2(4)·10) = 51 µs, plus 2n · 1e-8 / 0.9 = 222.2 µs
+    t = nccl_allreduce_times(16, 10_000, INTRA, INTER, nodes=4)
+    assert t["ring"] == pytest.approx(89e-6 + 187.5e-6)
+    assert t["tree"] == pytest.approx(51e-6 + 2e-4 / 0.9)
+    assert nccl_time(AR, 16, 10_000, INTRA, INTER, 4) == min(t.values())
+
+
+def test_ring_tree_switch_point():
+    # tree wins while its 38 µs latency saving exceeds its extra bandwidth time:
+    # 38e-6 = n · 1e-8 · (2/0.9 - 2·15/16)  ->  n* = 10,944 bytes
+    switch = 38e-6 / (1e-8 * (2 / 0.9 - 2 * 15 / 16))
+    assert switch == pytest.approx(10_944, abs=1)
+    assert nccl_algorithm(16, switch * 0.99, INTRA, INTER, 4) == "tree"
+    assert nccl_algorithm(16, switch * 1.01, INTRA, INTER, 4) == "ring"
+    # inside one node the tree is a chain: ring latency, less bandwidth — never chosen
+    assert all(nccl_algorithm(8, n, INTRA, INTER, 1) == "ring" for n in (0, 8, 1e3, 1e9))
+    # a deeper tree: 64 single-device nodes, log2(64) = 6 crossings against the ring's 126
+    assert nccl_allreduce_times(64, 0, INTRA, INTER, 64)["tree"] == pytest.approx(5e-6 + 12e-5)
+
+
+def test_catalogue_switch_point_and_launch_cost():
+    c = catalogue_cluster("a100-80gb", 2, 8, "nvlink3", "8x-ib-hdr200")
+    ai, ao, beta = c.intra.alpha, c.inter.alpha, c.inter.beta
+    saving = (2 * 14 * ai + 2 * ao) - 2 * (7 * ai + ao)  # ring minus tree latency
+    switch = saving / (beta * (2 / 0.9 - 2 * 15 / 16))
+    assert 3e6 < switch < 4e6  # 3.6 MB, as the cost model's docstring says
+    assert nccl_algorithm(16, switch * 0.99, c.intra, c.inter, 2) == "tree"
+    assert nccl_algorithm(16, switch * 1.01, c.intra, c.inter, 2) == "ring"
+    # every call pays the launch once; a single device issues no call
+    assert nccl_time(AR, 1, 1e6, c.intra, c.inter) == 0.0
+    assert nccl_time(CollectiveKind.P2P, 2, 0, c.intra, c.inter) == c.intra.launch + ai
+    gather = nccl_time(CollectiveKind.ALL_GATHER, 16, 1600, c.intra, c.inter, 2)
+    assert gather == pytest.approx(c.inter.launch + 14 * ai + ao + 15 / 16 * 1600 * beta)
+
+
+def test_ring_model_is_the_textbook_formula_plus_launch():
+    raw = Link(alpha=2e-6, beta=3e-9)
+    assert collective_time(AR, 8, 1000, raw) == 2 * 7 * 2e-6 + 2 * 7 / 8 * 1000 * 3e-9
+    with_launch = Link(2e-6, 3e-9, launch=4e-6)
+    assert collective_time(AR, 8, 1000, with_launch) == pytest.approx(
+        collective_time(AR, 8, 1000, raw) + 4e-6)
+
+
+# -- one collective or a chain ------------------------------------------------------------------
+
+FACT = (MeshAxis(2, 8),)
+
+
+def _program(cluster: Cluster, nbytes: int):
+    tensor = TensorSpec((nbytes // 4,), "float32")
+    return plan_redistribution(Layout(FACT, (P,)), Layout(FACT, (B,)), tensor, cluster)
+
+
+def test_catalogue_cluster_issues_one_allreduce_where_nccl_would():
+    cat = catalogue_cluster("a100-80gb", 2, 8, "nvlink3", "8x-ib-hdr200")
+    ring = dataclasses.replace(cat, collectives="ring", intra=Link(cat.intra.alpha, cat.intra.beta),
+                               inter=Link(cat.inter.alpha, cat.inter.beta))
+    for nbytes in (1024, 2**16, 2**20):
+        one = _program(cat, nbytes)
+        assert [c.kind for c in one.forward] == [AR], nbytes
+        assert one.forward_seconds == pytest.approx(
+            nccl_time(AR, 16, nbytes, cat.intra, cat.inter, nodes=2))
+        # the textbook ring (same α and β, no launch) saves α with a reduce-scatter and
+        # pairwise gathers: cheaper under that model, dearer under NCCL's
+        chain = _program(ring, nbytes)
+        assert len(chain.forward) > 2
+        assert chain.forward_seconds < collective_time(AR, 16, nbytes, ring.inter)
+        priced_as_nccl = sum(nccl_time(c.kind, c.group_size, c.bytes, cat.intra, cat.inter,
+                                       c.nodes) for c in chain.forward)
+        assert priced_as_nccl > one.forward_seconds
+
+
+def test_a_chain_only_where_cheaper_under_the_model():
+    cat = catalogue_cluster("a100-80gb", 2, 8, "nvlink3", "8x-ib-hdr200")
+    for nbytes in (2**10, 2**20, 2**24, 2**28):
+        prog = _program(cat, nbytes)
+        single = nccl_time(AR, 16, nbytes, cat.intra, cat.inter, nodes=2)
+        if len(prog.forward) > 1:  # a chain: strictly cheaper than the one AllReduce
+            assert prog.forward_seconds < single
+        else:
+            assert prog.forward_seconds == pytest.approx(single)
+    # large: a reduce-scatter then gathers inside the node (NVLink) beats moving all of
+    # it at the inter-node bus bandwidth
+    big = _program(cat, 2**28)
+    assert [c.kind for c in big.forward][0] is CollectiveKind.REDUCE_SCATTER
+    assert big.forward_seconds < nccl_time(AR, 16, 2**28, cat.intra, cat.inter, nodes=2)
+
+
+# -- executed as planned ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_catalogue_plan_runs_audited_under_torchrun(tmp_path):
+    """A plan priced with the NCCL model (catalogue names, 2 nodes × 2) runs under torchrun:
+    the collectives executed equal the planned ones, and it trains like one process."""
+    raw = copy.deepcopy(load_config(ROOT / "configs" / "tiny-gpt-cpu.yaml").raw)
+    raw["cluster"] = {"gpu": "a100-80gb", "nodes": 2, "devices_per_node": 2,
+                      "intra": "nvlink3", "inter": "ib-hdr200"}
+    plan = solve(parse_config(raw), baselines=False)
+    assert parse_config(plan.config).cluster.collectives == "nccl"
+    plan.save(tmp_path / "cat.json")
+    res = run([sys.executable, "-m", "ilp_planner.cli", "run", str(tmp_path / "cat.json"),
+               "--nproc-per-node", "4", "--steps", "2", "--quiet", "--audit",
+               "--check-reference", "--results", str(tmp_path / "r.json")], timeout=300)
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    (result,) = json.loads((tmp_path / "r.json").read_text())
+    assert result["audit_ok"] is True
+    assert "MISMATCH" not in res.stdout
+    assert math.isfinite(plan.step_s)
