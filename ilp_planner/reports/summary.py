@@ -66,8 +66,9 @@ def _plural(n: int, word: str) -> str:
 
 
 def _link(link: Link) -> str:
+    launch = f", launch {link.launch * 1e6:g} µs per call" if link.launch else ""
     return (f"α = {link.alpha * 1e6:g} µs, β = {link.beta:.3g} s/B "
-            f"({link.bandwidth_gbps:g} Gb/s)")
+            f"({link.bandwidth_gbps:g} Gb/s){launch}")
 
 
 def graph_summary(graph: Graph) -> list[str]:
@@ -90,13 +91,20 @@ def graph_summary(graph: Graph) -> list[str]:
 
 
 def cluster_summary(cluster: Cluster) -> list[str]:
+    """The cluster's sizes, device, links and (where not the textbook ring) its collective
+    model."""
+    device = f" ({cluster.device.name})" if cluster.device is not None else ""
+    model = [] if cluster.collectives == "ring" else [
+        f"collectives {cluster.collectives}: the algorithm NCCL picks (ring or tree by size "
+        f"and group), a launch cost per call"]
     return [
         f"cluster   {cluster.name}: {_plural(cluster.nodes, 'node')} × "
-        f"{_plural(cluster.devices_per_node, 'device')} = {cluster.num_devices}; "
-        f"{_bytes(cluster.memory_bytes)} and "
+        f"{_plural(cluster.devices_per_node, 'device')}{device} = "
+        f"{cluster.num_devices}; {_bytes(cluster.memory_bytes)} and "
         f"{cluster.peak_flops / 1e12:g} TFLOP/s each (efficiency {cluster.efficiency:g})",
         f"intra     {_link(cluster.intra)}",
         f"inter     {_link(cluster.inter)}",
+        *model,
     ]
 
 
