@@ -37,6 +37,14 @@ one protocol (LL's latency with Simple's bandwidth: the lower envelope of NCCL's
 protocols, optimistic between ~64 KiB and a few MiB), no NVLink SHARP / CollNet, no
 per-size tree correction.
 
+The intra-op ILP prices fused gradient buckets as a latency per chunk plus each op's bytes
+at its own rate (:mod:`ilp_planner.lowering.grad_buckets`): exact for an affine price (the
+ring model), and under ``nccl`` exact wherever an op's gradient and the chunks it is fused
+into fall on the same side of the ring/tree switch (on the shipped 13B config to 1e-12);
+otherwise the plan's priced chunks differ from the ILP's objective by the difference of the
+two algorithms' rates on the bytes concerned (1e-4 relative on a tiny GPT with 25 MiB
+buckets on nvlink3 + ib-hdr200).
+
 A group that crosses nodes without saying how many (``nodes=None``) is taken to have
 every rank on its own node — every step crosses, as the ring model assumes. All functions
 are pure; nothing here knows about graphs or solvers.
