@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ilp_planner.api import solve
-from ilp_planner.errors import ConfigError
+from ilp_planner.errors import ConfigError, LayoutError
 from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config, parse_config, section_mapping
 from ilp_planner.intra_op.problem import build_problem
@@ -284,7 +284,53 @@ def test_bucketed_gradients_under_nccl_price_close_to_the_ilp_objective(cap):
                                              rel=1e-9 if cap < 2**20 else 1e-3)
 
 
+def test_nccl_programs_are_the_cheapest_under_their_model_and_issue_fewer_calls(monkeypatch):
+    """Over the sample the gloo check runs (below), the catalogue cluster's programs are
+    never dearer under the NCCL model than the ring model's programs priced the same way,
+    many differ, and together they issue fewer collective calls."""
+    from tests.helpers.redistribute_check import cases, setting
+
+    ring, facts, shapes = setting(8)
+    monkeypatch.setenv("CATALOGUE_CLUSTER", "1")
+    cat = setting(8)[0]
+
+    def nccl_price(red) -> float:
+        return sum(nccl_time(c.kind, c.group_size, c.bytes, cat.intra, cat.inter, c.nodes)
+                   for c in red.forward + red.backward)
+
+    calls = {"ring": 0, "nccl": 0}
+    differ = 0
+    for i, (shape, src, dst) in enumerate(cases(facts, shapes)):
+        tensor = TensorSpec(shape, "float32")
+        if i % 211:
+            continue
+        try:
+            a, b = (plan_redistribution(src, dst, tensor, c) for c in (ring, cat))
+        except LayoutError:
+            continue
+        assert b.seconds == pytest.approx(nccl_price(b))
+        assert b.seconds <= nccl_price(a) * (1 + 1e-9), (src, dst)
+        calls["ring"] += len(a.forward + a.backward)
+        calls["nccl"] += len(b.forward + b.backward)
+        differ += [c.kind for c in a.forward + a.backward] != [c.kind for c in b.forward + b.backward]
+    assert differ > 50 and calls["nccl"] < calls["ring"], (differ, calls)
+
+
 # -- executed as planned ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_nccl_model_programs_run_on_gloo_and_give_the_unsharded_values(monkeypatch):
+    """The redistribution programs the NCCL model picks on a catalogue 2 × 4 cluster (one
+    AllReduce where the ring model would chain) run forward and backward on 8 gloo
+    processes and every rank holds the block of the unsharded tensor."""
+    monkeypatch.setenv("CASE_STRIDE", "211")
+    monkeypatch.setenv("CATALOGUE_CLUSTER", "1")
+    res = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
+               str(ROOT / "tests" / "helpers" / "redistribute_check.py")], timeout=300)
+    lines = [x for x in res.stdout.splitlines() if x.startswith(("OK", "BAD", "cases"))]
+    assert res.returncode == 0, "\n".join(x for x in lines if not x.startswith("OK"))[-3000:]
+    assert lines[-1].endswith("bad 0") and int(lines[-1].split()[1]) > 200
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
 from ilp_planner.ir.graph import TensorSpec
 from ilp_planner.ir.layouts import B, Layout, P, S, grad_layout
+from ilp_planner.ir.links import catalogue_cluster
 from runtime.comm import Comm
 from runtime.mesh import MeshRegistry
 
@@ -22,10 +23,13 @@ from runtime.mesh import MeshRegistry
 def setting(world: int) -> tuple[Cluster, list, list]:
     """Cluster, meshes and shapes: on 8 ranks a 2 × 4 cluster with (8,), (2, 4), (4, 2) and
     (2, 2, 2) — axes inside and across nodes, (4, 2)'s first axis not in ``arange`` order —
-    else one node with (world,) and (2, world / 2)."""
+    else one node with (world,) and (2, world / 2). With ``CATALOGUE_CLUSTER`` set, the
+    2 × 4 cluster is named from the catalogue, so its programs are NCCL-model choices."""
     link = Link(1e-5, 1e-9)
     if world == 8:
         cluster = Cluster(2, 4, 1e12, 1e12, link, Link(3e-5, 4e-9))
+        if os.environ.get("CATALOGUE_CLUSTER"):  # the NCCL collective model's programs
+            cluster = catalogue_cluster("a100-80gb", 2, 4, "nvlink3", "ib-hdr200")
         facts = [(MeshAxis(2, 4),), (MeshAxis(2, 1), MeshAxis(1, 4)), (MeshAxis(2, 2), MeshAxis(1, 2)),
                  (MeshAxis(2, 1), MeshAxis(1, 2), MeshAxis(1, 2))]
         return cluster, facts, [(16, 24), (13, 10), (8, 8, 16), (11, 9, 10)]
