@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from ilp_planner import cli
 from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError, LayoutError
 from ilp_planner.inputs import models
@@ -33,6 +34,7 @@ from ilp_planner.lowering.cost_model import (
 )
 from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.plan.data import Plan
+from ilp_planner.reports.explain import explain, fmt_bytes
 from tests.helpers.procs import ROOT, run
 
 AR = CollectiveKind.ALL_REDUCE
@@ -168,6 +170,22 @@ def test_cluster_objects_and_plans_round_trip(tmp_path):
     again = parse_config(Plan.load(tmp_path / "p.json").config).cluster
     assert again == config.cluster and again.device == config.cluster.device
     assert again.collectives == "nccl" and again.inter == catalogue_link("8x-ib-hdr200")
+    # the reports read the cluster by its names and the figures they stand for
+    text = explain(Plan.load(tmp_path / "p.json"))
+    assert "2 × 8 a100-40gb devices, 40 GiB and 312 TFLOP/s each; intra nvlink3; " \
+           "inter 8x-ib-hdr200; nccl collectives" in text
+    assert f"of {fmt_bytes(config.cluster.memory_bytes)}" in text
+
+
+def test_reshard_reads_a_catalogue_cluster_file(capsys):
+    args = ["reshard", "--shape", "8,8", "--src-mesh", "1x2", "--dst-mesh", "1x2",
+            "--src-spec", "RR", "--dst-spec", "RR", "--algo", "naive", "--no-compare",
+            "--cluster", str(ROOT / "configs" / "gpt-13b-a100-2x8.yaml"), "--json"]
+    assert cli.main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    nv, ib = catalogue_link("nvlink3"), catalogue_link("8x-ib-hdr200")
+    assert Link(**d["links"]["intra"]) == nv and Link(**d["links"]["inter"]) == ib
+    assert d["dst"]["mesh"]["devices_per_node"] == 8
 
 
 # -- the collective model, by hand ---------------------------------------------------------------

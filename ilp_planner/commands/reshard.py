@@ -10,9 +10,10 @@ Example (Zhuang et al. Table 2, case 3)::
 Meshes are NODESxDEVICES. The source starts at host ``--src-node0`` (0), the destination
 right after the source's hosts unless ``--dst-node0`` says otherwise. Link parameters come
 from ``--cluster FILE`` (any YAML with a ``cluster:`` section holding ``links: {intra,
-inter}`` — a planner config or a ``calibrate`` fragment — and optionally
-``devices_per_node``) and/or the link flags, which win; without either, Zhuang et al.'s cluster:
-4 GPUs per host, NVLink 1200 Gb/s and 5 µs inside a host, 10 Gb/s and 10 µs between hosts.
+inter}`` or catalogue ``intra:`` / ``inter:`` names — a planner config or a ``calibrate``
+fragment — and optionally ``devices_per_node``) and/or the link flags, which win; without
+either, Zhuang et al.'s cluster: 4 GPUs per host, NVLink 1200 Gb/s and 5 µs inside a host,
+10 Gb/s and 10 µs between hosts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import yaml
 
 from formulations.cross_mesh import ALGORITHMS, SchedulerOptions
 from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import parse_links
 from ilp_planner.inputs.config_keys import MAX_SECONDS, MAX_SEED, MAX_THREADS, PHYSICAL_MAX
 from ilp_planner.inputs.files import prepare_output
 from ilp_planner.inputs.limits import limit
@@ -89,20 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _link_from(d: Any, where: str) -> Link:
-    if not isinstance(d, dict):
-        raise ConfigError("expected a mapping {latency_us, bandwidth_gbps} or {alpha, beta}",
-                          source=where[0], key=where[1])
-    if set(d) == {"alpha", "beta"}:
-        return Link(float(d["alpha"]), float(d["beta"]))
-    if set(d) == {"latency_us", "bandwidth_gbps"}:
-        return Link.from_bandwidth(float(d["latency_us"]), float(d["bandwidth_gbps"]))
-    raise ConfigError(f"expected keys latency_us + bandwidth_gbps or alpha + beta, got "
-                      f"{sorted(d)}", source=where[0], key=where[1])
-
-
 def _cluster_file(path: str) -> dict[str, Any]:
-    """``devices_per_node``, ``intra``, ``inter`` found under ``cluster:`` in ``path``."""
+    """``devices_per_node``, ``intra``, ``inter`` found under ``cluster:`` in ``path`` (links
+    as numbers, catalogue names or both, read as a config's are)."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
@@ -110,14 +101,10 @@ def _cluster_file(path: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid YAML: {exc}", source=path) from None
     cluster = (data or {}).get("cluster") if isinstance(data, dict) else None
-    if not isinstance(cluster, dict) or not isinstance(cluster.get("links"), dict):
-        raise ConfigError("expected a cluster: section with links: {intra, inter}", source=path,
-                          key="cluster.links")
-    out: dict[str, Any] = {}
-    for level in ("intra", "inter"):
-        if level not in cluster["links"]:
-            raise ConfigError(f"missing {level!r}", source=path, key="cluster.links")
-        out[level] = _link_from(cluster["links"][level], (path, f"cluster.links.{level}"))
+    if not isinstance(cluster, dict):
+        raise ConfigError("expected a cluster: section with links: {intra, inter} or named "
+                          "intra: and inter: links", source=path, key="cluster")
+    out: dict[str, Any] = dict(zip(("intra", "inter"), parse_links(cluster, path), strict=True))
     if "devices_per_node" in cluster:
         out["devices_per_node"] = int(cluster["devices_per_node"])
     return out

@@ -478,6 +478,28 @@ def _parse_cluster(r: Reader, value: Any, dtype: str) -> Cluster:
                    efficiency, name, device, collectives)
 
 
+def parse_cluster(raw: Mapping[str, Any], source: str | None = None) -> Cluster:
+    """The cluster of a configuration document alone (a plan's ``config``), without building
+    its model. The peak follows the dtype the document states (``model.dtype``, float32
+    where absent: a ``torch`` module's own dtype is known to :func:`parse_config` only)."""
+    r = Reader(source)
+    if not isinstance(raw, Mapping) or "cluster" not in raw:
+        r.fail("cluster", "missing required key 'cluster'")
+    model = raw.get("model")
+    dtype = str(model.get("dtype", "float32")) if isinstance(model, Mapping) else "float32"
+    return _parse_cluster(r, section_mapping(raw["cluster"]), dtype)
+
+
+def parse_links(section: Mapping[str, Any], source: str | None = None) -> tuple[Link, Link]:
+    """The intra- and inter-node links of a ``cluster:`` section — names, numbers or both —
+    leaving its other keys unread: what a command that needs the links alone takes from a
+    cluster file."""
+    r = Reader(source)
+    if not isinstance(section, Mapping):
+        r.fail("cluster", f"expected a mapping, got {section!r}")
+    return _parse_links(r, dict(section))
+
+
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:
     """Bytes per parameter, and the gradient bucket cap in bytes."""
     d = _section(r, value, "training")

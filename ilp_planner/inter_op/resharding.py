@@ -498,8 +498,8 @@ class ReshardingPlan:
             return {"node0": m.node0, "nodes": m.nodes, "local0": m.local0,
                     "devices": m.devices, "devices_per_node": m.devices_per_node}
 
-        def link(x: Link) -> dict:
-            return {"alpha": x.alpha, "beta": x.beta}
+        def link(x: Link) -> dict:  # a launch cost only where there is one (older form)
+            return {"alpha": x.alpha, "beta": x.beta, **({"launch": x.launch} if x.launch else {})}
 
         return {
             "tensor": {"shape": list(self.tensor.shape), "dtype": self.tensor.dtype},

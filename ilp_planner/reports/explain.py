@@ -38,7 +38,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from formulations.result import SolveStats
-from ilp_planner.ir.cluster import fact_str
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import parse_cluster
+from ilp_planner.ir.cluster import Cluster, fact_str
 from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
@@ -268,29 +270,46 @@ def _model_line(config: dict) -> str:
 
 
 def _cluster_line(config: dict) -> str:
+    """The cluster as the config gives it: numbers as written, catalogue names by name (with
+    the figures they stand for)."""
     c = config.get("cluster") or {}
     name = f"{c['name']}: " if "name" in c else ""
     links = c.get("links") or {}
+    cluster = _parsed_cluster(config)
 
     def link(level: str) -> str:
         d = links.get(level) or {}
+        named = f" {c[level]}" if isinstance(c.get(level), str) else ""
         if "bandwidth_gbps" in d:
-            return f"{level} {d.get('bandwidth_gbps')} Gb/s, {d.get('latency_us')} µs"
+            return f"{level}{named} {d.get('bandwidth_gbps')} Gb/s, {d.get('latency_us')} µs"
         if "beta" in d:
-            return f"{level} α {d.get('alpha')} s, β {d.get('beta')} s/B"
-        return f"{level} ?"
+            return f"{level}{named} α {d.get('alpha')} s, β {d.get('beta')} s/B"
+        return f"{level}{named}" if named else f"{level} ?"
 
-    return (f"cluster   {name}{c.get('nodes')} × {c.get('devices_per_node')} devices, "
-            f"{c.get('memory_gib')} GiB and {c.get('peak_tflops')} TFLOP/s each; "
-            f"{link('intra')}; {link('inter')}")
+    def figure(key: str, value: float | None) -> object:
+        return c[key] if key in c else (f"{value:g}" if value is not None else None)
+
+    gpu = f" {c['gpu']}" if isinstance(c.get("gpu"), str) else ""
+    memory = figure("memory_gib", cluster and cluster.memory_bytes / _GIB)
+    peak = figure("peak_tflops", cluster and cluster.peak_flops / 1e12)
+    model = f"; {cluster.collectives} collectives" if cluster and cluster.collectives != "ring" \
+        else ""
+    return (f"cluster   {name}{c.get('nodes')} × {c.get('devices_per_node')}{gpu} devices, "
+            f"{memory} GiB and {peak} TFLOP/s each; {link('intra')}; {link('inter')}{model}")
+
+
+def _parsed_cluster(config: dict) -> Cluster | None:
+    """The config's cluster, or None where a (hand-edited) plan's cluster does not parse:
+    the report still prints what it can."""
+    try:
+        return parse_cluster(config)
+    except ConfigError:
+        return None
 
 
 def _budget(plan: Plan) -> float | None:
-    gib = (plan.config.get("cluster") or {}).get("memory_gib")
-    try:
-        return float(gib) * _GIB
-    except (TypeError, ValueError):
-        return None
+    cluster = _parsed_cluster(plan.config)
+    return None if cluster is None else cluster.memory_bytes
 
 
 def stage_layers_text(layers: Sequence[str]) -> str:
