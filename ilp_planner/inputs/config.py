@@ -17,6 +17,12 @@ graph), a cluster, the training memory model, and solver / pipeline options, e.g
     solver: {time_limit_s: 60}
     pipeline: {stages: auto, microbatches: 4}
 
+or, by catalogue names (:mod:`ilp_planner.ir.device`, :mod:`ilp_planner.ir.links`), any raw
+number given beside them overriding the figure it names::
+
+    cluster: {gpu: a100-80gb, nodes: 16, devices_per_node: 8, intra: nvlink3,
+              inter: 8x-ib-hdr200}
+
 Every key, its type, default and meaning is declared once, in
 :data:`ilp_planner.inputs.config_keys.SECTIONS`; this module's parsers read the allowed keys
 and the plain values' checks from there, and
