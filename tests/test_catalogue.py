@@ -98,6 +98,16 @@ def test_numbers_override_the_catalogue():
     assert fitted.inter == Link(1e-5, 1e-10, 0.0)
 
 
+def test_sweeps_and_overrides_set_names_by_dotted_key():
+    config = load_config(ROOT / "configs" / "gpt-13b-a100-2x8.yaml")
+    faster = config.with_overrides({"cluster.inter": "8x-IB-NDR400", "cluster.gpu": "h100"})
+    assert faster.cluster.inter == catalogue_link("8x-ib-ndr400")
+    assert faster.cluster.peak_flops == 989e12 and faster.cluster.name == "2x8-h100-sxm"
+    slower = config.with_overrides({"cluster.links.inter.bandwidth_gbps": 100})
+    assert slower.cluster.inter.beta == 8 / 100e9
+    assert slower.cluster.inter.launch == config.cluster.inter.launch
+
+
 def test_collective_model_defaults_and_choice():
     raw = {"nodes": 2, "devices_per_node": 8, "memory_gib": 80, "peak_tflops": 312,
            "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 2400},
