@@ -41,15 +41,9 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
 
     def peak(self, dtype: str) -> float:
-        """Dense peak FLOP/s for ``dtype`` (``float16`` and ``bfloat16`` share tensor cores
-        where the datasheet lists one; ``float64`` and the integer types run at fp32's)."""
-        if dtype in self.peak_flops:
-            return self.peak_flops[dtype]
-        if dtype in ("float16", "bfloat16"):
-            other = "bfloat16" if dtype == "float16" else "float16"
-            if other in self.peak_flops:
-                return self.peak_flops[other]
-        return self.peak_flops["float32"]
+        """Dense peak FLOP/s for ``dtype``; a dtype the device has no fast path for
+        (``bfloat16`` on a V100, ``float64``, integers) runs at fp32's peak."""
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
 
 
 def _spec(name: str, memory_gib: float, fp32: float, half: float, hbm_gbs: float,
