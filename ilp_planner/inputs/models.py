@@ -510,6 +510,10 @@ def _check_explicit_op(r: Reader, path: str, kind: OpKind, out: TensorSpec,
         if out.shape[-1] % attrs["heads"]:
             r.fail(join(join(path, "attrs"), "heads"),
                    f"hidden size {out.shape[-1]} is not divisible by {attrs['heads']} heads")
+    elif kind is OpKind.MOE:
+        for a in ("experts", "top_k", "ffn"):
+            if a not in attrs:
+                r.fail(join(path, "attrs"), f"a moe op needs attrs.{a} (see ilp_planner/ir/graph.py)")
     elif kind is OpKind.POOL and "kernel" not in attrs:
         if out.rank == 4 and in_shapes and len(in_shapes[0]) == 4:
             attrs["kernel"] = max(1, in_shapes[0][-1] // out.shape[-1])
