@@ -39,7 +39,13 @@ import numpy as np
 
 from formulations.problem import Problem
 from formulations.sbp_ilp import SbpIlp
-from ilp_planner.intra_op.moe_baselines import deepspeed_moe_filter, has_moe, moe_grid_filter, with_moe
+from ilp_planner.intra_op.moe_baselines import (
+    deepspeed_moe_filter,
+    has_moe,
+    moe_grid_filter,
+    replicated_experts_filter,
+    with_moe,
+)
 from ilp_planner.intra_op.problem import GraphProblem, peak_memory
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
@@ -150,7 +156,8 @@ def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, 
     """Best choice (full-problem strategy indices) per baseline name, or a reason string."""
     nodes, local = gp.ctx.nodes, gp.ctx.local
     out: dict[str, list[int] | str] = {}
-    dp = _solve_restricted(gp, data_parallel_filter(MeshAxis(nodes, local)), time_limit_s)
+    dp = _solve_restricted(gp, with_moe(data_parallel_filter(MeshAxis(nodes, local)),
+                                        replicated_experts_filter(nodes * local)), time_limit_s)
     out["data_parallel"] = dp if isinstance(dp, str) else dp[0]
     if has_moe(gp.graph):
         ds = _solve_restricted(gp, with_moe(data_parallel_filter(MeshAxis(nodes, local)),

@@ -2,6 +2,7 @@
 intra_op.baselines` wraps its per-op filters with these for :data:`OpKind.MOE
 <ilp_planner.ir.graph.OpKind>` ops; every other op keeps its baseline's filter):
 
+* data parallel — every expert replicated, tokens split over every device;
 * DeepSpeed-MoE — expert parallelism inside data parallelism: tokens split over every
   device, experts split over an EP group of ``gcd(experts, devices)`` data-parallel devices
   (the rest expert data parallel), no expert tensor parallelism, state replicated;
@@ -37,6 +38,13 @@ def with_moe(keep: MoeFilter, moe_keep: MoeFilter) -> MoeFilter:
 def _degrees(s: Strategy) -> tuple[int, int, int]:
     p0, p1, p2 = (a.size for a in s.fact)
     return p0, p1, p2
+
+
+def replicated_experts_filter(devices: int) -> MoeFilter:
+    """Plain data parallelism: tokens over every device, every expert on every device."""
+    def keep(op: Op, s: Strategy) -> bool:
+        return s.zero == 0 and _degrees(s) == (devices, 1, 1)
+    return keep
 
 
 def deepspeed_moe_filter(devices: int) -> MoeFilter:
