@@ -86,6 +86,19 @@ def test_bad_moe_keys_name_the_key(key, value, words):
         parse_config(data, "moe.yaml")
 
 
+def test_an_explicit_moe_op_needs_its_attrs_and_counts_its_params():
+    op = {"name": "m", "kind": "moe", "inputs": ["x"], "shape": [8, 16]}
+    spec = {"kind": "graph", "ops": [{"name": "x", "kind": "input", "shape": [8, 16]}, op,
+                                     {"name": "loss", "kind": "loss", "inputs": ["m"], "shape": [1]}]}
+    with pytest.raises(ConfigError, match=r"model.ops\[1\].attrs: a moe op needs attrs.experts"):
+        models.graph_from_spec(spec, "g.yaml")
+    op["attrs"] = {"experts": 4, "top_k": 2, "ffn": 8}
+    g = models.graph_from_spec(spec, "g.yaml")
+    assert g["m"].params == 16 * 4 + 3 * 16 * 4 * 8
+    assert g["m"].flops == 2.0 * 8 * 16 * (4 + 3 * 2 * 8)  # as the builder counts
+    assert models.graph_from_spec(models.graph_to_spec(g)).ops == g.ops
+
+
 def _moe_op(tokens: int = 64, h: int = 32, e: int = 4, f: int = 48, cf: int = 200,
             **extra: int) -> Op:
     attrs = {"experts": e, "top_k": 2, "ffn": f, "capacity_pct": cf, "swiglu": 1,

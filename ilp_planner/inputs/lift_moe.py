@@ -112,5 +112,5 @@ def lift_moe(g: DraftGraph, call: Call) -> Any:
                 weight=(e, h, f), params=names, flops=flops, experts=e, top_k=k, ffn=f,
                 capacity_pct=-(-100 * e // k), swiglu=1,
                 norm_topk=int(bool(norm)),
-                shared=0, shared_ffn=0, fused_gate_up=1)
+                shared=0, shared_ffn=0)
     return Act(act.src, tuple(call.val.shape), act.dtype)

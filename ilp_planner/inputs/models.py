@@ -311,6 +311,7 @@ def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
     """Forward FLOPs when an explicit op gives none, with the builders' conventions:
     2·out·K for matmuls/linears (K = weight rows or the first input's last dim),
     2·out·(C_in·k·k) for convolutions, 4·tokens·seq·h for attention, 8·out for layernorm,
+    2·out·(E + m·(top_k·f + S·f_s)) for an MoE (m = 3 SwiGLU, 2 GELU matrices),
     0 for inputs and flatten, one FLOP per output element otherwise."""
     n = float(out.numel)
     if kind in (OpKind.LINEAR, OpKind.MATMUL):
@@ -325,6 +326,10 @@ def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
         return 4.0 * n * attrs.get("seq_len", 1)
     if kind is OpKind.LAYERNORM:
         return 8.0 * n
+    if kind is OpKind.MOE and out.rank == 2:  # router, top_k experts and shared ones per token
+        m = 3 if attrs.get("swiglu", 1) else 2
+        return 2.0 * n * (attrs["experts"] + m * (attrs["top_k"] * attrs["ffn"] + attrs.get(
+            "shared", 0) * attrs.get("shared_ffn", 0)))
     if kind in (OpKind.INPUT, OpKind.FLATTEN):
         return 0.0
     return n
@@ -424,6 +429,7 @@ def _spec_op(r: Reader, d: Mapping[str, Any], path: str, op_name: str, kind: OpK
     attrs = _spec_attrs(r, d.get("attrs", {}), join(path, "attrs"))
     _check_explicit_op(r, path, kind, out, weight, in_shapes, attrs)
     params = (r.nonneg_int(d["params"], join(path, "params")) if "params" in d
+              else moe_params(attrs, out.shape[-1]) if kind is OpKind.MOE
               else (weight.numel if weight is not None else 0))
     if kind is OpKind.LINEAR and weight is not None:
         attrs.setdefault("bias", int(params == weight.numel + weight.shape[1]))
