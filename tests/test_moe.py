@@ -31,6 +31,8 @@ from ilp_planner.lowering.moe_strategies import (
     moe_param_shapes,
 )
 from ilp_planner.lowering.strategies import StrategyContext, grad_sync, op_strategies, param_layouts
+from ilp_planner.reports.explain import explain
+from ilp_planner.testing import restricted_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 ADAM = MemorySpec.preset("adam")
@@ -244,3 +246,16 @@ def test_large_moe_configs_solve_optimal_with_expert_parallelism(name):
     moe = [ly for ly in layers if ly.name.endswith(".moe")]
     assert len(moe) == config.model["layers"]
     assert all(",ep=" in ly.strategy and ",ep=1," not in ly.strategy for ly in moe)
+
+
+def test_explain_lists_the_all_to_alls_with_their_bytes():
+    """A plan lists every collective it will issue: an expert-parallel layer's dispatch and
+    combine AllToAlls, forward and backward, each E·C·h·4 bytes over the EP group."""
+    config = load_config(CONFIGS / "tiny-moe-cpu.yaml")
+    plan = restricted_plan(config, lambda op, s: op.kind is not OpKind.MOE
+                           or s.label == "moe(dp=2,ep=4,etp=1)")
+    text = explain(plan)
+    assert "h.0.moe [moe] moe(dp=2,ep=4,etp=1) on mesh (2, 4, 1)" in text
+    for purpose in (DISPATCH, COMBINE):
+        for phase in ("fwd", "bwd"):  # 64 tokens over 8 devices: C = 8 slots per expert
+            assert f"all_to_all {phase} {purpose}: group 4 (intra, axes 1), 4.00 KiB" in text
