@@ -152,6 +152,10 @@ def _check_applicable(plan: Plan, config: Config, layers: dict[str, LayerPlan],
     for op in config.graph.ops:
         if op.kind is not OpKind.INPUT and op.name not in layers:
             raise RuntimeSetupError(f"the plan has no layer for op {op.name!r}")
+        if op.kind is OpKind.MOE:  # runtime.moe runs them on the runtime's own models
+            raise RuntimeSetupError(f"op {op.name!r} is a mixture of experts, which parallelize "
+                                    f"does not apply to a user's module yet; the runtime's "
+                                    f"executor runs MoE plans of built-in models (kind: moe)")
 
 
 def _check_tied_heads(tied: dict[str, TiedHead], module: nn.Module) -> None:

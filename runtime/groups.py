@@ -2,7 +2,7 @@
 
 ``torch.distributed.new_group`` is collective: every rank must create the same groups in
 the same order. So every rank registers, from the same :class:`~runtime.compiled.CompiledPlan`
-and in one fixed order, every group the edge programs, SUMMA's gathers, the loss's
+and in one fixed order, every group the edge programs, SUMMA's gathers, the MoE AllToAlls, the loss's
 reductions, the parameters' meshes, the weight-gradient buckets, the cross-mesh transfers
 and the tied-weight exchanges use; :meth:`runtime.mesh.MeshRegistry.create` then creates
 them all at once.
@@ -11,6 +11,7 @@ them all at once.
 from __future__ import annotations
 
 from ilp_planner.ir.graph import OpKind
+from ilp_planner.lowering.moe_strategies import moe_programs
 from ilp_planner.lowering.strategies import is_summa, loss_axes, param_layouts, summa_programs
 from ilp_planner.plan.data import Stage
 from runtime.comm import Comm
@@ -41,6 +42,9 @@ def _register_layer(c: CompiledPlan, stage: Stage, name: str, registry: MeshRegi
     if op.kind is OpKind.LINEAR and is_summa(lp.strategy):
         assert op.weight is not None
         for red in summa_programs(lp.output.fact, g[op.inputs[0]].output, op.weight, c.cluster):
+            comm.register(red)
+    if op.kind is OpKind.MOE:
+        for red in moe_programs(op, lp.inputs[0], c.cluster) or ():
             comm.register(red)
     if op.kind is OpKind.LOSS:
         for axes in loss_axes(lp.inputs[0]):

@@ -26,11 +26,14 @@ arithmetic. Conventions (those of :mod:`ilp_planner.inputs.models`):
 * the loss is the mean cross-entropy of the last op's output rows against integer labels,
   for every model (GPT: next-token-style labels drawn at random; MLP: class labels in
   ``[0, out_features)``) — one code path, and the vocabulary-parallel form splits it;
-* dropout runs with p = 0 (identity) so runs are deterministic.
+* dropout runs with p = 0 (identity) so runs are deterministic;
+* a mixture of experts (``moe``) runs in :mod:`runtime.moe`, its parameters the roles of
+  :func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes` (matrices ``(…, in, out)``).
 
 Initialisation: parameter ``name`` is drawn from a generator seeded by
 ``crc32(f"{seed}:{name}")``; weights ~ N(0, σ²) (σ = 1/√in for linears, √(2/fan_in) for
-convolutions — He, so ten ReLU layers keep the signal's scale —, 0.02 for tables);
+convolutions — He, so ten ReLU layers keep the signal's scale —, 0.02 for tables, 1/√in
+for an MoE's router and expert matrices);
 biases and layernorm gains/offsets get small random values (not 0/1), so that a bias added
 twice or a gain gradient lost would change the loss at once.
 
@@ -54,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
+from ilp_planner.lowering.moe_strategies import moe_param_shapes
 from runtime.errors import RuntimeSetupError
 
 DTYPE = torch.float32  # parameters (masters), their gradients and optimizer state
@@ -63,7 +67,7 @@ LN_EPS = 1e-5
 SUPPORTED_KINDS = frozenset({
     OpKind.INPUT, OpKind.LINEAR, OpKind.EMBEDDING, OpKind.LAYERNORM, OpKind.ATTENTION,
     OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.ADD, OpKind.LOSS,
-    OpKind.CONV2D, OpKind.POOL, OpKind.FLATTEN,
+    OpKind.CONV2D, OpKind.POOL, OpKind.FLATTEN, OpKind.MOE,
 })
 
 
@@ -193,6 +197,9 @@ def param_specs(op: Op) -> list[ParamSpec]:
         assert op.weight is not None
         return [ParamSpec(op.name, "weight", op.weight.shape, op.kind),
                 ParamSpec(op.name, "bias", (op.weight.shape[0],), op.kind)]
+    if op.kind is OpKind.MOE:  # router, experts, shared experts (moe_strategies)
+        return [ParamSpec(op.name, role, shape, op.kind)
+                for role, shape in moe_param_shapes(op).items()]
     return []
 
 
@@ -211,6 +218,8 @@ def init_param(spec: ParamSpec, seed: int) -> torch.Tensor:
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) * 0.02
     if spec.role == "weight" and spec.kind is OpKind.LINEAR:
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) / math.sqrt(spec.shape[0])
+    if spec.kind is OpKind.MOE:  # router and expert matrices: (…, in, out)
+        return torch.randn(spec.shape, generator=g, dtype=DTYPE) / math.sqrt(spec.shape[-2])
     if spec.role == "weight" and spec.kind is OpKind.CONV2D:
         fan_in = math.prod(spec.shape[1:])
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) * math.sqrt(2.0 / fan_in)

@@ -35,7 +35,7 @@ from ilp_planner.lowering.strategies import (
     summa_programs,
 )
 from ilp_planner.plan.data import LayerPlan
-from runtime import model
+from runtime import model, moe
 from runtime.comm import Comm, LVal, Report, reduce_replicated
 from runtime.errors import RuntimeSetupError
 
@@ -268,4 +268,5 @@ OPS: dict[OpKind, OpFn] = {
     OpKind.CONV2D: conv2d,
     OpKind.POOL: pool,
     OpKind.FLATTEN: flatten,
+    OpKind.MOE: moe.moe,
 }

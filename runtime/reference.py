@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ilp_planner.ir.graph import Graph, OpKind
-from runtime import model
+from ilp_planner.lowering.moe_strategies import moe_param_shapes
+from runtime import model, moe
 from runtime.optim import Optimizer, OptimizerSpec
 
 # Rounding floor per compute dtype, relative to the step's largest gradient entry: a gradient
@@ -121,6 +122,9 @@ def forward(graph: Graph, params: dict[str, torch.Tensor], data: dict[str, torch
             y = model.max_pool(xs[0], op.attr("kernel"))
         elif k is OpKind.FLATTEN:
             y = model.flatten(xs[0])
+        elif k is OpKind.MOE:
+            y = moe.reference(op, xs[0], {r: params[f"{op.name}.{r}"] for r in
+                                          moe_param_shapes(op)})
         elif k in model.ELEMENTWISE:
             y = model.ELEMENTWISE[k](xs[0])
         elif k is OpKind.LOSS:

@@ -19,6 +19,7 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.lift_elementwise import lift_const
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
+from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.strategies import param_shapes
@@ -72,6 +73,11 @@ def _builders() -> dict[str, Any]:
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
             num_local_experts=4, num_experts_per_tok=2, use_cache=False)), (_ids(),)),
+        "qwen2_moe": lambda: (T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
+            num_experts_per_tok=2, use_cache=False)), (_ids(),)),
     }
 
 
@@ -132,7 +138,7 @@ def test_every_parameter_is_owned_by_an_op_that_prices_it(imported, name):
     assert sum(op.params for op in graph.ops) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", DENSE + ("mixtral",))
+@pytest.mark.parametrize("name", DENSE + ("mixtral", "qwen2_moe"))
 def test_solves_on_two_by_four(imported, name):
     _, graph = imported(name)
     plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
@@ -214,19 +220,48 @@ def test_repeated_blocks_tied_whatever_their_names(imported, name, container, co
     assert all(not b.startswith("resnet.encoder.stages.1") for b, _ in _blocks(graph))
 
 
-def test_mixtral_experts_replicated_and_counted_by_torch(imported):
-    model, graph = imported("mixtral")
+@pytest.mark.parametrize("name,norm", [("mixtral", 1), ("qwen2_moe", 0)])
+def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name, norm):
+    """Each routed block is one ``moe`` op owning its router and expert tensors (no opaque
+    op holds a weight or a matmul), dropless (capacity factor E / top_k), renormalised as
+    the router says; Qwen2-MoE's shared expert stays the dense linears it is. It solves on
+    2 × 4 with the experts laid out by the MoE strategies."""
+    model, graph = imported(name)
     aliases = _aliases(model)
-    experts = model.model.layers[0].mlp.experts
-    gate_up = _owners(graph, aliases, "model.layers.0.mlp.experts.gate_up_proj")
-    assert [op.kind for op in gate_up] == [OpKind.OPAQUE]
-    # each routed token (top-2 of the batch's tokens) through one expert's (h, 2·inter)
-    routed = BATCH * SEQ * model.config.num_experts_per_tok
-    assert gate_up[0].flops == 2 * routed * experts.gate_up_proj.shape[1] * \
-        experts.gate_up_proj.shape[2]
+    mlp = model.model.layers[0].mlp
+    owners = _owners(graph, aliases, "model.layers.0.mlp.experts.gate_up_proj")
+    assert [op.kind for op in owners] == [OpKind.MOE]
+    op = owners[0]
+    assert set(op.source_params) == {"model.layers.0.mlp.gate.weight",
+                                     "model.layers.0.mlp.experts.gate_up_proj",
+                                     "model.layers.0.mlp.experts.down_proj"}
+    e, f = mlp.experts.down_proj.shape[0], mlp.experts.down_proj.shape[2]
+    assert (op.attr("experts"), op.attr("top_k"), op.attr("ffn")) == (e, 2, f)
+    assert op.attr("capacity_pct") == 100 * e // 2 and op.attr("norm_topk") == norm
+    assert op.params == sum(p.numel() for p in (mlp.gate.weight, mlp.experts.gate_up_proj,
+                                                  mlp.experts.down_proj))
+    assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE and (o.weight or o.params)]
+    assert sum(o.params for o in graph.ops) == sum(p.numel() for p in model.parameters())
+    if name == "qwen2_moe":
+        shared = _owners(graph, aliases, "model.layers.0.mlp.shared_expert.gate_proj.weight")
+        assert [o.kind for o in shared] == [OpKind.LINEAR]
     plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
-    layer = next(ly for ly in plan.layers if ly.name == gate_up[0].name)
-    assert layer.output.split_degree(0) == layer.output.split_degree(1) == 1
+    layer = next(ly for ly in plan.layers if ly.name == op.name)
+    assert layer.strategy.startswith("moe(")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_the_moe_custom_op_computes_what_the_block_does(name):
+    """While exporting, the blocks route through ``ilp_planner::moe_experts``: the model's
+    logits under it equal its own (the op is the block, not an approximation of it)."""
+    model, (ids,) = _builders()[name]()
+    with torch.no_grad():
+        want = model(ids).logits
+        with routed_as_one_op(model, torch) as blocks:
+            got = model(ids).logits
+    assert blocks == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert "forward" not in vars(model.model.layers[0].mlp.gate)  # restored
 
 
 class _SelfSimilarity(nn.Module):

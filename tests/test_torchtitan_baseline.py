@@ -25,9 +25,10 @@ from tests.helpers.cases import GRID_WINS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 FAST = ["tiny-gpt-cpu", "tiny-gpt-bf16-cpu", "tiny-mlp-cpu", "tiny-vgg-cpu", "mlp-autoddl-128",
-        "transformer-autoddl-64"]
+        "transformer-autoddl-64", "tiny-moe-cpu"]
 SLOW = ["gpt-2.6b-2x4", "gpt-6.7b-2x8", "gpt-13b-2x8", "gpt-13b-a100-2x8", "u-transformer-2x4",
-        "vgg13-2x8", "llama-70b-16x8", "tiny-utf-zero-cpu"]
+        "vgg13-2x8", "llama-70b-16x8", "tiny-utf-zero-cpu", "mixtral-8x7b-8x8",
+        "deepseek-v2-lite-2x8"]
 MEMORY_BOUND = ["gpt-13b-2x8", "llama-70b-16x8"]
 
 

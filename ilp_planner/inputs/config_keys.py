@@ -27,10 +27,11 @@ from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
 from ilp_planner.lowering.strategies import ZERO_LEVELS
 
-MODEL_KINDS = ("mlp", "gpt", "u_transformer", "vgg13", "graph", "torch")
+MODEL_KINDS = ("mlp", "gpt", "moe", "u_transformer", "vgg13", "graph", "torch")
 BUILDERS: dict[str, Callable[..., Graph]] = {
     "mlp": models.mlp,
     "gpt": models.gpt,
+    "moe": models.moe,
     "u_transformer": models.u_transformer,
     "vgg13": models.vgg13,
 }
@@ -72,6 +73,18 @@ _BUILDER_ARGS = {
     "channels": Key("list", f"one width per convolution block ({len(models.VGG13_WIDTHS)} "
                             f"positive integers)"),
     "bias": Key("boolean", "linears carry a bias"),
+    "experts": Key("integer", "routed experts per MoE layer", positive=True),
+    "top_k": Key("integer", "experts each token is routed to (at most experts)", positive=True),
+    "expert_ffn": Key("integer", "each expert's hidden size", positive=True),
+    "capacity_factor": Key("number", "slots per expert over the balanced share "
+                                     "(experts / top_k: nothing can drop)", positive=True,
+                           at_most=MAX_COUNT),
+    "moe_every": Key("integer", "every k-th block's MLP is an MoE (1: all)", positive=True),
+    "shared_experts": Key("integer", "always-on shared experts per MoE layer", nonneg=True),
+    "shared_ffn": Key("integer", "each shared expert's hidden size", nonneg=True),
+    "activation": Key("choice", "the experts' MLP", choices=("swiglu", "gelu"),
+                      noun="activation"),
+    "norm_topk": Key("boolean", "renormalise the top-k routing weights to sum to 1 (Mixtral)"),
     "dtype": Key("choice", "dtype of every tensor", choices=MODEL_DTYPES, noun="dtype"),
 }
 

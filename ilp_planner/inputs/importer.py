@@ -23,6 +23,9 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   difference / product of two activations → ``add`` / ``mul``;
 * in-place ops (``out += identity``: ``add_``) are lifted as their out-of-place forms; list
   arguments (``cat``, ``stack``) are looked up tensor by tensor;
+* a Hugging Face mixture-of-experts block (router + experts as 3-D tensors: Mixtral,
+  Qwen2-MoE) → one ``moe`` op (:mod:`ilp_planner.inputs.lift_moe`), its shared expert
+  traced as the dense MLP it is;
 * the loss: ``loss_fn(output)`` traced with the model, or (without ``loss_fn``) the mean
   cross-entropy of the output over its last dim, the runtime's convention — of its
   ``logits`` field where it returns a structure (``output=`` picks another).
@@ -57,6 +60,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
+from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Act, Draft, Unsupported, numel
 from ilp_planner.inputs.lifting import lift
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
@@ -86,7 +90,8 @@ def from_module(module: Any, example_inputs: Any, *,
     root, strip = module, ""
     if loss_fn is not None:
         root, strip = _WithLoss(module, loss_fn), "model."
-    ep = _export(root, args, kwargs, torch)
+    with routed_as_one_op(module, torch):
+        ep = _export(root, args, kwargs, torch)
     g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor)
     try:
         lift(g, ep)

@@ -14,10 +14,11 @@ from typing import Any
 from ilp_planner.inputs.lift_elementwise import ELEMENTWISE_HANDLERS, lift_const
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_layers import LAYER_HANDLERS
+from ilp_planner.inputs.lift_moe import MOE_OP, lift_moe
 from ilp_planner.inputs.lift_values import IGNORED, Call, Const, flatten, op_name
 
 HANDLERS: MappingProxyType[str, Handler] = MappingProxyType(
-    {**ELEMENTWISE_HANDLERS, **LAYER_HANDLERS})
+    {**ELEMENTWISE_HANDLERS, **LAYER_HANDLERS, MOE_OP: lift_moe})
 
 
 def lift(g: DraftGraph, ep: Any) -> None:

@@ -1,4 +1,4 @@
-"""Model builders: MLP, GPT, VGG13, U-Transformer as layer graphs.
+"""Model builders: MLP, GPT, mixture-of-experts GPT, VGG13, U-Transformer as layer graphs.
 
 Transformer activations are 2-D ``(tokens, hidden)`` with ``tokens = batch · seq_len``
 (see :mod:`ilp_planner.ir.graph`). The fused QKV projection's output columns are laid out
@@ -19,6 +19,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.schema import Key, Reader, join
 from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec
+from ilp_planner.lowering.moe_strategies import moe_params
 
 
 def _attrs(**kw: int) -> MappingProxyType:
@@ -79,18 +80,24 @@ def mlp(dims: list[int], batch: int, bias: bool = False, dtype: str = "float32")
     return Graph(f"mlp{len(dims) - 1}", b.ops)
 
 
-def _transformer_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
-                       seq: int, skip: str | None = None) -> str:
-    """Pre-LN block: x + proj(attn(qkv(ln1(x)))), then + fc2(gelu(fc1(ln2(.))))."""
-    if skip is not None:
-        x = b.elementwise(f"{prefix}skip_add", OpKind.ADD, [x, skip], tokens, h)
+def _attention_half(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
+                    seq: int) -> str:
+    """x + proj(attn(qkv(ln1(x)))): the first half of a pre-LN block."""
     ln1 = b.layernorm(f"{prefix}ln1", x, tokens, h)
     qkv = b.linear(f"{prefix}attn.qkv", ln1, tokens, h, 3 * h)
     attn = b.add(f"{prefix}attn.core", OpKind.ATTENTION, [qkv], b.t(tokens, h),
                  flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq)
     proj = b.linear(f"{prefix}attn.proj", attn, tokens, h, h)
     d1 = b.elementwise(f"{prefix}attn.dropout", OpKind.DROPOUT, [proj], tokens, h)
-    r1 = b.elementwise(f"{prefix}attn.residual", OpKind.ADD, [x, d1], tokens, h)
+    return b.elementwise(f"{prefix}attn.residual", OpKind.ADD, [x, d1], tokens, h)
+
+
+def _transformer_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
+                       seq: int, skip: str | None = None) -> str:
+    """Pre-LN block: x + proj(attn(qkv(ln1(x)))), then + fc2(gelu(fc1(ln2(.))))."""
+    if skip is not None:
+        x = b.elementwise(f"{prefix}skip_add", OpKind.ADD, [x, skip], tokens, h)
+    r1 = _attention_half(b, prefix, x, tokens, h, heads, seq)
     ln2 = b.layernorm(f"{prefix}ln2", r1, tokens, h)
     fc1 = b.linear(f"{prefix}mlp.fc1", ln2, tokens, h, 4 * h)
     act = b.elementwise(f"{prefix}mlp.gelu", OpKind.GELU, [fc1], tokens, 4 * h)
@@ -124,6 +131,66 @@ def gpt(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
     x = b.linear("lm_head", x, tokens, hidden, vocab, bias=False, tied=True)
     b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
     return Graph(f"gpt-L{layers}-h{hidden}", b.ops)
+
+
+def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: int,
+        experts: int, top_k: int, expert_ffn: int, capacity_factor: float = 1.25,
+        moe_every: int = 1, shared_experts: int = 0, shared_ffn: int = 0,
+        activation: str = "swiglu", norm_topk: bool = True, dtype: str = "float32") -> Graph:
+    """A GPT whose every ``moe_every``-th block (blocks ``moe_every − 1``, ``2·moe_every − 1``,
+    …) has a mixture-of-experts MLP (:data:`OpKind.MOE <ilp_planner.ir.graph.OpKind>`):
+    ``experts`` experts of hidden size ``expert_ffn``, ``top_k`` of them per token, at
+    ``capacity_factor``; ``shared_experts`` always-on experts of ``shared_ffn`` (DeepSeek,
+    Qwen-MoE). Attention, norms and positions are GPT's (the Llama-shaped configs stand
+    in for RMSNorm and rotary positions with them, as ``llama-70b-16x8`` does)."""
+    _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, vocab=vocab,
+              batch=batch, experts=experts, top_k=top_k, expert_ffn=expert_ffn,
+              moe_every=moe_every)
+    _check_heads(hidden, heads)
+    if top_k > experts:
+        raise ConfigError(f"top_k {top_k} exceeds the {experts} experts", key="model.top_k")
+    if not capacity_factor > 0:
+        raise ConfigError(f"expected a positive capacity factor, got {capacity_factor!r}",
+                          key="model.capacity_factor")
+    if shared_experts and shared_ffn <= 0:
+        raise ConfigError("shared experts need a positive shared_ffn", key="model.shared_ffn")
+    b = _Builder(dtype)
+    tokens = batch * seq_len
+    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((tokens,), "int64"))
+    x = b.add("embed", OpKind.EMBEDDING, [ids], b.t(tokens, hidden), weight=b.t(vocab, hidden),
+              params=vocab * hidden + seq_len * hidden, flops=float(tokens * hidden),
+              vocab=vocab, seq_len=seq_len)
+    attrs = {"experts": experts, "top_k": top_k, "ffn": expert_ffn,
+             "capacity_pct": max(1, round(100 * capacity_factor)),
+             "swiglu": int(activation == "swiglu"), "norm_topk": int(norm_topk),
+             "shared": shared_experts, "shared_ffn": shared_ffn if shared_experts else 0}
+    for i in range(layers):
+        b.block, b.block_index = "h", i
+        prefix = f"h.{i}."
+        if (i + 1) % moe_every:
+            x = _transformer_block(b, prefix, x, tokens, hidden, heads, seq_len)
+            continue
+        r1 = _attention_half(b, prefix, x, tokens, hidden, heads, seq_len)
+        ln2 = b.layernorm(f"{prefix}ln2", r1, tokens, hidden)
+        y = _moe_op(b, f"{prefix}moe", ln2, tokens, hidden, attrs)
+        x = b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, y], tokens, hidden)
+    b.block = b.block_index = None
+    x = b.layernorm("ln_f", x, tokens, hidden)
+    x = b.linear("lm_head", x, tokens, hidden, vocab, bias=False, tied=True)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
+    return Graph(f"moe-L{layers}-h{hidden}-e{experts}k{top_k}", b.ops)
+
+
+def _moe_op(b: _Builder, name: str, x: str, tokens: int, h: int, attrs: dict[str, int]) -> str:
+    """One MoE op; its forward FLOPs count the work of routed tokens (router, ``top_k``
+    experts and the shared ones per token), not the empty capacity slots the strategies
+    also price."""
+    m = 3 if attrs["swiglu"] else 2
+    per_token = 2.0 * h * (attrs["experts"] + m * (attrs["top_k"] * attrs["ffn"]
+                                                    + attrs["shared"] * attrs["shared_ffn"]))
+    return b.add(name, OpKind.MOE, [x], b.t(tokens, h),
+                 weight=b.t(attrs["experts"], h, attrs["ffn"]), params=moe_params(attrs, h),
+                 flops=per_token * tokens, **attrs)
 
 
 def gpt_params_closed_form(hidden: int, layers: int, vocab: int, seq_len: int) -> int:
@@ -244,6 +311,7 @@ def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
     """Forward FLOPs when an explicit op gives none, with the builders' conventions:
     2·out·K for matmuls/linears (K = weight rows or the first input's last dim),
     2·out·(C_in·k·k) for convolutions, 4·tokens·seq·h for attention, 8·out for layernorm,
+    2·out·(E + m·(top_k·f + S·f_s)) for an MoE (m = 3 SwiGLU, 2 GELU matrices),
     0 for inputs and flatten, one FLOP per output element otherwise."""
     n = float(out.numel)
     if kind in (OpKind.LINEAR, OpKind.MATMUL):
@@ -258,6 +326,10 @@ def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
         return 4.0 * n * attrs.get("seq_len", 1)
     if kind is OpKind.LAYERNORM:
         return 8.0 * n
+    if kind is OpKind.MOE and out.rank == 2:  # router, top_k experts and shared ones per token
+        m = 3 if attrs.get("swiglu", 1) else 2
+        return 2.0 * n * (attrs["experts"] + m * (attrs["top_k"] * attrs["ffn"] + attrs.get(
+            "shared", 0) * attrs.get("shared_ffn", 0)))
     if kind in (OpKind.INPUT, OpKind.FLATTEN):
         return 0.0
     return n
@@ -357,6 +429,7 @@ def _spec_op(r: Reader, d: Mapping[str, Any], path: str, op_name: str, kind: OpK
     attrs = _spec_attrs(r, d.get("attrs", {}), join(path, "attrs"))
     _check_explicit_op(r, path, kind, out, weight, in_shapes, attrs)
     params = (r.nonneg_int(d["params"], join(path, "params")) if "params" in d
+              else moe_params(attrs, out.shape[-1]) if kind is OpKind.MOE
               else (weight.numel if weight is not None else 0))
     if kind is OpKind.LINEAR and weight is not None:
         attrs.setdefault("bias", int(params == weight.numel + weight.shape[1]))
@@ -443,6 +516,10 @@ def _check_explicit_op(r: Reader, path: str, kind: OpKind, out: TensorSpec,
         if out.shape[-1] % attrs["heads"]:
             r.fail(join(join(path, "attrs"), "heads"),
                    f"hidden size {out.shape[-1]} is not divisible by {attrs['heads']} heads")
+    elif kind is OpKind.MOE:
+        for a in ("experts", "top_k", "ffn"):
+            if a not in attrs:
+                r.fail(join(path, "attrs"), f"a moe op needs attrs.{a} (see ilp_planner/ir/graph.py)")
     elif kind is OpKind.POOL and "kernel" not in attrs:
         if out.rank == 4 and in_shapes and len(in_shapes[0]) == 4:
             attrs["kernel"] = max(1, in_shapes[0][-1] // out.shape[-1])

@@ -19,6 +19,11 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
   checkpointing {none, full, selective (every other block)} (:func:`torchtitan_choice`;
   pipeline stages are not part of this grid yet).
 
+Mixture-of-experts ops (:mod:`ilp_planner.intra_op.moe_baselines`): ``data_parallel``
+replicates the experts; ``deepspeed_moe`` (graphs with MoE ops) is data parallel with the
+experts split over an EP group of the data-parallel devices; the Megatron baselines and the
+torchtitan grid lay the experts out EP × ETP (ETP = TP or 1) as Megatron-Core and torchtitan do.
+
 None of these shards optimizer state or recomputes activations except torchtitan's.
 
 Because these strategies are members of the planner's space, the planner's optimum can
@@ -34,6 +39,13 @@ import numpy as np
 
 from formulations.problem import Problem
 from formulations.sbp_ilp import SbpIlp
+from ilp_planner.intra_op.moe_baselines import (
+    deepspeed_moe_filter,
+    has_moe,
+    moe_grid_filter,
+    replicated_experts_filter,
+    with_moe,
+)
 from ilp_planner.intra_op.problem import GraphProblem, peak_memory
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
@@ -144,8 +156,13 @@ def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, 
     """Best choice (full-problem strategy indices) per baseline name, or a reason string."""
     nodes, local = gp.ctx.nodes, gp.ctx.local
     out: dict[str, list[int] | str] = {}
-    dp = _solve_restricted(gp, data_parallel_filter(MeshAxis(nodes, local)), time_limit_s)
+    dp = _solve_restricted(gp, with_moe(data_parallel_filter(MeshAxis(nodes, local)),
+                                        replicated_experts_filter(nodes * local)), time_limit_s)
     out["data_parallel"] = dp if isinstance(dp, str) else dp[0]
+    if has_moe(gp.graph):
+        ds = _solve_restricted(gp, with_moe(data_parallel_filter(MeshAxis(nodes, local)),
+                                            deepspeed_moe_filter(nodes * local)), time_limit_s)
+        out["deepspeed_moe"] = ds if isinstance(ds, str) else ds[0]
     for label, make in (("megatron", megatron_filter), ("megatron_sp", _megatron_sp),
                         ("summa", summa_filter)):
         best: tuple[float, str, list[int]] | None = None
@@ -153,7 +170,10 @@ def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, 
         for a, b in mesh_factorisations(nodes, local, 2):
             if a.size == 1 or b.size == 1:
                 continue
-            res = _solve_restricted(gp, make(a, b), time_limit_s)
+            keep = make(a, b)
+            if label != "summa":  # Megatron-Core: experts EP × ETP beside the dense layers
+                keep = with_moe(keep, moe_grid_filter(a, b, _replicated_state))
+            res = _solve_restricted(gp, keep, time_limit_s)
             if isinstance(res, str):
                 reasons.append(res)
                 continue
@@ -217,8 +237,9 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
             gp = build((0, 3) if fsdp else (0,), ac_blocks(graph, mode))
             for dp, tp in mesh_factorisations(nodes, local, 2):
                 for sp in (False, True) if tp.size > 1 else (False,):
-                    keep = megatron_filter(dp, tp, sp, _fully_sharded if fsdp else
-                                           _replicated_state)
+                    state = _fully_sharded if fsdp else _replicated_state
+                    keep = with_moe(megatron_filter(dp, tp, sp, state),
+                                    moe_grid_filter(dp, tp, state))
                     res = restrict(gp, keep)
                     if isinstance(res, str):
                         reasons.append(res)

@@ -15,6 +15,15 @@ read one fused QKV tensor or three tensors ``q, k, v``; ``attrs.kv_heads`` (grou
 attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, whose column
 blocks are not whole heads, so it may only split over batch) refine it.
 
+``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
+softmax, top-k), dispatch, experts and combine as one op, so that its strategies choose the
+expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_strategies`).
+Its attributes: ``experts`` (E), ``top_k``, ``ffn`` (each expert's hidden size),
+``capacity_pct`` (100 × the capacity factor), ``swiglu`` (1: SwiGLU experts, 0: GELU),
+``norm_topk`` (1: the top-k weights renormalised to sum to 1, as Mixtral), ``shared`` and
+``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek). ``weight`` is the
+experts' up projection ``(E, hidden, ffn)``.
+
 The IR is torch-free and frozen: the planner, the cost model and the runtime all read it.
 """
 
@@ -56,6 +65,7 @@ class OpKind(str, Enum):
     RMSNORM = "rmsnorm"
     BATCHNORM = "batchnorm"
     OPAQUE = "opaque"
+    MOE = "moe"
 
     @property
     def is_elementwise(self) -> bool:

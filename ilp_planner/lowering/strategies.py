@@ -45,6 +45,17 @@ from ilp_planner.lowering.cost_model import (
     compute_time,
     make_collective,
 )
+from ilp_planner.lowering.moe_strategies import (
+    expert_parallel,
+    moe_activation_bytes,
+    moe_candidates,
+    moe_collectives,
+    moe_flops,
+    moe_label,
+    moe_layouts,
+    moe_param_layouts,
+    moe_param_shapes,
+)
 from ilp_planner.lowering.redistribution import Redistribution, plan_redistribution, planner_for
 
 FOLLOWER_KINDS = frozenset(
@@ -167,6 +178,8 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     if op.kind is OpKind.OPAQUE and op.params:
         sizes = opaque_param_sizes(op.attrs) or [op.params]  # one role per parameter owned
         return {("weight" if i == 0 else f"weight_{i}"): (n,) for i, n in enumerate(sizes)}
+    if op.kind is OpKind.MOE:
+        return moe_param_shapes(op)
     if op.kind is OpKind.CONV2D:
         assert op.weight is not None
         if not op.attrs.get("bias", 1):  # an imported bias-free convolution
@@ -242,6 +255,8 @@ def input_grad_layouts(op: Op, label: str, inputs: tuple[Layout, ...],
         _, gx, gw = matmul_placements(inputs[0], w)
         grads = (Layout(inputs[0].fact, tuple(gx)),)
         return grads + ((Layout(w.fact, tuple(gw)),) if op.kind is OpKind.MATMUL else ())
+    if op.kind is OpKind.MOE:
+        return (moe_layouts(inputs[0].fact, expert_parallel(inputs[0]))[2],)
     if op.kind is OpKind.CONV2D:
         x = inputs[0]
         return (Layout(x.fact, tuple(P if (pl == B and x.fact[a].size > 1 and a == 1) else pl
@@ -290,6 +305,8 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
     elif op.kind is OpKind.OPAQUE and op.params:
         rep = Layout.replicated(output.fact)
         out = {role: (rep, rep) for role in param_shapes(op)}
+    elif op.kind is OpKind.MOE:
+        out = moe_param_layouts(op, inputs[0])
     return out
 
 
@@ -458,6 +475,23 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
     return out
 
 
+def _moe_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
+    """The MoE op's strategies (:mod:`ilp_planner.lowering.moe_strategies`): expert data,
+    expert or expert-sliced, and expert tensor parallel degrees on every three-axis
+    factorisation, priced at capacity."""
+    out = []
+    for x in moe_candidates(op, _three_axis(ctx)):
+        _, o, grad = moe_layouts(x.fact, expert_parallel(x))
+        label = moe_label(x)
+        colls = moe_collectives(op, x, ctx.cluster) + tuple(
+            b.collective for b in grad_sync(op, label, (x,), None, o, ctx))
+        state = _local_params(op, label, (x,), None, o) * ctx.memory.bytes_per_param
+        per_device = dataclasses.replace(op, flops=moe_flops(op, x))
+        out.append(Strategy(label, x.fact, (x,), None, o, _compute(per_device, 1, ctx), colls,
+                            state, moe_activation_bytes(op, x, o), (grad,)))
+    return out
+
+
 def _unique(layouts: list[Layout]) -> list[Layout]:
     """Drop layouts holding exactly the same data per device as an earlier one."""
     seen: dict[tuple, Layout] = {}
@@ -525,6 +559,8 @@ def input_grad_roles(op: Op) -> frozenset[str]:
     read all its parameters (nothing says otherwise)."""
     if op.kind is OpKind.OPAQUE:
         return frozenset(param_shapes(op)) if op.params else frozenset({"weight"})
+    if op.kind is OpKind.MOE:  # dX reads the router and every expert matrix
+        return frozenset(param_shapes(op))
     if op.kind in (OpKind.LINEAR, OpKind.CONV2D, OpKind.BATCHNORM, *NORM_KINDS):
         return frozenset({"weight"})
     return frozenset()
@@ -611,6 +647,8 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
         return _matmul_family(op, inputs, ctx)
     if kind is OpKind.CONV2D:
         return _conv_family(op, ctx)
+    if kind is OpKind.MOE:
+        return _moe_family(op, ctx)
     if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX):
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
     if kind is OpKind.BATCHNORM:

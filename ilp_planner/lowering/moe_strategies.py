@@ -1,0 +1,240 @@
+"""Mixture-of-experts strategies: how one MoE op (router, dispatch, experts, combine —
+:data:`~ilp_planner.ir.graph.OpKind.MOE`) runs on a mesh, what it moves and what it holds.
+
+Every strategy views the devices as three ordered axes ``(p0, p1, p2)``, each with a role::
+
+    axis   role                     tokens x   expert weights    output   gradients
+    p0     expert data parallel     S(0)       replicated        S(0)     AllReduced over p0
+    p1     expert parallel (ep)     S(0)       S(expert)         S(0)     complete
+           or expert slicing (xp)   B          S(expert)         P        complete
+    p2     expert tensor parallel   B          S(hidden)         P        complete
+
+Expert parallel (GShard, DeepSpeed-MoE, torchtitan): each device routes its own tokens into
+a dispatch buffer ``(E, C, h)`` — ``C`` slots per expert — and one AllToAll over p1 sends
+expert ``e``'s slots to the device owning it, which then holds ``(E/p1, p1·C, h)``; the
+combine is the reverse AllToAll. Bytes per rank and direction: ``E·C·h`` ≈ tokens × top_k ×
+capacity factor × h, the tokens being this device's ``T/(p0·p1)``. Expert slicing (``xp``)
+keeps every token on every device of p1 and lets each device run only its own experts:
+no AllToAll, a partial-sum output instead (cheap for few tokens). Expert tensor parallelism
+splits each expert's hidden dim over p2 (Megatron's column/row pair inside every expert),
+again with a partial-sum output. The router's gate is replicated everywhere; its gradient
+is a partial sum over every axis (each device's tokens, or its share of the experts' output).
+Shared experts (Qwen-MoE, DeepSeek) are a dense MLP beside the routed ones: replicated over
+the token-splitting axes, hidden dim split over the others.
+
+Load imbalance enters as the capacity factor ``cf`` (``attrs.capacity_pct`` = 100·cf): each
+expert takes ``C = ⌈cf · T_g · top_k / E⌉`` tokens of a group of ``T_g`` (capped at ``T_g``,
+where nothing can drop), so the buffers, the AllToAll bytes and the expert compute are
+priced at capacity — a router sending more than ``C`` tokens to one expert drops the rest,
+one balanced to within ``cf`` drops none. ``cf = E / top_k`` gives ``C = T_g``: dropless.
+
+Pure and torch-free; :mod:`ilp_planner.lowering.strategies` wraps these pieces into its
+:class:`~ilp_planner.lowering.strategies.Strategy` (gradient sync, ZeRO variants, pricing),
+and the runtime's MoE kernel runs :func:`moe_programs` for its two AllToAlls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ilp_planner.ir.cluster import Cluster, Factorisation
+from ilp_planner.ir.graph import Op, TensorSpec
+from ilp_planner.ir.layouts import B, Layout, P, Placement, Split
+from ilp_planner.lowering.cost_model import Collective, CollectiveKind
+from ilp_planner.lowering.redistribution import Redistribution, RedistStep, planner_for
+
+DISPATCH, COMBINE = "moe_dispatch", "moe_combine"  # the AllToAlls' purposes (plan and audit)
+
+
+def ffn_matrices(op: Op) -> int:
+    """Matrices per expert: 3 for SwiGLU (gate, up, down), 2 for GELU."""
+    return 3 if op.attrs.get("swiglu", 1) else 2
+
+
+def moe_param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
+    """The MoE op's parameters by role: ``router`` (h, E); ``w1``/``w3`` (E, h, f) the
+    up (and SwiGLU gate) projections, ``w2`` (E, f, h) the down projection; shared experts
+    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h)."""
+    h, e, f = op.output.shape[1], op.attr("experts"), op.attr("ffn")
+    out = {"router": (h, e), "w1": (e, h, f), "w2": (e, f, h)}
+    if ffn_matrices(op) == 3:
+        out["w3"] = (e, h, f)
+    shared = op.attrs.get("shared", 0) * op.attrs.get("shared_ffn", 0)
+    if shared:
+        out["shared_w1"] = (h, shared)
+        out["shared_w2"] = (shared, h)
+        if ffn_matrices(op) == 3:
+            out["shared_w3"] = (h, shared)
+    return out
+
+
+def moe_params(op_attrs: dict[str, int], hidden: int) -> int:
+    """Parameters of an MoE op with these attributes (router, routed and shared experts)."""
+    m = 3 if op_attrs.get("swiglu", 1) else 2
+    e, f = op_attrs["experts"], op_attrs["ffn"]
+    shared = op_attrs.get("shared", 0) * op_attrs.get("shared_ffn", 0)
+    return hidden * e + m * hidden * (e * f + shared)
+
+
+def expert_parallel(x: Layout) -> bool:
+    """Whether the strategy with input layout ``x`` exchanges tokens over p1 (AllToAll)
+    rather than slicing experts over replicated tokens."""
+    return x.placements[1] == Split(0)
+
+
+def _partial_if(fact: Factorisation, axis: int) -> Placement:
+    return P if fact[axis].size > 1 else B
+
+
+def moe_layouts(fact: Factorisation, ep: bool) -> tuple[Layout, Layout, Layout]:
+    """(input, output, input gradient) layouts of the token tensors (T, h)."""
+    ax1: Placement = Split(0) if ep else B
+    x = Layout(fact, (Split(0), ax1, B))
+    out = Layout(fact, (Split(0), ax1 if ep else _partial_if(fact, 1), _partial_if(fact, 2)))
+    return x, out, out  # the input's gradient is partial where the output is
+
+
+def moe_param_layouts(op: Op, x: Layout) -> dict[str, tuple[Layout, Layout]]:
+    """Per role, (layout it is stored in, layout its gradient leaves the backward in)."""
+    fact, ep = x.fact, expert_parallel(x)
+    d0 = _partial_if(fact, 0)
+    every = Layout(fact, (d0, _partial_if(fact, 1), _partial_if(fact, 2)))
+    out = {"router": (Layout.replicated(fact), every)}
+    for role, hid in (("w1", 2), ("w3", 2), ("w2", 1)):
+        out[role] = (Layout(fact, (B, Split(0), Split(hid))),
+                     Layout(fact, (d0, Split(0), Split(hid))))
+    for role, hid in (("shared_w1", 1), ("shared_w3", 1), ("shared_w2", 0)):
+        # dense: replicated over the token-splitting axes, hidden split over the others
+        ax1: Placement = B if ep else Split(hid)
+        g1: Placement = _partial_if(fact, 1) if ep else Split(hid)
+        out[role] = (Layout(fact, (B, ax1, Split(hid))), Layout(fact, (d0, g1, Split(hid))))
+    roles = moe_param_shapes(op)
+    return {r: v for r, v in out.items() if r in roles}
+
+
+def token_groups(x: Layout) -> int:
+    """Token blocks routed independently (one dispatch buffer each)."""
+    return x.split_degree(0)
+
+
+def capacity(op: Op, group_tokens: int) -> int:
+    """Slots per expert for a group of ``group_tokens`` tokens (see the module docstring)."""
+    cf = op.attrs.get("capacity_pct", 100) / 100.0
+    slots = math.ceil(cf * group_tokens * op.attr("top_k") / op.attr("experts"))
+    return max(1, min(group_tokens, slots))
+
+
+def dispatch_tensor(op: Op, x: Layout) -> TensorSpec:
+    """The global dispatch buffer ``(E, G·C, h)`` of ``G`` token groups."""
+    g = token_groups(x)
+    t, h = op.output.shape
+    return TensorSpec((op.attr("experts"), g * capacity(op, t // g), h), op.output.dtype)
+
+
+def _a2a(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster) -> tuple[RedistStep]:
+    """The one AllToAll over p1 between two dispatch-buffer layouts, as a step the
+    runtime's :class:`~runtime.comm.Comm` executes (``all_to_all_single``). Built directly,
+    not searched: a path of re-views the edge search may prefer for an opaque tensor would
+    move the buffer off the device that owns the expert."""
+    kind = CollectiveKind.ALL_TO_ALL
+    return (RedistStep(src, dst, planner_for(src, cluster).collective(kind, src, dst, 1, tensor)),)
+
+
+def moe_programs(op: Op, x: Layout, cluster: Cluster) -> tuple[Redistribution, Redistribution] | None:
+    """The dispatch and combine AllToAlls of an expert-parallel strategy over p1 (None
+    where nothing is exchanged: expert slicing, or p1 = 1), as edge programs on the
+    dispatch buffer. Dispatch moves ``(S1, S1, B) → (S1, S0, B)``; its gradient comes back
+    partial over p2 where the experts are tensor-parallel (their ``dX`` is a partial sum),
+    and is moved back as it is — the op's input gradient is partial there anyway. Combine
+    moves the experts' output ``(S1, S0, P) → (S1, S1, P)``, its gradient replicated."""
+    fact = x.fact
+    if not expert_parallel(x) or fact[1].size == 1:
+        return None
+    buf = dispatch_tensor(op, x)
+    p2 = _partial_if(fact, 2)
+    held, owned = (Split(1), Split(1)), (Split(1), Split(0))
+    d_src, d_dst = Layout(fact, (*held, B)), Layout(fact, (*owned, B))
+    g_dst, g_src = Layout(fact, (*owned, p2)), Layout(fact, (*held, p2))
+    dispatch = Redistribution(d_src, d_dst, buf, _a2a(d_src, d_dst, buf, cluster), g_dst,
+                              _a2a(g_dst, g_src, buf, cluster))
+    combine = Redistribution(g_dst, g_src, buf, _a2a(g_dst, g_src, buf, cluster), d_src,
+                             _a2a(d_src, d_dst, buf, cluster))
+    return dispatch, combine
+
+
+def moe_collectives(op: Op, x: Layout, cluster: Cluster) -> tuple[Collective, ...]:
+    """The AllToAlls the strategy issues per micro-batch, forward and backward."""
+    progs = moe_programs(op, x, cluster)
+    if progs is None:
+        return ()
+    out: list[Collective] = []
+    for prog, purpose in zip(progs, (DISPATCH, COMBINE), strict=True):
+        out += [c.with_phase("forward", purpose) for c in prog.forward]
+        out += [c.with_phase("backward", purpose) for c in prog.backward]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """Per-device sizes of one strategy: what it computes and holds."""
+
+    tokens: int  # tokens this device routes
+    rows: int  # expert rows it computes (local experts × slots it receives)
+    ffn: int  # expert hidden columns it holds
+    shared_ffn: int  # shared-expert hidden columns it holds
+
+
+def moe_shape(op: Op, x: Layout) -> MoeShape:
+    t = op.output.shape[0]
+    fact = x.fact
+    tokens = t // token_groups(x)
+    slots = capacity(op, tokens) * (fact[1].size if expert_parallel(x) else 1)
+    rows = op.attr("experts") // fact[1].size * slots
+    shared = op.attrs.get("shared", 0) * op.attrs.get("shared_ffn", 0)
+    shared_split = fact[2].size * (1 if expert_parallel(x) else fact[1].size)
+    return MoeShape(tokens, rows, op.attr("ffn") // fact[2].size, shared // shared_split)
+
+
+def moe_flops(op: Op, x: Layout) -> float:
+    """Forward FLOPs per device at capacity: the router on its tokens, its experts on the
+    slots it receives (empty slots included: the buffer is dense), the shared experts."""
+    s = moe_shape(op, x)
+    h, m = op.output.shape[1], ffn_matrices(op)
+    return 2.0 * s.tokens * h * op.attr("experts") + 2.0 * m * h * (s.rows * s.ffn
+                                                                      + s.tokens * s.shared_ffn)
+
+
+def moe_activation_bytes(op: Op, x: Layout, out: Layout) -> float:
+    """Activations kept for the backward per device: the output block, the dispatch buffer
+    in and the experts' output (both ``rows × h``), the expert hidden activations
+    (``rows × f`` per matrix before the down projection), the shared experts' likewise."""
+    s = moe_shape(op, x)
+    h, m, item = op.output.shape[1], ffn_matrices(op), op.output.itemsize
+    return out.local_bytes(op.output) + item * (
+        2 * s.rows * h + m * s.rows * s.ffn + m * s.tokens * s.shared_ffn)
+
+
+def moe_candidates(op: Op, facts: Iterable[Factorisation]) -> list[Layout]:
+    """Input layouts of every strategy that divides evenly: tokens over the token-splitting
+    axes, experts over p1, the expert (and shared) hidden dims over their axes."""
+    t = op.output.shape[0]
+    e, f = op.attr("experts"), op.attr("ffn")
+    shared = op.attrs.get("shared", 0) * op.attrs.get("shared_ffn", 0)
+    out = []
+    for fact in facts:
+        p0, p1, p2 = (a.size for a in fact)
+        for ep in (True, False) if p1 > 1 else (True,):
+            groups = p0 * (p1 if ep else 1)
+            if t % groups or e % p1 or f % p2:
+                continue
+            if shared and shared % (p2 * (1 if ep else p1)):
+                continue
+            out.append(moe_layouts(fact, ep)[0])
+    return out
+
+
+def moe_label(x: Layout) -> str:
+    f = x.fact
+    return f"moe(dp={f[0]},{'ep' if expert_parallel(x) else 'xp'}={f[1]},etp={f[2]})"

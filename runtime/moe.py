@@ -1,0 +1,142 @@
+"""The mixture-of-experts op on this rank, and its single-process reference.
+
+One code path for both: route each token to its ``top_k`` experts (softmax over the
+router's logits in float32, the top-k weights renormalised where ``attrs.norm_topk``), lay
+the routed copies into a dispatch buffer ``(E, C, h)`` — expert ``e``'s slots filled in
+token order, a copy beyond ``C`` dropped —, run every expert's MLP on its slots as one
+batched matmul, and sum each token's expert outputs weighted by its routing weights.
+
+Distributed (:func:`moe`), the strategy's roles (:mod:`ilp_planner.lowering.moe_strategies`)
+decide what moves: expert parallel sends the buffer through the planned dispatch AllToAll
+(``all_to_all_single`` over p1, :func:`~ilp_planner.lowering.moe_strategies.moe_programs`,
+run by :meth:`runtime.comm.Comm.edge` so the recorder counts it and autograd runs its
+backward program) and brings the experts' output back through the combine AllToAll;
+expert slicing keeps the buffer and computes only this rank's experts; expert tensor
+parallelism holds a slice of each expert's hidden dim, so the output is a partial sum. Every
+rank routes its own tokens with ``C`` from its own token count, as the plan priced.
+
+The reference (:func:`reference`) routes all tokens as one group with ``C = T``: nothing
+drops, so a plan whose capacity drops nothing (``capacity_factor ≥ experts / top_k``, or a
+balanced router) matches it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ilp_planner.ir.graph import Op
+from ilp_planner.lowering.moe_strategies import (
+    COMBINE,
+    DISPATCH,
+    capacity,
+    expert_parallel,
+    moe_layouts,
+    moe_programs,
+)
+from ilp_planner.plan.data import LayerPlan
+from runtime.comm import LVal
+from runtime.errors import RuntimeSetupError
+
+
+def route(x: torch.Tensor, router: torch.Tensor, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each ``(T, top_k)``: the softmax's top-k in float32."""
+    probs = torch.softmax((x @ router).float(), dim=-1)
+    weights, experts = probs.topk(op.attr("top_k"), dim=-1)
+    if op.attrs.get("norm_topk", 1):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def slots(experts: torch.Tensor, num_experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot, kept) per routed copy, flattened token-major: expert ``e``'s copies take its
+    slots ``e·C, e·C + 1, …`` in token order; a copy past ``C`` is dropped."""
+    flat = experts.reshape(-1)
+    one_hot = F.one_hot(flat, num_experts)
+    pos = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
+    return flat * cap + pos, pos < cap
+
+
+def dispatch(x: torch.Tensor, slot: torch.Tensor, kept: torch.Tensor, top_k: int,
+             num_experts: int, cap: int) -> torch.Tensor:
+    """The ``(E, C, h)`` buffer of routed copies (empty slots zero)."""
+    copies = x.repeat_interleave(top_k, dim=0)[kept]
+    buf = x.new_zeros(num_experts * cap, x.shape[1]).index_add(0, slot[kept], copies)
+    return buf.view(num_experts, cap, x.shape[1])
+
+
+def experts_mlp(buf: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor | None) -> torch.Tensor:
+    """Each expert's MLP on its slots, batched over experts: SwiGLU ``(silu(xW1) ⊙ xW3)W2``
+    where ``w3`` is given, else GELU ``gelu(xW1)W2``."""
+    hidden = torch.bmm(buf, w1)
+    act = F.silu(hidden) * torch.bmm(buf, w3) if w3 is not None else F.gelu(hidden)
+    return torch.bmm(act, w2)
+
+
+def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              w3: torch.Tensor | None) -> torch.Tensor:
+    """The shared experts, fused into one dense MLP of the same form."""
+    return experts_mlp(x[None], w1[None], w2[None], None if w3 is None else w3[None])[0]
+
+
+def combine(out: torch.Tensor, slot: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor,
+            first: int, cap: int) -> torch.Tensor:
+    """Σ over each token's kept copies of routing weight × expert output, reading the
+    experts ``out`` holds (``(E_local, C, h)`` from expert ``first``): the rest add nothing."""
+    local = slot - first * cap
+    mine = kept & (local >= 0) & (local < out.shape[0] * cap)
+    flat = out.reshape(-1, out.shape[-1])
+    picked = flat[torch.where(mine, local, torch.zeros_like(local))]
+    contrib = picked * (weights.reshape(-1, 1) * mine[:, None].to(weights.dtype))
+    tokens = weights.shape[0]
+    return contrib.view(tokens, -1, flat.shape[-1]).sum(dim=1)
+
+
+def _shared(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    if "shared_w1" not in p:
+        return None
+    return dense_mlp(x, p["shared_w1"], p["shared_w2"], p.get("shared_w3"))
+
+
+def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The op on full tensors (``params`` by role), every token in one group, none dropped."""
+    e, k, t = op.attr("experts"), op.attr("top_k"), x.shape[0]
+    weights, chosen = route(x, params["router"], op)
+    slot, kept = slots(chosen, e, t)
+    out = experts_mlp(dispatch(x, slot, kept, k, e, t), params["w1"], params["w2"],
+                      params.get("w3"))
+    y = combine(out, slot, kept, weights, 0, t)
+    shared = _shared(x, params)
+    return y if shared is None else y + shared
+
+
+def moe(ctx, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal], data: dict) -> LVal:
+    """This rank's part of the MoE op (module docstring), ``ctx`` its
+    :class:`runtime.ops.StageContext`."""
+    x = xs[0]
+    lay = x.layout
+    ep = expert_parallel(lay)
+    want, out_layout, _ = moe_layouts(lay.fact, ep)
+    if (lay, lp.output) != (want, out_layout):
+        raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
+                                f"strategies' layouts ({want} -> {out_layout})")
+    p = {r: v.t for r, v in params.items()}
+    e, k = op.attr("experts"), op.attr("top_k")
+    cap = capacity(op, x.t.shape[0])
+    weights, chosen = route(x.t, p["router"], op)
+    slot, kept = slots(chosen, e, cap)
+    buf = dispatch(x.t, slot, kept, k, e, cap)
+    progs = moe_programs(op, lay, ctx.comm.cluster)
+    local = e // lay.fact[1].size
+    first = 0 if ep else ctx.comm.coord(lay, 1) * local
+    if progs is not None:
+        buf = ctx.comm.edge(LVal(buf, progs[0].src), progs[0], DISPATCH, op.name).t
+    elif not ep:
+        buf = buf[first:first + local]
+    out = experts_mlp(buf, p["w1"], p["w2"], p.get("w3"))
+    if progs is not None:
+        out = ctx.comm.edge(LVal(out, progs[1].src), progs[1], COMBINE, op.name).t
+    y = combine(out, slot, kept, weights, first, cap)
+    shared = _shared(x.t, p)
+    return LVal(y if shared is None else y + shared, lp.output)
