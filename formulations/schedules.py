@@ -71,7 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -569,7 +569,7 @@ def render_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = (), windo
     """The stage × step grid; cells in ``marks`` ((stage, position) pairs) are shown as
     ``[F3]``. With ``window``, only the columns within ``window`` of a mark are shown."""
     marks = set(marks)
-    show = Action.long.fget if schedule.virtual_stages > 1 else str  # type: ignore[attr-defined]
+    show: Callable[[Action], str] = (lambda a: a.long) if schedule.virtual_stages > 1 else str
     width = max((len(show(a)) for row in schedule.rows for a in row), default=2) + 2
     ncols = max((len(r) for r in schedule.rows), default=0)
     lo, hi = 0, ncols
@@ -619,7 +619,8 @@ def _fail(schedule: Schedule, msg: str, cells: Sequence[tuple[int, int]]) -> Sch
 
 
 def _where(s: int, p: int, a: Action) -> str:
-    return f"stage {s}, position {p} ({a})"
+    """Where cell (s, p) is; an action of another chunk than the row's own names it."""
+    return f"stage {s}, position {p} ({a if a.stage == s else a.long})"
 
 
 def _required_kinds(schedule: Schedule, j: int, lowered: bool) -> list[ActionKind]:

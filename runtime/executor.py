@@ -134,8 +134,7 @@ class Executor:
         self.chunks: dict[int, StageRuntime] = {}  # stage index -> what this rank runs of it
         self.optimizer = Optimizer(options.optimizer)
         self.transfers = Transfers(rank, self.device, self.registry, self.recorder, c.stages,
-                                   c.entries, c.graph)
-        self.transfers.per_boundary = c.interleaved
+                                   c.entries, c.graph, c.interleaved)
 
     def setup(self) -> None:
         """Create the groups (collective) and this rank's parameters (local), stage by stage."""

@@ -57,7 +57,7 @@ class Transfers:
 
     def __init__(self, rank: int, device: torch.device, registry: MeshRegistry,
                  recorder: Recorder, stages: Sequence[Stage], entries: Sequence[ReshardingEntry],
-                 graph: Graph):
+                 graph: Graph, per_boundary: bool = False):
         self.rank = rank
         self.device = device
         self.registry = registry
@@ -66,7 +66,7 @@ class Transfers:
         self.entries = entries
         self.graph = graph
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends not yet waited
-        self.per_boundary = False  # interleaved 1F1B: a group per chunk link (transfer_group)
+        self.per_boundary = per_boundary  # interleaved 1F1B: a group per chunk link (transfer_group)
 
     def send_forward(self, e: ReshardingEntry, v: LVal) -> None:
         """Post the forward tasks this rank sends of entry ``e``'s tensor ``v``."""
