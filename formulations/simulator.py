@@ -163,6 +163,7 @@ class SimResult:
     bubble_fraction: float
     busy_s: tuple[float, ...]
     peak_inflight: tuple[int, ...]
+    virtual_stages: int = 1  # chunks per stage (interleaved 1F1B); busy_s, peak_inflight per stage
 
     def to_dict(self, *, timeline: bool = True) -> dict:
         d = {
@@ -176,6 +177,8 @@ class SimResult:
             "busy_s": list(self.busy_s),
             "peak_inflight": list(self.peak_inflight),
         }
+        if self.virtual_stages > 1:
+            d["virtual_stages"] = self.virtual_stages
         if timeline:
             d["timeline"] = [e.to_dict() for e in self.timeline]
         return d
@@ -228,6 +231,7 @@ def simulate(
         bubble_fraction=bubble,
         busy_s=tuple(replay.busy),
         peak_inflight=peak_inflight(sched),
+        virtual_stages=sched.virtual_stages,
     )
 
 
