@@ -22,7 +22,9 @@ Life of a run (:class:`Executor`):
    ``RB``/``B``/``SB`` the same for the backward, ``W`` nothing: B computes weight gradients
    too; during the stage's last B each complete gradient chunk — the priced buckets — is
    AllReduced asynchronously); then wait for the chunks, exchange the gradients of tied
-   weights, and update the local blocks with SGD or Adam.
+   weights, and update the local blocks with SGD or Adam. Under interleaved 1F1B a rank
+   holds several stages — the model chunks of its mesh — and runs their actions in the
+   mesh's schedule order (:func:`runtime.step_loop.run_mesh`), then each chunk's tail.
 
 Each concept lives in its own module: the pure compile in :mod:`runtime.compiled` and
 :mod:`runtime.groups`; parameters in :mod:`runtime.params`; a stage's forward (mixed
