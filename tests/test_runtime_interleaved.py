@@ -59,6 +59,17 @@ def test_check_rejects_virtual_stages_that_do_not_divide_the_stages(plan: Plan) 
         check_plan(Plan.from_dict(d))
 
 
+@pytest.mark.parametrize("edit, match", [
+    ({"name": "1f1b"}, "virtual stages .* go with 'interleaved-1f1b' and only with it"),
+    ({"virtual_stages": 0}, r"schedule.virtual_stages: expected a positive integer"),
+])
+def test_check_rejects_a_schedule_record_at_odds_with_its_chunks(plan: Plan, edit, match) -> None:
+    d = plan.to_dict()
+    d["schedule"].update(edit)
+    with pytest.raises(PlanFormatError, match=match):
+        check_plan(Plan.from_dict(d))
+
+
 @pytest.mark.parametrize("pipeline, key, match", [
     ({"virtual_stages": 2}, "pipeline.virtual_stages", "need pipeline.schedule: interleaved-1f1b"),
     ({"virtual_stages": 1}, "pipeline.virtual_stages", "needs 2 or more model chunks"),
@@ -84,19 +95,27 @@ def test_microbatches_must_be_rounds_of_the_stages() -> None:
 def test_cli_solves_runs_audits_and_matches_one_process(tmp_path: Path) -> None:
     """The done-when: ``ilp-planner solve`` then ``ilp-planner run --audit
     --check-reference --steps 2`` on 8 gloo ranks (each mesh 4 devices, sharded inside a
-    chunk)."""
+    chunk). The same launch runs a second plan: 2 micro-batches (as many as stages: every
+    mesh runs all its chunk forwards first) with every block recomputed."""
     plan_file = tmp_path / "p.json"
     res = run([sys.executable, "-m", "ilp_planner.cli", "solve", str(CONFIG), "-o", str(plan_file)],
               timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    other = solve(load_config(CONFIG).with_overrides(
+        {"pipeline.microbatches": 2, "solver.recompute": "always"}), baselines=False)
+    assert any(ly.recompute for ly in other.layers)
+    other.name = "recompute-m2"
+    other.save(tmp_path / "q.json")
     results = tmp_path / "results.json"
-    res = run([sys.executable, "-m", "ilp_planner.cli", "run", str(plan_file), "--audit",
-               "--check-reference", "--steps", "2", "--results", str(results)], timeout=420)
+    res = run([sys.executable, "-m", "ilp_planner.cli", "run", str(plan_file), str(tmp_path / "q.json"),
+               "--audit", "--check-reference", "--steps", "2", "--results", str(results)], timeout=420)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]
     assert "MISMATCH" not in out
-    (entry,) = json.loads(results.read_text())
-    assert entry["audit_ok"] is True and entry["stages"] == 4 and entry["world"] == 8
-    ref = entry["reference"]
-    assert ref["loss_rel_err"] <= 1e-4 and ref["param_rel_err"] <= 1e-4
-    assert "-> OK" in out  # --check-reference's verdict on rank 0
+    entries = json.loads(results.read_text())
+    assert len(entries) == 2
+    for entry in entries:
+        assert entry["audit_ok"] is True and entry["stages"] == 4 and entry["world"] == 8
+        ref = entry["reference"]
+        assert ref["loss_rel_err"] <= 1e-4 and ref["param_rel_err"] <= 1e-4
+    assert out.count("-> OK") == 2  # --check-reference's verdicts on rank 0
