@@ -89,3 +89,14 @@ def test_auto_keeps_interleaving_where_it_is_faster() -> None:
                  baselines=False)
     assert auto.schedule.name == "1f1b" and auto.step_s == plain.step_s
     assert [s.layers for s in auto.stages] == [s.layers for s in plain.stages]
+
+
+def test_forced_interleaving_with_auto_stages_finds_the_only_fit() -> None:
+    """``stages: auto``: every even split of the 8 devices is tried; with 4 layer units only
+    2 meshes × 2 chunks has a chunk per unit, so it is the plan ``stages: 2`` gives."""
+    config = load_config(CONFIG)
+    fixed = solve(config, baselines=False)
+    auto = solve(config.with_overrides({"pipeline.stages": "auto"}), baselines=False)
+    assert auto.schedule.virtual_stages == 2 and len(auto.stages) == 4
+    assert [s.layers for s in auto.stages] == [s.layers for s in fixed.stages]
+    assert auto.step_s == pytest.approx(fixed.step_s)
