@@ -50,8 +50,7 @@ def test_mesh_shape_splits_evenly_or_says_why() -> None:
 
 def test_memory_counts_the_interleaved_activations() -> None:
     """Each mesh's memory is its chunks' fixed memory plus its peak chunk activations in
-    flight (2·(p − 1 − r) + (v − 1)·p + 1, capped by M·v) times its largest chunk's; a
-    budget below it makes the candidate infeasible with the figure named."""
+    flight (2·(p − 1 − r) + (v − 1)·p + 1, capped by M·v) times its largest chunk's."""
     config = load_config(CONFIG)
     graph, solver = _solver(config)
     pipe = interleaved_pipeline(config, graph, solver, 2, 2, {})
@@ -63,10 +62,26 @@ def test_memory_counts_the_interleaved_activations() -> None:
             c.activation_bytes_per_microbatch for c in costs[r::2])
         assert pipe.stages[r].dp.memory_bytes == pytest.approx(want)
         assert pipe.stages[r].dp.inflight_microbatches == held
+        assert pipe.stages[r].dp.memory_solved_for_inflight is None  # roomy: fastest plans
     assert (inflight_interleaved(2, 0, 4, 2), inflight_interleaved(2, 1, 4, 2)) == (5, 3)
-    tight = config.with_overrides({"cluster.memory_gib": pipe.stages[0].dp.memory_bytes * 0.99 / 2**30})
-    with pytest.raises(InfeasibleError, match="stage mesh 0 needs .* GiB per device"):
-        interleaved_pipeline(tight, *_solver(tight), 2, 2, {})
+
+
+def test_a_mesh_over_the_budget_is_resolved_within_a_share_of_it() -> None:
+    """1 % below mesh 0's memory: its two chunks are re-solved, each within half the budget
+    holding mesh 0's 5 chunk activations, and the mesh fits (slower); mesh 1 keeps its
+    fastest plans. At a fifth of it no chunk plan fits and the error says so."""
+    config = load_config(CONFIG)
+    roomy = interleaved_pipeline(config, *_solver(config), 2, 2, {})
+    need = roomy.stages[0].dp.memory_bytes
+    tight = config.with_overrides({"cluster.memory_gib": need * 0.99 / 2**30})
+    pipe = interleaved_pipeline(tight, *_solver(tight), 2, 2, {})
+    assert [s.dp.memory_solved_for_inflight for s in pipe.stages] == [5, None, 5, None]
+    assert all(s.dp.memory_bytes <= tight.cluster.memory_bytes for s in pipe.stages)
+    assert pipe.step_s >= roomy.step_s
+    tiny = config.with_overrides({"cluster.memory_gib": need * 0.2 / 2**30})
+    with pytest.raises(InfeasibleError, match=r"chunk 0 .* has no plan within .* MiB per device "
+                                              r"\(1/2 of the budget\) holding 5"):
+        interleaved_pipeline(tiny, *_solver(tiny), 2, 2, {})
 
 
 def test_auto_keeps_interleaving_where_it_is_faster() -> None:

@@ -11,8 +11,9 @@ How the planner builds and prices one (:func:`interleaved_pipeline`):
    per-range table, cached by signature class), ties broken by the total time;
 3. **memory** — per mesh, the fixed memory of its ``v`` chunks plus the chunk activations
    in flight at its peak (:func:`formulations.schedules.inflight_interleaved`, more than
-   1F1B's) times the largest of its chunks'; a mesh over the budget makes the candidate
-   infeasible (memory-saving chunk plans are not searched here);
+   1F1B's) times the largest of its chunks'; a mesh over the budget has its chunks re-solved
+   each within a ``v``-th of it (sufficient, not necessary: a candidate that fits only with
+   an uneven split of the budget between its chunks is missed);
 4. **assembly** — :func:`~ilp_planner.inter_op.assembly.assemble_pipeline`: the crossing
    tensors resharded (each chunk boundary one transfer, the wrap-around from mesh ``p − 1``
    to mesh 0 included), the schedule simulated per chunk with the solved transfer times.
@@ -25,11 +26,12 @@ simulated step; the pipeline driver (:mod:`ilp_planner.inter_op.pipeline`) calls
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from formulations.schedules import inflight_interleaved
-from formulations.stage_dp import StageChoice, pack_submeshes
+from formulations.stage_dp import StageChoice, StageCost, pack_submeshes
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
 from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
@@ -102,6 +104,42 @@ def chunk_ranges(solver: StageSolver, shape: tuple[int, int], chunks: int
     return out
 
 
+def _mesh_memory(costs: Sequence[StageCost], held: int) -> float:
+    """Per-device bytes of one mesh: its chunks' fixed memory plus ``held`` chunk
+    activations in flight, each counted at the largest of its chunks'."""
+    return (sum(c.memory_bytes_fixed for c in costs)
+            + held * max(c.activation_bytes_per_microbatch for c in costs))
+
+
+def _fitted(config: Config, graph: Graph, solver: StageSolver, ranges: list[tuple[int, int]],
+            shape: tuple[int, int], p: int, v: int) -> tuple[list, list[int | None]]:
+    """Each chunk's solve and the in-flight count it was solved for (None: its fastest
+    plan, no memory row): its fastest plan; on a mesh over the budget, its ``v`` chunks
+    re-solved each within ``budget / v`` holding the mesh's in-flight count ``n`` (state
+    sharding, recomputation — whatever the config offers the ILP). That fits the mesh:
+    ``Σ fixed_j + n·max act_j ≤ Σ (budget/v − n·act_j) + n·max act_j ≤ budget``."""
+    solved = [solver.solve(a, e, shape) for a, e in ranges]
+    solved_for: list[int | None] = [None] * len(ranges)
+    M, budget = config.pipeline.microbatches, config.cluster.memory_bytes
+    share = None
+    for r in range(p):
+        held = inflight_interleaved(p, r, M, v)
+        if _mesh_memory([solver.variant_cost(s) for s in solved[r::p]], held) <= budget:
+            continue
+        if share is None:  # the same intra-op solves under a v-th of the memory
+            share = StageSolver(dataclasses.replace(config, cluster=dataclasses.replace(
+                config.cluster, memory_bytes=budget / v)), graph, solver.units)
+        for j in range(r, p * v, p):
+            solved[j], solved_for[j] = share.solve(*ranges[j], shape, held), held
+            if solved[j] is None:
+                raise InfeasibleError(
+                    f"interleaved 1F1B {p}×{v}: chunk {j} (units {ranges[j][0]}..{ranges[j][1] - 1}) "
+                    f"has no plan within {budget / v / 2**20:.4g} MiB per device (1/{v} of the "
+                    f"budget) holding {held} chunk activations, and its mesh's fastest plans "
+                    f"need more than the {budget / 2**20:.4g} MiB")
+    return solved, solved_for
+
+
 def interleaved_pipeline(config: Config, graph: Graph, solver: StageSolver, p: int, v: int,
                          reshardings: dict) -> AssembledPipeline:
     """The interleaved pipeline of ``p`` meshes × ``v`` chunks (module docstring), assembled
@@ -113,25 +151,17 @@ def interleaved_pipeline(config: Config, graph: Graph, solver: StageSolver, p: i
     if ranges is None:
         raise InfeasibleError(f"no cut of the {len(solver.units)} layer units into {p}×{v} "
                               f"chunks has an intra-op plan for every chunk on {shape}")
-    solved = [solver.solve(a, e, shape) for a, e in ranges]
+    solved, solved_for = _fitted(config, graph, solver, ranges, shape, p, v)
     costs = [solver.variant_cost(s) for s in solved]
     M = config.pipeline.microbatches
-    memory = []
-    for r in range(p):
-        mine = costs[r::p]
-        held = inflight_interleaved(p, r, M, v)
-        memory.append(sum(c.memory_bytes_fixed for c in mine)
-                      + held * max(c.activation_bytes_per_microbatch for c in mine))
-        if memory[r] > cluster.memory_bytes:
-            raise InfeasibleError(
-                f"interleaved 1F1B {p}×{v}: stage mesh {r} needs {memory[r] / 2**30:.3f} GiB "
-                f"per device ({held} chunk activations in flight) of "
-                f"{cluster.memory_bytes / 2**30:.3f} GiB")
+    held = [inflight_interleaved(p, r, M, v) for r in range(p)]
+    memory = [_mesh_memory(costs[r::p], held[r]) for r in range(p)]
     plans = []
     for j, ((a, e), s, c) in enumerate(zip(ranges, solved, costs, strict=True)):
-        choice = StageChoice(a, e, shape, c.time_s, c.time_s, 0.0, memory[j % p],
-                             inflight_interleaved(p, j % p, M, v), placements[j % p])
-        plans.append(SolvedStage(choice, solver.names(a, e), s[2], SolverReport.of(s[1]), None))
+        choice = StageChoice(a, e, shape, c.time_s, c.time_s, 0.0, memory[j % p], held[j % p],
+                             placements[j % p])
+        plans.append(SolvedStage(choice, solver.names(a, e), s[2], SolverReport.of(s[1]),
+                                 solved_for[j]))
     objective = (M + (p - 1) / v) * max(sum(c.time_s for c in costs[r::p]) for r in range(p))
     return assemble_pipeline(config, graph, plans, objective, reshardings, virtual_stages=v)
 
