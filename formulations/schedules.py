@@ -132,7 +132,8 @@ _ACTION_RE = re.compile(r"^\s*(\d+)?(SF|RF|SB|RB|F|B|W)(\d+)\s*$")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one stage: ``kind`` on ``microbatch`` at ``stage`` (0-based)."""
+    """One step of one stage: ``kind`` on ``microbatch`` at ``stage`` (0-based; under
+    interleaved 1F1B the model chunk, which runs on stage ``stage mod S``)."""
 
     kind: ActionKind
     microbatch: int
