@@ -150,7 +150,7 @@ def _solve_interleaved(config: Config, graph, solver: StageSolver, space: _Stage
     if pipeline is None:
         raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join(why))
     plan = pipeline_plan(config, pipeline, interleaved_report(
-        pipeline, solver, time.perf_counter() - t0, ""))
+        pipeline, solver, time.perf_counter() - t0))
     if baselines:
         plan.baselines = _single_mesh_baselines(config)
     return plan
