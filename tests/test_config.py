@@ -34,6 +34,8 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "tiny-moe-cpu": 48_192,  # closed forms in tests/test_moe.py
     "mixtral-8x7b-8x8": 47_394_594_816,
     "deepseek-v2-lite-2x8": 16_090_714_112,
+    # tiny-gpt-cpu with 4 blocks instead of 2: two more blocks of 12h² + 13h (h = 64)
+    "tiny-gpt-interleaved-cpu": 109_312 + 2 * (12 * 64 * 64 + 13 * 64),
     "tiny-mlp-cpu": 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
     # stem and head h² + h, two blocks 12h² + 13h, final layernorm 2h (h = 64)
     "tiny-utf-zero-cpu": 2 * (64 * 64 + 64) + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64,

@@ -566,8 +566,42 @@ def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) 
     def submeshes(value: Any, path: str, kw: dict[str, Any]) -> tuple[tuple[int, int], ...]:
         return _parse_submeshes(r, value, cluster, kw.get("stages", 1))
 
-    return PipelineOptions(**_read_keys(r, d, "pipeline", {
-        "stages": stages, "microbatches": microbatches, "submeshes": submeshes}))
+    kw = _read_keys(r, d, "pipeline", {
+        "stages": stages, "microbatches": microbatches, "submeshes": submeshes,
+        "virtual_stages": _virtual_stages(r)})
+    _check_interleaving(r, kw)
+    return PipelineOptions(**kw)
+
+
+def _virtual_stages(r: Reader) -> Callable[[Any, str, dict[str, Any]], int | str]:
+    """The reader of ``pipeline.virtual_stages``: a positive integer or ``auto``."""
+
+    def read(value: Any, path: str, _: dict[str, Any]) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, str) or isinstance(value, bool) or not isinstance(value, int):
+            r.fail(path, f"expected a positive integer or 'auto', got {value!r}")
+        return r.positive_int(value, path)
+
+    return read
+
+
+def _check_interleaving(r: Reader, kw: dict[str, Any]) -> None:
+    """Interleaved 1F1B's requirements, each named: an integer count of at least 2 only with
+    schedule ``interleaved-1f1b``, which needs ``virtual_stages`` ≥ 2 (or auto) and stages.
+    (Micro-batches in whole rounds of the stages, Megatron-LM's rule, is the solver's
+    check: the micro-batch graph is parsed with one micro-batch.)"""
+    v, schedule = kw.get("virtual_stages", 1), kw.get("schedule", "1f1b")
+    if isinstance(v, int) and v > 1 and schedule != "interleaved-1f1b":
+        r.fail("pipeline.virtual_stages", f"{v} chunks per stage need pipeline.schedule: "
+                                          f"interleaved-1f1b (got {schedule}); or use auto")
+    if schedule != "interleaved-1f1b":
+        return
+    if v == 1:
+        r.fail("pipeline.virtual_stages", "schedule interleaved-1f1b needs 2 or more model "
+                                          "chunks per stage, or auto; got 1")
+    if kw.get("stages", 1) == 1:
+        r.fail("pipeline.stages", "schedule interleaved-1f1b needs 2 or more stages, or auto")
 
 
 def _parse_submeshes(r: Reader, value: Any, cluster: Cluster,

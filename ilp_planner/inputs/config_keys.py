@@ -243,6 +243,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
                             _PIPELINE["microbatches"], positive=True),
         "schedule": Key("choice", "the pipeline schedule", _PIPELINE["schedule"],
                         choices=SCHEDULES, noun="schedule"),
+        "virtual_stages": Key("integer or auto", "model chunks per stage mesh (interleaved "
+                                                 "1F1B): N ≥ 2 with schedule interleaved-1f1b, "
+                                                 "auto: the planner picks, also beside another "
+                                                 "schedule", _PIPELINE["virtual_stages"]),
         "submeshes": Key("list", "[nodes, devices] per stage, one per stage",
                          _PIPELINE["submeshes"], null=True),
         "imbalance_tolerance": Key("number", "stage imbalance the DP tolerates",
