@@ -64,6 +64,7 @@ from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.options import PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import Reader, join
 from ilp_planner.ir.cluster import Cluster, Link, submesh_shapes
+from ilp_planner.ir.device import ComputeFit, DeviceSpec
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
@@ -163,7 +164,8 @@ def section_mapping(value: Any) -> Any:
                 "memory_gib": value.memory_bytes / _GIB, "peak_tflops": value.peak_flops / 1e12,
                 "efficiency": value.efficiency, "name": value.name,
                 "links": {"intra": {"alpha": value.intra.alpha, "beta": value.intra.beta},
-                          "inter": {"alpha": value.inter.alpha, "beta": value.inter.beta}}}
+                          "inter": {"alpha": value.inter.alpha, "beta": value.inter.beta}},
+                **({"compute": compute_mapping(value.device)} if value.device else {})}
     if isinstance(value, MemorySpec):
         return {"bytes_per_param": {"weight": value.weight_bytes, "grad": value.grad_bytes,
                                     "optimizer": value.optimizer_bytes}}
@@ -405,7 +407,46 @@ def _parse_cluster(r: Reader, value: Any) -> Cluster:
     intra = _parse_link(r, links["intra"], "cluster.links.intra")
     inter = _parse_link(r, links["inter"], "cluster.links.inter")
     name = r.read(keys["name"], d["name"], "cluster.name") if "name" in d else f"{nodes}x{per_node}"
-    return Cluster(nodes, per_node, memory, peak, intra, inter, efficiency, name)
+    cluster = Cluster(nodes, per_node, memory, peak, intra, inter, efficiency, name)
+    return _with_compute(r, d["compute"], cluster) if "compute" in d else cluster
+
+
+def _with_compute(r: Reader, value: Any, cluster: Cluster) -> Cluster:
+    """``cluster.compute``: the roofline's parameters (:class:`ComputeFit`), overriding the
+    catalogue device's where the cluster names one, else making a device of the cluster's
+    own numbers (its peak for every dtype; ``hbm_gbps`` then required)."""
+    path, keys = "cluster.compute", SECTIONS["cluster.compute"]
+    d = r.section(value, path, keys)
+    got = {k: r.read(keys[k], d[k], join(path, k)) for k in keys if k in d}
+    base = cluster.device
+    if base is None and "hbm_gbps" not in got:
+        r.fail(join(path, "hbm_gbps"), "missing required key 'hbm_gbps' (the cluster names no "
+                                       "catalogue device to take its memory bandwidth from)")
+    fit = base.fit if base is not None else ComputeFit()
+    fit = ComputeFit(got.get("matmul_efficiency", fit.matmul_efficiency),
+                     got.get("matmul_half_dim", fit.matmul_half_dim),
+                     got.get("memory_efficiency", fit.memory_efficiency),
+                     got["kernel_floor_us"] * 1e-6 if "kernel_floor_us" in got
+                     else fit.kernel_floor_s)
+    peak = got.get("peak_tflops", cluster.peak_flops / 1e12 if base is None else None)
+    peaks = ({dt: peak * 1e12 for dt in ("float32", "float16", "bfloat16")} if peak is not None
+             else base.peak_flops)
+    hbm = got["hbm_gbps"] * 1e9 if "hbm_gbps" in got else base.hbm_bytes_per_s
+    device = DeviceSpec(base.name if base is not None else cluster.name,
+                        cluster.memory_bytes, peaks, hbm,
+                        base.aliases if base is not None else (), fit)
+    return dataclasses.replace(cluster, device=device)
+
+
+def compute_mapping(device: DeviceSpec) -> dict[str, float]:
+    """A device's roofline figures as a ``cluster.compute`` section (every dtype at the
+    largest peak where they differ: the section has one)."""
+    return {"hbm_gbps": device.hbm_bytes_per_s / 1e9,
+            "peak_tflops": max(device.peak_flops.values()) / 1e12,
+            "matmul_efficiency": device.fit.matmul_efficiency,
+            "matmul_half_dim": device.fit.matmul_half_dim,
+            "memory_efficiency": device.fit.memory_efficiency,
+            "kernel_floor_us": device.fit.kernel_floor_s * 1e6}
 
 
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:
