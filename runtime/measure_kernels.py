@@ -6,8 +6,10 @@ when there is one, else the CPU), in the format ``kernel,m,n,k,bytes,seconds`` t
 :func:`measure_kernels` itself.
 
 Shapes: square matmuls from small to large (the size curve's knee and its asymptote) and
-skinny ones with one small dimension each (the curve's per-dimension factor), and streams
-from cache-sized to memory-sized (bandwidth and the per-launch floor). Each timing is the
+skinny ones with one small dimension each (the curve's per-dimension factor; on a GPU the
+small dimension stays ≥ 256 so that the matmul is still compute-bound — a memory-bound
+matmul's time says nothing of the curve), and streams from cache-sized to memory-sized
+(bandwidth and the per-launch floor). Each timing is the
 fastest of ``repeats`` loops of launches long enough to read a clock (≥ 1 ms), divided by
 its length: a launch's whole cost, what eager training pays per kernel.
 """
@@ -27,11 +29,11 @@ _CPU_QUICK = ((32, 64, 128, 256, 384), ((8, 256, 256), (256, 8, 256), (256, 256,
 _CPU_FULL = ((32, 64, 128, 256, 512, 768, 1024),
              ((8, 512, 512), (512, 8, 512), (512, 512, 8), (32, 1024, 1024)),
              tuple(4**p for p in range(5, 13)))
-_GPU_QUICK = ((256, 512, 1024, 2048, 4096), ((16, 4096, 4096), (4096, 16, 4096), (4096, 4096, 16)),
+_GPU_QUICK = ((256, 512, 1024, 2048, 4096), ((4096, 4096, 256), (4096, 256, 4096), (256, 4096, 4096)),
               tuple(4**p for p in range(6, 14)))
 _GPU_FULL = ((128, 256, 512, 1024, 2048, 4096, 6144, 8192),
-             ((16, 8192, 8192), (8192, 16, 8192), (8192, 8192, 16), (64, 8192, 8192),
-              (8192, 256, 8192), (2048, 8192, 128)),
+             ((16, 8192, 8192), (8192, 8192, 256), (8192, 256, 8192), (256, 8192, 8192),
+              (8192, 8192, 512), (8192, 512, 8192)),
              tuple(4**p for p in range(6, 15)))
 MIN_SAMPLE_S = 1e-3
 

@@ -11,7 +11,8 @@ Unknowns: the achieved matmul asymptote T (FLOP/s), the size scale d½, the achi
 bandwidth W (bytes/s) and the kernel floor f (s). The stream rows alone fix W and f by
 linear least squares (t is linear in 1/W and f). With those, a matmul row is linear in 1/T
 for a given d½: d½ is searched on a log grid and refined by golden section, 1/T solved in
-closed form at each candidate. As in the α–β fit (:mod:`ilp_planner.inputs.calibration`)
+closed form at each candidate (from the rows whose FLOPs, not bytes, bind at the
+current estimate: a few passes). As in the α–β fit (:mod:`ilp_planner.inputs.calibration`)
 residuals are relative — timings span decades and their noise is multiplicative — and a
 negative floor is refitted at 0.
 
@@ -111,10 +112,16 @@ def _matmul_at(rows: Sequence[KernelTiming], half_dim: float, bandwidth: float,
     t = np.array([r.seconds for r in rows])
     x = np.array([r.flops / size_factor((r.m, r.n, r.k), half_dim) for r in rows])
     y = t - floor_s
-    u = float(np.sum(x * y / t**2) / np.sum((x / t) ** 2))  # 1/T
-    if u <= 0:
-        return math.inf, math.inf
     mem = np.array([r.bytes for r in rows]) / bandwidth
+    bound = np.ones(len(rows), dtype=bool)  # rows whose FLOPs bind: they alone say 1/T
+    for _ in range(3):
+        u = float(np.sum(x[bound] * y[bound] / t[bound] ** 2) / np.sum((x[bound] / t[bound]) ** 2))
+        if u <= 0:
+            return math.inf, math.inf
+        now = x * u >= mem
+        if not now.any() or (now == bound).all():
+            break
+        bound = now
     pred = np.maximum(x * u, mem) + floor_s
     return 1.0 / u, float(np.sum(((pred - t) / t) ** 2))
 
