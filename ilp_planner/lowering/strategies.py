@@ -158,6 +158,32 @@ def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None =
                                               op_times(op, split, ctx.cluster, gemm, read)[0])}
 
 
+def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
+               summa: bool = False) -> tuple[int, GemmShape]:
+    """(devices sharing the work, local (m, n, k)) of a matmul-like op's strategy on
+    ``fact``: the 3-D family's ``(m/p0, n/p1, k/p2)``; SUMMA's ``(m/r, n/c, k)`` after its
+    gathers; a convolution's implicit GEMM ``(N·H·W/p0, Cout/p1, Cin·kh·kw/p2)``.
+    ``weight`` is the op's weight, a matmul's second input."""
+    sizes = [a.size for a in fact]
+    if op.kind is OpKind.CONV2D:
+        m = op.output.shape[0] * math.prod(op.output.shape[2:])
+        n, k = weight.shape[0], weight.shape[1] * math.prod(weight.shape[2:])
+    else:
+        m, (k, n) = op.output.shape[0], weight.shape[:2]
+    if summa:
+        r, c = sizes
+        return r * c, (m / r, n / c, k)
+    p0, p1, p2 = sizes
+    return p0 * p1 * p2, (m / p0, n / p1, k / p2)
+
+
+def _gemm_priced(op: Op, weight: TensorSpec, fact: Factorisation, ctx: StrategyContext,
+                 summa: bool = False) -> dict[str, float]:
+    """:func:`_priced` of a matmul-like op's strategy on ``fact`` (:func:`local_gemm`)."""
+    split, gemm = local_gemm(op, weight, fact, summa)
+    return _priced(op, split, ctx, gemm)
+
+
 def forward_seconds(op: Op, in_tensor: TensorSpec, in_layout: Layout,
                     ctx: StrategyContext) -> float:
     """The forward share of a follower's compute (:func:`follow`'s third value)."""
@@ -410,7 +436,7 @@ def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> li
             label, fact, ins, None if is_matmul else w_layout, o_layout,
             collectives=colls, state_bytes=local * ctx.memory.bytes_per_param,
             activation_bytes=o_layout.local_bytes(op.output), input_grads=grads,
-            update_params=local, **_priced(op, p0 * p1 * p2, ctx, (m / p0, n / p1, k / p2)),
+            update_params=local, **_gemm_priced(op, weight, fact, ctx),
         ))
     if not is_embedding and not is_matmul:
         out.extend(_summa(op, inputs[0], ctx))
@@ -452,7 +478,7 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
             label, fact, (lay,), lay, lay, collectives=colls,
             state_bytes=local * ctx.memory.bytes_per_param + gathered,
             activation_bytes=lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
-            update_params=local, **_priced(op, r * c, ctx, (m / r, n / c, k)),
+            update_params=local, **_gemm_priced(op, op.weight, fact, ctx, True),
         ))
     return out
 
@@ -478,8 +504,6 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
     assert op.weight is not None
     nb, cin = op.output.shape[0], op.weight.shape[1]
     cout = op.weight.shape[0]
-    pixels = nb * math.prod(op.output.shape[2:])  # implicit GEMM: (N·H·W) × (Cin·kh·kw) × Cout
-    window = math.prod(op.weight.shape[2:])
     out = []
     for fact in _three_axis(ctx):
         p0, p1, p2 = (a.size for a in fact)
@@ -496,8 +520,7 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
             state_bytes=local * ctx.memory.bytes_per_param,
             activation_bytes=o_layout.local_bytes(op.output),
             input_grads=input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
-            update_params=local, **_priced(op, p0 * p1 * p2, ctx, (pixels / p0, cout / p1,
-                                                                   window * cin / p2)),
+            update_params=local, **_gemm_priced(op, op.weight, fact, ctx),
         ))
     return out
 
