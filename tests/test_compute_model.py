@@ -28,6 +28,8 @@ from ilp_planner.lowering.compute_model import (
 )
 from ilp_planner.lowering.cost_model import MemorySpec, compute_time
 from ilp_planner.lowering.strategies import NORM_KINDS
+from ilp_planner.reports.explain import explain
+from ilp_planner.reports.roofline import bound_seconds
 
 A100 = device_spec("a100-80gb")
 FIT = A100.fit
@@ -249,3 +251,19 @@ def test_roofline_plan_solves_and_prices_norms_by_bytes() -> None:
     norms = [ly for ly in plan.layers if ly.kind in {k.value for k in NORM_KINDS}]
     assert norms and plan.cost.compute_s > 0
     assert all(ly.compute_s >= 3 * FLOOR for ly in norms)  # 1 + 2 kernels at least
+
+
+def test_explain_names_what_bounds_each_kind() -> None:
+    """A mid-size GPT on a roofline cluster: its linears are compute-bound, its norms and
+    activations memory-bound, and explain prints the table; a flat plan has none."""
+    doc = _gpt(device=True)
+    doc["model"].update(hidden=2048, heads=16, seq_len=1024, batch=8)
+    cfg = parse_config(doc)
+    plan = ilp_planner.solve(cfg)
+    table = bound_seconds(plan, cfg)
+    mostly = {kind: max(row, key=row.get) for kind, row in table.items()}
+    assert mostly["linear"] == "compute" and mostly["attention"] == "compute"
+    assert mostly["layernorm"] == mostly["gelu"] == mostly["add"] == "memory"
+    assert "roofline on 1x4" in explain(plan, collectives=False)
+    flat = ilp_planner.solve(parse_config(_gpt(device=False)))
+    assert "roofline on" not in explain(flat, collectives=False)
