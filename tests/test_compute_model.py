@@ -30,6 +30,7 @@ from ilp_planner.lowering.cost_model import MemorySpec, compute_time
 from ilp_planner.lowering.strategies import NORM_KINDS
 from ilp_planner.reports.explain import explain
 from ilp_planner.reports.roofline import bound_seconds
+from ilp_planner.reports.summary import cluster_summary
 
 A100 = device_spec("a100-80gb")
 FIT = A100.fit
@@ -223,6 +224,8 @@ def test_compute_section_builds_or_overrides_a_device() -> None:
     assert dev is not None and dev.hbm_bytes_per_s == 2039e9
     assert dict(dev.peak_flops) == {k: 312e12 for k in ("float32", "float16", "bfloat16")}
     assert dev.fit == ComputeFit()
+    assert "compute   roofline (1x4): matmul e_max 0.8, d½ 128" in "\n".join(
+        cluster_summary(cfg.cluster))
     # a catalogue device keeps its figures but for the keys given
     over = dataclasses.replace(cfg.cluster, device=A100)
     doc = _gpt(device=False)
