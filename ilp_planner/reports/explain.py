@@ -44,7 +44,7 @@ from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
 from ilp_planner.plan.programs import EdgeProgram, edge_programs, steps_text
-from ilp_planner.reports.roofline import roofline_rows
+from ilp_planner.reports.roofline import BOUNDS, bound_seconds
 
 _GIB = 2**30
 _INDEX = re.compile(r"(?:(?<=\.)|^)(\d+)(?=\.|$)")
@@ -492,12 +492,15 @@ def _memory_lines(plan: Plan) -> list[str]:
 
 
 def _roofline_lines(plan: Plan, config: Config) -> list[str]:
-    rows = roofline_rows(plan, config)
-    if not rows:
+    """Per op kind, the costliest first: its kernels' seconds by bound and the main one."""
+    table = bound_seconds(plan, config)
+    if not table:
         return []
+    rows = [[kind, *(fmt_seconds(row[b]) for b in BOUNDS), f"{max(BOUNDS, key=row.get)}-bound"]
+            for kind, row in sorted(table.items(), key=lambda kv: -sum(kv[1].values()))]
     return [f"roofline on {config.cluster.device.name}: each kind's kernels per micro-batch "
             f"(forward + backward, local shards) by what bounds them:",
-            *text_table(["kind", "compute", "memory", "floor", "mostly"], rows)]
+            *text_table(["kind", *BOUNDS, "mostly"], rows)]
 
 
 def _layer_lines(plan: Plan, collectives: bool, config: Config) -> list[str]:

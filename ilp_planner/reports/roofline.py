@@ -56,14 +56,3 @@ def bound_seconds(plan: Plan, config: Config) -> dict[str, dict[str, float]]:
                 row = out.setdefault(layer.kind, dict.fromkeys(BOUNDS, 0.0))
                 row[bound_by(work, device, dtype)] += phase_seconds(work, device, dtype)
     return out
-
-
-def roofline_rows(plan: Plan, config: Config) -> list[list[str]]:
-    """Table rows ``kind, compute s, memory s, floor s, mostly``, the costliest kind first
-    (seconds formatted by the caller's convention: µs with 3 significant digits)."""
-    table = bound_seconds(plan, config)
-    rows = []
-    for kind, row in sorted(table.items(), key=lambda kv: -sum(kv[1].values())):
-        mostly = max(BOUNDS, key=lambda b: row[b])
-        rows.append([kind, *(f"{row[b] * 1e6:.3g} us" for b in BOUNDS), f"{mostly}-bound"])
-    return rows
