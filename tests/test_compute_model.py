@@ -270,3 +270,25 @@ def test_explain_names_what_bounds_each_kind() -> None:
     assert "roofline on 1x4" in explain(plan, collectives=False)
     flat = ilp_planner.solve(parse_config(_gpt(device=False)))
     assert "roofline on" not in explain(flat, collectives=False)
+
+
+def test_unfused_attention_pays_for_its_scores_by_hand() -> None:
+    """Megatron 2021's attention: the matmuls' roofline, plus the softmax and dropout
+    streaming the s × s scores (E elements) after them; backward 2 × the FLOPs."""
+    t, h, heads, seq = 4 * 2048, 2304, 24, 2048
+    op = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+            flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
+    e = t * heads * seq  # score elements
+    n = t * h
+    fwd, bwd = op_work(op, 1.0, flash=False)
+    assert (fwd.bytes, fwd.stream_bytes) == ((4 * n + 2 * e) * 2, 4 * e * 2 + e)
+    assert (bwd.flops, bwd.bytes, bwd.stream_bytes) == (2 * op.flops, (8 * n + 4 * e) * 2,
+                                                        5 * e * 2 + e)
+    unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
+    mm = op.flops / (PEAK * _eff(seq, seq, h / heads))
+    want = max(mm, (4 * n + 2 * e) * 2 / HBM) + (4 * e * 2 + e) / HBM + 4 * FLOOR
+    assert op_times(op, 1.0, _cluster(unfused))[0] == pytest.approx(want, rel=1e-12)
+    assert bound_by(fwd, unfused, "bfloat16") == "memory"  # its scores outweigh its matmuls
+    assert op_seconds(op, 1.0, _cluster(unfused)) > 1.3 * op_seconds(op, 1.0, _cluster())
+    for cluster in (_cluster(unfused), _cluster()):
+        assert op_seconds(op, 1.0, cluster) >= least_seconds(op, cluster)

@@ -427,7 +427,7 @@ def _with_compute(r: Reader, value: Any, cluster: Cluster) -> Cluster:
                      got.get("matmul_half_dim", fit.matmul_half_dim),
                      got.get("memory_efficiency", fit.memory_efficiency),
                      got["kernel_floor_us"] * 1e-6 if "kernel_floor_us" in got
-                     else fit.kernel_floor_s)
+                     else fit.kernel_floor_s, got.get("attention", fit.attention))
     peak = got.get("peak_tflops", cluster.peak_flops / 1e12 if base is None else None)
     peaks = ({dt: peak * 1e12 for dt in ("float32", "float16", "bfloat16")} if peak is not None
              else base.peak_flops)
@@ -438,7 +438,7 @@ def _with_compute(r: Reader, value: Any, cluster: Cluster) -> Cluster:
     return dataclasses.replace(cluster, device=device)
 
 
-def compute_mapping(device: DeviceSpec) -> dict[str, float]:
+def compute_mapping(device: DeviceSpec) -> dict[str, float | str]:
     """A device's roofline figures as a ``cluster.compute`` section (every dtype at the
     largest peak where they differ: the section has one)."""
     return {"hbm_gbps": device.hbm_bytes_per_s / 1e9,
@@ -446,7 +446,8 @@ def compute_mapping(device: DeviceSpec) -> dict[str, float]:
             "matmul_efficiency": device.fit.matmul_efficiency,
             "matmul_half_dim": device.fit.matmul_half_dim,
             "memory_efficiency": device.fit.memory_efficiency,
-            "kernel_floor_us": device.fit.kernel_floor_s * 1e6}
+            "kernel_floor_us": device.fit.kernel_floor_s * 1e6,
+            "attention": device.fit.attention}
 
 
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:

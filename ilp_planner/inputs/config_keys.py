@@ -20,7 +20,7 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.options import FALLBACKS, MILPS, RECOMPUTE, SCHEDULES, PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import REQUIRED, Key
 from ilp_planner.ir.cluster import SUBMESH_SPACES
-from ilp_planner.ir.device import ComputeFit
+from ilp_planner.ir.device import ATTENTION_KERNELS, ComputeFit
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
@@ -157,6 +157,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "kernel_floor_us": Key("number", "µs every kernel costs however small", None,
                                nonneg=True, at_most=PHYSICAL_MAX,
                                default_text=f"the device's, else {_FIT.kernel_floor_s * 1e6:g}"),
+        "attention": Key("choice", "attention's kernels: one fused flash kernel, or unfused "
+                                   "(matmuls, softmax and dropout over the s × s scores)",
+                         None, choices=ATTENTION_KERNELS, noun="attention kernel",
+                         default_text=f"the device's, else {_FIT.attention}"),
     },
     "cluster.links": {
         "intra": Key("mapping", "the link between devices of one node"),

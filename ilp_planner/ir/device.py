@@ -22,6 +22,7 @@ from ilp_planner.errors import ConfigError
 _GIB = 2**30
 _T = 1e12
 _GB = 1e9
+ATTENTION_KERNELS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
@@ -32,18 +33,26 @@ class ComputeFit:
     * ``matmul_half_dim`` d½ — the size of a matmul dimension at which that dimension alone
       halves the efficiency: ``eff(m, n, k) = e_max · Π_{d ∈ m,n,k} d / (d + d½)``;
     * ``memory_efficiency`` — achieved / datasheet memory bandwidth of a streaming kernel;
-    * ``kernel_floor_s`` — seconds every kernel costs however small (launch, a wave's ramp).
+    * ``kernel_floor_s`` — seconds every kernel costs however small (launch, a wave's ramp);
+
+    and one choice of the software stack, not fitted: ``attention`` runs as one fused
+    ``flash`` kernel (FlashAttention, PyTorch's SDPA) or ``unfused`` (batched matmuls, a
+    softmax and a dropout writing and reading the s × s scores: Megatron-LM before 2022).
     """
 
     matmul_efficiency: float = 0.8
     matmul_half_dim: float = 128.0
     memory_efficiency: float = 0.9
     kernel_floor_s: float = 5e-6
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1 or not 0 < self.memory_efficiency <= 1:
             raise ConfigError("matmul_efficiency and memory_efficiency must be in (0, 1], got "
                               f"{self.matmul_efficiency} and {self.memory_efficiency}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention kernel must be one of {list(ATTENTION_KERNELS)}, "
+                              f"got {self.attention!r}")
         if self.matmul_half_dim < 0 or self.kernel_floor_s < 0:
             raise ConfigError("matmul_half_dim and kernel_floor_s must be >= 0, got "
                               f"{self.matmul_half_dim} and {self.kernel_floor_s}")

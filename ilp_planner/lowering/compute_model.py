@@ -28,6 +28,8 @@ conv2d (implicit GEMM)    F; X, W, Y             2F; 2 × (X, W, Y)
 embedding                 lookup: 2N (+N/table)  scatter-add of dY into the table rows: 3N
 attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 matmuls for 2);
                                                  reads Q, K, V, O, dO, writes dQ, dK, dV: 8N
+attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
+                          4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021)
 layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 kernels (dx, dγ)
 softmax                   2N                     3N (read y, dy, write dx)
 gelu, silu, relu          2N                     3N (read x, dy, write dx)
@@ -68,12 +70,16 @@ FLASH_BACKWARD_FLOPS = 2.5  # recomputes S = QKᵀ: five matmuls against the for
 @dataclass(frozen=True)
 class PhaseWork:
     """One phase of one op on one device: FLOPs, bytes to and from memory, kernel
-    launches, and the local matmul shape its FLOPs run at (None: the asymptote)."""
+    launches, and the local matmul shape its FLOPs run at (None: the asymptote).
+    ``stream_bytes`` are moved by separate memory-bound kernels of the same phase (an
+    unfused attention's softmax and dropout): they run after the matmuls, not under them,
+    so their time adds to the roofline's maximum."""
 
     flops: float
     bytes: float
     kernels: int
     gemm: GemmShape | None = None
+    stream_bytes: float = 0.0
 
 
 NO_WORK = PhaseWork(0.0, 0.0, 0)
@@ -90,27 +96,32 @@ def matmul_efficiency(device: DeviceSpec, gemm: GemmShape | None) -> float:
     return e if gemm is None else e * size_factor(gemm, device.fit.matmul_half_dim)
 
 
-def phase_terms(work: PhaseWork, device: DeviceSpec, dtype: str) -> tuple[float, float, float]:
-    """(seconds of FLOPs, seconds of bytes, seconds of kernel floors) of one phase."""
+def phase_terms(work: PhaseWork, device: DeviceSpec, dtype: str
+                ) -> tuple[float, float, float, float]:
+    """Seconds of one phase's FLOPs, of its bytes, of its separate streaming kernels'
+    bytes and of its kernel floors."""
     flops_s = work.flops / (device.peak(dtype) * matmul_efficiency(device, work.gemm)) \
         if work.flops else 0.0
-    bytes_s = work.bytes / (device.hbm_bytes_per_s * device.fit.memory_efficiency)
-    return flops_s, bytes_s, work.kernels * device.fit.kernel_floor_s
+    rate = device.hbm_bytes_per_s * device.fit.memory_efficiency
+    return (flops_s, work.bytes / rate, work.stream_bytes / rate,
+            work.kernels * device.fit.kernel_floor_s)
 
 
 def phase_seconds(work: PhaseWork, device: DeviceSpec, dtype: str) -> float:
-    """The roofline of one phase: the larger of its FLOPs and bytes times, plus floors."""
-    flops_s, bytes_s, floor_s = phase_terms(work, device, dtype)
-    return max(flops_s, bytes_s) + floor_s
+    """The roofline of one phase: the larger of its FLOPs and bytes times, plus its
+    separate streaming kernels and its floors."""
+    flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
+    return max(flops_s, bytes_s) + stream_s + floor_s
 
 
 def bound_by(work: PhaseWork, device: DeviceSpec, dtype: str) -> str:
-    """Which term decides a phase: ``compute``, ``memory`` or ``floor`` (the kernel floors
-    exceed the larger of the other two)."""
-    flops_s, bytes_s, floor_s = phase_terms(work, device, dtype)
-    if floor_s > max(flops_s, bytes_s):
-        return "floor"
-    return "compute" if flops_s >= bytes_s else "memory"
+    """Which term takes most of a phase: ``compute`` (FLOPs above bytes), ``memory``
+    (bytes above FLOPs, with any streaming kernels) or ``floor`` (the kernel floors)."""
+    flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
+    compute = flops_s if flops_s >= bytes_s else 0.0
+    memory = stream_s + (bytes_s if bytes_s > flops_s else 0.0)
+    return max((("compute", compute), ("memory", memory), ("floor", floor_s)),
+               key=lambda kv: kv[1])[0]
 
 
 def _gemm_work(flops: float, gemm: GemmShape, itemsize: int) -> tuple[PhaseWork, PhaseWork]:
@@ -136,29 +147,41 @@ def default_gemm(op: Op, split: float) -> GemmShape:
     return (m / split, n, max(k, 1.0))
 
 
-def _attention(op: Op, split: float, itemsize: int) -> tuple[PhaseWork, PhaseWork]:
+def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseWork, PhaseWork]:
+    """A fused flash kernel, or the unfused sequence (batched QKᵀ, softmax, dropout, PV)
+    that writes and reads the s × s scores: E = tokens · heads · seq elements in all.
+    Unfused forward: the two matmuls move Q, K, V, O and write S / read P' (4N + 2E), the
+    softmax reads S and writes P, the dropout reads P and writes P' and its mask
+    (4E + E mask bytes); backward: four matmuls (dP', dV, dQ, dK: 8N + 4E, 2 × the
+    FLOPs), the dropout's and softmax's backward (5E + E mask bytes)."""
     seq = op.attrs.get("seq_len", op.output.shape[0])
-    head_dim = op.output.shape[-1] / max(op.attrs.get("heads", 1), 1)
-    gemm = (seq, seq, head_dim)  # S = QKᵀ per head; O = PV has the same sizes, permuted
+    heads = max(op.attrs.get("heads", 1), 1)
+    gemm = (seq, seq, op.output.shape[-1] / heads)  # S = QKᵀ per head; O = PV permuted
     n = op.output.numel / split * itemsize
     flops = op.flops / split
-    return (PhaseWork(flops, 4 * n, 1, gemm),
-            PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2, gemm))
+    if flash:
+        return (PhaseWork(flops, 4 * n, 1, gemm),
+                PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2, gemm))
+    scores = op.output.shape[0] * heads * seq / split  # E, elements
+    e = scores * itemsize
+    return (PhaseWork(flops, 4 * n + 2 * e, 4, gemm, 4 * e + scores * MASK_BYTES),
+            PhaseWork(2 * flops, 8 * n + 4 * e, 6, gemm, 5 * e + scores * MASK_BYTES))
 
 
 def op_work(op: Op, split: float, gemm: GemmShape | None = None,
-            read: TensorSpec | None = None) -> tuple[PhaseWork, PhaseWork]:
+            read: TensorSpec | None = None, flash: bool = True) -> tuple[PhaseWork, PhaseWork]:
     """(forward, backward) work of ``op`` on one device holding ``1/split`` of it (module
     docstring's table). ``gemm`` is the local matmul of a matmul-like op under its
     strategy; ``read`` the tensor the op reads where that is not its output's shape (a
-    loss's logits, a pooling's input)."""
+    loss's logits, a pooling's input); ``flash``: attention runs fused (else unfused,
+    :func:`_attention`)."""
     kind, it = op.kind, op.output.itemsize
     flops = op.flops / split
     n = op.output.numel / split * it  # bytes of the local output
     if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV2D):
         return _gemm_work(flops, gemm or default_gemm(op, split), it)
     if kind is OpKind.ATTENTION:
-        return _attention(op, split, it)
+        return _attention(op, split, it, flash)
     if kind is OpKind.EMBEDDING:
         tables = 1 + sum(1 for k in op.attrs if k == "seq_len" or k.startswith("pos_"))
         out = (gemm[0] * gemm[1] * it) if gemm else n
@@ -197,7 +220,7 @@ def op_times(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = No
         total = compute_time(3.0 * op.flops / split, cluster)
         return total / 3, total - total / 3
     dtype = (read or op.output).dtype
-    fwd, bwd = op_work(op, split, gemm, read)
+    fwd, bwd = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
     return phase_seconds(fwd, cluster.device, dtype), phase_seconds(bwd, cluster.device, dtype)
 
 
@@ -210,10 +233,10 @@ def op_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = 
     return sum(op_times(op, split, cluster, gemm, read))
 
 
-def training_flops(op: Op) -> float:
+def training_flops(op: Op, flash: bool = True) -> float:
     """Forward + backward FLOPs of ``op`` as the roofline counts them (attention's flash
     backward recomputes; an add has no backward)."""
-    fwd, bwd = op_work(op, 1.0)
+    fwd, bwd = op_work(op, 1.0, flash=flash)
     return fwd.flops + bwd.flops
 
 
@@ -224,7 +247,8 @@ def least_seconds(op: Op, cluster: Cluster) -> float:
     if cluster.device is None:
         return compute_time(3.0 * op.flops, cluster)
     best = max(cluster.device.peak_flops.values())  # whatever dtype the op runs in
-    return training_flops(op) / (best * cluster.device.fit.matmul_efficiency)
+    fit = cluster.device.fit
+    return training_flops(op, fit.attention == "flash") / (best * fit.matmul_efficiency)
 
 
 def update_bytes_per_param(memory: MemorySpec, mixed: bool) -> float:

@@ -51,7 +51,7 @@ def bound_seconds(plan: Plan, config: Config) -> dict[str, dict[str, float]]:
         op = graph[layer.name]
         split, gemm, read = local_shard(op, layer, graph)
         dtype = (read or op.output).dtype
-        for work in op_work(op, split, gemm, read):
+        for work in op_work(op, split, gemm, read, device.fit.attention == "flash"):
             if work.kernels or work.bytes or work.flops:
                 row = out.setdefault(layer.kind, dict.fromkeys(BOUNDS, 0.0))
                 row[bound_by(work, device, dtype)] += phase_seconds(work, device, dtype)
