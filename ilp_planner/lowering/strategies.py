@@ -145,17 +145,17 @@ def _compute(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None 
     rate, or the roofline (:mod:`~ilp_planner.lowering.compute_model`) where the cluster
     names a device — ``gemm`` the local matmul sizes under the strategy, ``read`` the
     tensor the op reads where it is not its output's shape."""
-    if ctx.cluster.device is None:  # bit for bit the flat model's price
-        return compute_time(3.0 * op.flops / split, ctx.cluster)
-    return sum(op_times(op, split, ctx.cluster, gemm, read))
+    return _priced(op, split, ctx, gemm, read)["compute_s"]
 
 
 def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None = None,
             read: TensorSpec | None = None) -> dict[str, float]:
-    """:class:`Strategy` keywords ``compute_s`` and ``forward_s`` (:func:`_compute`)."""
-    total = _compute(op, split, ctx, gemm, read)
-    return {"compute_s": total, "forward_s": (total / 3 if ctx.cluster.device is None else
-                                              op_times(op, split, ctx.cluster, gemm, read)[0])}
+    """:class:`Strategy` keywords ``compute_s`` (:func:`_compute`) and ``forward_s``."""
+    if ctx.cluster.device is None:  # bit for bit the flat model's price
+        total = compute_time(3.0 * op.flops / split, ctx.cluster)
+        return {"compute_s": total, "forward_s": total / 3}
+    fwd, bwd = op_times(op, split, ctx.cluster, gemm, read)
+    return {"compute_s": fwd + bwd, "forward_s": fwd}
 
 
 def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
