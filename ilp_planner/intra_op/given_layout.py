@@ -1,0 +1,84 @@
+"""A given configuration's layout on one mesh (or one pipeline stage's sub-mesh): the
+planner's own problem restricted to exactly the engine's layouts, solved exactly.
+
+The restriction is the Megatron baseline's (:func:`~ilp_planner.intra_op.baselines.megatron_filter`)
+on the configuration's one ``dp × tp`` factorisation — TP innermost, column/row-parallel
+linears, attention split by heads, the rest split over data parallel, with sequence
+parallelism when asked — with replicated state (Megatron's DP, torchtitan's DDP) or ZeRO-3
+(torchtitan's FSDP) and the configuration's recomputed blocks. What is left open inside
+that restriction (which linear is column- and which row-parallel) is solved exactly, so
+the price is that of the engine's best use of its layout, as the baselines are. It is
+priced without a memory budget: a configuration that does not fit still gets its time and
+its peak, which the report sets against the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from formulations.sbp_ilp import SbpIlp
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.inputs.config import Config
+from ilp_planner.inputs.given_config import GivenConfig, mesh_axes, recomputed_blocks
+from ilp_planner.intra_op.baselines import Filter, megatron_filter, restrict
+from ilp_planner.intra_op.problem import BuildCache, GraphProblem, build_problem
+from ilp_planner.ir.graph import Graph
+from ilp_planner.lowering.stage_boundary import StageBoundary
+
+
+@dataclass(frozen=True)
+class GivenLayout:
+    """The configuration's choice on one mesh: the problem it was priced on, the choice
+    (full-problem strategy indices), and FSDP's transient reserve (its largest gathered
+    parameter block, held on top of the peak while a layer runs)."""
+
+    gp: GraphProblem
+    choice: list[int]
+    reserve: float
+
+
+def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tuple[int, int],
+                       microbatches: int, boundary: StageBoundary | None = None,
+                       cache: BuildCache | None = None) -> GivenLayout:
+    """``graph`` (one micro-batch of ``microbatches`` per step; a pipeline stage at
+    ``boundary``) on a ``shape`` mesh in ``g``'s layout (module docstring). Raises
+    :class:`InfeasibleError` saying why the layout is not in the planner's space for this
+    graph or why the restricted solve found nothing."""
+    n, d = shape
+    gp = build_problem(graph, config.cluster, n, d, config.memory,
+                       tie_layers=config.solver.tie_layers, microbatches=microbatches,
+                       boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes,
+                       cache=cache, zero_levels=(0, 3) if g.fsdp else (0,),
+                       recompute=recomputed_blocks(g, graph))
+    res = restrict(gp, given_filter(g, gp, shape))
+    if isinstance(res, str):
+        raise InfeasibleError(res)
+    sub, allowed = res
+    sub.memory_budget = None
+    out = SbpIlp(sub).solve(time_limit_s=config.solver.time_limit_s)
+    if out is None:
+        raise InfeasibleError(f"the restricted ILP found no solution in "
+                              f"{config.solver.time_limit_s:g} s")
+    choice = [int(allowed[grp][k]) for grp, k in enumerate(out.choice)]
+    chosen = gp.node_choice(choice)
+    reserve = max((o.transient_bytes for o in chosen.values()), default=0.0) if g.fsdp else 0.0
+    return GivenLayout(gp, choice, reserve)
+
+
+def given_filter(g: GivenConfig, gp: GraphProblem, shape: tuple[int, int]) -> Filter:
+    """``g``'s layouts on ``gp``'s ``shape`` mesh: Megatron's on its ``dp × tp`` axes, with
+    replicated state, or under FSDP ZeRO-3 for every op the planner can shard that way
+    (an op without a ZeRO-3 strategy, an embedding, keeps its state replicated, as
+    :func:`zero3_ops` tells the report)."""
+    dp, tp = mesh_axes(g, shape)
+    layouts = megatron_filter(dp, tp, bool(g.sp), state=lambda s: True)
+    sharded = zero3_ops(gp) if g.fsdp else frozenset()
+
+    def keep(op, s) -> bool:
+        return s.zero == (3 if op.name in sharded else 0) and layouts(op, s)
+    return keep
+
+
+def zero3_ops(gp: GraphProblem) -> frozenset[str]:
+    """The ops (node leaders) the planner offers ZeRO-3 strategies for."""
+    return frozenset(n for n, opts in gp.options.items() if any(o.base.zero == 3 for o in opts))
