@@ -34,7 +34,7 @@ from ilp_planner.inputs.given_config import (
     stage_shape,
 )
 from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
-from ilp_planner.inter_op.layer_units import layer_units, subgraph
+from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
 from ilp_planner.inter_op.stage_solver import pipeline_latency
 from ilp_planner.intra_op.given_layout import solve_given_layout
 from ilp_planner.intra_op.problem import BuildCache, peak_memory
@@ -109,24 +109,34 @@ def price_given(config: Config, g: GivenConfig, plan: Plan) -> dict[str, dict]:
 def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int
                     ) -> tuple[AssembledPipeline, float]:
     """``g``'s ``pp`` stages (module docstring), assembled and simulated under 1F1B, and
-    the largest FSDP transient reserve of its stages."""
+    the largest FSDP transient reserve of its stages. Stages of one signature class (the
+    middle ones of a uniform split) share one solve: without a memory budget the choice
+    does not depend on the in-flight count, only the peak does, and that is computed per
+    stage."""
     cluster = cfg.cluster
     units = layer_units(graph)
+    keys = RangeKeys(graph, units)
     shape = stage_shape(g, cluster.nodes, cluster.devices_per_node)
     meshes = pack_submeshes([shape] * g.pp, cluster.nodes, cluster.devices_per_node)
     per = len(units) // g.pp
     cache = BuildCache()
+    solved: dict[tuple, tuple] = {}
     stages, times, reserve = [], [], 0.0
     for j, mesh in enumerate(meshes):
-        names = [n for u in units[j * per:(j + 1) * per] for n in u]
-        held = inflight_microbatches("1f1b", g.pp - j, m)
-        bound = dataclasses.replace(stage_boundary(graph, names), inflight=held)
-        layout = solve_given_layout(g, cfg, subgraph(graph, names), shape, m, bound, cache)
-        layers, cost = realise(layout.gp, layout.choice)
+        a, e = j * per, (j + 1) * per
+        names = [n for u in units[a:e] for n in u]
+        if keys.key(a, e) not in solved:
+            layout = solve_given_layout(g, cfg, subgraph(graph, names), shape, m,
+                                        stage_boundary(graph, names), cache)
+            solved[keys.key(a, e)] = (layout, *realise(layout.gp, layout.choice))
+        layout, layers, cost = solved[keys.key(a, e)]
         reserve = max(reserve, layout.reserve)
+        held = inflight_microbatches("1f1b", g.pp - j, m)
+        at = dataclasses.replace(layout.gp, boundary=dataclasses.replace(layout.gp.boundary,
+                                                                         inflight=held))
         times.append(cost.total_s / m)
-        choice = StageChoice(j * per, (j + 1) * per, shape, times[-1], times[-1], 0.0,
-                             peak_memory(layout.gp, layout.choice), held, mesh)
+        choice = StageChoice(a, e, shape, times[-1], times[-1], 0.0,
+                             peak_memory(at, layout.choice), held, mesh)
         report = SolverReport("optimal", cost.total_s, f"given configuration {g.text()}")
         stages.append(SolvedStage(choice, names, layers, report, held))
     return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m)), reserve
