@@ -83,6 +83,7 @@ def test_both_notations_parse_into_the_dataclass():
     "megatron: tp=8 pp=8 dp=16 vpp=2 mbs=1 recompute=full sp=true",
     "megatron: tp=2",
     "megatron: recompute=selective sp=false",
+    "megatron: tp=2 distopt=true",
     "torchtitan: fsdp=32 tp=8 pp=1 ac=selective",
     "torchtitan: ddp=4 tp=2 pp=2 vpp=2 mbs=4 ac=full",
 ])
@@ -260,6 +261,18 @@ def test_megatron_model_flops_formula(tiny):
         96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)))
     assert model_flops(tiny, 0) == pytest.approx(
         72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+
+
+def test_distributed_optimizer_shards_optimizer_state(tiny, tiny_plan):
+    """``distopt=true`` is Megatron's ``--use-distributed-optimizer``: ZeRO-1 on every op
+    the planner offers it for, the rest as without it; less memory per device."""
+    plain, dist = _given(tiny, "megatron: tp=2"), _given(tiny, "megatron: tp=2 distopt=true")
+    assert dist.zero == 1 and "--use-distributed-optimizer" in engine_flags(dist, 8, 2)
+    a = price_given(tiny, plain, tiny_plan)[plain.label()]
+    b = price_given(tiny, dist, tiny_plan)[dist.label()]
+    assert b["peak_memory_bytes"] < a["peak_memory_bytes"]
+    assert b["compute_s"] == pytest.approx(a["compute_s"])
+    assert any("+zero1" in d for d in b["given"]["differs"])
 
 
 def test_a_configuration_that_does_not_fit_says_by_how_much(tiny, tiny_plan):

@@ -29,7 +29,8 @@ RECOMPUTE = ("none", "full", "selective")
 _KEYS: dict[str, dict[str, tuple[str, str]]] = {
     "megatron": {"tp": ("tp", "int"), "pp": ("pp", "int"), "dp": ("replicate", "int"),
                  "vpp": ("vpp", "int"), "mbs": ("mbs", "int"),
-                 "recompute": ("recompute", "recompute"), "sp": ("sp", "bool")},
+                 "recompute": ("recompute", "recompute"), "sp": ("sp", "bool"),
+                 "distopt": ("distopt", "bool")},
     "torchtitan": {"fsdp": ("shard", "int"), "ddp": ("replicate", "int"), "tp": ("tp", "int"),
                    "pp": ("pp", "int"), "vpp": ("vpp", "int"), "mbs": ("mbs", "int"),
                    "ac": ("recompute", "recompute")},
@@ -46,7 +47,8 @@ class GivenConfig:
     parallel rank (None: the whole per-rank batch without pipelining, 1 with it, as both
     engines default); ``recompute`` none / full / selective; ``sp`` sequence parallelism
     (None: the engine's default — off in Megatron; torchtitan sequence-parallelises
-    whenever it tensor-parallelises, so it has no such key)."""
+    whenever it tensor-parallelises, so it has no such key); ``distopt`` Megatron's
+    distributed optimizer (optimizer state sharded over data parallel: ZeRO-1)."""
 
     engine: str
     tp: int = 1
@@ -57,6 +59,7 @@ class GivenConfig:
     mbs: int | None = None
     recompute: str = "none"
     sp: bool | None = None
+    distopt: bool = False
 
     @property
     def dp(self) -> int:
@@ -69,14 +72,23 @@ class GivenConfig:
         """Parameters, gradients and optimizer state sharded over data parallel (ZeRO-3)."""
         return self.shard is not None and self.shard > 1
 
+    @property
+    def zero(self) -> int:
+        """The state-sharding level over data parallel: 3 FSDP, 1 Megatron's distributed
+        optimizer, 0 replicated."""
+        return 3 if self.fsdp else 1 if self.distopt else 0
+
     def text(self) -> str:
-        """The canonical spelling, every key given; :func:`parse_given` reads it back."""
+        """The canonical spelling, every key given (``distopt`` only when on);
+        :func:`parse_given` reads it back."""
         keys = {v[0]: k for k, v in _KEYS[self.engine].items()}
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "engine" or f.name not in keys or value is None:
                 continue
+            if f.name == "distopt" and not value:
+                continue  # the default, left out of the canonical text
             parts.append(f"{keys[f.name]}={str(value).lower() if isinstance(value, bool) else value}")
         return f"{self.engine}: {' '.join(parts)}"
 
@@ -275,6 +287,8 @@ def engine_flags(g: GivenConfig, batch: int | None, layers: int) -> str:
             out.append(f"--global-batch-size {batch}")
         if g.sp:
             out.append("--sequence-parallel")
+        if g.distopt:
+            out.append("--use-distributed-optimizer")
         if g.recompute == "full":
             out.append("--recompute-granularity full --recompute-method uniform "
                        "--recompute-num-layers 1")

@@ -163,9 +163,10 @@ def _given_block(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[La
     if g.engine == "megatron" and g.recompute == "selective":
         notes.append("Megatron's selective recomputation (core attention) is not a recompute "
                      "unit of the planner: priced without recomputation")
-    if g.fsdp:
-        notes.append("FSDP as ZeRO-3 wherever the planner offers it; ops without a ZeRO-3 "
-                     "strategy (embeddings) keep replicated state")
+    if g.zero:
+        notes.append(f"{'FSDP' if g.fsdp else 'the distributed optimizer'} as ZeRO-{g.zero} "
+                     f"wherever the planner offers it; ops without such a strategy keep "
+                     f"replicated state")
     if g.vpp > 1:
         notes.append(f"interleaving priced by the closed form (bubble (p-1)/(v*m) = "
                      f"{(g.pp - 1) / (g.vpp * m):.1%}), not simulated")

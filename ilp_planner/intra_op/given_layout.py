@@ -48,7 +48,7 @@ def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tupl
     gp = build_problem(graph, config.cluster, n, d, config.memory,
                        tie_layers=config.solver.tie_layers, microbatches=microbatches,
                        boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes,
-                       cache=cache, zero_levels=(0, 3) if g.fsdp else (0,),
+                       cache=cache, zero_levels=(0, g.zero) if g.zero else (0,),
                        recompute=recomputed_blocks(g, graph))
     res = restrict(gp, given_filter(g, gp, shape))
     if isinstance(res, str):
@@ -61,24 +61,25 @@ def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tupl
                               f"{config.solver.time_limit_s:g} s")
     choice = [int(allowed[grp][k]) for grp, k in enumerate(out.choice)]
     chosen = gp.node_choice(choice)
-    reserve = max((o.transient_bytes for o in chosen.values()), default=0.0) if g.fsdp else 0.0
+    reserve = max((o.transient_bytes for o in chosen.values()), default=0.0) if g.zero else 0.0
     return GivenLayout(gp, choice, reserve)
 
 
 def given_filter(g: GivenConfig, gp: GraphProblem, shape: tuple[int, int]) -> Filter:
     """``g``'s layouts on ``gp``'s ``shape`` mesh: Megatron's on its ``dp × tp`` axes, with
-    replicated state, or under FSDP ZeRO-3 for every op the planner can shard that way
-    (an op without a ZeRO-3 strategy, an embedding, keeps its state replicated, as
-    :func:`zero3_ops` tells the report)."""
+    replicated state, or state sharded at ``g.zero`` (FSDP's ZeRO-3, the distributed
+    optimizer's ZeRO-1) for every op the planner can shard that way (an op without such a
+    strategy, an embedding, keeps its state replicated)."""
     dp, tp = mesh_axes(g, shape)
     layouts = megatron_filter(dp, tp, bool(g.sp), state=lambda s: True)
-    sharded = zero3_ops(gp) if g.fsdp else frozenset()
+    sharded = sharded_ops(gp, g.zero) if g.zero else frozenset()
 
     def keep(op, s) -> bool:
-        return s.zero == (3 if op.name in sharded else 0) and layouts(op, s)
+        return s.zero == (g.zero if op.name in sharded else 0) and layouts(op, s)
     return keep
 
 
-def zero3_ops(gp: GraphProblem) -> frozenset[str]:
-    """The ops (node leaders) the planner offers ZeRO-3 strategies for."""
-    return frozenset(n for n, opts in gp.options.items() if any(o.base.zero == 3 for o in opts))
+def sharded_ops(gp: GraphProblem, level: int) -> frozenset[str]:
+    """The ops (node leaders) the planner offers strategies of state-sharding ``level`` for."""
+    return frozenset(n for n, opts in gp.options.items()
+                     if any(o.base.zero == level for o in opts))
