@@ -275,6 +275,18 @@ def test_distributed_optimizer_shards_optimizer_state(tiny, tiny_plan):
     assert any("+zero1" in d for d in b["given"]["differs"])
 
 
+def test_fsdp_is_zero3_over_the_shard_degree(tiny, tiny_plan):
+    """torchtitan's FSDP shards weights, gradients and optimizer state (ZeRO-3) where the
+    planner offers it, so its peak (gathered weights included) is below DDP's; the
+    embedding, which has no ZeRO-3 strategy, keeps replicated state."""
+    ddp, fsdp = _given(tiny, "torchtitan: ddp=8"), _given(tiny, "torchtitan: fsdp=8")
+    a = price_given(tiny, ddp, tiny_plan)[ddp.label()]
+    b = price_given(tiny, fsdp, tiny_plan)[fsdp.label()]
+    assert b["peak_memory_bytes"] < a["peak_memory_bytes"]
+    assert any("+zero3" in d for d in b["given"]["differs"])
+    assert any("ZeRO-3" in n for n in b["given"]["notes"])
+
+
 def test_a_configuration_that_does_not_fit_says_by_how_much(tiny, tiny_plan):
     small = tiny.with_overrides({"cluster.memory_gib": 0.0005})
     g = _given(small, "megatron: tp=1")

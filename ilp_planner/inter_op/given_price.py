@@ -92,11 +92,10 @@ def price_given(config: Config, g: GivenConfig, plan: Plan) -> dict[str, dict]:
         if g.pp == 1:
             layout = solve_given_layout(g, cfg, graph, (cfg.cluster.nodes, cfg.cluster.devices_per_node), m)
             layers, cost = realise(layout.gp, layout.choice)
-            cost = dataclasses.replace(cost, peak_memory_bytes=cost.peak_memory_bytes + layout.reserve)
             block, step = cost.to_dict(), cost.total_s
         else:
-            pipeline, reserve = _given_pipeline(g, cfg, graph, m)
-            layers, cost = pipeline.layers, _pipeline_cost(pipeline, reserve)
+            pipeline = _given_pipeline(g, cfg, graph, m)
+            layers, cost = pipeline.layers, _pipeline_cost(pipeline)
             step = (pipeline.step_s if g.vpp == 1 else interleaved_step_s(
                 [s.times for s in pipeline.stages if s.times is not None], m, g.vpp))
             block = {**cost.to_dict(), "pipeline_s": step}
@@ -106,13 +105,11 @@ def price_given(config: Config, g: GivenConfig, plan: Plan) -> dict[str, dict]:
     return {g.label(): block}
 
 
-def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int
-                    ) -> tuple[AssembledPipeline, float]:
-    """``g``'s ``pp`` stages (module docstring), assembled and simulated under 1F1B, and
-    the largest FSDP transient reserve of its stages. Stages of one signature class (the
-    middle ones of a uniform split) share one solve: without a memory budget the choice
-    does not depend on the in-flight count, only the peak does, and that is computed per
-    stage."""
+def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> AssembledPipeline:
+    """``g``'s ``pp`` stages (module docstring), assembled and simulated under 1F1B.
+    Stages of one signature class (the middle ones of a uniform split) share one solve:
+    without a memory budget the choice does not depend on the in-flight count, only the
+    peak does, and that is computed per stage."""
     cluster = cfg.cluster
     units = layer_units(graph)
     keys = RangeKeys(graph, units)
@@ -121,7 +118,7 @@ def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int
     per = len(units) // g.pp
     cache = BuildCache()
     solved: dict[tuple, tuple] = {}
-    stages, times, reserve = [], [], 0.0
+    stages, times = [], []
     for j, mesh in enumerate(meshes):
         a, e = j * per, (j + 1) * per
         names = [n for u in units[a:e] for n in u]
@@ -130,7 +127,6 @@ def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int
                                         stage_boundary(graph, names), cache)
             solved[keys.key(a, e)] = (layout, *realise(layout.gp, layout.choice))
         layout, layers, cost = solved[keys.key(a, e)]
-        reserve = max(reserve, layout.reserve)
         held = inflight_microbatches("1f1b", g.pp - j, m)
         at = dataclasses.replace(layout.gp, boundary=dataclasses.replace(layout.gp.boundary,
                                                                          inflight=held))
@@ -139,15 +135,15 @@ def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int
                              peak_memory(at, layout.choice), held, mesh)
         report = SolverReport("optimal", cost.total_s, f"given configuration {g.text()}")
         stages.append(SolvedStage(choice, names, layers, report, held))
-    return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m)), reserve
+    return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m))
 
 
-def _pipeline_cost(pipeline: AssembledPipeline, reserve: float) -> CostBreakdown:
+def _pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
     """The busiest stage's breakdown with the largest peak of any stage (as a pipelined
-    plan's cost is), FSDP's transient reserve added."""
+    plan's cost is)."""
     per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
     busiest = max(per_stage, key=lambda c: c.total_s)
-    peak = max(c.peak_memory_bytes for c in per_stage) + reserve
+    peak = max(c.peak_memory_bytes for c in per_stage)
     return dataclasses.replace(busiest, peak_memory_bytes=peak)
 
 

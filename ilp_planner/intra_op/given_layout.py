@@ -28,13 +28,12 @@ from ilp_planner.lowering.stage_boundary import StageBoundary
 
 @dataclass(frozen=True)
 class GivenLayout:
-    """The configuration's choice on one mesh: the problem it was priced on, the choice
-    (full-problem strategy indices), and FSDP's transient reserve (its largest gathered
-    parameter block, held on top of the peak while a layer runs)."""
+    """The configuration's choice on one mesh: the problem it was priced on and the choice
+    (full-problem strategy indices). Its exact peak, FSDP's gathered weights included, is
+    :func:`~ilp_planner.intra_op.problem.peak_memory`."""
 
     gp: GraphProblem
     choice: list[int]
-    reserve: float
 
 
 def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tuple[int, int],
@@ -59,10 +58,7 @@ def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tupl
     if out is None:
         raise InfeasibleError(f"the restricted ILP found no solution in "
                               f"{config.solver.time_limit_s:g} s")
-    choice = [int(allowed[grp][k]) for grp, k in enumerate(out.choice)]
-    chosen = gp.node_choice(choice)
-    reserve = max((o.transient_bytes for o in chosen.values()), default=0.0) if g.zero else 0.0
-    return GivenLayout(gp, choice, reserve)
+    return GivenLayout(gp, [int(allowed[grp][k]) for grp, k in enumerate(out.choice)])
 
 
 def given_filter(g: GivenConfig, gp: GraphProblem, shape: tuple[int, int]) -> Filter:
