@@ -32,7 +32,12 @@ from ilp_planner.inputs.given_config import (
     parse_given,
     resolve_given,
 )
-from ilp_planner.inter_op.given_price import interleaved_step_s, model_flops, price_given
+from ilp_planner.inter_op.given_price import (
+    interleaved_inflight,
+    interleaved_step_s,
+    model_flops,
+    price_given,
+)
 from ilp_planner.intra_op.baselines import megatron_filter, restrict
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.intra_op.realise import realise
@@ -251,6 +256,28 @@ def test_interleaved_closed_form_is_1f1b_at_one_chunk():
     assert interleaved_step_s(stages, m, 2) == pytest.approx((m + (p - 1) / 2) * (f + b))
     ideal = m * (f + b)
     assert interleaved_step_s(stages, m, 2) / ideal - 1 == pytest.approx((p - 1) / (2 * m))
+
+
+def test_interleaved_ranks_hold_megatrons_warm_up():
+    """Megatron's warm-up: (p − r − 1)·2 + (v − 1)·p micro-chunks, one more in flight, each
+    1/v of the rank's layers; all m·v chunks when m = p."""
+    assert interleaved_inflight(4, 0, 8, 2) == (6 + 4 + 1) / 2
+    assert interleaved_inflight(4, 3, 8, 2) == (0 + 4 + 1) / 2
+    assert interleaved_inflight(4, 0, 4, 2) == 4
+    assert interleaved_inflight(2, 0, 2, 4) == 2
+
+
+def test_interleaved_configuration_holds_more_and_says_how_it_was_priced(tiny):
+    deeper = tiny.with_overrides({"model.layers": 4})
+    plan = solve(deeper, baselines=False)
+    plain = _given(deeper, "megatron: tp=2 pp=2 mbs=1")
+    inter = _given(deeper, "megatron: tp=2 pp=2 vpp=2 mbs=1")
+    a = price_given(deeper, plain, plan)[plain.label()]
+    b = price_given(deeper, inter, plan)[inter.label()]
+    assert b["peak_memory_bytes"] > a["peak_memory_bytes"]
+    assert b["compute_s"] == pytest.approx(a["compute_s"])
+    assert any("closed form" in n for n in b["given"]["notes"])
+    assert "--num-layers-per-virtual-pipeline-stage 1" in b["given"]["flags"]
 
 
 def test_megatron_model_flops_formula(tiny):

@@ -37,7 +37,7 @@ from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemb
 from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
 from ilp_planner.inter_op.stage_solver import pipeline_latency
 from ilp_planner.intra_op.given_layout import solve_given_layout
-from ilp_planner.intra_op.problem import BuildCache, peak_memory
+from ilp_planner.intra_op.problem import BuildCache, held_activations, peak_memory
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.stage_boundary import stage_boundary
@@ -52,13 +52,26 @@ def interleaved_step_s(stages: Sequence[StageTimes], num_microbatches: int, chun
     bubble is ``(p − 1)/(v·m)`` of the ideal ``m · (t_f + t_b)`` of the slowest stage, so
     the step is ``(m + (p − 1)/v) · max(t_f + t_b)`` plus the exposed gradient
     synchronisation. The stage-to-stage transfers (v times as many as without
-    interleaving) are left out, and the in-flight activations are those of plain 1F1B.
+    interleaving) are left out; the in-flight activations are Megatron's
+    (:func:`interleaved_inflight`).
     A stand-in until the ``interleaved-1f1b`` schedule is simulated
     (``formulations/schedules.py``): swap this function for the simulator then."""
     p = len(stages)
     slowest = max(s.forward_s + s.backward_s for s in stages)
     exposed = max(s.grad_sync_exposed_s for s in stages)
     return (num_microbatches + (p - 1) / chunks) * slowest + exposed
+
+
+def interleaved_inflight(num_stages: int, rank: int, num_microbatches: int, chunks: int) -> float:
+    """Micro-batches' worth of activations pipeline rank ``rank`` holds at its peak under
+    Megatron's interleaved 1F1B: its warm-up runs ``(p − rank − 1)·2 + (v − 1)·p`` forward
+    micro-chunks (all ``m·v`` when ``m = p``; Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving``), one more starts before the first
+    backward, and each holds the activations of ``1/v`` of the rank's layers."""
+    p, m, v = num_stages, num_microbatches, chunks
+    total = m * v
+    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    return min(warmup + 1, total) / v
 
 
 def model_flops(config: Config, recomputed: int) -> float:
@@ -129,10 +142,11 @@ def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> Assemb
         layout, layers, cost = solved[keys.key(a, e)]
         held = inflight_microbatches("1f1b", g.pp - j, m)
         at = dataclasses.replace(layout.gp, boundary=dataclasses.replace(layout.gp.boundary,
-                                                                         inflight=held))
+                                                                         inflight=1))
+        extra = (held if g.vpp == 1 else interleaved_inflight(g.pp, j, m, g.vpp)) - 1
+        peak = peak_memory(at, layout.choice) + extra * held_activations(at, layout.choice)
         times.append(cost.total_s / m)
-        choice = StageChoice(a, e, shape, times[-1], times[-1], 0.0,
-                             peak_memory(at, layout.choice), held, mesh)
+        choice = StageChoice(a, e, shape, times[-1], times[-1], 0.0, peak, held, mesh)
         report = SolverReport("optimal", cost.total_s, f"given configuration {g.text()}")
         stages.append(SolvedStage(choice, names, layers, report, held))
     return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m))
