@@ -22,7 +22,7 @@ from ilp_planner.plan.data import Plan, SolverReport
 
 def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: Any = None,
           training: Any = None, solver: Any = None, pipeline: Any = None,
-          name: str | None = None, baselines: bool = True,
+          compare: Any = None, name: str | None = None, baselines: bool = True,
           times: PhaseTimes | None = None) -> Plan:
     """Solve a problem and return its plan. ``config`` is a :class:`Config`, a YAML path, a
     whole document as a mapping, or just the model — a :class:`Graph` (e.g. from
@@ -32,10 +32,11 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
         plan = ilp_planner.solve(graph, cluster=cluster, solver={"time_limit_s": 10})
 
     ``times``, if given, collects the wall time spent solving and pricing baselines. The
-    configurations of the config's ``compare:`` are priced beside the plan, baselines or not.
+    configurations of the config's ``compare:`` (or ``compare=``, e.g.
+    ``["megatron: tp=8 pp=2"]``, replacing it) are priced beside the plan, baselines or not.
     """
     config = _as_config(config, cluster=cluster, training=training, solver=solver,
-                        pipeline=pipeline, name=name)
+                        pipeline=pipeline, compare=compare, name=name)
     times = times or PhaseTimes()
     plan = _solve_plan(config, baselines, times)
     with times.timing("baselines_s"):

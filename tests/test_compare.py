@@ -378,6 +378,15 @@ def test_config_compare_is_priced_with_the_plan(tmp_path):
     assert "given megatron(tp=4,pp=1,vpp=1,dp=2,mbs=4,recompute=none,sp=false)" in plan.baselines
 
 
+def test_solve_takes_compare_as_a_keyword(tiny):
+    plan = solve(tiny, compare=["megatron: tp=2", "torchtitan: ddp=8"], baselines=False)
+    assert {n for n in plan.baselines} == {
+        "given megatron(tp=2,pp=1,vpp=1,dp=4,mbs=2,recompute=none,sp=false)",
+        "given torchtitan(tp=1,pp=1,vpp=1,ddp=8,fsdp=1,mbs=1,ac=none)"}
+    with pytest.raises(ConfigError, match=r"compare\[1\]: megatron: tp=16"):
+        solve(tiny, compare=["megatron: tp=2", "megatron: tp=16"])
+
+
 def test_compare_is_a_sweep_key(tmp_path):
     spec = parse_sweep({"base": str(TINY), "grid": {"compare": ["megatron: tp=2", "megatron: tp=4"]}},
                        str(tmp_path / "s.yaml"))
