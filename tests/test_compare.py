@@ -167,6 +167,11 @@ def test_engine_flags_reproduce_the_configuration():
         "--parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_degree 1 "
         "--training.local_batch_size 8 --training.global_batch_size 256 "
         "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2")
+    p = resolve_given(parse_given("torchtitan: fsdp=32 tp=8 pp=4 vpp=2 ac=full"),
+                      ModelFacts(nodes=128, local=8, layers=32, heads=32, batch=256))
+    assert ("--parallelism.pipeline_parallel_degree 4 --parallelism.pipeline_parallel_schedule "
+            "Interleaved1F1B --parallelism.pipeline_parallel_microbatch_size 1 "
+            "--parallelism.pipeline_parallel_layers_per_stage 4") in engine_flags(p, 256, 32)
 
 
 # -- pricing ---------------------------------------------------------------------------------
