@@ -6,7 +6,9 @@ solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`
 test reads its model's line: the losses match one process (fp32, 1e-4) and the collectives
 executed are the planned ones, every step, on every rank. The 1 × 4 launch also trains
 Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``parallelize_module``
-(2-way data × 2-way tensor parallel), matching one process. The 2 × 2 cluster gives plans on a
+(2-way data × 2-way tensor parallel), matching one process. Megatron and Megatron-SP plans (the
+baselines' layouts) train under ``parallelize`` on both shapes, attention split over the batch
+and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid.
 """
@@ -51,6 +53,16 @@ def test_llama_trains_like_one_process_and_the_plan(model, shape):
     assert "3d(" in line  # the plan splits weights, not only the batch
     if shape == "2x2" and model != "llama-tied-exchanging":
         assert "0,2,1,3" in line  # a mesh that is not a row-major view of the ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["llama-megatron", "bert-megatron-sp"])
+def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, shape):
+    """Megatron (and Megatron-SP) on the imported models: the user's attention runs on
+    DTensors split over the batch on the data-parallel axis and over the heads on the
+    tensor-parallel one, in both of the model's attention layers."""
+    assert "dp×tp-attention=2" in line_of(shape, model)
 
 
 @pytest.mark.slow

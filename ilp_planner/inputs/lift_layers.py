@@ -100,11 +100,9 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act) -> Any:
         return g.opaque(call.node, call.args, [q, k, v], val, "attention")
     # grouped-query attention repeats k / v heads after the projection: count them there
     kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 else heads
-    # the user's attention runs under DTensor (ilp_planner.parallelize), whose 4-D matmul
-    # cannot merge a batch split with a head split: one or the other
+    # under ``ilp_planner.parallelize`` the user's attention runs on DTensors, which split
+    # its batch and its heads at once (Megatron's DP × TP) without communicating
     attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
-    if g.dtensor:
-        attrs["one_split"] = 1
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):

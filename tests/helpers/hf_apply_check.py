@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ilp_planner  # noqa: E402
 from ilp_planner.inputs.config import load_config  # noqa: E402
 from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
-from ilp_planner.ir.cluster import MeshAxis  # noqa: E402
-from ilp_planner.ir.graph import Op  # noqa: E402
+from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations  # noqa: E402
+from ilp_planner.ir.graph import Op, OpKind  # noqa: E402
 from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
 from ilp_planner.plan.data import Plan  # noqa: E402
@@ -57,6 +57,7 @@ class Case:
     inputs: torch.Tensor
     targets: torch.Tensor
     keep: Filter | None = None
+    layouts: Callable[[int, int], Filter] | None = None  # ``keep`` for a cluster shape
 
 
 def llama(tied: bool) -> Case:
@@ -135,6 +136,25 @@ def llama_tied_exchanging() -> Case:
     return Case(case.model, case.inputs, case.targets, keep)
 
 
+def megatron_layouts(sequence_parallel: bool) -> Callable[[int, int], Filter]:
+    """Megatron's (or Megatron-SP's) layouts on every ``dp × tp`` mesh of a cluster shape
+    with both axes larger than 1 (the baselines' :func:`megatron_filter`): attention splits
+    the batch over one axis and the heads over the other."""
+    def on(nodes: int, devices: int) -> Filter:
+        keeps = [megatron_filter(a, b, sequence_parallel)
+                 for a, b in mesh_factorisations(nodes, devices, 2) if a.size > 1 and b.size > 1]
+        return lambda op, s: any(k(op, s) for k in keeps)
+    return on
+
+
+def megatron(make: Callable[[], Case], sequence_parallel: bool = False) -> Callable[[], Case]:
+    """``make``'s model planned in Megatron's layouts (data × tensor parallel)."""
+    def case() -> Case:
+        c = make()
+        return Case(c.model, c.inputs, c.targets, layouts=megatron_layouts(sequence_parallel))
+    return case
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -143,6 +163,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
+    "llama-megatron": megatron(lambda: llama(tied=False)),
+    "bert-megatron-sp": megatron(bert, sequence_parallel=True),
 }
 
 
@@ -176,10 +198,11 @@ def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
 def solve(case: Case, nodes: int, devices: int) -> Plan:
     """The solver's plan for ``case``, or the best one among the strategies it keeps."""
     graph = ilp_planner.from_module(case.model, (case.inputs,))
-    if case.keep is None:
+    keep = case.layouts(nodes, devices) if case.layouts is not None else case.keep
+    if keep is None:
         return ilp_planner.solve(graph, cluster=cluster(nodes, devices), baselines=False)
     config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
-    return restricted_plan(config, case.keep)
+    return restricted_plan(config, keep)
 
 
 def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
@@ -216,13 +239,17 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
 
 
 def describe(plan: Plan) -> str:
-    """The plan's strategies and rank grids (``grids=`` lists each mesh's ranks in
-    DeviceMesh order: ``0,2,1,3`` is a mesh whose first axis walks a node's devices)."""
+    """The plan's strategies, rank grids (``grids=`` lists each mesh's ranks in DeviceMesh
+    order: ``0,2,1,3`` is a mesh whose first axis walks a node's devices) and how many
+    attention layers split their batch and their heads at once (``dp×tp-attention=``)."""
     kinds = sorted({ly.strategy for ly in plan.layers if not ly.strategy.startswith("follows")})
     world = dist.get_world_size()
     grids = sorted({",".join(str(r) for r in rank_grid(lay.fact, world).ravel())
                     for ly in plan.layers for lay in (*ly.inputs, ly.output) if lay is not None})
-    return f"{' '.join(kinds)} grids={' '.join(grids)}"
+    graph = load_config(plan.config).graph
+    both = sum(1 for ly in plan.layers if graph[ly.name].kind is OpKind.ATTENTION
+               and ly.output.split_degree(0) > 1 and ly.output.split_degree(1) > 1)
+    return f"{' '.join(kinds)} grids={' '.join(grids)} dp×tp-attention={both}"
 
 
 def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
