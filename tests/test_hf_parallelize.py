@@ -179,6 +179,30 @@ def test_plans_no_style_expresses_raise_naming_their_layers():
         to_parallelize_plan(data_parallel)
 
 
+def test_gpt2s_conv1d_layers_are_refused_by_name_not_handed_to_the_styles():
+    """GPT-2's ``Conv1D`` stores its weight ``(in, out)``: ``ColwiseParallel`` /
+    ``RowwiseParallel`` shard ``nn.Linear``'s ``(out, in)`` weight and raise on any other
+    module, so no style dict is returned for a plan that splits one; its tied head (an
+    ``nn.Linear``) is not named."""
+    import torch
+
+    import ilp_planner
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["gpt2"]()
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 4), baselines=False)
+    split = [ly.name for ly in plan.layers if ly.name.endswith(("c_attn", "c_fc"))
+             and ly.weight is not None and ly.weight.split_degree(1) > 1]
+    assert split  # the plan splits Conv1D weights over the devices
+    with pytest.raises(ValueError, match="stores \\(in, out\\)") as err:
+        to_parallelize_plan(plan)
+    assert all(f"{name} (" in str(err.value) for name in split)
+    assert "lm_head (" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_the_hf_example_trains_on_two_nodes_like_one_process():
     res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

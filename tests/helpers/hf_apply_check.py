@@ -54,7 +54,7 @@ class Case:
     and the strategies its plan may use (all if None: the solver's plan)."""
 
     model: nn.Module
-    inputs: torch.Tensor
+    inputs: torch.Tensor | dict[str, torch.Tensor]  # a mapping: keyword inputs
     targets: torch.Tensor
     keep: Filter | None = None
     layouts: Callable[[int, int], Filter] | None = None  # ``keep`` for a cluster shape
@@ -114,6 +114,19 @@ def resnet() -> Case:
     return Case(ResNetForImageClassification(cfg), *_images(32))
 
 
+def t5() -> Case:
+    """T5ForConditionalGeneration: keyword inputs (``input_ids``, ``decoder_input_ids``),
+    relative position biases (an embedding of bucketed distances added to the scores),
+    encoder and decoder stacks, the head tied to the shared table."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
+                   dropout_rate=0.0, use_cache=False)
+    ids, targets = _tokens()
+    return Case(T5ForConditionalGeneration(cfg), {"input_ids": ids,
+                                                  "decoder_input_ids": _tokens()[0]}, targets)
+
+
 def _images(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 3, size, size), torch.randint(0, CLASSES, (BATCH,))
 
@@ -163,6 +176,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
+    "t5": t5,
     "llama-megatron": megatron(lambda: llama(tied=False)),
     "bert-megatron-sp": megatron(bert, sequence_parallel=True),
 }
@@ -181,6 +195,16 @@ def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.logits.flatten(0, -2), targets.flatten())
 
 
+def example(inputs: torch.Tensor | dict[str, torch.Tensor]) -> tuple | dict:
+    """``from_module``'s example inputs: a tensor as the one positional input, a mapping
+    as keyword inputs."""
+    return inputs if isinstance(inputs, dict) else (inputs,)
+
+
+def forward(model: nn.Module, inputs: torch.Tensor | dict[str, torch.Tensor]):
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
 def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
     """One plan for every rank: solved on rank 0, broadcast."""
     box: list = [None]
@@ -197,7 +221,7 @@ def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
 
 def solve(case: Case, nodes: int, devices: int) -> Plan:
     """The solver's plan for ``case``, or the best one among the strategies it keeps."""
-    graph = ilp_planner.from_module(case.model, (case.inputs,))
+    graph = ilp_planner.from_module(case.model, example(case.inputs))
     keep = case.layouts(nodes, devices) if case.layouts is not None else case.keep
     if keep is None:
         return ilp_planner.solve(graph, cluster=cluster(nodes, devices), baselines=False)
@@ -219,11 +243,11 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     for step in range(steps):
         rec = Recorder(dist.get_world_size())
         with rec:
-            loss = loss_of(model(case.inputs), case.targets)
+            loss = loss_of(forward(model, case.inputs), case.targets)
             loss.backward()
         opt.step()
         opt.zero_grad()
-        ref = loss_of(reference(case.inputs), case.targets)
+        ref = loss_of(forward(reference, case.inputs), case.targets)
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -256,7 +280,7 @@ def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
     """The best plan in Megatron's layouts on a 2 (data) × 2 (tensor) mesh, for PyTorch's
     styles: imported without ``dtensor`` (the styles run the module on local tensors, so
     attention may split the batch and the heads at once)."""
-    graph = ilp_planner.from_module(case.model, (case.inputs,), dtensor=False)
+    graph = ilp_planner.from_module(case.model, example(case.inputs), dtensor=False)
     config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
     return restricted_plan(config, megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
 
@@ -290,7 +314,7 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=dp_group)
-        ref = loss_of(reference(case.inputs), case.targets)
+        ref = loss_of(forward(reference, case.inputs), case.targets)
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
