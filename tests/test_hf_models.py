@@ -139,10 +139,11 @@ def test_solves_on_two_by_four(imported, name):
     assert plan.cost.total_s > 0
 
 
-@pytest.mark.parametrize("name", ["llama_untied", "llama_tied", "bert"])
+@pytest.mark.parametrize("name", ["llama_untied", "llama_tied", "bert", "gpt2"])
 def test_megatron_baselines_price_on_imported_transformers(name):
     """Megatron's DP × TP layouts exist on an imported transformer: its attention splits the
-    batch over one mesh axis and the heads over the other (a batch of 8 sequences, so every
+    batch over one mesh axis and the heads over the other — GPT-2's, reading ``c_attn``'s
+    ``[q | k | v]`` blocks, keeps its heads whole over TP (a batch of 8 sequences, so every
     baseline's batch split fits the 2 × 4 mesh)."""
     torch.manual_seed(0)
     model, _ = _builders()[name]()

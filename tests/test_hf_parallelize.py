@@ -66,6 +66,17 @@ def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
+    """GPT-2's attention reads ``c_attn``'s ``[q | k | v]`` column blocks, which are not whole
+    heads: its Megatron plan keeps them whole over TP (column- and row-parallel Conv1Ds, the
+    attention's input gathered), and trains like one process."""
+    line = line_of(shape, "gpt2-megatron")
+    assert "3d(p0=2,p1=2,p2=1)" in line and "3d(p0=2,p1=1,p2=2)" in line
+    assert "dp×tp-attention=0" in line
+
+
+@pytest.mark.slow
 def test_llamas_megatron_plan_trains_through_parallelize_module():
     assert "styles" in line_of("1x4", "tp-styles")
 
@@ -115,6 +126,29 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten()).backward()
     table = model.lm_head.weight.grad.full_tensor()  # both uses' gradients, in one
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
+
+
+def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
+    """T5's relative position tables fold into the attention scores as constants (no op
+    owns them) and its encoder and decoder share one table: ``parallelize`` says so before
+    placing anything, rather than training a model the plan does not cover."""
+    import torch
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+    from tests.helpers.hf_apply_check import cluster, example, t5
+
+    torch.manual_seed(0)
+    case = t5()
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, example(case.inputs)),
+                             cluster=cluster(1, 1), baselines=False)
+    with pytest.raises(RuntimeSetupError, match="relative_attention_bias"):
+        parallelize(plan, case.model)
+    case.model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
+    case.model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
+    with pytest.raises(RuntimeSetupError, match="'decoder.embed_tokens' looks up a table"):
+        parallelize(plan, case.model)
 
 
 def test_a_vocabulary_block_looks_up_its_rows_and_zeroes_the_others():

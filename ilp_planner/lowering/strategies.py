@@ -618,11 +618,7 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
     if kind is OpKind.OPAQUE:
         return _layout_strategies(op, candidate_layouts(op.output, ctx, ()), len(op.inputs), ctx)
     if kind is OpKind.ATTENTION:
-        seq = op.attr("seq_len")
-        # a [q | k | v] fused tensor's column blocks are not whole heads: batch splits only
-        heads = 1 if op.attrs.get("qkv_major") else math.gcd(op.attr("heads"),
-                                                             op.attrs.get("kv_heads", 0))
-        divs = {0: op.output.shape[0] // seq, 1: heads}
+        divs = {0: op.output.shape[0] // op.attr("seq_len"), 1: head_splits(op)}
         layouts = candidate_layouts(op.output, ctx, (0, 1), divs)
         return _layout_strategies(op, layouts, len(op.inputs), ctx)
     if kind in (OpKind.ADD, OpKind.MUL):
@@ -634,6 +630,15 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                             for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
+
+
+def head_splits(op: Op) -> int:
+    """The most ways an attention op's heads split (any divisor of it): all of them, the
+    key/value heads' count under grouped-query attention, 1 — batch splits only — where it
+    reads a fused tensor laid out ``[q | k | v]``, whose column blocks are not whole heads."""
+    if op.attrs.get("qkv_major"):
+        return 1
+    return math.gcd(op.attr("heads"), op.attrs.get("kv_heads", 0))
 
 
 def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
