@@ -32,7 +32,7 @@ Everything the program issues is tagged for the dispatch-level
 shows as a mismatch. The loss is the user's code on the module's output (in the planned
 layout of the loss's input); its scalar reduction is not part of the comparison.
 
-What it refuses, naming the op: pipelined or micro-batched plans, parameters no op of the
+What it refuses, naming the op: pipelined or micro-batched plans, embedding tables no op of the
 plan owns or a table two embeddings look up (:func:`runtime.applied_params.check_owned`:
 T5), a layout change between two ops written as functional code (no module boundary to run
 it at), a module with
