@@ -32,11 +32,11 @@ Everything the program issues is tagged for the dispatch-level
 shows as a mismatch. The loss is the user's code on the module's output (in the planned
 layout of the loss's input); its scalar reduction is not part of the comparison.
 
-What it refuses, naming the op: pipelined or micro-batched plans, embedding tables no op of the
-plan owns or a table two embeddings look up (:func:`runtime.applied_params.check_owned`:
-T5), a layout change between two ops written as functional code (no module boundary to run
-it at), a module with
-parameters the forward calls several times (a parameter-free one — a dropout called after the
+What it refuses, naming the op: pipelined or micro-batched plans, embedding tables no op
+of the plan owns or a table two embeddings look up (T5:
+:func:`runtime.applied_params.check_owned`), a layout change between two ops written as
+functional code (no module boundary to run it at), a module with parameters the forward
+calls several times (a parameter-free one — a dropout called after the
 attention and after the MLP — runs its ops in call order), and a token split the module's
 batch dimension cannot carry.
 Meshes of any factorisation run: each is a DeviceMesh over the ranks at their coordinates

@@ -8,8 +8,8 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
 * ``megatron(dp×tp)`` — linear layers column- or row-parallel over a TP axis, batch split
   over a DP axis; other ops split the batch over DP and keep heads (attention) or nothing
   split over TP. An attention whose heads cannot split over TP (a fused ``[q | k | v]``
-  projection, GPT-2's ``c_attn``, whose column blocks are not whole heads; fewer key/value
-  heads than TP) keeps them whole there: its input is gathered over TP and it runs
+  projection, GPT-2's ``c_attn``, whose column blocks are not whole heads; key/value heads
+  TP does not divide) keeps them whole there: its input is gathered over TP and it runs
   replicated, as ``parallelize`` runs it on the user's module. Every two-axis mesh is
   tried: TP inside a node and TP across nodes;
 * ``megatron_sp(dp×tp)`` — Megatron with sequence parallelism: as ``megatron``, but the
