@@ -34,9 +34,10 @@ def _ids(*shape: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.long)
 
 
-# what an imported graph adds for running on the user's module (DTensor): the user's loss
-# reads whole classes, a weight stored (out, in)
-_EXECUTION_ATTRS = ("whole_classes", "weight_t")
+# what an imported graph adds for running on the user's module (DTensor): hand-written
+# attention splits batch or heads, the user's loss reads whole classes, a weight stored
+# (out, in)
+_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t")
 
 
 def _attrs(op) -> dict:

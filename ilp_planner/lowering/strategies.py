@@ -13,10 +13,11 @@ strategies on an ``r × c`` mesh: I, W, O all ``(S0:r, S1:c)``; forward AllGathe
 c and W along r, backward ReduceScatters dI along c and dW along r.
 
 Other ops: layernorm / softmax keep the last dim whole (tokens split or replicated);
-attention splits over batch (dim 0, whole sequences) and heads (dim 1), each over its own
-mesh axes or both at once (Megatron's DP × TP: an imported model's attention runs under
-DTensor, whose 4-D matmul and SDPA keep ``(Shard(0), Shard(1))`` with no communication);
-add takes any
+attention splits over batch (dim 0, whole sequences) and heads (dim 1), both at once
+(Megatron's DP × TP) but where ``attrs.one_split`` is set (an imported model's hand-written
+attention: it runs under DTensor, whose 4-D matmul cannot always merge a batch split with a
+head split; imported SDPA runs on each rank's blocks, :mod:`runtime.local_attention`); add
+takes any
 partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
 in-channels); elementwise ops, pooling, flatten and the loss *follow* their producer (they
 are merged into it before solving, see :mod:`ilp_planner.intra_op.problem`).
@@ -620,6 +621,9 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
     if kind is OpKind.ATTENTION:
         divs = {0: op.output.shape[0] // op.attr("seq_len"), 1: head_splits(op)}
         layouts = candidate_layouts(op.output, ctx, (0, 1), divs)
+        if op.attrs.get("one_split"):  # see the module docstring
+            layouts = [lay for lay in layouts
+                       if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
         return _layout_strategies(op, layouts, len(op.inputs), ctx)
     if kind in (OpKind.ADD, OpKind.MUL):
         # images split over batch and channels only, as convolutions, pooling and flatten do;
