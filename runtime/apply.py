@@ -15,7 +15,8 @@ the plan's program, in place, on every rank of the job:
   so DTensor's sharding propagation finds the planned strategy without communicating; the
   hooks check every placement at every module boundary, forward and backward, and a
   difference is an error (:class:`~runtime.errors.FidelityError`), never a silent
-  redistribution;
+  redistribution; SDPA split over the batch and the heads runs on this rank's blocks
+  (:mod:`runtime.local_attention`), which DTensor's 4-D matmul cannot always do;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
   accumulated, then handed to the optimizer in the parameter's placements;
