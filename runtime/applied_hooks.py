@@ -33,6 +33,7 @@ from runtime.applied_params import AppliedParams, owner_of
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, Unwrap, Wrap, dtensor_spec, placements
 from runtime.errors import RuntimeSetupError
+from runtime.local_attention import LocalAttention
 from runtime.ops import bias_share
 from runtime.recorder import tagged
 
@@ -359,9 +360,11 @@ class BoundaryHooks:
         From here until the step's gradients are reduced, plain tensors — masks and rotary
         tables the forward makes or keeps as buffers, the user's targets — act as replicas
         (DTensor's ``implicit_replication``: local, no communication; autograd replays the
-        flag into the backward only if it is on when ``backward()`` is called). On CPU
-        meshes SDPA takes its math path: DTensor shards its matmuls and softmax, the fused
-        CPU kernel has no sharding rule."""
+        flag into the backward only if it is on when ``backward()`` is called). SDPA split
+        over the batch and the heads runs on this rank's blocks
+        (:class:`~runtime.local_attention.LocalAttention`); any other SDPA on CPU meshes
+        takes its math path, where DTensor shards its matmuls and softmax (the fused CPU
+        kernel has no sharding rule)."""
         self.origin = {}
         self.calls = {}
         self.params.refresh_tied()
@@ -371,6 +374,7 @@ class BoundaryHooks:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             self.forward_only.enter(sdpa_kernel([SDPBackend.MATH]))
+        self.forward_only.enter(LocalAttention())
         inputs = [op for op in self.graph.ops if op.kind is OpKind.INPUT]
         values = list(args) + list(kwargs.values())
         if len(values) != len(inputs):

@@ -108,6 +108,31 @@ def own_path(op: Op, fqn: str, paths: list[str]) -> str:
     return mine[0] if mine else fqn
 
 
+def check_owned(graph: Graph, module: nn.Module) -> None:
+    """Every embedding table of the module is some op's, looked up by the op owning it (or
+    its tied head): a table no op owns stays out of the plan's placements and gradient
+    reduction, yet its lookups train it — differently on every rank. T5 has both: its
+    ``relative_attention_bias`` tables, looked up at constant bucket ids, fold into the
+    attention scores as constants, and its encoder and decoder look up one shared table.
+    (A parameter the forward never reads — BERT's spare ``cls.predictions.bias`` — is
+    owned by no op either, and harmless.)"""
+    owned = {fqn for op in graph.ops for fqn in op.source_params}
+    unowned = [paths[0] for paths in aliases(module).values() if not owned.intersection(paths)
+               and isinstance(owner_of(module, paths[0])[0], nn.Embedding)]
+    if unowned:
+        raise RuntimeSetupError(
+            f"embedding tables {', '.join(unowned[:3])}{' …' if len(unowned) > 3 else ''} are "
+            f"owned by no op of the plan (looked up at constant ids, as T5's "
+            f"relative_attention_bias, they fold into constants); parallelize does not run them")
+    sharing = [op.name for op in graph.ops if op.kind is OpKind.EMBEDDING
+               and op.weight is not None and not op.source_params]
+    if sharing:
+        raise RuntimeSetupError(
+            f"op {sharing[0]!r} looks up a table another embedding owns (T5's encoder and "
+            f"decoder share one); parallelize shares a table only between an embedding and "
+            f"the nn.Linear head the importer marks tied")
+
+
 def tied_heads_last(ops: tuple[Op, ...]) -> list[Op]:
     """The ops in graph order with tied heads moved last, so a table is placed by its
     embedding before a head copies it."""

@@ -15,7 +15,8 @@ the plan's program, in place, on every rank of the job:
   so DTensor's sharding propagation finds the planned strategy without communicating; the
   hooks check every placement at every module boundary, forward and backward, and a
   difference is an error (:class:`~runtime.errors.FidelityError`), never a silent
-  redistribution;
+  redistribution; SDPA split over the batch and the heads runs on this rank's blocks
+  (:mod:`runtime.local_attention`), which DTensor's 4-D matmul cannot always do;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
   accumulated, then handed to the optimizer in the parameter's placements;
@@ -32,9 +33,11 @@ Everything the program issues is tagged for the dispatch-level
 shows as a mismatch. The loss is the user's code on the module's output (in the planned
 layout of the loss's input); its scalar reduction is not part of the comparison.
 
-What it refuses, naming the op: pipelined or micro-batched plans, a layout change between
-two ops written as functional code (no module boundary to run it at), a module with
-parameters the forward calls several times (a parameter-free one — a dropout called after the
+What it refuses, naming the op: pipelined or micro-batched plans, embedding tables no op
+of the plan owns or a table two embeddings look up (T5:
+:func:`runtime.applied_params.check_owned`), a layout change between two ops written as
+functional code (no module boundary to run it at), a module with parameters the forward
+calls several times (a parameter-free one — a dropout called after the
 attention and after the MLP — runs its ops in call order), and a token split the module's
 batch dimension cannot carry.
 Meshes of any factorisation run: each is a DeviceMesh over the ranks at their coordinates
@@ -58,7 +61,7 @@ from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
 from runtime.applied_edges import EdgeRunner
 from runtime.applied_hooks import BoundaryHooks, leaf_module
-from runtime.applied_params import AppliedParams, TiedHead, tied_heads
+from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_heads
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
@@ -95,6 +98,7 @@ class Applied:
         chunks = self._grad_chunks()
         tied = tied_heads(self.config, self.layers)
         _check_tied_heads(tied, module)
+        check_owned(self.graph, module)
         for t in tied.values():
             self.comm.register(t.to_table)
             self.comm.register(t.to_head)

@@ -21,7 +21,9 @@ averages gradients over ``mesh["dp"]``; :func:`tensor_parallel_mesh` builds that
 
 Anything else raises ``ValueError`` naming every layer that cannot be expressed and why — a
 data-parallel plan (no weight split: wrap the module in DDP / FSDP), weights split over two
-mesh axes or on two different device groupings, token splits over TP (tokens are the
+mesh axes or on two different device groupings, a split weight its module stores ``(in,
+out)`` (Hugging Face's GPT-2 ``Conv1D``: the styles shard only ``nn.Linear``'s ``(out, in)``
+weight and raise on any other module), token splits over TP (tokens are the
 flattened ``batch × sequence`` dim here, not ``SequenceParallel``'s sequence dim), a layout
 change between two ops no style performs. Never a dict that would hand the user's loss
 something else than the plan's layout. ``parallelize`` runs any single-mesh plan.
@@ -105,6 +107,11 @@ def find_tp_axis(plan: Plan, graph: Graph, errors: list[str]) -> TPAxis | None:
         if ly.weight is None or graph[ly.name].kind not in (OpKind.LINEAR, OpKind.EMBEDDING):
             continue
         axes = _weight_split_axes(ly)
+        if axes and _stored_in_out(graph[ly.name]):
+            errors.append(f"{ly.name} ({ly.strategy}) splits a weight its module stores "
+                          f"(in, out) (Hugging Face's Conv1D, or x @ W): ColwiseParallel and "
+                          f"RowwiseParallel shard nn.Linear's (out, in) weight and refuse "
+                          f"other modules; run this plan with ilp_planner.parallelize")
         if len(axes) > 1:
             errors.append(f"{ly.name} ({ly.strategy}) splits its weight over {len(axes)} mesh "
                           f"axes; a tensor-parallel style splits over one")
@@ -117,6 +124,12 @@ def find_tp_axis(plan: Plan, graph: Graph, errors: list[str]) -> TPAxis | None:
                               f"over other device groups than an earlier layer ({tp.size} "
                               f"ways): one TP mesh dim has one grouping")
     return tp
+
+
+def _stored_in_out(op: Op) -> bool:
+    """An imported linear (it names its module's parameters) whose module keeps the weight
+    ``(in, out)``: no ``weight_t`` mark, which the importer sets on ``nn.Linear``'s."""
+    return op.kind is OpKind.LINEAR and bool(op.source_params) and not op.attrs.get("weight_t")
 
 
 def _tp_axis(fact: Factorisation, axis: int) -> TPAxis:

@@ -145,6 +145,23 @@ def test_solves_on_two_by_four(imported, name):
     assert plan.cost.total_s > 0
 
 
+@pytest.mark.parametrize("name", ["llama_untied", "llama_tied", "bert", "gpt2"])
+def test_megatron_baselines_price_on_imported_transformers(name):
+    """Megatron's DP × TP layouts exist on an imported transformer: its attention splits the
+    batch over one mesh axis and the heads over the other — GPT-2's, reading ``c_attn``'s
+    ``[q | k | v]`` blocks, keeps its heads whole over TP (a batch of 8 sequences, so every
+    baseline's batch split fits the 2 × 4 mesh)."""
+    torch.manual_seed(0)
+    model, _ = _builders()[name]()
+    graph = from_module(model, (torch.randint(0, VOCAB, (8, SEQ)),))
+    plan = ilp_planner.solve(graph, cluster=CLUSTER)
+    priced = {k.split("(")[0]: v for k, v in plan.baselines.items() if "total_s" in v}
+    assert {"data_parallel", "megatron", "megatron_sp", "torchtitan"} <= set(priced), \
+        {k: v.get("error") for k, v in plan.baselines.items()}
+    # the planner's space holds every baseline's layouts
+    assert all(plan.cost.total_s <= v["total_s"] * (1 + 1e-9) for v in priced.values())
+
+
 def test_gpt2_conv1d_is_a_linear_stored_in_out(imported):
     model, graph = imported("gpt2")
     c_attn = graph["transformer.h.0.attn.c_attn"]

@@ -6,7 +6,9 @@ solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`
 test reads its model's line: the losses match one process (fp32, 1e-4) and the collectives
 executed are the planned ones, every step, on every rank. The 1 × 4 launch also trains
 Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``parallelize_module``
-(2-way data × 2-way tensor parallel), matching one process. The 2 × 2 cluster gives plans on a
+(2-way data × 2-way tensor parallel), matching one process. Megatron and Megatron-SP plans (the
+baselines' layouts) train under ``parallelize`` on both shapes, attention split over the batch
+and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid.
 """
@@ -51,6 +53,27 @@ def test_llama_trains_like_one_process_and_the_plan(model, shape):
     assert "3d(" in line  # the plan splits weights, not only the batch
     if shape == "2x2" and model != "llama-tied-exchanging":
         assert "0,2,1,3" in line  # a mesh that is not a row-major view of the ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["llama-megatron", "bert-megatron-sp"])
+def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, shape):
+    """Megatron (and Megatron-SP) on the imported models: the user's attention runs on
+    DTensors split over the batch on the data-parallel axis and over the heads on the
+    tensor-parallel one, in both of the model's attention layers."""
+    assert "dp×tp-attention=2" in line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
+    """GPT-2's attention reads ``c_attn``'s ``[q | k | v]`` column blocks, which are not whole
+    heads: its Megatron plan keeps them whole over TP (column- and row-parallel Conv1Ds, the
+    attention's input gathered), and trains like one process."""
+    line = line_of(shape, "gpt2-megatron")
+    assert "3d(p0=2,p1=2,p2=1)" in line and "3d(p0=2,p1=1,p2=2)" in line
+    assert "dp×tp-attention=0" in line
 
 
 @pytest.mark.slow
@@ -103,6 +126,29 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten()).backward()
     table = model.lm_head.weight.grad.full_tensor()  # both uses' gradients, in one
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
+
+
+def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
+    """T5's relative position tables fold into the attention scores as constants (no op
+    owns them) and its encoder and decoder share one table: ``parallelize`` says so before
+    placing anything, rather than training a model the plan does not cover."""
+    import torch
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+    from tests.helpers.hf_apply_check import cluster, example, t5
+
+    torch.manual_seed(0)
+    case = t5()
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, example(case.inputs)),
+                             cluster=cluster(1, 1), baselines=False)
+    with pytest.raises(RuntimeSetupError, match="relative_attention_bias"):
+        parallelize(plan, case.model)
+    case.model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
+    case.model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
+    with pytest.raises(RuntimeSetupError, match="'decoder.embed_tokens' looks up a table"):
+        parallelize(plan, case.model)
 
 
 def test_a_vocabulary_block_looks_up_its_rows_and_zeroes_the_others():
@@ -165,6 +211,30 @@ def test_plans_no_style_expresses_raise_naming_their_layers():
     data_parallel = restricted_plan(config, data_parallel_filter(MeshAxis(1, 4)))
     with pytest.raises(ValueError, match="data parallel"):
         to_parallelize_plan(data_parallel)
+
+
+def test_gpt2s_conv1d_layers_are_refused_by_name_not_handed_to_the_styles():
+    """GPT-2's ``Conv1D`` stores its weight ``(in, out)``: ``ColwiseParallel`` /
+    ``RowwiseParallel`` shard ``nn.Linear``'s ``(out, in)`` weight and raise on any other
+    module, so no style dict is returned for a plan that splits one; its tied head (an
+    ``nn.Linear``) is not named."""
+    import torch
+
+    import ilp_planner
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["gpt2"]()
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 4), baselines=False)
+    split = [ly.name for ly in plan.layers if ly.name.endswith(("c_attn", "c_fc"))
+             and ly.weight is not None and ly.weight.split_degree(1) > 1]
+    assert split  # the plan splits Conv1D weights over the devices
+    with pytest.raises(ValueError, match="stores \\(in, out\\)") as err:
+        to_parallelize_plan(plan)
+    assert all(f"{name} (" in str(err.value) for name in split)
+    assert "lm_head (" not in str(err.value)
 
 
 @pytest.mark.slow

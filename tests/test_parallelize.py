@@ -34,6 +34,16 @@ def _torchrun(n: int, *args: str) -> list[str]:
 
 
 @pytest.mark.slow
+def test_sdpa_split_over_batch_and_heads_runs_on_local_blocks_like_whole_tensors():
+    """``runtime.local_attention`` on 8 gloo ranks (a 2 × 4 mesh: 2 sequences over 2 ranks
+    and 4 heads over 4, the pair DTensor's own 4-D matmul refuses): output and gradients
+    equal whole-tensor SDPA, masks sliced to each rank's block, no forward collective."""
+    res = run(_torchrun(8, "tests/helpers/local_attention_check.py"), 300)
+    assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
+    assert res.stdout.count("OK ") >= 10 and "FAIL" not in res.stdout
+
+
+@pytest.mark.slow
 def test_user_example_trains_on_eight_ranks_like_one_process():
     res = run(_torchrun(8, "examples/train_own_model.py", "--steps", "5", "--audit"), 420)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"

@@ -76,9 +76,10 @@ def from_module(module: Any, example_inputs: Any, *,
     ``meta`` device (a 1B-parameter model imports without allocating it).
 
     ``dtensor`` (default): the plan will run on this module under ``ilp_planner.parallelize``,
-    where the user's own code runs on DTensors — so attention splits the batch or the heads,
-    not both (DTensor's 4-D matmul cannot merge the two splits: ``attrs.one_split``), and the
-    user's loss reads its logits with whole classes (``attrs.whole_classes``). False gives
+    where the user's own code runs on DTensors — so hand-written attention splits the batch
+    or the heads, not both (DTensor's 4-D matmul cannot always merge the two splits:
+    ``attrs.one_split``; SDPA may split both), and the user's loss reads its logits with
+    whole classes (``attrs.whole_classes``). False gives
     the bare graph, as the builders would (the runtime's own executor runs it).
 
     A model may return a structure — a Hugging Face ``ModelOutput``, a dict, a tuple: the

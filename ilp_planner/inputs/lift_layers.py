@@ -66,7 +66,7 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
         return _linear(g, call.node, a, w, None, k, n, val, stored_t=b.transposed)
     if isinstance(a, Act) and isinstance(b, Act):
         if a.role == "probs":
-            return _attention(g, call, a.parts["q"], a.parts["k"], b)
+            return _attention(g, call, a.parts["q"], a.parts["k"], b, sdpa=False)
         if len(a.shape) == 4 and len(b.shape) == 4:
             return Act(tuple(dict.fromkeys(a.src + b.src)), tuple(val.shape), dtype_of(val),
                        role="scores", parts=MappingProxyType({"q": a, "k": b}))
@@ -88,10 +88,10 @@ def lift_addmm(g: DraftGraph, call: Call) -> Any:
 
 
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
-    return _attention(g, call, call.args[0], call.args[1], call.args[2])
+    return _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
 
 
-def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act) -> Any:
+def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) -> Any:
     val = call.val
     batch, heads, seq, hd = (int(d) for d in q.shape)
     srcs = list(dict.fromkeys(q.src + k.src + v.src))
@@ -100,10 +100,11 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act) -> Any:
         return g.opaque(call.node, call.args, [q, k, v], val, "attention")
     # grouped-query attention repeats k / v heads after the projection: count them there
     kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 else heads
-    # the user's attention runs under DTensor (ilp_planner.parallelize), whose 4-D matmul
-    # cannot merge a batch split with a head split: one or the other
+    # under ``ilp_planner.parallelize`` SDPA runs on each rank's blocks, whatever mix of
+    # batch and head splits (runtime.local_attention); hand-written attention runs on
+    # DTensors, whose 4-D matmul cannot always merge the two: one or the other
     attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
-    if g.dtensor:
+    if g.dtensor and not sdpa:
         attrs["one_split"] = 1
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads

@@ -7,7 +7,11 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
 * ``data_parallel`` — every op split over the batch on all devices, weights replicated;
 * ``megatron(dp×tp)`` — linear layers column- or row-parallel over a TP axis, batch split
   over a DP axis; other ops split the batch over DP and keep heads (attention) or nothing
-  split over TP. Every two-axis mesh is tried: TP inside a node and TP across nodes;
+  split over TP. An attention whose heads cannot split over TP (a fused ``[q | k | v]``
+  projection, GPT-2's ``c_attn``, whose column blocks are not whole heads; key/value heads
+  TP does not divide) keeps them whole there: its input is gathered over TP and it runs
+  replicated, as ``parallelize`` runs it on the user's module. Every two-axis mesh is
+  tried: TP inside a node and TP across nodes;
 * ``megatron_sp(dp×tp)`` — Megatron with sequence parallelism: as ``megatron``, but the
   norms, residual adds and other token-wise ops split their tokens over TP as well (the
   activations between blocks are ``(S0, S0)``), so the TP AllReduce becomes a
@@ -50,7 +54,7 @@ from ilp_planner.intra_op.problem import GraphProblem, peak_memory
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes
-from ilp_planner.lowering.strategies import Strategy
+from ilp_planner.lowering.strategies import Strategy, head_splits
 
 Filter = Callable[[Op, Strategy], bool]
 _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
@@ -118,9 +122,10 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
             return False
         if op.kind in _MATMUL:
             return s.label.startswith(("3d", "conv3d")) and s.fact in matmul_facts
-        if op.kind is OpKind.ATTENTION:
+        if op.kind is OpKind.ATTENTION:  # heads over TP, whole where they cannot split
+            heads = Split(1) if head_splits(op) % tp.size == 0 else B
             return not s.output.has_partial and s.output.canonical_key() == Layout(
-                fact2, (Split(0), Split(1))).canonical_key()
+                fact2, (Split(0), heads)).canonical_key()
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
             return not s.output.has_partial and s.output.canonical_key() == seq
         return not s.output.has_partial and s.output.canonical_key() in allowed

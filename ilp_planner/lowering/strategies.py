@@ -13,9 +13,11 @@ strategies on an ``r × c`` mesh: I, W, O all ``(S0:r, S1:c)``; forward AllGathe
 c and W along r, backward ReduceScatters dI along c and dW along r.
 
 Other ops: layernorm / softmax keep the last dim whole (tokens split or replicated);
-attention splits over batch (dim 0, whole sequences) and heads (dim 1) — one of the two
-where ``attrs.one_split`` is set (imported models: their attention runs under DTensor,
-whose 4-D matmul cannot merge a batch split with a head split); add takes any
+attention splits over batch (dim 0, whole sequences) and heads (dim 1), both at once
+(Megatron's DP × TP) but where ``attrs.one_split`` is set (an imported model's hand-written
+attention: it runs under DTensor, whose 4-D matmul cannot always merge a batch split with a
+head split; imported SDPA runs on each rank's blocks, :mod:`runtime.local_attention`); add
+takes any
 partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
 in-channels); elementwise ops, pooling, flatten and the loss *follow* their producer (they
 are merged into it before solving, see :mod:`ilp_planner.intra_op.problem`).
@@ -727,11 +729,7 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
     if kind is OpKind.OPAQUE:
         return _layout_strategies(op, candidate_layouts(op.output, ctx, ()), len(op.inputs), ctx)
     if kind is OpKind.ATTENTION:
-        seq = op.attr("seq_len")
-        # a [q | k | v] fused tensor's column blocks are not whole heads: batch splits only
-        heads = 1 if op.attrs.get("qkv_major") else math.gcd(op.attr("heads"),
-                                                             op.attrs.get("kv_heads", 0))
-        divs = {0: op.output.shape[0] // seq, 1: heads}
+        divs = {0: op.output.shape[0] // op.attr("seq_len"), 1: head_splits(op)}
         layouts = candidate_layouts(op.output, ctx, (0, 1), divs)
         if op.attrs.get("one_split"):  # see the module docstring
             layouts = [lay for lay in layouts
@@ -746,6 +744,15 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                             for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
+
+
+def head_splits(op: Op) -> int:
+    """The most ways an attention op's heads split (any divisor of it): all of them, the
+    key/value heads' count under grouped-query attention, 1 — batch splits only — where it
+    reads a fused tensor laid out ``[q | k | v]``, whose column blocks are not whole heads."""
+    if op.attrs.get("qkv_major"):
+        return 1
+    return math.gcd(op.attr("heads"), op.attrs.get("kv_heads", 0))
 
 
 def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import ilp_planner  # noqa: E402
 from ilp_planner.inputs.config import load_config  # noqa: E402
 from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
-from ilp_planner.ir.cluster import MeshAxis  # noqa: E402
-from ilp_planner.ir.graph import Op  # noqa: E402
+from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations  # noqa: E402
+from ilp_planner.ir.graph import Op, OpKind  # noqa: E402
 from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
 from ilp_planner.plan.data import Plan  # noqa: E402
@@ -54,9 +54,10 @@ class Case:
     and the strategies its plan may use (all if None: the solver's plan)."""
 
     model: nn.Module
-    inputs: torch.Tensor
+    inputs: torch.Tensor | dict[str, torch.Tensor]  # a mapping: keyword inputs
     targets: torch.Tensor
     keep: Filter | None = None
+    layouts: Callable[[int, int], Filter] | None = None  # ``keep`` for a cluster shape
 
 
 def llama(tied: bool) -> Case:
@@ -113,6 +114,20 @@ def resnet() -> Case:
     return Case(ResNetForImageClassification(cfg), *_images(32))
 
 
+def t5() -> Case:
+    """T5ForConditionalGeneration: keyword inputs (``input_ids``, ``decoder_input_ids``),
+    relative position biases (an embedding of bucketed distances added to the scores),
+    encoder and decoder stacks looking up one shared table, the head tied to it. Not in
+    :data:`MODELS`: ``parallelize`` refuses it (``runtime.applied_params.check_owned``)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
+                   dropout_rate=0.0, use_cache=False)
+    ids, targets = _tokens()
+    return Case(T5ForConditionalGeneration(cfg), {"input_ids": ids,
+                                                  "decoder_input_ids": _tokens()[0]}, targets)
+
+
 def _images(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 3, size, size), torch.randint(0, CLASSES, (BATCH,))
 
@@ -135,6 +150,25 @@ def llama_tied_exchanging() -> Case:
     return Case(case.model, case.inputs, case.targets, keep)
 
 
+def megatron_layouts(sequence_parallel: bool) -> Callable[[int, int], Filter]:
+    """Megatron's (or Megatron-SP's) layouts on every ``dp × tp`` mesh of a cluster shape
+    with both axes larger than 1 (the baselines' :func:`megatron_filter`): attention splits
+    the batch over one axis and the heads over the other."""
+    def on(nodes: int, devices: int) -> Filter:
+        keeps = [megatron_filter(a, b, sequence_parallel)
+                 for a, b in mesh_factorisations(nodes, devices, 2) if a.size > 1 and b.size > 1]
+        return lambda op, s: any(k(op, s) for k in keeps)
+    return on
+
+
+def megatron(make: Callable[[], Case], sequence_parallel: bool = False) -> Callable[[], Case]:
+    """``make``'s model planned in Megatron's layouts (data × tensor parallel)."""
+    def case() -> Case:
+        c = make()
+        return Case(c.model, c.inputs, c.targets, layouts=megatron_layouts(sequence_parallel))
+    return case
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -143,6 +177,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
+    "llama-megatron": megatron(lambda: llama(tied=False)),
+    "bert-megatron-sp": megatron(bert, sequence_parallel=True),
+    "gpt2-megatron": megatron(gpt2),
 }
 
 
@@ -157,6 +194,16 @@ def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
     """The user's loss on the model's own output: cross-entropy per token (language models)
     or per image (classifiers)."""
     return F.cross_entropy(output.logits.flatten(0, -2), targets.flatten())
+
+
+def example(inputs: torch.Tensor | dict[str, torch.Tensor]) -> tuple | dict:
+    """``from_module``'s example inputs: a tensor as the one positional input, a mapping
+    as keyword inputs."""
+    return inputs if isinstance(inputs, dict) else (inputs,)
+
+
+def forward(model: nn.Module, inputs: torch.Tensor | dict[str, torch.Tensor]):
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
 
 
 def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
@@ -175,11 +222,12 @@ def plan_on_rank0(make: Callable[[], Plan]) -> Plan:
 
 def solve(case: Case, nodes: int, devices: int) -> Plan:
     """The solver's plan for ``case``, or the best one among the strategies it keeps."""
-    graph = ilp_planner.from_module(case.model, (case.inputs,))
-    if case.keep is None:
+    graph = ilp_planner.from_module(case.model, example(case.inputs))
+    keep = case.layouts(nodes, devices) if case.layouts is not None else case.keep
+    if keep is None:
         return ilp_planner.solve(graph, cluster=cluster(nodes, devices), baselines=False)
     config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
-    return restricted_plan(config, case.keep)
+    return restricted_plan(config, keep)
 
 
 def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
@@ -196,11 +244,11 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     for step in range(steps):
         rec = Recorder(dist.get_world_size())
         with rec:
-            loss = loss_of(model(case.inputs), case.targets)
+            loss = loss_of(forward(model, case.inputs), case.targets)
             loss.backward()
         opt.step()
         opt.zero_grad()
-        ref = loss_of(reference(case.inputs), case.targets)
+        ref = loss_of(forward(reference, case.inputs), case.targets)
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -216,20 +264,24 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
 
 
 def describe(plan: Plan) -> str:
-    """The plan's strategies and rank grids (``grids=`` lists each mesh's ranks in
-    DeviceMesh order: ``0,2,1,3`` is a mesh whose first axis walks a node's devices)."""
+    """The plan's strategies, rank grids (``grids=`` lists each mesh's ranks in DeviceMesh
+    order: ``0,2,1,3`` is a mesh whose first axis walks a node's devices) and how many
+    attention layers split their batch and their heads at once (``dp×tp-attention=``)."""
     kinds = sorted({ly.strategy for ly in plan.layers if not ly.strategy.startswith("follows")})
     world = dist.get_world_size()
     grids = sorted({",".join(str(r) for r in rank_grid(lay.fact, world).ravel())
                     for ly in plan.layers for lay in (*ly.inputs, ly.output) if lay is not None})
-    return f"{' '.join(kinds)} grids={' '.join(grids)}"
+    graph = load_config(plan.config).graph
+    both = sum(1 for ly in plan.layers if graph[ly.name].kind is OpKind.ATTENTION
+               and ly.output.split_degree(0) > 1 and ly.output.split_degree(1) > 1)
+    return f"{' '.join(kinds)} grids={' '.join(grids)} dp×tp-attention={both}"
 
 
 def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
     """The best plan in Megatron's layouts on a 2 (data) × 2 (tensor) mesh, for PyTorch's
     styles: imported without ``dtensor`` (the styles run the module on local tensors, so
     attention may split the batch and the heads at once)."""
-    graph = ilp_planner.from_module(case.model, (case.inputs,), dtensor=False)
+    graph = ilp_planner.from_module(case.model, example(case.inputs), dtensor=False)
     config = load_config({"model": graph, "cluster": cluster(nodes, devices)})
     return restricted_plan(config, megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
 
@@ -263,7 +315,7 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=dp_group)
-        ref = loss_of(reference(case.inputs), case.targets)
+        ref = loss_of(forward(reference, case.inputs), case.targets)
         ref.backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -1,0 +1,87 @@
+"""Scaled dot-product attention on this rank's blocks, for :mod:`runtime.apply`.
+
+Attention is independent per sequence and per head, so where the user's SDPA reads ``q``,
+``k`` and ``v`` split over the batch (dim 0) and the heads (dim 1) — any mix over the mesh
+axes, Megatron's DP × TP among them — each rank's SDPA on its blocks is its block of the
+result: :class:`LocalAttention` runs it so, with no communication, and hands the result back
+as a DTensor in the same placements (the gradients come back in them too). DTensor's own
+propagation cannot always do this: its 4-D matmul flattens ``(batch, heads)`` and refuses
+some split pairs (a batch of 2 over 2 devices with 4 heads over 4 raises "would reshape
+sharded dimension 0"). Any other placement (a split sequence, a partial sum) is left to
+DTensor, whose collectives the audit would count.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+
+_SDPA_ARGS = inspect.signature(
+    lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+    enable_gqa=False: None)
+
+
+def blockwise(q: Any, k: Any, v: Any) -> bool:
+    """Whether ``q``, ``k`` and ``v`` are DTensors on one mesh in the same placements, each
+    replicated or split over the batch or the heads."""
+    xs = (q, k, v)
+    if not all(isinstance(x, DTensor) and x.dim() == 4 for x in xs):
+        return False
+    pls = tuple(q.placements)
+    if any(x.device_mesh != q.device_mesh or tuple(x.placements) != pls for x in (k, v)):
+        return False
+    return all(type(pl) is Replicate or (type(pl) is Shard and pl.dim in (0, 1)) for pl in pls)
+
+
+def local_mask(mask: Any, q: DTensor) -> Any:
+    """The block of a mask (broadcast over batch and heads where its dims are 1) matching
+    this rank's block of ``q``; None for a mask split another way (DTensor runs that)."""
+    if mask is None:
+        return None
+    if isinstance(mask, DTensor):
+        if any(type(pl) is not Replicate for pl in mask.placements):
+            return None
+        mask = mask.to_local()
+    shape, offset = compute_local_shape_and_global_offset(q.shape, q.device_mesh, q.placements)
+    lead = 4 - mask.dim()
+    for d in (0, 1):
+        real = d - lead
+        if real >= 0 and mask.size(real) > 1:
+            mask = mask.narrow(real, offset[d], shape[d])
+    return mask
+
+
+class LocalAttention(TorchFunctionMode):
+    """While a forward of the applied module runs: ``F.scaled_dot_product_attention`` on
+    :func:`blockwise` DTensors computes on their local blocks (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            bound = _SDPA_ARGS.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = dict(bound.arguments)
+            q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+            if blockwise(q, k, v):
+                mask = local_mask(a["attn_mask"], q)
+                if mask is not None or a["attn_mask"] is None:
+                    a["attn_mask"] = mask
+                    return _local_sdpa(q, k, v, a)
+        return func(*args, **kwargs)
+
+
+def _local_sdpa(q: DTensor, k: DTensor, v: DTensor, rest: dict) -> DTensor:
+    """SDPA of the local blocks, as a DTensor of the global result in ``q``'s placements."""
+    pls = tuple(q.placements)
+    local = [x.to_local(grad_placements=pls) for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*local, **rest)
+    shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(out, q.device_mesh, pls, run_check=False, shape=torch.Size(shape),
+                              stride=stride)

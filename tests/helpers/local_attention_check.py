@@ -1,0 +1,93 @@
+"""torchrun script: SDPA on DTensors split over the batch and the heads, run on each rank's
+blocks by :class:`runtime.local_attention.LocalAttention`, equals SDPA on the whole tensors —
+output and the gradients of q, k, v — with no collective in the forward, for the split pair
+DTensor's own 4-D matmul refuses (2 sequences over 2 ranks, 4 heads over 4: 8 ranks) or any
+pair on 4 ranks, with no mask, a causal mask, and additive masks per sequence or per head.
+
+    torchrun --nproc-per-node 4 tests/helpers/local_attention_check.py
+
+Prints ``OK <case>`` per case on rank 0, ``FAIL <case>: <why>`` otherwise; exits 1 on any
+failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.experimental import implicit_replication
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from runtime.local_attention import LocalAttention  # noqa: E402
+
+SEQ, DIM = 6, 4
+
+
+def check(mesh, placements, batch: int, heads: int, mask_shape, causal: bool) -> str | None:
+    """One case's difference from whole-tensor SDPA, or None."""
+    torch.manual_seed(0)  # the same whole tensors on every rank
+    full = [torch.randn(batch, heads, SEQ, DIM, requires_grad=True) for _ in range(3)]
+    mask = torch.randn(*mask_shape) if mask_shape else None
+    want = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal)
+    want.pow(2).sum().backward()
+    parts = [distribute_tensor(x.detach(), mesh, placements).requires_grad_() for x in full]
+    counts = CommDebugMode()
+    with counts, implicit_replication(), LocalAttention():
+        got = F.scaled_dot_product_attention(*parts, attn_mask=mask, is_causal=causal)
+    if counts.get_total_counts():
+        return f"the forward issued {dict(counts.get_comm_counts())}"
+    if tuple(got.placements) != tuple(placements):
+        return f"output placements {got.placements}, q's {placements}"
+    got.pow(2).sum().backward()
+    if not torch.allclose(got.full_tensor(), want, atol=1e-5):
+        return "output differs"
+    for name, p, x in zip("qkv", parts, full, strict=True):
+        if not torch.allclose(p.grad.full_tensor(), x.grad, atol=1e-5):
+            return f"gradient of {name} differs"
+    return None
+
+
+def fits(placements: tuple, shape: tuple[int, ...], sizes: tuple[int, int]) -> bool:
+    """Whether every split divides its dim (batch or heads) evenly."""
+    return all(sizes[pl.dim] % n == 0 for pl, n in zip(placements, shape, strict=True)
+               if isinstance(pl, Shard))
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    shape = (2, world // 2)
+    mesh = init_device_mesh("cpu", shape)
+    batch, heads = (2, 4) if world == 8 else (4, 4)
+    failed = 0
+    for placements in ((Shard(0), Shard(1)), (Shard(1), Shard(0)), (Shard(0), Replicate())):
+        for mask_shape, causal in ((None, False), (None, True), ((batch, 1, SEQ, SEQ), False),
+                                   ((1, heads, SEQ, SEQ), False), ((SEQ, SEQ), False)):
+            if not fits(placements, shape, (batch, heads)):
+                continue
+            name = f"{shape} {placements} mask={mask_shape} causal={causal}"
+            why = check(mesh, placements, batch, heads, mask_shape, causal)
+            failed += why is not None
+            if why is not None:
+                print(f"FAIL {name}: {why}", flush=True)
+            elif dist.get_rank() == 0:
+                print(f"OK {name}", flush=True)
+    flag = torch.tensor([failed])
+    dist.all_reduce(flag)
+    dist.destroy_process_group()
+    return 1 if int(flag) else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # gloo's threads can abort a finalising interpreter
