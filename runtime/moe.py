@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ilp_planner.ir.graph import Op
+from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.moe_strategies import (
     COMBINE,
     DISPATCH,
@@ -115,28 +116,45 @@ def moe(ctx, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal], dat
     """This rank's part of the MoE op (module docstring), ``ctx`` its
     :class:`runtime.ops.StageContext`."""
     x = xs[0]
-    lay = x.layout
+    y = local_moe(ctx.comm, op, lp, x.t, x.layout, {r: v.t for r, v in params.items()})
+    return LVal(y, lp.output)
+
+
+def hf_roles(router: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A Hugging Face block's tensors (router ``(E, h)``, ``gate_up`` ``(E, 2f, h)`` gate rows
+    then up rows, ``down`` ``(E, h, f)``) as the kernel's roles — views, so gradients reach
+    the module's parameters."""
+    f = down.shape[2]
+    return {"router": router.t(), "w1": gate_up[:, :f].transpose(1, 2),
+            "w3": gate_up[:, f:].transpose(1, 2), "w2": down.transpose(1, 2)}
+
+
+def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
+              p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's block of the op's output from its block ``x`` (in layout ``lay``) and
+    its parameter blocks ``p`` by the kernel's roles; ``comm`` (a :class:`runtime.comm.Comm`)
+    runs the planned AllToAlls."""
     ep = expert_parallel(lay)
     want, out_layout, _ = moe_layouts(lay.fact, ep)
     if (lay, lp.output) != (want, out_layout):
         raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
                                 f"strategies' layouts ({want} -> {out_layout})")
-    p = {r: v.t for r, v in params.items()}
     e, k = op.attr("experts"), op.attr("top_k")
-    cap = capacity(op, x.t.shape[0])
-    weights, chosen = route(x.t, p["router"], op)
+    cap = capacity(op, x.shape[0])
+    weights, chosen = route(x, p["router"], op)
     slot, kept = slots(chosen, e, cap)
-    buf = dispatch(x.t, slot, kept, k, e, cap)
-    progs = moe_programs(op, lay, ctx.comm.cluster)
+    buf = dispatch(x, slot, kept, k, e, cap)
+    progs = moe_programs(op, lay, comm.cluster)
     local = e // lay.fact[1].size
-    first = 0 if ep else ctx.comm.coord(lay, 1) * local
+    first = 0 if ep else comm.coord(lay, 1) * local
     if progs is not None:
-        buf = ctx.comm.edge(LVal(buf, progs[0].src), progs[0], DISPATCH, op.name).t
+        buf = comm.edge(LVal(buf, progs[0].src), progs[0], DISPATCH, op.name).t
     elif not ep:
         buf = buf[first:first + local]
     out = experts_mlp(buf, p["w1"], p["w2"], p.get("w3"))
     if progs is not None:
-        out = ctx.comm.edge(LVal(out, progs[1].src), progs[1], COMBINE, op.name).t
+        out = comm.edge(LVal(out, progs[1].src), progs[1], COMBINE, op.name).t
     y = combine(out, slot, kept, weights, first, cap)
-    shared = _shared(x.t, p)
-    return LVal(y if shared is None else y + shared, lp.output)
+    shared = _shared(x, p)
+    return y if shared is None else y + shared

@@ -28,6 +28,13 @@ where nothing can drop), so the buffers, the AllToAll bytes and the expert compu
 priced at capacity — a router sending more than ``C`` tokens to one expert drops the rest,
 one balanced to within ``cf`` drops none. ``cf = E / top_k`` gives ``C = T_g``: dropless.
 
+An imported block (Hugging Face's Mixtral, Qwen2-MoE: ``attrs.hf_experts``) keeps the
+module's own tensors as its parameters — ``router`` ``(E, h)``, ``gate_up`` ``(E, 2f, h)``
+(gate rows, then up rows), ``down`` ``(E, h, f)`` — so ``parallelize`` places them without
+transposes, and is offered no expert tensor parallelism: a block of ``gate_up``'s fused
+dim would hold gate rows of some columns and up rows of others. A plan is a program: the
+solver offers only what the runtime runs.
+
 Pure and torch-free; :mod:`ilp_planner.lowering.strategies` wraps these pieces into its
 :class:`~ilp_planner.lowering.strategies.Strategy` (gradient sync, ZeRO variants, pricing),
 and the runtime's MoE kernel runs :func:`moe_programs` for its two AllToAlls.
@@ -53,11 +60,20 @@ def ffn_matrices(op: Op) -> int:
     return 3 if op.attrs.get("swiglu", 1) else 2
 
 
+def hf_experts(op: Op) -> bool:
+    """Whether the op stands for an imported Hugging Face block (its tensors in the
+    module's orientation, see the module docstring)."""
+    return bool(op.attrs.get("hf_experts", 0))
+
+
 def moe_param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     """The MoE op's parameters by role: ``router`` (h, E); ``w1``/``w3`` (E, h, f) the
     up (and SwiGLU gate) projections, ``w2`` (E, f, h) the down projection; shared experts
-    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h)."""
+    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h).
+    An imported block's are its module's own (:func:`hf_experts`)."""
     h, e, f = op.output.shape[1], op.attr("experts"), op.attr("ffn")
+    if hf_experts(op):
+        return {"router": (e, h), "gate_up": (e, 2 * f, h), "down": (e, h, f)}
     out = {"router": (h, e), "w1": (e, h, f), "w2": (e, f, h)}
     if ffn_matrices(op) == 3:
         out["w3"] = (e, h, f)
@@ -102,7 +118,7 @@ def moe_param_layouts(op: Op, x: Layout) -> dict[str, tuple[Layout, Layout]]:
     d0 = _partial_if(fact, 0)
     every = Layout(fact, (d0, _partial_if(fact, 1), _partial_if(fact, 2)))
     out = {"router": (Layout.replicated(fact), every)}
-    for role, hid in (("w1", 2), ("w3", 2), ("w2", 1)):
+    for role, hid in (("w1", 2), ("w3", 2), ("w2", 1), ("gate_up", 1), ("down", 2)):
         out[role] = (Layout(fact, (B, Split(0), Split(hid))),
                      Layout(fact, (d0, Split(0), Split(hid))))
     for role, hid in (("shared_w1", 1), ("shared_w3", 1), ("shared_w2", 0)):
@@ -225,6 +241,8 @@ def moe_candidates(op: Op, facts: Iterable[Factorisation]) -> list[Layout]:
     out = []
     for fact in facts:
         p0, p1, p2 = (a.size for a in fact)
+        if p2 > 1 and hf_experts(op):
+            continue  # no expert tensor parallelism for a fused gate/up tensor
         for ep in (True, False) if p1 > 1 else (True,):
             groups = p0 * (p1 if ep else 1)
             if t % groups or e % p1 or f % p2:

@@ -35,7 +35,8 @@ import ilp_planner  # noqa: E402
 from ilp_planner.inputs.config import load_config  # noqa: E402
 from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
 from ilp_planner.ir.cluster import MeshAxis  # noqa: E402
-from ilp_planner.ir.graph import Op  # noqa: E402
+from ilp_planner.ir.graph import Op, OpKind  # noqa: E402
+from ilp_planner.lowering.moe_strategies import expert_parallel  # noqa: E402
 from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
 from ilp_planner.plan.data import Plan  # noqa: E402
@@ -135,6 +136,35 @@ def llama_tied_exchanging() -> Case:
     return Case(case.model, case.inputs, case.targets, keep)
 
 
+def expert_parallel_only(op: Op, s: Strategy) -> bool:
+    """Every MoE block exchanges its tokens over a mesh axis (AllToAlls the audit counts)."""
+    return op.kind is not OpKind.MOE or (expert_parallel(s.inputs[0]) and s.fact[1].size > 1)
+
+
+def mixtral() -> Case:
+    """MixtralForCausalLM: 4 experts, top-2 (the importer's one ``moe`` op per block)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=2 * SEQ, num_local_experts=4,
+                        num_experts_per_tok=2, use_cache=False)
+    return Case(MixtralForCausalLM(cfg), *_tokens(), expert_parallel_only)
+
+
+def qwen2_moe() -> Case:
+    """Qwen2MoeForCausalLM: 4 experts, top-2 without renormalising, a gated shared expert
+    (dense linears beside the ``moe`` op)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=48,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2 * SEQ, num_experts=4, num_experts_per_tok=2,
+                         use_cache=False)
+    return Case(Qwen2MoeForCausalLM(cfg), *_tokens(), expert_parallel_only)
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -143,6 +173,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
+    "mixtral": mixtral,
+    "qwen2-moe": qwen2_moe,
 }
 
 
