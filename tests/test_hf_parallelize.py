@@ -8,12 +8,14 @@ executed are the planned ones, every step, on every rank. The 1 × 4 launch also
 Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``parallelize_module``
 (2-way data × 2-way tensor parallel), matching one process. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
-``parallelize`` runs as an explicit rank grid.
+``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
+parallel plans (:mod:`runtime.applied_moe`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
 
 import pytest
@@ -51,6 +53,17 @@ def test_llama_trains_like_one_process_and_the_plan(model, shape):
     assert "3d(" in line  # the plan splits weights, not only the batch
     if shape == "2x2" and model != "llama-tied-exchanging":
         assert "0,2,1,3" in line  # a mesh that is not a row-major view of the ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["mixtral", "qwen2-moe"])
+def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shape):
+    """Mixtral and Qwen2-MoE with every routed block expert parallel (the plan's best among
+    those): the runtime's kernel runs in each experts module on this rank's tokens and
+    experts, its dispatch and combine AllToAlls counted by the audit."""
+    line = line_of(shape, model)
+    assert re.search(r"moe\(dp=\S+,ep=\S+,etp=1\)", line), line
 
 
 @pytest.mark.slow
