@@ -17,12 +17,14 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.procs import run
 
 SHAPES = ("1x4", "2x2")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @functools.cache
@@ -187,3 +189,19 @@ def test_the_hf_example_trains_on_two_nodes_like_one_process():
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert "all ranks: losses match and executed = planned" in res.stdout
     assert res.stdout.count("match") >= 3
+
+
+def test_a_built_in_moe_plan_is_refused_naming_its_op(one_rank):
+    """The runtime's executor runs ``kind: moe`` models; parallelize runs MoE blocks it
+    imported from Hugging Face modules and says so for the others, naming the op."""
+    from torch import nn
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+
+    config = ilp_planner.load_config(CONFIGS / "tiny-moe-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 1})
+    plan = ilp_planner.solve(config, baselines=False)
+    with pytest.raises(RuntimeSetupError, match=r"op 'h\.0\.moe' is a built-in mixture"):
+        parallelize(plan, nn.Linear(2, 2))
