@@ -23,14 +23,18 @@ balanced router) matches it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ilp_planner.ir.graph import Op
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.moe_strategies import (
     COMBINE,
+    COUNTS,
     DISPATCH,
+    RECEIVED,
     capacity,
+    dropless,
     expert_parallel,
     moe_layouts,
     moe_programs,
@@ -38,6 +42,7 @@ from ilp_planner.lowering.moe_strategies import (
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import LVal
 from runtime.errors import RuntimeSetupError
+from runtime.recorder import tagged
 
 
 def route(x: torch.Tensor, router: torch.Tensor, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,11 +146,15 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
         raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
                                 f"strategies' layouts ({want} -> {out_layout})")
     e, k = op.attr("experts"), op.attr("top_k")
-    cap = capacity(op, x.shape[0])
     weights, chosen = route(x, p["router"], op)
+    progs = moe_programs(op, lay, comm.cluster)
+    if progs is not None and dropless(op):
+        y = _dropless(comm, op, x, lay, p, weights, chosen)
+        shared = _shared(x, p)
+        return y if shared is None else y + shared
+    cap = x.shape[0] if dropless(op) else capacity(op, x.shape[0])
     slot, kept = slots(chosen, e, cap)
     buf = dispatch(x, slot, kept, k, e, cap)
-    progs = moe_programs(op, lay, comm.cluster)
     local = e // lay.fact[1].size
     first = 0 if ep else comm.coord(lay, 1) * local
     if progs is not None:
@@ -158,3 +167,57 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
     y = combine(out, slot, kept, weights, first, cap)
     shared = _shared(x, p)
     return y if shared is None else y + shared
+
+
+class _Exchange(torch.autograd.Function):
+    """A variable-size AllToAll of rows (``all_to_all_single`` with split sizes): ``send[q]``
+    rows to the group's ``q``-th rank, ``recv[q]`` from it; the backward sends the
+    gradients back the same way. ``purposes``: the (forward, backward) audit tags."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, send: list[int], recv: list[int],
+                purposes: tuple[str, str], where: str) -> torch.Tensor:
+        ctx.args = (group, send, recv, purposes[1], where)
+        out = x.new_empty(sum(recv), x.shape[1])
+        with tagged("forward", purposes[0], where):
+            dist.all_to_all_single(out, x.detach().contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        group, send, recv, purpose, where = ctx.args
+        gx = g.new_empty(sum(send), g.shape[1])
+        with tagged("backward", purpose, where):
+            dist.all_to_all_single(gx, g.contiguous(), send, recv, group=group)
+        return gx, None, None, None, None, None
+
+
+def _dropless(comm, op: Op, x: torch.Tensor, lay: Layout, p: dict[str, torch.Tensor],
+              weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Expert parallel without a capacity (:func:`~ilp_planner.lowering.moe_strategies.dropless`):
+    the per-expert counts first, then exactly the routed copies, sorted by expert, to the
+    ranks owning their experts; each local expert's MLP on the rows it got; the outputs
+    back the same way, unsorted, weighted and summed per token."""
+    e, k, p1 = op.attr("experts"), op.attr("top_k"), lay.fact[1].size
+    local = e // p1
+    group = comm.group(lay, (1,))
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    got_counts = torch.empty_like(counts)
+    with tagged("forward", COUNTS, op.name):
+        dist.all_to_all_single(got_counts, counts, group=group)
+    send = counts.view(p1, local).sum(1).tolist()
+    recv = got_counts.view(p1, local).sum(1).tolist()
+    copies = x.repeat_interleave(k, dim=0)[order]
+    got = _Exchange.apply(copies, group, send, recv, (DISPATCH, RECEIVED), op.name)
+    expert_of = torch.arange(local).repeat(p1).repeat_interleave(got_counts)
+    out = torch.zeros_like(got)
+    for j in range(local):
+        rows = torch.nonzero(expert_of == j).squeeze(1)
+        w3 = None if p.get("w3") is None else p["w3"][j:j + 1]
+        y = experts_mlp(got[rows][None], p["w1"][j:j + 1], p["w2"][j:j + 1], w3)[0]
+        out = out.index_add(0, rows, y)
+    back = _Exchange.apply(out, group, recv, send, (RECEIVED, COMBINE), op.name)
+    unsorted = torch.zeros_like(back).index_copy(0, order, back)
+    return (unsorted.view(x.shape[0], k, -1) * weights[..., None]).sum(dim=1)

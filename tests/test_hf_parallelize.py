@@ -63,9 +63,15 @@ def test_llama_trains_like_one_process_and_the_plan(model, shape):
 def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shape):
     """Mixtral and Qwen2-MoE with every routed block expert parallel (the plan's best among
     those): the runtime's kernel runs in each experts module on this rank's tokens and
-    experts, its dispatch and combine AllToAlls counted by the audit."""
+    experts, dropless as Hugging Face routes — the token counts exchanged first, then
+    exactly the routed rows — every AllToAll matched by the audit (the received rows
+    within their bound)."""
     line = line_of(shape, model)
     assert re.search(r"moe\(dp=\S+,ep=\S+,etp=1\)", line), line
+    exchanged = re.search(r"all_to_all=(\S+)", line)
+    assert exchanged, line
+    assert {"moe_counts", "moe_dispatch", "moe_received", "moe_combine"} <= set(
+        exchanged.group(1).split(",")), line
 
 
 @pytest.mark.slow

@@ -225,6 +225,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     failures = []
+    exchanged: set[str] = set()  # purposes of the AllToAlls the audit matched
     for step in range(steps):
         rec = Recorder(dist.get_world_size())
         with rec:
@@ -242,8 +243,10 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
         rows = audit(plan, dist.get_rank(), rec.events)
         if not all(r.ok for r in rows):
             failures.append(format_rows(dist.get_rank(), rows))
+        exchanged |= {r.purpose for r in rows if r.kind == "all_to_all" and r.executed_count}
     if dist.get_rank() == 0 and not failures:
-        print(f"OK {name} {describe(plan)}", flush=True)
+        a2a = f" all_to_all={','.join(sorted(exchanged))}" if exchanged else ""
+        print(f"OK {name} {describe(plan)}{a2a}", flush=True)
     return failures
 
 
