@@ -36,6 +36,7 @@ from ilp_planner.lowering.moe_strategies import (
     capacity,
     dropless,
     expert_parallel,
+    hf_experts,
     moe_layouts,
     moe_programs,
 )
@@ -105,8 +106,17 @@ def _shared(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return dense_mlp(x, p["shared_w1"], p["shared_w2"], p.get("shared_w3"))
 
 
+def kernel_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The op's parameters by its roles (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`)
+    as the kernel's: an imported block's through :func:`hf_roles`."""
+    if not hf_experts(op):
+        return params
+    return hf_roles(params["router"], params["gate_up"], params["down"])
+
+
 def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """The op on full tensors (``params`` by role), every token in one group, none dropped."""
+    params = kernel_roles(op, params)
     e, k, t = op.attr("experts"), op.attr("top_k"), x.shape[0]
     weights, chosen = route(x, params["router"], op)
     slot, kept = slots(chosen, e, t)
@@ -121,7 +131,8 @@ def moe(ctx, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal], dat
     """This rank's part of the MoE op (module docstring), ``ctx`` its
     :class:`runtime.ops.StageContext`."""
     x = xs[0]
-    y = local_moe(ctx.comm, op, lp, x.t, x.layout, {r: v.t for r, v in params.items()})
+    p = kernel_roles(op, {r: v.t for r, v in params.items()})
+    y = local_moe(ctx.comm, op, lp, x.t, x.layout, p)
     return LVal(y, lp.output)
 
 

@@ -28,7 +28,6 @@ from ilp_planner.lowering.moe_strategies import expert_parallel
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies, param_shapes
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
-from runtime.moe import hf_roles
 from runtime.moe import reference as moe_reference
 
 T = pytest.importorskip("transformers")
@@ -290,16 +289,17 @@ def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(i
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(imported, name):
     """The kernel ``parallelize`` swaps into an imported block (:func:`runtime.moe.hf_roles`
-    viewing the module's tensors as its roles, every token in one dropless group) computes
-    what the block's router and experts do, and its gradients reach the module's tensors."""
+    viewing the module's tensors as the kernel's roles; here every token in one group, the
+    single-process reference) computes what the block's router and experts do, and its
+    gradients reach the module's tensors."""
     model, graph = imported(name)
     op = next(o for o in graph.ops if o.kind is OpKind.MOE)
     mlp = model.model.layers[0].mlp
     x = torch.randn(op.output.shape, requires_grad=True)
     _, weights, chosen = mlp.gate(x)
     want = mlp.experts(x, chosen, weights)
-    roles = hf_roles(mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
-    got = moe_reference(op, x, roles)
+    got = moe_reference(op, x, {"router": mlp.gate.weight, "gate_up": mlp.experts.gate_up_proj,
+                                "down": mlp.experts.down_proj})
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     tensors = (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
     g_want = torch.autograd.grad(want.square().sum(), tensors)
