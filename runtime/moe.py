@@ -159,11 +159,11 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
     e, k = op.attr("experts"), op.attr("top_k")
     weights, chosen = route(x, p["router"], op)
     progs = moe_programs(op, lay, comm.cluster)
-    if progs is not None and dropless(op):
-        y = _dropless(comm, op, x, lay, p, weights, chosen)
+    if dropless(op):
+        y = _dropless(comm, op, x, lay, p, weights, chosen, progs is not None)
         shared = _shared(x, p)
         return y if shared is None else y + shared
-    cap = x.shape[0] if dropless(op) else capacity(op, x.shape[0])
+    cap = capacity(op, x.shape[0])
     slot, kept = slots(chosen, e, cap)
     buf = dispatch(x, slot, kept, k, e, cap)
     local = e // lay.fact[1].size
@@ -204,31 +204,43 @@ class _Exchange(torch.autograd.Function):
 
 
 def _dropless(comm, op: Op, x: torch.Tensor, lay: Layout, p: dict[str, torch.Tensor],
-              weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Expert parallel without a capacity (:func:`~ilp_planner.lowering.moe_strategies.dropless`):
-    the per-expert counts first, then exactly the routed copies, sorted by expert, to the
-    ranks owning their experts; each local expert's MLP on the rows it got; the outputs
-    back the same way, unsorted, weighted and summed per token."""
+              weights: torch.Tensor, chosen: torch.Tensor, exchange: bool) -> torch.Tensor:
+    """Every routed copy computed, none padded (:func:`~ilp_planner.lowering.moe_strategies.dropless`):
+    the copies sorted by expert; expert parallel (``exchange``), the per-expert counts
+    first, then exactly the copies to the ranks owning their experts and the outputs back
+    the same way; otherwise this rank's experts take their own copies. Each local expert's
+    MLP runs on the rows it got; the outputs, unsorted, are weighted and summed per token
+    (a partial sum where this rank holds some of the experts of replicated tokens)."""
     e, k, p1 = op.attr("experts"), op.attr("top_k"), lay.fact[1].size
     local = e // p1
-    group = comm.group(lay, (1,))
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=e)
-    got_counts = torch.empty_like(counts)
-    with tagged("forward", COUNTS, op.name):
-        dist.all_to_all_single(got_counts, counts, group=group)
-    send = counts.view(p1, local).sum(1).tolist()
-    recv = got_counts.view(p1, local).sum(1).tolist()
     copies = x.repeat_interleave(k, dim=0)[order]
-    got = _Exchange.apply(copies, group, send, recv, (DISPATCH, RECEIVED), op.name)
-    expert_of = torch.arange(local).repeat(p1).repeat_interleave(got_counts)
+    if exchange:
+        group = comm.group(lay, (1,))
+        got_counts = torch.empty_like(counts)
+        with tagged("forward", COUNTS, op.name):
+            dist.all_to_all_single(got_counts, counts, group=group)
+        send = counts.view(p1, local).sum(1).tolist()
+        recv = got_counts.view(p1, local).sum(1).tolist()
+        got = _Exchange.apply(copies, group, send, recv, (DISPATCH, RECEIVED), op.name)
+        expert_of = torch.arange(local).repeat(p1).repeat_interleave(got_counts)
+    else:
+        first = 0 if expert_parallel(lay) else comm.coord(lay, 1) * local
+        lo, hi = int(counts[:first].sum()), int(counts[:first + local].sum())
+        got = copies[lo:hi]
+        expert_of = torch.arange(local).repeat_interleave(counts[first:first + local])
     out = torch.zeros_like(got)
     for j in range(local):
         rows = torch.nonzero(expert_of == j).squeeze(1)
         w3 = None if p.get("w3") is None else p["w3"][j:j + 1]
         y = experts_mlp(got[rows][None], p["w1"][j:j + 1], p["w2"][j:j + 1], w3)[0]
         out = out.index_add(0, rows, y)
-    back = _Exchange.apply(out, group, recv, send, (RECEIVED, COMBINE), op.name)
+    if exchange:
+        back = _Exchange.apply(out, group, recv, send, (RECEIVED, COMBINE), op.name)
+    else:
+        back = torch.cat([out.new_zeros(lo, out.shape[1]), out,
+                          out.new_zeros(copies.shape[0] - hi, out.shape[1])])
     unsorted = torch.zeros_like(back).index_copy(0, order, back)
     return (unsorted.view(x.shape[0], k, -1) * weights[..., None]).sum(dim=1)

@@ -75,6 +75,16 @@ def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shap
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hf_moe_with_its_experts_sliced_trains_like_one_process(shape):
+    """Expert slicing: tokens replicated over the experts' axis, each rank computing its
+    own experts' routed copies only (no AllToAll), the output a partial sum."""
+    line = line_of(shape, "mixtral-sliced")
+    assert re.search(r"moe\(dp=\S+,xp=\S+,etp=1\)", line), line
+    assert "moe_" not in line, line
+
+
+@pytest.mark.slow
 def test_llamas_megatron_plan_trains_through_parallelize_module():
     assert "styles" in line_of("1x4", "tp-styles")
 
@@ -124,6 +134,36 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten()).backward()
     table = model.lm_head.weight.grad.full_tensor()  # both uses' gradients, in one
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
+
+
+def test_a_qwen2_moe_on_one_rank_computes_every_routed_token_as_the_block_does(one_rank):
+    """On one rank the experts module runs the kernel with every expert local: each
+    token's routed copies, sorted by expert, computed and summed back (no exchange), the
+    gradients of the router and experts those of the block's own loop."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["qwen2-moe"]()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    loss = F.cross_entropy(model(case.inputs).logits.flatten(0, 1), case.targets.flatten())
+    want = F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want.backward()
+    mlp, ref_mlp = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+        got = mlp.get_parameter(name).grad.full_tensor()
+        torch.testing.assert_close(got, ref_mlp.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_vocabulary_block_looks_up_its_rows_and_zeroes_the_others():

@@ -141,7 +141,12 @@ def expert_parallel_only(op: Op, s: Strategy) -> bool:
     return op.kind is not OpKind.MOE or (expert_parallel(s.inputs[0]) and s.fact[1].size > 1)
 
 
-def mixtral() -> Case:
+def experts_sliced_only(op: Op, s: Strategy) -> bool:
+    """Every MoE block keeps its tokens and slices its experts over a mesh axis."""
+    return op.kind is not OpKind.MOE or (not expert_parallel(s.inputs[0]) and s.fact[1].size > 1)
+
+
+def mixtral(keep: Filter) -> Case:
     """MixtralForCausalLM: 4 experts, top-2 (the importer's one ``moe`` op per block)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -149,7 +154,7 @@ def mixtral() -> Case:
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=2 * SEQ, num_local_experts=4,
                         num_experts_per_tok=2, use_cache=False)
-    return Case(MixtralForCausalLM(cfg), *_tokens(), expert_parallel_only)
+    return Case(MixtralForCausalLM(cfg), *_tokens(), keep)
 
 
 def qwen2_moe() -> Case:
@@ -173,7 +178,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
-    "mixtral": mixtral,
+    "mixtral": lambda: mixtral(expert_parallel_only),
+    "mixtral-sliced": lambda: mixtral(experts_sliced_only),
     "qwen2-moe": qwen2_moe,
 }
 
