@@ -25,10 +25,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout, grad_layout
+from ilp_planner.lowering.moe_strategies import hf_experts
 from ilp_planner.lowering.redistribution import Redistribution
 from ilp_planner.lowering.strategies import input_grad_layouts, is_summa, param_shapes
 from ilp_planner.plan.data import LayerPlan
 from runtime.applied_edges import EdgeRunner
+from runtime.applied_moe import moe_path
 from runtime.applied_params import AppliedParams, owner_of
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, Unwrap, Wrap, dtensor_spec, placements
@@ -92,6 +94,8 @@ def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module) -> bool:
     ``nn.Linear``: another projection module (Hugging Face's ``Conv1D``) may shape its output
     from its own whole sizes (``view(..., self.nf)``), which a block does not have — it runs on
     DTensors, whose shapes are the whole ones."""
+    if op.kind is OpKind.MOE:  # the runtime's kernel, swapped in (runtime.applied_moe)
+        return hf_experts(op)
     if op.kind not in LOCAL_KINDS or len(op.source_params) != len(param_shapes(op)):
         return False
     if op.kind is OpKind.LINEAR:
@@ -113,7 +117,10 @@ def runner_path(module: nn.Module, op: Op) -> str | None:
     later call of a module the forward calls several times (one ``nn.Dropout`` after the
     attention and after the MLP), the module whose call the importer named
     ``<path>.<kind>[_i]``. The module's hooks run its ops in call order. None for an op of
-    functional code."""
+    functional code. An imported MoE op runs in its experts module
+    (:func:`runtime.applied_moe.moe_path`), children and all."""
+    if op.kind is OpKind.MOE:
+        return moe_path(module, op)
     if leaf_module(module, op.name) is not None:
         return op.name
     path, _, last = op.name.rpartition(".")

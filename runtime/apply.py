@@ -23,6 +23,9 @@ the plan's program, in place, on every rank of the job:
 * **a tied table** (an embedding and the head that uses it transposed) stays one parameter
   with one gradient; the head computes with its own copy in its planned layout, as the plan
   prices it (:mod:`runtime.applied_params`);
+* **an imported mixture of experts** runs the runtime's MoE kernel on this rank's blocks
+  in place of its block's router and expert loop (:mod:`runtime.applied_moe`), issuing the
+  planned AllToAlls;
 * **the module's output**, whatever its structure, reaches the user's loss as the single-
   process module returns it where its layout is replicated (plain tensors), as DTensors
   where it is split.
@@ -55,12 +58,14 @@ from torch.distributed.tensor import DTensor
 from ilp_planner.inputs.config import Config, parse_config
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.grad_buckets import GradBucket, fill_buckets
+from ilp_planner.lowering.moe_strategies import hf_experts
 from ilp_planner.lowering.strategies import StrategyContext, grad_sync
 from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
 from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
 from runtime.applied_edges import EdgeRunner
 from runtime.applied_hooks import BoundaryHooks, leaf_module
+from runtime.applied_moe import install_moe
 from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_heads
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
@@ -102,6 +107,7 @@ class Applied:
         for t in tied.values():
             self.comm.register(t.to_table)
             self.comm.register(t.to_head)
+        install_moe(self.graph, self.layers, module, self.comm)
         self.device_type = _device_type(device_mesh, self.world)
         self.registry.create()
         self.meshes = Meshes((lay for ly in plan.layers for lay in (*ly.inputs, ly.output)
@@ -156,10 +162,10 @@ def _check_applicable(plan: Plan, config: Config, layers: dict[str, LayerPlan],
     for op in config.graph.ops:
         if op.kind is not OpKind.INPUT and op.name not in layers:
             raise RuntimeSetupError(f"the plan has no layer for op {op.name!r}")
-        if op.kind is OpKind.MOE:  # runtime.moe runs them on the runtime's own models
-            raise RuntimeSetupError(f"op {op.name!r} is a mixture of experts, which parallelize "
-                                    f"does not apply to a user's module yet; the runtime's "
-                                    f"executor runs MoE plans of built-in models (kind: moe)")
+        if op.kind is OpKind.MOE and not hf_experts(op):  # runtime.moe runs built-in ones
+            raise RuntimeSetupError(f"op {op.name!r} is a built-in mixture of experts (kind: "
+                                    f"moe), which the runtime's executor runs; parallelize "
+                                    f"runs the blocks it imported from Hugging Face modules")
 
 
 def _check_tied_heads(tied: dict[str, TiedHead], module: nn.Module) -> None:

@@ -23,20 +23,27 @@ balanced router) matches it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ilp_planner.ir.graph import Op
+from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.moe_strategies import (
     COMBINE,
+    COUNTS,
     DISPATCH,
+    RECEIVED,
     capacity,
+    dropless,
     expert_parallel,
+    hf_experts,
     moe_layouts,
     moe_programs,
 )
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import LVal
 from runtime.errors import RuntimeSetupError
+from runtime.recorder import tagged
 
 
 def route(x: torch.Tensor, router: torch.Tensor, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +106,17 @@ def _shared(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return dense_mlp(x, p["shared_w1"], p["shared_w2"], p.get("shared_w3"))
 
 
+def kernel_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The op's parameters by its roles (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`)
+    as the kernel's: an imported block's through :func:`hf_roles`."""
+    if not hf_experts(op):
+        return params
+    return hf_roles(params["router"], params["gate_up"], params["down"])
+
+
 def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """The op on full tensors (``params`` by role), every token in one group, none dropped."""
+    params = kernel_roles(op, params)
     e, k, t = op.attr("experts"), op.attr("top_k"), x.shape[0]
     weights, chosen = route(x, params["router"], op)
     slot, kept = slots(chosen, e, t)
@@ -115,28 +131,116 @@ def moe(ctx, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal], dat
     """This rank's part of the MoE op (module docstring), ``ctx`` its
     :class:`runtime.ops.StageContext`."""
     x = xs[0]
-    lay = x.layout
+    p = kernel_roles(op, {r: v.t for r, v in params.items()})
+    y = local_moe(ctx.comm, op, lp, x.t, x.layout, p)
+    return LVal(y, lp.output)
+
+
+def hf_roles(router: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A Hugging Face block's tensors (router ``(E, h)``, ``gate_up`` ``(E, 2f, h)`` gate rows
+    then up rows, ``down`` ``(E, h, f)``) as the kernel's roles — views, so gradients reach
+    the module's parameters."""
+    f = down.shape[2]
+    return {"router": router.t(), "w1": gate_up[:, :f].transpose(1, 2),
+            "w3": gate_up[:, f:].transpose(1, 2), "w2": down.transpose(1, 2)}
+
+
+def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
+              p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's block of the op's output from its block ``x`` (in layout ``lay``) and
+    its parameter blocks ``p`` by the kernel's roles; ``comm`` (a :class:`runtime.comm.Comm`)
+    runs the planned AllToAlls."""
     ep = expert_parallel(lay)
     want, out_layout, _ = moe_layouts(lay.fact, ep)
     if (lay, lp.output) != (want, out_layout):
         raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
                                 f"strategies' layouts ({want} -> {out_layout})")
-    p = {r: v.t for r, v in params.items()}
     e, k = op.attr("experts"), op.attr("top_k")
-    cap = capacity(op, x.t.shape[0])
-    weights, chosen = route(x.t, p["router"], op)
+    weights, chosen = route(x, p["router"], op)
+    progs = moe_programs(op, lay, comm.cluster)
+    if dropless(op):
+        y = _dropless(comm, op, x, lay, p, weights, chosen, progs is not None)
+        shared = _shared(x, p)
+        return y if shared is None else y + shared
+    cap = capacity(op, x.shape[0])
     slot, kept = slots(chosen, e, cap)
-    buf = dispatch(x.t, slot, kept, k, e, cap)
-    progs = moe_programs(op, lay, ctx.comm.cluster)
+    buf = dispatch(x, slot, kept, k, e, cap)
     local = e // lay.fact[1].size
-    first = 0 if ep else ctx.comm.coord(lay, 1) * local
+    first = 0 if ep else comm.coord(lay, 1) * local
     if progs is not None:
-        buf = ctx.comm.edge(LVal(buf, progs[0].src), progs[0], DISPATCH, op.name).t
+        buf = comm.edge(LVal(buf, progs[0].src), progs[0], DISPATCH, op.name).t
     elif not ep:
         buf = buf[first:first + local]
     out = experts_mlp(buf, p["w1"], p["w2"], p.get("w3"))
     if progs is not None:
-        out = ctx.comm.edge(LVal(out, progs[1].src), progs[1], COMBINE, op.name).t
+        out = comm.edge(LVal(out, progs[1].src), progs[1], COMBINE, op.name).t
     y = combine(out, slot, kept, weights, first, cap)
-    shared = _shared(x.t, p)
-    return LVal(y if shared is None else y + shared, lp.output)
+    shared = _shared(x, p)
+    return y if shared is None else y + shared
+
+
+class _Exchange(torch.autograd.Function):
+    """A variable-size AllToAll of rows (``all_to_all_single`` with split sizes): ``send[q]``
+    rows to the group's ``q``-th rank, ``recv[q]`` from it; the backward sends the
+    gradients back the same way. ``purposes``: the (forward, backward) audit tags."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, send: list[int], recv: list[int],
+                purposes: tuple[str, str], where: str) -> torch.Tensor:
+        ctx.args = (group, send, recv, purposes[1], where)
+        out = x.new_empty(sum(recv), x.shape[1])
+        with tagged("forward", purposes[0], where):
+            dist.all_to_all_single(out, x.detach().contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        group, send, recv, purpose, where = ctx.args
+        gx = g.new_empty(sum(send), g.shape[1])
+        with tagged("backward", purpose, where):
+            dist.all_to_all_single(gx, g.contiguous(), send, recv, group=group)
+        return gx, None, None, None, None, None
+
+
+def _dropless(comm, op: Op, x: torch.Tensor, lay: Layout, p: dict[str, torch.Tensor],
+              weights: torch.Tensor, chosen: torch.Tensor, exchange: bool) -> torch.Tensor:
+    """Every routed copy computed, none padded (:func:`~ilp_planner.lowering.moe_strategies.dropless`):
+    the copies sorted by expert; expert parallel (``exchange``), the per-expert counts
+    first, then exactly the copies to the ranks owning their experts and the outputs back
+    the same way; otherwise this rank's experts take their own copies. Each local expert's
+    MLP runs on the rows it got; the outputs, unsorted, are weighted and summed per token
+    (a partial sum where this rank holds some of the experts of replicated tokens)."""
+    e, k, p1 = op.attr("experts"), op.attr("top_k"), lay.fact[1].size
+    local = e // p1
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    copies = x.repeat_interleave(k, dim=0)[order]
+    if exchange:
+        group = comm.group(lay, (1,))
+        got_counts = torch.empty_like(counts)
+        with tagged("forward", COUNTS, op.name):
+            dist.all_to_all_single(got_counts, counts, group=group)
+        send = counts.view(p1, local).sum(1).tolist()
+        recv = got_counts.view(p1, local).sum(1).tolist()
+        got = _Exchange.apply(copies, group, send, recv, (DISPATCH, RECEIVED), op.name)
+        expert_of = torch.arange(local).repeat(p1).repeat_interleave(got_counts)
+    else:
+        first = 0 if expert_parallel(lay) else comm.coord(lay, 1) * local
+        lo, hi = int(counts[:first].sum()), int(counts[:first + local].sum())
+        got = copies[lo:hi]
+        expert_of = torch.arange(local).repeat_interleave(counts[first:first + local])
+    out = torch.zeros_like(got)
+    for j in range(local):
+        rows = torch.nonzero(expert_of == j).squeeze(1)
+        w3 = None if p.get("w3") is None else p["w3"][j:j + 1]
+        y = experts_mlp(got[rows][None], p["w1"][j:j + 1], p["w2"][j:j + 1], w3)[0]
+        out = out.index_add(0, rows, y)
+    if exchange:
+        back = _Exchange.apply(out, group, recv, send, (RECEIVED, COMBINE), op.name)
+    else:
+        back = torch.cat([out.new_zeros(lo, out.shape[1]), out,
+                          out.new_zeros(copies.shape[0] - hi, out.shape[1])])
+    unsorted = torch.zeros_like(back).index_copy(0, order, back)
+    return (unsorted.view(x.shape[0], k, -1) * weights[..., None]).sum(dim=1)

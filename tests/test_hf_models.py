@@ -16,15 +16,19 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ilp_planner
 from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import parse_cluster
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.lift_elementwise import lift_const
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Call, Const
-from ilp_planner.ir.graph import Graph, OpKind
-from ilp_planner.lowering.strategies import param_shapes
+from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
+from ilp_planner.lowering.cost_model import MemorySpec
+from ilp_planner.lowering.moe_strategies import expert_parallel
+from ilp_planner.lowering.strategies import StrategyContext, op_strategies, param_shapes
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
+from runtime.moe import reference as moe_reference
 
 T = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402 - after the skip
@@ -279,6 +283,46 @@ def test_the_moe_custom_op_computes_what_the_block_does(name):
     assert blocks == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert "forward" not in vars(model.model.layers[0].mlp.gate)  # restored
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(imported, name):
+    """``parallelize`` places the block's own tensors as they are: the op's roles are their
+    shapes in the module's orientation (router ``(E, h)``, ``gate_up`` ``(E, 2f, h)``, ``down``
+    ``(E, h, f)``), and no strategy splits an expert's hidden dim — a block of the fused
+    gate/up dim would hold gate rows of some columns and up rows of others — while expert
+    parallel ones are offered on every axis that divides the experts."""
+    model, graph = imported(name)
+    op = next(o for o in graph.ops if o.kind is OpKind.MOE)
+    params = dict(model.named_parameters())
+    assert list(param_shapes(op)) == ["router", "gate_up", "down"]
+    assert list(param_shapes(op).values()) == [tuple(params[n].shape) for n in op.source_params]
+    ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
+    strats = op_strategies(op, [TensorSpec(op.output.shape)], ctx)
+    assert strats and all(s.fact[2].size == 1 for s in strats)
+    assert {s.fact[1].size for s in strats if expert_parallel(s.inputs[0])} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(imported, name):
+    """The kernel ``parallelize`` swaps into an imported block (:func:`runtime.moe.hf_roles`
+    viewing the module's tensors as the kernel's roles; here every token in one group, the
+    single-process reference) computes what the block's router and experts do, and its
+    gradients reach the module's tensors."""
+    model, graph = imported(name)
+    op = next(o for o in graph.ops if o.kind is OpKind.MOE)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(op.output.shape, requires_grad=True)
+    _, weights, chosen = mlp.gate(x)
+    want = mlp.experts(x, chosen, weights)
+    got = moe_reference(op, x, {"router": mlp.gate.weight, "gate_up": mlp.experts.gate_up_proj,
+                                "down": mlp.experts.down_proj})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    tensors = (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+    g_want = torch.autograd.grad(want.square().sum(), tensors)
+    g_got = torch.autograd.grad(got.square().sum(), tensors)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 class _SelfSimilarity(nn.Module):

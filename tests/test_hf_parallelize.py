@@ -10,19 +10,23 @@ Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``paralleliz
 baselines' layouts) train under ``parallelize`` on both shapes, attention split over the batch
 and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
-``parallelize`` runs as an explicit rank grid.
+``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
+parallel plans (:mod:`runtime.applied_moe`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.procs import run
 
 SHAPES = ("1x4", "2x2")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @functools.cache
@@ -67,6 +71,23 @@ def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["mixtral", "qwen2-moe"])
+def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shape):
+    """Mixtral and Qwen2-MoE with every routed block expert parallel (the plan's best among
+    those): the runtime's kernel runs in each experts module on this rank's tokens and
+    experts, dropless as Hugging Face routes — the token counts exchanged first, then
+    exactly the routed rows — every AllToAll matched by the audit (the received rows
+    within their bound)."""
+    line = line_of(shape, model)
+    assert re.search(r"moe\(dp=\S+,ep=\S+,etp=1\)", line), line
+    exchanged = re.search(r"all_to_all=(\S+)", line)
+    assert exchanged, line
+    assert {"moe_counts", "moe_dispatch", "moe_received", "moe_combine"} <= set(
+        exchanged.group(1).split(",")), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
     """GPT-2's attention reads ``c_attn``'s ``[q | k | v]`` column blocks, which are not whole
     heads: its Megatron plan keeps them whole over TP (column- and row-parallel Conv1Ds, the
@@ -74,6 +95,16 @@ def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
     line = line_of(shape, "gpt2-megatron")
     assert "3d(p0=2,p1=2,p2=1)" in line and "3d(p0=2,p1=1,p2=2)" in line
     assert "dp×tp-attention=0" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hf_moe_with_its_experts_sliced_trains_like_one_process(shape):
+    """Expert slicing: tokens replicated over the experts' axis, each rank computing its
+    own experts' routed copies only (no AllToAll), the output a partial sum."""
+    line = line_of(shape, "mixtral-sliced")
+    assert re.search(r"moe\(dp=\S+,xp=\S+,etp=1\)", line), line
+    assert "moe_" not in line, line
 
 
 @pytest.mark.slow
@@ -149,6 +180,36 @@ def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
     case.model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
     with pytest.raises(RuntimeSetupError, match="'decoder.embed_tokens' looks up a table"):
         parallelize(plan, case.model)
+
+
+def test_a_qwen2_moe_on_one_rank_computes_every_routed_token_as_the_block_does(one_rank):
+    """On one rank the experts module runs the kernel with every expert local: each
+    token's routed copies, sorted by expert, computed and summed back (no exchange), the
+    gradients of the router and experts those of the block's own loop."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["qwen2-moe"]()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    loss = F.cross_entropy(model(case.inputs).logits.flatten(0, 1), case.targets.flatten())
+    want = F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want.backward()
+    mlp, ref_mlp = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+        got = mlp.get_parameter(name).grad.full_tensor()
+        torch.testing.assert_close(got, ref_mlp.get_parameter(name).grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_vocabulary_block_looks_up_its_rows_and_zeroes_the_others():
@@ -244,3 +305,19 @@ def test_the_hf_example_trains_on_two_nodes_like_one_process():
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert "all ranks: losses match and executed = planned" in res.stdout
     assert res.stdout.count("match") >= 3
+
+
+def test_a_built_in_moe_plan_is_refused_naming_its_op(one_rank):
+    """The runtime's executor runs ``kind: moe`` models; parallelize runs MoE blocks it
+    imported from Hugging Face modules and says so for the others, naming the op."""
+    from torch import nn
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+
+    config = ilp_planner.load_config(CONFIGS / "tiny-moe-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 1})
+    plan = ilp_planner.solve(config, baselines=False)
+    with pytest.raises(RuntimeSetupError, match=r"op 'h\.0\.moe' is a built-in mixture"):
+        parallelize(plan, nn.Linear(2, 2))

@@ -25,12 +25,15 @@ from ilp_planner.ir.layouts import B, P, Split
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec
 from ilp_planner.lowering.moe_strategies import (
     COMBINE,
+    COUNTS,
     DISPATCH,
+    RECEIVED,
     capacity,
     expert_parallel,
     moe_param_shapes,
 )
 from ilp_planner.lowering.strategies import StrategyContext, grad_sync, op_strategies, param_layouts
+from ilp_planner.plan.audit import AuditRow
 from ilp_planner.reports.explain import explain
 from ilp_planner.testing import restricted_plan
 
@@ -137,6 +140,43 @@ def test_expert_parallel_all_to_all_moves_the_capacity_buffer():
             (p, ph) for p in (DISPATCH, COMBINE) for ph in ("forward", "backward"))
         assert all(x.bytes == 4 * c * 32 * 4 and x.group_size == p1 for x in a2a)
     assert seen
+
+
+def test_dropless_exchanges_price_a_balanced_router_and_its_counts():
+    """Dropless (``attrs.dropless``): per expert-parallel strategy the counts AllToAll (E
+    int64, forward), the dispatch and combine at a balanced router's rows — C = ⌈T_g · k /
+    E⌉ whatever the capacity factor — with what the rank sends back (the combine's forward,
+    the dispatch's backward) tagged ``moe_received``."""
+    op = _moe_op(cf=200, dropless=1)
+    _, strats = _strategies(op)
+    seen = 0
+    for s in strats:
+        p0, p1, _ = _degrees(s)
+        a2a = [c for c in s.collectives if c.kind is CollectiveKind.ALL_TO_ALL]
+        if not expert_parallel(s.inputs[0]) or p1 == 1:
+            assert not a2a
+            continue
+        seen += 1
+        group = 64 // (p0 * p1)
+        c = math.ceil(group * 2 / 4)
+        assert c == capacity(op, group)
+        rows = sorted((x.purpose, x.phase, x.bytes, x.group_size) for x in a2a)
+        routed = 4 * c * 32 * 4
+        assert rows == sorted([(COUNTS, "forward", 8 * 4, p1),
+                               (DISPATCH, "forward", routed, p1),
+                               (RECEIVED, "backward", routed, p1),
+                               (RECEIVED, "forward", routed, p1),
+                               (COMBINE, "backward", routed, p1)])
+    assert seen
+
+
+def test_the_audit_holds_received_rows_to_their_bound_and_the_rest_to_the_plan():
+    """A dropless rank's received rows vary with the router: within the group's routed rows
+    (group size × planned bytes) they pass; the other rows must match the plan."""
+    assert AuditRow("all_to_all", RECEIVED, "forward", 4, 2, 100.0, 2, 390.0).ok
+    assert not AuditRow("all_to_all", RECEIVED, "forward", 4, 2, 100.0, 2, 420.0).ok
+    assert not AuditRow("all_to_all", RECEIVED, "forward", 4, 2, 100.0, 1, 50.0).ok
+    assert not AuditRow("all_to_all", DISPATCH, "forward", 4, 2, 100.0, 2, 150.0).ok
 
 
 def test_layouts_gradients_and_state_per_role():

@@ -11,8 +11,13 @@ op ``ilp_planner::moe_experts`` (softmax, top-k, renormalised where the router's
 ``norm_topk_prob`` says so, SwiGLU experts, weighted sum), which the walk lifts here. The
 parameters keep their module paths, so the op owns the router's and the experts'
 parameters; a block's shared expert (Qwen2-MoE) stays outside the op, traced as the dense
-MLP and gate it is. Routing is dropless, as Hugging Face runs it: the op's capacity factor
-is ``E / top_k``.
+MLP and gate it is. Routing is dropless, as Hugging Face runs it (``attrs.dropless``:
+variable-size exchanges of exactly the routed tokens,
+:func:`~ilp_planner.lowering.moe_strategies.dropless`); the op's capacity factor,
+``E / top_k``, is what a capacity buffer dropping nothing would take. The op's parameter
+roles are the module's own tensors (``attrs.hf_experts``,
+:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`), which ``parallelize`` runs
+through :mod:`runtime.applied_moe`.
 
 torch is the importer's lazy dependency: these functions receive the module.
 """
@@ -111,6 +116,6 @@ def lift_moe(g: DraftGraph, call: Call) -> Any:
     act = g.add(call.node, OpKind.MOE, [g.ir(call.node, x)], (tokens, h), dtype_of(call.val),
                 weight=(e, h, f), params=names, flops=flops, experts=e, top_k=k, ffn=f,
                 capacity_pct=-(-100 * e // k), swiglu=1,
-                norm_topk=int(bool(norm)),
+                norm_topk=int(bool(norm)), hf_experts=1, dropless=1,
                 shared=0, shared_ffn=0)
     return Act(act.src, tuple(call.val.shape), act.dtype)

@@ -21,7 +21,9 @@ expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_st
 Its attributes: ``experts`` (E), ``top_k``, ``ffn`` (each expert's hidden size),
 ``capacity_pct`` (100 × the capacity factor), ``swiglu`` (1: SwiGLU experts, 0: GELU),
 ``norm_topk`` (1: the top-k weights renormalised to sum to 1, as Mixtral), ``shared`` and
-``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek). ``weight`` is the
+``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek), ``hf_experts`` (1: an
+imported Hugging Face block, its parameters in the module's orientation), ``dropless`` (1:
+every token routed, variable-size exchanges instead of a capacity buffer). ``weight`` is the
 experts' up projection ``(E, hidden, ffn)``.
 
 The IR is torch-free and frozen: the planner, the cost model and the runtime all read it.

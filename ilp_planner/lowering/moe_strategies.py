@@ -26,7 +26,16 @@ Load imbalance enters as the capacity factor ``cf`` (``attrs.capacity_pct`` = 10
 expert takes ``C = ⌈cf · T_g · top_k / E⌉`` tokens of a group of ``T_g`` (capped at ``T_g``,
 where nothing can drop), so the buffers, the AllToAll bytes and the expert compute are
 priced at capacity — a router sending more than ``C`` tokens to one expert drops the rest,
-one balanced to within ``cf`` drops none. ``cf = E / top_k`` gives ``C = T_g``: dropless.
+one balanced to within ``cf`` drops none. ``cf = E / top_k`` gives ``C = T_g``: nothing
+drops, at a buffer ``E / top_k`` times the routed tokens. A dropless op (:func:`dropless`,
+imported blocks) exchanges exactly the routed tokens instead, priced at ``cf = 1``.
+
+An imported block (Hugging Face's Mixtral, Qwen2-MoE: ``attrs.hf_experts``) keeps the
+module's own tensors as its parameters — ``router`` ``(E, h)``, ``gate_up`` ``(E, 2f, h)``
+(gate rows, then up rows), ``down`` ``(E, h, f)`` — so ``parallelize`` places them without
+transposes, and is offered no expert tensor parallelism: a block of ``gate_up``'s fused
+dim would hold gate rows of some columns and up rows of others. A plan is a program: the
+solver offers only what the runtime runs.
 
 Pure and torch-free; :mod:`ilp_planner.lowering.strategies` wraps these pieces into its
 :class:`~ilp_planner.lowering.strategies.Strategy` (gradient sync, ZeRO variants, pricing),
@@ -42,10 +51,11 @@ from dataclasses import dataclass
 from ilp_planner.ir.cluster import Cluster, Factorisation
 from ilp_planner.ir.graph import Op, TensorSpec
 from ilp_planner.ir.layouts import B, Layout, P, Placement, Split
-from ilp_planner.lowering.cost_model import Collective, CollectiveKind
+from ilp_planner.lowering.cost_model import Collective, CollectiveKind, make_collective
 from ilp_planner.lowering.redistribution import Redistribution, RedistStep, planner_for
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"  # the AllToAlls' purposes (plan and audit)
+RECEIVED, COUNTS = "moe_received", "moe_counts"  # a dropless exchange's (see dropless)
 
 
 def ffn_matrices(op: Op) -> int:
@@ -53,11 +63,20 @@ def ffn_matrices(op: Op) -> int:
     return 3 if op.attrs.get("swiglu", 1) else 2
 
 
+def hf_experts(op: Op) -> bool:
+    """Whether the op stands for an imported Hugging Face block (its tensors in the
+    module's orientation, see the module docstring)."""
+    return bool(op.attrs.get("hf_experts", 0))
+
+
 def moe_param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     """The MoE op's parameters by role: ``router`` (h, E); ``w1``/``w3`` (E, h, f) the
     up (and SwiGLU gate) projections, ``w2`` (E, f, h) the down projection; shared experts
-    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h)."""
+    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h).
+    An imported block's are its module's own (:func:`hf_experts`)."""
     h, e, f = op.output.shape[1], op.attr("experts"), op.attr("ffn")
+    if hf_experts(op):
+        return {"router": (e, h), "gate_up": (e, 2 * f, h), "down": (e, h, f)}
     out = {"router": (h, e), "w1": (e, h, f), "w2": (e, f, h)}
     if ffn_matrices(op) == 3:
         out["w3"] = (e, h, f)
@@ -102,7 +121,7 @@ def moe_param_layouts(op: Op, x: Layout) -> dict[str, tuple[Layout, Layout]]:
     d0 = _partial_if(fact, 0)
     every = Layout(fact, (d0, _partial_if(fact, 1), _partial_if(fact, 2)))
     out = {"router": (Layout.replicated(fact), every)}
-    for role, hid in (("w1", 2), ("w3", 2), ("w2", 1)):
+    for role, hid in (("w1", 2), ("w3", 2), ("w2", 1), ("gate_up", 1), ("down", 2)):
         out[role] = (Layout(fact, (B, Split(0), Split(hid))),
                      Layout(fact, (d0, Split(0), Split(hid))))
     for role, hid in (("shared_w1", 1), ("shared_w3", 1), ("shared_w2", 0)):
@@ -119,9 +138,27 @@ def token_groups(x: Layout) -> int:
     return x.split_degree(0)
 
 
+def dropless(op: Op) -> bool:
+    """Whether the op routes every token (``attrs.dropless``, as Hugging Face's blocks do)
+    with variable-size exchanges rather than a dense capacity buffer.
+
+    Expert parallel, each rank first sends its per-expert token counts (one AllToAll of
+    ``E`` int64 over p1, purpose ``moe_counts``), then exactly its routed copies, sorted by
+    expert (``T_g · top_k`` rows), and gets the experts' outputs back. What a rank sends
+    in the dispatch's forward and the combine's backward is its own ``T_g · top_k`` rows
+    (purposes ``moe_dispatch``, ``moe_combine``); what it sends in the combine's forward
+    and the dispatch's backward is what it received, which the router decides at run time
+    (purpose ``moe_received``). All are priced at a balanced router — capacity factor 1,
+    ``C = ⌈T_g · top_k / E⌉`` — the expected load, as are the expert compute and buffers;
+    the audit holds ``moe_received`` to its bound, the group's ``p1 · T_g · top_k`` rows
+    (:mod:`ilp_planner.plan.audit`), the rest to their planned bytes."""
+    return bool(op.attrs.get("dropless", 0))
+
+
 def capacity(op: Op, group_tokens: int) -> int:
-    """Slots per expert for a group of ``group_tokens`` tokens (see the module docstring)."""
-    cf = op.attrs.get("capacity_pct", 100) / 100.0
+    """Slots per expert for a group of ``group_tokens`` tokens (see the module docstring);
+    a dropless op's priced load (:func:`dropless`)."""
+    cf = 1.0 if dropless(op) else op.attrs.get("capacity_pct", 100) / 100.0
     slots = math.ceil(cf * group_tokens * op.attr("top_k") / op.attr("experts"))
     return max(1, min(group_tokens, slots))
 
@@ -170,9 +207,18 @@ def moe_collectives(op: Op, x: Layout, cluster: Cluster) -> tuple[Collective, ..
     if progs is None:
         return ()
     out: list[Collective] = []
-    for prog, purpose in zip(progs, (DISPATCH, COMBINE), strict=True):
-        out += [c.with_phase("forward", purpose) for c in prog.forward]
-        out += [c.with_phase("backward", purpose) for c in prog.backward]
+    # (forward, backward) purposes of each exchange: what a dropless rank sends is its own
+    # routed copies, or what it received (dropless)
+    purposes = ((DISPATCH, RECEIVED), (RECEIVED, COMBINE)) if dropless(op) else (
+        (DISPATCH, DISPATCH), (COMBINE, COMBINE))
+    for prog, (fwd, bwd) in zip(progs, purposes, strict=True):
+        out += [c.with_phase("forward", fwd) for c in prog.forward]
+        out += [c.with_phase("backward", bwd) for c in prog.backward]
+    if dropless(op):
+        ax = x.fact[1]
+        counts = make_collective(CollectiveKind.ALL_TO_ALL, ax.size, 8.0 * op.attr("experts"),
+                                 cluster, ax.spans_nodes, (1,), nodes=ax.nodes)
+        out.append(counts.with_phase("forward", COUNTS))
     return tuple(out)
 
 
@@ -225,6 +271,8 @@ def moe_candidates(op: Op, facts: Iterable[Factorisation]) -> list[Layout]:
     out = []
     for fact in facts:
         p0, p1, p2 = (a.size for a in fact)
+        if p2 > 1 and hf_experts(op):
+            continue  # no expert tensor parallelism for a fused gate/up tensor
         for ep in (True, False) if p1 > 1 else (True,):
             groups = p0 * (p1 if ep else 1)
             if t % groups or e % p1 or f % p2:

@@ -36,6 +36,7 @@ from ilp_planner.inputs.config import load_config  # noqa: E402
 from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations  # noqa: E402
 from ilp_planner.ir.graph import Op, OpKind  # noqa: E402
+from ilp_planner.lowering.moe_strategies import expert_parallel  # noqa: E402
 from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
 from ilp_planner.plan.data import Plan  # noqa: E402
@@ -169,6 +170,40 @@ def megatron(make: Callable[[], Case], sequence_parallel: bool = False) -> Calla
     return case
 
 
+def expert_parallel_only(op: Op, s: Strategy) -> bool:
+    """Every MoE block exchanges its tokens over a mesh axis (AllToAlls the audit counts)."""
+    return op.kind is not OpKind.MOE or (expert_parallel(s.inputs[0]) and s.fact[1].size > 1)
+
+
+def experts_sliced_only(op: Op, s: Strategy) -> bool:
+    """Every MoE block keeps its tokens and slices its experts over a mesh axis."""
+    return op.kind is not OpKind.MOE or (not expert_parallel(s.inputs[0]) and s.fact[1].size > 1)
+
+
+def mixtral(keep: Filter) -> Case:
+    """MixtralForCausalLM: 4 experts, top-2 (the importer's one ``moe`` op per block)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=2 * SEQ, num_local_experts=4,
+                        num_experts_per_tok=2, use_cache=False)
+    return Case(MixtralForCausalLM(cfg), *_tokens(), keep)
+
+
+def qwen2_moe() -> Case:
+    """Qwen2MoeForCausalLM: 4 experts, top-2 without renormalising, a gated shared expert
+    (dense linears beside the ``moe`` op)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=48,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2 * SEQ, num_experts=4, num_experts_per_tok=2,
+                         use_cache=False)
+    return Case(Qwen2MoeForCausalLM(cfg), *_tokens(), expert_parallel_only)
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -180,6 +215,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "llama-megatron": megatron(lambda: llama(tied=False)),
     "bert-megatron-sp": megatron(bert, sequence_parallel=True),
     "gpt2-megatron": megatron(gpt2),
+    "mixtral": lambda: mixtral(expert_parallel_only),
+    "mixtral-sliced": lambda: mixtral(experts_sliced_only),
+    "qwen2-moe": qwen2_moe,
 }
 
 
@@ -241,6 +279,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     failures = []
+    exchanged: set[str] = set()  # purposes of the AllToAlls the audit matched
     for step in range(steps):
         rec = Recorder(dist.get_world_size())
         with rec:
@@ -258,8 +297,10 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
         rows = audit(plan, dist.get_rank(), rec.events)
         if not all(r.ok for r in rows):
             failures.append(format_rows(dist.get_rank(), rows))
+        exchanged |= {r.purpose for r in rows if r.kind == "all_to_all" and r.executed_count}
     if dist.get_rank() == 0 and not failures:
-        print(f"OK {name} {describe(plan)}", flush=True)
+        a2a = f" all_to_all={','.join(sorted(exchanged))}" if exchanged else ""
+        print(f"OK {name} {describe(plan)}{a2a}", flush=True)
     return failures
 
 
