@@ -43,6 +43,13 @@ Lowering (:func:`lower`) is a pure pass that inserts the transfers: ``RF`` just 
 and ``SF`` just after it, ``RB`` just before each B and ``SB`` just after it, on every stage
 boundary. Receives are *waits* (unbounded buffers: a send never blocks on its receiver).
 
+Interleaved 1F1B (:func:`interleaved_1f1b`, Narayanan et al. SC'21 §2.2.2): each of the ``S``
+rows (stage meshes) holds ``v`` model chunks, chunk ``j`` on row ``j mod S``; an action's
+``stage`` is its chunk (``2F3`` in a row's strings) and the boundaries, links and
+dependencies above are between consecutive *chunks* — the last stage sends chunk
+``S − 1``'s activation to stage 0 for chunk ``S`` (the wrap-around). Every rule below reads
+"chunk" for "stage" then; with ``v = 1`` the two coincide.
+
 Validation (:func:`validate`) proves a schedule (lowered or not) is
 
 1. complete — every required action for every micro-batch on every stage exactly once;
@@ -62,14 +69,18 @@ step grid printed and the failing cell(s) marked ``[..]``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from ilp_planner.errors import PlannerError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "eager-1f1b")
+INTERLEAVED = "interleaved-1f1b"
+# every name the planner knows; the interleaved schedule also needs its virtual-stage count
+ALL_SCHEDULE_NAMES = (*SCHEDULE_NAMES, INTERLEAVED)
 
 
 class ScheduleError(PlannerError):
@@ -121,7 +132,8 @@ _ACTION_RE = re.compile(r"^\s*(\d+)?(SF|RF|SB|RB|F|B|W)(\d+)\s*$")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one stage: ``kind`` on ``microbatch`` at ``stage`` (0-based)."""
+    """One step of one stage: ``kind`` on ``microbatch`` at ``stage`` (0-based; under
+    interleaved 1F1B the model chunk, which runs on stage ``stage mod S``)."""
 
     kind: ActionKind
     microbatch: int
@@ -162,19 +174,36 @@ class Action:
 @dataclass(frozen=True)
 class Schedule:
     """Per-stage ordered action lists. ``split_backward``: B is the input-gradient half and
-    every micro-batch also has a W. ``lowered``: the rows contain send/recv actions."""
+    every micro-batch also has a W. ``lowered``: the rows contain send/recv actions.
+
+    ``virtual_stages`` (``v``, interleaved schedules): the model is cut into
+    ``num_chunks = num_stages · v`` chunks, chunk ``j`` on row ``j mod num_stages``; an
+    action's ``stage`` is then its chunk and its string form carries it (``2F3``). With
+    ``v = 1`` chunk and row coincide (every other schedule)."""
 
     name: str
     num_stages: int
     num_microbatches: int
     rows: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
+    virtual_stages: int = 1
 
     @property
     def lowered(self) -> bool:
         return any(a.kind.is_comm for row in self.rows for a in row)
 
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks (virtual stages in all): ``num_stages · virtual_stages``."""
+        return self.num_stages * self.virtual_stages
+
+    def chunks_of(self, row: int) -> tuple[int, ...]:
+        """The chunks row ``row`` runs: ``row, row + S, …``."""
+        return tuple(range(row, self.num_chunks, self.num_stages))
+
     def to_strings(self) -> list[list[str]]:
+        if self.virtual_stages > 1:
+            return [[a.long for a in row] for row in self.rows]
         return [[str(a) for a in row] for row in self.rows]
 
     @classmethod
@@ -185,28 +214,32 @@ class Schedule:
         num_microbatches: int | None = None,
         name: str = "custom",
         split_backward: bool | None = None,
+        virtual_stages: int = 1,
     ) -> Schedule:
-        """Rows of ``"F0"``-style strings (a row may be one space-separated string).
+        """Rows of ``"F0"``-style strings (a row may be one space-separated string; with
+        ``virtual_stages > 1`` every action names its chunk, ``"2F0"``).
         ``num_microbatches`` defaults to 1 + the largest index; ``split_backward`` to
         whether any W appears."""
         parsed = []
         for s, row in enumerate(rows):
             items = row.split() if isinstance(row, str) else row
-            parsed.append(tuple(Action.parse(t, s) for t in items))
+            parsed.append(tuple(_parse_in_row(t, s, len(rows), virtual_stages) for t in items))
         if num_microbatches is None:
             num_microbatches = 1 + max((a.microbatch for r in parsed for a in r), default=-1)
         if split_backward is None:
             split_backward = any(a.kind is ActionKind.W for r in parsed for a in r)
-        return cls(name, len(parsed), num_microbatches, tuple(parsed), split_backward)
+        return cls(name, len(parsed), num_microbatches, tuple(parsed), split_backward,
+                   virtual_stages)
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "name": self.name,
             "stages": self.num_stages,
             "microbatches": self.num_microbatches,
             "split_backward": self.split_backward,
             "rows": [" ".join(r) for r in self.to_strings()],
         }
+        return d if self.virtual_stages == 1 else {**d, "virtual_stages": self.virtual_stages}
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:
@@ -215,6 +248,7 @@ class Schedule:
             num_microbatches=d["microbatches"],
             name=d.get("name", "custom"),
             split_backward=d.get("split_backward"),
+            virtual_stages=d.get("virtual_stages", 1),
         )
         if sched.num_stages != d["stages"]:
             raise ScheduleError(
@@ -227,6 +261,22 @@ class Schedule:
 
     def __str__(self) -> str:
         return render_grid(self, (), window=None)
+
+
+def _parse_in_row(text: str, row: int, num_rows: int, virtual_stages: int) -> Action:
+    """One action of row ``row``; with virtual stages its chunk prefix is required and must
+    be one of the row's chunks (``row + k·num_rows``)."""
+    if virtual_stages == 1:
+        return Action.parse(text, row)
+    a = Action.parse(text)  # needs the prefix
+    if a.stage % num_rows != row or not 0 <= a.stage < num_rows * virtual_stages:
+        raise ScheduleError(
+            f"action {text!r} names chunk {a.stage} but sits in the row of stage {row}: with "
+            f"{num_rows} stages × {virtual_stages} virtual stages, stage {row} runs chunks "
+            f"{list(range(row, num_rows * virtual_stages, num_rows))}",
+            stage=row,
+        )
+    return a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,16 +313,25 @@ def check_schedule_name(name: str) -> str:
     key = name.lower().replace("_", "-")
     if key in ("eager1f1b", "eager"):
         key = "eager-1f1b"
-    if key not in _WARMUP:
+    if key in ("interleaved1f1b", "1f1b-interleaved"):
+        key = INTERLEAVED
+    if key not in ALL_SCHEDULE_NAMES:
         raise ScheduleError(
-            f"unknown pipeline schedule {name!r}: expected one of {', '.join(SCHEDULE_NAMES)}"
+            f"unknown pipeline schedule {name!r}: expected one of {', '.join(ALL_SCHEDULE_NAMES)}"
         )
     return key
 
 
 def warmup_forwards(name: str, num_stages: int, stage: int, num_microbatches: int) -> int:
-    """Warm-up forwards of ``stage`` (0-based) under schedule ``name``."""
-    return _WARMUP[check_schedule_name(name)](num_stages, stage, num_microbatches)
+    """Warm-up forwards of ``stage`` (0-based) under schedule ``name`` (not the
+    interleaved one: its count needs the virtual stages, :func:`warmup_interleaved`)."""
+    key = check_schedule_name(name)
+    if key == INTERLEAVED:
+        raise ScheduleError(
+            f"schedule {INTERLEAVED!r} counts its warm-up in chunks and needs the number of "
+            f"virtual stages: use warmup_interleaved / inflight_interleaved"
+        )
+    return _WARMUP[key](num_stages, stage, num_microbatches)
 
 
 def inflight_microbatches(name: str, stages_from_end: int, num_microbatches: int) -> int:
@@ -356,15 +415,90 @@ def eager_1f1b(
     return _generate("eager-1f1b", num_stages, num_microbatches, w, delay_weight_grad)
 
 
+def check_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int) -> None:
+    """What the interleaved schedule requires (Megatron-LM's own condition): at least one
+    virtual stage, and micro-batches in whole rounds of ``num_stages``."""
+    _check_sizes(num_stages, num_microbatches)
+    if virtual_stages < 1:
+        raise ScheduleError(f"{INTERLEAVED}: virtual_stages must be at least 1, got {virtual_stages}")
+    if num_microbatches % num_stages:
+        raise ScheduleError(
+            f"{INTERLEAVED}: the micro-batches ({num_microbatches}) must be a multiple of the "
+            f"pipeline stages ({num_stages}), as in Megatron-LM: each chunk runs the "
+            f"micro-batches in rounds of {num_stages}"
+        )
+
+
+def warmup_interleaved(num_stages: int, stage: int, num_microbatches: int, virtual_stages: int) -> int:
+    """Interleaved 1F1B (Narayanan et al. SC'21 §2.2.2; Megatron-LM): stage ``s`` (0-based)
+    runs ``2(S − 1 − s) + (v − 1)·S`` chunk forwards before its first backward, capped by the
+    ``M·v`` chunk forwards it has."""
+    return min(2 * (num_stages - 1 - stage) + (virtual_stages - 1) * num_stages,
+               num_microbatches * virtual_stages)
+
+
+def inflight_interleaved(num_stages: int, stage: int, num_microbatches: int, virtual_stages: int) -> int:
+    """Peak chunk activations stage ``s`` holds under interleaved 1F1B: its warm-up plus the
+    steady phase's forward that runs before its backward (capped by ``M·v``). Each is one
+    chunk's activations, about ``1/v`` of the stage's layers: stage 0 of 4 with ``v = 2``
+    holds 11 half-stage activations where 1F1B holds 4 whole ones."""
+    return min(warmup_interleaved(num_stages, stage, num_microbatches, virtual_stages) + 1,
+               num_microbatches * virtual_stages)
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
+    """Interleaved 1F1B: stage ``s`` holds chunks ``s, s + S, …, s + (v − 1)S`` of the
+    model cut into ``S·v`` contiguous chunks. Its ``M·v`` chunk forwards run in rounds of
+    ``S`` micro-batches per chunk, chunk after chunk (forward ``k``: chunk
+    ``(k // S) mod v``, micro-batch ``(k // (S·v))·S + k mod S``), its backwards in the same
+    rounds from the last chunk down. After :func:`warmup_interleaved` forwards it alternates
+    a forward and a backward, then drains its backwards (the order of PyTorch's
+    ``ScheduleInterleaved1F1B`` and Megatron-LM's interleaved schedule). The bubble shrinks
+    ``v``-fold: ``(S − 1)/(v·M)`` of the ideal time for equal chunks."""
+    check_interleaved(num_stages, num_microbatches, virtual_stages)
+    S, M, v = num_stages, num_microbatches, virtual_stages
+    total = M * v
+
+    def mb(k: int) -> int:
+        return (k // (S * v)) * S + k % S
+
+    rows = []
+    for s in range(S):
+        w = warmup_interleaved(S, s, M, v)
+
+        def fwd(k: int, s: int = s) -> Action:
+            return Action(ActionKind.F, mb(k), ((k // S) % v) * S + s)
+
+        def bwd(k: int, s: int = s) -> Action:
+            return Action(ActionKind.B, mb(k), (v - 1 - (k // S) % v) * S + s)
+
+        row = [fwd(k) for k in range(w)]
+        for k in range(total - w):
+            row += [fwd(k + w), bwd(k)]
+        row += [bwd(k) for k in range(total - w, total)]
+        rows.append(tuple(row))
+    return Schedule(INTERLEAVED, S, M, tuple(rows), virtual_stages=v)
+
+
 def make_schedule(
     name: str,
     num_stages: int,
     num_microbatches: int,
     *,
     delay_weight_grad: bool | Sequence[int] = False,
+    virtual_stages: int = 1,
 ) -> Schedule:
-    """The generator for ``name`` (``gpipe``, ``1f1b``, ``eager-1f1b``)."""
-    gen = {"gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_1f1b}[check_schedule_name(name)]
+    """The generator for ``name`` (``gpipe``, ``1f1b``, ``eager-1f1b``, or
+    ``interleaved-1f1b`` with ``virtual_stages`` chunks per stage)."""
+    key = check_schedule_name(name)
+    if key == INTERLEAVED:
+        if delay_weight_grad is not False:
+            raise ScheduleError(f"{INTERLEAVED} does not split the backward (delay_weight_grad)")
+        return interleaved_1f1b(num_stages, num_microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(f"schedule {key!r} runs one chunk per stage; virtual_stages "
+                            f"{virtual_stages} needs {INTERLEAVED!r}")
+    gen = {"gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_1f1b}[key]
     return gen(num_stages, num_microbatches, delay_weight_grad=delay_weight_grad)
 
 
@@ -378,28 +512,28 @@ def lower(schedule: Schedule) -> Schedule:
     returned unchanged."""
     if schedule.lowered:
         return schedule
-    S = schedule.num_stages
+    C = schedule.num_chunks  # boundaries are between consecutive chunks (stages when v = 1)
     rows = []
-    for s, row in enumerate(schedule.rows):
+    for row in schedule.rows:
         out: list[Action] = []
         for a in row:
-            m = a.microbatch
+            m, j = a.microbatch, a.stage
             if a.kind is ActionKind.F:
-                if s > 0:
-                    out.append(Action(ActionKind.RECV_F, m, s))
+                if j > 0:
+                    out.append(Action(ActionKind.RECV_F, m, j))
                 out.append(a)
-                if s < S - 1:
-                    out.append(Action(ActionKind.SEND_F, m, s))
+                if j < C - 1:
+                    out.append(Action(ActionKind.SEND_F, m, j))
             elif a.kind is ActionKind.B:
-                if s < S - 1:
-                    out.append(Action(ActionKind.RECV_B, m, s))
+                if j < C - 1:
+                    out.append(Action(ActionKind.RECV_B, m, j))
                 out.append(a)
-                if s > 0:
-                    out.append(Action(ActionKind.SEND_B, m, s))
+                if j > 0:
+                    out.append(Action(ActionKind.SEND_B, m, j))
             else:
                 out.append(a)
         rows.append(tuple(out))
-    return Schedule(schedule.name, S, schedule.num_microbatches, tuple(rows), schedule.split_backward)
+    return dataclasses.replace(schedule, rows=tuple(rows))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +570,8 @@ def render_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = (), windo
     """The stage × step grid; cells in ``marks`` ((stage, position) pairs) are shown as
     ``[F3]``. With ``window``, only the columns within ``window`` of a mark are shown."""
     marks = set(marks)
-    width = max((len(str(a)) for row in schedule.rows for a in row), default=2) + 2
+    show: Callable[[Action], str] = (lambda a: a.long) if schedule.virtual_stages > 1 else str
+    width = max((len(show(a)) for row in schedule.rows for a in row), default=2) + 2
     ncols = max((len(r) for r in schedule.rows), default=0)
     lo, hi = 0, ncols
     if window is not None and marks:
@@ -456,7 +591,7 @@ def render_grid(schedule: Schedule, marks: Iterable[tuple[int, int]] = (), windo
             if p >= len(row):
                 cells.append(" " * width)
                 continue
-            text = str(row[p])
+            text = show(row[p])
             text = f"[{text}]" if (s, p) in marks else f" {text} "
             cells.append(f"{text:>{width}}")
         more = " …" if len(row) > hi else ""
@@ -485,20 +620,25 @@ def _fail(schedule: Schedule, msg: str, cells: Sequence[tuple[int, int]]) -> Sch
 
 
 def _where(s: int, p: int, a: Action) -> str:
-    return f"stage {s}, position {p} ({a})"
+    """Where cell (s, p) is; an action of another chunk than the row's own names it."""
+    return f"stage {s}, position {p} ({a if a.stage == s else a.long})"
 
 
-def _required_kinds(schedule: Schedule, s: int, lowered: bool) -> list[ActionKind]:
-    S = schedule.num_stages
+def _required_kinds(schedule: Schedule, j: int, lowered: bool) -> list[ActionKind]:
+    """What chunk ``j`` (the stage itself without virtual stages) runs per micro-batch."""
+    C = schedule.num_chunks
     kinds = [ActionKind.F, ActionKind.B]
     if schedule.split_backward:
         kinds.append(ActionKind.W)
     if lowered:
-        if s > 0:
+        if j > 0:
             kinds += [ActionKind.RECV_F, ActionKind.SEND_B]
-        if s < S - 1:
+        if j < C - 1:
             kinds += [ActionKind.SEND_F, ActionKind.RECV_B]
     return kinds
+
+
+Key = tuple[ActionKind, int, int]  # (kind, micro-batch, chunk)
 
 
 # (earlier, later): on every stage the first must precede the second for the same micro-batch
@@ -523,23 +663,26 @@ def validate(schedule: Schedule, *, fifo_channels: bool = True) -> None:
             f"{len(schedule.rows)} rows"
         )
     lowered = schedule.lowered
-    pos: list[dict[tuple[ActionKind, int], int]] = []
+    pos: list[dict[Key, int]] = []
     # 1. well-formed cells, exactly once
     for s, row in enumerate(schedule.rows):
-        required = _required_kinds(schedule, s, lowered)
-        allowed = set(required)
-        seen: dict[tuple[ActionKind, int], int] = {}
+        required = {j: _required_kinds(schedule, j, lowered) for j in schedule.chunks_of(s)}
+        allowed = {j: set(k) for j, k in required.items()}
+        seen: dict[Key, int] = {}
         for p, a in enumerate(row):
-            key = (a.kind, a.microbatch)
-            if a.stage != s or key[0] not in allowed or not 0 <= key[1] < M or key in seen:
+            key = (a.kind, a.microbatch, a.stage)
+            if a.kind not in allowed.get(a.stage, ()) or not 0 <= a.microbatch < M or key in seen:
                 raise _cell_error(schedule, s, p, allowed, seen)
             seen[key] = p
-        if len(seen) != len(required) * M:
-            missing = next(Action(k, m, s) for k in required for m in range(M) if (k, m) not in seen)
+        if len(seen) != sum(len(k) for k in required.values()) * M:
+            missing = next(Action(k, m, j) for j, kinds in required.items() for k in kinds
+                           for m in range(M) if (k, m, j) not in seen)
+            what = "chunk" if schedule.virtual_stages > 1 else "stage"
             err = _fail(
                 schedule,
-                f"stage {s}: {missing} is missing (every stage needs "
-                f"{'/'.join(k.value for k in required)} for micro-batches 0..{M - 1})",
+                f"stage {s}: {missing.long if schedule.virtual_stages > 1 else missing} is missing "
+                f"(every {what} needs {'/'.join(k.value for k in required[missing.stage])} for "
+                f"micro-batches 0..{M - 1})",
                 [(s, len(row) - 1)] if row else [],
             )
             err.stage, err.position, err.action = s, None, missing
@@ -549,17 +692,10 @@ def validate(schedule: Schedule, *, fifo_channels: bool = True) -> None:
     for s in range(S):
         where = pos[s]
         for first, second, why in _LOCAL_ORDER:
-            if (first, 0) not in where or (second, 0) not in where:
-                continue
-            for m in range(M):
-                p1, p2 = where[(first, m)], where[(second, m)]
-                if p2 < p1:
-                    a = schedule.rows[s][p2]
-                    raise _fail(
-                        schedule,
-                        f"{_where(s, p2, a)}: {why} {schedule.rows[s][p1]} (position {p1})",
-                        [(s, p2), (s, p1)],
-                    )
+            for j in schedule.chunks_of(s):
+                if (first, 0, j) not in where or (second, 0, j) not in where:
+                    continue
+                _check_local_order(schedule, s, j, where, first, second, why)
     # 3. FIFO channels
     if lowered and fifo_channels:
         _check_channels(schedule)
@@ -567,27 +703,43 @@ def validate(schedule: Schedule, *, fifo_channels: bool = True) -> None:
     _check_deadlock(schedule, pos)
 
 
+def _check_local_order(schedule: Schedule, s: int, j: int, where: dict[Key, int],
+                       first: ActionKind, second: ActionKind, why: str) -> None:
+    """On row ``s``, ``first`` precedes ``second`` of chunk ``j`` for every micro-batch."""
+    for m in range(schedule.num_microbatches):
+        p1, p2 = where[(first, m, j)], where[(second, m, j)]
+        if p2 < p1:
+            a = schedule.rows[s][p2]
+            raise _fail(
+                schedule,
+                f"{_where(s, p2, a)}: {why} {schedule.rows[s][p1]} (position {p1})",
+                [(s, p2), (s, p1)],
+            )
+
+
 def _cell_error(
     schedule: Schedule,
     s: int,
     p: int,
-    allowed: set[ActionKind],
-    seen: dict[tuple[ActionKind, int], int],
+    allowed: dict[int, set[ActionKind]],
+    seen: dict[Key, int],
 ) -> ScheduleError:
     """Explain why cell (s, p) is not acceptable (the slow path of :func:`validate`)."""
     a, M = schedule.rows[s][p], schedule.num_microbatches
-    if a.stage != s:
-        return _fail(schedule, f"{_where(s, p, a)} belongs to stage {a.stage}", [(s, p)])
+    if a.stage not in allowed:
+        owner = f"stage {a.stage}" if schedule.virtual_stages == 1 else (
+            f"chunk {a.stage}, not one of this stage's chunks {sorted(allowed)}")
+        return _fail(schedule, f"{_where(s, p, a)} belongs to {owner}", [(s, p)])
     if not 0 <= a.microbatch < M:
         return _fail(
             schedule,
             f"{_where(s, p, a)}: micro-batch {a.microbatch} out of range 0..{M - 1}",
             [(s, p)],
         )
-    if a.kind not in allowed:
+    if a.kind not in allowed[a.stage]:
         why = "W without split_backward" if a.kind is ActionKind.W else "no neighbouring stage on that side"
         return _fail(schedule, f"{_where(s, p, a)}: action not allowed here ({why})", [(s, p)])
-    first = seen[(a.kind, a.microbatch)]
+    first = seen[(a.kind, a.microbatch, a.stage)]
     return _fail(
         schedule,
         f"{_where(s, p, a)}: duplicate, already at position {first}",
@@ -595,8 +747,9 @@ def _cell_error(
     )
 
 
-def _cross_dep(S: int, lowered: bool, a: Action) -> tuple[int, ActionKind, int] | None:
-    """The action on another stage that ``a`` waits for, as (stage, kind, microbatch)."""
+def _cross_dep(C: int, lowered: bool, a: Action) -> tuple[int, ActionKind, int] | None:
+    """The action of another chunk that ``a`` waits for, as (chunk, kind, microbatch);
+    ``C`` chunks (the stages without virtual stages)."""
     s, m, k = a.stage, a.microbatch, a.kind
     if k is ActionKind.RECV_F:
         return (s - 1, ActionKind.SEND_F, m)
@@ -605,38 +758,41 @@ def _cross_dep(S: int, lowered: bool, a: Action) -> tuple[int, ActionKind, int] 
     if not lowered:
         if k is ActionKind.F and s > 0:
             return (s - 1, ActionKind.F, m)
-        if k is ActionKind.B and s < S - 1:
+        if k is ActionKind.B and s < C - 1:
             return (s + 1, ActionKind.B, m)
     return None
 
 
 def _check_channels(schedule: Schedule) -> None:
-    S = schedule.num_stages
-    links = [(s, s + 1, ActionKind.SEND_F, ActionKind.RECV_F) for s in range(S - 1)]
-    links += [(s + 1, s, ActionKind.SEND_B, ActionKind.RECV_B) for s in range(S - 1)]
+    """One link per pair of consecutive chunks and direction (the stages without virtual
+    stages): its receives come in the order of its sends."""
+    S, C = schedule.num_stages, schedule.num_chunks
+    links = [(j, j + 1, ActionKind.SEND_F, ActionKind.RECV_F) for j in range(C - 1)]
+    links += [(j + 1, j, ActionKind.SEND_B, ActionKind.RECV_B) for j in range(C - 1)]
     for src, dst, send, recv in links:
-        sends = [a.microbatch for a in schedule.rows[src] if a.kind is send]
-        recvs = [(p, a) for p, a in enumerate(schedule.rows[dst]) if a.kind is recv]
+        sends = [a.microbatch for a in schedule.rows[src % S] if a.kind is send and a.stage == src]
+        recvs = [(p, a) for p, a in enumerate(schedule.rows[dst % S])
+                 if a.kind is recv and a.stage == dst]
         for n, (p, a) in enumerate(recvs):
             if a.microbatch != sends[n]:
                 raise _fail(
                     schedule,
-                    f"{_where(dst, p, a)}: receive #{n} on link {src}→{dst} expects "
+                    f"{_where(dst % S, p, a)}: receive #{n} on link {src}→{dst} expects "
                     f"micro-batch {a.microbatch} but send #{n} carries {sends[n]} "
                     f"(messages on one link are matched in order)",
-                    [(dst, p)],
+                    [(dst % S, p)],
                 )
 
 
-def _check_deadlock(schedule: Schedule, pos: list[dict[tuple[ActionKind, int], int]]) -> None:
-    S, lowered = schedule.num_stages, schedule.lowered
+def _check_deadlock(schedule: Schedule, pos: list[dict[Key, int]]) -> None:
+    S, C, lowered = schedule.num_stages, schedule.num_chunks, schedule.lowered
     # deps[s][p] = (stage, position) of the cross-stage action that cell (s, p) waits for
     deps = []
     for row in schedule.rows:
         drow = []
         for a in row:
-            dep = _cross_dep(S, lowered, a)
-            drow.append(None if dep is None else (dep[0], pos[dep[0]][(dep[1], dep[2])]))
+            dep = _cross_dep(C, lowered, a)
+            drow.append(None if dep is None else (dep[0] % S, pos[dep[0] % S][(dep[1], dep[2], dep[0])]))
         deps.append(drow)
     ptr = [0] * S
     lengths = [len(r) for r in schedule.rows]

@@ -4,6 +4,9 @@ Model (what the timeline means)
 -------------------------------
 * Every stage ``s`` has one *compute* stream and one *comm* stream. Actions run in the
   stage's program order (the schedule row, lowered with :func:`schedules.lower` if needed).
+* Interleaved schedules: the durations are per chunk (``S·v`` entries, transfers per
+  boundary between consecutive chunks); stage ``s``'s streams run its chunks'
+  actions, so ``forward[j]`` below reads as chunk ``j``'s.
 * ``F``/``B``/``W`` occupy the compute stream for ``forward[s]``, ``backward[s]`` and
   ``weight[s]`` seconds. Without split backward (no W in the schedule) a B costs
   ``backward[s] + weight[s]``: ``backward`` is the input-gradient part and ``weight`` the
@@ -34,7 +37,9 @@ Reported figures
   and whose backward (W when split) has not finished (activations held).
 
 For GPipe with equal stages and zero communication the makespan is ``(S + M − 1)(f + b)``
-and the bubble fraction ``(S − 1)/(S + M − 1)``.
+and the bubble fraction ``(S − 1)/(S + M − 1)``. Interleaved 1F1B with ``v`` equal chunks per
+stage (each ``f/v``, ``b/v``) takes ``(M + (S − 1)/v)(f + b)``: a bubble of ``(S − 1)/(v·M)``
+of the ideal ``M(f + b)``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from formulations.schedules import (
     Schedule,
     ScheduleError,
     lower,
+    make_schedule,
     peak_inflight,
     validate,
 )
@@ -157,6 +163,7 @@ class SimResult:
     bubble_fraction: float
     busy_s: tuple[float, ...]
     peak_inflight: tuple[int, ...]
+    virtual_stages: int = 1  # chunks per stage (interleaved 1F1B); busy_s, peak_inflight per stage
 
     def to_dict(self, *, timeline: bool = True) -> dict:
         d = {
@@ -170,6 +177,8 @@ class SimResult:
             "busy_s": list(self.busy_s),
             "peak_inflight": list(self.peak_inflight),
         }
+        if self.virtual_stages > 1:
+            d["virtual_stages"] = self.virtual_stages
         if timeline:
             d["timeline"] = [e.to_dict() for e in self.timeline]
         return d
@@ -185,16 +194,18 @@ def simulate(
     """Run ``schedule`` (lowered here if it has no send/recv) against ``durations``.
 
     ``check`` validates the schedule first (a :class:`ScheduleError` names the bad cell)."""
-    if durations.num_stages != schedule.num_stages:
+    if durations.num_stages != schedule.num_chunks:
         raise ScheduleError(
             f"durations describe {durations.num_stages} stages but schedule "
-            f"{schedule.name!r} has {schedule.num_stages}"
+            f"{schedule.name!r} has {schedule.num_chunks}"
+            + (f" chunks ({schedule.num_stages} stages × {schedule.virtual_stages} virtual)"
+               if schedule.virtual_stages > 1 else "")
         )
     sched = lower(schedule)
     if check:
         validate(sched, fifo_channels=False)
     S = sched.num_stages
-    replay = _Replay.of(durations, sched.split_backward, overlap)
+    replay = _Replay.of(durations, sched.split_backward, overlap, S)
     remaining = sum(len(r) for r in sched.rows)
     while remaining:
         ran = sum(replay.advance(s, sched.rows[s]) for s in range(S))
@@ -220,7 +231,32 @@ def simulate(
         bubble_fraction=bubble,
         busy_s=tuple(replay.busy),
         peak_inflight=peak_inflight(sched),
+        virtual_stages=sched.virtual_stages,
     )
+
+
+def simulate_named(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    forward: float | Sequence[float],
+    backward: float | Sequence[float],
+    *,
+    virtual_stages: int = 1,
+    activation_transfer: float | Sequence[float] = 0.0,
+    gradient_transfer: float | Sequence[float] | None = None,
+    overlap: bool = True,
+) -> SimResult:
+    """Price the schedule ``name`` (``gpipe``, ``1f1b``, ``eager-1f1b``,
+    ``interleaved-1f1b``) from seconds per micro-batch: ``forward``/``backward`` per chunk
+    (``num_stages · virtual_stages`` values, chunk ``j`` on stage ``j mod num_stages``; a
+    scalar is every chunk's), transfers per boundary between consecutive chunks (``C − 1``
+    values or a scalar). What a caller pricing a given configuration (``--compare``'s
+    Megatron ``pp``/``vpp``) needs without building a :class:`Schedule`."""
+    sched = make_schedule(name, num_stages, num_microbatches, virtual_stages=virtual_stages)
+    C = sched.num_chunks
+    durations = StageDurations.make(C, forward, backward, 0.0, activation_transfer, gradient_transfer)
+    return simulate(sched, durations, overlap=overlap)
 
 
 # destination stage and matching receive of each send kind
@@ -245,8 +281,8 @@ class _Replay:
     events: list[Event]
 
     @classmethod
-    def of(cls, durations: StageDurations, split: bool, overlap: bool) -> _Replay:
-        S = durations.num_stages
+    def of(cls, durations: StageDurations, split: bool, overlap: bool, S: int) -> _Replay:
+        """The clock of ``S`` stages (rows) running ``durations``' chunks."""
         dur = {
             ActionKind.F: durations.forward,
             ActionKind.B: durations.backward
@@ -270,15 +306,15 @@ class _Replay:
     def _run(self, s: int, a: Action) -> bool:
         """Action ``a`` of stage ``s`` timed and recorded; False for a receive whose send
         has not run yet."""
-        k = a.kind
+        k, j = a.kind, a.stage  # j: the chunk (the stage itself without virtual stages)
         if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
-            t = self.arrival.get((s, k, a.microbatch))
+            t = self.arrival.get((j, k, a.microbatch))
             if t is None:
                 return False
             self.compute_free[s] = max(self.compute_free[s], t)
         elif k is ActionKind.SEND_F or k is ActionKind.SEND_B:
             step, recv = _DEST[k]
-            d = self.xfer[k][s if step == 1 else s - 1]
+            d = self.xfer[k][j if step == 1 else j - 1]
             if self.overlap:
                 start = max(self.compute_free[s], self.comm_free[s])
                 self.comm_free[s] = start + d
@@ -288,9 +324,9 @@ class _Replay:
                 self.compute_free[s] = start + d
                 stream = "compute"
             self.events.append(Event(s, a, start, start + d, stream))
-            self.arrival[(s + step, recv, a.microbatch)] = start + d
+            self.arrival[(j + step, recv, a.microbatch)] = start + d
         else:
-            d = self.dur[k][s]
+            d = self.dur[k][j]
             start = self.compute_free[s]
             self.compute_free[s] = start + d
             self.busy[s] += d

@@ -10,6 +10,7 @@ from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import Config, load_config, read_yaml
+from ilp_planner.inter_op.given_price import price_given
 from ilp_planner.inter_op.pipeline import solve_pipelined
 from ilp_planner.intra_op.baseline_prices import price_baselines, price_grid
 from ilp_planner.intra_op.realise import realise
@@ -21,7 +22,7 @@ from ilp_planner.plan.data import Plan, SolverReport
 
 def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: Any = None,
           training: Any = None, solver: Any = None, pipeline: Any = None,
-          name: str | None = None, baselines: bool = True,
+          compare: Any = None, name: str | None = None, baselines: bool = True,
           times: PhaseTimes | None = None) -> Plan:
     """Solve a problem and return its plan. ``config`` is a :class:`Config`, a YAML path, a
     whole document as a mapping, or just the model — a :class:`Graph` (e.g. from
@@ -30,11 +31,22 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
 
         plan = ilp_planner.solve(graph, cluster=cluster, solver={"time_limit_s": 10})
 
-    ``times``, if given, collects the wall time spent solving and pricing baselines.
+    ``times``, if given, collects the wall time spent solving and pricing baselines. The
+    configurations of the config's ``compare:`` (or ``compare=``, e.g.
+    ``["megatron: tp=8 pp=2"]``, replacing it) are priced beside the plan, baselines or not.
     """
     config = _as_config(config, cluster=cluster, training=training, solver=solver,
-                        pipeline=pipeline, name=name)
+                        pipeline=pipeline, compare=compare, name=name)
     times = times or PhaseTimes()
+    plan = _solve_plan(config, baselines, times)
+    with times.timing("baselines_s"):
+        for given in config.compare:
+            plan.baselines.update(price_given(config, given, plan))
+    return plan
+
+
+def _solve_plan(config: Config, baselines: bool, times: PhaseTimes) -> Plan:
+    """The plan of ``config``, with the usual baselines when asked."""
     if config.pipeline.pipelined:
         return _solve_pipelined_timed(config, baselines, times)
     gp, result, grid = solve_single_mesh(config, grid=baselines, times=times)

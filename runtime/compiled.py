@@ -57,6 +57,7 @@ class CompiledPlan:
     entries: list[ReshardingEntry]  # cross-mesh transfers
     entry_of: dict[tuple[str, int], int]  # (consumer, input index) -> entry bringing it
     actions: dict[int, list[tuple[str, int]]]  # stage -> lowered schedule (kind, micro-batch)
+    mesh_actions: dict[int, list[tuple[int, str, int]]]  # mesh -> its (stage, kind, mb) order
     edges: dict[tuple[str, int], Redistribution]  # (consumer, input index) -> edge program
     exports: dict[str, Redistribution]  # tensor leaving its stage -> its export program
     buckets: dict[str, tuple[SyncBucket, ...]]  # layer -> gradient buckets AllReduced
@@ -65,6 +66,11 @@ class CompiledPlan:
     tied_programs: dict[str, tuple[Redistribution, ...]]  # head on its embedding's stage
     grad_chunks: dict[int, tuple[GradBucket, ...]]  # stage -> fused gradient chunks
     segments: dict[int, list[Segment]]  # stage -> its layers cut into checkpointed runs
+
+    @property
+    def interleaved(self) -> bool:
+        """Interleaved 1F1B: a mesh runs several stages (the model's chunks)."""
+        return self.plan.schedule is not None and self.plan.schedule.virtual_stages > 1
 
     def syncs(self, layer: str) -> tuple[SyncBucket, ...]:
         """Every weight-gradient bucket of ``layer``, AllReduced or sharded."""
@@ -97,6 +103,7 @@ def compile_plan(plan: Plan, checked: CheckedPlan) -> CompiledPlan:
         loss_scale=model.loss_scale(graph),
         layers=layers, strategy_ctx=ctx, stages=stages, stage_of=stage_of,
         entries=checked.entries, entry_of=checked.entry_of, actions=checked.actions,
+        mesh_actions=checked.mesh_actions,
         edges=edges, exports=exports, buckets=buckets, zero_syncs=zero_syncs, tied=tied,
         tied_programs=_tied_programs(graph, layers, stage_of, tied, config.cluster),
         grad_chunks={s.index: _grad_chunks(plan, s, buckets, config.grad_bucket_bytes, ctx)

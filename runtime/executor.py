@@ -22,7 +22,9 @@ Life of a run (:class:`Executor`):
    ``RB``/``B``/``SB`` the same for the backward, ``W`` nothing: B computes weight gradients
    too; during the stage's last B each complete gradient chunk — the priced buckets — is
    AllReduced asynchronously); then wait for the chunks, exchange the gradients of tied
-   weights, and update the local blocks with SGD or Adam.
+   weights, and update the local blocks with SGD or Adam. Under interleaved 1F1B a rank
+   holds several stages — the model chunks of its mesh — and runs their actions in the
+   mesh's schedule order (:func:`runtime.step_loop.run_mesh`), then each chunk's tail.
 
 Each concept lives in its own module: the pure compile in :mod:`runtime.compiled` and
 :mod:`runtime.groups`; parameters in :mod:`runtime.params`; a stage's forward (mixed
@@ -59,7 +61,7 @@ from runtime.optim import Optimizer, OptimizerSpec
 from runtime.params import init_params
 from runtime.recorder import CommEvent, Recorder, tagged
 from runtime.stage_forward import StageForward
-from runtime.step_loop import ScheduleLoop
+from runtime.step_loop import ScheduleLoop, run_mesh
 from runtime.tied import TiedWeights
 from runtime.transfers import Transfers
 from runtime.zero_state import ZeroState
@@ -102,6 +104,7 @@ class StageRuntime:
     compute: StageForward
     loop: ScheduleLoop
     tied: TiedWeights
+    params: dict[str, LVal]  # the stage's blocks (part of Executor.params)
 
 
 class Executor:
@@ -126,34 +129,37 @@ class Executor:
         self.comms = {s.index: Comm(self.registry, s.devices, rank, c.cluster, self.recorder)
                       for s in c.stages}
         register_groups(c, self.registry, self.comms)
-        self.my_stage = next((s for s in c.stages if rank in s.devices), None)
-        self.params: dict[str, LVal] = {}  # this stage's blocks, held between steps
+        # this rank's stages: one, or under interleaved 1F1B every chunk of its mesh
+        self.my_stages = [s for s in c.stages if rank in s.devices]
+        self.params: dict[str, LVal] = {}  # this rank's blocks (all its chunks), held between steps
         self.param_layout: dict[str, Layout] = {}
-        self.stage: StageRuntime | None = None
+        self.chunks: dict[int, StageRuntime] = {}  # stage index -> what this rank runs of it
         self.optimizer = Optimizer(options.optimizer)
         self.transfers = Transfers(rank, self.device, self.registry, self.recorder, c.stages,
-                                   c.entries, c.graph)
+                                   c.entries, c.graph, c.interleaved)
 
     def setup(self) -> None:
-        """Create the groups (collective) and this stage's parameters (local)."""
+        """Create the groups (collective) and this rank's parameters (local), stage by stage."""
         self.registry.create()
-        if self.my_stage is not None:
-            self.stage = self._stage_runtime(self.my_stage)
+        for s in self.my_stages:
+            self.chunks[s.index] = self._stage_runtime(s)
 
     def _stage_runtime(self, s: Stage) -> StageRuntime:
-        """This rank's parameters and the collaborators that run its stage, wired."""
+        """This rank's parameters of stage ``s`` and the collaborators that run it, wired."""
         c, opts = self.compiled, self.options
         ctx = StageContext(s.index, s.devices, self.rank, self.comms[s.index], c.graph)
         zero = ZeroState(c, s.devices, self.registry, self.recorder, self.device)
-        self.params, self.param_layout = init_params(c, s, ctx.comm, zero, opts.seed, self.device)
-        grad_sync = GradSync(c.grad_chunks[s.index], self.params, s.devices, self.registry,
+        params, layouts = init_params(c, s, ctx.comm, zero, opts.seed, self.device)
+        self.params.update(params)
+        self.param_layout.update(layouts)
+        grad_sync = GradSync(c.grad_chunks[s.index], params, s.devices, self.registry,
                              self.recorder, self.device)
-        compute = StageForward(c, s, ctx, self.params, self.param_layout, zero, self.recorder,
+        compute = StageForward(c, s, ctx, params, layouts, zero, self.recorder,
                                opts.seed, self.device)
         loop = ScheduleLoop(c, s, compute, self.transfers, grad_sync, zero, self.recorder,
                             opts.overlap, self.device)
         tied = TiedWeights(c, s, self.rank, ctx.comm, self.registry, self.recorder)
-        return StageRuntime(ctx, zero, grad_sync, compute, loop, tied)
+        return StageRuntime(ctx, zero, grad_sync, compute, loop, tied, params)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step. Every collective issued — forward, autograd backward,
@@ -164,7 +170,7 @@ class Executor:
         t0 = time.perf_counter()
         self._begin_step()
         with rec if self.options.record else contextlib.nullcontext():
-            loss_sum = self._run_stage() if self.stage is not None else 0.0
+            loss_sum = self._run_stages() if self.chunks else 0.0
             with tagged("report", "report"):
                 loss = self._broadcast_loss(loss_sum)
         secs = time.perf_counter() - t0
@@ -175,33 +181,41 @@ class Executor:
         """Gradients start empty; synchronised ones accumulate in their flat buffers."""
         for p in self.params.values():
             p.t.grad = None
-        if self.stage is not None:
-            self.stage.grad_sync.begin_step()
-            self.stage.zero.begin_step()
-            self.stage.ctx.reports.clear()
+        for st in self.chunks.values():
+            st.grad_sync.begin_step()
+            st.zero.begin_step()
+            st.ctx.reports.clear()
 
-    def _run_stage(self) -> float:
-        """The stage's actions, then the step's tail: wait for the sends, synchronise the
-        gradients, exchange the tied ones, update; returns the stage's part of the loss."""
-        st = self.stage
-        st.loop.run()
+    def _run_stages(self) -> float:
+        """The mesh's actions in the schedule's order (each run by its stage's loop), then
+        the step's tail, stage by stage: wait for the sends, synchronise the gradients,
+        exchange the tied ones; one update of every block; returns the rank's part of the
+        loss."""
+        run_mesh({j: st.loop for j, st in self.chunks.items()},
+                 self.compiled.mesh_actions[min(self.chunks)])
         self.transfers.wait_sends()
-        grads = self._synced_grads(st)
-        st.tied.exchange(grads, self.params)
-        st.compute.drop_copies()
-        updated = {k: v.t.data for k, v in self.params.items() if k not in st.zero.full}
-        updated.update(st.zero.masters())  # not ZeRO-1/2's full blocks: the gather refreshes them
+        grads: dict[str, torch.Tensor] = {}
+        updated: dict[str, torch.Tensor] = {}
+        for st in self.chunks.values():
+            mine = self._synced_grads(st)
+            st.tied.exchange(mine, st.params)
+            st.compute.drop_copies()
+            grads.update(mine)
+            updated.update({k: v.t.data for k, v in st.params.items() if k not in st.zero.full})
+            updated.update(st.zero.masters())  # not ZeRO-1/2's full blocks: the gather refreshes them
         self.optimizer.step(updated, grads)
-        st.zero.gather_updated(self.params)
+        for st in self.chunks.values():
+            st.zero.gather_updated(st.params)
         mb = self.compiled.microbatches
-        return sum(float((r.value() / mb).sum()) for r in st.ctx.reports)
+        return sum(float((r.value() / mb).sum()) for st in self.chunks.values()
+                   for r in st.ctx.reports)
 
     def _synced_grads(self, st: StageRuntime) -> dict[str, torch.Tensor]:
         """Every gradient the optimizer reads: the reduced chunks, the blocks no chunk
         holds, the sharded buckets' shards. Under a float16 loss scale they are unscaled,
         and must be finite."""
         out = st.grad_sync.reduced()
-        for k, p in self.params.items():
+        for k, p in st.params.items():
             if k not in out and k not in st.zero.full:
                 out[k] = p.t.grad if p.t.grad is not None else torch.zeros_like(p.t)
         out.update(st.zero.shard_grads())
@@ -229,13 +243,13 @@ class Executor:
         block is contributed once (by the first device holding it) to a world AllReduce."""
         out = {}
         blocks = {k: v.t.detach() for k, v in self.params.items()}
-        if self.stage is not None:  # sharded: the fp32 masters, gathered
-            blocks.update(self.stage.zero.full_masters())
+        for st in self.chunks.values():  # sharded: the fp32 masters, gathered
+            blocks.update(st.zero.full_masters())
         for spec in model.graph_param_specs(self.compiled.full_graph):
             full = torch.zeros(spec.shape, device=self.device, dtype=model.DTYPE)
             if spec.name in blocks:
                 regions = self.param_layout[spec.name].regions(spec.shape)
-                me = self.stage.ctx.comm.device_index
+                me = next(iter(self.chunks.values())).ctx.comm.device_index  # one mesh
                 first = next(i for i in range(len(regions)) if (regions[i] == regions[me]).all())
                 if first == me:
                     full[tuple(slice(int(lo), int(hi)) for lo, hi in regions[me])] = blocks[spec.name]

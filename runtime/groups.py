@@ -16,6 +16,7 @@ from ilp_planner.plan.data import Stage
 from runtime.comm import Comm
 from runtime.compiled import CompiledPlan
 from runtime.mesh import MeshRegistry
+from runtime.transfers import transfer_group
 
 
 def register_groups(c: CompiledPlan, registry: MeshRegistry, comms: dict[int, Comm]) -> None:
@@ -54,15 +55,15 @@ def _register_layer(c: CompiledPlan, stage: Stage, name: str, registry: MeshRegi
 
 def _register_transfers(c: CompiledPlan, registry: MeshRegistry, comms: dict[int, Comm]) -> None:
     """Export programs, both stages' meshes, and one group per unit task and direction
-    (a 1F1B stage interleaves the two directions differently from its neighbour)."""
+    (a 1F1B stage interleaves the two directions differently from its neighbour), and
+    under interleaved 1F1B per chunk link (:func:`runtime.transfers.transfer_group`)."""
     for e in c.entries:
         comms[e.src_stage].register(c.exports[e.tensor])
         registry.need_mesh(c.stages[e.src_stage].devices, e.src_layout.fact)
         registry.need_mesh(c.stages[e.dst_stage].devices, e.dst_layout.fact)
-        for t in e.tasks:
-            registry.need_group(("fwd", t.group), t.group)
-        for t in e.backward_tasks:
-            registry.need_group(("bwd", t.group), t.group)
+        for direction, tasks in (("forward", e.tasks), ("backward", e.backward_tasks)):
+            for t in tasks:
+                registry.need_group(transfer_group(direction, t, e, c.interleaved), t.group)
 
 
 def _register_tied(c: CompiledPlan, registry: MeshRegistry, comms: dict[int, Comm]) -> None:

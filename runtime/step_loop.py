@@ -1,4 +1,6 @@
-"""One step of one stage: its lowered action list interpreted through a ``kind → handler`` table.
+"""One step of one stage: its lowered action list interpreted through a ``kind → handler`` table
+(:func:`run_mesh` runs a rank's stages — several chunks under interleaved 1F1B — in the
+schedule's order).
 
 ``RF`` receives activations, ``F`` runs the forward of a micro-batch, ``SF`` sends
 activations, ``RB``/``B``/``SB`` the same for the backward, ``W`` nothing: ``B`` computes
@@ -21,6 +23,16 @@ from runtime.recorder import Recorder
 from runtime.stage_forward import StageForward
 from runtime.transfers import Transfers
 from runtime.zero_state import ZeroState
+
+
+def run_mesh(loops: dict[int, ScheduleLoop], order: list[tuple[int, str, int]]) -> None:
+    """One step of a rank: its mesh's ``(stage, kind, micro-batch)`` actions in the
+    schedule's order, each by its stage's loop (one stage, or under interleaved 1F1B the
+    mesh's chunks taking turns)."""
+    for loop in loops.values():
+        loop.state = {}
+    for stage, kind, mb in order:
+        loops[stage].handlers[kind](mb)
 
 
 class ScheduleLoop:
@@ -47,12 +59,6 @@ class ScheduleLoop:
             "RB": self.recv_backward, "B": self.backward, "SB": self.send_backward,
             "W": self.weight_grad,
         }
-
-    def run(self) -> None:
-        """Every action of the step, in the schedule's order."""
-        self.state = {}
-        for kind, mb in self.actions:
-            self.handlers[kind](mb)
 
     def recv_forward(self, mb: int) -> None:
         """RF: receive every boundary tensor this stage reads, as leaf blocks."""

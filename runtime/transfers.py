@@ -33,6 +33,16 @@ Region = tuple[tuple[int, int], ...]  # per dim (start, stop)
 _GROUP_TAG = {"forward": "fwd", "backward": "bwd"}  # transfer groups, one set per direction
 
 
+def transfer_group(direction: str, t: UnitTask, e: ReshardingEntry, per_boundary: bool) -> tuple:
+    """The registry key of task ``t``'s group: one per direction and rank set; with
+    ``per_boundary`` (interleaved 1F1B) also one per pair of chunks, so each chunk link is
+    its own in-order channel (two meshes exchange several chunks' tensors, in each
+    direction, in orders the schedule validates per link, not across links)."""
+    if per_boundary:
+        return (_GROUP_TAG[direction], e.src_stage, e.dst_stage, t.group)
+    return (_GROUP_TAG[direction], t.group)
+
+
 def _relative(task_region: Region, mine: Region) -> tuple[slice, ...]:
     """A task's region as slices of this rank's block ``mine``."""
     return tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(task_region, mine, strict=True))
@@ -47,7 +57,7 @@ class Transfers:
 
     def __init__(self, rank: int, device: torch.device, registry: MeshRegistry,
                  recorder: Recorder, stages: Sequence[Stage], entries: Sequence[ReshardingEntry],
-                 graph: Graph):
+                 graph: Graph, per_boundary: bool = False):
         self.rank = rank
         self.device = device
         self.registry = registry
@@ -56,11 +66,12 @@ class Transfers:
         self.entries = entries
         self.graph = graph
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # sends not yet waited
+        self.per_boundary = per_boundary  # interleaved 1F1B: a group per chunk link (transfer_group)
 
     def send_forward(self, e: ReshardingEntry, v: LVal) -> None:
         """Post the forward tasks this rank sends of entry ``e``'s tensor ``v``."""
         mine = self._region(e.src_layout, e, e.src_stage)
-        self._send(e.tasks, v.t.detach(), mine, "forward", e.tensor)
+        self._send(e.tasks, v.t.detach(), mine, "forward", e)
 
     def recv_forward(self, e: ReshardingEntry) -> LVal:
         """This rank's block of ``e``'s ``dst_layout``, as a leaf that requires its
@@ -68,7 +79,7 @@ class Transfers:
         mine = self._region(e.dst_layout, e, e.dst_stage)
         local = torch.empty(_shape(mine), device=self.device, dtype=self._dtype(e.tensor))
         with timed(self.recorder):
-            posted = self._post_receives(e.tasks, "forward", e.tensor)
+            posted = self._post_receives(e.tasks, "forward", e)
             for _, _, work in posted:
                 work.wait()
         for t, buf, _ in posted:
@@ -82,7 +93,7 @@ class Transfers:
         if g is None:
             g = torch.zeros_like(leaf.t)
         mine = self._region(e.dst_layout, e, e.dst_stage)
-        self._send(e.backward_tasks, g, mine, "backward", e.tensor)
+        self._send(e.backward_tasks, g, mine, "backward", e)
 
     def recv_backward(self, sent: dict[int, LVal]) -> dict[int, torch.Tensor]:
         """Post every receive of the gradients of the ``sent`` entries, then wait for them;
@@ -96,8 +107,7 @@ class Transfers:
             mine = self._region(e.src_layout, e, e.src_stage)
             out[idx] = torch.zeros(_shape(mine), device=self.device, dtype=self._dtype(e.tensor))
             posted += [(idx, t, buf, work, mine)
-                       for t, buf, work in self._post_receives(e.backward_tasks, "backward",
-                                                               e.tensor)]
+                       for t, buf, work in self._post_receives(e.backward_tasks, "backward", e)]
         for _, _, _, work, _ in posted:
             work.wait()
         received = self.recorder.events[first:]
@@ -120,29 +130,29 @@ class Transfers:
     def _dtype(self, tensor: str) -> torch.dtype:
         return getattr(torch, self.graph[tensor].output.dtype)
 
-    def _group(self, direction: str, t: UnitTask):
-        return self.registry.group((_GROUP_TAG[direction], t.group))
+    def _group(self, direction: str, t: UnitTask, e: ReshardingEntry):
+        return self.registry.group(transfer_group(direction, t, e, self.per_boundary))
 
     def _send(self, tasks: tuple[UnitTask, ...], local: torch.Tensor, mine: Region, direction: str,
-              tensor: str) -> None:
+              e: ReshardingEntry) -> None:
         """Post (asynchronously) every task this rank sends, a slice of its block ``local``
         (whose region is ``mine``); waited at the end of the step."""
         for t in tasks:
             if t.sender == self.rank:
                 buf = local[_relative(t.region, mine)].contiguous()
-                with tagged(direction, "resharding", tensor):
+                with tagged(direction, "resharding", e.tensor):
                     work = dist.broadcast(buf, src=t.sender, async_op=True,
-                                          group=self._group(direction, t))
+                                          group=self._group(direction, t, e))
                 self.pending.append((work, buf))
 
-    def _post_receives(self, tasks: tuple[UnitTask, ...], direction: str, tensor: str
+    def _post_receives(self, tasks: tuple[UnitTask, ...], direction: str, e: ReshardingEntry
                        ) -> list[tuple[UnitTask, torch.Tensor, dist.Work]]:
         posted = []
         for t in tasks:
             if self.rank in t.receivers:
-                buf = torch.empty(_shape(t.region), device=self.device, dtype=self._dtype(tensor))
-                with tagged(direction, "resharding", tensor):
+                buf = torch.empty(_shape(t.region), device=self.device, dtype=self._dtype(e.tensor))
+                with tagged(direction, "resharding", e.tensor):
                     work = dist.broadcast(buf, src=t.sender, async_op=True,
-                                          group=self._group(direction, t))
+                                          group=self._group(direction, t, e))
                 posted.append((t, buf, work))
         return posted

@@ -31,6 +31,8 @@ EXPECTED_PARAMS = {  # closed forms, see tests/test_models.py
     "u-transformer-2x4": 2_123_444_224,
     "tiny-gpt-cpu": 109_312,
     "tiny-gpt-bf16-cpu": 109_312,
+    # tiny-gpt-cpu with 4 blocks instead of 2: two more blocks of 12h² + 13h (h = 64)
+    "tiny-gpt-interleaved-cpu": 109_312 + 2 * (12 * 64 * 64 + 13 * 64),
     "tiny-mlp-cpu": 32 * 64 + 64 + 64 * 64 + 64 + 64 * 16 + 16,
     # stem and head h² + h, two blocks 12h² + 13h, final layernorm 2h (h = 64)
     "tiny-utf-zero-cpu": 2 * (64 * 64 + 64) + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64,

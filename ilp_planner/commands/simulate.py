@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from formulations.schedules import make_schedule
+from formulations.schedules import INTERLEAVED, SCHEDULE_NAMES, make_schedule
 from formulations.simulator import plot_timeline, simulate
 from ilp_planner.errors import ConfigError, PlanFormatError
 from ilp_planner.inputs.files import prepare_output
@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "simulate",
         help="simulate a pipelined plan's schedule and draw its timeline",
         description="Simulate the stages of a pipelined plan under GPipe, 1F1B or eager-1F1B "
-                    "(default: the plan's schedule) with compute and cross-mesh transfer "
-                    "times from the cost model.",
+                    "(default: the plan's schedule; an interleaved plan under interleaved "
+                    "1F1B) with compute and cross-mesh transfer times from the cost model.",
     )
     p.add_argument("plan", metavar="PLAN", help="plan JSON written by `ilp-planner solve`")
     p.add_argument("--schedule", choices=SCHEDULES, help="schedule to simulate")
@@ -50,13 +50,23 @@ def run(args: argparse.Namespace) -> int:
                               f"times; simulate needs a plan the planner solved")
     durations = stage_durations(times, plan.resharding)
     overlap = not args.no_overlap
-    print(f"{plan.name}: {len(plan.stages)} stages, {m} micro-batches, overlap {overlap}")
-    print(f"  {'schedule':<12}{'makespan s':>12}{'bubble':>9}  peak in-flight per stage")
+    v = plan.schedule.virtual_stages
+    p = len(plan.stages) // v
+    if (name == INTERLEAVED) != (v > 1):
+        raise ConfigError(f"--schedule {name}: plan {plan.name!r} has "
+                          f"{f'{v} chunks per stage mesh' if v > 1 else 'one chunk per stage'}; "
+                          f"{INTERLEAVED} simulates only (and only it) a plan solved with "
+                          f"interleaving")
+    print(f"{plan.name}: {p} stages{f' × {v} chunks' if v > 1 else ''}, {m} micro-batches, "
+          f"overlap {overlap}")
+    print(f"  {'schedule':<16}{'makespan s':>12}{'bubble':>9}  peak in-flight per stage")
     result = None
-    for sched_name in SCHEDULES:
-        res = simulate(make_schedule(sched_name, len(plan.stages), m), durations, overlap=overlap)
+    # an interleaved plan's chunks share meshes: only its own schedule runs them
+    for sched_name in [INTERLEAVED] if v > 1 else SCHEDULE_NAMES:
+        res = simulate(make_schedule(sched_name, p, m, virtual_stages=v), durations,
+                       overlap=overlap)
         mark = " *" if sched_name == name else ""
-        print(f"  {sched_name:<12}{res.makespan_s:>12.5g}{res.bubble_fraction:>9.1%}  "
+        print(f"  {sched_name:<16}{res.makespan_s:>12.5g}{res.bubble_fraction:>9.1%}  "
               f"{list(res.peak_inflight)}{mark}")
         if sched_name == name:
             result = res

@@ -7,8 +7,9 @@ import argparse
 import time
 
 from ilp_planner.api import solve
-from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
+from ilp_planner.inputs.config import Config, apply_overrides, load_config, parse_config
 from ilp_planner.inputs.files import prepare_output
+from ilp_planner.inputs.given_config import ModelFacts, parse_given, resolve_given
 from ilp_planner.intra_op.request import PhaseTimes
 from ilp_planner.reports.explain import summary
 
@@ -26,6 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, metavar="S",
                    help="override solver.time_limit_s")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")
+    p.add_argument("--compare", action="append", default=[], metavar="CONFIGURATION",
+                   help="price a configuration you run beside the plan, e.g. 'megatron: tp=8 "
+                        "pp=8 dp=16 vpp=2 mbs=1 recompute=full sp=true' or 'torchtitan: "
+                        "fsdp=32 tp=8 ac=selective' (repeatable; adds to the config's compare:)")
     p.set_defaults(func=run)
 
 
@@ -35,9 +40,13 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         prepare_output(args.output)  # a folder given for the plan is refused before solving
     config = load_config(args.config)
+    overrides: dict = {}
     if args.time_limit is not None:
-        config = parse_config(apply_overrides(config.raw, {"solver.time_limit_s": args.time_limit}),
-                              args.config)
+        overrides["solver.time_limit_s"] = args.time_limit
+    if args.compare:
+        overrides["compare"] = compare_list(config, args.compare)
+    if overrides:
+        config = parse_config(apply_overrides(config.raw, overrides), args.config)
     reading_s = time.perf_counter() - t0
     times = PhaseTimes()
     plan = solve(config, baselines=not args.no_baselines, times=times)
@@ -48,6 +57,17 @@ def run(args: argparse.Namespace) -> int:
     now = time.perf_counter()
     print(time_line(now - started, t0 - started, reading_s, times))
     return 0
+
+
+def compare_list(config: Config, given: list[str]) -> list[str]:
+    """The config's ``compare:`` list with the ``--compare`` configurations added, each
+    checked first so that a bad one is refused naming the option, not a key of the file."""
+    facts = ModelFacts.of(config.graph, config.cluster.nodes, config.cluster.devices_per_node,
+                          config.model.get("batch"))
+    for text in given:
+        resolve_given(parse_given(text, "--compare"), facts, "--compare")
+    raw = config.raw.get("compare") or []
+    return [*([raw] if isinstance(raw, str) else raw), *given]
 
 
 def time_line(wall_s: float, loading_s: float, reading_s: float, times: PhaseTimes) -> str:

@@ -65,6 +65,7 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.inputs import models
 from ilp_planner.inputs.config_keys import BUILDERS, MODEL_KINDS, SECTIONS, model_section
 from ilp_planner.inputs.files import read_input
+from ilp_planner.inputs.given_config import GivenConfig, ModelFacts, parse_given, resolve_given
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.options import PipelineOptions, SolverOptions
@@ -98,6 +99,7 @@ class Config:
     source: str | None
     raw: dict
     grad_bucket_bytes: float = DDP_BUCKET_MB * 2**20
+    compare: tuple[GivenConfig, ...] = ()  # configurations priced beside the plan
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> Config:
         """Re-parse ``raw`` with dotted keys set, e.g. ``{"cluster.nodes": 4}``."""
@@ -113,7 +115,7 @@ class Config:
             raise ConfigError("micro-batching needs a model with a batch size (a builder, not "
                               "an explicit graph)", source=self.source, key="pipeline.microbatches")
         return self.with_overrides({"model.batch": self.model["batch"] // m,
-                                    "pipeline.microbatches": 1}).graph
+                                    "pipeline.microbatches": 1, "compare": None}).graph
 
 
 # -- entry points ---------------------------------------------------------------------------
@@ -210,12 +212,27 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     memory, bucket_bytes = _parse_training(r, top.get("training"), dtype)
     solver = _parse_solver(r, top.get("solver"))
     pipeline = _parse_pipeline(r, top.get("pipeline"), cluster, batch)
+    compare = _parse_compare(r, top.get("compare"), graph, cluster, batch)
     if "name" in top:
         name = r.read(SECTIONS["top level"]["name"], top["name"], "name")
     else:
         name = Path(source).stem if source else graph.name
     return Config(name, graph, copy.deepcopy(dict(top["model"])), cluster, memory, solver,
-                  pipeline, source, copy.deepcopy(dict(top)), bucket_bytes)
+                  pipeline, source, copy.deepcopy(dict(top)), bucket_bytes, compare)
+
+
+def _parse_compare(r: Reader, value: Any, graph: Graph, cluster: Cluster,
+                   batch: int | None) -> tuple[GivenConfig, ...]:
+    """``compare:``: one configuration string or a list of them, each parsed and checked
+    against the model and cluster (:mod:`ilp_planner.inputs.given_config`); errors name
+    the item's key path (``compare[1]``)."""
+    if value is None:
+        return ()
+    items = [("compare", value)] if isinstance(value, str) else [
+        (f"compare[{i}]", v) for i, v in enumerate(r.sequence(value, "compare"))]
+    facts = ModelFacts.of(graph, cluster.nodes, cluster.devices_per_node, batch)
+    return tuple(resolve_given(parse_given(v, path, r.source), facts, path, r.source)
+                 for path, v in items)
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
@@ -566,8 +583,42 @@ def _parse_pipeline(r: Reader, value: Any, cluster: Cluster, batch: int | None) 
     def submeshes(value: Any, path: str, kw: dict[str, Any]) -> tuple[tuple[int, int], ...]:
         return _parse_submeshes(r, value, cluster, kw.get("stages", 1))
 
-    return PipelineOptions(**_read_keys(r, d, "pipeline", {
-        "stages": stages, "microbatches": microbatches, "submeshes": submeshes}))
+    kw = _read_keys(r, d, "pipeline", {
+        "stages": stages, "microbatches": microbatches, "submeshes": submeshes,
+        "virtual_stages": _virtual_stages(r)})
+    _check_interleaving(r, kw)
+    return PipelineOptions(**kw)
+
+
+def _virtual_stages(r: Reader) -> Callable[[Any, str, dict[str, Any]], int | str]:
+    """The reader of ``pipeline.virtual_stages``: a positive integer or ``auto``."""
+
+    def read(value: Any, path: str, _: dict[str, Any]) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, str) or isinstance(value, bool) or not isinstance(value, int):
+            r.fail(path, f"expected a positive integer or 'auto', got {value!r}")
+        return r.positive_int(value, path)
+
+    return read
+
+
+def _check_interleaving(r: Reader, kw: dict[str, Any]) -> None:
+    """Interleaved 1F1B's requirements, each named: an integer count of at least 2 only with
+    schedule ``interleaved-1f1b``, which needs ``virtual_stages`` ≥ 2 (or auto) and stages.
+    (Micro-batches in whole rounds of the stages, Megatron-LM's rule, is the solver's
+    check: the micro-batch graph is parsed with one micro-batch.)"""
+    v, schedule = kw.get("virtual_stages", 1), kw.get("schedule", "1f1b")
+    if isinstance(v, int) and v > 1 and schedule != "interleaved-1f1b":
+        r.fail("pipeline.virtual_stages", f"{v} chunks per stage need pipeline.schedule: "
+                                          f"interleaved-1f1b (got {schedule}); or use auto")
+    if schedule != "interleaved-1f1b":
+        return
+    if v == 1:
+        r.fail("pipeline.virtual_stages", "schedule interleaved-1f1b needs 2 or more model "
+                                          "chunks per stage, or auto; got 1")
+    if kw.get("stages", 1) == 1:
+        r.fail("pipeline.stages", "schedule interleaved-1f1b needs 2 or more stages, or auto")
 
 
 def _parse_submeshes(r: Reader, value: Any, cluster: Cluster,

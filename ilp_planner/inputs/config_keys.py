@@ -100,6 +100,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
                       default_text="all defaults"),
         "pipeline": Key("mapping", "inter-op options (PipelineOptions)", None,
                         default_text="all defaults"),
+        "compare": Key("string or list", "configurations you run, priced beside the plan: "
+                                         "'megatron: tp=8 pp=2 dp=4 vpp=2 mbs=1 "
+                                         "recompute=full sp=true' or 'torchtitan: fsdp=8 tp=4 "
+                                         "pp=1 ddp=1 mbs=2 ac=selective' (keys left out: "
+                                         "defaults, data parallel fills the devices)", None,
+                       null=True, default_text="none"),
     },
     "model": {
         "kind": Key("choice", "which model: a builder, an explicit graph or a torch module",
@@ -230,6 +236,10 @@ SECTIONS: dict[str, dict[str, Key]] = {
                             _PIPELINE["microbatches"], positive=True),
         "schedule": Key("choice", "the pipeline schedule", _PIPELINE["schedule"],
                         choices=SCHEDULES, noun="schedule"),
+        "virtual_stages": Key("integer or auto", "model chunks per stage mesh (interleaved "
+                                                 "1F1B): N ≥ 2 with schedule interleaved-1f1b, "
+                                                 "auto: the planner picks, also beside another "
+                                                 "schedule", _PIPELINE["virtual_stages"]),
         "submeshes": Key("list", "[nodes, devices] per stage, one per stage",
                          _PIPELINE["submeshes"], null=True),
         "imbalance_tolerance": Key("number", "stage imbalance the DP tolerates",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from formulations.result import MILP_BACKENDS
 
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "interleaved-1f1b")
 # heuristic searches the ILP falls back to (formulations.sbp_search.SEARCHES)
 FALLBACKS = ("coordinate_descent", "metropolis_hastings", "random")
 # MILP backends of the intra-op ILP (formulations.sbp_ilp runs them)
@@ -68,7 +68,13 @@ class PipelineOptions:
     far (status ``feasible``). ``stage_bound`` lets the planner skip the intra-op solve of
     a (range, sub-mesh) pair whose FLOP lower bound already loses to an even pipeline it
     priced first (exact: same optimum;
-    :meth:`ilp_planner.inter_op.stage_solver.StageSolver.stage_cost`)."""
+    :meth:`ilp_planner.inter_op.stage_solver.StageSolver.stage_cost`).
+
+    ``virtual_stages`` (Megatron-LM's interleaving, :mod:`ilp_planner.inter_op.interleaved`):
+    with ``schedule: interleaved-1f1b``, the model chunks per stage mesh (an integer ≥ 2,
+    or ``auto``: the fastest); with another schedule, ``auto`` also prices interleaved
+    pipelines on the stage DP's stage count and keeps one where it simulates faster, and
+    1 (the default) never interleaves."""
 
     stages: int | str = 1
     microbatches: int = 1
@@ -80,6 +86,13 @@ class PipelineOptions:
     max_units: int | None = None
     stage_time_limit_s: float | None = None
     stage_bound: bool = True
+    virtual_stages: int | str = 1
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether the planner solves interleaved pipelines: forced (schedule
+        ``interleaved-1f1b``) or offered beside the schedule's (``virtual_stages: auto``)."""
+        return self.schedule == "interleaved-1f1b" or self.virtual_stages == "auto"
 
     @property
     def pipelined(self) -> bool:

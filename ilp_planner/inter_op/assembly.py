@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from formulations.schedules import make_schedule
+from formulations.schedules import INTERLEAVED, make_schedule
 from formulations.simulator import StageDurations, simulate
 from formulations.stage_dp import StageChoice
 from ilp_planner.errors import InfeasibleError
@@ -28,6 +28,7 @@ from ilp_planner.plan.data import (
     CostBreakdown,
     LayerPlan,
     PipelineSchedule,
+    Plan,
     ReshardingEntry,
     Simulated,
     SolverReport,
@@ -69,14 +70,16 @@ class AssembledPipeline:
 
 
 def assemble_pipeline(config: Config, graph: Graph, plans: Sequence[SolvedStage],
-                      dp_objective_s: float, reshardings: dict | None = None) -> AssembledPipeline:
+                      dp_objective_s: float, reshardings: dict | None = None,
+                      virtual_stages: int = 1) -> AssembledPipeline:
     """The pipeline of ``plans`` as it runs: resharding solved for every crossing tensor,
     the stage boundaries checked and priced, each stage's forward and backward per
     micro-batch, and the schedule simulated (``step_s``: makespan + the exposed gradient
     synchronisation tail). The planner's plan and the pipelined grid baseline both come
     from here, so their steps compare like for like; ``reshardings`` carries the solved
     resharding schedules from one assembly to the next (pipelines on the same meshes share
-    their crossings)."""
+    their crossings). ``virtual_stages`` > 1: ``plans`` are the chunks of an interleaved
+    pipeline (chunk ``j`` on the mesh of ``plans[j mod p]``), simulated as such."""
     pipe = config.pipeline
     layers: list[LayerPlan] = []
     stages: list[Stage] = []
@@ -106,14 +109,33 @@ def assemble_pipeline(config: Config, graph: Graph, plans: Sequence[SolvedStage]
     layers = price_stage_boundaries(graph, layers, stages, resharding, config.cluster)
     times = stage_costs(layers, stages, pipe.microbatches)
     stages = [dataclasses.replace(s, times=t) for s, t in zip(stages, times, strict=True)]
-    sched = make_schedule(pipe.schedule, len(plans), pipe.microbatches)
+    name = INTERLEAVED if virtual_stages > 1 else pipe.schedule
+    sched = make_schedule(name, len(plans) // virtual_stages, pipe.microbatches,
+                          virtual_stages=virtual_stages)
     sim = simulate(sched, stage_durations(times, resharding), overlap=pipe.overlap)
     schedule = PipelineSchedule(
-        pipe.schedule, pipe.microbatches,
-        tuple(tuple(str(a) for a in row) for row in sched.rows),
+        name, pipe.microbatches, tuple(tuple(row) for row in sched.to_strings()),
         Simulated(sim.makespan_s, sim.bubble_fraction, tuple(sim.peak_inflight), pipe.overlap,
-                  dp_objective_s, sim.makespan_s + max(t.grad_sync_exposed_s for t in times)))
+                  dp_objective_s, sim.makespan_s + _exposed_tail(times, virtual_stages)),
+        virtual_stages)
     return AssembledPipeline(layers, stages, resharding, schedule, resharding_s)
+
+
+def _exposed_tail(times: Sequence[StageTimes], virtual_stages: int) -> float:
+    """The step's exposed gradient-synchronisation tail: the largest per mesh (under
+    interleaved 1F1B a mesh's chunks synchronise one after the other)."""
+    p = len(times) // virtual_stages
+    return max(sum(t.grad_sync_exposed_s for t in times[r::p]) for r in range(p))
+
+
+def pipeline_plan(config: Config, pipeline: AssembledPipeline, report: SolverReport) -> Plan:
+    """The plan of ``pipeline``: its cost the busiest stage's, with the largest peak."""
+    per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
+    busiest = max(per_stage, key=lambda c: c.total_s)
+    cost = dataclasses.replace(busiest, peak_memory_bytes=max(c.peak_memory_bytes
+                                                              for c in per_stage))
+    return Plan(config.name, config.raw, report, cost, pipeline.layers, stages=pipeline.stages,
+                schedule=pipeline.schedule, resharding=pipeline.resharding)
 
 
 def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:

@@ -21,11 +21,18 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from formulations.schedules import INTERLEAVED
 from formulations.stage_dp import StagePlan, solve_stages
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
-from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
+from ilp_planner.inter_op.assembly import (
+    AssembledPipeline,
+    SolvedStage,
+    assemble_pipeline,
+    pipeline_plan,
+)
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
+from ilp_planner.inter_op.interleaved import best_interleaved, interleaved_report
 from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.inter_op.pipelined_grid import (
     GridPipeline,
@@ -96,6 +103,8 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     units = layer_units(graph, config.pipeline.max_units)
     space = _StageSpace.of(config, len(units))
     solver = StageSolver(config, graph, units)
+    if config.pipeline.schedule == INTERLEAVED:
+        return _solve_interleaved(config, graph, solver, space, baselines, t0)
     boundary = BoundaryCost(config, graph, units)
     if space.fixed is None and config.pipeline.stage_bound:
         set_incumbent(solver, boundary, space.shapes, space.num_stages,
@@ -118,13 +127,50 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         assert own is not None
         grid_pipeline = assemble_pipeline(config, graph, own, grid.latency_s, reshardings)
         pipeline = _faster_of(config, solver, grid, pipeline, grid_pipeline, reshardings)
+    if config.pipeline.virtual_stages == "auto":
+        pipeline = _interleaved_if_faster(config, graph, solver, pipeline, len(dp.stages),
+                                          reshardings)
     report = _solver_report(pipeline, dp, solver, boundary, len(units),
                             time.perf_counter() - t0)
-    plan = _plan(config, pipeline, report)
+    plan = pipeline_plan(config, pipeline, report)
     if baselines:
         plan.baselines = _single_mesh_baselines(config)
         plan.baselines.update(price_pipelined_grid(grid, grid_pipeline))
     return plan
+
+
+def _solve_interleaved(config: Config, graph, solver: StageSolver, space: _StageSpace,
+                       baselines: bool, t0: float) -> Plan:
+    """``schedule: interleaved-1f1b``: the fastest interleaved pipeline on the config's stage
+    count (``auto``: every count that splits the cluster evenly), its plan and baselines."""
+    n = config.cluster.num_devices
+    counts = [space.num_stages] if space.num_stages is not None else [
+        p for p in range(2, n + 1) if n % p == 0]
+    pipeline, why = best_interleaved(config, graph, solver, counts, {})
+    if pipeline is None:
+        raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join(why))
+    plan = pipeline_plan(config, pipeline, interleaved_report(
+        pipeline, solver, time.perf_counter() - t0, ""))
+    if baselines:
+        plan.baselines = _single_mesh_baselines(config)
+    return plan
+
+
+def _interleaved_if_faster(config: Config, graph, solver: StageSolver,
+                           pipeline: AssembledPipeline, num_stages: int, reshardings: dict
+                           ) -> AssembledPipeline:
+    """``virtual_stages: auto`` beside another schedule: the stage DP's pipeline, or an
+    interleaved one on its stage count where that simulates faster (noted in the report)."""
+    if num_stages < 2:
+        return pipeline
+    rival, _ = best_interleaved(config, graph, solver, [num_stages], reshardings)
+    if rival is None or rival.step_s >= pipeline.step_s:
+        return pipeline
+    v = rival.schedule.virtual_stages
+    return dataclasses.replace(rival, note=(
+        f"interleaved 1F1B ({num_stages} stage meshes × {v} chunks) simulates to "
+        f"{rival.step_s:.6g} s a step, the stage DP's {pipeline.schedule.name} pipeline "
+        f"{pipeline.step_s:.6g} s: kept the interleaved one"))
 
 
 def _stage_dp(config: Config, solver: StageSolver, boundary: BoundaryCost,
@@ -232,16 +278,6 @@ def _solver_report(pipeline: AssembledPipeline, dp: StagePlan, solver: StageSolv
              "boundary_s": boundary.seconds, "dp_s": dp.solve_s + table_rest_s,
              "resharding_s": pipeline.resharding_s, "total_s": total_s}),
     )
-
-
-def _plan(config: Config, pipeline: AssembledPipeline, report: SolverReport) -> Plan:
-    """The plan of ``pipeline``: its cost the busiest stage's, with the largest peak."""
-    per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
-    busiest = max(per_stage, key=lambda c: c.total_s)
-    cost = dataclasses.replace(busiest, peak_memory_bytes=max(c.peak_memory_bytes
-                                                              for c in per_stage))
-    return Plan(config.name, config.raw, report, cost, pipeline.layers, stages=pipeline.stages,
-                schedule=pipeline.schedule, resharding=pipeline.resharding)
 
 
 def _single_mesh_baselines(config: Config) -> dict[str, dict]:

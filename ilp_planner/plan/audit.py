@@ -2,7 +2,8 @@
 
 :func:`predicted` reads what a plan prices for one rank and one optimizer step: every
 collective of the layers on the rank's stage (per micro-batch, or once per step for
-weight-gradient synchronisation and tied-weight exchanges) and every cross-mesh broadcast
+weight-gradient synchronisation and tied-weight exchanges; under interleaved 1F1B, of every
+chunk on the rank's mesh) and every cross-mesh broadcast
 task the rank sends or receives, forward (``tasks``) and backward (``backward_tasks``).
 :func:`compare` sets it beside what the runtime's dispatch-level recorder saw (``(kind,
 purpose, bytes)`` rows; the loss report is not part of the plan) and flags every (kind,
@@ -26,10 +27,8 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
     """(count, bytes) per (kind, purpose) the plan prices for ``rank`` in one step of
     ``microbatches`` micro-batches."""
     m = microbatches
-    stage = 0
-    for s in plan.stages:
-        if rank in s.devices:
-            stage = s.index
+    # the rank's stages: one, or under interleaved 1F1B each of its mesh's chunks
+    mine = {s.index for s in plan.stages if rank in s.devices} or {0}
     out: dict[Key, list[float]] = {}
 
     def add(key: Key, times: int, nbytes: float) -> None:
@@ -38,7 +37,7 @@ def predicted(plan: Plan, rank: int, microbatches: int) -> dict[Key, tuple[int, 
         acc[1] += times * nbytes
 
     for layer in plan.layers:
-        if plan.stages and layer.stage != stage:
+        if plan.stages and layer.stage not in mine:
             continue
         for c in layer.collectives:
             add((c.kind.value, c.purpose, c.phase, c.group_size),

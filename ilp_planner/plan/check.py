@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from formulations.schedules import (
+    INTERLEAVED,
     Schedule,
     ScheduleError,
     check_schedule_name,
@@ -54,8 +55,10 @@ from ilp_planner.plan.layer_check import check_layer_strategies
 @dataclass(frozen=True)
 class CheckedPlan:
     """What checking derived, for the runtime to reuse: the stages (one on every device for a
-    plan without any), the resharding entries and which brings each cross-stage input, and
-    per stage its lowered ``(kind, micro-batch)`` actions."""
+    plan without any), the resharding entries and which brings each cross-stage input, per
+    stage its lowered ``(kind, micro-batch)`` actions, and per stage mesh the order its
+    ranks run them in (``(stage, kind, micro-batch)``: one stage per mesh, or under
+    interleaved 1F1B the mesh's chunks interleaved)."""
 
     config: Config
     graph: Graph
@@ -64,6 +67,7 @@ class CheckedPlan:
     entries: list[ReshardingEntry]
     entry_of: dict[tuple[str, int], int]  # (consumer, input index) -> entry bringing it
     actions: dict[int, list[tuple[str, int]]]
+    mesh_actions: dict[int, list[tuple[int, str, int]]]
 
 
 def check_plan(plan: Plan, source: str | None = None, microbatches: int | None = None, *,
@@ -87,10 +91,14 @@ def check_plan(plan: Plan, source: str | None = None, microbatches: int | None =
                                strategies=strategies)
         stage_of = {n: s.index for s in stages for n in s.layers}
         entries, entry_of = plan_entries(plan, graph, stages, stage_of, src)
-        actions = lowered_actions(plan, len(stages), m, src)
+        mesh_actions = lowered_actions(plan, len(stages), m, src)
     except (ScheduleError, LayoutError) as exc:
         raise PlanFormatError(f"{src}: {exc}") from exc
-    return CheckedPlan(config, graph, m, stages, entries, entry_of, actions)
+    actions: dict[int, list[tuple[str, int]]] = {s.index: [] for s in stages}
+    for row in mesh_actions.values():
+        for stage, kind, mb in row:
+            actions[stage].append((kind, mb))
+    return CheckedPlan(config, graph, m, stages, entries, entry_of, actions, mesh_actions)
 
 
 def load_checked(path: str | Path) -> Plan:
@@ -178,7 +186,7 @@ def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
         if sorted(placed) != sorted(layers):
             raise PlanFormatError(f"{src}: stages list {len(placed)} layers, the plan has "
                                   f"{len(layers)} (each layer in exactly one stage)")
-        used = [d for s in out for d in s.devices]
+        used = [d for s in out[:_check_chunk_meshes(plan, out, src)] for d in s.devices]
         if len(set(used)) != len(used) or any(not 0 <= d < num_devices for d in used):
             raise PlanFormatError(f"{src}: stage devices {used} overlap or lie outside "
                                   f"0..{num_devices - 1}")
@@ -194,6 +202,32 @@ def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
                                           f"{lay.num_devices} devices, its stage {s.index} has "
                                           f"{len(s.devices)}")
     return out
+
+
+def virtual_stages(plan: Plan) -> int:
+    """Model chunks per stage mesh: the schedule's ``virtual_stages`` (1 but for
+    interleaved 1F1B)."""
+    return plan.schedule.virtual_stages if plan.schedule is not None else 1
+
+
+def _check_chunk_meshes(plan: Plan, stages: Sequence[Stage], src: str) -> int:
+    """How many stage meshes the plan's stages sit on: all of them, or under interleaved
+    1F1B (``v`` virtual stages) ``p = len(stages) / v``, stage ``j`` on the devices and
+    mesh of stage ``j mod p`` (checked)."""
+    v = virtual_stages(plan)
+    if v == 1:
+        return len(stages)
+    if len(stages) % v or len(stages) // v < 2:
+        raise PlanFormatError(f"{src}: schedule.virtual_stages is {v} but the plan has "
+                              f"{len(stages)} stages: expected p·{v} model chunks on p ≥ 2 "
+                              f"stage meshes")
+    p = len(stages) // v
+    for j in range(p, len(stages)):
+        if (stages[j].devices, stages[j].mesh) != (stages[j % p].devices, stages[j % p].mesh):
+            raise PlanFormatError(f"{src}: stages[{j}] is chunk {j} of an interleaved pipeline "
+                                  f"over {p} meshes: expected the devices and mesh of stage "
+                                  f"{j % p}, got {list(stages[j].devices)}")
+    return p
 
 
 def plan_entries(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: dict[str, int],
@@ -281,24 +315,32 @@ def _inside(inner, outer) -> bool:
         o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(inner, outer, strict=True))
 
 
-def lowered_actions(plan: Plan, num_stages: int, m: int, src: str) -> dict[int, list[tuple[str, int]]]:
-    """The schedule as it will run: per stage the lowered ``(kind, micro-batch)`` list,
-    validated after lowering (complete, locally ordered, FIFO per link, deadlock-free).
-    A single-stage plan without a schedule runs 1F1B."""
+def lowered_actions(plan: Plan, num_stages: int, m: int, src: str
+                    ) -> dict[int, list[tuple[int, str, int]]]:
+    """The schedule as it will run: per stage mesh the lowered ``(stage, kind,
+    micro-batch)`` list, validated after lowering (complete, locally ordered, FIFO per
+    link, deadlock-free). A single-stage plan without a schedule runs 1F1B. Under
+    interleaved 1F1B the ``num_stages`` stages are the chunks, ``num_stages / v`` rows."""
     if plan.schedule is not None and plan.schedule.actions:
         name, rows = known_schedule(plan.schedule.name, src), [list(row) for row in plan.schedule.actions]
     elif num_stages == 1:
         name, rows = "1f1b", make_schedule("1f1b", 1, m).to_strings()
     else:
         raise PlanFormatError(f"{src}: {num_stages} stages but no schedule actions")
-    if len(rows) != num_stages:
-        raise PlanFormatError(f"{src}: schedule has {len(rows)} rows for {num_stages} stages")
+    v = virtual_stages(plan)
+    if len(rows) * v != num_stages:
+        raise PlanFormatError(f"{src}: schedule has {len(rows)} rows"
+                              f"{f' × {v} virtual stages' if v > 1 else ''} for {num_stages} stages")
+    if (name == INTERLEAVED) != (v > 1):
+        raise PlanFormatError(f"{src}: schedule {name!r} with virtual_stages {v}: virtual "
+                              f"stages (> 1) go with {INTERLEAVED!r} and only with it")
     try:
-        sched = lower(Schedule.from_strings(rows, num_microbatches=m, name=name))
+        sched = lower(Schedule.from_strings(rows, num_microbatches=m, name=name, virtual_stages=v))
     except (TypeError, ValueError, AttributeError) as exc:
         raise PlanFormatError(f"{src}: schedule actions do not parse ({exc})") from exc
     validate(sched)
-    return {i: [(a.kind.value, a.microbatch) for a in row] for i, row in enumerate(sched.rows)}
+    return {i: [(a.stage, a.kind.value, a.microbatch) for a in row]
+            for i, row in enumerate(sched.rows)}
 
 
 def known_schedule(name: str, src: str) -> str:

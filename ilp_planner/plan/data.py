@@ -493,16 +493,23 @@ class Simulated:
 class PipelineSchedule:
     """A pipelined plan's schedule: its name, micro-batches per step, per stage the actions
     it runs (``"F0"``, ``"B1"``, …; lowered and validated by the check), and where the
-    planner simulated it, the simulation (``simulated``)."""
+    planner simulated it, the simulation (``simulated``).
+
+    Interleaved 1F1B (``virtual_stages`` = v > 1): the plan's stages are the model's
+    ``p·v`` chunks, chunk ``j`` on the devices of stage ``j mod p``; ``actions`` has one row
+    per stage mesh (``p`` rows), each action naming its chunk (``"2F0"``)."""
 
     name: str
     num_microbatches: int
     actions: tuple[tuple[str, ...], ...]
     simulated: Simulated | None = None
+    virtual_stages: int = 1
 
     def to_dict(self) -> dict:
         d: dict = {"name": self.name, "num_microbatches": self.num_microbatches,
                    "actions": {str(i): list(row) for i, row in enumerate(self.actions)}}
+        if self.virtual_stages != 1:
+            d["virtual_stages"] = self.virtual_stages
         return d if self.simulated is None else {**d, **self.simulated.to_dict()}
 
     @classmethod
@@ -514,7 +521,8 @@ class PipelineSchedule:
         return cls(string(required(d, "name", path), f"{path}.name"),
                    integer(required(d, "num_microbatches", path), f"{path}.num_microbatches", 1),
                    tuple(items(row, f"{path}.actions.{k}", string) for k, row in acts.items()),
-                   Simulated.from_dict(d, path) if "makespan_s" in d else None)
+                   Simulated.from_dict(d, path) if "makespan_s" in d else None,
+                   integer(d.get("virtual_stages", 1), f"{path}.virtual_stages", 1))
 
 
 @dataclass(frozen=True)

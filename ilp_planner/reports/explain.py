@@ -45,6 +45,7 @@ from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
 from ilp_planner.plan.programs import EdgeProgram, edge_programs, steps_text
+from ilp_planner.reports.given import given_lines
 
 _GIB = 2**30
 _INDEX = re.compile(r"(?:(?<=\.)|^)(\d+)(?=\.|$)")
@@ -414,7 +415,7 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
                 [decisions_summary(plan)], _layer_lines(plan, collectives),
                 _totals_lines(plan), _resharding_lines(plan),
                 ["baselines (same cost model; ratio = baseline / plan, > 1 means the plan is "
-                 "faster):", *_baseline_table(plan)]]
+                 "faster):", *_baseline_table(plan)], given_lines(plan)]
     return "\n\n".join("\n".join(lines) for lines in sections if lines)
 
 
@@ -618,7 +619,7 @@ def summary(plan: Plan) -> str:
             f"{sc.num_microbatches} micro-batches: makespan {sim.makespan_s:.4g} s, "
             f"bubble {sim.bubble_fraction:.1%}; per-device costs below are the busiest "
             f"stage's")
-    return "\n".join(lines + _cost_table(plan))
+    return "\n".join(lines + _cost_table(plan) + given_lines(plan))
 
 
 RATIO_LEGEND = ("  ratio = a plan's step time / ilp_planner's (> 1: ilp_planner is faster); "

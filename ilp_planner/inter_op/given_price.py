@@ -1,0 +1,241 @@
+"""A configuration the user already runs (``solve --compare``, the config's ``compare:``),
+priced under the planner's own model beside the plan.
+
+Without a pipeline it is one restricted intra-op solve on the whole cluster
+(:func:`~ilp_planner.intra_op.given_layout.solve_given_layout`). With ``pp`` stages the
+layers split uniformly into ``pp`` stages on equal sub-meshes (the engines' default split:
+the embedding with the first layers, the head with the last), each stage priced by the
+same restricted solve holding its 1F1B in-flight micro-batches, the pipeline assembled and
+its 1F1B schedule simulated as the planner's own pipelines are
+(:func:`~ilp_planner.inter_op.assembly.assemble_pipeline`). Interleaving (``vpp > 1``) is
+priced by the published closed form on those stage times
+(:func:`interleaved_step_s`). The price goes into the plan's baselines block with the
+configuration's TFLOP/s per GPU (model FLOPs as Megatron counts them), whether it fits
+the memory budget and by how much it does not, what differs from the plan, and the
+engine's flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+from formulations.schedules import inflight_microbatches
+from formulations.stage_dp import StageChoice, pack_submeshes
+from ilp_planner.errors import InfeasibleError
+from ilp_planner.inputs.config import Config
+from ilp_planner.inputs.given_config import (
+    GivenConfig,
+    engine_flags,
+    microbatches,
+    recomputed_blocks,
+    stage_shape,
+)
+from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
+from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
+from ilp_planner.inter_op.stage_solver import pipeline_latency
+from ilp_planner.intra_op.given_layout import solve_given_layout
+from ilp_planner.intra_op.problem import BuildCache, held_activations, peak_memory
+from ilp_planner.intra_op.realise import realise
+from ilp_planner.ir.graph import Graph
+from ilp_planner.lowering.stage_boundary import stage_boundary
+from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, SolverReport, StageTimes
+
+GIB = 2**30
+
+
+def interleaved_step_s(stages: Sequence[StageTimes], num_microbatches: int, chunks: int) -> float:
+    """Step time of Megatron's interleaved 1F1B by the closed form of Narayanan et al.
+    (SC'21, §2.2): with ``p`` stages each holding ``chunks`` (v) model chunks, the pipeline
+    bubble is ``(p − 1)/(v·m)`` of the ideal ``m · (t_f + t_b)`` of the slowest stage, so
+    the step is ``(m + (p − 1)/v) · max(t_f + t_b)`` plus the exposed gradient
+    synchronisation. The stage-to-stage transfers (v times as many as without
+    interleaving) are left out; the in-flight activations are Megatron's
+    (:func:`interleaved_inflight`).
+    A stand-in until the ``interleaved-1f1b`` schedule is simulated
+    (``formulations/schedules.py``): swap this function for the simulator then."""
+    p = len(stages)
+    slowest = max(s.forward_s + s.backward_s for s in stages)
+    exposed = max(s.grad_sync_exposed_s for s in stages)
+    return (num_microbatches + (p - 1) / chunks) * slowest + exposed
+
+
+def interleaved_inflight(num_stages: int, rank: int, num_microbatches: int, chunks: int) -> float:
+    """Micro-batches' worth of activations pipeline rank ``rank`` holds at its peak under
+    Megatron's interleaved 1F1B: its warm-up runs ``(p − rank − 1)·2 + (v − 1)·p`` forward
+    micro-chunks (all ``m·v`` when ``m = p``; Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving``), one more starts before the first
+    backward, and each holds the activations of ``1/v`` of the rank's layers."""
+    p, m, v = num_stages, num_microbatches, chunks
+    total = m * v
+    warmup = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
+    return min(warmup + 1, total) / v
+
+
+def model_flops(config: Config, recomputed: int) -> float:
+    """FLOPs of one step as the engines count them, recomputation included. For a GPT:
+    Megatron's ``24·B·s·l·h²·(3 + r)·(1 + s/6h) + 6·B·s·h·V`` with ``r`` the share of the
+    ``l`` layers recomputed — ``96·B·s·l·h²·(1 + s/6h + V/16lh)`` with full recomputation
+    (Narayanan et al., SC'21, Appendix), ``72·…`` without. Another model: three times its
+    forward FLOPs (backward ≈ 2 × forward) plus the forward of ``recomputed`` of its
+    blocks (a block's share of the blocks' FLOPs)."""
+    m, graph = config.model, config.graph
+    if m.get("kind") == "gpt":
+        B, s, h, V, L = (int(m[k]) for k in ("batch", "seq_len", "hidden", "vocab", "layers"))
+        r = recomputed / L
+        return 24.0 * B * s * L * h * h * (3 + r) * (1 + s / (6 * h)) + 6.0 * B * s * h * V
+    blocks = graph.blocks()
+    block_flops = sum(op.flops for op in graph.ops if op.block is not None)
+    return 3 * graph.forward_flops + (block_flops * recomputed / len(blocks) if blocks else 0.0)
+
+
+def price_given(config: Config, g: GivenConfig, plan: Plan) -> dict[str, dict]:
+    """``g`` (resolved for ``config``) priced beside ``plan``: its baselines entry, a cost
+    breakdown (``pipeline_s`` the step when pipelined) with a ``given`` block (module
+    docstring), or the reason it cannot be priced."""
+    batch = config.model.get("batch")
+    m = microbatches(g, batch)
+    try:
+        cfg = config.with_overrides({"pipeline.microbatches": m, "pipeline.stages": g.pp,
+                                     "pipeline.schedule": "1f1b", "pipeline.submeshes": None,
+                                     "compare": None})
+        graph = cfg.microbatch_graph()
+        if g.pp == 1:
+            layout = solve_given_layout(g, cfg, graph, (cfg.cluster.nodes, cfg.cluster.devices_per_node), m)
+            layers, cost = realise(layout.gp, layout.choice)
+            block, step = cost.to_dict(), cost.total_s
+        else:
+            pipeline = _given_pipeline(g, cfg, graph, m)
+            layers, cost = pipeline.layers, _pipeline_cost(pipeline)
+            step = (pipeline.step_s if g.vpp == 1 else interleaved_step_s(
+                [s.times for s in pipeline.stages if s.times is not None], m, g.vpp))
+            block = {**cost.to_dict(), "pipeline_s": step}
+    except InfeasibleError as exc:
+        return {g.label(): {"error": str(exc)}}
+    block["given"] = _given_block(config, g, plan, layers, cost, step, m)
+    return {g.label(): block}
+
+
+def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> AssembledPipeline:
+    """``g``'s ``pp`` stages (module docstring), assembled and simulated under 1F1B.
+    Stages of one signature class (the middle ones of a uniform split) share one solve:
+    without a memory budget the choice does not depend on the in-flight count, only the
+    peak does, and that is computed per stage."""
+    cluster = cfg.cluster
+    units = layer_units(graph)
+    keys = RangeKeys(graph, units)
+    shape = stage_shape(g, cluster.nodes, cluster.devices_per_node)
+    meshes = pack_submeshes([shape] * g.pp, cluster.nodes, cluster.devices_per_node)
+    per = len(units) // g.pp
+    cache = BuildCache()
+    solved: dict[tuple, tuple] = {}
+    stages, times = [], []
+    for j, mesh in enumerate(meshes):
+        a, e = j * per, (j + 1) * per
+        names = [n for u in units[a:e] for n in u]
+        if keys.key(a, e) not in solved:
+            layout = solve_given_layout(g, cfg, subgraph(graph, names), shape, m,
+                                        stage_boundary(graph, names), cache)
+            solved[keys.key(a, e)] = (layout, *realise(layout.gp, layout.choice))
+        layout, layers, cost = solved[keys.key(a, e)]
+        held = inflight_microbatches("1f1b", g.pp - j, m)
+        at = dataclasses.replace(layout.gp, boundary=dataclasses.replace(layout.gp.boundary,
+                                                                         inflight=1))
+        extra = (held if g.vpp == 1 else interleaved_inflight(g.pp, j, m, g.vpp)) - 1
+        peak = peak_memory(at, layout.choice) + extra * held_activations(at, layout.choice)
+        times.append(cost.total_s / m)
+        choice = StageChoice(a, e, shape, times[-1], times[-1], 0.0, peak, held, mesh)
+        report = SolverReport("optimal", cost.total_s, f"given configuration {g.text()}")
+        stages.append(SolvedStage(choice, names, layers, report, held))
+    return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m))
+
+
+def _pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
+    """The busiest stage's breakdown with the largest peak of any stage (as a pipelined
+    plan's cost is)."""
+    per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
+    busiest = max(per_stage, key=lambda c: c.total_s)
+    peak = max(c.peak_memory_bytes for c in per_stage)
+    return dataclasses.replace(busiest, peak_memory_bytes=peak)
+
+
+def _given_block(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[LayerPlan],
+                 cost: CostBreakdown, step: float, m: int) -> dict:
+    """What the reports print beside the priced configuration."""
+    devices = config.cluster.num_devices
+    budget = config.cluster.memory_bytes
+    recomputed = len(recomputed_blocks(g, config.graph))
+    flops = model_flops(config, recomputed)
+    plan_flops = model_flops(config, _plan_recomputed(config.graph, plan))
+    notes = []
+    if g.engine == "megatron" and g.recompute == "selective":
+        notes.append("Megatron's selective recomputation (core attention) is not a recompute "
+                     "unit of the planner: priced without recomputation")
+    if g.zero:
+        notes.append(f"{'FSDP' if g.fsdp else 'the distributed optimizer'} as ZeRO-{g.zero} "
+                     f"wherever the planner offers it; ops without such a strategy keep "
+                     f"replicated state")
+    if g.vpp > 1:
+        notes.append(f"interleaving priced by the closed form (bubble (p-1)/(v*m) = "
+                     f"{(g.pp - 1) / (g.vpp * m):.1%}), not simulated")
+    return {
+        "text": g.text(),
+        "flags": engine_flags(g, config.model.get("batch"), len(config.graph.blocks())),
+        "step_s": step,
+        "tflops_per_gpu": flops / step / devices / 1e12 if step else 0.0,
+        "plan_tflops_per_gpu": plan_flops / plan.step_s / devices / 1e12 if plan.step_s else 0.0,
+        "speedup": step / plan.step_s if plan.step_s else 0.0,
+        "fits": cost.peak_memory_bytes <= budget * (1 + 1e-9),
+        "peak_memory_bytes": cost.peak_memory_bytes,
+        "budget_bytes": budget,
+        "differs": differences(config, g, plan, layers, m),
+        "notes": notes,
+    }
+
+
+def _plan_recomputed(graph: Graph, plan: Plan) -> int:
+    """How many blocks the plan recomputes."""
+    return len({(graph[ly.name].block, graph[ly.name].block_index) for ly in plan.layers
+                if ly.recompute and graph[ly.name].block is not None})
+
+
+def family(name: str) -> str:
+    """A layer family: the op name with its block index starred (``h.3.mlp.fc1`` →
+    ``h.*.mlp.fc1``)."""
+    return re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)
+
+
+def _families(layers: Sequence[LayerPlan]) -> dict[str, str]:
+    """Per layer family its most common deciding strategy (state sharding and
+    recomputation marked)."""
+    seen: dict[str, Counter] = {}
+    for ly in layers:
+        if ly.strategy.startswith("follows"):
+            continue
+        text = ly.strategy + (" recomputed" if ly.recompute else "")
+        seen.setdefault(family(ly.name), Counter())[text] += 1
+    return {f: c.most_common(1)[0][0] for f, c in seen.items()}
+
+
+def differences(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[LayerPlan],
+                m: int, most: int = 6) -> list[str]:
+    """What the plan does otherwise than ``g``: stages, micro-batches, recomputed blocks,
+    and the layout of each layer family where the two differ (at most ``most`` families)."""
+    out = []
+    stages = max(1, len(plan.stages))
+    if stages != g.pp:
+        out.append(f"stages: plan {stages}, given {g.pp}" + (f" x {g.vpp} chunks" if g.vpp > 1 else ""))
+    plan_m = plan.schedule.num_microbatches if plan.schedule else config.pipeline.microbatches
+    if plan_m != m:
+        out.append(f"micro-batches: plan {plan_m}, given {m}")
+    mine, given = _plan_recomputed(config.graph, plan), len(recomputed_blocks(g, config.graph))
+    if mine != given:
+        out.append(f"recomputed blocks: plan {mine}, given {given}")
+    a, b = _families(plan.layers), _families(layers)
+    fams = [f for f in a if f in b and a[f] != b[f]]
+    out += [f"{f}: plan {a[f]}, given {b[f]}" for f in fams[:most]]
+    if len(fams) > most:
+        out.append(f"+{len(fams) - most} more layer families")
+    return out
