@@ -62,6 +62,8 @@ LAZY: dict[tuple[str, str], str] = {
     ("runtime.applied_hooks", "torch"): "SDPA's kernel choice, only on CPU meshes",
     ("runtime.fidelity", "torch"): "torch's fake process group and fake tensors (test-only internals)",
     ("runtime.measure", "torch"): "`--help` and argument errors answer before torch loads",
+    ("runtime.measure_kernels", "torch"): "the `calibrate` verb imports it; the CLI starts "
+                                          "without torch",
 }
 
 

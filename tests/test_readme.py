@@ -172,6 +172,7 @@ def _schema_keys() -> set[str]:
         base = _BASE.get(section, {})
         probe([section], base, section)
     probe(["cluster", "links"], _BASE["cluster"]["links"], "cluster.links")
+    probe(["cluster", "compute"], {"hbm_gbps": 1}, "cluster.compute")
     for level in ("intra", "inter"):
         found = _allowed(_with(["cluster", "links", level], {_BOGUS: 1}), f"cluster.links.{level}")
         keys.update(f"cluster.links.*.{k}" for k in found)

@@ -2,6 +2,12 @@
 measured collective timings (AutoDDL §3.2), print the fit report and emit a cluster-config
 fragment ``cluster: {links: {intra: {alpha, beta}, inter: {alpha, beta}}}``.
 
+With ``--measure`` (or ``--kernel-timings KERNELS.csv``) it also fits the roofline compute
+model's parameters (:mod:`ilp_planner.inputs.compute_calibration`) from matmuls and
+streaming kernels timed on this device (:mod:`runtime.measure_kernels`: the GPU if there is
+one, else the CPU) and writes them as the fragment's ``cluster.compute`` section; measured
+kernel timings are kept beside the collectives' (``kernels.csv``).
+
 The timings come from a CSV (``collective,group_size,bytes,link,seconds``), or, with
 ``--measure --nproc-per-node N``, from :mod:`runtime.measure` run under torchrun on the
 backend actually used. Measured timings are kept (a measurement is the costly part, and
@@ -27,7 +33,16 @@ from ilp_planner.inputs.calibration import (
     fit_report,
     read_timings_csv,
 )
+from ilp_planner.inputs.compute_calibration import (
+    KernelTiming,
+    compute_report,
+    compute_section,
+    fit_compute,
+    read_kernel_csv,
+    write_kernel_csv,
+)
 from ilp_planner.inputs.files import prepare_output, write_output
+from runtime.measure_kernels import measure_kernels
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,13 +73,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="minimise relative (default) or absolute residuals")
     p.add_argument("--allow-negative-alpha", action="store_true",
                    help="keep a negative fitted latency instead of refitting with α = 0")
+    _kernel_options(p)
     p.set_defaults(func=run)
 
 
+def _kernel_options(p: argparse.ArgumentParser) -> None:
+    """The compute model's calibration: kernels timed by --measure, or read from a CSV."""
+    p.add_argument("--kernel-timings", metavar="KERNELS.csv", default=None,
+                   help="kernel timings (kernel,m,n,k,bytes,seconds) to fit the compute model "
+                        "from; with --measure: where to keep them (default kernels.csv beside "
+                        "the collectives' timings)")
+    p.add_argument("--quick", action="store_true",
+                   help="--measure: fewer, smaller kernels (seconds on a CPU)")
+    p.add_argument("--dtype", default=None,
+                   help="--measure: kernels' dtype (default bfloat16 on a GPU, float32 on CPU)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the datasheet peak the fitted matmul efficiency is a fraction of "
+                        "(default: the fitted asymptote, efficiency 1)")
+    p.add_argument("--hbm-gbps", type=float, default=None,
+                   help="the datasheet memory bandwidth, GB/s, the fitted memory efficiency "
+                        "is a fraction of (default: the fitted bandwidth, efficiency 1)")
+
+
 def _load_rows(args: argparse.Namespace) -> list[TimingRow]:
-    """Where the timings come from: the CSV named on the command line, or a measurement."""
+    """Where the timings come from: the CSV named on the command line, or a measurement
+    (none where only kernel timings are given)."""
     if not args.measure:
         if args.timings is None:
+            if args.kernel_timings is not None:
+                return []
             raise ConfigError("give a timings CSV, or --measure --nproc-per-node N")
         return read_timings_csv(args.timings)
 
@@ -91,19 +128,46 @@ def measured_timings_path(args: argparse.Namespace) -> Path:
     return (Path(args.output).parent if args.output else Path(".")) / "timings.csv"
 
 
+def measured_kernels_path(args: argparse.Namespace) -> Path:
+    """Where ``--measure`` keeps its kernel timings: ``--kernel-timings``, else
+    ``kernels.csv`` beside the collectives' timings."""
+    if args.kernel_timings:
+        return Path(args.kernel_timings)
+    return measured_timings_path(args).parent / "kernels.csv"
+
+
+def _load_kernels(args: argparse.Namespace) -> list[KernelTiming] | None:
+    """Kernel timings: measured now (``--measure``), read (``--kernel-timings``), or none."""
+    if not args.measure:
+        return None if args.kernel_timings is None else read_kernel_csv(args.kernel_timings)
+    out = prepare_output(measured_kernels_path(args))
+    rows, name = measure_kernels(quick=args.quick, dtype=args.dtype)
+    write_kernel_csv(rows, out)
+    print(f"wrote {len(rows)} kernel timings on {name} to {out}", file=sys.stderr)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     if args.output:
         prepare_output(args.output)  # before measuring: a measurement is the costly part
     rows = _load_rows(args)
-    fits = fit_links(rows, weighting=args.weighting, nonnegative=not args.allow_negative_alpha)
-    fragment = cluster_fragment(fits)
+    kernels = _load_kernels(args)
+    fits = (fit_links(rows, weighting=args.weighting, nonnegative=not args.allow_negative_alpha)
+            if rows else {})
+    reports = [fit_report(fits)] if fits else []
+    compute = None
+    if kernels is not None:
+        cal = fit_compute(kernels)
+        compute = compute_section(cal, args.peak_tflops, args.hbm_gbps)
+        reports.append(compute_report(cal))
+    fragment = cluster_fragment(fits, compute)
     if args.output:
         write_output(args.output, fragment)
         # Report on stdout, fragment in the file.
-        print(fit_report(fits))
+        print("\n".join(reports))
         print(f"wrote {args.output}")
     else:
         # Fragment on stdout (pipe-able), report on stderr.
-        print(fit_report(fits), file=sys.stderr)
+        print("\n".join(reports), file=sys.stderr)
         sys.stdout.write(fragment)
     return 0

@@ -307,15 +307,22 @@ def fit_report(fits: dict[str, LinkFit]) -> str:
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
-def cluster_fragment(fits: dict[str, LinkFit]) -> str:
+def cluster_fragment(fits: dict[str, LinkFit], compute: dict[str, float] | None = None) -> str:
     """YAML ``cluster: {links: {intra: {alpha, beta}, inter: {...}}}`` for a cluster config;
-    a comment line per link repeats the values as latency (µs) and bandwidth (Gb/s)."""
+    a comment line per link repeats the values as latency (µs) and bandwidth (Gb/s).
+    ``compute``, where kernels were fitted too
+    (:func:`~ilp_planner.inputs.compute_calibration.compute_section`), is its
+    ``cluster.compute`` section."""
     links = {link: {"alpha": float(f.alpha), "beta": float(f.beta)} for link, f in fits.items()}
     comments = [
         f"# {link}: latency {f.alpha * 1e6:.3f} us, bandwidth {f.bandwidth_gbps:.4g} Gb/s "
         f"({f.n_rows} timings, R^2 {f.r2:.4f})"
         for link, f in fits.items()
     ]
-    body = yaml.safe_dump({"cluster": {"links": links}}, sort_keys=False)
+    section: dict = {"links": links} if links else {}
+    if compute is not None:
+        section["compute"] = {k: float(v) for k, v in compute.items()}
+        comments.append("# compute: the roofline's parameters, fitted from timed kernels")
+    body = yaml.safe_dump({"cluster": section}, sort_keys=False)
     return "\n".join(["# alpha-beta fitted by `ilp-planner calibrate` (AutoDDL 3.2)", *comments,
                       body.rstrip("\n")]) + "\n"

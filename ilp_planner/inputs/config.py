@@ -71,7 +71,7 @@ from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.options import PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import Reader, join
 from ilp_planner.ir.cluster import Cluster, Link, submesh_shapes
-from ilp_planner.ir.device import device_names, device_spec
+from ilp_planner.ir.device import ComputeFit, DeviceSpec, device_names, device_spec
 from ilp_planner.ir.graph import Graph
 from ilp_planner.ir.links import catalogue_link, link_names
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS, MemorySpec
@@ -194,10 +194,25 @@ def _cluster_mapping(c: Cluster) -> dict[str, Any]:
            "efficiency": c.efficiency, "name": c.name,
            "links": {"intra": link(c.intra), "inter": link(c.inter)}}
     if c.device is not None:
-        out["gpu"] = c.device.name
+        out.update(_device_mapping(c.device))
     if c.collectives != "ring":
         out["collectives"] = c.collectives
     return out
+
+
+def _device_mapping(device: DeviceSpec) -> dict[str, Any]:
+    """A cluster's device as ``gpu`` (where the catalogue knows its name) and ``compute``:
+    its roofline figures, only those that are not the catalogue entry's (a figure written
+    back in other units would not parse to the very same float; the section's one peak
+    would override the per-dtype ones)."""
+    try:
+        base = device_spec(device.name)
+    except ConfigError:
+        return {"compute": compute_mapping(device)}
+    mine, theirs = compute_mapping(device), compute_mapping(base)
+    if base.peak_flops == device.peak_flops:
+        del mine["peak_tflops"]
+    return {"gpu": device.name, "compute": {k: v for k, v in mine.items() if v != theirs[k]}}
 
 
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
@@ -497,8 +512,9 @@ def _parse_cluster(r: Reader, value: Any, dtype: str) -> Cluster:
         if "collectives" in d else ("nccl" if named_links else "ring")
     default_name = f"{nodes}x{per_node}" + (f"-{device.name}" if device else "")
     name = r.read(keys["name"], d["name"], "cluster.name") if "name" in d else default_name
-    return Cluster(nodes, per_node, figures["memory_gib"], figures["peak_tflops"], intra, inter,
-                   efficiency, name, device, collectives)
+    cluster = Cluster(nodes, per_node, figures["memory_gib"], figures["peak_tflops"], intra,
+                      inter, efficiency, name, device, collectives)
+    return _with_compute(r, d["compute"], cluster) if "compute" in d else cluster
 
 
 def parse_cluster(raw: Mapping[str, Any], source: str | None = None) -> Cluster:
@@ -521,6 +537,45 @@ def parse_links(section: Mapping[str, Any], source: str | None = None) -> tuple[
     if not isinstance(section, Mapping):
         r.fail("cluster", f"expected a mapping, got {section!r}")
     return _parse_links(r, dict(section))
+
+
+def _with_compute(r: Reader, value: Any, cluster: Cluster) -> Cluster:
+    """``cluster.compute``: the roofline's parameters (:class:`ComputeFit`), overriding the
+    catalogue device's where the cluster names one, else making a device of the cluster's
+    own numbers (its peak for every dtype; ``hbm_gbps`` then required)."""
+    path, keys = "cluster.compute", SECTIONS["cluster.compute"]
+    d = r.section(value, path, keys)
+    got = {k: r.read(keys[k], d[k], join(path, k)) for k in keys if k in d}
+    base = cluster.device
+    if base is None and "hbm_gbps" not in got:
+        r.fail(join(path, "hbm_gbps"), "missing required key 'hbm_gbps' (the cluster names no "
+                                       "catalogue device to take its memory bandwidth from)")
+    fit = base.fit if base is not None else ComputeFit()
+    fit = ComputeFit(got.get("matmul_efficiency", fit.matmul_efficiency),
+                     got.get("matmul_half_dim", fit.matmul_half_dim),
+                     got.get("memory_efficiency", fit.memory_efficiency),
+                     got["kernel_floor_us"] * 1e-6 if "kernel_floor_us" in got
+                     else fit.kernel_floor_s, got.get("attention", fit.attention))
+    peak = got.get("peak_tflops", cluster.peak_flops / 1e12 if base is None else None)
+    peaks = ({dt: peak * 1e12 for dt in ("float32", "float16", "bfloat16")} if peak is not None
+             else base.peak_flops)
+    hbm = got["hbm_gbps"] * 1e9 if "hbm_gbps" in got else base.hbm_bytes_per_s
+    device = DeviceSpec(base.name if base is not None else cluster.name,
+                        cluster.memory_bytes, peaks, hbm,
+                        base.aliases if base is not None else (), fit)
+    return dataclasses.replace(cluster, device=device)
+
+
+def compute_mapping(device: DeviceSpec) -> dict[str, float | str]:
+    """A device's roofline figures as a ``cluster.compute`` section (every dtype at the
+    largest peak where they differ: the section has one)."""
+    return {"hbm_gbps": device.hbm_bytes_per_s / 1e9,
+            "peak_tflops": max(device.peak_flops.values()) / 1e12,
+            "matmul_efficiency": device.fit.matmul_efficiency,
+            "matmul_half_dim": device.fit.matmul_half_dim,
+            "memory_efficiency": device.fit.memory_efficiency,
+            "kernel_floor_us": device.fit.kernel_floor_s * 1e6,
+            "attention": device.fit.attention}
 
 
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:

@@ -20,7 +20,7 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.options import FALLBACKS, MILPS, RECOMPUTE, SCHEDULES, PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import REQUIRED, Key
 from ilp_planner.ir.cluster import COLLECTIVE_MODELS, SUBMESH_SPACES
-from ilp_planner.ir.device import device_names
+from ilp_planner.ir.device import ATTENTION_KERNELS, ComputeFit, device_names
 from ilp_planner.ir.graph import Graph
 from ilp_planner.ir.links import link_names
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS
@@ -55,6 +55,7 @@ MAX_ALPHA_S = PHYSICAL_MAX * 1e-6
 MAX_BETA_S = 1.0
 
 _SOLVER = {f.name: f.default for f in dataclasses.fields(SolverOptions)}
+_FIT = ComputeFit()  # the parameters of a device the catalogue does not know
 _PIPELINE = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
 
 # A builder's arguments as configuration keys; their defaults are the builder's own.
@@ -157,6 +158,35 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "efficiency": Key("number", "achieved / peak FLOP/s", 0.5, positive=True, at_most=1.0),
         "name": Key("string", "the cluster's name", None,
                     default_text="<nodes>x<devices_per_node>[-<gpu>]"),
+        "compute": Key("mapping", "the roofline compute model's parameters (cluster.compute); "
+                                  "without it a cluster of raw numbers keeps the flat "
+                                  "3 × FLOPs / (peak × efficiency)", None,
+                       default_text="none: flat model"),
+    },
+    "cluster.compute": {
+        "hbm_gbps": Key("number", "memory bandwidth per device, GB/s (required without a "
+                                  "catalogue device)", None, positive=True, at_most=PHYSICAL_MAX,
+                        default_text="the device's datasheet figure"),
+        "peak_tflops": Key("number", "the peak the efficiencies below are fractions of, every "
+                                     "dtype", None, positive=True, at_most=PHYSICAL_MAX,
+                           default_text="the device's per dtype, else cluster.peak_tflops"),
+        "matmul_efficiency": Key("number", "e_max: achieved / peak FLOP/s of a large matmul",
+                                 None, positive=True, at_most=1.0,
+                                 default_text=f"the device's, else {_FIT.matmul_efficiency:g}"),
+        "matmul_half_dim": Key("number", "d½: a matmul dimension this small halves the "
+                                         "efficiency, eff = e_max · Π d/(d + d½)", None,
+                               nonneg=True, at_most=PHYSICAL_MAX,
+                               default_text=f"the device's, else {_FIT.matmul_half_dim:g}"),
+        "memory_efficiency": Key("number", "achieved / datasheet memory bandwidth", None,
+                                 positive=True, at_most=1.0,
+                                 default_text=f"the device's, else {_FIT.memory_efficiency:g}"),
+        "kernel_floor_us": Key("number", "µs every kernel costs however small", None,
+                               nonneg=True, at_most=PHYSICAL_MAX,
+                               default_text=f"the device's, else {_FIT.kernel_floor_s * 1e6:g}"),
+        "attention": Key("choice", "attention's kernels: one fused flash kernel, or unfused "
+                                   "(matmuls, softmax and dropout over the s × s scores)",
+                         None, choices=ATTENTION_KERNELS, noun="attention kernel",
+                         default_text=f"the device's, else {_FIT.attention}"),
     },
     "cluster.links": {
         "intra": Key("mapping", "the link between devices of one node", None,

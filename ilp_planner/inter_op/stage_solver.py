@@ -40,7 +40,7 @@ from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import CutOff, fastest_bound, solve_mesh, solve_under_reserve
 from ilp_planner.ir.graph import Graph
-from ilp_planner.lowering.cost_model import compute_time
+from ilp_planner.lowering.compute_model import least_seconds
 from ilp_planner.lowering.stage_boundary import StageBoundary, stage_boundary
 
 #: Default per-stage intra-op time limit (s) when ``pipeline.stage_time_limit_s`` is unset:
@@ -130,7 +130,7 @@ class StageSolver:
         # a lower bound on every stage's time from its FLOPs, for the exact pruning
         # (:func:`~ilp_planner.inter_op.stage_incumbent.set_incumbent`)
         cluster = config.cluster
-        work = [sum(compute_time(3.0 * graph[n].flops, cluster) for n in u) for u in units]
+        work = [sum(least_seconds(graph[n], cluster) for n in u) for u in units]
         self.work_prefix = [0.0, *itertools.accumulate(work)]
         self.num_devices = cluster.num_devices
         self.num_stages = (len(pipe.submeshes) if pipe.submeshes else

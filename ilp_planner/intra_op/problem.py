@@ -42,6 +42,7 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.compute_model import update_seconds
 from ilp_planner.lowering.cost_model import (
     ONCE_PER_STEP,
     Collective,
@@ -59,6 +60,7 @@ from ilp_planner.lowering.strategies import (
     SyncBucket,
     follow,
     follower_inputs,
+    forward_seconds,
     grad_sync,
     op_strategies,
     tied_exchange_seconds,
@@ -86,6 +88,8 @@ class NodeOption:
     recompute: bool = False  # activations dropped after forward, recomputed in backward
     recompute_bytes: float = 0.0  # those activations, re-materialised in the block's backward
     transient_bytes: float = 0.0  # held while the node runs (state sharding)
+    # per op, the forward's share of ``compute_s`` (what a recomputation runs again)
+    forward_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -181,8 +185,12 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
     if input_reached:  # autograd reaches the input
         own += base.input_backward
     colls = [own]
-    comp = [base.compute_s]
-    cost = _per_step(base.compute_s, own, microbatches)
+    # the optimizer step, once per step: spread over the micro-batches' compute, so that
+    # the step counts it once (0 under the flat model, which never priced it)
+    update = update_seconds(base.update_params, ctx.memory, rep, ctx.cluster)
+    comp = [base.compute_s + update / microbatches]
+    fwd = [base.forward_compute_s]
+    cost = _per_step(comp[0], own, microbatches)
     act = base.activation_bytes
     for f in members[1:]:
         op = graph[f]
@@ -200,6 +208,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         grads.append((resolved,))
         colls.append(fc)
         comp.append(secs)
+        fwd.append(forward_seconds(op, tensor, resolved, ctx))
         cost += _per_step(secs, fc, microbatches)
         act += out.local_bytes(op.output)
     syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
@@ -208,13 +217,15 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                       base.state_bytes + act, base.state_bytes, act, syncs,
                       transient_bytes=base.transient_bytes if input_reached else
                       # no input gradient: no backward gather held beside the full gradient
-                      max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes))
+                      max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes),
+                      forward_s=fwd)
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
     """``opt`` with activation recomputation (:func:`torch.utils.checkpoint` over the
     node's block): its forward compute and forward activation collectives run again in the
-    backward (listed again in phase ``recompute``), and its outputs are not held between
+    backward (listed again in phase ``recompute``; its forward compute is ``forward_s``, a
+    third of the op's compute under the flat model), and its outputs are not held between
     forward and backward. They are re-materialised while the block's backward runs, one
     block at a time: the memory row charges ``activation / copies`` (``copies`` = the
     blocks of this family), exact when the blocks are tied (the copies sum to one block),
@@ -235,13 +246,14 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
                    if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
              for cs in kept]
     extra = [list(cs[len(orig):]) for cs, orig in zip(colls, kept, strict=True)]
-    again = (sum(c / 3 for c in opt.compute_s) + sum(c.seconds for cs in extra for c in cs)
+    again = (sum(opt.forward_s) + sum(c.seconds for cs in extra for c in cs)
              - sum(c.seconds for c in dropped))
     reused = opt.base.regathered_bytes if dropped else 0.0  # the recomputation's gather
     rematerialised = opt.activation_bytes + reused
     charged = rematerialised / copies
     return dataclasses.replace(
-        opt, collectives=colls, compute_s=[c * 4 / 3 for c in opt.compute_s],
+        opt, collectives=colls, compute_s=[c + f for c, f in zip(opt.compute_s, opt.forward_s,
+                                                                 strict=True)],
         cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,
         activation_bytes=charged, recompute=True, recompute_bytes=rematerialised,
         # max(forward gather, full gradient + regathered) without the regathered weights,

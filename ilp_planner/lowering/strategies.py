@@ -21,7 +21,9 @@ in-channels); elementwise ops, pooling, flatten and the loss *follow* their prod
 are merged into it before solving, see :mod:`ilp_planner.intra_op.problem`).
 
 Every op's activation memory is its output shard (what its consumers keep for backward);
-state memory is its parameter shard × bytes per parameter.
+state memory is its parameter shard × bytes per parameter. Compute is priced on the local
+shard (:func:`_compute`): the 3-D family's matmul is ``(m/p0) × (k/p2) × (n/p1)`` per device,
+SUMMA's ``(m/r) × k × (n/c)`` after its gathers — what the roofline's size curve reads.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, fact_str, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec, opaque_param_sizes, position_tables
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
+from ilp_planner.lowering.compute_model import GemmShape, op_times
 from ilp_planner.lowering.cost_model import (
     Collective,
     CollectiveKind,
@@ -77,6 +80,15 @@ class Strategy:
     # (:func:`ilp_planner.intra_op.problem.recomputed`)
     gathered_bytes: float = 0.0
     regathered_bytes: float = 0.0
+    # the forward's share of ``compute_s`` (what a recomputation runs again); None: a third
+    # (backward = 2 × forward FLOPs), the flat model's split
+    forward_s: float | None = None
+    # parameters of the local optimizer-state shard: what one optimizer step updates
+    update_params: float = 0.0
+
+    @property
+    def forward_compute_s(self) -> float:
+        return self.compute_s / 3 if self.forward_s is None else self.forward_s
 
     @property
     def grads_of_inputs(self) -> tuple[Layout, ...]:
@@ -127,9 +139,59 @@ def _two_axis(ctx: StrategyContext) -> tuple[Factorisation, ...]:
     return mesh_factorisations(ctx.nodes, ctx.local, 2)
 
 
-def _compute(op: Op, split: float, ctx: StrategyContext) -> float:
-    """Forward + backward (≈ 3 × forward FLOPs) on ``1/split`` of the work."""
-    return compute_time(3.0 * op.flops / split, ctx.cluster)
+def _compute(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None = None,
+             read: TensorSpec | None = None) -> float:
+    """Forward + backward seconds on ``1/split`` of the work: ``3 × FLOPs`` at the flat
+    rate, or the roofline (:mod:`~ilp_planner.lowering.compute_model`) where the cluster
+    names a device — ``gemm`` the local matmul sizes under the strategy, ``read`` the
+    tensor the op reads where it is not its output's shape."""
+    return _priced(op, split, ctx, gemm, read)["compute_s"]
+
+
+def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None = None,
+            read: TensorSpec | None = None) -> dict[str, float]:
+    """:class:`Strategy` keywords ``compute_s`` (:func:`_compute`) and ``forward_s``."""
+    if ctx.cluster.device is None:  # bit for bit the flat model's price
+        total = compute_time(3.0 * op.flops / split, ctx.cluster)
+        return {"compute_s": total, "forward_s": total / 3}
+    fwd, bwd = op_times(op, split, ctx.cluster, gemm, read)
+    return {"compute_s": fwd + bwd, "forward_s": fwd}
+
+
+def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
+               summa: bool = False) -> tuple[int, GemmShape]:
+    """(devices sharing the work, local (m, n, k)) of a matmul-like op's strategy on
+    ``fact``: the 3-D family's ``(m/p0, n/p1, k/p2)``; SUMMA's ``(m/r, n/c, k)`` after its
+    gathers; a convolution's implicit GEMM ``(N·H·W/p0, Cout/p1, Cin·kh·kw/p2)``.
+    ``weight`` is the op's weight, a matmul's second input."""
+    sizes = [a.size for a in fact]
+    if op.kind is OpKind.CONV2D:
+        m = op.output.shape[0] * math.prod(op.output.shape[2:])
+        n, k = weight.shape[0], weight.shape[1] * math.prod(weight.shape[2:])
+    else:
+        m, (k, n) = op.output.shape[0], weight.shape[:2]
+    if summa:
+        r, c = sizes
+        return r * c, (m / r, n / c, k)
+    p0, p1, p2 = sizes
+    return p0 * p1 * p2, (m / p0, n / p1, k / p2)
+
+
+def _gemm_priced(op: Op, weight: TensorSpec, fact: Factorisation, ctx: StrategyContext,
+                 summa: bool = False) -> dict[str, float]:
+    """:func:`_priced` of a matmul-like op's strategy on ``fact`` (:func:`local_gemm`)."""
+    split, gemm = local_gemm(op, weight, fact, summa)
+    return _priced(op, split, ctx, gemm)
+
+
+def forward_seconds(op: Op, in_tensor: TensorSpec, in_layout: Layout,
+                    ctx: StrategyContext) -> float:
+    """The forward share of a follower's compute (:func:`follow`'s third value)."""
+    split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
+    if op.kind is OpKind.FLATTEN:
+        return 0.0
+    read = in_tensor if op.kind is OpKind.LOSS else None
+    return _priced(op, split, ctx, read=read)["forward_s"]
 
 
 def coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbytes: float,
@@ -367,13 +429,15 @@ def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> li
         grads = input_grad_layouts(op, label, ins, None if is_matmul else w_layout)
         if is_matmul:
             colls: tuple[Collective, ...] = ()
-            state = 0.0
+            local = 0.0
         else:
             colls = tuple(b.collective for b in grad_sync(op, label, ins, w_layout, o_layout, ctx))
-            state = _local_params(op, label, ins, w_layout, o_layout) * ctx.memory.bytes_per_param
+            local = _local_params(op, label, ins, w_layout, o_layout)
         out.append(Strategy(
             label, fact, ins, None if is_matmul else w_layout, o_layout,
-            _compute(op, p0 * p1 * p2, ctx), colls, state, o_layout.local_bytes(op.output), grads,
+            collectives=colls, state_bytes=local * ctx.memory.bytes_per_param,
+            activation_bytes=o_layout.local_bytes(op.output), input_grads=grads,
+            update_params=local, **_gemm_priced(op, weight, fact, ctx),
         ))
     if not is_embedding and not is_matmul:
         out.extend(_summa(op, inputs[0], ctx))
@@ -410,10 +474,12 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
                  *(c.with_phase("backward", "weight") for c in w_prog.backward),
                  *(b.collective for b in grad_sync(op, label, (lay,), lay, lay, ctx)))
         gathered = in_tensor.nbytes / r + op.weight.nbytes / c  # I[i, :] and W[:, j] held
+        local = _local_params(op, label, (lay,), lay, lay)
         out.append(Strategy(
-            label, fact, (lay,), lay, lay, _compute(op, r * c, ctx), colls,
-            _local_params(op, label, (lay,), lay, lay) * ctx.memory.bytes_per_param + gathered,
-            lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
+            label, fact, (lay,), lay, lay, collectives=colls,
+            state_bytes=local * ctx.memory.bytes_per_param + gathered,
+            activation_bytes=lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
+            update_params=local, **_gemm_priced(op, op.weight, fact, ctx, True),
         ))
     return out
 
@@ -449,11 +515,13 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
         i_layout, w_layout, o_layout = conv_layouts(fact)
         label = f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
         colls = tuple(b.collective for b in grad_sync(op, label, (i_layout,), w_layout, o_layout, ctx))
+        local = _local_params(op, label, (i_layout,), w_layout, o_layout)
         out.append(Strategy(
-            label, fact, (i_layout,), w_layout, o_layout, _compute(op, p0 * p1 * p2, ctx), colls,
-            _local_params(op, label, (i_layout,), w_layout, o_layout) * ctx.memory.bytes_per_param,
-            o_layout.local_bytes(op.output),
-            input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
+            label, fact, (i_layout,), w_layout, o_layout, collectives=colls,
+            state_bytes=local * ctx.memory.bytes_per_param,
+            activation_bytes=o_layout.local_bytes(op.output),
+            input_grads=input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
+            update_params=local, **_gemm_priced(op, op.weight, fact, ctx),
         ))
     return out
 
@@ -490,11 +558,13 @@ def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
     for lay in layouts:
         split = math.prod(lay.split_degree(d) for d in range(op.output.rank))
         ins = tuple(lay for _ in range(n_inputs))
-        state = _local_params(op, lay.sbp(), ins, None, lay) * ctx.memory.bytes_per_param
+        local = _local_params(op, lay.sbp(), ins, None, lay)
         colls = tuple(b.collective for b in grad_sync(op, lay.sbp(), ins, None, lay, ctx))
         out.append(Strategy(
-            lay.sbp(), lay.fact, ins, None, lay,
-            _compute(op, split, ctx), colls, state, lay.local_bytes(op.output),
+            lay.sbp(), lay.fact, ins, None, lay, collectives=colls,
+            state_bytes=local * ctx.memory.bytes_per_param,
+            activation_bytes=lay.local_bytes(op.output), update_params=local,
+            **_priced(op, split, ctx),
         ))
     return out
 
@@ -572,7 +642,7 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
     reads = input_grad_roles(op)
     out = []
     for z in levels:
-        state = base.state_bytes
+        state, updated = base.state_bytes, base.update_params
         colls: list[Collective] = []
         again: list[Collective] = []  # ZeRO-3's backward gathers, if the input is reached
         gathered = grads = regathered = 0.0
@@ -583,6 +653,7 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
             grad_item = sb.collective.bytes / n
             state -= n * (w + g + o)
             state += {1: n * (w + g) + s * o, 2: n * w + s * (g + o), 3: s * (w + g + o)}[z]
+            updated += s - n  # each device steps its shard of the bucket
             grads += n * g if z > 1 else 0.0
             rs = coll(CollectiveKind.REDUCE_SCATTER, sb.fact, sb.axes, s * p * grad_item, ctx,
                       "backward", "shard_grad_sync" if z == 1 else "shard_grad")
@@ -600,7 +671,7 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
         out.append(dataclasses.replace(base, label=f"{base.label}+zero{z}",
                                        collectives=kept + tuple(colls), state_bytes=state,
                                        input_backward=base.input_backward + tuple(again),
-                                       zero=z, transient_bytes=transient,
+                                       zero=z, transient_bytes=transient, update_params=updated,
                                        gathered_bytes=gathered, regathered_bytes=regathered))
     return out
 
@@ -651,7 +722,7 @@ def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
     split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
     if op.kind is OpKind.LOSS:
         return (Layout.replicated(in_layout.fact), loss_collectives(in_tensor, in_layout, ctx),
-                _compute(op, split, ctx))
+                _compute(op, split, ctx, read=in_tensor))
     if op.kind is OpKind.FLATTEN:
         if any(isinstance(pl, Split) and pl.dim > 1 for pl in in_layout.placements):
             raise ValueError(f"flatten {op.name!r} cannot follow a spatially split layout "

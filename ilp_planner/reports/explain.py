@@ -39,13 +39,14 @@ from collections.abc import Iterable, Sequence
 
 from formulations.result import SolveStats
 from ilp_planner.errors import ConfigError
-from ilp_planner.inputs.config import parse_cluster
+from ilp_planner.inputs.config import Config, parse_cluster, parse_config
 from ilp_planner.ir.cluster import Cluster, fact_str
 from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
 from ilp_planner.plan.programs import EdgeProgram, edge_programs, steps_text
 from ilp_planner.reports.given import given_lines
+from ilp_planner.reports.roofline import BOUNDS, bound_seconds
 
 _GIB = 2**30
 _INDEX = re.compile(r"(?:(?<=\.)|^)(\d+)(?=\.|$)")
@@ -410,9 +411,14 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
     collectives (bytes, predicted seconds), collective totals per kind, cross-mesh
     resharding and the baselines with ratios.
 
+    Under the roofline compute model, a table of what bounds each op kind (compute, memory
+    or the kernel floor, :mod:`ilp_planner.reports.roofline`).
+
     ``collectives=False`` leaves out the per-layer collective lines (the totals stay)."""
-    sections = [_solver_lines(plan), _cost_lines(plan), _stage_lines(plan), _memory_lines(plan),
-                [decisions_summary(plan)], _layer_lines(plan, collectives),
+    config = parse_config(plan.config)
+    sections = [_solver_lines(plan), _cost_lines(plan), _roofline_lines(plan, config),
+                _stage_lines(plan), _memory_lines(plan),
+                [decisions_summary(plan)], _layer_lines(plan, collectives, config),
                 _totals_lines(plan), _resharding_lines(plan),
                 ["baselines (same cost model; ratio = baseline / plan, > 1 means the plan is "
                  "faster):", *_baseline_table(plan)], given_lines(plan)]
@@ -504,13 +510,25 @@ def _memory_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _layer_lines(plan: Plan, collectives: bool) -> list[str]:
+def _roofline_lines(plan: Plan, config: Config) -> list[str]:
+    """Per op kind, the costliest first: its kernels' seconds by bound and the main one."""
+    table = bound_seconds(plan, config)
+    if not table:
+        return []
+    rows = [[kind, *(fmt_seconds(row[b]) for b in BOUNDS), f"{max(BOUNDS, key=row.get)}-bound"]
+            for kind, row in sorted(table.items(), key=lambda kv: -sum(kv[1].values()))]
+    return [f"roofline on {config.cluster.device.name}: each kind's kernels per micro-batch "
+            f"(forward + backward, local shards) by what bounds them:",
+            *text_table(["kind", *BOUNDS, "mostly"], rows)]
+
+
+def _layer_lines(plan: Plan, collectives: bool, config: Config) -> list[str]:
     """Every layer (repeated blocks folded): strategy, layouts, the programs of its input
     edges, compute, memory and (``collectives``) each collective."""
     lines = [f"layers ({len(plan.layers)} ops; layouts as SBP (placement:axis) and DTensor; "
              f"compute and collectives per micro-batch):"]
     programs: dict[str, list[EdgeProgram]] = defaultdict(list)
-    for ep in edge_programs(plan):
+    for ep in edge_programs(plan, config):
         programs[ep.consumer].append(ep)
     for name, members in group_layers(plan.layers):
         layer = members[0]

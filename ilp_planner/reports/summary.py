@@ -105,7 +105,21 @@ def cluster_summary(cluster: Cluster) -> list[str]:
         f"intra     {_link(cluster.intra)}",
         f"inter     {_link(cluster.inter)}",
         *model,
+        *_compute_summary(cluster),
     ]
+
+
+def _compute_summary(cluster: Cluster) -> list[str]:
+    """The roofline's figures where the cluster prices compute by it (else the flat
+    efficiency above holds)."""
+    dev = cluster.device
+    if dev is None:
+        return []
+    f = dev.fit
+    return [f"compute   roofline ({dev.name}): matmul e_max {f.matmul_efficiency:.3g}, "
+            f"d½ {f.matmul_half_dim:g}; memory {dev.hbm_bytes_per_s / 1e9:g} GB/s × "
+            f"{f.memory_efficiency:g}; kernel floor {f.kernel_floor_s * 1e6:g} µs "
+            f"(the flat efficiency is not used)"]
 
 
 def memory_summary(graph: Graph, cluster: Cluster, memory: MemorySpec,

@@ -1,0 +1,273 @@
+"""Compute time by roofline: what one op costs on one device, forward and backward.
+
+Each phase (forward, backward) of an op on its local shard is priced as::
+
+    t = max(FLOPs / (peak · eff(m, n, k)),  bytes / (HBM bandwidth · memory efficiency))
+        + kernels · kernel floor
+
+with the device's fitted parameters (:class:`~ilp_planner.ir.device.ComputeFit`). The
+matmul efficiency falls for small and skinny local shapes::
+
+    eff(m, n, k) = e_max · Π_{d ∈ (m, n, k)} d / (d + d½)
+
+— three factors of one shape each, one parameter d½ for all: a tensor-core kernel tiles each
+dimension, a dimension much smaller than a tile leaves most of it idle, and one much larger
+runs at the asymptote. It is the simplest curve with that behaviour, symmetric (a matmul's
+two backward products have the same three sizes, permuted), and two parameters a handful of
+timings fit (``calibrate --measure``). Ops that are no matmul run their FLOPs at e_max (no
+shape factor): their bytes bind long before.
+
+What each kind moves, per phase, in elements of its local output N (its dtype's size),
+with the reason for the backward:
+
+========================  =====================  ==========================================
+kind                      forward                backward
+========================  =====================  ==========================================
+linear, matmul            F; X, W, Y             2F (dX = dY·Wᵀ, dW = Xᵀ·dY); 2 × (X, W, Y)
+conv2d (implicit GEMM)    F; X, W, Y             2F; 2 × (X, W, Y)
+embedding                 lookup: 2N (+N/table)  scatter-add of dY into the table rows: 3N
+attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 matmuls for 2);
+                                                 reads Q, K, V, O, dO, writes dQ, dK, dV: 8N
+attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
+                          4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021)
+layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 kernels (dx, dγ)
+softmax                   2N                     3N (read y, dy, write dx)
+gelu, silu, relu          2N                     3N (read x, dy, write dx)
+dropout                   2N + N mask bytes      2N + N mask bytes (read dy, mask, write dx)
+add                       3N                     none: the gradient passes to both inputs
+mul                       3N                     5N (read dy, a, b, write da, db), 2 kernels
+batchnorm                 3N (stats, normalise)  4N (reductions, then dx), 2 kernels
+pool (max, stride k)      N·k² + N               N + N·k²
+loss (cross-entropy)      logits L               2L (read logits, write dlogits)
+opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
+flatten                   nothing (a view)       nothing
+========================  =====================  ==========================================
+
+The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
+optimizer shard it reads the gradient and the optimizer state and writes the state and the
+compute copy of the weight (Adam under mixed precision: 4 + 12 read, 12 + 2 written = 30
+bytes). A cluster without a device (raw numbers, no ``cluster.compute``) keeps the flat
+model ``3 × FLOPs / (peak × efficiency)`` exactly (:func:`op_seconds`), with no update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ilp_planner.ir.cluster import Cluster
+from ilp_planner.ir.device import DeviceSpec
+from ilp_planner.ir.graph import HALF_DTYPES, Op, OpKind, TensorSpec
+from ilp_planner.lowering.cost_model import MemorySpec, compute_time
+
+GemmShape = tuple[float, float, float]
+"""A matmul's local sizes (m, n, k): ``(m, k) × (k, n)`` on one device."""
+
+MASK_BYTES = 1  # dropout keeps a boolean mask per element
+FLASH_BACKWARD_FLOPS = 2.5  # recomputes S = QKᵀ: five matmuls against the forward's two
+
+
+@dataclass(frozen=True)
+class PhaseWork:
+    """One phase of one op on one device: FLOPs, bytes to and from memory, kernel
+    launches, and the local matmul shape its FLOPs run at (None: the asymptote).
+    ``stream_bytes`` are moved by separate memory-bound kernels of the same phase (an
+    unfused attention's softmax and dropout): they run after the matmuls, not under them,
+    so their time adds to the roofline's maximum."""
+
+    flops: float
+    bytes: float
+    kernels: int
+    gemm: GemmShape | None = None
+    stream_bytes: float = 0.0
+
+
+NO_WORK = PhaseWork(0.0, 0.0, 0)
+
+
+def size_factor(gemm: GemmShape, half_dim: float) -> float:
+    """``Π d / (d + d½)`` over the three sizes: 1 for huge matmuls, → 0 for tiny ones."""
+    return math.prod(d / (d + half_dim) for d in gemm)
+
+
+def matmul_efficiency(device: DeviceSpec, gemm: GemmShape | None) -> float:
+    """Achieved / peak FLOP/s of a matmul of local sizes ``gemm`` on ``device``."""
+    e = device.fit.matmul_efficiency
+    return e if gemm is None else e * size_factor(gemm, device.fit.matmul_half_dim)
+
+
+def phase_terms(work: PhaseWork, device: DeviceSpec, dtype: str
+                ) -> tuple[float, float, float, float]:
+    """Seconds of one phase's FLOPs, of its bytes, of its separate streaming kernels'
+    bytes and of its kernel floors."""
+    flops_s = work.flops / (device.peak(dtype) * matmul_efficiency(device, work.gemm)) \
+        if work.flops else 0.0
+    rate = device.hbm_bytes_per_s * device.fit.memory_efficiency
+    return (flops_s, work.bytes / rate, work.stream_bytes / rate,
+            work.kernels * device.fit.kernel_floor_s)
+
+
+def phase_seconds(work: PhaseWork, device: DeviceSpec, dtype: str) -> float:
+    """The roofline of one phase: the larger of its FLOPs and bytes times, plus its
+    separate streaming kernels and its floors."""
+    flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
+    return max(flops_s, bytes_s) + stream_s + floor_s
+
+
+def bound_by(work: PhaseWork, device: DeviceSpec, dtype: str) -> str:
+    """Which term takes most of a phase: ``compute`` (FLOPs above bytes), ``memory``
+    (bytes above FLOPs, with any streaming kernels) or ``floor`` (the kernel floors)."""
+    flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
+    compute = flops_s if flops_s >= bytes_s else 0.0
+    memory = stream_s + (bytes_s if bytes_s > flops_s else 0.0)
+    return max((("compute", compute), ("memory", memory), ("floor", floor_s)),
+               key=lambda kv: kv[1])[0]
+
+
+def _gemm_work(flops: float, gemm: GemmShape, itemsize: int) -> tuple[PhaseWork, PhaseWork]:
+    m, n, k = gemm
+    moved = (m * k + k * n + m * n) * itemsize
+    return PhaseWork(flops, moved, 1, gemm), PhaseWork(2 * flops, 2 * moved, 2, gemm)
+
+
+def _streaming(flops: float, fwd: float, bwd: float, kernels: tuple[int, int] = (1, 1)
+               ) -> tuple[PhaseWork, PhaseWork]:
+    """A memory-bound op moving ``fwd`` and ``bwd`` bytes (FLOPs at the asymptote)."""
+    back = PhaseWork(2 * flops, bwd, kernels[1]) if bwd else NO_WORK
+    return PhaseWork(flops, fwd, kernels[0]), back
+
+
+def default_gemm(op: Op, split: float) -> GemmShape:
+    """The local matmul of a matmul-like op when the strategy names none: the global
+    (m, n, k) with the rows divided by ``split`` (a data-parallel split)."""
+    m = op.output.shape[0] if op.output.rank == 2 else math.prod(
+        op.output.shape[i] for i in (0, 2, 3))
+    n = op.output.shape[-1] if op.output.rank == 2 else op.output.shape[1]
+    k = op.flops / (2.0 * m * n) if op.flops else 1.0
+    return (m / split, n, max(k, 1.0))
+
+
+def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseWork, PhaseWork]:
+    """A fused flash kernel, or the unfused sequence (batched QKᵀ, softmax, dropout, PV)
+    that writes and reads the s × s scores: E = tokens · heads · seq elements in all.
+    Unfused forward: the two matmuls move Q, K, V, O and write S / read P' (4N + 2E), the
+    softmax reads S and writes P, the dropout reads P and writes P' and its mask
+    (4E + E mask bytes); backward: four matmuls (dP', dV, dQ, dK: 8N + 4E, 2 × the
+    FLOPs), the dropout's and softmax's backward (5E + E mask bytes)."""
+    seq = op.attrs.get("seq_len", op.output.shape[0])
+    heads = max(op.attrs.get("heads", 1), 1)
+    gemm = (seq, seq, op.output.shape[-1] / heads)  # S = QKᵀ per head; O = PV permuted
+    n = op.output.numel / split * itemsize
+    flops = op.flops / split
+    if flash:
+        return (PhaseWork(flops, 4 * n, 1, gemm),
+                PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2, gemm))
+    scores = op.output.shape[0] * heads * seq / split  # E, elements
+    e = scores * itemsize
+    return (PhaseWork(flops, 4 * n + 2 * e, 4, gemm, 4 * e + scores * MASK_BYTES),
+            PhaseWork(2 * flops, 8 * n + 4 * e, 6, gemm, 5 * e + scores * MASK_BYTES))
+
+
+def op_work(op: Op, split: float, gemm: GemmShape | None = None,
+            read: TensorSpec | None = None, flash: bool = True) -> tuple[PhaseWork, PhaseWork]:
+    """(forward, backward) work of ``op`` on one device holding ``1/split`` of it (module
+    docstring's table). ``gemm`` is the local matmul of a matmul-like op under its
+    strategy; ``read`` the tensor the op reads where that is not its output's shape (a
+    loss's logits, a pooling's input); ``flash``: attention runs fused (else unfused,
+    :func:`_attention`)."""
+    kind, it = op.kind, op.output.itemsize
+    flops = op.flops / split
+    n = op.output.numel / split * it  # bytes of the local output
+    if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV2D):
+        return _gemm_work(flops, gemm or default_gemm(op, split), it)
+    if kind is OpKind.ATTENTION:
+        return _attention(op, split, it, flash)
+    if kind is OpKind.EMBEDDING:
+        tables = 1 + sum(1 for k in op.attrs if k == "seq_len" or k.startswith("pos_"))
+        out = (gemm[0] * gemm[1] * it) if gemm else n
+        return _streaming(0.0, (tables + 1) * out, 3 * out)
+    if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX, OpKind.GELU, OpKind.SILU,
+                OpKind.RELU):
+        norm = kind in (OpKind.LAYERNORM, OpKind.RMSNORM)
+        return _streaming(flops, 2 * n, 3 * n, (1, 2 if norm else 1))
+    if kind is OpKind.DROPOUT:
+        mask = op.output.numel / split * MASK_BYTES
+        return _streaming(flops, 2 * n + mask, 2 * n + mask)
+    if kind is OpKind.ADD:
+        return _streaming(flops, 3 * n, 0.0)
+    if kind is OpKind.MUL:
+        return _streaming(flops, 3 * n, 5 * n, (1, 2))
+    if kind is OpKind.BATCHNORM:
+        return _streaming(flops, 3 * n, 4 * n, (1, 2))
+    if kind is OpKind.POOL:
+        window = op.attrs.get("kernel", 1) ** 2
+        return _streaming(flops, n * (window + 1), n * (window + 1))
+    if kind is OpKind.LOSS:
+        logits = (read.numel * read.itemsize / split) if read is not None else n
+        return _streaming(flops, logits, 2 * logits)
+    if kind is OpKind.OPAQUE:
+        moved = (op.attrs.get("bytes_read", 0) + op.attrs.get("bytes_written", 0)) / split
+        return _streaming(flops, moved, 2 * moved)
+    return NO_WORK, NO_WORK  # input, flatten
+
+
+def op_times(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,
+             read: TensorSpec | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of ``op`` on one device holding ``1/split`` of it: the
+    roofline where the cluster names a device, else the flat model's third and two
+    thirds of ``3 × FLOPs / (peak × efficiency)``."""
+    if cluster.device is None:
+        total = compute_time(3.0 * op.flops / split, cluster)
+        return total / 3, total - total / 3
+    dtype = (read or op.output).dtype
+    fwd, bwd = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
+    return phase_seconds(fwd, cluster.device, dtype), phase_seconds(bwd, cluster.device, dtype)
+
+
+def op_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,
+               read: TensorSpec | None = None) -> float:
+    """Forward + backward seconds (:func:`op_times`); on a flat cluster exactly
+    ``compute_time(3 × FLOPs / split)``, as before the roofline."""
+    if cluster.device is None:
+        return compute_time(3.0 * op.flops / split, cluster)
+    return sum(op_times(op, split, cluster, gemm, read))
+
+
+def training_flops(op: Op, flash: bool = True) -> float:
+    """Forward + backward FLOPs of ``op`` as the roofline counts them (attention's flash
+    backward recomputes; an add has no backward)."""
+    fwd, bwd = op_work(op, 1.0, flash=flash)
+    return fwd.flops + bwd.flops
+
+
+def least_seconds(op: Op, cluster: Cluster) -> float:
+    """A lower bound on ``op``'s forward + backward seconds summed over the devices that
+    share it: its FLOPs at the device's best matmul throughput (flat: the flat price of
+    the whole op). No strategy spreads it faster, so stage bounds built on it stay exact."""
+    if cluster.device is None:
+        return compute_time(3.0 * op.flops, cluster)
+    best = max(cluster.device.peak_flops.values())  # whatever dtype the op runs in
+    fit = cluster.device.fit
+    return training_flops(op, fit.attention == "flash") / (best * fit.matmul_efficiency)
+
+
+def update_bytes_per_param(memory: MemorySpec, mixed: bool) -> float:
+    """Bytes one optimizer step moves per parameter of its shard: read the gradient and
+    the optimizer state, write the state back, and write the weights (read them too where
+    they are the master copy; under mixed precision the master sits in the state and the
+    half-precision weights are only written). Adam mixed: 4 + 12 + 12 + 2 = 30; Adam fp32:
+    4 + 8 + 8 + 4 + 4 = 28; SGD: 12."""
+    w, g, o = memory.weight_bytes, memory.grad_bytes, memory.optimizer_bytes
+    return g + 2 * o + (w if mixed else 2 * w)
+
+
+def update_seconds(params: float, memory: MemorySpec, op: Op, cluster: Cluster) -> float:
+    """Seconds of the optimizer update over ``params`` local parameters of ``op``,
+    memory-bound; 0 on a flat cluster (it had no price before) or for an op without
+    parameters. No kernel floor: a multi-tensor (foreach / fused) optimizer updates every
+    parameter in a few launches shared by all ops."""
+    if cluster.device is None or params <= 0:
+        return 0.0
+    mixed = (op.weight or op.output).dtype in HALF_DTYPES
+    work = PhaseWork(0.0, params * update_bytes_per_param(memory, mixed), 0)
+    return phase_seconds(work, cluster.device, "float32")

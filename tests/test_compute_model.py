@@ -1,0 +1,294 @@
+"""The roofline compute model against hand-computed cases, its place in strategies and the
+step (optimizer update, recomputation, stage bounds), its config section, and the flat
+model it leaves untouched on clusters of raw numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+import ilp_planner
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import load_config, parse_config, section_mapping
+from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.ir.device import ComputeFit, device_spec
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec
+from ilp_planner.lowering.compute_model import (
+    bound_by,
+    least_seconds,
+    matmul_efficiency,
+    op_seconds,
+    op_times,
+    op_work,
+    update_bytes_per_param,
+    update_seconds,
+)
+from ilp_planner.lowering.cost_model import MemorySpec, compute_time
+from ilp_planner.lowering.strategies import NORM_KINDS
+from ilp_planner.reports.explain import explain
+from ilp_planner.reports.roofline import bound_seconds
+from ilp_planner.reports.summary import cluster_summary
+
+A100 = device_spec("a100-80gb")
+FIT = A100.fit
+PEAK = 312e12
+HBM = 2039e9 * FIT.memory_efficiency  # achieved bytes/s
+FLOOR = FIT.kernel_floor_s
+LINK = Link(5e-6, 1e-11)
+
+
+def _cluster(device=A100, nodes: int = 1, local: int = 8) -> Cluster:
+    return Cluster(nodes, local, 80 * 2**30, PEAK, LINK, LINK, 0.5, "a100", device)
+
+
+def _linear(m: int, k: int, n: int, dtype: str = "bfloat16") -> Op:
+    return Op("fc", OpKind.LINEAR, ("x",), TensorSpec((m, n), dtype), TensorSpec((k, n), dtype),
+              k * n, 2.0 * m * k * n)
+
+
+def _eff(m: float, n: float, k: float) -> float:
+    h = FIT.matmul_half_dim
+    return FIT.matmul_efficiency * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+
+
+def test_big_square_matmul_is_compute_bound_by_hand() -> None:
+    """8192³ bf16 on an A100: forward 2·8192³ FLOPs at e_max·(8192/8320)³ of 312 TFLOP/s
+    plus one floor; backward twice the FLOPs, two floors."""
+    s = 8192
+    op = _linear(s, s, s)
+    fwd, bwd = op_work(op, 1.0, (s, s, s))
+    flops = 2.0 * s**3
+    assert (fwd.flops, bwd.flops) == (flops, 2 * flops)
+    assert bound_by(fwd, A100, "bfloat16") == "compute"
+    want_f = flops / (PEAK * _eff(s, s, s)) + FLOOR
+    want_b = 2 * flops / (PEAK * _eff(s, s, s)) + 2 * FLOOR
+    assert op_times(op, 1.0, _cluster(), (s, s, s)) == pytest.approx((want_f, want_b), rel=1e-12)
+    # the curve passes through the published best shape's 85.9 % (device.py's citation)
+    assert matmul_efficiency(A100, (6912, 16384, 2048)) == pytest.approx(267.9 / 312, rel=1e-12)
+
+
+def test_layernorm_is_memory_bound_by_hand() -> None:
+    """(8192, 4096) bf16: forward reads x, writes y (2 · 2 bytes · N), backward reads x and
+    dy and writes dx (3 · 2 · N) with two kernels, at 90 % of 2,039 GB/s."""
+    n = 8192 * 4096
+    op = Op("ln", OpKind.LAYERNORM, ("x",), TensorSpec((8192, 4096), "bfloat16"), None,
+            2 * 4096, 8.0 * n)
+    fwd, bwd = op_work(op, 1.0)
+    assert bound_by(fwd, A100, "bfloat16") == "memory" == bound_by(bwd, A100, "bfloat16")
+    want = (4 * n / HBM + FLOOR, 6 * n / HBM + 2 * FLOOR)
+    assert op_times(op, 1.0, _cluster()) == pytest.approx(want, rel=1e-12)
+
+
+def test_kernel_floor_dominates_tiny_ops() -> None:
+    """An 8 × 8 GELU moves 256 bytes: its time is its floors, within a part in a thousand."""
+    op = Op("g", OpKind.GELU, ("x",), TensorSpec((8, 8), "bfloat16"), flops=64.0)
+    fwd, bwd = op_work(op, 1.0)
+    assert bound_by(fwd, A100, "bfloat16") == "floor"
+    assert op_seconds(op, 1.0, _cluster()) == pytest.approx(2 * FLOOR, rel=1e-3)
+
+
+def test_skinny_matmul_runs_at_a_fraction_of_the_square_one() -> None:
+    """One dimension of 16 against d½ = 128 keeps 16/144 of that factor: a (16, 8192, 8192)
+    matmul runs at ≈ 11 % of the square one's efficiency."""
+    square, skinny = matmul_efficiency(A100, (8192,) * 3), matmul_efficiency(A100, (16, 8192, 8192))
+    assert skinny / square == pytest.approx((16 / 144) / (8192 / 8320), rel=1e-12)
+    assert skinny / square < 0.12
+
+
+def test_split_32_ways_costs_more_than_a_32nd() -> None:
+    """A 2,048-wide MLP matmul (8192 tokens, 2048 → 8192) split 32 ways over its columns
+    (Megatron column-parallel) runs 256-wide local matmuls: each device takes well over
+    1/32 of the unsplit time, the flat model exactly 1/32."""
+    op = _linear(8192, 2048, 8192)
+    whole = op_seconds(op, 1, _cluster(), (8192, 8192, 2048))
+    split = op_seconds(op, 32, _cluster(), (8192, 8192 / 32, 2048))
+    assert split > 1.3 * whole / 32
+    flat = _cluster(device=None)
+    assert op_seconds(op, 32, flat) == pytest.approx(op_seconds(op, 1, flat) / 32, rel=1e-12)
+
+
+def test_attention_is_priced_as_a_flash_kernel() -> None:
+    """Forward: its FLOPs at the curve of (seq, seq, head_dim), bytes of Q, K, V, O;
+    backward: 2.5 × the FLOPs (S recomputed), 8 tensors' bytes."""
+    t, h, heads, seq = 8 * 2048, 4096, 32, 2048
+    op = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+            flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
+    fwd, bwd = op_work(op, 4.0)
+    assert fwd.gemm == bwd.gemm == (seq, seq, h / heads)
+    assert (fwd.flops, bwd.flops) == (op.flops / 4, 2.5 * op.flops / 4)
+    assert (fwd.bytes, bwd.bytes) == (4 * t * h * 2 / 4, 8 * t * h * 2 / 4)
+    assert bound_by(fwd, A100, "bfloat16") == "compute"
+
+
+def test_memory_bound_kinds_backward_bytes() -> None:
+    """The table in compute_model's docstring, per kind, in local output bytes N."""
+    shape = TensorSpec((1024, 1024), "bfloat16")
+    n = 1024 * 1024 * 2
+    cases = {OpKind.SOFTMAX: (2, 3), OpKind.GELU: (2, 3), OpKind.SILU: (2, 3),
+             OpKind.RMSNORM: (2, 3), OpKind.ADD: (3, 0), OpKind.MUL: (3, 5),
+             OpKind.DROPOUT: (2.5, 2.5)}  # + 1 mask byte per 2-byte element
+    for kind, (f, b) in cases.items():
+        fwd, bwd = op_work(Op("o", kind, ("x",), shape, flops=1.0), 1.0)
+        assert (fwd.bytes, bwd.bytes) == (f * n, b * n), kind
+
+
+def test_optimizer_update_bytes_and_price() -> None:
+    """Adam mixed moves 30 bytes per parameter (read grad 4 + state 12, write state 12 +
+    half weights 2), fp32 Adam 28, SGD 12; no update is priced on a flat cluster."""
+    assert update_bytes_per_param(MemorySpec.preset("adam_mixed"), mixed=True) == 30
+    assert update_bytes_per_param(MemorySpec.preset("adam"), mixed=False) == 28
+    assert update_bytes_per_param(MemorySpec.preset("sgd"), mixed=False) == 12
+    op = _linear(1024, 4096, 4096)
+    mem = MemorySpec.preset("adam_mixed")
+    assert update_seconds(1e6, mem, op, _cluster()) == pytest.approx(30e6 / HBM, rel=1e-12)
+    assert update_seconds(1e6, mem, op, _cluster(device=None)) == 0.0
+
+
+def _gpt(device) -> dict:
+    cluster = {"nodes": 1, "devices_per_node": 4, "memory_gib": 80, "peak_tflops": 312,
+               "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 2400},
+                         "inter": {"latency_us": 10, "bandwidth_gbps": 100}}}
+    if device:
+        cluster["compute"] = {"hbm_gbps": 2039}
+    return {"model": {"kind": "gpt", "hidden": 256, "layers": 2, "heads": 4, "seq_len": 128,
+                      "vocab": 512, "batch": 8, "dtype": "bfloat16"},
+            "cluster": cluster, "solver": {"tie_layers": True}}
+
+
+def test_every_strategy_pays_the_update_once_per_step_and_respects_the_stage_bound() -> None:
+    """Under the roofline every option's step cost holds its optimizer update once (spread
+    1/m over the micro-batches' compute), ZeRO sharding shrinks it, and every op's
+    compute × devices is at least ``least_seconds`` (the exact stage bound's premise)."""
+    cfg = parse_config(_gpt(device=True))
+    for m in (1, 4):
+        gp = build_problem(cfg.graph, cfg.cluster, 1, 4, cfg.memory, microbatches=m,
+                           zero_levels=(0, 1))
+        for node, opts in gp.options.items():
+            op = cfg.graph[node]
+            for o in opts:
+                upd = update_seconds(o.base.update_params, cfg.memory, op, cfg.cluster)
+                assert o.compute_s[0] == pytest.approx(o.base.compute_s + upd / m, rel=1e-12)
+                assert o.base.compute_s * 4 >= least_seconds(op, cfg.cluster) * (1 - 1e-12)
+                if op.params and o.base.zero:
+                    assert o.base.update_params < op.params
+                elif op.params:
+                    assert o.base.update_params >= op.params / 4
+
+
+def test_recomputation_runs_the_forward_again_at_its_roofline_price() -> None:
+    cfg = parse_config(_gpt(device=True))
+    blocks = frozenset(cfg.graph.blocks())
+    plain = build_problem(cfg.graph, cfg.cluster, 1, 4, cfg.memory)
+    again = build_problem(cfg.graph, cfg.cluster, 1, 4, cfg.memory, recompute=blocks)
+    checked = 0
+    for node in again.recomputed:
+        for p, r in zip(plain.options[node], again.options[node], strict=True):
+            assert r.compute_s == pytest.approx([c + f for c, f in zip(p.compute_s, p.forward_s,
+                                                                         strict=True)])
+            assert all(0 < f <= c for f, c in zip(p.forward_s, p.compute_s, strict=True) if c)
+            checked += 1
+    assert checked
+
+
+def test_flat_cluster_prices_every_strategy_exactly_as_before() -> None:
+    """A shipped config of raw numbers (no compute section): every option of every op costs
+    bit for bit ``compute_time(3 × FLOPs / split)``, with no optimizer update, and the
+    solved plan's compute is those prices."""
+    cfg = load_config("configs/tiny-gpt-cpu.yaml")
+    assert cfg.cluster.device is None
+    gp = build_problem(cfg.graph, cfg.cluster, 2, 4, cfg.memory)
+    for node, opts in gp.options.items():
+        for o in opts:
+            for pos, member in enumerate(gp.members[node]):
+                op = cfg.graph[member]
+                if pos == 0 and op.kind in (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL):
+                    split = math.prod(a.size for a in o.base.fact)
+                else:
+                    lay = o.outputs[pos] if pos == 0 else o.inputs[pos][0]
+                    tensor = op.output if pos == 0 else cfg.graph[op.inputs[0]].output
+                    split = math.prod(lay.split_degree(d) for d in range(tensor.rank))
+                want = 0.0 if op.kind is OpKind.FLATTEN else \
+                    compute_time(3.0 * op.flops / split, cfg.cluster)
+                assert o.compute_s[pos] == want, (member, o.base.label)
+                assert o.forward_s[pos] == want / 3
+    plan = ilp_planner.solve(cfg)
+    assert plan.cost.compute_s == pytest.approx(sum(ly.compute_s for ly in plan.layers))
+
+
+def test_compute_section_builds_or_overrides_a_device() -> None:
+    cfg = parse_config(_gpt(device=True))
+    dev = cfg.cluster.device
+    assert dev is not None and dev.hbm_bytes_per_s == 2039e9
+    assert dict(dev.peak_flops) == {k: 312e12 for k in ("float32", "float16", "bfloat16")}
+    assert dev.fit == ComputeFit()
+    assert "compute   roofline (1x4): matmul e_max 0.8, d½ 128" in "\n".join(
+        cluster_summary(cfg.cluster))
+    # a catalogue device keeps its figures but for the keys given
+    over = dataclasses.replace(cfg.cluster, device=A100)
+    doc = _gpt(device=False)
+    doc["cluster"] = section_mapping(over)
+    doc["cluster"]["compute"]["kernel_floor_us"] = 2.0
+    back = parse_config(doc).cluster.device
+    assert back.fit == dataclasses.replace(FIT, kernel_floor_s=2e-6)
+    assert back.hbm_bytes_per_s == A100.hbm_bytes_per_s
+
+
+@pytest.mark.parametrize(("compute", "match"), [
+    ({"matmul_efficiency": 0.8}, "cluster.compute.hbm_gbps: missing required key"),
+    ({"hbm_gbps": 2039, "matmul_efficiency": 1.5}, "cluster.compute.matmul_efficiency"),
+    ({"hbm_gbps": 2039, "kernel_floor": 5}, "kernel_floor"),
+])
+def test_compute_section_errors_name_the_key(compute: dict, match: str) -> None:
+    doc = _gpt(device=False)
+    doc["cluster"]["compute"] = compute
+    with pytest.raises(ConfigError, match=match):
+        parse_config(doc)
+
+
+def test_roofline_plan_solves_and_prices_norms_by_bytes() -> None:
+    """A GPT on a roofline cluster solves; its norms cost their bytes, not FLOPs."""
+    plan = ilp_planner.solve(parse_config(_gpt(device=True)))
+    norms = [ly for ly in plan.layers if ly.kind in {k.value for k in NORM_KINDS}]
+    assert norms and plan.cost.compute_s > 0
+    assert all(ly.compute_s >= 3 * FLOOR for ly in norms)  # 1 + 2 kernels at least
+
+
+def test_explain_names_what_bounds_each_kind() -> None:
+    """A mid-size GPT on a roofline cluster: its linears are compute-bound, its norms and
+    activations memory-bound, and explain prints the table; a flat plan has none."""
+    doc = _gpt(device=True)
+    doc["model"].update(hidden=2048, heads=16, seq_len=1024, batch=8)
+    cfg = parse_config(doc)
+    plan = ilp_planner.solve(cfg)
+    table = bound_seconds(plan, cfg)
+    mostly = {kind: max(row, key=row.get) for kind, row in table.items()}
+    assert mostly["linear"] == "compute" and mostly["attention"] == "compute"
+    assert mostly["layernorm"] == mostly["gelu"] == mostly["add"] == "memory"
+    assert "roofline on 1x4" in explain(plan, collectives=False)
+    flat = ilp_planner.solve(parse_config(_gpt(device=False)))
+    assert "roofline on" not in explain(flat, collectives=False)
+
+
+def test_unfused_attention_pays_for_its_scores_by_hand() -> None:
+    """Megatron 2021's attention: the matmuls' roofline, plus the softmax and dropout
+    streaming the s × s scores (E elements) after them; backward 2 × the FLOPs."""
+    t, h, heads, seq = 4 * 2048, 2304, 24, 2048
+    op = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+            flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
+    e = t * heads * seq  # score elements
+    n = t * h
+    fwd, bwd = op_work(op, 1.0, flash=False)
+    assert (fwd.bytes, fwd.stream_bytes) == ((4 * n + 2 * e) * 2, 4 * e * 2 + e)
+    assert (bwd.flops, bwd.bytes, bwd.stream_bytes) == (2 * op.flops, (8 * n + 4 * e) * 2,
+                                                        5 * e * 2 + e)
+    unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
+    mm = op.flops / (PEAK * _eff(seq, seq, h / heads))
+    want = max(mm, (4 * n + 2 * e) * 2 / HBM) + (4 * e * 2 + e) / HBM + 4 * FLOOR
+    assert op_times(op, 1.0, _cluster(unfused))[0] == pytest.approx(want, rel=1e-12)
+    assert bound_by(fwd, unfused, "bfloat16") == "memory"  # its scores outweigh its matmuls
+    assert op_seconds(op, 1.0, _cluster(unfused)) > 1.3 * op_seconds(op, 1.0, _cluster())
+    for cluster in (_cluster(unfused), _cluster()):
+        assert op_seconds(op, 1.0, cluster) >= least_seconds(op, cluster)
