@@ -161,10 +161,20 @@ class Result:
     plan_step_s: float | None
 
 
-def run_row(row: Row, with_plan: bool) -> Result:
+def load_row(row: Row, matmul_scale: float | None) -> Config:
+    """The row's config; with ``matmul_scale`` its device's matmul e_max scaled by it (the
+    one constant ``--matmul-scale`` fits on these rows, the same for every row)."""
+    config = load_config(CONFIGS / f"{row.config}.yaml")
+    if matmul_scale is None:
+        return config
+    e_max = config.cluster.device.fit.matmul_efficiency
+    return config.with_overrides({"cluster.compute.matmul_efficiency": e_max * matmul_scale})
+
+
+def run_row(row: Row, with_plan: bool, matmul_scale: float | None) -> Result:
     """Price the row's published configuration (or, without one, the best Megatron-LM
     configuration under the model), print it, then the planner's own plan beside it."""
-    config = load_config(CONFIGS / f"{row.config}.yaml")
+    config = load_row(row, matmul_scale)
     givens = list(config.compare) or _valid(config, megatron_candidates(config))
     t0 = time.perf_counter()
     g, priced = price(config, givens)
@@ -254,12 +264,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", help="config names (default: every row)")
     parser.add_argument("--no-plan", action="store_true", help="skip the planner's own plans")
+    parser.add_argument("--matmul-scale", type=float, default=None,
+                        help="scale every device's matmul e_max by this one constant (fitted "
+                             "on these rows, named in the output; default: the catalogue's)")
     args = parser.parse_args()
     rows = [r for r in ROWS if not args.rows or r.config in args.rows]
-    print("catalogue constants, fixed for every row (none fitted on these rows):")
+    print("catalogue constants, fixed for every row:")
     constants()
+    print("  fitted on these rows: " + ("none" if args.matmul_scale is None else
+          f"matmul_scale = {args.matmul_scale:g} (every device's matmul e_max × "
+          f"{args.matmul_scale:g}, the same for every row)"))
     t0 = time.perf_counter()
-    results = [run_row(r, not args.no_plan) for r in rows]
+    results = [run_row(r, not args.no_plan, args.matmul_scale) for r in rows]
     summary(results)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
