@@ -92,15 +92,28 @@ def tflops_per_gpu(config: Config, step_s: float) -> float:
     return config_flops(config) / step_s / config.cluster.num_devices / 1e12
 
 
+def gpt_parameters(config: Config) -> float:
+    """A GPT's parameters by the closed form both sources use: ``12·l·h² + V·h`` (blocks'
+    weights plus the embedding; biases and norms left out)."""
+    m = config.model
+    return 12.0 * int(m["layers"]) * int(m["hidden"]) ** 2 + int(m["vocab"]) * int(m["hidden"])
+
+
 def megatron_candidates(config: Config) -> list[str]:
-    """Every Megatron-LM configuration the engine accepts on ``config``'s model and cluster:
-    TP within a node, PP dividing the layers, DP the rest, a micro-batch size of
-    :data:`MBS_CHOICES`, full recomputation — for the rows where the artifact lists no
-    Megatron-LM configuration (the best is taken, as the artifact's authors did by hand)."""
+    """Every Megatron-LM configuration the engine accepts on ``config``'s model and cluster
+    whose weights, gradients and optimizer state can fit (``tp · pp`` shards of the
+    parameters at the config's bytes per parameter within a device's memory): TP within a
+    node, PP dividing the layers, DP the rest, a micro-batch size of :data:`MBS_CHOICES`,
+    full recomputation — for the rows where the artifact lists no Megatron-LM configuration
+    (the fastest that fits is taken, as the artifact's authors chose theirs by hand)."""
     n, local = config.cluster.num_devices, config.cluster.devices_per_node
+    mem = config.memory
+    state = gpt_parameters(config) * (mem.weight_bytes + mem.grad_bytes + mem.optimizer_bytes)
     out = []
     for tp in (t for t in (1, 2, 4, 8) if t <= local and n % t == 0):
         for pp in (p for p in range(1, n // tp + 1) if (n // tp) % p == 0):
+            if state / (tp * pp) > config.cluster.memory_bytes:
+                continue
             for mbs in MBS_CHOICES:
                 out.append(f"megatron: tp={tp} pp={pp} dp={n // (tp * pp)} mbs={mbs} "
                            f"recompute=full")
