@@ -222,12 +222,17 @@ def own_plan(config: Config, g: GivenConfig, priced: GivenPrice, result: Result)
     """Solve the planner's plan for the row's cluster and batch and print its speed-up over
     the priced configuration and what differs."""
     t0 = time.perf_counter()
-    plan = solve(config, baselines=False, compare=[])
+    try:
+        plan = solve(config, baselines=False, compare=[])
+    except InfeasibleError as exc:
+        print(f"  plan: none ({exc})")
+        return result
     plan_s = time.perf_counter() - t0
     mine, step = tflops_per_gpu(config, plan.step_s), priced.step_s
-    stages = f"{len(plan.stages)} stages" if plan.stages else "one mesh"
+    stages = f"{len(plan.stages)} stage(s)" if plan.stages else "one mesh"
     print(f"  plan ({stages}, solved in {plan_s:.1f} s): step {plan.step_s:.3f} s, "
-          f"{mine:.1f} TFLOP/s/GPU, speed-up over that configuration {step / plan.step_s:.2f}×"
+          f"{mine:.1f} TFLOP/s/GPU (sources' FLOP count), speed-up over that "
+          f"configuration {step / plan.step_s:.2f}×"
           + (f"; Alpa measured {result.row.alpa:g}, plan/Alpa {mine / result.row.alpa:.3f}"
              if result.row.alpa else ""))
     diff = differences(config, g, plan, priced.layers, priced.microbatches)
