@@ -44,6 +44,7 @@ from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.plan.data import CostBreakdown, Plan, StageTimes
 from ilp_planner.reports.explain import explain, summary
+from ilp_planner.reports.given import baseline_given
 from ilp_planner.sweeps.points import plan_row
 from ilp_planner.sweeps.spec import parse_sweep
 
@@ -166,6 +167,11 @@ def test_engine_flags_reproduce_the_configuration():
         "--parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_degree 1 "
         "--training.local_batch_size 8 --training.global_batch_size 256 "
         "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2")
+    p = resolve_given(parse_given("torchtitan: fsdp=32 tp=8 pp=4 vpp=2 ac=full"),
+                      ModelFacts(nodes=128, local=8, layers=32, heads=32, batch=256))
+    assert ("--parallelism.pipeline_parallel_degree 4 --parallelism.pipeline_parallel_schedule "
+            "Interleaved1F1B --parallelism.pipeline_parallel_microbatch_size 1 "
+            "--parallelism.pipeline_parallel_layers_per_stage 4") in engine_flags(p, 256, 32)
 
 
 # -- pricing ---------------------------------------------------------------------------------
@@ -323,6 +329,22 @@ def test_a_configuration_that_does_not_fit_says_by_how_much(tiny, tiny_plan):
     plan = Plan.from_dict(json.loads(json.dumps({**tiny_plan.to_dict(), "baselines": {g.label(): block}})))
     text = summary(plan)
     assert "DOES NOT FIT: needs" in text and "over by" in text
+
+
+def test_baseline_rows_name_their_engine_configuration(tiny):
+    assert baseline_given("megatron(dp=2x2,tp=2)", 8, 1) == resolve_given(
+        parse_given("megatron: tp=2 dp=4 mbs=2"), _facts(tiny))
+    assert baseline_given("megatron_sp(dp=2,tp=4)", 8, 2) == GivenConfig(
+        "megatron", tp=4, replicate=2, mbs=2, sp=True)
+    assert baseline_given("torchtitan(fsdp=2x2,tp=2,sp,ac=selective)", 8, 1) == resolve_given(
+        parse_given("torchtitan: fsdp=4 tp=2 mbs=2 ac=selective"), _facts(tiny))
+    assert baseline_given("summa(4x2)", 8, 1) is None
+    assert baseline_given("torchtitan(pp=2; ddp=4,tp=1,ac=none)", 8, 1) is None
+    plan = solve(tiny)
+    text = summary(plan)
+    assert "engine flags of the baselines:" in text
+    assert any(line.startswith("- megatron(") and "--tensor-model-parallel-size" in line
+               for line in text.splitlines())
 
 
 # -- surfaces --------------------------------------------------------------------------------

@@ -103,6 +103,7 @@ def test_auto_keeps_interleaving_where_it_is_faster() -> None:
     auto = solve(config.with_overrides({**slow_links, "pipeline": {**PIPE, "virtual_stages": "auto"}}),
                  baselines=False)
     assert auto.schedule.name == "1f1b" and auto.step_s == plain.step_s
+    assert "interleaved 1F1B priced: the best, 2 stage meshes × 2 chunks" in auto.solver.message
     assert [s.layers for s in auto.stages] == [s.layers for s in plain.stages]
 
 

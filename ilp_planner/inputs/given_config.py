@@ -303,6 +303,9 @@ def engine_flags(g: GivenConfig, batch: int | None, layers: int) -> str:
         out.append("--parallelism.pipeline_parallel_schedule "
                    + ("Interleaved1F1B" if g.vpp > 1 else "1F1B"))
         out.append(f"--parallelism.pipeline_parallel_microbatch_size {g.mbs}")
+        if g.vpp > 1:
+            out.append(f"--parallelism.pipeline_parallel_layers_per_stage "
+                       f"{layers // (g.pp * g.vpp)}")
     if batch is not None:
         out.append(f"--training.local_batch_size {batch // g.dp}")
         out.append(f"--training.global_batch_size {batch}")

@@ -137,6 +137,10 @@ def _fitted(config: Config, graph: Graph, solver: StageSolver, ranges: list[tupl
                     f"has no plan within {budget / v / 2**20:.4g} MiB per device (1/{v} of the "
                     f"budget) holding {held} chunk activations, and its mesh's fastest plans "
                     f"need more than the {budget / 2**20:.4g} MiB")
+    if share is not None:  # its solves count among the plan's
+        solver.stats.solves += share.stats.solves
+        solver.stats.solve_s += share.stats.solve_s
+        solver.stats.build_s += share.stats.build_s
     return solved, solved_for
 
 
@@ -189,8 +193,8 @@ def best_interleaved(config: Config, graph: Graph, solver: StageSolver, stage_co
     return best, why
 
 
-def interleaved_report(pipeline: AssembledPipeline, solver: StageSolver, total_s: float,
-                       note: str) -> SolverReport:
+def interleaved_report(pipeline: AssembledPipeline, solver: StageSolver, total_s: float
+                       ) -> SolverReport:
     """The plan's solver report: the chunks' ILP statuses combined, the simulated step as
     the objective, the stage solver's counts."""
     reports = [s.dp.solver for s in pipeline.stages if s.dp is not None]
@@ -206,4 +210,4 @@ def interleaved_report(pipeline: AssembledPipeline, solver: StageSolver, total_s
         stats.build_s, max(0.0, total_s - stats.build_s),
         f"interleaved 1F1B: {len(pipeline.stages) // v} stage meshes × {v} chunks from "
         f"{stats.solves} intra-op solves; each chunk's ILP {status}; chunks cut by a min-max "
-        f"DP over the fastest plans (not proven optimal over cuts)" + (f"; {note}" if note else ""))
+        f"DP over the fastest plans (not proven optimal over cuts)")

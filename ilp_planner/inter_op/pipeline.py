@@ -150,7 +150,7 @@ def _solve_interleaved(config: Config, graph, solver: StageSolver, space: _Stage
     if pipeline is None:
         raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join(why))
     plan = pipeline_plan(config, pipeline, interleaved_report(
-        pipeline, solver, time.perf_counter() - t0, ""))
+        pipeline, solver, time.perf_counter() - t0))
     if baselines:
         plan.baselines = _single_mesh_baselines(config)
     return plan
@@ -163,14 +163,23 @@ def _interleaved_if_faster(config: Config, graph, solver: StageSolver,
     interleaved one on its stage count where that simulates faster (noted in the report)."""
     if num_stages < 2:
         return pipeline
-    rival, _ = best_interleaved(config, graph, solver, [num_stages], reshardings)
-    if rival is None or rival.step_s >= pipeline.step_s:
-        return pipeline
+    rival, why = best_interleaved(config, graph, solver, [num_stages], reshardings)
+    if rival is None:
+        return _noted(pipeline, "no interleaved 1F1B pipeline fits (" + "; ".join(why[:2]) + ")")
     v = rival.schedule.virtual_stages
+    if rival.step_s >= pipeline.step_s:
+        return _noted(pipeline, f"interleaved 1F1B priced: the best, {num_stages} stage meshes "
+                                f"× {v} chunks, simulates to {rival.step_s:.6g} s a step: kept "
+                                f"the stage DP's {pipeline.step_s:.6g} s")
     return dataclasses.replace(rival, note=(
         f"interleaved 1F1B ({num_stages} stage meshes × {v} chunks) simulates to "
         f"{rival.step_s:.6g} s a step, the stage DP's {pipeline.schedule.name} pipeline "
         f"{pipeline.step_s:.6g} s: kept the interleaved one"))
+
+
+def _noted(pipeline: AssembledPipeline, note: str) -> AssembledPipeline:
+    """``pipeline`` with ``note`` added to its report's."""
+    return dataclasses.replace(pipeline, note="; ".join(n for n in (pipeline.note, note) if n))
 
 
 def _stage_dp(config: Config, solver: StageSolver, boundary: BoundaryCost,

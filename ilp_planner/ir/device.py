@@ -3,9 +3,9 @@
 A :class:`DeviceSpec` is the per-device half of a cluster: memory, dense peak FLOP/s per
 dtype (tensor-core peak for the half types, without structured sparsity) and HBM bandwidth.
 The compute model (:mod:`ilp_planner.lowering.compute_model`) turns these peaks into
-achieved speeds with four fitted parameters (:class:`ComputeFit`); a cluster built from raw
-numbers has no ``DeviceSpec`` and keeps the flat ``peak × efficiency`` model unless its
-config gives a ``cluster.compute`` section.
+achieved speeds with four fitted parameters and the attention kernel (:class:`ComputeFit`);
+a cluster built from raw numbers has no ``DeviceSpec`` and keeps the flat
+``peak × efficiency`` model unless its config gives a ``cluster.compute`` section.
 
 Peaks and bandwidths are the datasheets', cited beside each entry. The fitted parameters'
 sources are cited beside :data:`DEVICES`; a value chosen rather than measured says so.

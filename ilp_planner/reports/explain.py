@@ -465,6 +465,10 @@ def _stage_lines(plan: Plan) -> list[str]:
     """Each stage's devices, mesh, ops and per-micro-batch seconds, its ILP's statistics,
     and the schedule; a plan without stages: its one stage's layer meshes."""
     lines = [f"stages: {stage_count(plan)}"]
+    v = plan.schedule.virtual_stages if plan.schedule is not None else 1
+    if v > 1:  # interleaved 1F1B: the stages are the model's chunks
+        lines[0] += (f" (model chunks: {len(plan.stages) // v} stage meshes × {v} virtual "
+                     f"stages, chunk j on the devices of stage j mod {len(plan.stages) // v})")
     if not plan.stages:
         devices = plan.num_devices if "cluster" in plan.config else "?"
         meshes = sorted({fact_str(layer.output.fact) for layer in plan.layers})
