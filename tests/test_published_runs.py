@@ -73,3 +73,13 @@ def test_megatron_candidates_respect_the_engine() -> None:
     assert valid and len(valid) < len(texts)
     assert all(g.tp <= 8 and g.tp * g.pp * g.dp == 64 for g in valid)
     assert all(48 % g.pp == 0 and 64 % g.tp == 0 for g in valid)
+
+
+def test_the_fitted_constant_scales_every_devices_matmul_efficiency_alone() -> None:
+    """``--matmul-scale``: e_max × the constant, every other roofline figure the catalogue's."""
+    for row in (published_runs.ROWS[0], published_runs.ROWS[-1]):
+        base = published_runs.load_row(row, None).cluster.device
+        scaled = published_runs.load_row(row, 0.8).cluster.device
+        assert scaled.fit.matmul_efficiency == pytest.approx(0.8 * base.fit.matmul_efficiency)
+        assert (scaled.fit.matmul_half_dim, scaled.hbm_bytes_per_s, dict(scaled.peak_flops)) == (
+            base.fit.matmul_half_dim, base.hbm_bytes_per_s, dict(base.peak_flops))
