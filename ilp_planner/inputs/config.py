@@ -71,7 +71,7 @@ from ilp_planner.inputs.limits import check_limit
 from ilp_planner.inputs.options import PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import Reader, join
 from ilp_planner.ir.cluster import Cluster, Link, submesh_shapes
-from ilp_planner.ir.device import DEVICES, ComputeFit, DeviceSpec, device_names, device_spec
+from ilp_planner.ir.device import ComputeFit, DeviceSpec, device_names, device_spec
 from ilp_planner.ir.graph import Graph
 from ilp_planner.ir.links import catalogue_link, link_names
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS, MemorySpec
@@ -194,15 +194,25 @@ def _cluster_mapping(c: Cluster) -> dict[str, Any]:
            "efficiency": c.efficiency, "name": c.name,
            "links": {"intra": link(c.intra), "inter": link(c.inter)}}
     if c.device is not None:
-        known = next((d for d in DEVICES if d.name == c.device.name), None)
-        if known is not None:
-            out["gpu"] = known.name
-        if known != c.device:  # fitted or raw figures: the roofline section says them
-            out["compute"] = compute_mapping(c.device, with_peak=known is None
-                                             or known.peak_flops != c.device.peak_flops)
+        out.update(_device_mapping(c.device))
     if c.collectives != "ring":
         out["collectives"] = c.collectives
     return out
+
+
+def _device_mapping(device: DeviceSpec) -> dict[str, Any]:
+    """A cluster's device as ``gpu`` (where the catalogue knows its name) and ``compute``:
+    its roofline figures, only those that are not the catalogue entry's (a figure written
+    back in other units would not parse to the very same float; the section's one peak
+    would override the per-dtype ones)."""
+    try:
+        base = device_spec(device.name)
+    except ConfigError:
+        return {"compute": compute_mapping(device)}
+    mine, theirs = compute_mapping(device), compute_mapping(base)
+    if base.peak_flops == device.peak_flops:
+        del mine["peak_tflops"]
+    return {"gpu": device.name, "compute": {k: v for k, v in mine.items() if v != theirs[k]}}
 
 
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
@@ -556,12 +566,11 @@ def _with_compute(r: Reader, value: Any, cluster: Cluster) -> Cluster:
     return dataclasses.replace(cluster, device=device)
 
 
-def compute_mapping(device: DeviceSpec, with_peak: bool = True) -> dict[str, float | str]:
-    """A device's roofline figures as a ``cluster.compute`` section. ``with_peak`` writes
-    one ``peak_tflops`` for every dtype (the largest where they differ: the section has
-    one); leave it out for a catalogue device whose per-dtype peaks stand."""
-    peak = {"peak_tflops": max(device.peak_flops.values()) / 1e12} if with_peak else {}
-    return {"hbm_gbps": device.hbm_bytes_per_s / 1e9, **peak,
+def compute_mapping(device: DeviceSpec) -> dict[str, float | str]:
+    """A device's roofline figures as a ``cluster.compute`` section (every dtype at the
+    largest peak where they differ: the section has one)."""
+    return {"hbm_gbps": device.hbm_bytes_per_s / 1e9,
+            "peak_tflops": max(device.peak_flops.values()) / 1e12,
             "matmul_efficiency": device.fit.matmul_efficiency,
             "matmul_half_dim": device.fit.matmul_half_dim,
             "memory_efficiency": device.fit.memory_efficiency,

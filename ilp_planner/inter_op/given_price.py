@@ -95,27 +95,45 @@ def price_given(config: Config, g: GivenConfig, plan: Plan) -> dict[str, dict]:
     """``g`` (resolved for ``config``) priced beside ``plan``: its baselines entry, a cost
     breakdown (``pipeline_s`` the step when pipelined) with a ``given`` block (module
     docstring), or the reason it cannot be priced."""
-    batch = config.model.get("batch")
-    m = microbatches(g, batch)
     try:
-        cfg = config.with_overrides({"pipeline.microbatches": m, "pipeline.stages": g.pp,
-                                     "pipeline.schedule": "1f1b", "pipeline.submeshes": None,
-                                     "compare": None})
-        graph = cfg.microbatch_graph()
-        if g.pp == 1:
-            layout = solve_given_layout(g, cfg, graph, (cfg.cluster.nodes, cfg.cluster.devices_per_node), m)
-            layers, cost = realise(layout.gp, layout.choice)
-            block, step = cost.to_dict(), cost.total_s
-        else:
-            pipeline = _given_pipeline(g, cfg, graph, m)
-            layers, cost = pipeline.layers, _pipeline_cost(pipeline)
-            step = (pipeline.step_s if g.vpp == 1 else interleaved_step_s(
-                [s.times for s in pipeline.stages if s.times is not None], m, g.vpp))
-            block = {**cost.to_dict(), "pipeline_s": step}
+        priced = price_alone(config, g)
     except InfeasibleError as exc:
         return {g.label(): {"error": str(exc)}}
-    block["given"] = _given_block(config, g, plan, layers, cost, step, m)
+    block = {**priced.cost.to_dict(), **({"pipeline_s": priced.step_s} if g.pp > 1 else {})}
+    block["given"] = _given_block(config, g, plan, priced.layers, priced.cost, priced.step_s,
+                                  priced.microbatches)
     return {g.label(): block}
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenPrice:
+    """A configuration's price without a plan beside it: its layers as priced, the cost
+    breakdown (the busiest stage's where pipelined), the step and the micro-batch count."""
+
+    layers: list[LayerPlan]
+    cost: CostBreakdown
+    step_s: float
+    microbatches: int
+
+
+def price_alone(config: Config, g: GivenConfig) -> GivenPrice:
+    """``g`` priced under the planner's model (module docstring) — what :func:`price_given`
+    sets beside a plan, for a caller that has none (``benchmarks/published_runs.py``
+    prices published runs whose own plan is too large to solve on every machine).
+    Raises :class:`InfeasibleError` where it cannot be priced."""
+    m = microbatches(g, config.model.get("batch"))
+    cfg = config.with_overrides({"pipeline.microbatches": m, "pipeline.stages": g.pp,
+                                 "pipeline.schedule": "1f1b", "pipeline.submeshes": None,
+                                 "compare": None})
+    graph = cfg.microbatch_graph()
+    if g.pp == 1:
+        layout = solve_given_layout(g, cfg, graph, (cfg.cluster.nodes, cfg.cluster.devices_per_node), m)
+        layers, cost = realise(layout.gp, layout.choice)
+        return GivenPrice(layers, cost, cost.total_s, m)
+    pipeline = _given_pipeline(g, cfg, graph, m)
+    step = (pipeline.step_s if g.vpp == 1 else interleaved_step_s(
+        [s.times for s in pipeline.stages if s.times is not None], m, g.vpp))
+    return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), step, m)
 
 
 def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> AssembledPipeline:
