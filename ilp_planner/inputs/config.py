@@ -212,7 +212,8 @@ def _device_mapping(device: DeviceSpec) -> dict[str, Any]:
     mine, theirs = compute_mapping(device), compute_mapping(base)
     if base.peak_flops == device.peak_flops:
         del mine["peak_tflops"]
-    return {"gpu": device.name, "compute": {k: v for k, v in mine.items() if v != theirs[k]}}
+    differ = {k: v for k, v in mine.items() if v != theirs[k]}
+    return {"gpu": device.name, **({"compute": differ} if differ else {})}
 
 
 def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
