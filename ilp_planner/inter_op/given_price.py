@@ -139,7 +139,8 @@ def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> Assemb
         choice = StageChoice(a, e, shape, times[j], times[j], 0.0, peaks[r], held, meshes[r])
         report = SolverReport("optimal", cost.total_s, f"given configuration {g.text()}")
         stages.append(SolvedStage(choice, names, layers, report, held))
-    return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m),
+    per_mesh = [sum(times[r::g.pp]) for r in range(g.pp)]  # the stage DP's formula, reported
+    return assemble_pipeline(cfg, graph, stages, pipeline_latency(per_mesh, m),
                              virtual_stages=g.vpp)
 
 
