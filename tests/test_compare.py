@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from formulations.sbp_ilp import SbpIlp
-from formulations.schedules import make_schedule
-from formulations.simulator import StageDurations, simulate
+from formulations.schedules import INTERLEAVED, make_schedule
+from formulations.simulator import StageDurations, simulate, simulate_named
 from ilp_planner import cli
 from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError
@@ -32,9 +32,10 @@ from ilp_planner.inputs.given_config import (
     parse_given,
     resolve_given,
 )
+from ilp_planner.inter_op.assembly import stage_durations
 from ilp_planner.inter_op.given_price import (
+    _given_pipeline,
     interleaved_inflight,
-    interleaved_step_s,
     model_flops,
     price_given,
 )
@@ -42,7 +43,7 @@ from ilp_planner.intra_op.baselines import megatron_filter, restrict
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.cluster import MeshAxis
-from ilp_planner.plan.data import CostBreakdown, Plan, StageTimes
+from ilp_planner.plan.data import CostBreakdown, Plan
 from ilp_planner.reports.explain import explain, summary
 from ilp_planner.reports.given import baseline_given
 from ilp_planner.sweeps.points import plan_row
@@ -251,17 +252,45 @@ def test_pipelined_configuration_is_assembled_and_simulated(tiny, tiny_plan):
     CostBreakdown.from_dict(block)
 
 
-def test_interleaved_closed_form_is_1f1b_at_one_chunk():
-    """Equal stages, no transfers: 1F1B's simulated makespan is (m + p − 1)(t_f + t_b), the
-    closed form at v = 1; v chunks shrink the bubble to (p − 1)/(v·m)."""
+def test_interleaved_simulation_is_the_closed_form_without_transfers():
+    """Uniform chunks, no transfers: the simulated interleaved 1F1B makespan is SC'21's
+    closed form ``(m + (p − 1)/v)·(t_f + t_b)`` of the stage times (1F1B's
+    ``(m + p − 1)(t_f + t_b)`` at v = 1); any transfer between chunks makes it longer."""
     p, m, f, b = 4, 8, 1.0, 2.0
     sim = simulate(make_schedule("1f1b", p, m), StageDurations.make(p, f, b))
-    zero = CostBreakdown(0, 0, 0, 0, 0, 0, 0)
-    stages = [StageTimes(f, b, 0.0, 0.0, zero)] * p
-    assert interleaved_step_s(stages, m, 1) == pytest.approx(sim.makespan_s)
-    assert interleaved_step_s(stages, m, 2) == pytest.approx((m + (p - 1) / 2) * (f + b))
-    ideal = m * (f + b)
-    assert interleaved_step_s(stages, m, 2) / ideal - 1 == pytest.approx((p - 1) / (2 * m))
+    assert sim.makespan_s == pytest.approx((m + p - 1) * (f + b))
+    for v in (2, 4):
+        plain = simulate_named(INTERLEAVED, p, m, f / v, b / v, virtual_stages=v)
+        assert plain.makespan_s == pytest.approx((m + (p - 1) / v) * (f + b))
+        sent = simulate_named(INTERLEAVED, p, m, f / v, b / v, virtual_stages=v,
+                              activation_transfer=0.05)
+        assert sent.makespan_s > plain.makespan_s + 1e-9
+
+
+def test_interleaved_configuration_is_simulated_with_its_transfers(tiny):
+    """A ``vpp`` configuration's step is interleaved 1F1B simulated on its ``pp·vpp`` chunks
+    with the resharding the assembly priced between them (wrap-around included) plus the
+    exposed gradient tail — longer than the closed form on the same chunk times."""
+    deeper = tiny.with_overrides({"model.layers": 4})
+    g = _given(deeper, "megatron: tp=2 pp=2 vpp=2 mbs=1")
+    m = 4
+    cfg = deeper.with_overrides({"pipeline.microbatches": m, "pipeline.stages": 2,
+                                 "pipeline.schedule": "1f1b", "pipeline.submeshes": None})
+    pipe = _given_pipeline(g, cfg, cfg.microbatch_graph(), m)
+    times = [s.times for s in pipe.stages]
+    assert len(times) == 4 and pipe.schedule.virtual_stages == 2
+    assert {r.dst_stage for r in pipe.resharding} == {1, 2, 3}
+    durations = stage_durations(times, pipe.resharding)
+    fwd, bwd = [t.forward_s for t in times], [t.backward_s for t in times]
+    tail = max(times[r].grad_sync_exposed_s + times[r + 2].grad_sync_exposed_s for r in (0, 1))
+    sent = simulate_named(INTERLEAVED, 2, m, fwd, bwd, virtual_stages=2,
+                          activation_transfer=durations.activation_transfer,
+                          gradient_transfer=durations.gradient_transfer)
+    assert pipe.step_s == pytest.approx(sent.makespan_s + tail)
+    free = simulate_named(INTERLEAVED, 2, m, fwd, bwd, virtual_stages=2)
+    assert pipe.step_s > free.makespan_s + tail
+    block = price_given(deeper, g, solve(deeper, baselines=False))[g.label()]
+    assert block["pipeline_s"] == pytest.approx(pipe.step_s)
 
 
 def test_interleaved_ranks_hold_megatrons_warm_up():
@@ -282,7 +311,7 @@ def test_interleaved_configuration_holds_more_and_says_how_it_was_priced(tiny):
     b = price_given(deeper, inter, plan)[inter.label()]
     assert b["peak_memory_bytes"] > a["peak_memory_bytes"]
     assert b["compute_s"] == pytest.approx(a["compute_s"])
-    assert any("closed form" in n for n in b["given"]["notes"])
+    assert any("simulated on 4 chunks" in n for n in b["given"]["notes"])
     assert "--num-layers-per-virtual-pipeline-stage 1" in b["given"]["flags"]
 
 

@@ -16,7 +16,8 @@ U-Transformer recomputed with and without ZeRO-3, the tiny GPT (8 ranks, ZeRO-3 
 block recomputed, its tied pair left unsharded; in float32 and in bfloat16) and the
 planner's own plan of
 ``configs/tiny-utf-zero-cpu.yaml`` (its budget makes it shard state, ZeRO-3 included, and
-recompute) must give the single-process reference's losses and parameters
+recompute), and its plan of the tiny GPT on two stages sharding state beside the tied
+pair it leaves replicated, must give the single-process reference's losses and parameters
 (``--check-reference``) with executed == planned collectives on every rank and step
 (``--audit``, keyed by kind, purpose, phase and group size).
 """
@@ -350,6 +351,14 @@ def test_zero_levels_recomputation_and_a_solved_plan_on_four_ranks(tmp_path) -> 
     plans["gpt4-pp-grid"] = solve(load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(
         GRID_WINS))
     assert "kept the torchtitan grid" in plans["gpt4-pp-grid"].solver.message
+    # the tied GPT pair split over two stages under a budget that shards other state: the
+    # planner leaves the pair replicated (the runtime once refused its ZeRO-1 embedding)
+    tied = solve(load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(
+        {**PIPE_FOUR, "solver.state_sharding": [0, 1, 2, 3], "cluster.memory_gib": 0.0007}),
+        baselines=False)
+    zero = {lp.name: lp.zero for lp in tied.layers}
+    assert any(zero.values()) and zero["embed"] == zero["lm_head"] == 0
+    plans["gpt4-pp-tied-zero"] = tied
     # bf16 with Adam's normalised update amplifies rounding (runtime/reference.py): SGD
     out = _train(plans, 4, tmp_path, {n: ("sgd", 0.1) for n in plans if "bf16" in n})
     assert set(out) == set(plans)

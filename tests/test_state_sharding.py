@@ -28,7 +28,9 @@ from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
+from runtime.compiled import compile_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -386,3 +388,21 @@ def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash(
         planner._solve_once(replace(request, memory_budget=budget, cache=BuildCache()), 0.0)
     with pytest.raises(InfeasibleError):
         solve_mesh(MeshSolveRequest.whole_model(config, n, local, budget))
+
+
+def test_tied_pair_across_stages_keeps_replicated_state_the_runtime_accepts():
+    """The tied GPT embedding / head split over two stages under memory pressure: the
+    planner shards other layers' state but never either copy of the tied table (their
+    cross-stage AllReduce sums full gradients), so the runtime's compile step — which
+    refuses a sharded tied copy — accepts the plan (it refused ``embed`` at ZeRO-1 before
+    the stage's boundary carried the pair)."""
+    cfg = load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides({
+        "solver.state_sharding": [0, 1, 2, 3], "cluster.memory_gib": 0.45 / 1024,
+        "pipeline.stages": 2, "pipeline.microbatches": 4})
+    plan = solve(cfg, baselines=False)
+    zero = {ly.name: ly.zero for ly in plan.layers}
+    assert any(zero.values()), "the budget must force some state sharding"
+    assert zero["embed"] == zero["lm_head"] == 0
+    stage_of = {ly.name: ly.stage for ly in plan.layers}
+    assert stage_of["embed"] != stage_of["lm_head"]
+    compile_plan(plan, check_plan(plan))

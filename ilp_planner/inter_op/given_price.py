@@ -7,9 +7,11 @@ layers split uniformly into ``pp`` stages on equal sub-meshes (the engines' defa
 the embedding with the first layers, the head with the last), each stage priced by the
 same restricted solve holding its 1F1B in-flight micro-batches, the pipeline assembled and
 its 1F1B schedule simulated as the planner's own pipelines are
-(:func:`~ilp_planner.inter_op.assembly.assemble_pipeline`). Interleaving (``vpp > 1``) is
-priced by the published closed form on those stage times
-(:func:`interleaved_step_s`). The price goes into the plan's baselines block with the
+(:func:`~ilp_planner.inter_op.assembly.assemble_pipeline`). Interleaving (``vpp > 1``) cuts
+the layers into ``pp·vpp`` uniform chunks, chunk ``j`` on stage mesh ``j mod pp``, and
+simulates interleaved 1F1B on the chunks' times and the priced chunk-to-chunk transfers, as
+the planner prices its own interleaved candidates (:mod:`ilp_planner.inter_op.interleaved`).
+The price goes into the plan's baselines block with the
 configuration's TFLOP/s per GPU (model FLOPs as Megatron counts them), whether it fits
 the memory budget and by how much it does not, what differs from the plan, and the
 engine's flags.
@@ -22,7 +24,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from formulations.schedules import inflight_microbatches
+from formulations.schedules import inflight_interleaved, inflight_microbatches
 from formulations.stage_dp import StageChoice, pack_submeshes
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
@@ -36,30 +38,14 @@ from ilp_planner.inputs.given_config import (
 from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
 from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
 from ilp_planner.inter_op.stage_solver import pipeline_latency
-from ilp_planner.intra_op.given_layout import solve_given_layout
+from ilp_planner.intra_op.given_layout import GivenLayout, solve_given_layout
 from ilp_planner.intra_op.problem import BuildCache, held_activations, peak_memory
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.stage_boundary import stage_boundary
-from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, SolverReport, StageTimes
+from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, SolverReport
 
 GIB = 2**30
-
-
-def interleaved_step_s(stages: Sequence[StageTimes], num_microbatches: int, chunks: int) -> float:
-    """Step time of Megatron's interleaved 1F1B by the closed form of Narayanan et al.
-    (SC'21, §2.2): with ``p`` stages each holding ``chunks`` (v) model chunks, the pipeline
-    bubble is ``(p − 1)/(v·m)`` of the ideal ``m · (t_f + t_b)`` of the slowest stage, so
-    the step is ``(m + (p − 1)/v) · max(t_f + t_b)`` plus the exposed gradient
-    synchronisation. The stage-to-stage transfers (v times as many as without
-    interleaving) are left out; the in-flight activations are Megatron's
-    (:func:`interleaved_inflight`).
-    A stand-in until the ``interleaved-1f1b`` schedule is simulated
-    (``formulations/schedules.py``): swap this function for the simulator then."""
-    p = len(stages)
-    slowest = max(s.forward_s + s.backward_s for s in stages)
-    exposed = max(s.grad_sync_exposed_s for s in stages)
-    return (num_microbatches + (p - 1) / chunks) * slowest + exposed
 
 
 def interleaved_inflight(num_stages: int, rank: int, num_microbatches: int, chunks: int) -> float:
@@ -131,51 +117,78 @@ def price_alone(config: Config, g: GivenConfig) -> GivenPrice:
         layers, cost = realise(layout.gp, layout.choice)
         return GivenPrice(layers, cost, cost.total_s, m)
     pipeline = _given_pipeline(g, cfg, graph, m)
-    step = (pipeline.step_s if g.vpp == 1 else interleaved_step_s(
-        [s.times for s in pipeline.stages if s.times is not None], m, g.vpp))
-    return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), step, m)
+    return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), pipeline.step_s, m)
 
 
 def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> AssembledPipeline:
-    """``g``'s ``pp`` stages (module docstring), assembled and simulated under 1F1B.
-    Stages of one signature class (the middle ones of a uniform split) share one solve:
-    without a memory budget the choice does not depend on the in-flight count, only the
-    peak does, and that is computed per stage."""
+    """``g``'s ``pp`` stages (module docstring) — ``pp·vpp`` chunks when interleaved, chunk
+    ``j`` on mesh ``j mod pp`` — assembled and simulated as the planner's own pipelines are
+    (:func:`~ilp_planner.inter_op.assembly.assemble_pipeline`: the boundary transfers
+    resharded and priced, 1F1B or interleaved 1F1B simulated per chunk). Chunks of one
+    signature class (the middle ones of a uniform split) share one solve: without a memory
+    budget the choice does not depend on the in-flight count, only the peak does, and that
+    is computed per mesh (:func:`_mesh_peaks`)."""
     cluster = cfg.cluster
     units = layer_units(graph)
     keys = RangeKeys(graph, units)
     shape = stage_shape(g, cluster.nodes, cluster.devices_per_node)
     meshes = pack_submeshes([shape] * g.pp, cluster.nodes, cluster.devices_per_node)
-    per = len(units) // g.pp
+    chunks = g.pp * g.vpp
+    per = len(units) // chunks
     cache = BuildCache()
     solved: dict[tuple, tuple] = {}
-    stages, times = [], []
-    for j, mesh in enumerate(meshes):
+    rows = []
+    for j in range(chunks):
         a, e = j * per, (j + 1) * per
         names = [n for u in units[a:e] for n in u]
         if keys.key(a, e) not in solved:
             layout = solve_given_layout(g, cfg, subgraph(graph, names), shape, m,
                                         stage_boundary(graph, names), cache)
             solved[keys.key(a, e)] = (layout, *realise(layout.gp, layout.choice))
-        layout, layers, cost = solved[keys.key(a, e)]
-        held = inflight_microbatches("1f1b", g.pp - j, m)
-        at = dataclasses.replace(layout.gp, boundary=dataclasses.replace(layout.gp.boundary,
-                                                                         inflight=1))
-        extra = (held if g.vpp == 1 else interleaved_inflight(g.pp, j, m, g.vpp)) - 1
-        peak = peak_memory(at, layout.choice) + extra * held_activations(at, layout.choice)
-        times.append(cost.total_s / m)
-        choice = StageChoice(a, e, shape, times[-1], times[-1], 0.0, peak, held, mesh)
+        rows.append((a, e, names, *solved[keys.key(a, e)]))
+    peaks = _mesh_peaks(g, m, [row[3] for row in rows])
+    times = [cost.total_s / m for *_, cost in rows]
+    stages = []
+    for j, (a, e, names, _layout, layers, cost) in enumerate(rows):
+        r = j % g.pp
+        held = (inflight_microbatches("1f1b", g.pp - r, m) if g.vpp == 1
+                else inflight_interleaved(g.pp, r, m, g.vpp))
+        choice = StageChoice(a, e, shape, times[j], times[j], 0.0, peaks[r], held, meshes[r])
         report = SolverReport("optimal", cost.total_s, f"given configuration {g.text()}")
         stages.append(SolvedStage(choice, names, layers, report, held))
-    return assemble_pipeline(cfg, graph, stages, pipeline_latency(times, m))
+    per_mesh = [sum(times[r::g.pp]) for r in range(g.pp)]  # the stage DP's formula, reported
+    return assemble_pipeline(cfg, graph, stages, pipeline_latency(per_mesh, m),
+                             virtual_stages=g.vpp)
+
+
+def _mesh_peaks(g: GivenConfig, m: int, chunks: Sequence[GivenLayout]) -> list[float]:
+    """Per mesh the bytes at its peak: its chunks' peaks holding one micro-batch each plus
+    the activations the engine's schedule keeps in flight beyond that — 1F1B's warm-up, or
+    Megatron's interleaved warm-up (:func:`interleaved_inflight`, in micro-batches of the
+    mesh's layers) times the mesh's chunks' held activations together."""
+    peaks = []
+    for r in range(g.pp):
+        mine = chunks[r::g.pp]
+        held = (inflight_microbatches("1f1b", g.pp - r, m) if g.vpp == 1
+                else interleaved_inflight(g.pp, r, m, g.vpp))
+        ats = [(dataclasses.replace(lay.gp, boundary=dataclasses.replace(lay.gp.boundary,
+                                                                         inflight=1)), lay.choice)
+               for lay in mine]
+        peaks.append(sum(peak_memory(at, c) for at, c in ats)
+                     + (held - 1) * sum(held_activations(at, c) for at, c in ats))
+    return peaks
 
 
 def _pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
-    """The busiest stage's breakdown with the largest peak of any stage (as a pipelined
-    plan's cost is)."""
-    per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
-    busiest = max(per_stage, key=lambda c: c.total_s)
-    peak = max(c.peak_memory_bytes for c in per_stage)
+    """The busiest stage mesh's breakdown (an interleaved mesh's chunks summed) with the
+    largest peak of any mesh (as a pipelined plan's cost is)."""
+    per_chunk = [s.times.cost for s in pipeline.stages if s.times is not None]
+    p = len(per_chunk) // pipeline.schedule.virtual_stages
+    fields = [f.name for f in dataclasses.fields(CostBreakdown) if f.name != "peak_memory_bytes"]
+    per_mesh = [dataclasses.replace(per_chunk[r], **{f: sum(getattr(c, f) for c in per_chunk[r::p])
+                                                     for f in fields}) for r in range(p)]
+    busiest = max(per_mesh, key=lambda c: c.total_s)
+    peak = max(c.peak_memory_bytes for c in per_chunk)
     return dataclasses.replace(busiest, peak_memory_bytes=peak)
 
 
@@ -196,8 +209,9 @@ def _given_block(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[La
                      f"wherever the planner offers it; ops without such a strategy keep "
                      f"replicated state")
     if g.vpp > 1:
-        notes.append(f"interleaving priced by the closed form (bubble (p-1)/(v*m) = "
-                     f"{(g.pp - 1) / (g.vpp * m):.1%}), not simulated")
+        notes.append(f"interleaving simulated on {g.pp * g.vpp} chunks with their "
+                     f"stage-to-stage transfers (the closed form's bubble (p-1)/(v*m) = "
+                     f"{(g.pp - 1) / (g.vpp * m):.1%} leaves the transfers out)")
     return {
         "text": g.text(),
         "flags": engine_flags(g, config.model.get("batch"), len(config.graph.blocks())),

@@ -243,12 +243,18 @@ def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline
                grid_pipeline: AssembledPipeline, reshardings: dict) -> AssembledPipeline:
     """The DP's pipeline, or where the grid's simulates faster (the DP's formula and the
     simulated schedule disagree there) the grid's stages re-solved in the whole space, or
-    the grid's own points (members of the space), whichever simulates fastest."""
+    the grid's own points (members of the space where they recompute what
+    ``solver.recompute`` allows), whichever simulates fastest."""
     if grid_pipeline.step_s >= pipeline.step_s:
         return pipeline
     resolved = grid_stage_plans(config, solver, grid, True)
-    rivals = [grid_pipeline] if resolved is None else [
-        assemble_pipeline(config, solver.graph, resolved, grid.latency_s, reshardings), grid_pipeline]
+    # the grid's own points only where they recompute what solver.recompute allows
+    rivals = [grid_pipeline] if all(st.in_space for st in grid.stages) else []
+    if resolved is not None:
+        rivals.append(assemble_pipeline(config, solver.graph, resolved, grid.latency_s,
+                                        reshardings))
+    if not rivals:
+        return pipeline
     better = min(rivals, key=lambda p: p.step_s)
     if better.step_s >= pipeline.step_s:
         return pipeline

@@ -21,6 +21,7 @@ from ilp_planner.inter_op.stage_variants import AtGridPoint
 from ilp_planner.intra_op.baselines import GridPoint, torchtitan_choice
 from ilp_planner.intra_op.problem import build_problem, peak_memory
 from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.solve_mesh import recompute_in_space
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.stage_boundary import stage_boundary
 from ilp_planner.plan.data import SolverReport
@@ -33,7 +34,8 @@ class GridStage:
     point: GridPoint
     time_s: float  # per micro-batch, boundary send included
     boundary_s: float  # of which the boundary send (the DP's estimate)
-    how: AtGridPoint
+    how: AtGridPoint  # its whole-space re-solve, recomputing only what solver.recompute allows
+    in_space: bool  # the point recomputes what solver.recompute allows: a plan may keep it
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,13 @@ def pipelined_grid(config: Config, graph: Graph, solver: StageSolver, boundary: 
                 reasons.append(f"pp={S}, stage {j}: {point}")
                 break
             units = sub.blocks()
-            how = AtGridPoint(held, tuple(i for i, u in enumerate(units)
-                                          if u in point.gp.recompute_units), point.reserve)
+            mine = recompute_in_space(config, units, point.gp.recompute_units)
+            how = AtGridPoint(held, tuple(i for i, u in enumerate(units) if u in mine),
+                              point.reserve)
             t = realise(point.gp, point.choice)[1].total_s / M
             send = boundary(e, (n, d)) if e < L else 0.0
-            stages.append(GridStage(a, e, point, t + send, send, how))
+            stages.append(GridStage(a, e, point, t + send, send, how,
+                                    mine == point.gp.recompute_units))
         if len(stages) == S:
             latency = pipeline_latency([st.time_s for st in stages], M)
             if best is None or latency < best.latency_s:

@@ -342,9 +342,10 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
     tied: dict[tuple, list[NodeOption]] = {}
     shapes: dict[str, tuple] = {}
     # a tied table's two copies exchange whole gradients after synchronisation
-    # (tied_exchange): they keep their state replicated
+    # (tied_exchange, or one AllReduce across stages): they keep their state replicated
     tied_tables = {name for op in graph.ops if op.attrs.get("tied")
-                   for name in (op.name, getattr(tied_source(graph, op), "name", None))}
+                   for name in (op.name, getattr(tied_source(graph, op), "name", None))
+                   } | boundary.tied_tables
     # derived copies of an options list (recomputed; without state sharding) by (what, list
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed

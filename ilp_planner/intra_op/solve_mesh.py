@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -69,10 +70,13 @@ def solve_single_mesh(config: Config, grid: bool = True, times: PhaseTimes | Non
 
 def _at_grid_point(request: MeshSolveRequest, solved: Solved, grid: GridPoint) -> Solved:
     """``solved``, or the whole space at the grid point's recomputed blocks and transient
-    reserve where that is cheaper."""
+    reserve where that is cheaper — the blocks only as far as the user's
+    ``solver.recompute`` allows (:func:`recompute_in_space`): the grid is a warm start,
+    not a licence to leave the user's space."""
+    units = recompute_in_space(request.config, request.graph.blocks(),
+                                grid.gp.recompute_units)
     sgp, sres = solve_under_reserve(dataclasses.replace(request, cache=BuildCache(),
-                                                recompute=grid.gp.recompute_units),
-                            grid.reserve)
+                                                        recompute=units), grid.reserve)
     if sres.objective >= solved[1].objective:
         return solved
     return sgp, dataclasses.replace(sres, message="; ".join(m for m in (
@@ -171,6 +175,20 @@ def _outcome(v: Solved | InfeasibleError | CutOff) -> str:
     if isinstance(v, InfeasibleError):
         return "infeasible"
     return "bound ≥ best" if isinstance(v, CutOff) else f"{v[1].objective:.6g} s"
+
+
+def recompute_in_space(config: Config, units, wanted: frozenset) -> frozenset:
+    """``wanted`` recomputed blocks (a torchtitan grid point's ``ac``) brought into the
+    user's ``solver.recompute`` where the config sets it: every block under ``always``,
+    none under ``never``, ``wanted`` under ``auto``. Left at its default the key is no
+    choice of the user's, and the grid may guide the plan's recomputation."""
+    solver = config.raw.get("solver")
+    if not (isinstance(solver, Mapping) and "recompute" in solver):
+        return frozenset(wanted)
+    policy = config.solver.recompute
+    if policy == "auto":
+        return frozenset(wanted)
+    return frozenset(units) if policy == "always" else frozenset()
 
 
 def _recomputed_without_budget(config: Config, units) -> frozenset:

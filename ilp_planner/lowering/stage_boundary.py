@@ -25,7 +25,7 @@ from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.redistribution import Redistribution, plan_redistribution
-from ilp_planner.lowering.strategies import resolve_partial
+from ilp_planner.lowering.strategies import resolve_partial, tied_source
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,16 @@ class StageBoundary:
     reaches them and their gradients go back); ``exported`` ops are read by a later stage.
     ``inflight``: the micro-batches whose activations the stage holds at its peak — its
     pipeline position's in-flight count under the schedule (1 without pipelining, where
-    gradient accumulation runs one micro-batch's forward and backward at a time)."""
+    gradient accumulation runs one micro-batch's forward and backward at a time).
+    ``tied_tables``: ops holding one copy of a table tied to an op in another stage (an
+    embedding whose head runs later, or that head) — the stage's graph alone no longer
+    shows the pair, and the cross-stage exchange sums both copies' full gradients, so their
+    state must stay replicated (:func:`~ilp_planner.intra_op.problem.build_problem`)."""
 
     imported: frozenset[str] = frozenset()
     exported: frozenset[str] = frozenset()
     inflight: int = 1
+    tied_tables: frozenset[str] = frozenset()
 
 
 def stage_boundary(graph: Graph, names: Sequence[str]) -> StageBoundary:
@@ -48,7 +53,19 @@ def stage_boundary(graph: Graph, names: Sequence[str]) -> StageBoundary:
     imported = {src for n in names for src in graph[n].inputs
                 if src not in inside and graph[src].kind is not OpKind.INPUT}
     exported = {n for n in names if any(c not in inside for c in graph.consumers(n))}
-    return StageBoundary(frozenset(imported), frozenset(exported))
+    return StageBoundary(frozenset(imported), frozenset(exported),
+                         tied_tables=frozenset(tied_across(graph, inside)))
+
+
+def tied_across(graph: Graph, inside: set[str]) -> set[str]:
+    """The ops of ``inside`` whose tied partner (head ↔ embedding, :func:`tied_source`)
+    runs outside it."""
+    out = set()
+    for op in graph.ops:
+        emb = tied_source(graph, op) if op.attrs.get("tied") else None
+        if emb is not None and (op.name in inside) != (emb.name in inside):
+            out.add(op.name if op.name in inside else emb.name)
+    return out
 
 
 def export_program(out: Layout, tensor: TensorSpec, cluster: Cluster) -> Redistribution:
