@@ -13,7 +13,7 @@ from ilp_planner.inputs.config import Config, load_config, read_yaml
 from ilp_planner.inter_op.pipeline import solve_pipelined
 from ilp_planner.intra_op.baseline_prices import price_baselines, price_grid
 from ilp_planner.intra_op.realise import realise
-from ilp_planner.intra_op.request import PhaseTimes
+from ilp_planner.intra_op.request import MeshSolveRequest, PhaseTimes
 from ilp_planner.intra_op.solve_mesh import solve_single_mesh
 from ilp_planner.ir.graph import Graph
 from ilp_planner.plan.data import Plan, SolverReport
@@ -42,8 +42,7 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
     plan = Plan(config.name, config.raw, SolverReport.of(result), cost, layers)
     if baselines:
         with times.timing("baselines_s"):
-            plan.baselines = price_baselines(gp, config.solver.time_limit_s,
-                                             config.cluster.memory_bytes)
+            plan.baselines = price_baselines(MeshSolveRequest.whole_cluster(config))
             plan.baselines.update(price_grid(grid))
     return plan
 

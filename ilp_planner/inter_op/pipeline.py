@@ -248,13 +248,12 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
     """Without pipelining (gradient accumulation over the same micro-batches on the whole
     cluster): the planner's own single-mesh optimum and the usual baselines."""
 
-    cluster = config.cluster
+    request = MeshSolveRequest.whole_cluster(config)
     try:
         gp, res, grid = solve_single_mesh(config)
+        out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
     except InfeasibleError as exc:
-        return {"ilp_single_mesh": {"error": str(exc)},
-                **price_grid(grid_baseline(MeshSolveRequest.whole_cluster(config)))}
-    out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
-    out.update(price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes))
+        out, grid = {"ilp_single_mesh": {"error": str(exc)}}, grid_baseline(request)
+    out.update(price_baselines(request))
     out.update(price_grid(grid))
     return out
