@@ -32,6 +32,7 @@ from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, mesh_factorisations
 from ilp_planner.lowering.cost_model import MemorySpec
 
 GIB = 2**30
+TIED_TABLE = {"embed", "lm_head"}  # the GPT builder's tied input / output embedding
 
 
 def cluster(nodes: int, local: int, memory_gib: float = 16) -> Cluster:
@@ -94,7 +95,8 @@ def test_each_family_prices_as_the_restricted_ilp(shape):
 def test_the_torchtitan_grid_prices_as_its_points_solved_on_the_full_problem():
     """The grid's best point under a memory budget (FSDP's reserve and the exact peak
     checked) equals the best over its points each restricted from the full problem
-    (DDP/FSDP × mesh × SP × checkpointing) and solved by the ILP — the old path."""
+    (DDP/FSDP × mesh × SP × checkpointing) and solved by the ILP — the old path, with the
+    tied table's state replicated under FSDP as the planner's space has it."""
     config = gpt_config(1, 4, memory_gib=0.001, layers=3)
     budget = config.cluster.memory_bytes
     request = MeshSolveRequest.whole_model(config, 1, 4, budget)
@@ -111,7 +113,10 @@ def test_the_torchtitan_grid_prices_as_its_points_solved_on_the_full_problem():
                     state = (lambda s: s.zero == 3 or not any(
                         c.purpose == "grad_sync" for c in s.collectives)) if fsdp else (
                         lambda s: s.zero == 0)
-                    res = restrict(full, megatron_filter(dp, tp, sp, state))
+                    keep, layout = (megatron_filter(dp, tp, sp, state),
+                                    megatron_filter(dp, tp, sp, lambda s: True))
+                    res = restrict(full, lambda op, s, keep=keep, layout=layout: keep(op, s) or (
+                        op.name in TIED_TABLE and layout(op, s)))
                     if isinstance(res, str):
                         continue
                     sub, allowed = res

@@ -37,7 +37,7 @@ import numpy as np
 from formulations.elimination import NoFit, solve_elimination
 from formulations.problem import Problem
 from formulations.sbp_ilp import SbpIlp
-from ilp_planner.intra_op.problem import GraphProblem, StrategyFilter, peak_memory
+from ilp_planner.intra_op.problem import GraphProblem, Restriction, StrategyFilter, peak_memory
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes
@@ -90,7 +90,8 @@ def data_parallel_filter(devices_axis: MeshAxis) -> Filter:
         if op.kind in _MATMUL:
             return s.label.startswith(("3d", "conv3d")) and s.fact[0] == devices_axis
         return not s.output.has_partial and _same_data(drop_unit_axes(s.output), target)
-    return keep
+    one = MeshAxis(1, 1)
+    return Restriction(keep, frozenset({(devices_axis, one, one)}))
 
 
 def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
@@ -115,7 +116,7 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
             return not s.output.has_partial and s.output.canonical_key() == seq
         return not s.output.has_partial and s.output.canonical_key() in allowed
-    return keep
+    return Restriction(keep, frozenset(matmul_facts))
 
 
 def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
@@ -125,6 +126,7 @@ def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
         if op.kind is OpKind.LINEAR:
             return s.label.startswith("summa") and s.fact == (rows, cols)
         return True
+    # 3-D strategies stay for embeddings, convolutions and activation matmuls ("free")
     return keep
 
 

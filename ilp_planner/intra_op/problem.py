@@ -70,6 +70,19 @@ StrategyFilter = Callable[[Op, Strategy], bool]
 """Which of an op's strategies a restricted build keeps (a baseline's layouts)."""
 
 
+@dataclass(frozen=True)
+class Restriction:
+    """A :data:`StrategyFilter` that also names the only 3-D factorisations it can pass for
+    a matmul or convolution, so a restricted build never generates the others (hundreds
+    on 1,024 devices)."""
+
+    keep: StrategyFilter
+    matmul_facts: frozenset
+
+    def __call__(self, op: Op, s: Strategy) -> bool:
+        return self.keep(op, s)
+
+
 @dataclass
 class NodeOption:
     """Strategy k of an ILP node: the base strategy plus what its followers do. Per-op
@@ -160,12 +173,12 @@ def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> f
 def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext,
                   microbatches: int, input_reached: bool,
                   keep: StrategyFilter | None = None,
-                  cache: BuildCache | None = None) -> list[NodeOption]:
+                  cache: BuildCache | None = None, tied_table: bool = False) -> list[NodeOption]:
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
-    for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache):
+    for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
         choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
         for picks in itertools.product(*choices):
             opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
@@ -179,12 +192,18 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
 
 
 def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: StrategyContext,
-                     keep: StrategyFilter | None, cache: BuildCache | None) -> list[Strategy]:
+                     keep: StrategyFilter | None, cache: BuildCache | None,
+                     tied_table: bool = False) -> list[Strategy]:
     """The op's strategies (:func:`op_strategies`), only those ``keep`` passes when given
     (an op nothing can shard keeps its replicated ones: any hand-written layout replicates
-    it too). Raises ``ValueError`` naming the op when ``keep`` passes none."""
+    it too; a tied table, whose two copies exchange whole gradients and so keep their
+    state replicated, keeps the replicated twin of every layout ``keep`` passes at some
+    state sharding level — FSDP's members included). Raises ``ValueError`` naming the op
+    when ``keep`` passes none."""
     if keep is None:
         return op_strategies(op, in_specs, ctx)
+    if isinstance(keep, Restriction):
+        ctx = dataclasses.replace(ctx, three_axis=keep.matmul_facts)
     key = (_op_content(op), tuple(in_specs), ctx)
     every = None if cache is None else cache.strategies.get(key)
     if every is None:
@@ -192,6 +211,12 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
         if cache is not None:
             cache.strategies[key] = every
     kept = [s for s in every if (op.kind is OpKind.OPAQUE and not s.zero) or keep(op, s)]
+    if tied_table:  # its state stays replicated: layouts the restriction takes at any level
+        def twin(s: Strategy) -> tuple:
+            return s.label.split("+zero")[0], s.fact, s.inputs, s.weight, s.output
+
+        layouts = {twin(s) for s in kept}
+        kept = [s for s in every if not s.zero and twin(s) in layouts]
     if every and not kept:
         offered = sorted({str(drop_unit_axes(s.output)) for s in every})
         raise ValueError(f"no allowed strategy for {node} ({op.kind.value} {op.output.shape}): "
@@ -382,23 +407,21 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
         if key is not None and key in tied:
             options[node] = tied[key]
             continue
+        table = keep is not None and node in tied_tables
         if cache is None:
-            opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep)
+            opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
+                                 tied_table=table)
         else:
             content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
                        tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
-                             for i, m in enumerate(mem)), keep)
+                             for i, m in enumerate(mem)), keep, table)
             opts = cache.options.get(content)
             if opts is None:
-                opts = cache.options[content] = _node_options(graph, node, mem, ctx,
-                                                              microbatches, reached, keep, cache)
+                opts = cache.options[content] = _node_options(
+                    graph, node, mem, ctx, microbatches, reached, keep, cache, table)
         if node in tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]
-            if not opts:
-                raise ValueError(f"no allowed strategy for {node}: a tied table keeps its state "
-                                 f"replicated (its two copies exchange whole gradients), which "
-                                 f"the baseline's layouts do not")
         if node in again:
             copies = again[node]
             opts = recomputed_lists.setdefault((id(opts), microbatches, copies), (opts, [
