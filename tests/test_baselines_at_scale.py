@@ -20,6 +20,7 @@ from ilp_planner.intra_op.baselines import (
     AC_MODES,
     ac_blocks,
     baseline_choices,
+    data_parallel_filter,
     megatron_filter,
     price_families,
     restrict,
@@ -165,3 +166,13 @@ def test_every_family_prices_on_a_wide_mesh_with_small_micro_batches():
     for name, block in priced.items():
         assert "error" not in block, (name, block)
     assert "microbatches=1" in families["data_parallel"]  # 128 sequences over 128 devices
+
+
+def test_a_batch_no_micro_batch_count_splits_is_named():
+    """Data parallel over 16 × 8 devices with a batch of 96 sequences: no micro-batch count
+    gives every device whole sequences, and the error says so with the numbers."""
+    config = gpt_config(16, 8, batch=96, microbatches=4)
+    builder = MemberBuilder(MeshSolveRequest.whole_cluster(config))
+    with pytest.raises(ValueError, match="the batch of 96 does not split over a "
+                                         "data-parallel degree of 128"):
+        builder((0,), frozenset(), data_parallel_filter(MeshAxis(16, 8)), 128)

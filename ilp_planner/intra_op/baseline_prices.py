@@ -48,6 +48,10 @@ class MemberBuilder:
         except ValueError as exc:
             other = self._fewer_microbatches(dp)
             if other is None:
+                batch = self.request.config.model.get("batch")
+                if isinstance(batch, int) and batch % dp:
+                    raise ValueError(f"{exc}; no micro-batch count helps: the batch of {batch} "
+                                     f"does not split over a data-parallel degree of {dp}") from None
                 raise
             try:
                 return self._build(other, levels, blocks, keep)

@@ -22,7 +22,19 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
 None of these shards optimizer state or recomputes activations except torchtitan's.
 
 Because these strategies are members of the planner's space, the planner's optimum can
-never be worse than any baseline — a property the tests check.
+never be worse than any baseline — a property the tests check. Two exceptions, each named
+in the member's name: a member whose data-parallel degree does not split the configured
+micro-batch runs on fewer, larger micro-batches (``…,microbatches=8)``; see
+:class:`~ilp_planner.intra_op.baseline_prices.MemberBuilder`), as its engine would, and a
+member whose restricted problem a time-limited ILP left open states its gap
+(``…,gap=0.12%)``). A family none of whose members fits says the least per-device memory
+one needs.
+
+Pricing is fast at scale: each member's problem is built with only its own strategies
+(:func:`~ilp_planner.intra_op.problem.build_problem`'s ``keep``; a :class:`Restriction`
+also skips generating the 3-D factorisations it would drop) — the full problem restricted,
+strategy for strategy — and solved exactly by variable elimination (:func:`solve_exact`).
+:func:`restrict` restricts an already built problem the same way.
 """
 
 from __future__ import annotations
