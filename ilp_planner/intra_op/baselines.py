@@ -92,6 +92,7 @@ def _fully_sharded(s: Strategy) -> bool:
     return s.zero == 3 or not any(c.purpose == "grad_sync" for c in s.collectives)
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def data_parallel_filter(devices_axis: MeshAxis) -> Filter:
     full = (devices_axis,)
     target = Layout(full, (Split(0),))
@@ -106,6 +107,7 @@ def data_parallel_filter(devices_axis: MeshAxis) -> Filter:
     return Restriction(keep, frozenset({(devices_axis, one, one)}))
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
                     state: Callable[[Strategy], bool] = _replicated_state) -> Filter:
     """Megatron's layouts on the ``dp × tp`` mesh; ``sequence_parallel``: token-wise ops
@@ -131,6 +133,7 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
     return Restriction(keep, frozenset(matmul_facts))
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
     def keep(op: Op, s: Strategy) -> bool:
         if s.zero:
@@ -335,6 +338,7 @@ def price_families(build: Build, nodes: int, local: int, microbatches: int,
     return out
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def _megatron_sp(dp: MeshAxis, tp: MeshAxis) -> Filter:
     return megatron_filter(dp, tp, sequence_parallel=True)
 
