@@ -31,8 +31,9 @@ member whose restricted problem a time-limited ILP left open states its gap
 one needs.
 
 Pricing is fast at scale: each member's problem is built with only its own strategies
-(:func:`~ilp_planner.intra_op.problem.build_problem`'s ``keep``; a :class:`Restriction`
-also skips generating the 3-D factorisations it would drop) — the full problem restricted,
+(:func:`~ilp_planner.intra_op.problem.build_problem`'s ``keep``; every op's strategies
+generated once per build cache, a :class:`Restriction` testing only its factorisations'
+against it) — the full problem restricted,
 strategy for strategy — and solved exactly by variable elimination (:func:`solve_exact`).
 :func:`restrict` restricts an already built problem the same way.
 """

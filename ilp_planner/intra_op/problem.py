@@ -70,11 +70,14 @@ StrategyFilter = Callable[[Op, Strategy], bool]
 """Which of an op's strategies a restricted build keeps (a baseline's layouts)."""
 
 
+_FACTORED = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL, OpKind.CONV2D)
+
+
 @dataclass(frozen=True)
 class Restriction:
-    """A :data:`StrategyFilter` that also names the only 3-D factorisations it can pass for
-    a matmul or convolution, so a restricted build never generates the others (hundreds
-    on 1,024 devices)."""
+    """A :data:`StrategyFilter` that also names the only mesh factorisations it can pass for
+    a matmul, embedding or convolution, so a restricted build tests only those strategies
+    against it (hundreds of others on 1,024 devices, the same for every member)."""
 
     keep: StrategyFilter
     matmul_facts: frozenset
@@ -202,15 +205,16 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
     when ``keep`` passes none."""
     if keep is None:
         return op_strategies(op, in_specs, ctx)
-    if isinstance(keep, Restriction):
-        ctx = dataclasses.replace(ctx, three_axis=keep.matmul_facts)
     key = (_op_content(op), tuple(in_specs), ctx)
     every = None if cache is None else cache.strategies.get(key)
     if every is None:
         every = op_strategies(op, in_specs, ctx)
         if cache is not None:
             cache.strategies[key] = every
-    kept = [s for s in every if (op.kind is OpKind.OPAQUE and not s.zero) or keep(op, s)]
+    offered = every
+    if isinstance(keep, Restriction) and op.kind in _FACTORED:
+        offered = [s for s in every if s.fact in keep.matmul_facts]
+    kept = [s for s in offered if (op.kind is OpKind.OPAQUE and not s.zero) or keep(op, s)]
     if tied_table:  # its state stays replicated: layouts the restriction takes at any level
         def twin(s: Strategy) -> tuple:
             return s.label.split("+zero")[0], s.fact, s.inputs, s.weight, s.output

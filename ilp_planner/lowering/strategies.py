@@ -113,9 +113,6 @@ class StrategyContext:
     memory: MemorySpec
     max_weight_replication: int | None = None
     zero_levels: tuple[int, ...] = (0,)
-    # the only 3-D factorisations matmuls and convolutions are offered (None: all) — a
-    # baseline's restricted build, which would drop the others anyway
-    three_axis: frozenset[Factorisation] | None = None
 
     @property
     def devices(self) -> int:
@@ -123,8 +120,7 @@ class StrategyContext:
 
 
 def _three_axis(ctx: StrategyContext) -> tuple[Factorisation, ...]:
-    facts = mesh_factorisations(ctx.nodes, ctx.local, 3)
-    return facts if ctx.three_axis is None else tuple(f for f in facts if f in ctx.three_axis)
+    return mesh_factorisations(ctx.nodes, ctx.local, 3)
 
 
 def _two_axis(ctx: StrategyContext) -> tuple[Factorisation, ...]:
