@@ -58,6 +58,15 @@ class MemberBuilder:
             except ValueError:
                 raise exc from None
 
+    def serves(self, request: MeshSolveRequest) -> bool:
+        """Whether ``request`` asks what this builder's does (the same config object, mesh,
+        budget and micro-batches, whole model)."""
+        mine = self.request
+        return (request.config is mine.config and request.boundary is None
+                and mine.boundary is None
+                and (request.nodes, request.local, request.memory_budget, request.microbatches)
+                == (mine.nodes, mine.local, mine.memory_budget, mine.microbatches))
+
     def _fewer_microbatches(self, dp: int) -> int | None:
         """The largest micro-batch count below the configured one whose batch ``dp``
         divides (None: no such count, or the request cannot be re-batched)."""
@@ -82,13 +91,27 @@ class MemberBuilder:
                              recompute=blocks, keep=keep)
 
 
+_LAST: list[MemberBuilder] = []
+"""The last request's builder: the torchtitan grid and the families priced for one solve
+(two calls, :func:`grid_baseline` then :func:`price_baselines`) share its strategy lists and
+options; one is kept, so a later solve frees it."""
+
+
+def member_builder(request: MeshSolveRequest) -> MemberBuilder:
+    """The builder for ``request``: the last one where it serves the same question."""
+    if _LAST and _LAST[0].serves(request):
+        return _LAST[0]
+    _LAST[:] = [MemberBuilder(request)]
+    return _LAST[0]
+
+
 def price_baselines(request: MeshSolveRequest) -> dict[str, dict]:
     """The usual baselines (:func:`~ilp_planner.intra_op.baselines.price_families`: no state
     sharding, no recomputation) on the request's graph and mesh under its budget, each as
     its cost block or an error saying why it has none."""
     config = request.config
     out: dict[str, dict] = {}
-    for name, priced in price_families(MemberBuilder(request), request.nodes, request.local,
+    for name, priced in price_families(member_builder(request), request.nodes, request.local,
                                        request.microbatches, request.memory_budget,
                                        config.solver.time_limit_s).items():
         out[name] = {"error": priced} if isinstance(priced, str) else _block(priced)
@@ -102,7 +125,7 @@ def _block(priced: Priced) -> dict:
 def grid_baseline(request: MeshSolveRequest) -> GridPoint | str:
     """The torchtitan-style grid (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice`) on
     the request's graph and mesh under its budget."""
-    return torchtitan_choice(request.graph, MemberBuilder(request), request.nodes,
+    return torchtitan_choice(request.graph, member_builder(request), request.nodes,
                              request.local, request.memory_budget,
                              request.config.solver.time_limit_s, request.microbatches)
 

@@ -345,7 +345,11 @@ def _megatron_sp(dp: MeshAxis, tp: MeshAxis) -> Filter:
 
 
 _FILTERS: dict[str, Callable[[MeshAxis, MeshAxis], Filter]] = {
-    "megatron": megatron_filter, "megatron_sp": _megatron_sp, "summa": summa_filter}
+    # called as the torchtitan grid's DDP points call it: the same (cached) filter object,
+    # so the two share restricted options within one build cache
+    "megatron": lambda a, b: megatron_filter(a, b, False, _replicated_state),
+    "megatron_sp": lambda a, b: megatron_filter(a, b, True, _replicated_state),
+    "summa": summa_filter}
 
 
 AC_MODES = ("none", "full", "selective")
