@@ -92,6 +92,9 @@ def main(rows: list[str]) -> None:
         plan = solve(config, times=times)
         wall = time.perf_counter() - t0
         cells, why = _family_cells(plan)
+        why += [f"  {plan.name} pipelined grid {k}: "
+                f"{v['error'] if 'error' in v else f'{baseline_seconds(v) / step_seconds(plan):.2f}×'}"
+                for k, v in plan.baselines.items() if "pp=" in k or k == "torchtitan_pp"]
         notes += why + [f"  {plan.name}: wall {wall:.1f} s, plan status {plan.solver.status}"]
         print(f"{row:<18}{times.solve_s:>9.1f}{times.baselines_s:>12.1f}"
               f"{times.baselines_s / times.solve_s:>7.2f}{step_seconds(plan):>10.4g}"
