@@ -394,6 +394,8 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
     needs: list[tuple[float, str]] = []
     reasons: list[str] = []
     modes = AC_MODES if budget is not None else ("none",)
+    # modes recomputing the same blocks are one point (a model without blocks: all three)
+    modes = tuple({ac_blocks(graph, m): m for m in reversed(modes)}.values())[::-1]
     ddp_fits: set[tuple] = set()  # DDP points that fit without checkpointing
     for fsdp in (False, True):
         for mode in modes:
