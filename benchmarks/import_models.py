@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ilp_planner  # noqa: E402
 from ilp_planner.inputs.models import vgg13  # noqa: E402
+from ilp_planner.intra_op.request import PhaseTimes  # noqa: E402
 from ilp_planner.ir.graph import Graph, OpKind  # noqa: E402
 from ilp_planner.plan.data import baseline_seconds  # noqa: E402
 from ilp_planner.reports.explain import opaque_share, step_seconds  # noqa: E402
@@ -113,9 +114,12 @@ def main(names: list[str]) -> None:
         graph, params, import_s = _graph(name)
         opaque = sum(op.kind is OpKind.OPAQUE for op in graph.ops)
         t0 = time.perf_counter()
+        times = PhaseTimes()
         plan = ilp_planner.solve(graph, cluster=CLUSTER, training=TRAINING, solver=SOLVER,
-                                 name=name)
+                                 name=name, times=times)
         solve_s = time.perf_counter() - t0
+        notes.append(f"  {name}: solve {solve_s:.1f} s = plan {times.solve_s:.1f} s + "
+                     f"baselines {times.baselines_s:.1f} s")
         cells, why = _cells(plan)
         notes += why
         gap = plan.solver.gap

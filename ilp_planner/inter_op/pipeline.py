@@ -110,10 +110,12 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         set_incumbent(solver, boundary, space.shapes, space.num_stages,
                       config.pipeline.imbalance_tolerance)
     dp = _stage_dp(config, solver, boundary, space)
-    grid = None
+    grid, grid_s = None, 0.0
     if baselines and space.fixed is None and space.num_stages != 1:
+        t1 = time.perf_counter()
         grid = pipelined_grid(config, graph, solver, boundary, space.shapes, space.num_stages,
                               len(dp.stages))
+        grid_s = time.perf_counter() - t1  # pricing the baseline, not the plan
         if isinstance(grid, GridPipeline) and grid.latency_s < dp.objective_s:
             for st in grid.stages:  # its stage plans, re-solved in the whole space
                 solver.add_variant(st.start, st.end, grid.shape, st.how)
@@ -131,7 +133,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
         pipeline = _interleaved_if_faster(config, graph, solver, pipeline, len(dp.stages),
                                           reshardings)
     report = _solver_report(pipeline, dp, solver, boundary, len(units),
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0, grid_s)
     plan = pipeline_plan(config, pipeline, report)
     if baselines:
         plan.baselines = _single_mesh_baselines(config)
@@ -266,9 +268,11 @@ def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline
 
 
 def _solver_report(pipeline: AssembledPipeline, dp: StagePlan, solver: StageSolver,
-                   boundary: BoundaryCost, num_units: int, total_s: float) -> SolverReport:
+                   boundary: BoundaryCost, num_units: int, total_s: float,
+                   grid_s: float = 0.0) -> SolverReport:
     """The plan's solver report: the stages' ILP statuses combined, the DP's objective, the
-    stage solver's counts and where the time went."""
+    stage solver's counts and where the time went (``grid_s``: of ``total_s``, pricing the
+    pipelined torchtitan grid)."""
     stages = pipeline.stages
     reports = [s.dp.solver for s in stages if s.dp is not None]
     status = "optimal"
@@ -291,7 +295,7 @@ def _solver_report(pipeline: AssembledPipeline, dp: StagePlan, solver: StageSolv
             len(state.cut_off), state.incumbent_s, stats.not_optimal, solver.time_limit_s,
             {"stage_solve_s": stats.solve_s, "stage_build_s": stats.build_s,
              "boundary_s": boundary.seconds, "dp_s": dp.solve_s + table_rest_s,
-             "resharding_s": pipeline.resharding_s, "total_s": total_s}),
+             "resharding_s": pipeline.resharding_s, "grid_s": grid_s, "total_s": total_s}),
     )
 
 
@@ -299,13 +303,12 @@ def _single_mesh_baselines(config: Config) -> dict[str, dict]:
     """Without pipelining (gradient accumulation over the same micro-batches on the whole
     cluster): the planner's own single-mesh optimum and the usual baselines."""
 
-    cluster = config.cluster
+    request = MeshSolveRequest.whole_cluster(config)
     try:
         gp, res, grid = solve_single_mesh(config)
+        out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
     except InfeasibleError as exc:
-        return {"ilp_single_mesh": {"error": str(exc)},
-                **price_grid(grid_baseline(MeshSolveRequest.whole_cluster(config)))}
-    out = {"ilp_single_mesh": realise(gp, list(res.choice))[1].to_dict()}
-    out.update(price_baselines(gp, config.solver.time_limit_s, cluster.memory_bytes))
+        out, grid = {"ilp_single_mesh": {"error": str(exc)}}, grid_baseline(request)
+    out.update(price_baselines(request))
     out.update(price_grid(grid))
     return out

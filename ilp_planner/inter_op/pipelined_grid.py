@@ -91,14 +91,14 @@ def pipelined_grid(config: Config, graph: Graph, solver: StageSolver, boundary: 
             sub = subgraph(graph, names)
             bound = dataclasses.replace(stage_boundary(graph, names), inflight=held)
 
-            def build(levels, blocks, sub=sub, bound=bound, n=n, d=d):
+            def build(levels, blocks, keep, _dp, sub=sub, bound=bound, n=n, d=d):
+                # the pipeline fixes the micro-batches: a member they do not suit has no price
                 return build_problem(sub, cluster, n, d, config.memory,
                                      tie_layers=opts.tie_layers,
-                                     max_weight_replication=opts.max_weight_replication,
                                      memory_budget=cluster.memory_bytes, microbatches=M,
                                      boundary=bound, grad_bucket_bytes=config.grad_bucket_bytes,
                                      cache=solver.state.build_cache, zero_levels=levels,
-                                     recompute=blocks)
+                                     recompute=blocks, keep=keep)
 
             point = torchtitan_choice(sub, build, n, d, cluster.memory_bytes, solver.time_limit_s)
             if isinstance(point, str):

@@ -1,54 +1,135 @@
 """The baselines priced beside a plan, under the same cost model: the usual hand-written
-layouts (:func:`~ilp_planner.intra_op.baselines.baseline_choices`) and the
-torchtitan-style grid (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice`), each
-as the cost breakdown of its choice realised (:func:`realise`)."""
+layouts (:func:`~ilp_planner.intra_op.baselines.price_families`) and the torchtitan-style
+grid (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice`), each as the cost
+breakdown of its choice realised (:func:`realise`).
+
+Each member is built restricted to its own strategies (:class:`MemberBuilder`): a few per
+op instead of the hundreds the plan's space holds at scale, so pricing every family costs a
+fraction of the plan's own solve."""
 
 from __future__ import annotations
 
-from ilp_planner.intra_op.baselines import GridPoint, baseline_choices, torchtitan_choice
+from ilp_planner.intra_op.baselines import (
+    Filter,
+    GridPoint,
+    Priced,
+    price_families,
+    torchtitan_choice,
+)
+from ilp_planner.intra_op.moe_baselines import has_moe
 from ilp_planner.intra_op.problem import BuildCache, GraphProblem, build_problem
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
+from ilp_planner.ir.graph import Graph
 
 
-def price_baselines(gp: GraphProblem, time_limit_s: float,
-                    memory_budget: float | None = None) -> dict[str, dict]:
-    """The usual baselines (:func:`~ilp_planner.intra_op.baselines.baseline_choices`), each on the
-    problem without state sharding and recomputation (``gp`` rebuilt where it has them,
-    under ``memory_budget``)."""
-    if gp.ctx.zero_levels != (0,) or gp.recompute_units:
-        gp = build_problem(gp.graph, gp.ctx.cluster, gp.ctx.nodes, gp.ctx.local, gp.ctx.memory,
-                           tie_layers=any(len(g) > 1 for g in gp.groups),
-                           max_weight_replication=gp.ctx.max_weight_replication,
-                           memory_budget=memory_budget, microbatches=gp.microbatches,
-                           boundary=gp.boundary, grad_bucket_bytes=gp.grad_bucket_bytes)
+class MemberBuilder:
+    """Builds a baseline member's restricted problem for a request's graph and mesh (the
+    :data:`~ilp_planner.intra_op.baselines.Build` the families call), sharing one build
+    cache per micro-batch count.
+
+    Where the configured micro-batches' batch does not split over a member's data-parallel
+    degree (GPT-175B's 16 sequences a micro-batch on 128 × 8 devices), the member runs as
+    its engine would — fewer, larger micro-batches: the largest count below the configured
+    one whose batch that degree divides (Megatron's ``global batch / (dp × micro-batch
+    size)`` accumulation steps). Only for configs with a ``model.batch`` and no stage
+    boundary; the member's name states the count. ``solver.max_weight_replication`` caps
+    the planner's search, not a hand-written layout: members are built without it."""
+
+    def __init__(self, request: MeshSolveRequest):
+        self.request = request
+        self.caches: dict[int, BuildCache] = {}
+        self.graphs: dict[int, Graph] = {request.microbatches: request.graph}
+
+    def __call__(self, levels: tuple[int, ...], blocks: frozenset, keep: Filter,
+                 dp: int) -> GraphProblem:
+        m = self.request.microbatches
+        try:
+            return self._build(m, levels, blocks, keep)
+        except ValueError as exc:
+            other = self._fewer_microbatches(dp)
+            if other is None:
+                batch = self.request.config.model.get("batch")
+                if isinstance(batch, int) and batch % dp:
+                    raise ValueError(f"{exc}; no micro-batch count helps: the batch of {batch} "
+                                     f"does not split over a data-parallel degree of {dp}") from None
+                raise
+            try:
+                return self._build(other, levels, blocks, keep)
+            except ValueError:
+                raise exc from None
+
+    def serves(self, request: MeshSolveRequest) -> bool:
+        """Whether ``request`` asks what this builder's does (the same config object, mesh,
+        budget and micro-batches, whole model)."""
+        mine = self.request
+        return (request.config is mine.config and request.boundary is None
+                and mine.boundary is None
+                and (request.nodes, request.local, request.memory_budget, request.microbatches)
+                == (mine.nodes, mine.local, mine.memory_budget, mine.microbatches))
+
+    def _fewer_microbatches(self, dp: int) -> int | None:
+        """The largest micro-batch count below the configured one whose batch ``dp``
+        divides (None: no such count, or the request cannot be re-batched)."""
+        config, req = self.request.config, self.request
+        batch = config.model.get("batch") if isinstance(config.model, dict) else None
+        if not isinstance(batch, int) or req.boundary is not None or \
+                req.microbatches != config.pipeline.microbatches:
+            return None
+        return next((m for m in range(req.microbatches - 1, 0, -1)
+                     if batch % m == 0 and (batch // m) % dp == 0), None)
+
+    def _build(self, m: int, levels: tuple[int, ...], blocks: frozenset,
+               keep: Filter) -> GraphProblem:
+        req, config = self.request, self.request.config
+        if m not in self.graphs:
+            self.graphs[m] = config.with_overrides({"pipeline.microbatches": m}).microbatch_graph()
+        return build_problem(self.graphs[m], config.cluster, req.nodes, req.local, config.memory,
+                             tie_layers=config.solver.tie_layers,
+                             memory_budget=req.memory_budget, microbatches=m,
+                             boundary=req.boundary, grad_bucket_bytes=config.grad_bucket_bytes,
+                             cache=self.caches.setdefault(m, BuildCache()), zero_levels=levels,
+                             recompute=blocks, keep=keep)
+
+
+_LAST: list[MemberBuilder] = []
+"""The last request's builder: the torchtitan grid and the families priced for one solve
+(two calls, :func:`grid_baseline` then :func:`price_baselines`) share its strategy lists and
+options; one is kept, so a later solve frees it."""
+
+
+def member_builder(request: MeshSolveRequest) -> MemberBuilder:
+    """The builder for ``request``: the last one where it serves the same question."""
+    if _LAST and _LAST[0].serves(request):
+        return _LAST[0]
+    _LAST[:] = [MemberBuilder(request)]
+    return _LAST[0]
+
+
+def price_baselines(request: MeshSolveRequest) -> dict[str, dict]:
+    """The usual baselines (:func:`~ilp_planner.intra_op.baselines.price_families`: no state
+    sharding, no recomputation) on the request's graph and mesh under its budget, each as
+    its cost block or an error saying why it has none."""
+    config = request.config
     out: dict[str, dict] = {}
-    for name, choice in baseline_choices(gp, time_limit_s).items():
-        if isinstance(choice, str):
-            out[name] = {"error": choice}
-        else:
-            out[name] = realise(gp, choice)[1].to_dict()
+    for name, priced in price_families(member_builder(request), request.nodes, request.local,
+                                       request.microbatches, request.memory_budget,
+                                       config.solver.time_limit_s,
+                                       moe=has_moe(request.graph)).items():
+        out[name] = {"error": priced} if isinstance(priced, str) else _block(priced)
     return out
+
+
+def _block(priced: Priced) -> dict:
+    return realise(priced.gp, priced.choice)[1].to_dict()
 
 
 def grid_baseline(request: MeshSolveRequest) -> GridPoint | str:
     """The torchtitan-style grid (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice`) on
-    the planner's own problems for the request's graph and mesh, under its budget (with a
-    build cache of its own: the grid's state sharding and recomputation are its own)."""
-    config, graph = request.config, request.graph
-    cache = BuildCache()
-
-    def build(levels: tuple[int, ...], blocks: frozenset) -> GraphProblem:
-        return build_problem(graph, config.cluster, request.nodes, request.local, config.memory,
-                             tie_layers=config.solver.tie_layers,
-                             max_weight_replication=config.solver.max_weight_replication,
-                             memory_budget=request.memory_budget,
-                             microbatches=request.microbatches, boundary=request.boundary,
-                             grad_bucket_bytes=config.grad_bucket_bytes, cache=cache,
-                             zero_levels=levels, recompute=blocks)
-
-    return torchtitan_choice(graph, build, request.nodes, request.local, request.memory_budget,
-                             config.solver.time_limit_s)
+    the request's graph and mesh under its budget."""
+    return torchtitan_choice(request.graph, member_builder(request), request.nodes,
+                             request.local, request.memory_budget,
+                             request.config.solver.time_limit_s, request.microbatches)
 
 
 def price_grid(grid: GridPoint | str | None) -> dict[str, dict]:
@@ -58,3 +139,4 @@ def price_grid(grid: GridPoint | str | None) -> dict[str, dict]:
     if isinstance(grid, str):
         return {"torchtitan": {"error": grid}}
     return {grid.name: realise(grid.gp, grid.choice)[1].to_dict()}
+

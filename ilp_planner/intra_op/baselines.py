@@ -31,16 +31,32 @@ torchtitan grid lay the experts out EP × ETP (ETP = TP or 1) as Megatron-Core a
 None of these shards optimizer state or recomputes activations except torchtitan's.
 
 Because these strategies are members of the planner's space, the planner's optimum can
-never be worse than any baseline — a property the tests check.
+never be worse than any baseline — a property the tests check. Two exceptions, each named
+in the member's name: a member whose data-parallel degree does not split the configured
+micro-batch runs on fewer, larger micro-batches (``…,microbatches=8)``; see
+:class:`~ilp_planner.intra_op.baseline_prices.MemberBuilder`), as its engine would, and a
+member whose restricted problem a time-limited ILP left open states its gap
+(``…,gap=0.12%)``). A family none of whose members fits says the least per-device memory
+one needs.
+
+Pricing is fast at scale: each member's problem is built with only its own strategies
+(:func:`~ilp_planner.intra_op.problem.build_problem`'s ``keep``; every op's strategies
+generated once per build cache, a :class:`Restriction` testing only its factorisations'
+against it) — the full problem restricted,
+strategy for strategy — and solved exactly by variable elimination (:func:`solve_exact`).
+:func:`restrict` restricts an already built problem the same way.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from formulations.elimination import NoFit, solve_elimination
 from formulations.problem import Problem
 from formulations.sbp_ilp import SbpIlp
 from ilp_planner.intra_op.moe_baselines import (
@@ -50,13 +66,13 @@ from ilp_planner.intra_op.moe_baselines import (
     replicated_experts_filter,
     with_moe,
 )
-from ilp_planner.intra_op.problem import GraphProblem, peak_memory
+from ilp_planner.intra_op.problem import GraphProblem, Restriction, StrategyFilter, peak_memory
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes
 from ilp_planner.lowering.strategies import Strategy, head_splits
 
-Filter = Callable[[Op, Strategy], bool]
+Filter = StrategyFilter
 _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
 
 
@@ -93,6 +109,7 @@ def _fully_sharded(s: Strategy) -> bool:
     return s.zero == 3 or not any(c.purpose == "grad_sync" for c in s.collectives)
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def data_parallel_filter(devices_axis: MeshAxis) -> Filter:
     full = (devices_axis,)
     target = Layout(full, (Split(0),))
@@ -103,9 +120,11 @@ def data_parallel_filter(devices_axis: MeshAxis) -> Filter:
         if op.kind in _MATMUL:
             return s.label.startswith(("3d", "conv3d")) and s.fact[0] == devices_axis
         return not s.output.has_partial and _same_data(drop_unit_axes(s.output), target)
-    return keep
+    one = MeshAxis(1, 1)
+    return Restriction(keep, frozenset({(devices_axis, one, one)}))
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
                     state: Callable[[Strategy], bool] = _replicated_state) -> Filter:
     """Megatron's layouts on the ``dp × tp`` mesh; ``sequence_parallel``: token-wise ops
@@ -129,9 +148,10 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
             return not s.output.has_partial and s.output.canonical_key() == seq
         return not s.output.has_partial and s.output.canonical_key() in allowed
-    return keep
+    return Restriction(keep, frozenset(matmul_facts))
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
     def keep(op: Op, s: Strategy) -> bool:
         if s.zero:
@@ -139,7 +159,61 @@ def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
         if op.kind is OpKind.LINEAR:
             return s.label.startswith("summa") and s.fact == (rows, cols)
         return True
+    # 3-D strategies stay for embeddings, convolutions and activation matmuls ("free")
     return keep
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A baseline member solved exactly on its restricted problem: the problem, the choice
+    (indices into it), its objective and the relative gap to the proven bound (0 when
+    proven; a time-limited ILP may leave one, which the member's name then states)."""
+
+    gp: GraphProblem
+    choice: list[int]
+    objective: float
+    gap: float = 0.0
+
+
+def solve_exact(sub: Problem, time_limit_s: float) -> tuple[list[int], float, float] | str:
+    """The optimum of a restricted problem: variable elimination (exact, and fast on the
+    few strategies a baseline keeps); what it leaves open goes to the ILP on the strategies
+    its bound keeps, within ``time_limit_s``. Returns (choice, objective, gap) or why none."""
+    deadline = time.perf_counter() + time_limit_s
+    try:
+        exact = solve_elimination(sub, node_solver=functools.partial(_node_ilp, deadline))
+    except NoFit as exc:
+        return f"does not fit: {exc}"
+    if exact is not None and exact.keep is None:
+        return list(exact.result.choice), exact.result.objective, 0.0
+    keep = exact.keep if exact is not None else [np.arange(len(c)) for c in sub.cost]
+    kept = sub.subset(keep)
+    warm = None
+    if exact is not None:
+        warm = tuple(int(np.searchsorted(kk, k)) for kk, k in zip(keep, exact.result.choice,
+                                                                  strict=True))
+    out = SbpIlp(kept).solve(time_limit_s=max(deadline - time.perf_counter(), 1.0),
+                             warm_start=warm)
+    if out is None:
+        return "restricted ILP found no solution in time"
+    bound = out.bound if out.bound is not None else -np.inf
+    if exact is not None and exact.result.bound is not None:
+        bound = max(bound, exact.result.bound)
+    gap = 0.0 if out.status == "optimal" and not out.gap else max(
+        0.0, (out.objective - bound) / max(abs(out.objective), 1e-30))
+    return [int(keep[g][k]) for g, k in enumerate(out.choice)], out.objective, min(gap, 1.0)
+
+
+def _node_ilp(deadline: float, problem: Problem) -> tuple[tuple[int, ...], float] | None:
+    """The elimination's node solver: the ILP on one branch-and-bound node, exactly, within
+    what is left of the member's time."""
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return None
+    res = SbpIlp(problem).solve(time_limit_s=left)
+    if res is None or res.status != "optimal":
+        return None
+    return res.choice, min(res.objective, res.bound)
 
 
 def _solve_restricted(gp: GraphProblem, keep: Filter, time_limit_s: float) -> tuple[list[int], float] | str:
@@ -158,7 +232,10 @@ def _solve_restricted(gp: GraphProblem, keep: Filter, time_limit_s: float) -> tu
 
 
 def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, list[int] | str]:
-    """Best choice (full-problem strategy indices) per baseline name, or a reason string."""
+    """Best choice (full-problem indices) per baseline name, or a reason string, each a
+    restriction of ``gp`` solved by the ILP: the reference :func:`price_families` (which
+    builds only each member's strategies and solves them by elimination) is checked
+    against."""
     nodes, local = gp.ctx.nodes, gp.ctx.local
     out: dict[str, list[int] | str] = {}
     dp = _solve_restricted(gp, with_moe(data_parallel_filter(MeshAxis(nodes, local)),
@@ -172,9 +249,7 @@ def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, 
                         ("summa", summa_filter)):
         best: tuple[float, str, list[int]] | None = None
         reasons = []
-        for a, b in mesh_factorisations(nodes, local, 2):
-            if a.size == 1 or b.size == 1:
-                continue
+        for a, b in two_axis_meshes(nodes, local):
             keep = make(a, b)
             if label != "summa":  # Megatron-Core: experts EP × ETP beside the dense layers
                 keep = with_moe(keep, moe_grid_filter(a, b, _replicated_state))
@@ -182,7 +257,7 @@ def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, 
             if isinstance(res, str):
                 reasons.append(res)
                 continue
-            name = f"{label}(dp={a},tp={b})" if label != "summa" else f"summa({a}x{b})"
+            name = member_name(label, a, b)
             if best is None or res[1] < best[0]:
                 best = (res[1], name, res[0])
         if best is None:
@@ -192,8 +267,133 @@ def baseline_choices(gp: GraphProblem, time_limit_s: float = 30.0) -> dict[str, 
     return out
 
 
+def two_axis_meshes(nodes: int, local: int) -> list[tuple[MeshAxis, MeshAxis]]:
+    """The ``a × b`` views of the mesh with more than one device per axis (Megatron's
+    dp × tp, SUMMA's rows × columns)."""
+    return [(a, b) for a, b in mesh_factorisations(nodes, local, 2) if a.size > 1 and b.size > 1]
+
+
+def member_name(label: str, a: MeshAxis, b: MeshAxis) -> str:
+    """A family member's name: ``megatron(dp=16,tp=8)``, ``summa(4x8)``."""
+    return f"summa({a}x{b})" if label == "summa" else f"{label}(dp={a},tp={b})"
+
+
+Build = Callable[[tuple[int, ...], frozenset, Filter, int], GraphProblem]
+"""``build(zero_levels, recomputed_blocks, keep, dp)``: the planner's problem restricted to
+the strategies ``keep`` passes (:func:`~ilp_planner.intra_op.problem.build_problem`'s
+``keep``), for a member splitting the batch ``dp`` ways — on the configured micro-batches,
+or where their batch does not split so, on another micro-batch count that does (the
+problem's ``microbatches`` says which). Raises ``ValueError`` naming what is missing."""
+
+
+def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limit_s: float,
+            levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
+            reserve_transients: bool = False) -> Priced | float | str:
+    """One member priced: its restricted problem solved exactly under ``budget`` (less the
+    largest transient when ``reserve_transients``: FSDP holds one gathered op at a time).
+    A float where it cannot fit: the least per-device memory it needs; a string where it
+    has no layout at all."""
+    try:
+        gp = build(levels, blocks, keep, dp)
+    except ValueError as exc:
+        return str(exc)
+    reserve = _reserve(gp) if reserve_transients else 0.0
+    need = gp.problem.min_memory()[0] + reserve
+    if budget is not None:
+        if need > budget:
+            return need
+        gp.problem.memory_budget = budget - reserve
+    out = solve_exact(gp.problem, time_limit_s)
+    if isinstance(out, str):
+        return need if out.startswith("does not fit") else out
+    choice, objective, gap = out
+    if budget is not None and peak_memory(gp, choice) > budget * (1 + 1e-9):
+        return peak_memory(gp, choice)  # re-materialised blocks or transients exceed it
+    return Priced(gp, choice, objective, gap)
+
+
+def _named(name: str, priced: Priced, microbatches: int) -> str:
+    """``name`` with what differs from the plan: another micro-batch count, a gap left."""
+    extra = [f"microbatches={priced.gp.microbatches}"] * (priced.gp.microbatches != microbatches)
+    extra += [f"gap={priced.gap:.2%}"] * (priced.gap > 0)
+    if not extra:
+        return name
+    return f"{name[:-1]},{','.join(extra)})" if name.endswith(")") else f"{name}({','.join(extra)})"
+
+
+def family_failure(label: str, needs: list[tuple[float, str]], reasons: list[str],
+                   budget: float | None) -> str:
+    """Why a family has no price: the least per-device memory any member needs against
+    the budget, or (no member has its layouts) the first member's reason."""
+    if needs and budget is not None:
+        need, who = min(needs)
+        return (f"no {label} member fits: the smallest needs {need / 2**30:.4g} GiB per "
+                f"device ({who}); the budget is {budget / 2**30:.4g} GiB")
+    return reasons[0] if reasons else "needs a two-axis mesh (more than one device per axis)"
+
+
+def price_families(build: Build, nodes: int, local: int, microbatches: int,
+                   budget: float | None, time_limit_s: float,
+                   moe: bool = False) -> dict[str, Priced | str]:
+    """The usual baselines (data parallel, Megatron, Megatron-SP, SUMMA), each the best of
+    its members (every two-axis mesh) on restricted problems solved exactly — the prices
+    of :func:`baseline_choices` without building or searching the strategies they drop.
+    ``microbatches``: the plan's (a member on another count says so in its name). A family
+    with no member that fits says the least memory one needs. ``moe``: the graph has MoE
+    ops (:mod:`~ilp_planner.intra_op.moe_baselines`: data parallel replicates the experts,
+    Megatron-Core splits them EP × ETP, and DeepSpeed-MoE joins the families)."""
+    out: dict[str, Priced | str] = {}
+    whole = MeshAxis(nodes, local)
+    families = [("data_parallel", [(whole, None)])] + [
+        (label, two_axis_meshes(nodes, local)) for label in ("megatron", "megatron_sp", "summa")]
+    if moe:
+        families.insert(1, ("deepspeed_moe", [(whole, None)]))
+    for label, meshes in families:
+        best: tuple[str, Priced] | None = None
+        needs: list[tuple[float, str]] = []
+        reasons: list[str] = []
+        for a, b in meshes:
+            name = label if b is None else member_name(label, a, b)
+            keep = _family_filter(label, a, b)
+            res = _member(build, keep, 1 if label == "summa" else a.size, budget, time_limit_s)
+            if isinstance(res, float):
+                needs.append((res, name))
+            elif isinstance(res, str):
+                reasons.append(res)
+            elif best is None or res.objective < best[1].objective:
+                best = (name, res)
+        if best is None:
+            out[label] = family_failure(label, needs, reasons, budget)
+        else:
+            out[_named(best[0], best[1], microbatches)] = best[1]
+    return out
+
+
+def _family_filter(label: str, a: MeshAxis, b: MeshAxis | None) -> Filter:
+    """A family member's filter (cached objects: restricted builds cache by them), with
+    the MoE ops' choices of that family (a graph without MoE ops never consults them)."""
+    devices = a.size * (b.size if b is not None else 1)
+    if label == "data_parallel":
+        return with_moe(data_parallel_filter(a), replicated_experts_filter(devices))
+    if label == "deepspeed_moe":
+        return with_moe(data_parallel_filter(a), deepspeed_moe_filter(devices))
+    assert b is not None
+    if label == "summa":
+        return summa_filter(a, b)
+    return with_moe(_FILTERS[label](a, b), moe_grid_filter(a, b, _replicated_state))
+
+
+@functools.cache  # one object per member: restricted builds cache by it
 def _megatron_sp(dp: MeshAxis, tp: MeshAxis) -> Filter:
     return megatron_filter(dp, tp, sequence_parallel=True)
+
+
+_FILTERS: dict[str, Callable[[MeshAxis, MeshAxis], Filter]] = {
+    # called as the torchtitan grid's DDP points call it: the same (cached) filter object,
+    # so the two share restricted options within one build cache
+    "megatron": lambda a, b: megatron_filter(a, b, False, _replicated_state),
+    "megatron_sp": lambda a, b: megatron_filter(a, b, True, _replicated_state),
+    "summa": summa_filter}
 
 
 AC_MODES = ("none", "full", "selective")
@@ -205,9 +405,6 @@ def ac_blocks(graph, mode: str) -> frozenset[tuple[str, int]]:
     """The blocks an activation checkpointing mode recomputes."""
     units = graph.blocks()
     return frozenset({"none": [], "full": units, "selective": units[::2]}[mode])
-
-
-Build = Callable[[tuple[int, ...], frozenset], GraphProblem]
 
 
 @dataclass(frozen=True)
@@ -224,54 +421,57 @@ class GridPoint:
 
 
 def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float | None,
-                      time_limit_s: float = 30.0) -> GridPoint | str:
+                      time_limit_s: float = 30.0, microbatches: int | None = None
+                      ) -> GridPoint | str:
     """The best point of torchtitan's grid under the same cost model and memory budget:
     data parallel as DDP (replicated state) or FSDP (ZeRO-3), × every dp × tp mesh
     (tp = 1: pure data parallel), × sequence parallel on or off (tp > 1), × activation
     checkpointing (:data:`AC_MODES`; only ``none`` without a budget, where recomputation
-    only costs). ``build(zero_levels, recomputed_blocks)`` builds the planner's problem.
-    Each point is solved exactly; FSDP reserves its largest gathered transient, and a point
-    whose exact peak (:func:`~ilp_planner.intra_op.problem.peak_memory`) exceeds the budget is
-    dropped. Returns a reason string when no point fits."""
+    only costs). ``build`` (:data:`Build`) builds the planner's problem restricted to each
+    point's strategies. Each point is solved exactly; FSDP reserves its largest gathered
+    transient, and a point whose exact peak
+    (:func:`~ilp_planner.intra_op.problem.peak_memory`) exceeds the budget is dropped.
+    ``microbatches``: the plan's (a point on another count says so in its name). Returns
+    why when no point fits (the least memory a point needs, against the budget)."""
 
-    best: GridPoint | None = None
+    best: tuple[str, Priced, float] | None = None
+    needs: list[tuple[float, str]] = []
     reasons: list[str] = []
     modes = AC_MODES if budget is not None else ("none",)
+    # modes recomputing the same blocks are one point (a model without blocks: all three)
+    modes = tuple({ac_blocks(graph, m): m for m in reversed(modes)}.values())[::-1]
+    ddp_fits: set[tuple] = set()  # DDP points that fit without checkpointing
     for fsdp in (False, True):
         for mode in modes:
-            gp = build((0, 3) if fsdp else (0,), ac_blocks(graph, mode))
             for dp, tp in mesh_factorisations(nodes, local, 2):
                 for sp in (False, True) if tp.size > 1 else (False,):
+                    if not fsdp and mode != "none" and (dp, tp, sp) in ddp_fits:
+                        continue  # recomputing without sharded state only adds work
+                    name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
+                            f"{'sp,' if sp else ''}ac={mode})")
                     state = _fully_sharded if fsdp else _replicated_state
                     keep = with_moe(megatron_filter(dp, tp, sp, state),
                                     moe_grid_filter(dp, tp, state))
-                    res = restrict(gp, keep)
-                    if isinstance(res, str):
+                    res = _member(build, keep, dp.size, budget, time_limit_s,
+                                  (0, 3) if fsdp else (0,), ac_blocks(graph, mode),
+                                  reserve_transients=fsdp)
+                    if isinstance(res, float):
+                        needs.append((res, name))
+                    elif isinstance(res, str):
                         reasons.append(res)
-                        continue
-                    sub, allowed = res
-                    reserve = max((gp.options[n][int(k)].transient_bytes
-                                   for g, group in enumerate(gp.groups) for n in group
-                                   for k in allowed[g]), default=0.0)
-                    if budget is not None:
-                        sub.memory_budget = budget - reserve
-                        if sub.memory_budget <= 0 or sub.min_memory()[0] > sub.memory_budget:
-                            reasons.append(f"dp={dp},tp={tp}: does not fit")
-                            continue
-                    out = SbpIlp(sub).solve(time_limit_s=time_limit_s)
-                    if out is None:
-                        reasons.append("restricted ILP found no solution in time")
-                        continue
-                    choice = [int(allowed[g][k]) for g, k in enumerate(out.choice)]
-                    if budget is not None and peak_memory(gp, choice) > budget * (1 + 1e-9):
-                        reasons.append(f"dp={dp},tp={tp}: re-materialised blocks exceed the "
-                                       f"budget")
-                        continue
-                    if best is None or out.objective < best.objective:
-                        name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
-                                f"{'sp,' if sp else ''}ac={mode})")
-                        best = GridPoint(name, gp, choice, out.objective, reserve)
+                    else:
+                        if not fsdp and mode == "none":
+                            ddp_fits.add((dp, tp, sp))
+                        if best is None or res.objective < best[1].objective:
+                            best = (name, res, _reserve(res.gp) if fsdp else 0.0)
     if best is None:
-        return reasons[0] if reasons else "no grid point fits"
-    return best
+        return family_failure("torchtitan grid", needs, reasons, budget)
+    name, priced, reserve = best
+    return GridPoint(_named(name, priced, microbatches or priced.gp.microbatches), priced.gp,
+                     priced.choice, priced.objective, reserve)
 
+
+def _reserve(gp: GraphProblem) -> float:
+    """The largest transient of any option (FSDP's gathered weights): what a point
+    reserves of the budget."""
+    return max((o.transient_bytes for opts in gp.options.values() for o in opts), default=0.0)

@@ -17,9 +17,11 @@ planner's optimum can never be worse.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
+from ilp_planner.intra_op.problem import Restriction
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.lowering.moe_strategies import expert_parallel
@@ -28,11 +30,13 @@ from ilp_planner.lowering.strategies import Strategy
 MoeFilter = Callable[[Op, Strategy], bool]
 
 
+@functools.cache  # one object per member: restricted builds cache by it
 def with_moe(keep: MoeFilter, moe_keep: MoeFilter) -> MoeFilter:
-    """``keep`` for every op but the MoE ones, which ``moe_keep`` decides."""
+    """``keep`` for every op but the MoE ones, which ``moe_keep`` decides (a
+    :class:`Restriction` stays one: its matmul factorisations do not concern MoE ops)."""
     def both(op: Op, s: Strategy) -> bool:
         return moe_keep(op, s) if op.kind is OpKind.MOE else keep(op, s)
-    return both
+    return Restriction(both, keep.matmul_facts) if isinstance(keep, Restriction) else both
 
 
 def _degrees(s: Strategy) -> tuple[int, int, int]:
@@ -40,6 +44,7 @@ def _degrees(s: Strategy) -> tuple[int, int, int]:
     return p0, p1, p2
 
 
+@functools.cache
 def replicated_experts_filter(devices: int) -> MoeFilter:
     """Plain data parallelism: tokens over every device, every expert on every device."""
     def keep(op: Op, s: Strategy) -> bool:
@@ -47,6 +52,7 @@ def replicated_experts_filter(devices: int) -> MoeFilter:
     return keep
 
 
+@functools.cache
 def deepspeed_moe_filter(devices: int) -> MoeFilter:
     """Tokens over every device, the experts over an EP group of ``gcd(experts, devices)``
     of them (one expert per device where there are as many), no ETP, no state sharding."""
@@ -57,6 +63,7 @@ def deepspeed_moe_filter(devices: int) -> MoeFilter:
     return keep
 
 
+@functools.cache
 def moe_grid_filter(dp: MeshAxis, tp: MeshAxis, state: Callable[[Strategy], bool]) -> MoeFilter:
     """The torchtitan / Megatron-Core choices on the ``dp × tp`` mesh (module docstring)."""
     def keep(op: Op, s: Strategy) -> bool:

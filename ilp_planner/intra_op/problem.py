@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +42,7 @@ from formulations.problem import BucketTerms, Problem
 from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
-from ilp_planner.ir.layouts import Layout
+from ilp_planner.ir.layouts import Layout, drop_unit_axes
 from ilp_planner.lowering.compute_model import update_seconds
 from ilp_planner.lowering.cost_model import (
     ONCE_PER_STEP,
@@ -66,6 +67,25 @@ from ilp_planner.lowering.strategies import (
     tied_exchange_seconds,
     tied_source,
 )
+
+StrategyFilter = Callable[[Op, Strategy], bool]
+"""Which of an op's strategies a restricted build keeps (a baseline's layouts)."""
+
+
+_FACTORED = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL, OpKind.CONV2D)
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """A :data:`StrategyFilter` that also names the only mesh factorisations it can pass for
+    a matmul, embedding or convolution, so a restricted build tests only those strategies
+    against it (hundreds of others on 1,024 devices, the same for every member)."""
+
+    keep: StrategyFilter
+    matmul_facts: frozenset
+
+    def __call__(self, op: Op, s: Strategy) -> bool:
+        return self.keep(op, s)
 
 
 @dataclass
@@ -133,6 +153,9 @@ class BuildCache:
     # budget, for the rebuilds one solve repeats (:func:`ilp_planner.intra_op.solve_mesh._built`)
     problems: dict[tuple, GraphProblem] = field(default_factory=dict)
     problems_of: Graph | None = None
+    # every strategy of an op (by content, inputs and mesh), for restricted builds
+    # (``keep``) that each keep a few of them
+    strategies: dict[tuple, list[Strategy]] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -155,12 +178,14 @@ def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> f
 
 
 def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext,
-                  microbatches: int, input_reached: bool) -> list[NodeOption]:
+                  microbatches: int, input_reached: bool,
+                  keep: StrategyFilter | None = None,
+                  cache: BuildCache | None = None, tied_table: bool = False) -> list[NodeOption]:
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
-    for base in op_strategies(rep, in_specs, ctx):
+    for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
         choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
         for picks in itertools.product(*choices):
             opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
@@ -171,6 +196,41 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
             f"{ctx.nodes}x{ctx.local} mesh (no factorisation divides its dimensions)"
         )
     return opts
+
+
+def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: StrategyContext,
+                     keep: StrategyFilter | None, cache: BuildCache | None,
+                     tied_table: bool = False) -> list[Strategy]:
+    """The op's strategies (:func:`op_strategies`), only those ``keep`` passes when given
+    (an op nothing can shard keeps its replicated ones: any hand-written layout replicates
+    it too; a tied table, whose two copies exchange whole gradients and so keep their
+    state replicated, keeps the replicated twin of every layout ``keep`` passes at some
+    state sharding level — FSDP's members included). Raises ``ValueError`` naming the op
+    when ``keep`` passes none."""
+    if keep is None:
+        return op_strategies(op, in_specs, ctx)
+    key = (_op_content(op), tuple(in_specs), ctx)
+    every = None if cache is None else cache.strategies.get(key)
+    if every is None:
+        every = op_strategies(op, in_specs, ctx)
+        if cache is not None:
+            cache.strategies[key] = every
+    offered = every
+    if isinstance(keep, Restriction) and op.kind in _FACTORED:
+        offered = [s for s in every if s.fact in keep.matmul_facts]
+    kept = [s for s in offered if (op.kind is OpKind.OPAQUE and not s.zero) or keep(op, s)]
+    if tied_table:  # its state stays replicated: layouts the restriction takes at any level
+        def twin(s: Strategy) -> tuple:
+            return s.label.split("+zero")[0], s.fact, s.inputs, s.weight, s.output
+
+        layouts = {twin(s) for s in kept}
+        kept = [s for s in every if not s.zero and twin(s) in layouts]
+    if every and not kept:
+        offered = sorted({str(drop_unit_axes(s.output)) for s in every})
+        raise ValueError(f"no allowed strategy for {node} ({op.kind.value} {op.output.shape}): "
+                         f"the baseline's layouts are not among the {len(offered)} output "
+                         f"layouts this op can take on the mesh (e.g. {', '.join(offered[:3])})")
+    return kept
 
 
 def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
@@ -267,7 +327,8 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
                   boundary: StageBoundary | None = None,
                   grad_bucket_bytes: float = 0.0, cache: BuildCache | None = None,
                   zero_levels: tuple[int, ...] = (0,),
-                  recompute: frozenset[tuple[str, int]] = frozenset()) -> GraphProblem:
+                  recompute: frozenset[tuple[str, int]] = frozenset(),
+                  keep: StrategyFilter | None = None) -> GraphProblem:
     """Build the problem for ``graph`` (one micro-batch) on an ``nodes × local`` mesh;
     costs are per step of ``microbatches`` accumulated micro-batches. ``boundary`` names
     the imported inputs and exported ops when ``graph`` is one pipeline stage.
@@ -277,14 +338,17 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     over to later builds of graphs cut from the same model. ``zero_levels`` are the state
     sharding levels offered per weighted op (:func:`ilp_planner.lowering.strategies.state_sharded`);
     ``recompute`` names the blocks ``(block, block_index)`` whose activations are
-    recomputed (:func:`recomputed`; the ops of a block whose outputs leave it are kept)."""
+    recomputed (:func:`recomputed`; the ops of a block whose outputs leave it are kept).
+    ``keep`` restricts every op to the strategies it passes (a baseline's): the problem is
+    then the full one's :func:`~ilp_planner.intra_op.baselines.restrict` — the same costs,
+    built without the strategies it would drop (``ValueError`` where an op keeps none)."""
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
                           tuple(zero_levels))
     owner, position, members = _fused_nodes(graph)
     again = recomputed_nodes(graph, members, recompute, boundary)
     options, shapes = _options_per_node(graph, members, ctx, microbatches, boundary, again,
-                                        cache)
+                                        cache, keep)
     group_key, groups, group_of = _tie_groups(graph, members, shapes, tie_layers)
     derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
     facts = functools.partial(_cached_facts, derived)
@@ -333,7 +397,7 @@ def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str
 
 def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: StrategyContext,
                       microbatches: int, boundary: StageBoundary, again: dict[str, int],
-                      cache: BuildCache | None
+                      cache: BuildCache | None, keep: StrategyFilter | None = None
                       ) -> tuple[dict[str, list[NodeOption]], dict[str, tuple]]:
     """Every node's options — one list shared by the tied copies of a repeated op, and with
     ``cache`` by every node of the same content — and each node's shape (which member each
@@ -360,16 +424,18 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
         if key is not None and key in tied:
             options[node] = tied[key]
             continue
+        table = keep is not None and node in tied_tables
         if cache is None:
-            opts = _node_options(graph, node, mem, ctx, microbatches, reached)
+            opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
+                                 tied_table=table)
         else:
             content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
                        tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
-                             for i, m in enumerate(mem)))
+                             for i, m in enumerate(mem)), keep, table)
             opts = cache.options.get(content)
             if opts is None:
-                opts = cache.options[content] = _node_options(graph, node, mem, ctx,
-                                                              microbatches, reached)
+                opts = cache.options[content] = _node_options(
+                    graph, node, mem, ctx, microbatches, reached, keep, cache, table)
         if node in tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]

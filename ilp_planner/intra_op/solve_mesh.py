@@ -62,7 +62,8 @@ def solve_single_mesh(config: Config, grid: bool = True, times: PhaseTimes | Non
         gp, result = solve_mesh(request)
     with times.timing("baselines_s"):
         point = grid_baseline(request) if grid else None
-    if isinstance(point, GridPoint) and point.objective < result.objective:
+    if isinstance(point, GridPoint) and point.objective < result.objective and \
+            point.gp.microbatches == request.microbatches:  # else not in the plan's space
         with times.timing("solve_s"):
             gp, result = _at_grid_point(request, (gp, result), point)
     return gp, result, point
