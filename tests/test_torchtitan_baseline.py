@@ -47,8 +47,11 @@ def _check(name: str | Path, overrides: dict | None = None) -> None:
     if plan.stages:  # the pipelined plan against the grid, and its single-mesh plan
         single = plan.baselines["ilp_single_mesh"]
         assert "error" not in single
-        assert single["total_s"] <= block["total_s"] * (1 + 1e-9), point
-        assert step_seconds(plan) <= block["total_s"] * (1 + 1e-9), point
+        # a grid point on another micro-batch count (its data-parallel degree does not split
+        # the plan's micro-batch) is outside the plan's space: compared in name only
+        if "microbatches=" not in point:
+            assert single["total_s"] <= block["total_s"] * (1 + 1e-9), point
+            assert step_seconds(plan) <= block["total_s"] * (1 + 1e-9), point
         # the grid's pipeline dimension, assembled and simulated as the plan is: its step
         # is never faster; by the stage DP's own formula the DP's optimum is never slower
         pp = {k: v for k, v in plan.baselines.items() if "pp=" in k}
