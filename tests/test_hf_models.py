@@ -82,7 +82,26 @@ def _builders() -> dict[str, Any]:
             shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
             num_experts_per_tok=2, use_cache=False)), (_ids(),)),
+        "deepseek_v2": lambda: (T.DeepseekV2ForCausalLM(_deepseek_v2()), (_ids(),)),
     }
+
+
+def _deepseek_v2(**routing: Any) -> Any:
+    """A tiny DeepSeek-V2: MLA attention (low-rank KV, no q LoRA), layer 0 dense and layers 1–2
+    routed (4 experts, top-2, one shared expert), greedy softmax routing unless ``routing``
+    overrides it."""
+    fields = {"topk_method": "greedy", "n_group": 1, "topk_group": 1,
+              "routed_scaling_factor": 1.0, **routing}
+    return T.DeepseekV2Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, use_cache=False, **fields)
+
+
+MOE_LAYER = {"mixtral": 0, "qwen2_moe": 0, "deepseek_v2": 1}  # the first routed layer
+SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts"}
 
 
 DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "vit", "resnet", "t5")
@@ -241,21 +260,22 @@ def test_repeated_blocks_tied_whatever_their_names(imported, name, container, co
     assert all(not b.startswith("resnet.encoder.stages.1") for b, _ in _blocks(graph))
 
 
-@pytest.mark.parametrize("name,norm", [("mixtral", 1), ("qwen2_moe", 0)])
+@pytest.mark.parametrize("name,norm", [("mixtral", 1), ("qwen2_moe", 0), ("deepseek_v2", 0)])
 def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name, norm):
     """Each routed block is one ``moe`` op owning its router and expert tensors (no opaque
     op holds a weight or a matmul), dropless (capacity factor E / top_k), renormalised as
-    the router says; Qwen2-MoE's shared expert stays the dense linears it is. It solves on
-    2 × 4 with the experts laid out by the MoE strategies."""
+    the router says (DeepSeek-V2's greedy top-k never); Qwen2-MoE's and DeepSeek's shared
+    experts stay the dense linears they are. It solves on 2 × 4 with the experts laid out by
+    the MoE strategies."""
     model, graph = imported(name)
     aliases = _aliases(model)
-    mlp = model.model.layers[0].mlp
-    owners = _owners(graph, aliases, "model.layers.0.mlp.experts.gate_up_proj")
+    at = f"model.layers.{MOE_LAYER[name]}.mlp"
+    mlp = model.model.layers[MOE_LAYER[name]].mlp
+    owners = _owners(graph, aliases, f"{at}.experts.gate_up_proj")
     assert [op.kind for op in owners] == [OpKind.MOE]
     op = owners[0]
-    assert set(op.source_params) == {"model.layers.0.mlp.gate.weight",
-                                     "model.layers.0.mlp.experts.gate_up_proj",
-                                     "model.layers.0.mlp.experts.down_proj"}
+    assert set(op.source_params) == {f"{at}.gate.weight", f"{at}.experts.gate_up_proj",
+                                     f"{at}.experts.down_proj"}
     e, f = mlp.experts.down_proj.shape[0], mlp.experts.down_proj.shape[2]
     assert (op.attr("experts"), op.attr("top_k"), op.attr("ffn")) == (e, 2, f)
     assert op.attr("capacity_pct") == 100 * e // 2 and op.attr("norm_topk") == norm
@@ -263,15 +283,15 @@ def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name,
                                                   mlp.experts.down_proj))
     assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE and (o.weight or o.params)]
     assert sum(o.params for o in graph.ops) == sum(p.numel() for p in model.parameters())
-    if name == "qwen2_moe":
-        shared = _owners(graph, aliases, "model.layers.0.mlp.shared_expert.gate_proj.weight")
+    if name in SHARED:
+        shared = _owners(graph, aliases, f"{at}.{SHARED[name]}.gate_proj.weight")
         assert [o.kind for o in shared] == [OpKind.LINEAR]
     plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
     layer = next(ly for ly in plan.layers if ly.name == op.name)
     assert layer.strategy.startswith("moe(")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v2"])
 def test_the_moe_custom_op_computes_what_the_block_does(name):
     """While exporting, the blocks route through ``ilp_planner::moe_experts``: the model's
     logits under it equal its own (the op is the block, not an approximation of it)."""
@@ -282,10 +302,10 @@ def test_the_moe_custom_op_computes_what_the_block_does(name):
             got = model(ids).logits
     assert blocks == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert "forward" not in vars(model.model.layers[0].mlp.gate)  # restored
+    assert "forward" not in vars(model.model.layers[MOE_LAYER[name]].mlp.gate)  # restored
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v2"])
 def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(imported, name):
     """``parallelize`` places the block's own tensors as they are: the op's roles are their
     shapes in the module's orientation (router ``(E, h)``, ``gate_up`` ``(E, 2f, h)``, ``down``
@@ -303,7 +323,7 @@ def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(i
     assert {s.fact[1].size for s in strats if expert_parallel(s.inputs[0])} == {1, 2, 4}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v2"])
 def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(imported, name):
     """The kernel ``parallelize`` swaps into an imported block (:func:`runtime.moe.hf_roles`
     viewing the module's tensors as the kernel's roles; here every token in one group, the
@@ -311,7 +331,7 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
     gradients reach the module's tensors."""
     model, graph = imported(name)
     op = next(o for o in graph.ops if o.kind is OpKind.MOE)
-    mlp = model.model.layers[0].mlp
+    mlp = model.model.layers[MOE_LAYER[name]].mlp
     x = torch.randn(op.output.shape, requires_grad=True)
     _, weights, chosen = mlp.gate(x)
     want = mlp.experts(x, chosen, weights)
@@ -323,6 +343,47 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
     g_got = torch.autograd.grad(got.square().sum(), tensors)
     for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("routing,field", [
+    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+     "topk_method='group_limited_greedy' with n_group=2, topk_group=1"),
+])
+def test_a_deepseek_v2_router_the_moe_op_does_not_compute_is_refused(routing, field):
+    """Routing weights scaled, or expert groups dropped before the top-k: the op's softmax
+    top-k would be another model, so the import stops naming the config field."""
+    model = T.DeepseekV2ForCausalLM(_deepseek_v2(**routing))
+    with pytest.raises(ConfigError, match=f"model.layers.1.mlp.gate .*{field}"):
+        from_module(model, (_ids(),))
+
+
+def test_a_deepseek_v2_group_limited_router_keeping_every_group_is_greedy():
+    """``group_limited_greedy`` with ``topk_group == n_group`` keeps every group: the block
+    is the op, computed the same."""
+    model = T.DeepseekV2ForCausalLM(_deepseek_v2(topk_method="group_limited_greedy",
+                                                 n_group=2, topk_group=2))
+    ids = _ids()
+    with torch.no_grad():
+        want = model(ids).logits
+        with routed_as_one_op(model, torch) as blocks:
+            got = model(ids).logits
+    assert blocks == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_deepseek_v3s_sigmoid_router_is_refused():
+    """DeepSeek-V3 routes on sigmoid scores plus a correction bias, chosen within groups —
+    not the op's softmax top-k: refused, naming what differs."""
+    model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        use_cache=False))
+    with pytest.raises(ConfigError, match="sigmoid scores plus e_score_correction_bias"):
+        from_module(model, (_ids(),))
 
 
 class _SelfSimilarity(nn.Module):
