@@ -20,7 +20,8 @@ softmax, top-k), dispatch, experts and combine as one op, so that its strategies
 expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_strategies`).
 Its attributes: ``experts`` (E), ``top_k``, ``ffn`` (each expert's hidden size),
 ``capacity_pct`` (100 × the capacity factor), ``swiglu`` (1: SwiGLU experts, 0: GELU),
-``norm_topk`` (1: the top-k weights renormalised to sum to 1, as Mixtral), ``shared`` and
+``norm_topk`` (1: the top-k weights renormalised to sum to 1, as Mixtral and Qwen2-MoE;
+0: as DeepSeek-V2), ``shared`` and
 ``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek), ``hf_experts`` (1: an
 imported Hugging Face block, its parameters in the module's orientation), ``dropless`` (1:
 every token routed, variable-size exchanges instead of a capacity buffer). ``weight`` is the
