@@ -119,18 +119,29 @@ def gpt(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
     _check_heads(hidden, heads)
     b = _Builder(dtype)
     tokens = batch * seq_len
-    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((tokens,), "int64"))
-    x = b.add("embed", OpKind.EMBEDDING, [ids], b.t(tokens, hidden), weight=b.t(vocab, hidden),
-              params=vocab * hidden + seq_len * hidden, flops=float(tokens * hidden),
-              vocab=vocab, seq_len=seq_len)
+    x = _gpt_embedding(b, tokens, hidden, seq_len, vocab)
     for i in range(layers):
         b.block, b.block_index = "h", i
         x = _transformer_block(b, f"h.{i}.", x, tokens, hidden, heads, seq_len)
     b.block = b.block_index = None
+    _gpt_head(b, x, tokens, hidden, vocab)
+    return Graph(f"gpt-L{layers}-h{hidden}", b.ops)
+
+
+def _gpt_embedding(b: _Builder, tokens: int, hidden: int, seq_len: int, vocab: int) -> str:
+    """GPT's stem, shared by its dense and MoE builders: token ids, then the word and
+    learned position tables as one embedding op."""
+    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((tokens,), "int64"))
+    return b.add("embed", OpKind.EMBEDDING, [ids], b.t(tokens, hidden), weight=b.t(vocab, hidden),
+                 params=vocab * hidden + seq_len * hidden, flops=float(tokens * hidden),
+                 vocab=vocab, seq_len=seq_len)
+
+
+def _gpt_head(b: _Builder, x: str, tokens: int, hidden: int, vocab: int) -> None:
+    """GPT's tail: the final layernorm, the head tied to the embedding, the loss."""
     x = b.layernorm("ln_f", x, tokens, hidden)
     x = b.linear("lm_head", x, tokens, hidden, vocab, bias=False, tied=True)
     b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
-    return Graph(f"gpt-L{layers}-h{hidden}", b.ops)
 
 
 def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: int,
@@ -156,10 +167,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         raise ConfigError("shared experts need a positive shared_ffn", key="model.shared_ffn")
     b = _Builder(dtype)
     tokens = batch * seq_len
-    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((tokens,), "int64"))
-    x = b.add("embed", OpKind.EMBEDDING, [ids], b.t(tokens, hidden), weight=b.t(vocab, hidden),
-              params=vocab * hidden + seq_len * hidden, flops=float(tokens * hidden),
-              vocab=vocab, seq_len=seq_len)
+    x = _gpt_embedding(b, tokens, hidden, seq_len, vocab)
     attrs = {"experts": experts, "top_k": top_k, "ffn": expert_ffn,
              "capacity_pct": max(1, round(100 * capacity_factor)),
              "swiglu": int(activation == "swiglu"), "norm_topk": int(norm_topk),
@@ -175,9 +183,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         y = _moe_op(b, f"{prefix}moe", ln2, tokens, hidden, attrs)
         x = b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, y], tokens, hidden)
     b.block = b.block_index = None
-    x = b.layernorm("ln_f", x, tokens, hidden)
-    x = b.linear("lm_head", x, tokens, hidden, vocab, bias=False, tied=True)
-    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
+    _gpt_head(b, x, tokens, hidden, vocab)
     return Graph(f"moe-L{layers}-h{hidden}-e{experts}k{top_k}", b.ops)
 
 
