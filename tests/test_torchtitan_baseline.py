@@ -99,6 +99,9 @@ def test_a_grid_pipeline_simulating_faster_than_the_dp_optimum_becomes_the_plan(
     assert step_seconds(plan) <= block["pipeline_s"] * (1 + 1e-9)
     assert plan.schedule.simulated.dp_objective_s == pytest.approx(block["dp_formula_s"])
     check_plan(Plan.from_dict(plan.to_dict()))
+    # the grid's own points are kept only inside the user's space: ZeRO at its levels
+    levels = load_config(CONFIGS / "tiny-gpt-cpu.yaml").solver.state_sharding
+    assert {lp.zero for lp in plan.layers} <= set(levels)
     for st in plan.stages:  # each stage fits at its position's in-flight count
         assert st.dp.memory_bytes <= plan.cost.peak_memory_bytes * (1 + 1e-9)
         assert st.dp.memory_bytes <= load_config(CONFIGS / "tiny-gpt-cpu.yaml").with_overrides(

@@ -35,7 +35,9 @@ class GridStage:
     time_s: float  # per micro-batch, boundary send included
     boundary_s: float  # of which the boundary send (the DP's estimate)
     how: AtGridPoint  # its whole-space re-solve, recomputing only what solver.recompute allows
-    in_space: bool  # the point recomputes what solver.recompute allows: a plan may keep it
+    # the point recomputes what solver.recompute allows and shards state only at the
+    # solver.state_sharding levels: a plan may keep it
+    in_space: bool
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,12 @@ def pipelined_grid(config: Config, graph: Graph, solver: StageSolver, boundary: 
             mine = recompute_in_space(config, units, point.gp.recompute_units)
             how = AtGridPoint(held, tuple(i for i, u in enumerate(units) if u in mine),
                               point.reserve)
-            t = realise(point.gp, point.choice)[1].total_s / M
+            layers, cost = realise(point.gp, point.choice)
+            t = cost.total_s / M
             send = boundary(e, (n, d)) if e < L else 0.0
-            stages.append(GridStage(a, e, point, t + send, send, how,
-                                    mine == point.gp.recompute_units))
+            in_space = mine == point.gp.recompute_units and \
+                {ly.zero for ly in layers} <= set(opts.state_sharding)
+            stages.append(GridStage(a, e, point, t + send, send, how, in_space))
         if len(stages) == S:
             latency = pipeline_latency([st.time_s for st in stages], M)
             if best is None or latency < best.latency_s:
