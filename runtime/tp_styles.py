@@ -287,31 +287,34 @@ class StyleMap:
 
 
 def _tied_tables(graph: Graph) -> dict[str, str]:
-    """Each tied head and its embedding, by name, mapped to its partner."""
+    """Each tied copy (a head, or a second embedding looking the table up) by name, mapped
+    to the embedding owning its table; the owner mapped to itself."""
     out: dict[str, str] = {}
     for op in graph.ops:
-        emb = tied_source(graph, op) if op.kind is OpKind.LINEAR and op.attrs.get("tied") \
-            else None
+        emb = tied_source(graph, op) if op.kind in (OpKind.LINEAR, OpKind.EMBEDDING) \
+            and op.attrs.get("tied") else None
         if emb is not None:
-            out[op.name], out[emb.name] = emb.name, op.name
+            out[op.name], out[emb.name] = emb.name, emb.name
     return out
 
 
 def _tie_errors(graph: Graph, styles: dict[str, Any]) -> list[str]:
-    """A tied head and its embedding share one parameter, so one placement: both unstyled
-    (whole on TP), or one column- and the other row-parallel (an embedding's column split
-    is the hidden dim, a head's row split too; and both row/column the other way round)."""
+    """A tied copy and its embedding share one parameter, so one placement: both unstyled
+    (whole on TP), or both styled alike — an embedding's column split is the hidden dim, a
+    head's row split too, so a head takes the other style than its embedding, a second
+    embedding the same one."""
     errors = []
-    for op in graph.ops:
-        if op.kind is not OpKind.LINEAR or not op.attrs.get("tied"):
+    tables = _tied_tables(graph)
+    for name, emb in tables.items():
+        if name == emb:
             continue
-        emb = _tied_tables(graph)[op.name]
-        head_s, emb_s = styles.get(op.name), styles.get(emb)
+        head_s, emb_s = styles.get(name), styles.get(emb)
         if head_s is None and emb_s is None:
             continue
-        if head_s is None or emb_s is None or isinstance(head_s, ColwiseParallel) == isinstance(
-                emb_s, ColwiseParallel):
-            errors.append(f"{op.name} is tied to {emb}'s table, which the plan places "
+        same = graph[name].kind is OpKind.EMBEDDING
+        if head_s is None or emb_s is None or (isinstance(head_s, ColwiseParallel) == isinstance(
+                emb_s, ColwiseParallel)) != same:
+            errors.append(f"{name} is tied to {emb}'s table, which the plan places "
                           f"otherwise in each ({_style_name(head_s)} vs {_style_name(emb_s)}); "
                           f"one parameter has one placement under parallelize_module — run "
                           f"this plan with ilp_planner.parallelize")

@@ -99,6 +99,18 @@ def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["t5", "t5-tied-exchanging"])
+def test_t5_trains_like_one_process_and_the_plan(model, shape):
+    """T5: keyword inputs, one table looked up by the encoder and the decoder and tied to
+    the head (``t5-tied-exchanging``: the decoder's copy split 4 ways on the vocabulary, the
+    encoder's whole, so the exchange between the two embeddings moves data), and each
+    stack's relative position bias in SDPA's mask, its table's gradient summed over the
+    ranks' (batch × heads) blocks by the plan's AllReduce."""
+    line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_hf_moe_with_its_experts_sliced_trains_like_one_process(shape):
     """Expert slicing: tokens replicated over the experts' axis, each rank computing its
     own experts' routed copies only (no AllToAll), the output a partial sum."""
@@ -162,10 +174,40 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
 
 
-def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
-    """T5's relative position tables fold into the attention scores as constants (no op
-    owns them) and its encoder and decoder share one table: ``parallelize`` says so before
-    placing anything, rather than training a model the plan does not cover."""
+def test_t5_on_one_rank_keeps_its_shared_tables_one_parameter_each(one_rank):
+    """T5's one table (encoder and decoder lookups, the tied head) and each stack's relative
+    position table (owned by its first self-attention, read as SDPA's mask by all of them)
+    stay the module's parameters, and their gradients — every use's, summed — are the
+    single-process module's."""
+    import copy
+
+    import torch
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from tests.helpers.hf_apply_check import cluster, example, forward, loss_of, t5
+
+    torch.manual_seed(0)
+    case = t5()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, example(case.inputs)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    assert model.decoder.embed_tokens.weight is model.encoder.embed_tokens.weight \
+        is model.lm_head.weight
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+    loss_of(forward(model, case.inputs), case.targets).backward()
+    loss_of(forward(ref, case.inputs), case.targets).backward()
+    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    for name in ("shared.weight", f"encoder.{bias}", f"decoder.{bias}"):
+        got = model.get_parameter(name).grad.full_tensor()
+        torch.testing.assert_close(got, ref.get_parameter(name).grad, rtol=1e-5, atol=1e-6)
+
+
+def test_t5_with_hand_written_attention_is_refused_naming_its_position_table(one_rank):
+    """Added to hand-written attention scores, the relative position table folds into a
+    constant (no op owns it): ``parallelize`` says so before placing anything, rather than
+    training a table the plan does not cover."""
     import torch
 
     import ilp_planner
@@ -174,14 +216,10 @@ def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
     from tests.helpers.hf_apply_check import cluster, example, t5
 
     torch.manual_seed(0)
-    case = t5()
+    case = t5(attention="eager")
     plan = ilp_planner.solve(ilp_planner.from_module(case.model, example(case.inputs)),
                              cluster=cluster(1, 1), baselines=False)
     with pytest.raises(RuntimeSetupError, match="relative_attention_bias"):
-        parallelize(plan, case.model)
-    case.model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
-    case.model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
-    with pytest.raises(RuntimeSetupError, match="'decoder.embed_tokens' looks up a table"):
         parallelize(plan, case.model)
 
 

@@ -115,15 +115,18 @@ def resnet() -> Case:
     return Case(ResNetForImageClassification(cfg), *_images(32))
 
 
-def t5() -> Case:
+def t5(attention: str = "sdpa") -> Case:
     """T5ForConditionalGeneration: keyword inputs (``input_ids``, ``decoder_input_ids``),
-    relative position biases (an embedding of bucketed distances added to the scores),
-    encoder and decoder stacks looking up one shared table, the head tied to it. Not in
-    :data:`MODELS`: ``parallelize`` refuses it (``runtime.applied_params.check_owned``)."""
+    relative position biases (an embedding of bucketed distances, SDPA's mask in every
+    self-attention of its stack: :mod:`runtime.applied_bias`), encoder and decoder stacks
+    looking up one shared table, the head tied to it (two tied copies of the table).
+    ``attention="eager"``: Hugging Face's hand-written attention, which adds the bias to
+    its scores (``parallelize`` refuses it)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
                    dropout_rate=0.0, use_cache=False)
+    cfg._attn_implementation = attention
     ids, targets = _tokens()
     return Case(T5ForConditionalGeneration(cfg), {"input_ids": ids,
                                                   "decoder_input_ids": _tokens()[0]}, targets)
@@ -148,6 +151,21 @@ def llama_tied_exchanging() -> Case:
         return True
 
     case = llama(tied=True)
+    return Case(case.model, case.inputs, case.targets, keep)
+
+
+def t5_tied_exchanging() -> Case:
+    """T5 whose encoder's table is whole on every device while the decoder's lookup splits
+    the vocabulary 4 ways: the tied exchange between two embeddings moves data (the
+    decoder's gradient gathered, the table's block cut back)."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name in ("encoder.embed_tokens", "decoder.embed_tokens"):
+            want = 1 if op.name == "encoder.embed_tokens" else 4
+            return s.weight is not None and s.weight.split_degree(0) == want \
+                and s.weight.split_degree(1) == 1
+        return True
+
+    case = t5()
     return Case(case.model, case.inputs, case.targets, keep)
 
 
@@ -218,6 +236,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "mixtral": lambda: mixtral(expert_parallel_only),
     "mixtral-sliced": lambda: mixtral(experts_sliced_only),
     "qwen2-moe": qwen2_moe,
+    "t5": t5,
+    "t5-tied-exchanging": t5_tied_exchanging,
 }
 
 
