@@ -226,6 +226,10 @@ class StyleMap:
                 and not ly.strategy.startswith("follows "):
             self.errors.append(f"{op.name} ({ly.strategy}) computes on features split over "
                                f"TP, which {op.kind.value} cannot do on a local block")
+        elif out == Split(1) and op.attrs.get("bias_table"):
+            self.errors.append(f"{op.name} ({ly.strategy}) splits its heads over TP but adds "
+                               f"a learned bias of all heads (T5's relative positions), which "
+                               f"the module adds whole to its local heads' scores")
         self.handed[op.name] = out
 
     def _style(self, op: Op, ly: LayerPlan) -> None:

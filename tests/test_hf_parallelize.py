@@ -375,6 +375,24 @@ def test_a_tie_the_styles_cannot_keep_raises_naming_the_head():
     assert "row-parallel vs whole on TP" in str(err.value)
 
 
+def test_t5s_megatron_plan_is_refused_for_its_head_split_position_bias():
+    """T5's attention adds its relative position bias for all heads to the scores: on a
+    rank holding some heads under the styles the shapes differ, so a plan splitting those
+    heads over TP raises naming the attentions; its one table (two embeddings and the tied
+    head) is not among the reasons — the encoder's and decoder's lookups take one style
+    and the head the other."""
+    import torch
+
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import megatron_plan, t5
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="adds a learned bias of all heads") as err:
+        to_parallelize_plan(megatron_plan(t5(), 1, 4))
+    assert "encoder.block.1.layer.0.SelfAttention.attention (" in str(err.value)
+    assert "is tied to" not in str(err.value)
+
+
 def test_conv1d_styles_shard_the_in_out_weight_and_keep_a_shared_table_one(one_rank):
     """On a one-rank TP mesh: the ``(in, out)`` styles place Conv1D's weight on its output
     (column) or input (row) features, and two modules holding one table end with one
