@@ -8,9 +8,10 @@ them. Once every gradient of the step has accumulated, the weight gradients are 
 the plan's chunks (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) and handed to the
 optimizer in the parameter's placements.
 
-A tied head (an output projection sharing the input embedding's table) is priced as the
-planner prices it (:func:`~ilp_planner.lowering.strategies.tied_exchange`): the head computes
-with its own copy in its planned layout, whose gradient is synchronised in its bucket and then
+A tied head (an output projection sharing the input embedding's table), or a second
+embedding looking the table up (T5's decoder), is priced as the planner prices it
+(:func:`~ilp_planner.lowering.strategies.tied_exchange`): the head computes with its own copy
+in its planned layout, whose gradient is synchronised in its bucket and then
 brought to the embedding's layout and added to the table's gradient. The user's module keeps
 one parameter with one gradient: instead of sending the summed gradient back to the head's
 copy (the exchange's second program), the same program refreshes the copy from the updated
@@ -32,7 +33,13 @@ from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.grad_buckets import GradBucket
 from ilp_planner.lowering.redistribution import Redistribution
-from ilp_planner.lowering.strategies import param_layouts, param_shapes, tied_exchange, tied_source
+from ilp_planner.lowering.strategies import (
+    param_layouts,
+    param_shapes,
+    tie_transposes,
+    tied_exchange,
+    tied_source,
+)
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, dtensor_spec, placements
@@ -69,20 +76,28 @@ class TiedHead:
     to_head: Redistribution
 
 
+def is_tied_copy(op: Op) -> bool:
+    """A tied head, or an embedding looking up a table an earlier embedding owns (T5's
+    decoder): an op computing with its own copy of another op's table."""
+    return op.kind in (OpKind.LINEAR, OpKind.EMBEDDING) and bool(op.attrs.get("tied"))
+
+
 def tied_heads(config: Config, layers: dict[str, LayerPlan]) -> dict[str, TiedHead]:
-    """Each tied head of the plan's graph (by name) with its table and the lowered exchange
-    the planner prices (:func:`~ilp_planner.lowering.strategies.tied_exchange`)."""
+    """Each tied copy of the plan's graph (:func:`is_tied_copy`, by name) with its table
+    and the lowered exchange the planner prices
+    (:func:`~ilp_planner.lowering.strategies.tied_exchange`)."""
     graph = config.graph
     out: dict[str, TiedHead] = {}
     for op in graph.ops:
-        if op.kind is not OpKind.LINEAR or not op.attrs.get("tied"):
+        if not is_tied_copy(op):
             continue
         emb = tied_source(graph, op)
         if emb is None or emb.weight is None:
             raise RuntimeSetupError(f"tied linear {op.name!r} has no embedding to share")
         head_w, emb_w = layers[op.name].weight, layers[emb.name].weight
         assert head_w is not None and emb_w is not None
-        to_table, to_head = tied_exchange(emb_w, head_w, emb.weight, config.cluster)
+        to_table, to_head = tied_exchange(emb_w, head_w, emb.weight, config.cluster,
+                                          tie_transposes(op))
         out[op.name] = TiedHead((op.name, "weight"), (emb.name, "weight"), to_table, to_head)
     return out
 
@@ -110,12 +125,13 @@ def own_path(op: Op, fqn: str, paths: list[str]) -> str:
 
 def check_owned(graph: Graph, module: nn.Module) -> None:
     """Every embedding table of the module is some op's, looked up by the op owning it (or
-    its tied head): a table no op owns stays out of the plan's placements and gradient
-    reduction, yet its lookups train it — differently on every rank. T5 has both: its
-    ``relative_attention_bias`` tables, looked up at constant bucket ids, fold into the
-    attention scores as constants, and its encoder and decoder look up one shared table.
-    (A parameter the forward never reads — BERT's spare ``cls.predictions.bias`` — is
-    owned by no op either, and harmless.)"""
+    its tied copies): a table no op owns stays out of the plan's placements and gradient
+    reduction, yet its lookups train it — differently on every rank. T5's
+    ``relative_attention_bias`` tables are owned by the first attention reading each
+    (imported from an SDPA's mask, :mod:`runtime.applied_bias`); added to hand-written
+    attention scores they fold into constants, and are refused here. (A parameter the
+    forward never reads — BERT's spare ``cls.predictions.bias`` — is owned by no op
+    either, and harmless.)"""
     owned = {fqn for op in graph.ops for fqn in op.source_params}
     unowned = [paths[0] for paths in aliases(module).values() if not owned.intersection(paths)
                and isinstance(owner_of(module, paths[0])[0], nn.Embedding)]
@@ -123,20 +139,21 @@ def check_owned(graph: Graph, module: nn.Module) -> None:
         raise RuntimeSetupError(
             f"embedding tables {', '.join(unowned[:3])}{' …' if len(unowned) > 3 else ''} are "
             f"owned by no op of the plan (looked up at constant ids, as T5's "
-            f"relative_attention_bias, they fold into constants); parallelize does not run them")
+            f"relative_attention_bias added to hand-written attention scores, they fold into "
+            f"constants; an SDPA's mask is imported); parallelize does not run them")
     sharing = [op.name for op in graph.ops if op.kind is OpKind.EMBEDDING
                and op.weight is not None and not op.source_params]
     if sharing:
         raise RuntimeSetupError(
-            f"op {sharing[0]!r} looks up a table another embedding owns (T5's encoder and "
-            f"decoder share one); parallelize shares a table only between an embedding and "
-            f"the nn.Linear head the importer marks tied")
+            f"op {sharing[0]!r} looks up a table another op owns without the importer's tie "
+            f"mark; parallelize shares a table between an embedding and the embeddings and "
+            f"nn.Linear head the importer marks tied")
 
 
 def tied_heads_last(ops: tuple[Op, ...]) -> list[Op]:
-    """The ops in graph order with tied heads moved last, so a table is placed by its
-    embedding before a head copies it."""
-    return sorted(ops, key=lambda op: bool(op.kind is OpKind.LINEAR and op.attrs.get("tied")))
+    """The ops in graph order with tied copies moved last, so a table is placed by its
+    embedding before a copy is made of it."""
+    return sorted(ops, key=is_tied_copy)
 
 
 class AppliedParams:
@@ -196,13 +213,14 @@ class AppliedParams:
             path = own_path(op, fqn, paths.get(id(original), [fqn]))
             table = self._placed.get(id(original))
             tie = self.tied.get(op.name)
-            if (table is not None) != (tie is not None and tie.table == table and transposed):
+            if (table is not None) != (tie is not None and tie.table == table
+                                       and transposed == tie_transposes(op)):
                 raise RuntimeSetupError(
                     f"op {op.name!r}'s parameter {fqn} is "
                     f"{'shared with ' + table[0] if table else 'its own'} but the plan prices "
                     f"{'a tie with ' + tie.table[0] if tie else 'no tie'}; parallelize shares "
-                    f"a table only between an embedding and the nn.Linear head "
-                    f"the importer marks tied")
+                    f"a table only between an embedding and the embeddings and nn.Linear "
+                    f"head the importer marks tied")
             if table is None:
                 registered = self._registered(original, stored, dims, fqn,
                                               paths.get(id(original), [fqn]))

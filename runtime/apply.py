@@ -22,7 +22,11 @@ the plan's program, in place, on every rank of the job:
   accumulated, then handed to the optimizer in the parameter's placements;
 * **a tied table** (an embedding and the head that uses it transposed) stays one parameter
   with one gradient; the head computes with its own copy in its planned layout, as the plan
-  prices it (:mod:`runtime.applied_params`);
+  prices it (:mod:`runtime.applied_params`) — and so does a second embedding looking the
+  table up (T5's decoder);
+* **a learned attention bias** (T5's relative position table, looked up in functional code
+  and added to SDPA's scores as its mask) is looked up in this rank's whole copy, its
+  gradient partial over every axis until the plan's AllReduce (:mod:`runtime.applied_bias`);
 * **an imported mixture of experts** runs the runtime's MoE kernel on this rank's blocks
   in place of its block's router and expert loop (:mod:`runtime.applied_moe`), issuing the
   planned AllToAlls;
@@ -37,8 +41,9 @@ shows as a mismatch. The loss is the user's code on the module's output (in the 
 layout of the loss's input); its scalar reduction is not part of the comparison.
 
 What it refuses, naming the op: pipelined or micro-batched plans, embedding tables no op
-of the plan owns or a table two embeddings look up (T5:
-:func:`runtime.applied_params.check_owned`), a layout change between two ops written as
+of the plan owns (:func:`runtime.applied_params.check_owned`: a relative position table
+added to hand-written attention scores; in an SDPA's mask its first attention owns it,
+:mod:`runtime.applied_bias`), a layout change between two ops written as
 functional code (no module boundary to run it at), a module with parameters the forward
 calls several times (a parameter-free one — a dropout called after the
 attention and after the MLP — runs its ops in call order), and a token split the module's
@@ -63,6 +68,7 @@ from ilp_planner.lowering.strategies import StrategyContext, grad_sync
 from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
 from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
+from runtime.applied_bias import install_bias_tables
 from runtime.applied_edges import EdgeRunner
 from runtime.applied_hooks import BoundaryHooks, leaf_module
 from runtime.applied_moe import install_moe
@@ -115,6 +121,7 @@ class Applied:
         replicating = ContextStack()  # from the forward until the gradients are reduced
         self.params = AppliedParams(self.graph, self.layers, module, self.comm, self.meshes,
                                     chunks, tied, self.registry, replicating)
+        install_bias_tables(self.graph, self.params, module, self.meshes)
         edges = EdgeRunner(self.graph, self.comm, self.meshes)
         self.hooks = BoundaryHooks(self.graph, self.layers, module, self.comm, self.meshes,
                                    edges, self.params, replicating, self.device_type)

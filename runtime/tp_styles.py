@@ -17,16 +17,26 @@ averages gradients over ``mesh["dp"]``; :func:`tensor_parallel_mesh` builds that
   the vocabulary come back as DTensors (``use_local_output=False``) for a loss computed
   inside ``torch.distributed.tensor.parallel.loss_parallel()``;
 * every other op runs on the plain local tensors as they arrive (attention on its heads,
-  element-wise ops on split features, norms on whole rows).
+  element-wise ops on split features, norms on whole rows); an element-wise op following a
+  styled layer (a dropout) runs on what the style hands its readers — the style's output
+  conversion runs before it rather than after, the same collective on a tensor of the same
+  shape;
+* a linear whose module stores its weight ``(in, out)`` (Hugging Face's GPT-2 ``Conv1D``),
+  and an embedding and the head tied to it, take :mod:`runtime.planned_styles`' subclasses
+  (torch's styles shard only ``nn.Linear`` and would split a shared table into two
+  parameters): the tie stays one parameter where the plan places the table alike in both —
+  one column- and the other row-parallel — and raises otherwise. An embedding's extra
+  tables (GPT-2's position table, priced with the word table) stay whole on TP: added to the
+  gathered lookup, with no collective.
 
 Anything else raises ``ValueError`` naming every layer that cannot be expressed and why — a
 data-parallel plan (no weight split: wrap the module in DDP / FSDP), weights split over two
-mesh axes or on two different device groupings, a split weight its module stores ``(in,
-out)`` (Hugging Face's GPT-2 ``Conv1D``: the styles shard only ``nn.Linear``'s ``(out, in)``
-weight and raise on any other module), token splits over TP (tokens are the
-flattened ``batch × sequence`` dim here, not ``SequenceParallel``'s sequence dim), a layout
-change between two ops no style performs. Never a dict that would hand the user's loss
-something else than the plan's layout. ``parallelize`` runs any single-mesh plan.
+mesh axes or on two different device groupings, token splits over TP (tokens are the
+flattened ``batch × sequence`` dim here, not ``SequenceParallel``'s sequence dim), a tied
+table placed otherwise in the embedding and the head, a layout change between two ops no
+style performs. Never a dict that would hand the user's loss something else than the plan's
+layout. A ``(in, out)`` weight must be a module's (a ``Conv1D``): ``x @ W`` in functional
+code has no module for a style. ``parallelize`` runs any single-mesh plan.
 """
 
 from __future__ import annotations
@@ -45,7 +55,9 @@ from ilp_planner.ir.cluster import Factorisation, axis_coordinates
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split
 from ilp_planner.ir.layouts import Partial as IRPartial
+from ilp_planner.lowering.strategies import tied_source
 from ilp_planner.plan.data import LayerPlan, Plan
+from runtime.planned_styles import PlannedColwise, PlannedRowwise, SharedParams
 
 Groups = frozenset[frozenset[int]]  # a mesh axis as the device groups it runs collectives in
 
@@ -107,11 +119,6 @@ def find_tp_axis(plan: Plan, graph: Graph, errors: list[str]) -> TPAxis | None:
         if ly.weight is None or graph[ly.name].kind not in (OpKind.LINEAR, OpKind.EMBEDDING):
             continue
         axes = _weight_split_axes(ly)
-        if axes and _stored_in_out(graph[ly.name]):
-            errors.append(f"{ly.name} ({ly.strategy}) splits a weight its module stores "
-                          f"(in, out) (Hugging Face's Conv1D, or x @ W): ColwiseParallel and "
-                          f"RowwiseParallel shard nn.Linear's (out, in) weight and refuse "
-                          f"other modules; run this plan with ilp_planner.parallelize")
         if len(axes) > 1:
             errors.append(f"{ly.name} ({ly.strategy}) splits its weight over {len(axes)} mesh "
                           f"axes; a tensor-parallel style splits over one")
@@ -161,12 +168,17 @@ class StyleMap:
         self.styles: dict[str, Any] = {}
         self.errors: list[str] = []
         self.handed: dict[str, Any] = {}  # op -> what its users receive on TP (IR placement)
+        self.carried: set[str] = set()  # element-wise followers run on a style's output
+        self.shared = SharedParams()  # one DTensor per table the styled modules share
+        self.tables = _tied_tables(graph)
 
     def run(self) -> None:
         for op in self.graph.ops:
             ly = self.layers.get(op.name)
             if op.kind is OpKind.INPUT:
                 self.handed[op.name] = B
+            elif op.name in self.carried:
+                self.handed[op.name] = self.handed[op.inputs[0]]
             elif ly is not None:
                 self._check_data_parallel(op, ly)
                 if ly.weight is not None and _weight_split_axes(ly) and self.tp.placement(
@@ -214,6 +226,10 @@ class StyleMap:
                 and not ly.strategy.startswith("follows "):
             self.errors.append(f"{op.name} ({ly.strategy}) computes on features split over "
                                f"TP, which {op.kind.value} cannot do on a local block")
+        elif out == Split(1) and op.attrs.get("bias_table"):
+            self.errors.append(f"{op.name} ({ly.strategy}) splits its heads over TP but adds "
+                               f"a learned bias of all heads (T5's relative positions), which "
+                               f"the module adds whole to its local heads' scores")
         self.handed[op.name] = out
 
     def _style(self, op: Op, ly: LayerPlan) -> None:
@@ -236,20 +252,83 @@ class StyleMap:
             return
         loss_reads_split = wanted == Split(1) and any(
             self.graph[c].kind is OpKind.LOSS for c in self.graph.consumers(op.name))
-        self.styles[op.name] = kind(input_layouts=given, output_layouts=_as_torch(wanted),
-                                    use_local_output=not loss_reads_split)
+        layouts = {"input_layouts": given, "output_layouts": _as_torch(wanted),
+                   "use_local_output": not loss_reads_split}
+        in_out = _stored_in_out(op)
+        if in_out or op.name in self.tables:
+            planned = PlannedColwise if kind is ColwiseParallel else PlannedRowwise
+            self.styles[op.name] = planned(shared=self.shared, in_out=in_out, **layouts)
+        else:
+            self.styles[op.name] = kind(**layouts)
         self.handed[op.name] = wanted
 
+    def _readers(self, op: Op) -> list[tuple[str, str]]:
+        """(consumer, the op it reads) for every reader of ``op``'s output, looking through
+        the element-wise ops that follow it (a dropout): those run on what the style hands
+        them — its output conversion runs before them instead of after, the same collective
+        on a tensor of the same shape — and are marked carried."""
+        out = []
+        for c in self.graph.consumers(op.name):
+            cop, cly = self.graph[c], self.layers[c]
+            if cly.strategy == f"follows {op.name}" and cop.kind in LOCAL_ON_FEATURES \
+                    and len(cop.inputs) == 1 and self.graph.consumers(c):
+                self.carried.add(c)
+                out += [(r, c) for r in self.graph.consumers(c)]
+            else:
+                out.append((c, op.name))
+        return out
+
     def _consumers_read(self, op: Op) -> Any:
-        """The one placement on TP every consumer reads ``op``'s output in."""
+        """The one placement on TP every reader (:meth:`_readers`) reads ``op``'s output in."""
         reads = {self.tp.placement(self.layers[c].inputs[list(self.graph[c].inputs).index(
-            op.name)]) for c in self.graph.consumers(op.name)}
+            src)]) for c, src in self._readers(op)}
         if len(reads) != 1 or _as_torch(next(iter(reads))) is None:
             self.errors.append(f"{op.name}'s consumers read it as {sorted(map(str, reads))} "
                                f"on TP; a style hands one layout, replicated or split on "
                                f"the features")
             return None
         return reads.pop()
+
+
+def _tied_tables(graph: Graph) -> dict[str, str]:
+    """Each tied copy (a head, or a second embedding looking the table up) by name, mapped
+    to the embedding owning its table; the owner mapped to itself."""
+    out: dict[str, str] = {}
+    for op in graph.ops:
+        emb = tied_source(graph, op) if op.kind in (OpKind.LINEAR, OpKind.EMBEDDING) \
+            and op.attrs.get("tied") else None
+        if emb is not None:
+            out[op.name], out[emb.name] = emb.name, emb.name
+    return out
+
+
+def _tie_errors(graph: Graph, styles: dict[str, Any]) -> list[str]:
+    """A tied copy and its embedding share one parameter, so one placement: both unstyled
+    (whole on TP), or both styled alike — an embedding's column split is the hidden dim, a
+    head's row split too, so a head takes the other style than its embedding, a second
+    embedding the same one."""
+    errors = []
+    tables = _tied_tables(graph)
+    for name, emb in tables.items():
+        if name == emb:
+            continue
+        head_s, emb_s = styles.get(name), styles.get(emb)
+        if head_s is None and emb_s is None:
+            continue
+        same = graph[name].kind is OpKind.EMBEDDING
+        if head_s is None or emb_s is None or (isinstance(head_s, ColwiseParallel) == isinstance(
+                emb_s, ColwiseParallel)) != same:
+            errors.append(f"{name} is tied to {emb}'s table, which the plan places "
+                          f"otherwise in each ({_style_name(head_s)} vs {_style_name(emb_s)}); "
+                          f"one parameter has one placement under parallelize_module — run "
+                          f"this plan with ilp_planner.parallelize")
+    return errors
+
+
+def _style_name(style: Any) -> str:
+    if style is None:
+        return "whole on TP"
+    return "column-parallel" if isinstance(style, ColwiseParallel) else "row-parallel"
 
 
 def to_parallelize_plan(plan: Plan) -> dict[str, Any]:
@@ -267,7 +346,7 @@ def to_parallelize_plan(plan: Plan) -> dict[str, Any]:
     if tp is not None:
         walk = StyleMap(plan, graph, tp)
         walk.run()
-        errors += walk.errors
+        errors += walk.errors + _tie_errors(graph, walk.styles)
         styles = walk.styles
     if errors:
         raise ValueError("the plan does not map onto PyTorch's tensor-parallel styles:\n  "

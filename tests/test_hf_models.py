@@ -70,7 +70,7 @@ def _builders() -> dict[str, Any]:
             embedding_size=8, hidden_sizes=[8, 16], depths=[3, 1], num_labels=10)),
             (torch.randn(BATCH, 3, 32, 32),)),
         "t5": lambda: (T.T5ForConditionalGeneration(T.T5Config(
-            d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=VOCAB,
+            d_model=32, d_ff=64, num_layers=3, num_heads=4, d_kv=8, vocab_size=VOCAB,
             dropout_rate=0, use_cache=False)),
             {"input_ids": _ids(), "decoder_input_ids": _ids()}),
         "mixtral": lambda: (T.MixtralForCausalLM(T.MixtralConfig(
@@ -149,8 +149,11 @@ def test_every_matmul_linear_and_conv_is_lifted_not_opaque(imported, name):
     assert all(op.kind is not OpKind.OPAQUE or not op.weight for op in graph.ops)
 
 
-@pytest.mark.parametrize("name", ("gpt2", "llama_untied", "bert", "vit", "resnet"))
+@pytest.mark.parametrize("name", ("gpt2", "llama_untied", "bert", "vit", "resnet", "t5"))
 def test_every_parameter_is_owned_by_an_op_that_prices_it(imported, name):
+    """``t5``: the shared table by the encoder's embedding and the tied copies (the
+    decoder's embedding, the head), each stack's relative position table by its first
+    self-attention (SDPA reads it in its mask)."""
     model, graph = imported(name)
     aliases = _aliases(model)
     owned = {a for op in graph.ops for p in op.source_params for a in aliases[p]}
@@ -248,15 +251,16 @@ def _blocks(graph: Graph) -> set[tuple[str, int]]:
     return {(op.block, op.block_index) for op in graph.ops if op.block is not None}
 
 
-@pytest.mark.parametrize("name,container,count", [
-    ("gpt2", "transformer.h", 2), ("bert", "bert.encoder.layer", 2),
-    ("t5", "encoder.block", 2), ("vit", "vit.layers", 2),
+@pytest.mark.parametrize("name,container,indices", [
+    ("gpt2", "transformer.h", {0, 1}), ("bert", "bert.encoder.layer", {0, 1}),
+    # block 0 owns its stack's relative position table: the later blocks tie
+    ("t5", "encoder.block", {1, 2}), ("vit", "vit.layers", {0, 1}),
     # stage 0's three layers tie with each other; stage 1 (another width) ties with nothing
-    ("resnet", "resnet.encoder.stages.0.layers", 3),
+    ("resnet", "resnet.encoder.stages.0.layers", {0, 1, 2}),
 ])
-def test_repeated_blocks_tied_whatever_their_names(imported, name, container, count):
+def test_repeated_blocks_tied_whatever_their_names(imported, name, container, indices):
     _, graph = imported(name)
-    assert {i for block, i in _blocks(graph) if block == container} == set(range(count))
+    assert {i for block, i in _blocks(graph) if block == container} == indices
     assert all(not b.startswith("resnet.encoder.stages.1") for b, _ in _blocks(graph))
 
 
@@ -557,3 +561,35 @@ def test_a_custom_op_is_counted_on_the_example_and_leaves_the_module_untouched()
     assert op.flops == 2 * (2 * 4 * 8 * 8) and op.source_params == ("w",)
     assert torch.equal(module.norm.running_mean, before[0])
     assert int(module.norm.num_batches_tracked) == before[1]
+
+
+def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
+    """Each stack's relative position table is owned by its first self-attention (it is
+    SDPA's mask there and in every later self-attention of the stack, marked
+    ``bias_table``; cross-attention adds none). Those attentions split the batch or the
+    heads on every mesh axis, so the table's gradient is one AllReduce over all 8 devices;
+    with a batch of 4 and 4 heads, no 8-way layout leaves an axis replicating them. The
+    decoder's lookup of the shared table is a tied copy of the encoder's."""
+    from ilp_planner.ir.layouts import B
+
+    model, graph = imported("t5")
+    self_attn = [op for op in graph.ops if op.kind is OpKind.ATTENTION
+                 and ".SelfAttention." in op.name]
+    assert all(op.attrs.get("bias_table") for op in self_attn)
+    assert not any(op.attrs.get("bias_table") for op in graph.ops
+                   if op.kind is OpKind.ATTENTION and op not in self_attn)
+    owners = [op for op in self_attn if op.source_params]
+    assert [op.name for op in owners] == [f"{s}.block.0.layer.0.SelfAttention.attention"
+                                         for s in ("encoder", "decoder")]
+    for op in owners:
+        table = model.get_parameter(op.source_params[0])
+        assert param_shapes(op) == {"rel_bias": tuple(table.shape)} == {"rel_bias": (32, 4)}
+    ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
+    strats = op_strategies(owners[0], [TensorSpec(owners[0].output.shape)] * 3, ctx)
+    assert strats and all(pl != B for s in strats for ax, pl in
+                          zip(s.output.fact, s.output.placements, strict=True) if ax.size > 1)
+    syncs = [c for s in strats for c in s.collectives if c.purpose == "grad_sync"]
+    assert len(syncs) == len(strats)
+    assert {(c.group_size, c.bytes) for c in syncs} == {(8, 32 * 4 * 4)}
+    dec = graph["decoder.embed_tokens"]
+    assert dec.attrs.get("tied") and dec.source_params == graph["encoder.embed_tokens"].source_params

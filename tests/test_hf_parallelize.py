@@ -5,10 +5,10 @@ Multi-process (slow): one torchrun launch per cluster shape runs every model of
 solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`` — and each
 test reads its model's line: the losses match one process (fp32, 1e-4) and the collectives
 executed are the planned ones, every step, on every rank. The 1 × 4 launch also trains
-Llama's Megatron plan through ``to_parallelize_plan`` and PyTorch's ``parallelize_module``
-(2-way data × 2-way tensor parallel), matching one process. Megatron and Megatron-SP plans (the
-baselines' layouts) train under ``parallelize`` on both shapes, attention split over the batch
-and the heads at once. The 2 × 2 cluster gives plans on a
+Llama's and GPT-2's Megatron plans through ``to_parallelize_plan`` and PyTorch's
+``parallelize_module`` (2-way data × 2-way tensor parallel), matching one process. Megatron
+and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on both shapes,
+attention split over the batch and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
 parallel plans (:mod:`runtime.applied_moe`).
@@ -99,6 +99,18 @@ def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["t5", "t5-tied-exchanging"])
+def test_t5_trains_like_one_process_and_the_plan(model, shape):
+    """T5: keyword inputs, one table looked up by the encoder and the decoder and tied to
+    the head (``t5-tied-exchanging``: the decoder's copy split 4 ways on the vocabulary, the
+    encoder's whole, so the exchange between the two embeddings moves data), and each
+    stack's relative position bias in SDPA's mask, its table's gradient summed over the
+    ranks' (batch × heads) blocks by the plan's AllReduce."""
+    line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_hf_moe_with_its_experts_sliced_trains_like_one_process(shape):
     """Expert slicing: tokens replicated over the experts' axis, each rank computing its
     own experts' routed copies only (no AllToAll), the output a partial sum."""
@@ -108,8 +120,11 @@ def test_hf_moe_with_its_experts_sliced_trains_like_one_process(shape):
 
 
 @pytest.mark.slow
-def test_llamas_megatron_plan_trains_through_parallelize_module():
-    assert "styles" in line_of("1x4", "tp-styles")
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_megatron_plans_train_through_parallelize_module(model):
+    """``gpt2``: its ``Conv1D`` layers take the ``(in, out)`` styles and its head stays one
+    parameter with the word table (the run checks the parameter count and the losses)."""
+    assert "styles" in line_of("1x4", f"tp-styles-{model}")
 
 
 @pytest.mark.slow
@@ -159,10 +174,40 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
 
 
-def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
-    """T5's relative position tables fold into the attention scores as constants (no op
-    owns them) and its encoder and decoder share one table: ``parallelize`` says so before
-    placing anything, rather than training a model the plan does not cover."""
+def test_t5_on_one_rank_keeps_its_shared_tables_one_parameter_each(one_rank):
+    """T5's one table (encoder and decoder lookups, the tied head) and each stack's relative
+    position table (owned by its first self-attention, read as SDPA's mask by all of them)
+    stay the module's parameters, and their gradients — every use's, summed — are the
+    single-process module's."""
+    import copy
+
+    import torch
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from tests.helpers.hf_apply_check import cluster, example, forward, loss_of, t5
+
+    torch.manual_seed(0)
+    case = t5()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, example(case.inputs)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    assert model.decoder.embed_tokens.weight is model.encoder.embed_tokens.weight \
+        is model.lm_head.weight
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+    loss_of(forward(model, case.inputs), case.targets).backward()
+    loss_of(forward(ref, case.inputs), case.targets).backward()
+    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    for name in ("shared.weight", f"encoder.{bias}", f"decoder.{bias}"):
+        got = model.get_parameter(name).grad.full_tensor()
+        torch.testing.assert_close(got, ref.get_parameter(name).grad, rtol=1e-5, atol=1e-6)
+
+
+def test_t5_with_hand_written_attention_is_refused_naming_its_position_table(one_rank):
+    """Added to hand-written attention scores, the relative position table folds into a
+    constant (no op owns it): ``parallelize`` says so before placing anything, rather than
+    training a table the plan does not cover."""
     import torch
 
     import ilp_planner
@@ -171,14 +216,10 @@ def test_t5_is_refused_naming_its_relative_attention_bias(one_rank):
     from tests.helpers.hf_apply_check import cluster, example, t5
 
     torch.manual_seed(0)
-    case = t5()
+    case = t5(attention="eager")
     plan = ilp_planner.solve(ilp_planner.from_module(case.model, example(case.inputs)),
                              cluster=cluster(1, 1), baselines=False)
     with pytest.raises(RuntimeSetupError, match="relative_attention_bias"):
-        parallelize(plan, case.model)
-    case.model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
-    case.model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias = None
-    with pytest.raises(RuntimeSetupError, match="'decoder.embed_tokens' looks up a table"):
         parallelize(plan, case.model)
 
 
@@ -274,28 +315,109 @@ def test_plans_no_style_expresses_raise_naming_their_layers():
         to_parallelize_plan(data_parallel)
 
 
-def test_gpt2s_conv1d_layers_are_refused_by_name_not_handed_to_the_styles():
-    """GPT-2's ``Conv1D`` stores its weight ``(in, out)``: ``ColwiseParallel`` /
-    ``RowwiseParallel`` shard ``nn.Linear``'s ``(out, in)`` weight and raise on any other
-    module, so no style dict is returned for a plan that splits one; its tied head (an
-    ``nn.Linear``) is not named."""
+def test_gpt2s_megatron_plan_maps_its_conv1ds_and_tied_head_onto_styles():
+    """GPT-2's ``Conv1D`` stores its weight ``(in, out)``: the plan's column- and row-parallel
+    Conv1Ds take :mod:`runtime.planned_styles`' styles. The plan gathers ``c_attn``'s
+    output before the attention (its ``[q | k | v]`` column blocks are not whole heads), so
+    that style hands the attention whole rows; a dropout following a split layer runs on
+    what the style hands its readers. The word table and the head tied to it share one
+    :class:`SharedParams`, one column- and one row-parallel: the same hidden-dim split."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from runtime.planned_styles import PlannedColwise, PlannedRowwise
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import MODELS, megatron_plan
+
+    torch.manual_seed(0)
+    styles = to_parallelize_plan(megatron_plan(MODELS["gpt2"](), 1, 4))
+    block = "transformer.h.0."
+    c_attn, c_fc, c_proj = (styles[block + p] for p in ("attn.c_attn", "mlp.c_fc", "mlp.c_proj"))
+    assert type(c_attn) is PlannedColwise and c_attn.in_out
+    assert c_attn.output_layouts == (Replicate(),)  # the attention reads whole heads
+    assert type(c_fc) is PlannedColwise and c_fc.output_layouts == (Shard(-1),)
+    assert type(c_proj) is PlannedRowwise and c_proj.in_out
+    wte, head = styles["transformer.wte"], styles["lm_head"]
+    assert isinstance(wte, ColwiseParallel) and isinstance(head, RowwiseParallel)
+    assert not wte.in_out and not head.in_out and wte.shared is head.shared is c_fc.shared
+    assert wte.output_layouts == (Replicate(),)  # gathered before the dropout, not after
+    assert head.output_layouts == (Replicate(),) and head.use_local_output
+
+
+def test_a_tie_the_styles_cannot_keep_raises_naming_the_head():
+    """The plan keeps the word table whole but splits the head tied to it: one parameter
+    cannot be both, so no style dict is returned."""
     import torch
 
     import ilp_planner
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.intra_op.baselines import megatron_filter
+    from ilp_planner.ir.cluster import MeshAxis
+    from ilp_planner.testing import restricted_plan
     from runtime.tp_styles import to_parallelize_plan
     from tests.helpers.hf_apply_check import MODELS, cluster
 
     torch.manual_seed(0)
     case = MODELS["gpt2"]()
-    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
-                             cluster=cluster(1, 4), baselines=False)
-    split = [ly.name for ly in plan.layers if ly.name.endswith(("c_attn", "c_fc"))
-             and ly.weight is not None and ly.weight.split_degree(1) > 1]
-    assert split  # the plan splits Conv1D weights over the devices
-    with pytest.raises(ValueError, match="stores \\(in, out\\)") as err:
+    graph = ilp_planner.from_module(case.model, (case.inputs,), dtensor=False)
+    megatron = megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2))
+
+    def whole_table(op, s) -> bool:
+        if op.name == "transformer.wte":
+            return s.weight is not None and s.weight.split_degree(0) == 1 \
+                and s.weight.split_degree(1) == 1
+        return megatron(op, s)
+
+    plan = restricted_plan(load_config({"model": graph, "cluster": cluster(1, 4)}), whole_table)
+    with pytest.raises(ValueError, match="lm_head is tied to transformer.wte's table") as err:
         to_parallelize_plan(plan)
-    assert all(f"{name} (" in str(err.value) for name in split)
-    assert "lm_head (" not in str(err.value)
+    assert "row-parallel vs whole on TP" in str(err.value)
+
+
+def test_t5s_megatron_plan_is_refused_for_its_head_split_position_bias():
+    """T5's attention adds its relative position bias for all heads to the scores: on a
+    rank holding some heads under the styles the shapes differ, so a plan splitting those
+    heads over TP raises naming the attentions; its one table (two embeddings and the tied
+    head) is not among the reasons — the encoder's and decoder's lookups take one style
+    and the head the other."""
+    import torch
+
+    from runtime.tp_styles import to_parallelize_plan
+    from tests.helpers.hf_apply_check import megatron_plan, t5
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="adds a learned bias of all heads") as err:
+        to_parallelize_plan(megatron_plan(t5(), 1, 4))
+    assert "encoder.block.1.layer.0.SelfAttention.attention (" in str(err.value)
+    assert "is tied to" not in str(err.value)
+
+
+def test_conv1d_styles_shard_the_in_out_weight_and_keep_a_shared_table_one(one_rank):
+    """On a one-rank TP mesh: the ``(in, out)`` styles place Conv1D's weight on its output
+    (column) or input (row) features, and two modules holding one table end with one
+    DTensor parameter; a module with no 2-D weight is refused by name."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from transformers.pytorch_utils import Conv1D
+
+    from runtime.planned_styles import PlannedColwise, PlannedRowwise, SharedParams
+
+    mesh = DeviceMesh("cpu", [0])
+    shared = SharedParams()
+    col, row = Conv1D(6, 4), Conv1D(4, 6)
+    PlannedColwise(shared=shared, in_out=True)._apply(col, mesh)
+    PlannedRowwise(shared=shared, in_out=True)._apply(row, mesh)
+    assert col.weight.placements == (Shard(1),) and col.bias.placements == (Shard(0),)
+    assert row.weight.placements == (Shard(0),) and row.bias.placements == (Replicate(),)
+    emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    PlannedColwise(shared=shared)._apply(emb, mesh)
+    PlannedRowwise(shared=shared)._apply(head, mesh)
+    assert head.weight is emb.weight and emb.weight.placements == (Shard(1),)
+    with pytest.raises(NotImplementedError, match="LayerNorm has none"):
+        PlannedColwise(shared=shared, in_out=True)._apply(nn.LayerNorm(4), mesh)
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   ``Conv1D``) → ``linear`` with the weight as ``(in, out)`` (``attrs.weight_t`` where the
   module stores it ``(out, in)``); ``embedding`` → ``embedding`` (each table looked up with
   constant ids and added to it — positions, token types — folds into it as one more
-  parameter, as the builders' GPT's position table); ``layer_norm`` / ``rms_norm``
+  parameter, as the builders' GPT's position table; a table an earlier embedding owns —
+  T5's decoder looks up its encoder's — is a tied copy, ``attrs.tied``); ``layer_norm`` / ``rms_norm``
   (and a hand-written RMSNorm: a last-dim mean, then a product with a 1-D gain) →
   ``layernorm`` / ``rmsnorm``; ``conv2d``, ``batch_norm``, pooling, ``flatten``;
 * ``scaled_dot_product_attention`` and hand-written attention (``q @ kᵀ``, mask, softmax,
@@ -16,7 +17,9 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   tensor or three), with heads, sequence length, grouped-query ``kv_heads`` and the fused
   layout (``[q | k | v]`` blocks are not whole heads: ``qkv_major``, batch splits only).
   Views, transposes, splits, casts, rotary embeddings and masks between a projection and
-  the attention are folded into it;
+  the attention are folded into it; a learned table an SDPA's mask looks up (T5's relative
+  position bias, ``(buckets, heads)``) is owned by the first attention reading it
+  (``bias_buckets``) and marks every reader ``bias_table``;
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /

@@ -110,12 +110,31 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):
         attrs["qkv_major"] = 1
+    table = _bias_table(g, call, heads) if sdpa else None
+    if table is not None:
+        attrs["bias_table"] = 1
     tokens = batch * seq
     flops = 4.0 * tokens * seq * heads * hd  # the two matmuls, as the builders count
     act = g.add(call.node, OpKind.ATTENTION, srcs, (tokens, heads * hd), dtype_of(val),
                 flops=flops, **attrs)
+    if table is not None and g.adopt(g.drafts[act.src[0]], [table]):
+        g.drafts[act.src[0]].attrs["bias_buckets"] = g.param_shape[table][0]
     # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use
     return Act(act.src, tuple(val.shape), act.dtype, chain=(("heads_out",),))
+
+
+def _bias_table(g: DraftGraph, call: Call, heads: int) -> str | None:
+    """The learned table an SDPA's additive mask looks up (T5's relative position bias:
+    ``(buckets, heads)`` rows at constant bucket ids, computed by a stack's first layer and
+    reused by the others), if its mask derives from exactly one. The first attention to
+    read it owns it (``attrs.bias_buckets``); every reader is marked ``bias_table``
+    (:func:`ilp_planner.lowering.strategies.bias_table_layouts`)."""
+    mask = call.args[3] if len(call.args) > 3 else call.kwargs.get("attn_mask")
+    if not isinstance(mask, Const):
+        return None
+    tables = [p for p in mask.params
+              if len(g.param_shape[p]) == 2 and g.param_shape[p][1] == heads]
+    return tables[0] if len(tables) == 1 else None
 
 
 def _head_major(chain: tuple[tuple, ...]) -> bool:
@@ -139,8 +158,14 @@ def lift_embedding(g: DraftGraph, call: Call) -> Any:
     vocab, h = g.param_shape[wname]
     src = g.ir(call.node, ids)
     tokens = numel(call.val.shape) // h
+    # a table an earlier embedding owns (T5's decoder looks up its encoder's): a tied copy
+    tied = wname in g.owner and g.drafts[g.owner[wname]].kind is OpKind.EMBEDDING
     act = g.add(call.node, OpKind.EMBEDDING, [src], (tokens, h), dtype_of(call.val),
-                weight=(vocab, h), params=[wname], flops=float(tokens * h), vocab=vocab)
+                weight=(vocab, h), params=[wname], flops=float(tokens * h), vocab=vocab,
+                **({"tied": 1} if tied else {}))
+    if tied:
+        d = g.drafts[act.src[0]]
+        d.source_params = (wname,) + d.source_params
     return Act(act.src, tuple(call.val.shape), act.dtype)
 
 

@@ -22,7 +22,7 @@ from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
 from ilp_planner.lowering.grad_buckets import exposed_grad_sync
 from ilp_planner.lowering.redistribution import plan_redistribution
-from ilp_planner.lowering.strategies import tied_source
+from ilp_planner.lowering.strategies import tie_transposes, tied_source
 from ilp_planner.plan.check import find_entry
 from ilp_planner.plan.data import (
     CostBreakdown,
@@ -221,8 +221,9 @@ def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequen
         if emb is not None and stage_of[emb.name] != ly.stage:
             assert emb.weight is not None
             ranks = [d for n in (emb.name, op.name) for d in stages[stage_of[n]].devices]
+            seen = emb.weight.shape[::-1] if tie_transposes(op) else emb.weight.shape
             for name, table in ((emb.name, emb.weight),
-                                (op.name, TensorSpec(emb.weight.shape[::-1], emb.weight.dtype))):
+                                (op.name, TensorSpec(seen, emb.weight.dtype))):
                 weight = by_name[name].weight
                 assert weight is not None
                 extra[name] += cross_stage_tied_collectives(weight, table, ranks, cluster)

@@ -64,6 +64,7 @@ from ilp_planner.lowering.strategies import (
     forward_seconds,
     grad_sync,
     op_strategies,
+    tie_transposes,
     tied_exchange_seconds,
     tied_source,
 )
@@ -688,7 +689,7 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
     the two copies of the table (:func:`ilp_planner.lowering.strategies.tied_exchange`), priced for
     every pair of their weight layouts."""
     for op in graph.ops:
-        if op.kind is not OpKind.LINEAR or not op.attrs.get("tied"):
+        if op.kind not in (OpKind.LINEAR, OpKind.EMBEDDING) or not op.attrs.get("tied"):
             continue
         emb = tied_source(graph, op)
         if emb is None or emb.name not in owner or position[op.name] or position[emb.name]:
@@ -700,7 +701,8 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
         hw = [o.base.weight for o in options[owner[op.name]]]
         uniq_e, uniq_h = {w: i for i, w in enumerate(dict.fromkeys(ew))}, \
             {w: i for i, w in enumerate(dict.fromkeys(hw))}
-        small = tied_exchange_seconds(list(uniq_e), list(uniq_h), emb.weight, cluster)
+        small = tied_exchange_seconds(list(uniq_e), list(uniq_h), emb.weight, cluster,
+                                      tie_transposes(op))
         r = small[np.ix_([uniq_e[w] for w in ew], [uniq_h[w] for w in hw])]
         key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
         edges[key] = edges[key] + mat if key in edges else mat.copy()

@@ -9,7 +9,12 @@ from ilp_planner.lowering.cost_model import Collective
 from ilp_planner.lowering.grad_buckets import exposed_grad_sync, fill_buckets
 from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.stage_boundary import export_program, import_program
-from ilp_planner.lowering.strategies import SyncBucket, tied_exchange_collectives, tied_source
+from ilp_planner.lowering.strategies import (
+    SyncBucket,
+    tie_transposes,
+    tied_exchange_collectives,
+    tied_source,
+)
 from ilp_planner.plan.data import CostBreakdown, LayerPlan
 
 
@@ -57,7 +62,8 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
         emb = tied_source(graph, op) if op.attrs.get("tied") else None
         if emb is not None and emb.name in gp.owner and pos == 0:
             colls += tied_exchange_collectives(chosen[gp.owner[emb.name]].base.weight,
-                                               opt.base.weight, emb.weight, gp.ctx.cluster)
+                                               opt.base.weight, emb.weight, gp.ctx.cluster,
+                                               tie_transposes(op))
         rows.append((op, pos, node, opt, colls))
     where = stage_of or {}
     colls_of = {r[0].name: r[4] for r in rows}

@@ -16,7 +16,12 @@ Other ops: layernorm / softmax keep the last dim whole (tokens split or replicat
 attention splits over batch (dim 0, whole sequences) and heads (dim 1), both at once
 (Megatron's DP × TP) but where ``attrs.one_split`` is set (an imported model's hand-written
 attention: it runs under DTensor, whose 4-D matmul cannot always merge a batch split with a
-head split; imported SDPA runs on each rank's blocks, :mod:`runtime.local_attention`); add
+head split; imported SDPA runs on each rank's blocks, :mod:`runtime.local_attention`). An
+attention adding a learned position bias (``attrs.bias_table``: T5's relative position
+buckets, one table per stack read by every layer of it) splits the batch or the heads on every
+mesh axis, so the devices' blocks partition (batch × heads) and the table's replicated
+gradient is exact after one AllReduce over all of them; the op owning the table
+(``attrs.bias_buckets``: its rows) holds it as the parameter ``rel_bias``. Add
 takes any
 partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
 in-channels); elementwise ops, pooling, flatten and the loss *follow* their producer (they
@@ -232,6 +237,9 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
         for role, rows in position_tables(op.attrs).items():
             out[role] = (rows, op.weight.shape[1])
         return out
+    if op.kind is OpKind.ATTENTION:
+        rows = op.attrs.get("bias_buckets", 0)
+        return {"rel_bias": (rows, op.attr("heads"))} if rows else {}
     if op.kind in NORM_KINDS:
         h = op.output.shape[-1]
         with_bias = op.kind is OpKind.LAYERNORM and op.attrs.get("bias", 1)
@@ -371,6 +379,11 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
         out = {role: (rep, rep) for role in param_shapes(op)}
     elif op.kind is OpKind.MOE:
         out = moe_param_layouts(op, inputs[0])
+    elif op.kind is OpKind.ATTENTION and op.attrs.get("bias_buckets"):
+        # every axis splits the batch or the heads (bias_table_layouts): each device's
+        # gradient of the whole table is its blocks' share
+        out["rel_bias"] = (Layout.replicated(output.fact),
+                           Layout(output.fact, tuple(P for _ in output.placements)))
     return out
 
 
@@ -734,6 +747,8 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
         if op.attrs.get("one_split"):  # see the module docstring
             layouts = [lay for lay in layouts
                        if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
+        if op.attrs.get("bias_table"):
+            layouts = bias_table_layouts(op, layouts)
         return _layout_strategies(op, layouts, len(op.inputs), ctx)
     if kind in (OpKind.ADD, OpKind.MUL):
         # images split over batch and channels only, as convolutions, pooling and flatten do;
@@ -744,6 +759,19 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                             for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
+
+
+def bias_table_layouts(op: Op, layouts: list[Layout]) -> list[Layout]:
+    """The layouts of an attention adding a learned position bias (see the module
+    docstring): no mesh axis replicates it; none at all is an error naming the op."""
+    kept = [lay for lay in layouts if all(ax.size == 1 or pl != B
+                                          for ax, pl in zip(lay.fact, lay.placements, strict=True))]
+    if not kept:
+        raise ValueError(f"attention {op.name!r} adds a learned position bias (a table its "
+                         f"stack shares), whose gradient is exact only where every mesh axis "
+                         f"splits the batch ({op.output.shape[0] // op.attr('seq_len')}) or "
+                         f"the heads ({head_splits(op)}); no layout on this mesh does")
+    return kept
 
 
 def head_splits(op: Op) -> int:
@@ -777,14 +805,22 @@ def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
 
 
 def tied_source(graph, op: Op) -> Op | None:
-    """The embedding whose table a tied linear uses (transposed), or None."""
+    """The embedding whose table a tied op uses: a linear head (transposed), or a later
+    embedding looking up the same table (T5's decoder reads its encoder's); or None."""
     if op.weight is None:
         return None
+    shape = op.weight.shape[::-1] if op.kind is OpKind.LINEAR else op.weight.shape
     for cand in graph.ops:
-        if cand.kind is OpKind.EMBEDDING and cand.weight is not None \
-                and cand.weight.shape == op.weight.shape[::-1]:
+        if cand is not op and cand.kind is OpKind.EMBEDDING and cand.weight is not None \
+                and not cand.attrs.get("tied") and cand.weight.shape == shape:
             return cand
     return None
+
+
+def tie_transposes(op: Op) -> bool:
+    """Whether a tied op sees the table transposed (a head ``x @ Eᵀ``; a second embedding
+    looks it up as it is)."""
+    return op.kind is OpKind.LINEAR
 
 
 def transposed(layout: Layout) -> Layout:
@@ -794,29 +830,34 @@ def transposed(layout: Layout) -> Layout:
 
 
 def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
-                  cluster: Cluster) -> tuple[Redistribution, Redistribution]:
+                  cluster: Cluster, transpose: bool = True
+                  ) -> tuple[Redistribution, Redistribution]:
     """A tied table's gradient exchange on one device set, as the runtime runs it after
-    weight-gradient synchronisation: the head's gradient (transposed) is brought to the
-    embedding's layout, the two are added, and the sum is brought back to the head's
-    layout. Both copies then take the same update. Gradients move in the master dtype."""
-    head_t, table = transposed(head_weight), table.master
+    weight-gradient synchronisation: the head's gradient (transposed, unless the tied op
+    is an embedding: :func:`tie_transposes`) is brought to the embedding's layout, the two
+    are added, and the sum is brought back to the head's layout. Both copies then take the
+    same update. Gradients move in the master dtype."""
+    head_t, table = transposed(head_weight) if transpose else head_weight, table.master
     return (plan_redistribution(head_t, emb_weight, table, cluster),
             plan_redistribution(emb_weight, head_t, table, cluster))
 
 
 def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[Layout],
-                          table: TensorSpec, cluster: Cluster) -> np.ndarray:
+                          table: TensorSpec, cluster: Cluster, transpose: bool = True
+                          ) -> np.ndarray:
     """Seconds of :func:`tied_exchange` for every (embedding weight, head weight) pair,
     without building step lists (the ILP's edge matrix between the two layers)."""
-    heads_t, table = [transposed(h) for h in head_weights], table.master
+    heads_t = [transposed(h) if transpose else h for h in head_weights]
+    table = table.master
     planner = planner_for(heads_t[0], cluster)
     return (planner.forward_costs(heads_t, emb_weights, table).T
             + planner.forward_costs(emb_weights, heads_t, table))
 
 
 def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
-                              cluster: Cluster) -> tuple[Collective, ...]:
-    to_emb, back = tied_exchange(emb_weight, head_weight, table, cluster)
+                              cluster: Cluster, transpose: bool = True
+                              ) -> tuple[Collective, ...]:
+    to_emb, back = tied_exchange(emb_weight, head_weight, table, cluster, transpose)
     return tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward)
 
 

@@ -115,15 +115,18 @@ def resnet() -> Case:
     return Case(ResNetForImageClassification(cfg), *_images(32))
 
 
-def t5() -> Case:
+def t5(attention: str = "sdpa") -> Case:
     """T5ForConditionalGeneration: keyword inputs (``input_ids``, ``decoder_input_ids``),
-    relative position biases (an embedding of bucketed distances added to the scores),
-    encoder and decoder stacks looking up one shared table, the head tied to it. Not in
-    :data:`MODELS`: ``parallelize`` refuses it (``runtime.applied_params.check_owned``)."""
+    relative position biases (an embedding of bucketed distances, SDPA's mask in every
+    self-attention of its stack: :mod:`runtime.applied_bias`), encoder and decoder stacks
+    looking up one shared table, the head tied to it (two tied copies of the table).
+    ``attention="eager"``: Hugging Face's hand-written attention, which adds the bias to
+    its scores (``parallelize`` refuses it)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
                    dropout_rate=0.0, use_cache=False)
+    cfg._attn_implementation = attention
     ids, targets = _tokens()
     return Case(T5ForConditionalGeneration(cfg), {"input_ids": ids,
                                                   "decoder_input_ids": _tokens()[0]}, targets)
@@ -148,6 +151,21 @@ def llama_tied_exchanging() -> Case:
         return True
 
     case = llama(tied=True)
+    return Case(case.model, case.inputs, case.targets, keep)
+
+
+def t5_tied_exchanging() -> Case:
+    """T5 whose encoder's table is whole on every device while the decoder's lookup splits
+    the vocabulary 4 ways: the tied exchange between two embeddings moves data (the
+    decoder's gradient gathered, the table's block cut back)."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name in ("encoder.embed_tokens", "decoder.embed_tokens"):
+            want = 1 if op.name == "encoder.embed_tokens" else 4
+            return s.weight is not None and s.weight.split_degree(0) == want \
+                and s.weight.split_degree(1) == 1
+        return True
+
+    case = t5()
     return Case(case.model, case.inputs, case.targets, keep)
 
 
@@ -218,6 +236,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "mixtral": lambda: mixtral(expert_parallel_only),
     "mixtral-sliced": lambda: mixtral(experts_sliced_only),
     "qwen2-moe": qwen2_moe,
+    "t5": t5,
+    "t5-tied-exchanging": t5_tied_exchanging,
 }
 
 
@@ -327,6 +347,12 @@ def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
     return restricted_plan(config, megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2)))
 
 
+TP_STYLES = ("llama", "gpt2")
+"""Models whose Megatron plan also trains through ``parallelize_module`` (``--tp-styles``):
+GPT-2's ``Conv1D`` layers and its head tied to the word table take
+:mod:`runtime.planned_styles`."""
+
+
 def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     """``to_parallelize_plan`` of a Megatron plan through ``parallelize_module``: each data-
     parallel rank trains on its block of the batch (gradients averaged over ``mesh["dp"]``)
@@ -339,6 +365,8 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
     plan = plan_on_rank0(lambda: megatron_plan(case, nodes, devices))
     mesh = tensor_parallel_mesh(plan)
     model = parallelize_module(case.model, mesh["tp"], to_parallelize_plan(plan))
+    if len(list(model.parameters())) != len(list(reference.parameters())):
+        return ["the styles split a parameter the module shares (a tied table) in two"]
     dp, dp_group = mesh["dp"].size(), mesh["dp"].get_group()
     rows = slice(mesh["dp"].get_local_rank() * BATCH // dp,
                  (mesh["dp"].get_local_rank() + 1) * BATCH // dp)
@@ -364,7 +392,7 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
             failures.append(f"step {step}: loss {float(mean) / dp} vs single-process "
                             f"{float(ref)}")
     if dist.get_rank() == 0 and not failures:
-        print(f"OK tp-styles {name} {len(to_parallelize_plan(plan))} styles", flush=True)
+        print(f"OK tp-styles-{name} {len(to_parallelize_plan(plan))} styles", flush=True)
     return failures
 
 
@@ -374,14 +402,16 @@ def main() -> int:
     ap.add_argument("--shape", default="1x4", help="NODESxDEVICES_PER_NODE")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tp-styles", action="store_true",
-                    help="also train Llama's Megatron plan through parallelize_module")
+                    help="also train Llama's and GPT-2's Megatron plans through "
+                         "parallelize_module")
     args = ap.parse_args()
     nodes, devices = (int(v) for v in args.shape.split("x"))
     dist.init_process_group("gloo")
     failed = 0
-    runs = [(check, name) for name in args.models]
-    runs += [(check_tp_styles, "llama")] if args.tp_styles else []
-    for run, name in runs:
+    runs = [(check, name, name) for name in args.models]
+    runs += [(check_tp_styles, name, f"tp-styles-{name}") for name in TP_STYLES
+             ] if args.tp_styles else []
+    for run, name, label in runs:
         try:
             failures = run(name, nodes, devices, args.steps)
         except Exception as exc:  # one model's failure is reported, the next model runs
@@ -391,7 +421,7 @@ def main() -> int:
         flag = torch.tensor([len(failures)])
         dist.all_reduce(flag)
         if failures:
-            print(f"FAIL {name} (rank {dist.get_rank()}): " + "\n".join(failures), flush=True)
+            print(f"FAIL {label} (rank {dist.get_rank()}): " + "\n".join(failures), flush=True)
         failed += int(flag) > 0
     dist.barrier()
     dist.destroy_process_group()
