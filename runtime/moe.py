@@ -39,6 +39,8 @@ from ilp_planner.lowering.moe_strategies import (
     hf_experts,
     moe_layouts,
     moe_programs,
+    routed_scale,
+    sigmoid_router,
 )
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import LVal
@@ -46,13 +48,26 @@ from runtime.errors import RuntimeSetupError
 from runtime.recorder import tagged
 
 
-def route(x: torch.Tensor, router: torch.Tensor, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts), each ``(T, top_k)``: the softmax's top-k in float32."""
-    probs = torch.softmax((x @ router).float(), dim=-1)
-    weights, experts = probs.topk(op.attr("top_k"), dim=-1)
+def route(x: torch.Tensor, router: torch.Tensor, op: Op,
+          score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each ``(T, top_k)``, computed in float32: the softmax's top-k; or, for a
+    sigmoid router (DeepSeek-V3), the top-k of ``sigmoid(logits) + score_bias`` weighted by
+    their unbiased scores (the bias only selects). Renormalised where ``attrs.norm_topk``,
+    then scaled by the routed scaling factor."""
+    logits = (x @ router).float()
+    if sigmoid_router(op):
+        scores = torch.sigmoid(logits)
+        biased = scores if score_bias is None else scores + score_bias.float()
+        experts = biased.topk(op.attr("top_k"), dim=-1).indices
+        weights = scores.gather(1, experts)
+        if score_bias is not None:  # its gradient exactly zero, not absent, as a parameter's
+            weights = weights + 0.0 * score_bias.float()[experts]
+    else:
+        weights, experts = torch.softmax(logits, dim=-1).topk(op.attr("top_k"), dim=-1)
     if op.attrs.get("norm_topk", 1):
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), experts
+    scale = routed_scale(op)
+    return (weights if scale == 1 else weights * scale).to(x.dtype), experts
 
 
 def slots(experts: torch.Tensor, num_experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +133,7 @@ def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch
     """The op on full tensors (``params`` by role), every token in one group, none dropped."""
     params = kernel_roles(op, params)
     e, k, t = op.attr("experts"), op.attr("top_k"), x.shape[0]
-    weights, chosen = route(x, params["router"], op)
+    weights, chosen = route(x, params["router"], op, params.get("score_bias"))
     slot, kept = slots(chosen, e, t)
     out = experts_mlp(dispatch(x, slot, kept, k, e, t), params["w1"], params["w2"],
                       params.get("w3"))
@@ -157,7 +172,7 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
         raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
                                 f"strategies' layouts ({want} -> {out_layout})")
     e, k = op.attr("experts"), op.attr("top_k")
-    weights, chosen = route(x, p["router"], op)
+    weights, chosen = route(x, p["router"], op, p.get("score_bias"))
     progs = moe_programs(op, lay, comm.cluster)
     if dropless(op):
         y = _dropless(comm, op, x, lay, p, weights, chosen, progs is not None)
