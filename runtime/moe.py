@@ -1,7 +1,8 @@
 """The mixture-of-experts op on this rank, and its single-process reference.
 
-One code path for both: route each token to its ``top_k`` experts (softmax over the
-router's logits in float32, the top-k weights renormalised where ``attrs.norm_topk``), lay
+One code path for both: route each token to its ``top_k`` experts (:func:`route`: softmax
+or sigmoid scores of the router's logits in float32, the top-k weights renormalised where
+``attrs.norm_topk`` and scaled by the routed scaling factor), lay
 the routed copies into a dispatch buffer ``(E, C, h)`` — expert ``e``'s slots filled in
 token order, a copy beyond ``C`` dropped —, run every expert's MLP on its slots as one
 batched matmul, and sum each token's expert outputs weighted by its routing weights.
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ilp_planner.inputs.moe_routing import select
 from ilp_planner.ir.graph import Op
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.moe_strategies import (
@@ -39,8 +41,6 @@ from ilp_planner.lowering.moe_strategies import (
     hf_experts,
     moe_layouts,
     moe_programs,
-    routed_scale,
-    sigmoid_router,
 )
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import LVal
@@ -50,24 +50,11 @@ from runtime.recorder import tagged
 
 def route(x: torch.Tensor, router: torch.Tensor, op: Op,
           score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts), each ``(T, top_k)``, computed in float32: the softmax's top-k; or, for a
-    sigmoid router (DeepSeek-V3), the top-k of ``sigmoid(logits) + score_bias`` weighted by
-    their unbiased scores (the bias only selects). Renormalised where ``attrs.norm_topk``,
-    then scaled by the routed scaling factor."""
-    logits = (x @ router).float()
-    if sigmoid_router(op):
-        scores = torch.sigmoid(logits)
-        biased = scores if score_bias is None else scores + score_bias.float()
-        experts = biased.topk(op.attr("top_k"), dim=-1).indices
-        weights = scores.gather(1, experts)
-        if score_bias is not None:  # its gradient exactly zero, not absent, as a parameter's
-            weights = weights + 0.0 * score_bias.float()[experts]
-    else:
-        weights, experts = torch.softmax(logits, dim=-1).topk(op.attr("top_k"), dim=-1)
-    if op.attrs.get("norm_topk", 1):
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    scale = routed_scale(op)
-    return (weights if scale == 1 else weights * scale).to(x.dtype), experts
+    """(weights, experts), each ``(T, top_k)``: the router's logits in float32, scored,
+    grouped and selected as :func:`ilp_planner.inputs.moe_routing.select` says (softmax
+    top-k; DeepSeek-V3's sigmoid with its correction bias ``score_bias``; group-limited)."""
+    weights, experts = select(torch, (x @ router).float(), op.attrs, score_bias)
+    return weights.to(x.dtype), experts
 
 
 def slots(experts: torch.Tensor, num_experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +113,10 @@ def kernel_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     as the kernel's: an imported block's through :func:`hf_roles`."""
     if not hf_experts(op):
         return params
-    return hf_roles(params["router"], params["gate_up"], params["down"])
+    roles = hf_roles(params["router"], params["gate_up"], params["down"])
+    if "score_bias" in params:  # a Hugging Face router's buffer, handed in beside its tensors
+        roles["score_bias"] = params["score_bias"]
+    return roles
 
 
 def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:

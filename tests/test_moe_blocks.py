@@ -77,7 +77,9 @@ def test_gpt_blocks_keep_their_graph_and_take_first_dense():
     ("router", "hash", "model.router"),
     ("routed_scale", 0.0001, "model.routed_scale: expected a positive multiple of 0.001"),
     ("dense_ffn", 0, "model.dense_ffn"),
-    ("dropless", "yes", "model.dropless")])
+    ("dropless", "yes", "model.dropless"),
+    ("expert_groups", 3, "model.expert_groups: 3 expert groups do not divide the 4 experts"),
+    ("topk_groups", 2, "model.topk_groups: topk_groups 2 exceeds the 1 expert groups")])
 def test_bad_block_and_router_keys_name_the_key(key, value, words):
     data = {"model": {"kind": "moe", **TINY, key: value},
             "cluster": {"nodes": 1, "devices_per_node": 4, "memory_gib": 1, "peak_tflops": 1,
@@ -119,6 +121,36 @@ def test_the_sigmoid_router_selects_by_biased_scores_and_weights_by_scores(norm)
     assert p["score_bias"].grad is not None and not p["score_bias"].grad.any()
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_group_limited_routing_takes_the_top_k_of_the_best_groups(router):
+    """8 experts in 4 groups, 2 kept: a softmax router ranks a group by its best score
+    (DeepSeek-V2's group_limited_greedy), a sigmoid router by the sum of its two best
+    biased scores (V3); the top-3 come from the kept groups only."""
+    g = models.moe(**{**TINY, "layers": 1, "experts": 8, "top_k": 3}, router=router,
+                   expert_groups=4, topk_groups=2)
+    op = next(op for op in g.ops if op.kind is OpKind.MOE)
+    assert (op.attrs["groups"], op.attrs["topk_groups"]) == (4, 2)
+    p = {s.role: model.init_param(s, 0) for s in model.param_specs(op)}
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
+    bias = p.get("score_bias")
+    weights, chosen = moe.route(x, p["router"], op, bias)
+    logits = x @ p["router"]
+    scores = torch.sigmoid(logits) if router == "sigmoid" else torch.softmax(logits, -1)
+    choice = scores + bias if bias is not None else scores
+    limited = 0
+    for t in range(x.shape[0]):
+        per = choice[t].view(4, 2)
+        rank = per.sum(-1) if router == "sigmoid" else per.amax(-1)
+        kept = rank.topk(2).indices
+        allowed = torch.cat([torch.arange(2 * i, 2 * i + 2) for i in kept.tolist()])
+        want = allowed[choice[t][allowed].topk(3).indices]
+        assert sorted(chosen[t].tolist()) == sorted(want.tolist())
+        w = scores[t][chosen[t]]
+        torch.testing.assert_close(weights[t], w / w.sum())
+        limited += set(want.tolist()) != set(choice[t].topk(3).indices.tolist())
+    assert limited, "some token's unrestricted top-3 crosses a dropped group"
+
+
 # -- trained on 4 gloo processes ---------------------------------------------------------------
 
 
@@ -149,6 +181,7 @@ def _plans():
     c = load_config(ROOT / "configs" / "tiny-moe-cpu.yaml").with_overrides(LLAMA)
     v3 = c.with_overrides({"model.dropless": True, "model.router": "sigmoid",
                            "model.routed_scale": 2.5, "model.shared_experts": 1,
+                           "model.expert_groups": 2, "model.topk_groups": 1,
                            "model.shared_ffn": 16})
     return {"llama-ep": restricted_plan(c, _label_is({"moe": "moe(dp=1,ep=4,etp=1)"}),
                                         name="llama-ep"),

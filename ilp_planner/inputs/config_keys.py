@@ -92,6 +92,10 @@ _BUILDER_ARGS = {
     "routed_scale": Key("number", "routing weights scaled by this (DeepSeek's "
                                   "routed_scaling_factor; a multiple of 0.001)", positive=True,
                         at_most=MAX_COUNT),
+    "expert_groups": Key("integer", "groups of experts the router ranks (DeepSeek's n_group)",
+                          positive=True),
+    "topk_groups": Key("integer", "the best groups whose experts a token may take (DeepSeek's "
+                                  "topk_group; at most expert_groups)", positive=True),
     "block": Key("choice", "gpt: layernorm, GELU MLP, learned positions, tied head; llama: "
                            "RMSNorm, SwiGLU MLP, rotary positions, untied head",
                  choices=("gpt", "llama"), noun="block"),

@@ -162,7 +162,8 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         dropless: bool = False, moe_every: int = 1, first_dense: int = 0,
         shared_experts: int = 0, shared_ffn: int = 0, activation: str = "swiglu",
         norm_topk: bool = True, router: str = "softmax", routed_scale: float = 1.0,
-        block: str = "gpt", dense_ffn: int | None = None, dtype: str = "float32") -> Graph:
+        expert_groups: int = 1, topk_groups: int = 1, block: str = "gpt",
+        dense_ffn: int | None = None, dtype: str = "float32") -> Graph:
     """A decoder whose every ``moe_every``-th block (blocks ``moe_every − 1``,
     ``2·moe_every − 1``, …), past the first ``first_dense`` (DeepSeek's
     ``first_k_dense_replace``), has a mixture-of-experts MLP (:data:`OpKind.MOE
@@ -170,7 +171,9 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
     ``top_k`` of them per token, at ``capacity_factor`` (or ``dropless``: every routed
     token computed); ``shared_experts`` always-on experts of ``shared_ffn`` (DeepSeek,
     Qwen-MoE); a ``softmax`` or ``sigmoid`` router (DeepSeek-V3: selection by scores plus a
-    correction bias) whose weights are scaled by ``routed_scale``. The other blocks keep a
+    correction bias), choosing among the experts of its ``topk_groups`` best of
+    ``expert_groups`` groups (DeepSeek's n_group / topk_group), its weights scaled by
+    ``routed_scale`` (:mod:`ilp_planner.inputs.moe_routing`). The other blocks keep a
     dense MLP of ``dense_ffn`` (4·hidden by default).
 
     ``block: gpt`` — layernorm, GELU dense MLP, learned positions, the head tied to the
@@ -189,6 +192,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
     is_moe = _moe_blocks(layers, moe_every, first_dense)
     attrs = _moe_attrs(experts, top_k, expert_ffn, capacity_factor, dropless, shared_experts,
                        shared_ffn, activation, norm_topk, router, routed_scale)
+    attrs.update(_expert_groups(experts, top_k, expert_groups, topk_groups))
     if block not in ("gpt", "llama"):
         raise ConfigError(f"expected block 'gpt' or 'llama', got {block!r}", key="model.block")
     llama = block == "llama"
@@ -261,6 +265,21 @@ def _moe_attrs(experts: int, top_k: int, ffn: int, capacity_factor: float, dropl
     if scale != ROUTE_SCALE_UNIT:
         attrs["route_scale"] = scale
     return attrs
+
+
+def _expert_groups(experts: int, top_k: int, groups: int, keep: int) -> dict[str, int]:
+    """Group-limited routing's attributes (none where every group is kept), checked."""
+    _positive(expert_groups=groups, topk_groups=keep)
+    if experts % groups:
+        raise ConfigError(f"{groups} expert groups do not divide the {experts} experts",
+                          key="model.expert_groups")
+    if keep > groups:
+        raise ConfigError(f"topk_groups {keep} exceeds the {groups} expert groups",
+                          key="model.topk_groups")
+    if keep * (experts // groups) < top_k:
+        raise ConfigError(f"{keep} groups of {experts // groups} experts hold fewer than "
+                          f"top_k {top_k}", key="model.topk_groups")
+    return {"groups": groups, "topk_groups": keep} if keep < groups else {}
 
 
 def _llama_embedding(b: _Builder, tokens: int, hidden: int, vocab: int) -> str:

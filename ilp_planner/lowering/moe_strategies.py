@@ -110,11 +110,6 @@ def sigmoid_router(op: Op) -> bool:
     return bool(op.attrs.get("sigmoid", 0))
 
 
-def routed_scale(op: Op) -> float:
-    """The factor the routing weights are scaled by (``attrs.route_scale`` thousandths;
-    DeepSeek's ``routed_scaling_factor``), 1 by default."""
-    return op.attrs.get("route_scale", ROUTE_SCALE_UNIT) / ROUTE_SCALE_UNIT
-
 
 def expert_parallel(x: Layout) -> bool:
     """Whether the strategy with input layout ``x`` exchanges tokens over p1 (AllToAll)
