@@ -60,6 +60,15 @@ def test_llama_blocks_count_parameters_in_closed_form_with_the_first_k_dense():
                                                    shared=16, sigmoid=True)
 
 
+def test_the_deepseek_v2_lite_config_counts_in_closed_form():
+    """Llama blocks, block 0 dense (10944), 26 MoE blocks of 64 + 2 shared experts."""
+    m = load_config(ROOT / "configs" / "deepseek-v2-lite-2x8.yaml").model
+    assert (m["block"], m["first_dense"]) == ("llama", 1)
+    got = load_config(ROOT / "configs" / "deepseek-v2-lite-2x8.yaml").graph.total_params
+    assert got == llama_moe_params(2048, 27, 102400, 64, 1408, 10944, moe_layers=26,
+                                   shared=2 * 1408) == 15_787_866_112
+
+
 def test_gpt_blocks_keep_their_graph_and_take_first_dense():
     g = models.moe(**TINY)
     assert g.name == "moe-L3-h32-e4k2" and "seq_len" in g["embed"].attrs
