@@ -3,8 +3,8 @@ SwiGLU dense MLP, rotary positions, untied head) with the first k blocks dense, 
 routing of the built-in op, and DeepSeek-V3's sigmoid router with its selection-only
 correction bias and routed scaling factor — parameters in closed form, bad keys named, the
 router against a token-by-token loop, and (slow, one launch of 4 gloo ranks) the variants
-trained under expert-parallel, tensor-parallel and mixed plans matching one process with
-executed = planned."""
+trained under expert-parallel, tensor-parallel, mixed and pipelined plans matching one
+process with executed = planned."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config, parse_config
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.moe_strategies import DISPATCH, RECEIVED, moe_param_shapes
-from ilp_planner.testing import restricted_plan
+from ilp_planner.testing import pipelined_plan, restricted_plan
 from runtime import model, moe
 from runtime.optim import OptimizerSpec
 from runtime.reference import compare, run_reference
@@ -183,7 +183,9 @@ TP = {"mlp.gate": "3d(p0=2,p1=2,p2=1)", "mlp.up": "3d(p0=2,p1=2,p2=1)",
 # whose gradient is rounding noise step ±lr (tests/test_moe_runtime.py's note) and land at
 # 1.1e-4 from one process on 4 ranks after 3 steps, the losses within 2e-6
 OPTIMIZERS = {"llama-ep": ("adam", 0.01), "llama-tp": ("adam", 0.01),
-              "v3-dropless-ep": ("sgd", 0.1), "v3-dropless-mixed": ("sgd", 0.1)}
+              "v3-dropless-ep": ("sgd", 0.1), "v3-dropless-mixed": ("sgd", 0.1),
+              "v3-pipeline": ("sgd", 0.1)}
+MICROBATCHES = {"v3-pipeline": 2}
 
 
 def _plans():
@@ -199,7 +201,12 @@ def _plans():
             "v3-dropless-ep": restricted_plan(v3, _label_is({"moe": "moe(dp=1,ep=4,etp=1)"}),
                                               name="v3-dropless-ep"),
             "v3-dropless-mixed": restricted_plan(v3, _label_is({"moe": "moe(dp=1,ep=2,etp=2)"}),
-                                                 name="v3-dropless-mixed")}
+                                                 name="v3-dropless-mixed"),
+            # the dense block 0 on one stage of 2 devices, the MoE block 1 on the other
+            "v3-pipeline": pipelined_plan(v3, stages=2, microbatches=MICROBATCHES["v3-pipeline"],
+                                          cut_after=["h.0.mlp.residual"],
+                                          keep=_label_is({"moe": "moe(dp=1,ep=2,etp=1)"}),
+                                          name="v3-pipeline")}
 
 
 @pytest.fixture(scope="module")
@@ -228,11 +235,11 @@ def block_runs(tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_llama_and_dropless_sigmoid_moe_train_on_4_ranks_as_one_process(block_runs):
     assert "MISMATCH" not in block_runs["stdout"]
-    assert set(block_runs["results"]) == {"llama-ep", "llama-tp", "v3-dropless-ep",
-                                          "v3-dropless-mixed"}
+    assert set(block_runs["results"]) == set(OPTIMIZERS)
     for name, r in block_runs["results"].items():
         graph = parse_config(r["plan"].config).graph
-        ref = run_reference(graph, steps=STEPS, seed=0, optimizer=OptimizerSpec(*OPTIMIZERS[name]))
+        ref = run_reference(graph, steps=STEPS, seed=0, optimizer=OptimizerSpec(*OPTIMIZERS[name]),
+                            microbatches=MICROBATCHES.get(name, 1))
         assert r["audit_ok"] is True, name
         layers = {ly.name: ly for ly in r["plan"].layers}
         purposes = {c.purpose for c in layers["h.1.moe"].collectives}
