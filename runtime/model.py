@@ -322,15 +322,25 @@ def rotary(x: torch.Tensor, theta: int) -> torch.Tensor:
     return x * cos + half * sin
 
 
-def attention(qkv: torch.Tensor, heads: int, seq_len: int, rope_theta: int = 0) -> torch.Tensor:
-    """Causal attention on head-major fused QKV ``(tokens, 3·heads·d)`` → ``(tokens, heads·d)``,
-    queries and keys turned by :func:`rotary` where ``rope_theta`` is given."""
+def attention(qkv: torch.Tensor, heads: int, seq_len: int, rope_theta: int = 0,
+              kv_heads: int = 0) -> torch.Tensor:
+    """Causal attention on head-major fused QKV → ``(tokens, heads·d)``, queries and keys
+    turned by :func:`rotary` where ``rope_theta`` is given. Grouped-query (``kv_heads`` <
+    ``heads``): the columns are group-major, ``[group0: q … q k v | group1: …]`` with
+    ``heads / kv_heads`` query heads per key/value head (``(tokens, (heads + 2·kv_heads)·d)``),
+    so a block of whole groups computes its part alone; ``kv_heads = heads`` (or 0) is the
+    plain ``[head0: q k v | …]``."""
     tokens, width = qkv.shape
-    d = width // (3 * heads)
-    x = qkv.reshape(tokens // seq_len, seq_len, heads, 3, d)
-    q, k, v = (x[:, :, :, i].transpose(1, 2) for i in range(3))  # (batch, heads, seq, d)
+    kv = kv_heads or heads
+    r = heads // kv
+    d = width // (kv * (r + 2))
+    x = qkv.reshape(tokens // seq_len, seq_len, kv, r + 2, d)
+    q = x[:, :, :, :r].reshape(tokens // seq_len, seq_len, heads, d).transpose(1, 2)
+    k, v = (x[:, :, :, i].transpose(1, 2) for i in (r, r + 1))  # (batch, kv, seq, d)
     if rope_theta:
         q, k = rotary(q, rope_theta), rotary(k, rope_theta)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))

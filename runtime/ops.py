@@ -210,9 +210,11 @@ def attention(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: 
     lay = _same_layout(op, lp, xs)
     seq, heads = op.attr("seq_len"), op.attr("heads")
     k0, k1 = lay.split_degree(0), lay.split_degree(1)
-    if (op.output.shape[0] // seq) % k0 or heads % k1:
+    if (op.output.shape[0] // seq) % k0 or heads % k1 or op.attrs.get("kv_heads", heads) % k1:
         raise RuntimeSetupError(f"attention {op.name!r}: {lay} does not keep whole sequences and heads")
-    return LVal(model.attention(xs[0].t, heads // k1, seq, op.attrs.get("rope_theta", 0)), lay)
+    kv = op.attrs.get("kv_heads", heads)
+    return LVal(model.attention(xs[0].t, heads // k1, seq, op.attrs.get("rope_theta", 0),
+                                kv // k1), lay)
 
 
 def elementwise(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],

@@ -116,7 +116,7 @@ def forward(graph: Graph, params: dict[str, torch.Tensor], data: dict[str, torch
             y = model.rms_norm(xs[0], params[f"{op.name}.weight"])
         elif k is OpKind.ATTENTION:
             y = model.attention(xs[0], op.attr("heads"), op.attr("seq_len"),
-                                op.attrs.get("rope_theta", 0))
+                                op.attrs.get("rope_theta", 0), op.attrs.get("kv_heads", 0))
         elif k is OpKind.ADD:
             y = xs[0] + xs[1]
         elif k is OpKind.MUL:

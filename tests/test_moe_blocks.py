@@ -1,6 +1,6 @@
 """The ``kind: moe`` builder's block variants and routers: Llama-style blocks (RMSNorm,
-SwiGLU dense MLP, rotary positions, untied head) with the first k blocks dense, dropless
-routing of the built-in op, and DeepSeek-V3's sigmoid router with its selection-only
+SwiGLU dense MLP, rotary positions, grouped-query attention, untied head) with the first k
+blocks dense, dropless routing of the built-in op, and DeepSeek-V3's sigmoid router with its selection-only
 correction bias and routed scaling factor — parameters in closed form, bad keys named, the
 router against a token-by-token loop, and (slow, one launch of 4 gloo ranks) the variants
 trained under expert-parallel, tensor-parallel, mixed and pipelined plans matching one
@@ -34,12 +34,14 @@ RTOL = 1e-4
 
 
 def llama_moe_params(h: int, layers: int, vocab: int, e: int, f: int, dense_ffn: int,
-                     moe_layers: int, shared: int = 0, sigmoid: bool = False) -> int:
-    """Untied embedding and head 2V·h, final norm h; per block attention 4h² and two
-    RMSNorm gains 2h; an MoE (router h·E, a sigmoid's E correction biases, E SwiGLU experts
-    3h·f, shared 3h·f_s) or a dense SwiGLU MLP 3h·f_d."""
+                     moe_layers: int, shared: int = 0, sigmoid: bool = False,
+                     kv_share: float = 1.0) -> int:
+    """Untied embedding and head 2V·h, final norm h; per block attention 2h² + 2h·(kv_share·h)
+    (4h² without grouped queries) and two RMSNorm gains 2h; an MoE (router h·E, a sigmoid's E
+    correction biases, E SwiGLU experts 3h·f, shared 3h·f_s) or a dense SwiGLU MLP 3h·f_d."""
     dense = layers - moe_layers
-    return (2 * vocab * h + h + layers * (4 * h * h + 2 * h) + dense * 3 * h * dense_ffn
+    attention = 2 * h * h + 2 * h * int(kv_share * h)
+    return (2 * vocab * h + h + layers * (attention + 2 * h) + dense * 3 * h * dense_ffn
             + moe_layers * (h * e + (e if sigmoid else 0) + 3 * h * (e * f + shared)))
 
 
@@ -54,10 +56,25 @@ def test_llama_blocks_count_parameters_in_closed_form_with_the_first_k_dense():
     assert g["h.0.attn.core"].attrs["rope_theta"] == models.ROPE_THETA
     assert not g["lm_head"].attrs["tied"]
     every2 = models.moe(**{**TINY, "layers": 6}, block="llama", first_dense=2, moe_every=2,
-                        shared_experts=1, shared_ffn=16, router="sigmoid")
+                        shared_experts=1, shared_ffn=16, router="sigmoid", kv_heads=2)
     assert [op.name for op in every2.ops if op.kind is OpKind.MOE] == ["h.3.moe", "h.5.moe"]
     assert every2.total_params == llama_moe_params(32, 6, 64, 4, 48, 128, moe_layers=2,
-                                                   shared=16, sigmoid=True)
+                                                   shared=16, sigmoid=True, kv_share=0.5)
+    assert every2["h.0.attn.core"].attrs["kv_heads"] == 2
+    assert every2["h.0.attn.qkv"].output.shape == (64, 32 + 2 * 2 * 8)
+
+
+def test_grouped_query_attention_is_attention_with_keys_and_values_repeated():
+    """Group-major fused QKV with 2 key/value heads for 4 query heads computes what the
+    head-major form computes with each key/value head written out for both its queries."""
+    b, s, d, heads, kv = 2, 8, 4, 4, 2
+    gqa = torch.randn(b * s, kv * (heads // kv + 2) * d, generator=torch.Generator().manual_seed(5))
+    groups = gqa.view(b * s, kv, heads // kv + 2, d)
+    per_head = [torch.stack([groups[:, g, j], groups[:, g, -2], groups[:, g, -1]], 1)
+                for g in range(kv) for j in range(heads // kv)]  # (tokens, 3, d) each
+    mha = torch.stack(per_head, 1).reshape(b * s, heads * 3 * d)
+    torch.testing.assert_close(model.attention(gqa, heads, s, models.ROPE_THETA, kv),
+                               model.attention(mha, heads, s, models.ROPE_THETA))
 
 
 def test_the_deepseek_v2_lite_config_counts_in_closed_form():
@@ -86,6 +103,7 @@ def test_gpt_blocks_keep_their_graph_and_take_first_dense():
     ("router", "hash", "model.router"),
     ("routed_scale", 0.0001, "model.routed_scale: expected a positive multiple of 0.001"),
     ("dense_ffn", 0, "model.dense_ffn"),
+    ("kv_heads", 2, "model.kv_heads: grouped-query attention \\(kv_heads\\) needs block: llama"),
     ("dropless", "yes", "model.dropless"),
     ("expert_groups", 3, "model.expert_groups: 3 expert groups do not divide the 4 experts"),
     ("topk_groups", 2, "model.topk_groups: topk_groups 2 exceeds the 1 expert groups")])
@@ -173,7 +191,7 @@ def _label_is(rules: dict[str, str]):
 
 
 LLAMA = {"cluster.nodes": 1, "cluster.devices_per_node": 4, "model.block": "llama",
-         "model.layers": 2, "model.first_dense": 1, "model.dense_ffn": 40}
+         "model.layers": 2, "model.first_dense": 1, "model.dense_ffn": 40, "model.kv_heads": 2}
 TP = {"mlp.gate": "3d(p0=2,p1=2,p2=1)", "mlp.up": "3d(p0=2,p1=2,p2=1)",
       "mlp.down": "3d(p0=2,p1=1,p2=2)", "attn.qkv": "3d(p0=2,p1=2,p2=1)",
       "attn.proj": "3d(p0=2,p1=1,p2=2)"}

@@ -99,6 +99,8 @@ _BUILDER_ARGS = {
     "block": Key("choice", "gpt: layernorm, GELU MLP, learned positions, tied head; llama: "
                            "RMSNorm, SwiGLU MLP, rotary positions, untied head",
                  choices=("gpt", "llama"), noun="block"),
+    "kv_heads": Key("integer", "key/value heads of grouped-query attention (block: llama; "
+                               "dividing heads)", positive=True, default_text="heads"),
     "dense_ffn": Key("integer", "hidden size of the dense MLPs (blocks without an MoE)",
                      positive=True, default_text="4 · hidden"),
     "shared_experts": Key("integer", "always-on shared experts per MoE layer", nonneg=True),

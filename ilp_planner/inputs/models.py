@@ -163,7 +163,8 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         shared_experts: int = 0, shared_ffn: int = 0, activation: str = "swiglu",
         norm_topk: bool = True, router: str = "softmax", routed_scale: float = 1.0,
         expert_groups: int = 1, topk_groups: int = 1, block: str = "gpt",
-        dense_ffn: int | None = None, dtype: str = "float32") -> Graph:
+        kv_heads: int | None = None, dense_ffn: int | None = None,
+        dtype: str = "float32") -> Graph:
     """A decoder whose every ``moe_every``-th block (blocks ``moe_every − 1``,
     ``2·moe_every − 1``, …), past the first ``first_dense`` (DeepSeek's
     ``first_k_dense_replace``), has a mixture-of-experts MLP (:data:`OpKind.MOE
@@ -178,10 +179,12 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
 
     ``block: gpt`` — layernorm, GELU dense MLP, learned positions, the head tied to the
     embedding; ``block: llama`` — RMSNorm, SwiGLU dense MLP, rotary positions (no table), no
-    biases, an untied head (:func:`_llama_block`). Parameters::
+    biases, an untied head, grouped-query attention with ``kv_heads`` key/value heads
+    (:func:`_llama_block`). Parameters, with ``a = 2h² + 2h·kv·h/heads`` (4h² without
+    grouped queries)::
 
         gpt:    V·h + s·h + L·(4h² + 8h) + 2h + D·(2h·f_d + f_d + h) + M·moe
-        llama:  2V·h + L·(4h² + 2h) + h + D·3h·f_d + M·moe
+        llama:  2V·h + L·(a + 2h) + h + D·3h·f_d + M·moe
 
     with ``D`` dense and ``M`` MoE blocks and ``moe`` = h·E (+ E correction biases for a
     sigmoid router) + m·h·(E·f + S·f_s), m = 3 (SwiGLU) or 2 (GELU) matrices per expert."""
@@ -196,6 +199,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
     if block not in ("gpt", "llama"):
         raise ConfigError(f"expected block 'gpt' or 'llama', got {block!r}", key="model.block")
     llama = block == "llama"
+    kv = _kv_heads(heads, kv_heads, llama)
     ffn = 4 * hidden if dense_ffn is None else dense_ffn
     b = _Builder(dtype)
     tokens = batch * seq_len
@@ -205,7 +209,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         b.block, b.block_index = "h", i
         args = (b, f"h.{i}.", x, tokens, hidden, heads, seq_len)
         if llama:
-            x = _llama_block(*args, ffn, attrs if is_moe[i] else None)
+            x = _llama_block(*args, kv, ffn, attrs if is_moe[i] else None)
         elif not is_moe[i]:
             x = _transformer_block(*args, ffn=ffn)
         else:
@@ -289,15 +293,33 @@ def _llama_embedding(b: _Builder, tokens: int, hidden: int, vocab: int) -> str:
                  params=vocab * hidden, flops=float(tokens * hidden), vocab=vocab)
 
 
+def _kv_heads(heads: int, kv_heads: int | None, llama: bool) -> int:
+    """Key/value heads: ``heads`` by default; fewer (grouped-query) only in Llama blocks,
+    dividing ``heads``."""
+    if kv_heads is None:
+        return heads
+    _positive(kv_heads=kv_heads)
+    if not llama:
+        raise ConfigError("grouped-query attention (kv_heads) needs block: llama",
+                          key="model.kv_heads")
+    if heads % kv_heads:
+        raise ConfigError(f"kv_heads {kv_heads} does not divide the {heads} heads",
+                          key="model.kv_heads")
+    return kv_heads
+
+
 def _llama_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int, seq: int,
-                 ffn: int, moe_attrs: dict[str, int] | None) -> str:
+                 kv: int, ffn: int, moe_attrs: dict[str, int] | None) -> str:
     """Pre-norm Llama block: x + o(attn(rope(qkv(rms1(x))))), then + the MLP of rms2(.) —
     SwiGLU ``down(silu(gate(.)) ⊙ up(.))`` or, given ``moe_attrs``, an MoE. No biases, no
-    dropout (Llama trains without)."""
+    dropout (Llama trains without). ``kv`` key/value heads: the fused QKV is group-major
+    (:func:`runtime.model.attention`), ``h + 2·kv·h/heads`` wide."""
     n1 = b.rmsnorm(f"{prefix}norm1", x, tokens, h)
-    qkv = b.linear(f"{prefix}attn.qkv", n1, tokens, h, 3 * h, bias=False)
+    qkv = b.linear(f"{prefix}attn.qkv", n1, tokens, h, h + 2 * kv * (h // heads), bias=False)
+    gqa = {"kv_heads": kv} if kv != heads else {}
     attn = b.add(f"{prefix}attn.core", OpKind.ATTENTION, [qkv], b.t(tokens, h),
-                 flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq, rope_theta=ROPE_THETA)
+                 flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq, rope_theta=ROPE_THETA,
+                 **gqa)
     proj = b.linear(f"{prefix}attn.proj", attn, tokens, h, h, bias=False)
     r1 = b.elementwise(f"{prefix}attn.residual", OpKind.ADD, [x, proj], tokens, h)
     n2 = b.rmsnorm(f"{prefix}norm2", r1, tokens, h)
