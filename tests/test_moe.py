@@ -68,8 +68,8 @@ def test_builder_counts_parameters_in_closed_form():
     assert [op.name for op in gelu.ops if op.kind is OpKind.MOE] == ["h.1.moe"]
 
 
-@pytest.mark.parametrize("name, params", [("tiny-moe-cpu", 48_192),
-                                          ("mixtral-8x7b-8x8", 47_394_594_816)])
+@pytest.mark.parametrize("name, params", [("tiny-moe-cpu", 48_192)])  # Llama-block configs:
+# tests/test_moe_blocks.py
 def test_shipped_moe_configs_count_in_closed_form(name, params):
     cfg = load_config(CONFIGS / f"{name}.yaml")
     m = cfg.model

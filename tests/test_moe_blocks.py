@@ -86,6 +86,14 @@ def test_the_deepseek_v2_lite_config_counts_in_closed_form():
                                    shared=2 * 1408) == 15_787_866_112
 
 
+def test_the_mixtral_config_counts_mixtrals_parameters():
+    """Llama blocks with 8 of 32 key/value heads, 32 MoE blocks of 8 experts: 46,702,792,704,
+    Mixtral-8x7B's count."""
+    cfg = load_config(ROOT / "configs" / "mixtral-8x7b-8x8.yaml")
+    assert cfg.graph.total_params == llama_moe_params(
+        4096, 32, 32000, 8, 14336, 4 * 4096, moe_layers=32, kv_share=0.25) == 46_702_792_704
+
+
 def test_gpt_blocks_keep_their_graph_and_take_first_dense():
     g = models.moe(**TINY)
     assert g.name == "moe-L3-h32-e4k2" and "seq_len" in g["embed"].attrs
