@@ -20,7 +20,7 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config, parse_config
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.moe_strategies import DISPATCH, RECEIVED, moe_param_shapes
-from ilp_planner.testing import pipelined_plan, restricted_plan
+from ilp_planner.testing import pipelined_plan, restricted_plan, sharded_plan
 from runtime import model, moe
 from runtime.optim import OptimizerSpec
 from runtime.reference import compare, run_reference
@@ -210,7 +210,7 @@ TP = {"mlp.gate": "3d(p0=2,p1=2,p2=1)", "mlp.up": "3d(p0=2,p1=2,p2=1)",
 # 1.1e-4 from one process on 4 ranks after 3 steps, the losses within 2e-6
 OPTIMIZERS = {"llama-ep": ("adam", 0.01), "llama-tp": ("adam", 0.01),
               "v3-dropless-ep": ("sgd", 0.1), "v3-dropless-mixed": ("sgd", 0.1),
-              "v3-pipeline": ("sgd", 0.1)}
+              "v3-pipeline": ("sgd", 0.1), "v3-zero3": ("sgd", 0.1)}
 MICROBATCHES = {"v3-pipeline": 2}
 
 
@@ -232,7 +232,11 @@ def _plans():
             "v3-pipeline": pipelined_plan(v3, stages=2, microbatches=MICROBATCHES["v3-pipeline"],
                                           cut_after=["h.0.mlp.residual"],
                                           keep=_label_is({"moe": "moe(dp=1,ep=2,etp=1)"}),
-                                          name="v3-pipeline")}
+                                          name="v3-pipeline"),
+            # ZeRO-3 on every op that syncs gradients; the correction bias (no gradient to
+            # reduce) stays whole on every rank
+            "v3-zero3": sharded_plan(v3, 3, keep=_label_is({"moe": "moe(dp=2,ep=2,etp=1)+zero3"}),
+                                     name="v3-zero3")}
 
 
 @pytest.fixture(scope="module")

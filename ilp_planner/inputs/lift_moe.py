@@ -6,9 +6,9 @@ per-expert token gather, ``index_add``) as ops no strategy reads. So before expo
 importer finds every block built the Hugging Face way — a ``gate`` router with a 2-D
 ``weight (E, h)`` and ``top_k``, and ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)`` and
 ``down_proj (E, h, f)`` with a SiLU activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2) — and for the export only makes the router a pass-through and the experts one
-call of the custom op ``ilp_planner::moe_experts`` (softmax, top-k, renormalised where the
-router's ``norm_topk_prob`` says so, SwiGLU experts, weighted sum), which the walk lifts
+DeepSeek-V2, DeepSeek-V3) — and for the export only makes the router a pass-through and the
+experts one call of the custom op ``ilp_planner::moe_experts`` (the router's routing, SwiGLU
+experts, weighted sum), which the walk lifts
 here. The parameters keep their module paths, so the op owns the router's and the experts'
 parameters; a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's
 ``shared_experts``) stay outside the op, traced as the dense MLP and gate they are.

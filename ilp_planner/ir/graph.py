@@ -16,7 +16,7 @@ attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, who
 blocks are not whole heads, so it may only split over batch) refine it.
 
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
-softmax, top-k), dispatch, experts and combine as one op, so that its strategies choose the
+softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the
 expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_strategies`).
 Its attributes: ``experts`` (E), ``top_k``, ``ffn`` (each expert's hidden size),
 ``capacity_pct`` (100 × the capacity factor), ``swiglu`` (1: SwiGLU experts, 0: GELU),

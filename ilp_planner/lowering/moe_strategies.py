@@ -27,8 +27,10 @@ expert takes ``C = ⌈cf · T_g · top_k / E⌉`` tokens of a group of ``T_g`` (
 where nothing can drop), so the buffers, the AllToAll bytes and the expert compute are
 priced at capacity — a router sending more than ``C`` tokens to one expert drops the rest,
 one balanced to within ``cf`` drops none. ``cf = E / top_k`` gives ``C = T_g``: nothing
-drops, at a buffer ``E / top_k`` times the routed tokens. A dropless op (:func:`dropless`,
-imported blocks) exchanges exactly the routed tokens instead, priced at ``cf = 1``.
+drops, at a buffer ``E / top_k`` times the routed tokens. A dropless op (:func:`dropless`:
+imported blocks, ``kind: moe`` with ``dropless: true``) exchanges exactly the routed tokens
+instead, priced at ``cf = 1`` — a balanced router's load; the audit holds the rows a rank
+sends back to their bound (:mod:`ilp_planner.plan.audit`).
 
 An imported block (Hugging Face's Mixtral, Qwen2-MoE: ``attrs.hf_experts``) keeps the
 module's own tensors as its parameters — ``router`` ``(E, h)``, ``gate_up`` ``(E, 2f, h)``
@@ -154,7 +156,8 @@ def token_groups(x: Layout) -> int:
 
 
 def dropless(op: Op) -> bool:
-    """Whether the op routes every token (``attrs.dropless``, as Hugging Face's blocks do)
+    """Whether the op routes every token (``attrs.dropless``, as Hugging Face's blocks do and
+    the builder's ``dropless: true`` asks)
     with variable-size exchanges rather than a dense capacity buffer.
 
     Expert parallel, each rank first sends its per-expert token counts (one AllToAll of
