@@ -1,4 +1,5 @@
-"""Model builders: MLP, GPT, mixture-of-experts GPT, VGG13, U-Transformer as layer graphs.
+"""Model builders: MLP, GPT, mixture-of-experts decoders (GPT or Llama blocks), VGG13,
+U-Transformer as layer graphs.
 
 Transformer activations are 2-D ``(tokens, hidden)`` with ``tokens = batch · seq_len``
 (see :mod:`ilp_planner.ir.graph`). The fused QKV projection's output columns are laid out
