@@ -1,6 +1,6 @@
 """Imported mixture-of-experts blocks under ``parallelize`` (:mod:`runtime.apply`).
 
-The importer lifts a Hugging Face routed block (Mixtral, Qwen2-MoE) as one ``moe`` op named
+The importer lifts a Hugging Face routed block (Mixtral, Qwen2-MoE, DeepSeek-V2/V3) as one ``moe`` op named
 ``<experts module>.moe`` that owns the router's ``gate.weight`` and the experts'
 ``gate_up_proj`` and ``down_proj`` in the module's own orientation
 (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`). The block's own forward
@@ -10,7 +10,9 @@ the experts module runs the runtime's MoE kernel (:func:`runtime.moe.local_moe`)
 rank's blocks: its boundary hooks (:mod:`runtime.applied_hooks`) hand it its token block and
 its parameter blocks as local tensors, it issues the planned dispatch and combine AllToAlls
 through the runtime's :class:`~runtime.comm.Comm` (tagged, so the audit counts them), and
-its output block is wrapped back into a DTensor in the planned layout. The swap is made on
+its output block is wrapped back into a DTensor in the planned layout. A sigmoid router's
+correction bias (DeepSeek-V3's ``e_score_correction_bias``) is a buffer of the router, the
+same on every rank: the kernel reads it there. The swap is made on
 the module's instances; the block's other code (Qwen2-MoE's shared expert and its gate)
 runs as it is.
 """
@@ -77,6 +79,9 @@ def _kernel(comm: Comm, op: Op, lp: LayerPlan, gate: nn.Module, experts: nn.Modu
     (the router's and experts' parameters are read at call time, when they are blocks)."""
     def forward(x: Any, *_routing: Any) -> Any:
         params = hf_roles(gate.weight, experts.gate_up_proj, experts.down_proj)
+        bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek-V3's: a buffer
+        if bias is not None:
+            params["score_bias"] = bias
         return local_moe(comm, op, lp, x, lp.inputs[0], params)
 
     return forward

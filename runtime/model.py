@@ -27,6 +27,10 @@ arithmetic. Conventions (those of :mod:`ilp_planner.inputs.models`):
   for every model (GPT: next-token-style labels drawn at random; MLP: class labels in
   ``[0, out_features)``) — one code path, and the vocabulary-parallel form splits it;
 * dropout runs with p = 0 (identity) so runs are deterministic;
+* Llama-style blocks (``kind: moe, block: llama``): ``rmsnorm`` has a gain only, ``silu``
+  and ``mul`` (SwiGLU's product) are elementwise, an embedding without ``seq_len`` has no
+  position table and its attention turns queries and keys by rotary positions
+  (``attrs.rope_theta``, positions within each sequence);
 * a mixture of experts (``moe``) runs in :mod:`runtime.moe`, its parameters the roles of
   :func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes` (matrices ``(…, in, out)``).
 
@@ -67,7 +71,8 @@ LN_EPS = 1e-5
 SUPPORTED_KINDS = frozenset({
     OpKind.INPUT, OpKind.LINEAR, OpKind.EMBEDDING, OpKind.LAYERNORM, OpKind.ATTENTION,
     OpKind.GELU, OpKind.RELU, OpKind.DROPOUT, OpKind.ADD, OpKind.LOSS,
-    OpKind.CONV2D, OpKind.POOL, OpKind.FLATTEN, OpKind.MOE,
+    OpKind.CONV2D, OpKind.POOL, OpKind.FLATTEN, OpKind.MOE, OpKind.RMSNORM, OpKind.SILU,
+    OpKind.MUL,
 })
 
 
@@ -185,10 +190,13 @@ def param_specs(op: Op) -> list[ParamSpec]:
         if op.attrs.get("bias"):
             out.append(ParamSpec(op.name, "bias", (op.weight.shape[1],), op.kind))
         return out
-    if op.kind is OpKind.EMBEDDING:
+    if op.kind is OpKind.EMBEDDING:  # a learned position table where it has a seq_len
         assert op.weight is not None
-        return [ParamSpec(op.name, "weight", op.weight.shape, op.kind),
-                ParamSpec(op.name, "pos", (op.attr("seq_len"), op.weight.shape[1]), op.kind)]
+        return [ParamSpec(op.name, "weight", op.weight.shape, op.kind)] + (
+            [ParamSpec(op.name, "pos", (op.attr("seq_len"), op.weight.shape[1]), op.kind)]
+            if "seq_len" in op.attrs else [])
+    if op.kind is OpKind.RMSNORM:
+        return [ParamSpec(op.name, "weight", (op.output.shape[-1],), op.kind)]
     if op.kind is OpKind.LAYERNORM:
         h = op.output.shape[-1]
         return [ParamSpec(op.name, "weight", (h,), op.kind),
@@ -218,6 +226,8 @@ def init_param(spec: ParamSpec, seed: int) -> torch.Tensor:
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) * 0.02
     if spec.role == "weight" and spec.kind is OpKind.LINEAR:
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) / math.sqrt(spec.shape[0])
+    if spec.kind is OpKind.MOE and spec.role == "score_bias":  # on the sigmoid scores' scale
+        return 0.05 * torch.randn(spec.shape, generator=g, dtype=DTYPE)
     if spec.kind is OpKind.MOE:  # router and expert matrices: (…, in, out)
         return torch.randn(spec.shape, generator=g, dtype=DTYPE) / math.sqrt(spec.shape[-2])
     if spec.role == "weight" and spec.kind is OpKind.CONV2D:
@@ -295,12 +305,42 @@ def layer_norm(x: torch.Tensor, gain: torch.Tensor, offset: torch.Tensor) -> tor
     return F.layer_norm(x, (x.shape[-1],), gain, offset, LN_EPS)
 
 
-def attention(qkv: torch.Tensor, heads: int, seq_len: int) -> torch.Tensor:
-    """Causal attention on head-major fused QKV ``(tokens, 3·heads·d)`` → ``(tokens, heads·d)``."""
+def rms_norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """``x / √(mean(x²) + ε) · gain`` over the last dim, the statistic in float32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + LN_EPS)).to(x.dtype) * gain
+
+
+def rotary(x: torch.Tensor, theta: int) -> torch.Tensor:
+    """Rotary positions (RoPE, Llama's ``rotate_half`` form) on ``(batch, heads, seq, d)``:
+    position ``t`` of a sequence turns the pairs ``(x_i, x_{i+d/2})`` by ``t · θ^(−2i/d)``."""
+    seq, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    ang = torch.outer(torch.arange(seq, dtype=torch.float32, device=x.device), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+def attention(qkv: torch.Tensor, heads: int, seq_len: int, rope_theta: int = 0,
+              kv_heads: int = 0) -> torch.Tensor:
+    """Causal attention on head-major fused QKV → ``(tokens, heads·d)``, queries and keys
+    turned by :func:`rotary` where ``rope_theta`` is given. Grouped-query (``kv_heads`` <
+    ``heads``): the columns are group-major, ``[group0: q … q k v | group1: …]`` with
+    ``heads / kv_heads`` query heads per key/value head (``(tokens, (heads + 2·kv_heads)·d)``),
+    so a block of whole groups computes its part alone; ``kv_heads = heads`` (or 0) is the
+    plain ``[head0: q k v | …]``."""
     tokens, width = qkv.shape
-    d = width // (3 * heads)
-    x = qkv.reshape(tokens // seq_len, seq_len, heads, 3, d)
-    q, k, v = (x[:, :, :, i].transpose(1, 2) for i in range(3))  # (batch, heads, seq, d)
+    kv = kv_heads or heads
+    r = heads // kv
+    d = width // (kv * (r + 2))
+    x = qkv.reshape(tokens // seq_len, seq_len, kv, r + 2, d)
+    q = x[:, :, :, :r].reshape(tokens // seq_len, seq_len, heads, d).transpose(1, 2)
+    k, v = (x[:, :, :, i].transpose(1, 2) for i in (r, r + 1))  # (batch, kv, seq, d)
+    if rope_theta:
+        q, k = rotary(q, rope_theta), rotary(k, rope_theta)
+    if r > 1:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
@@ -338,5 +378,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 ELEMENTWISE = {
     OpKind.GELU: gelu,
     OpKind.RELU: relu,
+    OpKind.SILU: F.silu,
     OpKind.DROPOUT: lambda x: x,  # p = 0
 }

@@ -1,7 +1,8 @@
 """The mixture-of-experts op on this rank, and its single-process reference.
 
-One code path for both: route each token to its ``top_k`` experts (softmax over the
-router's logits in float32, the top-k weights renormalised where ``attrs.norm_topk``), lay
+One code path for both: route each token to its ``top_k`` experts (:func:`route`: softmax
+or sigmoid scores of the router's logits in float32, the top-k weights renormalised where
+``attrs.norm_topk`` and scaled by the routed scaling factor), lay
 the routed copies into a dispatch buffer ``(E, C, h)`` — expert ``e``'s slots filled in
 token order, a copy beyond ``C`` dropped —, run every expert's MLP on its slots as one
 batched matmul, and sum each token's expert outputs weighted by its routing weights.
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ilp_planner.inputs.moe_routing import select
 from ilp_planner.ir.graph import Op
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.moe_strategies import (
@@ -46,12 +48,12 @@ from runtime.errors import RuntimeSetupError
 from runtime.recorder import tagged
 
 
-def route(x: torch.Tensor, router: torch.Tensor, op: Op) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts), each ``(T, top_k)``: the softmax's top-k in float32."""
-    probs = torch.softmax((x @ router).float(), dim=-1)
-    weights, experts = probs.topk(op.attr("top_k"), dim=-1)
-    if op.attrs.get("norm_topk", 1):
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+def route(x: torch.Tensor, router: torch.Tensor, op: Op,
+          score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each ``(T, top_k)``: the router's logits in float32, scored,
+    grouped and selected as :func:`ilp_planner.inputs.moe_routing.select` says (softmax
+    top-k; DeepSeek-V3's sigmoid with its correction bias ``score_bias``; group-limited)."""
+    weights, experts = select(torch, (x @ router).float(), op.attrs, score_bias)
     return weights.to(x.dtype), experts
 
 
@@ -111,14 +113,17 @@ def kernel_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     as the kernel's: an imported block's through :func:`hf_roles`."""
     if not hf_experts(op):
         return params
-    return hf_roles(params["router"], params["gate_up"], params["down"])
+    roles = hf_roles(params["router"], params["gate_up"], params["down"])
+    if "score_bias" in params:  # a Hugging Face router's buffer, handed in beside its tensors
+        roles["score_bias"] = params["score_bias"]
+    return roles
 
 
 def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
     """The op on full tensors (``params`` by role), every token in one group, none dropped."""
     params = kernel_roles(op, params)
     e, k, t = op.attr("experts"), op.attr("top_k"), x.shape[0]
-    weights, chosen = route(x, params["router"], op)
+    weights, chosen = route(x, params["router"], op, params.get("score_bias"))
     slot, kept = slots(chosen, e, t)
     out = experts_mlp(dispatch(x, slot, kept, k, e, t), params["w1"], params["w2"],
                       params.get("w3"))
@@ -157,7 +162,7 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
         raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
                                 f"strategies' layouts ({want} -> {out_layout})")
     e, k = op.attr("experts"), op.attr("top_k")
-    weights, chosen = route(x, p["router"], op)
+    weights, chosen = route(x, p["router"], op, p.get("score_bias"))
     progs = moe_programs(op, lay, comm.cluster)
     if dropless(op):
         y = _dropless(comm, op, x, lay, p, weights, chosen, progs is not None)

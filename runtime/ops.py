@@ -118,13 +118,15 @@ def linear(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
 
 def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
               data: dict) -> LVal:
-    ids, w, pos = xs[0], params["weight"], params["pos"]
+    ids, w, pos = xs[0], params["weight"], params.get("pos")
     assert op.weight is not None
     out = _matmul_out(op, lp, ids.layout, w.layout)
     (v0, _), _ = ctx.region(w.layout, op.weight.shape)
     (r0, r1), = ctx.region(ids.layout, (op.output.shape[0],))
     y = model.embedding(ids.t, w.t, v0)
-    y = y + bias_share(pos.t, out)[model.positions(r0, r1 - r0, op.attr("seq_len"), pos.t.device)]
+    if pos is not None:
+        y = y + bias_share(pos.t, out)[model.positions(r0, r1 - r0, op.attr("seq_len"),
+                                                       pos.t.device)]
     return LVal(y, out)
 
 
@@ -195,14 +197,24 @@ def layernorm(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: 
     return LVal(model.layer_norm(xs[0].t, params["weight"].t, params["bias"].t), lay)
 
 
+def rmsnorm(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
+            data: dict) -> LVal:
+    lay = _same_layout(op, lp, xs)
+    if lay.split_degree(1) > 1:
+        raise RuntimeSetupError(f"rmsnorm {op.name!r} splits the normalised dim: {lay}")
+    return LVal(model.rms_norm(xs[0].t, params["weight"].t), lay)
+
+
 def attention(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
               data: dict) -> LVal:
     lay = _same_layout(op, lp, xs)
     seq, heads = op.attr("seq_len"), op.attr("heads")
     k0, k1 = lay.split_degree(0), lay.split_degree(1)
-    if (op.output.shape[0] // seq) % k0 or heads % k1:
+    if (op.output.shape[0] // seq) % k0 or heads % k1 or op.attrs.get("kv_heads", heads) % k1:
         raise RuntimeSetupError(f"attention {op.name!r}: {lay} does not keep whole sequences and heads")
-    return LVal(model.attention(xs[0].t, heads // k1, seq), lay)
+    kv = op.attrs.get("kv_heads", heads)
+    return LVal(model.attention(xs[0].t, heads // k1, seq, op.attrs.get("rope_theta", 0),
+                                kv // k1), lay)
 
 
 def elementwise(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
@@ -215,6 +227,13 @@ def add(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[s
         data: dict) -> LVal:
     lay = _same_layout(op, lp, xs)
     return LVal(xs[0].t + xs[1].t, lay)
+
+
+def mul(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
+        data: dict) -> LVal:
+    """SwiGLU's product: both operands' blocks in the output's layout, none partial."""
+    lay = _same_layout(op, lp, xs)
+    return LVal(xs[0].t * xs[1].t, lay)
 
 
 def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
@@ -259,6 +278,9 @@ OPS: dict[OpKind, OpFn] = {
     OpKind.LINEAR: linear,
     OpKind.EMBEDDING: embedding,
     OpKind.LAYERNORM: layernorm,
+    OpKind.RMSNORM: rmsnorm,
+    OpKind.SILU: elementwise,
+    OpKind.MUL: mul,
     OpKind.ATTENTION: attention,
     OpKind.GELU: elementwise,
     OpKind.RELU: elementwise,

@@ -107,15 +107,20 @@ def forward(graph: Graph, params: dict[str, torch.Tensor], data: dict[str, torch
                 w = params[f"{op.name}.weight"]
             y = model.linear(xs[0], w, params.get(f"{op.name}.bias"))
         elif k is OpKind.EMBEDDING:
-            ids = xs[0]
-            pos = model.positions(0, ids.shape[0], op.attr("seq_len"))
-            y = model.embedding(ids, params[f"{op.name}.weight"]) + params[f"{op.name}.pos"][pos]
+            y = model.embedding(xs[0], params[f"{op.name}.weight"])
+            if "seq_len" in op.attrs:
+                y = y + params[f"{op.name}.pos"][model.positions(0, y.shape[0], op.attr("seq_len"))]
         elif k is OpKind.LAYERNORM:
             y = model.layer_norm(xs[0], params[f"{op.name}.weight"], params[f"{op.name}.bias"])
+        elif k is OpKind.RMSNORM:
+            y = model.rms_norm(xs[0], params[f"{op.name}.weight"])
         elif k is OpKind.ATTENTION:
-            y = model.attention(xs[0], op.attr("heads"), op.attr("seq_len"))
+            y = model.attention(xs[0], op.attr("heads"), op.attr("seq_len"),
+                                op.attrs.get("rope_theta", 0), op.attrs.get("kv_heads", 0))
         elif k is OpKind.ADD:
             y = xs[0] + xs[1]
+        elif k is OpKind.MUL:
+            y = xs[0] * xs[1]
         elif k is OpKind.CONV2D:
             y = model.conv2d(xs[0], params[f"{op.name}.weight"], params[f"{op.name}.bias"])
         elif k is OpKind.POOL:

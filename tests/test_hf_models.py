@@ -83,6 +83,7 @@ def _builders() -> dict[str, Any]:
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
             num_experts_per_tok=2, use_cache=False)), (_ids(),)),
         "deepseek_v2": lambda: (T.DeepseekV2ForCausalLM(_deepseek_v2()), (_ids(),)),
+        "deepseek_v3": lambda: (_deepseek_v3(), (_ids(),)),
     }
 
 
@@ -100,8 +101,26 @@ def _deepseek_v2(**routing: Any) -> Any:
         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, use_cache=False, **fields)
 
 
-MOE_LAYER = {"mixtral": 0, "qwen2_moe": 0, "deepseek_v2": 1}  # the first routed layer
-SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts"}
+def _deepseek_v3() -> Any:
+    """A tiny DeepSeek-V3: MLA, layer 0 dense, layers 1–2 routed by sigmoid scores plus a
+    correction bias (drawn, so that it changes some choices), the best 1 of 2 expert groups
+    kept, the weights renormalised and scaled by 2.5."""
+    model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, use_cache=False))
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(4))
+    return model
+
+
+MOE_LAYER = {"mixtral": 0, "qwen2_moe": 0, "deepseek_v2": 1, "deepseek_v3": 1}  # first routed
+SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
+          "deepseek_v3": "shared_experts"}
+MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
 
 
 DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "vit", "resnet", "t5")
@@ -264,11 +283,13 @@ def test_repeated_blocks_tied_whatever_their_names(imported, name, container, in
     assert all(not b.startswith("resnet.encoder.stages.1") for b, _ in _blocks(graph))
 
 
-@pytest.mark.parametrize("name,norm", [("mixtral", 1), ("qwen2_moe", 0), ("deepseek_v2", 0)])
+@pytest.mark.parametrize("name,norm", [("mixtral", 1), ("qwen2_moe", 0), ("deepseek_v2", 0),
+                                       ("deepseek_v3", 1)])
 def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name, norm):
     """Each routed block is one ``moe`` op owning its router and expert tensors (no opaque
     op holds a weight or a matmul), dropless (capacity factor E / top_k), renormalised as
-    the router says (DeepSeek-V2's greedy top-k never); Qwen2-MoE's and DeepSeek's shared
+    the router says (DeepSeek-V2's greedy top-k never; V3's sigmoid routing recorded with
+    its groups and scale, its correction bias a buffer no op owns); Qwen2-MoE's and DeepSeek's shared
     experts stay the dense linears they are. It solves on 2 × 4 with the experts laid out by
     the MoE strategies."""
     model, graph = imported(name)
@@ -283,6 +304,8 @@ def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name,
     e, f = mlp.experts.down_proj.shape[0], mlp.experts.down_proj.shape[2]
     assert (op.attr("experts"), op.attr("top_k"), op.attr("ffn")) == (e, 2, f)
     assert op.attr("capacity_pct") == 100 * e // 2 and op.attr("norm_topk") == norm
+    v3 = {"sigmoid": 1, "route_scale": 2500, "groups": 2, "topk_groups": 1}
+    assert {k: op.attrs.get(k) for k in v3} == (v3 if name == "deepseek_v3" else dict.fromkeys(v3))
     assert op.params == sum(p.numel() for p in (mlp.gate.weight, mlp.experts.gate_up_proj,
                                                   mlp.experts.down_proj))
     assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE and (o.weight or o.params)]
@@ -295,7 +318,7 @@ def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name,
     assert layer.strategy.startswith("moe(")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("name", MOES)
 def test_the_moe_custom_op_computes_what_the_block_does(name):
     """While exporting, the blocks route through ``ilp_planner::moe_experts``: the model's
     logits under it equal its own (the op is the block, not an approximation of it)."""
@@ -309,7 +332,7 @@ def test_the_moe_custom_op_computes_what_the_block_does(name):
     assert "forward" not in vars(model.model.layers[MOE_LAYER[name]].mlp.gate)  # restored
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("name", MOES)
 def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(imported, name):
     """``parallelize`` places the block's own tensors as they are: the op's roles are their
     shapes in the module's orientation (router ``(E, h)``, ``gate_up`` ``(E, 2f, h)``, ``down``
@@ -327,7 +350,7 @@ def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(i
     assert {s.fact[1].size for s in strats if expert_parallel(s.inputs[0])} == {1, 2, 4}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("name", MOES)
 def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(imported, name):
     """The kernel ``parallelize`` swaps into an imported block (:func:`runtime.moe.hf_roles`
     viewing the module's tensors as the kernel's roles; here every token in one group, the
@@ -339,8 +362,10 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
     x = torch.randn(op.output.shape, requires_grad=True)
     _, weights, chosen = mlp.gate(x)
     want = mlp.experts(x, chosen, weights)
+    bias = getattr(mlp.gate, "e_score_correction_bias", None)  # V3's buffer
     got = moe_reference(op, x, {"router": mlp.gate.weight, "gate_up": mlp.experts.gate_up_proj,
-                                "down": mlp.experts.down_proj})
+                                "down": mlp.experts.down_proj,
+                                **({} if bias is None else {"score_bias": bias})})
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     tensors = (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
     g_want = torch.autograd.grad(want.square().sum(), tensors)
@@ -350,23 +375,28 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
 
 
 @pytest.mark.parametrize("routing,field", [
-    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
-    ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
-     "topk_method='group_limited_greedy' with n_group=2, topk_group=1"),
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1},
+     "n_group=3, topk_group=1"),
 ])
 def test_a_deepseek_v2_router_the_moe_op_does_not_compute_is_refused(routing, field):
-    """Routing weights scaled, or expert groups dropped before the top-k: the op's softmax
-    top-k would be another model, so the import stops naming the config field."""
+    """A selection method the op does not know, or groups that do not divide the experts:
+    the import stops naming the config field rather than pricing another model."""
     model = T.DeepseekV2ForCausalLM(_deepseek_v2(**routing))
-    with pytest.raises(ConfigError, match=f"model.layers.1.mlp.gate .*{field}"):
+    with pytest.raises(ConfigError, match=f"model.layers.1.mlp.gate .*{field}") as exc:
         from_module(model, (_ids(),))
+    assert "\n" not in str(exc.value)
 
 
-def test_a_deepseek_v2_group_limited_router_keeping_every_group_is_greedy():
-    """``group_limited_greedy`` with ``topk_group == n_group`` keeps every group: the block
-    is the op, computed the same."""
-    model = T.DeepseekV2ForCausalLM(_deepseek_v2(topk_method="group_limited_greedy",
-                                                 n_group=2, topk_group=2))
+@pytest.mark.parametrize("routing", [
+    {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 2},
+    {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+     "routed_scaling_factor": 2.5}])
+def test_a_deepseek_v2_group_limited_or_scaled_router_is_the_op(routing):
+    """``group_limited_greedy`` (groups ranked by their best softmax score; all kept when
+    ``topk_group == n_group``) and ``routed_scaling_factor``: the block is the op, computed
+    the same."""
+    model = T.DeepseekV2ForCausalLM(_deepseek_v2(**routing))
     ids = _ids()
     with torch.no_grad():
         want = model(ids).logits
@@ -374,20 +404,6 @@ def test_a_deepseek_v2_group_limited_router_keeping_every_group_is_greedy():
             got = model(ids).logits
     assert blocks == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_deepseek_v3s_sigmoid_router_is_refused():
-    """DeepSeek-V3 routes on sigmoid scores plus a correction bias, chosen within groups —
-    not the op's softmax top-k: refused, naming what differs."""
-    model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=16, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-        use_cache=False))
-    with pytest.raises(ConfigError, match="sigmoid scores plus e_score_correction_bias"):
-        from_module(model, (_ids(),))
 
 
 class _SelfSimilarity(nn.Module):

@@ -11,7 +11,7 @@ and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on bo
 attention split over the batch and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
-parallel plans (:mod:`runtime.applied_moe`).
+parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers.
 """
 
 from __future__ import annotations
@@ -84,6 +84,19 @@ def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shap
     assert exchanged, line
     assert {"moe_counts", "moe_dispatch", "moe_received", "moe_combine"} <= set(
         exchanged.group(1).split(",")), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_deepseek_v3_routing_trains_expert_parallel_like_one_process(shape):
+    """DeepSeek-V3's router (sigmoid scores, a correction-bias buffer that only selects, the
+    best of two expert groups, weights renormalised and scaled by 2.5) in Mixtral blocks —
+    V3's own multi-head latent attention does not run under ``parallelize``: the kernel reads
+    the router's buffer on each rank and routes as the block does, dropless expert parallel,
+    every AllToAll audited."""
+    line = line_of(shape, "mixtral-v3-router")
+    assert re.search(r"moe\(dp=\S+,ep=\S+,etp=1\)", line), line
+    assert "moe_counts" in line and "moe_received" in line, line
 
 
 @pytest.mark.slow

@@ -68,9 +68,8 @@ def test_builder_counts_parameters_in_closed_form():
     assert [op.name for op in gelu.ops if op.kind is OpKind.MOE] == ["h.1.moe"]
 
 
-@pytest.mark.parametrize("name, params", [("tiny-moe-cpu", 48_192),
-                                          ("mixtral-8x7b-8x8", 47_394_594_816),
-                                          ("deepseek-v2-lite-2x8", 16_090_714_112)])
+@pytest.mark.parametrize("name, params", [("tiny-moe-cpu", 48_192)])  # Llama-block configs:
+# tests/test_moe_blocks.py
 def test_shipped_moe_configs_count_in_closed_form(name, params):
     cfg = load_config(CONFIGS / f"{name}.yaml")
     m = cfg.model
@@ -284,7 +283,7 @@ def test_large_moe_configs_solve_optimal_with_expert_parallelism(name):
     assert res.status == "optimal"
     layers = realise(gp, list(res.choice))[0]
     moe = [ly for ly in layers if ly.name.endswith(".moe")]
-    assert len(moe) == config.model["layers"]
+    assert len(moe) == config.model["layers"] - config.model.get("first_dense", 0)
     assert all(",ep=" in ly.strategy and ",ep=1," not in ly.strategy for ly in moe)
 
 

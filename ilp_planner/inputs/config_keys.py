@@ -80,7 +80,29 @@ _BUILDER_ARGS = {
     "capacity_factor": Key("number", "slots per expert over the balanced share "
                                      "(experts / top_k: nothing can drop)", positive=True,
                            at_most=MAX_COUNT),
+    "dropless": Key("boolean", "route every token: variable-size exchanges after the token "
+                               "counts, no capacity (priced at a balanced router, capacity "
+                               "factor 1; capacity_factor unused)"),
     "moe_every": Key("integer", "every k-th block's MLP is an MoE (1: all)", positive=True),
+    "first_dense": Key("integer", "the first k blocks keep a dense MLP (DeepSeek's "
+                                  "first_k_dense_replace; at most layers)", nonneg=True),
+    "router": Key("choice", "how the router scores experts: softmax, or sigmoid with a "
+                            "selection-only correction bias (DeepSeek-V3)",
+                  choices=models.ROUTERS, noun="router"),
+    "routed_scale": Key("number", "routing weights scaled by this (DeepSeek's "
+                                  "routed_scaling_factor; a multiple of 0.001)", positive=True,
+                        at_most=MAX_COUNT),
+    "expert_groups": Key("integer", "groups of experts the router ranks (DeepSeek's n_group)",
+                          positive=True),
+    "topk_groups": Key("integer", "the best groups whose experts a token may take (DeepSeek's "
+                                  "topk_group; at most expert_groups)", positive=True),
+    "block": Key("choice", "gpt: layernorm, GELU MLP, learned positions, tied head; llama: "
+                           "RMSNorm, SwiGLU MLP, rotary positions, untied head",
+                 choices=("gpt", "llama"), noun="block"),
+    "kv_heads": Key("integer", "key/value heads of grouped-query attention (block: llama; "
+                               "dividing heads)", positive=True, default_text="heads"),
+    "dense_ffn": Key("integer", "hidden size of the dense MLPs (blocks without an MoE)",
+                     positive=True, default_text="4 · hidden"),
     "shared_experts": Key("integer", "always-on shared experts per MoE layer", nonneg=True),
     "shared_ffn": Key("integer", "each shared expert's hidden size", nonneg=True),
     "activation": Key("choice", "the experts' MLP", choices=("swiglu", "gelu"),

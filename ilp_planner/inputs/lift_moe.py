@@ -6,18 +6,21 @@ per-expert token gather, ``index_add``) as ops no strategy reads. So before expo
 importer finds every block built the Hugging Face way — a ``gate`` router with a 2-D
 ``weight (E, h)`` and ``top_k``, and ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)`` and
 ``down_proj (E, h, f)`` with a SiLU activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2) — and for the export only makes the router a pass-through and the experts one
-call of the custom op ``ilp_planner::moe_experts`` (softmax, top-k, renormalised where the
-router's ``norm_topk_prob`` says so, SwiGLU experts, weighted sum), which the walk lifts
+DeepSeek-V2, DeepSeek-V3) — and for the export only makes the router a pass-through and the
+experts one call of the custom op ``ilp_planner::moe_experts`` (the router's routing, SwiGLU
+experts, weighted sum), which the walk lifts
 here. The parameters keep their module paths, so the op owns the router's and the experts'
 parameters; a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's
 ``shared_experts``) stay outside the op, traced as the dense MLP and gate they are.
 
-A router is taken only where the op computes what it does (:func:`routing_norm`):
-DeepSeek-V2's ``greedy`` top-k of the softmax is the op without renormalisation; a router
-whose routing differs — weights scaled by ``routed_scaling_factor``, group-limited selection
-that drops groups, DeepSeek-V3's sigmoid scores with ``e_score_correction_bias`` — is
-refused with an error naming the config field rather than priced and run as something else.
+Routers (:func:`routing_attrs`): Mixtral's and Qwen's renormalised softmax top-k,
+DeepSeek-V2's softmax top-k (greedy or group-limited) and DeepSeek-V3's sigmoid scores with
+``e_score_correction_bias`` (a buffer the op reads from the router at run time, never a
+parameter it owns) chosen within groups, each scaled by ``routed_scaling_factor`` — routed
+by :func:`~ilp_planner.inputs.moe_routing.select`, which the runtime's kernel runs too. A
+router none of these describes (another ``topk_method``, groups that do not divide the
+experts) is refused with an error naming the config field rather than priced and run as
+something else.
 
 Routing is dropless, as Hugging Face runs it (``attrs.dropless``: variable-size exchanges of
 exactly the routed tokens, :func:`~ilp_planner.lowering.moe_strategies.dropless`); the op's
@@ -38,33 +41,43 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.lift_graph import DraftGraph
 from ilp_planner.inputs.lift_values import Act, Call, dtype_of, numel, param_name
+from ilp_planner.inputs.moe_routing import ROUTING_DEFAULTS, ROUTING_KEYS, routing_values, select
 from ilp_planner.ir.graph import OpKind
+from ilp_planner.lowering.moe_strategies import ROUTE_SCALE_UNIT
 
 MOE_OP = "moe_experts"
 _REGISTERED: dict[str, Any] = {}  # the custom op, registered once per process
 
 
-def routing_norm(path: str, gate: Any) -> bool:
-    """Whether the router at ``path`` renormalises its top-k weights (``norm_topk_prob``,
-    Mixtral's always, DeepSeek-V2's never); raises :class:`ConfigError` naming the config
-    field where its routing is not the op's softmax top-k (module docstring)."""
+def routing_attrs(path: str, gate: Any) -> dict[str, int]:
+    """The op's routing attributes (:mod:`ilp_planner.inputs.moe_routing`) for the router at
+    ``path``: Mixtral's and Qwen's renormalised softmax top-k (``norm_topk_prob``),
+    DeepSeek-V2's softmax top-k never renormalised, greedy or group-limited
+    (``topk_method``), DeepSeek-V3's sigmoid with ``e_score_correction_bias`` and groups,
+    either scaled by ``routed_scaling_factor``. Raises :class:`ConfigError` naming the
+    config field where the routing is none of these."""
     where = f"cannot import the MoE router {path} ({type(gate).__name__})"
-    if hasattr(gate, "e_score_correction_bias"):
-        raise ConfigError(f"{where}: it routes on sigmoid scores plus e_score_correction_bias "
-                          "(DeepSeek-V3); the moe op routes on the softmax's top-k")
     scale = float(getattr(gate, "routed_scaling_factor", 1.0))
-    if scale != 1.0:
-        raise ConfigError(f"{where}: routed_scaling_factor={scale:g} scales the routing "
-                          "weights; the moe op supports only routed_scaling_factor=1.0")
+    pm = round(ROUTE_SCALE_UNIT * scale)
+    if pm <= 0 or abs(pm - ROUTE_SCALE_UNIT * scale) > 1e-6 * ROUTE_SCALE_UNIT:
+        raise ConfigError(f"{where}: routed_scaling_factor={scale:g}; the moe op holds a "
+                          "positive multiple of 0.001")
+    sigmoid = hasattr(gate, "e_score_correction_bias")
     method = getattr(gate, "topk_method", None)
-    if method is None:
-        return bool(getattr(gate, "norm_topk_prob", True))
-    groups = (getattr(gate, "num_group", 1), getattr(gate, "topk_group", 1))
-    if method != "greedy" and not (method == "group_limited_greedy" and groups[0] == groups[1]):
-        raise ConfigError(f"{where}: topk_method={method!r} with n_group={groups[0]}, "
-                          f"topk_group={groups[1]} drops expert groups; expected 'greedy' "
-                          "(or topk_group == n_group)")
-    return False
+    if method not in (None, "greedy", "group_limited_greedy"):
+        raise ConfigError(f"{where}: topk_method={method!r}; expected 'greedy' or "
+                          "'group_limited_greedy'")
+    grouped = sigmoid or method == "group_limited_greedy"
+    groups = (int(getattr(gate, "num_group", 1)), int(getattr(gate, "topk_group", 1)))
+    experts = gate.weight.shape[0]
+    if grouped and (groups[0] < 1 or experts % groups[0] or not 1 <= groups[1] <= groups[0]):
+        raise ConfigError(f"{where}: n_group={groups[0]}, topk_group={groups[1]}; expected "
+                          f"n_group dividing the {experts} experts and 1 <= topk_group <= n_group")
+    norm = bool(getattr(gate, "norm_topk_prob", True)) if method is None else False
+    attrs = {"norm_topk": int(norm), "sigmoid": int(sigmoid), "route_scale": pm}
+    if grouped and groups[1] < groups[0]:
+        attrs.update(groups=groups[0], topk_groups=groups[1])
+    return attrs
 
 
 def moe_blocks(root: Any) -> list[tuple[str, Any, Any]]:
@@ -84,21 +97,24 @@ def moe_blocks(root: Any) -> list[tuple[str, Any, Any]]:
 
 
 def _custom_op(torch: Any) -> Any:
-    """``ilp_planner::moe_experts(x, router, gate_up, down, top_k, norm)``: the routed
-    experts' output, computed as Hugging Face's loop does (a meta tensor gives its shape)."""
+    """``ilp_planner::moe_experts(x, router, gate_up, down, bias, routing)``: the routed
+    experts' output, routed by :func:`~ilp_planner.inputs.moe_routing.select` (``routing``:
+    the values of :data:`~ilp_planner.inputs.moe_routing.ROUTING_KEYS`; ``bias`` a sigmoid
+    router's correction bias) and computed as Hugging Face's expert loop does (a meta tensor
+    gives its shape)."""
     if MOE_OP in _REGISTERED:
         return _REGISTERED[MOE_OP]
     F = torch.nn.functional
 
     @torch.library.custom_op(f"ilp_planner::{MOE_OP}", mutates_args=(), schema=(
-        "(Tensor x, Tensor router, Tensor gate_up, Tensor down, int top_k, bool norm) -> Tensor"))
-    def moe_experts(x: Any, router: Any, gate_up: Any, down: Any, top_k: int, norm: bool) -> Any:
+        "(Tensor x, Tensor router, Tensor gate_up, Tensor down, Tensor? bias, int[] routing) "
+        "-> Tensor"))
+    def moe_experts(x: Any, router: Any, gate_up: Any, down: Any, bias: Any,
+                    routing: list[int]) -> Any:
         if x.is_meta:
             return torch.empty_like(x)
-        probs = torch.softmax(F.linear(x, router).float(), dim=-1)
-        weights, chosen = probs.topk(top_k, dim=-1)
-        if norm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = select(torch, F.linear(x, router).float(),
+                                 dict(zip(ROUTING_KEYS, routing, strict=True)), bias)
         out = torch.zeros_like(x)
         for e in range(gate_up.shape[0]):
             tok, slot = torch.where(chosen == e)
@@ -108,7 +124,7 @@ def _custom_op(torch: Any) -> Any:
         return out
 
     @moe_experts.register_fake
-    def _(x, router, gate_up, down, top_k, norm):
+    def _(x, router, gate_up, down, bias, routing):
         return torch.empty_like(x)
 
     _REGISTERED[MOE_OP] = moe_experts
@@ -121,11 +137,13 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
     (instance ``forward``s, removed afterwards); yields how many blocks it covers."""
     blocks = moe_blocks(root)
     op = _custom_op(torch) if blocks else None
-    norms = [routing_norm(f"{path}.gate", gate) for path, gate, _ in blocks]
-    for (_, gate, experts), norm in zip(blocks, norms, strict=True):
+    routings = [routing_values({"top_k": int(gate.top_k), **routing_attrs(f"{path}.gate", gate)})
+                for path, gate, _ in blocks]
+    for (_, gate, experts), routing in zip(blocks, routings, strict=True):
         gate.forward = lambda x, _g=gate: (x, x, x)
-        experts.forward = (lambda x, _i, _w, _g=gate, _e=experts, _n=norm:
-                           op(x, _g.weight, _e.gate_up_proj, _e.down_proj, int(_g.top_k), _n))
+        experts.forward = (lambda x, _i, _w, _g=gate, _e=experts, _r=routing:
+                           op(x, _g.weight, _e.gate_up_proj, _e.down_proj,
+                              getattr(_g, "e_score_correction_bias", None), _r))
     try:
         yield len(blocks)
     finally:
@@ -135,18 +153,27 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
 
 def lift_moe(g: DraftGraph, call: Call) -> Any:
     """The custom op's node → one MoE op owning the router and the experts' parameters."""
-    x, router, gate_up, down, top_k, norm = call.args[:6]
+    x, router, gate_up, down, _bias, routing = call.args[:6]
     names = [param_name(p) for p in (router, gate_up, down)]
     if not isinstance(x, Act) or None in names:
         return g.opaque(call.node, call.args, call.acts, call.val, MOE_OP)
     e, h = g.param_shape[names[0]]
     f = g.param_shape[names[2]][2]
     tokens = numel(call.val.shape) // h
-    k = int(top_k)
+    attrs = dict(zip(ROUTING_KEYS, (int(v) for v in routing), strict=True))
+    k = attrs["top_k"]
     flops = 2.0 * tokens * h * (e + 3 * k * f)
     act = g.add(call.node, OpKind.MOE, [g.ir(call.node, x)], (tokens, h), dtype_of(call.val),
-                weight=(e, h, f), params=names, flops=flops, experts=e, top_k=k, ffn=f,
-                capacity_pct=-(-100 * e // k), swiglu=1,
-                norm_topk=int(bool(norm)), hf_experts=1, dropless=1,
-                shared=0, shared_ffn=0)
+                weight=(e, h, f), params=names, flops=flops, experts=e, ffn=f,
+                capacity_pct=-(-100 * e // k), swiglu=1, hf_experts=1, dropless=1,
+                shared=0, shared_ffn=0, **_routing_only(attrs))
     return Act(act.src, tuple(call.val.shape), act.dtype)
+
+
+def _routing_only(attrs: dict[str, int]) -> dict[str, int]:
+    """The routing attributes an op records: top_k and norm_topk always, the others only
+    where they differ from the softmax top-k (so a Mixtral op's attributes stay as they
+    were), the group pair together."""
+    grouped = attrs["topk_groups"] < attrs["groups"]
+    return {k: v for k, v in attrs.items() if k in ("top_k", "norm_topk")
+            or (grouped and k in ("groups", "topk_groups")) or v != ROUTING_DEFAULTS[k]}

@@ -1,4 +1,5 @@
-"""Model builders: MLP, GPT, mixture-of-experts GPT, VGG13, U-Transformer as layer graphs.
+"""Model builders: MLP, GPT, mixture-of-experts decoders (GPT or Llama blocks), VGG13,
+U-Transformer as layer graphs.
 
 Transformer activations are 2-D ``(tokens, hidden)`` with ``tokens = batch · seq_len``
 (see :mod:`ilp_planner.ir.graph`). The fused QKV projection's output columns are laid out
@@ -19,7 +20,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.schema import Key, Reader, join
 from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec
-from ilp_planner.lowering.moe_strategies import moe_params
+from ilp_planner.lowering.moe_strategies import ROUTE_SCALE_UNIT, moe_params
 
 
 def _attrs(**kw: int) -> MappingProxyType:
@@ -61,6 +62,11 @@ class _Builder:
         return self.add(name, OpKind.LAYERNORM, [x], self.t(tokens, h), params=2 * h,
                         flops=8.0 * tokens * h)
 
+    def rmsnorm(self, name: str, x: str, tokens: int, h: int) -> str:
+        """A gain-only norm: mean square, scale, gain (about 4 FLOPs per element)."""
+        return self.add(name, OpKind.RMSNORM, [x], self.t(tokens, h), params=h,
+                        flops=4.0 * tokens * h)
+
     def elementwise(self, name: str, kind: OpKind, xs: list[str], tokens: int, h: int) -> str:
         return self.add(name, kind, xs, self.t(tokens, h), flops=float(tokens * h))
 
@@ -93,15 +99,17 @@ def _attention_half(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads
 
 
 def _transformer_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
-                       seq: int, skip: str | None = None) -> str:
-    """Pre-LN block: x + proj(attn(qkv(ln1(x)))), then + fc2(gelu(fc1(ln2(.))))."""
+                       seq: int, skip: str | None = None, ffn: int | None = None) -> str:
+    """Pre-LN block: x + proj(attn(qkv(ln1(x)))), then + fc2(gelu(fc1(ln2(.)))), the MLP's
+    hidden size ``ffn`` (4h by default)."""
+    ffn = 4 * h if ffn is None else ffn
     if skip is not None:
         x = b.elementwise(f"{prefix}skip_add", OpKind.ADD, [x, skip], tokens, h)
     r1 = _attention_half(b, prefix, x, tokens, h, heads, seq)
     ln2 = b.layernorm(f"{prefix}ln2", r1, tokens, h)
-    fc1 = b.linear(f"{prefix}mlp.fc1", ln2, tokens, h, 4 * h)
-    act = b.elementwise(f"{prefix}mlp.gelu", OpKind.GELU, [fc1], tokens, 4 * h)
-    fc2 = b.linear(f"{prefix}mlp.fc2", act, tokens, 4 * h, h)
+    fc1 = b.linear(f"{prefix}mlp.fc1", ln2, tokens, h, ffn)
+    act = b.elementwise(f"{prefix}mlp.gelu", OpKind.GELU, [fc1], tokens, ffn)
+    fc2 = b.linear(f"{prefix}mlp.fc2", act, tokens, ffn, h)
     d2 = b.elementwise(f"{prefix}mlp.dropout", OpKind.DROPOUT, [fc2], tokens, h)
     return b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, d2], tokens, h)
 
@@ -144,47 +152,194 @@ def _gpt_head(b: _Builder, x: str, tokens: int, hidden: int, vocab: int) -> None
     b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
 
 
+ROPE_THETA = 10_000
+"""Rotary base of the Llama-style blocks' attention (``attrs.rope_theta``, Llama 2's)."""
+ROUTERS = ("softmax", "sigmoid")
+"""How an MoE router scores experts: Mixtral's / DeepSeek-V2's softmax, DeepSeek-V3's sigmoid."""
+
+
 def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: int,
         experts: int, top_k: int, expert_ffn: int, capacity_factor: float = 1.25,
-        moe_every: int = 1, shared_experts: int = 0, shared_ffn: int = 0,
-        activation: str = "swiglu", norm_topk: bool = True, dtype: str = "float32") -> Graph:
-    """A GPT whose every ``moe_every``-th block (blocks ``moe_every − 1``, ``2·moe_every − 1``,
-    …) has a mixture-of-experts MLP (:data:`OpKind.MOE <ilp_planner.ir.graph.OpKind>`):
-    ``experts`` experts of hidden size ``expert_ffn``, ``top_k`` of them per token, at
-    ``capacity_factor``; ``shared_experts`` always-on experts of ``shared_ffn`` (DeepSeek,
-    Qwen-MoE). Attention, norms and positions are GPT's (the Llama-shaped configs stand
-    in for RMSNorm and rotary positions with them, as ``llama-70b-16x8`` does)."""
+        dropless: bool = False, moe_every: int = 1, first_dense: int = 0,
+        shared_experts: int = 0, shared_ffn: int = 0, activation: str = "swiglu",
+        norm_topk: bool = True, router: str = "softmax", routed_scale: float = 1.0,
+        expert_groups: int = 1, topk_groups: int = 1, block: str = "gpt",
+        kv_heads: int | None = None, dense_ffn: int | None = None,
+        dtype: str = "float32") -> Graph:
+    """A decoder whose every ``moe_every``-th block (blocks ``moe_every − 1``,
+    ``2·moe_every − 1``, …), past the first ``first_dense`` (DeepSeek's
+    ``first_k_dense_replace``), has a mixture-of-experts MLP (:data:`OpKind.MOE
+    <ilp_planner.ir.graph.OpKind>`): ``experts`` experts of hidden size ``expert_ffn``,
+    ``top_k`` of them per token, at ``capacity_factor`` (or ``dropless``: every routed
+    token computed); ``shared_experts`` always-on experts of ``shared_ffn`` (DeepSeek,
+    Qwen-MoE); a ``softmax`` or ``sigmoid`` router (DeepSeek-V3: selection by scores plus a
+    correction bias), choosing among the experts of its ``topk_groups`` best of
+    ``expert_groups`` groups (DeepSeek's n_group / topk_group), its weights scaled by
+    ``routed_scale`` (:mod:`ilp_planner.inputs.moe_routing`). The other blocks keep a
+    dense MLP of ``dense_ffn`` (4·hidden by default).
+
+    ``block: gpt`` — layernorm, GELU dense MLP, learned positions, the head tied to the
+    embedding; ``block: llama`` — RMSNorm, SwiGLU dense MLP, rotary positions (no table), no
+    biases, an untied head, grouped-query attention with ``kv_heads`` key/value heads
+    (:func:`_llama_block`). Parameters, with ``a = 2h² + 2h·kv·h/heads`` (4h² without
+    grouped queries)::
+
+        gpt:    V·h + s·h + L·(4h² + 8h) + 2h + D·(2h·f_d + f_d + h) + M·moe
+        llama:  2V·h + L·(a + 2h) + h + D·3h·f_d + M·moe
+
+    with ``D`` dense and ``M`` MoE blocks and ``moe`` = h·E (+ E correction biases for a
+    sigmoid router) + m·h·(E·f + S·f_s), m = 3 (SwiGLU) or 2 (GELU) matrices per expert."""
     _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, vocab=vocab,
               batch=batch, experts=experts, top_k=top_k, expert_ffn=expert_ffn,
-              moe_every=moe_every)
+              moe_every=moe_every, **({} if dense_ffn is None else {"dense_ffn": dense_ffn}))
     _check_heads(hidden, heads)
+    is_moe = _moe_blocks(layers, moe_every, first_dense)
+    attrs = _moe_attrs(experts, top_k, expert_ffn, capacity_factor, dropless, shared_experts,
+                       shared_ffn, activation, norm_topk, router, routed_scale)
+    attrs.update(_expert_groups(experts, top_k, expert_groups, topk_groups))
+    if block not in ("gpt", "llama"):
+        raise ConfigError(f"expected block 'gpt' or 'llama', got {block!r}", key="model.block")
+    llama = block == "llama"
+    kv = _kv_heads(heads, kv_heads, llama)
+    ffn = 4 * hidden if dense_ffn is None else dense_ffn
+    b = _Builder(dtype)
+    tokens = batch * seq_len
+    x = _llama_embedding(b, tokens, hidden, vocab) if llama else _gpt_embedding(
+        b, tokens, hidden, seq_len, vocab)
+    for i in range(layers):
+        b.block, b.block_index = "h", i
+        args = (b, f"h.{i}.", x, tokens, hidden, heads, seq_len)
+        if llama:
+            x = _llama_block(*args, kv, ffn, attrs if is_moe[i] else None)
+        elif not is_moe[i]:
+            x = _transformer_block(*args, ffn=ffn)
+        else:
+            r1 = _attention_half(*args)
+            ln2 = b.layernorm(f"h.{i}.ln2", r1, tokens, hidden)
+            y = _moe_op(b, f"h.{i}.moe", ln2, tokens, hidden, attrs)
+            x = b.elementwise(f"h.{i}.mlp.residual", OpKind.ADD, [r1, y], tokens, hidden)
+    b.block = b.block_index = None
+    if llama:
+        _llama_head(b, x, tokens, hidden, vocab)
+    else:
+        _gpt_head(b, x, tokens, hidden, vocab)
+    name = f"moe-L{layers}-h{hidden}-e{experts}k{top_k}"
+    return Graph(f"{name}-llama" if llama else name, b.ops)
+
+
+def _moe_blocks(layers: int, moe_every: int, first_dense: int) -> list[bool]:
+    """Whether each block's MLP is an MoE; at least one must be."""
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+        raise ConfigError(f"expected a non-negative integer, got {first_dense!r}",
+                          key="model.first_dense")
+    if first_dense > layers:
+        raise ConfigError(f"first_dense {first_dense} exceeds the {layers} layers",
+                          key="model.first_dense")
+    out = [i >= first_dense and (i + 1) % moe_every == 0 for i in range(layers)]
+    if not any(out):
+        raise ConfigError(f"no block has an MoE MLP: {layers} layers, the first {first_dense} "
+                          f"dense, every {moe_every}-th an MoE", key="model.first_dense")
+    return out
+
+
+def _moe_attrs(experts: int, top_k: int, ffn: int, capacity_factor: float, dropless: bool,
+               shared: int, shared_ffn: int, activation: str, norm_topk: bool, router: str,
+               routed_scale: float) -> dict[str, int]:
+    """The MoE op's integer attributes (:mod:`ilp_planner.ir.graph`), checked."""
     if top_k > experts:
         raise ConfigError(f"top_k {top_k} exceeds the {experts} experts", key="model.top_k")
     if not capacity_factor > 0:
         raise ConfigError(f"expected a positive capacity factor, got {capacity_factor!r}",
                           key="model.capacity_factor")
-    if shared_experts and shared_ffn <= 0:
+    if shared and shared_ffn <= 0:
         raise ConfigError("shared experts need a positive shared_ffn", key="model.shared_ffn")
-    b = _Builder(dtype)
-    tokens = batch * seq_len
-    x = _gpt_embedding(b, tokens, hidden, seq_len, vocab)
-    attrs = {"experts": experts, "top_k": top_k, "ffn": expert_ffn,
+    if router not in ROUTERS:
+        raise ConfigError(f"expected one of {list(ROUTERS)}, got {router!r}", key="model.router")
+    scale = round(ROUTE_SCALE_UNIT * routed_scale) if routed_scale > 0 else 0
+    if scale <= 0 or abs(scale - ROUTE_SCALE_UNIT * routed_scale) > 1e-6:
+        raise ConfigError(f"expected a positive multiple of 0.001, got {routed_scale!r}",
+                          key="model.routed_scale")
+    attrs = {"experts": experts, "top_k": top_k, "ffn": ffn,
              "capacity_pct": max(1, round(100 * capacity_factor)),
              "swiglu": int(activation == "swiglu"), "norm_topk": int(norm_topk),
-             "shared": shared_experts, "shared_ffn": shared_ffn if shared_experts else 0}
-    for i in range(layers):
-        b.block, b.block_index = "h", i
-        prefix = f"h.{i}."
-        if (i + 1) % moe_every:
-            x = _transformer_block(b, prefix, x, tokens, hidden, heads, seq_len)
-            continue
-        r1 = _attention_half(b, prefix, x, tokens, hidden, heads, seq_len)
-        ln2 = b.layernorm(f"{prefix}ln2", r1, tokens, hidden)
-        y = _moe_op(b, f"{prefix}moe", ln2, tokens, hidden, attrs)
-        x = b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, y], tokens, hidden)
-    b.block = b.block_index = None
-    _gpt_head(b, x, tokens, hidden, vocab)
-    return Graph(f"moe-L{layers}-h{hidden}-e{experts}k{top_k}", b.ops)
+             "shared": shared, "shared_ffn": shared_ffn if shared else 0}
+    if dropless:
+        attrs["dropless"] = 1
+    if router == "sigmoid":
+        attrs["sigmoid"] = 1
+    if scale != ROUTE_SCALE_UNIT:
+        attrs["route_scale"] = scale
+    return attrs
+
+
+def _expert_groups(experts: int, top_k: int, groups: int, keep: int) -> dict[str, int]:
+    """Group-limited routing's attributes (none where every group is kept), checked."""
+    _positive(expert_groups=groups, topk_groups=keep)
+    if experts % groups:
+        raise ConfigError(f"{groups} expert groups do not divide the {experts} experts",
+                          key="model.expert_groups")
+    if keep > groups:
+        raise ConfigError(f"topk_groups {keep} exceeds the {groups} expert groups",
+                          key="model.topk_groups")
+    if keep * (experts // groups) < top_k:
+        raise ConfigError(f"{keep} groups of {experts // groups} experts hold fewer than "
+                          f"top_k {top_k}", key="model.topk_groups")
+    return {"groups": groups, "topk_groups": keep} if keep < groups else {}
+
+
+def _llama_embedding(b: _Builder, tokens: int, hidden: int, vocab: int) -> str:
+    """Token ids, then the word table alone: rotary positions live in attention."""
+    ids = b.add("tokens", OpKind.INPUT, [], TensorSpec((tokens,), "int64"))
+    return b.add("embed", OpKind.EMBEDDING, [ids], b.t(tokens, hidden), weight=b.t(vocab, hidden),
+                 params=vocab * hidden, flops=float(tokens * hidden), vocab=vocab)
+
+
+def _kv_heads(heads: int, kv_heads: int | None, llama: bool) -> int:
+    """Key/value heads: ``heads`` by default; fewer (grouped-query) only in Llama blocks,
+    dividing ``heads``."""
+    if kv_heads is None:
+        return heads
+    _positive(kv_heads=kv_heads)
+    if not llama:
+        raise ConfigError("grouped-query attention (kv_heads) needs block: llama",
+                          key="model.kv_heads")
+    if heads % kv_heads:
+        raise ConfigError(f"kv_heads {kv_heads} does not divide the {heads} heads",
+                          key="model.kv_heads")
+    return kv_heads
+
+
+def _llama_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int, seq: int,
+                 kv: int, ffn: int, moe_attrs: dict[str, int] | None) -> str:
+    """Pre-norm Llama block: x + o(attn(rope(qkv(rms1(x))))), then + the MLP of rms2(.) —
+    SwiGLU ``down(silu(gate(.)) ⊙ up(.))`` or, given ``moe_attrs``, an MoE. No biases, no
+    dropout (Llama trains without). ``kv`` key/value heads: the fused QKV is group-major
+    (:func:`runtime.model.attention`), ``h + 2·kv·h/heads`` wide."""
+    n1 = b.rmsnorm(f"{prefix}norm1", x, tokens, h)
+    qkv = b.linear(f"{prefix}attn.qkv", n1, tokens, h, h + 2 * kv * (h // heads), bias=False)
+    gqa = {"kv_heads": kv} if kv != heads else {}
+    attn = b.add(f"{prefix}attn.core", OpKind.ATTENTION, [qkv], b.t(tokens, h),
+                 flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq, rope_theta=ROPE_THETA,
+                 **gqa)
+    proj = b.linear(f"{prefix}attn.proj", attn, tokens, h, h, bias=False)
+    r1 = b.elementwise(f"{prefix}attn.residual", OpKind.ADD, [x, proj], tokens, h)
+    n2 = b.rmsnorm(f"{prefix}norm2", r1, tokens, h)
+    if moe_attrs is not None:
+        y = _moe_op(b, f"{prefix}moe", n2, tokens, h, moe_attrs)
+    else:
+        gate = b.linear(f"{prefix}mlp.gate", n2, tokens, h, ffn, bias=False)
+        up = b.linear(f"{prefix}mlp.up", n2, tokens, h, ffn, bias=False)
+        act = b.elementwise(f"{prefix}mlp.silu", OpKind.SILU, [gate], tokens, ffn)
+        prod = b.elementwise(f"{prefix}mlp.mul", OpKind.MUL, [act, up], tokens, ffn)
+        y = b.linear(f"{prefix}mlp.down", prod, tokens, ffn, h, bias=False)
+    return b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, y], tokens, h)
+
+
+def _llama_head(b: _Builder, x: str, tokens: int, hidden: int, vocab: int) -> None:
+    """The final RMSNorm, an untied head, the loss."""
+    x = b.rmsnorm("norm_f", x, tokens, hidden)
+    x = b.linear("lm_head", x, tokens, hidden, vocab, bias=False)
+    b.add("loss", OpKind.LOSS, [x], b.t(1), flops=float(3 * tokens * vocab))
 
 
 def _moe_op(b: _Builder, name: str, x: str, tokens: int, h: int, attrs: dict[str, int]) -> str:

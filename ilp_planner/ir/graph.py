@@ -16,12 +16,16 @@ attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, who
 blocks are not whole heads, so it may only split over batch) refine it.
 
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
-softmax, top-k), dispatch, experts and combine as one op, so that its strategies choose the
+softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the
 expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_strategies`).
 Its attributes: ``experts`` (E), ``top_k``, ``ffn`` (each expert's hidden size),
 ``capacity_pct`` (100 × the capacity factor), ``swiglu`` (1: SwiGLU experts, 0: GELU),
 ``norm_topk`` (1: the top-k weights renormalised to sum to 1, as Mixtral and Qwen2-MoE;
-0: as DeepSeek-V2), ``shared`` and
+0: as DeepSeek-V2), ``sigmoid`` (1: DeepSeek-V3's sigmoid scores, experts selected by
+score plus a correction bias), ``route_scale`` (the routed scaling factor in thousandths,
+default 1000), ``groups`` and ``topk_groups`` (group-limited selection: the top-k among the
+``topk_groups`` best of ``groups`` expert groups; see :mod:`ilp_planner.inputs.moe_routing`),
+``shared`` and
 ``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek), ``hf_experts`` (1: an
 imported Hugging Face block, its parameters in the module's orientation), ``dropless`` (1:
 every token routed, variable-size exchanges instead of a capacity buffer). ``weight`` is the
@@ -61,8 +65,9 @@ class OpKind(str, Enum):
     POOL = "pool"
     FLATTEN = "flatten"
     LOSS = "loss"
-    # Kinds that imported models (ilp_planner.inputs.importer) use; the runtime's own kernels do not
-    # cover them (plans of such graphs run through ``ilp_planner.parallelize`` on the user's module).
+    # Kinds that imported models (ilp_planner.inputs.importer) use; the runtime's own kernels run
+    # silu, mul and rmsnorm (the MoE builder's Llama blocks), plans of graphs with the others run
+    # through ``ilp_planner.parallelize`` on the user's module.
     SILU = "silu"
     MUL = "mul"
     RMSNORM = "rmsnorm"

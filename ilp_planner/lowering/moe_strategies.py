@@ -27,8 +27,10 @@ expert takes ``C = ⌈cf · T_g · top_k / E⌉`` tokens of a group of ``T_g`` (
 where nothing can drop), so the buffers, the AllToAll bytes and the expert compute are
 priced at capacity — a router sending more than ``C`` tokens to one expert drops the rest,
 one balanced to within ``cf`` drops none. ``cf = E / top_k`` gives ``C = T_g``: nothing
-drops, at a buffer ``E / top_k`` times the routed tokens. A dropless op (:func:`dropless`,
-imported blocks) exchanges exactly the routed tokens instead, priced at ``cf = 1``.
+drops, at a buffer ``E / top_k`` times the routed tokens. A dropless op (:func:`dropless`:
+imported blocks, ``kind: moe`` with ``dropless: true``) exchanges exactly the routed tokens
+instead, priced at ``cf = 1`` — a balanced router's load; the audit holds the rows a rank
+sends back to their bound (:mod:`ilp_planner.plan.audit`).
 
 An imported block (Hugging Face's Mixtral, Qwen2-MoE: ``attrs.hf_experts``) keeps the
 module's own tensors as its parameters — ``router`` ``(E, h)``, ``gate_up`` ``(E, 2f, h)``
@@ -56,6 +58,7 @@ from ilp_planner.lowering.redistribution import Redistribution, RedistStep, plan
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"  # the AllToAlls' purposes (plan and audit)
 RECEIVED, COUNTS = "moe_received", "moe_counts"  # a dropless exchange's (see dropless)
+ROUTE_SCALE_UNIT = 1000  # attrs.route_scale counts the routed scaling factor in thousandths
 
 
 def ffn_matrices(op: Op) -> int:
@@ -72,12 +75,17 @@ def hf_experts(op: Op) -> bool:
 def moe_param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     """The MoE op's parameters by role: ``router`` (h, E); ``w1``/``w3`` (E, h, f) the
     up (and SwiGLU gate) projections, ``w2`` (E, f, h) the down projection; shared experts
-    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h).
-    An imported block's are its module's own (:func:`hf_experts`)."""
+    fused into one dense MLP ``shared_w1``/``shared_w3`` (h, S·f_s), ``shared_w2`` (S·f_s, h);
+    a sigmoid router's ``score_bias`` (E,), DeepSeek-V3's ``e_score_correction_bias``: it
+    only selects experts, so its gradient is exactly zero and no optimizer moves it (kept
+    as a parameter for its initial value and its bytes). An imported block's are its
+    module's own (:func:`hf_experts`)."""
     h, e, f = op.output.shape[1], op.attr("experts"), op.attr("ffn")
     if hf_experts(op):
         return {"router": (e, h), "gate_up": (e, 2 * f, h), "down": (e, h, f)}
     out = {"router": (h, e), "w1": (e, h, f), "w2": (e, f, h)}
+    if sigmoid_router(op):
+        out["score_bias"] = (e,)
     if ffn_matrices(op) == 3:
         out["w3"] = (e, h, f)
     shared = op.attrs.get("shared", 0) * op.attrs.get("shared_ffn", 0)
@@ -94,7 +102,15 @@ def moe_params(op_attrs: dict[str, int], hidden: int) -> int:
     m = 3 if op_attrs.get("swiglu", 1) else 2
     e, f = op_attrs["experts"], op_attrs["ffn"]
     shared = op_attrs.get("shared", 0) * op_attrs.get("shared_ffn", 0)
-    return hidden * e + m * hidden * (e * f + shared)
+    bias = e if op_attrs.get("sigmoid", 0) and not op_attrs.get("hf_experts", 0) else 0
+    return hidden * e + bias + m * hidden * (e * f + shared)
+
+
+def sigmoid_router(op: Op) -> bool:
+    """Whether the router scores experts by a sigmoid and selects them by score plus a
+    correction bias (DeepSeek-V3, ``attrs.sigmoid``) rather than by a softmax."""
+    return bool(op.attrs.get("sigmoid", 0))
+
 
 
 def expert_parallel(x: Layout) -> bool:
@@ -120,7 +136,8 @@ def moe_param_layouts(op: Op, x: Layout) -> dict[str, tuple[Layout, Layout]]:
     fact, ep = x.fact, expert_parallel(x)
     d0 = _partial_if(fact, 0)
     every = Layout(fact, (d0, _partial_if(fact, 1), _partial_if(fact, 2)))
-    out = {"router": (Layout.replicated(fact), every)}
+    out = {"router": (Layout.replicated(fact), every),
+           "score_bias": (Layout.replicated(fact), Layout.replicated(fact))}  # zero gradient
     for role, hid in (("w1", 2), ("w3", 2), ("w2", 1), ("gate_up", 1), ("down", 2)):
         out[role] = (Layout(fact, (B, Split(0), Split(hid))),
                      Layout(fact, (d0, Split(0), Split(hid))))
@@ -139,7 +156,8 @@ def token_groups(x: Layout) -> int:
 
 
 def dropless(op: Op) -> bool:
-    """Whether the op routes every token (``attrs.dropless``, as Hugging Face's blocks do)
+    """Whether the op routes every token (``attrs.dropless``, as Hugging Face's blocks do and
+    the builder's ``dropless: true`` asks)
     with variable-size exchanges rather than a dense capacity buffer.
 
     Expert parallel, each rank first sends its per-expert token counts (one AllToAll of

@@ -222,6 +222,28 @@ def qwen2_moe() -> Case:
     return Case(Qwen2MoeForCausalLM(cfg), *_tokens(), expert_parallel_only)
 
 
+def mixtral_v3_router() -> Case:
+    """Mixtral routed by DeepSeek-V3's routers (sigmoid scores plus a drawn correction bias
+    — a buffer —, the best 1 of 2 expert groups, the weights renormalised and scaled by 2.5),
+    the experts parallel: V3's routing under ``parallelize`` without its multi-head latent
+    attention, which ``parallelize`` cannot split (the key states are written in place into
+    a ``new_empty`` tensor, an opaque op)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    case = mixtral(expert_parallel_only)
+    cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                           norm_topk_prob=True)
+    for layer in case.model.model.layers:
+        gate = DeepseekV3TopkRouter(cfg)
+        with torch.no_grad():
+            gate.weight.copy_(layer.mlp.gate.weight)
+            gate.e_score_correction_bias.copy_(0.05 * torch.randn(4))
+        layer.mlp.gate = gate
+    return case
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -238,6 +260,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "qwen2-moe": qwen2_moe,
     "t5": t5,
     "t5-tied-exchanging": t5_tied_exchanging,
+    "mixtral-v3-router": mixtral_v3_router,
 }
 
 
