@@ -245,6 +245,22 @@ def test_catalogue_switch_point_and_launch_cost():
     assert gather == pytest.approx(c.inter.launch + 14 * ai + ao + 15 / 16 * 1600 * beta)
 
 
+def test_nccl_all_to_all_sends_to_node_peers_and_remote_peers_at_once():
+    """An AllToAll of 16 devices on 2 nodes: 7 peers over NVLink and 8 over the network
+    concurrently — the network's 8/16 of the bytes set the time; within one node, or with
+    every rank on its own node, it is the ring formula."""
+    c = catalogue_cluster("h100", 2, 8, "nvlink3", "8x-ib-hdr200")
+    A2A = CollectiveKind.ALL_TO_ALL
+    n = 64 * 2**20
+    got = nccl_time(A2A, 16, n, c.intra, c.inter, 2)
+    assert got == pytest.approx(c.inter.launch + 7 * c.intra.alpha + 8 * c.inter.alpha
+                                + max(7 / 16 * n * c.intra.beta, 8 / 16 * n * c.inter.beta))
+    assert got < collective_time(A2A, 16, n, c.inter)  # the ring prices 15/16 on the network
+    assert nccl_time(A2A, 8, n, c.intra, c.inter, 1) == collective_time(A2A, 8, n, c.intra)
+    assert nccl_time(A2A, 4, n, c.intra, c.inter, 4) == pytest.approx(
+        collective_time(A2A, 4, n, c.inter))
+
+
 def test_ring_model_is_the_textbook_formula_plus_launch():
     raw = Link(alpha=2e-6, beta=3e-9)
     assert collective_time(AR, 8, 1000, raw) == 2 * 7 * 2e-6 + 2 * 7 / 8 * 1000 * 3e-9

@@ -25,7 +25,15 @@ nccl-tests ``busbw`` measures), and L is that level's launch cost:
     AllReduce, tree    L + 2((p/N − 1)α_i + ⌈log2 N⌉α_o) + 2nβ / 0.9
     AllReduce          the cheaper of the two (NCCL's choice by size and group)
     AllGather, RS      L +  (p − N)α_i +  (N − 1)α_o +  (p−1)/p · nβ
-    A2A, P2P, bcast    the ring model's formulas on the group's level
+    A2A                L + (p/N − 1)α_i + (p − p/N)α_o
+                         + max((p/N − 1)/p · nβ_i, (p − p/N)/p · nβ_o)
+    P2P, bcast         the ring model's formulas on the group's level
+
+NCCL runs an AllToAll as grouped send/receive pairs, one per peer: the p/N − 1 peers in
+the node over the intra link and the p − p/N outside it over the network at once, so the
+slower of the two shares sets its bandwidth (within one node, or with every rank on its
+own node, it is the ring model's formula; nccl-tests' AllToAll ``busbw`` is algBw ·
+(p−1)/p, the same bytes).
 
 Ring steps and node crossings are NCCL's ``nsteps`` and ``nInterSteps``; the tree is its
 double binary tree (a chain inside a node, a tree of depth log2 N across nodes) and 0.9 its
@@ -135,6 +143,11 @@ def nccl_time(kind: CollectiveKind, p: int, nbytes: float, intra: Link, inter: L
     if kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) and p > 1:
         return (level.launch + (p - nodes) * intra.alpha + (nodes - 1) * inter.alpha
                 + (p - 1) / p * nbytes * level.beta)
+    if kind is CollectiveKind.ALL_TO_ALL and p > 1:
+        local = p // nodes
+        return (level.launch + (local - 1) * intra.alpha + (p - local) * inter.alpha
+                + max((local - 1) / p * nbytes * intra.beta,
+                      (p - local) / p * nbytes * (inter.beta if nodes > 1 else intra.beta)))
     return collective_time(kind, p, nbytes, level, chunks)
 
 
