@@ -156,6 +156,13 @@ class BuildCache:
     # every strategy of an op (by content, inputs and mesh), for restricted builds
     # (``keep``) that each keep a few of them
     strategies: dict[tuple, list[Strategy]] = field(default_factory=dict)
+    # a node's options for one base strategy (by the node's content, the mesh's cost
+    # context and the strategy's value): shared by every build that offers that strategy —
+    # the plan's full build and each baseline member's restricted one (:func:`_node_options`)
+    base_options: dict[tuple, list[NodeOption]] = field(default_factory=dict)
+    # a recomputed option (``recomputed``) by (id of the option, micro-batches, copies); each
+    # entry keeps its source option alive so the id stays valid
+    recomputed_options: dict[tuple, tuple[NodeOption, NodeOption]] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -183,19 +190,39 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
                   cache: BuildCache | None = None, tied_table: bool = False) -> list[NodeOption]:
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
-    opts = []
+    opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
+    memo, node_key = None, None
+    if cache is not None:  # what an option depends on besides its base strategy
+        memo = cache.base_options
+        node_key = (_cost_context(ctx), microbatches, input_reached, tuple(in_specs),
+                    tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1)
+                          for i, m in enumerate(members)))
     for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
-        choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
-        for picks in itertools.product(*choices):
-            opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
-                                     ctx, microbatches, input_reached))
+        made = None if memo is None else memo.get((node_key, base))
+        if made is None:
+            choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
+            made = [_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
+                                 ctx, microbatches, input_reached)
+                    for picks in itertools.product(*choices)]
+            if memo is not None:
+                memo[(node_key, base)] = made
+        opts.extend(made)
     if not opts:
         raise ValueError(
             f"op {node!r} ({rep.kind.value}, output {rep.output.shape}) has no strategy on a "
             f"{ctx.nodes}x{ctx.local} mesh (no factorisation divides its dimensions)"
         )
     return opts
+
+
+def _cost_context(ctx: StrategyContext) -> StrategyContext:
+    """``ctx`` without what only decides which strategies exist (the p0 cap, the state
+    sharding levels offered): a given strategy's option is priced the same under either,
+    so the plan's build and the baseline members' share it."""
+    if ctx.max_weight_replication is None and ctx.zero_levels == (0,):
+        return ctx
+    return dataclasses.replace(ctx, max_weight_replication=None, zero_levels=(0,))
 
 
 def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: StrategyContext,
@@ -442,11 +469,24 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
         if node in again:
             copies = again[node]
             opts = recomputed_lists.setdefault((id(opts), microbatches, copies), (opts, [
-                recomputed(o, microbatches, copies) for o in opts]))[1]
+                _recomputed_once(o, microbatches, copies, cache) for o in opts]))[1]
         options[node] = opts
         if key is not None:
             tied[key] = opts
     return options, shapes
+
+
+def _recomputed_once(opt: NodeOption, microbatches: int, copies: int,
+                     cache: BuildCache | None) -> NodeOption:
+    """:func:`recomputed`, once per option with ``cache`` (the members that recompute a
+    block share the options they share without recomputation)."""
+    if cache is None:
+        return recomputed(opt, microbatches, copies)
+    key = (id(opt), microbatches, copies)
+    hit = cache.recomputed_options.get(key)
+    if hit is None:
+        hit = cache.recomputed_options[key] = (opt, recomputed(opt, microbatches, copies))
+    return hit[1]
 
 
 def _tie_groups(graph: Graph, members: dict[str, list[str]], shapes: dict[str, tuple],
