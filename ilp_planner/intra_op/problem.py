@@ -163,6 +163,10 @@ class BuildCache:
     # a recomputed option (``recomputed``) by (id of the option, micro-batches, copies); each
     # entry keeps its source option alive so the id stays valid
     recomputed_options: dict[tuple, tuple[NodeOption, NodeOption]] = field(default_factory=dict)
+    # an edge's program seconds between its distinct layouts (:func:`_cost_matrix`'s small
+    # matrix) by (cluster, tensor, producer layouts, consumer layouts, replay): the members
+    # whose options differ but whose layouts on an edge agree read one matrix
+    layout_matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -550,8 +554,9 @@ def _edge_costs(graph: Graph, cluster: Cluster, owner: dict[str, str],
                         for o in options[v])
             key = (tensor, outs, ins, v in again)
             if key not in matrix_cache:
-                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster,
-                                                                replay=v in again)
+                matrix_cache[key] = microbatches * _cost_matrix(
+                    outs, ins, tensor, cluster, replay=v in again,
+                    memo=None if cache is None else cache.layout_matrices)
             r = by_lists[quick] = matrix_cache[key]
         # tied layers add one matrix many times: counted here, added once scaled below
         terms = uses.setdefault((group_of[u], group_of[v]), {})
@@ -747,16 +752,25 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
 
 
 def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,
-                 cluster: Cluster, replay: bool = False) -> np.ndarray:
+                 cluster: Cluster, replay: bool = False,
+                 memo: dict[tuple, np.ndarray] | None = None) -> np.ndarray:
     """Edge program seconds (forward + backward) for every (producer output, consumer
     (input layout, input gradient layout)) pair; with ``replay`` (a recomputed consumer)
-    the forward program twice, since the recomputation runs it again."""
+    the forward program twice, since the recomputation runs it again. ``memo`` keeps the
+    matrix between distinct layouts by those layouts in order (the same question, the same
+    array: a search's direction depends on the layouts asked for alone)."""
     uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
     uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
-    planner = planner_for(outs[0], cluster)
-    small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
-    if replay:
-        small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in], tensor)
+    key = (cluster, tensor, tuple(uniq_out), tuple(uniq_in), replay)
+    small = None if memo is None else memo.get(key)
+    if small is None:
+        planner = planner_for(outs[0], cluster)
+        small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
+        if replay:
+            small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in],
+                                                  tensor)
+        if memo is not None:
+            memo[key] = small
     rows = [uniq_out[a] for a in outs]
     cols = [uniq_in[b] for b in ins]
     return small[np.ix_(rows, cols)]
