@@ -167,6 +167,9 @@ class BuildCache:
     # matrix) by (cluster, tensor, producer layouts, consumer layouts, replay): the members
     # whose options differ but whose layouts on an edge agree read one matrix
     layout_matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
+    # a graph's node structure (:class:`_Structure`) by (graph id, boundary, tie_layers);
+    # each entry holds its graph so the id stays valid
+    structures: dict[tuple, _Structure] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -376,11 +379,11 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
                           tuple(zero_levels))
-    owner, position, members = _fused_nodes(graph)
+    st = _structure(graph, boundary, tie_layers, cache)
+    owner, position, members = st.owner, st.position, st.members
+    group_key, groups, group_of = st.group_key, st.groups, st.group_of
     again = recomputed_nodes(graph, members, recompute, boundary)
-    options, shapes = _options_per_node(graph, members, ctx, microbatches, boundary, again,
-                                        cache, keep)
-    group_key, groups, group_of = _tie_groups(graph, members, shapes, tie_layers)
+    options = _options_per_node(graph, st, ctx, microbatches, again, cache, keep)
     derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
     facts = functools.partial(_cached_facts, derived)
     cost = [np.zeros(len(options[g[0]])) for g in groups]
@@ -393,8 +396,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             mem[g] += (boundary.inflight - 1) * f.held
     _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
                            microbatches, {} if cache is None else cache.programs)
-    edges = _edge_costs(graph, cluster, owner, position, options, group_of, again,
-                        microbatches, cost, cache)
+    edges = _edge_costs(st, cluster, options, again, microbatches, cost, cache)
     _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
     buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
@@ -403,6 +405,62 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
                         microbatches, boundary, grad_bucket_bytes, frozenset(again),
                         frozenset(recompute))
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """What a build derives from the graph alone (its boundary and ``tie_layers`` aside,
+    no strategy): the fused nodes (:func:`_fused_nodes`), per node whether autograd reaches
+    its input, its shape (which member each follower reads) and its tie key, the tied
+    tables, the groups (:func:`_tie_groups`) and the edges between nodes. The same for
+    every build of one graph — the plan's and each baseline member's."""
+
+    graph: Graph
+    owner: dict[str, str]
+    position: dict[str, int]
+    members: dict[str, list[str]]
+    # per node in order: (node, members, input reached, shape, tie key or None)
+    nodes: tuple[tuple[str, list[str], bool, tuple, tuple | None], ...]
+    tied_tables: frozenset[str]
+    group_key: dict[str, str]
+    groups: list[list[str]]
+    group_of: dict[str, int]
+    # edges between nodes: (producer node, its position, consumer node, its position,
+    # input index, tensor)
+    edges: tuple[tuple[str, int, str, int, int, TensorSpec], ...]
+
+
+def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
+               cache: BuildCache | None) -> _Structure:
+    """:class:`_Structure` of ``graph``, once per graph with ``cache``."""
+    key = (id(graph), boundary, tie_layers)
+    if cache is not None and key in cache.structures:
+        return cache.structures[key]
+    owner, position, members = _fused_nodes(graph)
+    nodes, shapes = [], {}
+    for node, mem in members.items():
+        rep = graph[node]
+        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
+        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
+                      for i, m in enumerate(mem))  # which member each follower reads
+        shapes[node] = shape
+        tie = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached)
+               if rep.tie_key else None)
+        nodes.append((node, mem, reached, shape, tie))
+    # a tied table's two copies exchange whole gradients after synchronisation
+    # (tied_exchange, or one AllReduce across stages): they keep their state replicated
+    tied_tables = frozenset({name for op in graph.ops if op.attrs.get("tied")
+                             for name in (op.name, getattr(tied_source(graph, op), "name", None))
+                             } | boundary.tied_tables)
+    edges = tuple((owner[src], position[src], owner[dst], position[dst],
+                   graph[dst].inputs.index(src), graph[src].output)
+                  for src, dst in graph.edges()
+                  if graph[src].kind is not OpKind.INPUT and owner[src] != owner[dst])
+    out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
+                     *_tie_groups(graph, members, shapes, tie_layers), edges)
+    if cache is not None:
+        cache.structures[key] = out
+    return out
 
 
 def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str, list[str]]]:
@@ -426,36 +484,23 @@ def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str
     return owner, position, members
 
 
-def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: StrategyContext,
-                      microbatches: int, boundary: StageBoundary, again: dict[str, int],
-                      cache: BuildCache | None, keep: StrategyFilter | None = None
-                      ) -> tuple[dict[str, list[NodeOption]], dict[str, tuple]]:
+def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microbatches: int,
+                      again: dict[str, int], cache: BuildCache | None,
+                      keep: StrategyFilter | None = None) -> dict[str, list[NodeOption]]:
     """Every node's options — one list shared by the tied copies of a repeated op, and with
-    ``cache`` by every node of the same content — and each node's shape (which member each
-    follower reads), which tying compares."""
+    ``cache`` by every node of the same content."""
     options: dict[str, list[NodeOption]] = {}
     tied: dict[tuple, list[NodeOption]] = {}
-    shapes: dict[str, tuple] = {}
-    # a tied table's two copies exchange whole gradients after synchronisation
-    # (tied_exchange, or one AllReduce across stages): they keep their state replicated
-    tied_tables = {name for op in graph.ops if op.attrs.get("tied")
-                   for name in (op.name, getattr(tied_source(graph, op), "name", None))
-                   } | boundary.tied_tables
     # derived copies of an options list (recomputed; without state sharding) by (what, list
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
-    for node, mem in members.items():
-        rep = graph[node]
-        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
-        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
-                      for i, m in enumerate(mem))  # which member each follower reads
-        shapes[node] = shape
-        key = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached, again.get(node))
-               if rep.tie_key else None)
+    for node, mem, reached, _, tie in st.nodes:
+        key = (*tie, again.get(node)) if tie is not None else None
         if key is not None and key in tied:
             options[node] = tied[key]
             continue
-        table = keep is not None and node in tied_tables
+        rep = graph[node]
+        table = keep is not None and node in st.tied_tables
         if cache is None:
             opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
                                  tied_table=table)
@@ -467,7 +512,7 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
             if opts is None:
                 opts = cache.options[content] = _node_options(
                     graph, node, mem, ctx, microbatches, reached, keep, cache, table)
-        if node in tied_tables and any(o.base.zero for o in opts):
+        if node in st.tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]
         if node in again:
@@ -477,7 +522,7 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
         options[node] = opts
         if key is not None:
             tied[key] = opts
-    return options, shapes
+    return options
 
 
 def _recomputed_once(opt: NodeOption, microbatches: int, copies: int,
@@ -524,34 +569,24 @@ def _cached_facts(derived: dict[int, _ListFacts], opts: list[NodeOption]) -> _Li
     return f
 
 
-def _edge_costs(graph: Graph, cluster: Cluster, owner: dict[str, str],
-                position: dict[str, int], options: dict[str, list[NodeOption]],
-                group_of: dict[str, int], again: dict[str, int], microbatches: int,
-                cost: list[np.ndarray], cache: BuildCache | None
-                ) -> dict[tuple[int, int], np.ndarray]:
+def _edge_costs(st: _Structure, cluster: Cluster, options: dict[str, list[NodeOption]],
+                again: dict[str, int], microbatches: int, cost: list[np.ndarray],
+                cache: BuildCache | None) -> dict[tuple[int, int], np.ndarray]:
     """The redistribution cost of every edge between nodes, as a matrix per pair of groups
     (an edge inside one group adds its diagonal to ``cost``)."""
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrix_cache: dict[tuple, np.ndarray] = {}
+    group_of = st.group_of
     # tied nodes share one options list: the same (lists, positions, tensor) give the same
     # layouts, so their matrix is found without hashing hundreds of layouts per edge
     by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
     uses: dict[tuple[int, int], dict[int, tuple[np.ndarray, int]]] = {}
-    for src, dst in graph.edges():
-        if graph[src].kind is OpKind.INPUT:
-            continue
-        u, v = owner[src], owner[dst]
-        if u == v:
-            continue
-        idx = graph[dst].inputs.index(src)
-        tensor = graph[src].output
-        quick = (id(options[u]), position[src], id(options[v]), position[dst], idx, tensor,
-                 microbatches)
+    for u, pos_u, v, pos_v, idx, tensor in st.edges:
+        quick = (id(options[u]), pos_u, id(options[v]), pos_v, idx, tensor, microbatches)
         r = by_lists.get(quick)
         if r is None:
-            outs = tuple(o.outputs[position[src]] for o in options[u])
-            ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx])
-                        for o in options[v])
+            outs = tuple(o.outputs[pos_u] for o in options[u])
+            ins = tuple((o.inputs[pos_v][idx], o.grads[pos_v][idx]) for o in options[v])
             key = (tensor, outs, ins, v in again)
             if key not in matrix_cache:
                 matrix_cache[key] = microbatches * _cost_matrix(
