@@ -167,8 +167,8 @@ class BuildCache:
     # matrix) by (cluster, tensor, producer layouts, consumer layouts, replay): the members
     # whose options differ but whose layouts on an edge agree read one matrix
     layout_matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
-    # a graph's node structure (:class:`_Structure`) by (graph id, boundary, tie_layers);
-    # each entry holds its graph so the id stays valid
+    # a graph's node structure (:class:`_Structure`) by (graph id, boundary, tie_layers),
+    # the latest ``STRUCTURES_KEPT``; each entry holds its graph so the id stays valid
     structures: dict[tuple, _Structure] = field(default_factory=dict)
 
 
@@ -407,6 +407,12 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
                         frozenset(recompute))
 
 
+STRUCTURES_KEPT = 16
+"""Graph structures a build cache keeps (the latest): one solve's builds share a graph or a
+few (one per micro-batch count), while a pipeline's stage solves build a graph per layer
+range, which a cache must not hold all of."""
+
+
 @dataclass(frozen=True)
 class _Structure:
     """What a build derives from the graph alone (its boundary and ``tie_layers`` aside,
@@ -459,6 +465,8 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
                      *_tie_groups(graph, members, shapes, tie_layers), edges)
     if cache is not None:
+        if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
+            del cache.structures[next(iter(cache.structures))]
         cache.structures[key] = out
     return out
 
