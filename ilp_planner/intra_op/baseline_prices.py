@@ -34,11 +34,17 @@ class MemberBuilder:
     one whose batch that degree divides (Megatron's ``global batch / (dp × micro-batch
     size)`` accumulation steps). Only for configs with a ``model.batch`` and no stage
     boundary; the member's name states the count. ``solver.max_weight_replication`` caps
-    the planner's search, not a hand-written layout: members are built without it."""
+    the planner's search, not a hand-written layout: members are built without it.
+
+    On the configured micro-batches the members build in the request's own cache where it
+    has one — the plan's: every option a member keeps is one the plan's build priced
+    (:class:`~ilp_planner.intra_op.problem.BuildCache`'s ``base_options``), so a member
+    builds only its edge matrices and the strategies the plan's space left out."""
 
     def __init__(self, request: MeshSolveRequest):
         self.request = request
-        self.caches: dict[int, BuildCache] = {}
+        self.caches: dict[int, BuildCache] = (
+            {} if request.cache is None else {request.microbatches: request.cache})
         self.graphs: dict[int, Graph] = {request.microbatches: request.graph}
 
     def __call__(self, levels: tuple[int, ...], blocks: frozenset, keep: Filter,

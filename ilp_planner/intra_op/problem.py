@@ -157,6 +157,20 @@ class BuildCache:
     # every strategy of an op (by content, inputs and mesh), for restricted builds
     # (``keep``) that each keep a few of them
     strategies: dict[tuple, list[Strategy]] = field(default_factory=dict)
+    # a node's options for one base strategy (by the node's content, the mesh's cost
+    # context and the strategy's value): shared by every build that offers that strategy —
+    # the plan's full build and each baseline member's restricted one (:func:`_node_options`)
+    base_options: dict[tuple, list[NodeOption]] = field(default_factory=dict)
+    # a recomputed option (``recomputed``) by (id of the option, micro-batches, copies); each
+    # entry keeps its source option alive so the id stays valid
+    recomputed_options: dict[tuple, tuple[NodeOption, NodeOption]] = field(default_factory=dict)
+    # an edge's program seconds between its distinct layouts (:func:`_cost_matrix`'s small
+    # matrix) by (cluster, tensor, producer layouts, consumer layouts, replay): the members
+    # whose options differ but whose layouts on an edge agree read one matrix
+    layout_matrices: dict[tuple, np.ndarray] = field(default_factory=dict)
+    # a graph's node structure (:class:`_Structure`) by (graph id, boundary, tie_layers),
+    # the latest ``STRUCTURES_KEPT``; each entry holds its graph so the id stays valid
+    structures: dict[tuple, _Structure] = field(default_factory=dict)
 
 
 def _op_content(op: Op) -> tuple:
@@ -184,19 +198,39 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
                   cache: BuildCache | None = None, tied_table: bool = False) -> list[NodeOption]:
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
-    opts = []
+    opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
+    memo, node_key = None, None
+    if cache is not None:  # what an option depends on besides its base strategy
+        memo = cache.base_options
+        node_key = (_cost_context(ctx), microbatches, input_reached, tuple(in_specs),
+                    tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1)
+                          for i, m in enumerate(members)))
     for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
-        choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
-        for picks in itertools.product(*choices):
-            opts.append(_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
-                                     ctx, microbatches, input_reached))
+        made = None if memo is None else memo.get((node_key, base))
+        if made is None:
+            choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
+            made = [_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
+                                 ctx, microbatches, input_reached)
+                    for picks in itertools.product(*choices)]
+            if memo is not None:
+                memo[(node_key, base)] = made
+        opts.extend(made)
     if not opts:
         raise ValueError(
             f"op {node!r} ({rep.kind.value}, output {rep.output.shape}) has no strategy on a "
             f"{ctx.nodes}x{ctx.local} mesh (no factorisation divides its dimensions)"
         )
     return opts
+
+
+def _cost_context(ctx: StrategyContext) -> StrategyContext:
+    """``ctx`` without what only decides which strategies exist (the p0 cap, the state
+    sharding levels offered): a given strategy's option is priced the same under either,
+    so the plan's build and the baseline members' share it."""
+    if ctx.max_weight_replication is None and ctx.zero_levels == (0,):
+        return ctx
+    return dataclasses.replace(ctx, max_weight_replication=None, zero_levels=(0,))
 
 
 def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: StrategyContext,
@@ -346,11 +380,11 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
                           tuple(zero_levels))
-    owner, position, members = _fused_nodes(graph)
+    st = _structure(graph, boundary, tie_layers, cache)
+    owner, position, members = st.owner, st.position, st.members
+    group_key, groups, group_of = st.group_key, st.groups, st.group_of
     again = recomputed_nodes(graph, members, recompute, boundary)
-    options, shapes = _options_per_node(graph, members, ctx, microbatches, boundary, again,
-                                        cache, keep)
-    group_key, groups, group_of = _tie_groups(graph, members, shapes, tie_layers)
+    options = _options_per_node(graph, st, ctx, microbatches, again, cache, keep)
     derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
     facts = functools.partial(_cached_facts, derived)
     cost = [np.zeros(len(options[g[0]])) for g in groups]
@@ -363,8 +397,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
             mem[g] += (boundary.inflight - 1) * f.held
     _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
                            microbatches, {} if cache is None else cache.programs)
-    edges = _edge_costs(graph, cluster, owner, position, options, group_of, again,
-                        microbatches, cost, cache)
+    edges = _edge_costs(st, cluster, options, again, microbatches, cost, cache)
     _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
     names = [group_key[g[0]] for g in groups]
     buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
@@ -373,6 +406,70 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
                         microbatches, boundary, grad_bucket_bytes, frozenset(again),
                         frozenset(recompute))
+
+
+STRUCTURES_KEPT = 16
+"""Graph structures a build cache keeps (the latest): one solve's builds share a graph or a
+few (one per micro-batch count), while a pipeline's stage solves build a graph per layer
+range, which a cache must not hold all of."""
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """What a build derives from the graph alone (its boundary and ``tie_layers`` aside,
+    no strategy): the fused nodes (:func:`_fused_nodes`), per node whether autograd reaches
+    its input, its shape (which member each follower reads) and its tie key, the tied
+    tables, the groups (:func:`_tie_groups`) and the edges between nodes. The same for
+    every build of one graph — the plan's and each baseline member's."""
+
+    graph: Graph
+    owner: dict[str, str]
+    position: dict[str, int]
+    members: dict[str, list[str]]
+    # per node in order: (node, members, input reached, shape, tie key or None)
+    nodes: tuple[tuple[str, list[str], bool, tuple, tuple | None], ...]
+    tied_tables: frozenset[str]
+    group_key: dict[str, str]
+    groups: list[list[str]]
+    group_of: dict[str, int]
+    # edges between nodes: (producer node, its position, consumer node, its position,
+    # input index, tensor)
+    edges: tuple[tuple[str, int, str, int, int, TensorSpec], ...]
+
+
+def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
+               cache: BuildCache | None) -> _Structure:
+    """:class:`_Structure` of ``graph``, once per graph with ``cache``."""
+    key = (id(graph), boundary, tie_layers)
+    if cache is not None and key in cache.structures:
+        return cache.structures[key]
+    owner, position, members = _fused_nodes(graph)
+    nodes, shapes = [], {}
+    for node, mem in members.items():
+        rep = graph[node]
+        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
+        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
+                      for i, m in enumerate(mem))  # which member each follower reads
+        shapes[node] = shape
+        tie = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached)
+               if rep.tie_key else None)
+        nodes.append((node, mem, reached, shape, tie))
+    # a tied table's two copies exchange whole gradients after synchronisation
+    # (tied_exchange, or one AllReduce across stages): they keep their state replicated
+    tied_tables = frozenset({name for op in graph.ops if op.attrs.get("tied")
+                             for name in (op.name, getattr(tied_source(graph, op), "name", None))
+                             } | boundary.tied_tables)
+    edges = tuple((owner[src], position[src], owner[dst], position[dst],
+                   graph[dst].inputs.index(src), graph[src].output)
+                  for src, dst in graph.edges()
+                  if graph[src].kind is not OpKind.INPUT and owner[src] != owner[dst])
+    out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
+                     *_tie_groups(graph, members, shapes, tie_layers), edges)
+    if cache is not None:
+        if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
+            del cache.structures[next(iter(cache.structures))]
+        cache.structures[key] = out
+    return out
 
 
 def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str, list[str]]]:
@@ -396,36 +493,23 @@ def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str
     return owner, position, members
 
 
-def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: StrategyContext,
-                      microbatches: int, boundary: StageBoundary, again: dict[str, int],
-                      cache: BuildCache | None, keep: StrategyFilter | None = None
-                      ) -> tuple[dict[str, list[NodeOption]], dict[str, tuple]]:
+def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microbatches: int,
+                      again: dict[str, int], cache: BuildCache | None,
+                      keep: StrategyFilter | None = None) -> dict[str, list[NodeOption]]:
     """Every node's options — one list shared by the tied copies of a repeated op, and with
-    ``cache`` by every node of the same content — and each node's shape (which member each
-    follower reads), which tying compares."""
+    ``cache`` by every node of the same content."""
     options: dict[str, list[NodeOption]] = {}
     tied: dict[tuple, list[NodeOption]] = {}
-    shapes: dict[str, tuple] = {}
-    # a tied table's two copies exchange whole gradients after synchronisation
-    # (tied_exchange, or one AllReduce across stages): they keep their state replicated
-    tied_tables = {name for op in graph.ops if op.attrs.get("tied")
-                   for name in (op.name, getattr(tied_source(graph, op), "name", None))
-                   } | boundary.tied_tables
     # derived copies of an options list (recomputed; without state sharding) by (what, list
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
-    for node, mem in members.items():
-        rep = graph[node]
-        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
-        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
-                      for i, m in enumerate(mem))  # which member each follower reads
-        shapes[node] = shape
-        key = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached, again.get(node))
-               if rep.tie_key else None)
+    for node, mem, reached, _, tie in st.nodes:
+        key = (*tie, again.get(node)) if tie is not None else None
         if key is not None and key in tied:
             options[node] = tied[key]
             continue
-        table = keep is not None and node in tied_tables
+        rep = graph[node]
+        table = keep is not None and node in st.tied_tables
         if cache is None:
             opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
                                  tied_table=table)
@@ -437,17 +521,30 @@ def _options_per_node(graph: Graph, members: dict[str, list[str]], ctx: Strategy
             if opts is None:
                 opts = cache.options[content] = _node_options(
                     graph, node, mem, ctx, microbatches, reached, keep, cache, table)
-        if node in tied_tables and any(o.base.zero for o in opts):
+        if node in st.tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]
         if node in again:
             copies = again[node]
             opts = recomputed_lists.setdefault((id(opts), microbatches, copies), (opts, [
-                recomputed(o, microbatches, copies) for o in opts]))[1]
+                _recomputed_once(o, microbatches, copies, cache) for o in opts]))[1]
         options[node] = opts
         if key is not None:
             tied[key] = opts
-    return options, shapes
+    return options
+
+
+def _recomputed_once(opt: NodeOption, microbatches: int, copies: int,
+                     cache: BuildCache | None) -> NodeOption:
+    """:func:`recomputed`, once per option with ``cache`` (the members that recompute a
+    block share the options they share without recomputation)."""
+    if cache is None:
+        return recomputed(opt, microbatches, copies)
+    key = (id(opt), microbatches, copies)
+    hit = cache.recomputed_options.get(key)
+    if hit is None:
+        hit = cache.recomputed_options[key] = (opt, recomputed(opt, microbatches, copies))
+    return hit[1]
 
 
 def _tie_groups(graph: Graph, members: dict[str, list[str]], shapes: dict[str, tuple],
@@ -481,38 +578,29 @@ def _cached_facts(derived: dict[int, _ListFacts], opts: list[NodeOption]) -> _Li
     return f
 
 
-def _edge_costs(graph: Graph, cluster: Cluster, owner: dict[str, str],
-                position: dict[str, int], options: dict[str, list[NodeOption]],
-                group_of: dict[str, int], again: dict[str, int], microbatches: int,
-                cost: list[np.ndarray], cache: BuildCache | None
-                ) -> dict[tuple[int, int], np.ndarray]:
+def _edge_costs(st: _Structure, cluster: Cluster, options: dict[str, list[NodeOption]],
+                again: dict[str, int], microbatches: int, cost: list[np.ndarray],
+                cache: BuildCache | None) -> dict[tuple[int, int], np.ndarray]:
     """The redistribution cost of every edge between nodes, as a matrix per pair of groups
     (an edge inside one group adds its diagonal to ``cost``)."""
     edges: dict[tuple[int, int], np.ndarray] = {}
     matrix_cache: dict[tuple, np.ndarray] = {}
+    group_of = st.group_of
     # tied nodes share one options list: the same (lists, positions, tensor) give the same
     # layouts, so their matrix is found without hashing hundreds of layouts per edge
     by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
     uses: dict[tuple[int, int], dict[int, tuple[np.ndarray, int]]] = {}
-    for src, dst in graph.edges():
-        if graph[src].kind is OpKind.INPUT:
-            continue
-        u, v = owner[src], owner[dst]
-        if u == v:
-            continue
-        idx = graph[dst].inputs.index(src)
-        tensor = graph[src].output
-        quick = (id(options[u]), position[src], id(options[v]), position[dst], idx, tensor,
-                 microbatches)
+    for u, pos_u, v, pos_v, idx, tensor in st.edges:
+        quick = (id(options[u]), pos_u, id(options[v]), pos_v, idx, tensor, microbatches)
         r = by_lists.get(quick)
         if r is None:
-            outs = tuple(o.outputs[position[src]] for o in options[u])
-            ins = tuple((o.inputs[position[dst]][idx], o.grads[position[dst]][idx])
-                        for o in options[v])
+            outs = tuple(o.outputs[pos_u] for o in options[u])
+            ins = tuple((o.inputs[pos_v][idx], o.grads[pos_v][idx]) for o in options[v])
             key = (tensor, outs, ins, v in again)
             if key not in matrix_cache:
-                matrix_cache[key] = microbatches * _cost_matrix(outs, ins, tensor, cluster,
-                                                                replay=v in again)
+                matrix_cache[key] = microbatches * _cost_matrix(
+                    outs, ins, tensor, cluster, replay=v in again,
+                    memo=None if cache is None else cache.layout_matrices)
             r = by_lists[quick] = matrix_cache[key]
         # tied layers add one matrix many times: counted here, added once scaled below
         terms = uses.setdefault((group_of[u], group_of[v]), {})
@@ -709,16 +797,25 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
 
 
 def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,
-                 cluster: Cluster, replay: bool = False) -> np.ndarray:
+                 cluster: Cluster, replay: bool = False,
+                 memo: dict[tuple, np.ndarray] | None = None) -> np.ndarray:
     """Edge program seconds (forward + backward) for every (producer output, consumer
     (input layout, input gradient layout)) pair; with ``replay`` (a recomputed consumer)
-    the forward program twice, since the recomputation runs it again."""
+    the forward program twice, since the recomputation runs it again. ``memo`` keeps the
+    matrix between distinct layouts by those layouts in order (the same question, the same
+    array: a search's direction depends on the layouts asked for alone)."""
     uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
     uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
-    planner = planner_for(outs[0], cluster)
-    small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
-    if replay:
-        small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in], tensor)
+    key = (cluster, tensor, tuple(uniq_out), tuple(uniq_in), replay)
+    small = None if memo is None else memo.get(key)
+    if small is None:
+        planner = planner_for(outs[0], cluster)
+        small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
+        if replay:
+            small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in],
+                                                  tensor)
+        if memo is not None:
+            memo[key] = small
     rows = [uniq_out[a] for a in outs]
     cols = [uniq_in[b] for b in ins]
     return small[np.ix_(rows, cols)]

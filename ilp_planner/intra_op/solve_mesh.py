@@ -57,7 +57,9 @@ def solve_single_mesh(config: Config, grid: bool = True, times: PhaseTimes | Non
     blocks and transient reserve, which can only do better. ``times`` collects the wall
     time of the solves and of the baseline."""
     times = times or PhaseTimes()
-    request = MeshSolveRequest.whole_cluster(config)
+    # one build cache for the plan and the baselines: each member's options are the plan's
+    # (:class:`~ilp_planner.intra_op.baseline_prices.MemberBuilder` builds in it)
+    request = dataclasses.replace(MeshSolveRequest.whole_cluster(config), cache=BuildCache())
     with times.timing("solve_s"):
         gp, result = solve_mesh(request)
     with times.timing("baselines_s"):
