@@ -30,6 +30,7 @@ from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs.config import Config, load_config
 from ilp_planner.inputs.given_config import GivenConfig
 from ilp_planner.inter_op.given_price import GivenPrice, differences, price_alone
+from ilp_planner.ir.cluster import submesh_shapes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "published"
 MEGATRON_SRC = "Megatron-LM SC'21 Table 1"
@@ -67,11 +68,6 @@ ROWS = (
     Row("alpa-39b-64", ALPA_SRC, 57.84, 57.0),
 )
 MBS_CHOICES = (1, 2, 4, 8, 16)
-# the planner's own plan is solved up to this many devices: a flat solve of 512 A100s alone
-# takes over four minutes on the 2-core machine the table was made on
-PLAN_MAX_DEVICES = 256
-PLAN_LIMIT_TEXT = (f"more than {PLAN_MAX_DEVICES} devices: the solve takes over four minutes "
-                   "on a 2-core machine; the published configuration is priced all the same")
 
 
 def published_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -206,16 +202,28 @@ def run_row(row: Row, with_plan: bool, matmul_scale: float | None) -> Result:
           f"[priced in {price_s:.1f} s]")
     print(f"  breakdown: {breakdown(priced)}")
     result = Result(row, predicted, step, None, None)
-    if with_plan and plannable(config):
+    if with_plan:
         result = own_plan(config, g, priced, result)
-    elif with_plan:
-        print(f"  plan: not solved ({PLAN_LIMIT_TEXT})")
     return result
 
 
-def plannable(config: Config) -> bool:
-    """Whether the planner's own plan is solved for this row (:data:`PLAN_LIMIT_TEXT`)."""
-    return config.cluster.num_devices <= PLAN_MAX_DEVICES
+def searched_space(config: Config) -> str:
+    """What the planner's own plan searched: one mesh, or the stage DP's layer units,
+    sub-mesh shapes, stage counts, schedule and micro-batches (the config's ``pipeline``
+    keys), each stage's layouts by the intra-op solve with its time limit."""
+    pipe, c = config.pipeline, config.cluster
+    limit = f"recompute {config.solver.recompute}, ILP limit {config.solver.time_limit_s:g} s"
+    if not pipe.pipelined:
+        return f"one mesh of {c.num_devices} devices, every factorisation ({limit})"
+    units = "one per block" if pipe.max_units is None else f"≤ {pipe.max_units}"
+    shapes = submesh_shapes(c.nodes, c.devices_per_node, pipe.submesh_space)
+    stages = "any count" if pipe.stages == "auto" else f"{pipe.stages}"
+    return (f"stage DP over layer units ({units}, pipeline.max_units), {len(shapes)} sub-mesh "
+            f"shapes ({pipe.submesh_space}: nodes × devices "
+            f"{', '.join(f'{n}×{d}' for n, d in shapes)}), stages {stages}, {pipe.schedule} "
+            f"with {pipe.microbatches} micro-batches, virtual stages {pipe.virtual_stages}; "
+            f"each stage's layouts by the intra-op solve (stage ILP limit "
+            f"{pipe.stage_time_limit_s or 'default'} s, recompute {config.solver.recompute})")
 
 
 def own_plan(config: Config, g: GivenConfig, priced: GivenPrice, result: Result) -> Result:
@@ -230,6 +238,7 @@ def own_plan(config: Config, g: GivenConfig, priced: GivenPrice, result: Result)
     plan_s = time.perf_counter() - t0
     mine, step = tflops_per_gpu(config, plan.step_s), priced.step_s
     stages = f"{len(plan.stages)} stage(s)" if plan.stages else "one mesh"
+    print(f"  plan searched: {searched_space(config)}")
     print(f"  plan ({stages}, solved in {plan_s:.1f} s): step {plan.step_s:.3f} s, "
           f"{mine:.1f} TFLOP/s/GPU (sources' FLOP count), speed-up over that "
           f"configuration {step / plan.step_s:.2f}×"

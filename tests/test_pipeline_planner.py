@@ -618,3 +618,29 @@ def test_pruned_pipelined_grid_equals_the_best_degree_priced_alone(monkeypatch):
         assert len(pruned.stages) == best
         if first == best:
             assert n < work, (n, work)
+
+
+def test_the_incumbent_prices_pipelines_before_the_whole_cluster():
+    """The one-stage pipeline on the whole cluster (the mesh with the most factorisations:
+    the dearest build at scale) is the incumbent's last resort: where even pipelines fit,
+    no stage is solved on the whole cluster for it, and the DP's optimum is still the one
+    found with no bound."""
+    from ilp_planner.inter_op.boundary_estimate import BoundaryCost
+    from ilp_planner.inter_op.stage_incumbent import set_incumbent
+    from ilp_planner.ir.cluster import submesh_shapes
+
+    config = tiny(**{"model.layers": 8, "cluster.nodes": 2, "cluster.devices_per_node": 2,
+                     "pipeline.stages": "auto", "pipeline.microbatches": 8,
+                     "pipeline.schedule": "1f1b"})
+    graph = config.microbatch_graph()
+    units = layer_units(graph)
+    solver = StageSolver(config, graph, units)
+    set_incumbent(solver, BoundaryCost(config, graph, units), submesh_shapes(2, 2), None,
+                  config.pipeline.imbalance_tolerance)
+    assert solver.state.incumbent_s is not None
+    assert solver.state.solved and all(shape != (2, 2) for _, shape, _ in solver.state.solved)
+    exact = solve_pipelined(config.with_overrides({"pipeline.stage_bound": False}),
+                            baselines=False)
+    bounded = solve_pipelined(config, baselines=False)
+    assert bounded.solver.objective == pytest.approx(exact.solver.objective, rel=1e-12)
+    assert solver.state.incumbent_s >= exact.solver.objective * (1 - 1e-12)

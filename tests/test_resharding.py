@@ -25,9 +25,10 @@ from ilp_planner.inter_op.resharding import (
     transfer_cost,
     unit_tasks,
 )
+from ilp_planner.inter_op.resharding import _unique_slices as unique_slices
 from ilp_planner.ir.cluster import Cluster, Link, SubMesh
 from ilp_planner.ir.graph import TensorSpec
-from ilp_planner.ir.regions import chunk_bounds, device_regions
+from ilp_planner.ir.regions import chunk_bounds, device_regions, intersect, region_empty
 from tests.helpers.oracles import validate_schedule
 
 LINKS = HostLinks(Link.from_bandwidth(5, 1200), Link.from_bandwidth(10, 10))
@@ -104,6 +105,29 @@ def test_assembled_destination_equals_source(shape, src_spec, dst_spec, src_mesh
         assert x.sender_device in task.holders and x.sender_host in task.holder_hosts
     assert plan.makespan_s >= plan.lower_bound_s * (1 - 1e-9)
     assert plan.makespan_s == min(r.makespan_s for r in plan.runs)
+
+
+@pytest.mark.parametrize("shape, src_spec, dst_spec, src_mesh, dst_mesh", [
+    *[((8, 8, 4), *case) for case in TABLE2],
+    ((7, 5, 3), "S01RR", "RS1S0", "2x4", "3x2"),  # uneven, an empty shard
+    ((64, 6), "S01R", "S01R", "4x4", "4x4"),  # batch split: one source per destination
+    ((64, 6), "S0S1", "S1S0", "4x4", "2x4"),
+    ((5, 9), "S1S0", "S01R", "2x3", "3x2"),
+    ((6, 4), "RR", "S01R", "1x2", "2x2"),
+])
+def test_unit_tasks_equal_every_pair_intersected(shape, src_spec, dst_spec, src_mesh,
+                                                  dst_mesh) -> None:
+    """The bisection over the most-cut dimension finds the unit tasks that intersecting
+    every (destination, source) slice pair finds, in the same order (the reference here)."""
+    tensor = TensorSpec(shape)
+    src, dst = meshes(src_mesh, dst_mesh)
+    srcs = unique_slices(regions(tensor, src, src_spec))
+    dsts = unique_slices(regions(tensor, dst, dst_spec))
+    pairs = [(i, j, intersect(s, d)) for j, (d, _) in enumerate(dsts)
+             for i, (s, _) in enumerate(srcs) if not region_empty(intersect(s, d))]
+    tasks = unit_tasks(tensor, src, src_spec, dst, dst_spec)
+    assert [(t.src_slice, t.dst_slice, t.region) for t in tasks] == pairs
+    assert [t.index for t in tasks] == list(range(len(pairs)))
 
 
 def test_layout_objects_on_other_factorisations() -> None:

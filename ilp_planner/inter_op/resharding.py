@@ -60,6 +60,8 @@ algorithm's makespan and uses the best.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -283,6 +285,33 @@ def _unique_slices(regions: Mapping[int, Region]) -> list[tuple[Region, tuple[in
     return [(reg, tuple(devs)) for reg, devs in groups.items()]
 
 
+def _meeting(regions: Sequence[Region]):
+    """A function from a region to the indices (ascending) of ``regions`` that may meet it:
+    on the dimension the regions are cut most along, where their intervals do not overlap
+    (a layout's blocks: a grid), only those whose interval meets the region's — found by
+    bisection, so a batch split over 2,048 devices on each side pairs each destination
+    slice with its one or two sources instead of all 2,048. Otherwise (overlapping
+    intervals) every index. The caller still intersects each candidate: exact, the same
+    unit tasks in the same order."""
+    every = range(len(regions))
+    if not regions or not regions[0]:
+        return lambda _: every
+    dim = max(range(len(regions[0])), key=lambda d: len({r[d] for r in regions}))
+    spans = sorted({r[dim] for r in regions})
+    if any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+        return lambda _: every
+    by_span: dict[tuple[int, int], list[int]] = {}
+    for i, r in enumerate(regions):
+        by_span.setdefault(r[dim], []).append(i)
+    los, his = [a for a, _ in spans], [b for _, b in spans]
+
+    def meeting(region: Region) -> list[int]:
+        lo, hi = region[dim]
+        found = spans[bisect.bisect_right(his, lo):bisect.bisect_left(los, hi)]
+        return sorted(i for span in found for i in by_span[span])
+    return meeting
+
+
 def unit_tasks(tensor: TensorSpec, src: SubMesh, src_spec: str | Layout, dst: SubMesh,
                dst_spec: str | Layout) -> tuple[UnitTask, ...]:
     """The unit tasks of resharding ``tensor`` from (src, src_spec) to (dst, dst_spec)."""
@@ -292,8 +321,10 @@ def unit_tasks(tensor: TensorSpec, src: SubMesh, src_spec: str | Layout, dst: Su
     dst_slices = _unique_slices(device_regions(tensor, dst, mesh_layout(dst, dst_spec, tensor,
                                                                         "destination")))
     out = []
+    meeting = _meeting([reg for reg, _ in src_slices])
     for j, (dreg, receivers) in enumerate(dst_slices):
-        for i, (sreg, holders) in enumerate(src_slices):
+        for i in meeting(dreg):
+            sreg, holders = src_slices[i]
             reg = intersect(sreg, dreg)
             if region_empty(reg):
                 continue
