@@ -609,3 +609,41 @@ def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
     assert {(c.group_size, c.bytes) for c in syncs} == {(8, 32 * 4 * 4)}
     dec = graph["decoder.embed_tokens"]
     assert dec.attrs.get("tied") and dec.source_params == graph["encoder.embed_tokens"].source_params
+
+
+@pytest.mark.parametrize("name,refusal", [
+    ("t5", r"attention 'encoder\.block\.0\.layer\.0\.SelfAttention\.attention' has "
+           r"attrs\.bias_table"),
+    ("bert", r"embedding 'bert\.embeddings\.word_embeddings' has attrs\.pos_1_rows"),
+    ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' reads 3 projections"),
+])
+def test_the_runtime_executor_refuses_an_imported_op_it_would_run_as_another(
+        imported, name, refusal):
+    """The runtime's own executor (``ilp-planner run`` of a plan file) runs the planner's
+    kernels, not the user's module: T5's learned attention bias, BERT's token-type table
+    and Llama's separate q, k, v projections would run as other models than the one priced.
+    The plan is refused when compiled — what ``run`` does for every plan before it starts a
+    rank — naming the op and the attribute, and pointing at ``plan.parallelize``."""
+    from runtime.errors import RuntimeSetupError
+    from runtime.executor import Executor, RunOptions
+
+    graph = imported(name)[1]
+    one = dict(CLUSTER, nodes=1, devices_per_node=1)
+    plan = ilp_planner.solve(graph, cluster=one, baselines=False)
+    with pytest.raises(RuntimeSetupError, match=refusal + r".*plan\.parallelize\(module\)"):
+        Executor(plan, RunOptions(), rank=0, world=1)
+
+
+def test_t5s_decoder_lookup_in_the_encoders_table_is_refused_by_the_executor(imported):
+    """T5's decoder looks its tokens up in the encoder's table (``attrs.tied`` on an
+    embedding): the executor would give it a table of its own, so it refuses it — seen on
+    the graph's inputs and embeddings alone (its attention, refused first, left out)."""
+    from runtime import model
+    from runtime.errors import RuntimeSetupError
+
+    graph = imported("t5")[1]
+    lookups = [op for op in graph.ops if op.kind in (OpKind.INPUT, OpKind.EMBEDDING)]
+    assert [op.name for op in lookups if op.attrs.get("tied")] == ["decoder.embed_tokens"]
+    with pytest.raises(RuntimeSetupError, match=r"embedding 'decoder\.embed_tokens' has "
+                                                r"attrs\.tied: a lookup in an earlier"):
+        model.check_supported(Graph(graph.name, lookups))

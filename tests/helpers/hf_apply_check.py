@@ -43,6 +43,7 @@ from ilp_planner.plan.data import Plan  # noqa: E402
 from ilp_planner.testing import restricted_plan  # noqa: E402
 from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.dtensors import rank_grid  # noqa: E402
+from runtime.errors import RuntimeSetupError  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
 from runtime.tp_styles import tensor_parallel_mesh, to_parallelize_plan  # noqa: E402
 
@@ -244,6 +245,58 @@ def mixtral_v3_router() -> Case:
     return case
 
 
+def deepseek_v2() -> Case:
+    """DeepseekV2ForCausalLM: multi-head latent attention (low-rank KV, no q LoRA), layer 0
+    dense, layer 1 routed (4 experts, top-2, one shared expert, greedy softmax routing)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=2 * SEQ, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, topk_method="greedy", n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, use_cache=False)
+    return Case(DeepseekV2ForCausalLM(cfg), *_tokens())
+
+
+REFUSED: dict[str, tuple[Callable[[], Case], str]] = {
+    "deepseek-v2-refused": (deepseek_v2, "model.layers.0."),
+}
+"""Models ``parallelize`` refuses up front, and what the refusal must name: DeepSeek's MLA
+imports as functional code around its projections (the rotary split and ``cat``, key states
+written into a ``new_empty`` tensor) that the plan reshards with no module boundary to run
+the program at — the refusal names the first layer's op it meets first (on 1 × 4
+``self_attn.kv_b_proj`` feeding two layouts, on 2 × 2 the residual ``add`` resharded
+between MLA's functional code and the next)."""
+
+
+def check_refused(name: str, nodes: int, devices: int, steps: int) -> list[str]:
+    """``parallelize`` refuses the model's plan naming the op, and leaves the module as it
+    was: no forward swapped (an imported MoE's), no hook installed, no parameter placed."""
+    make, names = REFUSED[name]
+    torch.manual_seed(0)
+    case = make()
+    plan = plan_on_rank0(lambda: solve(case, nodes, devices))
+    try:
+        parallelize(plan, case.model)
+    except RuntimeSetupError as exc:
+        if names not in str(exc):
+            return [f"refused without naming {names!r}: {exc}"]
+        message = str(exc)
+    else:
+        return ["parallelize accepted a plan it cannot run"]
+    touched = [path or "<root>" for path, m in case.model.named_modules()
+               if "forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks]
+    placed = [n for n, p in case.model.named_parameters() if isinstance(p, DTensor)]
+    if touched or placed:
+        return [f"refused late: forwards or hooks on {touched[:3]}, parameters placed "
+                f"{placed[:3]}"]
+    if dist.get_rank() == 0:
+        print(f"OK {name} {message}", flush=True)
+    return []
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -421,7 +474,7 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("models", nargs="*", default=list(MODELS))
+    ap.add_argument("models", nargs="*", default=[*MODELS, *REFUSED])
     ap.add_argument("--shape", default="1x4", help="NODESxDEVICES_PER_NODE")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tp-styles", action="store_true",
@@ -431,7 +484,7 @@ def main() -> int:
     nodes, devices = (int(v) for v in args.shape.split("x"))
     dist.init_process_group("gloo")
     failed = 0
-    runs = [(check, name, name) for name in args.models]
+    runs = [(check_refused if name in REFUSED else check, name, name) for name in args.models]
     runs += [(check_tp_styles, name, f"tp-styles-{name}") for name in TP_STYLES
              ] if args.tp_styles else []
     for run, name, label in runs:
