@@ -749,7 +749,7 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                        if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
         if op.attrs.get("bias_table"):
             layouts = bias_table_layouts(op, layouts)
-        return _layout_strategies(op, layouts, len(op.inputs), ctx)
+        return shared_input_layouts(op, _layout_strategies(op, layouts, len(op.inputs), ctx))
     if kind in (OpKind.ADD, OpKind.MUL):
         # images split over batch and channels only, as convolutions, pooling and flatten do;
         # a dim an operand broadcasts (a routing weight (T, 1) times an expert's (T, h)) is
@@ -772,6 +772,26 @@ def bias_table_layouts(op: Op, layouts: list[Layout]) -> list[Layout]:
                          f"splits the batch ({op.output.shape[0] // op.attr('seq_len')}) or "
                          f"the heads ({head_splits(op)}); no layout on this mesh does")
     return kept
+
+
+def shared_input_layouts(op: Op, strategies: list[Strategy]) -> list[Strategy]:
+    """An attention whose input ``attrs.shared_input`` is read whole by every head (DeepSeek
+    MLA's rotary key part, from ``kv_a_proj_with_mqa``: its features are no heads) reads it
+    with the head splits replicated, the batch splits kept; its gradient, each head group's
+    share, leaves the backward partial over those axes."""
+    i = op.attrs.get("shared_input")
+    if i is None:
+        return strategies
+    out = []
+    for s in strategies:
+        lay = s.inputs[i]
+        whole = Layout(lay.fact, tuple(B if pl == Split(1) else pl for pl in lay.placements))
+        grad = Layout(lay.fact, tuple(P if pl == Split(1) else pl for pl in lay.placements))
+        grads = s.grads_of_inputs
+        out.append(dataclasses.replace(
+            s, inputs=s.inputs[:i] + (whole,) + s.inputs[i + 1:],
+            input_grads=grads[:i] + (grad,) + grads[i + 1:]))
+    return out
 
 
 def head_splits(op: Op) -> int:
