@@ -141,7 +141,8 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     gain = next((param_name(c) for c in consts if param_name(c)), None)
     if gain is not None and op == "mul" and any(s[0] == "reduce_last" for s in x.chain) \
             and g.param_shape[gain] == (shape[-1],) and len(x.src) == 1:
-        return lift_norm(g, call.node, Act(x.src, shape, dtype), val, OpKind.RMSNORM, [gain])
+        return lift_norm(g, call.node, Act(x.src, shape, dtype, x.chain), val, OpKind.RMSNORM,
+                         [gain])
     pos = next((c for c in consts if c.table_of_positions), None)
     if pos is not None and op == "add" and len(x.src) == 1 \
             and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
