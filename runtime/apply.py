@@ -45,8 +45,8 @@ What it refuses, naming the op — before it swaps a forward or places a paramet
 embedding tables no op of the plan owns (:func:`runtime.applied_params.check_owned`: a
 relative position table added to hand-written attention scores; in an SDPA's mask its first
 attention owns it, :mod:`runtime.applied_bias`), a layout change between two ops written as
-functional code (no module boundary to run it at: DeepSeek's multi-head latent attention,
-whose key states are written into a ``new_empty`` tensor); and, when the forward runs, a
+functional code, or one value that functional code reads in two layouts (no module boundary
+to run the program at); and, when the forward runs, a
 module with parameters the forward calls several times (a parameter-free one — a dropout
 called after the attention and after the MLP — runs its ops in call order), and a token
 split the module's batch dimension cannot carry.

@@ -110,8 +110,8 @@ def test_a_plan_parallelize_cannot_run_is_refused_before_anything_changes():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_deepseek_v3_routing_trains_expert_parallel_like_one_process(shape):
     """DeepSeek-V3's router (sigmoid scores, a correction-bias buffer that only selects, the
-    best of two expert groups, weights renormalised and scaled by 2.5) in Mixtral blocks —
-    V3's own multi-head latent attention does not run under ``parallelize``: the kernel reads
+    best of two expert groups, weights renormalised and scaled by 2.5) in Mixtral blocks
+    (V3's own model is not in the launch; its MLA is V2's, with a low-rank query): the kernel reads
     the router's buffer on each rank and routes as the block does, dropless expert parallel,
     every AllToAll audited."""
     line = line_of(shape, "mixtral-v3-router")
