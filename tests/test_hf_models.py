@@ -25,7 +25,12 @@ from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import expert_parallel
-from ilp_planner.lowering.strategies import StrategyContext, op_strategies, param_shapes
+from ilp_planner.lowering.strategies import (
+    StrategyContext,
+    input_grad_layouts,
+    op_strategies,
+    param_shapes,
+)
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
 from runtime.moe import reference as moe_reference
@@ -695,7 +700,9 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     opaque = [graph[f"{p}.{n}"] for n, k in kinds.items() if k is OpKind.OPAQUE]
     assert [o.name for o in opaque] == [f"{p}.kv_a_layernorm.opaque"]
     latent = tokens * cfg.kv_lora_rank * 4  # float32 bytes
-    assert (opaque[0].flops, opaque[0].attrs["bytes_read"]) == (0.0, latent)
+    # a copy of columns: its rows are its producer's, so it may split the tokens
+    assert (opaque[0].flops, opaque[0].attrs["bytes_read"], opaque[0].attrs.get("rows_local")
+            ) == (0.0, latent, 1)
 
 
 def test_mla_splits_its_heads_reading_the_shared_rotary_key_whole():
@@ -717,3 +724,8 @@ def test_mla_splits_its_heads_reading_the_shared_rotary_key_whole():
         assert s.inputs[0].placements[axis] == s.inputs[1].placements[axis] == Split(1)
         assert s.inputs[2].placements[axis] == B
         assert s.grads_of_inputs[2].placements[axis] == P
+        assert input_grad_layouts(op, s.label, s.inputs, s.weight) == s.grads_of_inputs
+    copy = graph["model.layers.0.self_attn.kv_a_layernorm.opaque"]
+    offered = op_strategies(copy, [graph[i].output for i in copy.inputs], ctx)
+    assert {s.output.split_degree(0) for s in offered} == {1, 2, 4}
+    assert all(s.output.split_degree(1) == 1 for s in offered)
