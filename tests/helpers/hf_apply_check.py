@@ -261,6 +261,25 @@ def deepseek_v2() -> Case:
     return Case(DeepseekV2ForCausalLM(cfg), *_tokens())
 
 
+def deepseek_v3() -> Case:
+    """DeepseekV3ForCausalLM: MLA with a low-rank query (q_a_proj → norm → q_b_proj), layer
+    0 dense, layer 1 routed by sigmoid scores plus a drawn correction bias, the best of two
+    expert groups, weights renormalised and scaled by 2.5."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=2 * SEQ, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, use_cache=False)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(4))
+    return Case(model, *_tokens())
+
+
 def deepseek_v2_heads_split() -> Case:
     """DeepSeek-V2 planned with MLA's heads split 4 ways and ``kv_a_proj_with_mqa`` split
     over the batch: the latent columns' copy reads that projection's output as it is, the
@@ -326,6 +345,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "t5-tied-exchanging": t5_tied_exchanging,
     "mixtral-v3-router": mixtral_v3_router,
     "deepseek-v2": deepseek_v2,
+    "deepseek-v3": deepseek_v3,
 }
 
 
