@@ -143,6 +143,7 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
     for functional consumers (the module's own output's among them)."""
     hooks: dict[str, Hook] = {}
     post: Programs = {}
+    functional: dict[str, set[Layout]] = {}  # producer -> the layouts functional code reads
     for op in graph.ops:
         if op.kind is OpKind.INPUT:
             continue
@@ -159,12 +160,16 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
             if runner_path(module, op) is not None:
                 h = hooks.setdefault(op.name, Hook(op.name))
                 h.inputs[idx] = (layers[src].output, red if moves else None, ly.inputs[idx])
-            elif moves:
-                prev = post.get(src)
-                if prev is not None and prev[0] != ly.inputs[idx]:
-                    raise RuntimeSetupError(
-                        f"{src!r} feeds functional code in two layouts ({prev[0]}, "
-                        f"{ly.inputs[idx]}): no module boundary can run both programs")
+                continue
+            # one value reaches all of a producer's functional code: in one layout only
+            seen = functional.setdefault(src, set())
+            seen.add(ly.inputs[idx])
+            if len(seen) > 1:
+                raise RuntimeSetupError(
+                    f"{src!r} feeds functional code in two layouts "
+                    f"({', '.join(sorted(map(str, seen)))}): no module boundary can run both "
+                    f"programs")
+            if moves:
                 post[src] = (ly.inputs[idx], red)
     _outputs(graph, layers, module, hooks, post)
     return hooks, post

@@ -40,14 +40,16 @@ Everything the program issues is tagged for the dispatch-level
 shows as a mismatch. The loss is the user's code on the module's output (in the planned
 layout of the loss's input); its scalar reduction is not part of the comparison.
 
-What it refuses, naming the op: pipelined or micro-batched plans, embedding tables no op
-of the plan owns (:func:`runtime.applied_params.check_owned`: a relative position table
-added to hand-written attention scores; in an SDPA's mask its first attention owns it,
-:mod:`runtime.applied_bias`), a layout change between two ops written as
-functional code (no module boundary to run it at), a module with parameters the forward
-calls several times (a parameter-free one — a dropout called after the
-attention and after the MLP — runs its ops in call order), and a token split the module's
-batch dimension cannot carry.
+What it refuses, naming the op — before it swaps a forward or places a parameter
+(:func:`runtime.applied_hooks.hook_table` runs first): pipelined or micro-batched plans,
+embedding tables no op of the plan owns (:func:`runtime.applied_params.check_owned`: a
+relative position table added to hand-written attention scores; in an SDPA's mask its first
+attention owns it, :mod:`runtime.applied_bias`), a layout change between two ops written as
+functional code, or one value that functional code reads in two layouts (no module boundary
+to run the program at); and, when the forward runs, a
+module with parameters the forward calls several times (a parameter-free one — a dropout
+called after the attention and after the MLP — runs its ops in call order), and a token
+split the module's batch dimension cannot carry.
 Meshes of any factorisation run: each is a DeviceMesh over the ranks at their coordinates
 (:func:`runtime.dtensors.rank_grid`).
 """
@@ -70,7 +72,7 @@ from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
 from runtime.applied_bias import install_bias_tables
 from runtime.applied_edges import EdgeRunner
-from runtime.applied_hooks import BoundaryHooks, leaf_module
+from runtime.applied_hooks import BoundaryHooks, hook_table, leaf_module
 from runtime.applied_moe import install_moe
 from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_heads
 from runtime.comm import Comm
@@ -110,6 +112,9 @@ class Applied:
         tied = tied_heads(self.config, self.layers)
         _check_tied_heads(tied, module)
         check_owned(self.graph, module)
+        # the boundary hooks' refusals (a layout change between two pieces of functional
+        # code), before install_moe swaps forwards and AppliedParams places parameters
+        hook_table(self.graph, self.layers, programs, module)
         for t in tied.values():
             self.comm.register(t.to_table)
             self.comm.register(t.to_head)

@@ -93,13 +93,34 @@ class ParamSpec:
         return f"{self.op}.{self.role}"
 
 
+IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
+    (OpKind.EMBEDDING, "tied"): "a lookup in an earlier embedding's table (T5's decoder), "
+                                "where the runtime would give it a table of its own",
+    (OpKind.EMBEDDING, "pos_1_rows"): "a second added table (BERT's token types), which the "
+                                      "runtime's embedding does not add",
+    (OpKind.ATTENTION, "bias_table"): "a learned bias added to its scores (T5's relative "
+                                      "positions), which the runtime's kernel does not add",
+    (OpKind.ATTENTION, "bias_buckets"): "the learned attention-bias table (T5's relative "
+                                        "positions), which the runtime does not hold",
+    (OpKind.ATTENTION, "qkv_major"): "q, k and v fused as [q | k | v] blocks, where the "
+                                     "runtime's kernel reads head-major columns",
+    (OpKind.POOL, "avg"): "average pooling, where the runtime max-pools",
+}
+"""Attributes the importer sets (:mod:`ilp_planner.inputs.importer`) for what a user's module
+computes and the runtime's kernels do not: a plan carrying one is refused before any rank
+starts (:func:`check_supported`), since the executor would run another model than the one
+priced. ``plan.parallelize`` runs those ops in the user's own module."""
+
+
 def check_supported(graph: Graph) -> None:
-    """Raise naming the first op the runtime cannot execute."""
+    """Raise naming the first op the runtime cannot execute, or cannot execute as the
+    graph means it (:data:`IMPORTED_ONLY`, attention reading separate q, k, v)."""
     for op in graph.ops:
         if op.kind not in SUPPORTED_KINDS:
             raise RuntimeSetupError(
                 f"op {op.name!r} is a {op.kind.value}; the runtime executes "
                 f"{sorted(k.value for k in SUPPORTED_KINDS)}")
+        _check_not_imported_only(op)
     compute_dtype(graph)
     for op in graph.ops:
         if op.kind is OpKind.LOSS and graph[op.inputs[0]].output.rank != 2:
@@ -108,6 +129,21 @@ def check_supported(graph: Graph) -> None:
             tied_source(graph, op)
         if op.kind in _SHAPE_RULES:
             _SHAPE_RULES[op.kind](op, graph[op.inputs[0]].output.shape)
+
+
+def _check_not_imported_only(op: Op) -> None:
+    """Refuse an imported op the executor would silently run as another computation."""
+    instead = ("; the runtime's executor runs the planner's own models: train the module it "
+               "was imported from with plan.parallelize(module) instead")
+    for key in op.attrs:
+        why = IMPORTED_ONLY.get((op.kind, "pos_1_rows" if key.startswith("pos_") else key))
+        if why is not None and op.attrs[key]:
+            raise RuntimeSetupError(f"{op.kind.value} {op.name!r} has attrs.{key}: {why}"
+                                    f"{instead}")
+    if op.kind is OpKind.ATTENTION and len(op.inputs) != 1:
+        raise RuntimeSetupError(f"attention {op.name!r} reads {len(op.inputs)} projections "
+                                f"({', '.join(op.inputs)}), where the runtime's kernel reads "
+                                f"one fused head-major q, k, v tensor{instead}")
 
 
 def _conv_shapes(op: Op, x: tuple[int, ...]) -> None:

@@ -25,7 +25,12 @@ from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import expert_parallel
-from ilp_planner.lowering.strategies import StrategyContext, op_strategies, param_shapes
+from ilp_planner.lowering.strategies import (
+    StrategyContext,
+    input_grad_layouts,
+    op_strategies,
+    param_shapes,
+)
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
 from runtime.moe import reference as moe_reference
@@ -609,3 +614,118 @@ def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
     assert {(c.group_size, c.bytes) for c in syncs} == {(8, 32 * 4 * 4)}
     dec = graph["decoder.embed_tokens"]
     assert dec.attrs.get("tied") and dec.source_params == graph["encoder.embed_tokens"].source_params
+
+
+@pytest.mark.parametrize("name,refusal", [
+    ("t5", r"attention 'encoder\.block\.0\.layer\.0\.SelfAttention\.attention' has "
+           r"attrs\.bias_table"),
+    ("bert", r"embedding 'bert\.embeddings\.word_embeddings' has attrs\.pos_1_rows"),
+    ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' reads 3 projections"),
+])
+def test_the_runtime_executor_refuses_an_imported_op_it_would_run_as_another(
+        imported, name, refusal):
+    """The runtime's own executor (``ilp-planner run`` of a plan file) runs the planner's
+    kernels, not the user's module: T5's learned attention bias, BERT's token-type table
+    and Llama's separate q, k, v projections would run as other models than the one priced.
+    The plan is refused when compiled — what ``run`` does for every plan before it starts a
+    rank — naming the op and the attribute, and pointing at ``plan.parallelize``."""
+    from runtime.errors import RuntimeSetupError
+    from runtime.executor import Executor, RunOptions
+
+    graph = imported(name)[1]
+    one = dict(CLUSTER, nodes=1, devices_per_node=1)
+    plan = ilp_planner.solve(graph, cluster=one, baselines=False)
+    with pytest.raises(RuntimeSetupError, match=refusal + r".*plan\.parallelize\(module\)"):
+        Executor(plan, RunOptions(), rank=0, world=1)
+
+
+def test_t5s_decoder_lookup_in_the_encoders_table_is_refused_by_the_executor(imported):
+    """T5's decoder looks its tokens up in the encoder's table (``attrs.tied`` on an
+    embedding): the executor would give it a table of its own, so it refuses it — seen on
+    the graph's inputs and embeddings alone (its attention, refused first, left out)."""
+    from runtime import model
+    from runtime.errors import RuntimeSetupError
+
+    graph = imported("t5")[1]
+    lookups = [op for op in graph.ops if op.kind in (OpKind.INPUT, OpKind.EMBEDDING)]
+    assert [op.name for op in lookups if op.attrs.get("tied")] == ["decoder.embed_tokens"]
+    with pytest.raises(RuntimeSetupError, match=r"embedding 'decoder\.embed_tokens' has "
+                                                r"attrs\.tied: a lookup in an earlier"):
+        model.check_supported(Graph(graph.name, lookups))
+
+
+def _mla() -> Any:
+    """A one-layer DeepSeek-V3 whose heads' q·k and v dims differ (qk = 4 nope + 4 rope = 8,
+    v = 6) and whose queries go through a low-rank pair (q_a_proj → norm → q_b_proj)."""
+    return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, use_cache=False))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "mla"])
+def test_multi_head_latent_attention_imports_as_its_projections_and_heads(imported, name):
+    """DeepSeek's MLA: each head's key joins its own part (from ``kv_b_proj``, which also
+    gives the values) and a rotary part every head shares (from ``kv_a_proj_with_mqa``),
+    written into a ``new_empty`` tensor; the rotary turns pairs into complex numbers. It
+    imports as its linears, its norms and one attention with every head, over q's head dim
+    (nope + rope) and v's, the shared input marked — no opaque op but the copy of the
+    latent columns out of ``kv_a_proj_with_mqa``'s output (priced by its bytes)."""
+    if name == "mla":
+        torch.manual_seed(0)
+        model = _mla().eval()
+        graph = from_module(model, (_ids(),))
+    else:
+        model, graph = imported(name)
+    cfg = model.config
+    attn = model.model.layers[0].self_attn
+    p = "model.layers.0.self_attn"
+    q = f"{p}.q_b_proj" if cfg.q_lora_rank else f"{p}.q_proj"
+    op = graph[f"{p}.attention"]
+    assert op.kind is OpKind.ATTENTION
+    assert op.inputs == (q, f"{p}.kv_b_proj", f"{p}.kv_a_proj_with_mqa")
+    heads, dqk, dv = cfg.num_attention_heads, attn.qk_head_dim, cfg.v_head_dim
+    assert dict(op.attrs) == {"heads": heads, "seq_len": SEQ, "shared_input": 2}
+    tokens = BATCH * SEQ
+    assert op.output.shape == (tokens, heads * dv)
+    assert op.flops == 2.0 * tokens * SEQ * heads * (dqk + dv)
+    kinds = {o.name.removeprefix(f"{p}."): o.kind for o in graph.ops if o.name.startswith(p)}
+    linears = {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} | (
+        {"q_a_proj", "q_b_proj"} if cfg.q_lora_rank else {"q_proj"})
+    assert {n for n, k in kinds.items() if k is OpKind.LINEAR} == linears
+    norms = {"kv_a_layernorm"} | ({"q_a_layernorm"} if cfg.q_lora_rank else set())
+    assert {n for n, k in kinds.items() if k is OpKind.RMSNORM} == norms
+    opaque = [graph[f"{p}.{n}"] for n, k in kinds.items() if k is OpKind.OPAQUE]
+    assert [o.name for o in opaque] == [f"{p}.kv_a_layernorm.opaque"]
+    latent = tokens * cfg.kv_lora_rank * 4  # float32 bytes
+    # a copy of columns: its rows are its producer's, so it may split the tokens
+    assert (opaque[0].flops, opaque[0].attrs["bytes_read"], opaque[0].attrs.get("rows_local")
+            ) == (0.0, latent, 1)
+
+
+def test_mla_splits_its_heads_reading_the_shared_rotary_key_whole():
+    """MLA's heads split over a mesh axis (4 heads, 4 ways): q and kv_b_proj's output are
+    read split by heads, the shared rotary key whole on that axis, and its gradient — each
+    device's heads' share — leaves the backward partial there, so the edge sums it."""
+    from ilp_planner.ir.layouts import B, P, Split
+
+    torch.manual_seed(0)
+    graph = from_module(_mla().eval(), (_ids(),))
+    op = graph["model.layers.0.self_attn.attention"]
+    ctx = StrategyContext(parse_cluster({"cluster": dict(CLUSTER, nodes=1)}), 1, 4,
+                          MemorySpec.preset("adam"))
+    split = [s for s in op_strategies(op, [graph[i].output for i in op.inputs], ctx)
+             if s.output.split_degree(1) == 4]
+    assert split, "no strategy splits MLA's heads"
+    for s in split:
+        axis = next(a for a, pl in enumerate(s.output.placements) if pl == Split(1))
+        assert s.inputs[0].placements[axis] == s.inputs[1].placements[axis] == Split(1)
+        assert s.inputs[2].placements[axis] == B
+        assert s.grads_of_inputs[2].placements[axis] == P
+        assert input_grad_layouts(op, s.label, s.inputs, s.weight) == s.grads_of_inputs
+    copy = graph["model.layers.0.self_attn.kv_a_layernorm.opaque"]
+    offered = op_strategies(copy, [graph[i].output for i in copy.inputs], ctx)
+    assert {s.output.split_degree(0) for s in offered} == {1, 2, 4}
+    assert all(s.output.split_degree(1) == 1 for s in offered)

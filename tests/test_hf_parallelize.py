@@ -87,11 +87,33 @@ def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shap
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model,shape", [("deepseek-v2", "1x4"), ("deepseek-v3", "1x4"),
+                                         ("deepseek-v3", "2x2")])
+def test_deepseek_with_multi_head_latent_attention_trains_like_one_process(model, shape):
+    """DeepSeek-V2 and V3 (MLA — V3's with a low-rank query —, layer 0 dense, layer 1
+    routed): MLA's functional code — V2's rotary in complex numbers, the key states written
+    into a ``new_empty`` tensor, the latent columns' copy — runs on DTensors in the plan's
+    layouts, the MoE block on the runtime's kernel; losses match one process and every
+    collective is the plan's (V2 on 2 × 2: :data:`tests.helpers.hf_apply_check.NOT_ON`)."""
+    line = line_of(shape, model)
+    assert re.search(r"moe\(dp=\S+", line), line
+
+
+@pytest.mark.slow
+def test_a_plan_parallelize_cannot_run_is_refused_before_anything_changes():
+    """DeepSeek-V2 planned with MLA's heads split and ``kv_a_proj_with_mqa`` split over the
+    batch reads that projection's output in two layouts in functional code: ``parallelize``
+    refuses naming it before it swaps the MoE block's forwards, installs a hook or places
+    a parameter (the module is checked untouched on every rank)."""
+    assert "feeds functional code in two layouts" in line_of("1x4", "deepseek-v2-refused")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_deepseek_v3_routing_trains_expert_parallel_like_one_process(shape):
     """DeepSeek-V3's router (sigmoid scores, a correction-bias buffer that only selects, the
-    best of two expert groups, weights renormalised and scaled by 2.5) in Mixtral blocks —
-    V3's own multi-head latent attention does not run under ``parallelize``: the kernel reads
+    best of two expert groups, weights renormalised and scaled by 2.5) in Mixtral blocks
+    (V3's own model is not in the launch; its MLA is V2's, with a low-rank query): the kernel reads
     the router's buffer on each rank and routes as the block does, dropless expert parallel,
     every AllToAll audited."""
     line = line_of(shape, "mixtral-v3-router")

@@ -19,7 +19,13 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   Views, transposes, splits, casts, rotary embeddings and masks between a projection and
   the attention are folded into it; a learned table an SDPA's mask looks up (T5's relative
   position bias, ``(buckets, heads)``) is owned by the first attention reading it
-  (``bias_buckets``) and marks every reader ``bias_table``;
+  (``bias_buckets``) and marks every reader ``bias_table``; DeepSeek's multi-head latent
+  attention reads its queries' projection, ``kv_b_proj`` (each head's key part and values)
+  and the rotary key part every head shares (``kv_a_proj_with_mqa``: ``shared_input``, read
+  whole where heads split), q's head dim (nope + rope) and v's own pricing its FLOPs; a
+  ``new_empty`` tensor filled slice by slice (MLA's key states) is the concatenation of what
+  was copied in, and a copy of some of a projection's columns (MLA's latent part) is an opaque
+  copy that may split the tokens (``rows_local``);
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /

@@ -10,6 +10,7 @@ maps aten op names to the handlers for the walk's table (:mod:`ilp_planner.input
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
@@ -140,7 +141,8 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     gain = next((param_name(c) for c in consts if param_name(c)), None)
     if gain is not None and op == "mul" and any(s[0] == "reduce_last" for s in x.chain) \
             and g.param_shape[gain] == (shape[-1],) and len(x.src) == 1:
-        return lift_norm(g, call.node, Act(x.src, shape, dtype), val, OpKind.RMSNORM, [gain])
+        return lift_norm(g, call.node, Act(x.src, shape, dtype, x.chain), val, OpKind.RMSNORM,
+                         [gain])
     pos = next((c for c in consts if c.table_of_positions), None)
     if pos is not None and op == "add" and len(x.src) == 1 \
             and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
@@ -178,6 +180,30 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
     return Act(act.src, shape, dtype)
 
 
+def lift_new_empty(g: DraftGraph, call: Call) -> Act:
+    """A fresh tensor shaped like an activation (``x.new_empty(shape)``), which the model
+    then fills slice by slice (DeepSeek's MLA writes its key states, the heads' own part and
+    the rotary part every head shares, into one): it stands for its template until written
+    (:func:`write_into`), and remembers its node (``parts["buffer"]``)."""
+    x, val = call.args[0], call.val
+    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (("new_empty",),),
+               parts=MappingProxyType({"buffer": call.node.name}))
+
+
+def write_into(g: DraftGraph, dest: Act, src: Any) -> Any:
+    """``dest.copy_(src)`` into a slice of a :func:`lift_new_empty` buffer: the buffer now
+    also derives from ``src`` — a concatenation, as ``cat`` of parts is — so its readers
+    read the ops it was filled from. Returns the buffer's new value."""
+    name = dest.parts["buffer"]
+    buf = g.values[name]
+    if not isinstance(src, Act):
+        return buf
+    filled = Act(tuple(dict.fromkeys(buf.src + src.src)), buf.shape, buf.dtype,
+                 buf.chain + src.chain + (("cat",),), parts=buf.parts)
+    g.values[name] = filled
+    return filled
+
+
 def lift_concat(g: DraftGraph, call: Call) -> Any:
     """Parts of one tensor put back together (rotate-half) stay it; activations joined with
     parameters (a ViT's class token) or with each other become an opaque op that owns those
@@ -200,4 +226,5 @@ ELEMENTWISE_HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(REDUCTIONS, lift_reduction),
     **dict.fromkeys(UNARY_FOLDS, lift_arithmetic),
     **dict.fromkeys(CONCATS, lift_concat),
+    "new_empty": lift_new_empty,
 }

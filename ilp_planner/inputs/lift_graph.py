@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ilp_planner.inputs.lift_values import (
+    SPLITS,
+    UNARY_FOLDS,
     Act,
     Call,
     Const,
@@ -169,8 +171,9 @@ class DraftGraph:
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
         # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each way
         moved = numel(x.shape) * DTYPE_BYTES[x.dtype]
+        rows = {"rows_local": 1} if _column_pick(self.drafts[x.src[0]], x) else {}
         act = self.add(node, OpKind.OPAQUE, list(x.src), tokens_major(x.shape), x.dtype,
-                       main=False, bytes_read=moved, bytes_written=moved)
+                       main=False, bytes_read=moved, bytes_written=moved, **rows)
         return act.src[0]
 
     def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
@@ -201,6 +204,27 @@ class DraftGraph:
 
 Handler = Callable[[DraftGraph, Call], Any]
 """What the walk's table maps an aten op name to: the node's value from its lifted call."""
+
+
+def _column_pick(d: Draft, x: Act) -> bool:
+    """Whether ``x`` is columns of ``d``'s output, its rows (tokens) untouched — only splits
+    and slices of the last dim since (DeepSeek MLA's latent part of ``kv_a_proj_with_mqa``):
+    its copy is row-local, so it may split the tokens as its producer does
+    (``attrs.rows_local``, :func:`ilp_planner.lowering.strategies.opaque_dims`)."""
+    rank = len(x.shape)
+
+    def columns(step: tuple) -> bool:
+        return step[0] in (*SPLITS, "slice", "narrow") and len(step) > 1 \
+            and isinstance(step[1], int) and step[1] % rank == rank - 1
+
+    picks = [step for step in x.chain if step[0] not in _ROW_LOCAL]
+    return bool(picks) and all(columns(step) for step in picks) and len(d.shape) == 2 \
+        and numel(x.shape[:-1]) == d.shape[0]
+
+
+# chain steps that keep each row to itself: casts, element-wise steps, a last-dim reduction
+_ROW_LOCAL = frozenset({"to", "_to_copy", "type_as", "float", "contiguous", "clone",
+                        "reduce_last", *UNARY_FOLDS})
 
 
 def _is_image(d: Draft) -> bool:

@@ -94,12 +94,14 @@ def lift_sdpa(g: DraftGraph, call: Call) -> Any:
 def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) -> Any:
     val = call.val
     batch, heads, seq, hd = (int(d) for d in q.shape)
+    dv = int(first_output(val).shape[-1])  # v's head dim (MLA's differs from q's and k's)
+    shared = _shared_key(q, k, v, heads)
     srcs = list(dict.fromkeys(q.src + k.src + v.src))
-    if not all(isinstance(x, Act) and len(x.src) == 1 for x in (q, k, v)) \
+    if not (shared or all(isinstance(x, Act) and len(x.src) == 1 for x in (q, k, v))) \
             or any(g.drafts[s].kind is OpKind.INPUT for s in srcs):
         return g.opaque(call.node, call.args, [q, k, v], val, "attention")
     # grouped-query attention repeats k / v heads after the projection: count them there
-    kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 else heads
+    kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 and not shared else heads
     # under ``ilp_planner.parallelize`` SDPA runs on each rank's blocks, whatever mix of
     # batch and head splits (runtime.local_attention); hand-written attention runs on
     # DTensors, whose 4-D matmul cannot always merge the two: one or the other
@@ -110,17 +112,33 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):
         attrs["qkv_major"] = 1
+    if shared:
+        attrs["shared_input"] = srcs.index(shared)
     table = _bias_table(g, call, heads) if sdpa else None
     if table is not None:
         attrs["bias_table"] = 1
     tokens = batch * seq
-    flops = 4.0 * tokens * seq * heads * hd  # the two matmuls, as the builders count
-    act = g.add(call.node, OpKind.ATTENTION, srcs, (tokens, heads * hd), dtype_of(val),
+    # the two matmuls, as the builders count: q kᵀ over q's head dim, p v over v's
+    flops = 2.0 * tokens * seq * heads * (hd + dv)
+    act = g.add(call.node, OpKind.ATTENTION, srcs, (tokens, heads * dv), dtype_of(val),
                 flops=flops, **attrs)
     if table is not None and g.adopt(g.drafts[act.src[0]], [table]):
         g.drafts[act.src[0]].attrs["bias_buckets"] = g.param_shape[table][0]
     # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use
     return Act(act.src, tuple(val.shape), act.dtype, chain=(("heads_out",),))
+
+
+def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:
+    """DeepSeek's multi-head latent attention: each head's key is its own part (from the
+    projection ``v`` comes from, ``kv_b_proj``) joined to a rotary part every head shares
+    (from ``kv_a_proj_with_mqa``, before the low-rank up-projection). The op that shared
+    part comes from, when ``k`` is built so (``attrs.shared_input``: that input is read
+    whole by every head, :func:`ilp_planner.lowering.strategies.shared_input_layouts`)."""
+    if not all(isinstance(x, Act) for x in (q, k, v)) or len(q.src) != 1 \
+            or len(v.src) != 1 or len(k.src) != 2 or v.src[0] not in k.src \
+            or q.src[0] in k.src or int(k.shape[1]) != heads:
+        return None
+    return next(s for s in k.src if s != v.src[0])
 
 
 def _bias_table(g: DraftGraph, call: Call, heads: int) -> str | None:

@@ -26,6 +26,7 @@ VIEWS = frozenset({
     "expand", "unsqueeze", "squeeze", "alias", "detach", "to", "_to_copy", "type_as",
     "repeat_interleave", "repeat", "select", "slice", "narrow", "flatten", "lift_fresh_copy",
     "view_as", "reshape_as", "expand_as", "float", "half", "bfloat16", "unflatten",
+    "view_as_complex", "view_as_real",  # DeepSeek-V2's rotary turns pairs into complex numbers
 })
 SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "tensor_split"})
 UNARY_FOLDS = frozenset({

@@ -11,11 +11,11 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from ilp_planner.inputs.lift_elementwise import ELEMENTWISE_HANDLERS, lift_const
+from ilp_planner.inputs.lift_elementwise import ELEMENTWISE_HANDLERS, lift_const, write_into
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_layers import LAYER_HANDLERS
 from ilp_planner.inputs.lift_moe import MOE_OP, lift_moe
-from ilp_planner.inputs.lift_values import IGNORED, Call, Const, flatten, op_name
+from ilp_planner.inputs.lift_values import IGNORED, Act, Call, Const, flatten, op_name
 
 HANDLERS: MappingProxyType[str, Handler] = MappingProxyType(
     {**ELEMENTWISE_HANDLERS, **LAYER_HANDLERS, MOE_OP: lift_moe})
@@ -62,6 +62,8 @@ def _lifted(g: DraftGraph, node: Any, op: str) -> Any:
     if op == "getitem":
         seq, idx = args[0], args[1]
         return seq[idx] if isinstance(seq, (list, tuple)) else Const()
+    if op == "copy_" and isinstance(args[0], Act) and "buffer" in args[0].parts:
+        return write_into(g, args[0], args[1])  # a slice of a new_empty tensor filled
     call = Call(node, op, args, {k: g.arg(v) for k, v in node.kwargs.items()},
                 node.meta.get("val"))
     if op in IGNORED or call.val is None:

