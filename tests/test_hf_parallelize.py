@@ -11,7 +11,8 @@ and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on bo
 attention split over the batch and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
-parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers.
+parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers. ResNet
+trains with its batch norms synchronised over the devices splitting its batch.
 """
 
 from __future__ import annotations
@@ -150,6 +151,21 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
     its two ops in call order). ``resnet``: ``out += identity`` in place on a tensor a
     module's hook converted for that functional code."""
     line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["resnet-data-parallel", "resnet-batch-and-channels"])
+def test_resnet_trains_with_synchronised_batch_norm(model, shape):
+    """Batch norms splitting the batch (data parallel on all 4 devices; or the batch and the
+    channels over two axes): each rank's block runs with the whole batch's statistics
+    (:mod:`runtime.local_batchnorm`), its forward and backward AllReduces matched by the
+    audit, and each rank's channels of every running mean and variance equal one
+    process's."""
+    line = line_of(shape, model)
+    assert "batchnorm=backward,forward" in line, line
+    if model == "resnet-batch-and-channels":
+        assert "S(0)S(1)" in line, line
 
 
 @pytest.fixture
