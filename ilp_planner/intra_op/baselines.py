@@ -17,7 +17,12 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
   activations between blocks are ``(S0, S0)``), so the TP AllReduce becomes a
   ReduceScatter after the row-parallel linear and an AllGather before the column-parallel
   one;
-* ``summa(r×c)`` — linear layers as 2-D SUMMA on an ``r × c`` mesh; other ops free;
+* ``summa(r×c)`` — linear layers as 2-D SUMMA on an ``r × c`` mesh; other ops free. A
+  linear whose sizes the mesh does not divide (GPT-2's 50,257-wide head: no SUMMA member
+  exists) splits only what divides, the way Megatron keeps undividable heads whole: its
+  tokens over the rows and, over the columns, its contraction (the output a partial sum,
+  its input in SUMMA's own layout) or its output columns — whichever divides, the cheaper
+  if both;
 * ``torchtitan(…)`` — what a careful torchtitan user picks by sweeping its knobs: the best
   of the grid FSDP (ZeRO-3) or DDP degree × TP degree × sequence parallel × activation
   checkpointing {none, full, selective (every other block)} (:func:`torchtitan_choice`;
@@ -70,7 +75,7 @@ from ilp_planner.intra_op.problem import GraphProblem, Restriction, StrategyFilt
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes
-from ilp_planner.lowering.strategies import Strategy, head_splits
+from ilp_planner.lowering.strategies import Strategy, head_splits, summa_fits
 
 Filter = StrategyFilter
 _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
@@ -153,11 +158,20 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
 
 @functools.cache  # one object per member: restricted builds cache by it
 def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
+    """SUMMA on the ``rows × cols`` mesh (see the module docstring): every linear as SUMMA,
+    or, where the mesh does not divide its sizes (:func:`summa_fits`), split only what
+    divides — its tokens over the rows and its contraction or its output columns over the
+    columns (the 3-D members ``(rows, 1, cols)`` and ``(rows, cols, 1)``)."""
+    one = MeshAxis(1, 1)
+    fallback = {(rows, one, cols), (rows, cols, one)}
+
     def keep(op: Op, s: Strategy) -> bool:
         if s.zero:
             return False
         if op.kind is OpKind.LINEAR:
-            return s.label.startswith("summa") and s.fact == (rows, cols)
+            if summa_fits(op, rows.size, cols.size):
+                return s.label.startswith("summa") and s.fact == (rows, cols)
+            return s.label.startswith("3d") and s.fact in fallback
         return True
     # 3-D strategies stay for embeddings, convolutions and activation matmuls ("free")
     return keep

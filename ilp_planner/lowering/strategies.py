@@ -494,14 +494,21 @@ def summa_programs(fact: Factorisation, in_tensor: TensorSpec, weight: TensorSpe
             plan_redistribution(lay, wc, weight.master, cluster, Layout(fact, tuple(gw))))
 
 
-def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
+def summa_fits(op: Op, r: int, c: int) -> bool:
+    """Whether a linear runs as SUMMA on an ``r × c`` mesh: both axes real, and I (M, K),
+    W (K, N) and O (M, N) all split evenly ``(S0:r, S1:c)``."""
     assert op.weight is not None
     m = op.output.shape[0]
-    k, n = op.weight.shape
+    k, n = op.weight.shape[:2]
+    return r > 1 and c > 1 and not (m % r or k % c or k % r or n % c)
+
+
+def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
+    assert op.weight is not None
     out = []
     for fact in _two_axis(ctx):
         r, c = (a.size for a in fact)
-        if r == 1 or c == 1 or m % r or k % c or k % r or n % c:
+        if not summa_fits(op, r, c):
             continue
         lay = Layout(fact, (Split(0), Split(1)))
         label = f"summa({fact[0]}x{fact[1]})"
