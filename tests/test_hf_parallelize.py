@@ -203,6 +203,47 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
 
 
+def test_batch_norm_on_local_blocks_computes_what_one_process_does(one_rank):
+    """:mod:`runtime.local_batchnorm`'s arithmetic on one rank (whole blocks, no group):
+    three training steps of ResNet give the module's losses, and the running means and
+    (unbiased) variances equal one process's; in eval mode, the same outputs."""
+    import copy
+
+    import torch
+
+    import ilp_planner
+    from runtime.apply import full_value, parallelize
+    from tests.helpers.hf_apply_check import MODELS, cluster, loss_of
+
+    torch.manual_seed(0)
+    case = MODELS["resnet"]()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((model, ref), opts, strict=True):
+            loss = loss_of(m(case.inputs), case.targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(full_value(loss)))
+        assert abs(losses[0] - losses[1]) <= 1e-5 * max(1.0, abs(losses[1]))
+    norms = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms
+    for name, bn in norms:
+        twin = ref.get_submodule(name)
+        assert torch.allclose(bn.running_mean, twin.running_mean, atol=1e-6)
+        assert torch.allclose(bn.running_var, twin.running_var, atol=1e-5)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        mine = full_value(model(case.inputs).logits)
+        assert torch.allclose(mine, ref(case.inputs).logits, atol=1e-5)
+
+
 def test_t5_on_one_rank_keeps_its_shared_tables_one_parameter_each(one_rank):
     """T5's one table (encoder and decoder lookups, the tied head) and each stack's relative
     position table (owned by its first self-attention, read as SDPA's mask by all of them)
