@@ -7,7 +7,11 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
 * ``data_parallel`` — every op split over the batch on all devices, weights replicated;
 * ``megatron(dp×tp)`` — linear layers column- or row-parallel over a TP axis, batch split
   over a DP axis; other ops split the batch over DP and keep heads (attention) or nothing
-  split over TP. An attention whose heads cannot split over TP (a fused ``[q | k | v]``
+  split over TP. A batch norm keeps its batch whole over DP (its channels over TP or
+  whole), as it did before the planner's space had synchronised batch norm: splitting it
+  over DP too doubles every batch norm's options, which made ResNet-50's Megatron members
+  four times slower to price for the same figure (data parallel and Megatron-SP price
+  the synchronised layouts). An attention whose heads cannot split over TP (a fused ``[q | k | v]``
   projection, GPT-2's ``c_attn``, whose column blocks are not whole heads; key/value heads
   TP does not divide) keeps them whole there: its input is gathered over TP and it runs
   replicated, as ``parallelize`` runs it on the user's module. Every two-axis mesh is
@@ -138,6 +142,7 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
     one = MeshAxis(1, 1)
     fact2 = (dp, tp)
     allowed = {Layout(fact2, (x, y)).canonical_key() for x in (Split(0), B) for y in (B, Split(1))}
+    whole_batch = {Layout(fact2, (B, y)).canonical_key() for y in (B, Split(1))}
     seq = Layout(fact2, (Split(0), Split(0))).canonical_key()
     matmul_facts = {(dp, tp, one), (dp, one, tp)}
 
@@ -152,6 +157,8 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
                 fact2, (Split(0), heads)).canonical_key()
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
             return not s.output.has_partial and s.output.canonical_key() == seq
+        if op.kind is OpKind.BATCHNORM:  # see the module docstring
+            return s.output.canonical_key() in whole_batch
         return not s.output.has_partial and s.output.canonical_key() in allowed
     return Restriction(keep, frozenset(matmul_facts))
 
