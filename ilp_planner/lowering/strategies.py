@@ -24,9 +24,10 @@ gradient is exact after one AllReduce over all of them; the op owning the table
 (``attrs.bias_buckets``: its rows) holds it as the parameter ``rel_bias``. Add
 takes any
 partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
-in-channels); batch norm splits its batch, its channels or both (synchronised batch norm over
-the batch axes, :func:`batchnorm_collectives`); elementwise ops, pooling, flatten and the loss *follow* their producer (they
-are merged into it before solving, see :mod:`ilp_planner.intra_op.problem`).
+in-channels); batch norm splits its batch, its channels or both (synchronised batch norm
+over the batch axes, :func:`batchnorm_collectives`); elementwise ops, pooling, flatten and
+the loss *follow* their producer (they are merged into it before solving, see
+:mod:`ilp_planner.intra_op.problem`).
 
 Every op's activation memory is its output shard (what its consumers keep for backward);
 state memory is its parameter shard × bytes per parameter. Compute is priced on the local
