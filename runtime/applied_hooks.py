@@ -36,6 +36,7 @@ from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, Unwrap, Wrap, dtensor_spec, placements
 from runtime.errors import RuntimeSetupError
 from runtime.local_attention import LocalAttention
+from runtime.local_batchnorm import LocalBatchNorm, StatsGroups
 from runtime.ops import bias_share
 from runtime.recorder import tagged
 
@@ -202,7 +203,8 @@ class BoundaryHooks:
 
     def __init__(self, graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
                  comm: Comm, meshes: Meshes, edges: EdgeRunner, params: AppliedParams,
-                 replicating: ContextStack, device_type: str):
+                 replicating: ContextStack, device_type: str,
+                 batchnorms: StatsGroups | None = None):
         self.graph = graph
         self.layers = layers
         self.module = module
@@ -212,6 +214,7 @@ class BoundaryHooks:
         self.params = params
         self.replicating = replicating  # from the forward until the gradients are reduced
         self.device_type = device_type
+        self.batchnorms = batchnorms or {}  # runtime.local_batchnorm: their statistics' groups
         self.forward_only = ContextStack()
         # converted -> (it, original, producer)
         self.origin: dict[int, tuple[DTensor, DTensor, str]] = {}
@@ -374,7 +377,8 @@ class BoundaryHooks:
         (DTensor's ``implicit_replication``: local, no communication; autograd replays the
         flag into the backward only if it is on when ``backward()`` is called). SDPA split
         over the batch and the heads runs on this rank's blocks
-        (:class:`~runtime.local_attention.LocalAttention`); any other SDPA on CPU meshes
+        (:class:`~runtime.local_attention.LocalAttention`), and so does batch norm
+        (:class:`~runtime.local_batchnorm.LocalBatchNorm`); any other SDPA on CPU meshes
         takes its math path, where DTensor shards its matmuls and softmax (the fused CPU
         kernel has no sharding rule)."""
         self.origin = {}
@@ -387,6 +391,7 @@ class BoundaryHooks:
 
             self.forward_only.enter(sdpa_kernel([SDPBackend.MATH]))
         self.forward_only.enter(LocalAttention())
+        self.forward_only.enter(LocalBatchNorm(self.batchnorms))
         inputs = [op for op in self.graph.ops if op.kind is OpKind.INPUT]
         values = list(args) + list(kwargs.values())
         if len(values) != len(inputs):

@@ -16,7 +16,9 @@ the plan's program, in place, on every rank of the job:
   hooks check every placement at every module boundary, forward and backward, and a
   difference is an error (:class:`~runtime.errors.FidelityError`), never a silent
   redistribution; SDPA split over the batch and the heads runs on this rank's blocks
-  (:mod:`runtime.local_attention`), which DTensor's 4-D matmul cannot always do;
+  (:mod:`runtime.local_attention`), which DTensor's 4-D matmul cannot always do, and so
+  does batch norm, synchronised over the axes splitting its batch
+  (:mod:`runtime.local_batchnorm`), which DTensor's rule (channels only) cannot do;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
   accumulated, then handed to the optimizer in the parameter's placements;
@@ -78,6 +80,7 @@ from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_he
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
+from runtime.local_batchnorm import register_batchnorms, stats_groups
 from runtime.mesh import MeshRegistry
 
 GROUP_TIMEOUT_S = 300.0
@@ -119,17 +122,20 @@ class Applied:
             self.comm.register(t.to_table)
             self.comm.register(t.to_head)
         install_moe(self.graph, self.layers, module, self.comm)
+        norms = register_batchnorms(self.graph, self.layers, self.comm)
         self.device_type = _device_type(device_mesh, self.world)
         self.registry.create()
         self.meshes = Meshes((lay for ly in plan.layers for lay in (*ly.inputs, ly.output)
                               if lay is not None), self.device_type, self.world)
+        batchnorms = stats_groups(self.graph, norms, self.comm, self.meshes)
         replicating = ContextStack()  # from the forward until the gradients are reduced
         self.params = AppliedParams(self.graph, self.layers, module, self.comm, self.meshes,
                                     chunks, tied, self.registry, replicating)
         install_bias_tables(self.graph, self.params, module, self.meshes)
         edges = EdgeRunner(self.graph, self.comm, self.meshes)
         self.hooks = BoundaryHooks(self.graph, self.layers, module, self.comm, self.meshes,
-                                   edges, self.params, replicating, self.device_type)
+                                   edges, self.params, replicating, self.device_type,
+                                   batchnorms)
         self.hooks.install(programs)
 
     def _grad_chunks(self) -> tuple[GradBucket, ...]:

@@ -30,6 +30,7 @@ from ilp_planner.intra_op.baselines import (
 from ilp_planner.intra_op.problem import build_problem, peak_memory
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, mesh_factorisations
+from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.cost_model import MemorySpec
 
 GIB = 2**30
@@ -42,10 +43,11 @@ def cluster(nodes: int, local: int, memory_gib: float = 16) -> Cluster:
 
 
 def gpt_config(nodes: int, local: int, *, batch: int = 8, microbatches: int = 1,
-               memory_gib: float = 80, layers: int = 2, hidden: int = 64, heads: int = 4):
+               memory_gib: float = 80, layers: int = 2, hidden: int = 64, heads: int = 4,
+               vocab: int = 128):
     return parse_config({
         "name": "gpt", "model": {"kind": "gpt", "hidden": hidden, "layers": layers,
-                                 "heads": heads, "seq_len": 16, "vocab": 128, "batch": batch},
+                                 "heads": heads, "seq_len": 16, "vocab": vocab, "batch": batch},
         "cluster": {"nodes": nodes, "devices_per_node": local, "memory_gib": memory_gib,
                     "peak_tflops": 10, "efficiency": 1.0,
                     "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 800},
@@ -176,3 +178,29 @@ def test_a_batch_no_micro_batch_count_splits_is_named():
     with pytest.raises(ValueError, match="the batch of 96 does not split over a "
                                          "data-parallel degree of 128"):
         builder((0,), frozenset(), data_parallel_filter(MeshAxis(16, 8)), 128)
+
+
+def test_summa_prices_a_head_the_mesh_does_not_divide_by_splitting_what_divides():
+    """A 127-wide head (odd: no SUMMA on any mesh) keeps its width whole in the SUMMA
+    member — tokens over the rows, the contraction or the output columns over the columns —
+    while every other linear runs SUMMA; the family prices instead of ``n/a``."""
+    config = gpt_config(2, 4, vocab=127)
+    request = MeshSolveRequest.whole_model(config, 2, 4, None)
+    families = price_families(MemberBuilder(request), 2, 4, 1, None, 30.0)
+    (priced,) = [v for k, v in families.items() if k.startswith("summa")]
+    assert not isinstance(priced, str), priced
+    chosen = {}
+    for group, k in zip(priced.gp.groups, priced.choice, strict=True):
+        chosen[group[0]] = priced.gp.options[group[0]][k].base
+    # one representative per group (tied blocks share their choice)
+    linears = [op for op in request.graph.ops if op.kind is OpKind.LINEAR and op.name in chosen]
+    assert "lm_head" in {op.name for op in linears} and len(linears) > 1
+    one = MeshAxis(1, 1)
+    for op in linears:
+        s = chosen[op.name]
+        if op.name == "lm_head":
+            rows, cols = s.fact[0], s.fact[2] if s.fact[1] == one else s.fact[1]
+            assert s.label.startswith("3d") and one in s.fact and rows.size * cols.size == 8
+            assert s.weight.split_degree(1) == 1 or 127 % s.weight.split_degree(1) == 0
+        else:
+            assert s.label.startswith("summa"), (op.name, s.label)

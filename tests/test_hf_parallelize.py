@@ -11,7 +11,8 @@ and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on bo
 attention split over the batch and the heads at once. The 2 × 2 cluster gives plans on a
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
-parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers.
+parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers. ResNet
+trains with its batch norms synchronised over the devices splitting its batch.
 """
 
 from __future__ import annotations
@@ -174,6 +175,21 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
     line_of(shape, model)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["resnet-data-parallel", "resnet-batch-and-channels"])
+def test_resnet_trains_with_synchronised_batch_norm(model, shape):
+    """Batch norms splitting the batch (data parallel on all 4 devices; or the batch and the
+    channels over two axes): each rank's block runs with the whole batch's statistics
+    (:mod:`runtime.local_batchnorm`), its forward and backward AllReduces matched by the
+    audit, and each rank's channels of every running mean and variance equal one
+    process's."""
+    line = line_of(shape, model)
+    assert "batchnorm=backward,forward" in line, line
+    if model == "resnet-batch-and-channels":
+        assert "S(0)S(1)" in line, line
+
+
 @pytest.fixture
 def one_rank():
     import torch.distributed as dist
@@ -207,6 +223,47 @@ def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank)
     F.cross_entropy(ref(case.inputs).logits.flatten(0, 1), case.targets.flatten()).backward()
     table = model.lm_head.weight.grad.full_tensor()  # both uses' gradients, in one
     assert torch.allclose(table, ref.lm_head.weight.grad, atol=1e-6)
+
+
+def test_batch_norm_on_local_blocks_computes_what_one_process_does(one_rank):
+    """:mod:`runtime.local_batchnorm`'s arithmetic on one rank (whole blocks, no group):
+    three training steps of ResNet give the module's losses, and the running means and
+    (unbiased) variances equal one process's; in eval mode, the same outputs."""
+    import copy
+
+    import torch
+
+    import ilp_planner
+    from runtime.apply import full_value, parallelize
+    from tests.helpers.hf_apply_check import MODELS, cluster, loss_of
+
+    torch.manual_seed(0)
+    case = MODELS["resnet"]()
+    ref = copy.deepcopy(case.model)
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 1), baselines=False)
+    model = parallelize(plan, case.model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((model, ref), opts, strict=True):
+            loss = loss_of(m(case.inputs), case.targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(full_value(loss)))
+        assert abs(losses[0] - losses[1]) <= 1e-5 * max(1.0, abs(losses[1]))
+    norms = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms
+    for name, bn in norms:
+        twin = ref.get_submodule(name)
+        assert torch.allclose(bn.running_mean, twin.running_mean, atol=1e-6)
+        assert torch.allclose(bn.running_var, twin.running_var, atol=1e-5)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        mine = full_value(model(case.inputs).logits)
+        assert torch.allclose(mine, ref(case.inputs).logits, atol=1e-5)
 
 
 def test_t5_on_one_rank_keeps_its_shared_tables_one_parameter_each(one_rank):

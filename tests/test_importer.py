@@ -132,6 +132,12 @@ def test_resnet_import_and_solve():
     assert g["layer1.1.add"].inputs == ("layer1.1.bn2", "layer1.0.relu_1")
     plan = ilp_planner.solve(g, cluster=CLUSTER)
     assert plan.solver.status == "optimal"
+    # batch norm splits its batch (synchronised), so a CNN has data-parallel and Megatron-SP
+    # layouts, and the plan is no slower than any baseline
+    for name in ("data_parallel", "megatron_sp"):
+        block = next(b for k, b in plan.baselines.items() if k.startswith(name))
+        assert block.get("total_s") is not None, (name, block)
+        assert plan.cost.total_s <= block["total_s"] + 1e-15
 
 
 def test_loss_fn_is_traced_with_the_model():

@@ -239,6 +239,23 @@ def test_runtime_refuses_convolutions_it_cannot_run(weight, conv_shape, pool_sha
         model.check_supported(_graph(weight, conv_shape, pool_shape))
 
 
+def test_runtime_refuses_batch_norm_naming_the_op() -> None:
+    """The executor has no batch-norm kernel (``parallelize`` runs a user's batch norms,
+    synchronised where the plan splits their batch): a plan with one is refused up front,
+    naming it, before any process group."""
+    g = graph_from_spec({"kind": "graph", "ops": [
+        {"name": "x", "kind": "input", "shape": [4, 3, 8, 8]},
+        {"name": "conv", "kind": "conv2d", "inputs": ["x"], "shape": [4, 4, 8, 8],
+         "weight": [4, 3, 3, 3]},
+        {"name": "bn", "kind": "batchnorm", "inputs": ["conv"], "shape": [4, 4, 8, 8]},
+        {"name": "flat", "kind": "flatten", "inputs": ["bn"], "shape": [4, 256]},
+        {"name": "fc", "kind": "linear", "inputs": ["flat"], "shape": [4, 4], "weight": [256, 4]},
+        {"name": "loss", "kind": "loss", "inputs": ["fc"], "shape": [1]},
+    ]})
+    with pytest.raises(RuntimeSetupError, match="op 'bn' is a batchnorm"):
+        model.check_supported(g)
+
+
 # -- the plans are what they claim ------------------------------------------------------------------
 
 

@@ -244,3 +244,45 @@ def test_tied_exchange_price_is_its_programs_collectives():
         for j, b in enumerate(hw):
             listed = sum(x.seconds for x in tied_exchange_collectives(a, b, table, c.cluster))
             assert priced[i, j] == pytest.approx(listed, rel=1e-9, abs=1e-13)
+
+
+def _batchnorm(shape: tuple[int, ...] = (8, 16, 6, 6)):
+    from ilp_planner.ir.graph import Op, TensorSpec
+
+    return Op("bn", OpKind.BATCHNORM, ("conv",), TensorSpec(shape), params=2 * shape[1],
+              flops=8.0 * math.prod(shape))
+
+
+def test_batchnorm_splits_batch_and_channels_with_synchronised_statistics():
+    """Synchronised batch norm: every batch split (8 images over 1, 2, 4, 8 devices) and
+    channel split, alone or together; the forward AllReduces [Σx, Σx²] and the input's
+    backward [Σdy, Σdy·x̂] — 2 × the local channels in fp32 — over exactly the axes
+    splitting the batch; the gains' and offsets' gradients (2 × local channels) are
+    AllReduced over the same axes by weight-gradient synchronisation; none of it where the
+    batch is whole."""
+    bn = _batchnorm()
+    c = ctx()
+    strats = op_strategies(bn, [bn.output], c)
+    assert {s.output.split_degree(0) for s in strats} == {1, 2, 4, 8}
+    assert {(s.output.split_degree(0), s.output.split_degree(1)) for s in strats} >= {
+        (2, 4), (4, 2), (8, 1), (1, 8)}
+    for s in strats:
+        out = s.output
+        assert all(out.split_degree(d) == 1 for d in (2, 3)) and not out.has_partial
+        axes = tuple(a for a in out.split_axes(0) if out.fact[a].size > 1)
+        local_c = 16 // out.split_degree(1)
+        stats = [x for x in s.collectives if x.purpose == "batchnorm"]
+        sync = [x for x in s.collectives if x.purpose == "grad_sync"]
+        if not axes:
+            assert not stats and not sync and not s.input_backward
+            continue
+        group = out.split_degree(0)
+        link = "inter" if any(out.fact[a].nodes > 1 for a in axes) else "intra"
+        (fwd,), (bwd,) = stats, s.input_backward
+        for x, phase in ((fwd, "forward"), (bwd, "backward")):
+            assert (x.kind, x.group_size, x.bytes, x.phase, x.link) == (
+                K.ALL_REDUCE, group, 2 * local_c * 4, phase, link)
+            assert x.seconds == pytest.approx(collective_time(
+                K.ALL_REDUCE, group, 2 * local_c * 4, INTER if link == "inter" else INTRA))
+        (g,) = sync
+        assert (g.kind, g.group_size, g.bytes) == (K.ALL_REDUCE, group, 2 * local_c * 4)

@@ -7,7 +7,11 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
 * ``data_parallel`` — every op split over the batch on all devices, weights replicated;
 * ``megatron(dp×tp)`` — linear layers column- or row-parallel over a TP axis, batch split
   over a DP axis; other ops split the batch over DP and keep heads (attention) or nothing
-  split over TP. An attention whose heads cannot split over TP (a fused ``[q | k | v]``
+  split over TP. A batch norm keeps its batch whole over DP (its channels over TP or
+  whole), as it did before the planner's space had synchronised batch norm: splitting it
+  over DP too doubles every batch norm's options, which made ResNet-50's Megatron members
+  four times slower to price for the same figure (data parallel and Megatron-SP price
+  the synchronised layouts). An attention whose heads cannot split over TP (a fused ``[q | k | v]``
   projection, GPT-2's ``c_attn``, whose column blocks are not whole heads; key/value heads
   TP does not divide) keeps them whole there: its input is gathered over TP and it runs
   replicated, as ``parallelize`` runs it on the user's module. Every two-axis mesh is
@@ -17,7 +21,12 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
   activations between blocks are ``(S0, S0)``), so the TP AllReduce becomes a
   ReduceScatter after the row-parallel linear and an AllGather before the column-parallel
   one;
-* ``summa(r×c)`` — linear layers as 2-D SUMMA on an ``r × c`` mesh; other ops free;
+* ``summa(r×c)`` — linear layers as 2-D SUMMA on an ``r × c`` mesh; other ops free. A
+  linear whose sizes the mesh does not divide (GPT-2's 50,257-wide head: no SUMMA member
+  exists) splits only what divides, the way Megatron keeps undividable heads whole: its
+  tokens over the rows and, over the columns, its contraction (the output a partial sum,
+  its input in SUMMA's own layout) or its output columns — whichever divides, the cheaper
+  if both;
 * ``torchtitan(…)`` — what a careful torchtitan user picks by sweeping its knobs: the best
   of the grid FSDP (ZeRO-3) or DDP degree × TP degree × sequence parallel × activation
   checkpointing {none, full, selective (every other block)} (:func:`torchtitan_choice`;
@@ -70,7 +79,7 @@ from ilp_planner.intra_op.problem import GraphProblem, Restriction, StrategyFilt
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes
-from ilp_planner.lowering.strategies import Strategy, head_splits
+from ilp_planner.lowering.strategies import Strategy, head_splits, summa_fits
 
 Filter = StrategyFilter
 _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
@@ -133,6 +142,7 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
     one = MeshAxis(1, 1)
     fact2 = (dp, tp)
     allowed = {Layout(fact2, (x, y)).canonical_key() for x in (Split(0), B) for y in (B, Split(1))}
+    whole_batch = {Layout(fact2, (B, y)).canonical_key() for y in (B, Split(1))}
     seq = Layout(fact2, (Split(0), Split(0))).canonical_key()
     matmul_facts = {(dp, tp, one), (dp, one, tp)}
 
@@ -147,17 +157,28 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
                 fact2, (Split(0), heads)).canonical_key()
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
             return not s.output.has_partial and s.output.canonical_key() == seq
+        if op.kind is OpKind.BATCHNORM:  # see the module docstring
+            return s.output.canonical_key() in whole_batch
         return not s.output.has_partial and s.output.canonical_key() in allowed
     return Restriction(keep, frozenset(matmul_facts))
 
 
 @functools.cache  # one object per member: restricted builds cache by it
 def summa_filter(rows: MeshAxis, cols: MeshAxis) -> Filter:
+    """SUMMA on the ``rows × cols`` mesh (see the module docstring): every linear as SUMMA,
+    or, where the mesh does not divide its sizes (:func:`summa_fits`), split only what
+    divides — its tokens over the rows and its contraction or its output columns over the
+    columns (the 3-D members ``(rows, 1, cols)`` and ``(rows, cols, 1)``)."""
+    one = MeshAxis(1, 1)
+    fallback = {(rows, one, cols), (rows, cols, one)}
+
     def keep(op: Op, s: Strategy) -> bool:
         if s.zero:
             return False
         if op.kind is OpKind.LINEAR:
-            return s.label.startswith("summa") and s.fact == (rows, cols)
+            if summa_fits(op, rows.size, cols.size):
+                return s.label.startswith("summa") and s.fact == (rows, cols)
+            return s.label.startswith("3d") and s.fact in fallback
         return True
     # 3-D strategies stay for embeddings, convolutions and activation matmuls ("free")
     return keep

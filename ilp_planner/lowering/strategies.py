@@ -24,8 +24,10 @@ gradient is exact after one AllReduce over all of them; the op owning the table
 (``attrs.bias_buckets``: its rows) holds it as the parameter ``rel_bias``. Add
 takes any
 partial-free layout for both inputs; conv2d is the 3-D family over (batch, out-channels,
-in-channels); elementwise ops, pooling, flatten and the loss *follow* their producer (they
-are merged into it before solving, see :mod:`ilp_planner.intra_op.problem`).
+in-channels); batch norm splits its batch, its channels or both (synchronised batch norm
+over the batch axes, :func:`batchnorm_collectives`); elementwise ops, pooling, flatten and
+the loss *follow* their producer (they are merged into it before solving, see
+:mod:`ilp_planner.intra_op.problem`).
 
 Every op's activation memory is its output shard (what its consumers keep for backward);
 state memory is its parameter shard × bytes per parameter. Compute is priced on the local
@@ -375,11 +377,15 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
         g = Layout(lay.fact, tuple(P if pl == Split(0) else B for pl in lay.placements))
         out = {role: (rep, g) for role in param_shapes(op)}
     elif op.kind is OpKind.BATCHNORM:
-        # channels split, batch and space whole: each device owns its channels' statistics,
-        # gains and offsets, whose gradients are complete where they live
+        # each device holds its channels' gains and offsets; their gradients sum over the
+        # batch rows it holds, so they are partial over the batch-splitting axes
+        # (synchronised batch norm, :func:`batchnorm_collectives`)
         lay = Layout(output.fact, tuple(Split(0) if pl == Split(1) else B
                                         for pl in output.placements))
-        out = {"weight": (lay, lay), "bias": (lay, lay)}
+        grad = Layout(output.fact, tuple(P if pl == Split(0) else q
+                                         for pl, q in zip(output.placements, lay.placements,
+                                                          strict=True)))
+        out = {"weight": (lay, grad), "bias": (lay, grad)}
     elif op.kind is OpKind.OPAQUE and op.params:
         rep = Layout.replicated(output.fact)
         out = {role: (rep, rep) for role in param_shapes(op)}
@@ -496,14 +502,21 @@ def summa_programs(fact: Factorisation, in_tensor: TensorSpec, weight: TensorSpe
             plan_redistribution(lay, wc, weight.master, cluster, Layout(fact, tuple(gw))))
 
 
-def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
+def summa_fits(op: Op, r: int, c: int) -> bool:
+    """Whether a linear runs as SUMMA on an ``r × c`` mesh: both axes real, and I (M, K),
+    W (K, N) and O (M, N) all split evenly ``(S0:r, S1:c)``."""
     assert op.weight is not None
     m = op.output.shape[0]
-    k, n = op.weight.shape
+    k, n = op.weight.shape[:2]
+    return r > 1 and c > 1 and not (m % r or k % c or k % r or n % c)
+
+
+def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
+    assert op.weight is not None
     out = []
     for fact in _two_axis(ctx):
         r, c = (a.size for a in fact)
-        if r == 1 or c == 1 or m % r or k % c or k % r or n % c:
+        if not summa_fits(op, r, c):
             continue
         lay = Layout(fact, (Split(0), Split(1)))
         label = f"summa({fact[0]}x{fact[1]})"
@@ -621,6 +634,40 @@ def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
             activation_bytes=lay.local_bytes(op.output), update_params=local,
             **_priced(op, split, ctx),
         ))
+    return out
+
+
+BN_STAT_ITEMSIZE = 4  # batch-norm statistics are reduced in fp32, whatever the compute dtype
+
+
+def batchnorm_collectives(op: Op, layout: Layout, ctx: StrategyContext
+                          ) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
+    """(forward, input-backward) collectives of a batch norm whose (N, C, H, W) output is in
+    ``layout`` — synchronised batch norm (``torch.nn.SyncBatchNorm``: exact statistics of
+    the whole batch) over the axes splitting the batch. Forward: one AllReduce of the local
+    per-channel [Σx, Σx²] (2·C_local fp32 values; the count is known from the shapes);
+    backward, where autograd reaches the input: one AllReduce of [Σdy, Σdy·x̂] (the
+    gradients of those sums), the same size. None where the batch is whole."""
+    axes = tuple(a for a in layout.split_axes(0) if layout.fact[a].size > 1)
+    if not axes:
+        return (), ()
+    nbytes = 2 * layout.padded_shape(op.output.shape)[1] * BN_STAT_ITEMSIZE
+    return ((coll(CollectiveKind.ALL_REDUCE, layout.fact, axes, nbytes, ctx, "forward",
+                  "batchnorm"),),
+            (coll(CollectiveKind.ALL_REDUCE, layout.fact, axes, nbytes, ctx, "backward",
+                  "batchnorm"),))
+
+
+def _batchnorm_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
+    """Batch norm on its channels split, its batch split (synchronised batch norm: exact
+    whole-batch statistics, :func:`batchnorm_collectives`) or both, over any mesh axes;
+    spatial dims stay whole. Compute is priced on the local block as for any norm; the
+    gains' and offsets' gradients are partial over the batch axes (:func:`param_layouts`)
+    and reduced by weight-gradient synchronisation."""
+    out = []
+    for s in _layout_strategies(op, candidate_layouts(op.output, ctx, (0, 1)), 1, ctx):
+        fwd, bwd = batchnorm_collectives(op, s.output, ctx)
+        out.append(dataclasses.replace(s, collectives=fwd + s.collectives, input_backward=bwd))
     return out
 
 
@@ -744,7 +791,7 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
     if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX):
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
     if kind is OpKind.BATCHNORM:
-        return _layout_strategies(op, candidate_layouts(op.output, ctx, (1,)), 1, ctx)
+        return _batchnorm_family(op, ctx)
     if kind is OpKind.OPAQUE:
         return _layout_strategies(op, candidate_layouts(op.output, ctx, opaque_dims(op)),
                                   len(op.inputs), ctx)

@@ -34,7 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ilp_planner  # noqa: E402
 from ilp_planner.inputs.config import load_config  # noqa: E402
-from ilp_planner.intra_op.baselines import Filter, megatron_filter  # noqa: E402
+from ilp_planner.intra_op.baselines import (  # noqa: E402
+    Filter,
+    data_parallel_filter,
+    megatron_filter,
+)
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations  # noqa: E402
 from ilp_planner.ir.graph import Op, OpKind  # noqa: E402
 from ilp_planner.lowering.moe_strategies import expert_parallel  # noqa: E402
@@ -115,6 +119,45 @@ def resnet() -> Case:
     cfg = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                        num_labels=CLASSES)
     return Case(ResNetForImageClassification(cfg), *_images(32))
+
+
+def resnet_batch_split(both: bool) -> Callable[[], Case]:
+    """ResNet with every batch norm splitting its batch (synchronised batch norm,
+    :mod:`runtime.local_batchnorm`): data parallel over all 4 devices, or (``both``) the
+    solver's best plan among those whose batch norms split the batch and the channels at
+    once, over two mesh axes."""
+    def bn_splits(op: Op, s: Strategy) -> bool:
+        return op.kind is not OpKind.BATCHNORM or (
+            s.output.split_degree(0) > 1 and (s.output.split_degree(1) > 1) == both)
+
+    def on(nodes: int, devices: int) -> Filter:
+        if both:
+            return bn_splits
+        dp = data_parallel_filter(MeshAxis(nodes, devices))
+        return lambda op, s: dp(op, s) and bn_splits(op, s)
+
+    def case() -> Case:
+        c = resnet()
+        return Case(c.model, c.inputs, c.targets, layouts=on)
+    return case
+
+
+def running_stats_differ(plan: Plan, model: nn.Module, reference: nn.Module) -> list[str]:
+    """Batch norms whose running mean or variance, on this rank's channels (the block it
+    updates), differ from one process's."""
+    graph, out = load_config(plan.config).graph, []
+    layers = {ly.name: ly for ly in plan.layers}
+    for op in graph.ops:
+        if op.kind is not OpKind.BATCHNORM:
+            continue
+        path = op.source_params[0].rsplit(".", 1)[0]
+        lo, hi = layers[op.name].output.regions(op.output.shape)[dist.get_rank()][1]
+        mine, ref = model.get_submodule(path), reference.get_submodule(path)
+        for buf in ("running_mean", "running_var"):
+            a, b = getattr(mine, buf)[lo:hi], getattr(ref, buf)[lo:hi]
+            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                out.append(f"{path}.{buf}[{lo}:{hi}] differs by {float((a - b).abs().max())}")
+    return out
 
 
 def t5(attention: str = "sdpa") -> Case:
@@ -335,6 +378,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
+    "resnet-data-parallel": resnet_batch_split(both=False),
+    "resnet-batch-and-channels": resnet_batch_split(both=True),
     "llama-megatron": megatron(lambda: llama(tied=False)),
     "bert-megatron-sp": megatron(bert, sequence_parallel=True),
     "gpt2-megatron": megatron(gpt2),
@@ -416,6 +461,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     failures = []
     exchanged: set[str] = set()  # purposes of the AllToAlls the audit matched
+    synced: set[str] = set()  # phases of the batch norms' statistics AllReduces matched
     for step in range(steps):
         rec = Recorder(dist.get_world_size())
         with rec:
@@ -434,9 +480,12 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
         if not all(r.ok for r in rows):
             failures.append(format_rows(dist.get_rank(), rows))
         exchanged |= {r.purpose for r in rows if r.kind == "all_to_all" and r.executed_count}
+        synced |= {r.phase for r in rows if r.purpose == "batchnorm" and r.executed_count}
+    failures += running_stats_differ(plan, model, reference)
     if dist.get_rank() == 0 and not failures:
         a2a = f" all_to_all={','.join(sorted(exchanged))}" if exchanged else ""
-        print(f"OK {name} {describe(plan)}{a2a}", flush=True)
+        bn = f" batchnorm={','.join(sorted(synced))}" if synced else ""
+        print(f"OK {name} {describe(plan)}{a2a}{bn}", flush=True)
     return failures
 
 
