@@ -30,11 +30,9 @@ from ilp_planner.ir.graph import Graph, OpKind  # noqa: E402
 from ilp_planner.plan.data import baseline_seconds  # noqa: E402
 from ilp_planner.reports.explain import opaque_share, step_seconds  # noqa: E402
 
-CLUSTER = {
-    "name": "h100-80g-8x8", "nodes": 8, "devices_per_node": 8, "memory_gib": 80,
-    "peak_tflops": 989, "efficiency": 0.5,  # H100 SXM bf16 dense peak
-    "links": {"intra": {"latency_us": 3, "bandwidth_gbps": 7200},   # NVLink 4
-              "inter": {"latency_us": 10, "bandwidth_gbps": 3200}},  # 8 × 400 Gb/s IB
+CLUSTER = {  # catalogue figures: NCCL's collective model and the roofline compute model
+    "gpu": "h100", "nodes": 8, "devices_per_node": 8, "intra": "nvlink4",
+    "inter": "8x-ib-ndr400",
 }
 TRAINING = {"optimizer": "adam_mixed"}
 SOLVER = {"tie_layers": True, "gap": 0.001, "time_limit_s": 60}
