@@ -644,3 +644,20 @@ def test_the_incumbent_prices_pipelines_before_the_whole_cluster():
     bounded = solve_pipelined(config, baselines=False)
     assert bounded.solver.objective == pytest.approx(exact.solver.objective, rel=1e-12)
     assert solver.state.incumbent_s >= exact.solver.objective * (1 - 1e-12)
+
+
+def test_divisors_space_holds_the_even_split_power_of_two_cannot():
+    """12 single-device nodes in 2 stages: the even split 6 + 6 (Megatron's ``nodes / pp``)
+    is in ``submesh_space: divisors`` and the optimum over every shape (``all``);
+    powers of two split 12 only as 8 + 4, a slower pipeline."""
+    def plan(space):
+        return solve_pipelined(tiny(**{
+            "model.layers": 2, "model.batch": 48, "cluster.nodes": 12,
+            "cluster.devices_per_node": 1, "pipeline.stages": 2, "pipeline.microbatches": 8,
+            "pipeline.schedule": "1f1b", "pipeline.submesh_space": space}), baselines=False)
+
+    divisors, pow2, every = plan("divisors"), plan("power_of_two"), plan("all")
+    assert [s.mesh for s in divisors.stages] == [(6, 1), (6, 1)]
+    assert sorted(s.mesh for s in pow2.stages) == [(4, 1), (8, 1)]
+    assert divisors.solver.objective == pytest.approx(every.solver.objective, rel=1e-12)
+    assert divisors.solver.objective < pow2.solver.objective * (1 - 1e-3)
