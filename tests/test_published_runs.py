@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from ilp_planner.inputs.config import load_config
-from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.inter_op.given_price import model_flops
+from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.ir.cluster import submesh_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
