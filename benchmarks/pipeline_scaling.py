@@ -21,6 +21,7 @@ import time
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import parse_config
 from ilp_planner.inter_op.pipeline import solve_pipelined
+from ilp_planner.ir.cluster import SUBMESH_SPACES
 
 ROWS = ((24, 16), (48, 64), (96, 128))  # (layers, nodes of 8 devices)
 
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="*", default=[f"{a}x{b}" for a, b in ROWS],
                     help="LAYERSxNODES (8 devices per node)")
     ap.add_argument("--space", default="power_of_two",
-                    choices=("all", "power_of_two", "small_power_of_two"))
+                    choices=SUBMESH_SPACES)
     ap.add_argument("--stage-time-limit", type=float, default=None)
     ap.add_argument("--tolerance", type=float, default=None, help="pipeline.imbalance_tolerance")
     args = ap.parse_args()

@@ -168,3 +168,25 @@ def test_submesh_spaces_follow_alpa() -> None:
     assert submesh_shapes(4, 6, "all") == submesh_shapes(4, 6)
     with pytest.raises(ConfigError, match="sub-mesh space"):
         submesh_shapes(2, 8, "powers")
+
+
+def test_submesh_space_divisors_is_every_even_split() -> None:
+    """``divisors``: the node counts dividing the cluster's (Megatron's ``nodes / pp``), the
+    divisors of a node's devices, and nothing else — closed form on small clusters."""
+    assert submesh_shapes(315, 8, "divisors") == [
+        (1, 1), (1, 2), (1, 4), (1, 8), (3, 8), (5, 8), (7, 8), (9, 8), (15, 8), (21, 8),
+        (35, 8), (45, 8), (63, 8), (105, 8), (315, 8)]
+    assert submesh_shapes(12, 6, "divisors") == [
+        (1, 1), (1, 2), (1, 3), (1, 6), (2, 6), (3, 6), (4, 6), (6, 6), (12, 6)]
+    assert submesh_shapes(7, 1, "divisors") == [(1, 1), (7, 1)]
+    for nodes, dpn in [(240, 8), (384, 8), (36, 4), (1, 8)]:
+        shapes = submesh_shapes(nodes, dpn, "divisors")
+        whole = sorted(n for n, d in shapes if d == dpn)
+        assert whole == [n for n in range(1, nodes + 1) if nodes % n == 0]
+        assert sorted(d for n, d in shapes if n == 1) == [
+            d for d in range(1, dpn + 1) if dpn % d == 0]
+        assert set(shapes) <= set(submesh_shapes(nodes, dpn, "all"))
+    # the published stages of the 1,920-3,072-GPU Megatron rows: 15, 9 and 6 nodes
+    assert (15, 8) in submesh_shapes(240, 8, "divisors")
+    assert (6, 8) in submesh_shapes(384, 8, "divisors")
+    assert (15, 8) not in submesh_shapes(240, 8, "power_of_two")

@@ -644,3 +644,42 @@ def test_the_incumbent_prices_pipelines_before_the_whole_cluster():
     bounded = solve_pipelined(config, baselines=False)
     assert bounded.solver.objective == pytest.approx(exact.solver.objective, rel=1e-12)
     assert solver.state.incumbent_s >= exact.solver.objective * (1 - 1e-12)
+
+
+def test_divisors_space_holds_the_even_split_power_of_two_cannot():
+    """12 single-device nodes in 2 stages: the even split 6 + 6 (Megatron's ``nodes / pp``)
+    is in ``submesh_space: divisors`` and the optimum over every shape (``all``);
+    powers of two split 12 only as 8 + 4, a slower pipeline."""
+    def plan(space):
+        return solve_pipelined(tiny(**{
+            "model.layers": 2, "model.batch": 48, "cluster.nodes": 12,
+            "cluster.devices_per_node": 1, "pipeline.stages": 2, "pipeline.microbatches": 8,
+            "pipeline.schedule": "1f1b", "pipeline.submesh_space": space}), baselines=False)
+
+    divisors, pow2, every = plan("divisors"), plan("power_of_two"), plan("all")
+    assert [s.mesh for s in divisors.stages] == [(6, 1), (6, 1)]
+    assert sorted(s.mesh for s in pow2.stages) == [(4, 1), (8, 1)]
+    assert divisors.solver.objective == pytest.approx(every.solver.objective, rel=1e-12)
+    assert divisors.solver.objective < pow2.solver.objective * (1 - 1e-3)
+
+
+def test_one_node_stage_of_the_530b_row_fits_only_as_the_short_last_unit():
+    """Megatron 529.6B (h 20480) on one node of 8 × A100 80 GB, 8 layer units of 14 blocks
+    and a last one of 7 blocks + head: Adam's 16 bytes a parameter sharded 8 ways is
+    ≈ 141 GB for a 14-block unit — no variant fits, at any position — and ≈ 72.6 GB for the
+    last unit (its tied head's table counted), whose fitting variant's peak holds that state
+    within the 80 GiB. The power-of-two plan that put that unit on one node (0.05× the
+    published configuration) was priced right; its space was the problem."""
+    config = load_config(CONFIGS / "published" / "megatron-529.6b-2520.yaml").with_overrides(
+        {"pipeline.max_units": 8, "pipeline.submesh_space": "power_of_two"})
+    graph = config.microbatch_graph()
+    units = layer_units(graph, 8)
+    solver = StageSolver(config, graph, units)
+    budget = config.cluster.memory_bytes
+    for a in (0, 1):
+        assert all(c.memory(2) > budget for c in solver.stage_cost(a, a + 1, (1, 8)))
+    table = graph["embed"].weight.shape
+    state = (sum(graph[n].params for n in units[-1]) + table[0] * table[1]) * 16 / 8
+    fits = [c for c in solver.stage_cost(7, 8, (1, 8)) if c.memory(1) <= budget]
+    assert fits and all(state < c.memory(1) for c in fits)
+    assert state == pytest.approx(72.6e9, rel=0.01)

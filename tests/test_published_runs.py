@@ -14,6 +14,8 @@ import pytest
 
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inter_op.given_price import model_flops
+from ilp_planner.inter_op.layer_units import layer_units
+from ilp_planner.ir.cluster import submesh_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 _SPEC = importlib.util.spec_from_file_location("published_runs",
@@ -83,3 +85,27 @@ def test_the_fitted_constant_scales_every_devices_matmul_efficiency_alone() -> N
         assert scaled.fit.matmul_efficiency == pytest.approx(0.8 * base.fit.matmul_efficiency)
         assert (scaled.fit.matmul_half_dim, scaled.hbm_bytes_per_s, dict(scaled.peak_flops)) == (
             base.fit.matmul_half_dim, base.hbm_bytes_per_s, dict(base.peak_flops))
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem.startswith("megatron")],
+                         ids=lambda p: p.stem)
+def test_own_plan_space_holds_the_published_stages(path: Path) -> None:
+    """A pipelined row's stage DP can express the published pipeline — ``pp`` stages of
+    ``nodes / pp`` whole nodes and ``layers / pp`` blocks (the even pipeline the DP prices
+    first as its incumbent) — so its optimum is at least as fast under the model as that
+    layout with each stage's best layouts (interleaving aside)."""
+    config = load_config(path)
+    (g,) = config.compare
+    pipe, cluster = config.pipeline, config.cluster
+    if pipe.stages == 1 or g.pp == 1:
+        return
+    graph = config.microbatch_graph()
+    units = layer_units(graph, pipe.max_units)
+    assert len(units) % g.pp == 0, f"{len(units)} units cannot make {g.pp} even stages"
+    per = len(units) // g.pp
+    blocks = [{graph[n].block_index for n in sum(units[i:i + per], [])} - {None}
+              for i in range(0, len(units), per)]
+    assert all(len(b) == config.model["layers"] // g.pp for b in blocks)
+    assert cluster.nodes % g.pp == 0
+    shapes = submesh_shapes(cluster.nodes, cluster.devices_per_node, pipe.submesh_space)
+    assert (cluster.nodes // g.pp, cluster.devices_per_node) in shapes

@@ -311,7 +311,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
                                    _PIPELINE["imbalance_tolerance"], nonneg=True, null=True),
         "overlap": Key("boolean", "overlap gradient synchronisation with the backward pass",
                        _PIPELINE["overlap"]),
-        "submesh_space": Key("choice", "the shapes a stage may take (Alpa's spaces)",
+        "submesh_space": Key("choice", "the shapes a stage may take (Alpa's spaces; "
+                             "divisors: node counts dividing the cluster's)",
                              _PIPELINE["submesh_space"], choices=SUBMESH_SPACES,
                              noun="sub-mesh space"),
         "max_units": Key("integer", "null: one layer unit per block; N: coarsen to ≤ N units",

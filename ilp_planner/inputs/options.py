@@ -59,7 +59,8 @@ class PipelineOptions:
     ``submeshes`` fixes the stage sub-mesh shapes ``(nodes, devices)`` by hand.
 
     ``submesh_space`` picks the shapes a stage may take (:func:`ilp_planner.ir.cluster.
-    submesh_shapes`: ``all``, or Alpa's ``power_of_two`` / ``small_power_of_two``).
+    submesh_shapes`: ``all``, Alpa's ``power_of_two`` / ``small_power_of_two``, or
+    ``divisors``: the whole-node counts dividing the cluster's, Megatron's even splits).
     ``max_units``: ``None`` gives the stage DP one unit per block (per weighted op without
     blocks); an integer merges consecutive units into at most that many — an explicit
     trade of plan quality for fewer intra-op stage solves, e.g. for block-free graphs of

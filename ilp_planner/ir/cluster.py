@@ -223,7 +223,7 @@ def group_spans_nodes(fact: Factorisation, axes: tuple[int, ...]) -> bool:
     return any(fact[i].nodes > 1 for i in axes)
 
 
-SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two")
+SUBMESH_SPACES = ("all", "power_of_two", "small_power_of_two", "divisors")
 
 
 def submesh_shapes(nodes: int, devices_per_node: int, space: str = "all") -> list[tuple[int, int]]:
@@ -234,12 +234,19 @@ def submesh_shapes(nodes: int, devices_per_node: int, space: str = "all") -> lis
     ``small_power_of_two`` only ``n ≤ 4`` whole nodes; both also keep ``(1, dpn)`` and
     the whole cluster ``(nodes, dpn)`` so a one-stage plan always exists. Powers of two add
     up to any device count, so every stage count stays reachable; fewer shapes mean fewer
-    intra-op stage solves (``O(ranges × shapes)``) and a smaller stage-DP state space."""
+    intra-op stage solves (``O(ranges × shapes)``) and a smaller stage-DP state space.
+    ``divisors`` keeps ``(1, d)`` for every divisor ``d`` of ``devices_per_node`` and the
+    whole-node counts ``n`` dividing ``nodes``: every even split of the cluster into whole
+    nodes — the layouts Megatron-LM runs (PP stages of ``nodes / pp`` nodes, e.g. 35 × 9 on
+    315 nodes), which powers of two cannot express on a node count that is not one."""
     if space not in SUBMESH_SPACES:
         raise ConfigError(f"unknown sub-mesh space {space!r}; expected one of "
                           f"{list(SUBMESH_SPACES)}", key="pipeline.submesh_space")
     shapes = {(1, d) for d in range(1, devices_per_node + 1) if devices_per_node % d == 0}
     shapes |= {(n, devices_per_node) for n in range(1, nodes + 1)}
+    if space == "divisors":
+        return sorted(shapes - {(n, d) for n, d in shapes if d == devices_per_node
+                                and nodes % n})
     if space != "all":
         cap = nodes if space == "power_of_two" else min(nodes, 4)
 
