@@ -105,6 +105,10 @@ IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
     (OpKind.ATTENTION, "qkv_major"): "q, k and v fused as [q | k | v] blocks, where the "
                                      "runtime's kernel reads head-major columns",
     (OpKind.POOL, "avg"): "average pooling, where the runtime max-pools",
+    (OpKind.ATTENTION, "not_plain_causal"): "attention given a mask or no causal flag (BERT's "
+                                            "and ViT's bidirectional attention, an explicit "
+                                            "mask), where the runtime's kernel runs plain "
+                                            "causal attention",
 }
 """Attributes the importer sets (:mod:`ilp_planner.inputs.importer`) for what a user's module
 computes and the runtime's kernels do not: a plan carrying one is refused before any rank

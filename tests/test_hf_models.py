@@ -620,7 +620,9 @@ def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
     ("t5", r"attention 'encoder\.block\.0\.layer\.0\.SelfAttention\.attention' has "
            r"attrs\.bias_table"),
     ("bert", r"embedding 'bert\.embeddings\.word_embeddings' has attrs\.pos_1_rows"),
-    ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' reads 3 projections"),
+    # HF's exported Llama hands SDPA an explicit causal mask: refused before its 3 projections
+    ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' has "
+                     r"attrs\.not_plain_causal"),
 ])
 def test_the_runtime_executor_refuses_an_imported_op_it_would_run_as_another(
         imported, name, refusal):
@@ -687,7 +689,8 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     assert op.kind is OpKind.ATTENTION
     assert op.inputs == (q, f"{p}.kv_b_proj", f"{p}.kv_a_proj_with_mqa")
     heads, dqk, dv = cfg.num_attention_heads, attn.qk_head_dim, cfg.v_head_dim
-    assert dict(op.attrs) == {"heads": heads, "seq_len": SEQ, "shared_input": 2}
+    assert dict(op.attrs) == {"heads": heads, "seq_len": SEQ, "shared_input": 2,
+                              "not_plain_causal": 1}  # HF hands SDPA an explicit mask
     tokens = BATCH * SEQ
     assert op.output.shape == (tokens, heads * dv)
     assert op.flops == 2.0 * tokens * SEQ * heads * (dqk + dv)

@@ -5,6 +5,7 @@ load_config, ``kind: torch``, plan round trip) takes an imported graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,7 @@ from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.cluster import Cluster, Link
-from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
@@ -138,6 +139,30 @@ def test_resnet_import_and_solve():
         block = next(b for k, b in plan.baselines.items() if k.startswith(name))
         assert block.get("total_s") is not None, (name, block)
         assert plan.cost.total_s <= block["total_s"] + 1e-15
+
+def test_sdpa_other_than_plain_causal_is_marked_and_the_executor_refuses_it():
+    """The runtime's executor runs plain causal attention: an imported SDPA with
+    ``is_causal=True`` and no mask is left unmarked; a bidirectional one (an encoder's) is
+    marked ``attrs.not_plain_causal``, and a graph carrying the mark is refused before any
+    rank starts, naming the op (the built-in GPT, which the executor does run, marked so)."""
+    from runtime.errors import RuntimeSetupError
+    from runtime.model import check_supported
+
+    causal = from_module(NanoGPT(), (_ids(2, 8),))
+    attn = [op for op in causal.ops if op.kind is OpKind.ATTENTION]
+    assert attn and not any(op.attrs.get("not_plain_causal") for op in attn)
+    model = NanoGPT()
+    for block in model.transformer["h"]:
+        block.attn.causal = False
+    both_ways = from_module(model, (_ids(2, 8),))
+    attn = [op for op in both_ways.ops if op.kind is OpKind.ATTENTION]
+    assert attn and all(op.attrs.get("not_plain_causal") == 1 for op in attn)
+    own = models.gpt(hidden=16, layers=1, heads=2, seq_len=8, vocab=64, batch=2)
+    check_supported(own)
+    marked = Graph(own.name, [dataclasses.replace(op, attrs={**op.attrs, "not_plain_causal": 1})
+                              if op.kind is OpKind.ATTENTION else op for op in own.ops])
+    with pytest.raises(RuntimeSetupError, match=r"attention '.*' has attrs\.not_plain_causal"):
+        check_supported(marked)
 
 
 def test_loss_fn_is_traced_with_the_model():

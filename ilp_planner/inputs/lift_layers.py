@@ -88,7 +88,19 @@ def lift_addmm(g: DraftGraph, call: Call) -> Any:
 
 
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
-    return _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
+    out = _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
+    if not _sdpa_causal(call) and isinstance(out, Act) and out.chain == (("heads_out",),):
+        g.drafts[out.src[0]].attrs["not_plain_causal"] = 1
+    return out
+
+
+def _sdpa_causal(call: Call) -> bool:
+    """Whether SDPA runs plain causal attention (``is_causal=True``, no mask): what the
+    runtime's executor computes; anything else (a mask, bidirectional attention as in BERT
+    or ViT) is marked ``attrs.not_plain_causal`` for the executor to refuse."""
+    def arg(i: int, name: str, default: Any) -> Any:
+        return call.args[i] if len(call.args) > i else call.kwargs.get(name, default)
+    return bool(arg(5, "is_causal", False)) and arg(3, "attn_mask", None) is None
 
 
 def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) -> Any:

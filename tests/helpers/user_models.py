@@ -16,6 +16,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd)
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.n_head = n_head
+        self.causal = True  # False: bidirectional, as an encoder's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.size()
@@ -23,7 +24,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
