@@ -89,8 +89,9 @@ def lift_addmm(g: DraftGraph, call: Call) -> Any:
 
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
     out = _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
-    if not _sdpa_causal(call) and isinstance(out, Act) and out.chain == (("heads_out",),):
-        g.drafts[out.src[0]].attrs["not_plain_causal"] = 1
+    op = g.drafts[out.src[0]] if isinstance(out, Act) and out.src else None
+    if not _sdpa_causal(call) and op is not None and op.kind is OpKind.ATTENTION:
+        op.attrs["not_plain_causal"] = 1
     return out
 
 
