@@ -28,14 +28,17 @@ VERBS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser over ``verbs`` (every verb by default). Each verb module is imported to
+    register its arguments, so naming the one verb a command line asks for keeps the others'
+    imports out: ``ilp-planner solve`` does not load torch for ``run``'s executor."""
     parser = argparse.ArgumentParser(
         prog="ilp-planner",
         description="Auto-parallel planner: SBP ILP, pipeline stage DP, cross-mesh resharding.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for verb in VERBS:
+    for verb in verbs or VERBS:
         importlib.import_module(f"ilp_planner.commands.{verb}").register(sub)
     return parser
 
@@ -47,9 +50,15 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _asked_verb(argv: list[str]) -> list[str] | None:
+    """``[verb]`` when the command line's first word is a verb, else ``None`` (every verb:
+    ``--help``, ``--version`` and mistakes get the whole parser and its messages)."""
+    return [argv[0]] if argv and argv[0] in VERBS else None
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()  # before the verbs (and their solvers) are imported
-    args = build_parser().parse_args(argv)
+    args = build_parser(_asked_verb(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     args.started = started  # a verb that reports its wall time counts the imports too
     try:
         return int(args.func(args) or 0)

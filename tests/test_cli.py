@@ -36,7 +36,22 @@ def test_a_closed_pipe_ends_quietly():
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
-# run.py and check.py are being rewritten on another branch, which adds their help texts
+def test_a_solve_loads_only_its_own_verb(tmp_path):
+    """``ilp-planner solve`` on a built-in model never imports torch (only ``run``'s executor
+    and the importer need it): the command line registers just the verb it was given."""
+    code = ("import sys; from ilp_planner.cli import main; "
+            f"rc = main(['solve', 'configs/tiny-mlp-cpu.yaml', '-o', {str(tmp_path / 'p.json')!r}]); "
+            "print('TORCH', 'torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300).stdout
+    assert "TORCH False 0" in out, out
+
+
+def test_a_verb_not_known_gets_the_whole_parser(capsys):
+    """A mistyped verb is answered with every verb's name, as before."""
+    with pytest.raises(SystemExit):
+        cli.main(["solv", "x.yaml"])
+    assert "invalid choice: 'solv'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("verb", cli.VERBS)
