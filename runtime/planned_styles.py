@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
 
 
 class SharedParams:
@@ -63,61 +64,55 @@ def _check_in_out(module: nn.Module, style: str) -> None:
                                   f"(Hugging Face's Conv1D); {type(module).__name__} has none")
 
 
-class PlannedColwise(ColwiseParallel):
+class _Planned:
+    """What both planned styles add to torch's: the dims they split (``(out, in)`` or ``(in,
+    out)`` weight, bias, table) as class data, registration through :class:`SharedParams`,
+    and ``distribute_module`` for an ``(in, out)`` module torch's ``_apply`` refuses."""
+
+    WEIGHT_DIM: tuple[int, int]  # the split dim of an (out, in) weight, of an (in, out) one
+    BIAS: Placement
+    TABLE_DIM: int  # the split dim of an embedding's table
+    IN_OUT_INPUT: tuple[Placement, ...] | None  # the input an (in, out) module is handed
+
+    def __init__(self, *, shared: SharedParams, in_out: bool = False, **layouts: Any):
+        super().__init__(**layouts)  # type: ignore[call-arg]
+        self.shared, self.in_out = shared, in_out
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self.shared.register(module, "weight", [Shard(self.WEIGHT_DIM[self.in_out])],
+                             device_mesh, self.src_data_rank)
+        if getattr(module, "bias", None) is not None:
+            self.shared.register(module, "bias", [self.BIAS], device_mesh, self.src_data_rank)
+
+    def _partition_embedding_fn(self, name: str, module: nn.Module,
+                                device_mesh: DeviceMesh) -> None:
+        self.shared.register(module, "weight", [Shard(self.TABLE_DIM)], device_mesh,
+                             self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not self.in_out:
+            return super()._apply(module, device_mesh)  # type: ignore[misc]
+        _check_in_out(module, type(self).__name__)
+        if self.IN_OUT_INPUT is not None:
+            self.desired_input_layouts = self.IN_OUT_INPUT
+        return distribute_module(
+            module, device_mesh, self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class PlannedColwise(_Planned, ColwiseParallel):
     """``ColwiseParallel`` that also shards a ``(in, out)`` weight (``in_out``) and shares
-    one table between the modules holding it (``shared``)."""
+    one table between the modules holding it (``shared``): the output features (dim 0 of
+    ``nn.Linear``'s ``(out, in)``, dim 1 of ``(in, out)``) and the bias are split."""
 
-    def __init__(self, *, shared: SharedParams, in_out: bool = False, **layouts: Any):
-        super().__init__(**layouts)
-        self.shared, self.in_out = shared, in_out
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        # the output features: dim 0 of nn.Linear's (out, in), dim 1 of (in, out); the bias too
-        self.shared.register(module, "weight", [Shard(1 if self.in_out else 0)], device_mesh,
-                             self.src_data_rank)
-        if getattr(module, "bias", None) is not None:
-            self.shared.register(module, "bias", [Shard(0)], device_mesh, self.src_data_rank)
-
-    def _partition_embedding_fn(self, name: str, module: nn.Module,
-                                device_mesh: DeviceMesh) -> None:
-        self.shared.register(module, "weight", [Shard(1)], device_mesh, self.src_data_rank)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not self.in_out:
-            return super()._apply(module, device_mesh)
-        _check_in_out(module, type(self).__name__)
-        return distribute_module(
-            module, device_mesh, self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+    WEIGHT_DIM, BIAS, TABLE_DIM, IN_OUT_INPUT = (0, 1), Shard(0), 1, None
 
 
-class PlannedRowwise(RowwiseParallel):
+class PlannedRowwise(_Planned, RowwiseParallel):
     """``RowwiseParallel`` that also shards a ``(in, out)`` weight (``in_out``) and shares
-    one table between the modules holding it (``shared``)."""
+    one table between the modules holding it (``shared``): the input features (dim 1 of
+    ``(out, in)``, dim 0 of ``(in, out)``) are split, the bias replicated (added once to the
+    partial sums' total), and the input arrives split on its last dim."""
 
-    def __init__(self, *, shared: SharedParams, in_out: bool = False, **layouts: Any):
-        super().__init__(**layouts)
-        self.shared, self.in_out = shared, in_out
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        # the input features: dim 1 of nn.Linear's (out, in), dim 0 of (in, out); the bias
-        # replicated (added once to the partial sums' total)
-        self.shared.register(module, "weight", [Shard(0 if self.in_out else 1)], device_mesh,
-                             self.src_data_rank)
-        if getattr(module, "bias", None) is not None:
-            self.shared.register(module, "bias", [Replicate()], device_mesh, self.src_data_rank)
-
-    def _partition_embedding_fn(self, name: str, module: nn.Module,
-                                device_mesh: DeviceMesh) -> None:
-        self.shared.register(module, "weight", [Shard(0)], device_mesh, self.src_data_rank)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not self.in_out:
-            return super()._apply(module, device_mesh)
-        _check_in_out(module, type(self).__name__)
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+    WEIGHT_DIM, BIAS, TABLE_DIM, IN_OUT_INPUT = (1, 0), Replicate(), 0, (Shard(-1),)
