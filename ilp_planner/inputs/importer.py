@@ -69,6 +69,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
+from ilp_planner.inputs.lift_masks import ConstantValues
 from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Act, Draft, Unsupported, numel
 from ilp_planner.inputs.lifting import lift
@@ -102,7 +103,8 @@ def from_module(module: Any, example_inputs: Any, *,
         root, strip = _WithLoss(module, loss_fn), "model."
     with routed_as_one_op(module, torch):
         ep = _export(root, args, kwargs, torch)
-    g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor)
+    g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor,
+                   ConstantValues(ep, torch))
     try:
         lift(g, ep)
     except Unsupported as exc:
