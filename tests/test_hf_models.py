@@ -620,8 +620,8 @@ def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
     ("t5", r"attention 'encoder\.block\.0\.layer\.0\.SelfAttention\.attention' has "
            r"attrs\.bias_table"),
     ("bert", r"embedding 'bert\.embeddings\.word_embeddings' has attrs\.pos_1_rows"),
-    # HF's Llama turns q and k by its own rotary code before SDPA: refused before its
-    # explicit causal mask (not_plain_causal) and its 3 projections
+    # HF's Llama turns q and k by its own rotary code before SDPA (its explicit mask is
+    # proven causal): refused before its 3 projections
     ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' has "
                      r"attrs\.input_steps"),
 ])
@@ -716,9 +716,9 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     assert op.inputs == (q, f"{p}.kv_b_proj", f"{p}.kv_a_proj_with_mqa")
     heads, dqk, dv = cfg.num_attention_heads, attn.qk_head_dim, cfg.v_head_dim
     steps = {k: v for k, v in op.attrs.items() if k.startswith("input_steps")}
+    # HF hands SDPA an explicit mask: the lower triangle, so plain causal (unmarked)
     assert {k: v for k, v in op.attrs.items() if k not in steps} == {
-        "heads": heads, "seq_len": SEQ, "shared_input": 2,
-        "not_plain_causal": 1}  # HF hands SDPA an explicit mask
+        "heads": heads, "seq_len": SEQ, "shared_input": 2}
     # its rotary on q's and the shared key's rope parts: kernels of their own, priced
     assert steps["input_steps"] >= 2 and steps["input_steps_bytes"] > 0
     tokens = BATCH * SEQ

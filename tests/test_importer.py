@@ -171,6 +171,28 @@ def test_sdpa_other_than_plain_causal_is_marked_and_the_executor_refuses_it():
         check_supported(marked)
 
 
+@pytest.mark.parametrize("mask,plain", [
+    (torch.ones(8, 8, dtype=torch.bool).tril(), True),
+    (torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -math.inf), True),
+    (torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.ones(8, 8, dtype=torch.bool).tril(-3),
+     False),  # a sliding window of 3
+    (torch.ones(8, 8, dtype=torch.bool), False),  # bidirectional
+    (torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -1e4), False),
+])
+def test_sdpa_with_an_explicit_mask_is_plain_causal_only_where_it_is_the_lower_triangle(
+        mask, plain):
+    """SDPA handed a constant ``attn_mask`` (as Hugging Face's export does): a boolean lower
+    triangle or its additive form (0 / −∞) is plain causal attention; a sliding window,
+    an all-True mask or a finite penalty (which leaves the masked keys some weight) is not."""
+    model = NanoGPT()
+    for block in model.transformer["h"]:
+        block.attn.attn_mask = mask
+    graph = from_module(model, (_ids(2, 8),))
+    attn = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
+    assert len(attn) == 2
+    assert all(bool(op.attrs.get("not_plain_causal")) is not plain for op in attn)
+
+
 @pytest.mark.parametrize("mask", ["causal", "none", "padding", "alibi"])
 def test_hand_written_attention_is_marked_unless_its_mask_is_provably_causal(mask):
     """Hand-written attention (``q @ kᵀ``, a mask, softmax, ``@ v``): the importer evaluates

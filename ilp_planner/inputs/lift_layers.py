@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
-from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK
+from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
     CONCATS,
     SPLITS,
@@ -96,7 +96,7 @@ def lift_addmm(g: DraftGraph, call: Call) -> Any:
 
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
     out = _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
-    _mark_causal(g, out, _sdpa_causal(call))
+    _mark_causal(g, out, _sdpa_causal(g, call))
     return out
 
 
@@ -108,13 +108,22 @@ def _mark_causal(g: DraftGraph, out: Any, causal: bool) -> None:
         op.attrs["not_plain_causal"] = 1
 
 
-def _sdpa_causal(call: Call) -> bool:
-    """Whether SDPA runs plain causal attention (``is_causal=True``, no mask): what the
-    runtime's executor computes; anything else (a mask, bidirectional attention as in BERT
+def _sdpa_causal(g: DraftGraph, call: Call) -> bool:
+    """Whether SDPA runs plain causal attention — ``is_causal=True`` and no mask, or no
+    flag and a constant mask proven the lower triangle (Hugging Face's export hands SDPA
+    its causal mask, :func:`ilp_planner.inputs.lift_masks.sdpa_mask`): what the runtime's
+    executor computes; anything else (a padding mask, bidirectional attention as in BERT
     or ViT) is marked ``attrs.not_plain_causal`` for the executor to refuse."""
     def arg(i: int, name: str, default: Any) -> Any:
         return call.args[i] if len(call.args) > i else call.kwargs.get(name, default)
-    return bool(arg(5, "is_causal", False)) and arg(3, "attn_mask", None) is None
+    causal, mask = bool(arg(5, "is_causal", False)), arg(3, "attn_mask", None)
+    if mask is None:
+        return causal
+    node = call.node.args[3] if len(call.node.args) > 3 else call.node.kwargs.get("attn_mask")
+    q, k = call.args[0], call.args[1]
+    shape = tuple(q.shape[:-1]) + (int(k.shape[-2]),)
+    return not causal and isinstance(mask, Const) and \
+        sdpa_mask(g.constants, node, shape, call.val.dtype) == CAUSAL
 
 
 def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) -> Any:

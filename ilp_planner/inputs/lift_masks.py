@@ -151,3 +151,20 @@ def _pattern(kept: Any, shape: tuple[int, ...]) -> str:
     if sq != sk:
         return OTHER
     return CAUSAL if bool((kept == kept.new_ones(sq, sk).tril()).all()) else OTHER
+
+
+def sdpa_mask(values: ConstantValues | None, mask: Any, shape: tuple[int, ...],
+              dtype: Any) -> str:
+    """The state of SDPA's explicit ``attn_mask`` on scores of ``shape``: a boolean mask
+    keeps its True positions, a float one is added (0 kept, −∞ / the dtype's lowest
+    masked); a mask computed from the inputs, or any other values, is :data:`OTHER`."""
+    if values is None or not isinstance(mask, values.torch.fx.Node):
+        return OTHER
+    t = values(mask)
+    if t is None:
+        return OTHER
+    if t.dtype == values.torch.bool:
+        return _pattern(t, shape)
+    kept = _kept(values, "add", [None, mask], 0, dtype)
+    return OTHER if kept is None else _pattern(kept, shape)
+

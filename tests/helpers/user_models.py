@@ -21,6 +21,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.n_head = n_head
         self.causal = True  # False: bidirectional, as an encoder's
+        self.attn_mask: torch.Tensor | None = None  # an explicit mask instead of the flag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.size()
@@ -28,7 +29,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        mask = self.attn_mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=self.causal and mask is None)
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
