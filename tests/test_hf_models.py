@@ -682,6 +682,22 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
     assert "NOT priced" not in text
 
 
+def test_eager_attention_mask_is_proven_causal_unless_it_reads_the_inputs():
+    """HF's eager attention adds its mask to ``q·kᵀ`` by hand: built from positions alone
+    (no ``attention_mask``) it is evaluated to the lower triangle (0 / finfo.min) and the
+    attention stays unmarked; built from an ``attention_mask`` input (padding), it depends
+    on the inputs and the attention is marked ``not_plain_causal``."""
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False,
+        attn_implementation="eager")).eval()
+    ids = _ids()
+    alone = from_module(model, (ids,))["model.layers.0.self_attn.attention"]
+    padded = from_module(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert alone.kind is OpKind.ATTENTION and "not_plain_causal" not in alone.attrs
+    assert padded["model.layers.0.self_attn.attention"].attrs["not_plain_causal"] == 1
+
+
 def _mla() -> Any:
     """A one-layer DeepSeek-V3 whose heads' q·k and v dims differ (qk = 4 nope + 4 rope = 8,
     v = 6) and whose queries go through a low-rank pair (q_a_proj → norm → q_b_proj)."""

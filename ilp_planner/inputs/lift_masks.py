@@ -75,8 +75,11 @@ class ConstantValues:
         args, kwargs = self(list(node.args)), self(list(node.kwargs.values()))
         if args is None or kwargs is None:
             return None
-        with torch.no_grad():
-            return node.target(*args, **dict(zip(node.kwargs, kwargs, strict=True)))
+        try:
+            with torch.no_grad():
+                return node.target(*args, **dict(zip(node.kwargs, kwargs, strict=True)))
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            return None  # an op that does not run here: the value stays unknown
 
 
 def combined(state: str, applied: str) -> str:
@@ -120,11 +123,13 @@ def _kept(values: ConstantValues, op: str, args: list[Any], at: int, dtype: Any)
             for i, a in enumerate(args)]
     if any(v is None for v in vals):
         return None
-    lowest = torch.finfo(dtype).min
 
     def masked(v: Any) -> bool:
-        t = torch.as_tensor(v, dtype=torch.float64)
-        return bool((t <= lowest).all())
+        """−∞, or the lowest value of the scores' dtype or of the mask's own."""
+        lowest = torch.finfo(dtype).min
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            lowest = max(lowest, torch.finfo(v.dtype).min)
+        return bool((torch.as_tensor(v, dtype=torch.float64) <= lowest).all())
 
     if op == "masked_fill" and at == 0:
         return ~vals[1].bool() if masked(vals[2]) else None
@@ -132,9 +137,9 @@ def _kept(values: ConstantValues, op: str, args: list[Any], at: int, dtype: Any)
         fill = vals[3 - at]
         return (vals[0].bool() if at == 1 else ~vals[0].bool()) if masked(fill) else None
     if op == "add" and at in (0, 1) and len(vals) == 2 and isinstance(vals[1 - at], torch.Tensor):
-        bias = vals[1 - at].double()
+        bias = vals[1 - at]
         kept = bias == 0
-        return kept if bool((kept | (bias <= lowest)).all()) else None
+        return kept if kept.all() or masked(bias[~kept]) else None
     return None
 
 
