@@ -333,3 +333,30 @@ def test_rotary_positions_are_priced_by_hand() -> None:
     fwd, _ = op_work(attn, 1.0)
     r = 2 * 16 * 64 * (1 + 2 / 4)
     assert (fwd.stream_flops, fwd.stream_bytes) == (3 * r, (2 * r + 4 * 16 * 16) * 4)
+
+
+def test_rotary_positions_are_recomputed_and_named_by_explain() -> None:
+    """A built-in Llama block's recomputation runs its attention's forward again, rotary
+    included (the forward share holds it), and ``explain`` says where rotary is priced —
+    and that the flat model (no device) does not price it."""
+    llama = {"kind": "moe", "block": "llama", "hidden": 64, "layers": 2, "heads": 4,
+             "kv_heads": 2, "seq_len": 32, "vocab": 128, "batch": 4, "experts": 2,
+             "top_k": 1, "expert_ffn": 64, "dtype": "bfloat16"}
+    cfg = parse_config({**_gpt(device=True), "model": llama})
+    attn = next(op for op in cfg.graph.ops if op.kind is OpKind.ATTENTION)
+    bare = dataclasses.replace(attn, attrs={k: v for k, v in attn.attrs.items()
+                                            if k != "rope_theta"})
+    rope_fwd = op_times(attn, 1.0, cfg.cluster)[0] - op_times(bare, 1.0, cfg.cluster)[0]
+    assert rope_fwd > 0
+    again = build_problem(cfg.graph, cfg.cluster, 1, 1, cfg.memory,
+                          recompute=frozenset(cfg.graph.blocks()))
+    plain = build_problem(cfg.graph, cfg.cluster, 1, 1, cfg.memory)
+    assert attn.name in again.recomputed
+    for p, r in zip(plain.options[attn.name], again.options[attn.name], strict=True):
+        assert r.compute_s[0] - p.compute_s[0] == pytest.approx(p.forward_s[0])
+        assert p.forward_s[0] >= rope_fwd
+    text = explain(ilp_planner.solve(cfg, baselines=False), collectives=False)
+    assert "rotary positions priced in 2 attention op(s)" in text and "NOT priced" not in text
+    flat = explain(ilp_planner.solve({**_gpt(device=False), "model": llama}, baselines=False),
+                   collectives=False)
+    assert "rotary positions priced in 2 attention op(s)" in flat and "NOT priced" in flat
