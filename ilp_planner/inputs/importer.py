@@ -25,7 +25,10 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   whole where heads split), q's head dim (nope + rope) and v's own pricing its FLOPs; a
   ``new_empty`` tensor filled slice by slice (MLA's key states) is the concatenation of what
   was copied in, and a copy of some of a projection's columns (MLA's latent part) is an opaque
-  copy that may split the tokens (``rows_local``);
+  copy that may split the tokens (``rows_local``); element-wise steps on q, k, v before the
+  attention (rotary) are priced with it by their bytes (``input_steps``), and its mask is
+  evaluated (:mod:`ilp_planner.inputs.lift_masks`): anything but provable plain causal
+  attention is ``not_plain_causal``;
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /
