@@ -360,3 +360,17 @@ def test_rotary_positions_are_recomputed_and_named_by_explain() -> None:
     flat = explain(ilp_planner.solve({**_gpt(device=False), "model": llama}, baselines=False),
                    collectives=False)
     assert "rotary positions priced in 2 attention op(s)" in flat and "NOT priced" in flat
+
+
+def test_imported_hand_written_attention_is_priced_unfused_on_a_flash_device() -> None:
+    """A user's hand-written attention (``attrs.unfused``, set by the importer) runs as
+    written under ``parallelize``: its scores go through memory even where the device's
+    attention is fused flash, so it is priced as the unfused sequence there."""
+    t, h, heads, seq = 4 * 2048, 2304, 24, 2048
+    fused = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+               flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
+    written = dataclasses.replace(fused, attrs={**fused.attrs, "unfused": 1})
+    unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
+    assert FIT.attention == "flash"
+    assert op_times(written, 2.0, _cluster()) == op_times(fused, 2.0, _cluster(unfused))
+    assert op_times(written, 2.0, _cluster()) != op_times(fused, 2.0, _cluster())

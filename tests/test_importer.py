@@ -36,9 +36,9 @@ def _ids(*shape: int) -> torch.Tensor:
 
 
 # what an imported graph adds for running on the user's module (DTensor): hand-written
-# attention splits batch or heads, the user's loss reads whole classes, a weight stored
-# (out, in)
-_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t")
+# attention splits batch or heads and runs unfused, the user's loss reads whole classes, a
+# weight stored (out, in)
+_EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t")
 
 
 def _attrs(op) -> dict:
@@ -163,6 +163,7 @@ def test_sdpa_other_than_plain_causal_is_marked_and_the_executor_refuses_it():
     both_ways = from_module(model, (_ids(2, 8),))
     attn = [op for op in both_ways.ops if op.kind is OpKind.ATTENTION]
     assert attn and all(op.attrs.get("not_plain_causal") == 1 for op in attn)
+    assert not any(op.attrs.get("unfused") for op in attn)  # SDPA's kernel is fused
     own = models.gpt(hidden=16, layers=1, heads=2, seq_len=8, vocab=64, batch=2)
     check_supported(own)
     marked = Graph(own.name, [dataclasses.replace(op, attrs={**op.attrs, "not_plain_causal": 1})
@@ -205,6 +206,10 @@ def test_hand_written_attention_is_marked_unless_its_mask_is_provably_causal(mas
     from runtime.model import check_supported
 
     args = dict(hidden=16, layers=2, heads=2, seq_len=8, vocab=64)
+    # under parallelize the user's code runs as written: batch or heads, unfused
+    applied = from_module(MaskedGPT(**args, mask=mask), (_ids(4 * 8),))
+    assert all(op.attrs["one_split"] == op.attrs["unfused"] == 1
+               for op in applied.ops if op.kind is OpKind.ATTENTION)
     imported = from_module(MaskedGPT(**args, mask=mask), (_ids(4 * 8),), dtensor=False)
     attn = [op for op in imported.ops if op.kind is OpKind.ATTENTION]
     assert len(attn) == 2

@@ -139,10 +139,12 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
     kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 and not shared else heads
     # under ``ilp_planner.parallelize`` SDPA runs on each rank's blocks, whatever mix of
     # batch and head splits (runtime.local_attention); hand-written attention runs on
-    # DTensors, whose 4-D matmul cannot always merge the two: one or the other
+    # DTensors, whose 4-D matmul cannot always merge the two: one or the other; and it runs
+    # as written — its s × s scores written and read by separate kernels, never fused
+    # (``unfused``: priced so whatever ``cluster.compute.attention`` says)
     attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
     if g.dtensor and not sdpa:
-        attrs["one_split"] = 1
+        attrs.update(one_split=1, unfused=1)
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):

@@ -29,7 +29,9 @@ embedding                 lookup: 2N (+N/table)  scatter-add of dY into the tabl
 attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 matmuls for 2);
                                                  reads Q, K, V, O, dO, writes dQ, dK, dV: 8N
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
-                          4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021)
+                          4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
+                                                 always for ``attrs.unfused``: an imported
+                                                 hand-written attention runs as written)
 + its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
                           elements, 2 kernels    pass over dy, dx and the tables)
 + its folded steps        torch's bytes, 1 FLOP  the same bytes (each step's backward reads
@@ -218,8 +220,8 @@ def op_work(op: Op, split: float, gemm: GemmShape | None = None,
     n = op.output.numel / split * it  # bytes of the local output
     if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV2D):
         return _gemm_work(flops, gemm or default_gemm(op, split), it)
-    if kind is OpKind.ATTENTION:
-        return _attention(op, split, it, flash)
+    if kind is OpKind.ATTENTION:  # an imported hand-written one runs unfused (its code)
+        return _attention(op, split, it, flash and not op.attrs.get("unfused"))
     if kind is OpKind.EMBEDDING:
         tables = 1 + sum(1 for k in op.attrs if k == "seq_len" or k.startswith("pos_"))
         out = (gemm[0] * gemm[1] * it) if gemm else n
