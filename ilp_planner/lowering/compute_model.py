@@ -55,7 +55,10 @@ softmax is): R = the elements rotated on the device, ``N·(1 + kv_heads/heads)``
 3 FLOPs each (``x·cos + rot(x)·sin``: two products and a sum; rotate-half's negation is a
 sign), one fused kernel per tensor reading x and the ``(s, d)`` cos and sin rows and
 writing y: ``(2R + 2·2·s·d) × itemsize`` bytes (d = the head dim); recomputation runs it
-again with the forward. An imported model's rotary is the element-wise steps its code
+again with the forward. That is the fused kernel engines run (Megatron-Core's, Transformer
+Engine's); the runtime's own executor turns q and k by five torch ops each
+(:func:`runtime.model.rotary`), about five times these bytes, which this price does not
+follow. An imported model's rotary is the element-wise steps its code
 applies to q, k and v between their projections and the attention, folded into the
 attention (``attrs.input_steps`` kernels, ``input_steps_bytes``, ``input_steps_flops``:
 torch's bytes of each step's tensors, :mod:`ilp_planner.inputs.lift_layers`), priced alike.
