@@ -109,6 +109,9 @@ IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
                                             "and ViT's bidirectional attention, an explicit "
                                             "mask), where the runtime's kernel runs plain "
                                             "causal attention",
+    (OpKind.ATTENTION, "input_steps"): "element-wise steps on its q, k or v before it (the "
+                                       "module's own rotary positions, a scale), which the "
+                                       "runtime's kernel does not apply",
 }
 """Attributes the importer sets (:mod:`ilp_planner.inputs.importer`) for what a user's module
 computes and the runtime's kernels do not: a plan carrying one is refused before any rank

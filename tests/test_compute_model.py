@@ -11,6 +11,7 @@ import pytest
 
 import ilp_planner
 from ilp_planner.errors import ConfigError
+from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config, parse_config, section_mapping
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.cluster import Cluster, Link
@@ -23,6 +24,7 @@ from ilp_planner.lowering.compute_model import (
     op_seconds,
     op_times,
     op_work,
+    training_flops,
     update_bytes_per_param,
     update_seconds,
 )
@@ -295,3 +297,80 @@ def test_unfused_attention_pays_for_its_scores_by_hand() -> None:
     assert op_seconds(op, 1.0, _cluster(unfused)) > 1.3 * op_seconds(op, 1.0, _cluster())
     for cluster in (_cluster(unfused), _cluster()):
         assert op_seconds(op, 1.0, cluster) >= least_seconds(op, cluster)
+
+
+def test_rotary_positions_are_priced_by_hand() -> None:
+    """A Llama block's attention turns q and k by rotary positions before its kernel:
+    R = N·(1 + kv/heads) elements on the device, 3 FLOPs each, one kernel per tensor
+    reading x and the (s, d) cos and sin rows and writing y — (2R + 4sd)·2 bytes in bf16,
+    two floors, forward and backward, flash or unfused alike. The same attention without
+    ``rope_theta`` costs exactly that less; it is memory-bound (its FLOPs hide under its
+    bytes); recomputation pays it again with the forward; the built-in Llama carries it."""
+    t, h, heads, kv, seq, split = 4 * 2048, 4096, 32, 8, 2048, 4
+    rope = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+              flops=4.0 * t * seq * h,
+              attrs={"heads": heads, "seq_len": seq, "kv_heads": kv, "rope_theta": 10_000})
+    bare = dataclasses.replace(rope, attrs={k: v for k, v in rope.attrs.items()
+                                            if k != "rope_theta"})
+    d = h / heads
+    r = t * h / split * (1 + kv / heads)
+    rope_bytes, rope_flops = (2 * r + 4 * seq * d) * 2, 3 * r
+    assert rope_flops / (PEAK * FIT.matmul_efficiency) < rope_bytes / HBM
+    unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
+    for cluster in (_cluster(), _cluster(unfused)):
+        with_rope, without = op_times(rope, split, cluster), op_times(bare, split, cluster)
+        for phase in (0, 1):
+            assert with_rope[phase] - without[phase] == pytest.approx(
+                rope_bytes / HBM + 2 * FLOOR, rel=1e-9)
+    fwd, bwd = op_work(rope, split)
+    assert (fwd.stream_flops, fwd.stream_bytes, bwd.stream_flops, bwd.stream_bytes) == \
+        pytest.approx((rope_flops, rope_bytes, rope_flops, rope_bytes))
+    assert training_flops(rope) - training_flops(bare) == pytest.approx(6 * r * split)
+    graph = models.moe(hidden=64, layers=1, heads=4, seq_len=16, vocab=32, batch=2,
+                       experts=2, top_k=1, expert_ffn=32, block="llama", kv_heads=2)
+    attn = next(op for op in graph.ops if op.kind is OpKind.ATTENTION)
+    assert attn.attrs["rope_theta"] and attn.attrs["kv_heads"] == 2
+    fwd, _ = op_work(attn, 1.0)
+    r = 2 * 16 * 64 * (1 + 2 / 4)
+    assert (fwd.stream_flops, fwd.stream_bytes) == (3 * r, (2 * r + 4 * 16 * 16) * 4)
+
+
+def test_rotary_positions_are_recomputed_and_named_by_explain() -> None:
+    """A built-in Llama block's recomputation runs its attention's forward again, rotary
+    included (the forward share holds it), and ``explain`` says where rotary is priced —
+    and that the flat model (no device) does not price it."""
+    llama = {"kind": "moe", "block": "llama", "hidden": 64, "layers": 2, "heads": 4,
+             "kv_heads": 2, "seq_len": 32, "vocab": 128, "batch": 4, "experts": 2,
+             "top_k": 1, "expert_ffn": 64, "dtype": "bfloat16"}
+    cfg = parse_config({**_gpt(device=True), "model": llama})
+    attn = next(op for op in cfg.graph.ops if op.kind is OpKind.ATTENTION)
+    bare = dataclasses.replace(attn, attrs={k: v for k, v in attn.attrs.items()
+                                            if k != "rope_theta"})
+    rope_fwd = op_times(attn, 1.0, cfg.cluster)[0] - op_times(bare, 1.0, cfg.cluster)[0]
+    assert rope_fwd > 0
+    again = build_problem(cfg.graph, cfg.cluster, 1, 1, cfg.memory,
+                          recompute=frozenset(cfg.graph.blocks()))
+    plain = build_problem(cfg.graph, cfg.cluster, 1, 1, cfg.memory)
+    assert attn.name in again.recomputed
+    for p, r in zip(plain.options[attn.name], again.options[attn.name], strict=True):
+        assert r.compute_s[0] - p.compute_s[0] == pytest.approx(p.forward_s[0])
+        assert p.forward_s[0] >= rope_fwd
+    text = explain(ilp_planner.solve(cfg, baselines=False), collectives=False)
+    assert "rotary positions priced in 2 attention op(s)" in text and "NOT priced" not in text
+    flat = explain(ilp_planner.solve({**_gpt(device=False), "model": llama}, baselines=False),
+                   collectives=False)
+    assert "rotary positions priced in 2 attention op(s)" in flat and "NOT priced" in flat
+
+
+def test_imported_hand_written_attention_is_priced_unfused_on_a_flash_device() -> None:
+    """A user's hand-written attention (``attrs.unfused``, set by the importer) runs as
+    written under ``parallelize``: its scores go through memory even where the device's
+    attention is fused flash, so it is priced as the unfused sequence there."""
+    t, h, heads, seq = 4 * 2048, 2304, 24, 2048
+    fused = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+               flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
+    written = dataclasses.replace(fused, attrs={**fused.attrs, "unfused": 1})
+    unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
+    assert FIT.attention == "flash"
+    assert op_times(written, 2.0, _cluster()) == op_times(fused, 2.0, _cluster(unfused))
+    assert op_times(written, 2.0, _cluster()) != op_times(fused, 2.0, _cluster())

@@ -620,9 +620,10 @@ def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
     ("t5", r"attention 'encoder\.block\.0\.layer\.0\.SelfAttention\.attention' has "
            r"attrs\.bias_table"),
     ("bert", r"embedding 'bert\.embeddings\.word_embeddings' has attrs\.pos_1_rows"),
-    # HF's exported Llama hands SDPA an explicit causal mask: refused before its 3 projections
+    # HF's Llama turns q and k by its own rotary code before SDPA (its explicit mask is
+    # proven causal): refused before its 3 projections
     ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' has "
-                     r"attrs\.not_plain_causal"),
+                     r"attrs\.input_steps"),
 ])
 def test_the_runtime_executor_refuses_an_imported_op_it_would_run_as_another(
         imported, name, refusal):
@@ -654,6 +655,47 @@ def test_t5s_decoder_lookup_in_the_encoders_table_is_refused_by_the_executor(imp
     with pytest.raises(RuntimeSetupError, match=r"embedding 'decoder\.embed_tokens' has "
                                                 r"attrs\.tied: a lookup in an earlier"):
         model.check_supported(Graph(graph.name, lookups))
+
+
+def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported):
+    """HF Llama's rotary (``q·cos + rotate_half(q)·sin``, k alike) is element-wise code
+    between the projections and SDPA: each of its kernels (mul, neg, cat, mul, add per
+    tensor) is counted on torch's tensors — q of n = 2·4·8·8 elements, k of n/2, the cos
+    and sin rows 8 × 8 in float32: (10n + 2·64) × 4 bytes and 3.5n FLOPs per tensor —,
+    priced with the attention forward and backward, and named by ``explain``."""
+    from ilp_planner.lowering.compute_model import op_work
+
+    _, graph = imported("llama_untied")
+    q, k, table = BATCH * 4 * SEQ * 8, BATCH * 2 * SEQ * 8, SEQ * 8
+    for i in range(2):
+        op = graph[f"model.layers.{i}.self_attn.attention"]
+        assert (op.attrs["input_steps"], op.attrs["input_steps_bytes"],
+                op.attrs["input_steps_flops"]) == (10, (10 * (q + k) + 4 * table) * 4,
+                                                   3.5 * (q + k))
+        fwd, bwd = op_work(op, 2.0)
+        assert fwd.stream_bytes == bwd.stream_bytes == op.attrs["input_steps_bytes"] / 2
+        assert fwd.stream_flops == bwd.stream_flops == op.attrs["input_steps_flops"] / 2
+    cluster = dict(CLUSTER, gpu="a100-80gb")
+    cluster.pop("peak_tflops")
+    text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))
+    assert "model.layers.0.self_attn.attention: 10 kernels" in text
+    assert "NOT priced" not in text
+
+
+def test_eager_attention_mask_is_proven_causal_unless_it_reads_the_inputs():
+    """HF's eager attention adds its mask to ``q·kᵀ`` by hand: built from positions alone
+    (no ``attention_mask``) it is evaluated to the lower triangle (0 / finfo.min) and the
+    attention stays unmarked; built from an ``attention_mask`` input (padding), it depends
+    on the inputs and the attention is marked ``not_plain_causal``."""
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, use_cache=False,
+        attn_implementation="eager")).eval()
+    ids = _ids()
+    alone = from_module(model, (ids,))["model.layers.0.self_attn.attention"]
+    padded = from_module(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert alone.kind is OpKind.ATTENTION and "not_plain_causal" not in alone.attrs
+    assert padded["model.layers.0.self_attn.attention"].attrs["not_plain_causal"] == 1
 
 
 def _mla() -> Any:
@@ -689,8 +731,12 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     assert op.kind is OpKind.ATTENTION
     assert op.inputs == (q, f"{p}.kv_b_proj", f"{p}.kv_a_proj_with_mqa")
     heads, dqk, dv = cfg.num_attention_heads, attn.qk_head_dim, cfg.v_head_dim
-    assert dict(op.attrs) == {"heads": heads, "seq_len": SEQ, "shared_input": 2,
-                              "not_plain_causal": 1}  # HF hands SDPA an explicit mask
+    steps = {k: v for k, v in op.attrs.items() if k.startswith("input_steps")}
+    # HF hands SDPA an explicit mask: the lower triangle, so plain causal (unmarked)
+    assert {k: v for k, v in op.attrs.items() if k not in steps} == {
+        "heads": heads, "seq_len": SEQ, "shared_input": 2}
+    # its rotary on q's and the shared key's rope parts: kernels of their own, priced
+    assert steps["input_steps"] >= 2 and steps["input_steps_bytes"] > 0
     tokens = BATCH * SEQ
     assert op.output.shape == (tokens, heads * dv)
     assert op.flops == 2.0 * tokens * SEQ * heads * (dqk + dv)

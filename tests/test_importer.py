@@ -24,7 +24,7 @@ from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
 from runtime.modules import GPT, MLP
-from tests.helpers.user_models import Llama, NanoGPT, ResNet
+from tests.helpers.user_models import Llama, MaskedGPT, NanoGPT, ResNet
 
 CLUSTER = {"nodes": 2, "devices_per_node": 2, "memory_gib": 16, "peak_tflops": 10,
            "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 100},
@@ -36,9 +36,9 @@ def _ids(*shape: int) -> torch.Tensor:
 
 
 # what an imported graph adds for running on the user's module (DTensor): hand-written
-# attention splits batch or heads, the user's loss reads whole classes, a weight stored
-# (out, in)
-_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t")
+# attention splits batch or heads and runs unfused, the user's loss reads whole classes, a
+# weight stored (out, in)
+_EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t")
 
 
 def _attrs(op) -> dict:
@@ -107,7 +107,13 @@ def test_llama_import():
     assert g.total_params == sum(p.numel() for p in model.parameters())
     attn = g["layers.0.attention"]
     assert attn.inputs == ("layers.0.wq", "layers.0.wk", "layers.0.wv")
-    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2}
+    # its rotary, x·cos + rotate_half(x)·sin on q (n = 2·4·8·8) and k (n/2), as 5 kernels
+    # each (mul, neg, cat, mul, add) with (10n + 2·64) × 4 bytes and 3.5n FLOPs, the cos and
+    # sin rows (8, 8)
+    q, k = 2 * 4 * 8 * 8, 2 * 2 * 8 * 8
+    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 10,
+                                "input_steps_bytes": (10 * (q + k) + 4 * 64) * 4,
+                                "input_steps_flops": int(3.5 * (q + k))}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM
@@ -157,12 +163,95 @@ def test_sdpa_other_than_plain_causal_is_marked_and_the_executor_refuses_it():
     both_ways = from_module(model, (_ids(2, 8),))
     attn = [op for op in both_ways.ops if op.kind is OpKind.ATTENTION]
     assert attn and all(op.attrs.get("not_plain_causal") == 1 for op in attn)
+    assert not any(op.attrs.get("unfused") for op in attn)  # SDPA's kernel is fused
     own = models.gpt(hidden=16, layers=1, heads=2, seq_len=8, vocab=64, batch=2)
     check_supported(own)
     marked = Graph(own.name, [dataclasses.replace(op, attrs={**op.attrs, "not_plain_causal": 1})
                               if op.kind is OpKind.ATTENTION else op for op in own.ops])
     with pytest.raises(RuntimeSetupError, match=r"attention '.*' has attrs\.not_plain_causal"):
         check_supported(marked)
+
+
+@pytest.mark.parametrize("mask,plain", [
+    (torch.ones(8, 8, dtype=torch.bool).tril(), True),
+    (torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -math.inf), True),
+    (torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.ones(8, 8, dtype=torch.bool).tril(-3),
+     False),  # a sliding window of 3
+    (torch.ones(8, 8, dtype=torch.bool), False),  # bidirectional
+    (torch.zeros(8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -1e4), False),
+])
+def test_sdpa_with_an_explicit_mask_is_plain_causal_only_where_it_is_the_lower_triangle(
+        mask, plain):
+    """SDPA handed a constant ``attn_mask`` (as Hugging Face's export does): a boolean lower
+    triangle or its additive form (0 / −∞) is plain causal attention; a sliding window,
+    an all-True mask or a finite penalty (which leaves the masked keys some weight) is not."""
+    model = NanoGPT()
+    for block in model.transformer["h"]:
+        block.attn.attn_mask = mask
+    graph = from_module(model, (_ids(2, 8),))
+    attn = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
+    assert len(attn) == 2
+    assert all(bool(op.attrs.get("not_plain_causal")) is not plain for op in attn)
+
+
+@pytest.mark.parametrize("mask", ["causal", "none", "padding", "alibi"])
+def test_hand_written_attention_is_marked_unless_its_mask_is_provably_causal(mask):
+    """Hand-written attention (``q @ kᵀ``, a mask, softmax, ``@ v``): the importer evaluates
+    the constant it is masked with. A lower-triangular buffer with ``masked_fill(−∞)`` is
+    the executor's plain causal attention — the import is the builder's GPT, op for op and
+    attribute for attribute, and the executor accepts it; no mask (bidirectional), a mask
+    computed from the inputs (padding) or an additive bias (ALiBi-like) is marked
+    ``attrs.not_plain_causal`` and the executor refuses it, naming the op."""
+    from runtime.errors import RuntimeSetupError
+    from runtime.model import check_supported
+
+    args = dict(hidden=16, layers=2, heads=2, seq_len=8, vocab=64)
+    # under parallelize the user's code runs as written: batch or heads, unfused
+    applied = from_module(MaskedGPT(**args, mask=mask), (_ids(4 * 8),))
+    assert all(op.attrs["one_split"] == op.attrs["unfused"] == 1
+               for op in applied.ops if op.kind is OpKind.ATTENTION)
+    imported = from_module(MaskedGPT(**args, mask=mask), (_ids(4 * 8),), dtensor=False)
+    attn = [op for op in imported.ops if op.kind is OpKind.ATTENTION]
+    assert len(attn) == 2
+    if mask == "causal":
+        _same_ops(imported, models.gpt(**args, batch=4))
+        assert [_attrs(op) for op in attn] == [{"heads": 2, "seq_len": 8}] * 2
+        check_supported(imported)
+    else:
+        assert all(op.attrs.get("not_plain_causal") == 1 for op in attn)
+        # the padding mask's comparison is itself an op the executor lacks (opaque, first)
+        refusal = r"attention 'h\.0\.attention' has attrs\.not_plain_causal" \
+            if mask != "padding" else r"op 'h\.0\.opaque' is a opaque"
+        with pytest.raises(RuntimeSetupError, match=refusal):
+            check_supported(imported)
+
+
+def test_an_accepted_hand_written_causal_module_trains_like_the_executors_attention():
+    """What makes the causal mark sound: the hand-written module the importer accepts
+    computes what the executor's kernel (:func:`runtime.model.attention`, which
+    :class:`runtime.modules.GPT` runs) computes — same losses and parameters over three SGD
+    steps from the same parameters and data, in one process."""
+    args = dict(hidden=16, layers=2, heads=2, seq_len=8, vocab=64)
+    torch.manual_seed(0)
+    reference = GPT(**args)
+    written = MaskedGPT(**args, mask="causal")
+    written.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 64, (4 * 8,))
+    labels = torch.randint(0, 64, (4 * 8,))
+    losses = []
+    for module in (reference, written):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        run = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(module(ids), labels)
+            loss.backward()
+            opt.step()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for (name, a), b in zip(reference.named_parameters(), written.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_loss_fn_is_traced_with_the_model():

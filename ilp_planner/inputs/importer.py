@@ -25,7 +25,10 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   whole where heads split), q's head dim (nope + rope) and v's own pricing its FLOPs; a
   ``new_empty`` tensor filled slice by slice (MLA's key states) is the concatenation of what
   was copied in, and a copy of some of a projection's columns (MLA's latent part) is an opaque
-  copy that may split the tokens (``rows_local``);
+  copy that may split the tokens (``rows_local``); element-wise steps on q, k, v before the
+  attention (rotary) are priced with it by their bytes (``input_steps``), and its mask is
+  evaluated (:mod:`ilp_planner.inputs.lift_masks`): anything but provable plain causal
+  attention is ``not_plain_causal``;
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /
@@ -69,6 +72,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
+from ilp_planner.inputs.lift_masks import ConstantValues
 from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Act, Draft, Unsupported, numel
 from ilp_planner.inputs.lifting import lift
@@ -102,7 +106,8 @@ def from_module(module: Any, example_inputs: Any, *,
         root, strip = _WithLoss(module, loss_fn), "model."
     with routed_as_one_op(module, torch):
         ep = _export(root, args, kwargs, torch)
-    g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor)
+    g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor,
+                   ConstantValues(ep, torch))
     try:
         lift(g, ep)
     except Unsupported as exc:

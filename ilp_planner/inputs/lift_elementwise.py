@@ -15,6 +15,7 @@ from typing import Any
 
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_layers import lift_norm
+from ilp_planner.inputs.lift_masks import OTHER, after_step
 from ilp_planner.inputs.lift_values import (
     CONCATS,
     FOLLOWERS,
@@ -81,7 +82,8 @@ def lift_view(g: DraftGraph, call: Call) -> Any:
     if not isinstance(x, Act):
         return Const()
     step = (call.op,) + tuple(a for a in call.args[1:] if isinstance(a, (int, list, tuple)))
-    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts)
+    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts,
+               x.steps)
 
 
 def lift_split(g: DraftGraph, call: Call) -> list:
@@ -91,15 +93,19 @@ def lift_split(g: DraftGraph, call: Call) -> list:
     x = args[0]
     dim = args[2] if len(args) > 2 else (args[1] if op == "unbind" and len(args) > 1 else 0)
     return [Act(x.src, tuple(v.shape), dtype_of(v),
-                x.chain + ((op, int(dim) % len(x.shape), i),))
+                x.chain + ((op, int(dim) % len(x.shape), i),), steps=x.steps)
             for i, v in enumerate(call.val)]
 
 
 def lift_softmax(g: DraftGraph, call: Call) -> Act:
-    """Softmax of attention scores makes them probabilities; any other is an op."""
+    """Softmax of attention scores (over the keys) makes them probabilities; any other is
+    an op."""
     x, val = call.args[0], call.val
     if x.role == "scores":
-        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", x.parts)
+        dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", -1)
+        parts = x.parts if int(dim) % len(x.shape) == len(x.shape) - 1 else \
+            MappingProxyType({**x.parts, "mask": OTHER})
+        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", parts)
     src = g.ir(call.node, x)
     act = g.add(call.node, OpKind.SOFTMAX, [src], tokens_major(val.shape), dtype_of(val),
                 flops=5.0 * numel(val.shape))
@@ -116,7 +122,8 @@ def lift_reduction(g: DraftGraph, call: Call) -> Act:
     last = isinstance(dims, (list, tuple)) and len(dims) == 1 and \
         int(dims[0]) % len(x.shape) == len(x.shape) - 1
     step = ("reduce_last",) if last else ("reduce",)
-    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts)
+    return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role,
+               _other_on_role(x), x.steps + (call.node,))
 
 
 def lift_loss(g: DraftGraph, call: Call) -> Act:
@@ -156,7 +163,13 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
             for p in g.adopt(d, c.params):
                 if d.kind is OpKind.LINEAR and g.param_shape[p] == (d.shape[-1],):
                     d.attrs["bias"] = 1
-    return Act(x.src, shape, dtype, x.chain + ((op,),), x.role, x.parts)
+    parts = x.parts
+    if x.role:  # a step on attention scores: a scale, a mask (lift_masks), or another
+        mask = after_step(g.constants, call, x) if x.role == "scores" else OTHER
+        parts = MappingProxyType({**x.parts, "mask": mask})
+    # a step with a parameter (a bias, a gain) is the op's that owns it, priced there
+    own = () if any(c.params for c in consts) else (call.node,)
+    return Act(x.src, shape, dtype, x.chain + ((op,),), x.role, parts, x.steps + own)
 
 
 def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
@@ -164,12 +177,12 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
     scores, or a sum / product that becomes an ``add`` / ``mul`` op."""
     op, val = call.op, call.val
     shape, dtype = tuple(val.shape), dtype_of(val)
+    if a.role or b.role:  # a mask computed from the inputs (padding) on attention scores
+        x = a if a.role else b
+        return Act(x.src, shape, dtype, x.chain, x.role, _other_on_role(x))
     if set(a.src) == set(b.src) and (a.chain or b.chain):  # rotary, normalisation steps
         return Act(a.src, shape, dtype, a.chain + b.chain + ((op,),), a.role or b.role,
-                   a.parts or b.parts)
-    if a.role or b.role:  # an additive mask on attention scores
-        x = a if a.role else b
-        return Act(x.src, shape, dtype, x.chain, x.role, x.parts)
+                   a.parts or b.parts, _joined(a.steps + b.steps, call.node))
     kind = OpKind.ADD if op in ("add", "sub", "rsub") else (
         OpKind.MUL if op in ("mul", "div", "true_divide") else OpKind.OPAQUE)
     srcs = [g.ir(call.node, a), g.ir(call.node, b)]
@@ -199,9 +212,21 @@ def write_into(g: DraftGraph, dest: Act, src: Any) -> Any:
     if not isinstance(src, Act):
         return buf
     filled = Act(tuple(dict.fromkeys(buf.src + src.src)), buf.shape, buf.dtype,
-                 buf.chain + src.chain + (("cat",),), parts=buf.parts)
+                 buf.chain + src.chain + (("cat",),), parts=buf.parts,
+                 steps=_joined(buf.steps + src.steps))
     g.values[name] = filled
     return filled
+
+
+def _joined(steps: tuple[Any, ...], node: Any = None) -> tuple[Any, ...]:
+    """Element-wise kernels of joined values, each once, then ``node``'s own."""
+    return tuple(dict.fromkeys(steps + ((node,) if node is not None else ())))
+
+
+def _other_on_role(x: Act) -> Any:
+    """``x``'s parts, its mask unknown where it is attention scores or probabilities: a
+    step :mod:`ilp_planner.inputs.lift_masks` cannot prove to keep plain attention."""
+    return MappingProxyType({**x.parts, "mask": OTHER}) if x.role else x.parts
 
 
 def lift_concat(g: DraftGraph, call: Call) -> Any:
@@ -213,7 +238,8 @@ def lift_concat(g: DraftGraph, call: Call) -> Any:
     if len(set(a.src for a in acts)) == 1 and not with_params:
         a = acts[0]
         return Act(a.src, tuple(val.shape), dtype_of(val), a.chain + (("cat",),), a.role,
-                   a.parts)
+                   _other_on_role(a) if len(acts) > 1 else a.parts,
+                   _joined(tuple(s for x in acts for s in x.steps), call.node))
     return g.opaque(call.node, call.args, acts, val, call.op)
 
 

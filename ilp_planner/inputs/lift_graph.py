@@ -44,12 +44,16 @@ class NodeCost:
 
 class DraftGraph:
     """Drafts, node values and parameter ownership of one walk over an exported graph;
-    ``count`` prices a node the planner cannot shard (the importer counts with torch)."""
+    ``count`` prices a node the planner cannot shard (the importer counts with torch),
+    ``constants`` evaluates constant nodes (attention masks)."""
 
     def __init__(self, module: Any, count: Callable[[Any], NodeCost], strip: str = "",
-                 dtensor: bool = True):
+                 dtensor: bool = True, constants: Any = None):
         self.module = module
         self.count = count
+        # the real value of a node no input flows into (a mask), or None where unknown:
+        # ``lift_masks.ConstantValues``; without it no mask is proven causal
+        self.constants = constants
         self.strip = strip  # the prefix of the loss wrapper's paths (``model.``)
         self.dtensor = dtensor
         self.drafts: dict[str, Draft] = {}

@@ -13,7 +13,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
+    CONCATS,
     SPLITS,
     Act,
     Call,
@@ -21,6 +23,7 @@ from ilp_planner.inputs.lift_values import (
     dtype_of,
     first_output,
     numel,
+    op_name,
     param_name,
     tokens_major,
 )
@@ -58,7 +61,9 @@ def _linear(g: DraftGraph, node: Any, x: Act, wname: str, bname: str | None, k: 
 
 def lift_matmul(g: DraftGraph, call: Call) -> Any:
     """``x @ W`` with a parameter is a linear; ``q @ kᵀ`` then ``probs @ v`` are the two
-    halves of hand-written attention (the first only marks its result ``scores``)."""
+    halves of hand-written attention (the first only marks its result ``scores``); the
+    attention is marked ``not_plain_causal`` unless its scores were provably masked
+    causally (:mod:`ilp_planner.inputs.lift_masks`)."""
     a, b, val = call.args[0], call.args[1], call.val
     w = param_name(b)
     if isinstance(a, Act) and isinstance(b, Const) and w and len(g.param_shape[w]) == 2:
@@ -66,7 +71,9 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
         return _linear(g, call.node, a, w, None, k, n, val, stored_t=b.transposed)
     if isinstance(a, Act) and isinstance(b, Act):
         if a.role == "probs":
-            return _attention(g, call, a.parts["q"], a.parts["k"], b, sdpa=False)
+            out = _attention(g, call, a.parts["q"], a.parts["k"], b, sdpa=False)
+            _mark_causal(g, out, a.parts.get("mask", NO_MASK) == CAUSAL)
+            return out
         if len(a.shape) == 4 and len(b.shape) == 4:
             return Act(tuple(dict.fromkeys(a.src + b.src)), tuple(val.shape), dtype_of(val),
                        role="scores", parts=MappingProxyType({"q": a, "k": b}))
@@ -89,19 +96,34 @@ def lift_addmm(g: DraftGraph, call: Call) -> Any:
 
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
     out = _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
-    op = g.drafts[out.src[0]] if isinstance(out, Act) and out.src else None
-    if not _sdpa_causal(call) and op is not None and op.kind is OpKind.ATTENTION:
-        op.attrs["not_plain_causal"] = 1
+    _mark_causal(g, out, _sdpa_causal(g, call))
     return out
 
 
-def _sdpa_causal(call: Call) -> bool:
-    """Whether SDPA runs plain causal attention (``is_causal=True``, no mask): what the
-    runtime's executor computes; anything else (a mask, bidirectional attention as in BERT
+def _mark_causal(g: DraftGraph, out: Any, causal: bool) -> None:
+    """Mark the attention op ``out`` comes from ``attrs.not_plain_causal`` unless it is
+    proven plain causal: the runtime's executor, which runs only that, refuses it."""
+    op = g.drafts[out.src[0]] if isinstance(out, Act) and out.src else None
+    if not causal and op is not None and op.kind is OpKind.ATTENTION:
+        op.attrs["not_plain_causal"] = 1
+
+
+def _sdpa_causal(g: DraftGraph, call: Call) -> bool:
+    """Whether SDPA runs plain causal attention — ``is_causal=True`` and no mask, or no
+    flag and a constant mask proven the lower triangle (Hugging Face's export hands SDPA
+    its causal mask, :func:`ilp_planner.inputs.lift_masks.sdpa_mask`): what the runtime's
+    executor computes; anything else (a padding mask, bidirectional attention as in BERT
     or ViT) is marked ``attrs.not_plain_causal`` for the executor to refuse."""
     def arg(i: int, name: str, default: Any) -> Any:
         return call.args[i] if len(call.args) > i else call.kwargs.get(name, default)
-    return bool(arg(5, "is_causal", False)) and arg(3, "attn_mask", None) is None
+    causal, mask = bool(arg(5, "is_causal", False)), arg(3, "attn_mask", None)
+    if mask is None:
+        return causal
+    node = call.node.args[3] if len(call.node.args) > 3 else call.node.kwargs.get("attn_mask")
+    q, k = call.args[0], call.args[1]
+    shape = tuple(q.shape[:-1]) + (int(k.shape[-2]),)
+    return not causal and isinstance(mask, Const) and \
+        sdpa_mask(g.constants, node, shape, call.val.dtype) == CAUSAL
 
 
 def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) -> Any:
@@ -117,16 +139,19 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
     kv_heads = g.drafts[k.src[0]].shape[-1] // hd if len(srcs) == 3 and not shared else heads
     # under ``ilp_planner.parallelize`` SDPA runs on each rank's blocks, whatever mix of
     # batch and head splits (runtime.local_attention); hand-written attention runs on
-    # DTensors, whose 4-D matmul cannot always merge the two: one or the other
+    # DTensors, whose 4-D matmul cannot always merge the two: one or the other; and it runs
+    # as written — its s × s scores written and read by separate kernels, never fused
+    # (``unfused``: priced so whatever ``cluster.compute.attention`` says)
     attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
     if g.dtensor and not sdpa:
-        attrs["one_split"] = 1
+        attrs.update(one_split=1, unfused=1)
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):
         attrs["qkv_major"] = 1
     if shared:
         attrs["shared_input"] = srcs.index(shared)
+    attrs.update(input_steps(g, (q, k, v)))
     table = _bias_table(g, call, heads) if sdpa else None
     if table is not None:
         attrs["bias_table"] = 1
@@ -139,6 +164,24 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
         g.drafts[act.src[0]].attrs["bias_buckets"] = g.param_shape[table][0]
     # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use
     return Act(act.src, tuple(val.shape), act.dtype, chain=(("heads_out",),))
+
+
+def input_steps(g: DraftGraph, acts: tuple[Any, ...]) -> dict[str, int]:
+    """What the element-wise steps folded into q, k and v since their projections cost —
+    rotary positions (``x·cos + rotate_half(x)·sin``, DeepSeek's complex products), a scale
+    — which run as kernels of their own before the attention: their number
+    (``input_steps``), the bytes of the tensors each reads and writes as torch counts them
+    (``input_steps_bytes``) and one FLOP per element each writes, none for a
+    concatenation's copy (``input_steps_flops``). Priced with the attention
+    (:func:`ilp_planner.lowering.compute_model._rotary`) and named by ``explain``."""
+    nodes = list(dict.fromkeys(s for a in acts if isinstance(a, Act) for s in a.steps))
+    if not nodes:
+        return {}
+    costs = [g.count(n) for n in nodes]
+    flops = sum(numel(first_output(n.meta["val"]).shape) for n in nodes
+                if op_name(n.target) not in CONCATS)
+    return {"input_steps": len(nodes), "input_steps_flops": int(flops),
+            "input_steps_bytes": sum(c.bytes_read + c.bytes_written for c in costs)}
 
 
 def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:

@@ -70,6 +70,9 @@ class Act:
     chain: tuple[tuple, ...] = ()
     role: str = ""  # "scores" / "probs": the two halves of hand-written attention
     parts: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # the element-wise kernels folded into it since its op (their nodes): rotary on q / k,
+    # which the attention reading it prices by their bytes (lift_layers.input_steps)
+    steps: tuple[Any, ...] = ()
 
 
 @dataclass

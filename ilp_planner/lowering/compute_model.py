@@ -29,7 +29,13 @@ embedding                 lookup: 2N (+N/table)  scatter-add of dY into the tabl
 attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 matmuls for 2);
                                                  reads Q, K, V, O, dO, writes dQ, dK, dV: 8N
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
-                          4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021)
+                          4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
+                                                 always for ``attrs.unfused``: an imported
+                                                 hand-written attention runs as written)
++ its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
+                          elements, 2 kernels    pass over dy, dx and the tables)
++ its folded steps        torch's bytes, 1 FLOP  the same bytes (each step's backward reads
+  (imported: rotary)      per element, 1 kernel  its output's gradient, writes its input's)
 layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 kernels (dx, dγ)
 softmax                   2N                     3N (read y, dy, write dx)
 gelu, silu, relu          2N                     3N (read x, dy, write dx)
@@ -42,6 +48,20 @@ loss (cross-entropy)      logits L               2L (read logits, write dlogits)
 opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
 flatten                   nothing (a view)       nothing
 ========================  =====================  ==========================================
+
+Rotary positions turn q and k before the attention kernel, in kernels of their own
+(:func:`_rotary`, streaming beside the attention's roofline, as an unfused attention's
+softmax is): R = the elements rotated on the device, ``N·(1 + kv_heads/heads)`` (q and k),
+3 FLOPs each (``x·cos + rot(x)·sin``: two products and a sum; rotate-half's negation is a
+sign), one fused kernel per tensor reading x and the ``(s, d)`` cos and sin rows and
+writing y: ``(2R + 2·2·s·d) × itemsize`` bytes (d = the head dim); recomputation runs it
+again with the forward. That is the fused kernel engines run (Megatron-Core's, Transformer
+Engine's); the runtime's own executor turns q and k by five torch ops each
+(:func:`runtime.model.rotary`), about five times these bytes, which this price does not
+follow. An imported model's rotary is the element-wise steps its code
+applies to q, k and v between their projections and the attention, folded into the
+attention (``attrs.input_steps`` kernels, ``input_steps_bytes``, ``input_steps_flops``:
+torch's bytes of each step's tensors, :mod:`ilp_planner.inputs.lift_layers`), priced alike.
 
 The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
 optimizer shard it reads the gradient and the optimizer state and writes the state and the
@@ -72,14 +92,16 @@ class PhaseWork:
     """One phase of one op on one device: FLOPs, bytes to and from memory, kernel
     launches, and the local matmul shape its FLOPs run at (None: the asymptote).
     ``stream_bytes`` are moved by separate memory-bound kernels of the same phase (an
-    unfused attention's softmax and dropout): they run after the matmuls, not under them,
-    so their time adds to the roofline's maximum."""
+    unfused attention's softmax and dropout, rotary before attention): they run apart from
+    the matmuls, not under them, so their time — the larger of ``stream_flops`` at e_max and
+    their bytes — adds to the roofline's maximum."""
 
     flops: float
     bytes: float
     kernels: int
     gemm: GemmShape | None = None
     stream_bytes: float = 0.0
+    stream_flops: float = 0.0  # of those kernels (rotary): at e_max, under their bytes
 
 
 NO_WORK = PhaseWork(0.0, 0.0, 0)
@@ -103,8 +125,9 @@ def phase_terms(work: PhaseWork, device: DeviceSpec, dtype: str
     flops_s = work.flops / (device.peak(dtype) * matmul_efficiency(device, work.gemm)) \
         if work.flops else 0.0
     rate = device.hbm_bytes_per_s * device.fit.memory_efficiency
-    return (flops_s, work.bytes / rate, work.stream_bytes / rate,
-            work.kernels * device.fit.kernel_floor_s)
+    stream_s = max(work.stream_flops / (device.peak(dtype) * device.fit.matmul_efficiency),
+                   work.stream_bytes / rate)
+    return (flops_s, work.bytes / rate, stream_s, work.kernels * device.fit.kernel_floor_s)
 
 
 def phase_seconds(work: PhaseWork, device: DeviceSpec, dtype: str) -> float:
@@ -159,13 +182,33 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
     gemm = (seq, seq, op.output.shape[-1] / heads)  # S = QKᵀ per head; O = PV permuted
     n = op.output.numel / split * itemsize
     flops = op.flops / split
+    rf, rb, rk = _rotary(op, split, itemsize)  # the same in both phases
     if flash:
-        return (PhaseWork(flops, 4 * n, 1, gemm),
-                PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2, gemm))
+        return (PhaseWork(flops, 4 * n, 1 + rk, gemm, rb, rf),
+                PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2 + rk, gemm, rb, rf))
     scores = op.output.shape[0] * heads * seq / split  # E, elements
     e = scores * itemsize
-    return (PhaseWork(flops, 4 * n + 2 * e, 4, gemm, 4 * e + scores * MASK_BYTES),
-            PhaseWork(2 * flops, 8 * n + 4 * e, 6, gemm, 5 * e + scores * MASK_BYTES))
+    return (PhaseWork(flops, 4 * n + 2 * e, 4 + rk, gemm, 4 * e + scores * MASK_BYTES + rb, rf),
+            PhaseWork(2 * flops, 8 * n + 4 * e, 6 + rk, gemm, 5 * e + scores * MASK_BYTES + rb,
+                      rf))
+
+
+def _rotary(op: Op, split: float, itemsize: int) -> tuple[float, float, int]:
+    """(FLOPs, bytes, kernels) of one phase of the rotary positions ``op`` applies to its q
+    and k on a device holding ``1/split`` of it (module docstring): the built-in formula
+    where ``attrs.rope_theta`` is set, an import's folded steps as torch counted them,
+    else none."""
+    steps = op.attrs.get("input_steps", 0)
+    if steps:
+        return (op.attrs.get("input_steps_flops", 0) / split,
+                op.attrs.get("input_steps_bytes", 0) / split, steps)
+    if not op.attrs.get("rope_theta"):
+        return 0.0, 0.0, 0
+    heads = max(op.attrs.get("heads", 1), 1)
+    kv = op.attrs.get("kv_heads", heads)
+    rotated = op.output.numel / split * (1 + kv / heads)  # R: q's and k's elements
+    tables = 2 * 2 * op.attrs.get("seq_len", 1) * op.output.shape[-1] / heads  # cos, sin × 2
+    return 3.0 * rotated, (2 * rotated + tables) * itemsize, 2
 
 
 def op_work(op: Op, split: float, gemm: GemmShape | None = None,
@@ -180,8 +223,8 @@ def op_work(op: Op, split: float, gemm: GemmShape | None = None,
     n = op.output.numel / split * it  # bytes of the local output
     if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV2D):
         return _gemm_work(flops, gemm or default_gemm(op, split), it)
-    if kind is OpKind.ATTENTION:
-        return _attention(op, split, it, flash)
+    if kind is OpKind.ATTENTION:  # an imported hand-written one runs unfused (its code)
+        return _attention(op, split, it, flash and not op.attrs.get("unfused"))
     if kind is OpKind.EMBEDDING:
         tables = 1 + sum(1 for k in op.attrs if k == "seq_len" or k.startswith("pos_"))
         out = (gemm[0] * gemm[1] * it) if gemm else n
@@ -235,9 +278,9 @@ def op_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = 
 
 def training_flops(op: Op, flash: bool = True) -> float:
     """Forward + backward FLOPs of ``op`` as the roofline counts them (attention's flash
-    backward recomputes; an add has no backward)."""
+    backward recomputes, its rotary included; an add has no backward)."""
     fwd, bwd = op_work(op, 1.0, flash=flash)
-    return fwd.flops + bwd.flops
+    return fwd.flops + bwd.flops + fwd.stream_flops + bwd.stream_flops
 
 
 def least_seconds(op: Op, cluster: Cluster) -> float:

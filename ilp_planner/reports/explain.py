@@ -41,6 +41,7 @@ from formulations.result import SolveStats
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import Config, parse_cluster, parse_config
 from ilp_planner.ir.cluster import Cluster, fact_str
+from ilp_planner.ir.graph import OpKind
 from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
@@ -417,6 +418,7 @@ def explain(plan: Plan, *, collectives: bool = True) -> str:
     ``collectives=False`` leaves out the per-layer collective lines (the totals stay)."""
     config = parse_config(plan.config)
     sections = [_solver_lines(plan), _cost_lines(plan), _roofline_lines(plan, config),
+                _folded_step_lines(config),
                 _stage_lines(plan), _memory_lines(plan),
                 [decisions_summary(plan)], _layer_lines(plan, collectives, config),
                 _totals_lines(plan), _resharding_lines(plan),
@@ -524,6 +526,37 @@ def _roofline_lines(plan: Plan, config: Config) -> list[str]:
     return [f"roofline on {config.cluster.device.name}: each kind's kernels per micro-batch "
             f"(forward + backward, local shards) by what bounds them:",
             *text_table(["kind", *BOUNDS, "mostly"], rows)]
+
+
+def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
+    """The attention ops whose imported q, k or v carry element-wise steps of the user's
+    code (rotary positions, a scale: ``attrs.input_steps``), each with its kernels, bytes
+    and FLOPs per micro-batch — priced with the attention by torch's bytes, not guessed
+    (:func:`ilp_planner.inputs.lift_layers.input_steps`) — and the built-in attention ops
+    pricing rotary positions by formula (``rope_theta``)."""
+    graph = config.microbatch_graph()
+    attention = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
+    folded = [op for op in attention if op.attrs.get("input_steps")]
+    rope = [op.name for op in attention if op.attrs.get("rope_theta")]
+    flat = "" if config.cluster.device is not None else (
+        " — NOT priced: the flat compute model (no cluster device) counts only FLOPs at "
+        "matmul speed")
+    lines = []
+    if folded:
+        listed = "; ".join(f"{op.name}: {op.attrs['input_steps']} kernels, "
+                           f"{fmt_bytes(op.attrs.get('input_steps_bytes', 0))}, "
+                           f"{op.attrs.get('input_steps_flops', 0):.3g} FLOPs"
+                           for op in folded[:shown])
+        more = f"; … {len(folded) - shown} more" if len(folded) > shown else ""
+        lines.append(f"element-wise steps of the module's code on attention's q, k, v (its "
+                     f"rotary positions, scales), priced by torch's bytes per micro-batch "
+                     f"forward and again backward: {listed}{more}{flat}")
+    if rope:
+        lines.append(f"rotary positions priced in {len(rope)} attention op(s) "
+                     f"(rope_theta: 3 FLOPs per q and k element, one pass over them and the "
+                     f"cos / sin rows, forward and backward): {', '.join(rope[:shown])}"
+                     + (", …" if len(rope) > shown else "") + flat)
+    return lines
 
 
 def _layer_lines(plan: Plan, collectives: bool, config: Config) -> list[str]:

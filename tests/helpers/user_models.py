@@ -3,9 +3,13 @@ importer's tests and examples. They are plain ``nn.Module`` s with no planner co
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime import modules
 
 
 class CausalSelfAttention(nn.Module):
@@ -17,6 +21,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(n_embd, n_embd)
         self.n_head = n_head
         self.causal = True  # False: bidirectional, as an encoder's
+        self.attn_mask: torch.Tensor | None = None  # an explicit mask instead of the flag
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.size()
@@ -24,7 +29,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        mask = self.attn_mask
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=self.causal and mask is None)
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
@@ -166,3 +173,50 @@ class ResNet(nn.Module):
         x = F.relu(self.bn1(self.conv1(x)))
         x = self.layer1(x)
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class MaskedBlock(modules.Block):
+    """The runtime GPT's block with its attention written out — ``q @ kᵀ``, a mask,
+    softmax, ``@ v`` on the runtime's head-major fused QKV — the mask chosen by ``mask``:
+    ``causal`` (a lower-triangular buffer, ``masked_fill`` with −∞: nanoGPT's), ``none``
+    (bidirectional), ``padding`` (keys masked where the input says: computed from the
+    inputs), ``alibi`` (a constant additive bias by distance)."""
+
+    def __init__(self, h: int, heads: int, seq_len: int, mask: str):
+        super().__init__(h, heads, seq_len)
+        self.mask = mask
+        self.register_buffer("tril", torch.tril(torch.ones(seq_len, seq_len)), persistent=False)
+        pos = torch.arange(seq_len)
+        self.register_buffer("bias", -0.5 * (pos[:, None] - pos[None, :]).abs().float(),
+                             persistent=False)
+
+    def attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        tokens, width = qkv.shape
+        s, d = self.seq_len, width // (3 * self.heads)
+        x = qkv.reshape(tokens // s, s, self.heads, 3, d)
+        q, k, v = (x[:, :, :, i].transpose(1, 2) for i in range(3))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        if self.mask == "causal":
+            scores = scores.masked_fill(self.tril == 0, float("-inf"))
+        elif self.mask == "padding":
+            scores = scores.masked_fill((qkv[:, :1] < -3).reshape(tokens // s, 1, 1, s),
+                                        float("-inf"))
+        elif self.mask == "alibi":
+            scores = scores + self.bias
+        out = torch.softmax(scores, dim=-1) @ v
+        return out.transpose(1, 2).reshape(tokens, self.heads * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attn["proj"](self.attention(self.attn["qkv"](self.ln1(x)))), 0.0)
+        m = self.mlp["fc2"](F.gelu(self.mlp["fc1"](self.ln2(x))))
+        return x + F.dropout(m, 0.0)
+
+
+class MaskedGPT(modules.GPT):
+    """The runtime's tiny GPT (:class:`runtime.modules.GPT`, the executor's computation)
+    with hand-written attention masked as ``mask`` says (:class:`MaskedBlock`)."""
+
+    def __init__(self, hidden: int, layers: int, heads: int, seq_len: int, vocab: int,
+                 mask: str):
+        super().__init__(hidden, layers, heads, seq_len, vocab)
+        self.h = nn.ModuleList(MaskedBlock(hidden, heads, seq_len, mask) for _ in range(layers))
