@@ -690,7 +690,8 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     assert op.inputs == (q, f"{p}.kv_b_proj", f"{p}.kv_a_proj_with_mqa")
     heads, dqk, dv = cfg.num_attention_heads, attn.qk_head_dim, cfg.v_head_dim
     assert dict(op.attrs) == {"heads": heads, "seq_len": SEQ, "shared_input": 2,
-                              "not_plain_causal": 1}  # HF hands SDPA an explicit mask
+                              "not_plain_causal": 1,  # HF hands SDPA an explicit mask
+                              "functional": 1}
     tokens = BATCH * SEQ
     assert op.output.shape == (tokens, heads * dv)
     assert op.flops == 2.0 * tokens * SEQ * heads * (dqk + dv)

@@ -37,8 +37,8 @@ def _ids(*shape: int) -> torch.Tensor:
 
 # what an imported graph adds for running on the user's module (DTensor): hand-written
 # attention splits batch or heads, the user's loss reads whole classes, a weight stored
-# (out, in)
-_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t")
+# (out, in), an op of functional code (its readers share one value)
+_EXECUTION_ATTRS = ("one_split", "whole_classes", "weight_t", "functional")
 
 
 def _attrs(op) -> dict:
@@ -85,7 +85,7 @@ def test_nanogpt_import():
     assert head.attrs["tied"] == 1 and head.params == 0  # nanoGPT ties wte and lm_head
     attn = g["transformer.h.0.attn.attention"]
     assert attn.inputs == ("transformer.h.0.attn.c_attn",)
-    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1}
+    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1, "functional": 1}
     assert attn.flops == 4.0 * 16 * 8 * 16
     assert g["transformer.h.1.mlp.0"].block == "transformer.h"
     assert g["transformer.h.1.mlp.0"].block_index == 1
@@ -107,7 +107,7 @@ def test_llama_import():
     assert g.total_params == sum(p.numel() for p in model.parameters())
     attn = g["layers.0.attention"]
     assert attn.inputs == ("layers.0.wq", "layers.0.wk", "layers.0.wv")
-    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2}
+    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "functional": 1}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM
