@@ -17,7 +17,9 @@ from ilp_planner.inputs.importer import from_module
 from ilp_planner.intra_op.baselines import solve_exact
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.graph import Op
+from ilp_planner.ir.layouts import Layout, Partial
 from ilp_planner.lowering.cost_model import CollectiveKind
+from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.strategies import Strategy
 from ilp_planner.plan.programs import edge_programs
@@ -152,3 +154,21 @@ def test_the_executor_refuses_a_plan_that_prices_a_shared_read_once(graph):
     plan = restricted_plan(config, gathered_before_functional_code)
     with pytest.raises(RuntimeSetupError, match="input 0 of 'mul' reads 'proj' as a shared read"):
         Executor(plan, RunOptions(), rank=0, world=4)
+
+
+def test_parallelize_refuses_readers_of_one_value_handing_back_gradients_in_two_layouts(graph):
+    """One value, one backward program: readers whose gradients would come back in two
+    layouts (one partial over the devices, one whole) cannot share it — refused naming the
+    producer, where the hook table once kept the last reader's program."""
+    config = load_config({"model": graph, "cluster": cluster()})
+    plan = restricted_plan(config, gathered_before_functional_code)
+    layers = {ly.name: ly for ly in plan.layers}
+    reds = {(e.consumer, e.index): e.program for e in edge_programs(plan)
+            if e.role in ("edge", "shared")}
+    read = layers["mul"].inputs[0]
+    partial = Layout(read.fact, tuple(Partial() if ax.size > 1 else pl
+                                      for ax, pl in zip(read.fact, read.placements, strict=True)))
+    reds[("mul", 0)] = plan_redistribution(layers["proj"].output, read, graph["proj"].output,
+                                           config.cluster, partial)
+    with pytest.raises(RuntimeSetupError, match="'proj' feeds functional code in two gradient"):
+        hook_table(graph, layers, reds, FanOut())

@@ -871,15 +871,15 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
     penalty += buckets.upper_bound() if buckets is not None else 0.0
     for i in sorted(st.still):
         u, pos_u, v, pos_v, idx, _ = st.edges[i]
-        outs: dict[Layout, int] = {}  # each distinct layout (pair) compared once
-        ins: dict[tuple[Layout, Layout], int] = {}
-        rows = [outs.setdefault(opt.outputs[pos_u], len(outs)) for opt in options[u]]
-        cols = [ins.setdefault((o.inputs[pos_v][idx], o.grads[pos_v][idx]), len(ins))
-                for o in options[v]]
-        moves = np.array([[not _as_produced(out, a, g) for a, g in ins] for out in outs],
-                         dtype=float)
+        # a value arrives as produced where both sides name one (layout, gradient layout)
+        # but for unit mesh axes: compared as ids, each distinct layout normalised once
+        ids: dict[tuple[Layout, Layout], int] = {}
+        made = np.array([ids.setdefault(_produced_key(opt.outputs[pos_u]), len(ids))
+                         for opt in options[u]])
+        read = np.array([ids.setdefault(_read_key(o.inputs[pos_v][idx], o.grads[pos_v][idx]),
+                                        len(ids)) for o in options[v]])
         _add_pair(cost, edges, st.group_of[u], st.group_of[v],
-                  penalty * moves[np.ix_(rows, cols)])
+                  penalty * (made[:, None] != read[None, :]).astype(float))
     for d, pos_d, idx_d, o, pos_o, idx_o in st.couplings:
         ids: dict[tuple[Layout, Layout], int] = {}  # each distinct pair compared once
         want = np.array([ids.setdefault((opt.inputs[pos_d][idx_d], opt.grads[pos_d][idx_d]),
@@ -893,8 +893,17 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
 def _as_produced(out: Layout, read: Layout, grad: Layout) -> bool:
     """Whether a value produced in ``out`` is read in ``read``, its gradient handed back in
     ``grad``, with an empty program both ways: the same layouts but for unit mesh axes."""
-    return drop_unit_axes(read) == drop_unit_axes(out) \
-        and drop_unit_axes(grad) == drop_unit_axes(grad_layout(out))
+    return _produced_key(out) == _read_key(read, grad)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _produced_key(out: Layout) -> tuple[Layout, Layout]:
+    return drop_unit_axes(out), drop_unit_axes(grad_layout(out))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _read_key(read: Layout, grad: Layout) -> tuple[Layout, Layout]:
+    return drop_unit_axes(read), drop_unit_axes(grad)
 
 
 def _add_pair(cost: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], gu: int, gv: int,
