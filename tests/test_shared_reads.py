@@ -172,3 +172,28 @@ def test_parallelize_refuses_readers_of_one_value_handing_back_gradients_in_two_
                                            config.cluster, partial)
     with pytest.raises(RuntimeSetupError, match="'proj' feeds functional code in two gradient"):
         hook_table(graph, layers, reds, FanOut())
+
+
+def test_nothing_moves_between_two_pieces_of_functional_code(graph):
+    """``add`` and ``mul`` feed ``mul_1`` with no module boundary between them, where
+    ``parallelize`` could run no program: every plan keeps those values as produced (the
+    programs between functional ops are empty both ways), and a choice that moves one costs
+    more than any that does not, naming the edge."""
+    for devices, nodes in ((4, 1), (2, 2)):
+        plan = ilp_planner.solve(graph, cluster=dict(cluster(devices), nodes=nodes),
+                                 baselines=False)
+        functional = {op.name for op in graph.ops if op.attrs.get("functional")}
+        between = [e for e in edge_programs(plan)
+                   if {e.producer, e.consumer} <= functional and e.consumer != "loss"]
+        assert {(e.producer, e.consumer) for e in between} == {("add", "mul_1"), ("mul", "mul_1")}
+        assert all(not e.program.steps and not e.program.backward_steps for e in between)
+    config = load_config({"model": graph, "cluster": cluster()})
+    gp = build_problem(graph, config.cluster, 1, 4, config.memory)
+    choice, _, _ = solve_exact(gp.problem, 30.0)
+    made = gp.options["add"][choice[gp.group_of["add"]]].outputs[0]
+    other = next(k for k, o in enumerate(gp.options["mul_1"])
+                 if o.inputs[0][0].split_degree(1) != made.split_degree(1))
+    moved = list(choice)
+    moved[gp.group_of["mul_1"]] = other
+    assert gp.problem.objective(moved) > 1.0
+    assert "'add' changes between two pieces of functional code" in gp.unrunnable(moved)
