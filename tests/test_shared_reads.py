@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 import ilp_planner
+from formulations.elimination import solve_elimination
+from formulations.sbp_ilp import SbpIlp
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.intra_op.baselines import solve_exact
@@ -197,3 +199,19 @@ def test_nothing_moves_between_two_pieces_of_functional_code(graph):
     moved[gp.group_of["mul_1"]] = other
     assert gp.problem.objective(moved) > 1.0
     assert "'add' changes between two pieces of functional code" in gp.unrunnable(moved)
+
+
+def test_the_ilp_and_the_elimination_find_one_coupled_optimum(graph):
+    """Both exact solvers read the couplings as edge matrices of the one problem: on 1 × 4
+    and 2 × 2 they reach the same objective, a choice ``parallelize`` can run."""
+    config = load_config({"model": graph, "cluster": cluster()})
+    for nodes, local in ((1, 4), (2, 2)):
+        gp = build_problem(graph, config.cluster, nodes, local, config.memory)
+        ilp = SbpIlp(gp.problem).solve(time_limit_s=60.0)
+        out = solve_elimination(gp.problem)
+        assert ilp is not None and ilp.status == "optimal" and out is not None
+        elim = out.result
+        assert elim.status == "optimal"
+        assert ilp.objective == pytest.approx(elim.objective, rel=1e-9)
+        assert ilp.objective < 1e-2
+        assert gp.unrunnable(ilp.choice) is None and gp.unrunnable(elim.choice) is None
