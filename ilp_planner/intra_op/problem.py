@@ -909,11 +909,14 @@ def _read_key(read: Layout, grad: Layout) -> tuple[Layout, Layout]:
 def _add_pair(cost: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], gu: int, gv: int,
               mat: np.ndarray) -> None:
     """Add ``mat`` (options of group ``gu`` × options of ``gv``) to the problem: to the
-    edge between them, or, within one group, its diagonal to the group's cost."""
+    edge between them (the one already there, either way round), or, within one group, its
+    diagonal to the group's cost."""
     if gu == gv:
         cost[gu] += np.diag(mat)
         return
-    key, mat = ((gu, gv), mat) if gu < gv else ((gv, gu), mat.T)
+    if (gu, gv) not in edges and (gv, gu) in edges:
+        gu, gv, mat = gv, gu, mat.T
+    key, mat = ((gu, gv), mat) if (gu, gv) in edges or gu < gv else ((gv, gu), mat.T)
     edges[key] = edges[key] + mat if key in edges else mat
 
 
