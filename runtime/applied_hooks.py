@@ -3,8 +3,11 @@
 
 :func:`hook_table` decides, from the plan alone, what each module boundary runs: for each
 input of a module the edge program (or a check that it already arrives in its planned
-layout), and for the output a program for functional consumers (or a check). A layout
-change between two pieces of functional code has no boundary to run at and is refused.
+layout), and for the output one program for all its functional consumers (or a check) —
+they read one value, so they must read one layout and hand back their gradients in one
+layout (autograd sums them into the one backward program), as the plan's shared reads
+price it (:mod:`ilp_planner.lowering.shared_reads`). A layout change between two pieces of
+functional code has no boundary to run at and is refused.
 :class:`BoundaryHooks` installs and runs them: the root module's pre-hook cuts the full batch
 into the planned blocks, each leaf's hooks convert and check, the root's forward hook
 converts the module's output.
@@ -27,6 +30,7 @@ from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout, grad_layout
 from ilp_planner.lowering.moe_strategies import hf_experts
 from ilp_planner.lowering.redistribution import Redistribution
+from ilp_planner.lowering.shared_reads import priced_read
 from ilp_planner.lowering.strategies import input_grad_layouts, is_summa, param_shapes
 from ilp_planner.plan.data import LayerPlan
 from runtime.applied_edges import EdgeRunner
@@ -143,8 +147,7 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
     """Every module boundary's :class:`Hook`, and the programs run on a producer's output
     for functional consumers (the module's own output's among them)."""
     hooks: dict[str, Hook] = {}
-    post: Programs = {}
-    functional: dict[str, set[Layout]] = {}  # producer -> the layouts functional code reads
+    functional: dict[str, list[tuple[str, int]]] = {}  # producer -> its functional readers
     for op in graph.ops:
         if op.kind is OpKind.INPUT:
             continue
@@ -153,27 +156,44 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
             if graph[src].kind is OpKind.INPUT:
                 continue
             red = edges[(op.name, idx)]
-            moves = bool(red.steps or red.backward_steps)
-            if op.kind is OpKind.LOSS:
-                if moves:
-                    post[src] = (ly.inputs[idx], red)
-                continue
-            if runner_path(module, op) is not None:
+            if op.kind is not OpKind.LOSS and runner_path(module, op) is not None:
                 h = hooks.setdefault(op.name, Hook(op.name))
+                moves = bool(red.steps or red.backward_steps)
                 h.inputs[idx] = (layers[src].output, red if moves else None, ly.inputs[idx])
                 continue
-            # one value reaches all of a producer's functional code: in one layout only
-            seen = functional.setdefault(src, set())
-            seen.add(ly.inputs[idx])
-            if len(seen) > 1:
-                raise RuntimeSetupError(
-                    f"{src!r} feeds functional code in two layouts "
-                    f"({', '.join(sorted(map(str, seen)))}): no module boundary can run both "
-                    f"programs")
-            if moves:
-                post[src] = (ly.inputs[idx], red)
+            functional.setdefault(src, []).append((op.name, idx))
+    post = {src: prog for src, readers in functional.items()
+            if (prog := _shared_program(graph, src, readers, edges)) is not None}
     _outputs(graph, layers, module, hooks, post)
     return hooks, post
+
+
+def _shared_program(graph: Graph, src: str, readers: list[tuple[str, int]],
+                    edges: dict[tuple[str, int], Redistribution]
+                    ) -> tuple[Layout, Redistribution] | None:
+    """The one program run on ``src``'s output for all its functional ``readers`` (one value
+    reaches them all), or None where nothing moves. They must read one layout and hand back
+    their gradients in one layout — autograd sums them into the one backward program — and
+    the plan must have priced that program once, as a shared read of exactly these readers
+    (:mod:`ilp_planner.lowering.shared_reads`); a plan of a graph that does not say so
+    prices it once per reader."""
+    progs = [edges[r] for r in readers]
+    shared = graph.shared_reads().get(src, ())
+    priced_once = set(readers) == set(shared) if len(readers) > 1 else not shared
+    if not priced_once and any(p.steps or p.backward_steps for p in progs):
+        raise RuntimeSetupError(
+            f"{src!r} is read by functional code {sorted(readers)}, which the plan's graph "
+            f"does not price as one shared read ({sorted(shared) or 'none'}); import the "
+            f"module with from_module(dtensor=True) and re-solve")
+    for what, seen in (("layouts", {p.dst for p in progs}),
+                       ("gradient layouts", {p.grad_dst for p in progs})):
+        if len(seen) > 1:
+            raise RuntimeSetupError(
+                f"{src!r} feeds functional code in two {what} "
+                f"({', '.join(sorted(map(str, seen)))}): no module boundary can run both "
+                f"programs")
+    red = edges[priced_read(graph, tuple(readers))] if len(readers) > 1 else progs[0]
+    return (red.dst, red) if red.steps or red.backward_steps else None
 
 
 def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,

@@ -108,7 +108,8 @@ class Applied:
         self.registry = MeshRegistry(GROUP_TIMEOUT_S)
         self.comm = Comm(self.registry, tuple(range(self.world)), self.rank, cl, None)
         programs = {(e.consumer, e.index): e.program
-                    for e in edge_programs(plan, self.config, self.graph) if e.role == "edge"}
+                    for e in edge_programs(plan, self.config, self.graph)
+                    if e.role in ("edge", "shared")}
         for red in programs.values():
             self.comm.register(red)
         chunks = self._grad_chunks()

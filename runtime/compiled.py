@@ -146,6 +146,13 @@ def _lowered_edges(plan: Plan, checked: CheckedPlan
     edges: dict[tuple[str, int], Redistribution] = {}
     exports: dict[str, Redistribution] = {}
     for ep in edge_programs(plan, checked.config, checked.graph):
+        if ep.role == "shared" and (ep.program.steps or ep.program.backward_steps):
+            # the planner priced it once, on another reader, for functional code
+            raise RuntimeSetupError(
+                f"input {ep.index} of {ep.consumer!r} reads {ep.producer!r} as a shared read "
+                f"of functional code (an import for parallelize), which the executor would "
+                f"convert once per reader; run the plan with ilp_planner.parallelize, or "
+                f"import with from_module(dtensor=False) for the executor")
         if ep.role == "export":
             exports[ep.producer] = ep.program
         else:

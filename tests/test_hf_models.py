@@ -734,7 +734,7 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     steps = {k: v for k, v in op.attrs.items() if k.startswith("input_steps")}
     # HF hands SDPA an explicit mask: the lower triangle, so plain causal (unmarked)
     assert {k: v for k, v in op.attrs.items() if k not in steps} == {
-        "heads": heads, "seq_len": SEQ, "shared_input": 2}
+        "heads": heads, "seq_len": SEQ, "shared_input": 2, "functional": 1}
     # its rotary on q's and the shared key's rope parts: kernels of their own, priced
     assert steps["input_steps"] >= 2 and steps["input_steps_bytes"] > 0
     tokens = BATCH * SEQ

@@ -88,14 +88,16 @@ def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,shape", [("deepseek-v2", "1x4"), ("deepseek-v3", "1x4"),
-                                         ("deepseek-v3", "2x2")])
+@pytest.mark.parametrize("model,shape", [("deepseek-v2", "1x4"), ("deepseek-v2", "2x2"),
+                                         ("deepseek-v3", "1x4"), ("deepseek-v3", "2x2")])
 def test_deepseek_with_multi_head_latent_attention_trains_like_one_process(model, shape):
     """DeepSeek-V2 and V3 (MLA — V3's with a low-rank query —, layer 0 dense, layer 1
     routed): MLA's functional code — V2's rotary in complex numbers, the key states written
     into a ``new_empty`` tensor, the latent columns' copy — runs on DTensors in the plan's
     layouts, the MoE block on the runtime's kernel; losses match one process and every
-    collective is the plan's (V2 on 2 × 2: :data:`tests.helpers.hf_apply_check.NOT_ON`)."""
+    collective is the plan's — ``kv_a_proj_with_mqa``'s output, read by the latent copy and
+    the attention (a shared read: :mod:`ilp_planner.lowering.shared_reads`), converted and
+    priced once."""
     line = line_of(shape, model)
     assert re.search(r"moe\(dp=\S+", line), line
 

@@ -37,8 +37,8 @@ def _ids(*shape: int) -> torch.Tensor:
 
 # what an imported graph adds for running on the user's module (DTensor): hand-written
 # attention splits batch or heads and runs unfused, the user's loss reads whole classes, a
-# weight stored (out, in)
-_EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t")
+# weight stored (out, in), an op of functional code (its readers share one value)
+_EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t", "functional")
 
 
 def _attrs(op) -> dict:
@@ -85,7 +85,7 @@ def test_nanogpt_import():
     assert head.attrs["tied"] == 1 and head.params == 0  # nanoGPT ties wte and lm_head
     attn = g["transformer.h.0.attn.attention"]
     assert attn.inputs == ("transformer.h.0.attn.c_attn",)
-    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1}
+    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1, "functional": 1}
     assert attn.flops == 4.0 * 16 * 8 * 16
     assert g["transformer.h.1.mlp.0"].block == "transformer.h"
     assert g["transformer.h.1.mlp.0"].block_index == 1
@@ -113,7 +113,7 @@ def test_llama_import():
     q, k = 2 * 4 * 8 * 8, 2 * 2 * 8 * 8
     assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 10,
                                 "input_steps_bytes": (10 * (q + k) + 4 * 64) * 4,
-                                "input_steps_flops": int(3.5 * (q + k))}
+                                "input_steps_flops": int(3.5 * (q + k)), "functional": 1}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM

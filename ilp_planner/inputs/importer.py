@@ -48,7 +48,9 @@ writes (``attrs.bytes_read`` / ``bytes_written``), listed by ``validate``
 (:func:`ilp_planner.reports.summary.unsharded_summary`). Repeated blocks — children ``i`` of
 a numbered container whose ops have the same signature, whatever the container is called —
 are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
-(``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>``), and
+(``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>`` and,
+for a plan run on the module, ``attrs.functional``: readers of one shared value,
+:meth:`~ilp_planner.ir.graph.Graph.shared_reads`), and
 each op lists the parameters it owns (``Op.source_params``) so a plan can be applied back to
 the module (:mod:`ilp_planner.parallelize`).
 
@@ -65,6 +67,8 @@ neither works the error names both failures.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -115,7 +119,10 @@ def from_module(module: Any, example_inputs: Any, *,
     out = _model_output(g.outputs, ep.call_spec.out_spec, output, type(module).__name__)
     if g.drafts[out.src[0]].kind is not OpKind.LOSS:
         g.loss(_Synthetic("loss"), out)
-    return Graph(name or type(module).__name__, _frozen_ops(list(g.drafts.values()), g.param_shape))
+    ops = _frozen_ops(list(g.drafts.values()), g.param_shape)
+    if dtensor:  # the plan runs on the module: its functional code reads shared values
+        ops = [_marked_functional(op, module) for op in ops]
+    return Graph(name or type(module).__name__, ops)
 
 
 class _NodeCounter:
@@ -215,6 +222,31 @@ def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) ->
                       d.flops, block, index, MappingProxyType(attrs),
                       source_params=d.source_params))
     return ops
+
+
+def _marked_functional(op: Op, module: Any) -> Op:
+    """``op`` with ``attrs.functional`` where it is the user's functional code — not a call
+    of a childless module (the op named after its path, or ``<path>.<kind>[_i]`` for a later
+    call of a parameterless one: a dropout run twice), not a mixture-of-experts block (run
+    in its experts module). Those are the readers :mod:`runtime.apply` serves from one value
+    at their producer's boundary (:meth:`Graph.shared_reads`)."""
+    if op.kind in (OpKind.INPUT, OpKind.MOE) or _leaf(module, op.name):
+        return op
+    path, _, last = op.name.rpartition(".")
+    if path and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
+            and not op.source_params and _leaf(module, path) \
+            and not any(True for _ in module.get_submodule(path).parameters()):
+        return op
+    return dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "functional": 1}))
+
+
+def _leaf(module: Any, path: str) -> bool:
+    """Whether ``path`` names a childless submodule of ``module``."""
+    try:
+        sub = module.get_submodule(path)
+    except AttributeError:
+        return False
+    return not any(True for _ in sub.children())
 
 
 class _Synthetic:

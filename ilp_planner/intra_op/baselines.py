@@ -330,7 +330,8 @@ def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limi
     choice, objective, gap = out
     if budget is not None and peak_memory(gp, choice) > budget * (1 + 1e-9):
         return peak_memory(gp, choice)  # re-materialised blocks or transients exceed it
-    return Priced(gp, choice, objective, gap)
+    broken = gp.unrunnable(choice)  # every member breaks what the runtime can run
+    return Priced(gp, choice, objective, gap) if broken is None else f"parallelize: {broken}"
 
 
 def _named(name: str, priced: Priced, microbatches: int) -> str:

@@ -23,6 +23,10 @@ Building it from a graph (:func:`build_problem`) does the two reductions the ILP
   shares one group; costs, memory and edge matrices of the copies are summed.
 
 Graph inputs are free: data is loaded directly in whatever layout its consumer asks for.
+An imported graph's functional code (``attrs.functional``) adds what ``parallelize`` can
+run as couplings: the readers of one shared value take one layout and its program is priced
+once (:mod:`ilp_planner.lowering.shared_reads`), and nothing moves between two pieces of
+functional code (:func:`_add_shared_couplings`).
 A pipeline stage's graph (``boundary``) also has *imported* inputs — tensors from an earlier
 stage, whose gradients go back — and *exported* ops read by a later stage; the programs the
 stage runs for them (:mod:`ilp_planner.lowering.stage_boundary`) are part of its costs.
@@ -42,7 +46,7 @@ from formulations.problem import BucketTerms, Problem
 from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
-from ilp_planner.ir.layouts import Layout, drop_unit_axes
+from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
 from ilp_planner.lowering.compute_model import update_seconds
 from ilp_planner.lowering.cost_model import (
     ONCE_PER_STEP,
@@ -53,6 +57,7 @@ from ilp_planner.lowering.cost_model import (
 )
 from ilp_planner.lowering.grad_buckets import device_groups
 from ilp_planner.lowering.redistribution import plan_redistribution, planner_for
+from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.stage_boundary import StageBoundary, export_program, import_program
 from ilp_planner.lowering.strategies import (
     FOLLOWER_KINDS,
@@ -134,6 +139,30 @@ class GraphProblem:
 
     def node_choice(self, choice: np.ndarray | list[int]) -> dict[str, NodeOption]:
         return {node: self.options[node][int(choice[g])] for node, g in self.group_of.items()}
+
+    def unrunnable(self, choice: np.ndarray | list[int]) -> str | None:
+        """Why ``parallelize`` could not run ``choice`` (the couplings of
+        :func:`_add_shared_couplings` it breaks: a choice that does costs more than the
+        objective of any that does not), or None."""
+        chosen = self.node_choice(choice)
+
+        def read(name: str, idx: int) -> tuple[Layout, Layout]:
+            opt, pos = chosen[self.owner[name]], self.position[name]
+            return opt.inputs[pos][idx], opt.grads[pos][idx]
+
+        for (o, oi), (d, di) in riders(self.graph).items():
+            if read(o, oi) != read(d, di):
+                return (f"{self.graph[o].inputs[oi]!r} feeds functional code in two layouts "
+                        f"({d!r}, {o!r}): no module boundary can run both programs")
+        pairs = [(src, dst) for src, dst in self.graph.edges()
+                 if self.graph[src].kind is not OpKind.INPUT and self.owner[src] != self.owner[dst]]
+        for i in sorted(_functional_edges(self.graph, pairs)):
+            src, dst = pairs[i]
+            out = chosen[self.owner[src]].outputs[self.position[src]]
+            if not _as_produced(out, *read(dst, self.graph[dst].inputs.index(src))):
+                return (f"the layout of {src!r} changes between two pieces of functional code "
+                        f"(before {dst!r}), where no module boundary runs a program")
+        return None
 
 
 @dataclass
@@ -402,6 +431,7 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     names = [group_key[g[0]] for g in groups]
     buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
                if grad_bucket_bytes > 0 else None)
+    _add_shared_couplings(st, options, cost, edges, buckets)
     problem = Problem(names, cost, mem, edges, memory_budget, buckets)
     return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
                         microbatches, boundary, grad_bucket_bytes, frozenset(again),
@@ -435,6 +465,14 @@ class _Structure:
     # edges between nodes: (producer node, its position, consumer node, its position,
     # input index, tensor)
     edges: tuple[tuple[str, int, str, int, int, TensorSpec], ...]
+    # the edges reading a shared value priced on another reader (indices into ``edges``),
+    # and each such reader's coupling to the priced one: (priced node, position, input
+    # index, rider node, position, input index) — see :mod:`ilp_planner.lowering.shared_reads`
+    riders: frozenset[int] = frozenset()
+    couplings: tuple[tuple[str, int, int, str, int, int], ...] = ()
+    # edges between two pieces of functional code (``attrs.functional``, the producer not
+    # the module's output): no module boundary runs a program there (indices into ``edges``)
+    still: frozenset[int] = frozenset()
 
 
 def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
@@ -459,17 +497,35 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     tied_tables = frozenset({name for op in graph.ops if op.attrs.get("tied")
                              for name in (op.name, getattr(tied_source(graph, op), "name", None))
                              } | boundary.tied_tables)
+    pairs = [(src, dst) for src, dst in graph.edges()
+             if graph[src].kind is not OpKind.INPUT and owner[src] != owner[dst]]
     edges = tuple((owner[src], position[src], owner[dst], position[dst],
-                   graph[dst].inputs.index(src), graph[src].output)
-                  for src, dst in graph.edges()
-                  if graph[src].kind is not OpKind.INPUT and owner[src] != owner[dst])
+                   graph[dst].inputs.index(src), graph[src].output) for src, dst in pairs)
+    rides = riders(graph)
+    riding = frozenset(i for i, (src, dst) in enumerate(pairs)
+                       if (dst, graph[dst].inputs.index(src)) in rides)
+    couplings = tuple((owner[d], position[d], di, owner[o], position[o], oi)
+                      for (o, oi), (d, di) in rides.items())
     out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
-                     *_tie_groups(graph, members, shapes, tie_layers), edges)
+                     *_tie_groups(graph, members, shapes, tie_layers), edges, riding, couplings,
+                     _functional_edges(graph, pairs))
     if cache is not None:
         if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
             del cache.structures[next(iter(cache.structures))]
         cache.structures[key] = out
     return out
+
+
+def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[int]:
+    """The edges (indices into ``pairs``) from one piece of the user's functional code to
+    another (``attrs.functional`` on both; the module's output — the loss's input — is
+    converted by the module's own boundary, so it is not one): ``parallelize`` runs
+    programs at module boundaries only, so nothing may move there."""
+    losses = [op for op in graph.ops if op.kind is OpKind.LOSS]
+    output = losses[-1].inputs[0] if losses else None
+    return frozenset(i for i, (src, dst) in enumerate(pairs)
+                     if src != output and graph[src].attrs.get("functional")
+                     and graph[dst].attrs.get("functional"))
 
 
 def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str, list[str]]]:
@@ -590,7 +646,9 @@ def _edge_costs(st: _Structure, cluster: Cluster, options: dict[str, list[NodeOp
     # layouts, so their matrix is found without hashing hundreds of layouts per edge
     by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
     uses: dict[tuple[int, int], dict[int, tuple[np.ndarray, int]]] = {}
-    for u, pos_u, v, pos_v, idx, tensor in st.edges:
+    for i, (u, pos_u, v, pos_v, idx, tensor) in enumerate(st.edges):
+        if i in st.riders:  # its program is the priced reader's (shared_reads)
+            continue
         quick = (id(options[u]), pos_u, id(options[v]), pos_v, idx, tensor, microbatches)
         r = by_lists.get(quick)
         if r is None:
@@ -794,6 +852,72 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
         r = small[np.ix_([uniq_e[w] for w in ew], [uniq_h[w] for w in hw])]
         key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)
         edges[key] = edges[key] + mat if key in edges else mat.copy()
+
+
+def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
+                          cost: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
+                          buckets: BucketTerms | None) -> None:
+    """What ``parallelize`` can run, as couplings: each rider of a shared read and its
+    priced reader (:mod:`ilp_planner.lowering.shared_reads`) — the runtime runs one
+    program, so the two must read one input layout and hand back their gradients in one
+    layout — and each edge between two pieces of functional code (``st.still``), whose
+    value must arrive as produced, its gradient as the producer's. A choice breaking one
+    costs more than any choice's whole objective, so no solver path picks it while one
+    keeping them exists (a restricted build that has none keeps it, and ``parallelize``
+    refuses the plan naming the producer)."""
+    if not st.couplings and not st.still:
+        return
+    penalty = 1.0 + sum(float(c.max()) for c in cost) + sum(float(r.max()) for r in edges.values())
+    penalty += buckets.upper_bound() if buckets is not None else 0.0
+    for i in sorted(st.still):
+        u, pos_u, v, pos_v, idx, _ = st.edges[i]
+        # a value arrives as produced where both sides name one (layout, gradient layout)
+        # but for unit mesh axes: compared as ids, each distinct layout normalised once
+        ids: dict[tuple[Layout, Layout], int] = {}
+        made = np.array([ids.setdefault(_produced_key(opt.outputs[pos_u]), len(ids))
+                         for opt in options[u]])
+        read = np.array([ids.setdefault(_read_key(o.inputs[pos_v][idx], o.grads[pos_v][idx]),
+                                        len(ids)) for o in options[v]])
+        _add_pair(cost, edges, st.group_of[u], st.group_of[v],
+                  penalty * (made[:, None] != read[None, :]).astype(float))
+    for d, pos_d, idx_d, o, pos_o, idx_o in st.couplings:
+        ids: dict[tuple[Layout, Layout], int] = {}  # each distinct pair compared once
+        want = np.array([ids.setdefault((opt.inputs[pos_d][idx_d], opt.grads[pos_d][idx_d]),
+                                        len(ids)) for opt in options[d]])
+        have = np.array([ids.setdefault((opt.inputs[pos_o][idx_o], opt.grads[pos_o][idx_o]),
+                                        len(ids)) for opt in options[o]])
+        mat = penalty * (want[:, None] != have[None, :]).astype(float)
+        _add_pair(cost, edges, st.group_of[d], st.group_of[o], mat)
+
+
+def _as_produced(out: Layout, read: Layout, grad: Layout) -> bool:
+    """Whether a value produced in ``out`` is read in ``read``, its gradient handed back in
+    ``grad``, with an empty program both ways: the same layouts but for unit mesh axes."""
+    return _produced_key(out) == _read_key(read, grad)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _produced_key(out: Layout) -> tuple[Layout, Layout]:
+    return drop_unit_axes(out), drop_unit_axes(grad_layout(out))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _read_key(read: Layout, grad: Layout) -> tuple[Layout, Layout]:
+    return drop_unit_axes(read), drop_unit_axes(grad)
+
+
+def _add_pair(cost: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], gu: int, gv: int,
+              mat: np.ndarray) -> None:
+    """Add ``mat`` (options of group ``gu`` × options of ``gv``) to the problem: to the
+    edge between them (the one already there, either way round), or, within one group, its
+    diagonal to the group's cost."""
+    if gu == gv:
+        cost[gu] += np.diag(mat)
+        return
+    if (gu, gv) not in edges and (gv, gu) in edges:
+        gu, gv, mat = gv, gu, mat.T
+    key, mat = ((gu, gv), mat) if (gu, gv) in edges or gu < gv else ((gv, gu), mat.T)
+    edges[key] = edges[key] + mat if key in edges else mat
 
 
 def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,

@@ -8,6 +8,7 @@ from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.cost_model import Collective
 from ilp_planner.lowering.grad_buckets import exposed_grad_sync, fill_buckets
 from ilp_planner.lowering.redistribution import plan_redistribution
+from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.stage_boundary import export_program, import_program
 from ilp_planner.lowering.strategies import (
     SyncBucket,
@@ -21,13 +22,15 @@ from ilp_planner.plan.data import CostBreakdown, LayerPlan
 def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
             stage_of: dict[str, int] | None = None) -> tuple[list[LayerPlan], CostBreakdown]:
     """Per-layer plans and the cost breakdown of a choice: intra-op collectives of each op
-    plus the redistribution of every input into the layout its consumer needs, and, for a
+    plus the redistribution of every input into the layout its consumer needs (a shared
+    read's once, on its priced reader: :mod:`ilp_planner.lowering.shared_reads`), and, for a
     pipeline stage, its boundary programs (:mod:`ilp_planner.lowering.stage_boundary`). Each op's
     gradient synchronisation is fused into the runtime's buckets
     (:func:`~ilp_planner.lowering.grad_buckets.fill_buckets`, per stage when ``stage_of`` cuts the
     graph into stages), listed on the layer completing each."""
     chosen = gp.node_choice(choice)
     graph = gp.graph
+    rides = riders(graph)
     rows: list[tuple] = []
     syncs: list[tuple[str, SyncBucket]] = []
     for op in graph.ops:
@@ -47,6 +50,8 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
                 continue
             if gp.owner[src] == node:
                 continue  # a follower reads its producer inside the node (resolve counted)
+            if (op.name, idx) in rides:
+                continue  # reads the shared value its priced reader's program made
             have = chosen[gp.owner[src]].outputs[gp.position[src]]
             red = plan_redistribution(have, want, graph[src].output, gp.ctx.cluster,
                                       opt.grads[pos][idx])

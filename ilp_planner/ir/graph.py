@@ -19,6 +19,14 @@ blocks are not whole heads, so it may only split over batch) refine it;
 attention: ``q``, ``kv_b_proj``'s keys and values, the shared rotary key part), and the
 output is ``(tokens, heads · v's head dim)``.
 
+``attrs.functional`` (imported models) marks an op of the user's *functional* code — no
+module call of its own, so no module boundary runs before it: every functional reader of
+one producer reads the one value the producer's boundary hands out, whatever program turned
+it into its layout. Such readers are a *shared read* (:meth:`Graph.shared_reads`): the
+planner gives them one input layout and one gradient layout and prices the program once, on
+the first of them (the runtime runs it once; autograd sums the readers' gradients, which
+then run one backward program).
+
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
 softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the
 expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_strategies`).
@@ -212,6 +220,7 @@ class Graph:
         if not self._ops:
             raise ConfigError(f"graph {name!r} has no ops")
         self._consumers: dict[str, list[str]] | None = None
+        self._shared: dict[str, tuple[tuple[str, int], ...]] | None = None
 
     @property
     def ops(self) -> list[Op]:
@@ -229,6 +238,22 @@ class Graph:
     def edges(self) -> list[tuple[str, str]]:
         """(producer, consumer) pairs in topological order of the consumer."""
         return [(src, op.name) for op in self._ops.values() for src in op.inputs]
+
+    def shared_reads(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Producer → its functional readers ``(consumer, input index)`` in graph order,
+        where there are two or more (``attrs.functional``): one value, one program — the
+        first reader's, which the plan prices; the others read its result. A graph input is
+        no producer here (each consumer loads its own block, nothing moves)."""
+        if self._shared is None:
+            readers: dict[str, list[tuple[str, int]]] = {}
+            for op in self._ops.values():
+                if not op.attrs.get("functional"):
+                    continue
+                for idx, src in enumerate(op.inputs):
+                    if self._ops[src].kind is not OpKind.INPUT:
+                        readers.setdefault(src, []).append((op.name, idx))
+            self._shared = {src: tuple(rs) for src, rs in readers.items() if len(rs) > 1}
+        return dict(self._shared)
 
     def consumers(self, name: str) -> list[str]:
         """Ops reading ``name``, in graph order (one pass builds the map for every op)."""

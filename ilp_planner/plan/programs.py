@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ilp_planner.inputs.config import Config, parse_config
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.redistribution import Redistribution, RedistStep, plan_redistribution
+from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.stage_boundary import export_program, import_program
 from ilp_planner.lowering.strategies import input_grad_layouts
 from ilp_planner.plan.data import Plan
@@ -22,8 +23,11 @@ from ilp_planner.plan.data import Plan
 @dataclass(frozen=True)
 class EdgeProgram:
     """``program`` runs for input ``index`` of ``consumer`` (read from ``producer``);
-    ``role`` is ``edge`` (same stage), ``import`` (received from an earlier stage) or
-    ``export`` (``consumer`` is the producer itself, sending to a later stage)."""
+    ``role`` is ``edge`` (same stage), ``import`` (received from an earlier stage),
+    ``export`` (``consumer`` is the producer itself, sending to a later stage) or
+    ``shared`` (a functional reader of a value another reader's program made —
+    :mod:`ilp_planner.lowering.shared_reads` —: ``program`` is the one that ran, listed
+    and priced on that reader, not again here)."""
 
     consumer: str
     index: int
@@ -40,6 +44,7 @@ def edge_programs(plan: Plan, config: Config | None = None,
     graph = graph or config.microbatch_graph()
     cluster = config.cluster
     layers = {ly.name: ly for ly in plan.layers}
+    rides = riders(graph)
     out: list[EdgeProgram] = []
     for ly in plan.layers:
         op = graph[ly.name]
@@ -54,7 +59,8 @@ def edge_programs(plan: Plan, config: Config | None = None,
             else:
                 red = plan_redistribution(layers[src].output, ly.inputs[idx], tensor, cluster,
                                           grads[idx])
-                out.append(EdgeProgram(ly.name, idx, src, "edge", red))
+                role = "shared" if (ly.name, idx) in rides else "edge"
+                out.append(EdgeProgram(ly.name, idx, src, role, red))
         if any(layers[c].stage > ly.stage for c in graph.consumers(ly.name) if c in layers):
             out.append(EdgeProgram(ly.name, -1, ly.name, "export",
                                    export_program(ly.output, op.output, cluster)))

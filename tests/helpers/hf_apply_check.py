@@ -394,14 +394,6 @@ MODELS: dict[str, Callable[[], Case]] = {
 }
 
 
-NOT_ON: dict[str, tuple[str, ...]] = {"deepseek-v2": ("2x2",)}
-"""Models left out of a cluster shape's launch, with why: on 2 × 2 DeepSeek-V2's plan
-gathers ``kv_a_proj_with_mqa``'s output once for each piece of functional code reading it
-(MLA's latent copy and its attention), where ``parallelize`` runs that program once at the
-module's boundary — it trains like one process, but the audit counts fewer AllGathers than
-the plan prices."""
-
-
 def cluster(nodes: int, devices: int) -> dict:
     """A slow interconnect for tiny models, so plans split weights, not only the batch."""
     return {"nodes": nodes, "devices_per_node": devices, "memory_gib": 16, "peak_tflops": 1,
@@ -573,8 +565,7 @@ def main() -> int:
     nodes, devices = (int(v) for v in args.shape.split("x"))
     dist.init_process_group("gloo")
     failed = 0
-    runs = [(check_refused if name in REFUSED else check, name, name) for name in args.models
-            if args.shape not in NOT_ON.get(name, ())]
+    runs = [(check_refused if name in REFUSED else check, name, name) for name in args.models]
     runs += [(check_tp_styles, name, f"tp-styles-{name}") for name in TP_STYLES
              ] if args.tp_styles else []
     for run, name, label in runs:
