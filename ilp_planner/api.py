@@ -61,14 +61,20 @@ def _solve_plan(config: Config, baselines: bool, times: PhaseTimes) -> Plan:
 
 def _solve_pipelined_timed(config: Config, baselines: bool, times: PhaseTimes) -> Plan:
     """A pipelined solve, its time split as its report splits it: the solver's own total
-    (stage solves, DP, assembly) less the pipelined grid it priced is solving, the rest the
-    baselines."""
+    (stage solves, DP, assembly; an interleaved solve's build and solve) less the pipelined
+    grid it priced is solving, the rest the baselines."""
     t0 = time.perf_counter()
     plan = solve_pipelined(config, baselines=baselines)
     elapsed = time.perf_counter() - t0
-    stages = plan.solver.stages
-    solving = min(elapsed, stages.timings.get("total_s", elapsed)
-                  - stages.timings.get("grid_s", 0.0)) if stages else elapsed
+    report = plan.solver
+    if report.stages is not None:
+        solving = report.stages.timings.get("total_s", elapsed) - report.stages.timings.get(
+            "grid_s", 0.0)
+    elif report.build_s is not None:  # interleaved 1F1B: its build and solve, then baselines
+        solving = report.build_s + (report.solve_s or 0.0)
+    else:
+        solving = elapsed
+    solving = min(elapsed, solving)
     times.solve_s += solving
     times.baselines_s += elapsed - solving
     return plan

@@ -13,7 +13,13 @@ import pytest
 
 from ilp_planner.inputs.config import load_config
 from ilp_planner.intra_op.baseline_prices import MemberBuilder
-from ilp_planner.intra_op.baselines import Priced, price_families, torchtitan_choice
+from ilp_planner.intra_op.baselines import (
+    _PRICED,
+    Priced,
+    price_families,
+    torchtitan_choice,
+    two_axis_meshes,
+)
 from ilp_planner.intra_op.problem import BuildCache, GraphProblem, build_problem
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
@@ -81,3 +87,27 @@ def test_members_in_the_plans_cache_price_as_built_alone(name):
 def test_grid_points_with_state_sharding_and_recomputation_price_as_built_alone():
     config = gpt_config(1, 4, memory_gib=0.001, layers=3)  # the grid's best: ac=full
     _assert_same_prices(config)
+
+
+def test_families_after_the_grid_price_only_their_own_members():
+    """Megatron's and Megatron-SP's members are the torchtitan grid's DDP points without
+    checkpointing: priced after the grid by the same builder, the families solve only data
+    parallel's and SUMMA's members anew, and every family prices as on a builder of its
+    own."""
+    config = load_config(CONFIGS / "tiny-gpt-cpu.yaml")
+    request = dataclasses.replace(MeshSolveRequest.whole_cluster(config), cache=BuildCache())
+    args = (request.nodes, request.local, request.microbatches, request.memory_budget,
+            config.solver.time_limit_s)
+    shared = MemberBuilder(request)
+    torchtitan_choice(request.graph, shared, request.nodes, request.local,
+                      request.memory_budget, config.solver.time_limit_s, request.microbatches)
+    priced_by_grid = len(_PRICED[shared])
+    after_grid = price_families(shared, *args)
+    meshes = two_axis_meshes(request.nodes, request.local)
+    assert len(_PRICED[shared]) - priced_by_grid == 1 + len(meshes)  # data parallel, SUMMA
+    alone = price_families(MemberBuilder(request), *args)
+    assert after_grid.keys() == alone.keys()
+    for name, priced in after_grid.items():
+        assert isinstance(priced, Priced), name
+        assert priced.objective == alone[name].objective, name
+        assert _block(priced.gp, priced.choice) == _block(alone[name].gp, alone[name].choice)

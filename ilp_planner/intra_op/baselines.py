@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -307,9 +308,27 @@ or where their batch does not split so, on another micro-batch count that does (
 problem's ``microbatches`` says which). Raises ``ValueError`` naming what is missing."""
 
 
+_PRICED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Members priced per :data:`Build` (dropped with it): Megatron's and Megatron-SP's
+members are the torchtitan grid's DDP points without checkpointing — the same cached filter
+objects, levels, blocks and budget — so the families read the grid's prices."""
+
+
 def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limit_s: float,
             levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
             reserve_transients: bool = False) -> Priced | float | str:
+    """One member priced (once per ``build``, :data:`_PRICED`)."""
+    memo = _PRICED.setdefault(build, {})
+    key = (keep, dp, budget, time_limit_s, levels, blocks, reserve_transients)
+    if key not in memo:
+        memo[key] = _price_member(build, keep, dp, budget, time_limit_s, levels, blocks,
+                                  reserve_transients)
+    return memo[key]
+
+
+def _price_member(build: Build, keep: Filter, dp: int, budget: float | None,
+                  time_limit_s: float, levels: tuple[int, ...], blocks: frozenset,
+                  reserve_transients: bool) -> Priced | float | str:
     """One member priced: its restricted problem solved exactly under ``budget`` (less the
     largest transient when ``reserve_transients``: FSDP holds one gathered op at a time).
     A float where it cannot fit: the least per-device memory it needs; a string where it
