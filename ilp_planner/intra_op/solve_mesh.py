@@ -342,11 +342,13 @@ def solve_under_reserve(request: MeshSolveRequest, cap: float,
 
 
 def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
-                cutoff: float | None = None) -> Solved:
+                cutoff: float | None = None, warm_only: bool = False) -> Solved:
     """Build and solve once. ``transient_cap`` (under a budget): only options whose
     transient is at most the cap, and the cap reserved from the memory row. Raises
-    :class:`CutOff` when the elimination's proven bound is at least ``cutoff`` (a plan
-    found elsewhere is already as good): the ILP is not run."""
+    :class:`CutOff` when the elimination's proven bound reaches ``cutoff`` (a plan found
+    elsewhere is already as good; its branch and bound stops there): the ILP is not run.
+    ``warm_only``: a good plan is wanted, not a proof (a warm start) — the elimination's
+    incumbent as it stands, no ILP after it."""
     opts = request.config.solver
     t0 = time.perf_counter()
     try:
@@ -389,7 +391,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     if opts.elimination:
         try:
             exact = solve_elimination(
-                problem, gap=opts.gap, incumbents=[tied] if tied else [],
+                problem, gap=opts.gap, incumbents=[tied] if tied else [], cutoff=cutoff,
                 node_solver=functools.partial(_node_ilp, opts,
                                               time.perf_counter() + opts.time_limit_s))
         except NoFit as exc:  # under a transient cap, fewer strategies than checked above
@@ -398,7 +400,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     if (cutoff is not None and exact is not None and exact.result.bound is not None
             and exact.result.bound >= cutoff):
         raise CutOff(exact.result.bound)
-    if exact is not None and exact.keep is None:
+    if exact is not None and (exact.keep is None or warm_only):
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
     else:
@@ -487,14 +489,17 @@ def _tied_warm_start(request: MeshSolveRequest, gp: GraphProblem, kept
     """For an untied solve of a graph with repeated blocks: the tied optimum (a valid
     untied choice, since tying only restricts) as a warm start, in the pruned problem's
     indices. The ILP alone can stall far above it on large untied models, and the
-    elimination's incumbent ignores bucket rounding."""
+    elimination's incumbent ignores bucket rounding. Not proven optimal for the tied
+    problem (no ILP after the elimination): a warm start needs no proof, and on
+    tiny-utf-zero-cpu those proofs were half the solve (several stopped at the limit)."""
     config = request.config
     if config.solver.tie_layers or not any(op.tie_key for op in gp.graph.ops):
         return None
     tied_config = dataclasses.replace(
         config, solver=dataclasses.replace(config.solver, tie_layers=True))
     try:
-        tgp, tres = _solve_once(dataclasses.replace(request, config=tied_config), None)
+        tgp, tres = _solve_once(dataclasses.replace(request, config=tied_config), None,
+                                warm_only=True)
     except InfeasibleError:
         return None
     full = [tres.choice[tgp.group_of[group[0]]] for group in gp.groups]
