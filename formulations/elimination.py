@@ -712,7 +712,9 @@ class _BranchAndBound:
     strategies, all the ILP would see, are its parent's: an untied ViT-B/16's node took
     SCIP longer than the whole kept problem warm-started), the search stops and
     :meth:`run` returns no bound (the ILP on every kept strategy, warm-started from the
-    incumbent, proves the rest); so it does after ``BRANCH_PASSES`` passes."""
+    incumbent, proves the rest); so it does after ``BRANCH_PASSES`` passes. With a
+    ``cutoff`` (a plan in hand elsewhere) it also stops once neither an open node nor the
+    incumbent can go below it, returning that bound: the caller drops the problem."""
 
     def __init__(self, problem: Problem, gap: float, node_solver: NodeSolver | None = None,
                  cutoff: float | None = None):
