@@ -507,7 +507,8 @@ def _spanning_forest(n: int, edges: dict[tuple[int, int], np.ndarray]) -> set[tu
 def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
                       max_work: float = MAX_WORK,
                       prune_above: float = PRUNE_ABOVE,
-                      node_solver: NodeSolver | None = None) -> EliminationResult | None:
+                      node_solver: NodeSolver | None = None,
+                      cutoff: float | None = None) -> EliminationResult | None:
     """Solve ``problem`` by variable elimination with relaxed bucket and memory terms.
     ``incumbents``: feasible choices (e.g. the tied optimum) the result may use when
     cheaper. When the elimination would take more than ``max_work`` table entries in all,
@@ -518,7 +519,9 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     counts as optimal when its relative gap is at most ``gap`` (or float rounding).
     ``node_solver``: solves the branch and bound's nodes that bucket rounding alone leaves
     open (:class:`_BranchAndBound`). Raises :class:`NoFit` when no choice meets the memory
-    budget."""
+    budget. ``cutoff``: no choice costing that much is wanted (a plan in hand elsewhere):
+    once the proven bound reaches it, the search stops and returns it (status
+    ``feasible``, every strategy kept) — the caller's sign to drop this problem."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
     sizes = [len(c) for c in problem.cost]
@@ -534,7 +537,8 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
                       if all(np.isin(k, kk) for k, kk in zip(c, keep, strict=True))]
             return _on_subset(problem, keep, t0, solve_elimination(
                 problem.subset(keep), gap=gap, max_work=max_work, prune_above=math.inf,
-                incumbents=[_index_in(keep, c) for c in inside], node_solver=node_solver))
+                incumbents=[_index_in(keep, c) for c in inside], node_solver=node_solver,
+                cutoff=cutoff))
     if order.work > max_work:
         return None
     relax = _Relaxation(problem, edges, order)
@@ -550,14 +554,16 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     note = (f"elimination: width {order.width}, {order.work:.3g} table entries per pass, "
             f"{relax.passes} pass{'es' if relax.passes > 1 else ''}")
     passes = relax.passes
-    if rel > max(gap, EXACT):
+    if rel > max(gap, EXACT) and cutoff is not None and lower >= cutoff:
+        keep = [np.arange(k) for k in sizes]  # the caller drops it: no keep to compute
+    elif rel > max(gap, EXACT):
         if steps is None:
             steps = relax.run(*prices, lam)[2]
         slack = objective + EXACT * abs(objective) + (lam * problem.memory_budget if lam else 0.0)
         keep = [np.flatnonzero(m <= slack) for m in min_marginals(steps, sizes)]
         if lam or problem.buckets is not None or _space(keep) <= ENUMERATE_POINTS:
             # branch on the memory row and the buckets' device groups, or enumerate
-            search = _BranchAndBound(problem.subset(keep), gap, node_solver)
+            search = _BranchAndBound(problem.subset(keep), gap, node_solver, cutoff)
             found, proven = search.run(_index_in(keep, best))
             passes += search.passes
             note += _search_note(search, keep, proven)
@@ -706,12 +712,16 @@ class _BranchAndBound:
     strategies, all the ILP would see, are its parent's: an untied ViT-B/16's node took
     SCIP longer than the whole kept problem warm-started), the search stops and
     :meth:`run` returns no bound (the ILP on every kept strategy, warm-started from the
-    incumbent, proves the rest); so it does after ``BRANCH_PASSES`` passes."""
+    incumbent, proves the rest); so it does after ``BRANCH_PASSES`` passes. With a
+    ``cutoff`` (a plan in hand elsewhere) it also stops once neither an open node nor the
+    incumbent can go below it, returning that bound: the caller drops the problem."""
 
-    def __init__(self, problem: Problem, gap: float, node_solver: NodeSolver | None = None):
+    def __init__(self, problem: Problem, gap: float, node_solver: NodeSolver | None = None,
+                 cutoff: float | None = None):
         self.problem = problem
         self.gap = max(gap, EXACT)
         self.node_solver = node_solver
+        self.cutoff = math.inf if cutoff is None else cutoff
         sizes = [len(c) for c in problem.cost]
         self.order = elimination_order(sizes, _merged_edges(problem))
         self.passes = 0
@@ -731,7 +741,8 @@ class _BranchAndBound:
         floor = math.inf  # least bound of the nodes the node solver closed
         while self._heap:
             low, _, node = heapq.heappop(self._heap)
-            if self.best_obj - low <= self.gap * abs(self.best_obj):
+            if self.best_obj - low <= self.gap * abs(self.best_obj) or \
+                    min(low, self.best_obj) >= self.cutoff:  # nothing below the cutoff
                 return self.best, min(low, self.best_obj, floor)  # every open node ≥ this
             if _space(node.allowed) <= ENUMERATE_POINTS:  # solved outright: nothing open
                 self.nodes += 1

@@ -15,12 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from formulations.sbp_ilp import SbpIlp
 from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.models import _Builder
-from ilp_planner.intra_op.problem import build_problem, peak_memory
+from ilp_planner.intra_op import solve_mesh as solve_mesh_module
+from ilp_planner.intra_op.problem import BuildCache, build_problem, peak_memory
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
@@ -406,3 +408,48 @@ def test_tied_pair_across_stages_keeps_replicated_state_the_runtime_accepts():
     stage_of = {ly.name: ly.stage for ly in plan.layers}
     assert stage_of["embed"] != stage_of["lm_head"]
     compile_plan(plan, check_plan(plan))
+
+
+def test_the_tied_warm_start_is_a_fitting_plan_found_without_an_ilp(monkeypatch):
+    """An untied solve's warm start (the tied problem's plan) needs no proof: where the
+    elimination leaves a gap — tiny-utf-zero-cpu tied with both blocks recomputed — its
+    incumbent is taken as it stands and no ILP runs (those proofs were half of that
+    config's solve, several stopped at the time limit). The proven solve of the same
+    problem runs the ILP and is no worse."""
+    config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml")
+    tied = replace(config, solver=replace(config.solver, tie_layers=True))
+    request = replace(MeshSolveRequest.whole_cluster(tied), cache=BuildCache(),
+                      recompute=frozenset(tied.microbatch_graph().blocks()))
+    ilps: list[SbpIlp] = []
+    solve_ilp = SbpIlp.solve
+    monkeypatch.setattr(SbpIlp, "solve",
+                        lambda self, *a, **k: ilps.append(self) or solve_ilp(self, *a, **k))
+    gp, warm = solve_mesh_module._solve_once(request, None, warm_only=True)
+    assert not ilps and warm.status == "feasible" and warm.gap > 0
+    assert gp.problem.feasible(warm.choice)
+    proven = solve_mesh_module._solve_once(request, None)[1]
+    assert ilps and proven.objective <= warm.objective
+
+
+def test_the_caps_search_equals_every_cap_solved_on_its_own():
+    """tiny-utf-zero-cpu on one node of four devices, with a budget that forces state
+    sharding and recomputation: ``solve_mesh`` (the sampled transient caps, each followed
+    down to the transient its plan uses, cut off where they cannot win) finds the plan
+    that solving every count of recomputed blocks at every distinct transient cap —
+    each solve exact for its cap — finds at best."""
+    config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": 0.0007})
+    request = replace(MeshSolveRequest.whole_cluster(config), cache=BuildCache())
+    units = request.graph.blocks()
+    best = math.inf
+    for k in range(len(units) + 1):
+        at_k = replace(request, recompute=frozenset(units[:k]))
+        gp = solve_mesh_module._built(replace(at_k, memory_budget=None))
+        for cap in {o.transient_bytes for opts in gp.options.values() for o in opts}:
+            try:
+                best = min(best, solve_mesh_module.solve_under_reserve(at_k, cap)[1].objective)
+            except InfeasibleError:
+                continue
+    gp, res = solve_mesh(MeshSolveRequest.whole_cluster(config))
+    assert res.objective == pytest.approx(best, rel=1e-9)
+    assert peak_memory(gp, res.choice) <= config.cluster.memory_bytes * (1 + 1e-9)
