@@ -145,6 +145,8 @@ class _RecomputeSearch:
         if n <= EVERY_COUNT_UP_TO:
             for k in range(n + 1):
                 self.attempt(k)
+        else:  # the bisection's first probe first: where it fits, "all" runs with its cutoff
+            self.attempt(0, cut=False)
         if isinstance(self.attempt(n), InfeasibleError) and not self._fits():
             raise self.attempt(n)  # type: ignore[misc]
         if n > EVERY_COUNT_UP_TO:
