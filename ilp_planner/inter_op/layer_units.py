@@ -4,8 +4,8 @@ The DP slices a sequence of *units*: each repetition of a block is a unit (ops b
 first block join the first, ops after the last join the last); a graph without blocks has
 one unit per weighted op with its followers. There is no ceiling on the number of units:
 a 96-block model gives the DP 96 units. ``pipeline.max_units`` coarsens explicitly
-(consecutive units merged into that many, their sizes differing by at most one) where a long block-free graph would
-otherwise need too many distinct intra-op solves.
+(consecutive units merged into that many, their sizes differing by at most one) where a
+long block-free graph would otherwise need too many distinct intra-op solves.
 
 Ranges with the same signature (the ops, their in-range wiring and which tensors cross
 the range's boundary; the test oracle ``tests/helpers/oracles.py: signature`` spells it
