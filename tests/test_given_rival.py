@@ -38,6 +38,7 @@ def test_the_plan_is_never_slower_than_a_compared_configuration(config):
     assert plan.step_s == pytest.approx(min(steps), rel=1e-9)
     assert plan.schedule.virtual_stages == 2 and len(plan.stages) == 4
     assert "kept the compared configuration" in plan.solver.message
+    assert plan.solver.message.count("offered as the plan") == 1  # the slower rival, named
     fastest = min((b for b in plan.baselines.values() if "given" in b), key=lambda b: b["pipeline_s"])
     assert fastest["given"]["differs"] == []  # the plan is that configuration
 

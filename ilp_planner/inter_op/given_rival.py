@@ -57,6 +57,9 @@ def given_if_faster(config: Config, pipeline: AssembledPipeline) -> AssembledPip
                 why = f"needs {peak / 2**30:.4g} GiB a device, over the budget"
             elif rival.step_s < best.step_s:
                 best, best_g = rival, g
+            else:
+                notes.append(f"{g.text()} offered as the plan: {rival.step_s:.6g} s a step, "
+                             f"not faster")
         if why is not None:
             notes.append(f"{g.text()} not offered as the plan ({why})")
     if best_g is not None:
