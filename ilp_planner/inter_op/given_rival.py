@@ -25,7 +25,7 @@ from ilp_planner.inter_op.assembly import AssembledPipeline
 from ilp_planner.inter_op.given_price import given_pipeline
 
 
-def _out_of_space(config: Config, g: GivenConfig) -> str | None:
+def out_of_space(config: Config, g: GivenConfig) -> str | None:
     """Why ``g`` cannot be the plan of ``config`` (None: it can)."""
     m = microbatches(g, config.model.get("batch"))
     if g.pp < 2:
@@ -43,7 +43,7 @@ def given_if_faster(config: Config, pipeline: AssembledPipeline) -> AssembledPip
     best, best_g, notes = pipeline, None, []
     budget = config.cluster.memory_bytes
     for g in config.compare:
-        why = _out_of_space(config, g)
+        why = out_of_space(config, g)
         if why == "not pipelined":
             continue
         if why is None:
