@@ -44,9 +44,11 @@ def test_the_plan_is_never_slower_than_a_compared_configuration(config):
 
 
 def test_a_compared_configuration_outside_the_space_is_named_not_kept(config):
-    plan = solve(config, baselines=False, compare=[OTHER_M])
-    assert plan.schedule.virtual_stages == 1
+    plan = solve(config, baselines=False, compare=[OTHER_M, "megatron: tp=1 pp=4 mbs=2"])
+    assert plan.schedule.virtual_stages == 1 and len(plan.stages) == 2
     assert "not offered as the plan (4 micro-batches, the config's pipeline.microbatches is 2)" \
+        in plan.solver.message
+    assert "not offered as the plan (4 stages, the config's pipeline.stages is 2)" \
         in plan.solver.message
 
 

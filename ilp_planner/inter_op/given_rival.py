@@ -8,8 +8,8 @@ So the guarantee "the plan is at least the compared configuration" is made here:
 pipelined compared configuration is priced exactly as ``--compare`` prices it
 (:func:`~ilp_planner.inter_op.given_price.given_pipeline`: its uniform stages or chunks,
 restricted intra-op solves, assembled and simulated like the planner's own pipelines), and
-where it fits the memory budget, runs the config's micro-batch count, recomputes only what
-``solver.recompute`` allows and simulates faster than the planner's pipeline, it becomes
+where it fits the memory budget, is what the config leaves free (:func:`out_of_space`)
+and simulates faster than the planner's pipeline, it becomes
 the plan (the report's note says so). The plan's step is then at most every such compared
 configuration's priced step, by construction.
 """
@@ -26,10 +26,20 @@ from ilp_planner.inter_op.given_price import given_pipeline
 
 
 def out_of_space(config: Config, g: GivenConfig) -> str | None:
-    """Why ``g`` cannot be the plan of ``config`` (None: it can)."""
+    """Why ``g`` cannot be the plan of ``config`` (None: it can): the config fixes what
+    ``g`` does otherwise — its stage count, its sub-meshes, a schedule other than 1F1B
+    (``g`` runs 1F1B, interleaved where ``vpp > 1``: listing it in ``compare:`` is taken as
+    consent to its interleaving), its micro-batch count, no recomputation."""
     m = microbatches(g, config.model.get("batch"))
+    pipe = config.pipeline
     if g.pp < 2:
         return "not pipelined"
+    if pipe.stages != "auto" and int(pipe.stages) != g.pp:
+        return f"{g.pp} stages, the config's pipeline.stages is {pipe.stages}"
+    if pipe.submeshes:
+        return "the config fixes pipeline.submeshes"
+    if pipe.schedule != "1f1b":
+        return f"1F1B, the config's pipeline.schedule is {pipe.schedule}"
     if m != config.pipeline.microbatches:
         return f"{m} micro-batches, the config's pipeline.microbatches is {config.pipeline.microbatches}"
     if g.recompute != "none" and config.solver.recompute == "never":
