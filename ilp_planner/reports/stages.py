@@ -1,7 +1,7 @@
 """A pipelined plan's stages in full and compactly: per stage its layer range (blocks, and
 the embedding or head it holds), sub-mesh shape, placement, its intra-op strategies, the
 blocks it recomputes and its time per micro-batch; consecutive stages alike but for their
-range run-length encoded into one line. ``benchmarks/published_runs.py`` prints it for every
+range (and time) run-length encoded into one line. ``benchmarks/published_runs.py`` prints it for every
 row's plan, where one line per stage of a 64-stage plan would bury the differences."""
 
 from __future__ import annotations
@@ -43,11 +43,20 @@ def _describe(graph: Graph, plan: Plan, stage: Stage) -> tuple[tuple, str]:
     recomputed = len({graph[ly.name].block_index for ly in mine
                       if ly.recompute and ly.name in graph
                       and graph[ly.name].block_index is not None})
-    per_mb = (stage.times.forward_s + stage.times.backward_s) if stage.times else None
-    key = (count, extra, stage.mesh, _strategies(mine), recomputed,
-           None if per_mb is None else round(per_mb, 9))
+    key = (count, extra, stage.mesh, _strategies(mine), recomputed)
     rng = "" if first is None else f"{first}-{last}" if last != first else f"{first}"
     return key, rng
+
+
+def _per_microbatch(stages: Sequence[Stage]) -> str:
+    """The stages' forward + backward time per micro-batch, a range where they differ
+    (their boundary transfers and in-flight counts differ by position)."""
+    times = [s.times.forward_s + s.times.backward_s for s in stages if s.times]
+    if not times:
+        return ""
+    lo, hi = min(times) * 1e3, max(times) * 1e3
+    return f", {lo:.4g} ms per micro-batch" if f"{lo:.4g}" == f"{hi:.4g}" else \
+        f", {lo:.4g}-{hi:.4g} ms per micro-batch"
 
 
 def stage_lines(plan: Plan, graph: Graph) -> list[str]:
@@ -67,7 +76,7 @@ def stage_lines(plan: Plan, graph: Graph) -> list[str]:
         while j + 1 < len(rows) and rows[j + 1][1] == rows[i][1]:
             j += 1
         s, key, _ = rows[i]
-        count, extra, mesh, strategies, recomputed, per_mb = key
+        count, extra, mesh, strategies, recomputed = key
         ranges = rows[i][2] if i == j else f"{rows[i][2].split('-')[0]}-{rows[j][2].split('-')[-1]}"
         what = "chunk" if v > 1 else "stage"
         head = f"{what} {i}" if i == j else f"{what}s {i}-{j} (×{j - i + 1})"
@@ -77,6 +86,6 @@ def stage_lines(plan: Plan, graph: Graph) -> list[str]:
             + f", mesh {mesh[0]}×{mesh[1]}"
             + (f" from device {s.devices[0]}" if i == j else "")
             + f", {strategies}, recompute {recomputed} of {count} blocks"
-            + ("" if per_mb is None else f", {per_mb * 1e3:.4g} ms per micro-batch"))
+            + _per_microbatch([r[0] for r in rows[i:j + 1]]))
         i = j + 1
     return out
