@@ -31,6 +31,7 @@ from ilp_planner.inputs.config import Config, load_config
 from ilp_planner.inputs.given_config import GivenConfig
 from ilp_planner.inter_op.given_price import GivenPrice, differences, price_alone
 from ilp_planner.ir.cluster import submesh_shapes
+from ilp_planner.reports.stages import stage_lines
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "published"
 MEGATRON_SRC = "Megatron-LM SC'21 Table 1"
@@ -227,11 +228,13 @@ def searched_space(config: Config) -> str:
 
 
 def own_plan(config: Config, g: GivenConfig, priced: GivenPrice, result: Result) -> Result:
-    """Solve the planner's plan for the row's cluster and batch and print its speed-up over
+    """Solve the planner's plan for the row's cluster and batch (the priced configuration
+    offered as a rival it keeps where faster, so the plan is never predicted slower) and
+    print it in full (:func:`~ilp_planner.reports.stages.stage_lines`), its speed-up over
     the priced configuration and what differs."""
     t0 = time.perf_counter()
     try:
-        plan = solve(config, baselines=False, compare=[])
+        plan = solve(config, baselines=False, compare=[g.text()])  # kept where faster
     except InfeasibleError as exc:
         print(f"  plan: none ({exc})")
         return result
@@ -244,6 +247,9 @@ def own_plan(config: Config, g: GivenConfig, priced: GivenPrice, result: Result)
           f"configuration {step / plan.step_s:.2f}×"
           + (f"; Alpa measured {result.row.alpa:g}, plan/Alpa {mine / result.row.alpa:.3f}"
              if result.row.alpa else ""))
+    for line in stage_lines(plan, config.graph):
+        print("    " + line)
+    print("  solver: " + plan.solver.message)
     diff = differences(config, g, plan, priced.layers, priced.microbatches)
     print("  differs: " + ("; ".join(diff) or "nothing"))
     return Result(result.row, result.given_tflops, step, mine, plan.step_s)

@@ -51,7 +51,7 @@ def test_long_models_keep_one_unit_per_block_and_mlp_units_are_weighted_ops():
     assert len(units) == 40
     assert all(n.startswith(f"h.{i}.") for i, u in enumerate(units[1:-1], 1) for n in u)
     coarse = layer_units(g, max_units=16)  # pipeline.max_units: explicit, never silent
-    assert len(coarse) == 14 and sum(coarse, []) == sum(units, [])
+    assert len(coarse) == 16 and sum(coarse, []) == sum(units, [])
     assert [u[0] for u in layer_units(mlp([8, 8, 8, 8], 4))] == ["fc1", "fc2", "fc3"]
 
 
@@ -663,23 +663,36 @@ def test_divisors_space_holds_the_even_split_power_of_two_cannot():
     assert divisors.solver.objective < pow2.solver.objective * (1 - 1e-3)
 
 
-def test_one_node_stage_of_the_530b_row_fits_only_as_the_short_last_unit():
-    """Megatron 529.6B (h 20480) on one node of 8 × A100 80 GB, 8 layer units of 14 blocks
-    and a last one of 7 blocks + head: Adam's 16 bytes a parameter sharded 8 ways is
-    ≈ 141 GB for a 14-block unit — no variant fits, at any position — and ≈ 72.6 GB for the
-    last unit (its tied head's table counted), whose fitting variant's peak holds that state
-    within the 80 GiB. The power-of-two plan that put that unit on one node (0.05× the
-    published configuration) was priced right; its space was the problem."""
+def test_coarse_units_are_balanced_larger_first():
+    """``max_units`` not dividing the units: exactly ``max_units`` groups of sizes differing
+    by at most one, the larger first (40 blocks → 8 of 3 then 8 of 2; the ceiling split
+    left 14 groups, the last of 1)."""
+    g = gpt(64, 40, 4, 16, 128, 8)
+    units = layer_units(g)
+    for k in (1, 7, 16, 39, 40, 41):
+        coarse = layer_units(g, max_units=k)
+        sizes = [sum(1 for u in units if u[0] in c) for c in coarse]
+        assert len(coarse) == min(k, 40) and sum(coarse, []) == sum(units, [])
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert [len({n.split(".")[1] for n in c if n.startswith("h.")})
+            for c in layer_units(g, 16)] == [3] * 8 + [2] * 8
+
+
+def test_no_unit_of_the_530b_row_fits_one_node_when_coarsened_to_8():
+    """Megatron 529.6B (h 20480) on one node of 8 × A100 80 GB, 105 blocks in 8 balanced
+    units (one of 14 blocks, seven of 13): Adam's 16 bytes a parameter sharded 8 ways is
+    ≈ 131 GB even for a 13-block unit, so no variant fits one node at any position —
+    the short 7-block last unit a ceiling split made (the one that fitted, put on one node
+    by the power-of-two space at 0.05× the published configuration) is gone."""
     config = load_config(CONFIGS / "published" / "megatron-529.6b-2520.yaml").with_overrides(
         {"pipeline.max_units": 8, "pipeline.submesh_space": "power_of_two"})
     graph = config.microbatch_graph()
     units = layer_units(graph, 8)
     solver = StageSolver(config, graph, units)
     budget = config.cluster.memory_bytes
-    for a in (0, 1):
-        assert all(c.memory(2) > budget for c in solver.stage_cost(a, a + 1, (1, 8)))
-    table = graph["embed"].weight.shape
-    state = (sum(graph[n].params for n in units[-1]) + table[0] * table[1]) * 16 / 8
-    fits = [c for c in solver.stage_cost(7, 8, (1, 8)) if c.memory(1) <= budget]
-    assert fits and all(state < c.memory(1) for c in fits)
-    assert state == pytest.approx(72.6e9, rel=0.01)
+    state = sum(graph[n].params for n in units[1]) * 16 / 8
+    assert state == pytest.approx(13 * 12 * 20480**2 * 2, rel=0.01) and state > budget
+    for a in (0, 1, 7):
+        assert all(c.memory(1) > budget for c in solver.stage_cost(a, a + 1, (1, 8)))
+
+

@@ -107,10 +107,7 @@ def price_alone(config: Config, g: GivenConfig) -> GivenPrice:
     sets beside a plan, for a caller that has none (``benchmarks/published_runs.py``
     prices published runs whose own plan is too large to solve on every machine).
     Raises :class:`InfeasibleError` where it cannot be priced."""
-    m = microbatches(g, config.model.get("batch"))
-    cfg = config.with_overrides({"pipeline.microbatches": m, "pipeline.stages": g.pp,
-                                 "pipeline.schedule": "1f1b", "pipeline.submeshes": None,
-                                 "compare": None})
+    m, cfg = _priced_config(config, g)
     graph = cfg.microbatch_graph()
     if g.pp == 1:
         layout = solve_given_layout(g, cfg, graph, (cfg.cluster.nodes, cfg.cluster.devices_per_node), m)
@@ -118,6 +115,23 @@ def price_alone(config: Config, g: GivenConfig) -> GivenPrice:
         return GivenPrice(layers, cost, cost.total_s, m)
     pipeline = _given_pipeline(g, cfg, graph, m)
     return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), pipeline.step_s, m)
+
+
+def given_pipeline(config: Config, g: GivenConfig) -> AssembledPipeline:
+    """``g``'s pipeline (``pp > 1``) as :func:`price_alone` prices it, whole: its stages,
+    layers and simulated schedule, a pipeline the planner could return as its plan
+    (:mod:`ilp_planner.inter_op.given_rival`). Raises :class:`InfeasibleError` where it
+    cannot be priced."""
+    m, cfg = _priced_config(config, g)
+    return _given_pipeline(g, cfg, cfg.microbatch_graph(), m)
+
+
+def _priced_config(config: Config, g: GivenConfig) -> tuple[int, Config]:
+    """``g``'s micro-batch count and ``config`` set to run ``g``'s stages under 1F1B."""
+    m = microbatches(g, config.model.get("batch"))
+    return m, config.with_overrides({"pipeline.microbatches": m, "pipeline.stages": g.pp,
+                                     "pipeline.schedule": "1f1b", "pipeline.submeshes": None,
+                                     "compare": None})
 
 
 def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> AssembledPipeline:
@@ -256,9 +270,11 @@ def differences(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[Lay
     """What the plan does otherwise than ``g``: stages, micro-batches, recomputed blocks,
     and the layout of each layer family where the two differ (at most ``most`` families)."""
     out = []
-    stages = max(1, len(plan.stages))
-    if stages != g.pp:
-        out.append(f"stages: plan {stages}, given {g.pp}" + (f" x {g.vpp} chunks" if g.vpp > 1 else ""))
+    v = plan.schedule.virtual_stages if plan.schedule else 1
+    stages = max(1, len(plan.stages) // v)
+    if (stages, v) != (g.pp, g.vpp):
+        out.append(f"stages: plan {stages}" + (f" x {v} chunks" if v > 1 else "")
+                   + f", given {g.pp}" + (f" x {g.vpp} chunks" if g.vpp > 1 else ""))
     plan_m = plan.schedule.num_microbatches if plan.schedule else config.pipeline.microbatches
     if plan_m != m:
         out.append(f"micro-batches: plan {plan_m}, given {m}")

@@ -4,8 +4,8 @@ The DP slices a sequence of *units*: each repetition of a block is a unit (ops b
 first block join the first, ops after the last join the last); a graph without blocks has
 one unit per weighted op with its followers. There is no ceiling on the number of units:
 a 96-block model gives the DP 96 units. ``pipeline.max_units`` coarsens explicitly
-(consecutive units merged into at most that many) where a long block-free graph would
-otherwise need too many distinct intra-op solves.
+(consecutive units merged into that many, their sizes differing by at most one) where a
+long block-free graph would otherwise need too many distinct intra-op solves.
 
 Ranges with the same signature (the ops, their in-range wiring and which tensors cross
 the range's boundary; the test oracle ``tests/helpers/oracles.py: signature`` spells it
@@ -18,7 +18,6 @@ per-unit parts, without building the range's op list.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
@@ -55,10 +54,19 @@ def layer_units(graph: Graph, max_units: int | None = None) -> list[list[str]]:
 
 
 def _coarsen(units: list[list[str]], max_units: int) -> list[list[str]]:
+    """``units`` merged into exactly ``max_units`` consecutive groups whose sizes differ by
+    at most one, the larger groups first (``numpy.array_split``'s order): a uniform cut
+    such as the engines' ``pp`` stages stays a cut of the coarse units, and no group is
+    left silently short (a ceiling split left the last unit with the remainder only)."""
     if len(units) <= max_units:
         return units
-    per = math.ceil(len(units) / max_units)
-    return [sum(units[i:i + per], []) for i in range(0, len(units), per)]
+    q, r = divmod(len(units), max_units)
+    out, start = [], 0
+    for i in range(max_units):
+        end = start + q + (1 if i < r else 0)
+        out.append(sum(units[start:end], []))
+        start = end
+    return out
 
 
 def subgraph(graph: Graph, names: Sequence[str]) -> Graph:

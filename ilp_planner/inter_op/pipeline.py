@@ -32,6 +32,7 @@ from ilp_planner.inter_op.assembly import (
     pipeline_plan,
 )
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
+from ilp_planner.inter_op.given_rival import given_if_faster
 from ilp_planner.inter_op.interleaved import best_interleaved, interleaved_report
 from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.inter_op.pipelined_grid import (
@@ -97,7 +98,8 @@ class _StageSpace:
 def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     """The steps of :func:`solve_pipelined` (module docstring); with ``baselines``, the
     torchtitan grid's stages are offered to the DP as variants where it is faster, and the
-    plan carries the baselines' costs."""
+    plan carries the baselines' costs; a faster compared configuration (``compare:``) is
+    kept as the plan (:mod:`~ilp_planner.inter_op.given_rival`)."""
     t0 = time.perf_counter()
     graph = config.microbatch_graph()
     units = layer_units(graph, config.pipeline.max_units)
@@ -132,6 +134,7 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
     if config.pipeline.virtual_stages == "auto":
         pipeline = _interleaved_if_faster(config, graph, solver, pipeline, len(dp.stages),
                                           reshardings)
+    pipeline = given_if_faster(config, pipeline)  # never slower than a compared configuration
     report = _solver_report(pipeline, dp, solver, boundary, len(units),
                             time.perf_counter() - t0, grid_s)
     plan = pipeline_plan(config, pipeline, report)
