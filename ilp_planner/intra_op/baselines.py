@@ -309,11 +309,15 @@ problem's ``microbatches`` says which). Raises ``ValueError`` naming what is mis
 
 def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limit_s: float,
             levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
-            reserve_transients: bool = False) -> Priced | float | str:
+            reserve_transients: bool = False, beat: float | None = None
+            ) -> Priced | float | str | None:
     """One member priced: its restricted problem solved exactly under ``budget`` (less the
     largest transient when ``reserve_transients``: FSDP holds one gathered op at a time).
     A float where it cannot fit: the least per-device memory it needs; a string where it
-    has no layout at all."""
+    has no layout at all. None where its problem's lower bound (:func:`lower_bound`)
+    already exceeds ``beat`` (the best objective of its family so far): its exact price
+    could not replace that best, so its solve is skipped — the family's figure is the
+    same, for a fraction of the solves."""
     try:
         gp = build(levels, blocks, keep, dp)
     except ValueError as exc:
@@ -324,6 +328,8 @@ def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limi
         if need > budget:
             return need
         gp.problem.memory_budget = budget - reserve
+    if beat is not None and lower_bound(gp.problem) > beat * (1 + _BEAT_MARGIN):
+        return None
     out = solve_exact(gp.problem, time_limit_s)
     if isinstance(out, str):
         return need if out.startswith("does not fit") else out
@@ -331,6 +337,19 @@ def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limi
     if budget is not None and peak_memory(gp, choice) > budget * (1 + 1e-9):
         return peak_memory(gp, choice)  # re-materialised blocks or transients exceed it
     return Priced(gp, choice, objective, gap)
+
+
+_BEAT_MARGIN = 1e-6
+"""Relative margin of :func:`_member`'s skip: a bound only this far above the best is
+still solved, so that the solvers' rounding cannot skip a member whose price ties it."""
+
+
+def lower_bound(problem: Problem) -> float:
+    """A bound no choice of ``problem`` goes below: every group's cheapest strategy and
+    every edge's cheapest entry, each on its own (the fused gradient AllReduces' latency,
+    never negative, left out)."""
+    return float(sum(c.min() for c in problem.cost)
+                 + sum(r.min() for r in problem.edges.values() if r.size))
 
 
 def _named(name: str, priced: Priced, microbatches: int) -> str:
@@ -355,14 +374,16 @@ def family_failure(label: str, needs: list[tuple[float, str]], reasons: list[str
 
 def price_families(build: Build, nodes: int, local: int, microbatches: int,
                    budget: float | None, time_limit_s: float,
-                   moe: bool = False) -> dict[str, Priced | str]:
+                   moe: bool = False, prune: bool = True) -> dict[str, Priced | str]:
     """The usual baselines (data parallel, Megatron, Megatron-SP, SUMMA), each the best of
     its members (every two-axis mesh) on restricted problems solved exactly — the prices
     of :func:`baseline_choices` without building or searching the strategies they drop.
     ``microbatches``: the plan's (a member on another count says so in its name). A family
     with no member that fits says the least memory one needs. ``moe``: the graph has MoE
     ops (:mod:`~ilp_planner.intra_op.moe_baselines`: data parallel replicates the experts,
-    Megatron-Core splits them EP × ETP, and DeepSpeed-MoE joins the families)."""
+    Megatron-Core splits them EP × ETP, and DeepSpeed-MoE joins the families). ``prune``:
+    skip the solve of a member whose lower bound exceeds its family's best so far (the
+    same prices; False solves every member, the reference the tests check it against)."""
     out: dict[str, Priced | str] = {}
     whole = MeshAxis(nodes, local)
     families = [("data_parallel", [(whole, None)])] + [
@@ -376,7 +397,10 @@ def price_families(build: Build, nodes: int, local: int, microbatches: int,
         for a, b in meshes:
             name = label if b is None else member_name(label, a, b)
             keep = _family_filter(label, a, b)
-            res = _member(build, keep, 1 if label == "summa" else a.size, budget, time_limit_s)
+            res = _member(build, keep, 1 if label == "summa" else a.size, budget, time_limit_s,
+                          beat=None if best is None or not prune else best[1].objective)
+            if res is None:
+                continue
             if isinstance(res, float):
                 needs.append((res, name))
             elif isinstance(res, str):
@@ -442,8 +466,8 @@ class GridPoint:
 
 
 def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float | None,
-                      time_limit_s: float = 30.0, microbatches: int | None = None
-                      ) -> GridPoint | str:
+                      time_limit_s: float = 30.0, microbatches: int | None = None,
+                      prune: bool = True) -> GridPoint | str:
     """The best point of torchtitan's grid under the same cost model and memory budget:
     data parallel as DDP (replicated state) or FSDP (ZeRO-3), × every dp × tp mesh
     (tp = 1: pure data parallel), × sequence parallel on or off (tp > 1), × activation
@@ -453,7 +477,8 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
     transient, and a point whose exact peak
     (:func:`~ilp_planner.intra_op.problem.peak_memory`) exceeds the budget is dropped.
     ``microbatches``: the plan's (a point on another count says so in its name). Returns
-    why when no point fits (the least memory a point needs, against the budget)."""
+    why when no point fits (the least memory a point needs, against the budget). ``prune``:
+    as :func:`price_families`'s."""
 
     best: tuple[str, Priced, float] | None = None
     needs: list[tuple[float, str]] = []
@@ -461,12 +486,14 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
     modes = AC_MODES if budget is not None else ("none",)
     # modes recomputing the same blocks are one point (a model without blocks: all three)
     modes = tuple({ac_blocks(graph, m): m for m in reversed(modes)}.values())[::-1]
-    ddp_fits: set[tuple] = set()  # DDP points that fit without checkpointing
+    # DDP points that fit without checkpointing, or whose bound without it already exceeds
+    # the best: recomputing without sharded state only adds work, so neither needs it
+    ddp_done: set[tuple] = set()
     for fsdp in (False, True):
         for mode in modes:
             for dp, tp in mesh_factorisations(nodes, local, 2):
                 for sp in (False, True) if tp.size > 1 else (False,):
-                    if not fsdp and mode != "none" and (dp, tp, sp) in ddp_fits:
+                    if not fsdp and mode != "none" and (dp, tp, sp) in ddp_done:
                         continue  # recomputing without sharded state only adds work
                     name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
                             f"{'sp,' if sp else ''}ac={mode})")
@@ -475,14 +502,19 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
                                     moe_grid_filter(dp, tp, state))
                     res = _member(build, keep, dp.size, budget, time_limit_s,
                                   (0, 3) if fsdp else (0,), ac_blocks(graph, mode),
-                                  reserve_transients=fsdp)
+                                  reserve_transients=fsdp,
+                                  beat=None if best is None or not prune else best[1].objective)
+                    if res is None:
+                        if not fsdp and mode == "none":
+                            ddp_done.add((dp, tp, sp))
+                        continue
                     if isinstance(res, float):
                         needs.append((res, name))
                     elif isinstance(res, str):
                         reasons.append(res)
                     else:
                         if not fsdp and mode == "none":
-                            ddp_fits.add((dp, tp, sp))
+                            ddp_done.add((dp, tp, sp))
                         if best is None or res.objective < best[1].objective:
                             best = (name, res, _reserve(res.gp) if fsdp else 0.0)
     if best is None:
