@@ -39,9 +39,10 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
                         pipeline=pipeline, compare=compare, name=name)
     times = times or PhaseTimes()
     plan = _solve_plan(config, baselines, times)
-    with times.timing("baselines_s"):
-        for given in config.compare:
-            plan.baselines.update(price_given(config, given, plan))
+    if config.compare:
+        with times.timing("baselines_s"):
+            for given in config.compare:
+                plan.baselines.update(price_given(config, given, plan))
     return plan
 
 
@@ -63,14 +64,16 @@ def _solve_pipelined_timed(config: Config, baselines: bool, times: PhaseTimes) -
     """A pipelined solve, its time split as its report splits it: the solver's own total
     (its report's build plus solve seconds: stage solves, DP, assembly — for an interleaved
     schedule the chunk solves and their DP) less the pipelined grid it priced is solving, the
-    rest (the single-mesh baselines, the grid) the baselines."""
+    rest (the single-mesh baselines, the grid) the baselines; without baselines, all of it
+    is solving."""
     t0 = time.perf_counter()
     plan = solve_pipelined(config, baselines=baselines)
     elapsed = time.perf_counter() - t0
     report = plan.solver
     total = (report.build_s or 0.0) + (report.solve_s or 0.0)
     grid = report.stages.timings.get("grid_s", 0.0) if report.stages else 0.0
-    solving = min(elapsed, total - grid) if report.build_s is not None else elapsed
+    solving = min(elapsed, total - grid) if baselines and report.build_s is not None \
+        else elapsed
     times.solve_s += solving
     times.baselines_s += elapsed - solving
     return plan
