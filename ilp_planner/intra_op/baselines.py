@@ -318,6 +318,26 @@ def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limi
     already exceeds ``beat`` (the best objective of its family so far): its exact price
     could not replace that best, so its solve is skipped — the family's figure is the
     same, for a fraction of the solves."""
+    built = _member_problem(build, keep, dp, budget, levels, blocks, reserve_transients)
+    if not isinstance(built, _Built):
+        return built
+    return _member_price(built, budget, time_limit_s, beat)
+
+
+@dataclass(frozen=True)
+class _Built:
+    """A member's restricted problem, under the budget left to it, and the least memory
+    any of its choices needs (with its reserve)."""
+
+    gp: GraphProblem
+    need: float
+
+
+def _member_problem(build: Build, keep: Filter, dp: int, budget: float | None,
+                    levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
+                    reserve_transients: bool = False) -> _Built | float | str:
+    """:func:`_member`'s build: the problem, or the least memory it needs where that
+    exceeds ``budget``, or why it has no layout."""
     try:
         gp = build(levels, blocks, keep, dp)
     except ValueError as exc:
@@ -328,6 +348,13 @@ def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limi
         if need > budget:
             return need
         gp.problem.memory_budget = budget - reserve
+    return _Built(gp, need)
+
+
+def _member_price(built: _Built, budget: float | None, time_limit_s: float,
+                  beat: float | None = None) -> Priced | float | str | None:
+    """:func:`_member`'s solve of a built member (None: its bound exceeds ``beat``)."""
+    gp, need = built.gp, built.need
     if beat is not None and lower_bound(gp.problem) > beat * (1 + _BEAT_MARGIN):
         return None
     out = solve_exact(gp.problem, time_limit_s)
@@ -391,27 +418,46 @@ def price_families(build: Build, nodes: int, local: int, microbatches: int,
     if moe:
         families.insert(1, ("deepspeed_moe", [(whole, None)]))
     for label, meshes in families:
-        best: tuple[str, Priced] | None = None
-        needs: list[tuple[float, str]] = []
-        reasons: list[str] = []
-        for a, b in meshes:
-            name = label if b is None else member_name(label, a, b)
-            keep = _family_filter(label, a, b)
-            res = _member(build, keep, 1 if label == "summa" else a.size, budget, time_limit_s,
-                          beat=None if best is None or not prune else best[1].objective)
-            if res is None:
-                continue
-            if isinstance(res, float):
-                needs.append((res, name))
-            elif isinstance(res, str):
-                reasons.append(res)
-            elif best is None or res.objective < best[1].objective:
-                best = (name, res)
-        if best is None:
-            out[label] = family_failure(label, needs, reasons, budget)
+        best = _best_member(build, label, meshes, budget, time_limit_s, prune)
+        if isinstance(best, str):
+            out[label] = best
         else:
             out[_named(best[0], best[1], microbatches)] = best[1]
     return out
+
+
+def _best_member(build: Build, label: str, meshes: list, budget: float | None,
+                 time_limit_s: float, prune: bool) -> tuple[str, Priced] | str:
+    """A family's best member, or why it has none. Every member is built first, then
+    solved cheapest lower bound first, so that the first prices found are low and the
+    members whose bound exceeds the best are not solved (``prune``); the best is the
+    first member in ``meshes`` order at the least objective, as solving them in order."""
+    needs: list[tuple[float, str]] = []
+    reasons: list[tuple[int, str]] = []
+    staged: list[tuple[float, int, str, _Built]] = []
+    for i, (a, b) in enumerate(meshes):
+        name = label if b is None else member_name(label, a, b)
+        built = _member_problem(build, _family_filter(label, a, b),
+                                1 if label == "summa" else a.size, budget)
+        if isinstance(built, float):
+            needs.append((built, name))
+        elif isinstance(built, str):
+            reasons.append((i, built))
+        else:
+            staged.append((lower_bound(built.gp.problem), i, name, built))
+    best: tuple[float, int, str, Priced] | None = None
+    for _, i, name, built in sorted(staged, key=lambda s: s[:2]):
+        res = _member_price(built, budget, time_limit_s,
+                            beat=None if best is None or not prune else best[0])
+        if isinstance(res, float):
+            needs.append((res, name))
+        elif isinstance(res, str):
+            reasons.append((i, res))
+        elif res is not None and (best is None or (res.objective, i) < best[:2]):
+            best = (res.objective, i, name, res)
+    if best is None:
+        return family_failure(label, needs, [r for _, r in sorted(reasons)], budget)
+    return best[2], best[3]
 
 
 def _family_filter(label: str, a: MeshAxis, b: MeshAxis | None) -> Filter:
