@@ -61,7 +61,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -526,48 +526,74 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
     why when no point fits (the least memory a point needs, against the budget). ``prune``:
     as :func:`price_families`'s."""
 
-    best: tuple[str, Priced, float] | None = None
-    needs: list[tuple[float, str]] = []
-    reasons: list[str] = []
     modes = AC_MODES if budget is not None else ("none",)
     # modes recomputing the same blocks are one point (a model without blocks: all three)
     modes = tuple({ac_blocks(graph, m): m for m in reversed(modes)}.values())[::-1]
-    # DDP points that fit without checkpointing, or whose bound without it already exceeds
-    # the best: recomputing without sharded state only adds work, so neither needs it
-    ddp_done: set[tuple] = set()
+    search = _GridSearch(build, budget, time_limit_s, prune)
     for fsdp in (False, True):
         for mode in modes:
-            for dp, tp in mesh_factorisations(nodes, local, 2):
-                for sp in (False, True) if tp.size > 1 else (False,):
-                    if not fsdp and mode != "none" and (dp, tp, sp) in ddp_done:
-                        continue  # recomputing without sharded state only adds work
-                    name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
-                            f"{'sp,' if sp else ''}ac={mode})")
-                    state = _fully_sharded if fsdp else _replicated_state
-                    keep = with_moe(megatron_filter(dp, tp, sp, state),
-                                    moe_grid_filter(dp, tp, state))
-                    res = _member(build, keep, dp.size, budget, time_limit_s,
-                                  (0, 3) if fsdp else (0,), ac_blocks(graph, mode),
-                                  reserve_transients=fsdp,
-                                  beat=None if best is None or not prune else best[1].objective)
-                    if res is None:
-                        if not fsdp and mode == "none":
-                            ddp_done.add((dp, tp, sp))
-                        continue
-                    if isinstance(res, float):
-                        needs.append((res, name))
-                    elif isinstance(res, str):
-                        reasons.append(res)
-                    else:
-                        if not fsdp and mode == "none":
-                            ddp_done.add((dp, tp, sp))
-                        if best is None or res.objective < best[1].objective:
-                            best = (name, res, _reserve(res.gp) if fsdp else 0.0)
-    if best is None:
-        return family_failure("torchtitan grid", needs, reasons, budget)
-    name, priced, reserve = best
+            search.group(fsdp, mode, ac_blocks(graph, mode), mesh_factorisations(nodes, local, 2))
+    if search.best is None:
+        return family_failure("torchtitan grid", search.needs,
+                              [r for _, r in sorted(search.reasons)], budget)
+    _, _, name, priced, reserve = search.best
     return GridPoint(_named(name, priced, microbatches or priced.gp.microbatches), priced.gp,
                      priced.choice, priced.objective, reserve)
+
+
+@dataclass
+class _GridSearch:
+    """:func:`torchtitan_choice`'s state over its groups of points (one state sharding and
+    checkpointing mode each): the best so far as (objective, order, name, price, memory
+    reserved for transients) — the first point in grid order at the least objective — and
+    why the others have none."""
+
+    build: Build
+    budget: float | None
+    time_limit_s: float
+    prune: bool
+    best: tuple[float, int, str, Priced, float] | None = None
+    needs: list[tuple[float, str]] = field(default_factory=list)
+    reasons: list[tuple[int, str]] = field(default_factory=list)
+    # DDP points that fit without checkpointing, or whose bound without it already exceeds
+    # the best: recomputing without sharded state only adds work, so neither needs it
+    ddp_done: set[tuple] = field(default_factory=set)
+    order: int = 0
+
+    def group(self, fsdp: bool, mode: str, blocks: frozenset, meshes: list) -> None:
+        """One group's points: all built, then solved cheapest lower bound first."""
+        staged: list[tuple[float, int, str, tuple, _Built]] = []
+        for dp, tp in meshes:
+            for sp in (False, True) if tp.size > 1 else (False,):
+                self.order += 1
+                if not fsdp and mode != "none" and (dp, tp, sp) in self.ddp_done:
+                    continue  # recomputing without sharded state only adds work
+                name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
+                        f"{'sp,' if sp else ''}ac={mode})")
+                state = _fully_sharded if fsdp else _replicated_state
+                keep = with_moe(megatron_filter(dp, tp, sp, state),
+                                moe_grid_filter(dp, tp, state))
+                built = _member_problem(self.build, keep, dp.size, self.budget,
+                                        (0, 3) if fsdp else (0,), blocks,
+                                        reserve_transients=fsdp)
+                if isinstance(built, float):
+                    self.needs.append((built, name))
+                elif isinstance(built, str):
+                    self.reasons.append((self.order, built))
+                else:
+                    staged.append((lower_bound(built.gp.problem), self.order, name,
+                                   (dp, tp, sp), built))
+        for _, i, name, point, built in sorted(staged, key=lambda s: s[:2]):
+            beat = None if self.best is None or not self.prune else self.best[0]
+            res = _member_price(built, self.budget, self.time_limit_s, beat)
+            if not fsdp and mode == "none" and (res is None or isinstance(res, Priced)):
+                self.ddp_done.add(point)
+            if isinstance(res, float):
+                self.needs.append((res, name))
+            elif isinstance(res, str):
+                self.reasons.append((i, res))
+            elif res is not None and (self.best is None or (res.objective, i) < self.best[:2]):
+                self.best = (res.objective, i, name, res, _reserve(res.gp) if fsdp else 0.0)
 
 
 def _reserve(gp: GraphProblem) -> float:
