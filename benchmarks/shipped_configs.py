@@ -1,8 +1,9 @@
 """Every shipped config solved with its baselines, side by side in one run: the plan's step
 time, each baseline's ratio (baseline time / plan time, > 1 means the plan is faster), the
 solver status, the wall time of the solve and how it splits between the plan and the
-baselines. All figures come from the lowered programs (what the runtime executes), so these
-are the honest-price ratios. Every family either prices or says why not (below the table:
+baselines, with their ratio (baselines s / plan s: issue 33 asks for at most 1). All
+figures come from the lowered programs (what the runtime executes), so these are the
+honest-price ratios. Every family either prices or says why not (below the table:
 the member each family's price comes from, or the memory it lacks).
 
 Run: python benchmarks/shipped_configs.py
@@ -23,7 +24,7 @@ BASELINES = ("ilp_single_mesh", "data_parallel", "megatron", "megatron_sp", "sum
 
 def main() -> None:
     head = f"{'config':<26}{'stages':>7}{'step s':>11}" + "".join(f"{b:>17}" for b in BASELINES) \
-        + f"{'status':>10}{'solve s':>9}{'plan s':>8}{'base s':>8}"
+        + f"{'status':>10}{'solve s':>9}{'plan s':>8}{'base s':>8}{'base/plan':>10}"
     print(head)
     print("-" * len(head))
     notes: list[str] = []
@@ -45,8 +46,9 @@ def main() -> None:
             notes.append(f"  {path.stem} {family}: {v['error'] if 'error' in v else k}")
         print(f"{path.stem:<26}{max(1, len(plan.stages)):>7}{mine:>11.4g}"
               + "".join(f"{c:>17}" for c in cells)
-              + f"{plan.solver.status:>10}{wall:>9.1f}{times.solve_s:>8.1f}"
-              f"{times.baselines_s:>8.1f}", flush=True)
+              + f"{plan.solver.status:>10}{wall:>9.1f}{times.solve_s:>8.2f}"
+              f"{times.baselines_s:>8.2f}{times.baselines_s / times.solve_s:>10.2f}",
+              flush=True)
     for line in notes:
         print(line)
 

@@ -39,9 +39,10 @@ def solve(config: Config | str | Path | Graph | Mapping[str, Any], *, cluster: A
                         pipeline=pipeline, compare=compare, name=name)
     times = times or PhaseTimes()
     plan = _solve_plan(config, baselines, times)
-    with times.timing("baselines_s"):
-        for given in config.compare:
-            plan.baselines.update(price_given(config, given, plan))
+    if config.compare:
+        with times.timing("baselines_s"):
+            for given in config.compare:
+                plan.baselines.update(price_given(config, given, plan))
     return plan
 
 
@@ -61,23 +62,23 @@ def _solve_plan(config: Config, baselines: bool, times: PhaseTimes) -> Plan:
 
 def _solve_pipelined_timed(config: Config, baselines: bool, times: PhaseTimes) -> Plan:
     """A pipelined solve, its time split as its report splits it: the solver's own total
-    (stage solves, DP, assembly; an interleaved solve's build and solve) less the pipelined
-    grid it priced is solving, the rest the baselines."""
+    (its report's build plus solve seconds: stage solves, DP, assembly — for an interleaved
+    schedule the chunk solves and their DP) less the pipelined grid it priced is solving, the
+    rest (the single-mesh baselines, the grid) the baselines; without baselines, all of it
+    is solving."""
     t0 = time.perf_counter()
     plan = solve_pipelined(config, baselines=baselines)
     elapsed = time.perf_counter() - t0
     report = plan.solver
-    if report.stages is not None:
-        solving = report.stages.timings.get("total_s", elapsed) - report.stages.timings.get(
-            "grid_s", 0.0)
-    elif report.build_s is not None:  # interleaved 1F1B: its build and solve, then baselines
-        solving = report.build_s + (report.solve_s or 0.0)
-    else:
-        solving = elapsed
-    solving = min(elapsed, solving)
+    total = (report.build_s or 0.0) + (report.solve_s or 0.0)
+    grid = report.stages.timings.get("grid_s", 0.0) if report.stages else 0.0
+    solving = min(elapsed, total - grid) if baselines and report.build_s is not None \
+        else elapsed
     times.solve_s += solving
     times.baselines_s += elapsed - solving
     return plan
+
+
 def _as_config(config: Any, **sections: Any) -> Config:
     given = {k: v for k, v in sections.items() if v is not None}
     if isinstance(config, Config) and not given:

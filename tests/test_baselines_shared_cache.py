@@ -14,7 +14,7 @@ import pytest
 from ilp_planner.inputs.config import load_config
 from ilp_planner.intra_op.baseline_prices import MemberBuilder
 from ilp_planner.intra_op.baselines import (
-    _PRICED,
+    _BUILT,
     Priced,
     price_families,
     torchtitan_choice,
@@ -91,7 +91,7 @@ def test_grid_points_with_state_sharding_and_recomputation_price_as_built_alone(
 
 def test_families_after_the_grid_price_only_their_own_members():
     """Megatron's and Megatron-SP's members are the torchtitan grid's DDP points without
-    checkpointing: priced after the grid by the same builder, the families solve only data
+    checkpointing: priced after the grid by the same builder, the families build only data
     parallel's and SUMMA's members anew, and every family prices as on a builder of its
     own."""
     config = load_config(CONFIGS / "tiny-gpt-cpu.yaml")
@@ -101,10 +101,10 @@ def test_families_after_the_grid_price_only_their_own_members():
     shared = MemberBuilder(request)
     torchtitan_choice(request.graph, shared, request.nodes, request.local,
                       request.memory_budget, config.solver.time_limit_s, request.microbatches)
-    priced_by_grid = len(_PRICED[shared])
+    built_by_grid = len(_BUILT[shared])
     after_grid = price_families(shared, *args)
     meshes = two_axis_meshes(request.nodes, request.local)
-    assert len(_PRICED[shared]) - priced_by_grid == 1 + len(meshes)  # data parallel, SUMMA
+    assert len(_BUILT[shared]) - built_by_grid == 1 + len(meshes)  # data parallel, SUMMA
     alone = price_families(MemberBuilder(request), *args)
     assert after_grid.keys() == alone.keys()
     for name, priced in after_grid.items():

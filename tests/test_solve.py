@@ -23,7 +23,7 @@ from ilp_planner.inputs.config import apply_overrides, load_config, parse_config
 from ilp_planner.intra_op.baselines import baseline_choices, megatron_filter, restrict
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.intra_op.realise import realise
-from ilp_planner.intra_op.request import MeshSolveRequest, PhaseTimes
+from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
 from ilp_planner.ir.graph import OpKind
@@ -344,14 +344,3 @@ def test_solve_verb_reports_infeasible_memory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "smallest per-device memory" in err and "the budget is" in err
 
-
-def test_an_interleaved_solve_counts_its_baselines_as_baselines():
-    """``schedule: interleaved-1f1b``: the command's timing line splits the solve as the
-    plan's report times it (its build and solve) and counts the single-mesh baselines priced
-    after it as baselines, not as solving."""
-    config = load_config(CONFIGS / "tiny-gpt-interleaved-cpu.yaml")
-    times = PhaseTimes()
-    plan = solve(config, times=times)
-    assert plan.baselines
-    assert times.solve_s == pytest.approx(plan.solver.build_s + plan.solver.solve_s)
-    assert times.baselines_s > 0

@@ -58,11 +58,12 @@ strategy for strategy — and solved exactly by variable elimination (:func:`sol
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -308,31 +309,56 @@ or where their batch does not split so, on another micro-batch count that does (
 problem's ``microbatches`` says which). Raises ``ValueError`` naming what is missing."""
 
 
-_PRICED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Members priced per :data:`Build` (dropped with it): Megatron's and Megatron-SP's
-members are the torchtitan grid's DDP points without checkpointing — the same cached filter
-objects, levels, blocks and budget — so the families read the grid's prices."""
-
-
 def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limit_s: float,
             levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
-            reserve_transients: bool = False) -> Priced | float | str:
-    """One member priced (once per ``build``, :data:`_PRICED`)."""
-    memo = _PRICED.setdefault(build, {})
-    key = (keep, dp, budget, time_limit_s, levels, blocks, reserve_transients)
-    if key not in memo:
-        memo[key] = _price_member(build, keep, dp, budget, time_limit_s, levels, blocks,
-                                  reserve_transients)
-    return memo[key]
-
-
-def _price_member(build: Build, keep: Filter, dp: int, budget: float | None,
-                  time_limit_s: float, levels: tuple[int, ...], blocks: frozenset,
-                  reserve_transients: bool) -> Priced | float | str:
+            reserve_transients: bool = False, beat: float | None = None
+            ) -> Priced | float | str | None:
     """One member priced: its restricted problem solved exactly under ``budget`` (less the
     largest transient when ``reserve_transients``: FSDP holds one gathered op at a time).
     A float where it cannot fit: the least per-device memory it needs; a string where it
-    has no layout at all."""
+    has no layout at all. None where its problem's lower bound (:func:`lower_bound`)
+    already exceeds ``beat`` (the best objective of its family so far): its exact price
+    could not replace that best, so its solve is skipped — the family's figure is the
+    same, for a fraction of the solves."""
+    built = _member_problem(build, keep, dp, budget, levels, blocks, reserve_transients)
+    if not isinstance(built, _Built):
+        return built
+    return _member_price(built, budget, time_limit_s, beat)
+
+
+@dataclass(eq=False)
+class _Built:
+    """A member's restricted problem, under the budget left to it, and the least memory
+    any of its choices needs (with its reserve); ``priced``: its price once solved."""
+
+    gp: GraphProblem
+    need: float
+    priced: Priced | float | str | None = None
+
+
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Members built per :data:`Build` (dropped with it), with their prices once solved:
+Megatron's and Megatron-SP's members are the torchtitan grid's DDP points without
+checkpointing — the same cached filter objects, levels, blocks and budget — so the families
+read the grid's builds and prices."""
+
+
+def _member_problem(build: Build, keep: Filter, dp: int, budget: float | None,
+                    levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
+                    reserve_transients: bool = False) -> _Built | float | str:
+    """:func:`_member`'s build (once per ``build``, :data:`_BUILT`)."""
+    memo = _BUILT.setdefault(build, {})
+    key = (keep, dp, budget, levels, blocks, reserve_transients)
+    if key not in memo:
+        memo[key] = _build_member(build, keep, dp, budget, levels, blocks, reserve_transients)
+    return memo[key]
+
+
+def _build_member(build: Build, keep: Filter, dp: int, budget: float | None,
+                  levels: tuple[int, ...], blocks: frozenset, reserve_transients: bool
+                  ) -> _Built | float | str:
+    """The problem, or the least memory it needs where that exceeds ``budget``, or why it
+    has no layout."""
     try:
         gp = build(levels, blocks, keep, dp)
     except ValueError as exc:
@@ -343,6 +369,23 @@ def _price_member(build: Build, keep: Filter, dp: int, budget: float | None,
         if need > budget:
             return need
         gp.problem.memory_budget = budget - reserve
+    return _Built(gp, need)
+
+
+def _member_price(built: _Built, budget: float | None, time_limit_s: float,
+                  beat: float | None = None) -> Priced | float | str | None:
+    """:func:`_member`'s solve of a built member (None: its bound exceeds ``beat``), once
+    (``built.priced``)."""
+    if built.priced is not None:
+        return built.priced
+    if beat is not None and lower_bound(built.gp.problem) > beat * (1 + _BEAT_MARGIN):
+        return None
+    built.priced = _solved(built, budget, time_limit_s)
+    return built.priced
+
+
+def _solved(built: _Built, budget: float | None, time_limit_s: float) -> Priced | float | str:
+    gp, need = built.gp, built.need
     out = solve_exact(gp.problem, time_limit_s)
     if isinstance(out, str):
         return need if out.startswith("does not fit") else out
@@ -351,6 +394,19 @@ def _price_member(build: Build, keep: Filter, dp: int, budget: float | None,
         return peak_memory(gp, choice)  # re-materialised blocks or transients exceed it
     broken = gp.unrunnable(choice)  # every member breaks what the runtime can run
     return Priced(gp, choice, objective, gap) if broken is None else f"parallelize: {broken}"
+
+
+_BEAT_MARGIN = 1e-6
+"""Relative margin of :func:`_member`'s skip: a bound only this far above the best is
+still solved, so that the solvers' rounding cannot skip a member whose price ties it."""
+
+
+def lower_bound(problem: Problem) -> float:
+    """A bound no choice of ``problem`` goes below: every group's cheapest strategy and
+    every edge's cheapest entry, each on its own (the fused gradient AllReduces' latency,
+    never negative, left out)."""
+    return float(sum(c.min() for c in problem.cost)
+                 + sum(r.min() for r in problem.edges.values() if r.size))
 
 
 def _named(name: str, priced: Priced, microbatches: int) -> str:
@@ -375,14 +431,16 @@ def family_failure(label: str, needs: list[tuple[float, str]], reasons: list[str
 
 def price_families(build: Build, nodes: int, local: int, microbatches: int,
                    budget: float | None, time_limit_s: float,
-                   moe: bool = False) -> dict[str, Priced | str]:
+                   moe: bool = False, prune: bool = True) -> dict[str, Priced | str]:
     """The usual baselines (data parallel, Megatron, Megatron-SP, SUMMA), each the best of
     its members (every two-axis mesh) on restricted problems solved exactly — the prices
     of :func:`baseline_choices` without building or searching the strategies they drop.
     ``microbatches``: the plan's (a member on another count says so in its name). A family
     with no member that fits says the least memory one needs. ``moe``: the graph has MoE
     ops (:mod:`~ilp_planner.intra_op.moe_baselines`: data parallel replicates the experts,
-    Megatron-Core splits them EP × ETP, and DeepSpeed-MoE joins the families)."""
+    Megatron-Core splits them EP × ETP, and DeepSpeed-MoE joins the families). ``prune``:
+    skip the solve of a member whose lower bound exceeds its family's best so far (the
+    same prices; False solves every member, the reference the tests check it against)."""
     out: dict[str, Priced | str] = {}
     whole = MeshAxis(nodes, local)
     families = [("data_parallel", [(whole, None)])] + [
@@ -390,24 +448,46 @@ def price_families(build: Build, nodes: int, local: int, microbatches: int,
     if moe:
         families.insert(1, ("deepspeed_moe", [(whole, None)]))
     for label, meshes in families:
-        best: tuple[str, Priced] | None = None
-        needs: list[tuple[float, str]] = []
-        reasons: list[str] = []
-        for a, b in meshes:
-            name = label if b is None else member_name(label, a, b)
-            keep = _family_filter(label, a, b)
-            res = _member(build, keep, 1 if label == "summa" else a.size, budget, time_limit_s)
-            if isinstance(res, float):
-                needs.append((res, name))
-            elif isinstance(res, str):
-                reasons.append(res)
-            elif best is None or res.objective < best[1].objective:
-                best = (name, res)
-        if best is None:
-            out[label] = family_failure(label, needs, reasons, budget)
+        best = _best_member(build, label, meshes, budget, time_limit_s, prune)
+        if isinstance(best, str):
+            out[label] = best
         else:
             out[_named(best[0], best[1], microbatches)] = best[1]
     return out
+
+
+def _best_member(build: Build, label: str, meshes: list, budget: float | None,
+                 time_limit_s: float, prune: bool) -> tuple[str, Priced] | str:
+    """A family's best member, or why it has none. Every member is built first, then
+    solved cheapest lower bound first, so that the first prices found are low and the
+    members whose bound exceeds the best are not solved (``prune``); the best is the
+    first member in ``meshes`` order at the least objective, as solving them in order."""
+    needs: list[tuple[float, str]] = []
+    reasons: list[tuple[int, str]] = []
+    staged: list[tuple[float, int, str, _Built]] = []
+    for i, (a, b) in enumerate(meshes):
+        name = label if b is None else member_name(label, a, b)
+        built = _member_problem(build, _family_filter(label, a, b),
+                                1 if label == "summa" else a.size, budget)
+        if isinstance(built, float):
+            needs.append((built, name))
+        elif isinstance(built, str):
+            reasons.append((i, built))
+        else:
+            staged.append((lower_bound(built.gp.problem), i, name, built))
+    best: tuple[float, int, str, Priced] | None = None
+    for _, i, name, built in sorted(staged, key=lambda s: s[:2]):
+        res = _member_price(built, budget, time_limit_s,
+                            beat=None if best is None or not prune else best[0])
+        if isinstance(res, float):
+            needs.append((res, name))
+        elif isinstance(res, str):
+            reasons.append((i, res))
+        elif res is not None and (best is None or (res.objective, i) < best[:2]):
+            best = (res.objective, i, name, res)
+    if best is None:
+        return family_failure(label, needs, [r for _, r in sorted(reasons)], budget)
+    return best[2], best[3]
 
 
 def _family_filter(label: str, a: MeshAxis, b: MeshAxis | None) -> Filter:
@@ -462,8 +542,8 @@ class GridPoint:
 
 
 def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float | None,
-                      time_limit_s: float = 30.0, microbatches: int | None = None
-                      ) -> GridPoint | str:
+                      time_limit_s: float = 30.0, microbatches: int | None = None,
+                      prune: bool = True) -> GridPoint | str:
     """The best point of torchtitan's grid under the same cost model and memory budget:
     data parallel as DDP (replicated state) or FSDP (ZeRO-3), × every dp × tp mesh
     (tp = 1: pure data parallel), × sequence parallel on or off (tp > 1), × activation
@@ -473,43 +553,104 @@ def torchtitan_choice(graph, build: Build, nodes: int, local: int, budget: float
     transient, and a point whose exact peak
     (:func:`~ilp_planner.intra_op.problem.peak_memory`) exceeds the budget is dropped.
     ``microbatches``: the plan's (a point on another count says so in its name). Returns
-    why when no point fits (the least memory a point needs, against the budget)."""
+    why when no point fits (the least memory a point needs, against the budget). ``prune``:
+    as :func:`price_families`'s."""
 
-    best: tuple[str, Priced, float] | None = None
-    needs: list[tuple[float, str]] = []
-    reasons: list[str] = []
     modes = AC_MODES if budget is not None else ("none",)
     # modes recomputing the same blocks are one point (a model without blocks: all three)
     modes = tuple({ac_blocks(graph, m): m for m in reversed(modes)}.values())[::-1]
-    ddp_fits: set[tuple] = set()  # DDP points that fit without checkpointing
+    search = _GridSearch(build, budget, time_limit_s, prune)
     for fsdp in (False, True):
         for mode in modes:
-            for dp, tp in mesh_factorisations(nodes, local, 2):
-                for sp in (False, True) if tp.size > 1 else (False,):
-                    if not fsdp and mode != "none" and (dp, tp, sp) in ddp_fits:
-                        continue  # recomputing without sharded state only adds work
-                    name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
-                            f"{'sp,' if sp else ''}ac={mode})")
-                    state = _fully_sharded if fsdp else _replicated_state
-                    keep = with_moe(megatron_filter(dp, tp, sp, state),
-                                    moe_grid_filter(dp, tp, state))
-                    res = _member(build, keep, dp.size, budget, time_limit_s,
-                                  (0, 3) if fsdp else (0,), ac_blocks(graph, mode),
-                                  reserve_transients=fsdp)
-                    if isinstance(res, float):
-                        needs.append((res, name))
-                    elif isinstance(res, str):
-                        reasons.append(res)
-                    else:
-                        if not fsdp and mode == "none":
-                            ddp_fits.add((dp, tp, sp))
-                        if best is None or res.objective < best[1].objective:
-                            best = (name, res, _reserve(res.gp) if fsdp else 0.0)
-    if best is None:
-        return family_failure("torchtitan grid", needs, reasons, budget)
-    name, priced, reserve = best
+            search.group(fsdp, mode, ac_blocks(graph, mode), mesh_factorisations(nodes, local, 2))
+    if search.best is None:
+        return family_failure("torchtitan grid", search.needs,
+                              [r for _, r in sorted(search.reasons)], budget)
+    _, _, name, priced, reserve = search.best
     return GridPoint(_named(name, priced, microbatches or priced.gp.microbatches), priced.gp,
                      priced.choice, priced.objective, reserve)
+
+
+@dataclass
+class _GridSearch:
+    """:func:`torchtitan_choice`'s state over its groups of points (one state sharding and
+    checkpointing mode each): the best so far as (objective, order, name, price, memory
+    reserved for transients) — the first point in grid order at the least objective — and
+    why the others have none."""
+
+    build: Build
+    budget: float | None
+    time_limit_s: float
+    prune: bool
+    best: tuple[float, int, str, Priced, float] | None = None
+    needs: list[tuple[float, str]] = field(default_factory=list)
+    reasons: list[tuple[int, str]] = field(default_factory=list)
+    # DDP points that fit without checkpointing, or whose bound without it already exceeds
+    # the best: recomputing without sharded state only adds work, so neither needs it
+    ddp_done: set[tuple] = field(default_factory=set)
+    # FSDP points whose optimum without checkpointing ignores the memory row, or whose
+    # bound without it already exceeds the best: checkpointing cannot win there
+    # (:func:`_memory_binds`; a checkpointed twin's bound is at least the plain one's)
+    fsdp_done: set[tuple] = field(default_factory=set)
+    order: int = 0
+
+    def group(self, fsdp: bool, mode: str, blocks: frozenset, meshes: list) -> None:
+        """One group's points: all built, then solved cheapest lower bound first."""
+        staged: list[tuple[float, int, str, tuple, _Built]] = []
+        for dp, tp in meshes:
+            for sp in (False, True) if tp.size > 1 else (False,):
+                self.order += 1
+                if mode != "none" and (dp, tp, sp) in (self.fsdp_done if fsdp
+                                                       else self.ddp_done):
+                    continue  # checkpointing could only add work (the sets' comments)
+                name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
+                        f"{'sp,' if sp else ''}ac={mode})")
+                state = _fully_sharded if fsdp else _replicated_state
+                keep = with_moe(megatron_filter(dp, tp, sp, state),
+                                moe_grid_filter(dp, tp, state))
+                built = _member_problem(self.build, keep, dp.size, self.budget,
+                                        (0, 3) if fsdp else (0,), blocks,
+                                        reserve_transients=fsdp)
+                if isinstance(built, float):
+                    self.needs.append((built, name))
+                elif isinstance(built, str):
+                    self.reasons.append((self.order, built))
+                else:
+                    staged.append((lower_bound(built.gp.problem), self.order, name,
+                                   (dp, tp, sp), built))
+        for _, i, name, point, built in sorted(staged, key=lambda s: s[:2]):
+            beat = None if self.best is None or not self.prune else self.best[0]
+            res = _member_price(built, self.budget, self.time_limit_s, beat)
+            if mode == "none" and self._done_without_checkpointing(fsdp, res):
+                (self.fsdp_done if fsdp else self.ddp_done).add(point)
+            if isinstance(res, float):
+                self.needs.append((res, name))
+            elif isinstance(res, str):
+                self.reasons.append((i, res))
+            elif res is not None and (self.best is None or (res.objective, i) < self.best[:2]):
+                self.best = (res.objective, i, name, res, _reserve(res.gp) if fsdp else 0.0)
+
+    def _done_without_checkpointing(self, fsdp: bool, res: Priced | float | str | None
+                                    ) -> bool:
+        """Whether a point's checkpointed twins need no pricing, from its plain price."""
+        if res is None:
+            return True
+        if not isinstance(res, Priced):
+            return False
+        return not fsdp or not _memory_binds(res, self.time_limit_s)
+
+
+def _memory_binds(priced: Priced, time_limit_s: float) -> bool:
+    """Whether the memory row moved a member's optimum (its problem solved without the row
+    costs less). Where it did not, checkpointing cannot win: a recomputed option costs at
+    least its plain twin (its forward again; under ZeRO-3 the recomputation's gather
+    replaces the backward's) and a recomputed block's input programs run again, so every
+    choice costs at least as much checkpointed, and the plain optimum is already the least
+    of all choices — the grid skips that point's checkpointing modes, exactly."""
+    if priced.gap > 0:
+        return True
+    free = solve_exact(dataclasses.replace(priced.gp.problem, memory_budget=None), time_limit_s)
+    return isinstance(free, str) or free[1] < priced.objective * (1 - 1e-12)
 
 
 def _reserve(gp: GraphProblem) -> float:
