@@ -4,12 +4,15 @@ its space — also where the stage DP alone (no interleaving) is slower than it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from ilp_planner.api import solve
 from ilp_planner.inputs.config import load_config
+from ilp_planner.plan.check import check_plan
+from ilp_planner.plan.data import Plan
 from ilp_planner.reports.stages import stage_lines
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt-cpu.yaml"
@@ -65,3 +68,11 @@ def test_the_kept_plan_prints_its_stages_in_full(config):
     covered = [b for ln in lines[1:] for b in ln.split("blocks ")[1].split(",")[0].split(" ")[0]
                .split("-")]
     assert covered[0] == "0" and covered[-1] == "7"
+
+
+def test_a_plan_with_an_interleaved_compared_configuration_passes_its_check(config):
+    """``check_plan`` re-resolves the micro-batch graph from the plan's config: its
+    ``compare:`` entries, resolved against the whole batch (interleaving needs the
+    micro-batches a multiple of pp), are dropped there, not re-checked on one micro-batch."""
+    plan = solve(config, baselines=False, compare=[FAST])
+    check_plan(Plan.from_dict(json.loads(json.dumps(plan.to_dict()))))

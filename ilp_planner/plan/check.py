@@ -116,14 +116,16 @@ def plan_microbatches(plan: Plan, config: Config, override: int | None, src: str
 
 
 def microbatch_graph(config: Config, m: int, src: str) -> Graph:
-    """The layer graph of one of ``m`` micro-batches."""
+    """The layer graph of one of ``m`` micro-batches. ``compare:`` is dropped first: its
+    entries are resolved against the whole batch (an interleaved one needs its micro-batches
+    a multiple of ``pp``) and say nothing about the plan's graph."""
     if m == 1:
         return config.graph
     if "batch" not in config.model or config.model["batch"] % m:
         raise PlanFormatError(f"{src}: model batch {config.model.get('batch')} does not split "
                               f"into {m} micro-batches")
     return config.with_overrides({"model.batch": config.model["batch"] // m,
-                                  "pipeline.microbatches": 1}).graph
+                                  "pipeline.microbatches": 1, "compare": None}).graph
 
 
 def _check_layers(plan: Plan, graph: Graph, src: str) -> None:
