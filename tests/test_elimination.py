@@ -104,6 +104,18 @@ def _with_buckets(p: Problem, seed: int) -> Problem:
                    BucketTerms(alpha, nbytes, 1.0))
 
 
+def _budgeted_with_optimum(seed: int) -> tuple[Problem | None, float]:
+    """A random problem under a tight or middling budget (with buckets on odd seeds) and
+    its exhaustive optimum; (None, inf) where nothing fits."""
+    p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=6, max_k=4)
+    if seed % 2:
+        p = _with_buckets(p, seed)
+    try:
+        return p, exhaustive(p).objective
+    except ValueError:
+        return None, math.inf
+
+
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("budget", [None, "mid", "tight"])
 def test_bound_and_kept_strategies_contain_the_optimum(seed, budget):
@@ -210,12 +222,8 @@ def test_branch_and_bound_on_the_memory_row_equals_enumeration(seed, gap, enumer
     with a node solver unless it split on a device group's use (such a node goes to the
     ILP on every strategy instead)."""
     monkeypatch.setattr(elimination, "ENUMERATE_POINTS", enumerate_below)
-    p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=6, max_k=4)
-    if seed % 2:
-        p = _with_buckets(p, seed)
-    try:
-        opt = exhaustive(p).objective
-    except ValueError:
+    p, opt = _budgeted_with_optimum(seed)
+    if p is None:
         return
     search = _BranchAndBound(p, gap, node_solver)
     best, bound = search.run(tuple(int(np.argmin(m)) for m in p.memory))
@@ -436,12 +444,8 @@ def test_a_cutoff_stops_the_search_only_where_nothing_beats_it(seed, where, monk
     No node is enumerated, so the branch and bound does the work (at 0.99 × the optimum
     it stops sooner on 8 of these 40 problems)."""
     monkeypatch.setattr(elimination, "ENUMERATE_POINTS", 0)
-    p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=6, max_k=4)
-    if seed % 2:
-        p = _with_buckets(p, seed)
-    try:
-        opt = exhaustive(p).objective
-    except ValueError:
+    p, opt = _budgeted_with_optimum(seed)
+    if p is None:
         return
     plain = solve_elimination(p)
     cut = solve_elimination(p, cutoff=where * opt)
