@@ -30,7 +30,7 @@ from ilp_planner.intra_op.solve_mesh import EVERY_COUNT_UP_TO, _solve_fitting, s
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec
-from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+from ilp_planner.lowering.strategies import StrategyContext, op_strategies, with_state_sharding
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.compiled import compile_plan
@@ -88,6 +88,36 @@ def test_zero_variants_closed_form():
 def test_no_variants_unless_asked():
     g = models.mlp([64, 32], batch=8)
     assert all(s.zero == 0 for s in op_strategies(g["fc1"], [g["input"].output], _ctx((0,))))
+
+
+def test_state_sharded_lists_derive_from_the_plain_ones(monkeypatch):
+    """Every op's strategies under ZeRO levels are its plain list, each strategy followed by
+    its variants (:func:`with_state_sharding`) — so a build cache derives the FSDP members'
+    lists from the plan's plain ones: a (0, 3) build after a plain one in the same cache
+    searches no layout afresh, and builds the problem a cold build does."""
+    import ilp_planner.intra_op.problem as sp
+
+    g = models.gpt(32, 2, 4, 8, 64, 2)
+    for op in g.ops:
+        if op.kind in (OpKind.INPUT, OpKind.LOSS) or sp._follower(op, g):
+            continue
+        ins = [g[i].output for i in op.inputs]
+        for levels in [(0, 3), (0, 1, 2, 3)]:
+            assert with_state_sharding(op, op_strategies(op, ins, _ctx((0,))), _ctx(levels)) \
+                == op_strategies(op, ins, _ctx(levels)), (op.name, levels)
+    cache = BuildCache()
+    build_problem(g, CLUSTER, 1, 4, ADAM, cache=cache)
+    searched: list[str] = []
+    monkeypatch.setattr(sp, "op_strategies", lambda op, *a: searched.append(op.name))
+    warm = build_problem(g, CLUSTER, 1, 4, ADAM, cache=cache, zero_levels=(0, 3))
+    assert searched == []
+    monkeypatch.undo()
+    cold = build_problem(g, CLUSTER, 1, 4, ADAM, zero_levels=(0, 3))
+    assert warm.options.keys() == cold.options.keys()
+    for node, opts in warm.options.items():
+        assert [o.base for o in opts] == [o.base for o in cold.options[node]], node
+    assert all(np.array_equal(a, b) for a, b in zip(warm.problem.cost, cold.problem.cost,
+                                                    strict=True))
 
 
 def _two_blocks() -> Graph:

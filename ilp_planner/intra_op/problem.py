@@ -72,6 +72,7 @@ from ilp_planner.lowering.strategies import (
     tie_transposes,
     tied_exchange_seconds,
     tied_source,
+    with_state_sharding,
 )
 
 StrategyFilter = Callable[[Op, Strategy], bool]
@@ -183,8 +184,8 @@ class BuildCache:
     # budget, for the rebuilds one solve repeats (:func:`ilp_planner.intra_op.solve_mesh._built`)
     problems: dict[tuple, GraphProblem] = field(default_factory=dict)
     problems_of: Graph | None = None
-    # every strategy of an op (by content, inputs and mesh), for restricted builds
-    # (``keep``) that each keep a few of them
+    # every strategy of an op (by content, inputs and context): the plan's build and the
+    # restricted builds (``keep``) that each keep a few of them (:func:`_every_strategy`)
     strategies: dict[tuple, list[Strategy]] = field(default_factory=dict)
     # a node's options for one base strategy (by the node's content, the mesh's cost
     # context and the strategy's value): shared by every build that offers that strategy —
@@ -262,6 +263,26 @@ def _cost_context(ctx: StrategyContext) -> StrategyContext:
     return dataclasses.replace(ctx, max_weight_replication=None, zero_levels=(0,))
 
 
+def _every_strategy(op: Op, in_specs: list[TensorSpec], ctx: StrategyContext,
+                    cache: BuildCache | None) -> list[Strategy]:
+    """:func:`op_strategies`, once per op content, inputs and context with ``cache`` (the
+    plan's build and each baseline member's read one list); a context offering state
+    sharding derives its list from the one without (:func:`with_state_sharding`), so the
+    FSDP members do not derive the layouts the DDP members did."""
+    if cache is None:
+        return op_strategies(op, in_specs, ctx)
+    key = (_op_content(op), tuple(in_specs), ctx)
+    every = cache.strategies.get(key)
+    if every is None:
+        if any(ctx.zero_levels):
+            plain = dataclasses.replace(ctx, zero_levels=(0,))
+            every = with_state_sharding(op, _every_strategy(op, in_specs, plain, cache), ctx)
+        else:
+            every = op_strategies(op, in_specs, ctx)
+        cache.strategies[key] = every
+    return every
+
+
 def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: StrategyContext,
                      keep: StrategyFilter | None, cache: BuildCache | None,
                      tied_table: bool = False) -> list[Strategy]:
@@ -271,14 +292,9 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
     state replicated, keeps the replicated twin of every layout ``keep`` passes at some
     state sharding level — FSDP's members included). Raises ``ValueError`` naming the op
     when ``keep`` passes none."""
+    every = _every_strategy(op, in_specs, ctx, cache)
     if keep is None:
-        return op_strategies(op, in_specs, ctx)
-    key = (_op_content(op), tuple(in_specs), ctx)
-    every = None if cache is None else cache.strategies.get(key)
-    if every is None:
-        every = op_strategies(op, in_specs, ctx)
-        if cache is not None:
-            cache.strategies[key] = every
+        return every
     offered = every
     if isinstance(keep, Restriction) and op.kind in _FACTORED:
         offered = [s for s in every if s.fact in keep.matmul_facts]

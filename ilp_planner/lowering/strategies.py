@@ -674,7 +674,14 @@ def _batchnorm_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
 def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
     """All strategies of a non-follower op on the context's mesh, each with its state-sharded
     variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows."""
-    base = _base_strategies(op, inputs, ctx)
+    return with_state_sharding(op, _base_strategies(op, inputs, ctx), ctx)
+
+
+def with_state_sharding(op: Op, base: list[Strategy], ctx: StrategyContext) -> list[Strategy]:
+    """``base`` (an op's strategies without state sharding, :func:`op_strategies` under
+    ``zero_levels=(0,)``), each followed by its state-sharded variants for the levels
+    ``ctx.zero_levels`` allows: :func:`op_strategies` under ``ctx``, for a caller that
+    already holds the base list (a build offering FSDP beside one that does not)."""
     levels = tuple(z for z in ctx.zero_levels if z)
     if not levels:
         return base
