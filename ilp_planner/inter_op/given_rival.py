@@ -95,6 +95,11 @@ def _over_budget(config: Config, peak: float) -> str | None:
     return None
 
 
+def _slower(g: GivenConfig, step_s: float) -> str:
+    """The note of a rival priced, fitting and not kept: a faster plan or rival was kept."""
+    return f"{g.text()} offered as the plan: {step_s:.6g} s a step, not faster"
+
+
 def given_if_faster(config: Config, pipeline: AssembledPipeline | None
                     ) -> AssembledPipeline | None:
     """``pipeline`` (None: the planner found none), or the fastest pipelined compared
@@ -114,13 +119,14 @@ def given_if_faster(config: Config, pipeline: AssembledPipeline | None
         if rival is not None:
             why = _over_budget(config, max(s.times.cost.peak_memory_bytes
                                            for s in rival.stages if s.times))
-            if why is None and (best is None or rival.step_s < best.step_s):
-                best, best_g = rival, g
-            elif why is None:
-                notes.append(f"{g.text()} offered as the plan: {rival.step_s:.6g} s a step, "
-                             f"not faster")
-        if why is not None:
+        if why is not None or rival is None:
             notes.append(f"{g.text()} not offered as the plan ({why})")
+        elif best is None or rival.step_s < best.step_s:
+            if best_g is not None:
+                notes.append(_slower(best_g, best.step_s))
+            best, best_g = rival, g
+        else:
+            notes.append(_slower(g, rival.step_s))
     if best_g is not None:
         assert best is not None
         v = best.schedule.virtual_stages
@@ -145,19 +151,22 @@ def mesh_if_faster(config: Config, plan: Plan) -> Plan:
         why = mesh_out_of_space(config, g)
         if why == "pipelined":
             continue
+        priced = None
         if why is None:
             try:
                 priced = price_alone(config, g)
-                why = _over_budget(config, priced.cost.peak_memory_bytes)
             except InfeasibleError as exc:
                 why = f"not priced: {exc}"
-        if why is None and priced.step_s < (best[1].step_s if best else plan.step_s):
-            best = (g, priced)
-        elif why is None:
-            notes.append(f"{g.text()} offered as the plan: {priced.step_s:.6g} s a step, "
-                         f"not faster")
-        else:
+        if priced is not None:
+            why = _over_budget(config, priced.cost.peak_memory_bytes)
+        if why is not None or priced is None:
             notes.append(f"{g.text()} not offered as the plan ({why})")
+        elif priced.step_s < (best[1].step_s if best else plan.step_s):
+            if best is not None:
+                notes.append(_slower(best[0], best[1].step_s))
+            best = (g, priced)
+        else:
+            notes.append(_slower(g, priced.step_s))
     if best is None:
         return _with_message(plan, plan, notes)
     g, priced = best
