@@ -7,6 +7,7 @@ each compared configuration once."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from ilp_planner.inter_op.given_price import price_given
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.stages import stage_lines
+from runtime.reference import tolerance
+from tests.helpers.procs import run
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt-cpu.yaml"
 FAST = "megatron: tp=2 pp=2 vpp=2 mbs=2"  # 2 micro-batches; interleaving halves the bubble
@@ -170,3 +173,21 @@ def test_a_solve_prices_each_compared_configuration_once(config, one_mesh, monke
     calls.clear()
     solve(one_mesh, baselines=False, compare=[ONE_MESH])
     assert calls == ["solve_given_layout"]
+
+
+@pytest.mark.slow
+def test_a_kept_one_mesh_compared_configuration_trains_as_planned(one_mesh, tmp_path):
+    """The kept one-mesh plan (Megatron's DP 8, its 4 micro-batches in the plan's config)
+    runs under ``torchrun`` on 8 gloo ranks, audited, matching one process."""
+    plan = solve(one_mesh, baselines=False, compare=[ONE_MESH])
+    assert "kept the compared configuration" in plan.solver.message
+    path = tmp_path / "kept.json"
+    plan.save(str(path))
+    res = run([sys.executable, "-m", "ilp_planner.cli", "run", str(path), "--nproc-per-node",
+               "8", "--steps", "2", "--results", str(tmp_path / "results.json"), "--quiet",
+               "--audit", "--check-reference"], timeout=540)
+    assert res.returncode == 0, f"launch failed:\n{res.stdout[-5000:]}\n{res.stderr[-3000:]}"
+    (r,) = json.loads((tmp_path / "results.json").read_text())
+    rtol = tolerance(one_mesh.graph)
+    assert r["audit_ok"] is True
+    assert r["reference"]["loss_rel_err"] <= rtol and r["reference"]["param_rel_err"] <= rtol
