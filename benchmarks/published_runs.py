@@ -29,7 +29,7 @@ from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs.config import Config, load_config
 from ilp_planner.inputs.given_config import GivenConfig
-from ilp_planner.inter_op.given_price import GivenPrice, differences, price_alone
+from ilp_planner.inter_op.given_price import GivenPrice, differences, price_alone, priced_once
 from ilp_planner.ir.cluster import submesh_shapes
 from ilp_planner.reports.stages import stage_lines
 
@@ -184,7 +184,12 @@ def load_row(row: Row, matmul_scale: float | None) -> Config:
 def run_row(row: Row, with_plan: bool, matmul_scale: float | None) -> Result:
     """Price the row's published configuration (or, without one, the best Megatron-LM
     configuration under the model), print it, then the planner's own plan beside it."""
-    config = load_row(row, matmul_scale)
+    with priced_once():  # the plan's rival below is this pricing, not a second one
+        return _run_row(row, with_plan, load_row(row, matmul_scale))
+
+
+def _run_row(row: Row, with_plan: bool, config: Config) -> Result:
+    """:func:`run_row` on the row's loaded config."""
     givens = list(config.compare) or _valid(config, megatron_candidates(config))
     t0 = time.perf_counter()
     g, priced = price(config, givens)

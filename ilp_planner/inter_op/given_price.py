@@ -15,14 +15,21 @@ The price goes into the plan's baselines block with the
 configuration's TFLOP/s per GPU (model FLOPs as Megatron counts them), whether it fits
 the memory budget and by how much it does not, what differs from the plan, and the
 engine's flags.
+
+A solve prices each compared configuration once: as a rival of the plan
+(:mod:`~ilp_planner.inter_op.given_rival`) and beside it are one pricing, shared within
+:func:`priced_once` (``api.solve`` and the published-runs benchmark open it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from formulations.schedules import inflight_interleaved, inflight_microbatches
 from formulations.stage_dp import StageChoice, pack_submeshes
@@ -94,19 +101,61 @@ def price_given(config: Config, g: GivenConfig, plan: Plan) -> dict[str, dict]:
 @dataclasses.dataclass(frozen=True)
 class GivenPrice:
     """A configuration's price without a plan beside it: its layers as priced, the cost
-    breakdown (the busiest stage's where pipelined), the step and the micro-batch count."""
+    breakdown (the busiest stage's where pipelined), the step, the micro-batch count and,
+    pipelined, the whole pipeline (a plan the planner may keep:
+    :mod:`~ilp_planner.inter_op.given_rival`)."""
 
     layers: list[LayerPlan]
     cost: CostBreakdown
     step_s: float
     microbatches: int
+    pipeline: AssembledPipeline | None = None
+
+
+# (config without compare:, configuration) -> its price or why it has none, while open
+_PRICED: ContextVar[dict[tuple[str, GivenConfig], GivenPrice | InfeasibleError] | None] = \
+    ContextVar("given_prices", default=None)
+
+
+@contextmanager
+def priced_once() -> Iterator[None]:
+    """Within it, :func:`price_alone` prices each (config, configuration) pair once: the
+    rival of the plan and its price beside the plan are the same pricing (restricted ILPs
+    on every stage: seconds to minutes on the published rows). Nested scopes share the
+    outermost's prices; outside any scope nothing is kept."""
+    token = _PRICED.set({}) if _PRICED.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _PRICED.reset(token)
 
 
 def price_alone(config: Config, g: GivenConfig) -> GivenPrice:
     """``g`` priced under the planner's model (module docstring) — what :func:`price_given`
     sets beside a plan, for a caller that has none (``benchmarks/published_runs.py``
-    prices published runs whose own plan is too large to solve on every machine).
-    Raises :class:`InfeasibleError` where it cannot be priced."""
+    prices published runs whose own plan is too large to solve on every machine); within
+    :func:`priced_once` the price of an earlier call for the same config (its ``compare:``
+    aside) and configuration. Raises :class:`InfeasibleError` where it cannot be priced."""
+    prices = _PRICED.get()
+    key = (json.dumps({k: v for k, v in config.raw.items() if k != "compare"}, sort_keys=True,
+                      default=str), g)
+    if prices is None or key not in prices:
+        try:
+            priced: GivenPrice | InfeasibleError = _price(config, g)
+        except InfeasibleError as exc:
+            priced = exc
+        if prices is not None:
+            prices[key] = priced
+    else:
+        priced = prices[key]
+    if isinstance(priced, InfeasibleError):
+        raise priced
+    return priced
+
+
+def _price(config: Config, g: GivenConfig) -> GivenPrice:
+    """:func:`price_alone`'s pricing itself, uncached."""
     m, cfg = _priced_config(config, g)
     graph = cfg.microbatch_graph()
     if g.pp == 1:
@@ -114,24 +163,15 @@ def price_alone(config: Config, g: GivenConfig) -> GivenPrice:
         layers, cost = realise(layout.gp, layout.choice)
         return GivenPrice(layers, cost, cost.total_s, m)
     pipeline = _given_pipeline(g, cfg, graph, m)
-    return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), pipeline.step_s, m)
-
-
-def given_pipeline(config: Config, g: GivenConfig) -> AssembledPipeline:
-    """``g``'s pipeline (``pp > 1``) as :func:`price_alone` prices it, whole: its stages,
-    layers and simulated schedule, a pipeline the planner could return as its plan
-    (:mod:`ilp_planner.inter_op.given_rival`). Raises :class:`InfeasibleError` where it
-    cannot be priced."""
-    m, cfg = _priced_config(config, g)
-    return _given_pipeline(g, cfg, cfg.microbatch_graph(), m)
+    return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), pipeline.step_s, m, pipeline)
 
 
 def _priced_config(config: Config, g: GivenConfig) -> tuple[int, Config]:
     """``g``'s micro-batch count and ``config`` set to run ``g``'s stages under 1F1B."""
     m = microbatches(g, config.model.get("batch"))
     return m, config.with_overrides({"pipeline.microbatches": m, "pipeline.stages": g.pp,
-                                     "pipeline.schedule": "1f1b", "pipeline.submeshes": None,
-                                     "compare": None})
+                                     "pipeline.schedule": "1f1b", "pipeline.virtual_stages": 1,
+                                     "pipeline.submeshes": None, "compare": None})
 
 
 def _given_pipeline(g: GivenConfig, cfg: Config, graph: Graph, m: int) -> AssembledPipeline:
@@ -267,7 +307,8 @@ def _families(layers: Sequence[LayerPlan]) -> dict[str, str]:
 
 def differences(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[LayerPlan],
                 m: int, most: int = 6) -> list[str]:
-    """What the plan does otherwise than ``g``: stages, micro-batches, recomputed blocks,
+    """What the plan does otherwise than ``g``: stages, micro-batches (a one-mesh plan's as
+    its own config says: a kept compared configuration sets its own), recomputed blocks,
     and the layout of each layer family where the two differ (at most ``most`` families)."""
     out = []
     v = plan.schedule.virtual_stages if plan.schedule else 1
@@ -275,7 +316,8 @@ def differences(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[Lay
     if (stages, v) != (g.pp, g.vpp):
         out.append(f"stages: plan {stages}" + (f" x {v} chunks" if v > 1 else "")
                    + f", given {g.pp}" + (f" x {g.vpp} chunks" if g.vpp > 1 else ""))
-    plan_m = plan.schedule.num_microbatches if plan.schedule else config.pipeline.microbatches
+    plan_m = plan.schedule.num_microbatches if plan.schedule else \
+        (plan.config.get("pipeline") or {}).get("microbatches", config.pipeline.microbatches)
     if plan_m != m:
         out.append(f"micro-batches: plan {plan_m}, given {m}")
     mine, given = _plan_recomputed(config.graph, plan), len(recomputed_blocks(g, config.graph))

@@ -1,16 +1,20 @@
 """The configurations the config compares against (``compare:``), offered to the planner
-as rival pipelines, so that its plan is never predicted slower than one of them.
+as rivals of its plan, so that its plan is never predicted slower than one of them.
 
 The stage DP's space holds a compared configuration's stage layout only without
 interleaving; Megatron-LM's published runs interleave (``vpp > 1``), and the planner's own
 interleaved candidates cut their chunks by a min–max DP, not the engine's uniform split.
-So the guarantee "the plan is at least the compared configuration" is made here: each
-pipelined compared configuration is priced exactly as ``--compare`` prices it
-(:func:`~ilp_planner.inter_op.given_price.given_pipeline`: its uniform stages or chunks,
-restricted intra-op solves, assembled and simulated like the planner's own pipelines), and
-where it fits the memory budget, is what the config leaves free (:func:`out_of_space`)
-and simulates faster than the planner's pipeline, it becomes
-the plan (the report's note says so). The plan's step is then at most every such compared
+A one-mesh configuration (``pp = 1``) runs its own gradient accumulation (``B / (dp·mbs)``
+micro-batches), which the one-mesh solve does not search. So the guarantee "the plan is at
+least the compared configuration" is made here: each compared configuration is priced
+exactly as ``--compare`` prices it (:func:`~ilp_planner.inter_op.given_price.price_alone`:
+its uniform stages or chunks, or its layout on the whole cluster, by restricted intra-op
+solves; a pipeline assembled and simulated like the planner's own), and where it fits the
+memory budget, is what the config leaves free (:func:`out_of_space`,
+:func:`mesh_out_of_space`) and is predicted faster than the planner's plan, it becomes the
+plan (the report's message says so). :func:`given_if_faster` does it for pipelined
+configurations (the stage DP's and the interleaved driver's pipelines), :func:`mesh_if_faster`
+for one-mesh ones (any plan). The plan's step is then at most every such compared
 configuration's priced step, by construction.
 """
 
@@ -18,18 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 
+from formulations.schedules import INTERLEAVED
 from ilp_planner.errors import InfeasibleError
-from ilp_planner.inputs.config import Config
+from ilp_planner.inputs.config import Config, apply_overrides
 from ilp_planner.inputs.given_config import GivenConfig, microbatches
 from ilp_planner.inter_op.assembly import AssembledPipeline
-from ilp_planner.inter_op.given_price import given_pipeline
+from ilp_planner.inter_op.given_price import GivenPrice, price_alone
+from ilp_planner.plan.data import Plan
 
 
 def out_of_space(config: Config, g: GivenConfig) -> str | None:
-    """Why ``g`` cannot be the plan of ``config`` (None: it can): the config fixes what
-    ``g`` does otherwise — its stage count, its sub-meshes, a schedule other than 1F1B
-    (``g`` runs 1F1B, interleaved where ``vpp > 1``: listing it in ``compare:`` is taken as
-    consent to its interleaving), its micro-batch count, no recomputation."""
+    """Why pipelined ``g`` cannot be the plan of ``config`` (None: it can): the config fixes
+    what ``g`` does otherwise — its stage count, its sub-meshes, its schedule (``g`` runs
+    1F1B, interleaved where ``vpp > 1``: listing it in ``compare:`` beside ``schedule:
+    1f1b`` is taken as consent to its interleaving; ``interleaved-1f1b`` takes only an
+    interleaved ``g``, of the config's chunk count where it fixes one), its micro-batch
+    count, no recomputation."""
     m = microbatches(g, config.model.get("batch"))
     pipe = config.pipeline
     if g.pp < 2:
@@ -38,46 +46,142 @@ def out_of_space(config: Config, g: GivenConfig) -> str | None:
         return f"{g.pp} stages, the config's pipeline.stages is {pipe.stages}"
     if pipe.submeshes:
         return "the config fixes pipeline.submeshes"
-    if pipe.schedule != "1f1b":
+    if pipe.schedule == INTERLEAVED:
+        if g.vpp < 2:
+            return f"1F1B without interleaving, the config's pipeline.schedule is {INTERLEAVED}"
+        if isinstance(pipe.virtual_stages, int) and pipe.virtual_stages > 1 \
+                and g.vpp != pipe.virtual_stages:
+            return (f"{g.vpp} chunks a stage mesh, the config's pipeline.virtual_stages is "
+                    f"{pipe.virtual_stages}")
+    elif pipe.schedule != "1f1b":
         return f"1F1B, the config's pipeline.schedule is {pipe.schedule}"
     if m != config.pipeline.microbatches:
         return f"{m} micro-batches, the config's pipeline.microbatches is {config.pipeline.microbatches}"
+    return _recompute_refused(config, g)
+
+
+def mesh_out_of_space(config: Config, g: GivenConfig) -> str | None:
+    """Why ``g`` cannot be ``config``'s plan as one mesh (None: it can): it is pipelined, or
+    the config fixes what ``g`` does otherwise — pipeline stages, sub-meshes or the
+    interleaved schedule, a micro-batch count written in the config (left to its default,
+    the count is ``g``'s own gradient accumulation: the one-mesh solve does not search it),
+    no recomputation. A pipelined ``g`` of a pipelined config is :func:`out_of_space`'s."""
+    pipe = config.pipeline
+    if g.pp > 1:
+        return "pipelined" if pipe.pipelined else f"{g.pp} stages, the config is not pipelined"
+    if pipe.stages not in ("auto", 1):
+        return f"one mesh, the config's pipeline.stages is {pipe.stages}"
+    if pipe.submeshes:
+        return "the config fixes pipeline.submeshes"
+    if pipe.pipelined and pipe.schedule == INTERLEAVED:
+        return f"one mesh, the config's pipeline.schedule is {INTERLEAVED}"
+    m = microbatches(g, config.model.get("batch"))
+    if m != pipe.microbatches and "microbatches" in (config.raw.get("pipeline") or {}):
+        return f"{m} micro-batches, the config's pipeline.microbatches is {pipe.microbatches}"
+    return _recompute_refused(config, g)
+
+
+def _recompute_refused(config: Config, g: GivenConfig) -> str | None:
+    """Why ``g``'s recomputation is outside the config's space (None: it is not)."""
     if g.recompute != "none" and config.solver.recompute == "never":
         return f"recompute={g.recompute}, the config's solver.recompute is never"
     return None
 
 
-def given_if_faster(config: Config, pipeline: AssembledPipeline) -> AssembledPipeline:
-    """``pipeline``, or the fastest compared configuration's pipeline (module docstring)
-    where it simulates faster, with a note naming what was kept and why others were not."""
+def _over_budget(config: Config, peak: float) -> str | None:
+    """Why a rival with this per-device ``peak`` cannot be the plan (None: it fits)."""
+    if peak > config.cluster.memory_bytes * (1 + 1e-9):
+        return f"needs {peak / 2**30:.4g} GiB a device, over the budget"
+    return None
+
+
+def _slower(g: GivenConfig, step_s: float) -> str:
+    """The note of a rival priced, fitting and not kept: a faster plan or rival was kept."""
+    return f"{g.text()} offered as the plan: {step_s:.6g} s a step, not faster"
+
+
+def given_if_faster(config: Config, pipeline: AssembledPipeline | None
+                    ) -> AssembledPipeline | None:
+    """``pipeline`` (None: the planner found none), or the fastest pipelined compared
+    configuration's pipeline (module docstring) where it simulates faster, with a note
+    naming what was kept and why others were not."""
     best, best_g, notes = pipeline, None, []
-    budget = config.cluster.memory_bytes
     for g in config.compare:
         why = out_of_space(config, g)
         if why == "not pipelined":
             continue
+        rival = None
         if why is None:
             try:
-                rival = given_pipeline(config, g)
+                rival = price_alone(config, g).pipeline
             except InfeasibleError as exc:
                 why = f"not priced: {exc}"
-        if why is None:
-            peak = max(s.times.cost.peak_memory_bytes for s in rival.stages if s.times)
-            if peak > budget * (1 + 1e-9):
-                why = f"needs {peak / 2**30:.4g} GiB a device, over the budget"
-            elif rival.step_s < best.step_s:
-                best, best_g = rival, g
-            else:
-                notes.append(f"{g.text()} offered as the plan: {rival.step_s:.6g} s a step, "
-                             f"not faster")
-        if why is not None:
+        if rival is not None:
+            why = _over_budget(config, max(s.times.cost.peak_memory_bytes
+                                           for s in rival.stages if s.times))
+        if why is not None or rival is None:
             notes.append(f"{g.text()} not offered as the plan ({why})")
+        elif best is None or rival.step_s < best.step_s:
+            if best_g is not None:
+                notes.append(_slower(best_g, best.step_s))
+            best, best_g = rival, g
+        else:
+            notes.append(_slower(g, rival.step_s))
     if best_g is not None:
+        assert best is not None
         v = best.schedule.virtual_stages
+        own = "none" if pipeline is None else f"{pipeline.step_s:.6g} s"
         notes.insert(0, f"the compared configuration {best_g.text()}: {len(best.stages) // v} stages"
                         f"{f' × {v} chunks' if v > 1 else ''} simulate to {best.step_s:.6g} s a "
-                        f"step, the planner's pipeline {pipeline.step_s:.6g} s: kept the "
-                        f"compared configuration")
-    if not notes:
+                        f"step, the planner's pipeline {own}: kept the compared configuration")
+    if not notes or best is None:
         return best
-    return dataclasses.replace(best, note="; ".join(n for n in (pipeline.note, *notes) if n))
+    own_note = pipeline.note if pipeline is not None else ""
+    return dataclasses.replace(best, note="; ".join(n for n in (own_note, *notes) if n))
+
+
+def mesh_if_faster(config: Config, plan: Plan) -> Plan:
+    """``plan``, or the fastest one-mesh compared configuration (``pp = 1``) as the plan where
+    it is predicted faster — its layers and cost as priced, the config's micro-batch count
+    set to its own (what ``plan check`` and the runtime read) — the report's message saying
+    which was kept and why others were not."""
+    best: tuple[GivenConfig, GivenPrice] | None = None
+    notes = []
+    for g in config.compare:
+        why = mesh_out_of_space(config, g)
+        if why == "pipelined":
+            continue
+        priced = None
+        if why is None:
+            try:
+                priced = price_alone(config, g)
+            except InfeasibleError as exc:
+                why = f"not priced: {exc}"
+        if priced is not None:
+            why = _over_budget(config, priced.cost.peak_memory_bytes)
+        if why is not None or priced is None:
+            notes.append(f"{g.text()} not offered as the plan ({why})")
+        elif priced.step_s < (best[1].step_s if best else plan.step_s):
+            if best is not None:
+                notes.append(_slower(best[0], best[1].step_s))
+            best = (g, priced)
+        else:
+            notes.append(_slower(g, priced.step_s))
+    if best is None:
+        return _with_message(plan, plan, notes)
+    g, priced = best
+    notes.insert(0, f"the compared configuration {g.text()} on one mesh, {priced.microbatches} "
+                    f"micro-batch(es): {priced.step_s:.6g} s a step, the planner's plan "
+                    f"{plan.step_s:.6g} s: kept the compared configuration")
+    raw = apply_overrides(config.raw, {"pipeline.microbatches": priced.microbatches})
+    kept = Plan(plan.name, raw, dataclasses.replace(plan.solver, objective=priced.step_s),
+                priced.cost, priced.layers, plan.baselines)
+    return _with_message(kept, plan, notes)
+
+
+def _with_message(plan: Plan, solved: Plan, notes: list[str]) -> Plan:
+    """``plan`` with ``notes`` after the message of ``solved``'s report."""
+    if not notes:
+        return plan
+    message = "; ".join(n for n in (solved.solver.message, *notes) if n)
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, message=message))

@@ -210,4 +210,5 @@ def interleaved_report(pipeline: AssembledPipeline, solver: StageSolver, total_s
         stats.build_s, max(0.0, total_s - stats.build_s),
         f"interleaved 1F1B: {len(pipeline.stages) // v} stage meshes × {v} chunks from "
         f"{stats.solves} intra-op solves; each chunk's ILP {status}; chunks cut by a min-max "
-        f"DP over the fastest plans (not proven optimal over cuts)")
+        f"DP over the fastest plans (not proven optimal over cuts)"
+        + (f"; {pipeline.note}" if pipeline.note else ""))

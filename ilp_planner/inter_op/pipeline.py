@@ -147,11 +147,14 @@ def _solve_pipelined(config: Config, baselines: bool) -> Plan:
 def _solve_interleaved(config: Config, graph, solver: StageSolver, space: _StageSpace,
                        baselines: bool, t0: float) -> Plan:
     """``schedule: interleaved-1f1b``: the fastest interleaved pipeline on the config's stage
-    count (``auto``: every count that splits the cluster evenly), its plan and baselines."""
+    count (``auto``: every count that splits the cluster evenly), or a faster interleaved
+    compared configuration (:mod:`~ilp_planner.inter_op.given_rival`), its plan and
+    baselines."""
     n = config.cluster.num_devices
     counts = [space.num_stages] if space.num_stages is not None else [
         p for p in range(2, n + 1) if n % p == 0]
     pipeline, why = best_interleaved(config, graph, solver, counts, {})
+    pipeline = given_if_faster(config, pipeline)  # never slower than a compared configuration
     if pipeline is None:
         raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join(why))
     plan = pipeline_plan(config, pipeline, interleaved_report(
