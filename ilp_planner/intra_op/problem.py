@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from formulations.problem import BucketTerms, Problem
-from ilp_planner.errors import ConfigError
+from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
@@ -164,6 +164,16 @@ class GraphProblem:
                         f"(before {dst!r}), where no module boundary runs a program")
         return None
 
+    def refuse_unrunnable(self, choice: np.ndarray | list[int], what: str) -> None:
+        """Raise :class:`InfeasibleError` where ``choice`` breaks a coupling
+        (:meth:`unrunnable`). The couplings are penalties, not constraints: a solve stopped
+        short (time limit, heuristic fallback) or a restricted problem in which every
+        choice breaks one can return such a choice, which must never become a plan or a
+        price. ``what`` names the choice (``"the solver's choice"``)."""
+        broken = self.unrunnable(choice)
+        if broken is not None:
+            raise InfeasibleError(f"the runtime cannot run {what}: {broken}")
+
 
 @dataclass
 class BuildCache:
@@ -229,6 +239,8 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     in_specs = [graph[i].output for i in rep.inputs]
     opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
+    rides = riders(graph)
+    riding = frozenset(f for f in members[1:] if (f, 0) in rides)
     memo, node_key = None, None
     if cache is not None:  # what an option depends on besides its base strategy
         memo = cache.base_options
@@ -240,7 +252,7 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
         if made is None:
             choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
             made = [_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
-                                 ctx, microbatches, input_reached)
+                                 ctx, microbatches, input_reached, riding)
                     for picks in itertools.product(*choices)]
             if memo is not None:
                 memo[(node_key, base)] = made
@@ -298,9 +310,13 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
 
 
 def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
-                 ctx: StrategyContext, microbatches: int, input_reached: bool) -> NodeOption:
+                 ctx: StrategyContext, microbatches: int, input_reached: bool,
+                 riding: frozenset[str] = frozenset()) -> NodeOption:
     """One option: the base strategy, and each follower reading the base op's output in
-    ``resolved_for[follower]`` (one of :func:`follower_inputs`)."""
+    ``resolved_for[follower]`` (one of :func:`follower_inputs`). A follower in ``riding``
+    reads a shared value whose program another follower of the node runs
+    (:func:`~ilp_planner.lowering.shared_reads.riders`): its resolve is neither listed nor
+    priced again (the runtime converts the value once)."""
     rep = graph[members[0]]
     outputs = [base.output]
     inputs = [base.inputs]
@@ -324,7 +340,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         resolved = resolved_for.get(f, raw)
         out, fc, secs = follow(op, tensor, resolved, ctx)
         fc = list(fc)
-        if resolved != raw:
+        if resolved != raw and f not in riding:
             red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
             fc = red.forward + red.backward + fc
         outputs.append(out)
@@ -862,9 +878,12 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
     program, so the two must read one input layout and hand back their gradients in one
     layout — and each edge between two pieces of functional code (``st.still``), whose
     value must arrive as produced, its gradient as the producer's. A choice breaking one
-    costs more than any choice's whole objective, so no solver path picks it while one
-    keeping them exists (a restricted build that has none keeps it, and ``parallelize``
-    refuses the plan naming the producer)."""
+    costs more than any choice's whole objective, so an exact solve never picks it while
+    one keeping them exists. A penalty is no constraint: a solve stopped short, or a
+    restricted build in which every choice breaks one, can still return it — the plan's
+    solves and a compared configuration's price refuse it
+    (:meth:`GraphProblem.refuse_unrunnable`), and ``parallelize`` refuses such a plan
+    naming the producer."""
     if not st.couplings and not st.still:
         return
     penalty = 1.0 + sum(float(c.max()) for c in cost) + sum(float(r.max()) for r in edges.values())

@@ -407,6 +407,8 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     else:
         result = _solve_ilp(request.config, problem, exact, tied, notes, problem_s)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
+    if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
+        gp.refuse_unrunnable(full, f"the solver's choice ({result.status}, {result.method})")
     return gp, dataclasses.replace(result, choice=full)
 
 
