@@ -54,6 +54,22 @@ class FanOut(nn.Module):
         return self.out((p + self.gate(x)) * (p * self.up(x)))
 
 
+class FunctionalLinear(nn.Module):
+    """A linear applied in functional code (``F.linear`` on a parameter) between two pieces
+    of functional code the planner keeps whole (``cumsum``, opaque): on 4 devices every
+    strategy of a linear reads its input split or leaves its output split or partial, so
+    some layout changes where no module boundary runs a program — whatever the choice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, H), nn.Linear(H, D)
+        self.w = nn.Parameter(torch.randn(H, H) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cumsum(self.inp(x), dim=-1)
+        return self.out(torch.cumsum(nn.functional.linear(h, self.w), dim=-1))
+
+
 def cluster(devices: int = 4) -> dict:
     return {"nodes": 1, "devices_per_node": devices, "memory_gib": 16, "peak_tflops": 1,
             "links": {"intra": {"latency_us": 1, "bandwidth_gbps": 10},
@@ -287,3 +303,24 @@ def test_a_compared_layout_the_runtime_cannot_run_is_not_priced():
     plan = ilp_planner.solve(ds, cluster=hf_cluster(1, 4), baselines=False, compare=[given])
     (row,) = [ln for ln in explain(plan).splitlines() if ln.strip().startswith("given megatron")]
     assert "n/a — the runtime cannot run this configuration's layout" in row
+
+
+def test_a_solve_whose_every_choice_breaks_a_coupling_returns_no_plan():
+    """The plan's own solve (:func:`~ilp_planner.intra_op.solve_mesh.solve_mesh`) on a
+    model whose every choice moves a value between two pieces of functional code: its
+    optimum breaks a coupling (a penalty, not a constraint), and where it was returned as
+    the plan — one ``parallelize`` then refused — the solve now refuses, naming the edge,
+    on 1 × 4 and 2 × 2. Every choice breaks one: checked on the exact optimum of the
+    built problem, whose objective exceeds the penalty."""
+    torch.manual_seed(0)
+    fl = from_module(FunctionalLinear(), (torch.randn(TOKENS, D),))
+    assert fl["linear"].attrs.get("functional") and fl["cumsum"].attrs.get("functional")
+    for nodes, local in ((1, 4), (2, 2)):
+        c = dict(cluster(nodes * local), nodes=nodes, devices_per_node=local)
+        config = load_config({"model": fl, "cluster": c})
+        gp = build_problem(fl, config.cluster, nodes, local, config.memory)
+        choice, objective, _ = solve_exact(gp.problem, 30.0)
+        assert objective > 1.0 and gp.unrunnable(choice) is not None
+        with pytest.raises(InfeasibleError, match=r"the runtime cannot run any choice of this "
+                           r"problem .*'cumsum' changes between two pieces of functional code"):
+            ilp_planner.solve(fl, cluster=c, baselines=False)
