@@ -35,7 +35,7 @@ from runtime.executor import Executor, RunOptions
 from tests.helpers.apply_check import row_parallel_proj
 from tests.helpers.hf_apply_check import cluster as hf_cluster
 from tests.helpers.hf_apply_check import deepseek_v2, example
-from tests.helpers.user_models import TwinFollowers
+from tests.helpers.user_models import CodedLinear, TwinFollowers
 
 TOKENS, D, H = 8, 16, 32
 
@@ -324,3 +324,33 @@ def test_a_solve_whose_every_choice_breaks_a_coupling_returns_no_plan():
         with pytest.raises(InfeasibleError, match=r"the runtime cannot run any choice of this "
                            r"problem .*'cumsum' changes between two pieces of functional code"):
             ilp_planner.solve(fl, cluster=c, baselines=False)
+
+
+def test_a_follower_of_functional_code_reads_it_as_produced():
+    """``relu(F.linear(h, w))``: the ReLU follows the functional linear inside one node.
+    The unconstrained optimum on 1 × 4 was the linear row-parallel with the ReLU resolving
+    its partial sums — a program between two pieces of functional code, which
+    ``parallelize`` refused. Now every plan keeps the ReLU's input as produced (no program
+    listed on it, its edge program empty both ways), and that choice is named as one the
+    runtime cannot run."""
+    torch.manual_seed(0)
+    coded = from_module(CodedLinear(D, H), (torch.randn(TOKENS, D),))
+    assert coded["relu"].inputs == ("linear",) and coded["linear"].attrs.get("functional")
+    for nodes, local in ((1, 4), (2, 2)):
+        plan = ilp_planner.solve(coded, cluster=dict(cluster(nodes * local), nodes=nodes,
+                                                     devices_per_node=local), baselines=False)
+        relu = next(ly for ly in plan.layers if ly.name == "relu")
+        assert relu.collectives == ()
+        (program,) = [e.program for e in edge_programs(plan) if e.consumer == "relu"]
+        assert not program.steps and not program.backward_steps
+    config = load_config({"model": coded, "cluster": cluster()})
+    gp = build_problem(coded, config.cluster, 1, 4, config.memory)
+    choice, _, _ = solve_exact(gp.problem, 30.0)
+    assert gp.unrunnable(choice) is None
+    resolving = next(k for k, o in enumerate(gp.options["linear"])
+                     if o.outputs[0].has_partial and o.inputs[1][0] != o.outputs[0])
+    moved = list(choice)
+    moved[gp.group_of["linear"]] = resolving
+    assert gp.problem.objective(moved) > 1.0
+    assert "'linear' changes between two pieces of functional code (before 'relu', which " \
+        "follows it)" in gp.unrunnable(moved)

@@ -8,7 +8,8 @@ weights, so biases are added to partial sums), ``llama`` (a Llama block stack: R
 rotary embeddings, grouped-query SDPA, SwiGLU) or ``twin`` (two followers in functional
 code reading one linear's output — one shared value —, planned with that linear
 row-parallel so the value's partial sums are resolved once for both:
-:func:`row_parallel_proj`). Prints ``OK <strategies>`` on rank 0 and exits 0, or prints
+:func:`row_parallel_proj`) or ``coded`` (a ReLU following a linear applied in functional
+code: nothing may move between them). Prints ``OK <strategies>`` on rank 0 and exits 0, or prints
 the differences and exits 1.
 """
 
@@ -36,7 +37,7 @@ from ilp_planner.testing import restricted_plan  # noqa: E402
 from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.modules import MLP  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
-from tests.helpers.user_models import Llama, TwinFollowers  # noqa: E402
+from tests.helpers.user_models import CodedLinear, Llama, TwinFollowers  # noqa: E402
 
 
 def build(name: str):
@@ -48,6 +49,8 @@ def build(name: str):
         return model, torch.randn(4, 32), torch.randint(0, 16, (4,)), 0.05
     if name == "twin":
         return TwinFollowers(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
+    if name == "coded":
+        return CodedLinear(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     model = Llama(vocab=64, dim=32, n_layers=2, seq_len=8)
     return model, torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)), 1.0
 
@@ -81,7 +84,7 @@ def loss_of(out, y):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", choices=("mlp", "llama", "twin"))
+    ap.add_argument("model", choices=("mlp", "llama", "twin", "coded"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")

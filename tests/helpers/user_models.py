@@ -234,3 +234,17 @@ class TwinFollowers(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.proj(x)
         return self.out(torch.relu(p) * F.silu(p))
+
+
+class CodedLinear(nn.Module):
+    """A linear applied in functional code (``F.linear`` on a parameter) and a ReLU on its
+    output, between two linear modules: the ReLU follows the functional linear inside one
+    planner node, with no module boundary between them."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.w = nn.Parameter(torch.randn(hidden, hidden) / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(F.linear(self.inp(x), self.w)))
