@@ -61,7 +61,9 @@ def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tupl
         raise InfeasibleError(f"the restricted ILP found no solution in "
                               f"{config.solver.time_limit_s:g} s")
     choice = [int(allowed[grp][k]) for grp, k in enumerate(out.choice)]
-    gp.refuse_unrunnable(choice, "this configuration's layout")
+    gp.refuse_unrunnable(choice, "this configuration's layout" if out.status == "optimal" else
+                         f"the best choice in this configuration's layout found in "
+                         f"{config.solver.time_limit_s:g} s (a runnable one may exist)")
     return GivenLayout(gp, choice)
 
 
