@@ -263,12 +263,17 @@ def test_loss_fn_is_traced_with_the_model():
 
 
 class _Cumsum(nn.Module):
+    """An opaque op between two linears. Two modules, not one called twice: a second call
+    is functional code, and on 4 devices every linear strategy moves the replicated
+    ``cumsum`` value into or out of it with no module boundary to run the program — a plan
+    ``parallelize`` cannot run, which the solve refuses."""
+
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.fc(torch.cumsum(self.fc(x), dim=-1))
+        return self.head(torch.cumsum(self.fc(x), dim=-1))
 
 
 def test_unshardable_ops_are_kept_replicated_and_listed():

@@ -14,8 +14,10 @@ from torch import nn
 import ilp_planner
 from formulations.elimination import solve_elimination
 from formulations.sbp_ilp import SbpIlp
+from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
+from ilp_planner.inter_op.given_price import price_alone
 from ilp_planner.intra_op.baselines import solve_exact
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.graph import Op
@@ -25,10 +27,15 @@ from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.strategies import Strategy
 from ilp_planner.plan.programs import edge_programs
+from ilp_planner.reports.explain import explain
 from ilp_planner.testing import restricted_plan
 from runtime.applied_hooks import hook_table
 from runtime.errors import RuntimeSetupError
 from runtime.executor import Executor, RunOptions
+from tests.helpers.apply_check import row_parallel_proj
+from tests.helpers.hf_apply_check import cluster as hf_cluster
+from tests.helpers.hf_apply_check import deepseek_v2, example
+from tests.helpers.user_models import CodedLinear, TwinFollowers
 
 TOKENS, D, H = 8, 16, 32
 
@@ -45,6 +52,22 @@ class FanOut(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.proj(x)
         return self.out((p + self.gate(x)) * (p * self.up(x)))
+
+
+class FunctionalLinear(nn.Module):
+    """A linear applied in functional code (``F.linear`` on a parameter) between two pieces
+    of functional code the planner keeps whole (``cumsum``, opaque): on 4 devices every
+    strategy of a linear reads its input split or leaves its output split or partial, so
+    some layout changes where no module boundary runs a program — whatever the choice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, H), nn.Linear(H, D)
+        self.w = nn.Parameter(torch.randn(H, H) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cumsum(self.inp(x), dim=-1)
+        return self.out(torch.cumsum(nn.functional.linear(h, self.w), dim=-1))
 
 
 def cluster(devices: int = 4) -> dict:
@@ -215,3 +238,119 @@ def test_the_ilp_and_the_elimination_find_one_coupled_optimum(graph):
         assert ilp.objective == pytest.approx(elim.objective, rel=1e-9)
         assert ilp.objective < 1e-2
         assert gp.unrunnable(ilp.choice) is None and gp.unrunnable(elim.choice) is None
+
+
+def test_two_merged_followers_reading_one_value_list_and_price_its_program_once():
+    """``relu`` and ``silu`` both fuse into row-parallel ``proj``'s node and read its
+    partial sums resolved: one value, converted once at ``proj``'s boundary. The plan lists
+    that program on ``relu`` only (``silu`` rides on it), so the collectives the plan lists
+    are exactly those of the programs the runtime runs (``edge`` roles) — before, each
+    follower listed and priced its own copy (6 hops for 3 run)."""
+    torch.manual_seed(0)
+    twin = from_module(TwinFollowers(D, H), (torch.randn(TOKENS, D),))
+    assert riders(twin) == {("silu", 0): ("relu", 0)}
+    config = load_config({"model": twin, "cluster": cluster()})
+    plan = restricted_plan(config, row_parallel_proj)
+    layers = {ly.name: ly for ly in plan.layers}
+    assert layers["proj"].output.has_partial and layers["relu"].strategy == "follows proj"
+    programs = {(e.consumer, e.index): e for e in edge_programs(plan)}
+    priced, rider = programs[("relu", 0)], programs[("silu", 0)]
+    assert (priced.role, rider.role) == ("edge", "shared") and rider.program == priced.program
+    assert priced.program.forward  # the partial sums are resolved: something moves
+    resolve = sorted(map(str, priced.program.forward + priced.program.backward))
+    assert sorted(str(c) for c in layers["relu"].collectives if c.purpose == "activation") \
+        == resolve
+    assert [c for c in layers["silu"].collectives if c.purpose == "activation"] == []
+    listed = sorted(str(c) for ly in plan.layers for c in ly.collectives
+                    if c.purpose == "activation")
+    run = sorted(str(c) for e in programs.values() if e.role == "edge"
+                 for c in e.program.forward + e.program.backward)
+    assert listed == run
+    # the price is the listed programs': the solver's objective is the realised step
+    assert plan.solver.objective == pytest.approx(plan.cost.total_s, rel=1e-9)
+
+
+def test_a_choice_breaking_a_coupling_is_refused_naming_it(graph):
+    """The penalty path itself: the choice a solve stopped short could return (``mul``
+    reading ``proj`` in another layout than ``add``) is refused, in one line naming the
+    producer and what the runtime cannot do; the exact optimum passes."""
+    config = load_config({"model": graph, "cluster": cluster()})
+    gp = build_problem(graph, config.cluster, 1, 4, config.memory)
+    choice, _, _ = solve_exact(gp.problem, 30.0)
+    gp.refuse_unrunnable(choice, "the solver's choice")
+    read = gp.options["add"][choice[gp.group_of["add"]]].inputs[0][0]
+    broken = list(choice)
+    broken[gp.group_of["mul"]] = next(k for k, o in enumerate(gp.options["mul"])
+                                      if o.inputs[0][0] != read)
+    with pytest.raises(InfeasibleError, match=r"the runtime cannot run the solver's choice: "
+                       r"'proj' feeds functional code in two layouts"):
+        gp.refuse_unrunnable(broken, "the solver's choice")
+
+
+def test_a_compared_layout_the_runtime_cannot_run_is_not_priced():
+    """DeepSeek-V2 under Megatron-SP on 4 devices (MLA's heads split, the rest split over
+    the tokens): every choice in that layout reads ``kv_a_proj_with_mqa``'s output in two
+    layouts in functional code — the restricted solve's best breaks the coupling (it was
+    priced as if it ran). It is refused, and the plan reports the row as not runnable."""
+    torch.manual_seed(0)
+    case = deepseek_v2()
+    ds = ilp_planner.from_module(case.model, example(case.inputs))
+    given = "megatron: tp=4 sp=true"
+    config = load_config({"model": ds, "cluster": hf_cluster(1, 4), "compare": [given]})
+    with pytest.raises(InfeasibleError, match="the runtime cannot run this configuration's "
+                       "layout: 'model.layers.0.self_attn.kv_a_proj_with_mqa' feeds functional"):
+        price_alone(config, config.compare[0])
+    plan = ilp_planner.solve(ds, cluster=hf_cluster(1, 4), baselines=False, compare=[given])
+    (row,) = [ln for ln in explain(plan).splitlines() if ln.strip().startswith("given megatron")]
+    assert "n/a — the runtime cannot run this configuration's layout" in row
+
+
+def test_a_solve_whose_every_choice_breaks_a_coupling_returns_no_plan():
+    """The plan's own solve (:func:`~ilp_planner.intra_op.solve_mesh.solve_mesh`) on a
+    model whose every choice moves a value between two pieces of functional code: its
+    optimum breaks a coupling (a penalty, not a constraint), and where it was returned as
+    the plan — one ``parallelize`` then refused — the solve now refuses, naming the edge,
+    on 1 × 4 and 2 × 2. Every choice breaks one: checked on the exact optimum of the
+    built problem, whose objective exceeds the penalty."""
+    torch.manual_seed(0)
+    fl = from_module(FunctionalLinear(), (torch.randn(TOKENS, D),))
+    assert fl["linear"].attrs.get("functional") and fl["cumsum"].attrs.get("functional")
+    for nodes, local in ((1, 4), (2, 2)):
+        c = dict(cluster(nodes * local), nodes=nodes, devices_per_node=local)
+        config = load_config({"model": fl, "cluster": c})
+        gp = build_problem(fl, config.cluster, nodes, local, config.memory)
+        choice, objective, _ = solve_exact(gp.problem, 30.0)
+        assert objective > 1.0 and gp.unrunnable(choice) is not None
+        with pytest.raises(InfeasibleError, match=r"the runtime cannot run any choice of this "
+                           r"problem .*'cumsum' changes between two pieces of functional code"):
+            ilp_planner.solve(fl, cluster=c, baselines=False)
+
+
+def test_a_follower_of_functional_code_reads_it_as_produced():
+    """``relu(F.linear(h, w))``: the ReLU follows the functional linear inside one node.
+    The unconstrained optimum on 1 × 4 was the linear row-parallel with the ReLU resolving
+    its partial sums — a program between two pieces of functional code, which
+    ``parallelize`` refused. Now every plan keeps the ReLU's input as produced (no program
+    listed on it, its edge program empty both ways), and that choice is named as one the
+    runtime cannot run."""
+    torch.manual_seed(0)
+    coded = from_module(CodedLinear(D, H), (torch.randn(TOKENS, D),))
+    assert coded["relu"].inputs == ("linear",) and coded["linear"].attrs.get("functional")
+    for nodes, local in ((1, 4), (2, 2)):
+        plan = ilp_planner.solve(coded, cluster=dict(cluster(nodes * local), nodes=nodes,
+                                                     devices_per_node=local), baselines=False)
+        relu = next(ly for ly in plan.layers if ly.name == "relu")
+        assert relu.collectives == ()
+        (program,) = [e.program for e in edge_programs(plan) if e.consumer == "relu"]
+        assert not program.steps and not program.backward_steps
+    config = load_config({"model": coded, "cluster": cluster()})
+    gp = build_problem(coded, config.cluster, 1, 4, config.memory)
+    choice, _, _ = solve_exact(gp.problem, 30.0)
+    assert gp.unrunnable(choice) is None
+    resolving = next(k for k, o in enumerate(gp.options["linear"])
+                     if o.outputs[0].has_partial and o.inputs[1][0] != o.outputs[0])
+    moved = list(choice)
+    moved[gp.group_of["linear"]] = resolving
+    assert gp.problem.objective(moved) > 1.0
+    assert "'linear' changes between two pieces of functional code (before 'relu', which " \
+        "follows it)" in gp.unrunnable(moved)

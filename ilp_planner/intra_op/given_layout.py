@@ -42,7 +42,9 @@ def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tupl
     """``graph`` (one micro-batch of ``microbatches`` per step; a pipeline stage at
     ``boundary``) on a ``shape`` mesh in ``g``'s layout (module docstring). Raises
     :class:`InfeasibleError` saying why the layout is not in the planner's space for this
-    graph or why the restricted solve found nothing."""
+    graph, why the restricted solve found nothing, or which coupling of a functional
+    fan-out its best choice breaks (:meth:`~ilp_planner.intra_op.problem.GraphProblem.unrunnable`:
+    priced as if it ran, it would be a price of something ``parallelize`` refuses)."""
     n, d = shape
     gp = build_problem(graph, config.cluster, n, d, config.memory,
                        tie_layers=config.solver.tie_layers, microbatches=microbatches,
@@ -58,7 +60,11 @@ def solve_given_layout(g: GivenConfig, config: Config, graph: Graph, shape: tupl
     if out is None:
         raise InfeasibleError(f"the restricted ILP found no solution in "
                               f"{config.solver.time_limit_s:g} s")
-    return GivenLayout(gp, [int(allowed[grp][k]) for grp, k in enumerate(out.choice)])
+    choice = [int(allowed[grp][k]) for grp, k in enumerate(out.choice)]
+    gp.refuse_unrunnable(choice, "this configuration's layout" if out.status == "optimal" else
+                         f"the best choice in this configuration's layout found in "
+                         f"{config.solver.time_limit_s:g} s (a runnable one may exist)")
+    return GivenLayout(gp, choice)
 
 
 def given_filter(g: GivenConfig, gp: GraphProblem, shape: tuple[int, int]) -> Filter:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from formulations.problem import BucketTerms, Problem
-from ilp_planner.errors import ConfigError
+from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
@@ -163,7 +163,24 @@ class GraphProblem:
             if not _as_produced(out, *read(dst, self.graph[dst].inputs.index(src))):
                 return (f"the layout of {src!r} changes between two pieces of functional code "
                         f"(before {dst!r}), where no module boundary runs a program")
+        for node, ps, pf in _functional_follows(self.graph, self.owner, self.position):
+            opt = chosen[node]
+            if not _as_produced(opt.outputs[ps], opt.inputs[pf][0], opt.grads[pf][0]):
+                src, dst = self.members[node][ps], self.members[node][pf]
+                return (f"the layout of {src!r} changes between two pieces of functional code "
+                        f"(before {dst!r}, which follows it), where no module boundary runs a "
+                        f"program")
         return None
+
+    def refuse_unrunnable(self, choice: np.ndarray | list[int], what: str) -> None:
+        """Raise :class:`InfeasibleError` where ``choice`` breaks a coupling
+        (:meth:`unrunnable`). The couplings are penalties, not constraints: a solve stopped
+        short (time limit, heuristic fallback) or a restricted problem in which every
+        choice breaks one can return such a choice, which must never become a plan or a
+        price. ``what`` names the choice (``"the solver's choice"``)."""
+        broken = self.unrunnable(choice)
+        if broken is not None:
+            raise InfeasibleError(f"the runtime cannot run {what}: {broken}")
 
 
 @dataclass
@@ -230,6 +247,8 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     in_specs = [graph[i].output for i in rep.inputs]
     opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
+    rides = riders(graph)
+    riding = frozenset(f for f in members[1:] if (f, 0) in rides)
     memo, node_key = None, None
     if cache is not None:  # what an option depends on besides its base strategy
         memo = cache.base_options
@@ -241,7 +260,7 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
         if made is None:
             choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
             made = [_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
-                                 ctx, microbatches, input_reached)
+                                 ctx, microbatches, input_reached, riding)
                     for picks in itertools.product(*choices)]
             if memo is not None:
                 memo[(node_key, base)] = made
@@ -314,9 +333,13 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
 
 
 def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
-                 ctx: StrategyContext, microbatches: int, input_reached: bool) -> NodeOption:
+                 ctx: StrategyContext, microbatches: int, input_reached: bool,
+                 riding: frozenset[str] = frozenset()) -> NodeOption:
     """One option: the base strategy, and each follower reading the base op's output in
-    ``resolved_for[follower]`` (one of :func:`follower_inputs`)."""
+    ``resolved_for[follower]`` (one of :func:`follower_inputs`). A follower in ``riding``
+    reads a shared value whose program another follower of the node runs
+    (:func:`~ilp_planner.lowering.shared_reads.riders`): its resolve is neither listed nor
+    priced again (the runtime converts the value once)."""
     rep = graph[members[0]]
     outputs = [base.output]
     inputs = [base.inputs]
@@ -340,7 +363,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         resolved = resolved_for.get(f, raw)
         out, fc, secs = follow(op, tensor, resolved, ctx)
         fc = list(fc)
-        if resolved != raw:
+        if resolved != raw and f not in riding:
             red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
             fc = red.forward + red.backward + fc
         outputs.append(out)
@@ -489,6 +512,9 @@ class _Structure:
     # edges between two pieces of functional code (``attrs.functional``, the producer not
     # the module's output): no module boundary runs a program there (indices into ``edges``)
     still: frozenset[int] = frozenset()
+    # the same inside a node: a functional follower of a functional member, (node, the
+    # member's position, the follower's position) — see :func:`_functional_follows`
+    still_within: tuple[tuple[str, int, int], ...] = ()
 
 
 def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
@@ -524,7 +550,7 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
                       for (o, oi), (d, di) in rides.items())
     out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
                      *_tie_groups(graph, members, shapes, tie_layers), edges, riding, couplings,
-                     _functional_edges(graph, pairs))
+                     _functional_edges(graph, pairs), _functional_follows(graph, owner, position))
     if cache is not None:
         if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
             del cache.structures[next(iter(cache.structures))]
@@ -537,11 +563,32 @@ def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[i
     another (``attrs.functional`` on both; the module's output — the loss's input — is
     converted by the module's own boundary, so it is not one): ``parallelize`` runs
     programs at module boundaries only, so nothing may move there."""
-    losses = [op for op in graph.ops if op.kind is OpKind.LOSS]
-    output = losses[-1].inputs[0] if losses else None
+    output = _module_output(graph)
     return frozenset(i for i, (src, dst) in enumerate(pairs)
                      if src != output and graph[src].attrs.get("functional")
                      and graph[dst].attrs.get("functional"))
+
+
+def _functional_follows(graph: Graph, owner: dict[str, str], position: dict[str, int]
+                        ) -> tuple[tuple[str, int, int], ...]:
+    """:func:`_functional_edges` inside the nodes: each functional follower reading a
+    functional member of its node (not the module's output), as (node, the member's
+    position, the follower's position). A follower resolving its producer's partial sums
+    there (``relu(F.linear(h, w))`` row-parallel) runs a program where ``parallelize``
+    has no module boundary to run it."""
+    output = _module_output(graph)
+    return tuple((owner[op.name], position[op.inputs[0]], position[op.name])
+                 for op in graph.ops
+                 if op.kind is not OpKind.INPUT and owner[op.name] != op.name
+                 and op.attrs.get("functional") and op.inputs[0] != output
+                 and graph[op.inputs[0]].attrs.get("functional"))
+
+
+def _module_output(graph: Graph) -> str | None:
+    """The op whose value the module returns (the last loss's input): its own boundary
+    converts it, so a program after it is no program between pieces of functional code."""
+    losses = [op for op in graph.ops if op.kind is OpKind.LOSS]
+    return losses[-1].inputs[0] if losses else None
 
 
 def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str, list[str]]]:
@@ -876,15 +923,23 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
     """What ``parallelize`` can run, as couplings: each rider of a shared read and its
     priced reader (:mod:`ilp_planner.lowering.shared_reads`) — the runtime runs one
     program, so the two must read one input layout and hand back their gradients in one
-    layout — and each edge between two pieces of functional code (``st.still``), whose
-    value must arrive as produced, its gradient as the producer's. A choice breaking one
-    costs more than any choice's whole objective, so no solver path picks it while one
-    keeping them exists (a restricted build that has none keeps it, and ``parallelize``
-    refuses the plan naming the producer)."""
-    if not st.couplings and not st.still:
+    layout — and each edge between two pieces of functional code (``st.still``, and
+    inside a node ``st.still_within``), whose value must arrive as produced, its gradient
+    as the producer's. A choice breaking one
+    costs more than any choice's whole objective, so an exact solve never picks it while
+    one keeping them exists. A penalty is no constraint: a solve stopped short, or a
+    restricted build in which every choice breaks one, can still return it — the plan's
+    solves and a compared configuration's price refuse it
+    (:meth:`GraphProblem.refuse_unrunnable`), and ``parallelize`` refuses such a plan
+    naming the producer."""
+    if not st.couplings and not st.still and not st.still_within:
         return
     penalty = 1.0 + sum(float(c.max()) for c in cost) + sum(float(r.max()) for r in edges.values())
     penalty += buckets.upper_bound() if buckets is not None else 0.0
+    for node, ps, pf in st.still_within:  # a follower's resolve inside the node
+        cost[st.group_of[node]] += penalty * np.array(
+            [not _as_produced(o.outputs[ps], o.inputs[pf][0], o.grads[pf][0])
+             for o in options[node]], dtype=float)
     for i in sorted(st.still):
         u, pos_u, v, pos_v, idx, _ = st.edges[i]
         # a value arrives as produced where both sides name one (layout, gradient layout)

@@ -407,7 +407,19 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     else:
         result = _solve_ilp(request.config, problem, exact, tied, notes, problem_s)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
+    if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
+        gp.refuse_unrunnable(full, _chosen(result))
     return gp, dataclasses.replace(result, choice=full)
+
+
+def _chosen(result: SolveResult) -> str:
+    """What a solve's choice is, for :meth:`GraphProblem.refuse_unrunnable`: an optimum
+    breaking a coupling means every choice does (each costs more than any choice keeping
+    them); a solve stopped short may have missed a runnable one."""
+    if result.status == "optimal":
+        return "any choice of this problem (its optimum breaks a coupling, so all do)"
+    return (f"the solver's choice ({result.status}, {result.method}; a longer "
+            f"solver.time_limit_s may find one it can run)")
 
 
 def _node_ilp(opts, until: float, problem) -> tuple[tuple[int, ...], float] | None:

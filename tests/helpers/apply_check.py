@@ -4,9 +4,13 @@ module trained in one process, and the collectives it issues are the plan's.
     torchrun --nproc-per-node N tests/helpers/apply_check.py MODEL [--steps 3]
 
 MODEL: ``mlp`` (the runtime's MLP module with biases; a cluster that makes the plan split
-weights, so biases are added to partial sums) or ``llama`` (a Llama block stack: RMSNorm,
-rotary embeddings, grouped-query SDPA, SwiGLU). Prints ``OK <strategies>`` on rank 0 and
-exits 0, or prints the differences and exits 1.
+weights, so biases are added to partial sums), ``llama`` (a Llama block stack: RMSNorm,
+rotary embeddings, grouped-query SDPA, SwiGLU) or ``twin`` (two followers in functional
+code reading one linear's output — one shared value —, planned with that linear
+row-parallel so the value's partial sums are resolved once for both:
+:func:`row_parallel_proj`) or ``coded`` (a ReLU following a linear applied in functional
+code: nothing may move between them). Prints ``OK <strategies>`` on rank 0 and exits 0, or prints
+the differences and exits 1.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ilp_planner  # noqa: E402
-from ilp_planner.plan.audit import format_rows
-from ilp_planner.plan.data import Plan
+from ilp_planner.inputs.config import load_config  # noqa: E402
+from ilp_planner.ir.graph import Op  # noqa: E402
+from ilp_planner.lowering.strategies import Strategy  # noqa: E402
+from ilp_planner.plan.audit import format_rows  # noqa: E402
+from ilp_planner.plan.data import Plan  # noqa: E402
+from ilp_planner.testing import restricted_plan  # noqa: E402
 from runtime.apply import audit, full_value, parallelize  # noqa: E402
 from runtime.modules import MLP  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
-from tests.helpers.user_models import Llama  # noqa: E402
+from tests.helpers.user_models import CodedLinear, Llama, TwinFollowers  # noqa: E402
 
 
 def build(name: str):
@@ -39,8 +47,29 @@ def build(name: str):
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.2)
         return model, torch.randn(4, 32), torch.randint(0, 16, (4,)), 0.05
+    if name == "twin":
+        return TwinFollowers(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
+    if name == "coded":
+        return CodedLinear(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     model = Llama(vocab=64, dim=32, n_layers=2, seq_len=8)
     return model, torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)), 1.0
+
+
+def row_parallel_proj(op: Op, s: Strategy) -> bool:
+    """``twin``'s plan: ``proj`` row-parallel (its output partial sums, resolved for both
+    followers), ``mul`` whole on every device, the rest as the solver likes."""
+    if op.name == "proj":
+        return s.output.has_partial
+    whole = not s.output.has_partial and all(s.output.split_degree(d) == 1 for d in (0, 1))
+    return op.name != "mul" or whole
+
+
+def planned(name: str, graph, world: int, tflops: float) -> Plan:
+    """The solver's plan, or ``twin``'s restricted one (:func:`row_parallel_proj`)."""
+    if name != "twin":
+        return ilp_planner.solve(graph, cluster=cluster(world, tflops), baselines=False)
+    return restricted_plan(load_config({"model": graph, "cluster": cluster(world, tflops)}),
+                           row_parallel_proj)
 
 
 def cluster(devices: int, tflops: float) -> dict:
@@ -55,7 +84,7 @@ def loss_of(out, y):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", choices=("mlp", "llama"))
+    ap.add_argument("model", choices=("mlp", "llama", "twin", "coded"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -63,8 +92,7 @@ def main() -> int:
     model, x, y, tflops = build(args.model)
     reference = copy.deepcopy(model)
     graph = ilp_planner.from_module(model, (x,))
-    box = [ilp_planner.solve(graph, cluster=cluster(world, tflops), baselines=False).to_dict()
-           if rank == 0 else None]
+    box = [planned(args.model, graph, world, tflops).to_dict() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     plan = Plan.from_dict(box[0])
     model = parallelize(plan, model)

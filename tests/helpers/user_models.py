@@ -220,3 +220,31 @@ class MaskedGPT(modules.GPT):
                  mask: str):
         super().__init__(hidden, layers, heads, seq_len, vocab)
         self.h = nn.ModuleList(MaskedBlock(hidden, heads, seq_len, mask) for _ in range(layers))
+
+
+class TwinFollowers(nn.Module):
+    """``proj``'s output read by two followers in functional code, ``relu`` and ``silu``:
+    both fuse into ``proj``'s node and read one shared value (converted once at ``proj``'s
+    boundary), whose product feeds ``out``."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.proj(x)
+        return self.out(torch.relu(p) * F.silu(p))
+
+
+class CodedLinear(nn.Module):
+    """A linear applied in functional code (``F.linear`` on a parameter) and a ReLU on its
+    output, between two linear modules: the ReLU follows the functional linear inside one
+    planner node, with no module boundary between them."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.w = nn.Parameter(torch.randn(hidden, hidden) / math.sqrt(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(F.linear(self.inp(x), self.w)))
