@@ -155,7 +155,8 @@ class StageSolver:
 
     def solve(self, a: int, e: int, shape: tuple[int, int],
               how: int | AtGridPoint | None = None, useful_only: bool = False):
-        """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None.
+        """The solve of units [a, e) on ``shape`` (a :class:`LazyRealisation`: unpacks as
+        (GraphProblem, SolveResult, layers, cost), realised on first use), or None.
         ``how`` None: without a memory row (the fastest plan); a count: the fastest plan
         whose exact peak holding that many micro-batches fits the budget; an
         :class:`AtGridPoint`: that, at a grid point's recomputed blocks and reserve.
