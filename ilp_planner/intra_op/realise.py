@@ -3,7 +3,9 @@ the plan stores and the runtime runs them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from formulations.result import SolveResult
 from ilp_planner.intra_op.problem import GraphProblem, peak_memory
@@ -103,10 +105,10 @@ class LazyRealisation:
             self._realised = realise(self.gp, list(self.res.choice), memo=self.memo)
         return self._realised
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter((self.gp, self.res, self.layers, self.cost))
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int) -> Any:
         return getattr(self, ("gp", "res", "layers", "cost")[i])
 
     def __len__(self) -> int:
@@ -114,7 +116,7 @@ class LazyRealisation:
 
 
 def _edge(have: Layout, want: Layout, tensor: TensorSpec, grad: Layout | None, gp: GraphProblem,
-          edges: dict | None) -> tuple[list[Collective] | tuple[Collective, ...], ...]:
+          edges: dict | None) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
     """The forward and backward collectives of one edge's program (through ``edges``, the
     cluster's part of an :data:`EdgeMemo`, when given)."""
     key = (have, want, tensor, grad)
