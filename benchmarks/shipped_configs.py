@@ -6,11 +6,13 @@ figures come from the lowered programs (what the runtime executes), so these are
 honest-price ratios. Every family either prices or says why not (below the table:
 the member each family's price comes from, or the memory it lacks).
 
-Run: python benchmarks/shipped_configs.py
+Run: python benchmarks/shipped_configs.py [CONFIG ...] (config names, e.g. llama-70b-16x8:
+those rows only; default every shipped config)
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -22,13 +24,16 @@ CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.ya
 BASELINES = ("ilp_single_mesh", "data_parallel", "megatron", "megatron_sp", "summa", "torchtitan")
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    configs = [p for p in CONFIGS if not names or p.stem in names]
+    if names and len(configs) != len(set(names)):
+        sys.exit(f"unknown config in {names}; expected names of {[p.stem for p in CONFIGS]}")
     head = f"{'config':<26}{'stages':>7}{'step s':>11}" + "".join(f"{b:>17}" for b in BASELINES) \
         + f"{'status':>10}{'solve s':>9}{'plan s':>8}{'base s':>8}{'base/plan':>10}"
     print(head)
     print("-" * len(head))
     notes: list[str] = []
-    for path in CONFIGS:
+    for path in configs:
         times = PhaseTimes()
         t0 = time.perf_counter()
         plan = solve(path, times=times)
@@ -54,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

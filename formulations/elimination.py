@@ -521,13 +521,14 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     open (:class:`_BranchAndBound`). Raises :class:`NoFit` when no choice meets the memory
     budget. ``cutoff``: no choice costing that much is wanted (a plan in hand elsewhere):
     once the proven bound reaches it, the search stops and returns it (status
-    ``feasible``, every strategy kept) — the caller's sign to drop this problem."""
+    ``feasible``, every strategy kept) — the caller's sign to drop this problem; the dual
+    stops there. ``incumbents`` may be a callable, called only if a bound is short of it."""
     t0 = time.perf_counter()
     edges = _merged_edges(problem)
     sizes = [len(c) for c in problem.cost]
     order = elimination_order(sizes, edges)
-    incumbents = [tuple(c) for c in incumbents if problem.feasible(c)]
     wide = order.work > max_work or order.peak > prune_above
+    incumbents = _feasible_incumbents(problem, incumbents) if wide else incumbents
     if wide:
         incumbents.append(_forest_incumbent(problem))
     if wide and incumbents:
@@ -542,10 +543,13 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     if order.work > max_work:
         return None
     relax = _Relaxation(problem, edges, order)
-    lower, seen, lam, steps = _dual(problem, relax)
+    lower, seen, lam, steps = _dual(problem, relax, stop := math.inf if cutoff is None else cutoff)
+    # from ``stop`` on it is dropped whatever the incumbents (the rounds only raise ``lower``)
+    incumbents = _feasible_incumbents(problem, [] if lower >= stop else incumbents)
     best = min([*incumbents, *(tuple(c) for c in seen if problem.feasible(c))],
                key=problem.objective)
-    best, lower, prices, steps = _usage_rounds(problem, relax, best, lower, lam, steps, gap)
+    best, lower, prices, steps = _usage_rounds(problem, relax, best, lower, lam, steps, gap,
+                                               stop)
     objective = problem.objective(best)
     lower = min(lower, objective)
     rel = _rel_gap(problem, best, lower)
@@ -581,21 +585,28 @@ def solve_elimination(problem: Problem, *, gap: float = 0.0, incumbents=(),
     return EliminationResult(result, keep)
 
 
+def _feasible_incumbents(problem: Problem, incumbents) -> list[tuple[int, ...]]:
+    """The feasible ones of ``incumbents`` (a sequence, or a callable giving one)."""
+    given = incumbents() if callable(incumbents) else incumbents
+    return [tuple(c) for c in given if problem.feasible(c)]
+
+
 def _rel_gap(problem: Problem, best, low: float) -> float:
     """The relative gap between ``best``'s objective and the lower bound ``low``."""
     return (problem.objective(best) - low) / max(abs(problem.objective(best)), 1e-30)
 
 
 def _usage_rounds(problem: Problem, relax: _Relaxation, best: tuple, lower: float, lam,
-                  steps, gap: float) -> tuple[tuple, float, tuple, object]:
+                  steps, gap: float, stop: float = math.inf
+                  ) -> tuple[tuple, float, tuple, object]:
     """With bucket terms, the dual bound tightened by pricing each bucket's usage at the
     last choice (up to :data:`USAGE_ROUNDS` rounds, while it rises and the gap is open):
     the best choice, the bound, the prices ``(theta, usage)`` and the steps that proved it
-    (None: :func:`_dual`'s)."""
+    (None: :func:`_dual`'s). No round once the bound reaches ``stop`` (a cutoff)."""
     prices = relax.base_prices()
     last = best
     for _ in range(USAGE_ROUNDS if problem.buckets is not None else 0):
-        if _rel_gap(problem, best, lower) <= max(gap, EXACT):
+        if _rel_gap(problem, best, lower) <= max(gap, EXACT) or lower >= stop:
             break
         tried = relax.usage_prices(last)
         value, last, run_steps = relax.run(*tried, lam)
@@ -854,23 +865,26 @@ class _BranchAndBound:
                                     minimiser=_lifted(allowed, at)))
 
 
-def _dual(problem: Problem, relax: _Relaxation
+def _dual(problem: Problem, relax: _Relaxation, stop: float = math.inf
           ) -> tuple[float, list[list[int]], float, list[_Step] | None]:
     """The memory row's Lagrangian bound at the base bucket prices
     (:meth:`_Relaxation.base_prices`): the pass at λ = 0, and where
     its minimiser does not fit, the dual's maximum (:func:`_lagrange`). Returns the bound,
     every minimiser met (the first included), the λ, and the eliminations of the λ = 0
-    pass when that pass is the bound (else None). Raises :class:`NoFit` when no choice fits."""
+    pass when that pass is the bound (else None). Raises :class:`NoFit` when no choice fits.
+    The dual's search stops once its bound reaches ``stop`` (a cutoff: the caller drops the
+    problem at any bound from there, and the bound only rises)."""
     theta, usage = relax.base_prices()
     lower, first, steps = relax.run(theta, usage, 0.0)
     if problem.feasible(first):
         return lower, [first], 0.0, steps
-    lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower, first)
+    lower, seen, lam = _lagrange(problem, lambda v: relax.run(theta, usage, v), lower, first,
+                                 stop)
     return lower, [first, *seen], lam, None
 
 
-def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
-              ) -> tuple[float, list[list[int]], float]:
+def _lagrange(problem: Problem, relaxed, lower: float, first: list[int],
+              stop: float = math.inf) -> tuple[float, list[list[int]], float]:
     """The best λ ≥ 0 for ``min obj + λ (mem − M)`` (``relaxed(λ)`` gives the dual value,
     a lower bound, and its minimiser; ``lower`` and ``first`` are those at λ = 0): the
     largest dual value seen (returned with its λ) and every minimiser met, the
@@ -882,7 +896,7 @@ def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
     line sloping down): the next λ maximises the envelope of the lines met so far, an
     upper bound on the dual; when the pass there adds no lower line, that λ maximises the
     dual itself (exact; usually a few passes, where bisection spent its whole budget
-    approaching the same kink)."""
+    approaching the same kink). It stops early once the dual value reaches ``stop``."""
     least = [int(np.argmin(m)) for m in problem.memory]
     if not problem.feasible(least):
         raise NoFit("no choice meets the memory budget")
@@ -911,7 +925,7 @@ def _lagrange(problem: Problem, relaxed, lower: float, first: list[int]
 
     tol = 1e-9 * max(abs(best_obj), 1e-30)
     for _ in range(LAGRANGE_STEPS):
-        if best_obj - lower <= tol:
+        if best_obj - lower <= tol or lower >= stop:
             break
         lam, envelope = _envelope_peak(lines)
         if envelope - visit(lam) <= tol:

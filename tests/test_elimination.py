@@ -327,11 +327,11 @@ def test_the_planners_node_solver_is_the_ilp_on_the_node(seed):
     except ValueError:
         return
     opts = _tiny_gpt(1, 1, 2).solver
-    choice, bound = _node_ilp(opts, time.perf_counter() + 60, p)
+    choice, bound = _node_ilp(opts, lambda: time.perf_counter() + 60, p)
     assert p.feasible(choice)
     assert math.isclose(p.objective(choice), opt, rel_tol=1e-7, abs_tol=1e-12)
     assert bound <= opt * (1 + 1e-7) + 1e-12
-    assert _node_ilp(opts, time.perf_counter(), p) is None  # the solve's budget is spent
+    assert _node_ilp(opts, time.perf_counter, p) is None  # the solve's budget is spent
 
 
 def _pair(config, budget=None, **kw):
@@ -460,3 +460,59 @@ def test_a_cutoff_stops_the_search_only_where_nothing_beats_it(seed, where, monk
                                 abs_tol=1e-12)
     elif plain.keep is None:
         assert cut.result.bound >= where * opt * (1 - REL) - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("where", [0.5, 0.9, 0.999, 1.0, 1.01])
+def test_the_dual_stopped_at_a_cutoff_decides_as_the_full_dual(seed, where):
+    """The memory row's dual stops once its bound reaches ``stop`` (a cutoff): where it
+    stops there, the full search's bound reaches it too (the caller drops the problem
+    either way); where it does not, it is the full search, pass for pass. Stops placed
+    from below the λ = 0 bound to above the dual's maximum."""
+    p = random_problem(seed, budget="tight" if seed % 3 else "mid", max_groups=5, max_k=4)
+    edges = _merged_edges(p)
+    order = elimination_order([len(c) for c in p.cost], edges)
+    relax = _Relaxation(p, edges, order)
+    theta, usage = relax.base_prices()
+    lower0, first, _ = relax.run(theta, usage, 0.0)
+    if p.feasible(first):
+        return
+    try:
+        full = _lagrange(p, lambda v: relax.run(theta, usage, v), lower0, first)
+    except elimination.NoFit:
+        return
+    stop = lower0 + where * (full[0] - lower0) if where < 1 else where * full[0]
+    stopped = _lagrange(p, lambda v: relax.run(theta, usage, v), lower0, first, stop)
+    if stopped[0] >= stop:
+        assert full[0] >= stop and len(stopped[1]) <= len(full[1])
+    else:
+        assert stopped[0] == full[0] and stopped[2] == full[2]
+        assert [list(c) for c in stopped[1]] == [list(c) for c in full[1]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("where", [0.9, 1.0, 1.1])
+def test_incumbents_given_lazily_are_asked_for_only_where_needed(seed, where):
+    """``incumbents`` as a callable: a problem cut off at its first bound never calls it
+    (its answer, the cut-off, is the one with the incumbents given), and everywhere else
+    the result is the one with them given as a list."""
+    p, opt = _budgeted_with_optimum(seed)
+    if p is None:
+        return
+    incumbent = exhaustive(p).choice  # feasible: it decides the search where it runs
+    calls = []
+
+    def lazy():
+        calls.append(1)
+        return [incumbent]
+
+    given = solve_elimination(p, cutoff=where * opt, incumbents=[incumbent])
+    asked = solve_elimination(p, cutoff=where * opt, incumbents=lazy)
+    assert (asked.result.bound >= where * opt) == (given.result.bound >= where * opt)
+    if calls:
+        assert asked.result.choice == given.result.choice
+        assert asked.result.objective == given.result.objective
+        assert asked.result.bound == given.result.bound
+        assert (asked.keep is None) == (given.keep is None)
+    else:  # cut off at the first bound: the incumbents could not have changed that
+        assert asked.result.bound >= where * opt and given.result.bound >= where * opt

@@ -36,7 +36,7 @@ from ilp_planner.inputs.config import Config
 from ilp_planner.inter_op.layer_units import RangeKeys, subgraph
 from ilp_planner.inter_op.stage_variants import AtGridPoint, Gap, How
 from ilp_planner.intra_op.problem import BuildCache, held_activations, peak_memory
-from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.realise import EdgeMemo, LazyRealisation
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import CutOff, fastest_bound, solve_mesh, solve_under_reserve
 from ilp_planner.ir.graph import Graph
@@ -56,9 +56,11 @@ class StageSolverState:
     """What a :class:`StageSolver` keeps between calls: its caches, keyed by signature
     class (``RangeKeys.key``) and shape, and the exact pruning an incumbent plan allows."""
 
-    #: (signature class, shape, how) → (GraphProblem, SolveResult, layers, cost) of the
-    #: solve, or None where nothing fits
-    solved: dict[tuple, tuple | None] = field(default_factory=dict)
+    #: (signature class, shape, how) → the solve (unpacking as (GraphProblem, SolveResult,
+    #: layers, cost), realised on first use), or None where nothing fits
+    solved: dict[tuple, LazyRealisation | None] = field(default_factory=dict)
+    #: the edges' programs across the realisations of the solves
+    edge_memo: EdgeMemo = field(default_factory=dict)
     #: (signature class, shape) → the DP's variants of the pair, each with how it was solved
     variants: dict[tuple, list[tuple[How, StageCost]]] = field(default_factory=dict)
     #: (signature class, shape) → the relaxation's time per micro-batch, a lower bound
@@ -153,7 +155,8 @@ class StageSolver:
 
     def solve(self, a: int, e: int, shape: tuple[int, int],
               how: int | AtGridPoint | None = None, useful_only: bool = False):
-        """(GraphProblem, SolveResult, layers, cost) of units [a, e) on ``shape``, or None.
+        """The solve of units [a, e) on ``shape`` (a :class:`LazyRealisation`: unpacks as
+        (GraphProblem, SolveResult, layers, cost), realised on first use), or None.
         ``how`` None: without a memory row (the fastest plan); a count: the fastest plan
         whose exact peak holding that many micro-batches fits the budget; an
         :class:`AtGridPoint`: that, at a grid point's recomputed blocks and reserve.
@@ -188,9 +191,8 @@ class StageSolver:
             except CutOff:
                 self.state.cut_off.add(key)
                 return None
-            else:
-                layers, cost = realise(gp, list(res.choice))
-                self.state.solved[key] = (gp, res, layers, cost)
+            else:  # realised on first use: the DP's table reads only its total
+                self.state.solved[key] = LazyRealisation(gp, res, self.state.edge_memo)
                 self.stats.build_s += res.build_s
                 self.stats.not_optimal += res.status != "optimal"
             finally:
@@ -387,10 +389,10 @@ class StageSolver:
 
     def variant_cost(self, solved) -> StageCost:
         """The DP's variant of a solve: time per micro-batch, fixed and per-micro-batch memory."""
-        gp, res, _, cost = solved
-        act = held_activations(gp, res.choice)
-        fixed = peak_memory(gp, res.choice) - gp.boundary.inflight * act
-        return StageCost(cost.total_s / self.config.pipeline.microbatches, fixed, act)
+        gp, choice = solved.gp, solved.res.choice
+        act = held_activations(gp, choice)
+        fixed = peak_memory(gp, choice) - gp.boundary.inflight * act
+        return StageCost(solved.total_s / self.config.pipeline.microbatches, fixed, act)
 
     def _inflight_levels(self, start: int, end: int, shape: tuple[int, int]) -> list[int]:
         """The in-flight counts a stage of units [start, end) on ``shape`` can hold: its

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -387,14 +387,26 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     total = sum(len(c) for c in gp.problem.cost)
     notes = [f"{total - sum(len(k) for k in kept)} of {total} strategies dominated and dropped"]
     problem_s += time.perf_counter() - t1
-    tied = _tied_warm_start(dataclasses.replace(request, memory_budget=memory_budget), gp, kept)
+    # the tied warm start (itself a solve) once, and only where the elimination needs it:
+    # not where its first bound reaches the cutoff. The node ILPs' time limit leaves its
+    # time out, as when it ran first.
+    tied_once = functools.cache(lambda: _tied_warm_start(
+        dataclasses.replace(request, memory_budget=memory_budget), gp, kept))
+    since = [time.perf_counter()]
+
+    def incumbents() -> list[tuple[int, ...]]:
+        t = time.perf_counter()
+        tied = tied_once()
+        since[0] += time.perf_counter() - t
+        return [tied] if tied else []
+
     exact = None
     if opts.elimination:
         try:
             exact = solve_elimination(
-                problem, gap=opts.gap, incumbents=[tied] if tied else [], cutoff=cutoff,
+                problem, gap=opts.gap, cutoff=cutoff, incumbents=incumbents,
                 node_solver=None if warm_only else functools.partial(
-                    _node_ilp, opts, time.perf_counter() + opts.time_limit_s))
+                    _node_ilp, opts, lambda: since[0] + opts.time_limit_s))
         except NoFit as exc:  # under a transient cap, fewer strategies than checked above
             raise InfeasibleError(f"{exc} (strategies with transients up to {transient_cap} B)"
                                   ) from exc
@@ -405,7 +417,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
     else:
-        result = _solve_ilp(request.config, problem, exact, tied, notes, problem_s)
+        result = _solve_ilp(request.config, problem, exact, tied_once(), notes, problem_s)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
         gp.refuse_unrunnable(full, _chosen(result))
@@ -422,14 +434,14 @@ def _chosen(result: SolveResult) -> str:
             f"solver.time_limit_s may find one it can run)")
 
 
-def _node_ilp(opts, until: float, problem) -> tuple[tuple[int, ...], float] | None:
+def _node_ilp(opts, until: Callable[[], float], problem) -> tuple[tuple[int, ...], float] | None:
     """The elimination's node solver: the ILP on one branch-and-bound node's strategies,
     to the configured gap — its choice and the bound SCIP proved (never more than the
     choice's objective), or None when it stops short of the gap. The nodes of one solve
-    share one ``solver.time_limit_s``, ending at ``until`` (``time.perf_counter``); when
+    share one ``solver.time_limit_s``, ending at ``until()`` (``time.perf_counter``); when
     it runs out the branch and bound stops and the ILP on every kept strategy runs with its
     own limit, as without a node solver."""
-    left = until - time.perf_counter()
+    left = until() - time.perf_counter()
     if left <= 0:
         return None
     res = SbpIlp(problem, opts.milp).solve(time_limit_s=left, threads=opts.threads,
