@@ -156,6 +156,38 @@ def test_a_one_mesh_compared_configuration_keeps_a_written_microbatch_count(one_
     assert plan.config["pipeline"]["microbatches"] == 2
 
 
+def test_a_kept_one_mesh_configuration_reports_no_bound_of_another_problem(one_mesh):
+    """The kept configuration's report is that of a priced configuration: no bound or gap
+    of the planner's solve (another micro-batch count, another problem) beside it."""
+    plan = solve(one_mesh, baselines=False, compare=[ONE_MESH])
+    assert "kept the compared configuration" in plan.solver.message
+    assert plan.solver.bound is None and plan.solver.gap is None
+    assert plan.solver.method.startswith("given configuration megatron: tp=1 pp=1 ")
+    _roundtrip_checked(plan)
+
+
+@pytest.mark.parametrize("overrides, compare, why", [
+    # ZeRO-1 (Megatron's distributed optimizer) where the config offers no state sharding
+    ({"cluster.memory_gib": 0.022}, "megatron: tp=1 pp=1 mbs=1 distopt=true",
+     "outside the config's strategies: its plan: layers["),
+    # data parallel 8 replicates every weight 8 times: over the config's cap of 4
+    ({"cluster.memory_gib": 0.024, "solver.max_weight_replication": 4}, ONE_MESH,
+     "outside the config's strategies: its plan: layers["),
+    # the config recomputes every block; the configuration none
+    ({"solver.recompute": "always"}, ONE_MESH,
+     "recompute=none, the config's solver.recompute is always"),
+])
+def test_a_faster_configuration_outside_the_configs_space_is_named_not_kept(
+        one_mesh, overrides, compare, why):
+    """A compared configuration using what the config's solver options leave out is not
+    kept, however fast: ``plan check`` refuses such layers in the planner's own plans."""
+    config = one_mesh.with_overrides(overrides)
+    plan = solve(config, baselines=False, compare=[compare])
+    assert why in plan.solver.message
+    assert "kept the compared configuration" not in plan.solver.message
+    _roundtrip_checked(plan)
+
+
 def test_a_solve_prices_each_compared_configuration_once(config, one_mesh, monkeypatch):
     """A rival and its price beside the plan are one pricing (``priced_once``): one
     pipeline assembled for a pipelined configuration, one restricted whole-cluster solve

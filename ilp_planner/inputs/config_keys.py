@@ -136,7 +136,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
                       default_text="all defaults"),
         "pipeline": Key("mapping", "inter-op options (PipelineOptions)", None,
                         default_text="all defaults"),
-        "compare": Key("string or list", "configurations you run, priced beside the plan: "
+        "compare": Key("string or list", "configurations you run, priced beside the plan "
+                                         "(and kept as the plan where faster): "
                                          "'megatron: tp=8 pp=2 dp=4 vpp=2 mbs=1 "
                                          "recompute=full sp=true' or 'torchtitan: fsdp=8 tp=4 "
                                          "pp=1 ddp=1 mbs=2 ac=selective' (keys left out: "

@@ -21,14 +21,16 @@ configuration's priced step, by construction.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from formulations.schedules import INTERLEAVED
-from ilp_planner.errors import InfeasibleError
+from ilp_planner.errors import InfeasibleError, PlanFormatError
 from ilp_planner.inputs.config import Config, apply_overrides
 from ilp_planner.inputs.given_config import GivenConfig, microbatches
 from ilp_planner.inter_op.assembly import AssembledPipeline
 from ilp_planner.inter_op.given_price import GivenPrice, price_alone
 from ilp_planner.plan.data import Plan
+from ilp_planner.plan.layer_check import check_layer_strategies
 
 
 def out_of_space(config: Config, g: GivenConfig) -> str | None:
@@ -37,7 +39,7 @@ def out_of_space(config: Config, g: GivenConfig) -> str | None:
     1F1B, interleaved where ``vpp > 1``: listing it in ``compare:`` beside ``schedule:
     1f1b`` is taken as consent to its interleaving; ``interleaved-1f1b`` takes only an
     interleaved ``g``, of the config's chunk count where it fixes one), its micro-batch
-    count, no recomputation."""
+    count, recomputation other than the config's policy."""
     m = microbatches(g, config.model.get("batch"))
     pipe = config.pipeline
     if g.pp < 2:
@@ -64,8 +66,10 @@ def mesh_out_of_space(config: Config, g: GivenConfig) -> str | None:
     """Why ``g`` cannot be ``config``'s plan as one mesh (None: it can): it is pipelined, or
     the config fixes what ``g`` does otherwise — pipeline stages, sub-meshes or the
     interleaved schedule, a micro-batch count written in the config (left to its default,
-    the count is ``g``'s own gradient accumulation: the one-mesh solve does not search it),
-    no recomputation. A pipelined ``g`` of a pipelined config is :func:`out_of_space`'s."""
+    the count is ``g``'s own gradient accumulation: the one-mesh solve does not search it;
+    a model without a batch size — an import, which ``parallelize`` runs one micro-batch a
+    step — is priced at one micro-batch only), recomputation other than the config's
+    policy. A pipelined ``g`` of a pipelined config is :func:`out_of_space`'s."""
     pipe = config.pipeline
     if g.pp > 1:
         return "pipelined" if pipe.pipelined else f"{g.pp} stages, the config is not pipelined"
@@ -82,74 +86,43 @@ def mesh_out_of_space(config: Config, g: GivenConfig) -> str | None:
 
 
 def _recompute_refused(config: Config, g: GivenConfig) -> str | None:
-    """Why ``g``'s recomputation is outside the config's space (None: it is not)."""
-    if g.recompute != "none" and config.solver.recompute == "never":
-        return f"recompute={g.recompute}, the config's solver.recompute is never"
+    """Why ``g``'s recomputation is outside the config's space (None: it is not):
+    ``solver.recompute: never`` refuses any, ``always`` all but full recomputation."""
+    policy = config.solver.recompute
+    if (policy == "never" and g.recompute != "none") or (policy == "always"
+                                                         and g.recompute != "full"):
+        return f"recompute={g.recompute}, the config's solver.recompute is {policy}"
     return None
 
 
-def _over_budget(config: Config, peak: float) -> str | None:
-    """Why a rival with this per-device ``peak`` cannot be the plan (None: it fits)."""
-    if peak > config.cluster.memory_bytes * (1 + 1e-9):
-        return f"needs {peak / 2**30:.4g} GiB a device, over the budget"
+def _refused(config: Config, priced: GivenPrice) -> str | None:
+    """Why a priced rival cannot be the plan (None: it can): its peak over the memory
+    budget, or a layer the config's own strategies do not hold (a state sharding level or
+    a weight replication the config's ``solver`` options leave out) — which ``plan check``
+    would refuse, as it checks the planner's own plans."""
+    if priced.cost.peak_memory_bytes > config.cluster.memory_bytes * (1 + 1e-9):
+        return f"needs {priced.cost.peak_memory_bytes / 2**30:.4g} GiB a device, over the budget"
+    cfg = config.with_overrides({"pipeline.microbatches": priced.microbatches})
+    meshes = ([s.mesh for s in priced.pipeline.stages] if priced.pipeline is not None
+              else [(config.cluster.nodes, config.cluster.devices_per_node)])
+    try:
+        check_layer_strategies(priced.layers, cfg.microbatch_graph(), cfg, meshes, "its plan")
+    except PlanFormatError as exc:
+        return f"outside the config's strategies: {exc}"
     return None
 
 
-def _slower(g: GivenConfig, step_s: float) -> str:
-    """The note of a rival priced, fitting and not kept: a faster plan or rival was kept."""
-    return f"{g.text()} offered as the plan: {step_s:.6g} s a step, not faster"
-
-
-def given_if_faster(config: Config, pipeline: AssembledPipeline | None
-                    ) -> AssembledPipeline | None:
-    """``pipeline`` (None: the planner found none), or the fastest pipelined compared
-    configuration's pipeline (module docstring) where it simulates faster, with a note
-    naming what was kept and why others were not."""
-    best, best_g, notes = pipeline, None, []
-    for g in config.compare:
-        why = out_of_space(config, g)
-        if why == "not pipelined":
-            continue
-        rival = None
-        if why is None:
-            try:
-                rival = price_alone(config, g).pipeline
-            except InfeasibleError as exc:
-                why = f"not priced: {exc}"
-        if rival is not None:
-            why = _over_budget(config, max(s.times.cost.peak_memory_bytes
-                                           for s in rival.stages if s.times))
-        if why is not None or rival is None:
-            notes.append(f"{g.text()} not offered as the plan ({why})")
-        elif best is None or rival.step_s < best.step_s:
-            if best_g is not None:
-                notes.append(_slower(best_g, best.step_s))
-            best, best_g = rival, g
-        else:
-            notes.append(_slower(g, rival.step_s))
-    if best_g is not None:
-        assert best is not None
-        v = best.schedule.virtual_stages
-        own = "none" if pipeline is None else f"{pipeline.step_s:.6g} s"
-        notes.insert(0, f"the compared configuration {best_g.text()}: {len(best.stages) // v} stages"
-                        f"{f' × {v} chunks' if v > 1 else ''} simulate to {best.step_s:.6g} s a "
-                        f"step, the planner's pipeline {own}: kept the compared configuration")
-    if not notes or best is None:
-        return best
-    own_note = pipeline.note if pipeline is not None else ""
-    return dataclasses.replace(best, note="; ".join(n for n in (own_note, *notes) if n))
-
-
-def mesh_if_faster(config: Config, plan: Plan) -> Plan:
-    """``plan``, or the fastest one-mesh compared configuration (``pp = 1``) as the plan where
-    it is predicted faster — its layers and cost as priced, the config's micro-batch count
-    set to its own (what ``plan check`` and the runtime read) — the report's message saying
-    which was kept and why others were not."""
+def _fastest(config: Config, own_step_s: float | None,
+             space: Callable[[Config, GivenConfig], str | None], other: str
+             ) -> tuple[tuple[GivenConfig, GivenPrice] | None, list[str]]:
+    """The compared configuration predicted fastest among those ``space`` leaves free that
+    fit and beat ``own_step_s`` (None: the planner has no plan of this kind) — or None —
+    and a note for every other one (``space``'s ``other`` answer: not this kind, no note)."""
     best: tuple[GivenConfig, GivenPrice] | None = None
     notes = []
     for g in config.compare:
-        why = mesh_out_of_space(config, g)
-        if why == "pipelined":
+        why = space(config, g)
+        if why == other:
             continue
         priced = None
         if why is None:
@@ -158,15 +131,55 @@ def mesh_if_faster(config: Config, plan: Plan) -> Plan:
             except InfeasibleError as exc:
                 why = f"not priced: {exc}"
         if priced is not None:
-            why = _over_budget(config, priced.cost.peak_memory_bytes)
+            why = _refused(config, priced)
         if why is not None or priced is None:
             notes.append(f"{g.text()} not offered as the plan ({why})")
-        elif priced.step_s < (best[1].step_s if best else plan.step_s):
+            continue
+        bar = best[1].step_s if best is not None else own_step_s
+        if bar is None or priced.step_s < bar:
             if best is not None:
-                notes.append(_slower(best[0], best[1].step_s))
+                notes.append(_slower(*best))
             best = (g, priced)
         else:
-            notes.append(_slower(g, priced.step_s))
+            notes.append(_slower(g, priced))
+    return best, notes
+
+
+def _slower(g: GivenConfig, priced: GivenPrice) -> str:
+    """The note of a rival priced, fitting and not kept: a faster plan or rival was kept."""
+    return f"{g.text()} offered as the plan: {priced.step_s:.6g} s a step, not faster"
+
+
+def given_if_faster(config: Config, pipeline: AssembledPipeline | None
+                    ) -> AssembledPipeline | None:
+    """``pipeline`` (None: the planner found none), or the fastest pipelined compared
+    configuration's pipeline (module docstring) where it simulates faster, with a note
+    naming what was kept and why others were not."""
+    best, notes = _fastest(config, None if pipeline is None else pipeline.step_s,
+                           out_of_space, "not pipelined")
+    kept = pipeline
+    if best is not None:
+        g, priced = best
+        kept = priced.pipeline
+        assert kept is not None
+        v = kept.schedule.virtual_stages
+        own = "none" if pipeline is None else f"{pipeline.step_s:.6g} s"
+        notes.insert(0, f"the compared configuration {g.text()}: {len(kept.stages) // v} stages"
+                        f"{f' × {v} chunks' if v > 1 else ''} simulate to {kept.step_s:.6g} s a "
+                        f"step, the planner's pipeline {own}: kept the compared configuration")
+    if not notes or kept is None:
+        return kept
+    own_note = pipeline.note if pipeline is not None else ""
+    return dataclasses.replace(kept, note="; ".join(n for n in (own_note, *notes) if n))
+
+
+def mesh_if_faster(config: Config, plan: Plan) -> Plan:
+    """``plan``, or the fastest one-mesh compared configuration (``pp = 1``) as the plan where
+    it is predicted faster — its layers and cost as priced, the config's micro-batch count
+    set to its own (what ``plan check`` and the runtime read), its report that of a priced
+    configuration (no bound, no stage search: the planner's solve was of another problem)
+    — the report's message saying which was kept and why others were not."""
+    best, notes = _fastest(config, plan.step_s, mesh_out_of_space, "pipelined")
     if best is None:
         return _with_message(plan, plan, notes)
     g, priced = best
@@ -174,8 +187,10 @@ def mesh_if_faster(config: Config, plan: Plan) -> Plan:
                     f"micro-batch(es): {priced.step_s:.6g} s a step, the planner's plan "
                     f"{plan.step_s:.6g} s: kept the compared configuration")
     raw = apply_overrides(config.raw, {"pipeline.microbatches": priced.microbatches})
-    kept = Plan(plan.name, raw, dataclasses.replace(plan.solver, objective=priced.step_s),
-                priced.cost, priced.layers, plan.baselines)
+    report = dataclasses.replace(plan.solver, objective=priced.step_s,
+                                 method=f"given configuration {g.text()}", bound=None,
+                                 gap=None, stats=None, stages=None)
+    kept = Plan(plan.name, raw, report, priced.cost, priced.layers, plan.baselines)
     return _with_message(kept, plan, notes)
 
 

@@ -87,7 +87,7 @@ def check_plan(plan: Plan, source: str | None = None, microbatches: int | None =
         graph = microbatch_graph(config, m, src)
         _check_layers(plan, graph, src)
         stages = plan_stages(plan, config, src)
-        check_layer_strategies(plan, graph, config, [s.mesh for s in stages], src,
+        check_layer_strategies(plan.layers, graph, config, [s.mesh for s in stages], src,
                                strategies=strategies)
         stage_of = {n: s.index for s in stages for n in s.layers}
         entries, entry_of = plan_entries(plan, graph, stages, stage_of, src)

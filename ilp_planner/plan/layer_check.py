@@ -12,6 +12,8 @@ follower must read its producer's output with partial sums resolved and produce 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ilp_planner.errors import LayoutError, PlanFormatError
 from ilp_planner.inputs.config import Config
 from ilp_planner.ir.graph import Graph, Op, OpKind
@@ -23,29 +25,31 @@ from ilp_planner.lowering.strategies import (
     follower_inputs,
     op_strategies,
 )
-from ilp_planner.plan.data import LayerPlan, Plan
+from ilp_planner.plan.data import LayerPlan
 
 FOLLOWS = "follows "
 
 
-def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
-                           meshes: list[tuple[int, int]], source: str | None = None, *,
+def check_layer_strategies(layers: Sequence[LayerPlan], graph: Graph, config: Config,
+                           meshes: list[tuple[int, int]], source: str, *,
                            strategies: bool = True) -> None:
-    """Raise :class:`PlanFormatError` naming (``source``, default the plan's name) the first
-    layer whose strategy label or layouts are not what the planner generates for its op on
-    its stage's mesh (``meshes[stage]`` = (nodes, devices per node), already checked).
+    """Raise :class:`PlanFormatError` naming ``source`` (a plan's name) and the first of a
+    plan's ``layers`` whose strategy label or layouts are not what the planner generates
+    for its op on its stage's mesh (``meshes[stage]`` = (nodes, devices per node), already
+    checked) under ``config``'s solver options — a compared configuration the planner
+    would keep as its plan is checked so too.
 
     ``strategies=False`` leaves the deciding layers unchecked against the enumerated
     strategies — the one costly part, which a training rank skips because the verbs that
     start ranks ran it — and still checks every op, stage and follower."""
-    src = source or plan.name
+    src = source
     cluster = config.cluster
     contexts = {shape: StrategyContext(cluster, *shape, config.memory,
                                        config.solver.max_weight_replication,
                                        config.solver.state_sharding) for shape in meshes}
-    layers = {ly.name: ly for ly in plan.layers}
+    by_name = {ly.name: ly for ly in layers}
     cache: dict[tuple, list[Strategy]] = {}
-    for i, ly in enumerate(plan.layers):
+    for i, ly in enumerate(layers):
         where = f"{src}: layers[{i}] ({ly.name}).strategy"
         if ly.name not in graph or graph[ly.name].kind is OpKind.INPUT:
             raise PlanFormatError(f"{where}: the plan's config has no op {ly.name!r} to run")
@@ -55,7 +59,7 @@ def check_layer_strategies(plan: Plan, graph: Graph, config: Config,
         ctx = contexts[meshes[ly.stage]]
         try:
             if ly.strategy.startswith(FOLLOWS):
-                _check_follower(op, ly, layers, graph, ctx, where)
+                _check_follower(op, ly, by_name, graph, ctx, where)
                 continue
             if not strategies:
                 continue
