@@ -40,6 +40,7 @@ from ilp_planner.reports.explain import (
     summary,
 )
 from ilp_planner.sweeps.points import plan_row
+from tests.helpers.shipped import shipped_plan
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt-cpu.yaml"
@@ -242,7 +243,7 @@ def test_every_shipped_config_explains_diffs_and_compiles_for_the_runtime(path, 
     included, sharded state and recomputation too."""
     from runtime.executor import Executor, RunOptions
 
-    plan = solve(path, baselines=False)
+    plan = shipped_plan(path.stem, baselines=False)
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
     text = explain(loaded)

@@ -21,6 +21,7 @@ from ilp_planner.inter_op.stage_solver import StageSolver
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.plan.data import Plan
 from tests.helpers.oracles import brute_force_stages, crossing, signature
+from tests.helpers.shipped import shipped_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = CONFIGS / "tiny-gpt-cpu.yaml"
@@ -265,7 +266,7 @@ def test_auto_stage_count_solves():
 
 @pytest.mark.parametrize("name", ["gpt-2.6b-2x4", "u-transformer-2x4"])
 def test_eager_1f1b_is_no_slower_than_1f1b_on_shipped_configs(name):
-    plan = solve(load_config(CONFIGS / f"{name}.yaml"), baselines=False)
+    plan = shipped_plan(name, baselines=False)
     assert len(plan.stages) >= 2 and plan.resharding
     durations = stage_durations([st.times for st in plan.stages], plan.resharding)
     assert sum(durations.activation_transfer) > 0

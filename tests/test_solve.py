@@ -30,6 +30,7 @@ from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, collective_time
 from ilp_planner.plan.data import PLAN_VERSION, Plan
 from ilp_planner.reports.summary import memory_lower_bound
+from tests.helpers.shipped import shipped_plan
 
 K = CollectiveKind
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -39,7 +40,7 @@ SINGLE_MESH = ["tiny-gpt-cpu", "vgg13-2x8", "mlp-autoddl-128"]
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
     """Each shipped single-mesh config solved once, baselines included."""
-    return {name: solve(CONFIGS / f"{name}.yaml") for name in SINGLE_MESH}
+    return {name: shipped_plan(name, baselines=True) for name in SINGLE_MESH}
 
 
 def cluster(nodes: int, local: int) -> Cluster:
