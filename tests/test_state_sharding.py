@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -462,14 +463,17 @@ def test_the_tied_warm_start_is_a_fitting_plan_found_without_an_ilp(monkeypatch)
     assert ilps and proven.objective <= warm.objective
 
 
-def test_the_caps_search_equals_every_cap_solved_on_its_own():
+def test_the_caps_search_equals_every_cap_solved_on_its_own_and_says_it_sampled():
     """tiny-utf-zero-cpu on one node of four devices, with a budget that forces state
     sharding and recomputation: ``solve_mesh`` (the sampled transient caps, each followed
     down to the transient its plan uses, cut off where they cannot win) finds the plan
-    that solving every count of recomputed blocks at every distinct transient cap —
-    each solve exact for its cap — finds at best. A cap is solved with the best plan so far
-    as its cutoff (the elimination stops once its proven bound reaches it: sound, see
-    test_elimination's cutoff test), so the caps that cannot win cost a few passes."""
+    that solving every count of recomputed blocks at every distinct transient cap — each
+    solve exact for its cap — finds at best, and its message says it sampled the caps: on
+    this budget the two agree, not on every one (at 0.00068 GiB the every-cap optimum is
+    1.5 % faster, 0.0037335 s against 0.0037918 s: the solve_mesh docstring). A cap is
+    solved with the best plan so far as its cutoff (the elimination stops once its proven
+    bound reaches it: sound, see test_elimination's cutoff test), so the caps that cannot
+    win cost a few passes."""
     config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
         {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": 0.0007})
     request = replace(MeshSolveRequest.whole_cluster(config), cache=BuildCache())
@@ -487,6 +491,7 @@ def test_the_caps_search_equals_every_cap_solved_on_its_own():
                 continue
     gp, res = solve_mesh(MeshSolveRequest.whole_cluster(config))
     assert res.objective == pytest.approx(best, rel=1e-9)
+    assert re.search(r"optimal over the \d+ transient caps tried of 18", res.message)
     assert peak_memory(gp, res.choice) <= config.cluster.memory_bytes * (1 + 1e-9)
 
 
