@@ -20,6 +20,7 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.lowering.compute_model import op_work
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
@@ -114,7 +115,8 @@ def test_llama_import():
     q, k = 2 * 4 * 8 * 8, 2 * 2 * 8 * 8
     assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 12,
                                 "input_steps_bytes": (10 * (q + k) + 4 * 64 + 2 * 3 * k) * 4,
-                                "input_steps_flops": int(3.5 * (q + k)), "functional": 1}
+                                "input_steps_flops": int(3.5 * (q + k)), "functional": 1,
+                                "input_copies": 2, "input_copies_bytes": 2 * 3 * k * 4}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM
@@ -414,6 +416,13 @@ def test_folded_copies_are_priced_by_the_bytes_they_move():
     bytes_ = 2 * n * 4 + (n * 4 + n * 2) * 2 + 2 * (n // 2 * 4 + n * 4)
     assert (attn.attrs["input_steps"], attn.attrs["input_steps_bytes"],
             attn.attrs["input_steps_flops"]) == (5, bytes_, 0)
+    assert (attn.attrs["input_copies"], attn.attrs["input_copies_bytes"]) == (5, bytes_)
+    # priced with the attention: memory-bound kernels, a quarter each phase on 4 devices
+    fwd, bwd = op_work(attn, 4.0)
+    assert fwd.stream_bytes == bwd.stream_bytes == bytes_ / 4
+    text = ilp_planner.explain(ilp_planner.solve(g, cluster=dict(CLUSTER, gpu="a100-80gb"),
+                                                 baselines=False))
+    assert f"{attn.name}: 5 kernels" in text and "(of which 5 copies:" in text
 
 
 def test_a_view_of_contiguous_data_stays_free():

@@ -183,8 +183,13 @@ def input_steps(g: DraftGraph, acts: tuple[Any, ...]) -> dict[str, int]:
     costs = [g.count(n) for n in nodes]
     flops = sum(numel(first_output(n.meta["val"]).shape) for n in nodes
                 if op_name(n.target) not in CONCATS | VIEWS)
-    return {"input_steps": len(nodes), "input_steps_flops": int(flops),
-            "input_steps_bytes": sum(c.bytes_read + c.bytes_written for c in costs)}
+    attrs = {"input_steps": len(nodes), "input_steps_flops": int(flops),
+             "input_steps_bytes": sum(c.bytes_read + c.bytes_written for c in costs)}
+    copies = [c for n, c in zip(nodes, costs, strict=True) if op_name(n.target) in VIEWS]
+    if copies:  # of which copies (named apart by ``explain``)
+        attrs.update(input_copies=len(copies),
+                     input_copies_bytes=sum(c.bytes_read + c.bytes_written for c in copies))
+    return attrs
 
 
 def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:
