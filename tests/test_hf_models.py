@@ -662,7 +662,9 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
     between the projections and SDPA: each of its kernels (mul, neg, cat, mul, add per
     tensor) is counted on torch's tensors — q of n = 2·4·8·8 elements, k of n/2, the cos
     and sin rows 8 × 8 in float32: (10n + 2·64) × 4 bytes and 3.5n FLOPs per tensor —,
-    priced with the attention forward and backward, and named by ``explain``."""
+    priced with the attention forward and backward, and named by ``explain``. GQA's
+    ``repeat_kv`` (expand, then a reshape that must copy) is a kernel per k and v: it reads
+    k's n/2 elements once and writes n, no FLOPs."""
     from ilp_planner.lowering.compute_model import op_work
 
     _, graph = imported("llama_untied")
@@ -670,7 +672,7 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
     for i in range(2):
         op = graph[f"model.layers.{i}.self_attn.attention"]
         assert (op.attrs["input_steps"], op.attrs["input_steps_bytes"],
-                op.attrs["input_steps_flops"]) == (10, (10 * (q + k) + 4 * table) * 4,
+                op.attrs["input_steps_flops"]) == (12, (10 * (q + k) + 4 * table + 6 * k) * 4,
                                                    3.5 * (q + k))
         fwd, bwd = op_work(op, 2.0)
         assert fwd.stream_bytes == bwd.stream_bytes == op.attrs["input_steps_bytes"] / 2
@@ -678,7 +680,7 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
     cluster = dict(CLUSTER, gpu="a100-80gb")
     cluster.pop("peak_tflops")
     text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))
-    assert "model.layers.0.self_attn.attention: 10 kernels" in text
+    assert "model.layers.0.self_attn.attention: 12 kernels" in text
     assert "NOT priced" not in text
 
 

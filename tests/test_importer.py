@@ -20,6 +20,7 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.lowering.compute_model import op_work
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
@@ -109,11 +110,13 @@ def test_llama_import():
     assert attn.inputs == ("layers.0.wq", "layers.0.wk", "layers.0.wv")
     # its rotary, x·cos + rotate_half(x)·sin on q (n = 2·4·8·8) and k (n/2), as 5 kernels
     # each (mul, neg, cat, mul, add) with (10n + 2·64) × 4 bytes and 3.5n FLOPs, the cos and
-    # sin rows (8, 8)
+    # sin rows (8, 8); then GQA's repeat_interleave of k and v (each reads k's n/2
+    # elements, writes n: copies, no FLOPs)
     q, k = 2 * 4 * 8 * 8, 2 * 2 * 8 * 8
-    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 10,
-                                "input_steps_bytes": (10 * (q + k) + 4 * 64) * 4,
-                                "input_steps_flops": int(3.5 * (q + k)), "functional": 1}
+    assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 12,
+                                "input_steps_bytes": (10 * (q + k) + 4 * 64 + 2 * 3 * k) * 4,
+                                "input_steps_flops": int(3.5 * (q + k)), "functional": 1,
+                                "input_copies": 2, "input_copies_bytes": 2 * 3 * k * 4}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM
@@ -384,3 +387,61 @@ def test_an_opaque_op_owning_several_parameters_prices_one_role_each():
     for st in op_strategies(op, [graph[i].output for i in op.inputs], ctx):
         assert set(param_layouts(op, st.label, st.inputs, st.weight, st.output)) == {
             "weight", "weight_1"}
+
+
+class _FoldedCopies(nn.Module):
+    """Attention whose q / k / v pass folded re-views before SDPA: a bf16 → fp32 cast of
+    q, a transpose made contiguous (a real copy), GQA's ``repeat_interleave`` of k / v
+    heads, and a view of contiguous data (free)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16, bias=False)
+        self.kv = nn.Linear(16, 16, bias=False)
+        self.out = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 4).transpose(1, 2).contiguous()  # (b, 4, s, 4): a copy
+        q = q.to(torch.bfloat16).float()  # two casts, each a read and a write
+        k, v = self.kv(x).view(b, s, 2, 8).transpose(1, 2).split(4, dim=-1)  # views
+        k = k.repeat_interleave(2, dim=1)  # GQA: (b, 2, s, 4) → (b, 4, s, 4)
+        v = v.repeat_interleave(2, dim=1)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+
+def test_folded_copies_are_priced_by_the_bytes_they_move():
+    b, s = 2, 8
+    g = from_module(_FoldedCopies(), (torch.randn(b, s, 16),), loss_fn=lambda y: y.sum())
+    attn = next(op for op in g.ops if op.kind is OpKind.ATTENTION)
+    n = b * s * 16  # q's elements; k and v hold half before their repeat
+    # contiguous: n fp32 read + written; to(bf16): n fp32 read, n bf16 written; float():
+    # back; each repeat_interleave reads n/2 fp32 (its strided half of kv) and writes n
+    bytes_ = 2 * n * 4 + (n * 4 + n * 2) * 2 + 2 * (n // 2 * 4 + n * 4)
+    assert (attn.attrs["input_steps"], attn.attrs["input_steps_bytes"],
+            attn.attrs["input_steps_flops"]) == (5, bytes_, 0)
+    assert (attn.attrs["input_copies"], attn.attrs["input_copies_bytes"]) == (5, bytes_)
+    # priced with the attention: memory-bound kernels, a quarter each phase on 4 devices
+    fwd, bwd = op_work(attn, 4.0)
+    assert fwd.stream_bytes == bwd.stream_bytes == bytes_ / 4
+    text = ilp_planner.explain(ilp_planner.solve(g, cluster=dict(CLUSTER, gpu="a100-80gb"),
+                                                 baselines=False))
+    assert f"{attn.name}: 5 kernels" in text and "(of which 5 copies:" in text
+
+
+def test_a_view_of_contiguous_data_stays_free():
+    class Free(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48, bias=False)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).reshape(b, s, 3, 4, 4).permute(2, 0, 3, 1, 4).unbind(0)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return y.transpose(1, 2).contiguous().view(b, s, 16)
+
+    g = from_module(Free(), (torch.randn(2, 8, 16),), loss_fn=lambda y: y.sum())
+    attn = next(op for op in g.ops if op.kind is OpKind.ATTENTION)
+    assert "input_steps" not in attn.attrs

@@ -202,7 +202,10 @@ def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], t
 
 
 def _nbytes(tensors: list[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The bytes ``tensors`` hold in memory: an expanded (broadcast, stride 0) dim reads the
+    same elements again (GQA's ``expand`` of key / value heads before their copy)."""
+    return sum(numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
+               * t.element_size() for t in tensors)
 
 
 def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) -> list[Op]:

@@ -17,10 +17,13 @@ from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_layers import lift_norm
 from ilp_planner.inputs.lift_masks import OTHER, after_step
 from ilp_planner.inputs.lift_values import (
+    CASTS,
     CONCATS,
+    COPIES,
     FOLLOWERS,
     LOSSES,
     REDUCTIONS,
+    RESHAPES,
     SOFTMAXES,
     SPLITS,
     UNARY_FOLDS,
@@ -82,8 +85,51 @@ def lift_view(g: DraftGraph, call: Call) -> Any:
     if not isinstance(x, Act):
         return Const()
     step = (call.op,) + tuple(a for a in call.args[1:] if isinstance(a, (int, list, tuple)))
+    steps = x.steps + (call.node,) if copies(call) else x.steps
     return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts,
-               x.steps)
+               steps)
+
+
+def copies(call: Call) -> bool:
+    """Whether a folded re-view really moves bytes — a kernel of its own that reads its
+    input and writes its output — as the exported program's meta (shapes, strides, dtypes)
+    says: a clone, a repeat, a cast to another dtype, ``contiguous`` of a non-contiguous
+    tensor, a reshape torch cannot express as a view (a transposed or expanded input: GQA's
+    repeated key / value heads). Views, transposes and same-dtype casts are free."""
+    src = call.node.args[0].meta.get("val") if call.node.args else None
+    out = call.val
+    if src is None or not hasattr(src, "stride") or not hasattr(out, "shape"):
+        return False
+    if call.op in COPIES:
+        return True
+    if call.op in CASTS:
+        return src.dtype != out.dtype
+    if call.op == "contiguous":
+        return not src.is_contiguous()
+    if call.op in RESHAPES:
+        return not viewable(tuple(src.shape), tuple(src.stride()), tuple(out.shape))
+    return False
+
+
+def viewable(shape: tuple[int, ...], stride: tuple[int, ...], new: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` / ``stride`` can be re-viewed as ``new`` without a copy
+    (torch's own rule, ``at::detail::computeStride``: each run of dims contiguous with each
+    other must map onto whole dims of the new shape)."""
+    if not shape or numel(shape) == 0:
+        return True
+    view_d, base = len(new) - 1, stride[-1]
+    tensor_numel = view_numel = 1
+    for d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and stride[d - 1] != tensor_numel * base):
+            while view_d >= 0 and (view_numel < tensor_numel or new[view_d] == 1):
+                view_numel *= new[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if d > 0:
+                base, tensor_numel, view_numel = stride[d - 1], 1, 1
+    return view_d == -1
 
 
 def lift_split(g: DraftGraph, call: Call) -> list:

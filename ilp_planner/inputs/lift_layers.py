@@ -17,6 +17,7 @@ from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
     CONCATS,
     SPLITS,
+    VIEWS,
     Act,
     Call,
     Const,
@@ -171,17 +172,24 @@ def input_steps(g: DraftGraph, acts: tuple[Any, ...]) -> dict[str, int]:
     rotary positions (``x·cos + rotate_half(x)·sin``, DeepSeek's complex products), a scale
     — which run as kernels of their own before the attention: their number
     (``input_steps``), the bytes of the tensors each reads and writes as torch counts them
-    (``input_steps_bytes``) and one FLOP per element each writes, none for a
-    concatenation's copy (``input_steps_flops``). Priced with the attention
+    (``input_steps_bytes``) and one FLOP per element each writes, none for a copy — a
+    concatenation, a folded re-view that moves bytes (GQA's repeated key / value heads, a
+    cast, ``contiguous``: :func:`ilp_planner.inputs.lift_elementwise.copies`)
+    (``input_steps_flops``). Priced with the attention
     (:func:`ilp_planner.lowering.compute_model._rotary`) and named by ``explain``."""
     nodes = list(dict.fromkeys(s for a in acts if isinstance(a, Act) for s in a.steps))
     if not nodes:
         return {}
     costs = [g.count(n) for n in nodes]
     flops = sum(numel(first_output(n.meta["val"]).shape) for n in nodes
-                if op_name(n.target) not in CONCATS)
-    return {"input_steps": len(nodes), "input_steps_flops": int(flops),
-            "input_steps_bytes": sum(c.bytes_read + c.bytes_written for c in costs)}
+                if op_name(n.target) not in CONCATS | VIEWS)
+    attrs = {"input_steps": len(nodes), "input_steps_flops": int(flops),
+             "input_steps_bytes": sum(c.bytes_read + c.bytes_written for c in costs)}
+    copies = [c for n, c in zip(nodes, costs, strict=True) if op_name(n.target) in VIEWS]
+    if copies:  # of which copies (named apart by ``explain``)
+        attrs.update(input_copies=len(copies),
+                     input_copies_bytes=sum(c.bytes_read + c.bytes_written for c in copies))
+    return attrs
 
 
 def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:

@@ -28,6 +28,10 @@ VIEWS = frozenset({
     "view_as", "reshape_as", "expand_as", "float", "half", "bfloat16", "unflatten",
     "view_as_complex", "view_as_real",  # DeepSeek-V2's rotary turns pairs into complex numbers
 })
+# the folded re-views that may move bytes (lift_elementwise.copies decides from the meta)
+COPIES = frozenset({"clone", "repeat_interleave", "repeat", "lift_fresh_copy"})
+CASTS = frozenset({"to", "_to_copy", "type_as", "float", "half", "bfloat16"})
+RESHAPES = frozenset({"reshape", "flatten", "reshape_as", "unflatten"})
 SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unbind", "tensor_split"})
 UNARY_FOLDS = frozenset({
     "neg", "mul", "div", "add", "sub", "pow", "rsqrt", "sqrt", "exp", "tanh", "sigmoid",

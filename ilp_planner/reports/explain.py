@@ -41,7 +41,7 @@ from formulations.result import SolveStats
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import Config, parse_cluster, parse_config
 from ilp_planner.ir.cluster import Cluster, fact_str
-from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
@@ -528,6 +528,13 @@ def _roofline_lines(plan: Plan, config: Config) -> list[str]:
             *text_table(["kind", *BOUNDS, "mostly"], rows)]
 
 
+def _copies(op: Op) -> str:
+    """The folded copies among an attention's input steps (GQA's repeated heads, casts,
+    ``contiguous``: re-views that move bytes), where it has any."""
+    n = op.attrs.get("input_copies", 0)
+    return f" (of which {n} copies: {fmt_bytes(op.attrs['input_copies_bytes'])})" if n else ""
+
+
 def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
     """The attention ops whose imported q, k or v carry element-wise steps of the user's
     code (rotary positions, a scale: ``attrs.input_steps``), each with its kernels, bytes
@@ -546,10 +553,10 @@ def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
         listed = "; ".join(f"{op.name}: {op.attrs['input_steps']} kernels, "
                            f"{fmt_bytes(op.attrs.get('input_steps_bytes', 0))}, "
                            f"{op.attrs.get('input_steps_flops', 0):.3g} FLOPs"
-                           for op in folded[:shown])
+                           + _copies(op) for op in folded[:shown])
         more = f"; … {len(folded) - shown} more" if len(folded) > shown else ""
         lines.append(f"element-wise steps of the module's code on attention's q, k, v (its "
-                     f"rotary positions, scales), priced by torch's bytes per micro-batch "
+                     f"rotary positions, scales, folded copies), priced by torch's bytes per micro-batch "
                      f"forward and again backward: {listed}{more}{flat}")
     if rope:
         lines.append(f"rotary positions priced in {len(rope)} attention op(s) "
