@@ -20,7 +20,7 @@ from ilp_planner.intra_op.baselines import (
     torchtitan_choice,
     two_axis_meshes,
 )
-from ilp_planner.intra_op.problem import BuildCache, GraphProblem, build_problem
+from ilp_planner.intra_op.problem import BuildCache, GraphProblem, NodeCosts, build_nodes
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.intra_op.solve_mesh import solve_mesh
@@ -34,13 +34,13 @@ def _uncached(request: MeshSolveRequest):
     every option priced afresh for every member."""
     config = request.config
 
-    def build(levels: tuple[int, ...], blocks: frozenset, keep, dp: int) -> GraphProblem:
-        return build_problem(request.graph, config.cluster, request.nodes, request.local,
-                             config.memory, tie_layers=config.solver.tie_layers,
-                             memory_budget=request.memory_budget,
-                             microbatches=request.microbatches,
-                             grad_bucket_bytes=config.grad_bucket_bytes, zero_levels=levels,
-                             recompute=blocks, keep=keep)
+    def build(levels: tuple[int, ...], blocks: frozenset, keep, dp: int) -> NodeCosts:
+        return build_nodes(request.graph, config.cluster, request.nodes, request.local,
+                           config.memory, tie_layers=config.solver.tie_layers,
+                           memory_budget=request.memory_budget,
+                           microbatches=request.microbatches,
+                           grad_bucket_bytes=config.grad_bucket_bytes, zero_levels=levels,
+                           recompute=blocks, keep=keep)
     return build
 
 

@@ -19,7 +19,7 @@ from ilp_planner.inter_op.layer_units import subgraph
 from ilp_planner.inter_op.stage_solver import StageSolver, pipeline_latency
 from ilp_planner.inter_op.stage_variants import AtGridPoint
 from ilp_planner.intra_op.baselines import GridPoint, torchtitan_choice
-from ilp_planner.intra_op.problem import build_problem, peak_memory
+from ilp_planner.intra_op.problem import build_nodes, peak_memory
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.solve_mesh import recompute_in_space
 from ilp_planner.ir.graph import Graph
@@ -95,12 +95,12 @@ def pipelined_grid(config: Config, graph: Graph, solver: StageSolver, boundary: 
 
             def build(levels, blocks, keep, _dp, sub=sub, bound=bound, n=n, d=d):
                 # the pipeline fixes the micro-batches: a member they do not suit has no price
-                return build_problem(sub, cluster, n, d, config.memory,
-                                     tie_layers=opts.tie_layers,
-                                     memory_budget=cluster.memory_bytes, microbatches=M,
-                                     boundary=bound, grad_bucket_bytes=config.grad_bucket_bytes,
-                                     cache=solver.state.build_cache, zero_levels=levels,
-                                     recompute=blocks, keep=keep)
+                return build_nodes(sub, cluster, n, d, config.memory,
+                                   tie_layers=opts.tie_layers,
+                                   memory_budget=cluster.memory_bytes, microbatches=M,
+                                   boundary=bound, grad_bucket_bytes=config.grad_bucket_bytes,
+                                   cache=solver.state.build_cache, zero_levels=levels,
+                                   recompute=blocks, keep=keep)
 
             point = torchtitan_choice(sub, build, n, d, cluster.memory_bytes, solver.time_limit_s)
             if isinstance(point, str):

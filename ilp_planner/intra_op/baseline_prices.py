@@ -17,7 +17,7 @@ from ilp_planner.intra_op.baselines import (
     torchtitan_choice,
 )
 from ilp_planner.intra_op.moe_baselines import has_moe
-from ilp_planner.intra_op.problem import BuildCache, GraphProblem, build_problem
+from ilp_planner.intra_op.problem import BuildCache, NodeCosts, build_nodes
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.ir.graph import Graph
@@ -48,7 +48,7 @@ class MemberBuilder:
         self.graphs: dict[int, Graph] = {request.microbatches: request.graph}
 
     def __call__(self, levels: tuple[int, ...], blocks: frozenset, keep: Filter,
-                 dp: int) -> GraphProblem:
+                 dp: int) -> NodeCosts:
         m = self.request.microbatches
         try:
             return self._build(m, levels, blocks, keep)
@@ -86,16 +86,16 @@ class MemberBuilder:
                      if batch % m == 0 and (batch // m) % dp == 0), None)
 
     def _build(self, m: int, levels: tuple[int, ...], blocks: frozenset,
-               keep: Filter) -> GraphProblem:
+               keep: Filter) -> NodeCosts:
         req, config = self.request, self.request.config
         if m not in self.graphs:
             self.graphs[m] = config.with_overrides({"pipeline.microbatches": m}).microbatch_graph()
-        return build_problem(self.graphs[m], config.cluster, req.nodes, req.local, config.memory,
-                             tie_layers=config.solver.tie_layers,
-                             memory_budget=req.memory_budget, microbatches=m,
-                             boundary=req.boundary, grad_bucket_bytes=config.grad_bucket_bytes,
-                             cache=self.caches.setdefault(m, BuildCache()), zero_levels=levels,
-                             recompute=blocks, keep=keep)
+        return build_nodes(self.graphs[m], config.cluster, req.nodes, req.local, config.memory,
+                           tie_layers=config.solver.tie_layers,
+                           memory_budget=req.memory_budget, microbatches=m,
+                           boundary=req.boundary, grad_bucket_bytes=config.grad_bucket_bytes,
+                           cache=self.caches.setdefault(m, BuildCache()), zero_levels=levels,
+                           recompute=blocks, keep=keep)
 
 
 _LAST: list[MemberBuilder] = []

@@ -77,7 +77,14 @@ from ilp_planner.intra_op.moe_baselines import (
     replicated_experts_filter,
     with_moe,
 )
-from ilp_planner.intra_op.problem import GraphProblem, Restriction, StrategyFilter, peak_memory
+from ilp_planner.intra_op.problem import (
+    GraphProblem,
+    NodeCosts,
+    NodeOption,
+    Restriction,
+    StrategyFilter,
+    peak_memory,
+)
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind
 from ilp_planner.ir.layouts import B, Layout, Split, drop_unit_axes
@@ -301,8 +308,9 @@ def member_name(label: str, a: MeshAxis, b: MeshAxis) -> str:
     return f"summa({a}x{b})" if label == "summa" else f"{label}(dp={a},tp={b})"
 
 
-Build = Callable[[tuple[int, ...], frozenset, Filter, int], GraphProblem]
-"""``build(zero_levels, recomputed_blocks, keep, dp)``: the planner's problem restricted to
+Build = Callable[[tuple[int, ...], frozenset, Filter, int], NodeCosts]
+"""``build(zero_levels, recomputed_blocks, keep, dp)``: the first half
+(:func:`~ilp_planner.intra_op.problem.build_nodes`) of the planner's problem restricted to
 the strategies ``keep`` passes (:func:`~ilp_planner.intra_op.problem.build_problem`'s
 ``keep``), for a member splitting the batch ``dp`` ways — on the configured micro-batches,
 or where their batch does not split so, on another micro-batch count that does (the
@@ -328,12 +336,19 @@ def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limi
 
 @dataclass(eq=False)
 class _Built:
-    """A member's restricted problem, under the budget left to it, and the least memory
-    any of its choices needs (with its reserve); ``priced``: its price once solved."""
+    """A member's restricted build, its edges priced only once it is solved (``nodes``:
+    :class:`~ilp_planner.intra_op.problem.NodeCosts`, under the budget left to it), and
+    the least memory any of its choices needs (with its reserve); ``priced``: its price
+    once solved."""
 
-    gp: GraphProblem
+    nodes: NodeCosts
     need: float
     priced: Priced | float | str | None = None
+
+    @property
+    def gp(self) -> GraphProblem:
+        """The whole problem (its edges priced on first use)."""
+        return self.nodes.complete()
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -360,16 +375,16 @@ def _build_member(build: Build, keep: Filter, dp: int, budget: float | None,
     """The problem, or the least memory it needs where that exceeds ``budget``, or why it
     has no layout."""
     try:
-        gp = build(levels, blocks, keep, dp)
+        nodes = build(levels, blocks, keep, dp)
     except ValueError as exc:
         return str(exc)
-    reserve = _reserve(gp) if reserve_transients else 0.0
-    need = gp.problem.min_memory()[0] + reserve
+    reserve = _reserve(nodes.options) if reserve_transients else 0.0
+    need = nodes.min_memory() + reserve
     if budget is not None:
         if need > budget:
             return need
-        gp.problem.memory_budget = budget - reserve
-    return _Built(gp, need)
+        nodes.memory_budget = budget - reserve
+    return _Built(nodes, need)
 
 
 def _member_price(built: _Built, budget: float | None, time_limit_s: float,
@@ -378,8 +393,9 @@ def _member_price(built: _Built, budget: float | None, time_limit_s: float,
     (``built.priced``)."""
     if built.priced is not None:
         return built.priced
-    if beat is not None and lower_bound(built.gp.problem) > beat * (1 + _BEAT_MARGIN):
-        return None
+    if beat is not None and (built.nodes.bound() > beat * (1 + _BEAT_MARGIN)
+                             or lower_bound(built.gp.problem) > beat * (1 + _BEAT_MARGIN)):
+        return None  # the first test before the edges are priced
     built.priced = _solved(built, budget, time_limit_s)
     return built.priced
 
@@ -474,7 +490,7 @@ def _best_member(build: Build, label: str, meshes: list, budget: float | None,
         elif isinstance(built, str):
             reasons.append((i, built))
         else:
-            staged.append((lower_bound(built.gp.problem), i, name, built))
+            staged.append((built.nodes.bound(), i, name, built))
     best: tuple[float, int, str, Priced] | None = None
     for _, i, name, built in sorted(staged, key=lambda s: s[:2]):
         res = _member_price(built, budget, time_limit_s,
@@ -616,8 +632,8 @@ class _GridSearch:
                 elif isinstance(built, str):
                     self.reasons.append((self.order, built))
                 else:
-                    staged.append((lower_bound(built.gp.problem), self.order, name,
-                                   (dp, tp, sp), built))
+                    staged.append((built.nodes.bound(), self.order, name, (dp, tp, sp),
+                                   built))
         for _, i, name, point, built in sorted(staged, key=lambda s: s[:2]):
             beat = None if self.best is None or not self.prune else self.best[0]
             res = _member_price(built, self.budget, self.time_limit_s, beat)
@@ -628,7 +644,8 @@ class _GridSearch:
             elif isinstance(res, str):
                 self.reasons.append((i, res))
             elif res is not None and (self.best is None or (res.objective, i) < self.best[:2]):
-                self.best = (res.objective, i, name, res, _reserve(res.gp) if fsdp else 0.0)
+                self.best = (res.objective, i, name, res,
+                             _reserve(res.gp.options) if fsdp else 0.0)
 
     def _done_without_checkpointing(self, fsdp: bool, res: Priced | float | str | None
                                     ) -> bool:
@@ -653,7 +670,7 @@ def _memory_binds(priced: Priced, time_limit_s: float) -> bool:
     return isinstance(free, str) or free[1] < priced.objective * (1 - 1e-12)
 
 
-def _reserve(gp: GraphProblem) -> float:
+def _reserve(options: dict[str, list[NodeOption]]) -> float:
     """The largest transient of any option (FSDP's gathered weights): what a point
     reserves of the budget."""
-    return max((o.transient_bytes for opts in gp.options.values() for o in opts), default=0.0)
+    return max((o.transient_bytes for opts in options.values() for o in opts), default=0.0)

@@ -444,37 +444,120 @@ def build_problem(graph: Graph, cluster: Cluster, nodes: int, local: int, memory
     recomputed (:func:`recomputed`; the ops of a block whose outputs leave it are kept).
     ``keep`` restricts every op to the strategies it passes (a baseline's): the problem is
     then the full one's :func:`~ilp_planner.intra_op.baselines.restrict` — the same costs,
-    built without the strategies it would drop (``ValueError`` where an op keeps none)."""
+    built without the strategies it would drop (``ValueError`` where an op keeps none).
+    The build's two halves: :func:`build_nodes`, then :meth:`NodeCosts.complete`."""
+    return build_nodes(graph, cluster, nodes, local, memory, tie_layers=tie_layers,
+                       max_weight_replication=max_weight_replication,
+                       memory_budget=memory_budget, microbatches=microbatches,
+                       boundary=boundary, grad_bucket_bytes=grad_bucket_bytes, cache=cache,
+                       zero_levels=zero_levels, recompute=recompute, keep=keep).complete()
+
+
+def build_nodes(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: MemorySpec,
+                *, tie_layers: bool = True, max_weight_replication: int | None = None,
+                memory_budget: float | None = None, microbatches: int = 1,
+                boundary: StageBoundary | None = None,
+                grad_bucket_bytes: float = 0.0, cache: BuildCache | None = None,
+                zero_levels: tuple[int, ...] = (0,),
+                recompute: frozenset[tuple[str, int]] = frozenset(),
+                keep: StrategyFilter | None = None) -> NodeCosts:
+    """:func:`build_problem`'s first half (its arguments): every node's options and the
+    groups' cost and memory rows, no edge priced yet."""
     boundary = boundary or StageBoundary()
     ctx = StrategyContext(cluster, nodes, local, memory, max_weight_replication,
                           tuple(zero_levels))
     st = _structure(graph, boundary, tie_layers, cache)
-    owner, position, members = st.owner, st.position, st.members
-    group_key, groups, group_of = st.group_key, st.groups, st.group_of
-    again = recomputed_nodes(graph, members, recompute, boundary)
+    again = st.recomputed_nodes(frozenset(recompute))
     options = _options_per_node(graph, st, ctx, microbatches, again, cache, keep)
     derived: dict[int, _ListFacts] = {} if cache is None else cache.facts
     facts = functools.partial(_cached_facts, derived)
-    cost = [np.zeros(len(options[g[0]])) for g in groups]
-    mem = [np.zeros(len(options[g[0]])) for g in groups]
-    for node, g in group_of.items():
-        f = facts(options[node])
-        cost[g] += f.cost
-        mem[g] += f.memory
+    cost = [np.zeros(len(options[g[0]])) for g in st.groups]
+    mem = [np.zeros(len(options[g[0]])) for g in st.groups]
+    uses = _list_uses(st, options)
+    for (g, _), (opts, count) in uses.items():
+        f = facts(opts)
+        cost[g] += count * f.cost
+        mem[g] += count * f.memory
         if boundary.inflight > 1:  # every micro-batch in flight holds its activations
-            mem[g] += (boundary.inflight - 1) * f.held
-    _add_boundary_programs(graph, cluster, boundary, owner, position, options, group_of, cost,
-                           microbatches, {} if cache is None else cache.programs)
-    edges = _edge_costs(st, cluster, options, again, microbatches, cost, cache)
-    _add_tied_exchange(graph, cluster, owner, position, options, group_of, edges)
-    names = [group_key[g[0]] for g in groups]
-    buckets = (_bucket_terms(options, group_of, cost, grad_bucket_bytes, ctx, facts)
+            mem[g] += count * (boundary.inflight - 1) * f.held
+    _add_boundary_programs(graph, cluster, boundary, st.owner, st.position, options,
+                           st.group_of, cost, microbatches,
+                           {} if cache is None else cache.programs)
+    buckets = (_bucket_terms(uses, cost, grad_bucket_bytes, ctx, facts)
                if grad_bucket_bytes > 0 else None)
-    _add_shared_couplings(st, options, cost, edges, buckets)
-    problem = Problem(names, cost, mem, edges, memory_budget, buckets)
-    return GraphProblem(problem, graph, ctx, owner, position, members, options, group_of, groups,
-                        microbatches, boundary, grad_bucket_bytes, frozenset(again),
-                        frozenset(recompute))
+    return NodeCosts(graph, cluster, ctx, st, options, again, microbatches, cost, mem, buckets,
+                     memory_budget, boundary, grad_bucket_bytes, frozenset(recompute), cache)
+
+
+ListUses = dict[tuple[int, int], tuple[list[NodeOption], int]]
+"""Per (group, options list id): the list and how many of the group's nodes use it."""
+
+
+def _list_uses(st: _Structure, options: dict[str, list[NodeOption]]) -> ListUses:
+    """The options lists each group's nodes use, counted: a repeated layer's copies share
+    one list, so a group's rows are sums over a few lists (a 32-layer GPT's 600 nodes, 20
+    lists), each priced once."""
+    uses: ListUses = {}
+    for node, g in st.group_of.items():
+        opts = options[node]
+        key = (g, id(opts))
+        hit = uses.get(key)
+        uses[key] = (opts, 1 if hit is None else hit[1] + 1)
+    return uses
+
+
+@dataclass
+class NodeCosts:
+    """A build's first half (:func:`build_nodes`): every node's options and the groups'
+    cost and memory rows (gradient latencies already moved into the bucket terms), before
+    any edge is priced. The least memory a choice needs and a bound on the objective are
+    known here; a baseline member that cannot fit, or whose bound already exceeds its
+    family's best, is never completed — the edges are half of a build."""
+
+    graph: Graph
+    cluster: Cluster
+    ctx: StrategyContext
+    st: _Structure
+    options: dict[str, list[NodeOption]]
+    again: dict[str, int]
+    microbatches: int
+    cost: list[np.ndarray]
+    mem: list[np.ndarray]
+    buckets: BucketTerms | None
+    memory_budget: float | None
+    boundary: StageBoundary
+    grad_bucket_bytes: float
+    recompute: frozenset[tuple[str, int]]
+    cache: BuildCache | None
+    done: GraphProblem | None = None
+
+    def min_memory(self) -> float:
+        """The least per-device memory any choice needs (the edges hold none)."""
+        return sum(float(m.min()) for m in self.mem)
+
+    def bound(self) -> float:
+        """A bound no choice goes below: every group's cheapest option on its own (edges,
+        couplings and the fused gradient latencies only add to it)."""
+        return float(sum(c.min() for c in self.cost))
+
+    def complete(self) -> GraphProblem:
+        """The whole problem (once): the edges' redistribution matrices, the tied tables'
+        gradient exchange and the couplings added. The rows are completed in place, so
+        read :meth:`bound` and :meth:`min_memory` before."""
+        if self.done is None:
+            st, options, cost = self.st, self.options, self.cost
+            edges = _edge_costs(st, self.cluster, options, self.again, self.microbatches, cost,
+                                self.cache)
+            _add_tied_exchange(self.graph, self.cluster, st.owner, st.position, options,
+                               st.group_of, edges)
+            _add_shared_couplings(st, options, cost, edges, self.buckets)
+            problem = Problem([st.group_key[g[0]] for g in st.groups], cost, self.mem, edges,
+                              self.memory_budget, self.buckets)
+            self.done = GraphProblem(
+                problem, self.graph, self.ctx, st.owner, st.position, st.members, options,
+                st.group_of, st.groups, self.microbatches, self.boundary,
+                self.grad_bucket_bytes, frozenset(self.again), self.recompute)
+        return self.done
 
 
 STRUCTURES_KEPT = 16
@@ -515,6 +598,17 @@ class _Structure:
     # the same inside a node: a functional follower of a functional member, (node, the
     # member's position, the follower's position) — see :func:`_functional_follows`
     still_within: tuple[tuple[str, int, int], ...] = ()
+    boundary: StageBoundary = field(default_factory=StageBoundary)
+    # :func:`recomputed_nodes` by recomputed blocks (:meth:`recomputed_nodes`)
+    recomputed: dict[frozenset, dict[str, int]] = field(default_factory=dict, compare=False)
+
+    def recomputed_nodes(self, blocks: frozenset[tuple[str, int]]) -> dict[str, int]:
+        """:func:`recomputed_nodes` of this graph, once per set of blocks."""
+        hit = self.recomputed.get(blocks)
+        if hit is None:
+            hit = self.recomputed[blocks] = recomputed_nodes(self.graph, self.members, blocks,
+                                                             self.boundary)
+        return hit
 
 
 def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
@@ -550,7 +644,8 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
                       for (o, oi), (d, di) in rides.items())
     out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
                      *_tie_groups(graph, members, shapes, tie_layers), edges, riding, couplings,
-                     _functional_edges(graph, pairs), _functional_follows(graph, owner, position))
+                     _functional_edges(graph, pairs), _functional_follows(graph, owner, position),
+                     boundary)
     if cache is not None:
         if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
             del cache.structures[next(iter(cache.structures))]
@@ -821,13 +916,13 @@ def _list_facts(opts: list[NodeOption]) -> _ListFacts:
                       np.array(nbytes, dtype=float), tuple(keys), tuple(samples))
 
 
-def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int],
-                  cost: list[np.ndarray], cap: float, ctx: StrategyContext,
+def _bucket_terms(uses: ListUses, cost: list[np.ndarray], cap: float, ctx: StrategyContext,
                   facts) -> BucketTerms:
     """Move each gradient reduction's latency out of its op's cost into the bucket term of
-    its device group (the bandwidth part stays: it is linear in the bytes). ``facts``:
-    :class:`_ListFacts` of an options list."""
-    distinct = list({id(opts): opts for opts in options.values()}.values())
+    its device group (the bandwidth part stays: it is linear in the bytes). ``uses``: the
+    options lists of each group (:func:`_list_uses`); ``facts``: :class:`_ListFacts` of an
+    options list."""
+    distinct = list({id(opts): opts for opts, _ in uses.values()}.values())
     sizes = set().union(*(facts(opts).sizes for opts in distinct))
     if len(sizes) > 1:
         raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
@@ -835,27 +930,29 @@ def _bucket_terms(options: dict[str, list[NodeOption]], group_of: dict[str, int]
                           f"for one AllReduce per op)", key="training.grad_bucket_mb")
     index: dict[tuple, int] = {}
     alpha: list[float] = []
-    # per options list (tied layers share one): the device group index of each row and
-    # the latency moved out of each strategy's cost (added row by row, in order)
-    shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for opts in distinct:
-        f = facts(opts)
-        for key, c in zip(f.keys, f.samples, strict=True):
+        for key, c in zip(facts(opts).keys, facts(opts).samples, strict=True):
             if key not in index:
                 index[key] = len(alpha)
                 alpha.append(collective_seconds(c.kind, c.group_size, 0.0, ctx.cluster,
                                                 c.link == "inter", c.nodes))
+    # per options list (tied layers share one): the latency moved out of each strategy's
+    # cost and the bytes each strategy adds to each device group's bucket term
+    shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for opts in distinct:
+        f = facts(opts)
         js = np.array([index[key] for key in f.keys], dtype=np.int64)[f.sync_key] \
             if len(f.keys) else np.zeros(0, dtype=np.int64)
         moved = np.zeros(len(opts))
         np.add.at(moved, f.sync_k, np.array(alpha)[js] if len(js) else np.zeros(0))
-        shared[id(opts)] = (js, moved)
+        nbytes = np.zeros((len(opts), len(alpha)))
+        np.add.at(nbytes, (f.sync_k, js), f.sync_bytes)
+        shared[id(opts)] = (moved, nbytes)
     per_group = [np.zeros((len(c), len(alpha))) for c in cost]
-    for node, g in group_of.items():
-        f = facts(options[node])
-        js, moved = shared[id(options[node])]
-        cost[g] -= moved
-        np.add.at(per_group[g], (f.sync_k, js), f.sync_bytes)
+    for (g, lid), (_, count) in uses.items():
+        moved, nbytes = shared[lid]
+        cost[g] -= count * moved
+        per_group[g] += count * nbytes
     return BucketTerms(np.array(alpha), per_group, cap)
 
 
