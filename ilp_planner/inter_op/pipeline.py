@@ -16,9 +16,7 @@ and the schedule simulated (:mod:`~ilp_planner.inter_op.assembly`).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from formulations.schedules import INTERLEAVED
@@ -53,25 +51,10 @@ from ilp_planner.ir.cluster import submesh_shapes
 from ilp_planner.plan.data import Plan, SolverReport, StageSolves
 
 
-@contextmanager
-def _young_collections_only():
-    """The stage table keeps millions of small objects in its caches (layouts, options,
-    search rows); the cyclic collector's full passes walk all of them again and again and
-    free nothing there (a fifth of a 1,024-device plan's time). While the planner runs only
-    the young generations are collected; the previous thresholds come back after."""
-    old = gc.get_threshold()
-    gc.set_threshold(old[0], old[1] if len(old) > 1 else 10, 10**9)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
-
-
 def solve_pipelined(config: Config, *, baselines: bool = True) -> Plan:
     """Stages by the DP, intra-op plans per stage, resharding per crossing tensor, and the
     simulated schedule."""
-    with _young_collections_only():
-        return _solve_pipelined(config, baselines)
+    return _solve_pipelined(config, baselines)
 
 
 @dataclass(frozen=True)

@@ -204,10 +204,11 @@ class BuildCache:
     # every strategy of an op (by content, inputs and context): the plan's build and the
     # restricted builds (``keep``) that each keep a few of them (:func:`_every_strategy`)
     strategies: dict[tuple, list[Strategy]] = field(default_factory=dict)
-    # a node's options for one base strategy (by the node's content, the mesh's cost
-    # context and the strategy's value): shared by every build that offers that strategy —
-    # the plan's full build and each baseline member's restricted one (:func:`_node_options`)
-    base_options: dict[tuple, list[NodeOption]] = field(default_factory=dict)
+    # a node's options for one base strategy (by the node's content and the mesh's cost
+    # context, then the strategy's value): shared by every build that offers that
+    # strategy — the plan's full build and each baseline member's restricted one
+    # (:func:`_node_options`)
+    base_options: dict[tuple, dict[Strategy, list[NodeOption]]] = field(default_factory=dict)
     # a recomputed option (``recomputed``) by (id of the option, micro-batches, copies); each
     # entry keeps its source option alive so the id stays valid
     recomputed_options: dict[tuple, tuple[NodeOption, NodeOption]] = field(default_factory=dict)
@@ -249,21 +250,21 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
     rides = riders(graph)
     riding = frozenset(f for f in members[1:] if (f, 0) in rides)
-    memo, node_key = None, None
-    if cache is not None:  # what an option depends on besides its base strategy
-        memo = cache.base_options
-        node_key = (_cost_context(ctx), microbatches, input_reached, tuple(in_specs),
-                    tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1)
-                          for i, m in enumerate(members)))
+    memo = None
+    if cache is not None:  # by what an option depends on besides its base strategy
+        memo = cache.base_options.setdefault((
+            _cost_context(ctx), microbatches, input_reached, tuple(in_specs),
+            tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1)
+                  for i, m in enumerate(members))), {})
     for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
-        made = None if memo is None else memo.get((node_key, base))
+        made = None if memo is None else memo.get(base)
         if made is None:
             choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
             made = [_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
                                  ctx, microbatches, input_reached, riding)
                     for picks in itertools.product(*choices)]
             if memo is not None:
-                memo[(node_key, base)] = made
+                memo[base] = made
         opts.extend(made)
     if not opts:
         raise ValueError(
@@ -578,8 +579,9 @@ class _Structure:
     owner: dict[str, str]
     position: dict[str, int]
     members: dict[str, list[str]]
-    # per node in order: (node, members, input reached, shape, tie key or None)
-    nodes: tuple[tuple[str, list[str], bool, tuple, tuple | None], ...]
+    # per node in order: (node, members, input reached, shape, tie class or None: the
+    # index of its (tie key, kind, output, weight, shape, input reached))
+    nodes: tuple[tuple[str, list[str], bool, tuple, int | None], ...]
     tied_tables: frozenset[str]
     group_key: dict[str, str]
     groups: list[list[str]]
@@ -618,15 +620,15 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     if cache is not None and key in cache.structures:
         return cache.structures[key]
     owner, position, members = _fused_nodes(graph)
-    nodes, shapes = [], {}
+    nodes, shapes, ties = [], {}, {}
     for node, mem in members.items():
         rep = graph[node]
         reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
         shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
                       for i, m in enumerate(mem))  # which member each follower reads
         shapes[node] = shape
-        tie = ((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached)
-               if rep.tie_key else None)
+        tie = (ties.setdefault((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached),
+                               len(ties)) if rep.tie_key else None)
         nodes.append((node, mem, reached, shape, tie))
     # a tied table's two copies exchange whole gradients after synchronisation
     # (tied_exchange, or one AllReduce across stages): they keep their state replicated
@@ -718,7 +720,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
     for node, mem, reached, _, tie in st.nodes:
-        key = (*tie, again.get(node)) if tie is not None else None
+        key = (tie, again.get(node)) if tie is not None else None
         if key is not None and key in tied:
             options[node] = tied[key]
             continue

@@ -119,7 +119,7 @@ class Layout:
         """Mesh axes splitting ``dim``, major first (hot in the lowering: computed once)."""
         return self._split_axes.get(dim, ())
 
-    @property
+    @cached_property
     def partial_axes(self) -> tuple[int, ...]:
         return tuple(i for i, pl in enumerate(self.placements) if isinstance(pl, Partial))
 
@@ -304,13 +304,17 @@ class Layout:
     def canonical_key(self) -> tuple:
         """For a P-free layout: a key equal for two layouts (of the same devices, any
         factorisation) exactly when every device holds the same block of the tensor."""
-        if self.has_partial:
-            raise LayoutError("canonical_key is defined for layouts without partial sums")
-        rank = self._blocks.shape[1]
-        degrees = tuple(self.split_degree(d) for d in range(rank))
-        while degrees and degrees[-1] == 1:
-            degrees = degrees[:-1]
-        return degrees, self._blocks[:, : len(degrees)].tobytes()
+        key = self.__dict__.get("_canonical_key")
+        if key is None:  # baseline filters ask it of every strategy of every member
+            if self.has_partial:
+                raise LayoutError("canonical_key is defined for layouts without partial sums")
+            rank = self._blocks.shape[1]
+            degrees = tuple(self.split_degree(d) for d in range(rank))
+            while degrees and degrees[-1] == 1:
+                degrees = degrees[:-1]
+            key = self.__dict__["_canonical_key"] = (
+                degrees, self._blocks[:, : len(degrees)].tobytes())
+        return key
 
 
 def drop_unit_axes(layout: Layout) -> Layout:

@@ -106,6 +106,14 @@ class Strategy:
     # parameters of the local optimizer-state shard: what one optimizer step updates
     update_params: float = 0.0
 
+    def __hash__(self) -> int:
+        # once per strategy: the build caches key every member's options by strategy
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(
+                getattr(self, f.name) for f in dataclasses.fields(self)))
+        return h
+
     @property
     def forward_compute_s(self) -> float:
         return self.compute_s / 3 if self.forward_s is None else self.forward_s
