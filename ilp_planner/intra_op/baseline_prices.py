@@ -12,13 +12,12 @@ from __future__ import annotations
 from ilp_planner.intra_op.baselines import (
     Filter,
     GridPoint,
-    Priced,
     price_families,
     torchtitan_choice,
 )
 from ilp_planner.intra_op.moe_baselines import has_moe
 from ilp_planner.intra_op.problem import BuildCache, NodeCosts, build_nodes
-from ilp_planner.intra_op.realise import realise
+from ilp_planner.intra_op.realise import EdgeMemo, realise
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.ir.graph import Graph
 
@@ -118,16 +117,14 @@ def price_baselines(request: MeshSolveRequest) -> dict[str, dict]:
     its cost block or an error saying why it has none."""
     config = request.config
     out: dict[str, dict] = {}
+    memo: EdgeMemo = {}  # the families' edges repeat per layer and across families
     for name, priced in price_families(member_builder(request), request.nodes, request.local,
                                        request.microbatches, request.memory_budget,
                                        config.solver.time_limit_s,
                                        moe=has_moe(request.graph)).items():
-        out[name] = {"error": priced} if isinstance(priced, str) else _block(priced)
+        out[name] = ({"error": priced} if isinstance(priced, str)
+                     else realise(priced.gp, priced.choice, memo=memo)[1].to_dict())
     return out
-
-
-def _block(priced: Priced) -> dict:
-    return realise(priced.gp, priced.choice)[1].to_dict()
 
 
 def grid_baseline(request: MeshSolveRequest) -> GridPoint | str:
@@ -144,5 +141,5 @@ def price_grid(grid: GridPoint | str | None) -> dict[str, dict]:
         return {}
     if isinstance(grid, str):
         return {"torchtitan": {"error": grid}}
-    return {grid.name: realise(grid.gp, grid.choice)[1].to_dict()}
+    return {grid.name: realise(grid.gp, grid.choice, memo={})[1].to_dict()}  # layers' edges once
 

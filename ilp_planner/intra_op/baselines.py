@@ -203,17 +203,35 @@ class Priced:
     choice: list[int]
     objective: float
     gap: float = 0.0
+    # whether the memory row moved the optimum (the problem without it costs less; True
+    # where that is not proven): only then can checkpointing, which needs less memory, win
+    memory_binds: bool = True
 
 
-def solve_exact(sub: Problem, time_limit_s: float) -> tuple[list[int], float, float] | str:
+class Beaten:
+    """A member whose solve stopped once its proven bound passed its family's best: it
+    cannot be the family's figure. The bound is its memory row's: a checkpointed twin,
+    which needs less memory, may still go below it."""
+
+
+BEATEN = Beaten()
+
+
+def solve_exact(sub: Problem, time_limit_s: float, cutoff: float | None = None
+                ) -> tuple[list[int], float, float] | str | None:
     """The optimum of a restricted problem: variable elimination (exact, and fast on the
     few strategies a baseline keeps); what it leaves open goes to the ILP on the strategies
-    its bound keeps, within ``time_limit_s``. Returns (choice, objective, gap) or why none."""
+    its bound keeps, within ``time_limit_s``. Returns (choice, objective, gap) or why none;
+    None where the elimination proves that no choice costs less than ``cutoff``."""
     deadline = time.perf_counter() + time_limit_s
     try:
-        exact = solve_elimination(sub, node_solver=functools.partial(_node_ilp, deadline))
+        exact = solve_elimination(sub, node_solver=functools.partial(_node_ilp, deadline),
+                                  cutoff=cutoff)
     except NoFit as exc:
         return f"does not fit: {exc}"
+    if exact is not None and cutoff is not None and exact.result.bound is not None and \
+            exact.result.bound >= cutoff:
+        return None
     if exact is not None and exact.keep is None:
         return list(exact.result.choice), exact.result.objective, 0.0
     keep = exact.keep if exact is not None else [np.arange(len(c)) for c in sub.cost]
@@ -317,23 +335,6 @@ or where their batch does not split so, on another micro-batch count that does (
 problem's ``microbatches`` says which). Raises ``ValueError`` naming what is missing."""
 
 
-def _member(build: Build, keep: Filter, dp: int, budget: float | None, time_limit_s: float,
-            levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
-            reserve_transients: bool = False, beat: float | None = None
-            ) -> Priced | float | str | None:
-    """One member priced: its restricted problem solved exactly under ``budget`` (less the
-    largest transient when ``reserve_transients``: FSDP holds one gathered op at a time).
-    A float where it cannot fit: the least per-device memory it needs; a string where it
-    has no layout at all. None where its problem's lower bound (:func:`lower_bound`)
-    already exceeds ``beat`` (the best objective of its family so far): its exact price
-    could not replace that best, so its solve is skipped — the family's figure is the
-    same, for a fraction of the solves."""
-    built = _member_problem(build, keep, dp, budget, levels, blocks, reserve_transients)
-    if not isinstance(built, _Built):
-        return built
-    return _member_price(built, budget, time_limit_s, beat)
-
-
 @dataclass(eq=False)
 class _Built:
     """A member's restricted build, its edges priced only once it is solved (``nodes``:
@@ -388,28 +389,53 @@ def _build_member(build: Build, keep: Filter, dp: int, budget: float | None,
 
 
 def _member_price(built: _Built, budget: float | None, time_limit_s: float,
-                  beat: float | None = None) -> Priced | float | str | None:
-    """:func:`_member`'s solve of a built member (None: its bound exceeds ``beat``), once
-    (``built.priced``)."""
+                  beat: float | None = None) -> Priced | float | str | Beaten | None:
+    """A built member's price (once: ``built.priced``), against ``beat``, the best objective
+    of its family so far: None where a bound without the memory row already exceeds it
+    (the member's nodes alone, then with its edges, then its memory-free solve stopped
+    there) — nor can any checkpointed twin go below it, as each of their choices costs at
+    least as much; :data:`BEATEN` where the solve with the row stopped there."""
     if built.priced is not None:
         return built.priced
-    if beat is not None and (built.nodes.bound() > beat * (1 + _BEAT_MARGIN)
-                             or lower_bound(built.gp.problem) > beat * (1 + _BEAT_MARGIN)):
+    cutoff = None if beat is None else beat * (1 + _BEAT_MARGIN)
+    if cutoff is not None and (built.nodes.bound() > cutoff
+                               or lower_bound(built.gp.problem) > cutoff):
         return None  # the first test before the edges are priced
-    built.priced = _solved(built, budget, time_limit_s)
-    return built.priced
+    res = _solved(built, budget, time_limit_s, cutoff)
+    if res is not None and res is not BEATEN:
+        built.priced = res
+    return res
 
 
-def _solved(built: _Built, budget: float | None, time_limit_s: float) -> Priced | float | str:
+def _solved(built: _Built, budget: float | None, time_limit_s: float,
+            cutoff: float | None) -> Priced | float | str | Beaten | None:
+    """:func:`_member_price`'s solves. Under a budget the problem is solved without its
+    memory row first: where that optimum fits it is the optimum, and the row binds nothing
+    (one solve, and the answer the grid's checkpointing skip needs)."""
     gp, need = built.gp, built.need
-    out = solve_exact(gp.problem, time_limit_s)
+    problem, out, free, binds = gp.problem, None, None, True
+    if problem.memory_budget is not None:
+        free = solve_exact(dataclasses.replace(problem, memory_budget=None), time_limit_s, cutoff)
+        if free is None:
+            return None
+        if not isinstance(free, str) and free[2] == 0 and problem.feasible(free[0]):
+            out, binds = free, False
+    if out is None:
+        out = solve_exact(problem, time_limit_s, cutoff)
+        if out is None:
+            return BEATEN
+        if not isinstance(out, str) and out[2] == 0 and isinstance(free, tuple) \
+                and free[2] == 0:
+            binds = free[1] < out[1] * (1 - 1e-12)  # another choice as cheap as the free one
     if isinstance(out, str):
         return need if out.startswith("does not fit") else out
     choice, objective, gap = out
     if budget is not None and peak_memory(gp, choice) > budget * (1 + 1e-9):
         return peak_memory(gp, choice)  # re-materialised blocks or transients exceed it
     broken = gp.unrunnable(choice)  # every member breaks what the runtime can run
-    return Priced(gp, choice, objective, gap) if broken is None else f"parallelize: {broken}"
+    if broken is not None:
+        return f"parallelize: {broken}"
+    return Priced(gp, choice, objective, gap, binds)
 
 
 _BEAT_MARGIN = 1e-6
@@ -499,7 +525,7 @@ def _best_member(build: Build, label: str, meshes: list, budget: float | None,
             needs.append((res, name))
         elif isinstance(res, str):
             reasons.append((i, res))
-        elif res is not None and (best is None or (res.objective, i) < best[:2]):
+        elif isinstance(res, Priced) and (best is None or (res.objective, i) < best[:2]):
             best = (res.objective, i, name, res)
     if best is None:
         return family_failure(label, needs, [r for _, r in sorted(reasons)], budget)
@@ -601,13 +627,10 @@ class _GridSearch:
     best: tuple[float, int, str, Priced, float] | None = None
     needs: list[tuple[float, str]] = field(default_factory=list)
     reasons: list[tuple[int, str]] = field(default_factory=list)
-    # DDP points that fit without checkpointing, or whose bound without it already exceeds
-    # the best: recomputing without sharded state only adds work, so neither needs it
-    ddp_done: set[tuple] = field(default_factory=set)
-    # FSDP points whose optimum without checkpointing ignores the memory row, or whose
-    # bound without it already exceeds the best: checkpointing cannot win there
-    # (:func:`_memory_binds`; a checkpointed twin's bound is at least the plain one's)
-    fsdp_done: set[tuple] = field(default_factory=set)
+    # (fsdp, dp, tp, sp) of the points whose optimum without checkpointing ignores the
+    # memory row, or whose bound without the row already exceeds the best: checkpointing
+    # cannot win there (:meth:`_done_without_checkpointing`)
+    done: set[tuple] = field(default_factory=set)
     order: int = 0
 
     def group(self, fsdp: bool, mode: str, blocks: frozenset, meshes: list) -> None:
@@ -616,9 +639,8 @@ class _GridSearch:
         for dp, tp in meshes:
             for sp in (False, True) if tp.size > 1 else (False,):
                 self.order += 1
-                if mode != "none" and (dp, tp, sp) in (self.fsdp_done if fsdp
-                                                       else self.ddp_done):
-                    continue  # checkpointing could only add work (the sets' comments)
+                if mode != "none" and (fsdp, dp, tp, sp) in self.done:
+                    continue  # checkpointing could only add work (``done``)
                 name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
                         f"{'sp,' if sp else ''}ac={mode})")
                 state = _fully_sharded if fsdp else _replicated_state
@@ -637,37 +659,26 @@ class _GridSearch:
         for _, i, name, point, built in sorted(staged, key=lambda s: s[:2]):
             beat = None if self.best is None or not self.prune else self.best[0]
             res = _member_price(built, self.budget, self.time_limit_s, beat)
-            if mode == "none" and self._done_without_checkpointing(fsdp, res):
-                (self.fsdp_done if fsdp else self.ddp_done).add(point)
+            if mode == "none" and self._done_without_checkpointing(res):
+                self.done.add((fsdp, *point))
             if isinstance(res, float):
                 self.needs.append((res, name))
             elif isinstance(res, str):
                 self.reasons.append((i, res))
-            elif res is not None and (self.best is None or (res.objective, i) < self.best[:2]):
+            elif isinstance(res, Priced) and (self.best is None
+                                              or (res.objective, i) < self.best[:2]):
                 self.best = (res.objective, i, name, res,
                              _reserve(res.gp.options) if fsdp else 0.0)
 
-    def _done_without_checkpointing(self, fsdp: bool, res: Priced | float | str | None
-                                    ) -> bool:
-        """Whether a point's checkpointed twins need no pricing, from its plain price."""
-        if res is None:
-            return True
-        if not isinstance(res, Priced):
-            return False
-        return not fsdp or not _memory_binds(res, self.time_limit_s)
-
-
-def _memory_binds(priced: Priced, time_limit_s: float) -> bool:
-    """Whether the memory row moved a member's optimum (its problem solved without the row
-    costs less). Where it did not, checkpointing cannot win: a recomputed option costs at
-    least its plain twin (its forward again; under ZeRO-3 the recomputation's gather
-    replaces the backward's) and a recomputed block's input programs run again, so every
-    choice costs at least as much checkpointed, and the plain optimum is already the least
-    of all choices — the grid skips that point's checkpointing modes, exactly."""
-    if priced.gap > 0:
-        return True
-    free = solve_exact(dataclasses.replace(priced.gp.problem, memory_budget=None), time_limit_s)
-    return isinstance(free, str) or free[1] < priced.objective * (1 - 1e-12)
+    @staticmethod
+    def _done_without_checkpointing(res: Priced | float | str | Beaten | None) -> bool:
+        """Whether a point's checkpointed twins need no pricing, from its plain price:
+        none where its memory-free bound already exceeds the best (None), or where its
+        optimum is the one without the memory row (recomputation only adds work: a
+        recomputed option costs at least its plain twin — its forward again; under ZeRO-3
+        the recomputation's gather replaces the backward's — and a recomputed block's input
+        programs run again, so every choice costs at least as much checkpointed)."""
+        return res is None or (isinstance(res, Priced) and not res.memory_binds)
 
 
 def _reserve(options: dict[str, list[NodeOption]]) -> float:
