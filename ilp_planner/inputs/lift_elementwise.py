@@ -151,7 +151,9 @@ def lift_softmax(g: DraftGraph, call: Call) -> Act:
         dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", -1)
         parts = x.parts if int(dim) % len(x.shape) == len(x.shape) - 1 else \
             MappingProxyType({**x.parts, "mask": OTHER})
-        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", parts)
+        # its steps stay with it: the attention prices the copies among them (a cast)
+        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", parts,
+                   x.steps)
     src = g.ir(call.node, x)
     act = g.add(call.node, OpKind.SOFTMAX, [src], tokens_major(val.shape), dtype_of(val),
                 flops=5.0 * numel(val.shape))
@@ -194,8 +196,9 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     gain = next((param_name(c) for c in consts if param_name(c)), None)
     if gain is not None and op == "mul" and any(s[0] == "reduce_last" for s in x.chain) \
             and g.param_shape[gain] == (shape[-1],) and len(x.src) == 1:
-        return lift_norm(g, call.node, Act(x.src, shape, dtype, x.chain), val, OpKind.RMSNORM,
-                         [gain])
+        # its own steps' copies (HF's casts to float32 and back) run before it: its to price
+        return lift_norm(g, call.node, Act(x.src, shape, dtype, x.chain, steps=x.steps), val,
+                         OpKind.RMSNORM, [gain])
     pos = next((c for c in consts if c.table_of_positions), None)
     if pos is not None and op == "add" and len(x.src) == 1 \
             and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
@@ -249,17 +252,19 @@ def lift_new_empty(g: DraftGraph, call: Call) -> Act:
                parts=MappingProxyType({"buffer": call.node.name}))
 
 
-def write_into(g: DraftGraph, dest: Act, src: Any) -> Any:
-    """``dest.copy_(src)`` into a slice of a :func:`lift_new_empty` buffer: the buffer now
-    also derives from ``src`` — a concatenation, as ``cat`` of parts is — so its readers
-    read the ops it was filled from. Returns the buffer's new value."""
+def write_into(g: DraftGraph, dest: Act, src: Any, node: Any) -> Any:
+    """``dest.copy_(src)`` (``node``) into a slice of a :func:`lift_new_empty` buffer: the
+    buffer now also derives from ``src`` — a concatenation, as ``cat`` of parts is — so its
+    readers read the ops it was filled from, and price the copy (a step of the buffer's:
+    MLA's shared rotary key written into every head's slice reads its stored elements once
+    and writes them per head). Returns the buffer's new value."""
     name = dest.parts["buffer"]
     buf = g.values[name]
     if not isinstance(src, Act):
         return buf
     filled = Act(tuple(dict.fromkeys(buf.src + src.src)), buf.shape, buf.dtype,
                  buf.chain + src.chain + (("cat",),), parts=buf.parts,
-                 steps=_joined(buf.steps + src.steps))
+                 steps=_joined(buf.steps + src.steps, node))
     g.values[name] = filled
     return filled
 

@@ -1,0 +1,208 @@
+"""Copies the importer folds outside attention inputs are priced by the bytes they move:
+each on the op reading the copied value (a linear, a norm, an output), forward by torch's
+count of its tensors and backward by closed form — checked here against hand-computed
+bytes and against what autograd really runs — and named by ``explain``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import MappingProxyType
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import ilp_planner
+from ilp_planner.inputs.importer import from_module
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.lowering.compute_model import folded_work, op_work
+
+B, S, H = 2, 8, 16
+N = B * S * H  # elements of the first linear's output
+
+
+class _Between(nn.Module):
+    """``first`` (16 → 16), then ``copy(pre(...))`` on its output — ``pre`` re-views it,
+    ``copy`` moves bytes — then ``second`` reading the result."""
+
+    def __init__(self, pre: Callable, copy: Callable, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.pre, self.copy = pre, copy
+        self.first = nn.Linear(H, H, bias=False)
+        self.second = nn.Linear(H, H, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.copy(self.pre(self.first(x))))
+
+
+def _same(h: torch.Tensor) -> torch.Tensor:
+    return h
+
+
+def _heads(h: torch.Tensor) -> torch.Tensor:
+    return h.view(B, S, 4, 4).transpose(1, 2)  # (b, heads, s, d), strided: a view
+
+
+def _written_back(h: torch.Tensor) -> torch.Tensor:
+    # attention's output written back as an eager attention's is before o_proj: made
+    # contiguous, then re-viewed (b, s, heads·d) — two layout copies
+    return h.contiguous().transpose(1, 2).reshape(B, S, H)
+
+
+FOLDS = {  # name: (pre, copy, second's dtype, forward bytes, backward bytes, backward adds)
+    # a cast: reads n float32, writes n float64; backward casts the gradient back
+    "cast": (_same, lambda h: h.double(), torch.float64, N * (4 + 8), N * (4 + 8), 0),
+    # each layout copy reads and writes n float32; backward passes the gradient as a view
+    "layout": (_heads, _written_back, torch.float32, 2 * (2 * N * 4), 0, 0),
+    # rotate-half's swap of two halves: reads both, writes n; backward: views of dY
+    "concat": (lambda h: (h[..., 8:], h[..., :8]), lambda hs: torch.cat(hs, -1),
+               torch.float32, 2 * N * 4, 0, 0),
+    # GQA's head repeats, of the first of two heads: reads n/2, writes n; backward sums
+    # the repeats: reads n, writes n/2, n/2 adds
+    "repeat": (lambda h: h.view(B, S, 2, 8)[:, :, :1],
+               lambda h: h.repeat_interleave(2, dim=2).reshape(B, S, H), torch.float32,
+               3 * N // 2 * 4, 3 * N // 2 * 4, N // 2),
+}
+
+
+def _imported(name: str):
+    pre, copy, dtype = FOLDS[name][:3]
+    model = _Between(pre, copy, dtype)
+    return model, from_module(model, (torch.randn(B, S, H),), loss_fn=lambda y: y.sum())
+
+
+@pytest.mark.parametrize("name", sorted(FOLDS))
+def test_a_copy_folded_between_two_linears_is_priced_on_the_second(name):
+    _, graph = _imported(name)
+    fwd_bytes, bwd_bytes, adds = FOLDS[name][3:]
+    copies = 2 if name == "layout" else 1
+    second = graph["second"]
+    assert second.kind is OpKind.LINEAR and second.inputs == ("first",)
+    a = second.attrs
+    assert (a["input_copies"], a[f"input_copies_{name}"], a["input_copies_bytes"],
+            a["input_copies_bwd_bytes"]) == (copies, copies, fwd_bytes, bwd_bytes)
+    # only copies: no element-wise FLOPs forward; a repeat's backward sum adds
+    assert (a["input_steps"], a["input_steps_bytes"], a["input_steps_flops"]) == \
+        (copies, fwd_bytes, 0)
+    assert (a["input_steps_bwd_bytes"], a["input_steps_bwd_flops"]) == (bwd_bytes, adds)
+    assert not any(k.startswith("input_") for k in graph["first"].attrs)
+    # priced with the second linear as separate memory-bound kernels, each with its floor;
+    # on 4 devices splitting the tokens, a quarter of the bytes each phase
+    m, k = B * S, second.weight.shape[0]
+    fwd, bwd = op_work(second, 4.0, (m / 4, H, k))
+    plain_fwd, plain_bwd = op_work(_without_copies(second), 4.0, (m / 4, H, k))
+    assert (fwd.stream_bytes, fwd.kernels - plain_fwd.kernels) == (fwd_bytes / 4, copies)
+    assert bwd.stream_bytes == bwd_bytes / 4
+    assert bwd.kernels - plain_bwd.kernels == (1 if bwd_bytes else 0) * copies
+    # a column-parallel linear's input is whole on each device splitting its columns
+    assert op_work(second, 4.0, (m, H / 4, k))[0].stream_bytes == fwd_bytes
+
+
+def _without_copies(op):
+    return dataclasses.replace(op, attrs=MappingProxyType(
+        {k: v for k, v in op.attrs.items() if not k.startswith("input_")}))
+
+
+class _Record(TorchDispatchMode):
+    """The bytes of every kernel that writes new memory (views are free), as torch runs
+    them: stride-0 dims of a broadcast read once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in ins}
+        if not any(o.untyped_storage().data_ptr() in storages for o in outs):
+            self.bytes += sum(_stored_bytes(t) for t in ins + outs)
+        return out
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    return torch.Size([d for d, st in zip(t.shape, t.stride(), strict=True) if st]).numel() \
+        * t.element_size()
+
+
+@pytest.mark.parametrize("name", sorted(FOLDS))
+def test_folded_copies_backward_is_what_autograd_runs(name):
+    """The closed-form backward of each folded copy is what autograd runs for it: the
+    gradient's kernels between the second linear's input and the first's output."""
+    model, graph = _imported(name)
+    # the copy alone, its input a leaf: the views before it have backward kernels of their
+    # own (a slice's scatters into the sliced tensor's gradient), not the copy's
+    pre = model.pre(model.first(torch.randn(B, S, H)))
+    leaves = [x.detach().requires_grad_() for x in (pre if name == "concat" else [pre])]
+    y = model.copy(leaves if name == "concat" else leaves[0])
+    dy = torch.randn_like(y)
+    with _Record() as rec:
+        torch.autograd.grad(y, leaves, dy)
+    assert graph["second"].attrs["input_copies_bwd_bytes"] == rec.bytes
+
+
+def test_a_float32_cast_before_a_norm_is_the_norms_and_the_cast_back_the_next_linears():
+    """A bf16 model casting to float32 for its layer norm (as HF's RMSNorm does) and back:
+    the norm reads the cast (2 + 4 bytes an element), the linear after it the cast back
+    (4 + 2); each backward casts its gradient back, the same bytes."""
+
+    class Upcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(H, H, bias=False, dtype=torch.bfloat16)
+            self.norm = nn.LayerNorm(H)
+            self.second = nn.Linear(H, H, bias=False, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.second(self.norm(self.first(x).float()).to(torch.bfloat16))
+
+    graph = from_module(Upcast(), (torch.randn(B, S, H, dtype=torch.bfloat16),))
+    for name in ("norm", "second"):
+        a = graph[name].attrs
+        assert (a["input_copies"], a["input_copies_cast"], a["input_copies_bytes"],
+                a["input_copies_bwd_bytes"]) == (1, 1, N * 6, N * 6), name
+    assert graph["norm"].kind is OpKind.LAYERNORM
+
+
+def test_a_view_of_contiguous_data_and_a_same_dtype_cast_stay_free():
+    _, graph = _imported("cast")
+    assert "input_copies" in graph["second"].attrs
+    free = _Between(lambda h: h.view(B, S, 2, 8), lambda h: h.float().reshape(B, S, H).contiguous())
+    graph = from_module(free, (torch.randn(B, S, H),), loss_fn=lambda y: y.sum())
+    assert not any(k.startswith("input_") for op in graph.ops for k in op.attrs)
+    assert folded_work(graph["second"], 1.0)[0].kernels == 0
+
+
+def test_a_copy_read_by_two_ops_is_priced_once():
+    """One ``contiguous`` read by two linears ran once: the first reader prices it."""
+
+    class Fan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(H, H, bias=False)
+            self.left = nn.Linear(H, H, bias=False)
+            self.right = nn.Linear(H, H, bias=False)
+
+        def forward(self, x):
+            h = _written_back(_heads(self.first(x)))
+            return self.left(h) + self.right(h)
+
+    graph = from_module(Fan(), (torch.randn(B, S, H),))
+    assert graph["left"].attrs["input_copies_bytes"] == 2 * (2 * N * 4)
+    assert "input_copies" not in graph["right"].attrs
+
+
+def test_explain_names_every_folded_copy_of_a_layer():
+    _, graph = _imported("repeat")
+    cluster = {"gpu": "a100-80gb", "nodes": 1, "devices_per_node": 2, "intra": "nvlink3",
+               "inter": "8x-ib-hdr200"}
+    text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))
+    kib = 3 * N // 2 * 4 / 1024
+    line = f"second: 1 copies (1 repeat): {kib:.2f} KiB forward, {kib:.2f} KiB backward"
+    assert "copies folded into the values 1 other op(s) read" in text and line in text
+    assert "folded copies it reads, in its compute: 1 copies (1 repeat)" in text
+    assert "NOT priced" not in text
