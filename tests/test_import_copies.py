@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import pytest
 import torch
+import transformers as T
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -206,3 +207,21 @@ def test_explain_names_every_folded_copy_of_a_layer():
     assert "copies folded into the values 1 other op(s) read" in text and line in text
     assert "folded copies it reads, in its compute: 1 copies (1 repeat)" in text
     assert "NOT priced" not in text
+
+
+@pytest.mark.parametrize("p, train, dropping", [(0.1, True, True), (0.1, False, False),
+                                                (0.0, True, False)])
+def test_hand_written_attention_prices_its_dropout_only_where_it_drops(p, train, dropping):
+    """GPT-2's eager attention drops its probabilities with ``attn_pdrop`` in training:
+    the attention carries ``probs_dropout`` (its unfused price counts the dropout) only
+    where p > 0 and the model trains."""
+    model = T.GPT2LMHeadModel(T.GPT2Config(
+        n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=16, attn_pdrop=p,
+        resid_pdrop=0, embd_pdrop=0, use_cache=False, attn_implementation="eager"))
+    model.train(train)
+    graph = from_module(model, (torch.zeros(2, 8, dtype=torch.long),))
+    attn = graph["transformer.h.0.attn.attention"]
+    assert attn.attrs["unfused"] == 1
+    assert attn.attrs.get("probs_dropout", 0) == int(dropping)
+    # and its output, made contiguous before c_proj, is a layout copy priced there
+    assert graph["transformer.h.0.attn.c_proj"].attrs["input_copies_layout"] == 1

@@ -10,6 +10,7 @@ maps aten op names to the handlers for the walk's table (:mod:`ilp_planner.input
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 from typing import Any
 
@@ -67,8 +68,12 @@ def _follower(kind: OpKind) -> Handler:
     def lift_follower(g: DraftGraph, call: Call) -> Any:
         x, val = call.args[0], call.val
         out = first_output(val)
-        if isinstance(x, Act) and x.role:
-            return x  # dropout on attention probabilities folds into the attention
+        if isinstance(x, Act) and x.role:  # dropout on attention probabilities folds into
+            # the attention, which prices it where it drops anything (``probs_dropout``)
+            if kind is not OpKind.DROPOUT or not _drops(call):
+                return x
+            res = dataclasses.replace(x, parts=MappingProxyType({**x.parts, "dropout": 1}))
+            return [res, Const()] if isinstance(val, (list, tuple)) else res
         src = g.ir(call.node, x)
         d = g.drafts[src]
         shape = d.shape if numel(d.shape) == numel(out.shape) else tokens_major(out.shape)
@@ -77,6 +82,14 @@ def _follower(kind: OpKind) -> Handler:
         return [res, Const()] if isinstance(val, (list, tuple)) else res
 
     return lift_follower
+
+
+def _drops(call: Call) -> bool:
+    """Whether a traced ``dropout(x, p, train)`` drops anything: p > 0 in training (an
+    evaluated model, or p = 0, traces the call but runs an identity)."""
+    p = call.args[1] if len(call.args) > 1 else call.kwargs.get("p", 0.5)
+    train = call.args[2] if len(call.args) > 2 else call.kwargs.get("train", True)
+    return isinstance(p, (int, float)) and p > 0 and train is not False
 
 
 def lift_view(g: DraftGraph, call: Call) -> Any:

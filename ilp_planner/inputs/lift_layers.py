@@ -144,6 +144,8 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
     attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
     if g.dtensor and not sdpa:
         attrs.update(one_split=1, unfused=1)
+    if isinstance(probs, Act) and probs.parts.get("dropout"):
+        attrs["probs_dropout"] = 1  # its code drops probabilities (p > 0, training)
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):

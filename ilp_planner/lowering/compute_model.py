@@ -31,7 +31,9 @@ attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 m
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
                           4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
                                                  always for ``attrs.unfused``: an imported
-                                                 hand-written attention runs as written)
+                                                 hand-written attention runs as written,
+                                                 its dropout only where its code drops:
+                                                 ``attrs.probs_dropout``, else 2E and 3E)
 + its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
                           elements, 2 kernels    pass over dy, dx and the tables)
 + its folded steps        torch's bytes, 1 FLOP  the same bytes (each step's backward reads
@@ -181,7 +183,10 @@ def default_gemm(op: Op, split: float) -> GemmShape:
 
 def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseWork, PhaseWork]:
     """A fused flash kernel, or the unfused sequence (batched QKᵀ, softmax, dropout, PV)
-    that writes and reads the s × s scores: E = tokens · heads · seq elements in all.
+    that writes and reads the s × s scores: E = tokens · heads · seq elements in all; an
+    imported hand-written one (``attrs.unfused``) has the dropout only where its code drops
+    probabilities (``attrs.probs_dropout``: p > 0 in training), else 2E and the mask less
+    each phase and one kernel fewer.
     Unfused forward: the two matmuls move Q, K, V, O and write S / read P' (4N + 2E), the
     softmax reads S and writes P, the dropout reads P and writes P' and its mask
     (4E + E mask bytes); backward: four matmuls (dP', dV, dQ, dK: 8N + 4E, 2 × the
@@ -197,9 +202,13 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
                 PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2 + rk, gemm, rb, rf))
     scores = op.output.shape[0] * heads * seq / split  # E, elements
     e = scores * itemsize
-    return (PhaseWork(flops, 4 * n + 2 * e, 4 + rk, gemm, 4 * e + scores * MASK_BYTES + rb, rf),
-            PhaseWork(2 * flops, 8 * n + 4 * e, 6 + rk, gemm, 5 * e + scores * MASK_BYTES + rb,
-                      rf))
+    # an imported hand-written attention drops probabilities only where its code does
+    drop = 1 if not op.attrs.get("unfused") or op.attrs.get("probs_dropout") else 0
+    mask = drop * scores * MASK_BYTES
+    return (PhaseWork(flops, 4 * n + 2 * e, 3 + drop + rk, gemm,
+                      (2 + 2 * drop) * e + mask + rb, rf),
+            PhaseWork(2 * flops, 8 * n + 4 * e, 5 + drop + rk, gemm,
+                      (3 + 2 * drop) * e + mask + rb, rf))
 
 
 def _rotary(op: Op, split: float, itemsize: int) -> tuple[float, float, int]:
