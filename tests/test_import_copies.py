@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import ilp_planner
+from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
-from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.compute_model import folded_work, op_work
 
 B, S, H = 2, 8, 16
@@ -225,3 +226,70 @@ def test_hand_written_attention_prices_its_dropout_only_where_it_drops(p, train,
     assert attn.attrs.get("probs_dropout", 0) == int(dropping)
     # and its output, made contiguous before c_proj, is a layout copy priced there
     assert graph["transformer.h.0.attn.c_proj"].attrs["input_copies_layout"] == 1
+
+
+def _hf(name: str) -> nn.Module:
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+             "max_position_embeddings": 16, "use_cache": False}
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0,
+            embd_pdrop=0, attn_pdrop=0, use_cache=False, attn_implementation="eager"))
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            **small, num_local_experts=4, num_experts_per_tok=2)).to(torch.bfloat16)
+    return T.LlamaForCausalLM(T.LlamaConfig(**small)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name, kind, reader, readers, each", [
+    # its eager attention's output made contiguous before c_proj, in each of 2 layers
+    ("gpt2", "layout", OpKind.LINEAR, 2, 1),
+    # each RMSNorm's casts to float32 and back (a bf16 model): 2 a layer and the final one
+    ("llama", "cast", OpKind.RMSNORM, 5, 2),
+    ("mixtral", "cast", OpKind.RMSNORM, 5, 2),
+])
+def test_imported_hf_models_step_grows_by_their_folded_copies(name, kind, reader, readers,
+                                                               each):
+    """On one device, the predicted step of an imported Hugging Face model is the step
+    without its folded copies outside attention plus, per copy, its bytes at the device's
+    achieved memory bandwidth and a kernel floor per kernel, forward and backward."""
+    graph = from_module(_hf(name), (torch.zeros(2, 8, dtype=torch.long),))
+    cluster = {"gpu": "a100-80gb", "nodes": 1, "devices_per_node": 1, "intra": "nvlink3",
+               "inter": "8x-ib-hdr200"}
+    copied = [op for op in graph.ops if op.kind is not OpKind.ATTENTION
+              and op.attrs.get("input_copies")]
+    assert [(op.kind, op.attrs["input_copies"], op.attrs[f"input_copies_{kind}"])
+            for op in copied] == [(reader, each, each)] * readers
+    bare = Graph(graph.name, [op if op not in copied else _without_copies(op)
+                              for op in graph.ops])
+    fit = load_config({"model": graph, "cluster": cluster}).cluster.device
+    rate = fit.hbm_bytes_per_s * fit.fit.memory_efficiency
+    extra = sum((op.attrs["input_steps_bytes"] + op.attrs["input_steps_bwd_bytes"]) / rate
+                + (op.attrs["input_steps"] + op.attrs["input_steps_bwd"]) * fit.fit.kernel_floor_s
+                for op in copied)
+    with_, without = (ilp_planner.solve(g, cluster=cluster, baselines=False).cost.compute_s
+                      for g in (graph, bare))
+    assert with_ - without == pytest.approx(extra, rel=1e-9)
+
+
+def test_sdpas_output_made_contiguous_tokens_major_is_free():
+    """SDPA's fused kernels (flash, memory-efficient: what a GPU runs) write their output
+    (b, s, heads, d) in memory, so ``transpose(1, 2).contiguous()`` before the output
+    projection moves nothing — even where the export traced the math fallback (a dropout
+    on the CPU), whose meta says it would copy."""
+
+    class Sdpa(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(H, 3 * H, bias=False)
+            self.out = nn.Linear(H, H, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(B, S, 3, 4, 4).permute(2, 0, 3, 1, 4)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1,
+                                                           is_causal=True)
+            return self.out(y.transpose(1, 2).contiguous().view(B, S, H))
+
+    graph = from_module(Sdpa(), (torch.randn(B, S, H),))
+    assert not any(k.startswith("input_copies") for op in graph.ops for k in op.attrs)

@@ -98,9 +98,28 @@ def lift_view(g: DraftGraph, call: Call) -> Any:
     if not isinstance(x, Act):
         return Const()
     step = (call.op,) + tuple(a for a in call.args[1:] if isinstance(a, (int, list, tuple)))
-    steps = x.steps + (call.node,) if copies(call) else x.steps
+    moves = copies(call) and not _fused_tokens_major(x, tuple(val.shape))
+    steps = x.steps + (call.node,) if moves else x.steps
     return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts,
                steps)
+
+
+def _fused_tokens_major(x: Act, shape: tuple[int, ...]) -> bool:
+    """Whether ``x`` is SDPA's output re-viewed tokens-major — ``(b, s, h, d)`` or
+    ``(b, s, h·d)`` by transposes and views alone — which a fused kernel (flash,
+    memory-efficient: what a GPU runs) already wrote in that order, so making it contiguous
+    moves nothing; the export's meta may say otherwise where it traced the math fallback
+    (a dropout or a mask on the CPU)."""
+    if not x.chain or x.chain[0][:2] != ("heads_out", "fused"):
+        return False
+    b, h, s, d = x.chain[0][2]
+    return all(step[0] in _LAYOUT_VIEWS for step in x.chain[1:]) and \
+        shape in ((b, s, h, d), (b, s, h * d), (b * s, h * d))
+
+
+# re-views that only reorder or regroup dims (no slice, no repeat, no cast)
+_LAYOUT_VIEWS = frozenset({"transpose", "permute", "view", "_unsafe_view", "reshape",
+                           "contiguous", "clone", "flatten", "unflatten"})
 
 
 def copies(call: Call) -> bool:

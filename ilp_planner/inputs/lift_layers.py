@@ -163,8 +163,10 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
                 flops=flops, **attrs)
     if table is not None and g.adopt(g.drafts[act.src[0]], [table]):
         g.drafts[act.src[0]].attrs["bias_buckets"] = g.param_shape[table][0]
-    # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use
-    return Act(act.src, tuple(val.shape), act.dtype, chain=(("heads_out",),))
+    # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use; SDPA's
+    # fused kernels write it (batch, seq, heads, d) in memory (lift_elementwise.lift_view)
+    return Act(act.src, tuple(val.shape), act.dtype,
+               chain=(("heads_out", "fused", tuple(val.shape)) if sdpa else ("heads_out",),))
 
 
 def input_steps(g: DraftGraph, acts: tuple[Any, ...], probs: Any = None) -> dict[str, int]:
