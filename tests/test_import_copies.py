@@ -179,6 +179,15 @@ def test_a_view_of_contiguous_data_and_a_same_dtype_cast_stay_free():
     assert folded_work(graph["second"], 1.0)[0].kernels == 0
 
 
+def test_a_same_dtype_cast_asked_to_copy_is_priced():
+    """``to(float32, copy=True)`` of float32 data copies (reads and writes n float32);
+    its backward passes the gradient on: nothing."""
+    model = _Between(_same, lambda h: h.to(torch.float32, copy=True))
+    a = from_module(model, (torch.randn(B, S, H),))["second"].attrs
+    assert (a["input_copies"], a["input_copies_layout"], a["input_copies_bytes"],
+            a["input_copies_bwd_bytes"]) == (1, 1, 2 * N * 4, 0)
+
+
 def test_a_copy_read_by_two_ops_is_priced_once():
     """One ``contiguous`` read by two linears ran once: the first reader prices it."""
 

@@ -127,7 +127,8 @@ def copies(call: Call) -> bool:
     input and writes its output — as the exported program's meta (shapes, strides, dtypes)
     says: a clone, a repeat, a cast to another dtype, ``contiguous`` of a non-contiguous
     tensor, a reshape torch cannot express as a view (a transposed or expanded input: GQA's
-    repeated key / value heads). Views, transposes and same-dtype casts are free."""
+    repeated key / value heads). Views, transposes and same-dtype casts are free (but
+    ``_to_copy`` and ``to(copy=True)``, which copy whatever the dtype)."""
     src = call.node.args[0].meta.get("val") if call.node.args else None
     out = call.val
     if src is None or not hasattr(src, "stride") or not hasattr(out, "shape"):
@@ -135,12 +136,26 @@ def copies(call: Call) -> bool:
     if call.op in COPIES:
         return True
     if call.op in CASTS:
-        return src.dtype != out.dtype
+        return src.dtype != out.dtype or _forced(call)
     if call.op == "contiguous":
         return not src.is_contiguous()
     if call.op in RESHAPES:
         return not viewable(tuple(src.shape), tuple(src.stride()), tuple(out.shape))
     return False
+
+
+def _forced(call: Call) -> bool:
+    """Whether a cast copies even to its input's dtype: ``_to_copy`` always allocates, and
+    ``to(..., copy=True)`` asks it to (a plain ``to`` of the same dtype returns its input)."""
+    if call.op == "_to_copy":
+        return True
+    schema = getattr(call.node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "copy" not in names:
+        return False
+    i = names.index("copy")
+    return (call.node.args[i] if i < len(call.node.args)
+            else call.node.kwargs.get("copy", False)) is True
 
 
 def viewable(shape: tuple[int, ...], stride: tuple[int, ...], new: tuple[int, ...]) -> bool:
