@@ -109,6 +109,8 @@ IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
                                             "and ViT's bidirectional attention, an explicit "
                                             "mask), where the runtime's kernel runs plain "
                                             "causal attention",
+    (OpKind.ATTENTION, "probs_dropout"): "a dropout on its probabilities (the module's own "
+                                         "code), which the runtime's kernel does not apply",
     (OpKind.ATTENTION, "input_steps"): "element-wise steps on its q, k or v before it (the "
                                        "module's own rotary positions, a scale), which the "
                                        "runtime's kernel does not apply",

@@ -369,8 +369,27 @@ def test_imported_hand_written_attention_is_priced_unfused_on_a_flash_device() -
     t, h, heads, seq = 4 * 2048, 2304, 24, 2048
     fused = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
                flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
-    written = dataclasses.replace(fused, attrs={**fused.attrs, "unfused": 1})
+    written = dataclasses.replace(fused, attrs={**fused.attrs, "unfused": 1,
+                                                "probs_dropout": 1})
     unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
     assert FIT.attention == "flash"
     assert op_times(written, 2.0, _cluster()) == op_times(fused, 2.0, _cluster(unfused))
     assert op_times(written, 2.0, _cluster()) != op_times(fused, 2.0, _cluster())
+
+
+def test_imported_attention_dropping_nothing_is_priced_without_a_dropout() -> None:
+    """The unfused sequence's dropout (read P, write P' and its mask; backward read dP',
+    the mask, write dP) is priced for an imported hand-written attention only where its
+    code drops probabilities (``attrs.probs_dropout``): without it, 2E bytes and E mask
+    bytes less and one kernel fewer each phase (E = the local scores)."""
+    t, h, heads, seq = 4 * 2048, 2304, 24, 2048
+    base = {"heads": heads, "seq_len": seq, "unfused": 1}
+    plain = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
+               flops=4.0 * t * seq * h, attrs=base)
+    dropping = dataclasses.replace(plain, attrs={**base, "probs_dropout": 1})
+    e = t * heads * seq / 2  # scores on each of 2 devices
+    for with_, without in zip(op_work(dropping, 2.0), op_work(plain, 2.0), strict=True):
+        assert with_.stream_bytes - without.stream_bytes == 2 * e * 2 + e
+        assert (with_.kernels - without.kernels, with_.bytes, with_.flops) == \
+            (1, without.bytes, without.flops)
+    assert op_seconds(plain, 2.0, _cluster()) < op_seconds(dropping, 2.0, _cluster())

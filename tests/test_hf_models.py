@@ -664,7 +664,7 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
     and sin rows 8 × 8 in float32: (10n + 2·64) × 4 bytes and 3.5n FLOPs per tensor —,
     priced with the attention forward and backward, and named by ``explain``. GQA's
     ``repeat_kv`` (expand, then a reshape that must copy) is a kernel per k and v: it reads
-    k's n/2 elements once and writes n, no FLOPs."""
+    k's n/2 elements once and writes n, no FLOPs; backward, a sum over the repeats."""
     from ilp_planner.lowering.compute_model import op_work
 
     _, graph = imported("llama_untied")
@@ -674,9 +674,13 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
         assert (op.attrs["input_steps"], op.attrs["input_steps_bytes"],
                 op.attrs["input_steps_flops"]) == (12, (10 * (q + k) + 4 * table + 6 * k) * 4,
                                                    3.5 * (q + k))
+        # backward: each cat passes its gradient as views (nothing: 2 × (q + k) × 4 bytes
+        # less), each repeat_kv sums its gradient's repeats (its forward's bytes, k adds)
         fwd, bwd = op_work(op, 2.0)
-        assert fwd.stream_bytes == bwd.stream_bytes == op.attrs["input_steps_bytes"] / 2
-        assert fwd.stream_flops == bwd.stream_flops == op.attrs["input_steps_flops"] / 2
+        assert fwd.stream_bytes == op.attrs["input_steps_bytes"] / 2
+        assert bwd.stream_bytes == (op.attrs["input_steps_bytes"] - 2 * (q + k) * 4) / 2
+        assert fwd.stream_flops == op.attrs["input_steps_flops"] / 2
+        assert bwd.stream_flops == (op.attrs["input_steps_flops"] + 2 * k) / 2
     cluster = dict(CLUSTER, gpu="a100-80gb")
     cluster.pop("peak_tflops")
     text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))
@@ -733,12 +737,16 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     assert op.kind is OpKind.ATTENTION
     assert op.inputs == (q, f"{p}.kv_b_proj", f"{p}.kv_a_proj_with_mqa")
     heads, dqk, dv = cfg.num_attention_heads, attn.qk_head_dim, cfg.v_head_dim
-    steps = {k: v for k, v in op.attrs.items() if k.startswith("input_steps")}
+    steps = {k: v for k, v in op.attrs.items() if k.startswith("input_")}
     # HF hands SDPA an explicit mask: the lower triangle, so plain causal (unmarked)
     assert {k: v for k, v in op.attrs.items() if k not in steps} == {
         "heads": heads, "seq_len": SEQ, "shared_input": 2, "functional": 1}
-    # its rotary on q's and the shared key's rope parts: kernels of their own, priced
+    # its rotary on q's and the shared key's rope parts: kernels of their own, priced; the
+    # key's shared rope part, written into every head's slice (v2's ``copy_`` into a
+    # ``new_empty`` key, v3's too), a copy that repeats it: backward, a sum over the heads
     assert steps["input_steps"] >= 2 and steps["input_steps_bytes"] > 0
+    assert steps["input_copies_repeat"] == 1 and steps["input_steps_bwd_flops"] >= \
+        BATCH * SEQ * cfg.qk_rope_head_dim * (heads - 1)
     tokens = BATCH * SEQ
     assert op.output.shape == (tokens, heads * dv)
     assert op.flops == 2.0 * tokens * SEQ * heads * (dqk + dv)

@@ -43,7 +43,16 @@ _EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t", "functi
 
 
 def _attrs(op) -> dict:
-    return {k: v for k, v in op.attrs.items() if k not in _EXECUTION_ATTRS}
+    """``op``'s attrs but those for running on the user's module and the figures of the
+    copies its inputs fold (the runtime's hand-written attention writes its output back as
+    (tokens, hidden), a copy its projection prices:
+    ``test_runtime_gpt_module_imports_to_the_builders_graph_and_plan``)."""
+    return {k: v for k, v in op.attrs.items() if k not in _EXECUTION_ATTRS and k not in _folded(op)}
+
+
+def _folded(op) -> dict:
+    """The figures of the copies and steps folded into ``op``'s inputs."""
+    return {k: v for k, v in op.attrs.items() if k.startswith("input_")}
 
 
 def _same_ops(a, b) -> None:
@@ -60,6 +69,18 @@ def test_runtime_gpt_module_imports_to_the_builders_graph_and_plan():
     imported = from_module(GPT(hidden, layers, heads, seq, vocab), (_ids(batch * seq),),
                            dtensor=False)
     built = models.gpt(hidden, layers, heads, seq, vocab, batch)
+    # the runtime's hand-written attention writes its (batch, heads, seq, d) output back
+    # as (tokens, hidden) — a copy the projection reads, which the builders' fused kernel
+    # does not run: priced on the projection, 2 × tokens × hidden × 4 bytes forward, nothing
+    # backward (the gradient goes back as a view); its graph is the builders' otherwise
+    moved = 2 * batch * seq * hidden * 4
+    assert {op.name: _folded(op) for op in imported.ops if _folded(op)} == {
+        f"h.{i}.attn.proj": {"input_steps": 1, "input_steps_bytes": moved,
+                             "input_steps_flops": 0, "input_steps_bwd": 0,
+                             "input_steps_bwd_bytes": 0, "input_steps_bwd_flops": 0,
+                             "input_copies": 1, "input_copies_layout": 1,
+                             "input_copies_bytes": moved, "input_copies_bwd_bytes": 0}
+        for i in range(layers)}
     _same_ops(imported, built)
     assert [_attrs(op) for op in imported.ops] == [dict(op.attrs) for op in built.ops]
     p_imp = ilp_planner.solve(imported, cluster=CLUSTER)
@@ -111,12 +132,20 @@ def test_llama_import():
     # its rotary, x·cos + rotate_half(x)·sin on q (n = 2·4·8·8) and k (n/2), as 5 kernels
     # each (mul, neg, cat, mul, add) with (10n + 2·64) × 4 bytes and 3.5n FLOPs, the cos and
     # sin rows (8, 8); then GQA's repeat_interleave of k and v (each reads k's n/2
-    # elements, writes n: copies, no FLOPs)
+    # elements, writes n: copies, no FLOPs). Backward: the two cats pass their gradient
+    # as views (nothing), each repeat_interleave sums its gradient's repeats (reads n,
+    # writes n/2, n/2 adds), each element-wise step moves its forward's bytes again
     q, k = 2 * 4 * 8 * 8, 2 * 2 * 8 * 8
+    forward = (10 * (q + k) + 4 * 64 + 2 * 3 * k) * 4
+    cats = 2 * (q + k) * 4  # each reads its two halves and writes the whole
     assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 12,
-                                "input_steps_bytes": (10 * (q + k) + 4 * 64 + 2 * 3 * k) * 4,
+                                "input_steps_bytes": forward,
                                 "input_steps_flops": int(3.5 * (q + k)), "functional": 1,
-                                "input_copies": 2, "input_copies_bytes": 2 * 3 * k * 4}
+                                "input_steps_bwd": 10, "input_steps_bwd_bytes": forward - cats,
+                                "input_steps_bwd_flops": int(3.5 * (q + k)) + 2 * k,
+                                "input_copies": 4, "input_copies_bytes": 2 * 3 * k * 4 + cats,
+                                "input_copies_concat": 2, "input_copies_repeat": 2,
+                                "input_copies_bwd_bytes": 2 * 3 * k * 4}
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM
@@ -422,12 +451,17 @@ def test_folded_copies_are_priced_by_the_bytes_they_move():
     assert (attn.attrs["input_steps"], attn.attrs["input_steps_bytes"],
             attn.attrs["input_steps_flops"]) == (5, bytes_, 0)
     assert (attn.attrs["input_copies"], attn.attrs["input_copies_bytes"]) == (5, bytes_)
-    # priced with the attention: memory-bound kernels, a quarter each phase on 4 devices
+    # priced with the attention: memory-bound kernels, a quarter each phase on 4 devices;
+    # backward, contiguous passes its gradient as a view (nothing), each cast casts it back
+    # (its forward's bytes), each repeat_interleave sums the repeats (reads n, writes n/2:
+    # its forward's bytes, n/2 adds)
     fwd, bwd = op_work(attn, 4.0)
-    assert fwd.stream_bytes == bwd.stream_bytes == bytes_ / 4
+    assert fwd.stream_bytes == bytes_ / 4 and (fwd.kernels, bwd.kernels) == (1 + 5, 2 + 4)
+    assert (bwd.stream_bytes, bwd.stream_flops) == ((bytes_ - 2 * n * 4) / 4, n / 4)
     text = ilp_planner.explain(ilp_planner.solve(g, cluster=dict(CLUSTER, gpu="a100-80gb"),
                                                  baselines=False))
-    assert f"{attn.name}: 5 kernels" in text and "(of which 5 copies:" in text
+    assert f"{attn.name}: 5 kernels" in text
+    assert "(of which 5 copies (2 cast, 2 repeat, 1 layout):" in text
 
 
 def test_a_view_of_contiguous_data_stays_free():

@@ -32,7 +32,10 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
   followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
   their own, as the builders count only matmuls in linears and attention; a sum /
-  difference / product of two activations → ``add`` / ``mul``;
+  difference / product of two activations → ``add`` / ``mul``; a folded re-view that moves
+  bytes (a cast to another dtype, ``contiguous`` of strided data, ``clone``, a ``cat``, a
+  repeat, a reshape torch cannot view) is a copy priced with the op reading its result
+  (``attrs.input_copies``: :func:`ilp_planner.inputs.lift_graph.folded_steps`), once;
 * in-place ops (``out += identity``: ``add_``) are lifted as their out-of-place forms; list
   arguments (``cat``, ``stack``) are looked up tensor by tensor;
 * a Hugging Face mixture-of-experts block (router + experts as 3-D tensors: Mixtral,

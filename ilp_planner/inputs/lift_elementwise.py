@@ -10,6 +10,7 @@ maps aten op names to the handlers for the walk's table (:mod:`ilp_planner.input
 
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 from typing import Any
 
@@ -67,8 +68,12 @@ def _follower(kind: OpKind) -> Handler:
     def lift_follower(g: DraftGraph, call: Call) -> Any:
         x, val = call.args[0], call.val
         out = first_output(val)
-        if isinstance(x, Act) and x.role:
-            return x  # dropout on attention probabilities folds into the attention
+        if isinstance(x, Act) and x.role:  # dropout on attention probabilities folds into
+            # the attention, which prices it where it drops anything (``probs_dropout``)
+            if kind is not OpKind.DROPOUT or not _drops(call):
+                return x
+            res = dataclasses.replace(x, parts=MappingProxyType({**x.parts, "dropout": 1}))
+            return [res, Const()] if isinstance(val, (list, tuple)) else res
         src = g.ir(call.node, x)
         d = g.drafts[src]
         shape = d.shape if numel(d.shape) == numel(out.shape) else tokens_major(out.shape)
@@ -79,15 +84,42 @@ def _follower(kind: OpKind) -> Handler:
     return lift_follower
 
 
+def _drops(call: Call) -> bool:
+    """Whether a traced ``dropout(x, p, train)`` drops anything: p > 0 in training (an
+    evaluated model, or p = 0, traces the call but runs an identity)."""
+    p = call.args[1] if len(call.args) > 1 else call.kwargs.get("p", 0.5)
+    train = call.args[2] if len(call.args) > 2 else call.kwargs.get("train", True)
+    return isinstance(p, (int, float)) and p > 0 and train is not False
+
+
 def lift_view(g: DraftGraph, call: Call) -> Any:
     """A re-view of one activation: a step of its chain."""
     x, val = call.args[0], call.val
     if not isinstance(x, Act):
         return Const()
     step = (call.op,) + tuple(a for a in call.args[1:] if isinstance(a, (int, list, tuple)))
-    steps = x.steps + (call.node,) if copies(call) else x.steps
+    moves = copies(call) and not _fused_tokens_major(x, tuple(val.shape))
+    steps = x.steps + (call.node,) if moves else x.steps
     return Act(x.src, tuple(val.shape), dtype_of(val), x.chain + (step,), x.role, x.parts,
                steps)
+
+
+def _fused_tokens_major(x: Act, shape: tuple[int, ...]) -> bool:
+    """Whether ``x`` is SDPA's output re-viewed tokens-major — ``(b, s, h, d)`` or
+    ``(b, s, h·d)`` by transposes and views alone — which a fused kernel (flash,
+    memory-efficient: what a GPU runs) already wrote in that order, so making it contiguous
+    moves nothing; the export's meta may say otherwise where it traced the math fallback
+    (a dropout or a mask on the CPU)."""
+    if not x.chain or x.chain[0][:2] != ("heads_out", "fused"):
+        return False
+    b, h, s, d = x.chain[0][2]
+    return all(step[0] in _LAYOUT_VIEWS for step in x.chain[1:]) and \
+        shape in ((b, s, h, d), (b, s, h * d), (b * s, h * d))
+
+
+# re-views that only reorder or regroup dims (no slice, no repeat, no cast)
+_LAYOUT_VIEWS = frozenset({"transpose", "permute", "view", "_unsafe_view", "reshape",
+                           "contiguous", "clone", "flatten", "unflatten"})
 
 
 def copies(call: Call) -> bool:
@@ -95,7 +127,8 @@ def copies(call: Call) -> bool:
     input and writes its output — as the exported program's meta (shapes, strides, dtypes)
     says: a clone, a repeat, a cast to another dtype, ``contiguous`` of a non-contiguous
     tensor, a reshape torch cannot express as a view (a transposed or expanded input: GQA's
-    repeated key / value heads). Views, transposes and same-dtype casts are free."""
+    repeated key / value heads). Views, transposes and same-dtype casts are free (but
+    ``_to_copy`` and ``to(copy=True)``, which copy whatever the dtype)."""
     src = call.node.args[0].meta.get("val") if call.node.args else None
     out = call.val
     if src is None or not hasattr(src, "stride") or not hasattr(out, "shape"):
@@ -103,12 +136,26 @@ def copies(call: Call) -> bool:
     if call.op in COPIES:
         return True
     if call.op in CASTS:
-        return src.dtype != out.dtype
+        return src.dtype != out.dtype or _forced(call)
     if call.op == "contiguous":
         return not src.is_contiguous()
     if call.op in RESHAPES:
         return not viewable(tuple(src.shape), tuple(src.stride()), tuple(out.shape))
     return False
+
+
+def _forced(call: Call) -> bool:
+    """Whether a cast copies even to its input's dtype: ``_to_copy`` always allocates, and
+    ``to(..., copy=True)`` asks it to (a plain ``to`` of the same dtype returns its input)."""
+    if call.op == "_to_copy":
+        return True
+    schema = getattr(call.node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "copy" not in names:
+        return False
+    i = names.index("copy")
+    return (call.node.args[i] if i < len(call.node.args)
+            else call.node.kwargs.get("copy", False)) is True
 
 
 def viewable(shape: tuple[int, ...], stride: tuple[int, ...], new: tuple[int, ...]) -> bool:
@@ -151,7 +198,9 @@ def lift_softmax(g: DraftGraph, call: Call) -> Act:
         dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", -1)
         parts = x.parts if int(dim) % len(x.shape) == len(x.shape) - 1 else \
             MappingProxyType({**x.parts, "mask": OTHER})
-        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", parts)
+        # its steps stay with it: the attention prices the copies among them (a cast)
+        return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", parts,
+                   x.steps)
     src = g.ir(call.node, x)
     act = g.add(call.node, OpKind.SOFTMAX, [src], tokens_major(val.shape), dtype_of(val),
                 flops=5.0 * numel(val.shape))
@@ -194,8 +243,9 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     gain = next((param_name(c) for c in consts if param_name(c)), None)
     if gain is not None and op == "mul" and any(s[0] == "reduce_last" for s in x.chain) \
             and g.param_shape[gain] == (shape[-1],) and len(x.src) == 1:
-        return lift_norm(g, call.node, Act(x.src, shape, dtype, x.chain), val, OpKind.RMSNORM,
-                         [gain])
+        # its own steps' copies (HF's casts to float32 and back) run before it: its to price
+        return lift_norm(g, call.node, Act(x.src, shape, dtype, x.chain, steps=x.steps), val,
+                         OpKind.RMSNORM, [gain])
     pos = next((c for c in consts if c.table_of_positions), None)
     if pos is not None and op == "add" and len(x.src) == 1 \
             and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
@@ -249,17 +299,19 @@ def lift_new_empty(g: DraftGraph, call: Call) -> Act:
                parts=MappingProxyType({"buffer": call.node.name}))
 
 
-def write_into(g: DraftGraph, dest: Act, src: Any) -> Any:
-    """``dest.copy_(src)`` into a slice of a :func:`lift_new_empty` buffer: the buffer now
-    also derives from ``src`` — a concatenation, as ``cat`` of parts is — so its readers
-    read the ops it was filled from. Returns the buffer's new value."""
+def write_into(g: DraftGraph, dest: Act, src: Any, node: Any) -> Any:
+    """``dest.copy_(src)`` (``node``) into a slice of a :func:`lift_new_empty` buffer: the
+    buffer now also derives from ``src`` — a concatenation, as ``cat`` of parts is — so its
+    readers read the ops it was filled from, and price the copy (a step of the buffer's:
+    MLA's shared rotary key written into every head's slice reads its stored elements once
+    and writes them per head). Returns the buffer's new value."""
     name = dest.parts["buffer"]
     buf = g.values[name]
     if not isinstance(src, Act):
         return buf
     filled = Act(tuple(dict.fromkeys(buf.src + src.src)), buf.shape, buf.dtype,
                  buf.chain + src.chain + (("cat",),), parts=buf.parts,
-                 steps=_joined(buf.steps + src.steps))
+                 steps=_joined(buf.steps + src.steps, node))
     g.values[name] = filled
     return filled
 

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ilp_planner.inputs.lift_values import (
+    CONCATS,
     SPLITS,
     UNARY_FOLDS,
+    VIEWS,
     Act,
     Call,
     Const,
@@ -25,6 +27,7 @@ from ilp_planner.inputs.lift_values import (
     first_output,
     flatten,
     numel,
+    op_name,
     tokens_major,
 )
 from ilp_planner.ir.graph import DTYPE_BYTES, OpKind
@@ -62,6 +65,10 @@ class DraftGraph:
         self.owner: dict[str, str] = {}  # parameter FQN -> first op using it
         self.counters: dict[str, int] = {}
         self.outputs: list[Any] = []
+        # folded steps already priced (each by the first op absorbing it: a value read by
+        # two ops ran its kernels once), and the copies read by the op being built
+        self.priced: set[str] = set()
+        self.absorbed: list[Any] = []
 
     # -- naming --------------------------------------------------------------------------
 
@@ -131,7 +138,11 @@ class DraftGraph:
             dtype: str, *, weight: tuple[int, ...] | None = None, params: Sequence[str] = (),
             flops: float = 0.0, main: bool = True, label: str | None = None,
             **attrs: int) -> Act:
-        """A new op; it owns those of ``params`` no earlier op has claimed."""
+        """A new op; it owns those of ``params`` no earlier op has claimed, and prices the
+        folded copies of the values it read (:meth:`ir`, ``attrs.input_steps``)."""
+        if self.absorbed:
+            attrs = {**attrs, **folded_steps(self.count, self.absorbed)}
+            self.absorbed = []
         name = self._name(node, label or kind.value, main)
         owned = tuple(p for p in params if p not in self.owner)
         for p in owned:
@@ -155,8 +166,22 @@ class DraftGraph:
                 taken.append(p)
         return taken
 
+    def steps_to_price(self, steps: Sequence[Any], copies_only: bool = False) -> list[Any]:
+        """The folded steps among ``steps`` (element-wise kernels, copies) no op prices yet,
+        now marked priced: the caller's op prices them."""
+        fresh = [s for s in dict.fromkeys(steps) if s.name not in self.priced
+                 and (is_copy(s) or not copies_only)]
+        self.priced.update(s.name for s in fresh)
+        return fresh
+
     def ir(self, node: Any, x: Any) -> str:
-        """The IR op whose output ``x`` is (re-viewed); materialise one if it is not."""
+        """The IR op whose output ``x`` is (re-viewed); materialise one if it is not. The
+        copies folded into ``x`` (a cast, ``contiguous`` of strided data, a ``cat``: its
+        ``steps`` that move bytes) run before the op reading it, which prices them
+        (:meth:`add`) — or the relayout made here, where there is one: they are then the
+        copy it stands for, priced instead of its estimate."""
+        own = self.steps_to_price(x.steps, copies_only=True) if isinstance(x, Act) else []
+        self.absorbed += own
         if isinstance(x, Act) and len(x.src) == 1:
             d = self.drafts[x.src[0]]
             if numel(d.shape) == numel(x.shape):
@@ -173,8 +198,9 @@ class DraftGraph:
                     return d.name
         if not isinstance(x, Act):
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
-        # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each way
-        moved = numel(x.shape) * DTYPE_BYTES[x.dtype]
+        # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each
+        # way — unless the value's own folded copies (absorbed) are that copy
+        moved = 0 if own else numel(x.shape) * DTYPE_BYTES[x.dtype]
         rows = {"rows_local": 1} if _column_pick(self.drafts[x.src[0]], x) else {}
         act = self.add(node, OpKind.OPAQUE, list(x.src), tokens_major(x.shape), x.dtype,
                        main=False, bytes_read=moved, bytes_written=moved, **rows)
@@ -204,6 +230,113 @@ class DraftGraph:
         # loss, so the plan gathers split classes before it (strategies.follower_inputs)
         return self.add(node, OpKind.LOSS, [src], (1,), "float32", flops=3.0 * n,
                         **({"whole_classes": 1} if self.dtensor else {}))
+
+
+def is_copy(node: Any) -> bool:
+    """Whether a folded step is a copy — a re-view that moves bytes or a concatenation
+    (:func:`ilp_planner.inputs.lift_elementwise.lift_view` keeps only those among the
+    re-views) — rather than an element-wise kernel."""
+    return op_name(node.target) in VIEWS | CONCATS | {"copy_"}
+
+
+def _source(node: Any) -> Any:
+    """The fake tensor a folded copy reads (``dest.copy_(src)``'s ``src``), or None."""
+    arg = node.args[1 if op_name(node.target) == "copy_" else 0] if node.args else None
+    return arg.meta.get("val") if hasattr(arg, "meta") else None
+
+
+def _moved(node: Any, cost: NodeCost) -> int:
+    """The bytes a folded step reads and writes: torch's count of its tensors, but for
+    ``dest.copy_(src)``, which writes ``dest`` without reading it (torch's count has it
+    among the inputs and the outputs)."""
+    if op_name(node.target) == "copy_":
+        return cost.bytes_read
+    return cost.bytes_read + cost.bytes_written
+
+
+COPY_KINDS = ("cast", "repeat", "layout", "concat")
+"""What a folded copy does, as ``explain`` names it (``attrs.input_copies_<kind>``)."""
+
+
+def copy_kind(node: Any) -> str:
+    """A folded copy's kind, from its tensors' meta: ``repeat`` where it writes more
+    elements than its input stores (``repeat``, ``repeat_interleave``, GQA's ``expand``
+    then ``reshape``), ``cast`` where it changes the dtype, ``concat`` (``cat``,
+    ``stack``), else ``layout`` (``clone``, ``contiguous``, a reshape torch cannot view)."""
+    if op_name(node.target) in CONCATS:
+        return "concat"
+    if _repeated(node):
+        return "repeat"
+    src, out = _source(node), first_output(node.meta["val"])
+    return "cast" if src is not None and src.dtype != out.dtype else "layout"
+
+
+def _repeated(node: Any) -> int:
+    """How many more elements a copy writes than its input stores (a broadcast, stride-0
+    dim stored once): the adds of a repeat's backward sum; 0 for any other copy."""
+    src = _source(node)
+    if src is None or not hasattr(src, "stride"):
+        return 0
+    return max(numel(first_output(node.meta["val"]).shape) - _stored(src), 0)
+
+
+def copy_backward(node: Any, cost: NodeCost) -> tuple[int, int, int]:
+    """(bytes, FLOPs, kernels) of a folded copy's backward, in closed form by its kind
+    (:func:`copy_kind`; what autograd runs, checked against torch by
+    ``test_folded_copies_backward_is_what_autograd_runs``): a repeat sums the gradient's
+    repeats — reads dY, writes dX, one add per repeated element; a cast casts the gradient
+    back — reads dY, writes dX; a layout copy and a concatenation pass the gradient on as
+    views: nothing — but a broadcast part of a concatenation (MLA's shared rotary key,
+    expanded over the heads) sums its slice of the gradient over the repeats."""
+    kind = copy_kind(node)
+    moved = _moved(node, cost)
+    if kind == "repeat":
+        return moved, _repeated(node), 1
+    if kind == "concat":  # views of dY, but a broadcast part sums its slice over the repeats
+        parts = [a.meta["val"] for a in flatten(node.args[:1]) if hasattr(a, "meta")]
+        summed = [(numel(t.shape), _stored(t), t.element_size()) for t in parts
+                  if _stored(t) < numel(t.shape)]
+        return (sum((n + st) * size for n, st, size in summed),
+                sum(n - st for n, st, _ in summed), len(summed))
+    return (moved, 0, 1) if kind == "cast" else (0, 0, 0)
+
+
+def _stored(t: Any) -> int:
+    """The elements ``t`` stores: a broadcast (stride-0) dim holds one."""
+    return numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
+
+
+def folded_steps(count: Callable[[Any], NodeCost], nodes: Sequence[Any]) -> dict[str, int]:
+    """What the element-wise steps and copies ``nodes``, folded into the values an op reads,
+    cost as kernels of their own (``attrs.input_*``, priced with that op by
+    :func:`ilp_planner.lowering.compute_model.folded_work` and named by ``explain``).
+    Forward: their number (``input_steps``), the bytes of the tensors each reads and writes
+    as torch counts them (``input_steps_bytes``), one FLOP per element an element-wise step
+    writes, none for a copy (``input_steps_flops``). Backward (``input_steps_bwd``,
+    ``_bwd_bytes``, ``_bwd_flops``): an element-wise step reads its output's gradient and
+    writes its input's, the forward's bytes again; a copy by :func:`copy_backward`. The
+    copies among them also apart: ``input_copies``, ``input_copies_bytes`` (forward),
+    ``input_copies_bwd_bytes``, and their number per kind (``input_copies_cast`` …:
+    :data:`COPY_KINDS`)."""
+    costs = [count(n) for n in nodes]
+    moved = [_moved(n, c) for n, c in zip(nodes, costs, strict=True)]
+    copy = [is_copy(n) for n in nodes]
+    back = [copy_backward(n, c) if k else (m, 0, 1)
+            for n, c, m, k in zip(nodes, costs, moved, copy, strict=True)]
+    flops = sum(numel(first_output(n.meta["val"]).shape)
+                for n, k in zip(nodes, copy, strict=True) if not k)
+    attrs = {"input_steps": len(nodes), "input_steps_flops": int(flops),
+             "input_steps_bytes": sum(moved), "input_steps_bwd": sum(b[2] for b in back),
+             "input_steps_bwd_bytes": sum(b[0] for b in back),
+             "input_steps_bwd_flops": int(flops) + sum(b[1] for b in back)}
+    if any(copy):
+        kinds = [copy_kind(n) for n, k in zip(nodes, copy, strict=True) if k]
+        attrs.update({f"input_copies_{k}": kinds.count(k) for k in COPY_KINDS if k in kinds})
+        attrs.update(input_copies=sum(copy),
+                     input_copies_bytes=sum(m for m, k in zip(moved, copy, strict=True) if k),
+                     input_copies_bwd_bytes=sum(b[0] for b, k in zip(back, copy, strict=True)
+                                                if k))
+    return attrs
 
 
 Handler = Callable[[DraftGraph, Call], Any]

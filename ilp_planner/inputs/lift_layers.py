@@ -12,19 +12,16 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler, folded_steps
 from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
-    CONCATS,
     SPLITS,
-    VIEWS,
     Act,
     Call,
     Const,
     dtype_of,
     first_output,
     numel,
-    op_name,
     param_name,
     tokens_major,
 )
@@ -72,7 +69,7 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
         return _linear(g, call.node, a, w, None, k, n, val, stored_t=b.transposed)
     if isinstance(a, Act) and isinstance(b, Act):
         if a.role == "probs":
-            out = _attention(g, call, a.parts["q"], a.parts["k"], b, sdpa=False)
+            out = _attention(g, call, a.parts["q"], a.parts["k"], b, sdpa=False, probs=a)
             _mark_causal(g, out, a.parts.get("mask", NO_MASK) == CAUSAL)
             return out
         if len(a.shape) == 4 and len(b.shape) == 4:
@@ -127,7 +124,8 @@ def _sdpa_causal(g: DraftGraph, call: Call) -> bool:
         sdpa_mask(g.constants, node, shape, call.val.dtype) == CAUSAL
 
 
-def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) -> Any:
+def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
+               probs: Any = None) -> Any:
     val = call.val
     batch, heads, seq, hd = (int(d) for d in q.shape)
     dv = int(first_output(val).shape[-1])  # v's head dim (MLA's differs from q's and k's)
@@ -146,13 +144,15 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
     attrs: dict[str, int] = {"heads": heads, "seq_len": seq}
     if g.dtensor and not sdpa:
         attrs.update(one_split=1, unfused=1)
+    if isinstance(probs, Act) and probs.parts.get("dropout"):
+        attrs["probs_dropout"] = 1  # its code drops probabilities (p > 0, training)
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain):
         attrs["qkv_major"] = 1
     if shared:
         attrs["shared_input"] = srcs.index(shared)
-    attrs.update(input_steps(g, (q, k, v)))
+    attrs.update(input_steps(g, (q, k, v), probs))
     table = _bias_table(g, call, heads) if sdpa else None
     if table is not None:
         attrs["bias_table"] = 1
@@ -163,33 +163,25 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool) ->
                 flops=flops, **attrs)
     if table is not None and g.adopt(g.drafts[act.src[0]], [table]):
         g.drafts[act.src[0]].attrs["bias_buckets"] = g.param_shape[table][0]
-    # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use
-    return Act(act.src, tuple(val.shape), act.dtype, chain=(("heads_out",),))
+    # the output is (batch, heads, seq, d): re-viewed to (tokens, h) before use; SDPA's
+    # fused kernels write it (batch, seq, heads, d) in memory (lift_elementwise.lift_view)
+    return Act(act.src, tuple(val.shape), act.dtype,
+               chain=(("heads_out", "fused", tuple(val.shape)) if sdpa else ("heads_out",),))
 
 
-def input_steps(g: DraftGraph, acts: tuple[Any, ...]) -> dict[str, int]:
+def input_steps(g: DraftGraph, acts: tuple[Any, ...], probs: Any = None) -> dict[str, int]:
     """What the element-wise steps folded into q, k and v since their projections cost —
-    rotary positions (``x·cos + rotate_half(x)·sin``, DeepSeek's complex products), a scale
-    — which run as kernels of their own before the attention: their number
-    (``input_steps``), the bytes of the tensors each reads and writes as torch counts them
-    (``input_steps_bytes``) and one FLOP per element each writes, none for a copy — a
-    concatenation, a folded re-view that moves bytes (GQA's repeated key / value heads, a
-    cast, ``contiguous``: :func:`ilp_planner.inputs.lift_elementwise.copies`)
-    (``input_steps_flops``). Priced with the attention
-    (:func:`ilp_planner.lowering.compute_model._rotary`) and named by ``explain``."""
-    nodes = list(dict.fromkeys(s for a in acts if isinstance(a, Act) for s in a.steps))
-    if not nodes:
-        return {}
-    costs = [g.count(n) for n in nodes]
-    flops = sum(numel(first_output(n.meta["val"]).shape) for n in nodes
-                if op_name(n.target) not in CONCATS | VIEWS)
-    attrs = {"input_steps": len(nodes), "input_steps_flops": int(flops),
-             "input_steps_bytes": sum(c.bytes_read + c.bytes_written for c in costs)}
-    copies = [c for n, c in zip(nodes, costs, strict=True) if op_name(n.target) in VIEWS]
-    if copies:  # of which copies (named apart by ``explain``)
-        attrs.update(input_copies=len(copies),
-                     input_copies_bytes=sum(c.bytes_read + c.bytes_written for c in copies))
-    return attrs
+    rotary positions (``x·cos + rotate_half(x)·sin``, DeepSeek's complex products), a scale,
+    folded copies (GQA's repeated key / value heads, a cast, ``contiguous``, rotate-half's
+    ``cat``: :func:`ilp_planner.inputs.lift_elementwise.copies`) — and the copies folded
+    into hand-written attention's ``probs`` (a cast after a float32 softmax), which run as
+    kernels of their own before or inside the attention: ``attrs.input_*``
+    (:func:`ilp_planner.inputs.lift_graph.folded_steps`), priced with the attention
+    (:func:`ilp_planner.lowering.compute_model.folded_work`) and named by ``explain``."""
+    steps = [s for a in acts if isinstance(a, Act) for s in a.steps]
+    nodes = g.steps_to_price(steps) + (
+        g.steps_to_price(probs.steps, copies_only=True) if isinstance(probs, Act) else [])
+    return folded_steps(g.count, nodes) if nodes else {}
 
 
 def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:

@@ -63,7 +63,7 @@ def _lifted(g: DraftGraph, node: Any, op: str) -> Any:
         seq, idx = args[0], args[1]
         return seq[idx] if isinstance(seq, (list, tuple)) else Const()
     if op == "copy_" and isinstance(args[0], Act) and "buffer" in args[0].parts:
-        return write_into(g, args[0], args[1])  # a slice of a new_empty tensor filled
+        return write_into(g, args[0], args[1], node)  # a slice of a new_empty tensor filled
     call = Call(node, op, args, {k: g.arg(v) for k, v in node.kwargs.items()},
                 node.meta.get("val"))
     if op in IGNORED or call.val is None:

@@ -31,11 +31,17 @@ attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 m
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
                           4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
                                                  always for ``attrs.unfused``: an imported
-                                                 hand-written attention runs as written)
+                                                 hand-written attention runs as written,
+                                                 its dropout only where its code drops:
+                                                 ``attrs.probs_dropout``, else 2E and 3E)
 + its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
                           elements, 2 kernels    pass over dy, dx and the tables)
 + its folded steps        torch's bytes, 1 FLOP  the same bytes (each step's backward reads
   (imported: rotary)      per element, 1 kernel  its output's gradient, writes its input's)
++ folded copies, any op   torch's bytes, no      closed form: a cast's the same bytes, a
+  (imported: casts,       FLOPs, 1 kernel each   repeat's a sum (dY in, dX out, one add per
+  contiguous, cat, GQA's                         repeated element), a layout copy's or a
+  repeated heads)                                concatenation's nothing (views of dY)
 layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 kernels (dx, dγ)
 softmax                   2N                     3N (read y, dy, write dx)
 gelu, silu, relu          2N                     3N (read x, dy, write dx)
@@ -62,6 +68,11 @@ follow. An imported model's rotary is the element-wise steps its code
 applies to q, k and v between their projections and the attention, folded into the
 attention (``attrs.input_steps`` kernels, ``input_steps_bytes``, ``input_steps_flops``:
 torch's bytes of each step's tensors, :mod:`ilp_planner.inputs.lift_layers`), priced alike.
+The copies an import folds into any other op's inputs — a cast before a norm, an eager
+attention's output made contiguous before its projection, a ``cat`` — are that op's
+``input_steps`` too (copies only: the element-wise steps its code applies elsewhere are not
+followed), priced on its local input (:func:`folded_work`; ``_bwd`` figures for the
+backward, :func:`ilp_planner.inputs.lift_graph.copy_backward`).
 
 The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
 optimizer shard it reads the gradient and the optimizer state and writes the state and the
@@ -172,7 +183,10 @@ def default_gemm(op: Op, split: float) -> GemmShape:
 
 def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseWork, PhaseWork]:
     """A fused flash kernel, or the unfused sequence (batched QKᵀ, softmax, dropout, PV)
-    that writes and reads the s × s scores: E = tokens · heads · seq elements in all.
+    that writes and reads the s × s scores: E = tokens · heads · seq elements in all; an
+    imported hand-written one (``attrs.unfused``) has the dropout only where its code drops
+    probabilities (``attrs.probs_dropout``: p > 0 in training), else 2E and the mask less
+    each phase and one kernel fewer.
     Unfused forward: the two matmuls move Q, K, V, O and write S / read P' (4N + 2E), the
     softmax reads S and writes P, the dropout reads P and writes P' and its mask
     (4E + E mask bytes); backward: four matmuls (dP', dV, dQ, dK: 8N + 4E, 2 × the
@@ -188,21 +202,21 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
                 PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2 + rk, gemm, rb, rf))
     scores = op.output.shape[0] * heads * seq / split  # E, elements
     e = scores * itemsize
-    return (PhaseWork(flops, 4 * n + 2 * e, 4 + rk, gemm, 4 * e + scores * MASK_BYTES + rb, rf),
-            PhaseWork(2 * flops, 8 * n + 4 * e, 6 + rk, gemm, 5 * e + scores * MASK_BYTES + rb,
-                      rf))
+    # an imported hand-written attention drops probabilities only where its code does
+    drop = 1 if not op.attrs.get("unfused") or op.attrs.get("probs_dropout") else 0
+    mask = drop * scores * MASK_BYTES
+    return (PhaseWork(flops, 4 * n + 2 * e, 3 + drop + rk, gemm,
+                      (2 + 2 * drop) * e + mask + rb, rf),
+            PhaseWork(2 * flops, 8 * n + 4 * e, 5 + drop + rk, gemm,
+                      (3 + 2 * drop) * e + mask + rb, rf))
 
 
 def _rotary(op: Op, split: float, itemsize: int) -> tuple[float, float, int]:
-    """(FLOPs, bytes, kernels) of one phase of the rotary positions ``op`` applies to its q
-    and k on a device holding ``1/split`` of it (module docstring): the built-in formula
-    where ``attrs.rope_theta`` is set, an import's folded steps as torch counted them,
-    else none."""
-    steps = op.attrs.get("input_steps", 0)
-    if steps:
-        return (op.attrs.get("input_steps_flops", 0) / split,
-                op.attrs.get("input_steps_bytes", 0) / split, steps)
-    if not op.attrs.get("rope_theta"):
+    """(FLOPs, bytes, kernels) of one phase of the built-in rotary positions ``op`` applies
+    to its q and k on a device holding ``1/split`` of it (module docstring), where
+    ``attrs.rope_theta`` is set and no folded steps of an import stand for them, else
+    none."""
+    if op.attrs.get("input_steps") or not op.attrs.get("rope_theta"):
         return 0.0, 0.0, 0
     heads = max(op.attrs.get("heads", 1), 1)
     kv = op.attrs.get("kv_heads", heads)
@@ -211,13 +225,61 @@ def _rotary(op: Op, split: float, itemsize: int) -> tuple[float, float, int]:
     return 3.0 * rotated, (2 * rotated + tables) * itemsize, 2
 
 
+def folded_work(op: Op, split: float) -> tuple[PhaseWork, PhaseWork]:
+    """(forward, backward) of the kernels an import folded into the values ``op`` reads —
+    element-wise steps on attention's q, k, v (its rotary), copies anywhere (casts,
+    ``contiguous``, ``cat``, repeated heads) — on a device holding ``1/split`` of its input:
+    separate memory-bound kernels (``stream_bytes``, ``stream_flops``), each with its floor,
+    as torch counted their bytes forward and by closed form backward
+    (:func:`ilp_planner.inputs.lift_graph.folded_steps`; a graph of an older import, with
+    no backward figures, runs the forward's again)."""
+    a = op.attrs
+    if not a.get("input_steps"):
+        return NO_WORK, NO_WORK
+    fwd = PhaseWork(0.0, 0.0, a["input_steps"], None, a.get("input_steps_bytes", 0) / split,
+                    a.get("input_steps_flops", 0) / split)
+    if "input_steps_bwd" not in a:
+        return fwd, fwd
+    return fwd, PhaseWork(0.0, 0.0, a["input_steps_bwd"], None,
+                          a.get("input_steps_bwd_bytes", 0) / split,
+                          a.get("input_steps_bwd_flops", 0) / split)
+
+
+def _input_split(op: Op, split: float, gemm: GemmShape | None) -> float:
+    """How many devices share ``op``'s input: a matmul's local input is ``(m, k)`` of its
+    local product (a column-parallel linear's input is whole on each of its ``n``
+    devices); any other op's is split as its work."""
+    if gemm is None or op.kind not in (OpKind.LINEAR, OpKind.MATMUL) or op.weight is None \
+            or op.output.rank != 2:
+        return split
+    return op.output.shape[0] * op.weight.shape[0] / max(gemm[0] * gemm[2], 1e-12)
+
+
+def _with_folded(work: tuple[PhaseWork, PhaseWork], op: Op, split: float
+                 ) -> tuple[PhaseWork, PhaseWork]:
+    """``work`` with :func:`folded_work`'s kernels added to each phase."""
+    if not op.attrs.get("input_steps"):
+        return work
+    return tuple(PhaseWork(w.flops, w.bytes, w.kernels + f.kernels, w.gemm,
+                           w.stream_bytes + f.stream_bytes, w.stream_flops + f.stream_flops)
+                 for w, f in zip(work, folded_work(op, split), strict=True))
+
+
 def op_work(op: Op, split: float, gemm: GemmShape | None = None,
             read: TensorSpec | None = None, flash: bool = True) -> tuple[PhaseWork, PhaseWork]:
     """(forward, backward) work of ``op`` on one device holding ``1/split`` of it (module
-    docstring's table). ``gemm`` is the local matmul of a matmul-like op under its
-    strategy; ``read`` the tensor the op reads where that is not its output's shape (a
-    loss's logits, a pooling's input); ``flash``: attention runs fused (else unfused,
-    :func:`_attention`)."""
+    docstring's table), with the kernels an import folded into its inputs
+    (:func:`folded_work`, on its local input). ``gemm`` is the local matmul of a
+    matmul-like op under its strategy; ``read`` the tensor the op reads where that is not
+    its output's shape (a loss's logits, a pooling's input); ``flash``: attention runs
+    fused (else unfused, :func:`_attention`)."""
+    return _with_folded(_kind_work(op, split, gemm, read, flash), op,
+                        _input_split(op, split, gemm))
+
+
+def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | None,
+               flash: bool) -> tuple[PhaseWork, PhaseWork]:
+    """:func:`op_work` of ``op``'s kind alone."""
     kind, it = op.kind, op.output.itemsize
     flops = op.flops / split
     n = op.output.numel / split * it  # bytes of the local output

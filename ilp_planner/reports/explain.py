@@ -40,8 +40,9 @@ from collections.abc import Iterable, Sequence
 from formulations.result import SolveStats
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import Config, parse_cluster, parse_config
+from ilp_planner.inputs.lift_graph import COPY_KINDS
 from ilp_planner.ir.cluster import Cluster, fact_str
-from ilp_planner.ir.graph import Op, OpKind
+from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Broadcast, Layout, Split
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan, baseline_seconds
@@ -530,9 +531,35 @@ def _roofline_lines(plan: Plan, config: Config) -> list[str]:
 
 def _copies(op: Op) -> str:
     """The folded copies among an attention's input steps (GQA's repeated heads, casts,
-    ``contiguous``: re-views that move bytes), where it has any."""
-    n = op.attrs.get("input_copies", 0)
-    return f" (of which {n} copies: {fmt_bytes(op.attrs['input_copies_bytes'])})" if n else ""
+    ``contiguous``, rotate-half's ``cat``: re-views that move bytes), where it has any."""
+    return f" (of which {_copies_text(op)})" if op.attrs.get("input_copies") else ""
+
+
+def _copies_text(op: Op) -> str:
+    """``op``'s folded copies by kind with their bytes per micro-batch, forward (torch's
+    count) and backward (closed form: :func:`ilp_planner.inputs.lift_graph.copy_backward`)."""
+    a = op.attrs
+    kinds = ", ".join(f"{a[f'input_copies_{k}']} {k}" for k in COPY_KINDS
+                      if a.get(f"input_copies_{k}"))
+    back = a.get("input_copies_bwd_bytes")
+    return (f"{a['input_copies']} copies{f' ({kinds})' if kinds else ''}: "
+            f"{fmt_bytes(a['input_copies_bytes'])} forward"
+            + (f", {fmt_bytes(back)} backward" if back is not None else ""))
+
+
+def _copy_lines(graph: Graph, flat: str, shown: int = 3) -> list[str]:
+    """The ops other than attention that read values the module's code copied on the way
+    (a cast before a norm, ``contiguous`` of attention's output before its projection, a
+    ``cat``), priced with the op reading them (``attrs.input_copies``)."""
+    ops = [op for op in graph.ops if op.kind is not OpKind.ATTENTION
+           and op.attrs.get("input_copies")]
+    if not ops:
+        return []
+    listed = "; ".join(f"{op.name}: {_copies_text(op)}" for op in ops[:shown])
+    more = f"; … {len(ops) - shown} more" if len(ops) > shown else ""
+    return [f"copies folded into the values {len(ops)} other op(s) read (casts, layout "
+            f"copies, concatenations of the module's code), priced with the op reading them "
+            f"as memory-bound kernels per micro-batch: {listed}{more}{flat}"]
 
 
 def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
@@ -557,7 +584,8 @@ def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
         more = f"; … {len(folded) - shown} more" if len(folded) > shown else ""
         lines.append(f"element-wise steps of the module's code on attention's q, k, v (its "
                      f"rotary positions, scales, folded copies), priced by torch's bytes per micro-batch "
-                     f"forward and again backward: {listed}{more}{flat}")
+                     f"forward, backward by what autograd runs: {listed}{more}{flat}")
+    lines += _copy_lines(graph, flat)
     if rope:
         lines.append(f"rotary positions priced in {len(rope)} attention op(s) "
                      f"(rope_theta: 3 FLOPs per q and k element, one pass over them and the "
@@ -572,6 +600,7 @@ def _layer_lines(plan: Plan, collectives: bool, config: Config) -> list[str]:
     lines = [f"layers ({len(plan.layers)} ops; layouts as SBP (placement:axis) and DTensor; "
              f"compute and collectives per micro-batch):"]
     programs: dict[str, list[EdgeProgram]] = defaultdict(list)
+    graph = config.microbatch_graph()
     for ep in edge_programs(plan, config):
         programs[ep.consumer].append(ep)
     for name, members in group_layers(plan.layers):
@@ -588,6 +617,9 @@ def _layer_lines(plan: Plan, collectives: bool, config: Config) -> list[str]:
         comm = sum(x.seconds for x in layer.collectives)
         lines.append(f"      compute {fmt_seconds(layer.compute_s)}, memory {fmt_bytes(layer.memory_bytes)}, "
                      f"{len(layer.collectives)} collective(s) {fmt_seconds(comm)}")
+        if layer.name in graph and graph[layer.name].attrs.get("input_copies"):
+            lines.append(f"      folded copies it reads, in its compute: "
+                         f"{_copies_text(graph[layer.name])}")
         if collectives:
             lines += [f"        - {_collective_line(coll)}" for coll in layer.collectives]
     return lines
