@@ -153,6 +153,8 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
     allowed = {Layout(fact2, (x, y)).canonical_key() for x in (Split(0), B) for y in (B, Split(1))}
     whole_batch = {Layout(fact2, (B, y)).canonical_key() for y in (B, Split(1))}
     seq = Layout(fact2, (Split(0), Split(0))).canonical_key()
+    # an attention's output: tokens over DP, heads over TP where they split
+    attention = {h: Layout(fact2, (Split(0), h)).canonical_key() for h in (Split(1), B)}
     matmul_facts = {(dp, tp, one), (dp, one, tp)}
 
     def keep(op: Op, s: Strategy) -> bool:
@@ -162,8 +164,7 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
             return s.label.startswith(("3d", "conv3d")) and s.fact in matmul_facts
         if op.kind is OpKind.ATTENTION:  # heads over TP, whole where they cannot split
             heads = Split(1) if head_splits(op) % tp.size == 0 else B
-            return not s.output.has_partial and s.output.canonical_key() == Layout(
-                fact2, (Split(0), heads)).canonical_key()
+            return not s.output.has_partial and s.output.canonical_key() == attention[heads]
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
             return not s.output.has_partial and s.output.canonical_key() == seq
         if op.kind is OpKind.BATCHNORM:  # see the module docstring
