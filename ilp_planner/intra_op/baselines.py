@@ -482,8 +482,9 @@ def price_families(build: Build, nodes: int, local: int, microbatches: int,
     with no member that fits says the least memory one needs. ``moe``: the graph has MoE
     ops (:mod:`~ilp_planner.intra_op.moe_baselines`: data parallel replicates the experts,
     Megatron-Core splits them EP × ETP, and DeepSpeed-MoE joins the families). ``prune``:
-    skip the solve of a member whose lower bound exceeds its family's best so far (the
-    same prices; False solves every member, the reference the tests check it against)."""
+    skip the solve of a member whose lower bound exceeds its family's best so far, and stop
+    a solve once its proven bound does (:func:`_member_price`; the same prices; False
+    solves every member to its optimum, the reference the tests check it against)."""
     out: dict[str, Priced | str] = {}
     whole = MeshAxis(nodes, local)
     families = [("data_parallel", [(whole, None)])] + [
@@ -501,10 +502,12 @@ def price_families(build: Build, nodes: int, local: int, microbatches: int,
 
 def _best_member(build: Build, label: str, meshes: list, budget: float | None,
                  time_limit_s: float, prune: bool) -> tuple[str, Priced] | str:
-    """A family's best member, or why it has none. Every member is built first, then
-    solved cheapest lower bound first, so that the first prices found are low and the
-    members whose bound exceeds the best are not solved (``prune``); the best is the
-    first member in ``meshes`` order at the least objective, as solving them in order."""
+    """A family's best member, or why it has none. Every member's nodes are built first
+    (:class:`~ilp_planner.intra_op.problem.NodeCosts`), then members are solved cheapest
+    node bound first, so that the first prices found are low and the members whose bound
+    exceeds the best are neither completed nor solved, nor solved past it (``prune``); the
+    best is the first member in ``meshes`` order at the least objective, as solving them in
+    order."""
     needs: list[tuple[float, str]] = []
     reasons: list[tuple[int, str]] = []
     staged: list[tuple[float, int, str, _Built]] = []
