@@ -297,8 +297,8 @@ class _CapsCover:
     cutoff, its proven bound reaching that plan (:class:`CutOff`) or nothing fitting it
     covers the span; its optimum fitting the budget with its own transient is a plan, the
     span's best; else the middle transient is solved as a cap and each half covered so in
-    turn, under the halves' bound. Spans left when ``solver.time_limit_s`` is spent are
-    reported: the plan's status is then ``feasible``, its gap against their weakest bound
+    turn, under the halves' bound. Spans left when its ``seconds`` are spent are reported:
+    the plan's status is then ``feasible``, its gap against their weakest bound
     (:meth:`labelled`)."""
 
     def __init__(self, request: MeshSolveRequest, results: list[Solved], tried: set[float],
@@ -398,8 +398,9 @@ class _CapsCover:
             res, status="feasible" if res.status == "optimal" else res.status, bound=bound,
             gap=gap, message="; ".join(m for m in (res.message, (
                 f"{len(left)} of {n} transient caps ({left[0]:.6g}–{left[-1]:.6g} B) not "
-                f"covered within {self.seconds:g} s (solver.time_limit_s): a plan under one "
-                f"of them may be up to {gap:.3%} faster than this one")) if m))
+                f"covered within {self.seconds:.3g} s (the longer of solver.time_limit_s and "
+                f"the sampled caps' time): a plan under one of them may be up to {gap:.3%} "
+                f"faster than this one")) if m))
 
 
 def _cap_candidates(request: MeshSolveRequest) -> list[float]:
