@@ -559,7 +559,10 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
     else:
-        result = _solve_ilp(request.config, problem, exact, tied_once(), notes, problem_s)
+        result = _solve_ilp(request.config, problem, exact, tied_once(), notes, problem_s,
+                            cutoff)
+        if cutoff is not None and result.bound is not None and result.bound >= cutoff:
+            raise CutOff(result.bound)  # the ILP's bound reached it (SCIP stops there)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
         gp.refuse_unrunnable(full, _chosen(result))
@@ -594,11 +597,12 @@ def _node_ilp(opts, until: Callable[[], float], problem) -> tuple[tuple[int, ...
 
 
 def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, notes: list[str],
-               problem_s: float) -> SolveResult:
+               problem_s: float, cutoff: float | None = None) -> SolveResult:
     """The ILP on ``problem`` (pruned indices). After an elimination: on the strategies
     its bound keeps (the optimum is among them), warm-started from its incumbent, whose
     proven bound also bounds the ILP's. Without one: on all strategies, warm-started from
-    the fallback search or the tied optimum ``tied``."""
+    the fallback search or the tied optimum ``tied``. ``cutoff``: SCIP stops once its bound
+    reaches it (the caller drops the problem)."""
     opts = config.solver
     if exact is not None:
         index = [np.asarray(keep) for keep in exact.keep]
@@ -621,7 +625,7 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
             warm, warm_method = tied, "tied ILP"
     ilp = SbpIlp(sub, opts.milp)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
-                       seed=opts.seed, gap=opts.gap)
+                       seed=opts.seed, gap=opts.gap, cutoff=cutoff)
     build_s = problem_s + ilp.build_s
     if result is None and exact is not None:
         objective = sub.objective(incumbent)
