@@ -399,8 +399,8 @@ def _forgetting_init(init):
 
 def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash():
     """A budget between the least state and activation memory of all strategies and that
-    of the strategies without transients: a cap above 0 reserves its gathered weights and
-    leaves too little; the cap of 0, tried last, leaves no strategy that fits. Each is an
+    of the strategies without transients: each sampled cap above 0 reserves its gathered
+    weights and leaves too little; the cap of 0 leaves no strategy that fits. Each is an
     :class:`InfeasibleError` the caps loop handles (the elimination's "no choice meets the
     budget" used to escape as a ValueError out of ``solve_mesh``)."""
     from ilp_planner.intra_op import solve_mesh as planner
@@ -421,8 +421,14 @@ def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash(
     budget = (least + least_without) / 2
     with pytest.raises(InfeasibleError, match="transients up to 0.0 B"):
         planner._solve_once(replace(request, memory_budget=budget, cache=BuildCache()), 0.0)
-    with pytest.raises(InfeasibleError):
-        solve_mesh(MeshSolveRequest.whole_model(config, n, local, budget))
+    # every sampled cap is infeasible here, but a small cap between two of them is not: the
+    # cover finds its plan (the sampled search answered "infeasible"), which fits
+    at_budget = MeshSolveRequest.whole_model(config, n, local, budget)
+    gp, res = solve_mesh(at_budget)
+    assert res.status == "optimal" and peak_memory(gp, res.choice) <= budget
+    assert planner._transient(gp, res.choice) not in planner._cap_candidates(at_budget)
+    with pytest.raises(InfeasibleError):  # below every choice's memory: every cap fails
+        solve_mesh(MeshSolveRequest.whole_model(config, n, local, least * 0.999))
 
 
 def test_tied_pair_across_stages_keeps_replicated_state_the_runtime_accepts():
