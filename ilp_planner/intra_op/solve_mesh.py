@@ -1,6 +1,6 @@
 """The solve pipeline for one mesh: build the problem, check memory, run a fast search as
 warm start and fallback, solve the ILP, and keep the cheapest plan over the recomputed
-blocks and transient caps tried. What is solved travels as one
+blocks tried and every transient cap (:class:`_CapsCover`). What is solved travels as one
 :class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
 
 from __future__ import annotations
@@ -488,12 +488,11 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
                 cutoff: float | None = None, warm_only: bool = False,
                 reserve: float | None = None) -> Solved:
     """Build and solve once. ``transient_cap`` (under a budget): only options whose
-    transient is at most the cap, and the cap reserved from the memory row. Raises
-    :class:`CutOff` when the elimination's proven bound reaches ``cutoff`` (a plan found
-    elsewhere is already as good; its branch and bound stops there): the ILP is not run.
-    ``warm_only``: a good plan is wanted, not a proof (a warm start) — the elimination's
-    incumbent as it stands, no ILP in or after it. ``reserve``: reserved instead of the
-    cap — a relaxation of every cap between the two (:class:`_CapsCover`)."""
+    transient is at most the cap, and the cap (or ``reserve``: a relaxation of the caps
+    between, :class:`_CapsCover`) reserved from the memory row. Raises :class:`CutOff` when
+    the elimination's or the ILP's proven bound reaches ``cutoff`` (a plan found elsewhere
+    is as good; each stops there). ``warm_only``: a good plan is wanted, not a proof (a
+    warm start) — the elimination's incumbent as it stands, no ILP in or after it."""
     opts = request.config.solver
     t0 = time.perf_counter()
     try:
@@ -508,8 +507,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
         if held > 0:
             memory_budget -= held
             if memory_budget <= 0:
-                raise InfeasibleError("the largest transient of a sharded state exceeds the "
-                                      "memory budget")
+                raise InfeasibleError("the transient reserved exceeds the memory budget")
             gp.problem = dataclasses.replace(gp.problem, memory_budget=memory_budget)
     problem_s = time.perf_counter() - t0
     if memory_budget is not None and gp.problem.min_memory()[0] > memory_budget:
@@ -561,8 +559,6 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     else:
         result = _solve_ilp(request.config, problem, exact, tied_once(), notes, problem_s,
                             cutoff)
-        if cutoff is not None and result.bound is not None and result.bound >= cutoff:
-            raise CutOff(result.bound)  # the ILP's bound reached it (SCIP stops there)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
         gp.refuse_unrunnable(full, _chosen(result))
@@ -602,7 +598,7 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
     its bound keeps (the optimum is among them), warm-started from its incumbent, whose
     proven bound also bounds the ILP's. Without one: on all strategies, warm-started from
     the fallback search or the tied optimum ``tied``. ``cutoff``: SCIP stops once its bound
-    reaches it (the caller drops the problem)."""
+    reaches it, and :class:`CutOff` is raised (the caller drops the problem)."""
     opts = config.solver
     if exact is not None:
         index = [np.asarray(keep) for keep in exact.keep]
@@ -646,6 +642,8 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
         gap = max(0.0, (result.objective - bound) / max(abs(result.objective), 1e-30))
         result = dataclasses.replace(result, bound=bound, gap=result.gap if result.status ==
                                      "optimal" else gap, method="elimination+ilp")
+    if cutoff is not None and result.bound is not None and result.bound >= cutoff:
+        raise CutOff(result.bound)
     result = dataclasses.replace(
         result, build_s=build_s, solve_s=result.solve_s + search_s,
         message="; ".join(m for m in (result.message, *notes) if m))
