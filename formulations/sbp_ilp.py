@@ -285,13 +285,16 @@ class SbpIlp:
 
     def solve(self, time_limit_s: float | None = None, threads: int = 1,
               warm_start: tuple[int, ...] | None = None, seed: int = 0,
-              gap: float = 0.0) -> SolveResult | None:
+              gap: float = 0.0, cutoff: float | None = None) -> SolveResult | None:
         """Solve; None if the solver found no solution within the time limit (``stats``
         is set either way). ``gap``: the relative gap at which the solver stops and
-        reports ``optimal`` (0: proven exactly)."""
+        reports ``optimal`` (0: proven exactly). ``cutoff``: no choice costing that much is
+        wanted — SCIP stops once its proven bound reaches it (``limits/dual``; the result
+        is then ``feasible``, its bound at least the cutoff); CBC ignores it."""
         hint = None if warm_start is None else self.milp.point(self.problem, warm_start)
         limit = None if time_limit_s is None else max(time_limit_s, 0.01)
-        run = _BACKENDS[self.backend](self.milp, limit, threads, hint, seed, gap)
+        run = _BACKENDS[self.backend](self.milp, limit, threads, hint, seed, gap,
+                                      None if cutoff is None else cutoff * self.milp.scale)
         self.load_s = run.load_s
         if run.values is None:  # no incumbent: the whole run was search
             search = run.run_s
@@ -348,7 +351,7 @@ def _stdout_captured() -> Iterator[list[str]]:
 
 
 def _solve_scip(milp: Milp, time_limit_s: float | None, threads: int, hint: np.ndarray | None,
-                seed: int, gap: float) -> _Run:
+                seed: int, gap: float, cutoff: float | None = None) -> _Run:
     from ortools.linear_solver import pywraplp
     from ortools.linear_solver.python import model_builder_helper as mbh
 
@@ -370,7 +373,8 @@ def _solve_scip(milp: Milp, time_limit_s: float | None, threads: int, hint: np.n
         solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     solver.SetNumThreads(threads)
     if not solver.SetSolverSpecificParametersAsString(
-            _SCIP_SETTINGS + f"randomization/randomseedshift = {seed}\n"):
+            _SCIP_SETTINGS + f"randomization/randomseedshift = {seed}\n"
+            + ("" if cutoff is None else f"limits/dual = {cutoff!r}\n")):
         raise RuntimeError("SCIP rejected its settings")
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, gap)
@@ -411,7 +415,7 @@ def _scip_incumbent_s(log: str, hinted: bool) -> float | None:
 
 
 def _solve_cbc(milp: Milp, time_limit_s: float | None, threads: int, hint: np.ndarray | None,
-               seed: int, gap: float) -> _Run:
+               seed: int, gap: float, cutoff: float | None = None) -> _Run:
     import pulp
 
     t0 = time.perf_counter()

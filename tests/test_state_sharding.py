@@ -8,6 +8,7 @@ ZeRO levels × recomputed blocks, exact peak within the budget) on a small case.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -398,8 +399,8 @@ def _forgetting_init(init):
 
 def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash():
     """A budget between the least state and activation memory of all strategies and that
-    of the strategies without transients: a cap above 0 reserves its gathered weights and
-    leaves too little; the cap of 0, tried last, leaves no strategy that fits. Each is an
+    of the strategies without transients: each sampled cap above 0 reserves its gathered
+    weights and leaves too little; the cap of 0 leaves no strategy that fits. Each is an
     :class:`InfeasibleError` the caps loop handles (the elimination's "no choice meets the
     budget" used to escape as a ValueError out of ``solve_mesh``)."""
     from ilp_planner.intra_op import solve_mesh as planner
@@ -420,8 +421,14 @@ def test_a_budget_below_every_plan_without_transients_is_infeasible_not_a_crash(
     budget = (least + least_without) / 2
     with pytest.raises(InfeasibleError, match="transients up to 0.0 B"):
         planner._solve_once(replace(request, memory_budget=budget, cache=BuildCache()), 0.0)
-    with pytest.raises(InfeasibleError):
-        solve_mesh(MeshSolveRequest.whole_model(config, n, local, budget))
+    # every sampled cap is infeasible here, but a small cap between two of them is not: the
+    # cover finds its plan (the sampled search answered "infeasible"), which fits
+    at_budget = MeshSolveRequest.whole_model(config, n, local, budget)
+    gp, res = solve_mesh(at_budget)
+    assert res.status == "optimal" and peak_memory(gp, res.choice) <= budget
+    assert planner._transient(gp, res.choice) not in planner._cap_candidates(at_budget)
+    with pytest.raises(InfeasibleError):  # below every choice's memory: every cap fails
+        solve_mesh(MeshSolveRequest.whole_model(config, n, local, least * 0.999))
 
 
 def test_tied_pair_across_stages_keeps_replicated_state_the_runtime_accepts():
@@ -463,36 +470,70 @@ def test_the_tied_warm_start_is_a_fitting_plan_found_without_an_ilp(monkeypatch)
     assert ilps and proven.objective <= warm.objective
 
 
-def test_the_caps_search_equals_every_cap_solved_on_its_own_and_says_it_sampled():
-    """tiny-utf-zero-cpu on one node of four devices, with a budget that forces state
-    sharding and recomputation: ``solve_mesh`` (the sampled transient caps, each followed
-    down to the transient its plan uses, cut off where they cannot win) finds the plan
-    that solving every count of recomputed blocks at every distinct transient cap — each
-    solve exact for its cap — finds at best, and its message says it sampled the caps: on
-    this budget the two agree, not on every one (at 0.00068 GiB the every-cap optimum is
-    1.5 % faster, 0.0037335 s against 0.0037918 s: the solve_mesh docstring). A cap is
-    solved with the best plan so far as its cutoff (the elimination stops once its proven
-    bound reaches it: sound, see test_elimination's cutoff test), so the caps that cannot
-    win cost a few passes."""
-    config = load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
-        {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": 0.0007})
-    request = replace(MeshSolveRequest.whole_cluster(config), cache=BuildCache())
+def _tiny_utf_zero_on_four(memory_gib: float):
+    """tiny-utf-zero-cpu on one node of four devices under ``memory_gib``, with a time
+    limit no solve of it reaches (the answers below are proofs, not races)."""
+    return load_config(CONFIGS / "tiny-utf-zero-cpu.yaml").with_overrides(
+        {"cluster.nodes": 1, "cluster.devices_per_node": 4, "cluster.memory_gib": memory_gib,
+         "solver.time_limit_s": 600})
+
+
+@functools.cache
+def _every_cap_solved(memory_gib: float) -> float:
+    """The brute force: every count of recomputed blocks solved at every distinct
+    transient cap, each solve exact for its cap; the cheapest objective. A cap is solved
+    with the best plan so far as its cutoff (the elimination stops once its proven bound
+    reaches it: sound, see test_elimination's cutoff test), the quick large caps first."""
+    request = replace(MeshSolveRequest.whole_cluster(_tiny_utf_zero_on_four(memory_gib)),
+                      cache=BuildCache())
     units = request.graph.blocks()
     best = math.inf
     for k in range(len(units) + 1):
         at_k = replace(request, recompute=frozenset(units[:k]))
         gp = solve_mesh_module._built(replace(at_k, memory_budget=None))
         for cap in sorted({o.transient_bytes for opts in gp.options.values() for o in opts},
-                          reverse=True):  # the quick large caps first: a cutoff early
+                          reverse=True):
             try:
                 best = min(best, solve_mesh_module.solve_under_reserve(
                     at_k, cap, None if best == math.inf else best)[1].objective)
             except (InfeasibleError, CutOff):
                 continue
+    return best
+
+
+@pytest.mark.parametrize("memory_gib", [0.0007, 0.00068])
+def test_the_caps_search_equals_every_cap_solved_on_its_own(memory_gib):
+    """tiny-utf-zero-cpu on one node of four devices, with budgets that force state
+    sharding and recomputation: ``solve_mesh`` (the sampled transient caps, each followed
+    down to the transient its plan uses, then the caps between covered by relaxations)
+    finds the plan that solving every count of recomputed blocks at every distinct
+    transient cap finds at best, and says every cap is covered. At 0.00068 GiB the sampled
+    caps alone miss it: the cap holding the best plan (1.5 % faster, 0.0037335 s against
+    0.0037918 s) is found by the cover's bisection."""
+    config = _tiny_utf_zero_on_four(memory_gib)
     gp, res = solve_mesh(MeshSolveRequest.whole_cluster(config))
-    assert res.objective == pytest.approx(best, rel=1e-9)
-    assert re.search(r"optimal over the \d+ transient caps tried of 18", res.message)
+    assert res.objective == pytest.approx(_every_cap_solved(memory_gib), rel=1e-9)
+    assert res.status == "optimal"
+    assert re.search(r"every transient cap covered \(\d+ of 18 solved", res.message)
     assert peak_memory(gp, res.choice) <= config.cluster.memory_bytes * (1 + 1e-9)
+
+
+def test_a_caps_search_out_of_time_is_feasible_with_a_gap_that_holds():
+    """The same case at 0.00068 GiB with no time left for the cover (``cover_s=0``: the
+    sampled caps only): the plan is the sampled one, slower than the every-cap optimum, so
+    the status is ``feasible``, not ``optimal``; its bound — the weakest of the spans left
+    uncovered — is below that optimum (a real bound) and its gap is the plan's distance
+    to it; the message names the caps left."""
+    config = _tiny_utf_zero_on_four(0.00068)
+    request = replace(MeshSolveRequest.whole_cluster(config), cache=BuildCache())
+    request = replace(request, recompute=frozenset(request.graph.blocks()))
+    best = _every_cap_solved(0.00068)
+    gp, res = _solve_fitting(request, cover_s=0.0)
+    assert res.objective > best * (1 + 1e-6)
+    assert res.status == "feasible"
+    assert res.bound <= best
+    assert res.gap == pytest.approx((res.objective - res.bound) / res.objective)
+    assert re.search(r"\d+ of 18 transient caps \(.*\) not covered within 0 s", res.message)
 
 
 @pytest.mark.parametrize("memory_mib", [64, 0.8, 0.7, 0.66, 0.6, 0.45])

@@ -1,6 +1,6 @@
 """The solve pipeline for one mesh: build the problem, check memory, run a fast search as
 warm start and fallback, solve the ILP, and keep the cheapest plan over the recomputed
-blocks and transient caps tried. What is solved travels as one
+blocks tried and every transient cap (:class:`_CapsCover`). What is solved travels as one
 :class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def fastest_bound(request: MeshSolveRequest) -> float:
     return relaxation_bound(gp.problem)
 
 
-def _solve_fitting(request: MeshSolveRequest, cutoff: float | None = None) -> Solved:
+def _solve_fitting(request: MeshSolveRequest, cutoff: float | None = None,
+                   cover_s: float | None = None) -> Solved:
     """The best plan whose exact peak (:func:`peak_memory`) fits the budget.
 
     State sharding's transients (gathered weights, unscattered gradients; at most one op's
@@ -227,20 +228,23 @@ def _solve_fitting(request: MeshSolveRequest, cutoff: float | None = None) -> So
     smaller reserve), until that stops falling; last ``T = 0`` (the space without
     transients: never worse than not sharding). Every plan is exact for its cap, the
     cheapest is kept; a solve whose proven bound reaches the best plan so far stops there
-    (:class:`CutOff`), so a cap that cannot win costs a few elimination passes. The optimum
-    over all caps is only found where its cap is tried, and the message says how many of
-    the distinct transients were: on tiny-utf-zero-cpu, going on only from the first cap
-    that fit missed a plan 5.2 % faster (0.005152 s a step against 0.004885 s), and on a
-    tiny GPT under ZeRO-3 on 1 × 4 devices at 0.00068 GiB the caps not sampled hold a plan
-    1.5 % faster than the one kept (0.0037335 s against 0.0037918 s).
+    (:class:`CutOff`), so a cap that cannot win costs a few elimination passes. Sampling
+    alone is not exact — on a tiny GPT under ZeRO-3 on 1 × 4 devices at 0.00068 GiB a cap
+    not sampled holds a plan 1.5 % faster (0.0037335 s a step against 0.0037918 s) — so the
+    caps between those tried are then covered by relaxations (:class:`_CapsCover`), for as
+    long as the sampled caps took or ``solver.time_limit_s``, whichever is longer
+    (``cover_s`` instead, where given): the plan kept is optimal over every cap, or its
+    status is ``feasible`` with its gap to the caps left uncovered.
     Untied recomputed blocks are charged their average in the memory row; where a plan's
     largest re-materialised block exceeds what that leaves, the row is tightened by the
     difference and the problem solved again (the message says so)."""
     if request.memory_budget is None:
         return _solve_once(request, None)
+    t0 = time.perf_counter()
     results: list[Solved] = []
     caps: list[float] = []
-    if set(request.config.solver.state_sharding) & {2, 3}:
+    sharded = bool(set(request.config.solver.state_sharding) & {2, 3})
+    if sharded:
         caps += _cap_candidates(request)
     caps.append(0.0)
     failure: InfeasibleError | CutOff | None = None
@@ -264,16 +268,139 @@ def _solve_fitting(request: MeshSolveRequest, cutoff: float | None = None) -> So
         used = _transient(gp, res.choice)
         if 0 < used < cap:
             caps.insert(0, used)
+    cover = _CapsCover(request, results, done, cutoff, max(
+        request.config.solver.time_limit_s, time.perf_counter() - t0) if cover_s is None
+        else cover_s)
+    if sharded:
+        cover.run()
     if not results:
         assert failure is not None
         raise failure
-    gp, res = min(results, key=lambda r: r[1].objective)
-    every = len({o.transient_bytes for opts in gp.options.values() for o in opts} | {0.0})
-    if len(done) >= every:
-        return gp, res
-    return gp, dataclasses.replace(res, message="; ".join(m for m in (
-        res.message, f"{res.status} over the {len(done)} transient caps tried of {every} "
-                     f"(a cap between two tried may hold a faster plan)") if m))
+    return cover.labelled(min(results, key=lambda r: r[1].objective))
+
+
+@dataclasses.dataclass
+class _Span:
+    """Distinct transients not solved as caps, ascending, all strictly between two caps
+    that were (``inside``), and a proven lower bound on every plan under a cap among them
+    (``bound``)."""
+
+    inside: list[float]
+    bound: float
+
+
+class _CapsCover:
+    """What makes :func:`_solve_fitting`'s sampled caps exact. A plan under a cap ``T``
+    among the untried transients ``inside`` of a span keeps options with transients up to
+    ``inside[-1]`` and reserves at least ``inside[0]``: the problem with those options and
+    that reserve relaxes every cap of the span. Solved with the best plan so far as its
+    cutoff, its proven bound reaching that plan (:class:`CutOff`) or nothing fitting it
+    covers the span; its optimum fitting the budget with its own transient is a plan, the
+    span's best; else the middle transient is solved as a cap and each half covered so in
+    turn, under the halves' bound. Spans left when its ``seconds`` are spent are reported:
+    the plan's status is then ``feasible``, its gap against their weakest bound
+    (:meth:`labelled`)."""
+
+    def __init__(self, request: MeshSolveRequest, results: list[Solved], tried: set[float],
+                 cutoff: float | None, seconds: float):
+        self.request, self.results, self.cutoff = request, results, cutoff
+        self.seconds = seconds
+        self.tolerance = max(request.config.solver.gap, 1e-9)
+        self.gp = _built(dataclasses.replace(request, memory_budget=None))
+        self.values = sorted({o.transient_bytes for os in self.gp.options.values()
+                              for o in os} | {0.0})
+        self.tried = set(tried)
+        self.relaxations = 0
+        self.ran = False
+        self.uncovered: list[_Span] = []
+
+    def run(self) -> None:
+        """Cover every span between the caps tried, adding the plans found to ``results``,
+        until done or the time is spent (the spans left in ``uncovered``)."""
+        self.ran = True
+        until = time.perf_counter() + self.seconds
+        caps = sorted(self.tried)
+        stack = [_Span(inside, self._forest_bound(inside))
+                 for lo, hi in zip(caps, caps[1:], strict=False)
+                 if (inside := [v for v in self.values if lo < v < hi])]
+        while stack:
+            span = stack.pop()
+            if self._covered(span.bound):
+                continue
+            if time.perf_counter() >= until:
+                self.uncovered.append(span)
+                continue
+            stack += self._split(span)
+
+    def _threshold(self) -> float | None:
+        """The cutoff: the best plan so far, or the caller's, less the gap accepted as
+        optimal (a relaxation stops as soon as its bound is within it)."""
+        best = min([self.cutoff] * (self.cutoff is not None)
+                   + [r[1].objective for r in self.results], default=None)
+        return None if best is None else best * (1 - self.tolerance)
+
+    def _covered(self, bound: float) -> bool:
+        threshold = self._threshold()
+        return threshold is not None and bound >= threshold
+
+    def _forest_bound(self, inside: list[float]) -> float:
+        """A bound on the span before any solve: the memory row aside, with its options."""
+        allowed = _allowed(self.gp, inside[-1])
+        if any(a.size == 0 for a in allowed):
+            return np.inf
+        return relaxation_bound(self.gp.problem.subset(allowed))
+
+    def _split(self, span: _Span) -> list[_Span]:
+        """The span's relaxation solved; the halves left to cover."""
+        inside, request = span.inside, self.request
+        if len(inside) == 1:  # the relaxation is the cap's own first solve
+            self._solve_cap(inside[0])
+            return []
+        try:
+            gp, res = _solve_once(request, inside[-1], self._threshold(), reserve=inside[0])
+        except (CutOff, InfeasibleError):
+            return []
+        self.relaxations += 1
+        bound = max(span.bound, -np.inf if res.bound is None else res.bound)
+        assert request.memory_budget is not None
+        if peak_memory(gp, res.choice) <= request.memory_budget * (1 + 1e-9):
+            self.results.append((gp, res))  # a plan: the relaxation's optimum fits
+        if self._covered(bound):
+            return []
+        mid = len(inside) // 2
+        self._solve_cap(inside[mid])
+        return [_Span(part, bound) for part in (inside[:mid], inside[mid + 1:]) if part]
+
+    def _solve_cap(self, cap: float) -> None:
+        """``cap`` solved exactly (:func:`solve_under_reserve`), its plan kept if any."""
+        self.tried.add(cap)
+        try:
+            self.results.append(solve_under_reserve(self.request, cap, self._threshold()))
+        except (CutOff, InfeasibleError):
+            pass
+
+    def labelled(self, solved: Solved) -> Solved:
+        """``solved`` (the cheapest of ``results``) with what the caps search proved: every
+        cap covered, or the status ``feasible`` and the gap to the spans left."""
+        gp, res = solved
+        if not self.ran:
+            return solved
+        n = len(self.values)
+        if not self.uncovered:
+            return gp, dataclasses.replace(res, message="; ".join(m for m in (
+                res.message, f"every transient cap covered ({len(self.tried)} of {n} solved, "
+                f"{self.relaxations} relaxations proving the rest no better)") if m))
+        lower = min(s.bound for s in self.uncovered)
+        bound = lower if res.bound is None else min(lower, res.bound)
+        gap = max(0.0, (res.objective - bound) / max(abs(res.objective), 1e-30))
+        left = sorted(v for s in self.uncovered for v in s.inside)
+        return gp, dataclasses.replace(
+            res, status="feasible" if res.status == "optimal" else res.status, bound=bound,
+            gap=gap, message="; ".join(m for m in (res.message, (
+                f"{len(left)} of {n} transient caps ({left[0]:.6g}–{left[-1]:.6g} B) not "
+                f"covered within {self.seconds:.3g} s (the longer of solver.time_limit_s and "
+                f"the sampled caps' time): a plan under one of them may be up to {gap:.3%} "
+                f"faster than this one")) if m))
 
 
 def _cap_candidates(request: MeshSolveRequest) -> list[float]:
@@ -317,6 +444,13 @@ def _built(request: MeshSolveRequest) -> GraphProblem:
         gp.problem, memory_budget=request.memory_budget))
 
 
+def _allowed(gp: GraphProblem, cap: float) -> list[np.ndarray]:
+    """Per group, the strategies whose every node's transient is at most ``cap``."""
+    return [np.array([k for k in range(len(gp.problem.cost[g]))
+                      if all(gp.options[n][k].transient_bytes <= cap for n in group)],
+                     dtype=int) for g, group in enumerate(gp.groups)]
+
+
 def _transient(gp: GraphProblem, choice) -> float:
     return max((o.transient_bytes for o in gp.node_choice(choice).values()), default=0.0)
 
@@ -351,13 +485,14 @@ def solve_under_reserve(request: MeshSolveRequest, cap: float,
 
 
 def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
-                cutoff: float | None = None, warm_only: bool = False) -> Solved:
+                cutoff: float | None = None, warm_only: bool = False,
+                reserve: float | None = None) -> Solved:
     """Build and solve once. ``transient_cap`` (under a budget): only options whose
-    transient is at most the cap, and the cap reserved from the memory row. Raises
-    :class:`CutOff` when the elimination's proven bound reaches ``cutoff`` (a plan found
-    elsewhere is already as good; its branch and bound stops there): the ILP is not run.
-    ``warm_only``: a good plan is wanted, not a proof (a warm start) — the elimination's
-    incumbent as it stands, no ILP in or after it."""
+    transient is at most the cap, and the cap (or ``reserve``: a relaxation of the caps
+    between, :class:`_CapsCover`) reserved from the memory row. Raises :class:`CutOff` when
+    the elimination's or the ILP's proven bound reaches ``cutoff`` (a plan found elsewhere
+    is as good; each stops there). ``warm_only``: a good plan is wanted, not a proof (a
+    warm start) — the elimination's incumbent as it stands, no ILP in or after it."""
     opts = request.config.solver
     t0 = time.perf_counter()
     try:
@@ -367,15 +502,12 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     memory_budget = request.memory_budget
     allowed = None
     if transient_cap is not None:
-        allowed = [np.array([k for k in range(len(gp.problem.cost[g]))
-                             if all(gp.options[n][k].transient_bytes <= transient_cap
-                                    for n in group)], dtype=int)
-                   for g, group in enumerate(gp.groups)]
-        if transient_cap > 0:
-            memory_budget -= transient_cap
+        allowed = _allowed(gp, transient_cap)
+        held = transient_cap if reserve is None else reserve
+        if held > 0:
+            memory_budget -= held
             if memory_budget <= 0:
-                raise InfeasibleError("the largest transient of a sharded state exceeds the "
-                                      "memory budget")
+                raise InfeasibleError("the transient reserved exceeds the memory budget")
             gp.problem = dataclasses.replace(gp.problem, memory_budget=memory_budget)
     problem_s = time.perf_counter() - t0
     if memory_budget is not None and gp.problem.min_memory()[0] > memory_budget:
@@ -425,7 +557,8 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
         result = dataclasses.replace(exact.result, build_s=problem_s, message="; ".join(
             [exact.result.message, *notes]))
     else:
-        result = _solve_ilp(request.config, problem, exact, tied_once(), notes, problem_s)
+        result = _solve_ilp(request.config, problem, exact, tied_once(), notes, problem_s,
+                            cutoff)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
         gp.refuse_unrunnable(full, _chosen(result))
@@ -460,11 +593,12 @@ def _node_ilp(opts, until: Callable[[], float], problem) -> tuple[tuple[int, ...
 
 
 def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, notes: list[str],
-               problem_s: float) -> SolveResult:
+               problem_s: float, cutoff: float | None = None) -> SolveResult:
     """The ILP on ``problem`` (pruned indices). After an elimination: on the strategies
     its bound keeps (the optimum is among them), warm-started from its incumbent, whose
     proven bound also bounds the ILP's. Without one: on all strategies, warm-started from
-    the fallback search or the tied optimum ``tied``."""
+    the fallback search or the tied optimum ``tied``. ``cutoff``: SCIP stops once its bound
+    reaches it, and :class:`CutOff` is raised (the caller drops the problem)."""
     opts = config.solver
     if exact is not None:
         index = [np.asarray(keep) for keep in exact.keep]
@@ -487,7 +621,7 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
             warm, warm_method = tied, "tied ILP"
     ilp = SbpIlp(sub, opts.milp)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
-                       seed=opts.seed, gap=opts.gap)
+                       seed=opts.seed, gap=opts.gap, cutoff=cutoff)
     build_s = problem_s + ilp.build_s
     if result is None and exact is not None:
         objective = sub.objective(incumbent)
@@ -508,6 +642,8 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
         gap = max(0.0, (result.objective - bound) / max(abs(result.objective), 1e-30))
         result = dataclasses.replace(result, bound=bound, gap=result.gap if result.status ==
                                      "optimal" else gap, method="elimination+ilp")
+    if cutoff is not None and result.bound is not None and result.bound >= cutoff:
+        raise CutOff(result.bound)
     result = dataclasses.replace(
         result, build_s=build_s, solve_s=result.solve_s + search_s,
         message="; ".join(m for m in (result.message, *notes) if m))
