@@ -32,7 +32,7 @@ from ilp_planner.inter_op.assembly import (
     pipeline_plan,
 )
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
-from ilp_planner.inter_op.given_rival import given_if_faster
+from ilp_planner.inter_op.given_rival import given_if_faster, given_if_faster_noted
 from ilp_planner.inter_op.interleaved import best_interleaved, interleaved_report
 from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.inter_op.pipelined_grid import (
@@ -154,9 +154,11 @@ def _solve_interleaved(config: Config, graph, solver: StageSolver, space: _Stage
     counts = [space.num_stages] if space.num_stages is not None else [
         p for p in range(2, n + 1) if n % p == 0]
     pipeline, why = best_interleaved(config, graph, solver, counts, {})
-    pipeline = given_if_faster(config, pipeline)  # never slower than a compared configuration
+    # never slower than a compared configuration; where neither fits, the refusal says why
+    # each compared configuration was not kept, too
+    pipeline, rivals = given_if_faster_noted(config, pipeline)
     if pipeline is None:
-        raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join(why))
+        raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join([*why, *rivals]))
     plan = pipeline_plan(config, pipeline, interleaved_report(
         pipeline, solver, time.perf_counter() - t0))
     if baselines:
