@@ -254,7 +254,11 @@ def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline
     """The DP's pipeline, or where the grid's simulates faster (the DP's formula and the
     simulated schedule disagree there) the grid's stages re-solved in the whole space, or
     the grid's own points (members of the space where they recompute what
-    ``solver.recompute`` allows), whichever simulates fastest."""
+    ``solver.recompute`` allows), whichever simulates fastest. Every rival is runnable
+    already: a grid point is a baseline member, whose solve refuses a choice breaking a
+    coupling (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice` prices it as
+    ``parallelize: …`` instead), and a re-solve goes through the stage solver's checked
+    solve."""
     if grid_pipeline.step_s >= pipeline.step_s:
         return pipeline
     resolved = grid_stage_plans(config, solver, grid, True)
