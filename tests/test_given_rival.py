@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ilp_planner.api import solve
+from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inter_op import given_price
 from ilp_planner.inter_op.given_price import price_given
@@ -223,3 +224,15 @@ def test_a_kept_one_mesh_compared_configuration_trains_as_planned(one_mesh, tmp_
     rtol = tolerance(one_mesh.graph)
     assert r["audit_ok"] is True
     assert r["reference"]["loss_rel_err"] <= rtol and r["reference"]["param_rel_err"] <= rtol
+
+
+def test_an_interleaved_refusal_names_why_each_compared_configuration_was_not_kept(config):
+    """``schedule: interleaved-1f1b`` where no interleaved pipeline fits memory and the one
+    compared configuration is not interleaved: the refusal keeps the rival's note (it was
+    lost when no rival was kept)."""
+    inter = config.with_overrides({"pipeline.microbatches": 4,
+                                   "pipeline.schedule": "interleaved-1f1b",
+                                   "pipeline.virtual_stages": 2, "cluster.memory_gib": 1e-6})
+    with pytest.raises(InfeasibleError, match="no interleaved 1F1B pipeline fits: .*not offered "
+                                              "as the plan \\(1F1B without interleaving"):
+        solve(inter, baselines=False, compare=["megatron: tp=2 pp=2 mbs=1"])

@@ -155,6 +155,13 @@ def given_if_faster(config: Config, pipeline: AssembledPipeline | None
     """``pipeline`` (None: the planner found none), or the fastest pipelined compared
     configuration's pipeline (module docstring) where it simulates faster, with a note
     naming what was kept and why others were not."""
+    return given_if_faster_noted(config, pipeline)[0]
+
+
+def given_if_faster_noted(config: Config, pipeline: AssembledPipeline | None
+                          ) -> tuple[AssembledPipeline | None, list[str]]:
+    """:func:`given_if_faster` and the compared configurations' notes, which a caller left
+    with no pipeline (neither the planner's nor a compared one) puts in its refusal."""
     best, notes = _fastest(config, None if pipeline is None else pipeline.step_s,
                            out_of_space, "not pipelined")
     kept = pipeline
@@ -168,9 +175,9 @@ def given_if_faster(config: Config, pipeline: AssembledPipeline | None
                         f"{f' × {v} chunks' if v > 1 else ''} simulate to {kept.step_s:.6g} s a "
                         f"step, the planner's pipeline {own}: kept the compared configuration")
     if not notes or kept is None:
-        return kept
+        return kept, notes
     own_note = pipeline.note if pipeline is not None else ""
-    return dataclasses.replace(kept, note="; ".join(n for n in (own_note, *notes) if n))
+    return dataclasses.replace(kept, note="; ".join(n for n in (own_note, *notes) if n)), notes
 
 
 def mesh_if_faster(config: Config, plan: Plan) -> Plan:

@@ -30,7 +30,7 @@ from ilp_planner.inter_op.assembly import (
     pipeline_plan,
 )
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
-from ilp_planner.inter_op.given_rival import given_if_faster
+from ilp_planner.inter_op.given_rival import given_if_faster, given_if_faster_noted
 from ilp_planner.inter_op.interleaved import best_interleaved, interleaved_report
 from ilp_planner.inter_op.layer_units import layer_units
 from ilp_planner.inter_op.pipelined_grid import (
@@ -137,9 +137,11 @@ def _solve_interleaved(config: Config, graph, solver: StageSolver, space: _Stage
     counts = [space.num_stages] if space.num_stages is not None else [
         p for p in range(2, n + 1) if n % p == 0]
     pipeline, why = best_interleaved(config, graph, solver, counts, {})
-    pipeline = given_if_faster(config, pipeline)  # never slower than a compared configuration
+    # never slower than a compared configuration; where neither fits, the refusal says why
+    # each compared configuration was not kept, too
+    pipeline, rivals = given_if_faster_noted(config, pipeline)
     if pipeline is None:
-        raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join(why))
+        raise InfeasibleError("no interleaved 1F1B pipeline fits: " + "; ".join([*why, *rivals]))
     plan = pipeline_plan(config, pipeline, interleaved_report(
         pipeline, solver, time.perf_counter() - t0))
     if baselines:
@@ -235,7 +237,11 @@ def _faster_of(config: Config, solver: StageSolver, grid: GridPipeline, pipeline
     """The DP's pipeline, or where the grid's simulates faster (the DP's formula and the
     simulated schedule disagree there) the grid's stages re-solved in the whole space, or
     the grid's own points (members of the space where they recompute what
-    ``solver.recompute`` allows), whichever simulates fastest."""
+    ``solver.recompute`` allows), whichever simulates fastest. Every rival is runnable
+    already: a grid point is a baseline member, whose solve refuses a choice breaking a
+    coupling (:func:`~ilp_planner.intra_op.baselines.torchtitan_choice` prices it as
+    ``parallelize: …`` instead), and a re-solve goes through the stage solver's checked
+    solve."""
     if grid_pipeline.step_s >= pipeline.step_s:
         return pipeline
     resolved = grid_stage_plans(config, solver, grid, True)

@@ -243,12 +243,15 @@ def _per_step(compute_s: float, colls: list[Collective], microbatches: int) -> f
 def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyContext,
                   microbatches: int, input_reached: bool,
                   keep: StrategyFilter | None = None,
-                  cache: BuildCache | None = None, tied_table: bool = False) -> list[NodeOption]:
+                  cache: BuildCache | None = None, tied_table: bool = False,
+                  rides: dict[tuple[str, int], tuple[str, int]] | None = None) -> list[NodeOption]:
+    """``rides``: :func:`riders` of ``graph``, computed once by a caller building every
+    node (derived here when not given)."""
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
-    rides = riders(graph)
+    rides = riders(graph) if rides is None else rides
     riding = frozenset(f for f in members[1:] if (f, 0) in rides)
     memo = None
     if cache is not None:  # by what an option depends on besides its base strategy
@@ -719,6 +722,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
     # derived copies of an options list (recomputed; without state sharding) by (what, list
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
+    rides = riders(graph)  # once per build, not per node
     for node, mem, reached, _, tie in st.nodes:
         key = (tie, again.get(node)) if tie is not None else None
         if key is not None and key in tied:
@@ -728,7 +732,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
         table = keep is not None and node in st.tied_tables
         if cache is None:
             opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
-                                 tied_table=table)
+                                 tied_table=table, rides=rides)
         else:
             content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
                        tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
@@ -736,7 +740,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
             opts = cache.options.get(content)
             if opts is None:
                 opts = cache.options[content] = _node_options(
-                    graph, node, mem, ctx, microbatches, reached, keep, cache, table)
+                    graph, node, mem, ctx, microbatches, reached, keep, cache, table, rides)
         if node in st.tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]
