@@ -32,6 +32,13 @@ class InfeasibleError(PlannerError):
     """No plan satisfies the constraints; the message names the binding constraint."""
 
 
+class UnprovenInfeasible(InfeasibleError):
+    """No plan found where none is proven not to exist: a solve stopped short (time limit)
+    returned a choice the runtime cannot run, or a heuristic (the memory row's tightening)
+    gave up. A search that counts proofs (the transient caps cover) must not take it for
+    one."""
+
+
 class PlanFormatError(PlannerError):
     """A plan file is corrupt, foreign or of an unsupported schema version."""
 

@@ -14,6 +14,7 @@ import itertools
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -516,3 +517,34 @@ def test_incumbents_given_lazily_are_asked_for_only_where_needed(seed, where):
         assert (asked.keep is None) == (given.keep is None)
     else:  # cut off at the first bound: the incumbents could not have changed that
         assert asked.result.bound >= where * opt and given.result.bound >= where * opt
+
+
+def test_an_ilp_cutoff_without_a_warm_start_raises_cutoff_not_a_heuristic_plan(monkeypatch):
+    """The ILP path with no elimination result and a fallback search whose choice does not
+    fit (so SCIP gets no warm start): a cutoff below the optimum still ends in
+    :class:`CutOff` — SCIP's dual limit, which may stop it before any incumbent, is set only
+    with one; before, such a run read as a time-out and returned the non-fitting fallback
+    choice as a heuristic plan."""
+    from ilp_planner.inputs.config import load_config
+    from ilp_planner.intra_op import solve_mesh as sm
+
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny-gpt-cpu.yaml")
+    rng = np.random.default_rng(0)
+    cost = [rng.uniform(1, 2, 6) for _ in range(30)]
+    mem = [rng.uniform(1, 2, 6) for _ in range(30)]
+    edges = {(g, g + 1): rng.uniform(0, 1, (6, 6)) for g in range(29)}
+    p = Problem([f"g{g}" for g in range(30)], cost, mem, edges,
+                memory_budget=sum(m.min() for m in mem) * 1.02)
+    optimum = sm._solve_ilp(config, p, None, None, [], 0.0)
+    assert optimum.status == "optimal"
+    worst = tuple(int(np.argmax(m)) for m in mem)
+    assert not p.feasible(worst)
+
+    class NotFitting:  # the fallback search, replaced by one whose choice does not fit
+        choice, solve_s = worst, 0.0
+
+    monkeypatch.setitem(sm.SEARCHES, config.solver.fallback, lambda problem, seed=0: NotFitting)
+    with pytest.raises(sm.CutOff):
+        sm._solve_ilp(config, p, None, None, [], 0.0, cutoff=optimum.objective * 0.99)
+    kept = sm._solve_ilp(config, p, None, None, [], 0.0, cutoff=optimum.objective * 1.01)
+    assert kept.status == "optimal" and kept.objective == pytest.approx(optimum.objective)

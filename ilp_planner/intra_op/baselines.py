@@ -363,7 +363,7 @@ read the grid's builds and prices."""
 def _member_problem(build: Build, keep: Filter, dp: int, budget: float | None,
                     levels: tuple[int, ...] = (0,), blocks: frozenset = frozenset(),
                     reserve_transients: bool = False) -> _Built | float | str:
-    """:func:`_member`'s build (once per ``build``, :data:`_BUILT`)."""
+    """A member's build (once per ``build``, :data:`_BUILT`): :func:`_build_member`."""
     memo = _BUILT.setdefault(build, {})
     key = (keep, dp, budget, levels, blocks, reserve_transients)
     if key not in memo:
@@ -423,8 +423,8 @@ def _solved(built: _Built, budget: float | None, time_limit_s: float,
             out, binds = free, False
     if out is None:
         out = solve_exact(problem, time_limit_s, cutoff)
-        if out is None:
-            return BEATEN
+        if out is None:  # without a budget the problem is the memory-free one
+            return None if problem.memory_budget is None else BEATEN
         if not isinstance(out, str) and out[2] == 0 and isinstance(free, tuple) \
                 and free[2] == 0:
             binds = free[1] < out[1] * (1 - 1e-12)  # another choice as cheap as the free one
@@ -440,8 +440,9 @@ def _solved(built: _Built, budget: float | None, time_limit_s: float,
 
 
 _BEAT_MARGIN = 1e-6
-"""Relative margin of :func:`_member`'s skip: a bound only this far above the best is
-still solved, so that the solvers' rounding cannot skip a member whose price ties it."""
+"""Relative margin of :func:`_member_price`'s skip and cutoff: a bound only this far above
+the best is still solved, so that the solvers' rounding cannot skip a member whose price
+ties it."""
 
 
 def lower_bound(problem: Problem) -> float:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from formulations.problem import BucketTerms, Problem
-from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
@@ -172,15 +172,18 @@ class GraphProblem:
                         f"program")
         return None
 
-    def refuse_unrunnable(self, choice: np.ndarray | list[int], what: str) -> None:
+    def refuse_unrunnable(self, choice: np.ndarray | list[int], what: str,
+                          proven: bool = True) -> None:
         """Raise :class:`InfeasibleError` where ``choice`` breaks a coupling
         (:meth:`unrunnable`). The couplings are penalties, not constraints: a solve stopped
         short (time limit, heuristic fallback) or a restricted problem in which every
         choice breaks one can return such a choice, which must never become a plan or a
-        price. ``what`` names the choice (``"the solver's choice"``)."""
+        price. ``what`` names the choice (``"the solver's choice"``); ``proven``: it is an
+        optimum, so every choice breaks one — else :class:`UnprovenInfeasible`."""
         broken = self.unrunnable(choice)
         if broken is not None:
-            raise InfeasibleError(f"the runtime cannot run {what}: {broken}")
+            raise (InfeasibleError if proven else UnprovenInfeasible)(
+                f"the runtime cannot run {what}: {broken}")
 
 
 @dataclass

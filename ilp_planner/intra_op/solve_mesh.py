@@ -22,7 +22,7 @@ from formulations.problem import dominated_free
 from formulations.result import SolveResult
 from formulations.sbp_ilp import SbpIlp
 from formulations.sbp_search import SEARCHES
-from ilp_planner.errors import ConfigError, InfeasibleError
+from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
 from ilp_planner.inputs.config import Config
 from ilp_planner.intra_op.baseline_prices import grid_baseline
 from ilp_planner.intra_op.baselines import GridPoint
@@ -358,6 +358,9 @@ class _CapsCover:
             return []
         try:
             gp, res = _solve_once(request, inside[-1], self._threshold(), reserve=inside[0])
+        except UnprovenInfeasible:
+            self.uncovered.append(span)  # no proof: the span stays open
+            return []
         except (CutOff, InfeasibleError):
             return []
         self.relaxations += 1
@@ -376,6 +379,8 @@ class _CapsCover:
         self.tried.add(cap)
         try:
             self.results.append(solve_under_reserve(self.request, cap, self._threshold()))
+        except UnprovenInfeasible:  # no plan and no proof: the cap stays open
+            self.uncovered.append(_Span([cap], self._forest_bound([cap])))
         except (CutOff, InfeasibleError):
             pass
 
@@ -478,7 +483,7 @@ def solve_under_reserve(request: MeshSolveRequest, cap: float,
         row = min(row - (peak - budget), budget - (peak - charged))
         if row <= 0:
             break
-    raise InfeasibleError(
+    raise UnprovenInfeasible(  # the row's tightening is no proof that none fits
         f"no plan fits with its transients: the best plan under the memory row peaks at "
         f"{peak / 2**30:.4g} GiB (re-materialised activations and gathered weights "
         f"included); the budget is {budget / 2**30:.4g} GiB")
@@ -561,7 +566,7 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
                             cutoff)
     full = tuple(int(kept[g][k]) for g, k in enumerate(result.choice))
     if not warm_only:  # a warm start is no plan: a breaking one only loses to a runnable one
-        gp.refuse_unrunnable(full, _chosen(result))
+        gp.refuse_unrunnable(full, _chosen(result), proven=result.status == "optimal")
     return gp, dataclasses.replace(result, choice=full)
 
 
@@ -620,8 +625,10 @@ def _solve_ilp(config: Config, problem, exact: EliminationResult | None, tied, n
                 warm is None or problem.objective(tied) < problem.objective(warm)):
             warm, warm_method = tied, "tied ILP"
     ilp = SbpIlp(sub, opts.milp)
+    # SCIP's dual limit only with an incumbent: a run stopped there before finding one
+    # reads as a time-out with nothing found, not as a cutoff (its bound is then lost)
     result = ilp.solve(time_limit_s=opts.time_limit_s, threads=opts.threads, warm_start=warm,
-                       seed=opts.seed, gap=opts.gap, cutoff=cutoff)
+                       seed=opts.seed, gap=opts.gap, cutoff=cutoff if warm is not None else None)
     build_s = problem_s + ilp.build_s
     if result is None and exact is not None:
         objective = sub.objective(incumbent)
