@@ -248,8 +248,8 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
                   keep: StrategyFilter | None = None,
                   cache: BuildCache | None = None, tied_table: bool = False,
                   rides: dict[tuple[str, int], tuple[str, int]] | None = None) -> list[NodeOption]:
-    """``rides``: :func:`riders` of ``graph``, computed once by a caller building every
-    node (derived here when not given)."""
+    """``rides``: :func:`riders` of ``graph`` (the structure's, derived here when not
+    given)."""
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts: list[NodeOption] = []
@@ -492,8 +492,8 @@ def build_nodes(graph: Graph, cluster: Cluster, nodes: int, local: int, memory: 
                            {} if cache is None else cache.programs)
     buckets = (_bucket_terms(uses, cost, grad_bucket_bytes, ctx, facts)
                if grad_bucket_bytes > 0 else None)
-    return NodeCosts(graph, cluster, ctx, st, options, again, microbatches, cost, mem, buckets,
-                     memory_budget, boundary, grad_bucket_bytes, frozenset(recompute), cache)
+    return NodeCosts(cluster, ctx, st, options, again, microbatches, cost, mem, buckets,
+                     memory_budget, grad_bucket_bytes, frozenset(recompute), cache)
 
 
 ListUses = dict[tuple[int, int], tuple[list[NodeOption], int]]
@@ -521,10 +521,9 @@ class NodeCosts:
     known here; a baseline member that cannot fit, or whose bound already exceeds its
     family's best, is never completed — the edges are half of a build."""
 
-    graph: Graph
     cluster: Cluster
     ctx: StrategyContext
-    st: _Structure
+    st: _Structure  # the graph and its boundary with them
     options: dict[str, list[NodeOption]]
     again: dict[str, int]
     microbatches: int
@@ -532,7 +531,6 @@ class NodeCosts:
     mem: list[np.ndarray]
     buckets: BucketTerms | None
     memory_budget: float | None
-    boundary: StageBoundary
     grad_bucket_bytes: float
     recompute: frozenset[tuple[str, int]]
     cache: BuildCache | None
@@ -555,14 +553,14 @@ class NodeCosts:
             st, options, cost = self.st, self.options, self.cost
             edges = _edge_costs(st, self.cluster, options, self.again, self.microbatches, cost,
                                 self.cache)
-            _add_tied_exchange(self.graph, self.cluster, st.owner, st.position, options,
+            _add_tied_exchange(st.graph, self.cluster, st.owner, st.position, options,
                                st.group_of, edges)
             _add_shared_couplings(st, options, cost, edges, self.buckets)
             problem = Problem([st.group_key[g[0]] for g in st.groups], cost, self.mem, edges,
                               self.memory_budget, self.buckets)
             self.done = GraphProblem(
-                problem, self.graph, self.ctx, st.owner, st.position, st.members, options,
-                st.group_of, st.groups, self.microbatches, self.boundary,
+                problem, st.graph, self.ctx, st.owner, st.position, st.members, options,
+                st.group_of, st.groups, self.microbatches, st.boundary,
                 self.grad_bucket_bytes, frozenset(self.again), self.recompute)
         return self.done
 
@@ -607,6 +605,8 @@ class _Structure:
     # member's position, the follower's position) — see :func:`_functional_follows`
     still_within: tuple[tuple[str, int, int], ...] = ()
     boundary: StageBoundary = field(default_factory=StageBoundary)
+    # :func:`~ilp_planner.lowering.shared_reads.riders` of the graph
+    rides: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
     # :func:`recomputed_nodes` by recomputed blocks (:meth:`recomputed_nodes`)
     recomputed: dict[frozenset, dict[str, int]] = field(default_factory=dict, compare=False)
 
@@ -653,7 +653,7 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
                      *_tie_groups(graph, members, shapes, tie_layers), edges, riding, couplings,
                      _functional_edges(graph, pairs), _functional_follows(graph, owner, position),
-                     boundary)
+                     boundary, rides)
     if cache is not None:
         if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
             del cache.structures[next(iter(cache.structures))]
@@ -725,7 +725,6 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
     # derived copies of an options list (recomputed; without state sharding) by (what, list
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
-    rides = riders(graph)  # once per build, not per node
     for node, mem, reached, _, tie in st.nodes:
         key = (tie, again.get(node)) if tie is not None else None
         if key is not None and key in tied:
@@ -735,7 +734,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
         table = keep is not None and node in st.tied_tables
         if cache is None:
             opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
-                                 tied_table=table, rides=rides)
+                                 tied_table=table, rides=st.rides)
         else:
             content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
                        tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
@@ -743,7 +742,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
             opts = cache.options.get(content)
             if opts is None:
                 opts = cache.options[content] = _node_options(
-                    graph, node, mem, ctx, microbatches, reached, keep, cache, table, rides)
+                    graph, node, mem, ctx, microbatches, reached, keep, cache, table, st.rides)
         if node in st.tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]
