@@ -27,7 +27,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
-from ilp_planner.ir.layouts import Layout, grad_layout
+from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
 from ilp_planner.lowering.moe_strategies import hf_experts
 from ilp_planner.lowering.redistribution import Redistribution
 from ilp_planner.lowering.shared_reads import priced_read
@@ -422,12 +422,15 @@ class BoundaryHooks:
 
     def _input_block(self, op: Op, x: torch.Tensor) -> DTensor:
         """Input ``op``'s full tensor ``x`` as this rank's block of the one layout its
-        consumers read."""
-        wants = {self.layers[c].inputs[list(self.graph[c].inputs).index(op.name)]
-                 for c in self.graph.consumers(op.name)}
-        if len(wants) != 1:
-            raise RuntimeSetupError(f"input {op.name!r} is read in {len(wants)} layouts")
-        lay = wants.pop()
+        consumers read (unit mesh axes aside: the planner couples them so,
+        :func:`~ilp_planner.intra_op.problem.input_reads`), on the first consumer's mesh."""
+        wants = [self.layers[c].inputs[i] for c in self.graph.consumers(op.name)
+                 for i, src in enumerate(self.graph[c].inputs) if src == op.name]
+        seen = {drop_unit_axes(lay) for lay in wants}
+        if len(seen) != 1:
+            raise RuntimeSetupError(f"input {op.name!r} is read in {len(seen)} layouts "
+                                    f"({', '.join(sorted(map(str, seen)))})")
+        lay = wants[0]
         local = self.comm.block(x.reshape(op.output.shape), lay)
         dims = DimMap(tuple(x.shape), op.output.rank)
         spec = dtensor_spec(self.meshes.of(lay), placements(lay, dims, op.name), x, tuple(x.shape))

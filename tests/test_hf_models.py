@@ -16,13 +16,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ilp_planner
 from ilp_planner.errors import ConfigError
-from ilp_planner.inputs.config import parse_cluster
+from ilp_planner.inputs.config import load_config, parse_cluster
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.lift_elementwise import lift_const
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Call, Const
+from ilp_planner.intra_op.baselines import solve_exact
+from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
+from ilp_planner.ir.layouts import drop_unit_axes
 from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import expert_parallel
 from ilp_planner.lowering.strategies import (
@@ -67,6 +70,16 @@ def _builders() -> dict[str, Any]:
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0,
             attention_probs_dropout_prob=0)), (_ids(),)),
+        "roberta": lambda: (T.RobertaForMaskedLM(T.RobertaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=SEQ + 2, hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0)), (_ids(),)),
+        "olmo": lambda: (T.OlmoForCausalLM(T.OlmoConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)), (_ids(),)),
+        "convnext": lambda: (T.ConvNextForImageClassification(T.ConvNextConfig(
+            num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)),
+            (torch.randn(BATCH, 3, 64, 64),)),
         "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             image_size=16, patch_size=4, num_labels=10, hidden_dropout_prob=0,
@@ -128,7 +141,8 @@ SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
 MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
 
 
-DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "vit", "resnet", "t5")
+DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "vit", "resnet",
+         "convnext", "t5")
 
 
 @pytest.fixture(scope="module")
@@ -173,11 +187,13 @@ def test_every_matmul_linear_and_conv_is_lifted_not_opaque(imported, name):
     assert all(op.kind is not OpKind.OPAQUE or not op.weight for op in graph.ops)
 
 
-@pytest.mark.parametrize("name", ("gpt2", "llama_untied", "bert", "vit", "resnet", "t5"))
+@pytest.mark.parametrize("name", ("gpt2", "llama_untied", "bert", "roberta", "olmo", "vit",
+                                  "resnet", "convnext", "t5"))
 def test_every_parameter_is_owned_by_an_op_that_prices_it(imported, name):
     """``t5``: the shared table by the encoder's embedding and the tied copies (the
     decoder's embedding, the head), each stack's relative position table by its first
-    self-attention (SDPA reads it in its mask)."""
+    self-attention (SDPA reads it in its mask). ``olmo``: its norms have no parameters, and
+    hold none."""
     model, graph = imported(name)
     aliases = _aliases(model)
     owned = {a for op in graph.ops for p in op.source_params for a in aliases[p]}
@@ -193,6 +209,42 @@ def test_solves_on_two_by_four(imported, name):
     _, graph = imported(name)
     plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
     assert plan.cost.total_s > 0
+
+
+def test_computed_token_ids_are_flat_like_the_input_ids(imported):
+    """RoBERTa computes its position ids from ``input_ids`` (``ne`` the padding index, a
+    cumulative sum, …): those integer values are token vectors ``(B·T,)`` as the input
+    is, so the position table's lookup may split them as it splits the tokens (they were
+    ``(B, T)``: a 4-way token split did not fit the batch of 2, and the edge's pricing
+    failed with a bare ``KeyError``)."""
+    _, graph = imported("roberta")
+    ids = [op for op in graph.ops if op.output.dtype.startswith("int")]
+    assert {op.name for op in ids} >= {"input_ids", "roberta.embeddings.cumsum"}
+    assert all(op.output.shape == (BATCH * SEQ,) for op in ids)
+
+
+def test_one_input_read_twice_is_read_in_one_layout(imported):
+    """RoBERTa's ``input_ids`` is read by the word table and by the functional code that
+    counts positions (kept whole: it is opaque): ``parallelize`` hands the module one
+    tensor, so the problem couples the two reads — its optimum reads one layout, and a
+    choice splitting the word table's ids over the batch (its own cheapest read) while the
+    counting reads them whole costs more than any coupled choice and is named as
+    unrunnable."""
+    _, graph = imported("roberta")
+    config = load_config({"model": graph, "cluster": CLUSTER})
+    gp = build_problem(graph, config.cluster, 2, 4, config.memory)
+    choice, objective, _ = solve_exact(gp.problem, 30.0)
+    assert gp.unrunnable(choice) is None
+    word, count = "roberta.embeddings.word_embeddings", "roberta.embeddings.ne"
+    chosen = gp.node_choice(choice)
+    reads = {drop_unit_axes(chosen[gp.owner[n]].inputs[gp.position[n]][0]) for n in (word, count)}
+    assert len(reads) == 1
+    split = next(k for k, o in enumerate(gp.options[gp.owner[word]])
+                 if o.inputs[gp.position[word]][0].split_degree(0) > 1)
+    broken = list(choice)
+    broken[gp.group_of[gp.owner[word]]] = split
+    assert gp.problem.objective(broken) > 1.0 > objective
+    assert "input 'input_ids' is read in 2 layouts" in gp.unrunnable(broken)
 
 
 @pytest.mark.parametrize("name", ["llama_untied", "llama_tied", "bert", "gpt2"])
@@ -259,6 +311,46 @@ def test_vit_class_token_and_positions_are_parameters_of_an_op(imported):
     owners = _owners(graph, _aliases(model), "vit.embeddings.cls_token")
     assert len(owners) == 1
     assert "vit.embeddings.position_embeddings" in owners[0].source_params
+
+
+def test_convnext_channels_moved_last_and_back_are_copies_that_keep_whole_images(imported):
+    """ConvNeXt permutes each block's (N, C, H, W) convolution output to (N, H, W, C) for
+    its layer norm and pointwise linears, and back for the residual: each permute is an op
+    of its own (it was taken for a re-view, wiring the (N·H·W, C) norm to the image as if
+    it were that tensor), a copy priced by its bytes, whose rows split only by whole images
+    (a divisor of the batch) — so the image's batch split and the tokens' row split are one
+    distribution. Its layer scale (``γ · x`` after the second linear) is an op owning γ."""
+    _, graph = imported("convnext")
+    moves = [op for op in graph.ops if op.attrs.get("row_items")]
+    assert moves and all(op.attrs["row_items"] == BATCH and op.attrs["rows_local"]
+                         for op in moves)
+    for op in moves:
+        src = graph[op.inputs[0]]
+        assert op.output.numel == src.output.numel
+        assert op.attrs["bytes_read"] == op.output.nbytes
+        if src.output.rank == 4:  # channels moved last: read as tokens
+            n, c, h, w = src.output.shape
+            assert op.output.shape == (n * h * w, c)
+        else:  # moved back to an image
+            assert op.output.rank == 4 and op.output.shape[1] == src.output.shape[1]
+    norms = [op for op in graph.ops if op.kind is OpKind.LAYERNORM]
+    assert all(graph[n.inputs[0]].output.shape == n.output.shape for n in norms)
+    scales = [op for op in graph.ops if op.source_params
+              and op.source_params[0].endswith("layer_scale_parameter")]
+    assert len(scales) == 2 and all(op.kind is OpKind.OPAQUE for op in scales)
+    ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
+    for op in moves:
+        splits = {s.output.split_degree(0) for s in op_strategies(op, [], ctx)}
+        assert splits == {1, 2}  # the batch of 2 splits 2 ways at most
+    # its depthwise convolutions split their batch only (the runtime calls them with their
+    # groups); the others split channels too
+    convs = [op for op in graph.ops if op.kind is OpKind.CONV2D]
+    depthwise = [op for op in convs if op.attrs.get("groups")]
+    assert len(depthwise) == 2 and all(op.attrs["groups"] == op.weight.shape[0]
+                                       for op in depthwise)
+    for op in convs:
+        channels = {s.output.split_degree(1) for s in op_strategies(op, [], ctx)}
+        assert (channels == {1}) == (op in depthwise), (op.name, channels)
 
 
 def test_resnet_bias_free_convs_and_in_place_residuals(imported):

@@ -179,6 +179,19 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext"])
+def test_models_outside_the_first_set_train_like_one_process(model, shape):
+    """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
+    functional code counting positions (the plan reads it in one layout, the runtime hands
+    it over once). ``olmo``: layer norms with no parameters (the plan gives them none to
+    synchronise). ``convnext``: images permuted to channels-last and back in every block
+    (copies that keep whole images on a device), a layer scale owned by an op of its
+    own."""
+    line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["resnet-data-parallel", "resnet-batch-and-channels"])
 def test_resnet_trains_with_synchronised_batch_norm(model, shape):
     """Batch norms splitting the batch (data parallel on all 4 devices; or the batch and the

@@ -35,6 +35,7 @@ from ilp_planner.inputs.lift_values import (
     dtype_of,
     first_output,
     flatten,
+    ir_shape,
     numel,
     param_name,
     tokens_major,
@@ -76,7 +77,8 @@ def _follower(kind: OpKind) -> Handler:
             return [res, Const()] if isinstance(val, (list, tuple)) else res
         src = g.ir(call.node, x)
         d = g.drafts[src]
-        shape = d.shape if numel(d.shape) == numel(out.shape) else tokens_major(out.shape)
+        shape = d.shape if numel(d.shape) == numel(out.shape) else ir_shape(out.shape,
+                                                                             dtype_of(out))
         act = g.add(call.node, kind, [src], shape, dtype_of(out), flops=float(numel(out.shape)))
         res = Act(act.src, tuple(out.shape), act.dtype)
         return [res, Const()] if isinstance(val, (list, tuple)) else res
@@ -253,12 +255,17 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
         if g.adopt(d, pos.params):
             d.attrs[position_table_attr(d.attrs)] = pos.table_of_positions
         return Act(x.src, shape, dtype)
-    if len(x.src) == 1:
-        d = g.drafts[x.src[0]]
-        for c in consts:
-            for p in g.adopt(d, c.params):
-                if d.kind is OpKind.LINEAR and g.param_shape[p] == (d.shape[-1],):
-                    d.attrs["bias"] = 1
+    params = [p for c in consts for p in c.params if p not in g.owner]
+    if params:
+        d = g.drafts[x.src[0]] if len(x.src) == 1 else None
+        if d is None or not _priced_by(g, d, op, params):
+            # a parameter no role of the op before prices (ConvNeXt's layer scale, a
+            # ``γ · x`` after its linear): an op of its own owns it, so it is priced and
+            # placed, never dropped or handed to an op that would not price it
+            return g.opaque(call.node, call.args, [x], val, op)
+        g.adopt(d, params)
+        if d.kind is OpKind.LINEAR:
+            d.attrs["bias"] = 1
     parts = x.parts
     if x.role:  # a step on attention scores: a scale, a mask (lift_masks), or another
         mask = after_step(g.constants, call, x) if x.role == "scores" else OTHER
@@ -266,6 +273,17 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     # a step with a parameter (a bias, a gain) is the op's that owns it, priced there
     own = () if any(c.params for c in consts) else (call.node,)
     return Act(x.src, shape, dtype, x.chain + ((op,),), x.role, parts, x.steps + own)
+
+
+def _priced_by(g: DraftGraph, d: Any, op: str, params: list[str]) -> bool:
+    """Whether op ``d`` prices ``params`` applied to its output once it owns them: an
+    opaque op prices whatever it owns (ViT's position table, added to its class token's
+    ``cat``); a linear a bias added to it (one vector of its output width, where it has
+    none yet)."""
+    if d.kind is OpKind.OPAQUE:
+        return True
+    return d.kind is OpKind.LINEAR and op == "add" and not d.attrs.get("bias") \
+        and len(params) == 1 and g.param_shape[params[0]] == (d.shape[-1],)
 
 
 def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
@@ -283,7 +301,7 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
         OpKind.MUL if op in ("mul", "div", "true_divide") else OpKind.OPAQUE)
     srcs = [g.ir(call.node, a), g.ir(call.node, b)]
     image = all(len(g.drafts[s].shape) == 4 for s in srcs)
-    out = shape if image else tokens_major(shape)
+    out = shape if image else ir_shape(shape, dtype)
     act = g.add(call.node, kind, srcs, out, dtype, flops=float(numel(shape)),
                 label=op if kind is OpKind.OPAQUE else None)
     return Act(act.src, shape, dtype)

@@ -26,6 +26,7 @@ from ilp_planner.inputs.lift_values import (
     dtype_of,
     first_output,
     flatten,
+    ir_shape,
     numel,
     op_name,
     tokens_major,
@@ -127,9 +128,7 @@ class DraftGraph:
             return Const()
         shape = tuple(int(d) for d in val.shape)
         dtype = dtype_of(val)
-        spec_shape = shape if len(shape) == 4 else (
-            (numel(shape),) if dtype.startswith("int") else tokens_major(shape))
-        self.drafts[node.name] = Draft(node.name, OpKind.INPUT, (), spec_shape, dtype)
+        self.drafts[node.name] = Draft(node.name, OpKind.INPUT, (), ir_shape(shape, dtype), dtype)
         return Act((node.name,), shape, dtype)
 
     # -- building ------------------------------------------------------------------------
@@ -182,7 +181,8 @@ class DraftGraph:
         copy it stands for, priced instead of its estimate."""
         own = self.steps_to_price(x.steps, copies_only=True) if isinstance(x, Act) else []
         self.absorbed += own
-        if isinstance(x, Act) and len(x.src) == 1:
+        moved_to = _channels_moved(self.drafts[x.src[0]], x) if isinstance(x, Act) else None
+        if isinstance(x, Act) and len(x.src) == 1 and moved_to is None:
             d = self.drafts[x.src[0]]
             if numel(d.shape) == numel(x.shape):
                 if d.kind is OpKind.INPUT:
@@ -202,8 +202,12 @@ class DraftGraph:
         # way — unless the value's own folded copies (absorbed) are that copy
         moved = 0 if own else numel(x.shape) * DTYPE_BYTES[x.dtype]
         rows = {"rows_local": 1} if _column_pick(self.drafts[x.src[0]], x) else {}
-        act = self.add(node, OpKind.OPAQUE, list(x.src), tokens_major(x.shape), x.dtype,
-                       main=False, bytes_read=moved, bytes_written=moved, **rows)
+        spec = ir_shape(x.shape, x.dtype)
+        if moved_to is not None:  # whole images stay on their devices either way round
+            rows = {"rows_local": 1, "row_items": x.shape[0]}
+            spec = tokens_major(x.shape) if moved_to == "last" else spec
+        act = self.add(node, OpKind.OPAQUE, list(x.src), spec, x.dtype, main=False,
+                       bytes_read=moved, bytes_written=moved, **rows)
         return act.src[0]
 
     def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
@@ -213,7 +217,7 @@ class DraftGraph:
         out = first_output(val)
         srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
         shape = tuple(out.shape)
-        spec = shape if len(shape) == 4 else tokens_major(shape)
+        spec = ir_shape(shape, dtype_of(out))
         params = [p for a in flatten(args) if isinstance(a, Const) for p in a.params]
         cost = self.count(node)
         act = self.add(node, OpKind.OPAQUE, srcs, spec, dtype_of(out), params=params,
@@ -362,6 +366,25 @@ def _column_pick(d: Draft, x: Act) -> bool:
 # chain steps that keep each row to itself: casts, element-wise steps, a last-dim reduction
 _ROW_LOCAL = frozenset({"to", "_to_copy", "type_as", "float", "contiguous", "clone",
                         "reduce_last", *UNARY_FOLDS})
+
+
+def _channels_moved(d: Draft, x: Act) -> str | None:
+    """``"last"`` where ``x`` is image ``d``'s (N, C, H, W) value with its channels moved
+    last — ConvNeXt's ``permute(0, 2, 3, 1)`` before its layer norm and pointwise linears,
+    which read it as (N·H·W, C) tokens — ``"first"`` where tokens ``d``'s (N, H, W, C)
+    value has them moved back (``permute(0, 3, 1, 2)``) for a convolution or an image's
+    residual add; None otherwise. Either is a copy, not a re-view: its op (:meth:`ir`) keeps
+    whole images together (a split of the N·H·W rows by a divisor of N, ``row_items``)."""
+    perms = [tuple(int(a) % 4 for a in step[1]) for step in x.chain
+             if step[0] == "permute" and len(step) > 1 and len(step[1]) == 4]
+    if len(x.shape) != 4 or len(x.src) != 1 or len(perms) != 1:
+        return None
+    n, a, b, z = x.shape
+    if perms[0] == (0, 2, 3, 1) and d.shape == (n, z, a, b):  # x is (N, H, W, C)
+        return "last"
+    if perms[0] == (0, 3, 1, 2) and d.shape == (n * b * z, a):  # x is (N, C, H, W)
+        return "first"
+    return None
 
 
 def _is_image(d: Draft) -> bool:

@@ -248,17 +248,21 @@ def lift_layer_norm(g: DraftGraph, call: Call) -> Act:
     w = param_name(args[2]) if len(args) > 2 else None
     b = param_name(args[3]) if len(args) > 3 else None
     return lift_norm(g, call.node, args[0], call.val, OpKind.LAYERNORM, [p for p in (w, b) if p],
+                     **({} if w is not None else {"gain": 0}),
                      **({} if b is not None else {"bias": 0}))
 
 
 def lift_rms_norm(g: DraftGraph, call: Call) -> Act:
     w = param_name(call.args[2]) if len(call.args) > 2 else None
-    return lift_norm(g, call.node, call.args[0], call.val, OpKind.RMSNORM, [w] if w else [])
+    return lift_norm(g, call.node, call.args[0], call.val, OpKind.RMSNORM, [w] if w else [],
+                     **({} if w is not None else {"gain": 0}))
 
 
 def lift_norm(g: DraftGraph, node: Any, x: Any, val: Any, kind: OpKind, params: list[str],
               **attrs: int) -> Act:
-    """A layer / RMS norm over the last dim, owning its gain (and bias)."""
+    """A layer / RMS norm over the last dim, owning its gain (and bias): ``attrs.gain`` /
+    ``attrs.bias`` 0 for a norm without one (OLMo's parameter-free layer norm), so the op
+    holds exactly the module's parameters."""
     src = g.ir(node, x)
     shape = tokens_major(val.shape)
     act = g.add(node, kind, [src], shape, dtype_of(val), params=params,
@@ -287,10 +291,12 @@ def lift_conv2d(g: DraftGraph, call: Call) -> Any:
     c_out, c_in, kh, kw = g.param_shape[wname]
     # ``bias``: 0 for a bias-free convolution (ResNet's, before a batch norm), so the
     # op owns and is priced with exactly the module's parameters
+    groups = int(args[6]) if len(args) > 6 and isinstance(args[6], int) else 1
     act = g.add(call.node, OpKind.CONV2D, [src], tuple(val.shape), dtype_of(val),
                 weight=(c_out, c_in, kh, kw), params=[p for p in (wname, b) if p],
                 flops=2.0 * numel(val.shape) * c_in * kh * kw, kernel=int(kw),
-                **({} if b is not None else {"bias": 0}))
+                **({} if b is not None else {"bias": 0}),
+                **({"groups": groups} if groups > 1 else {}))
     return Act(act.src, tuple(val.shape), act.dtype)
 
 

@@ -148,6 +148,17 @@ def tokens_major(shape: Sequence[int]) -> tuple[int, ...]:
     return (numel(shape[:-1]), shape[-1])
 
 
+def ir_shape(shape: Sequence[int], dtype: str) -> tuple[int, ...]:
+    """The shape the IR gives a value of ``shape``: an image (NCHW) as it is, integers flat
+    — token ids ``(B, T) → (B·T,)``, as an embedding reads them, whether they are a model
+    input or computed from one (RoBERTa's position ids: a cumulative sum of the padding
+    mask) — anything else tokens-major (:func:`tokens_major`)."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) == 4:
+        return shape
+    return (numel(shape),) if dtype.startswith("int") else tokens_major(shape)
+
+
 def flatten(xs: Any) -> list:
     """Nested lists / tuples of arguments as one flat list."""
     out = []

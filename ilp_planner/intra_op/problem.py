@@ -163,6 +163,12 @@ class GraphProblem:
             if not _as_produced(out, *read(dst, self.graph[dst].inputs.index(src))):
                 return (f"the layout of {src!r} changes between two pieces of functional code "
                         f"(before {dst!r}), where no module boundary runs a program")
+        for src, reads in input_reads(self.graph, self.boundary).items():
+            seen = {drop_unit_axes(read(c, i)[0]) for c, i in reads}
+            if len(seen) > 1:
+                return (f"input {src!r} is read in {len(seen)} layouts "
+                        f"({', '.join(sorted(map(str, seen)))}): the module is handed one "
+                        f"tensor per input")
         for node, ps, pf in _functional_follows(self.graph, self.owner, self.position):
             opt = chosen[node]
             if not _as_produced(opt.outputs[ps], opt.inputs[pf][0], opt.grads[pf][0]):
@@ -607,6 +613,10 @@ class _Structure:
     boundary: StageBoundary = field(default_factory=StageBoundary)
     # :func:`~ilp_planner.lowering.shared_reads.riders` of the graph
     rides: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
+    # each later read of a model input read more than once, coupled to its first read:
+    # (first reader's node, position, input index, this reader's node, position, index) —
+    # see :func:`input_reads`
+    input_couplings: tuple[tuple[str, int, int, str, int, int], ...] = ()
     # :func:`recomputed_nodes` by recomputed blocks (:meth:`recomputed_nodes`)
     recomputed: dict[frozenset, dict[str, int]] = field(default_factory=dict, compare=False)
 
@@ -653,12 +663,29 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     out = _Structure(graph, owner, position, members, tuple(nodes), tied_tables,
                      *_tie_groups(graph, members, shapes, tie_layers), edges, riding, couplings,
                      _functional_edges(graph, pairs), _functional_follows(graph, owner, position),
-                     boundary, rides)
+                     boundary, rides, tuple(
+                         (owner[a], position[a], ai, owner[b], position[b], bi)
+                         for reads in input_reads(graph, boundary).values()
+                         for (a, ai), (b, bi) in zip(reads, reads[1:], strict=False)))
     if cache is not None:
         if len(cache.structures) >= STRUCTURES_KEPT:  # a pipeline's many stage graphs
             del cache.structures[next(iter(cache.structures))]
         cache.structures[key] = out
     return out
+
+
+def input_reads(graph: Graph, boundary: StageBoundary) -> dict[str, list[tuple[str, int]]]:
+    """Each model input read more than once → its reads ``(consumer, input index)`` in
+    graph order (a stage's imported values aside: each reader has its own import program).
+    ``parallelize`` hands the module one tensor per input, in one layout (but for unit mesh
+    axes), which every reader reads: RoBERTa's ``input_ids``, looked up by the word table
+    and compared with the padding index to count positions."""
+    reads: dict[str, list[tuple[str, int]]] = {}
+    for op in graph.ops:
+        for idx, src in enumerate(op.inputs):
+            if graph[src].kind is OpKind.INPUT and src not in boundary.imported:
+                reads.setdefault(src, []).append((op.name, idx))
+    return {src: rs for src, rs in reads.items() if len(rs) > 1}
 
 
 def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[int]:
@@ -1028,16 +1055,18 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
     """What ``parallelize`` can run, as couplings: each rider of a shared read and its
     priced reader (:mod:`ilp_planner.lowering.shared_reads`) — the runtime runs one
     program, so the two must read one input layout and hand back their gradients in one
-    layout — and each edge between two pieces of functional code (``st.still``, and
+    layout — each edge between two pieces of functional code (``st.still``, and
     inside a node ``st.still_within``), whose value must arrive as produced, its gradient
-    as the producer's. A choice breaking one
+    as the producer's — and the reads of one model input, which all read the one tensor the
+    module is handed (``st.input_couplings``: one layout, unit mesh axes aside). A choice
+    breaking one
     costs more than any choice's whole objective, so an exact solve never picks it while
     one keeping them exists. A penalty is no constraint: a solve stopped short, or a
     restricted build in which every choice breaks one, can still return it — the plan's
     solves and a compared configuration's price refuse it
     (:meth:`GraphProblem.refuse_unrunnable`), and ``parallelize`` refuses such a plan
     naming the producer."""
-    if not st.couplings and not st.still and not st.still_within:
+    if not st.couplings and not st.still and not st.still_within and not st.input_couplings:
         return
     penalty = 1.0 + sum(float(c.max()) for c in cost) + sum(float(r.max()) for r in edges.values())
     penalty += buckets.upper_bound() if buckets is not None else 0.0
@@ -1064,6 +1093,14 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
                                         len(ids)) for opt in options[o]])
         mat = penalty * (want[:, None] != have[None, :]).astype(float)
         _add_pair(cost, edges, st.group_of[d], st.group_of[o], mat)
+    for a, pos_a, idx_a, b, pos_b, idx_b in st.input_couplings:  # one tensor per input
+        ids = {}
+        first = np.array([ids.setdefault(drop_unit_axes(opt.inputs[pos_a][idx_a]), len(ids))
+                          for opt in options[a]])
+        later = np.array([ids.setdefault(drop_unit_axes(opt.inputs[pos_b][idx_b]), len(ids))
+                          for opt in options[b]])
+        _add_pair(cost, edges, st.group_of[a], st.group_of[b],
+                  penalty * (first[:, None] != later[None, :]).astype(float))
 
 
 def _as_produced(out: Layout, read: Layout, grad: Layout) -> bool:

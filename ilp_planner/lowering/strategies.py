@@ -250,10 +250,11 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     if op.kind is OpKind.ATTENTION:
         rows = op.attrs.get("bias_buckets", 0)
         return {"rel_bias": (rows, op.attr("heads"))} if rows else {}
-    if op.kind in NORM_KINDS:
+    if op.kind in NORM_KINDS:  # an imported norm may lack its gain or bias (attrs 0)
         h = op.output.shape[-1]
-        with_bias = op.kind is OpKind.LAYERNORM and op.attrs.get("bias", 1)
-        return {"weight": (h,), "bias": (h,)} if with_bias else {"weight": (h,)}
+        roles = ["weight"] * bool(op.attrs.get("gain", 1)) + ["bias"] * bool(
+            op.kind is OpKind.LAYERNORM and op.attrs.get("bias", 1))
+        return {role: (h,) for role in roles}
     if op.kind is OpKind.BATCHNORM:
         c = op.output.shape[1]
         return {"weight": (c,), "bias": (c,)}
@@ -339,7 +340,7 @@ def input_grad_layouts(op: Op, label: str, inputs: tuple[Layout, ...],
         return grads + ((Layout(w.fact, tuple(gw)),) if op.kind is OpKind.MATMUL else ())
     if op.kind is OpKind.MOE:
         return (moe_layouts(inputs[0].fact, expert_parallel(inputs[0]))[2],)
-    if op.kind is OpKind.CONV2D:
+    if op.kind is OpKind.CONV2D and not op.attrs.get("groups"):  # grouped: whole
         x = inputs[0]
         return (Layout(x.fact, tuple(P if (pl == B and x.fact[a].size > 1 and a == 1) else pl
                                      for a, pl in enumerate(x.placements))),)
@@ -560,8 +561,10 @@ def conv_layouts(fact: Factorisation) -> tuple[Layout, Layout, Layout]:
 def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
     """3-D family for conv2d (:func:`conv_layouts`): batch split p0, output channels p1,
     input channels p2. The input's gradient is partial over p1 (each output-channel block
-    contributes)."""
+    contributes). A grouped convolution: :func:`_grouped_conv_family`."""
     assert op.weight is not None
+    if op.attrs.get("groups", 1) > 1:
+        return _grouped_conv_family(op, ctx)
     nb, cin = op.output.shape[0], op.weight.shape[1]
     cout = op.weight.shape[0]
     out = []
@@ -582,6 +585,33 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
             input_grads=input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
             update_params=local, **_gemm_priced(op, op.weight, fact, ctx),
         ))
+    return out
+
+
+def _grouped_conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
+    """A grouped convolution (``attrs.groups``: ConvNeXt's depthwise ones) on the 3-D
+    family's factorisations, its batch split over p0 and its work replicated over p1 and
+    p2 (``(S0, B, B)`` in and out, the weight whole): a block of its output channels reads
+    only its own groups' input channels, which the family's channel splits do not express,
+    nor the runtime's call of the module with its ``groups``. Its weight's gradient sums
+    over the batch axis; its input's is whole (:func:`input_grad_layouts`)."""
+    assert op.weight is not None
+    m = op.output.shape[0] * math.prod(op.output.shape[2:])
+    n, k = op.weight.shape[0], op.weight.shape[1] * math.prod(op.weight.shape[2:])
+    out = []
+    for fact in _three_axis(ctx):
+        p0 = fact[0].size
+        if op.output.shape[0] % p0:
+            continue
+        x, w = Layout(fact, (Split(0), B, B)), Layout.replicated(fact)
+        label = f"conv3d-grouped(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
+        colls = tuple(b.collective for b in grad_sync(op, label, (x,), w, x, ctx))
+        local = _local_params(op, label, (x,), w, x)
+        out.append(Strategy(
+            label, fact, (x,), w, x, collectives=colls,
+            state_bytes=local * ctx.memory.bytes_per_param,
+            activation_bytes=x.local_bytes(op.output), input_grads=(x,),
+            update_params=local, **_priced(op, p0, ctx, (m / p0, n, k))))
     return out
 
 
@@ -807,8 +837,9 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
     if kind is OpKind.BATCHNORM:
         return _batchnorm_family(op, ctx)
-    if kind is OpKind.OPAQUE:
-        return _layout_strategies(op, candidate_layouts(op.output, ctx, opaque_dims(op)),
+    if kind is OpKind.OPAQUE:  # whole items (images) only, where it says how many
+        items = {0: op.attrs["row_items"]} if "row_items" in op.attrs else None
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, opaque_dims(op), items),
                                   len(op.inputs), ctx)
     if kind is OpKind.ATTENTION:
         divs = {0: op.output.shape[0] // op.attr("seq_len"), 1: head_splits(op)}

@@ -100,6 +100,39 @@ def gpt2() -> Case:
     return Case(GPT2LMHeadModel(cfg), *_tokens())
 
 
+def roberta() -> Case:
+    """RobertaForMaskedLM: its position ids computed from ``input_ids`` (a cumulative sum of
+    the padding mask), so the one input tensor is read by the word table and by that
+    functional code — the plan reads it in one layout."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=2 * SEQ + 2, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return Case(RobertaForMaskedLM(cfg), *_tokens())
+
+
+def olmo() -> Case:
+    """OlmoForCausalLM: layer norms without gain or bias (no parameters at all)."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    cfg = OlmoConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=2 * SEQ, use_cache=False)
+    return Case(OlmoForCausalLM(cfg), *_tokens())
+
+
+def convnext() -> Case:
+    """ConvNextForImageClassification: each block's image permuted to channels-last for its
+    layer norm and pointwise linears and back, a layer scale ``γ · x``."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
+                         num_labels=CLASSES)
+    return Case(ConvNextForImageClassification(cfg), *_images(32))
+
+
 def vit() -> Case:
     """ViTForImageClassification: patch convolution, class token and position table, a
     classifier on the class token."""
@@ -375,6 +408,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "llama-tied": lambda: llama(tied=True),
     "llama-tied-exchanging": llama_tied_exchanging,
     "bert": bert,
+    "roberta": roberta,
+    "olmo": olmo,
+    "convnext": convnext,
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
