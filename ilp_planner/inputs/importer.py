@@ -72,12 +72,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
+from ilp_planner.inputs.lift_backward import StepsBackward, replay_backward, stored_bytes
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_masks import ConstantValues
 from ilp_planner.inputs.lift_moe import routed_as_one_op
@@ -165,7 +166,13 @@ class _NodeCounter:
                     FlopCounterMode(display=False) as counter:
                 node.target(*args, **kwargs)
             flops = counter.get_total_flops()
-        return NodeCost(float(flops), _nbytes(inputs), _nbytes(outputs))
+        return NodeCost(float(flops), stored_bytes(inputs), stored_bytes(outputs))
+
+    def backward(self, nodes: Sequence[Any], activation: Callable[[str], bool]
+                 ) -> StepsBackward:
+        """The backward of the folded steps ``nodes`` as autograd runs it, replayed on
+        their fake tensors (:func:`ilp_planner.inputs.lift_backward.replay_backward`)."""
+        return replay_backward(self.torch, nodes, activation)
 
 
 def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], torch: Any
@@ -202,13 +209,6 @@ def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], t
             for name, b in runner.named_buffers():
                 b.copy_(saved[name])
     return counted
-
-
-def _nbytes(tensors: list[Any]) -> int:
-    """The bytes ``tensors`` hold in memory: an expanded (broadcast, stride 0) dim reads the
-    same elements again (GQA's ``expand`` of key / value heads before their copy)."""
-    return sum(numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
-               * t.element_size() for t in tensors)
 
 
 def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) -> list[Op]:
