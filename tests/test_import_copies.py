@@ -221,9 +221,12 @@ def test_explain_names_every_folded_copy_of_a_layer():
                "inter": "8x-ib-hdr200"}
     text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))
     kib = 3 * N // 2 * 4 / 1024
-    line = f"second: 1 copies (1 repeat): {kib:.2f} KiB forward, {kib:.2f} KiB backward"
-    assert "copies folded into the values 1 other op(s) read" in text and line in text
-    assert "folded copies it reads, in its compute: 1 copies (1 repeat)" in text
+    # the sum over the repeats and the slice's scatter: 2 kernels, 3n × 4 bytes backward
+    steps = f"1 kernels, {kib:.2f} KiB, 0 FLOPs; backward 2 kernels, {3 * N * 4 / 1024:.2f} KiB"
+    copies = f"(of which 1 copies (1 repeat): {kib:.2f} KiB forward, {kib:.2f} KiB backward)"
+    assert "folded into the values 1 other op(s) read" in text
+    assert f"second: {steps} {copies}" in text
+    assert f"folded steps it reads, in its compute: {steps} {copies}" in text
     assert "NOT priced" not in text
 
 
