@@ -30,12 +30,16 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   evaluated (:mod:`ilp_planner.inputs.lift_masks`): anything but provable plain causal
   attention is ``not_plain_causal``;
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
-  followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
-  their own, as the builders count only matmuls in linears and attention; a sum /
+  followers; a bias or gain folds into the op owning it; the other element-wise steps of
+  the module's code (a hand-written tanh GELU's pow, tanh and products, a written-out
+  RMSNorm's pow, mean and rsqrt, scales) fold into the value, and each is a kernel priced
+  with the op reading that value (``attrs.input_steps``:
+  :func:`ilp_planner.inputs.lift_graph.folded_steps`), once — by torch's bytes forward and
+  by what autograd runs backward (:mod:`ilp_planner.inputs.lift_backward`); a sum /
   difference / product of two activations → ``add`` / ``mul``; a folded re-view that moves
   bytes (a cast to another dtype, ``contiguous`` of strided data, ``clone``, a ``cat``, a
-  repeat, a reshape torch cannot view) is a copy priced with the op reading its result
-  (``attrs.input_copies``: :func:`ilp_planner.inputs.lift_graph.folded_steps`), once;
+  repeat, a reshape torch cannot view) is a copy priced the same way
+  (``attrs.input_copies``);
 * in-place ops (``out += identity``: ``add_``) are lifted as their out-of-place forms; list
   arguments (``cat``, ``stack``) are looked up tensor by tensor;
 * a Hugging Face mixture-of-experts block (router + experts as 3-D tensors: Mixtral,
