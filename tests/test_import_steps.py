@@ -292,3 +292,21 @@ def test_imported_hf_models_step_grows_by_exactly_their_folded_steps(name):
     with_, without = (ilp_planner.solve(g, cluster=GPU, baselines=False).cost.compute_s
                       for g in (graph, bare))
     assert with_ - without == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_step_on_the_models_input_runs_no_backward():
+    """tanh of the input itself, read by a linear: one kernel forward (reads and writes n),
+    none backward — no gradient flows to the model's inputs (the replay takes the
+    gradient only to values derived from some op past them)."""
+
+    class Squashed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(H, H, bias=False)
+
+        def forward(self, x):
+            return self.fc(torch.tanh(x))
+
+    graph = from_module(Squashed(), (torch.randn(B, S, H),), loss_fn=lambda y: y.sum())
+    n = B * S * H
+    assert _folded(graph["fc"]) == (1, 2 * n * 4, n, 0, 0, 0)

@@ -180,9 +180,17 @@ class DraftGraph:
 
     def folded(self, nodes: Sequence[Any]) -> dict[str, int]:
         """The ``attrs.input_*`` of the folded steps ``nodes`` (:func:`folded_steps`), their
-        backward replayed as autograd runs it from the activations they read."""
-        back = self.count.backward(nodes, lambda name: isinstance(self.values.get(name), Act))
-        return folded_steps(self.count, nodes, back)
+        backward replayed as autograd runs it from the values they read that carry a
+        gradient (:meth:`trained`)."""
+        return folded_steps(self.count, nodes, self.count.backward(nodes, self.trained))
+
+    def trained(self, name: str) -> bool:
+        """Whether node ``name``'s value carries a gradient in training: an activation
+        derived from some op other than the model's inputs (every op past them reads a
+        parameter, or an op that does) — not a mask computed from the input ids alone."""
+        x = self.values.get(name)
+        return isinstance(x, Act) and any(self.drafts[s].kind is not OpKind.INPUT
+                                          for s in x.src)
 
     def steps_to_price(self, steps: Sequence[Any], copies_only: bool = False) -> list[Any]:
         """The folded steps among ``steps`` (element-wise kernels, copies) no op prices yet,
