@@ -172,11 +172,11 @@ class _NodeCounter:
             flops = counter.get_total_flops()
         return NodeCost(float(flops), stored_bytes(inputs), stored_bytes(outputs))
 
-    def backward(self, nodes: Sequence[Any], activation: Callable[[str], bool]
+    def backward(self, nodes: Sequence[Any], trained: Callable[[str], bool]
                  ) -> StepsBackward:
         """The backward of the folded steps ``nodes`` as autograd runs it, replayed on
         their fake tensors (:func:`ilp_planner.inputs.lift_backward.replay_backward`)."""
-        return replay_backward(self.torch, nodes, activation)
+        return replay_backward(self.torch, nodes, trained)
 
 
 def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], torch: Any

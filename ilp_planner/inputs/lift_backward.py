@@ -9,12 +9,12 @@ two steps sums its two gradients (an add), a slice's gradient is written into a 
 tensor of the sliced one's shape (``slice_backward``), a view of a transposed gradient is
 copied back to its producer's layout. Rather than a table that re-derives
 ``derivatives.yaml`` op by op, the steps are replayed — with the views between them — on
-the export's fake tensors (no memory, no data), the activations they read as leaves, and
-their backward recorded below autograd (:func:`replay_backward`): the kernels it
-dispatches, the bytes of the tensors each reads and writes (stored elements: a broadcast
-dim read once, as the importer counts the forward), and one
-FLOP per element an arithmetic kernel writes. Torch is passed in (the importer's lazy
-import), so this module imports none.
+the export's fake tensors (no memory, no data), the values they read that carry a gradient
+as leaves, and their backward recorded below autograd (:func:`replay_backward`): the
+kernels it dispatches, the bytes of the tensors each reads and writes (stored elements: a
+broadcast dim read once, as the importer counts the forward), and one FLOP per element an
+arithmetic kernel writes. Torch is passed in (the importer's lazy import), so this module
+imports none.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ _MOVES = frozenset({"_to_copy", "copy_", "copy", "clone", "slice_backward",
                     "select_scatter", "as_strided_scatter"})
 
 
-def replay_backward(torch: Any, steps: Sequence[Any], activation: Callable[[str], bool]
+def replay_backward(torch: Any, steps: Sequence[Any], trained: Callable[[str], bool]
                     ) -> StepsBackward:
     """The backward of the exported nodes ``steps`` as autograd runs it: the steps and
     the views between them replayed on fake tensors from the values they read — leaves
-    where ``activation(name)`` (a value the model's inputs flow into), constants
+    where ``trained(name)`` (a value carrying a gradient in training), constants
     otherwise — and the gradient of each step no other step reads, taken back to the
     leaves under a recorder (module docstring)."""
     steps = list(dict.fromkeys(steps))
@@ -72,7 +72,7 @@ def replay_backward(torch: Any, steps: Sequence[Any], activation: Callable[[str]
         for n in roots:
             val = n.meta.get("val")
             if isinstance(val, torch.Tensor) and val.is_floating_point() \
-                    and activation(n.name):
+                    and trained(n.name):
                 leaf = val.detach().requires_grad_()
                 leaves.append(leaf)
                 env[n.name] = leaf.clone()  # its backward passes on: no kernel

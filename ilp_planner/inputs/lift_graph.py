@@ -48,12 +48,12 @@ class NodeCost:
 
 class Counts(Protocol):
     """What the importer counts with torch: a node's FLOPs and bytes (called), and the
-    backward of a set of folded steps as autograd runs it (``backward``: the activations
-    among the values they read named by ``activation``)."""
+    backward of a set of folded steps as autograd runs it (``backward``: the values they
+    read that carry a gradient named by ``trained``)."""
 
     def __call__(self, node: Any) -> NodeCost: ...
 
-    def backward(self, nodes: Sequence[Any], activation: Callable[[str], bool]
+    def backward(self, nodes: Sequence[Any], trained: Callable[[str], bool]
                  ) -> StepsBackward: ...
 
 
