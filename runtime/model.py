@@ -111,9 +111,9 @@ IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
                                             "causal attention",
     (OpKind.ATTENTION, "probs_dropout"): "a dropout on its probabilities (the module's own "
                                          "code), which the runtime's kernel does not apply",
-    (OpKind.ATTENTION, "input_steps"): "element-wise steps on its q, k, v or scores (the "
-                                       "module's own rotary positions, a scale, a mask "
-                                       "kernel), which the runtime's kernel does not apply",
+    (OpKind.ATTENTION, "input_steps"): "element-wise steps on its q, k or v before it (the "
+                                       "module's own rotary positions, a scale), which the "
+                                       "runtime's kernel does not apply",
 }
 """Attributes the importer sets (:mod:`ilp_planner.inputs.importer`) for what a user's module
 computes and the runtime's kernels do not: a plan carrying one is refused before any rank
