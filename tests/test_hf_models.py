@@ -766,13 +766,18 @@ def test_imported_rotary_positions_are_priced_by_their_bytes_and_named(imported)
         assert (op.attrs["input_steps"], op.attrs["input_steps_bytes"],
                 op.attrs["input_steps_flops"]) == (12, (10 * (q + k) + 4 * table + 6 * k) * 4,
                                                    3.5 * (q + k))
-        # backward: each cat passes its gradient as views (nothing: 2 × (q + k) × 4 bytes
-        # less), each repeat_kv sums its gradient's repeats (its forward's bytes, k adds)
+        # backward, as autograd runs it, per tensor of n: dy·sin and dy·cos (2n + 64 each,
+        # n FLOPs), the negated half's gradient (n/2 read and written), each slice's
+        # gradient written into a zero-filled n (slice_backward: n/2 read, n written, no
+        # FLOPs) and two sums of gradients (3n, n adds each): 7 kernels, (14n + 128) × 4
+        # bytes, 4.5n FLOPs; each repeat_kv sums its gradient's repeats (3k, k adds); q's,
+        # k's and v's gradients, transposed views, copied back to their projections' layout
         fwd, bwd = op_work(op, 2.0)
+        assert op.attrs["input_steps_bwd"] == 2 * 7 + 2 + 3
         assert fwd.stream_bytes == op.attrs["input_steps_bytes"] / 2
-        assert bwd.stream_bytes == (op.attrs["input_steps_bytes"] - 2 * (q + k) * 4) / 2
+        assert bwd.stream_bytes == (14 * (q + k) + 4 * table + 6 * k + 2 * (q + 2 * k)) * 4 / 2
         assert fwd.stream_flops == op.attrs["input_steps_flops"] / 2
-        assert bwd.stream_flops == (op.attrs["input_steps_flops"] + 2 * k) / 2
+        assert bwd.stream_flops == (4.5 * (q + k) + 2 * k) / 2
     cluster = dict(CLUSTER, gpu="a100-80gb")
     cluster.pop("peak_tflops")
     text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))

@@ -54,19 +54,25 @@ def _written_back(h: torch.Tensor) -> torch.Tensor:
     return h.contiguous().transpose(1, 2).reshape(B, S, H)
 
 
-FOLDS = {  # name: (pre, copy, second's dtype, forward bytes, backward bytes, backward adds)
+FOLDS = {  # name: (pre, copy, second's dtype, forward bytes, the copies' own backward bytes,
+    # (kernels, bytes, FLOPs) of the whole backward as autograd runs it, views between)
     # a cast: reads n float32, writes n float64; backward casts the gradient back
-    "cast": (_same, lambda h: h.double(), torch.float64, N * (4 + 8), N * (4 + 8), 0),
+    "cast": (_same, lambda h: h.double(), torch.float64, N * (4 + 8), N * (4 + 8),
+             (1, N * (4 + 8), 0)),
     # each layout copy reads and writes n float32; backward passes the gradient as a view
-    "layout": (_heads, _written_back, torch.float32, 2 * (2 * N * 4), 0, 0),
-    # rotate-half's swap of two halves: reads both, writes n; backward: views of dY
+    # (the two transposes cancel: no copy back either)
+    "layout": (_heads, _written_back, torch.float32, 2 * (2 * N * 4), 0, (0, 0, 0)),
+    # rotate-half's swap of two halves: reads both, writes n; backward: views of dY — but
+    # each half's slice writes its gradient into a zero-filled n (reads n/2, writes n) and
+    # the two are summed (reads 2n, writes n, n adds)
     "concat": (lambda h: (h[..., 8:], h[..., :8]), lambda hs: torch.cat(hs, -1),
-               torch.float32, 2 * N * 4, 0, 0),
+               torch.float32, 2 * N * 4, 0, (3, 2 * (N // 2 + N) * 4 + 3 * N * 4, N)),
     # GQA's head repeats, of the first of two heads: reads n/2, writes n; backward sums
-    # the repeats: reads n, writes n/2, n/2 adds
+    # the repeats (reads n, writes n/2, n/2 adds), then the slice of the first head writes
+    # its gradient into a zero-filled n (reads n/2, writes n)
     "repeat": (lambda h: h.view(B, S, 2, 8)[:, :, :1],
                lambda h: h.repeat_interleave(2, dim=2).reshape(B, S, H), torch.float32,
-               3 * N // 2 * 4, 3 * N // 2 * 4, N // 2),
+               3 * N // 2 * 4, 3 * N // 2 * 4, (2, 3 * N * 4, N // 2)),
 }
 
 
@@ -79,17 +85,19 @@ def _imported(name: str):
 @pytest.mark.parametrize("name", sorted(FOLDS))
 def test_a_copy_folded_between_two_linears_is_priced_on_the_second(name):
     _, graph = _imported(name)
-    fwd_bytes, bwd_bytes, adds = FOLDS[name][3:]
+    fwd_bytes, bwd_bytes, (bwd_kernels, bwd_all, bwd_flops) = FOLDS[name][3:]
     copies = 2 if name == "layout" else 1
     second = graph["second"]
     assert second.kind is OpKind.LINEAR and second.inputs == ("first",)
     a = second.attrs
     assert (a["input_copies"], a[f"input_copies_{name}"], a["input_copies_bytes"],
             a["input_copies_bwd_bytes"]) == (copies, copies, fwd_bytes, bwd_bytes)
-    # only copies: no element-wise FLOPs forward; a repeat's backward sum adds
+    # only copies: no element-wise FLOPs forward; backward, what autograd runs from the
+    # second's input back to the first's output (a repeat's sum adds, slices scatter)
     assert (a["input_steps"], a["input_steps_bytes"], a["input_steps_flops"]) == \
         (copies, fwd_bytes, 0)
-    assert (a["input_steps_bwd_bytes"], a["input_steps_bwd_flops"]) == (bwd_bytes, adds)
+    assert (a["input_steps_bwd"], a["input_steps_bwd_bytes"], a["input_steps_bwd_flops"]) \
+        == (bwd_kernels, bwd_all, bwd_flops)
     assert not any(k.startswith("input_") for k in graph["first"].attrs)
     # priced with the second linear as separate memory-bound kernels, each with its floor;
     # on 4 devices splitting the tokens, a quarter of the bytes each phase
@@ -97,8 +105,8 @@ def test_a_copy_folded_between_two_linears_is_priced_on_the_second(name):
     fwd, bwd = op_work(second, 4.0, (m / 4, H, k))
     plain_fwd, plain_bwd = op_work(_without_copies(second), 4.0, (m / 4, H, k))
     assert (fwd.stream_bytes, fwd.kernels - plain_fwd.kernels) == (fwd_bytes / 4, copies)
-    assert bwd.stream_bytes == bwd_bytes / 4
-    assert bwd.kernels - plain_bwd.kernels == (1 if bwd_bytes else 0) * copies
+    assert bwd.stream_bytes == bwd_all / 4
+    assert bwd.kernels - plain_bwd.kernels == bwd_kernels
     # a column-parallel linear's input is whole on each device splitting its columns
     assert op_work(second, 4.0, (m, H / 4, k))[0].stream_bytes == fwd_bytes
 
@@ -213,9 +221,12 @@ def test_explain_names_every_folded_copy_of_a_layer():
                "inter": "8x-ib-hdr200"}
     text = ilp_planner.explain(ilp_planner.solve(graph, cluster=cluster, baselines=False))
     kib = 3 * N // 2 * 4 / 1024
-    line = f"second: 1 copies (1 repeat): {kib:.2f} KiB forward, {kib:.2f} KiB backward"
-    assert "copies folded into the values 1 other op(s) read" in text and line in text
-    assert "folded copies it reads, in its compute: 1 copies (1 repeat)" in text
+    # the sum over the repeats and the slice's scatter: 2 kernels, 3n × 4 bytes backward
+    steps = f"1 kernels, {kib:.2f} KiB, 0 FLOPs; backward 2 kernels, {3 * N * 4 / 1024:.2f} KiB"
+    copies = f"(of which 1 copies (1 repeat): {kib:.2f} KiB forward, {kib:.2f} KiB backward)"
+    assert "folded into the values 1 other op(s) read" in text
+    assert f"second: {steps} {copies}" in text
+    assert f"folded steps it reads, in its compute: {steps} {copies}" in text
     assert "NOT priced" not in text
 
 

@@ -132,16 +132,20 @@ def test_llama_import():
     # its rotary, x·cos + rotate_half(x)·sin on q (n = 2·4·8·8) and k (n/2), as 5 kernels
     # each (mul, neg, cat, mul, add) with (10n + 2·64) × 4 bytes and 3.5n FLOPs, the cos and
     # sin rows (8, 8); then GQA's repeat_interleave of k and v (each reads k's n/2
-    # elements, writes n: copies, no FLOPs). Backward: the two cats pass their gradient
-    # as views (nothing), each repeat_interleave sums its gradient's repeats (reads n,
-    # writes n/2, n/2 adds), each element-wise step moves its forward's bytes again
+    # elements, writes n: copies, no FLOPs). Backward, as autograd runs it: each
+    # repeat_interleave sums its gradient's repeats (reads n, writes n/2, n/2 adds); per
+    # tensor, dy·sin, the negation of a half, the chunk's cat of the halves' gradients,
+    # dy·cos and the sum of the two paths' gradients (5 kernels, the forward's bytes and
+    # FLOPs); then q's, k's and v's gradients, transposed views, copied back to their
+    # projections' (tokens, features) layout (each read and written once)
     q, k = 2 * 4 * 8 * 8, 2 * 2 * 8 * 8
     forward = (10 * (q + k) + 4 * 64 + 2 * 3 * k) * 4
     cats = 2 * (q + k) * 4  # each reads its two halves and writes the whole
+    back = forward + 2 * (q + 2 * k) * 4
     assert dict(attn.attrs) == {"heads": 4, "seq_len": 8, "kv_heads": 2, "input_steps": 12,
                                 "input_steps_bytes": forward,
                                 "input_steps_flops": int(3.5 * (q + k)), "functional": 1,
-                                "input_steps_bwd": 10, "input_steps_bwd_bytes": forward - cats,
+                                "input_steps_bwd": 15, "input_steps_bwd_bytes": back,
                                 "input_steps_bwd_flops": int(3.5 * (q + k)) + 2 * k,
                                 "input_copies": 4, "input_copies_bytes": 2 * 3 * k * 4 + cats,
                                 "input_copies_concat": 2, "input_copies_repeat": 2,
@@ -452,12 +456,16 @@ def test_folded_copies_are_priced_by_the_bytes_they_move():
             attn.attrs["input_steps_flops"]) == (5, bytes_, 0)
     assert (attn.attrs["input_copies"], attn.attrs["input_copies_bytes"]) == (5, bytes_)
     # priced with the attention: memory-bound kernels, a quarter each phase on 4 devices;
-    # backward, contiguous passes its gradient as a view (nothing), each cast casts it back
-    # (its forward's bytes), each repeat_interleave sums the repeats (reads n, writes n/2:
-    # its forward's bytes, n/2 adds)
+    # backward, as autograd runs it: contiguous passes its gradient as a view (nothing),
+    # each cast casts it back (its forward's bytes), each repeat_interleave sums the
+    # repeats (reads n, writes n/2: its forward's bytes, n/2 adds) — and three copies the
+    # views between run: q's gradient, a transposed view, copied back to its projection's
+    # layout (n read and written), the split's cat of k's and v's gradients (reads n,
+    # writes n) and that copied back to kv's layout (n read and written)
     fwd, bwd = op_work(attn, 4.0)
-    assert fwd.stream_bytes == bytes_ / 4 and (fwd.kernels, bwd.kernels) == (1 + 5, 2 + 4)
-    assert (bwd.stream_bytes, bwd.stream_flops) == ((bytes_ - 2 * n * 4) / 4, n / 4)
+    assert fwd.stream_bytes == bytes_ / 4 and (fwd.kernels, bwd.kernels) == (1 + 5, 2 + 7)
+    back = bytes_ - 2 * n * 4 + 3 * (2 * n * 4)
+    assert (bwd.stream_bytes, bwd.stream_flops) == (back / 4, n / 4)
     text = ilp_planner.explain(ilp_planner.solve(g, cluster=dict(CLUSTER, gpu="a100-80gb"),
                                                  baselines=False))
     assert f"{attn.name}: 5 kernels" in text

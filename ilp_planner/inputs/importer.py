@@ -30,12 +30,16 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   evaluated (:mod:`ilp_planner.inputs.lift_masks`): anything but provable plain causal
   attention is ``not_plain_causal``;
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
-  followers, others (scales, casts, biases) fold into the op they follow — with no FLOPs of
-  their own, as the builders count only matmuls in linears and attention; a sum /
+  followers; a bias or gain folds into the op owning it; the other element-wise steps of
+  the module's code (a hand-written tanh GELU's pow, tanh and products, a written-out
+  RMSNorm's pow, mean and rsqrt, scales) fold into the value, and each is a kernel priced
+  with the op reading that value (``attrs.input_steps``:
+  :func:`ilp_planner.inputs.lift_graph.folded_steps`), once — by torch's bytes forward and
+  by what autograd runs backward (:mod:`ilp_planner.inputs.lift_backward`); a sum /
   difference / product of two activations → ``add`` / ``mul``; a folded re-view that moves
   bytes (a cast to another dtype, ``contiguous`` of strided data, ``clone``, a ``cat``, a
-  repeat, a reshape torch cannot view) is a copy priced with the op reading its result
-  (``attrs.input_copies``: :func:`ilp_planner.inputs.lift_graph.folded_steps`), once;
+  repeat, a reshape torch cannot view) is a copy priced the same way
+  (``attrs.input_copies``);
 * in-place ops (``out += identity``: ``add_``) are lifted as their out-of-place forms; list
   arguments (``cat``, ``stack``) are looked up tensor by tensor;
 * a Hugging Face mixture-of-experts block (router + experts as 3-D tensors: Mixtral,
@@ -72,12 +76,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
+from ilp_planner.inputs.lift_backward import StepsBackward, replay_backward, stored_bytes
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_masks import ConstantValues
 from ilp_planner.inputs.lift_moe import routed_as_one_op
@@ -165,7 +170,13 @@ class _NodeCounter:
                     FlopCounterMode(display=False) as counter:
                 node.target(*args, **kwargs)
             flops = counter.get_total_flops()
-        return NodeCost(float(flops), _nbytes(inputs), _nbytes(outputs))
+        return NodeCost(float(flops), stored_bytes(inputs), stored_bytes(outputs))
+
+    def backward(self, nodes: Sequence[Any], trained: Callable[[str], bool]
+                 ) -> StepsBackward:
+        """The backward of the folded steps ``nodes`` as autograd runs it, replayed on
+        their fake tensors (:func:`ilp_planner.inputs.lift_backward.replay_backward`)."""
+        return replay_backward(self.torch, nodes, trained)
 
 
 def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], torch: Any
@@ -202,13 +213,6 @@ def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], t
             for name, b in runner.named_buffers():
                 b.copy_(saved[name])
     return counted
-
-
-def _nbytes(tensors: list[Any]) -> int:
-    """The bytes ``tensors`` hold in memory: an expanded (broadcast, stride 0) dim reads the
-    same elements again (GQA's ``expand`` of key / value heads before their copy)."""
-    return sum(numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
-               * t.element_size() for t in tensors)
 
 
 def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) -> list[Op]:

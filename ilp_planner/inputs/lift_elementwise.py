@@ -293,7 +293,8 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
     shape, dtype = tuple(val.shape), dtype_of(val)
     if a.role or b.role:  # a mask computed from the inputs (padding) on attention scores
         x = a if a.role else b
-        return Act(x.src, shape, dtype, x.chain, x.role, _other_on_role(x))
+        return Act(x.src, shape, dtype, x.chain, x.role, _other_on_role(x),
+                   _joined(x.steps, call.node))
     if set(a.src) == set(b.src) and (a.chain or b.chain):  # rotary, normalisation steps
         return Act(a.src, shape, dtype, a.chain + b.chain + ((op,),), a.role or b.role,
                    a.parts or b.parts, _joined(a.steps + b.steps, call.node))

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from ilp_planner.inputs.lift_backward import StepsBackward
 from ilp_planner.inputs.lift_values import (
     CONCATS,
     SPLITS,
@@ -46,12 +47,23 @@ class NodeCost:
     bytes_written: int
 
 
+class Counts(Protocol):
+    """What the importer counts with torch: a node's FLOPs and bytes (called), and the
+    backward of a set of folded steps as autograd runs it (``backward``: the values they
+    read that carry a gradient named by ``trained``)."""
+
+    def __call__(self, node: Any) -> NodeCost: ...
+
+    def backward(self, nodes: Sequence[Any], trained: Callable[[str], bool]
+                 ) -> StepsBackward: ...
+
+
 class DraftGraph:
     """Drafts, node values and parameter ownership of one walk over an exported graph;
     ``count`` prices a node the planner cannot shard (the importer counts with torch),
     ``constants`` evaluates constant nodes (attention masks)."""
 
-    def __init__(self, module: Any, count: Callable[[Any], NodeCost], strip: str = "",
+    def __init__(self, module: Any, count: Counts, strip: str = "",
                  dtensor: bool = True, constants: Any = None):
         self.module = module
         self.count = count
@@ -140,7 +152,7 @@ class DraftGraph:
         """A new op; it owns those of ``params`` no earlier op has claimed, and prices the
         folded copies of the values it read (:meth:`ir`, ``attrs.input_steps``)."""
         if self.absorbed:
-            attrs = {**attrs, **folded_steps(self.count, self.absorbed)}
+            attrs = {**attrs, **self.folded(self.absorbed)}
             self.absorbed = []
         name = self._name(node, label or kind.value, main)
         owned = tuple(p for p in params if p not in self.owner)
@@ -165,6 +177,20 @@ class DraftGraph:
                 taken.append(p)
         return taken
 
+    def folded(self, nodes: Sequence[Any]) -> dict[str, int]:
+        """The ``attrs.input_*`` of the folded steps ``nodes`` (:func:`folded_steps`), their
+        backward replayed as autograd runs it from the values they read that carry a
+        gradient (:meth:`trained`)."""
+        return folded_steps(self.count, nodes, self.count.backward(nodes, self.trained))
+
+    def trained(self, name: str) -> bool:
+        """Whether node ``name``'s value carries a gradient in training: an activation
+        derived from some op other than the model's inputs (every op past them reads a
+        parameter, or an op that does) — not a mask computed from the input ids alone."""
+        x = self.values.get(name)
+        return isinstance(x, Act) and any(self.drafts[s].kind is not OpKind.INPUT
+                                          for s in x.src)
+
     def steps_to_price(self, steps: Sequence[Any], copies_only: bool = False) -> list[Any]:
         """The folded steps among ``steps`` (element-wise kernels, copies) no op prices yet,
         now marked priced: the caller's op prices them."""
@@ -175,11 +201,12 @@ class DraftGraph:
 
     def ir(self, node: Any, x: Any) -> str:
         """The IR op whose output ``x`` is (re-viewed); materialise one if it is not. The
-        copies folded into ``x`` (a cast, ``contiguous`` of strided data, a ``cat``: its
-        ``steps`` that move bytes) run before the op reading it, which prices them
-        (:meth:`add`) — or the relayout made here, where there is one: they are then the
-        copy it stands for, priced instead of its estimate."""
-        own = self.steps_to_price(x.steps, copies_only=True) if isinstance(x, Act) else []
+        steps folded into ``x`` — element-wise kernels (a hand-written GELU's pow, tanh,
+        mul; an RMSNorm's pow, mean, rsqrt) and copies (a cast, ``contiguous`` of strided
+        data, a ``cat``) — run before the op reading it, which prices them (:meth:`add`),
+        or the relayout made here, where there is one: its copies are then the copy it
+        stands for, priced instead of its estimate."""
+        own = self.steps_to_price(x.steps) if isinstance(x, Act) else []
         self.absorbed += own
         moved_to = _channels_moved(self.drafts[x.src[0]], x) if isinstance(x, Act) else None
         if isinstance(x, Act) and len(x.src) == 1 and moved_to is None:
@@ -200,7 +227,7 @@ class DraftGraph:
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
         # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each
         # way — unless the value's own folded copies (absorbed) are that copy
-        moved = 0 if own else numel(x.shape) * DTYPE_BYTES[x.dtype]
+        moved = 0 if any(is_copy(s) for s in own) else numel(x.shape) * DTYPE_BYTES[x.dtype]
         rows = {"rows_local": 1} if _column_pick(self.drafts[x.src[0]], x) else {}
         spec = ir_shape(x.shape, x.dtype)
         if moved_to is not None:  # whole images stay on their devices either way round
@@ -310,36 +337,38 @@ def _stored(t: Any) -> int:
     return numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
 
 
-def folded_steps(count: Callable[[Any], NodeCost], nodes: Sequence[Any]) -> dict[str, int]:
+def folded_steps(count: Callable[[Any], NodeCost], nodes: Sequence[Any],
+                 back: StepsBackward) -> dict[str, int]:
     """What the element-wise steps and copies ``nodes``, folded into the values an op reads,
     cost as kernels of their own (``attrs.input_*``, priced with that op by
     :func:`ilp_planner.lowering.compute_model.folded_work` and named by ``explain``).
     Forward: their number (``input_steps``), the bytes of the tensors each reads and writes
     as torch counts them (``input_steps_bytes``), one FLOP per element an element-wise step
     writes, none for a copy (``input_steps_flops``). Backward (``input_steps_bwd``,
-    ``_bwd_bytes``, ``_bwd_flops``): an element-wise step reads its output's gradient and
-    writes its input's, the forward's bytes again; a copy by :func:`copy_backward`. The
-    copies among them also apart: ``input_copies``, ``input_copies_bytes`` (forward),
-    ``input_copies_bwd_bytes``, and their number per kind (``input_copies_cast`` …:
-    :data:`COPY_KINDS`)."""
+    ``_bwd_bytes``, ``_bwd_flops``): ``back``, what autograd runs for them, counted the
+    same way (:func:`ilp_planner.inputs.lift_backward.replay_backward`: tanh's backward
+    reads its output and the gradient, pow's is three kernels, an add with a constant
+    none, a value two steps read sums two gradients, a slice's gradient is written into a
+    zero-filled tensor). The copies among them also apart: ``input_copies``,
+    ``input_copies_bytes`` (forward), ``input_copies_bwd_bytes`` (each copy's backward in
+    closed form, :func:`copy_backward`), and their number per kind (``input_copies_cast``
+    …: :data:`COPY_KINDS`)."""
     costs = [count(n) for n in nodes]
     moved = [_moved(n, c) for n, c in zip(nodes, costs, strict=True)]
     copy = [is_copy(n) for n in nodes]
-    back = [copy_backward(n, c) if k else (m, 0, 1)
-            for n, c, m, k in zip(nodes, costs, moved, copy, strict=True)]
     flops = sum(numel(first_output(n.meta["val"]).shape)
                 for n, k in zip(nodes, copy, strict=True) if not k)
     attrs = {"input_steps": len(nodes), "input_steps_flops": int(flops),
-             "input_steps_bytes": sum(moved), "input_steps_bwd": sum(b[2] for b in back),
-             "input_steps_bwd_bytes": sum(b[0] for b in back),
-             "input_steps_bwd_flops": int(flops) + sum(b[1] for b in back)}
+             "input_steps_bytes": sum(moved), "input_steps_bwd": back.kernels,
+             "input_steps_bwd_bytes": back.bytes, "input_steps_bwd_flops": back.flops}
     if any(copy):
         kinds = [copy_kind(n) for n, k in zip(nodes, copy, strict=True) if k]
         attrs.update({f"input_copies_{k}": kinds.count(k) for k in COPY_KINDS if k in kinds})
         attrs.update(input_copies=sum(copy),
                      input_copies_bytes=sum(m for m, k in zip(moved, copy, strict=True) if k),
-                     input_copies_bwd_bytes=sum(b[0] for b, k in zip(back, copy, strict=True)
-                                                if k))
+                     input_copies_bwd_bytes=sum(
+                         copy_backward(n, c)[0]
+                         for n, c, k in zip(nodes, costs, copy, strict=True) if k))
     return attrs
 
 

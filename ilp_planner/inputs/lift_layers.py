@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from ilp_planner.inputs.lift_graph import DraftGraph, Handler, folded_steps
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
     SPLITS,
@@ -152,7 +152,7 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
         attrs["qkv_major"] = 1
     if shared:
         attrs["shared_input"] = srcs.index(shared)
-    attrs.update(input_steps(g, (q, k, v), probs))
+    attrs.update(input_steps(g, (q, k, v), probs, bool(attrs.get("unfused"))))
     table = _bias_table(g, call, heads) if sdpa else None
     if table is not None:
         attrs["bias_table"] = 1
@@ -169,19 +169,25 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
                chain=(("heads_out", "fused", tuple(val.shape)) if sdpa else ("heads_out",),))
 
 
-def input_steps(g: DraftGraph, acts: tuple[Any, ...], probs: Any = None) -> dict[str, int]:
+def input_steps(g: DraftGraph, acts: tuple[Any, ...], probs: Any = None,
+                unfused: bool = False) -> dict[str, int]:
     """What the element-wise steps folded into q, k and v since their projections cost —
     rotary positions (``x·cos + rotate_half(x)·sin``, DeepSeek's complex products), a scale,
     folded copies (GQA's repeated key / value heads, a cast, ``contiguous``, rotate-half's
     ``cat``: :func:`ilp_planner.inputs.lift_elementwise.copies`) — and the copies folded
-    into hand-written attention's ``probs`` (a cast after a float32 softmax), which run as
-    kernels of their own before or inside the attention: ``attrs.input_*``
+    into hand-written attention's ``probs`` (a cast after a float32 softmax) — with, where
+    it runs as written (``unfused``), its scores' element-wise steps (a scale, an added or
+    filled mask: the unfused formula prices only the matmuls, the softmax and a dropout) —,
+    which run as kernels of their own before or inside the attention: ``attrs.input_*``
     (:func:`ilp_planner.inputs.lift_graph.folded_steps`), priced with the attention
     (:func:`ilp_planner.lowering.compute_model.folded_work`) and named by ``explain``."""
     steps = [s for a in acts if isinstance(a, Act) for s in a.steps]
+    # a hand-written attention priced as written (``unfused``) runs its scores' scale and
+    # mask as kernels of their own; one standing for the runtime's kernel has them inside
     nodes = g.steps_to_price(steps) + (
-        g.steps_to_price(probs.steps, copies_only=True) if isinstance(probs, Act) else [])
-    return folded_steps(g.count, nodes) if nodes else {}
+        g.steps_to_price(probs.steps, copies_only=not unfused) if isinstance(probs, Act)
+        else [])
+    return g.folded(nodes) if nodes else {}
 
 
 def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:

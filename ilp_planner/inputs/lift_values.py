@@ -74,8 +74,9 @@ class Act:
     chain: tuple[tuple, ...] = ()
     role: str = ""  # "scores" / "probs": the two halves of hand-written attention
     parts: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    # the element-wise kernels folded into it since its op (their nodes): rotary on q / k,
-    # which the attention reading it prices by their bytes (lift_layers.input_steps)
+    # the element-wise kernels and copies folded into it since its op (their nodes): rotary
+    # on q / k, a hand-written GELU or norm, a cast — priced by the op reading it
+    # (DraftGraph.ir, lift_layers.input_steps)
     steps: tuple[Any, ...] = ()
 
 

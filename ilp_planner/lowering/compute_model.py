@@ -36,12 +36,13 @@ attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × 
                                                  ``attrs.probs_dropout``, else 2E and 3E)
 + its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
                           elements, 2 kernels    pass over dy, dx and the tables)
-+ its folded steps        torch's bytes, 1 FLOP  the same bytes (each step's backward reads
-  (imported: rotary)      per element, 1 kernel  its output's gradient, writes its input's)
-+ folded copies, any op   torch's bytes, no      closed form: a cast's the same bytes, a
-  (imported: casts,       FLOPs, 1 kernel each   repeat's a sum (dY in, dX out, one add per
-  contiguous, cat, GQA's                         repeated element), a layout copy's or a
-  repeated heads)                                concatenation's nothing (views of dY)
++ folded steps, any op    torch's bytes, 1 FLOP  what autograd runs for them, counted on
+  (imported: rotary, a    per element (none for  the export's fake tensors: its kernels,
+  hand-written GELU or    a copy), 1 kernel      their bytes, 1 FLOP per element an
+  norm, scores' scale     each                   arithmetic kernel writes (tanh's reads its
+  and mask, casts,                               output, pow's is 3 kernels, a value read
+  contiguous, cat, GQA's                         twice sums 2 gradients, a slice's gradient
+  repeated heads)                                is written into a zero-filled tensor)
 layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 kernels (dx, dγ)
 softmax                   2N                     3N (read y, dy, write dx)
 gelu, silu, relu          2N                     3N (read x, dy, write dx)
@@ -68,11 +69,13 @@ follow. An imported model's rotary is the element-wise steps its code
 applies to q, k and v between their projections and the attention, folded into the
 attention (``attrs.input_steps`` kernels, ``input_steps_bytes``, ``input_steps_flops``:
 torch's bytes of each step's tensors, :mod:`ilp_planner.inputs.lift_layers`), priced alike.
-The copies an import folds into any other op's inputs — a cast before a norm, an eager
+The steps an import folds into any other op's inputs — a hand-written GELU before a
+projection, a written-out RMSNorm's pow, mean and rsqrt before its gain (the norm's own
+price is the fused kernel's, which the gain's product runs), a cast before a norm, an eager
 attention's output made contiguous before its projection, a ``cat`` — are that op's
-``input_steps`` too (copies only: the element-wise steps its code applies elsewhere are not
-followed), priced on its local input (:func:`folded_work`; ``_bwd`` figures for the
-backward, :func:`ilp_planner.inputs.lift_graph.copy_backward`).
+``input_steps`` too, priced on its local input (:func:`folded_work`; ``_bwd`` figures for
+the backward, :func:`ilp_planner.inputs.lift_backward.replay_backward`); a hand-written
+attention run as written (``attrs.unfused``) adds its scores' scale and mask.
 
 The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
 optimizer shard it reads the gradient and the optimizer state and writes the state and the
@@ -227,10 +230,11 @@ def _rotary(op: Op, split: float, itemsize: int) -> tuple[float, float, int]:
 
 def folded_work(op: Op, split: float) -> tuple[PhaseWork, PhaseWork]:
     """(forward, backward) of the kernels an import folded into the values ``op`` reads —
-    element-wise steps on attention's q, k, v (its rotary), copies anywhere (casts,
-    ``contiguous``, ``cat``, repeated heads) — on a device holding ``1/split`` of its input:
-    separate memory-bound kernels (``stream_bytes``, ``stream_flops``), each with its floor,
-    as torch counted their bytes forward and by closed form backward
+    element-wise steps (rotary on attention's q, k, v, a hand-written GELU or norm, a
+    hand-written attention's score scale and mask) and copies (casts, ``contiguous``,
+    ``cat``, repeated heads) — on a device holding ``1/split`` of its input: separate
+    memory-bound kernels (``stream_bytes``, ``stream_flops``), each with its floor, as
+    torch counted their bytes forward and as autograd runs them backward
     (:func:`ilp_planner.inputs.lift_graph.folded_steps`; a graph of an older import, with
     no backward figures, runs the forward's again)."""
     a = op.attrs

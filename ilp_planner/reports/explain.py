@@ -547,27 +547,46 @@ def _copies_text(op: Op) -> str:
             + (f", {fmt_bytes(back)} backward" if back is not None else ""))
 
 
-def _copy_lines(graph: Graph, flat: str, shown: int = 3) -> list[str]:
-    """The ops other than attention that read values the module's code copied on the way
-    (a cast before a norm, ``contiguous`` of attention's output before its projection, a
-    ``cat``), priced with the op reading them (``attrs.input_copies``)."""
+def _steps_text(op: Op) -> str:
+    """The kernels an import folded into ``op``'s inputs, per micro-batch: forward (their
+    number, torch's bytes of their tensors, one FLOP per element an element-wise step
+    writes) and backward (as autograd runs them:
+    :func:`ilp_planner.inputs.lift_backward.replay_backward`), with the copies among
+    them (:func:`_copies`)."""
+    a = op.attrs
+    back = (f"; backward {a['input_steps_bwd']} kernels, "
+            f"{fmt_bytes(a.get('input_steps_bwd_bytes', 0))}"
+            if "input_steps_bwd" in a else "")
+    return (f"{a['input_steps']} kernels, {fmt_bytes(a.get('input_steps_bytes', 0))}, "
+            f"{a.get('input_steps_flops', 0):.3g} FLOPs{back}" + _copies(op))
+
+
+def _step_lines(graph: Graph, flat: str, shown: int = 3) -> list[str]:
+    """The ops other than attention that read values the module's code computed or copied
+    on the way — a hand-written activation (GPT-2's tanh GELU) or norm (an RMSNorm's pow,
+    mean, rsqrt), a cast before a norm, ``contiguous`` of attention's output before its
+    projection, a ``cat`` — priced with the op reading them (``attrs.input_steps``)."""
     ops = [op for op in graph.ops if op.kind is not OpKind.ATTENTION
-           and op.attrs.get("input_copies")]
+           and op.attrs.get("input_steps")]
     if not ops:
         return []
-    listed = "; ".join(f"{op.name}: {_copies_text(op)}" for op in ops[:shown])
+    listed = "; ".join(f"{op.name}: {_steps_text(op)}" for op in ops[:shown])
     more = f"; … {len(ops) - shown} more" if len(ops) > shown else ""
-    return [f"copies folded into the values {len(ops)} other op(s) read (casts, layout "
-            f"copies, concatenations of the module's code), priced with the op reading them "
-            f"as memory-bound kernels per micro-batch: {listed}{more}{flat}"]
+    return [f"element-wise steps and copies of the module's code folded into the values "
+            f"{len(ops)} other op(s) read (hand-written activations and norms, casts, "
+            f"layout copies, concatenations), priced with the op reading them as "
+            f"memory-bound kernels per micro-batch, forward by torch's bytes, backward as "
+            f"autograd runs it: {listed}{more}{flat}"]
 
 
 def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
     """The attention ops whose imported q, k or v carry element-wise steps of the user's
-    code (rotary positions, a scale: ``attrs.input_steps``), each with its kernels, bytes
-    and FLOPs per micro-batch — priced with the attention by torch's bytes, not guessed
-    (:func:`ilp_planner.inputs.lift_layers.input_steps`) — and the built-in attention ops
-    pricing rotary positions by formula (``rope_theta``)."""
+    code (rotary positions, a scale: ``attrs.input_steps``; a hand-written one's scores'
+    scale and mask), each with its kernels, bytes and FLOPs per micro-batch — priced with
+    the attention by torch's bytes, not guessed
+    (:func:`ilp_planner.inputs.lift_layers.input_steps`) —, the other ops' folded steps
+    (:func:`_step_lines`) and the built-in attention ops pricing rotary positions by
+    formula (``rope_theta``)."""
     graph = config.microbatch_graph()
     attention = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
     folded = [op for op in attention if op.attrs.get("input_steps")]
@@ -577,15 +596,13 @@ def _folded_step_lines(config: Config, shown: int = 3) -> list[str]:
         "matmul speed")
     lines = []
     if folded:
-        listed = "; ".join(f"{op.name}: {op.attrs['input_steps']} kernels, "
-                           f"{fmt_bytes(op.attrs.get('input_steps_bytes', 0))}, "
-                           f"{op.attrs.get('input_steps_flops', 0):.3g} FLOPs"
-                           + _copies(op) for op in folded[:shown])
+        listed = "; ".join(f"{op.name}: {_steps_text(op)}" for op in folded[:shown])
         more = f"; … {len(folded) - shown} more" if len(folded) > shown else ""
         lines.append(f"element-wise steps of the module's code on attention's q, k, v (its "
-                     f"rotary positions, scales, folded copies), priced by torch's bytes per micro-batch "
+                     f"rotary positions, scales, folded copies) or a hand-written one's "
+                     f"scores (a scale, a mask), priced by torch's bytes per micro-batch "
                      f"forward, backward by what autograd runs: {listed}{more}{flat}")
-    lines += _copy_lines(graph, flat)
+    lines += _step_lines(graph, flat)
     if rope:
         lines.append(f"rotary positions priced in {len(rope)} attention op(s) "
                      f"(rope_theta: 3 FLOPs per q and k element, one pass over them and the "
@@ -617,9 +634,9 @@ def _layer_lines(plan: Plan, collectives: bool, config: Config) -> list[str]:
         comm = sum(x.seconds for x in layer.collectives)
         lines.append(f"      compute {fmt_seconds(layer.compute_s)}, memory {fmt_bytes(layer.memory_bytes)}, "
                      f"{len(layer.collectives)} collective(s) {fmt_seconds(comm)}")
-        if layer.name in graph and graph[layer.name].attrs.get("input_copies"):
-            lines.append(f"      folded copies it reads, in its compute: "
-                         f"{_copies_text(graph[layer.name])}")
+        if layer.name in graph and graph[layer.name].attrs.get("input_steps"):
+            lines.append(f"      folded steps it reads, in its compute: "
+                         f"{_steps_text(graph[layer.name])}")
         if collectives:
             lines += [f"        - {_collective_line(coll)}" for coll in layer.collectives]
     return lines
