@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import ilp_planner
-from ilp_planner.errors import ConfigError
+from ilp_planner.errors import ConfigError, LayoutError
 from ilp_planner.inputs.config import load_config, parse_cluster
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.lift_elementwise import lift_const
@@ -24,7 +24,7 @@ from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.intra_op.baselines import solve_exact
 from ilp_planner.intra_op.problem import build_problem
-from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
+from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import drop_unit_axes
 from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import expert_parallel
@@ -221,6 +221,23 @@ def test_computed_token_ids_are_flat_like_the_input_ids(imported):
     ids = [op for op in graph.ops if op.output.dtype.startswith("int")]
     assert {op.name for op in ids} >= {"input_ids", "roberta.embeddings.cumsum"}
     assert all(op.output.shape == (BATCH * SEQ,) for op in ids)
+
+
+def test_an_op_reading_another_view_of_a_value_is_named_not_a_key_error():
+    """Where a graph wires an op to a value in a view its layouts do not fit (token ids
+    ``(B, T)`` = (2, 8) read by a lookup that splits them as 16 tokens, as RoBERTa's
+    import did), building the problem says which op reads which, in one line."""
+    ids = TensorSpec((BATCH * SEQ,), "int64")
+    graph = Graph("views", [
+        Op("ids", OpKind.INPUT, (), ids),
+        Op("positions", OpKind.OPAQUE, ("ids",), TensorSpec((BATCH, SEQ), "int64")),
+        Op("lookup", OpKind.EMBEDDING, ("positions",), TensorSpec((BATCH * SEQ, 32), "float32"),
+           TensorSpec((VOCAB, 32), "float32"), VOCAB * 32, attrs={"vocab": VOCAB}),
+        Op("loss", OpKind.LOSS, ("lookup",), TensorSpec((1,), "float32"))])
+    config = load_config({"model": graph, "cluster": CLUSTER})
+    with pytest.raises(LayoutError, match=r"'lookup' reads 'positions' in a layout its output "
+                       r"cannot take: layout .* does not fit a tensor of \(2, 8\)"):
+        build_problem(graph, config.cluster, 2, 4, config.memory)
 
 
 def test_one_input_read_twice_is_read_in_one_layout(imported):

@@ -256,7 +256,16 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
             d.attrs[position_table_attr(d.attrs)] = pos.table_of_positions
         return Act(x.src, shape, dtype)
     params = [p for c in consts for p in c.params if p not in g.owner]
-    if params:
+    if params and x.role:
+        # on attention scores (T5's relative position table added to hand-written scores):
+        # the scores' one producer takes it; with two (q and k), no op owns it, and
+        # ``parallelize`` refuses the plan naming the table
+        if len(x.src) == 1:
+            d = g.drafts[x.src[0]]
+            for p in g.adopt(d, params):
+                if d.kind is OpKind.LINEAR and g.param_shape[p] == (d.shape[-1],):
+                    d.attrs["bias"] = 1
+    elif params:
         d = g.drafts[x.src[0]] if len(x.src) == 1 else None
         if d is None or not _priced_by(g, d, op, params):
             # a parameter no role of the op before prices (ConvNeXt's layer scale, a

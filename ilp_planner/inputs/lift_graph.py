@@ -140,7 +140,8 @@ class DraftGraph:
             return Const()
         shape = tuple(int(d) for d in val.shape)
         dtype = dtype_of(val)
-        self.drafts[node.name] = Draft(node.name, OpKind.INPUT, (), ir_shape(shape, dtype), dtype)
+        spec = shape if len(shape) == 4 else ir_shape(shape, dtype)  # an image as it is
+        self.drafts[node.name] = Draft(node.name, OpKind.INPUT, (), spec, dtype)
         return Act((node.name,), shape, dtype)
 
     # -- building ------------------------------------------------------------------------
@@ -232,7 +233,7 @@ class DraftGraph:
         spec = ir_shape(x.shape, x.dtype)
         if moved_to is not None:  # whole images stay on their devices either way round
             rows = {"rows_local": 1, "row_items": x.shape[0]}
-            spec = tokens_major(x.shape) if moved_to == "last" else spec
+            spec = tokens_major(x.shape) if moved_to == "last" else tuple(x.shape)
         act = self.add(node, OpKind.OPAQUE, list(x.src), spec, x.dtype, main=False,
                        bytes_read=moved, bytes_written=moved, **rows)
         return act.src[0]
@@ -244,7 +245,7 @@ class DraftGraph:
         out = first_output(val)
         srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
         shape = tuple(out.shape)
-        spec = ir_shape(shape, dtype_of(out))
+        spec = shape if len(shape) == 4 else ir_shape(shape, dtype_of(out))
         params = [p for a in flatten(args) if isinstance(a, Const) for p in a.params]
         cost = self.count(node)
         act = self.add(node, OpKind.OPAQUE, srcs, spec, dtype_of(out), params=params,

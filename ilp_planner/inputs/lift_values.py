@@ -150,13 +150,10 @@ def tokens_major(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def ir_shape(shape: Sequence[int], dtype: str) -> tuple[int, ...]:
-    """The shape the IR gives a value of ``shape``: an image (NCHW) as it is, integers flat
-    — token ids ``(B, T) → (B·T,)``, as an embedding reads them, whether they are a model
-    input or computed from one (RoBERTa's position ids: a cumulative sum of the padding
-    mask) — anything else tokens-major (:func:`tokens_major`)."""
-    shape = tuple(int(d) for d in shape)
-    if len(shape) == 4:
-        return shape
+    """The shape the IR gives a value of ``shape`` that is no image: integers flat — token
+    ids ``(B, T) → (B·T,)``, as an embedding reads them, whether they are a model input or
+    computed from one (RoBERTa's position ids: a cumulative sum of the padding mask) —
+    anything else tokens-major (:func:`tokens_major`)."""
     return (numel(shape),) if dtype.startswith("int") else tokens_major(shape)
 
 

@@ -46,7 +46,7 @@ from formulations.problem import BucketTerms, Problem
 from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
-from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
+from ilp_planner.ir.layouts import Layout, LayoutError, drop_unit_axes, grad_layout
 from ilp_planner.lowering.compute_model import update_seconds
 from ilp_planner.lowering.cost_model import (
     ONCE_PER_STEP,
@@ -849,9 +849,13 @@ def _edge_costs(st: _Structure, cluster: Cluster, options: dict[str, list[NodeOp
             ins = tuple((o.inputs[pos_v][idx], o.grads[pos_v][idx]) for o in options[v])
             key = (tensor, outs, ins, v in again)
             if key not in matrix_cache:
-                matrix_cache[key] = microbatches * _cost_matrix(
-                    outs, ins, tensor, cluster, replay=v in again,
-                    memo=None if cache is None else cache.layout_matrices)
+                try:
+                    matrix_cache[key] = microbatches * _cost_matrix(
+                        outs, ins, tensor, cluster, replay=v in again,
+                        memo=None if cache is None else cache.layout_matrices)
+                except LayoutError as exc:  # the graph wires two views of one value
+                    raise LayoutError(f"{st.members[v][pos_v]!r} reads {st.members[u][pos_u]!r}"
+                                      f" in a layout its output cannot take: {exc}") from None
             r = by_lists[quick] = matrix_cache[key]
         # tied layers add one matrix many times: counted here, added once scaled below
         terms = uses.setdefault((group_of[u], group_of[v]), {})

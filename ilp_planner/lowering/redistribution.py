@@ -425,6 +425,10 @@ class RedistributionPlanner:
         graph = self._graph(tensor)
         srcs = [drop_unit_axes(s) for s in srcs]
         dsts = [drop_unit_axes(d) for d in dsts]
+        unfit = next((lay for lay in (*srcs, *dsts) if lay not in graph.index), None)
+        if unfit is not None:  # an op's layout meant for another view of the value
+            raise LayoutError(f"layout {unfit} does not fit a tensor of {tensor.shape} "
+                              f"(it splits a dimension finer than its size)")
         free = not any(lay.has_partial for lay in (*srcs, *dsts))
         if (FREE_REVERSED_COST if free else REVERSED_COST) * len(set(dsts)) < len(set(srcs)):
             rows = [graph.index[s] for s in srcs]  # a search per destination
