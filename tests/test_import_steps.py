@@ -310,3 +310,20 @@ def test_a_step_on_the_models_input_runs_no_backward():
     graph = from_module(Squashed(), (torch.randn(B, S, H),), loss_fn=lambda y: y.sum())
     n = B * S * H
     assert _folded(graph["fc"]) == (1, 2 * n * 4, n, 0, 0, 0)
+
+
+def test_a_step_whose_backward_cannot_be_replayed_is_named_in_one_line(monkeypatch):
+    """Where torch cannot run a folded step again on its fake tensors (an op the replay
+    does not support), the import stops naming the step, in one line — it is never priced
+    by a guess."""
+    import ilp_planner.inputs.importer as importer
+    from ilp_planner.errors import ConfigError
+
+    def unreplayable(torch_, steps, trained):
+        raise RuntimeError("no fake kernel for this op\nsecond line")
+
+    monkeypatch.setattr(importer, "replay_backward", unreplayable)
+    with pytest.raises(ConfigError, match=r"cannot import GeluMlp: op '\w+' \(\w+\): its "
+                       r"backward, with the steps folded before it, could not be replayed to "
+                       r"count it \(RuntimeError: no fake kernel for this op\)$"):
+        from_module(GeluMlp(), (torch.randn(B, S, H),))

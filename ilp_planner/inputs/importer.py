@@ -175,8 +175,14 @@ class _NodeCounter:
     def backward(self, nodes: Sequence[Any], trained: Callable[[str], bool]
                  ) -> StepsBackward:
         """The backward of the folded steps ``nodes`` as autograd runs it, replayed on
-        their fake tensors (:func:`ilp_planner.inputs.lift_backward.replay_backward`)."""
-        return replay_backward(self.torch, nodes, trained)
+        their fake tensors (:func:`ilp_planner.inputs.lift_backward.replay_backward`); an
+        op torch cannot run again there is named in one line, not priced by a guess."""
+        try:
+            return replay_backward(self.torch, nodes, trained)
+        except Exception as exc:  # noqa: BLE001 - whatever the replayed op raises
+            raise Unsupported(nodes[-1], f"its backward, with the steps folded before it, "
+                              f"could not be replayed to count it ({_first_line(exc)})"
+                              ) from None
 
 
 def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], torch: Any
