@@ -142,6 +142,15 @@ def output_op(graph: Graph) -> str:
     return loss[-1].inputs[0] if loss else graph.ops[-1].name
 
 
+def converted_at_its_module(graph: Graph) -> bool:
+    """Whether the module's output is converted by its own op's module, not the root's:
+    where element-wise steps run between the two (Gemma-2's logit soft-capping, a tanh —
+    folded into the loss's input, ``attrs.input_steps``), they must read the value in the
+    layout the loss reads (the plan prices them there), not a partial sum."""
+    loss = [op for op in graph.ops if op.kind is OpKind.LOSS]
+    return bool(loss) and bool(loss[-1].attrs.get("input_steps"))
+
+
 def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str, int], Redistribution],
                module: nn.Module) -> tuple[dict[str, Hook], Programs]:
     """Every module boundary's :class:`Hook`, and the programs run on a producer's output
@@ -212,8 +221,9 @@ def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
         if op.kind is OpKind.INPUT or path is None:
             continue
         h = hooks.setdefault(op.name, Hook(op.name))
-        # the module's own output is converted once, by the root's hook
-        red = None if op.name == out_op else post.get(op.name, (None, None))[1]
+        # the module's own output is converted once, by the root's hook (or its own)
+        red = None if op.name == out_op and not converted_at_its_module(graph) \
+            else post.get(op.name, (None, None))[1]
         h.output = (layers[op.name].output, red)
         h.local = runs_locally(op, layers[op.name], module.get_submodule(path))
 
@@ -239,7 +249,7 @@ class BoundaryHooks:
         # converted -> (it, original, producer)
         self.origin: dict[int, tuple[DTensor, DTensor, str]] = {}
         self.hooks: dict[str, Hook] = {}
-        self.final: tuple[Layout, Redistribution] | None = None
+        self.final: tuple[Layout, Redistribution | None] | None = None
         self.masks: dict[str, VocabMask] = {}  # vocabulary-split lookups running now
         self.paddings: dict[str, int] = {}  # their modules' own padding rows
         self.calls: dict[str, int] = {}  # module path -> its calls so far in this forward
@@ -258,7 +268,10 @@ class BoundaryHooks:
                 self._call(p, hs), args))
             mod.register_forward_hook(lambda m, args, out, p=path, hs=hs: self._post(
                 self._finish(p, hs), out))
-        self.final = post.get(output_op(self.graph))
+        out = output_op(self.graph)
+        # (the layout the module's output arrives in at the root, the program left there)
+        self.final = (post[out][0], None) if converted_at_its_module(self.graph) and \
+            out in post else (self.layers[out].output, post[out][1] if out in post else None)
         self.module.register_forward_pre_hook(lambda m, args, kwargs: self._inputs(args, kwargs),
                                               with_kwargs=True)
         self.module.register_forward_hook(lambda m, args, out: self._output(out),
@@ -453,13 +466,13 @@ class BoundaryHooks:
 
     def _planned_output(self, out: Any) -> Any:
         name = output_op(self.graph)
-        self.edges.check(out, self.layers[name].output, name, f"output of the module ({name})")
-        if self.final is None:
+        assert self.final is not None
+        arrives, red = self.final
+        self.edges.check(out, arrives, name, f"output of the module ({name})")
+        if red is None:
             return out
-        dst, red = self.final
         with tagged("forward", "activation", name):
-            return self.edges.run(out, self.layers[name].output, red, dst, name,
-                                  "the module's output")
+            return self.edges.run(out, arrives, red, red.dst, name, "the module's output")
 
 
 def _user_tensor(x: Any) -> Any:

@@ -133,6 +133,17 @@ def convnext() -> Case:
     return Case(ConvNextForImageClassification(cfg), *_images(32))
 
 
+def gemma2() -> Case:
+    """Gemma2ForCausalLM: its logits soft-capped (``tanh`` of the head's output, scaled)
+    in functional code between the head and the module's return."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False)
+    return Case(Gemma2ForCausalLM(cfg), *_tokens())
+
+
 def vit() -> Case:
     """ViTForImageClassification: patch convolution, class token and position table, a
     classifier on the class token."""
@@ -411,6 +422,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "roberta": roberta,
     "olmo": olmo,
     "convnext": convnext,
+    "gemma2": gemma2,
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
