@@ -80,6 +80,10 @@ def _builders() -> dict[str, Any]:
         "convnext": lambda: (T.ConvNextForImageClassification(T.ConvNextConfig(
             num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)),
             (torch.randn(BATCH, 3, 64, 64),)),
+        "opt": lambda: (T.OPTForCausalLM(T.OPTConfig(
+            hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=16, word_embed_proj_dim=32,
+            use_cache=False)), (_ids(),)),
         "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             image_size=16, patch_size=4, num_labels=10, hidden_dropout_prob=0,
@@ -141,8 +145,8 @@ SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
 MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
 
 
-DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "vit", "resnet",
-         "convnext", "t5")
+DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "opt", "vit",
+         "resnet", "convnext", "t5")
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +242,35 @@ def test_an_op_reading_another_view_of_a_value_is_named_not_a_key_error():
     with pytest.raises(LayoutError, match=r"'lookup' reads 'positions' in a layout its output "
                        r"cannot take: layout .* does not fit a tensor of \(2, 8\)"):
         build_problem(graph, config.cluster, 2, 4, config.memory)
+
+
+def test_an_embedding_whose_positions_are_added_after_it_reaches_its_code_as_produced(
+        imported):
+    """OPT's positions are looked up by a module of their own and added to the word
+    embeddings in its code (``inputs_embeds + pos_embeds``, the table folded into the word
+    table's op): a program at the embedding's boundary would run before that sum, so the
+    solved plan hands the embedding's output to the functional code reading it as
+    produced, and a choice that converts it there is named as unrunnable."""
+    _, graph = imported("opt")
+    config = load_config({"model": graph, "cluster": CLUSTER})
+    gp = build_problem(graph, config.cluster, 2, 4, config.memory)
+    choice, objective, _ = solve_exact(gp.problem, 30.0)
+    assert gp.unrunnable(choice) is None
+    emb = "model.decoder.embed_tokens"
+    readers = [op.name for op in graph.ops if emb in op.inputs and op.attrs.get("functional")]
+    assert readers
+    chosen = gp.node_choice(choice)
+    made = drop_unit_axes(chosen[gp.owner[emb]].outputs[gp.position[emb]])
+    for r in readers:
+        read = chosen[gp.owner[r]].inputs[gp.position[r]][graph[r].inputs.index(emb)]
+        assert drop_unit_axes(read) == made
+    g_add, add = gp.group_of[gp.owner[readers[0]]], gp.owner[readers[0]]
+    other = next(k for k, o in enumerate(gp.options[add])
+                 if drop_unit_axes(o.inputs[gp.position[readers[0]]][0]) != made)
+    broken = list(choice)
+    broken[g_add] = other
+    assert gp.problem.objective(broken) > 1.0 > objective
+    assert f"the layout of {emb!r} changes" in gp.unrunnable(broken)
 
 
 def test_one_input_read_twice_is_read_in_one_layout(imported):

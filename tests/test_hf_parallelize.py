@@ -179,7 +179,7 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2"])
+@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
     """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
     functional code counting positions (the plan reads it in one layout, the runtime hands
@@ -187,7 +187,9 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     synchronise). ``convnext``: images permuted to channels-last and back in every block
     (copies that keep whole images on a device), a layer scale owned by an op of its
     own. ``gemma2``: its logits soft-capped in functional code after the head, which reads
-    them in the loss's layout (converted at the head's own boundary, not the root's)."""
+    them in the loss's layout (converted at the head's own boundary, not the root's).
+    ``opt``: its positions' module adds their lookup to the word embeddings in its code,
+    so the plan hands that sum on as the embedding produced it."""
     line_of(shape, model)
 
 

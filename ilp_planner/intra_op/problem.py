@@ -45,7 +45,7 @@ import numpy as np
 from formulations.problem import BucketTerms, Problem
 from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
 from ilp_planner.ir.cluster import Cluster
-from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
+from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec, position_tables
 from ilp_planner.ir.layouts import Layout, LayoutError, drop_unit_axes, grad_layout
 from ilp_planner.lowering.compute_model import update_seconds
 from ilp_planner.lowering.cost_model import (
@@ -692,11 +692,18 @@ def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[i
     """The edges (indices into ``pairs``) from one piece of the user's functional code to
     another (``attrs.functional`` on both; the module's output — the loss's input — is
     converted by the module's own boundary, so it is not one): ``parallelize`` runs
-    programs at module boundaries only, so nothing may move there."""
+    programs at module boundaries only, so nothing may move there. An imported embedding
+    whose position tables it owns counts as functional code here: the tables' own modules
+    add their lookups to its output in the user's code (OPT's, GPT-2's
+    ``inputs_embeds + pos_embeds``), in the embedding's output layout, so a program at
+    its boundary would run before that sum and leave it in another layout than the
+    plan's."""
     output = _module_output(graph)
     return frozenset(i for i, (src, dst) in enumerate(pairs)
-                     if src != output and graph[src].attrs.get("functional")
-                     and graph[dst].attrs.get("functional"))
+                     if src != output and graph[dst].attrs.get("functional")
+                     and (graph[src].attrs.get("functional")
+                          or (graph[src].kind is OpKind.EMBEDDING
+                              and position_tables(graph[src].attrs))))
 
 
 def _functional_follows(graph: Graph, owner: dict[str, str], position: dict[str, int]

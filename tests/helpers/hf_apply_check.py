@@ -144,6 +144,18 @@ def gemma2() -> Case:
     return Case(Gemma2ForCausalLM(cfg), *_tokens())
 
 
+def opt() -> Case:
+    """OPTForCausalLM: learned positions looked up by their own module and added to the
+    word embeddings in its code (the importer folds that table into the word table's op)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=2 * SEQ,
+                    word_embed_proj_dim=32, use_cache=False, dropout=0.0,
+                    attention_dropout=0.0)
+    return Case(OPTForCausalLM(cfg), *_tokens())
+
+
 def vit() -> Case:
     """ViTForImageClassification: patch convolution, class token and position table, a
     classifier on the class token."""
@@ -423,6 +435,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "olmo": olmo,
     "convnext": convnext,
     "gemma2": gemma2,
+    "opt": opt,
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
