@@ -679,8 +679,12 @@ def _built(request: MeshSolveRequest) -> GraphProblem:
                            zero_levels=opts.state_sharding, recompute=request.recompute)
         if cache is not None:
             cache.problems[key] = gp
-    return dataclasses.replace(gp, problem=dataclasses.replace(
-        gp.problem, memory_budget=request.memory_budget))
+    return _budgeted(gp, request.memory_budget)
+
+
+def _budgeted(gp: GraphProblem, budget: float | None) -> GraphProblem:
+    """``gp`` under ``budget``: a copy of it and its problem (the same arrays)."""
+    return dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, memory_budget=budget))
 
 
 def _allowed(gp: GraphProblem, cap: float) -> list[np.ndarray]:
@@ -732,14 +736,11 @@ def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
     the elimination's or the ILP's proven bound reaches ``cutoff`` (a plan found elsewhere
     is as good; each stops there). ``warm_only``: a good plan is wanted, not a proof (a
     warm start) — the elimination's incumbent as it stands, no ILP in or after it.
-    ``built``: the problem to solve instead of ``request``'s own (a relaxation of several,
-    :class:`_CountsCover`; its memory budget the request's)."""
+    ``built``: solved instead of ``request``'s own problem (:class:`_CountsCover`)."""
     opts = request.config.solver
     t0 = time.perf_counter()
     try:
-        gp = _built(request) if built is None else dataclasses.replace(
-            built, problem=dataclasses.replace(built.problem,
-                                               memory_budget=request.memory_budget))
+        gp = _built(request) if built is None else _budgeted(built, request.memory_budget)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     memory_budget = request.memory_budget
