@@ -286,9 +286,9 @@ class _CountsCover:
         solved exactly)."""
         search, lo = self.search, span.lo
         self.relaxations += 1
-        try:
+        try:  # a bound is wanted: the elimination's, no ILP after it (warm_only)
             low = self._built(lo)
-            gp, res = _solve_once(search.at(lo), None, self._threshold(),
+            gp, res = _solve_once(search.at(lo), None, self._threshold(), warm_only=True,
                                   built=_counts_relaxed(low, self._built(span.hi)))
         except UnprovenInfeasible:
             self.uncovered.append(span)  # no proof: the span stays open
@@ -298,7 +298,8 @@ class _CountsCover:
             return []
         bound = max(span.bound, -np.inf if res.bound is None else res.bound)
         assert search.request.memory_budget is not None
-        if peak_memory(low, res.choice) <= search.request.memory_budget * (1 + 1e-9):
+        if res.status == "optimal" and gp.unrunnable(res.choice) is None and peak_memory(
+                low, res.choice) <= search.request.memory_budget * (1 + 1e-9):
             # a plan at ``lo`` (the relaxation's costs are its own), as cheap as the bound
             search.tried[lo] = (low, dataclasses.replace(res, message="; ".join(m for m in (
                 res.message, f"the relaxation of counts {lo}–{span.hi}, fitting at {lo}")
