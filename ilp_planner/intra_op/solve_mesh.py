@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import time
 from collections.abc import Callable, Mapping
 
@@ -127,6 +128,7 @@ class _RecomputeSearch:
         self.cutoff = cutoff
         self.cover_s = cover_s
         self.tried: dict[int, Solved | InfeasibleError | CutOff] = {}
+        self.found: list[Solved] = []  # plans the cover met at counts not solved
 
     def attempt(self, k: int, cut: bool = True) -> Solved | InfeasibleError | CutOff:
         """Count ``k`` solved; with ``cut``, stopped once proven no better than the best
@@ -177,7 +179,7 @@ class _RecomputeSearch:
                         f"{len(gp.recompute_units)}") if m))))
 
     def _fits(self) -> list[Solved]:
-        return [v for v in self.tried.values() if isinstance(v, tuple)]
+        return [v for v in self.tried.values() if isinstance(v, tuple)] + self.found
 
     def _bisect_fewest_fitting(self) -> None:
         """Where "all" fits, the fewest leading recomputed blocks that fit, by bisection
@@ -250,15 +252,19 @@ class _CountsCover:
         or the time is spent (the spans left in ``uncovered``)."""
         until = time.perf_counter() + self.seconds
         todo = [k for k in range(len(self.search.units) + 1) if k not in self.search.tried]
-        stack = [_CountSpan(r[0], r[-1], self._free_bound(r[0])) for r in _runs(todo)]
-        while stack:
-            span = stack.pop()
+        # the weakest bound first: where a better plan may be, found early, cuts off more
+        heap = [(span.bound, span.lo, span) for r in _runs(todo)
+                for span in [_CountSpan(r[0], r[-1], self._free_bound(r[0]))]]
+        heapq.heapify(heap)
+        while heap:
+            span = heapq.heappop(heap)[2]
             if self._covered(span.bound):
                 self.proved.update(range(span.lo, span.hi + 1))
             elif time.perf_counter() >= until:
                 self.uncovered.append(span)
             else:
-                stack += self._split(span)
+                for half in self._split(span):
+                    heapq.heappush(heap, (half.bound, half.lo, half))
 
     def _threshold(self) -> float | None:
         """The cutoff: the best plan so far, or the caller's, less the gap accepted as
@@ -297,13 +303,14 @@ class _CountsCover:
             self.proved.update(range(lo, span.hi + 1))
             return []
         bound = max(span.bound, -np.inf if res.bound is None else res.bound)
-        assert search.request.memory_budget is not None
-        if res.status == "optimal" and gp.unrunnable(res.choice) is None and peak_memory(
-                low, res.choice) <= search.request.memory_budget * (1 + 1e-9):
+        runnable = gp.unrunnable(res.choice) is None
+        if runnable and res.status == "optimal" and self._fits_at(lo, res.choice):
             # a plan at ``lo`` (the relaxation's costs are its own), as cheap as the bound
             search.tried[lo] = (low, dataclasses.replace(res, message="; ".join(m for m in (
                 res.message, f"the relaxation of counts {lo}–{span.hi}, fitting at {lo}")
                 if m)))
+        elif runnable:
+            self._fitting_later(res, lo, span.hi)
         if self._covered(bound):
             self.proved.update(range(lo, span.hi + 1))
             return []
@@ -312,6 +319,28 @@ class _CountsCover:
             return []
         mid = (lo + span.hi) // 2
         return [_CountSpan(mid + 1, span.hi, bound), _CountSpan(lo, mid, bound)]
+
+    def _fits_at(self, k: int, choice) -> bool:
+        """Whether ``choice``'s exact peak at count ``k`` fits the budget."""
+        budget = self.search.request.memory_budget
+        assert budget is not None
+        return peak_memory(self._built(k), choice) <= budget * (1 + 1e-9)
+
+    def _fitting_later(self, res: SolveResult, lo: int, hi: int) -> None:
+        """The relaxed optimum as a plan at the fewest counts in ``(lo, hi]`` where it fits
+        (bisection), priced at that count: no proof for the count, but a plan found early,
+        which cuts off more of the rest (recomputing a block only adds cost)."""
+        choice = res.choice
+        if hi == lo or not self._fits_at(hi, choice):
+            return
+        a, b = lo, hi  # fits at ``b``, not at ``a`` (or ``a`` is the relaxation's own)
+        while b - a > 1:
+            mid = (a + b) // 2
+            a, b = (a, mid) if self._fits_at(mid, choice) else (mid, b)
+        gp = self._built(b)
+        self.search.found.append((gp, dataclasses.replace(
+            res, status="feasible", objective=gp.problem.objective(choice), bound=None,
+            gap=None, message=f"the relaxed optimum of counts {lo}–{hi}, fitting at {b}")))
 
     def left(self) -> dict[int, float]:
         """The counts not covered, each with its best proven lower bound: those inside
@@ -347,6 +376,11 @@ class _CountsCover:
         gp, res = solved
         total = len(self.search.units) + 1
         left = self.left()
+        if not left and res.bound is None:  # a plan the cover met: proven by the cover alone
+            threshold = self._threshold()
+            assert threshold is not None
+            res = dataclasses.replace(res, status="optimal", bound=threshold, gap=max(
+                0.0, (res.objective - threshold) / max(abs(res.objective), 1e-30)))
         if not left:
             return gp, dataclasses.replace(res, message="; ".join(m for m in (
                 res.message, f"every count of recomputed blocks covered ({len(self.search.tried)}"
