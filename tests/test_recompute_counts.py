@@ -63,7 +63,7 @@ def _every_count(memory_mib: float, zero: tuple[int, ...] = (0, 3)) -> dict[int,
             for k, v in _counts_solved(memory_mib, zero).items()}
 
 
-@pytest.mark.parametrize("memory_mib", [64, 0.8, 0.7, 0.66, 0.6, 0.45])
+@pytest.mark.parametrize("memory_mib", [64, 0.8, 0.75, 0.7, 0.66, 0.6, 0.45])
 def test_the_counts_search_equals_every_count_solved_on_its_own(memory_mib):
     """Budgets from memory-free to below every plan: ``solve_mesh``'s objective is the
     least over every count solved alone, its status ``optimal`` and its message says every
@@ -88,7 +88,8 @@ def test_the_counts_search_equals_every_count_solved_on_its_own(memory_mib):
 def test_a_middle_count_that_wins_is_found(memory_mib):
     """At 0.7 and 0.66 MiB four recomputed blocks beat every other count (0.000780 s and
     0.000792 s a step against 0.000829 s with all five): the fewest that fit (2, 3) and all
-    (5) — what the search sampled before the cover — miss it; the cover finds it."""
+    (5) — what the search sampled before the cover — miss it; the cover finds it and
+    proves it."""
     by_count = _every_count(memory_mib)
     fewest = min(k for k, v in by_count.items() if v < math.inf)
     sampled = min(by_count[0], by_count[fewest], by_count[LAYERS])
@@ -98,6 +99,18 @@ def test_a_middle_count_that_wins_is_found(memory_mib):
     gp, res = solve_mesh(MeshSolveRequest.whole_cluster(_config(memory_mib)))
     assert len(gp.recompute_units) == winner
     assert res.objective == pytest.approx(by_count[winner], rel=1e-9)
+    assert res.status == "optimal"
+
+
+def test_a_relaxed_optimum_fitting_at_a_later_count_is_a_plan_there():
+    """At 0.7 MiB the relaxation of the counts between the sampled ones has its optimum
+    fit only at 4 blocks: priced there it is the every-count optimum, met before count 4
+    is solved, and proven by the cover alone (optimal, its bound within the gap)."""
+    gp, res = solve_mesh(MeshSolveRequest.whole_cluster(_config(0.7)))
+    assert re.search(r"the relaxed optimum of counts \d+–\d+, fitting at 4", res.message)
+    assert res.status == "optimal" and res.bound <= res.objective
+    assert res.objective == pytest.approx(min(_every_count(0.7).values()), rel=1e-9)
+    assert res.objective == pytest.approx(gp.problem.objective(res.choice), rel=1e-12)
 
 
 def test_a_counts_search_out_of_time_is_feasible_with_a_gap_that_holds():

@@ -232,9 +232,11 @@ class _CountsCover:
     count is solved (every plan a count's solve returns meets its own row within the
     budget). Solved with the best plan so far as its cutoff, its proven bound reaching that
     plan, or nothing fitting it, covers the span; its optimum fitting count ``a``'s exact
-    peak is a plan at ``a`` no count of the span beats; else the span is halved and each
-    half covered so in turn, under the span's bound — down to one count, solved exactly
-    where its own relaxation (one build, no caps: far cheaper) does not rule it out. What
+    peak is a plan at ``a`` no count of the span beats, and fitting only later it is a
+    plan at the fewest counts where it fits (:meth:`_fitting_later`); else the span is
+    halved and each half covered so in turn, under the span's bound, the weakest bound
+    first — down to one count, solved exactly where its own relaxation (one build, no
+    caps: far cheaper) does not rule it out. What
     is left when its ``seconds`` are spent — spans, and counts whose own solve stopped
     short of a proof (a time limit, transient caps left, an unproven infeasibility) —
     makes the plan ``feasible`` with the gap to the weakest bound left (:meth:`labelled`)."""
