@@ -187,7 +187,7 @@ class _RecomputeSearch:
         lo, hi = 0, len(self.units)  # the fewest recomputed blocks that fit lie in (lo, hi]
         if not isinstance(self.attempt(0, cut=False), InfeasibleError):
             hi = 0
-        elif isinstance(self.attempt(hi, cut=False), InfeasibleError):
+        elif isinstance(self.tried[hi], InfeasibleError):  # "all" was solved first
             return
         while hi - lo > 1:
             mid = (lo + hi) // 2
