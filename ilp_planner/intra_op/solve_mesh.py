@@ -236,10 +236,11 @@ class _CountsCover:
     plan at the fewest counts where it fits (:meth:`_fitting_later`); else the span is
     halved and each half covered so in turn, under the span's bound, the weakest bound
     first — down to one count, solved exactly where its own relaxation (one build, no
-    caps: far cheaper) does not rule it out. What
-    is left when its ``seconds`` are spent — spans, and counts whose own solve stopped
-    short of a proof (a time limit, transient caps left, an unproven infeasibility) —
-    makes the plan ``feasible`` with the gap to the weakest bound left (:meth:`labelled`)."""
+    caps: far cheaper) does not rule it out. What is left when its ``seconds`` are spent —
+    spans, and counts whose own solve stopped short of a proof (a time limit, transient
+    caps left, an unproven infeasibility) — makes the plan ``feasible`` with the gap to the
+    weakest bound left (:meth:`labelled`). The relaxations are solved for their bound (the
+    elimination's, no ILP after it): a bound is what they are for."""
 
     def __init__(self, search: _RecomputeSearch, seconds: float):
         self.search = search
@@ -379,10 +380,11 @@ class _CountsCover:
         total = len(self.search.units) + 1
         left = self.left()
         if not left and res.bound is None:  # a plan the cover met: proven by the cover alone
-            threshold = self._threshold()
+            threshold = self._threshold()  # (the caller's cutoff, where below it: no proof)
             assert threshold is not None
-            res = dataclasses.replace(res, status="optimal", bound=threshold, gap=max(
-                0.0, (res.objective - threshold) / max(abs(res.objective), 1e-30)))
+            gap = max(0.0, (res.objective - threshold) / max(abs(res.objective), 1e-30))
+            res = dataclasses.replace(res, bound=threshold, gap=gap, status="optimal" if gap
+                                      <= self.tolerance * (1 + 1e-9) else "feasible")
         if not left:
             return gp, dataclasses.replace(res, message="; ".join(m for m in (
                 res.message, f"every count of recomputed blocks covered ({len(self.search.tried)}"
