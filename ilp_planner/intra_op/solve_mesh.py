@@ -1,7 +1,7 @@
 """The solve pipeline for one mesh: build the problem, check memory, run a fast search as
-warm start and fallback, solve the ILP, and keep the cheapest plan over the recomputed
-blocks tried and every transient cap (:class:`_CapsCover`). What is solved travels as one
-:class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
+warm start and fallback, solve the ILP, and keep the cheapest plan over every count of
+recomputed blocks (:class:`_CountsCover`) and every transient cap (:class:`_CapsCover`).
+What is solved travels as one :class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
 
 from __future__ import annotations
 
