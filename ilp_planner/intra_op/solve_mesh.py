@@ -330,16 +330,16 @@ class _CountsCover:
         return peak_memory(self._built(k), choice) <= budget * (1 + 1e-9)
 
     def _fitting_later(self, res: SolveResult, lo: int, hi: int) -> None:
-        """The relaxed optimum as a plan at the fewest counts in ``(lo, hi]`` where it fits
-        (bisection), priced at that count: no proof for the count, but a plan found early,
-        which cuts off more of the rest (recomputing a block only adds cost)."""
+        """The relaxed optimum as a plan at the span's middle or last count, the first where
+        it fits, priced there: no proof for the count, but a plan found early, which cuts
+        off more of the rest. Only those two: their problems are built for the halves'
+        relaxations anyway, where a finer search would build others."""
         choice = res.choice
-        if hi == lo or not self._fits_at(hi, choice):
+        mid = (lo + hi) // 2
+        b = next((k for k in dict.fromkeys((mid, hi)) if lo < k and self._fits_at(k, choice)),
+                 None)
+        if b is None:
             return
-        a, b = lo, hi  # fits at ``b``, not at ``a`` (or ``a`` is the relaxation's own)
-        while b - a > 1:
-            mid = (a + b) // 2
-            a, b = (a, mid) if self._fits_at(mid, choice) else (mid, b)
         gp = self._built(b)
         self.search.found.append((gp, dataclasses.replace(
             res, status="feasible", objective=gp.problem.objective(choice), bound=None,
