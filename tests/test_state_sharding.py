@@ -7,7 +7,6 @@ ZeRO levels × recomputed blocks, exact peak within the budget) on a small case.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -28,7 +27,7 @@ from ilp_planner.intra_op import solve_mesh as solve_mesh_module
 from ilp_planner.intra_op.problem import BuildCache, build_problem, peak_memory
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.intra_op.request import MeshSolveRequest
-from ilp_planner.intra_op.solve_mesh import EVERY_COUNT_UP_TO, CutOff, _solve_fitting, solve_mesh
+from ilp_planner.intra_op.solve_mesh import CutOff, _solve_fitting, solve_mesh
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec
@@ -534,38 +533,3 @@ def test_a_caps_search_out_of_time_is_feasible_with_a_gap_that_holds():
     assert res.bound <= best
     assert res.gap == pytest.approx((res.objective - res.bound) / res.objective)
     assert re.search(r"\d+ of 18 transient caps \(.*\) not covered within 0 s", res.message)
-
-
-@pytest.mark.parametrize("memory_mib", [64, 0.8, 0.7, 0.66, 0.6, 0.45])
-def test_a_model_with_many_blocks_gets_the_best_of_the_counts_it_searches(memory_mib):
-    """More blocks than :data:`EVERY_COUNT_UP_TO`: ``recompute: auto`` searches none, all
-    and the fewest recomputed blocks that fit (the probe of none first, "all" then cut off
-    by it where it cannot win): its objective is the least of those counts solved one by
-    one, without any cutoff."""
-    config = load_config({
-        "model": {"kind": "gpt", "hidden": 32, "layers": 5, "heads": 2, "seq_len": 8,
-                  "vocab": 64, "batch": 4},
-        "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gib": memory_mib / 1024,
-                    "peak_tflops": 1, "links": {"intra": {"alpha": 1e-5, "beta": 1e-9},
-                                                "inter": {"alpha": 2e-5, "beta": 2e-9}}},
-        "training": {"optimizer": "adam", "grad_bucket_mb": 0},
-        "solver": {"state_sharding": [0, 3], "recompute": "auto"}})
-    request = MeshSolveRequest.whole_cluster(config)
-    units = config.graph.blocks()
-    assert len(units) > EVERY_COUNT_UP_TO
-
-    def alone(k: int) -> float:
-        try:
-            return _solve_fitting(dataclasses.replace(
-                request, cache=BuildCache(), recompute=frozenset(units[:k])))[1].objective
-        except InfeasibleError:
-            return math.inf
-
-    by_count = {k: alone(k) for k in range(len(units) + 1)}
-    fewest = next((k for k, v in by_count.items() if v < math.inf), None)
-    if fewest is None:
-        with pytest.raises(InfeasibleError):
-            solve_mesh(request)
-        return
-    searched = min(by_count[0], by_count[len(units)], by_count[fewest])
-    assert solve_mesh(request)[1].objective == pytest.approx(searched, rel=1e-12)

@@ -14,8 +14,8 @@ possible positions) at which that plan does not fit, with the memory row of a co
 and recomputation where the config offers them. Counts are bisected: the best time grows
 with the count, so where two solved counts give the same time the larger one's plan is
 the best for every count between (exact for an exact stage solver; the ``recompute:
-auto`` enumeration is exact per count, not over all counts beyond three blocks; the
-transient caps are exact over all caps, or the solve says it is ``feasible``).
+auto`` counts of blocks and the transient caps are each exact over all of them, or the
+solve says it is ``feasible``).
 The DP picks per stage the fastest variant that fits its position (:data:`formulations.stage_dp.StageCostFn`).
 Stage ILPs price one step of ``B`` accumulated micro-batches (per-micro-batch work ``B``
 times, gradient synchronisation and ZeRO's weight gathers once), the DP's stage time is

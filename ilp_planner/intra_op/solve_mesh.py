@@ -1,12 +1,13 @@
 """The solve pipeline for one mesh: build the problem, check memory, run a fast search as
-warm start and fallback, solve the ILP, and keep the cheapest plan over the recomputed
-blocks tried and every transient cap (:class:`_CapsCover`). What is solved travels as one
-:class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
+warm start and fallback, solve the ILP, and keep the cheapest plan over every count of
+recomputed blocks (:class:`_CountsCover`) and every transient cap (:class:`_CapsCover`).
+What is solved travels as one :class:`~ilp_planner.intra_op.request.MeshSolveRequest`."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import time
 from collections.abc import Callable, Mapping
 
@@ -97,7 +98,8 @@ def solve_mesh(request: MeshSolveRequest, cutoff: float | None = None) -> Solved
     ``solver.recompute``: ``never`` solves once; ``always`` recomputes every block;
     ``auto`` (under a memory budget — without one recomputation only costs) solves with
     none, with every block, and with the fewest leading blocks that fit
-    (:class:`_RecomputeSearch`), each exactly, and keeps the cheapest plan that fits."""
+    (:class:`_RecomputeSearch`), each exactly, covers the counts between by relaxations
+    (:class:`_CountsCover`), and keeps the cheapest plan that fits."""
     config = request.config
     if request.cache is None and (config.solver.recompute != "never"
                                   or set(config.solver.state_sharding) & {2, 3}):
@@ -115,13 +117,18 @@ def solve_mesh(request: MeshSolveRequest, cutoff: float | None = None) -> Solved
 class _RecomputeSearch:
     """``recompute: auto`` under a budget: the counts of leading recomputed blocks solved —
     every count for up to :data:`EVERY_COUNT_UP_TO` blocks, else none, all, and the fewest
-    that fit (bisection). Counts in between are not tried on larger models."""
+    that fit (bisection) — then the counts between covered (:class:`_CountsCover`), for as
+    long as those took or ``solver.time_limit_s``, whichever is longer (``cover_s``
+    instead, where given)."""
 
-    def __init__(self, request: MeshSolveRequest, units: list, cutoff: float | None):
+    def __init__(self, request: MeshSolveRequest, units: list, cutoff: float | None,
+                 cover_s: float | None = None):
         self.request = request
         self.units = units
         self.cutoff = cutoff
+        self.cover_s = cover_s
         self.tried: dict[int, Solved | InfeasibleError | CutOff] = {}
+        self.found: list[Solved] = []  # plans the cover met at counts not solved
 
     def attempt(self, k: int, cut: bool = True) -> Solved | InfeasibleError | CutOff:
         """Count ``k`` solved; with ``cut``, stopped once proven no better than the best
@@ -129,51 +136,317 @@ class _RecomputeSearch:
         cut-off solve does not tell: its probes run (again) without one."""
         tried = self.tried
         if k not in tried or (not cut and isinstance(tried[k], CutOff)):
-            best = min([self.cutoff] * (self.cutoff is not None)
-                       + [v[1].objective for v in tried.values() if isinstance(v, tuple)],
-                       default=None) if cut else None
+            best = self.best_objective() if cut else None
             try:
-                tried[k] = _solve_fitting(dataclasses.replace(
-                    self.request, recompute=frozenset(self.units[:k])), best)
+                tried[k] = _solve_fitting(self.at(k), best)
             except (InfeasibleError, CutOff) as exc:
                 tried[k] = exc
         return tried[k]
 
+    def at(self, k: int) -> MeshSolveRequest:
+        """The request with the first ``k`` blocks recomputed."""
+        return dataclasses.replace(self.request, recompute=frozenset(self.units[:k]))
+
+    def best_objective(self) -> float | None:
+        """The best plan's objective so far, or the caller's cutoff where lower."""
+        return min([self.cutoff] * (self.cutoff is not None)
+                   + [v[1].objective for v in self._fits()], default=None)
+
     def best(self) -> Solved:
-        """The cheapest plan over the counts tried; its message lists them."""
+        """The cheapest plan over every count (or :meth:`_CountsCover.labelled` says which
+        were left); its message lists the counts solved."""
+        t0 = time.perf_counter()
         n = len(self.units)
         if n <= EVERY_COUNT_UP_TO:
             for k in range(n + 1):
                 self.attempt(k)
         else:  # the bisection's first probe first: where it fits, "all" runs with its cutoff
             self.attempt(0, cut=False)
-        if isinstance(self.attempt(n), InfeasibleError) and not self._fits():
-            raise self.attempt(n)  # type: ignore[misc]
-        if n > EVERY_COUNT_UP_TO:
+            self.attempt(n)
             self._bisect_fewest_fitting()
+        cover = _CountsCover(self, max(self.request.config.solver.time_limit_s,
+                                       time.perf_counter() - t0)
+                             if self.cover_s is None else self.cover_s)
+        cover.run()
         fits = self._fits()
         if not fits:  # every count infeasible or cut off: the cut-off says more
-            raise next((v for v in self.tried.values() if isinstance(v, CutOff)),
-                       self.attempt(n))
+            raise cover.unproven() or next(
+                (v for v in self.tried.values() if isinstance(v, CutOff)), self.attempt(n))
         gp, best = min(fits, key=lambda v: v[1].objective)
         counts = ", ".join(f"{k}: {_outcome(v)}" for k, v in sorted(self.tried.items()))
-        return gp, dataclasses.replace(best, message="; ".join(
+        return cover.labelled((gp, dataclasses.replace(best, message="; ".join(
             m for m in (best.message, f"recomputed blocks tried ({counts}); kept "
-                        f"{len(gp.recompute_units)}") if m))
+                        f"{len(gp.recompute_units)}") if m))))
 
     def _fits(self) -> list[Solved]:
-        return [v for v in self.tried.values() if isinstance(v, tuple)]
+        return [v for v in self.tried.values() if isinstance(v, tuple)] + self.found
 
     def _bisect_fewest_fitting(self) -> None:
+        """Where "all" fits, the fewest leading recomputed blocks that fit, by bisection
+        (on the guess that fitting is monotone in the count; the cover checks the rest)."""
         lo, hi = 0, len(self.units)  # the fewest recomputed blocks that fit lie in (lo, hi]
         if not isinstance(self.attempt(0, cut=False), InfeasibleError):
             hi = 0
+        elif isinstance(self.tried[hi], InfeasibleError):  # "all" was solved first
+            return
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if isinstance(self.attempt(mid, cut=False), InfeasibleError):
                 lo = mid
             else:
                 hi = mid
+
+
+@dataclasses.dataclass
+class _CountSpan:
+    """The counts of leading recomputed blocks ``lo`` to ``hi`` (inclusive), none solved,
+    and a proven lower bound on every plan at one of them (``bound``)."""
+
+    lo: int
+    hi: int
+    bound: float
+
+
+class _CountsCover:
+    """What makes :class:`_RecomputeSearch`'s sampled counts exact, the shape of
+    :class:`_CapsCover`. Recomputing one more leading block changes, per option of the
+    nodes it recomputes (:func:`~ilp_planner.intra_op.problem.recomputed`):
+
+    - its cost by ``microbatches ×`` (the forward compute again, ≥ 0; the forward
+      activation collectives again, ≥ 0; under ZeRO-3 every forward gather again, less the
+      backward gathers it drops — one per forward gather at most, the same collective —
+      so ≥ 0), and an edge into it replays its forward program (≥ 0): no cost falls, and
+      the option lists and edge pairs line up across counts (a recomputed list maps its
+      source option by option, the groups are the graph's), so count ``a``'s costs are a
+      lower bound for every count ``k ≥ a``;
+    - its memory row's charge from its activations held (× micro-batches in flight) to
+      ``(activations + regathered weights) / c`` (``c`` the recomputed blocks of its
+      family, growing with the count) — not monotone under ZeRO-3, whose regathered
+      weights can exceed the activations freed. So no single count's row bounds the rest:
+      per node and option the lesser of counts ``a``'s and ``b``'s charges bounds every
+      ``k`` in ``[a, b]`` (a node is recomputed at ``a`` and at every later count, or not
+      at ``b`` nor any earlier one, or one then the other; ``1/c`` only falls).
+
+    The problem with count ``a``'s costs and those least charges (:func:`_counts_relaxed`;
+    no transient cap, none reserved) therefore relaxes every count of ``[a, b]`` as each
+    count is solved (every plan a count's solve returns meets its own row within the
+    budget). Solved with the best plan so far as its cutoff, its proven bound reaching that
+    plan, or nothing fitting it, covers the span; its optimum fitting count ``a``'s exact
+    peak is a plan at ``a`` no count of the span beats, and fitting only later it is a
+    plan at the fewest counts where it fits (:meth:`_fitting_later`); else the span is
+    halved and each half covered so in turn, under the span's bound, the weakest bound
+    first — down to one count, solved exactly where its own relaxation (one build, no
+    caps: far cheaper) does not rule it out. What is left when its ``seconds`` are spent —
+    spans, and counts whose own solve stopped short of a proof (a time limit, transient
+    caps left, an unproven infeasibility) — makes the plan ``feasible`` with the gap to the
+    weakest bound left (:meth:`labelled`). The relaxations are solved for their bound (the
+    elimination's, no ILP after it): a bound is what they are for."""
+
+    def __init__(self, search: _RecomputeSearch, seconds: float):
+        self.search = search
+        self.seconds = seconds
+        self.tolerance = max(search.request.config.solver.gap, 1e-9)
+        self.relaxations = 0
+        self.proved: set[int] = set()  # counts a relaxation shows no better, or not fitting
+        self.uncovered: list[_CountSpan] = []
+
+    def run(self) -> None:
+        """Cover every count not solved, solving the counts it cannot rule out, until done
+        or the time is spent (the spans left in ``uncovered``)."""
+        until = time.perf_counter() + self.seconds
+        todo = [k for k in range(len(self.search.units) + 1) if k not in self.search.tried]
+        # the weakest bound first: where a better plan may be, found early, cuts off more
+        heap = [(span.bound, span.lo, span) for r in _runs(todo)
+                for span in [_CountSpan(r[0], r[-1], self._free_bound(r[0]))]]
+        heapq.heapify(heap)
+        while heap:
+            span = heapq.heappop(heap)[2]
+            if self._covered(span.bound):
+                self.proved.update(range(span.lo, span.hi + 1))
+            elif time.perf_counter() >= until:
+                self.uncovered.append(span)
+            else:
+                for half in self._split(span):
+                    heapq.heappush(heap, (half.bound, half.lo, half))
+
+    def _threshold(self) -> float | None:
+        """The cutoff: the best plan so far, or the caller's, less the gap accepted as
+        optimal (a relaxation stops as soon as its bound is within it)."""
+        best = self.search.best_objective()
+        return None if best is None else best * (1 - self.tolerance)
+
+    def _covered(self, bound: float) -> bool:
+        threshold = self._threshold()
+        return threshold is not None and bound >= threshold
+
+    def _built(self, k: int) -> GraphProblem:
+        return _built(self.search.at(k))
+
+    def _free_bound(self, k: int) -> float:
+        """A bound on every count from ``k`` up, before any solve: count ``k``'s problem
+        with the memory row aside (its costs bound the later counts')."""
+        try:
+            return relaxation_bound(self._built(k).problem)
+        except ValueError:  # an op with no strategy: nothing at this count, no bound
+            return -np.inf
+
+    def _split(self, span: _CountSpan) -> list[_CountSpan]:
+        """The span's relaxation solved; the halves left to cover (or its one count
+        solved exactly)."""
+        search, lo = self.search, span.lo
+        self.relaxations += 1
+        try:  # a bound is wanted: the elimination's, no ILP after it (warm_only)
+            low = self._built(lo)
+            gp, res = _solve_once(search.at(lo), None, self._threshold(), warm_only=True,
+                                  built=_counts_relaxed(low, self._built(span.hi)))
+        except UnprovenInfeasible:
+            self.uncovered.append(span)  # no proof: the span stays open
+            return []
+        except (CutOff, InfeasibleError, ValueError):  # ValueError: an op with no strategy
+            self.proved.update(range(lo, span.hi + 1))
+            return []
+        bound = max(span.bound, -np.inf if res.bound is None else res.bound)
+        runnable = gp.unrunnable(res.choice) is None
+        if runnable and res.status == "optimal" and self._fits_at(lo, res.choice):
+            # a plan at ``lo`` (the relaxation's costs are its own), as cheap as the bound
+            search.tried[lo] = (low, dataclasses.replace(res, message="; ".join(m for m in (
+                res.message, f"the relaxation of counts {lo}–{span.hi}, fitting at {lo}")
+                if m)))
+        elif runnable:
+            self._fitting_later(res, lo, span.hi)
+        if self._covered(bound):
+            self.proved.update(range(lo, span.hi + 1))
+            return []
+        if lo == span.hi:
+            search.attempt(lo)
+            return []
+        mid = (lo + span.hi) // 2
+        return [_CountSpan(mid + 1, span.hi, bound), _CountSpan(lo, mid, bound)]
+
+    def _fits_at(self, k: int, choice) -> bool:
+        """Whether ``choice``'s exact peak at count ``k`` fits the budget."""
+        budget = self.search.request.memory_budget
+        assert budget is not None
+        return peak_memory(self._built(k), choice) <= budget * (1 + 1e-9)
+
+    def _fitting_later(self, res: SolveResult, lo: int, hi: int) -> None:
+        """The relaxed optimum as a plan at the span's middle or last count, the first where
+        it fits, priced there: no proof for the count, but a plan found early, which cuts
+        off more of the rest. Only those two: their problems are built for the halves'
+        relaxations anyway, where a finer search would build others."""
+        choice = res.choice
+        mid = (lo + hi) // 2
+        b = next((k for k in dict.fromkeys((mid, hi)) if lo < k and self._fits_at(k, choice)),
+                 None)
+        if b is None:
+            return
+        gp = self._built(b)
+        self.search.found.append((gp, dataclasses.replace(
+            res, status="feasible", objective=gp.problem.objective(choice), bound=None,
+            gap=None, message=f"the relaxed optimum of counts {lo}–{hi}, fitting at {b}")))
+
+    def left(self) -> dict[int, float]:
+        """The counts not covered, each with its best proven lower bound: those inside
+        spans left, and those whose own solve proved nothing below the best plan."""
+        out: dict[int, float] = {}
+        for span in self.uncovered:
+            for k in range(span.lo, span.hi + 1):
+                out[k] = max(out.get(k, -np.inf), span.bound)
+        for k, v in self.search.tried.items():
+            if k in self.proved or isinstance(v, CutOff) or (
+                    isinstance(v, InfeasibleError) and not isinstance(v, UnprovenInfeasible)):
+                continue
+            if isinstance(v, tuple) and v[1].status == "optimal":
+                continue
+            bound = v[1].bound if isinstance(v, tuple) else None
+            bound = self._free_bound(k) if bound is None else bound
+            if not self._covered(bound):
+                out[k] = bound
+        return out
+
+    def unproven(self) -> UnprovenInfeasible | None:
+        """Where no count fits but some were left uncovered: the error saying so."""
+        left = self.left()
+        if not left:
+            return None
+        return UnprovenInfeasible(
+            f"no plan fits at the counts of recomputed blocks solved; counts "
+            f"{_count_ranges(left)} not covered within {self.seconds:.3g} s")
+
+    def labelled(self, solved: Solved) -> Solved:
+        """``solved`` (the best plan over the counts solved) with what the cover proved:
+        every count covered, or the status ``feasible`` and the gap to the counts left."""
+        gp, res = solved
+        total = len(self.search.units) + 1
+        left = self.left()
+        if not left and res.bound is None:  # a plan the cover met: proven by the cover alone
+            threshold = self._threshold()  # (the caller's cutoff, where below it: no proof)
+            assert threshold is not None
+            gap = max(0.0, (res.objective - threshold) / max(abs(res.objective), 1e-30))
+            res = dataclasses.replace(res, bound=threshold, gap=gap, status="optimal" if gap
+                                      <= self.tolerance * (1 + 1e-9) else "feasible")
+        if not left:
+            return gp, dataclasses.replace(res, message="; ".join(m for m in (
+                res.message, f"every count of recomputed blocks covered ({len(self.search.tried)}"
+                f" of {total} solved, {self.relaxations} relaxations proving the rest no "
+                f"better)") if m))
+        lower = min(left.values())
+        bound = lower if res.bound is None else min(lower, res.bound)
+        gap = max(0.0, (res.objective - bound) / max(abs(res.objective), 1e-30))
+        return gp, dataclasses.replace(
+            res, status="feasible" if res.status == "optimal" else res.status, bound=bound,
+            gap=gap, message="; ".join(m for m in (res.message, (
+                f"{len(left)} of {total} counts of recomputed blocks ({_count_ranges(left)}) "
+                f"left open — not covered within {self.seconds:.3g} s (the longer of "
+                f"solver.time_limit_s and the sampled counts' time) or solved short of a "
+                f"proof: a plan at one of them may be up to {gap:.3%} faster than this one"))
+                if m))
+
+
+def _runs(counts) -> list[list[int]]:
+    """``[1, 2, 3, 5]`` as ``[[1, 2, 3], [5]]``: the runs of consecutive counts."""
+    runs: list[list[int]] = []
+    for k in sorted(counts):
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
+
+
+def _count_ranges(counts) -> str:
+    """``[1, 2, 3, 5]`` as ``1–3, 5``."""
+    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in _runs(counts))
+
+
+def _row_charges(opts: list, inflight: int) -> np.ndarray:
+    """Per option, what a node's options charge the memory row (as
+    :func:`~ilp_planner.intra_op.problem.build_nodes` sums them): state and one
+    micro-batch's activations, plus the held activations of the other micro-batches in
+    flight."""
+    return np.array([o.memory_bytes + (inflight - 1) * (0.0 if o.recompute
+                                                         else o.activation_bytes)
+                     for o in opts])
+
+
+def _counts_relaxed(low: GraphProblem, high: GraphProblem) -> GraphProblem:
+    """The problem relaxing every count of recomputed blocks from ``low``'s to ``high``'s
+    (:class:`_CountsCover`): ``low``'s costs, edges and buckets, and per group and option
+    the sum over its nodes of the lesser of the two counts' memory charges."""
+    inflight = low.boundary.inflight
+    pairs: dict[tuple[int, int, int], tuple[list, list, int]] = {}
+    for node, g in low.group_of.items():
+        a, b = low.options[node], high.options[node]
+        key = (g, id(a), id(b))
+        hit = pairs.get(key)
+        pairs[key] = (a, b, 1 if hit is None else hit[2] + 1)
+    rows = [np.zeros(len(c)) for c in low.problem.cost]
+    charges: dict[int, np.ndarray] = {}
+    for (g, ia, ib), (a, b, count) in pairs.items():
+        ca = charges.setdefault(ia, _row_charges(a, inflight))
+        cb = charges.setdefault(ib, _row_charges(b, inflight))
+        rows[g] += count * np.minimum(ca, cb)
+    return dataclasses.replace(low, problem=dataclasses.replace(low.problem, memory=rows))
 
 
 def _outcome(v: Solved | InfeasibleError | CutOff) -> str:
@@ -445,8 +718,12 @@ def _built(request: MeshSolveRequest) -> GraphProblem:
                            zero_levels=opts.state_sharding, recompute=request.recompute)
         if cache is not None:
             cache.problems[key] = gp
-    return dataclasses.replace(gp, problem=dataclasses.replace(
-        gp.problem, memory_budget=request.memory_budget))
+    return _budgeted(gp, request.memory_budget)
+
+
+def _budgeted(gp: GraphProblem, budget: float | None) -> GraphProblem:
+    """``gp`` under ``budget``: a copy of it and its problem (the same arrays)."""
+    return dataclasses.replace(gp, problem=dataclasses.replace(gp.problem, memory_budget=budget))
 
 
 def _allowed(gp: GraphProblem, cap: float) -> list[np.ndarray]:
@@ -491,17 +768,18 @@ def solve_under_reserve(request: MeshSolveRequest, cap: float,
 
 def _solve_once(request: MeshSolveRequest, transient_cap: float | None,
                 cutoff: float | None = None, warm_only: bool = False,
-                reserve: float | None = None) -> Solved:
+                reserve: float | None = None, built: GraphProblem | None = None) -> Solved:
     """Build and solve once. ``transient_cap`` (under a budget): only options whose
     transient is at most the cap, and the cap (or ``reserve``: a relaxation of the caps
     between, :class:`_CapsCover`) reserved from the memory row. Raises :class:`CutOff` when
     the elimination's or the ILP's proven bound reaches ``cutoff`` (a plan found elsewhere
     is as good; each stops there). ``warm_only``: a good plan is wanted, not a proof (a
-    warm start) — the elimination's incumbent as it stands, no ILP in or after it."""
+    warm start) — the elimination's incumbent as it stands, no ILP in or after it.
+    ``built``: solved instead of ``request``'s own problem (:class:`_CountsCover`)."""
     opts = request.config.solver
     t0 = time.perf_counter()
     try:
-        gp = _built(request)
+        gp = _built(request) if built is None else _budgeted(built, request.memory_budget)
     except ValueError as exc:
         raise InfeasibleError(str(exc)) from exc
     memory_budget = request.memory_budget
