@@ -327,3 +327,27 @@ def test_a_step_whose_backward_cannot_be_replayed_is_named_in_one_line(monkeypat
                        r"backward, with the steps folded before it, could not be replayed to "
                        r"count it \(RuntimeError: no fake kernel for this op\)$"):
         from_module(GeluMlp(), (torch.randn(B, S, H),))
+
+
+class IdsScaled(nn.Module):
+    """A float scale computed from the ids alone (a position count, as RoBERTa's), applied
+    to the looked-up embeddings: no gradient flows into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(32, H), nn.Linear(H, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        m = (ids != 0).float().cumsum(-1)
+        return self.head(self.emb(ids) * (1.0 - m / 8.0).unsqueeze(-1))
+
+
+def test_steps_on_a_value_computed_from_the_ids_alone_run_no_backward():
+    """A float value derived from the inputs through ops owning no parameters (``ne``,
+    ``cumsum``) carries no gradient: the steps folded into it (``1 - m/8``) run forward
+    only — priced with no backward kernels."""
+    graph = from_module(IdsScaled(), (torch.randint(0, 32, (B, S)),))
+    stepped = [op for op in graph.ops if op.attrs.get("input_steps")]
+    assert stepped and all(op.attrs["input_steps_bwd"] == 0
+                           and op.attrs["input_steps_bwd_bytes"] == 0 for op in stepped)
+    assert any(op.attrs["input_steps"] == 2 for op in stepped)  # the sub and the div

@@ -487,3 +487,51 @@ def test_a_view_of_contiguous_data_stays_free():
     g = from_module(Free(), (torch.randn(2, 8, 16),), loss_fn=lambda y: y.sum())
     attn = next(op for op in g.ops if op.kind is OpKind.ATTENTION)
     assert "input_steps" not in attn.attrs
+
+
+class _Depthwise(nn.Module):
+    """A depthwise convolution written as ``torch.convolution`` (``groups`` its 9th
+    argument, ``transposed`` its 7th) or as ``F.conv2d`` (``groups`` its 7th)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.randn(8, 1, 3, 3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "convolution":
+            y = torch.convolution(x, self.w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8)
+        else:
+            y = nn.functional.conv2d(x, self.w, None, 1, 1, 1, 8)
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("how", ["convolution", "conv2d"])
+def test_a_grouped_convolution_is_grouped_however_it_is_called(how):
+    """``torch.convolution`` names ``transposed`` where ``conv2d`` names ``groups``: both
+    import as one convolution of 8 groups (read as a dense one, its channel splits would
+    break the groups)."""
+    graph = from_module(_Depthwise(how), (torch.randn(4, 8, 6, 6),))
+    convs = [op for op in graph.ops if op.kind is OpKind.CONV2D]
+    assert len(convs) == 1 and convs[0].attrs.get("groups") == 8
+
+
+class _Transposed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, 3, 3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.convolution(x, self.w, None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1)
+        return self.head(y.mean((2, 3)))
+
+
+def test_a_transposed_convolution_is_kept_whole_not_read_as_a_convolution():
+    """No layout family here is a transposed convolution's: it is an opaque op owning its
+    weight (priced by torch's count), not a convolution of the wrong shape."""
+    graph = from_module(_Transposed(), (torch.randn(4, 8, 6, 6),))
+    assert not [op for op in graph.ops if op.kind is OpKind.CONV2D]
+    owner = [op for op in graph.ops if op.source_params == ("w",)]
+    assert len(owner) == 1 and owner[0].kind is OpKind.OPAQUE

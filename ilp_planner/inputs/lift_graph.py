@@ -82,6 +82,7 @@ class DraftGraph:
         # two ops ran its kernels once), and the copies read by the op being built
         self.priced: set[str] = set()
         self.absorbed: list[Any] = []
+        self.carrying: set[str] = set()  # drafts known to carry a gradient (_carries)
 
     # -- naming --------------------------------------------------------------------------
 
@@ -186,11 +187,24 @@ class DraftGraph:
 
     def trained(self, name: str) -> bool:
         """Whether node ``name``'s value carries a gradient in training: an activation
-        derived from some op other than the model's inputs (every op past them reads a
-        parameter, or an op that does) — not a mask computed from the input ids alone."""
+        derived from an op owning parameters — not one computed from the inputs alone (a
+        mask, RoBERTa's position count from the ids, even in floating point)."""
         x = self.values.get(name)
-        return isinstance(x, Act) and any(self.drafts[s].kind is not OpKind.INPUT
-                                          for s in x.src)
+        return isinstance(x, Act) and any(self._carries(s) for s in x.src)
+
+    def _carries(self, name: str) -> bool:
+        """Whether draft ``name`` owns parameters or reads, at any depth, one that does."""
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            d = self.drafts[n]
+            if n in self.carrying or d.params:
+                self.carrying.add(name)
+                return True
+            if n not in seen and d.kind is not OpKind.INPUT:
+                seen.add(n)
+                todo.extend(d.inputs)
+        return False
 
     def steps_to_price(self, steps: Sequence[Any], copies_only: bool = False) -> list[Any]:
         """The folded steps among ``steps`` (element-wise kernels, copies) no op prices yet,

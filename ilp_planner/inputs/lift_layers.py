@@ -293,11 +293,17 @@ def lift_conv2d(g: DraftGraph, call: Call) -> Any:
     b = param_name(args[2]) if len(args) > 2 else None
     if wname is None:
         return g.opaque(call.node, call.args, [x], val, "conv2d")
+    # aten.conv2d(x, w, b, stride, padding, dilation, groups); aten.convolution(x, w, b,
+    # stride, padding, dilation, transposed, output_padding, groups)
+    full = call.op == "convolution"
+    if full and len(args) > 6 and args[6] is True:  # a transposed convolution: no family
+        return g.opaque(call.node, call.args, [x], val, "conv_transpose2d")
+    at = 8 if full else 6
+    groups = int(args[at]) if len(args) > at and isinstance(args[at], int) else 1
     src = g.ir(call.node, x)
     c_out, c_in, kh, kw = g.param_shape[wname]
     # ``bias``: 0 for a bias-free convolution (ResNet's, before a batch norm), so the
     # op owns and is priced with exactly the module's parameters
-    groups = int(args[6]) if len(args) > 6 and isinstance(args[6], int) else 1
     act = g.add(call.node, OpKind.CONV2D, [src], tuple(val.shape), dtype_of(val),
                 weight=(c_out, c_in, kh, kw), params=[p for p in (wname, b) if p],
                 flops=2.0 * numel(val.shape) * c_in * kh * kw, kernel=int(kw),

@@ -594,7 +594,9 @@ def _grouped_conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
     p2 (``(S0, B, B)`` in and out, the weight whole): a block of its output channels reads
     only its own groups' input channels, which the family's channel splits do not express,
     nor the runtime's call of the module with its ``groups``. Its weight's gradient sums
-    over the batch axis; its input's is whole (:func:`input_grad_layouts`)."""
+    over the batch axis; its input's is whole (:func:`input_grad_layouts`). Every device
+    holds its (small: C·k·k) weight whole, so ``solver.max_weight_replication`` does not
+    apply: under it the op would have no strategy at all."""
     assert op.weight is not None
     m = op.output.shape[0] * math.prod(op.output.shape[2:])
     n, k = op.weight.shape[0], op.weight.shape[1] * math.prod(op.weight.shape[2:])
