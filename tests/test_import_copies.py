@@ -21,6 +21,7 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.compute_model import folded_work, op_work
+from tests.helpers.hf_tiny import tiny_hf
 
 B, S, H = 2, 8, 16
 N = B * S * H  # elements of the first linear's output
@@ -248,20 +249,6 @@ def test_hand_written_attention_prices_its_dropout_only_where_it_drops(p, train,
     assert graph["transformer.h.0.attn.c_proj"].attrs["input_copies_layout"] == 1
 
 
-def _hf(name: str) -> nn.Module:
-    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
-             "max_position_embeddings": 16, "use_cache": False}
-    if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0,
-            embd_pdrop=0, attn_pdrop=0, use_cache=False, attn_implementation="eager"))
-    if name == "mixtral":
-        return T.MixtralForCausalLM(T.MixtralConfig(
-            **small, num_local_experts=4, num_experts_per_tok=2)).to(torch.bfloat16)
-    return T.LlamaForCausalLM(T.LlamaConfig(**small)).to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("name, kind, reader, readers, each", [
     # its eager attention's output made contiguous before c_proj, in each of 2 layers
     ("gpt2", "layout", OpKind.LINEAR, 2, 1),
@@ -274,7 +261,7 @@ def test_imported_hf_models_step_grows_by_their_folded_copies(name, kind, reader
     """On one device, the predicted step of an imported Hugging Face model is the step
     without its folded copies outside attention plus, per copy, its bytes at the device's
     achieved memory bandwidth and a kernel floor per kernel, forward and backward."""
-    graph = from_module(_hf(name), (torch.zeros(2, 8, dtype=torch.long),))
+    graph = from_module(tiny_hf(name), (torch.zeros(2, 8, dtype=torch.long),))
     cluster = {"gpu": "a100-80gb", "nodes": 1, "devices_per_node": 1, "intra": "nvlink3",
                "inter": "8x-ib-hdr200"}
     copied = [op for op in graph.ops if op.kind is not OpKind.ATTENTION

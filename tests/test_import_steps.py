@@ -15,7 +15,6 @@ from types import MappingProxyType
 
 import pytest
 import torch
-import transformers as T
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -25,6 +24,7 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.compute_model import op_work
+from tests.helpers.hf_tiny import tiny_hf
 
 B, S, H = 2, 8, 16
 N = B * S * 4 * H  # elements of the GELU's input (the first linear's 4H-wide output)
@@ -243,26 +243,12 @@ def test_explain_names_the_steps_folded_outside_attention():
     assert f"folded steps it reads, in its compute: {steps}" in text
 
 
-def _hf(name: str) -> nn.Module:
-    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
-             "max_position_embeddings": 16, "use_cache": False}
-    if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0,
-            embd_pdrop=0, attn_pdrop=0, use_cache=False, attn_implementation="eager"))
-    if name == "mixtral":
-        return T.MixtralForCausalLM(T.MixtralConfig(
-            **small, num_local_experts=4, num_experts_per_tok=2)).to(torch.bfloat16)
-    return T.LlamaForCausalLM(T.LlamaConfig(**small)).to(torch.bfloat16)
-
-
 def test_hf_gpt2s_new_gelu_and_eager_scores_are_priced_in_closed_form():
     """GPT-2's MLP runs NewGELU by hand on c_fc's (16 tokens, 128) output: c_proj prices
     its 8 kernels (18n × 4 bytes) and 11 backward (28n × 4); its eager attention scales
     the E = 2·4·8·8 scores (2E × 4 bytes) and adds the (2, 1, 8, 8) float mask (2E + 128
     elements × 4), backward only the scale's product (the add passes its gradient on)."""
-    graph = from_module(_hf("gpt2"), (torch.zeros(2, 8, dtype=torch.long),))
+    graph = from_module(tiny_hf("gpt2"), (torch.zeros(2, 8, dtype=torch.long),))
     n, e = 2 * 8 * 128, 2 * 4 * 8 * 8
     for i in range(2):
         assert _folded(graph[f"transformer.h.{i}.mlp.c_proj"]) == \
@@ -277,7 +263,7 @@ def test_imported_hf_models_step_grows_by_exactly_their_folded_steps(name):
     without any folded step plus, per op, its steps' bytes at the device's achieved memory
     bandwidth and a kernel floor per kernel, forward and backward; every element-wise
     step of GPT-2's NewGELU, Llama's and Mixtral's RMSNorms is on some op."""
-    graph = from_module(_hf(name), (torch.zeros(2, 8, dtype=torch.long),))
+    graph = from_module(tiny_hf(name), (torch.zeros(2, 8, dtype=torch.long),))
     stepped = [op for op in graph.ops if op.attrs.get("input_steps")]
     kinds = {op.kind for op in stepped}
     assert (OpKind.LINEAR if name == "gpt2" else OpKind.RMSNORM) in kinds
