@@ -21,7 +21,7 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.compute_model import folded_work, op_work
-from tests.helpers.hf_tiny import tiny_hf
+from tests.helpers.hf_tiny import folded_seconds, tiny_hf
 
 B, S, H = 2, 8, 16
 N = B * S * H  # elements of the first linear's output
@@ -270,11 +270,8 @@ def test_imported_hf_models_step_grows_by_their_folded_copies(name, kind, reader
             for op in copied] == [(reader, each, each)] * readers
     bare = Graph(graph.name, [op if op not in copied else _without_copies(op)
                               for op in graph.ops])
-    fit = load_config({"model": graph, "cluster": cluster}).cluster.device
-    rate = fit.hbm_bytes_per_s * fit.fit.memory_efficiency
-    extra = sum((op.attrs["input_steps_bytes"] + op.attrs["input_steps_bwd_bytes"]) / rate
-                + (op.attrs["input_steps"] + op.attrs["input_steps_bwd"]) * fit.fit.kernel_floor_s
-                for op in copied)
+    extra = folded_seconds(copied, load_config({"model": graph, "cluster": cluster})
+                           .cluster.device)
     with_, without = (ilp_planner.solve(g, cluster=cluster, baselines=False).cost.compute_s
                       for g in (graph, bare))
     assert with_ - without == pytest.approx(extra, rel=1e-9)

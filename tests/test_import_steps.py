@@ -24,7 +24,7 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.lowering.compute_model import op_work
-from tests.helpers.hf_tiny import tiny_hf
+from tests.helpers.hf_tiny import folded_seconds, tiny_hf
 
 B, S, H = 2, 8, 16
 N = B * S * 4 * H  # elements of the GELU's input (the first linear's 4H-wide output)
@@ -270,11 +270,8 @@ def test_imported_hf_models_step_grows_by_exactly_their_folded_steps(name):
     assert all(op.attrs["input_steps"] > op.attrs.get("input_copies", 0) for op in stepped
                if op.kind is not OpKind.LINEAR)
     bare = Graph(graph.name, [_bare(op) for op in graph.ops])
-    fit = load_config({"model": graph, "cluster": GPU}).cluster.device
-    rate = fit.hbm_bytes_per_s * fit.fit.memory_efficiency
-    extra = sum((op.attrs["input_steps_bytes"] + op.attrs["input_steps_bwd_bytes"]) / rate
-                + (op.attrs["input_steps"] + op.attrs["input_steps_bwd"]) * fit.fit.kernel_floor_s
-                for op in stepped)
+    extra = folded_seconds(stepped, load_config({"model": graph, "cluster": GPU})
+                           .cluster.device)
     with_, without = (ilp_planner.solve(g, cluster=GPU, baselines=False).cost.compute_s
                       for g in (graph, bare))
     assert with_ - without == pytest.approx(extra, rel=1e-9)

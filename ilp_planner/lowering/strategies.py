@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ilp_planner.errors import LayoutError
-from ilp_planner.ir.cluster import Cluster, Factorisation, fact_str, mesh_factorisations
+from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, fact_str, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec, opaque_param_sizes, position_tables
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.lowering.compute_model import GemmShape, op_times
@@ -575,17 +575,23 @@ def _conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
         if ctx.max_weight_replication is not None and p0 > ctx.max_weight_replication:
             continue
         i_layout, w_layout, o_layout = conv_layouts(fact)
-        label = f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
-        colls = tuple(b.collective for b in grad_sync(op, label, (i_layout,), w_layout, o_layout, ctx))
-        local = _local_params(op, label, (i_layout,), w_layout, o_layout)
-        out.append(Strategy(
-            label, fact, (i_layout,), w_layout, o_layout, collectives=colls,
-            state_bytes=local * ctx.memory.bytes_per_param,
-            activation_bytes=o_layout.local_bytes(op.output),
-            input_grads=input_grad_layouts(op, "conv3d", (i_layout,), w_layout),
-            update_params=local, **_gemm_priced(op, op.weight, fact, ctx),
-        ))
+        out.append(_conv_strategy(op, f"conv3d(p0={fact[0]},p1={fact[1]},p2={fact[2]})",
+                                  i_layout, w_layout, o_layout, fact, ctx))
     return out
+
+
+def _conv_strategy(op: Op, label: str, x: Layout, w: Layout, o: Layout,
+                   priced_on: Factorisation, ctx: StrategyContext) -> Strategy:
+    """A convolution's strategy reading ``x`` with weight ``w`` into ``o``, its local GEMM
+    that of ``priced_on`` (:func:`local_gemm`)."""
+    assert op.weight is not None
+    colls = tuple(b.collective for b in grad_sync(op, label, (x,), w, o, ctx))
+    local = _local_params(op, label, (x,), w, o)
+    return Strategy(label, x.fact, (x,), w, o, collectives=colls,
+                    state_bytes=local * ctx.memory.bytes_per_param,
+                    activation_bytes=o.local_bytes(op.output),
+                    input_grads=input_grad_layouts(op, label, (x,), w), update_params=local,
+                    **_gemm_priced(op, op.weight, priced_on, ctx))
 
 
 def _grouped_conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
@@ -597,23 +603,15 @@ def _grouped_conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
     over the batch axis; its input's is whole (:func:`input_grad_layouts`). Every device
     holds its (small: C·k·k) weight whole, so ``solver.max_weight_replication`` does not
     apply: under it the op would have no strategy at all."""
-    assert op.weight is not None
-    m = op.output.shape[0] * math.prod(op.output.shape[2:])
-    n, k = op.weight.shape[0], op.weight.shape[1] * math.prod(op.weight.shape[2:])
+    one = MeshAxis(1, 1)
     out = []
     for fact in _three_axis(ctx):
-        p0 = fact[0].size
-        if op.output.shape[0] % p0:
+        if op.output.shape[0] % fact[0].size:
             continue
-        x, w = Layout(fact, (Split(0), B, B)), Layout.replicated(fact)
-        label = f"conv3d-grouped(p0={fact[0]},p1={fact[1]},p2={fact[2]})"
-        colls = tuple(b.collective for b in grad_sync(op, label, (x,), w, x, ctx))
-        local = _local_params(op, label, (x,), w, x)
-        out.append(Strategy(
-            label, fact, (x,), w, x, collectives=colls,
-            state_bytes=local * ctx.memory.bytes_per_param,
-            activation_bytes=x.local_bytes(op.output), input_grads=(x,),
-            update_params=local, **_priced(op, p0, ctx, (m / p0, n, k))))
+        x = Layout(fact, (Split(0), B, B))
+        out.append(_conv_strategy(
+            op, f"conv3d-grouped(p0={fact[0]},p1={fact[1]},p2={fact[2]})", x,
+            Layout.replicated(fact), x, (fact[0], one, one), ctx))  # the GEMM split p0 ways
     return out
 
 
