@@ -390,17 +390,11 @@ class _CountsCover:
                 res.message, f"every count of recomputed blocks covered ({len(self.search.tried)}"
                 f" of {total} solved, {self.relaxations} relaxations proving the rest no "
                 f"better)") if m))
-        lower = min(left.values())
-        bound = lower if res.bound is None else min(lower, res.bound)
-        gap = max(0.0, (res.objective - bound) / max(abs(res.objective), 1e-30))
-        return gp, dataclasses.replace(
-            res, status="feasible" if res.status == "optimal" else res.status, bound=bound,
-            gap=gap, message="; ".join(m for m in (res.message, (
-                f"{len(left)} of {total} counts of recomputed blocks ({_count_ranges(left)}) "
-                f"left open — not covered within {self.seconds:.3g} s (the longer of "
-                f"solver.time_limit_s and the sampled counts' time) or solved short of a "
-                f"proof: a plan at one of them may be up to {gap:.3%} faster than this one"))
-                if m))
+        return gp, _left_open(res, min(left.values()), lambda gap: (
+            f"{len(left)} of {total} counts of recomputed blocks ({_count_ranges(left)}) "
+            f"left open — not covered within {self.seconds:.3g} s (the longer of "
+            f"solver.time_limit_s and the sampled counts' time) or solved short of a "
+            f"proof: a plan at one of them may be up to {gap:.3%} faster than this one"))
 
 
 def _runs(counts) -> list[list[int]]:
@@ -668,17 +662,23 @@ class _CapsCover:
             return gp, dataclasses.replace(res, message="; ".join(m for m in (
                 res.message, f"every transient cap covered ({len(self.tried)} of {n} solved, "
                 f"{self.relaxations} relaxations proving the rest no better)") if m))
-        lower = min(s.bound for s in self.uncovered)
-        bound = lower if res.bound is None else min(lower, res.bound)
-        gap = max(0.0, (res.objective - bound) / max(abs(res.objective), 1e-30))
         left = sorted(v for s in self.uncovered for v in s.inside)
-        return gp, dataclasses.replace(
-            res, status="feasible" if res.status == "optimal" else res.status, bound=bound,
-            gap=gap, message="; ".join(m for m in (res.message, (
-                f"{len(left)} of {n} transient caps ({left[0]:.6g}–{left[-1]:.6g} B) not "
-                f"covered within {self.seconds:.3g} s (the longer of solver.time_limit_s and "
-                f"the sampled caps' time): a plan under one of them may be up to {gap:.3%} "
-                f"faster than this one")) if m))
+        return gp, _left_open(res, min(s.bound for s in self.uncovered), lambda gap: (
+            f"{len(left)} of {n} transient caps ({left[0]:.6g}–{left[-1]:.6g} B) not "
+            f"covered within {self.seconds:.3g} s (the longer of solver.time_limit_s and "
+            f"the sampled caps' time): a plan under one of them may be up to {gap:.3%} "
+            f"faster than this one"))
+
+
+def _left_open(res: SolveResult, lower: float, note: Callable[[float], str]) -> SolveResult:
+    """``res`` where a cover left part of its space open with ``lower`` the weakest bound
+    there: ``feasible`` (where it said optimal), its bound and gap no better than that, and
+    ``note(gap)`` added to its message."""
+    bound = lower if res.bound is None else min(lower, res.bound)
+    gap = max(0.0, (res.objective - bound) / max(abs(res.objective), 1e-30))
+    return dataclasses.replace(
+        res, status="feasible" if res.status == "optimal" else res.status, bound=bound,
+        gap=gap, message="; ".join(m for m in (res.message, note(gap)) if m))
 
 
 def _cap_candidates(request: MeshSolveRequest) -> list[float]:
