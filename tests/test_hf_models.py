@@ -935,3 +935,29 @@ def test_mla_splits_its_heads_reading_the_shared_rotary_key_whole():
     offered = op_strategies(copy, [graph[i].output for i in copy.inputs], ctx)
     assert {s.output.split_degree(0) for s in offered} == {1, 2, 4}
     assert all(s.output.split_degree(1) == 1 for s in offered)
+
+
+def test_a_config_builds_a_hugging_face_class_from_its_configuration_fields(tmp_path):
+    """``model.kind: torch`` naming a Hugging Face class: ``kwargs`` are the fields of its
+    configuration class (GPT-2's ``n_embd``, not constructor keywords), ``use_cache`` off
+    unless given; the graph is the one ``from_module`` imports from the same model, and a
+    bad field names the configuration class."""
+    path = tmp_path / "gpt2.yaml"
+    fields = {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "n_positions": 16}
+    path.write_text(
+        "model:\n  kind: torch\n  module: transformers:GPT2LMHeadModel\n"
+        f"  kwargs: {fields}\n"
+        "  example_inputs: {input_ids: {shape: [2, 8], dtype: int64, high: 64}}\n"
+        "cluster: {gpu: a100-80gb, nodes: 1, devices_per_node: 4, intra: nvlink3, "
+        "inter: 8x-ib-hdr200}\n")
+    config = load_config(path)
+    with torch.device("meta"):
+        model = T.GPT2LMHeadModel(T.GPT2Config(**fields, use_cache=False))
+    direct = from_module(model, (torch.zeros(2, 8, dtype=torch.long, device="meta"),),
+                         name="GPT2LMHeadModel")
+    assert [(op.name, op.kind, op.output) for op in config.graph.ops] == \
+        [(op.name, op.kind, op.output) for op in direct.ops]
+    assert ilp_planner.solve(config, baselines=False).solver.status == "optimal"
+    path.write_text(path.read_text().replace("'n_embd': 32", "'n_embd': 30"))  # 30 % 4 heads
+    with pytest.raises(ConfigError, match=r"model\.kwargs.*GPT2Config\(\*\*kwargs\)"):
+        load_config(path)

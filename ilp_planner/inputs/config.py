@@ -409,16 +409,31 @@ def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
 
     inputs = {k: tensor(*rest) for k, *rest in specs} if named else \
         tuple(tensor(*rest) for _, *rest in specs)
+    hf_config = _hf_config_class(factory)
     try:
         with torch.device("meta"):
-            module = factory(**kwargs)
+            module = factory(**kwargs) if hf_config is None else factory(
+                hf_config(**{"use_cache": False, **kwargs}))
     except Exception as exc:  # noqa: BLE001 - any constructor failure is the config's
-        r.fail("model.kwargs", f"{target}(**kwargs) failed: {type(exc).__name__}: {exc}")
+        call = "(**kwargs)" if hf_config is None else f"({hf_config.__name__}(**kwargs))"
+        r.fail("model.kwargs", f"{target}{call} failed: {type(exc).__name__}: {exc}")
     name = r.string(d["name"], "model.name") if "name" in d else attr
     try:
         return from_module(module, inputs, name=name)
     except ConfigError as exc:
         raise ConfigError(str(exc), source=r.source, key="model.module") from None
+
+
+def _hf_config_class(factory: Any) -> type | None:
+    """A Hugging Face model class's configuration class (``GPT2LMHeadModel`` →
+    ``GPT2Config``), which its constructor takes instead of keywords; None for any other
+    factory. ``model.kwargs`` then are the configuration's fields, with ``use_cache``
+    False unless given: a training step keeps no key/value cache."""
+    config_class = getattr(factory, "config_class", None)
+    if isinstance(factory, type) and isinstance(config_class, type) \
+            and hasattr(factory, "from_pretrained"):
+        return config_class
+    return None
 
 
 def _parse_link(r: Reader, value: Any, path: str, base: Link | None = None) -> Link:

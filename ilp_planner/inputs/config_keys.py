@@ -156,7 +156,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
                                 "the meta device and imported through torch.export"),
         "example_inputs": Key("mapping or list", "a mapping of name → input spec, or a list of input "
                                          "specs (see model.example_inputs[i])"),
-        "kwargs": Key("mapping", "constructor arguments", None, default_text="none"),
+        "kwargs": Key("mapping", "constructor arguments (a Hugging Face model class: its "
+                                 "configuration's fields, use_cache false unless given)", None,
+                      default_text="none"),
         "name": Key("string", "the graph's name", None, default_text="the class name"),
     },
     "model.example_inputs[i]": {

@@ -8,7 +8,11 @@ How the planner builds and prices one (:func:`interleaved_pipeline`):
    the cluster split evenly), placed by :func:`formulations.stage_dp.pack_submeshes`;
 2. **chunks** — a min–max DP over the layer units with exactly ``p·v`` chunks, each range
    priced by the stage solver's fastest intra-op plan on that shape (the stage DP's own
-   per-range table, cached by signature class), ties broken by the total time;
+   per-range table, cached by signature class), ties broken by the total time. The
+   slowest *chunk*, not the slowest mesh's sum of chunks: the schedule runs its chunks in
+   lockstep rounds, so an uneven cut that balances the meshes' sums still waits on its
+   largest chunk — on gpt-13b-a100-2x8 (4 × 2 chunks, 8 micro-batches) a cut balancing the
+   mesh sums (chunks of 1 to 9 blocks) simulated 26 % slower than the balanced one;
 3. **memory** — per mesh, the fixed memory of its ``v`` chunks plus the chunk activations
    in flight at its peak (:func:`formulations.schedules.inflight_interleaved`, more than
    1F1B's) times the largest of its chunks'; a mesh over the budget has its chunks re-solved
