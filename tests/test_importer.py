@@ -535,3 +535,59 @@ def test_a_transposed_convolution_is_kept_whole_not_read_as_a_convolution():
     assert not [op for op in graph.ops if op.kind is OpKind.CONV2D]
     owner = [op for op in graph.ops if op.source_params == ("w",)]
     assert len(owner) == 1 and owner[0].kind is OpKind.OPAQUE
+
+
+class _TransposedHead(nn.Module):
+    """An embedding, a linear, and a head computed in the module's own code from a
+    parameter transposed there, written as ``how`` says."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+        self.out_in = nn.Parameter(torch.randn(64, 32))  # stored (out, in), as nn.Linear
+        self.in_out = nn.Parameter(torch.randn(32, 64))  # stored (in, out)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.emb(ids))
+        heads = {"t": lambda: h @ self.out_in.t(), "T": lambda: h @ self.out_in.T,
+                 "mT": lambda: h @ self.out_in.mT,
+                 "permute": lambda: h @ self.out_in.permute(1, 0),
+                 "transpose": lambda: h @ self.out_in.transpose(-1, -2),
+                 "linear_T": lambda: nn.functional.linear(h, self.in_out.T),
+                 "tied_T": lambda: h @ self.emb.weight.T}
+        return heads[self.how]()
+
+
+@pytest.mark.parametrize("how", ["T", "mT", "permute", "transpose", "linear_T", "tied_T"])
+def test_a_head_on_a_transposed_parameter_is_a_linear_however_the_transpose_is_written(how):
+    """``W.T``, ``W.mT``, ``W.permute(1, 0)``, ``W.transpose(-1, -2)`` and ``F.linear(x,
+    W.T)`` are the linear ``x @ W.t()`` is: (tokens, vocab) out, 2·tokens·32·64 FLOPs, the
+    weight stored as the module stores it (``weight_t`` for (out, in)), no relayout after it;
+    on the embedding's table it is the tied head. ``.T`` once read as no transpose at all: a
+    (64, 32) output, twice the FLOPs, and a replicated copy of the logits after it."""
+    ids = (torch.randint(0, 64, (4, 8)),)
+    want = from_module(_TransposedHead("t"), ids).ops
+    got = from_module(_TransposedHead(how), ids).ops
+    head = got[3]
+    assert [op.kind for op in got] == [op.kind for op in want]  # no opaque op
+    assert head.kind is OpKind.LINEAR and head.output.shape == (32, 64)
+    assert head.flops == 2.0 * 32 * 32 * 64 and head.weight.shape == (32, 64)
+    assert head.attrs.get("weight_t", 0) == (0 if how == "linear_T" else 1)
+    assert head.attrs["tied"] == (how == "tied_T")
+
+
+def test_a_permute_or_transpose_that_leaves_a_weight_as_it_is_is_no_transpose():
+    class Same(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w.permute(0, 1) @ self.w.transpose(0, 0).t()
+
+    g = from_module(Same(), (torch.randn(8, 32),))
+    first, second = [op for op in g.ops if op.kind is OpKind.LINEAR]
+    assert first.output.shape == (8, 64) and "weight_t" not in first.attrs
+    assert second.output.shape == (8, 32) and second.attrs["weight_t"] == 1

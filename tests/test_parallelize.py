@@ -55,13 +55,14 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded"])
+@pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T"])
 def test_applied_modules_match_one_process_and_the_plan(model):
     """``twin``: two followers in functional code read one row-parallel linear's partial
     sums, resolved once at its boundary — listed once in the plan, run once (the audit
     would count a second listing as a collective never run). ``coded``: the solver's plan
     of a ReLU following a functional linear (whose optimum once resolved partial sums
-    between the two, a plan ``parallelize`` refused) runs."""
+    between the two, a plan ``parallelize`` refused) runs. ``head_T``: a head on a
+    parameter's ``.T`` in the module's code, imported as the linear it is, trains."""
     res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))

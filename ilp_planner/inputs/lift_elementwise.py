@@ -53,14 +53,27 @@ def lift_const(g: DraftGraph, call: Call) -> Any:
     # residual adds would otherwise grow it without bound)
     params = tuple(dict.fromkeys(p for a in flatten(args) if isinstance(a, Const)
                                  for p in a.params))
-    if op in ("t", "transpose", "permute") and isinstance(args[0], Const) \
-            and len(args[0].params) == 1 and len(g.param_shape[args[0].params[0]]) == 2:
+    if _swaps_2d(op, args[1:]) and isinstance(args[0], Const) and len(args[0].params) == 1 \
+            and len(g.param_shape.get(args[0].params[0], ())) == 2:
         return Const(args[0].params, transposed=not args[0].transposed)
     if op in VIEWS and isinstance(args[0], Const):
         return args[0]  # a re-viewed (cast, sliced) table or transpose stays what it was
     if isinstance(val, (list, tuple)):
         return [Const(params) for _ in val]
     return Const(params)
+
+
+def _swaps_2d(op: str, dims: list[Any]) -> bool:
+    """Whether ``op`` with ``dims`` transposes a 2-D tensor: ``t``, ``.T`` (``numpy_T``),
+    ``.mT``, ``transpose`` / ``swapaxes`` of its two dims, ``permute(1, 0)`` — not a
+    ``transpose(0, 0)`` or ``permute(0, 1)``, which leave it as it is."""
+    if op in ("t", "numpy_T", "numpy_mT", "mT", "adjoint"):
+        return True
+    if op in ("transpose", "swapaxes", "swapdims") and len(dims) == 2:
+        return int(dims[0]) % 2 != int(dims[1]) % 2
+    if op == "permute" and dims:
+        return [int(d) % 2 for d in dims[0]] == [1, 0]
+    return False
 
 
 def _follower(kind: OpKind) -> Handler:

@@ -36,8 +36,11 @@ def lift_linear(g: DraftGraph, call: Call) -> Any:
     if wname is None or not isinstance(x, Act):
         return g.opaque(call.node, call.args, [a for a in (x, w) if isinstance(a, Act)],
                         call.val, "linear")
-    n, k = g.param_shape[wname]
-    return _linear(g, call.node, x, wname, param_name(b), k, n, call.val, stored_t=True)
+    # F.linear reads W as (out, in): the parameter itself, or stored (in, out) and
+    # transposed in the call (``F.linear(x, W.t())``)
+    n, k = g.param_shape[wname][::-1] if w.transposed else g.param_shape[wname]
+    return _linear(g, call.node, x, wname, param_name(b), k, n, call.val,
+                   stored_t=not w.transposed)
 
 
 def _linear(g: DraftGraph, node: Any, x: Act, wname: str, bname: str | None, k: int, n: int,

@@ -248,3 +248,16 @@ class CodedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(F.linear(self.inp(x), self.w)))
+
+
+class TransposedHead(nn.Module):
+    """Token embeddings, a linear, and a head in the module's own code on a parameter
+    stored (vocab, dim) and transposed there with ``.T`` (``h @ head.T``)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.wte, self.body = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.head = nn.Parameter(torch.randn(vocab, dim) / math.sqrt(dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(self.wte(ids))) @ self.head.T
