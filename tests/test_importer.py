@@ -18,12 +18,15 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
+from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind
+from ilp_planner.ir.layouts import drop_unit_axes
 from ilp_planner.lowering.compute_model import op_work
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
+from ilp_planner.testing import _choose
 from runtime.modules import GPT, MLP
 from tests.helpers.user_models import Llama, MaskedGPT, NanoGPT, ResNet
 
@@ -591,3 +594,39 @@ def test_a_permute_or_transpose_that_leaves_a_weight_as_it_is_is_no_transpose():
     first, second = [op for op in g.ops if op.kind is OpKind.LINEAR]
     assert first.output.shape == (8, 64) and "weight_t" not in first.attrs
     assert second.output.shape == (8, 32) and second.attrs["weight_t"] == 1
+
+
+class _SoftCappedHead(nn.Module):
+    """A head in the module's own code (``h @ W.T``) whose logits are soft-capped there
+    too (Gemma-2's ``cap · tanh(logits / cap)``) before the module returns them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.body = nn.Embedding(64, 32), nn.Linear(32, 32)
+        self.head = nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 30.0 * torch.tanh((self.body(self.emb(ids)) @ self.head.T) / 30.0)
+
+
+def test_nothing_moves_between_a_functional_head_and_the_steps_the_code_runs_on_it():
+    """The head has no module, and the soft-capping runs on its output before the module
+    returns it: no boundary can convert the head's partial sums before the ``tanh``
+    (``parallelize`` refused such a plan with a FidelityError), so the planner keeps the
+    edge still — a choice with the head's partial sums is named unrunnable; the optimum
+    reads the head's output as produced."""
+    g = from_module(_SoftCappedHead(), (torch.randint(0, 64, (4, 8)),))
+    assert g["loss"].attrs["input_steps"] and g["linear"].attrs["functional"]
+    link = {"latency_us": 1, "bandwidth_gbps": 10}
+    config = load_config({"model": g, "cluster": {
+        "nodes": 1, "devices_per_node": 4, "memory_gib": 16, "peak_tflops": 1,
+        "links": {"intra": link, "inter": link}}})
+    c = config.cluster
+    gp = build_problem(config.microbatch_graph(), c, c.nodes, c.devices_per_node, config.memory)
+    forced, _ = _choose(gp, lambda op, s: op.name != "linear"
+                        or drop_unit_axes(s.output).has_partial, 30.0)
+    assert "changes between two pieces of functional code (before 'loss'" in \
+        gp.unrunnable(forced)
+    plan = ilp_planner.solve(config, baselines=False)
+    layers = {ly.name: ly for ly in plan.layers}
+    assert drop_unit_axes(layers["loss"].inputs[0]) == drop_unit_axes(layers["linear"].output)

@@ -722,10 +722,19 @@ def _functional_follows(graph: Graph, owner: dict[str, str], position: dict[str,
 
 
 def _module_output(graph: Graph) -> str | None:
-    """The op whose value the module returns (the last loss's input): its own boundary
-    converts it, so a program after it is no program between pieces of functional code."""
+    """The op whose value the module returns (the last loss's input), where a boundary
+    converts it, so that a program after it is no program between pieces of functional
+    code: the root's once the module returns — or, where the user's code runs element-wise
+    steps on it first (``attrs.input_steps`` on the loss: Gemma-2's soft-capped logits),
+    its own module's (``runtime.applied_hooks.converted_at_its_module``). None where it has
+    no module then (functional code computed it, ``h @ W.T``): nothing may move there."""
     losses = [op for op in graph.ops if op.kind is OpKind.LOSS]
-    return losses[-1].inputs[0] if losses else None
+    if not losses:
+        return None
+    out = losses[-1].inputs[0]
+    if losses[-1].attrs.get("input_steps") and graph[out].attrs.get("functional"):
+        return None
+    return out
 
 
 def _fused_nodes(graph: Graph) -> tuple[dict[str, str], dict[str, int], dict[str, list[str]]]:
