@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler, head_group
 from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
     SPLITS,
@@ -268,9 +268,19 @@ def lift_norm(g: DraftGraph, node: Any, x: Any, val: Any, kind: OpKind, params: 
               **attrs: int) -> Act:
     """A layer / RMS norm over the last dim, owning its gain (and bias): ``attrs.gain`` /
     ``attrs.bias`` 0 for a norm without one (OLMo's parameter-free layer norm), so the op
-    holds exactly the module's parameters."""
-    src = g.ir(node, x)
-    shape = tokens_major(val.shape)
+    holds exactly the module's parameters. On a projection's value viewed per head
+    (:func:`~ilp_planner.inputs.lift_graph.head_group`) it is a norm on the projection's own
+    ``(tokens, heads · head_dim)`` value, each head normalised apart (``attrs.group_width``):
+    no copy to another shape, and its features split in whole heads."""
+    group = head_group(g.drafts[x.src[0]], x) if isinstance(x, Act) and x.src else None
+    if group is not None:
+        d = g.drafts[x.src[0]]
+        src = g.ir(node, Act(x.src, d.shape, x.dtype, steps=x.steps))
+        shape: tuple[int, ...] = d.shape
+        attrs = {**attrs, "group_width": group[0], "heads_dim": group[1]}
+    else:
+        src = g.ir(node, x)
+        shape = tokens_major(val.shape)
     act = g.add(node, kind, [src], shape, dtype_of(val), params=params,
                 flops=8.0 * numel(shape), **attrs)
     return Act(act.src, tuple(val.shape), act.dtype)
