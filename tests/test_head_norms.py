@@ -1,0 +1,112 @@
+"""Per-head q / k norms (Qwen3, Gemma-3: ``attrs.group_width``): a norm on the projection's
+``(tokens, heads · head_dim)`` value whose columns split only in whole heads, its gain
+(``head_dim`` entries) whole on every device with its gradient summed over every axis the
+rows or the heads are split on, priced by its bytes like any norm — against closed forms."""
+
+from __future__ import annotations
+
+import math
+from types import MappingProxyType
+
+import pytest
+
+from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.ir.device import device_spec
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec
+from ilp_planner.ir.layouts import Layout, Split
+from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, collective_time
+from ilp_planner.lowering.strategies import (
+    StrategyContext,
+    op_strategies,
+    param_layouts,
+    param_shapes,
+)
+
+A100 = device_spec("a100-80gb")
+HBM = 2039e9 * A100.fit.memory_efficiency  # achieved bytes/s
+FLOOR = A100.fit.kernel_floor_s
+INTRA, INTER = Link.from_bandwidth(5, 2400), Link.from_bandwidth(10, 100)
+TOKENS, HEAD = 8192, 128
+
+
+def ctx(nodes: int = 2, local: int = 4) -> StrategyContext:
+    cluster = Cluster(nodes, local, 80 * 2**30, 312e12, INTRA, INTER, 0.5, "a100", A100)
+    return StrategyContext(cluster, nodes, local, MemorySpec.preset("adam"))
+
+
+def norm(heads: int, grouped: bool = True) -> Op:
+    """An RMSNorm over ``(8192 tokens, heads · 128)`` bf16, per head where ``grouped``."""
+    h = heads * HEAD
+    attrs = {"group_width": HEAD, "heads_dim": 2} if grouped else {}
+    return Op("q_norm", OpKind.RMSNORM, ("q_proj",), TensorSpec((TOKENS, h), "bfloat16"),
+              params=HEAD if grouped else h, flops=8.0 * TOKENS * h,
+              attrs=MappingProxyType(attrs))
+
+
+def _strategies(op: Op, c: StrategyContext | None = None):
+    return op_strategies(op, [op.output], c or ctx())
+
+
+@pytest.mark.parametrize("heads,splits", [(32, {1, 2, 4, 8}), (2, {1, 2}), (4, {1, 2, 4})])
+def test_columns_split_only_in_whole_heads(heads, splits):
+    """On 2 × 4 devices the columns split by every divisor of the heads up to 8 — 2 key /
+    value heads: 1 or 2, never 4 although their 256 columns divide by 4 (a split that cuts
+    a head) —; a whole-row norm never splits its columns."""
+    got = {s.output.split_degree(1) for s in _strategies(norm(heads))}
+    assert got == splits
+    assert {s.output.split_degree(1) for s in _strategies(norm(heads, grouped=False))} == {1}
+    for s in _strategies(norm(heads)):
+        assert s.inputs == (s.output,)  # a norm reads its input in its output's layout
+
+
+def test_gain_is_one_heads_width_and_whole_on_every_device():
+    op = norm(32)
+    assert param_shapes(op) == {"weight": (HEAD,)}
+    for s in _strategies(op):
+        stored, _ = param_layouts(op, s.label, s.inputs, s.weight, s.output)["weight"]
+        assert stored == Layout.replicated(s.output.fact)
+        assert s.update_params == HEAD  # each device updates the whole gain
+
+
+def test_gain_gradient_is_summed_over_the_row_and_head_axes():
+    """One AllReduce of the fp32 gain (128 × 4 bytes) over exactly the axes splitting the
+    rows or the heads — the head axis counted like the row axis —, over the nodes' link
+    where one of them spans nodes; none where nothing is split."""
+    op = norm(32)
+    seen_heads = False
+    for s in _strategies(op):
+        axes = [a for a, pl in enumerate(s.output.placements)
+                if isinstance(pl, Split) and s.output.fact[a].size > 1]
+        sync = [c for c in s.collectives if c.purpose == "grad_sync"]
+        if not axes:
+            assert not sync
+            continue
+        seen_heads |= any(s.output.placements[a] == Split(1) for a in axes)
+        group = math.prod(s.output.fact[a].size for a in axes)
+        link = INTER if any(s.output.fact[a].nodes > 1 for a in axes) else INTRA
+        (c,) = sync
+        assert (c.kind, c.group_size, c.bytes) == (CollectiveKind.ALL_REDUCE, group, HEAD * 4)
+        assert c.seconds == pytest.approx(collective_time(CollectiveKind.ALL_REDUCE, group,
+                                                          HEAD * 4, link))
+    assert seen_heads
+
+
+def test_priced_by_its_bytes_on_the_local_block():
+    """Forward reads x and writes y (2 · 2 bytes · N / split), backward reads x and dy and
+    writes dx (3 · 2 · N / split) in two kernels, at the achieved HBM bandwidth — the same
+    as a whole-row norm's of its size, the head split dividing it as the row split does."""
+    op = norm(32)
+    n = TOKENS * 32 * HEAD
+    for s in _strategies(op):
+        split = s.output.split_degree(0) * s.output.split_degree(1)
+        fwd = 4 * n / split / HBM + FLOOR
+        bwd = 6 * n / split / HBM + 2 * FLOOR
+        assert s.forward_compute_s == pytest.approx(fwd, rel=1e-12)
+        assert s.compute_s == pytest.approx(fwd + bwd, rel=1e-12)
+
+
+def test_a_group_width_not_dividing_the_features_is_named():
+    op = Op("k_norm", OpKind.RMSNORM, ("k",), TensorSpec((64, 100), "float32"), params=8,
+            attrs=MappingProxyType({"group_width": 8, "heads_dim": 2}))
+    with pytest.raises(ValueError, match="k_norm.*group_width 8 does not divide its 100"):
+        _strategies(op)
