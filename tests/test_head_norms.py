@@ -9,7 +9,10 @@ import math
 from types import MappingProxyType
 
 import pytest
+import torch
+from torch import nn
 
+from ilp_planner.inputs.importer import from_module
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.device import device_spec
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec
@@ -110,3 +113,33 @@ def test_a_group_width_not_dividing_the_features_is_named():
             attrs=MappingProxyType({"group_width": 8, "heads_dim": 2}))
     with pytest.raises(ValueError, match="k_norm.*group_width 8 does not divide its 100"):
         _strategies(op)
+
+
+class _PerHead(nn.Module):
+    """A projection viewed ``(b, s, 4 heads, 8)`` and normalised by ``norm``."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x).view(2, 8, 4, 8)).flatten(2)
+
+
+@pytest.mark.parametrize("norm,grouped", [
+    (nn.RMSNorm(8), True),  # torch's rms_norm over each head's 8 columns
+    (nn.LayerNorm(8), True),
+    (nn.LayerNorm([4, 8]), False),  # over all the heads at once: not per head
+    (nn.LayerNorm(8, elementwise_affine=False), True),
+])
+def test_torch_norms_over_one_heads_columns_are_grouped(norm, grouped):
+    """torch's own norms on a per-head view import as per-head norms on the projection,
+    and only where they normalise the last dim alone with a gain of its width."""
+    graph = from_module(_PerHead(norm), (torch.randn(2, 8, 32),))
+    op = graph["norm"]
+    assert ("group_width" in op.attrs) is grouped
+    if grouped:
+        assert (op.inputs, op.output.shape, op.attrs["group_width"], op.attrs["heads_dim"]) \
+            == (("proj",), (16, 32), 8, 2)
+        assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE]

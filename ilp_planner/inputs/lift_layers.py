@@ -254,6 +254,7 @@ def lift_layer_norm(g: DraftGraph, call: Call) -> Act:
     w = param_name(args[2]) if len(args) > 2 else None
     b = param_name(args[3]) if len(args) > 3 else None
     return lift_norm(g, call.node, args[0], call.val, OpKind.LAYERNORM, [p for p in (w, b) if p],
+                     last_only=_over_last_dim(args[1]),
                      **({} if w is not None else {"gain": 0}),
                      **({} if b is not None else {"bias": 0}))
 
@@ -261,19 +262,27 @@ def lift_layer_norm(g: DraftGraph, call: Call) -> Act:
 def lift_rms_norm(g: DraftGraph, call: Call) -> Act:
     w = param_name(call.args[2]) if len(call.args) > 2 else None
     return lift_norm(g, call.node, call.args[0], call.val, OpKind.RMSNORM, [w] if w else [],
+                     last_only=_over_last_dim(call.args[1]),
                      **({} if w is not None else {"gain": 0}))
 
 
+def _over_last_dim(normalized_shape: Any) -> bool:
+    """Whether torch's norm normalises the last dim alone (``normalized_shape`` of one)."""
+    return not isinstance(normalized_shape, (list, tuple)) or len(normalized_shape) == 1
+
+
 def lift_norm(g: DraftGraph, node: Any, x: Any, val: Any, kind: OpKind, params: list[str],
-              **attrs: int) -> Act:
+              last_only: bool = True, **attrs: int) -> Act:
     """A layer / RMS norm over the last dim, owning its gain (and bias): ``attrs.gain`` /
     ``attrs.bias`` 0 for a norm without one (OLMo's parameter-free layer norm), so the op
     holds exactly the module's parameters. On a projection's value viewed per head
     (:func:`~ilp_planner.inputs.lift_graph.head_group`) it is a norm on the projection's own
     ``(tokens, heads · head_dim)`` value, each head normalised apart (``attrs.group_width``):
     no copy to another shape, and its features split in whole heads."""
-    group = head_group(g.drafts[x.src[0]], x) if isinstance(x, Act) and x.src else None
-    if group is not None:
+    group = head_group(g.drafts[x.src[0]], x) if isinstance(x, Act) and x.src \
+        and last_only else None
+    # a gain of one head's width, shared by every head (Cohere's per-head gains are not)
+    if group is not None and all(g.param_shape[p] == (group[0],) for p in params):
         d = g.drafts[x.src[0]]
         src = g.ir(node, Act(x.src, d.shape, x.dtype, steps=x.steps))
         shape: tuple[int, ...] = d.shape
