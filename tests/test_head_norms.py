@@ -24,6 +24,7 @@ from ilp_planner.lowering.strategies import (
     param_layouts,
     param_shapes,
 )
+from runtime.dtensors import DimMap
 
 A100 = device_spec("a100-80gb")
 HBM = 2039e9 * A100.fit.memory_efficiency  # achieved bytes/s
@@ -143,3 +144,23 @@ def test_torch_norms_over_one_heads_columns_are_grouped(norm, grouped):
         assert (op.inputs, op.output.shape, op.attrs["group_width"], op.attrs["heads_dim"]) \
             == (("proj",), (16, 32), 8, 2)
         assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE]
+
+
+@pytest.mark.parametrize("heads_dim", [2, 1])
+def test_a_real_per_head_block_is_the_ir_block_and_back(heads_dim):
+    """A rank's block of the module's ``(b, s, heads, d)`` value (Gemma-3's ``(b, heads, s,
+    d)`` where ``heads_dim`` is 1), half the batch and half the heads, viewed as the IR's
+    tokens-major block — rows of its sequences, columns of its heads — and back: what an
+    edge program at a per-head norm's boundary runs on (:class:`runtime.dtensors.DimMap`)."""
+    b, s, h, d = 4, 3, 4, 5
+    x = torch.arange(b * s * h * d, dtype=torch.float32).reshape(b, s, h, d)
+    ir = x.reshape(b * s, h * d)
+    real = x if heads_dim == 2 else x.transpose(1, 2)
+    dims = DimMap(tuple(real.shape), 2, heads=heads_dim)
+    assert (dims.real_dim(0), dims.real_dim(1)) == (0, heads_dim)
+    for i in range(2):
+        for j in range(2):
+            local = real[i * 2:(i + 1) * 2].narrow(heads_dim, j * 2, 2)
+            block = ir[i * 2 * s:(i + 1) * 2 * s, j * 2 * d:(j + 1) * 2 * d]
+            assert torch.equal(dims.ir_block(local), block)
+            assert torch.equal(dims.real_block(block, tuple(local.shape)), local)
