@@ -108,6 +108,12 @@ def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module) -> bool:
     return True
 
 
+def heads_dim(op: Op) -> int | None:
+    """Where a per-head norm's module holds the heads of the value it reads and writes
+    (``attrs.heads_dim``; ``attrs.group_width`` marks such a norm), None for any other op."""
+    return op.attrs.get("heads_dim") if "group_width" in op.attrs else None
+
+
 def leaf_module(module: nn.Module, name: str) -> nn.Module | None:
     """The childless submodule named ``name``, if the op is one."""
     try:
@@ -303,10 +309,11 @@ class BoundaryHooks:
                 # the producer's hook converted it for functional consumers: this module's
                 # own program starts from the producer's planned output, as priced
                 args[idx] = origin[1]
-            self.edges.check(args[idx], src, producer, where)
+            self.edges.check(args[idx], src, producer, where, heads_dim(op))
             if red is not None:
                 with tagged("forward", "activation", h.op):
-                    args[idx] = self.edges.run(args[idx], src, red, dst, producer, where)
+                    args[idx] = self.edges.run(args[idx], src, red, dst, producer, where,
+                                               heads_dim(op))
         if h.local:
             args = self._to_blocks(h, args)
         else:
@@ -323,7 +330,7 @@ class BoundaryHooks:
         for idx in range(len(op.inputs)):
             x = args[idx]
             if isinstance(x, DTensor):
-                dims = self.edges.dims(op.inputs[idx], x)
+                dims = self.edges.dims(op.inputs[idx], x, heads_dim(op))
                 pls = placements(grads[idx], dims, f"input {idx} of {h.op}")
                 args[idx] = Unwrap.apply(x, dtensor_spec(self.meshes.of(grads[idx]), pls, x,
                                                          tuple(x.shape)))
@@ -381,15 +388,16 @@ class BoundaryHooks:
         if h.local:
             out = self._unmask(h, out)
             full = self._global_shape(h.op, out)
-            dims = DimMap(full, self.graph[h.op].output.rank)
+            dims = DimMap(full, self.graph[h.op].output.rank, heads=heads_dim(self.graph[h.op]))
             out = Wrap.apply(out, dtensor_spec(self.meshes.of(layout),
                                                placements(layout, dims, where), out, full),
                              placements(grad_layout(layout), dims, where), where)
-        self.edges.check(out, layout, h.op, where)
+        heads = heads_dim(self.graph[h.op])
+        self.edges.check(out, layout, h.op, where, heads)
         if red is None:
             return out
         with tagged("forward", "activation", h.op):
-            converted = self.edges.run(out, layout, red, red.dst, h.op, where)
+            converted = self.edges.run(out, layout, red, red.dst, h.op, where, heads)
         self.origin[id(converted)] = (converted, out, h.op)
         return converted
 
@@ -399,6 +407,12 @@ class BoundaryHooks:
         ir = self.graph[name].output.shape
         if local.dim() == len(ir):
             return tuple(ir)
+        heads = heads_dim(self.graph[name])
+        if heads is not None:  # a per-head norm's block: its batch and heads split
+            lay = self.layers[name].output
+            return tuple(n * (lay.split_degree(0) if i == 0 else
+                              lay.split_degree(1) if i == heads else 1)
+                         for i, n in enumerate(local.shape))
         rows = ir[0] // math.prod(local.shape[1:-1])
         return (rows, *local.shape[1:-1], ir[-1])
 

@@ -19,6 +19,11 @@ the plan's program, in place, on every rank of the job:
   (:mod:`runtime.local_attention`), which DTensor's 4-D matmul cannot always do, and so
   does batch norm, synchronised over the axes splitting its batch
   (:mod:`runtime.local_batchnorm`), which DTensor's rule (channels only) cannot do;
+* **a per-head q / k norm** (Qwen3's, Gemma-3's: ``attrs.group_width``) runs on this rank's
+  heads: its module reads the projection's value viewed ``(b, s, heads, d)`` (Gemma-3's
+  transposed ``(b, heads, s, d)``, ``attrs.heads_dim``), whose heads the plan's column split
+  shards (:class:`~runtime.dtensors.DimMap`); its gain's gradient, each rank's share, is
+  summed over the row and head axes by the plan's AllReduce;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
   accumulated, then handed to the optimizer in the parameter's placements;

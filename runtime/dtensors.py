@@ -45,18 +45,41 @@ def rank_grid(fact: Factorisation, world: int) -> np.ndarray:
 class DimMap:
     """How the IR's tensor dims sit in the real tensor: IR ``(tokens, features)`` is the
     real ``(batch, …, features)`` (tokens split only over the batch dim), a linear's
-    ``(in, out)`` weight may be stored ``(out, in)`` (``transposed``)."""
+    ``(in, out)`` weight may be stored ``(out, in)`` (``transposed``); a per-head norm's
+    value (``attrs.group_width``) is viewed ``(batch, …, heads, head_dim)`` with the heads
+    at real dim ``heads`` (``attrs.heads_dim``: Gemma-3 hands its norm ``(b, heads, s,
+    d)``), its features split over them."""
 
     real_shape: tuple[int, ...]
     ir_rank: int
     transposed: bool = False
+    heads: int | None = None
 
     def real_dim(self, d: int) -> int:
         if self.transposed:
             return 1 - d
         if self.ir_rank == len(self.real_shape):
             return d
+        if self.heads is not None:
+            return 0 if d == 0 else self.heads
         return 0 if d == 0 else len(self.real_shape) - 1
+
+    def ir_block(self, local: torch.Tensor) -> torch.Tensor:
+        """A real block as the IR's tokens-major ``(rows, features)`` block."""
+        if local.dim() == self.ir_rank:
+            return local
+        if self.heads is None:
+            return local.reshape(-1, local.shape[-1])
+        local = local.movedim(self.heads, -2)
+        return local.reshape(-1, local.shape[-2] * local.shape[-1])
+
+    def real_block(self, y: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """An IR block back in the real block's ``shape`` (:meth:`ir_block`'s inverse)."""
+        if self.heads is None or len(shape) == self.ir_rank:
+            return y.reshape(shape)
+        moved = [n for i, n in enumerate(shape) if i != self.heads]
+        moved.insert(len(moved) - 1, shape[self.heads])
+        return y.reshape(moved).movedim(-2, self.heads)
 
 
 def placements(layout: Layout, dims: DimMap, where: str) -> tuple:

@@ -114,6 +114,9 @@ IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
     (OpKind.ATTENTION, "input_steps"): "element-wise steps on its q, k or v before it (the "
                                        "module's own rotary positions, a scale), which the "
                                        "runtime's kernel does not apply",
+    **{(kind, "group_width"): "a norm over each head's columns apart (Qwen3's q / k norms), "
+                              "where the runtime's kernel normalises whole rows"
+       for kind in (OpKind.RMSNORM, OpKind.LAYERNORM)},
 }
 """Attributes the importer sets (:mod:`ilp_planner.inputs.importer`) for what a user's module
 computes and the runtime's kernels do not: a plan carrying one is refused before any rank

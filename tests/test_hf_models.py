@@ -77,6 +77,17 @@ def _builders() -> dict[str, Any]:
         "olmo": lambda: (T.OlmoForCausalLM(T.OlmoConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)), (_ids(),)),
+        "qwen3": lambda: (T.Qwen3ForCausalLM(T.Qwen3Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16,
+            use_cache=False)), (_ids(),)),
+        "gemma3": lambda: (T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16,
+            use_cache=False)), (_ids(),)),
+        "olmo2": lambda: (T.Olmo2ForCausalLM(T.Olmo2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)), (_ids(),)),
         "convnext": lambda: (T.ConvNextForImageClassification(T.ConvNextConfig(
             num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)),
             (torch.randn(BATCH, 3, 64, 64),)),
@@ -213,6 +224,44 @@ def test_solves_on_two_by_four(imported, name):
     _, graph = imported(name)
     plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
     assert plan.cost.total_s > 0
+
+
+@pytest.mark.parametrize("name,heads_dim", [("qwen3", 2), ("gemma3", 1)])
+def test_per_head_qk_norms_are_norms_on_their_projections(imported, name, heads_dim):
+    """Qwen3 normalises q and k per head on the projection's ``(b, s, heads, d)`` view,
+    Gemma-3 on its ``(b, heads, s, d)`` transpose: each is an RMSNorm on the projection's own
+    ``(tokens, heads · 8)`` value normalising 8-wide groups (``attrs.group_width``), its
+    module holding the heads at ``attrs.heads_dim`` — no opaque op — owning its 8-entry
+    gain; the attention reads the norms as it reads a Llama's projections (2 key / value
+    heads), and the step solves with nothing opaque."""
+    _, graph = imported(name)
+    assert not [op.name for op in graph.ops if op.kind is OpKind.OPAQUE]
+    for layer in (0, 1):
+        attn = graph[f"model.layers.{layer}.self_attn.attention"]
+        for which, width in (("q", 32), ("k", 16)):
+            op = graph[f"model.layers.{layer}.self_attn.{which}_norm"]
+            assert op.kind is OpKind.RMSNORM
+            assert op.output.shape == (BATCH * SEQ, width)
+            assert op.inputs == (f"model.layers.{layer}.self_attn.{which}_proj",)
+            assert (op.attrs["group_width"], op.attrs["heads_dim"]) == (8, heads_dim)
+            assert op.source_params == (f"model.layers.{layer}.self_attn.{which}_norm.weight",)
+            assert param_shapes(op) == {"weight": (8,)} and op.params == 8
+        assert attn.inputs[:2] == (f"model.layers.{layer}.self_attn.q_norm",
+                                   f"model.layers.{layer}.self_attn.k_norm")
+        assert (attn.attr("heads"), attn.attr("kv_heads")) == (4, 2)
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    assert opaque_share(plan) == 0.0
+
+
+def test_olmo2s_qk_norms_normalise_the_whole_projection(imported):
+    """OLMo-2 normalises q and k over the whole projection (not per head): plain RMSNorms
+    on ``(tokens, 32)``, no group, so their features stay whole — nothing opaque."""
+    _, graph = imported("olmo2")
+    assert not [op.name for op in graph.ops if op.kind is OpKind.OPAQUE]
+    for which in ("q", "k"):
+        op = graph[f"model.layers.0.self_attn.{which}_norm"]
+        assert (op.kind, op.output.shape, op.params) == (OpKind.RMSNORM, (BATCH * SEQ, 32), 32)
+        assert "group_width" not in op.attrs
 
 
 def test_computed_token_ids_are_flat_like_the_input_ids(imported):
@@ -766,6 +815,8 @@ def test_t5s_position_tables_and_shared_table_are_owned_and_priced(imported):
     # proven causal): refused before its 3 projections
     ("llama_untied", r"attention 'model\.layers\.0\.self_attn\.attention' has "
                      r"attrs\.input_steps"),
+    # Qwen3's per-head q norm, which the runtime's kernel would run over whole rows
+    ("qwen3", r"rmsnorm 'model\.layers\.0\.self_attn\.q_norm' has attrs\.group_width"),
 ])
 def test_the_runtime_executor_refuses_an_imported_op_it_would_run_as_another(
         imported, name, refusal):

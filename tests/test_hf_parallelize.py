@@ -62,6 +62,19 @@ def test_llama_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
+def test_per_head_qk_norms_train_split_by_heads_like_one_process(model, shape):
+    """Qwen3's and Gemma-3's q / k norms, imported as norms on their projections' values
+    normalising each head apart, with their heads split 2 ways in both layers (Gemma-3's
+    module reads ``(b, heads, s, d)``): the modules run on this rank's heads, the gains'
+    gradients summed over the heads axis by the plan's AllReduce — losses match one process
+    and the audit matches every collective."""
+    line = line_of(shape, model)
+    assert "heads-split-norms=4" in line and "dp×tp-attention=2" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["llama-megatron", "bert-megatron-sp"])
 def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, shape):
     """Megatron (and Megatron-SP) on the imported models: the user's attention runs on

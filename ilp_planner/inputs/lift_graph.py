@@ -407,6 +407,35 @@ def _column_pick(d: Draft, x: Act) -> bool:
         and numel(x.shape[:-1]) == d.shape[0]
 
 
+def head_group(d: Draft, x: Act) -> tuple[int, int] | None:
+    """``(head width, heads dim)`` where ``x`` is ``d``'s ``(tokens, heads · head_dim)``
+    value re-viewed ``(batch, …, heads, head_dim)`` — views keeping ``head_dim`` last,
+    transposes of the dims before it (Gemma-3's ``(b, heads, s, d)``), element-wise steps —
+    so that a norm over its last dim normalises each head of ``d``'s columns on its own
+    (Qwen3's and Gemma-3's ``q_norm`` / ``k_norm``: a norm on ``d`` itself,
+    ``attrs.group_width``); the heads dim is where ``x`` holds them (``attrs.heads_dim``,
+    for the runtime, which hands the module ``x``). None otherwise."""
+    shape, width = x.shape, int(x.shape[-1]) if x.shape else 0
+    if len(shape) < 3 or len(d.shape) != 2 or len(x.src) != 1 or numel(shape) != numel(d.shape) \
+            or not 0 < width < d.shape[1] or d.shape[1] % width:
+        return None
+    heads = None
+    for step in x.chain:
+        if step[0] in ("view", "_unsafe_view", "reshape"):
+            dims = step[1] if len(step) > 1 and isinstance(step[1], (list, tuple)) else ()
+            if len(dims) != len(shape) or int(dims[-1]) != width:
+                return None
+            heads = len(dims) - 2
+        elif step[0] == "transpose" and heads is not None and len(step) == 3:
+            a, b = (int(i) % len(shape) for i in step[1:])
+            if len(shape) - 1 in (a, b) or 0 in (a, b):
+                return None  # the head dim or the batch moved
+            heads = b if heads == a else a if heads == b else heads
+        elif step[0] not in _ROW_LOCAL:
+            return None
+    return None if heads is None else (width, heads)
+
+
 # chain steps that keep each row to itself: casts, element-wise steps, a last-dim reduction
 _ROW_LOCAL = frozenset({"to", "_to_copy", "type_as", "float", "contiguous", "clone",
                         "reduce_last", *UNARY_FOLDS})

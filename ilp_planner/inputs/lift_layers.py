@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from ilp_planner.inputs.lift_graph import DraftGraph, Handler
+from ilp_planner.inputs.lift_graph import DraftGraph, Handler, head_group
 from ilp_planner.inputs.lift_masks import CAUSAL, NO_MASK, sdpa_mask
 from ilp_planner.inputs.lift_values import (
     SPLITS,
@@ -257,6 +257,7 @@ def lift_layer_norm(g: DraftGraph, call: Call) -> Act:
     w = param_name(args[2]) if len(args) > 2 else None
     b = param_name(args[3]) if len(args) > 3 else None
     return lift_norm(g, call.node, args[0], call.val, OpKind.LAYERNORM, [p for p in (w, b) if p],
+                     last_only=_over_last_dim(args[1]),
                      **({} if w is not None else {"gain": 0}),
                      **({} if b is not None else {"bias": 0}))
 
@@ -264,16 +265,34 @@ def lift_layer_norm(g: DraftGraph, call: Call) -> Act:
 def lift_rms_norm(g: DraftGraph, call: Call) -> Act:
     w = param_name(call.args[2]) if len(call.args) > 2 else None
     return lift_norm(g, call.node, call.args[0], call.val, OpKind.RMSNORM, [w] if w else [],
+                     last_only=_over_last_dim(call.args[1]),
                      **({} if w is not None else {"gain": 0}))
 
 
+def _over_last_dim(normalized_shape: Any) -> bool:
+    """Whether torch's norm normalises the last dim alone (``normalized_shape`` of one)."""
+    return not isinstance(normalized_shape, (list, tuple)) or len(normalized_shape) == 1
+
+
 def lift_norm(g: DraftGraph, node: Any, x: Any, val: Any, kind: OpKind, params: list[str],
-              **attrs: int) -> Act:
+              last_only: bool = True, **attrs: int) -> Act:
     """A layer / RMS norm over the last dim, owning its gain (and bias): ``attrs.gain`` /
     ``attrs.bias`` 0 for a norm without one (OLMo's parameter-free layer norm), so the op
-    holds exactly the module's parameters."""
-    src = g.ir(node, x)
-    shape = tokens_major(val.shape)
+    holds exactly the module's parameters. On a projection's value viewed per head
+    (:func:`~ilp_planner.inputs.lift_graph.head_group`) it is a norm on the projection's own
+    ``(tokens, heads · head_dim)`` value, each head normalised apart (``attrs.group_width``):
+    no copy to another shape, and its features split in whole heads."""
+    group = head_group(g.drafts[x.src[0]], x) if isinstance(x, Act) and x.src \
+        and last_only else None
+    # a gain of one head's width, shared by every head (Cohere's per-head gains are not)
+    if group is not None and all(g.param_shape[p] == (group[0],) for p in params):
+        d = g.drafts[x.src[0]]
+        src = g.ir(node, Act(x.src, d.shape, x.dtype, steps=x.steps))
+        shape: tuple[int, ...] = d.shape
+        attrs = {**attrs, "group_width": group[0], "heads_dim": group[1]}
+    else:
+        src = g.ir(node, x)
+        shape = tokens_major(val.shape)
     act = g.add(node, kind, [src], shape, dtype_of(val), params=params,
                 flops=8.0 * numel(shape), **attrs)
     return Act(act.src, tuple(val.shape), act.dtype)

@@ -8,7 +8,12 @@ Convolutional activations are ``(N, C, H, W)``; ``pool`` is max pooling with str
 ``attrs.kernel`` (VGG's), or average pooling where ``attrs.avg`` is 1 (imported models).
 
 Imported models (:mod:`ilp_planner.inputs.importer`) add ``silu``, ``mul`` (a binary elementwise
-product, sharded like ``add``), ``rmsnorm`` (a layernorm with a gain only), ``batchnorm``
+product, sharded like ``add``), ``rmsnorm`` (a layernorm with a gain only; a norm with
+``attrs.group_width`` normalises each group of that many consecutive features on its own —
+Qwen3's and Gemma-3's per-head q / k norms on their projection's ``(tokens, heads · head_dim)``
+value, its gain ``group_width`` entries shared by every head — so its features may split in
+whole groups; ``attrs.heads_dim``: where the module's input holds the heads, ``(b, s, heads,
+d)`` or ``(b, heads, s, d)``), ``batchnorm``
 (statistics over batch and space, so only channels split without communication) and
 ``opaque``: an op the planner cannot shard, kept replicated on every device (but a copy of
 some of its producer's columns, ``attrs.rows_local``, may split the tokens). Attention may

@@ -44,6 +44,8 @@ attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × 
   contiguous, cat, GQA's                         twice sums 2 gradients, a slice's gradient
   repeated heads)                                is written into a zero-filled tensor)
 layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 kernels (dx, dγ)
+  (per head too: Qwen3's  on the local block,    the same; a head split divides N as a
+  q / k norms)            split rows or heads    row split does
 softmax                   2N                     3N (read y, dy, write dx)
 gelu, silu, relu          2N                     3N (read x, dy, write dx)
 dropout                   2N + N mask bytes      2N + N mask bytes (read dy, mask, write dx)

@@ -251,7 +251,7 @@ def param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
         rows = op.attrs.get("bias_buckets", 0)
         return {"rel_bias": (rows, op.attr("heads"))} if rows else {}
     if op.kind in NORM_KINDS:  # an imported norm may lack its gain or bias (attrs 0)
-        h = op.output.shape[-1]
+        h = op.attrs.get("group_width", op.output.shape[-1])  # a per-head norm: one head's
         roles = ["weight"] * bool(op.attrs.get("gain", 1)) + ["bias"] * bool(
             op.kind is OpKind.LAYERNORM and op.attrs.get("bias", 1))
         return {role: (h,) for role in roles}
@@ -381,9 +381,11 @@ def param_layouts(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout
         if op.attrs.get("bias", 1):
             out["bias"] = (bias_layout(output), _bias_grad(output))
     elif op.kind in NORM_KINDS:
+        # whole on every device; its gradient sums over the rows, and a per-head norm's
+        # over the heads (attrs.group_width), each device holds: partial over those axes
         lay = inputs[0]
         rep = Layout.replicated(lay.fact)
-        g = Layout(lay.fact, tuple(P if pl == Split(0) else B for pl in lay.placements))
+        g = Layout(lay.fact, tuple(P if isinstance(pl, Split) else B for pl in lay.placements))
         out = {role: (rep, g) for role in param_shapes(op)}
     elif op.kind is OpKind.BATCHNORM:
         # each device holds its channels' gains and offsets; their gradients sum over the
@@ -833,6 +835,8 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
         return _conv_family(op, ctx)
     if kind is OpKind.MOE:
         return _moe_family(op, ctx)
+    if kind in NORM_KINDS and "group_width" in op.attrs:
+        return _layout_strategies(op, grouped_norm_layouts(op, ctx), 1, ctx)
     if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX):
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
     if kind is OpKind.BATCHNORM:
@@ -859,6 +863,17 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                             for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
+
+
+def grouped_norm_layouts(op: Op, ctx: StrategyContext) -> list[Layout]:
+    """A per-head norm's layouts (``attrs.group_width``: each group of that many columns
+    normalised on its own): rows split as any norm's, columns only in whole groups — a
+    divisor of their count (a k norm's: its key/value heads') —, never cutting one."""
+    groups, rest = divmod(op.output.shape[1], op.attr("group_width"))
+    if rest:
+        raise ValueError(f"norm {op.name!r}: attrs.group_width {op.attr('group_width')} does "
+                         f"not divide its {op.output.shape[1]} features")
+    return candidate_layouts(op.output, ctx, (0, 1), {1: groups})
 
 
 def bias_table_layouts(op: Op, layouts: list[Layout]) -> list[Layout]:

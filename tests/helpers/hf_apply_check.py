@@ -144,6 +144,34 @@ def gemma2() -> Case:
     return Case(Gemma2ForCausalLM(cfg), *_tokens())
 
 
+def heads_split_norms(op: Op, s: Strategy) -> bool:
+    """A per-head q / k norm (``attrs.group_width``) splits its heads 2 ways (the key /
+    value heads' count), so its weight's gradient is summed over the heads axis too."""
+    return "group_width" not in op.attrs or s.output.split_degree(1) == 2
+
+
+def qwen3() -> Case:
+    """Qwen3ForCausalLM: q and k normalised per head (``q_norm`` on the projection's
+    ``(b, s, heads, head_dim)`` view), the norms' heads split 2 ways."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False)
+    return Case(Qwen3ForCausalLM(cfg), *_tokens(), keep=heads_split_norms)
+
+
+def gemma3() -> Case:
+    """Gemma3ForCausalLM (text): per-head q / k norms on the ``(b, heads, s, head_dim)``
+    value (transposed before the norm), gains ``1 + w``; the norms' heads split 2 ways."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False)
+    return Case(Gemma3ForCausalLM(cfg), *_tokens(), keep=heads_split_norms)
+
+
 def opt() -> Case:
     """OPTForCausalLM: learned positions looked up by their own module and added to the
     word embeddings in its code (the importer folds that table into the word table's op)."""
@@ -435,6 +463,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "olmo": olmo,
     "convnext": convnext,
     "gemma2": gemma2,
+    "qwen3": qwen3,
+    "gemma3": gemma3,
     "opt": opt,
     "gpt2": gpt2,
     "vit": vit,
@@ -553,7 +583,10 @@ def describe(plan: Plan) -> str:
     graph = load_config(plan.config).graph
     both = sum(1 for ly in plan.layers if graph[ly.name].kind is OpKind.ATTENTION
                and ly.output.split_degree(0) > 1 and ly.output.split_degree(1) > 1)
-    return f"{' '.join(kinds)} grids={' '.join(grids)} dp×tp-attention={both}"
+    heads = sum(1 for ly in plan.layers if "group_width" in graph[ly.name].attrs
+                and ly.output.split_degree(1) > 1)
+    return (f"{' '.join(kinds)} grids={' '.join(grids)} dp×tp-attention={both} "
+            f"heads-split-norms={heads}")
 
 
 def megatron_plan(case: Case, nodes: int, devices: int) -> Plan:
