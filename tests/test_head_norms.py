@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ilp_planner.inputs.importer import from_module
-from ilp_planner.ir.cluster import Cluster, Link
+from ilp_planner.intra_op.baselines import megatron_filter
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
 from ilp_planner.ir.device import device_spec
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout, Split
@@ -164,3 +165,19 @@ def test_a_real_per_head_block_is_the_ir_block_and_back(heads_dim):
             block = ir[i * 2 * s:(i + 1) * 2 * s, j * 2 * d:(j + 1) * 2 * d]
             assert torch.equal(dims.ir_block(local), block)
             assert torch.equal(dims.real_block(block, tuple(local.shape)), local)
+
+
+def test_megatron_sp_keeps_a_per_head_norm_on_its_tensor_parallel_heads():
+    """Megatron-SP splits token-wise ops' tokens over TP, but a per-head q / k norm runs
+    on the heads its rank holds (Megatron-Core's ``qk_layernorm``, between the
+    column-parallel projection and the attention): the filter keeps tokens over DP and
+    heads over TP for it (with Megatron's other layouts) and never the token split over TP,
+    which a whole-row norm takes alone."""
+    dp, tp = MeshAxis(2, 1), MeshAxis(1, 4)
+    keep = megatron_filter(dp, tp, sequence_parallel=True)
+    heads = Layout((dp, tp), (Split(0), Split(1))).canonical_key()
+    tokens = Layout((dp, tp), (Split(0), Split(0))).canonical_key()
+    kept = {s.output.canonical_key() for s in _strategies(norm(32)) if keep(norm(32), s)}
+    assert heads in kept and tokens not in kept
+    plain = norm(32, grouped=False)
+    assert {s.output.canonical_key() for s in _strategies(plain) if keep(plain, s)} == {tokens}

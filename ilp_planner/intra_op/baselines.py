@@ -165,7 +165,11 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
         if op.kind is OpKind.ATTENTION:  # heads over TP, whole where they cannot split
             heads = Split(1) if head_splits(op) % tp.size == 0 else B
             return not s.output.has_partial and s.output.canonical_key() == attention[heads]
-        if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE):
+        # a per-head q / k norm (``attrs.group_width``) runs on the heads its TP rank holds,
+        # between the column-parallel projection and the attention, as Megatron-Core's
+        # ``qk_layernorm`` does, sequence-parallel or not
+        if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE) \
+                and not op.attrs.get("group_width"):
             return not s.output.has_partial and s.output.canonical_key() == seq
         if op.kind is OpKind.BATCHNORM:  # see the module docstring
             return s.output.canonical_key() in whole_batch
