@@ -30,6 +30,7 @@ from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import expert_parallel
 from ilp_planner.lowering.strategies import (
     StrategyContext,
+    head_splits,
     input_grad_layouts,
     op_strategies,
     param_shapes,
@@ -104,6 +105,13 @@ def _builders() -> dict[str, Any]:
             shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
             num_experts_per_tok=2, use_cache=False)), (_ids(),)),
+        "phi3": lambda: (T.Phi3ForCausalLM(T.Phi3Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+            pad_token_id=0, eos_token_id=1, bos_token_id=1, use_cache=False)), (_ids(),)),
+        "falcon": lambda: (T.FalconForCausalLM(T.FalconConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+            use_cache=False)), (_ids(),)),
         "deepseek_v2": lambda: (T.DeepseekV2ForCausalLM(_deepseek_v2()), (_ids(),)),
         "deepseek_v3": lambda: (_deepseek_v3(), (_ids(),)),
     }
@@ -146,7 +154,7 @@ MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
 
 
 DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "opt", "vit",
-         "resnet", "convnext", "t5")
+         "resnet", "convnext", "t5", "phi3", "falcon")
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +330,37 @@ def test_gpt2_conv1d_is_a_linear_stored_in_out(imported):
     assert c_attn.weight.shape == tuple(model.transformer.h[0].attn.c_attn.weight.shape)
     assert "weight_t" not in c_attn.attrs and c_attn.attrs["bias"] == 1
     assert list(param_shapes(c_attn)) == ["weight", "bias"]
+
+
+def test_falcon_linears_reading_the_weights_transpose_are_linears_stored_out_in(imported):
+    """``FalconLinear`` computes ``x @ self.weight.T`` (``aten.numpy_T``): each is a linear
+    of the module's ``(in, out)`` shape on every token, as ``nn.Linear`` — not a matmul with
+    an untransposed weight, which gave ``query_key_value`` 24 rows of 32 (a 16-token batch
+    read as 48 × 32 columns) and wrapped the next ops in opaque copies."""
+    model, graph = imported("falcon")
+    layer = model.transformer.h[0]
+    for path, module in (("self_attention.query_key_value", layer.self_attention.query_key_value),
+                         ("self_attention.dense", layer.self_attention.dense),
+                         ("mlp.dense_h_to_4h", layer.mlp.dense_h_to_4h),
+                         ("mlp.dense_4h_to_h", layer.mlp.dense_4h_to_h)):
+        op = graph[f"transformer.h.0.{path}"]
+        out_features, in_features = module.weight.shape
+        assert op.kind is OpKind.LINEAR and op.attrs["weight_t"] == 1, path
+        assert op.weight.shape == (in_features, out_features), path
+        assert op.output.shape == (BATCH * SEQ, out_features), path
+    assert [op.name for op in graph.ops if op.kind is OpKind.OPAQUE
+            and op.name.startswith("transformer.h.0.mlp")] == []
+
+
+def test_phi3s_sliced_qkv_projection_is_read_as_q_k_v_blocks_not_heads(imported):
+    """Phi-3 slices its fused ``qkv_proj`` (``qkv[..., :q_end]``, then k's and v's columns)
+    before viewing heads: ``[q | k | v]`` column blocks, as GPT-2's ``split``, so a column
+    split of the projection hands no device whole heads — the attention splits the batch
+    only (``qkv_major``) rather than pricing a head split its code would gather."""
+    _, graph = imported("phi3")
+    attn = graph["model.layers.0.self_attn.attention"]
+    assert attn.inputs == ("model.layers.0.self_attn.qkv_proj",)
+    assert attn.attrs.get("qkv_major") == 1 and head_splits(attn) == 1
 
 
 def test_llama_linear_weights_are_marked_stored_out_in(imported):

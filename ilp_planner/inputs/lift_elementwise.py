@@ -53,7 +53,7 @@ def lift_const(g: DraftGraph, call: Call) -> Any:
     # residual adds would otherwise grow it without bound)
     params = tuple(dict.fromkeys(p for a in flatten(args) if isinstance(a, Const)
                                  for p in a.params))
-    if op in ("t", "transpose", "permute") and isinstance(args[0], Const) \
+    if op in ("t", "numpy_T", "transpose", "permute") and isinstance(args[0], Const) \
             and len(args[0].params) == 1 and len(g.param_shape[args[0].params[0]]) == 2:
         return Const(args[0].params, transposed=not args[0].transposed)
     if op in VIEWS and isinstance(args[0], Const):

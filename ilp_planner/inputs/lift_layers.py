@@ -219,10 +219,13 @@ def _bias_table(g: DraftGraph, call: Call, heads: int) -> str | None:
 
 def _head_major(chain: tuple[tuple, ...]) -> bool:
     """Whether q reaches a fused projection by picking, per head, one of q / k / v — the
-    projection is ``[head0: q k v | head1: …]`` — rather than one ``[q | k | v]`` third."""
+    projection is ``[head0: q k v | head1: …]`` — rather than one ``[q | k | v]`` third
+    (GPT-2's ``split``, Phi-3's slices ``qkv[..., :q_end]``: blocks of features first)."""
     for step in chain:
         if step[0] in SPLITS and step[1] is not None:
             return False  # split first along the features: [q | k | v] blocks
+        if step[0] in ("slice", "narrow") and len(step) > 1:
+            return False  # a slice of the features first: [q | k | v] blocks
         if step[0] in ("view", "_unsafe_view", "reshape") and len(step) > 1:
             shape = step[1]
             return isinstance(shape, (list, tuple)) and len(shape) >= 4
