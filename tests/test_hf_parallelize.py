@@ -12,7 +12,9 @@ attention split over the batch and the heads at once. The 2 × 2 cluster gives p
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
 parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers. ResNet
-trains with its batch norms synchronised over the devices splitting its batch.
+trains with its batch norms synchronised over the devices splitting its batch. Phi-3 trains
+with its fused ``gate_up_proj`` split over its columns (matching gate and up blocks on each
+device).
 """
 
 from __future__ import annotations
@@ -133,6 +135,20 @@ def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
     line = line_of(shape, "gpt2-megatron")
     assert "3d(p0=2,p1=2,p2=1)" in line and "3d(p0=2,p1=1,p2=2)" in line
     assert "dp×tp-attention=0" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["phi3", "phi3-gate-up-split"])
+def test_phi3s_fused_gate_up_trains_split_over_its_columns_like_one_process(model, shape):
+    """Phi-3's fused ``gate_up_proj`` (its output ``chunk``ed into gate and up): the solver's
+    plan, and one splitting its columns over all 4 devices — each holding matching gate and
+    up columns (the weight stored interleaved, the chunk run on each rank's block) and the
+    product split as ``down_proj``'s rows read it — train like one process, every collective
+    the plan's."""
+    line = line_of(shape, model)
+    if model == "phi3-gate-up-split":
+        assert re.search(r"3d\(p0=1,p1=(4|2x2),p2=1\)", line), line
 
 
 @pytest.mark.slow

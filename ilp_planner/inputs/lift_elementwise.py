@@ -182,13 +182,17 @@ def viewable(shape: tuple[int, ...], stride: tuple[int, ...], new: tuple[int, ..
 
 
 def lift_split(g: DraftGraph, call: Call) -> list:
-    """The parts of one activation, each remembering its dim and index (q / k / v of a
-    fused projection)."""
+    """The parts of one activation, each remembering its dim, its index, how many equal
+    parts there are (0 where they differ) and the split's node (whose module names a part
+    op): q / k / v of a fused projection, gate and up of a fused MLP."""
     op, args = call.op, call.args
     x = args[0]
     dim = args[2] if len(args) > 2 else (args[1] if op == "unbind" and len(args) > 1 else 0)
+    equal = len({tuple(v.shape) for v in call.val}) == 1
     return [Act(x.src, tuple(v.shape), dtype_of(v),
-                x.chain + ((op, int(dim) % len(x.shape), i),), steps=x.steps)
+                x.chain + ((op, int(dim) % len(x.shape), i, len(call.val) if equal else 0,
+                            call.node),),
+                steps=x.steps)
             for i, v in enumerate(call.val)]
 
 
