@@ -113,6 +113,9 @@ def _builders() -> dict[str, Any]:
         "falcon": lambda: (T.FalconForCausalLM(T.FalconConfig(
             hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
             use_cache=False)), (_ids(),)),
+        "gpt_neox": lambda: (T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)), (_ids(),)),
         "deepseek_v2": lambda: (T.DeepseekV2ForCausalLM(_deepseek_v2()), (_ids(),)),
         "deepseek_v3": lambda: (_deepseek_v3(), (_ids(),)),
     }
@@ -349,8 +352,24 @@ def test_falcon_linears_reading_the_weights_transpose_are_linears_stored_out_in(
         assert op.kind is OpKind.LINEAR and op.attrs["weight_t"] == 1, path
         assert op.weight.shape == (in_features, out_features), path
         assert op.output.shape == (BATCH * SEQ, out_features), path
-    assert [op.name for op in graph.ops if op.kind is OpKind.OPAQUE
-            and op.name.startswith("transformer.h.0.mlp")] == []
+    assert [op.name for op in graph.ops if op.kind is OpKind.OPAQUE] == []
+
+
+def test_falcons_multi_query_attention_reads_its_fused_projection_as_q_k_v_blocks(imported):
+    """Falcon views ``query_key_value``'s output ``(B, T, heads + 2, D)``, slices q's heads
+    and picks the key and value heads by list indexing (``fused[..., [-2], :]``): the
+    indexing is a folded copy priced with the attention (no opaque op), which reads the
+    projection as ``[q | k | v]`` blocks — batch splits only — where GPT-NeoX's view
+    ``(B, T, -1, 3·D)`` (-1: the heads) is head-major and splits its heads."""
+    _, graph = imported("falcon")
+    attn = graph["transformer.h.0.self_attention.attention"]
+    assert attn.inputs == ("transformer.h.0.self_attention.query_key_value",)
+    assert attn.attrs.get("qkv_major") == 1 and head_splits(attn) == 1
+    assert attn.attrs["input_copies"] >= 2  # k's and v's picks
+    _, neox = imported("gpt_neox")
+    attn = neox["gpt_neox.layers.0.attention.attention"]
+    assert attn.inputs == ("gpt_neox.layers.0.attention.query_key_value",)
+    assert "qkv_major" not in attn.attrs and head_splits(attn) == 4
 
 
 def test_phi3s_sliced_qkv_projection_is_read_as_q_k_v_blocks_not_heads(imported):

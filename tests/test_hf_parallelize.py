@@ -195,7 +195,7 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt"])
+@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "falcon"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
     """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
     functional code counting positions (the plan reads it in one layout, the runtime hands
@@ -205,7 +205,9 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     own. ``gemma2``: its logits soft-capped in functional code after the head, which reads
     them in the loss's layout (converted at the head's own boundary, not the root's).
     ``opt``: its positions' module adds their lookup to the word embeddings in its code,
-    so the plan hands that sum on as the embedding produced it."""
+    so the plan hands that sum on as the embedding produced it. ``falcon``: linears computing
+    ``x @ W.T``, multi-query attention picking its key and value heads from the fused
+    ``query_key_value`` by list indexing (run on each rank's rows, the batch split)."""
     line_of(shape, model)
 
 

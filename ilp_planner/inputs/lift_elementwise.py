@@ -181,6 +181,20 @@ def viewable(shape: tuple[int, ...], stride: tuple[int, ...], new: tuple[int, ..
     return view_d == -1
 
 
+def lift_index(g: DraftGraph, call: Call) -> Any:
+    """``x[..., [i], :]``: constant indices picking features of a ≥ 3-D activation, its
+    batch and sequence dims (0, 1) whole — Falcon's key and value heads picked from its
+    fused ``query_key_value`` — is a copy folded into the value (rows stay on their
+    devices), priced with the op reading it; any other indexing is an opaque op."""
+    x, idx = call.args[0], call.args[1] if len(call.args) > 1 else ()
+    picks = [i for i, a in enumerate(idx) if a is not None]
+    if not isinstance(x, Act) or len(x.shape) < 3 or not picks or min(picks) < 2 \
+            or any(not isinstance(idx[i], Const) or idx[i].params for i in picks):
+        return g.opaque(call.node, call.args, call.acts, call.val, call.op)
+    return Act(x.src, tuple(call.val.shape), dtype_of(call.val),
+               x.chain + (("index", *picks),), x.role, x.parts, x.steps + (call.node,))
+
+
 def lift_split(g: DraftGraph, call: Call) -> list:
     """The parts of one activation, each remembering its dim, its index, how many equal
     parts there are (0 where they differ) and the split's node (whose module names a part
@@ -383,4 +397,5 @@ ELEMENTWISE_HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(UNARY_FOLDS, lift_arithmetic),
     **dict.fromkeys(CONCATS, lift_concat),
     "new_empty": lift_new_empty,
+    "index": lift_index,
 }

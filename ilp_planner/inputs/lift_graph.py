@@ -298,7 +298,7 @@ def is_copy(node: Any) -> bool:
     """Whether a folded step is a copy — a re-view that moves bytes or a concatenation
     (:func:`ilp_planner.inputs.lift_elementwise.lift_view` keeps only those among the
     re-views) — rather than an element-wise kernel."""
-    return op_name(node.target) in VIEWS | CONCATS | {"copy_"}
+    return op_name(node.target) in VIEWS | CONCATS | {"copy_", "index"}
 
 
 def _source(node: Any) -> Any:

@@ -247,6 +247,18 @@ def phi3() -> Case:
     return Case(Phi3ForCausalLM(cfg), *_tokens())
 
 
+def falcon() -> Case:
+    """FalconForCausalLM, multi-query: one ``query_key_value`` viewed ``(B, T, heads + 2,
+    D)``, q's heads sliced and the key and value heads picked by list indexing (folded
+    copies, the attention splitting the batch), linears computing ``x @ W.T``."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, use_cache=False, attention_dropout=0.0,
+                       hidden_dropout=0.0)
+    return Case(FalconForCausalLM(cfg), *_tokens())
+
+
 def phi3_gate_up_split() -> Case:
     """Phi-3 with every fused ``gate_up_proj`` splitting its columns 4 ways (each device's
     16 gate columns and the matching 16 up columns) and each ``down_proj`` its rows."""
@@ -479,6 +491,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "deepseek-v3": deepseek_v3,
     "phi3": phi3,
     "phi3-gate-up-split": phi3_gate_up_split,
+    "falcon": falcon,
 }
 
 
