@@ -39,6 +39,7 @@ from runtime.applied_params import AppliedParams, owner_of
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, Unwrap, Wrap, dtensor_spec, placements
 from runtime.errors import RuntimeSetupError
+from runtime.fused_parts import LocalParts
 from runtime.local_attention import LocalAttention
 from runtime.local_batchnorm import LocalBatchNorm, StatsGroups
 from runtime.ops import bias_share
@@ -259,6 +260,7 @@ class BoundaryHooks:
         self.masks: dict[str, VocabMask] = {}  # vocabulary-split lookups running now
         self.paddings: dict[str, int] = {}  # their modules' own padding rows
         self.calls: dict[str, int] = {}  # module path -> its calls so far in this forward
+        self.parts: LocalParts | None = None  # fused outputs cut into parts, this forward
 
     def install(self, programs: dict[tuple[str, int], Redistribution]) -> None:
         self.hooks, post = hook_table(self.graph, self.layers, programs, self.module)
@@ -395,11 +397,19 @@ class BoundaryHooks:
         heads = heads_dim(self.graph[h.op])
         self.edges.check(out, layout, h.op, where, heads)
         if red is None:
-            return out
+            return self._marked(h.op, out)
         with tagged("forward", "activation", h.op):
             converted = self.edges.run(out, layout, red, red.dst, h.op, where, heads)
         self.origin[id(converted)] = (converted, out, h.op)
-        return converted
+        return self._marked(h.op, converted)
+
+    def _marked(self, name: str, out: Any) -> Any:
+        """``out``, a fused output whose parts its code cuts on each rank's block
+        (:class:`~runtime.fused_parts.LocalParts`) where op ``name`` computes them."""
+        parts = self.graph[name].attrs.get("parts")
+        if parts and self.parts is not None:
+            self.parts.mark(out, parts)
+        return out
 
     def _global_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
         """The real global shape of a block computed locally: the IR's global shape with
@@ -439,6 +449,9 @@ class BoundaryHooks:
             self.forward_only.enter(sdpa_kernel([SDPBackend.MATH]))
         self.forward_only.enter(LocalAttention())
         self.forward_only.enter(LocalBatchNorm(self.batchnorms))
+        if any(op.kind is OpKind.PART for op in self.graph.ops):
+            self.parts = LocalParts()
+            self.forward_only.enter(self.parts)
         inputs = [op for op in self.graph.ops if op.kind is OpKind.INPUT]
         values = list(args) + list(kwargs.values())
         if len(values) != len(inputs):

@@ -44,6 +44,7 @@ from ilp_planner.plan.data import LayerPlan
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, dtensor_spec, placements
 from runtime.errors import FidelityError, RuntimeSetupError
+from runtime.fused_parts import fused_degree, interleaved
 from runtime.mesh import MeshRegistry
 from runtime.recorder import tagged
 
@@ -222,7 +223,11 @@ class AppliedParams:
                     f"a table only between an embedding and the embeddings and nn.Linear "
                     f"head the importer marks tied")
             if table is None:
-                registered = self._registered(original, stored, dims, fqn,
+                # a fused weight's columns in the order its column split holds them
+                value_of = interleaved(original.detach(), op.attrs.get("parts", 0),
+                                       fused_degree(self.graph, op, ly),
+                                       dims.real_dim(1) if role == "weight" else 0)
+                registered = self._registered(value_of, stored, dims, fqn,
                                               paths.get(id(original), [fqn]))
                 self._placed[id(original)] = (op.name, role)
                 value: torch.Tensor = registered
@@ -232,7 +237,7 @@ class AppliedParams:
             self.slots[(op.name, role)] = PlacedParam(value, registered, path, stored, grad,
                                                       dims)
 
-    def _registered(self, original: nn.Parameter, stored: Layout, dims: DimMap, fqn: str,
+    def _registered(self, original: torch.Tensor, stored: Layout, dims: DimMap, fqn: str,
                     paths: list[str]) -> nn.Parameter:
         """The module's parameter as a DTensor of this rank's block, set under every path."""
         param = nn.Parameter(self._dtensor(original, stored, dims, f"parameter {fqn}"))
@@ -241,7 +246,7 @@ class AppliedParams:
             setattr(owner, attr, param)
         return param
 
-    def _dtensor(self, original: nn.Parameter, stored: Layout, dims: DimMap,
+    def _dtensor(self, original: torch.Tensor, stored: Layout, dims: DimMap,
                  where: str) -> DTensor:
         """This rank's block of the module's full value as a DTensor leaf in ``stored``."""
         full = original.detach()

@@ -85,6 +85,7 @@ from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_he
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
+from runtime.fused_parts import fused_degree
 from runtime.local_batchnorm import register_batchnorms, stats_groups
 from runtime.mesh import MeshRegistry
 
@@ -124,6 +125,9 @@ class Applied:
         # the boundary hooks' refusals (a layout change between two pieces of functional
         # code), before install_moe swaps forwards and AppliedParams places parameters
         hook_table(self.graph, self.layers, programs, module)
+        for op in self.graph.ops:  # fused column blocks each read on their own
+            if op.kind is not OpKind.INPUT:
+                fused_degree(self.graph, op, self.layers[op.name])
         for t in tied.values():
             self.comm.register(t.to_table)
             self.comm.register(t.to_head)

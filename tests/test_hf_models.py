@@ -30,12 +30,14 @@ from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import expert_parallel
 from ilp_planner.lowering.strategies import (
     StrategyContext,
+    head_splits,
     input_grad_layouts,
     op_strategies,
     param_shapes,
 )
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
+from runtime.fused_parts import interleaved, natural_order
 from runtime.moe import reference as moe_reference
 
 T = pytest.importorskip("transformers")
@@ -115,6 +117,16 @@ def _builders() -> dict[str, Any]:
             shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
             num_experts_per_tok=2, use_cache=False)), (_ids(),)),
+        "phi3": lambda: (T.Phi3ForCausalLM(T.Phi3Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+            pad_token_id=0, eos_token_id=1, bos_token_id=1, use_cache=False)), (_ids(),)),
+        "falcon": lambda: (T.FalconForCausalLM(T.FalconConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+            use_cache=False)), (_ids(),)),
+        "gpt_neox": lambda: (T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)), (_ids(),)),
         "deepseek_v2": lambda: (T.DeepseekV2ForCausalLM(_deepseek_v2()), (_ids(),)),
         "deepseek_v3": lambda: (_deepseek_v3(), (_ids(),)),
     }
@@ -157,7 +169,7 @@ MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
 
 
 DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "opt", "vit",
-         "resnet", "convnext", "t5")
+         "resnet", "convnext", "t5", "phi3", "falcon")
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +383,135 @@ def test_gpt2_conv1d_is_a_linear_stored_in_out(imported):
     assert c_attn.weight.shape == tuple(model.transformer.h[0].attn.c_attn.weight.shape)
     assert "weight_t" not in c_attn.attrs and c_attn.attrs["bias"] == 1
     assert list(param_shapes(c_attn)) == ["weight", "bias"]
+
+
+def test_falcon_linears_reading_the_weights_transpose_are_linears_stored_out_in(imported):
+    """``FalconLinear`` computes ``x @ self.weight.T`` (``aten.numpy_T``): each is a linear
+    of the module's ``(in, out)`` shape on every token, as ``nn.Linear`` — not a matmul with
+    an untransposed weight, which gave ``query_key_value`` 24 rows of 32 (a 16-token batch
+    read as 48 × 32 columns) and wrapped the next ops in opaque copies."""
+    model, graph = imported("falcon")
+    layer = model.transformer.h[0]
+    for path, module in (("self_attention.query_key_value", layer.self_attention.query_key_value),
+                         ("self_attention.dense", layer.self_attention.dense),
+                         ("mlp.dense_h_to_4h", layer.mlp.dense_h_to_4h),
+                         ("mlp.dense_4h_to_h", layer.mlp.dense_4h_to_h)):
+        op = graph[f"transformer.h.0.{path}"]
+        out_features, in_features = module.weight.shape
+        assert op.kind is OpKind.LINEAR and op.attrs["weight_t"] == 1, path
+        assert op.weight.shape == (in_features, out_features), path
+        assert op.output.shape == (BATCH * SEQ, out_features), path
+    assert [op.name for op in graph.ops if op.kind is OpKind.OPAQUE] == []
+
+
+def test_falcons_multi_query_attention_reads_its_fused_projection_as_q_k_v_blocks(imported):
+    """Falcon views ``query_key_value``'s output ``(B, T, heads + 2, D)``, slices q's heads
+    and picks the key and value heads by list indexing (``fused[..., [-2], :]``): the
+    indexing is a folded copy priced with the attention (no opaque op), which reads the
+    projection as ``[q | k | v]`` blocks — batch splits only — where GPT-NeoX's view
+    ``(B, T, -1, 3·D)`` (-1: the heads) is head-major and splits its heads."""
+    _, graph = imported("falcon")
+    attn = graph["transformer.h.0.self_attention.attention"]
+    assert attn.inputs == ("transformer.h.0.self_attention.query_key_value",)
+    assert attn.attrs.get("qkv_major") == 1 and head_splits(attn) == 1
+    assert attn.attrs["input_copies"] >= 2  # k's and v's picks
+    _, neox = imported("gpt_neox")
+    attn = neox["gpt_neox.layers.0.attention.attention"]
+    assert attn.inputs == ("gpt_neox.layers.0.attention.query_key_value",)
+    assert "qkv_major" not in attn.attrs and head_splits(attn) == 4
+
+
+def test_phi3s_sliced_qkv_projection_is_read_as_q_k_v_blocks_not_heads(imported):
+    """Phi-3 slices its fused ``qkv_proj`` (``qkv[..., :q_end]``, then k's and v's columns)
+    before viewing heads: ``[q | k | v]`` column blocks, as GPT-2's ``split``, so a column
+    split of the projection hands no device whole heads — the attention splits the batch
+    only (``qkv_major``) rather than pricing a head split its code would gather."""
+    _, graph = imported("phi3")
+    attn = graph["model.layers.0.self_attn.attention"]
+    assert attn.inputs == ("model.layers.0.self_attn.qkv_proj",)
+    assert attn.attrs.get("qkv_major") == 1 and head_splits(attn) == 1
+
+
+def test_phi3s_fused_gate_up_is_cut_into_parts_no_opaque_op(imported):
+    """Phi-3's MLP computes gate and up with one linear and ``chunk``s its output: the
+    linear is marked ``parts`` 2 and each half is a ``part`` op of its own (functional code
+    of the MLP), gate read by the activation's module, up by the product — Llama's gated
+    MLP after its two projections, and no opaque op anywhere in the model."""
+    _, graph = imported("phi3")
+    assert [op.name for op in graph.ops if op.kind is OpKind.OPAQUE] == []
+    mlp = "model.layers.0.mlp"
+    fused = graph[f"{mlp}.gate_up_proj"]
+    assert fused.kind is OpKind.LINEAR and fused.weight.shape == (32, 128)
+    assert fused.attrs["parts"] == 2 and fused.output.shape == (BATCH * SEQ, 128)
+    gate, up = graph[f"{mlp}.part"], graph[f"{mlp}.part_1"]
+    for i, part in enumerate((gate, up)):
+        assert part.kind is OpKind.PART and part.inputs == (fused.name,)
+        assert dict(part.attrs) == {"part": i, "parts": 2, "functional": 1}
+        assert part.output.shape == (BATCH * SEQ, 64) and part.flops == 0
+    assert graph[f"{mlp}.activation_fn"].inputs == (gate.name,)
+    assert graph[f"{mlp}.mul"].inputs == (up.name, f"{mlp}.activation_fn")
+    assert graph[f"{mlp}.down_proj"].inputs == (f"{mlp}.mul",)
+
+
+def test_a_fused_gate_up_is_priced_as_the_unfused_pair(imported):
+    """On every strategy of the 3-D family it keeps (data parallel, Megatron's column split
+    among them), Phi-3's ``gate_up_proj`` costs what Llama's (same sizes) ``gate_proj`` and
+    ``up_proj`` cost together under the same strategy: FLOPs, compute seconds (the flat
+    model, linear in FLOPs), weight and activation bytes, and the bytes of every collective
+    by kind and purpose (one gradient AllReduce of both instead of two); under SUMMA it
+    holds the gathered input once, not twice. Its parts follow it with no work and no
+    collective. It refuses exactly the strategies
+    leaving partial sums (a reduce-scatter onto its columns would hand a device contiguous
+    columns, not its share of gate and of up) — never priced, as the runtime cannot run them."""
+    from ilp_planner.lowering.strategies import follow
+
+    _, phi3 = imported("phi3")
+    _, llama = imported("llama_untied")
+    ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
+    fused = phi3["model.layers.0.mlp.gate_up_proj"]
+    pair = [llama[f"model.layers.0.mlp.{p}_proj"] for p in ("gate", "up")]
+    assert fused.flops == sum(op.flops for op in pair)
+
+    def by_label(op: Op) -> dict:
+        return {s.label: s for s in op_strategies(op, [TensorSpec((BATCH * SEQ, 32))], ctx)}
+
+    def coll_bytes(*ss: Any) -> dict:
+        out: dict = {}
+        for s in ss:
+            for c in (*s.collectives, *s.input_backward):
+                key = (c.kind, c.purpose, c.phase)
+                out[key] = out.get(key, 0) + c.bytes
+        return out
+
+    mine, gate, up = by_label(fused), by_label(pair[0]), by_label(pair[1])
+    partial = {k for k, s in gate.items()
+               if any(s.output.fact[a].size > 1 for a in s.output.partial_axes)}
+    assert partial and set(mine) == set(gate) - partial
+    for label, s in mine.items():
+        g, u = gate[label], up[label]
+        assert s.compute_s == pytest.approx(g.compute_s + u.compute_s, rel=1e-12)
+        if label.startswith("summa"):  # I[i, :] gathered once for both
+            rows = s.fact[0].size
+            assert s.state_bytes == g.state_bytes + u.state_bytes - BATCH * SEQ * 32 * 4 / rows
+            continue
+        assert s.state_bytes == g.state_bytes + u.state_bytes
+        assert s.activation_bytes == g.activation_bytes + u.activation_bytes
+        assert coll_bytes(s) == pytest.approx(coll_bytes(g, u), rel=1e-12)
+        for name in ("model.layers.0.mlp.part", "model.layers.0.mlp.part_1"):
+            assert follow(phi3[name], fused.output, s.output, ctx) == (s.output, (), 0.0)
+
+
+def test_a_fused_weights_columns_are_stored_in_the_order_its_split_holds_them():
+    """``gate_up_proj``'s 8 output rows (gate 0–3, up 4–7) split 2 ways are stored gate 0–1,
+    up 4–5 | gate 2–3, up 6–7: each device's block holds matching gate and up columns;
+    :func:`natural_order` gives the module's order back; unsplit, nothing moves."""
+    full = torch.arange(16.0).view(8, 2)
+    stored = interleaved(full, 2, 2, 0)
+    assert stored[:, 0].tolist() == [0, 2, 8, 10, 4, 6, 12, 14]
+    assert torch.equal(natural_order(stored, 2, 2, 0), full)
+    assert interleaved(full, 2, 1, 0) is full and interleaved(full, 1, 4, 0) is full
+    assert interleaved(torch.arange(12), 3, 2, 0).tolist() == [0, 1, 4, 5, 8, 9,
+                                                               2, 3, 6, 7, 10, 11]
 
 
 def test_llama_linear_weights_are_marked_stored_out_in(imported):

@@ -12,7 +12,9 @@ attention split over the batch and the heads at once. The 2 × 2 cluster gives p
 mesh whose first axis walks a node's devices (ranks ``0,2,1,3`` in DeviceMesh order), which
 ``parallelize`` runs as an explicit rank grid. Mixtral and Qwen2-MoE train with expert-
 parallel plans (:mod:`runtime.applied_moe`), and Mixtral with DeepSeek-V3's routers. ResNet
-trains with its batch norms synchronised over the devices splitting its batch.
+trains with its batch norms synchronised over the devices splitting its batch. Phi-3 trains
+with its fused ``gate_up_proj`` split over its columns (matching gate and up blocks on each
+device).
 """
 
 from __future__ import annotations
@@ -150,6 +152,20 @@ def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["phi3", "phi3-gate-up-split"])
+def test_phi3s_fused_gate_up_trains_split_over_its_columns_like_one_process(model, shape):
+    """Phi-3's fused ``gate_up_proj`` (its output ``chunk``ed into gate and up): the solver's
+    plan, and one splitting its columns over all 4 devices — each holding matching gate and
+    up columns (the weight stored interleaved, the chunk run on each rank's block) and the
+    product split as ``down_proj``'s rows read it — train like one process, every collective
+    the plan's."""
+    line = line_of(shape, model)
+    if model == "phi3-gate-up-split":
+        assert re.search(r"3d\(p0=1,p1=(4|2x2),p2=1\)", line), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["t5", "t5-tied-exchanging"])
 def test_t5_trains_like_one_process_and_the_plan(model, shape):
     """T5: keyword inputs, one table looked up by the encoder and the decoder and tied to
@@ -192,7 +208,7 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt"])
+@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "falcon"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
     """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
     functional code counting positions (the plan reads it in one layout, the runtime hands
@@ -202,7 +218,9 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     own. ``gemma2``: its logits soft-capped in functional code after the head, which reads
     them in the loss's layout (converted at the head's own boundary, not the root's).
     ``opt``: its positions' module adds their lookup to the word embeddings in its code,
-    so the plan hands that sum on as the embedding produced it."""
+    so the plan hands that sum on as the embedding produced it. ``falcon``: linears computing
+    ``x @ W.T``, multi-query attention picking its key and value heads from the fused
+    ``query_key_value`` by list indexing (run on each rank's rows, the batch split)."""
     line_of(shape, model)
 
 

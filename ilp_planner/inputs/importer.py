@@ -29,6 +29,10 @@ folded into tokens) or ``(N, C, H, W)`` for convolutional ones:
   attention (rotary) are priced with it by their bytes (``input_steps``), and its mask is
   evaluated (:mod:`ilp_planner.inputs.lift_masks`): anything but provable plain causal
   attention is ``not_plain_causal``;
+* a linear's output cut by ``chunk`` / ``split`` of its last dim into equal parts (Phi-3's
+  fused ``gate_up_proj``: gate and up) → a ``part`` op per block, following the linear,
+  which is marked ``attrs.parts``: a column split keeps matching blocks on each device
+  (:mod:`runtime.fused_parts`), priced as the unfused projections;
 * element-wise ops of one activation (``gelu``, ``relu``, ``silu``, ``dropout``) become
   followers; a bias or gain folds into the op owning it; the other element-wise steps of
   the module's code (a hand-written tanh GELU's pow, tanh and products, a written-out

@@ -194,14 +194,32 @@ def viewable(shape: tuple[int, ...], stride: tuple[int, ...], new: tuple[int, ..
     return view_d == -1
 
 
+def lift_index(g: DraftGraph, call: Call) -> Any:
+    """``x[..., [i], :]``: constant indices picking features of a ≥ 3-D activation, its
+    batch and sequence dims (0, 1) whole — Falcon's key and value heads picked from its
+    fused ``query_key_value`` — is a copy folded into the value (rows stay on their
+    devices), priced with the op reading it; any other indexing is an opaque op."""
+    x, idx = call.args[0], call.args[1] if len(call.args) > 1 else ()
+    picks = [i for i, a in enumerate(idx) if a is not None]
+    if not isinstance(x, Act) or len(x.shape) < 3 or not picks or min(picks) < 2 \
+            or any(not isinstance(idx[i], Const) or idx[i].params for i in picks):
+        return g.opaque(call.node, call.args, call.acts, call.val, call.op)
+    return Act(x.src, tuple(call.val.shape), dtype_of(call.val),
+               x.chain + (("index", *picks),), x.role, x.parts, x.steps + (call.node,))
+
+
 def lift_split(g: DraftGraph, call: Call) -> list:
-    """The parts of one activation, each remembering its dim and index (q / k / v of a
-    fused projection)."""
+    """The parts of one activation, each remembering its dim, its index, how many equal
+    parts there are (0 where they differ) and the split's node (whose module names a part
+    op): q / k / v of a fused projection, gate and up of a fused MLP."""
     op, args = call.op, call.args
     x = args[0]
     dim = args[2] if len(args) > 2 else (args[1] if op == "unbind" and len(args) > 1 else 0)
+    equal = len({tuple(v.shape) for v in call.val}) == 1
     return [Act(x.src, tuple(v.shape), dtype_of(v),
-                x.chain + ((op, int(dim) % len(x.shape), i),), steps=x.steps)
+                x.chain + ((op, int(dim) % len(x.shape), i, len(call.val) if equal else 0,
+                            call.node),),
+                steps=x.steps)
             for i, v in enumerate(call.val)]
 
 
@@ -392,4 +410,5 @@ ELEMENTWISE_HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(UNARY_FOLDS, lift_arithmetic),
     **dict.fromkeys(CONCATS, lift_concat),
     "new_empty": lift_new_empty,
+    "index": lift_index,
 }

@@ -240,6 +240,9 @@ class DraftGraph:
                     return d.name
         if not isinstance(x, Act):
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
+        part = _fused_part(self.drafts[x.src[0]], x)
+        if part is not None:
+            return self._part(x, *part)
         # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each
         # way — unless the value's own folded copies (absorbed) are that copy
         moved = 0 if any(is_copy(s) for s in own) else numel(x.shape) * DTYPE_BYTES[x.dtype]
@@ -250,6 +253,19 @@ class DraftGraph:
             spec = tokens_major(x.shape) if moved_to == "last" else tuple(x.shape)
         act = self.add(node, OpKind.OPAQUE, list(x.src), spec, x.dtype, main=False,
                        bytes_read=moved, bytes_written=moved, **rows)
+        return act.src[0]
+
+    def _part(self, x: Act, index: int, parts: int) -> str:
+        """The ``part`` op for equal column block ``index`` of ``parts`` of a linear's output
+        (:func:`_fused_part`), one per block however often it is read, named in the module
+        whose code splits it; the linear is marked ``attrs.parts``."""
+        src = self.drafts[x.src[0]]
+        for d in self.drafts.values():
+            if d.kind is OpKind.PART and d.inputs == (src.name,) and d.attrs["part"] == index:
+                return d.name
+        src.attrs["parts"] = parts
+        act = self.add(x.chain[0][4], OpKind.PART, [src.name], ir_shape(x.shape, x.dtype),
+                       x.dtype, main=False, part=index, parts=parts)
         return act.src[0]
 
     def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
@@ -282,7 +298,7 @@ def is_copy(node: Any) -> bool:
     """Whether a folded step is a copy — a re-view that moves bytes or a concatenation
     (:func:`ilp_planner.inputs.lift_elementwise.lift_view` keeps only those among the
     re-views) — rather than an element-wise kernel."""
-    return op_name(node.target) in VIEWS | CONCATS | {"copy_"}
+    return op_name(node.target) in VIEWS | CONCATS | {"copy_", "index"}
 
 
 def _source(node: Any) -> Any:
@@ -389,6 +405,20 @@ def folded_steps(count: Callable[[Any], NodeCost], nodes: Sequence[Any],
 
 Handler = Callable[[DraftGraph, Call], Any]
 """What the walk's table maps an aten op name to: the node's value from its lifted call."""
+
+
+def _fused_part(d: Draft, x: Act) -> tuple[int, int] | None:
+    """(index, parts) where ``x`` is one of the equal column blocks the user's code cuts a
+    linear's output into — its only step a ``chunk`` / ``split`` of the last dim into equal
+    parts (Phi-3's ``gate, up = gate_up_proj(x).chunk(2, dim=-1)``) — else None (a cast or
+    a view between, unequal parts: a relayout, :meth:`DraftGraph.ir`)."""
+    if d.kind is not OpKind.LINEAR or len(x.src) != 1 or len(x.chain) != 1:
+        return None
+    step = x.chain[0]
+    if step[0] not in SPLITS or len(step) < 5 or not step[3] \
+            or step[1] != len(x.shape) - 1 or numel(x.shape[:-1]) != d.shape[0]:
+        return None
+    return step[2], step[3]
 
 
 def _column_pick(d: Draft, x: Act) -> bool:

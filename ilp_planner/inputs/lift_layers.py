@@ -9,6 +9,7 @@ the planner cannot read, becomes opaque.
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 from typing import Any
 
@@ -151,7 +152,7 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
         attrs["probs_dropout"] = 1  # its code drops probabilities (p > 0, training)
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
-    if len(srcs) == 1 and not _head_major(q.chain):
+    if len(srcs) == 1 and not _head_major(q.chain, heads, numel(g.drafts[srcs[0]].shape)):
         attrs["qkv_major"] = 1
     if shared:
         attrs["shared_input"] = srcs.index(shared)
@@ -220,15 +221,26 @@ def _bias_table(g: DraftGraph, call: Call, heads: int) -> str | None:
     return tables[0] if len(tables) == 1 else None
 
 
-def _head_major(chain: tuple[tuple, ...]) -> bool:
+def _head_major(chain: tuple[tuple, ...], heads: int, total: int) -> bool:
     """Whether q reaches a fused projection by picking, per head, one of q / k / v — the
-    projection is ``[head0: q k v | head1: …]`` — rather than one ``[q | k | v]`` third."""
+    projection is ``[head0: q k v | head1: …]``, viewed ``(B, T, heads, …)`` — rather than
+    one ``[q | k | v]`` third (GPT-2's ``split``, Phi-3's slices ``qkv[..., :q_end]``:
+    blocks of features first; Falcon's multi-query ``(B, T, heads + 2, D)``: q's heads,
+    then one key and one value head). ``total``: the projection's elements, which a ``-1``
+    in the view stands for the rest of (GPT-NeoX's ``view(B, T, -1, 3·D)``)."""
     for step in chain:
         if step[0] in SPLITS and step[1] is not None:
             return False  # split first along the features: [q | k | v] blocks
+        if step[0] in ("slice", "narrow") and len(step) > 1:
+            return False  # a slice of the features first: [q | k | v] blocks
         if step[0] in ("view", "_unsafe_view", "reshape") and len(step) > 1:
             shape = step[1]
-            return isinstance(shape, (list, tuple)) and len(shape) >= 4
+            if not isinstance(shape, (list, tuple)) or len(shape) < 4:
+                return False
+            known = [int(d) for d in shape]
+            if known.count(-1) == 1:
+                known[known.index(-1)] = total // -math.prod(known)
+            return known[2] == heads
     return False
 
 

@@ -23,6 +23,7 @@ DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
 # aten ops that only re-view, copy, cast or pick parts of one tensor
 VIEWS = frozenset({
     "view", "_unsafe_view", "reshape", "transpose", "permute", "contiguous", "clone", "t",
+    "numpy_T",  # ``W.T`` (Falcon's ``FalconLinear``: ``x @ self.weight.T``)
     "expand", "unsqueeze", "squeeze", "alias", "detach", "to", "_to_copy", "type_as",
     "repeat_interleave", "repeat", "select", "slice", "narrow", "flatten", "lift_fresh_copy",
     "view_as", "reshape_as", "expand_as", "float", "half", "bfloat16", "unflatten",

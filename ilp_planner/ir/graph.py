@@ -32,6 +32,14 @@ planner gives them one input layout and one gradient layout and prices the progr
 the first of them (the runtime runs it once; autograd sums the readers' gradients, which
 then run one backward program).
 
+``part`` (imported models) is block ``attrs.part`` of the ``attrs.parts`` equal column blocks
+a linear's output is cut into by the user's code (``chunk`` / ``split``: Phi-3's fused
+``gate_up_proj``, gate then up); it follows the linear, whose own ``attrs.parts`` says its
+columns are such blocks: a column split of it ``k`` ways hands device ``i`` the ``i``-th
+``k``-th of every block (Megatron's interleaved fused weight; the runtime stores the weight's
+columns in that order, :mod:`runtime.fused_parts`), so each part splits its columns as the
+linear does, with no communication.
+
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
 softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the
 expert layout and the token exchange together (:mod:`ilp_planner.lowering.moe_strategies`).
@@ -91,6 +99,9 @@ class OpKind(str, Enum):
     BATCHNORM = "batchnorm"
     OPAQUE = "opaque"
     MOE = "moe"
+    # one of ``attrs.parts`` equal column blocks of a fused projection's output (Phi-3's
+    # ``gate_up_proj`` chunked into gate and up), ``attrs.part`` its index: a view, no work
+    PART = "part"
 
     @property
     def is_elementwise(self) -> bool:

@@ -72,7 +72,7 @@ from ilp_planner.lowering.redistribution import Redistribution, plan_redistribut
 
 FOLLOWER_KINDS = frozenset(
     {OpKind.GELU, OpKind.RELU, OpKind.SILU, OpKind.DROPOUT, OpKind.POOL, OpKind.FLATTEN,
-     OpKind.LOSS}
+     OpKind.LOSS, OpKind.PART}
 )
 NORM_KINDS = (OpKind.LAYERNORM, OpKind.RMSNORM)
 
@@ -216,7 +216,7 @@ def forward_seconds(op: Op, in_tensor: TensorSpec, in_layout: Layout,
                     ctx: StrategyContext) -> float:
     """The forward share of a follower's compute (:func:`follow`'s third value)."""
     split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
-    if op.kind is OpKind.FLATTEN:
+    if op.kind in (OpKind.FLATTEN, OpKind.PART):
         return 0.0
     read = in_tensor if op.kind is OpKind.LOSS else None
     return _priced(op, split, ctx, read=read)["forward_s"]
@@ -830,7 +830,7 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
 def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
     kind = op.kind
     if kind in (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL):
-        return _matmul_family(op, inputs, ctx)
+        return fused_parts_strategies(op, _matmul_family(op, inputs, ctx))
     if kind is OpKind.CONV2D:
         return _conv_family(op, ctx)
     if kind is OpKind.MOE:
@@ -874,6 +874,26 @@ def grouped_norm_layouts(op: Op, ctx: StrategyContext) -> list[Layout]:
         raise ValueError(f"norm {op.name!r}: attrs.group_width {op.attr('group_width')} does "
                          f"not divide its {op.output.shape[1]} features")
     return candidate_layouts(op.output, ctx, (0, 1), {1: groups})
+
+
+def fused_parts_strategies(op: Op, strategies: list[Strategy]) -> list[Strategy]:
+    """A linear whose output the user's code cuts into ``attrs.parts`` equal column blocks
+    (``part`` ops, :mod:`ilp_planner.ir.graph`): its column split must divide every block
+    (device ``i`` holds the ``i``-th ``k``-th of each, the runtime's interleaved weight), and
+    its output is never partial — resolving partial sums onto its columns would hand a
+    device contiguous columns, not its blocks' shares. Its other strategies are refused,
+    not priced; none left is an error naming the op."""
+    parts = op.attrs.get("parts") if op.kind is OpKind.LINEAR else None
+    if not parts:
+        return strategies
+    width = op.output.shape[1] // parts
+    kept = [s for s in strategies if width % s.output.split_degree(1) == 0
+            and all(s.output.fact[a].size == 1 for a in s.output.partial_axes)]
+    if not kept:
+        raise ValueError(f"linear {op.name!r} computes {parts} fused column blocks of "
+                         f"{width}; none of its strategies on this mesh splits its columns "
+                         f"by a divisor of {width} without partial sums")
+    return kept
 
 
 def bias_table_layouts(op: Op, layouts: list[Layout]) -> list[Layout]:

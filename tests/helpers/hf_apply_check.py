@@ -261,6 +261,43 @@ def t5(attention: str = "sdpa") -> Case:
                                                   "decoder_input_ids": _tokens()[0]}, targets)
 
 
+def phi3() -> Case:
+    """Phi3ForCausalLM: its MLP's fused ``gate_up_proj`` cut into gate and up by ``chunk``
+    (``part`` ops: each device's gate and up columns match, :mod:`runtime.fused_parts`), its
+    attention's fused ``qkv_proj`` sliced into q, k and v (batch splits only)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=2 * SEQ, pad_token_id=0, eos_token_id=1,
+                     bos_token_id=1, use_cache=False, attention_dropout=0.0,
+                     resid_pdrop=0.0, embd_pdrop=0.0)
+    return Case(Phi3ForCausalLM(cfg), *_tokens())
+
+
+def falcon() -> Case:
+    """FalconForCausalLM, multi-query: one ``query_key_value`` viewed ``(B, T, heads + 2,
+    D)``, q's heads sliced and the key and value heads picked by list indexing (folded
+    copies, the attention splitting the batch), linears computing ``x @ W.T``."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, use_cache=False, attention_dropout=0.0,
+                       hidden_dropout=0.0)
+    return Case(FalconForCausalLM(cfg), *_tokens())
+
+
+def phi3_gate_up_split() -> Case:
+    """Phi-3 with every fused ``gate_up_proj`` splitting its columns 4 ways (each device's
+    16 gate columns and the matching 16 up columns) and each ``down_proj`` its rows."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name.endswith("gate_up_proj"):
+            return s.output.split_degree(1) == 4
+        return True
+
+    return dataclasses.replace(phi3(), keep=keep)
+
+
 def _images(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 3, size, size), torch.randint(0, CLASSES, (BATCH,))
 
@@ -482,6 +519,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "mixtral-v3-router": mixtral_v3_router,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
+    "phi3": phi3,
+    "phi3-gate-up-split": phi3_gate_up_split,
+    "falcon": falcon,
 }
 
 
