@@ -129,7 +129,8 @@ def from_module(module: Any, example_inputs: Any, *,
         g.loss(_Synthetic("loss"), out)
     ops = _frozen_ops(list(g.drafts.values()), g.param_shape)
     if dtensor:  # the plan runs on the module: its functional code reads shared values
-        ops = [_marked_functional(op, module) for op in ops]
+        ops = _read_through_code([_marked_functional(op, module) for op in ops],
+                                 g.through_code)
     return Graph(name or type(module).__name__, ops)
 
 
@@ -254,6 +255,30 @@ def _marked_functional(op: Op, module: Any) -> Op:
             and not any(True for _ in module.get_submodule(path).parameters()):
         return op
     return dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "functional": 1}))
+
+
+def _read_through_code(ops: list[Op], outside: Mapping[str, tuple[int, ...]]) -> list[Op]:
+    """``ops`` with ``attrs.functional_inputs`` on each module's op (not functional code)
+    reading an input through element-wise steps the user's code ran outside its module
+    (``outside``: :meth:`DraftGraph._steps_outside`) on the output of another module: the
+    producer's boundary hands that value to functional code — converted there for its
+    functional readers, if any — so this module receives the steps' result of the value
+    handed out, not something its own boundary could convert (Granite's and Gemma's
+    ``inputs_embeds * scale`` read by the first layer's norm). A functional producer has no
+    boundary: the module's own program then starts from what it produced, as planned."""
+    by_name = {op.name: op for op in ops}
+
+    def module(name: str) -> bool:
+        op = by_name[name]
+        return op.kind is not OpKind.INPUT and not op.attrs.get("functional")
+
+    out = []
+    for op in ops:
+        bits = sum(1 << i for i in outside.get(op.name, ())
+                   if module(op.name) and module(op.inputs[i]))
+        out.append(dataclasses.replace(op, attrs=MappingProxyType(
+            {**op.attrs, "functional_inputs": bits})) if bits else op)
+    return out
 
 
 def _leaf(module: Any, path: str) -> bool:
