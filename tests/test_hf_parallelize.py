@@ -179,7 +179,9 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt"])
+@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "granite",
+                                   "granite-embedding-converted",
+                                   "gemma-embedding-converted"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
     """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
     functional code counting positions (the plan reads it in one layout, the runtime hands
@@ -189,7 +191,12 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     own. ``gemma2``: its logits soft-capped in functional code after the head, which reads
     them in the loss's layout (converted at the head's own boundary, not the root's).
     ``opt``: its positions' module adds their lookup to the word embeddings in its code,
-    so the plan hands that sum on as the embedding produced it."""
+    so the plan hands that sum on as the embedding produced it. ``granite``: its model's
+    code scales the embeddings before the first norm reads them (a read through functional
+    code: converted at the embedding's boundary with the residual's, the norm checks what
+    arrives) — the solver's plan, and (``-embedding-converted``) one splitting the table's
+    columns, so the embedding's boundary must convert; ``gemma-embedding-converted``: the
+    same plan where the scale runs inside the embedding's module, before its boundary."""
     line_of(shape, model)
 
 
