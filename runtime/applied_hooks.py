@@ -3,7 +3,9 @@
 
 :func:`hook_table` decides, from the plan alone, what each module boundary runs: for each
 input of a module the edge program (or a check that it already arrives in its planned
-layout), and for the output one program for all its functional consumers (or a check) —
+layout — always so for an input it reads through the user's code outside it,
+:meth:`~ilp_planner.ir.graph.Op.reads_functionally`, converted at its producer's boundary),
+and for the output one program for all its functional consumers (or a check) —
 they read one value, so they must read one layout and hand back their gradients in one
 layout (autograd sums them into the one backward program), as the plan's shared reads
 price it (:mod:`ilp_planner.lowering.shared_reads`). A layout change between two pieces of

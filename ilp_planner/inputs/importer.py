@@ -57,7 +57,8 @@ a numbered container whose ops have the same signature, whatever the container i
 are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
 (``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>`` and,
 for a plan run on the module, ``attrs.functional``: readers of one shared value,
-:meth:`~ilp_planner.ir.graph.Graph.shared_reads`), and
+:meth:`~ilp_planner.ir.graph.Graph.shared_reads` — as is a module's input read through the
+user's code outside it, ``attrs.functional_inputs``), and
 each op lists the parameters it owns (``Op.source_params``) so a plan can be applied back to
 the module (:mod:`ilp_planner.parallelize`).
 

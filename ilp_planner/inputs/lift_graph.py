@@ -175,11 +175,13 @@ class DraftGraph:
 
     def _record_outside(self, name: str, inputs: tuple[str, ...]) -> None:
         """Note which of op ``name``'s inputs it reads through code run outside its module
-        (:meth:`_steps_outside`), for the importer's ``attrs.functional_inputs``."""
+        (:meth:`_steps_outside`), for the importer's ``attrs.functional_inputs``; those
+        reads are its own (a relayout :meth:`ir` makes for one of several inputs leaves the
+        others' to the op reading them)."""
         idx = tuple(i for i, src in enumerate(inputs) if src in self.read_outside)
         if idx:
             self.through_code[name] = idx
-        self.read_outside = set()
+        self.read_outside -= set(inputs)
 
     def _steps_outside(self, node: Any, x: Act) -> bool:
         """Whether a folded step of ``x`` ran in neither the module whose code reads it
