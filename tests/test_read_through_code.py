@@ -22,9 +22,13 @@ from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.intra_op.baselines import solve_exact
 from ilp_planner.intra_op.problem import build_problem
-from ilp_planner.ir.graph import Graph
+from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import drop_unit_axes
 from ilp_planner.lowering.shared_reads import riders
+from ilp_planner.lowering.strategies import Strategy
+from ilp_planner.plan.programs import edge_programs
+from ilp_planner.testing import restricted_plan
+from runtime.applied_hooks import hook_table
 
 T = pytest.importorskip("transformers")
 
@@ -37,15 +41,18 @@ SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
 EMB, NORM, ADD = "model.embed_tokens", "model.layers.0.input_layernorm", "model.layers.0.add"
 
 
-def _imported(name: str) -> Graph:
+def _model(name: str) -> Any:
     torch.manual_seed(0)
-    model: Any = {
+    return {
         "granite": lambda: T.GraniteForCausalLM(T.GraniteConfig(**SMALL,
                                                                 embedding_multiplier=2.0)),
         "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**SMALL, head_dim=8)),
         "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SMALL)),
-    }[name]()
-    return from_module(model.eval(), (torch.randint(0, 64, (2, 8)),))
+    }[name]().eval()
+
+
+def _imported(name: str) -> Graph:
+    return from_module(_model(name), (torch.randint(0, 64, (2, 8)),))
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +147,29 @@ def test_the_solved_plan_reads_the_embedding_in_one_layout_for_the_norm_and_the_
     broken[gp.group_of[gp.owner[NORM]]] = other
     assert gp.problem.objective(broken) > 1.0 > objective
     assert f"{EMB!r} feeds functional code in two layouts" in gp.unrunnable(broken)
+
+
+def test_the_embeddings_boundary_converts_for_the_norm_which_checks_what_arrives():
+    """``parallelize``'s hook table for a Granite plan splitting the word table's columns
+    (so the norm and the residual, reading whole rows, need a program): the embedding's
+    boundary runs the one priced program for both readers, and the norm's own boundary
+    runs none — it checks its input arrives in the layout it reads (the product of the
+    model's scale and the converted value)."""
+    def columns(op: Op, s: Strategy) -> bool:
+        return op.kind is not OpKind.EMBEDDING or (
+            s.output.split_degree(1) > 1 and not drop_unit_axes(s.output).has_partial)
+
+    model = _model("granite")
+    graph = from_module(model, (torch.randint(0, 64, (2, 8)),))
+    config = load_config({"model": graph, "cluster": {**CLUSTER, "nodes": 1}})
+    plan = restricted_plan(config, columns)
+    layers = {ly.name: ly for ly in plan.layers}
+    programs = {(e.consumer, e.index): e.program for e in edge_programs(plan, config, graph)
+                if e.role in ("edge", "shared")}
+    hooks, post = hook_table(graph, layers, programs, model)
+    read = layers[NORM].inputs[0]
+    assert hooks[NORM].inputs[0] == (read, None, read)
+    dst, red = post[EMB]
+    assert red.steps and dst == read == layers[ADD].inputs[0]
+    assert red is programs[(NORM, 0)]  # the priced reader's program, run once
+    assert hooks[NORM].through_code == {0}  # no origin swap: the product is what it reads
