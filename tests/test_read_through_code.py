@@ -87,8 +87,9 @@ def test_no_read_through_code_where_none_runs_between_two_boundaries(name):
 
 
 class _Outside(nn.Module):
-    """A module producer, a functional producer, and a module reading each through a scale
-    run in this parent's forward; a norm scaling its own input inside itself."""
+    """Modules reading a module producer (read by functional code too, or not) and a
+    functional producer through a scale run in this parent's forward; a norm scaling its
+    own input inside itself."""
 
     class _ScalingNorm(nn.LayerNorm):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,14 +108,16 @@ class _Outside(nn.Module):
         x = self.emb(ids)
         h = self.first(x * 2.0) + x  # a module producer: read through code by ``first``
         s = self.proj(h) + h  # functional code: no boundary converts it
-        return self.head(self.inner(self.second(s * 0.5)))
+        return self.head(self.inner(self.second(s * 0.5)) * 2.0)
 
 
 def test_only_a_module_producers_value_read_through_outside_code_is_marked():
-    """``first`` reads the embedding (a module) through the parent's scale: marked.
-    ``second`` reads a functional add through the parent's scale: the add has no boundary,
-    so ``second``'s own program starts from what it produced — not marked. ``inner`` scales
-    inside its own module: not marked."""
+    """``first`` reads the embedding (a module the functional add reads too) through the
+    parent's scale: marked. ``second`` reads a functional add through the parent's scale:
+    the add has no boundary, so ``second``'s own program starts from what it produced — not
+    marked. ``inner`` scales inside its own module: not marked. ``head`` reads ``inner`` (a
+    module no functional code reads: nothing converts its output before the scale) through
+    the parent's scale: not marked, its own boundary converts the product."""
     graph = from_module(_Outside(), (torch.randint(0, 64, (2, 8)),))
     marked = {op.name: op.attrs["functional_inputs"] for op in graph.ops
               if op.attrs.get("functional_inputs")}

@@ -261,13 +261,17 @@ def _marked_functional(op: Op, module: Any) -> Op:
 def _read_through_code(ops: list[Op], outside: Mapping[str, tuple[int, ...]]) -> list[Op]:
     """``ops`` with ``attrs.functional_inputs`` on each module's op (not functional code)
     reading an input through element-wise steps the user's code ran outside its module
-    (``outside``: :meth:`DraftGraph._steps_outside`) on the output of another module: the
-    producer's boundary hands that value to functional code — converted there for its
-    functional readers, if any — so this module receives the steps' result of the value
-    handed out, not something its own boundary could convert (Granite's and Gemma's
-    ``inputs_embeds * scale`` read by the first layer's norm). A functional producer has no
-    boundary: the module's own program then starts from what it produced, as planned."""
+    (``outside``: :meth:`DraftGraph._steps_outside`) on the output of another module that
+    functional code reads too: that producer's boundary converts its output for its
+    functional readers, so this module receives the steps' result of the converted value,
+    not something its own boundary could convert (Granite's ``inputs_embeds * scale``, read
+    by the first layer's norm and the residual add). Where no functional code reads the
+    producer (GPT-2's ``c_fc`` → its GELU module → ``c_proj``), nothing converts it before
+    the steps: the module's own program runs on their result from the producer's layout,
+    its backward resolving the module's gradient before the steps' backward (a partial
+    sum never reaches a non-linear step); a functional producer has no boundary at all."""
     by_name = {op.name: op for op in ops}
+    read = {src for op in ops if op.attrs.get("functional") for src in op.inputs}
 
     def module(name: str) -> bool:
         op = by_name[name]
@@ -276,7 +280,7 @@ def _read_through_code(ops: list[Op], outside: Mapping[str, tuple[int, ...]]) ->
     out = []
     for op in ops:
         bits = sum(1 << i for i in outside.get(op.name, ())
-                   if module(op.name) and module(op.inputs[i]))
+                   if module(op.name) and module(op.inputs[i]) and op.inputs[i] in read)
         out.append(dataclasses.replace(op, attrs=MappingProxyType(
             {**op.attrs, "functional_inputs": bits})) if bits else op)
     return out
