@@ -181,7 +181,8 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "granite",
                                    "granite-embedding-converted",
-                                   "gemma-embedding-converted"])
+                                   "gemma-embedding-converted",
+                                   "gpt2-gelu-after-conversion"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
     """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
     functional code counting positions (the plan reads it in one layout, the runtime hands
@@ -196,7 +197,11 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     code: converted at the embedding's boundary with the residual's, the norm checks what
     arrives) — the solver's plan, and (``-embedding-converted``) one splitting the table's
     columns, so the embedding's boundary must convert; ``gemma-embedding-converted``: the
-    same plan where the scale runs inside the embedding's module, before its boundary."""
+    same plan where the scale runs inside the embedding's module, before its boundary.
+    ``gpt2-gelu-after-conversion``: GPT-2's GELU module between a column-split ``c_fc`` and
+    a column-parallel ``c_proj`` — code outside both modules on a value no functional code
+    reads, so ``c_proj``'s own boundary converts it (its backward resolves the partial
+    gradient before the GELU's backward)."""
     line_of(shape, model)
 
 

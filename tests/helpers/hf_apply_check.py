@@ -193,6 +193,20 @@ def embedding_converted(make: Callable[[], Case]) -> Callable[[], Case]:
     return lambda: dataclasses.replace(make(), keep=keep)
 
 
+def gpt2_gelu_after_conversion() -> Case:
+    """GPT-2 planned with each ``c_fc`` splitting its output's columns and each ``c_proj``
+    reading whole rows (column-parallel: its input gradient partial sums): the GELU module
+    between them runs in the model's code on ``c_fc``'s output, which no functional code
+    reads, so ``c_proj``'s own boundary converts the GELU's result and its backward resolves
+    the partial gradient before the GELU's backward reads it."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name.endswith("mlp.c_fc"):
+            return s.output.split_degree(1) > 1 and not drop_unit_axes(s.output).has_partial
+        return not op.name.endswith("mlp.c_proj") or s.inputs[0].split_degree(1) == 1
+
+    return dataclasses.replace(gpt2(), keep=keep)
+
+
 def vit() -> Case:
     """ViTForImageClassification: patch convolution, class token and position table, a
     classifier on the class token."""
@@ -476,6 +490,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "granite": granite,
     "granite-embedding-converted": embedding_converted(granite),
     "gemma-embedding-converted": embedding_converted(gemma),
+    "gpt2-gelu-after-conversion": gpt2_gelu_after_conversion,
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
