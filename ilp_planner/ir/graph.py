@@ -27,10 +27,10 @@ planner gives them one input layout and one gradient layout and prices the progr
 the first of them (the runtime runs it once; autograd sums the readers' gradients, which
 then run one backward program). ``attrs.functional_inputs`` (a bit per input index) marks
 the inputs a module's op reads *through* functional code: element-wise steps the user's
-code runs on its producer's output outside both modules (Granite's and Gemma's
-``inputs_embeds * scale`` before the first layer's norm), so the module receives a value
-computed from what the producer's boundary handed out — that read is a functional read
-(:meth:`Op.reads_functionally`).
+code runs outside both modules on the output of a producer that functional code reads too
+(Granite's ``inputs_embeds * embedding_multiplier`` before the first layer's norm and the
+residual add), so the module receives a value computed from what the producer's boundary
+converted for that code — that read is a functional read (:meth:`Op.reads_functionally`).
 
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
 softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the
