@@ -3,7 +3,9 @@
 
 :func:`hook_table` decides, from the plan alone, what each module boundary runs: for each
 input of a module the edge program (or a check that it already arrives in its planned
-layout), and for the output one program for all its functional consumers (or a check) —
+layout — always so for an input it reads through the user's code outside it,
+:meth:`~ilp_planner.ir.graph.Op.reads_functionally`, converted at its producer's boundary),
+and for the output one program for all its functional consumers (or a check) —
 they read one value, so they must read one layout and hand back their gradients in one
 layout (autograd sums them into the one backward program), as the plan's shared reads
 price it (:mod:`ilp_planner.lowering.shared_reads`). A layout change between two pieces of
@@ -90,6 +92,9 @@ class Hook:
     inputs: dict[int, tuple[Layout, Redistribution | None, Layout]] = field(default_factory=dict)
     output: tuple[Layout, Redistribution | None] | None = None
     local: bool = False  # the module computes on this rank's blocks (see LOCAL_KINDS)
+    # inputs read through the user's code outside the module (Op.reads_functionally):
+    # converted, if at all, at their producer's boundary; checked here as they arrive
+    through_code: frozenset[int] = frozenset()
 
 
 Programs = dict[str, tuple[Layout, Redistribution]]  # producer -> (layout read, program)
@@ -174,6 +179,10 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
             red = edges[(op.name, idx)]
             if op.kind is not OpKind.LOSS and runner_path(module, op) is not None:
                 h = hooks.setdefault(op.name, Hook(op.name))
+                if op.reads_functionally(idx):
+                    _read_through_code(h, idx, ly.inputs[idx])
+                    functional.setdefault(src, []).append((op.name, idx))
+                    continue
                 moves = bool(red.steps or red.backward_steps)
                 h.inputs[idx] = (layers[src].output, red if moves else None, ly.inputs[idx])
                 continue
@@ -182,6 +191,15 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
             if (prog := _shared_program(graph, src, readers, edges)) is not None}
     _outputs(graph, layers, module, hooks, post)
     return hooks, post
+
+
+def _read_through_code(h: Hook, idx: int, read: Layout) -> None:
+    """Input ``idx`` of ``h``'s module reaches it through the user's code run outside the
+    module (Granite's ``inputs_embeds * embedding_multiplier``): a value computed from what
+    its producer's boundary handed out — converted there, with the producer's functional
+    readers, to the layout it reads — so the module only checks it arrives in ``read``."""
+    h.inputs[idx] = (read, None, read)
+    h.through_code |= {idx}
 
 
 def _shared_program(graph: Graph, src: str, readers: list[tuple[str, int]],
@@ -304,7 +322,7 @@ class BoundaryHooks:
         for idx, (src, red, dst) in h.inputs.items():
             producer = op.inputs[idx]
             where = f"input {idx} of {h.op}"
-            origin = self.origin.get(id(args[idx]))
+            origin = None if idx in h.through_code else self.origin.get(id(args[idx]))
             # (an in-place op of functional code — ``out += identity`` — keeps the converted
             # tensor's identity but makes it another op's output: not the producer's then)
             if origin is not None and origin[0] is args[idx] and origin[2] == producer:

@@ -208,7 +208,10 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "falcon"])
+@pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "falcon",
+                                   "granite-embedding-converted",
+                                   "gemma-embedding-converted",
+                                   "gpt2-gelu-after-conversion"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
     """``roberta``: its one ``input_ids`` tensor is read by the word table and by the
     functional code counting positions (the plan reads it in one layout, the runtime hands
@@ -220,7 +223,16 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     ``opt``: its positions' module adds their lookup to the word embeddings in its code,
     so the plan hands that sum on as the embedding produced it. ``falcon``: linears computing
     ``x @ W.T``, multi-query attention picking its key and value heads from the fused
-    ``query_key_value`` by list indexing (run on each rank's rows, the batch split)."""
+    ``query_key_value`` by list indexing (run on each rank's rows, the batch split).
+    ``granite-embedding-converted``: its model's code scales the embeddings before the
+    first norm reads them (a read through functional code: converted at the embedding's
+    boundary with the residual's, the norm checks what arrives), under a plan splitting the
+    table's columns, so the embedding's boundary must convert (the solver's plan is the
+    same today); ``gemma-embedding-converted``: the same plan where the scale runs inside
+    the embedding's module, before its boundary. ``gpt2-gelu-after-conversion``: GPT-2's
+    GELU module between a column-split ``c_fc`` and a column-parallel ``c_proj`` — code
+    outside both modules on a value no functional code reads, so ``c_proj``'s own boundary
+    converts it (its backward resolves the partial gradient before the GELU's backward)."""
     line_of(shape, model)
 
 

@@ -61,7 +61,8 @@ a numbered container whose ops have the same signature, whatever the container i
 are marked ``block`` / ``block_index`` so tying applies. Op names are the user's module paths
 (``transformer.h.3.attn.c_attn``; functional ops inside a module get ``<path>.<kind>`` and,
 for a plan run on the module, ``attrs.functional``: readers of one shared value,
-:meth:`~ilp_planner.ir.graph.Graph.shared_reads`), and
+:meth:`~ilp_planner.ir.graph.Graph.shared_reads` — as is a module's input read through the
+user's code outside it, ``attrs.functional_inputs``), and
 each op lists the parameters it owns (``Op.source_params``) so a plan can be applied back to
 the module (:mod:`ilp_planner.parallelize`).
 
@@ -133,7 +134,8 @@ def from_module(module: Any, example_inputs: Any, *,
         g.loss(_Synthetic("loss"), out)
     ops = _frozen_ops(list(g.drafts.values()), g.param_shape)
     if dtensor:  # the plan runs on the module: its functional code reads shared values
-        ops = [_marked_functional(op, module) for op in ops]
+        ops = _read_through_code([_marked_functional(op, module) for op in ops],
+                                 g.through_code)
     return Graph(name or type(module).__name__, ops)
 
 
@@ -258,6 +260,34 @@ def _marked_functional(op: Op, module: Any) -> Op:
             and not any(True for _ in module.get_submodule(path).parameters()):
         return op
     return dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "functional": 1}))
+
+
+def _read_through_code(ops: list[Op], outside: Mapping[str, tuple[int, ...]]) -> list[Op]:
+    """``ops`` with ``attrs.functional_inputs`` on each module's op (not functional code)
+    reading an input through element-wise steps the user's code ran outside its module
+    (``outside``: :meth:`DraftGraph._steps_outside`) on the output of another module that
+    functional code reads too: that producer's boundary converts its output for its
+    functional readers, so this module receives the steps' result of the converted value,
+    not something its own boundary could convert (Granite's ``inputs_embeds * scale``, read
+    by the first layer's norm and the residual add). Where no functional code reads the
+    producer (GPT-2's ``c_fc`` → its GELU module → ``c_proj``), nothing converts it before
+    the steps: the module's own program runs on their result from the producer's layout,
+    its backward resolving the module's gradient before the steps' backward (a partial
+    sum never reaches a non-linear step); a functional producer has no boundary at all."""
+    by_name = {op.name: op for op in ops}
+    read = {src for op in ops if op.attrs.get("functional") for src in op.inputs}
+
+    def module(name: str) -> bool:
+        op = by_name[name]
+        return op.kind is not OpKind.INPUT and not op.attrs.get("functional")
+
+    out = []
+    for op in ops:
+        bits = sum(1 << i for i in outside.get(op.name, ())
+                   if module(op.name) and module(op.inputs[i]) and op.inputs[i] in read)
+        out.append(dataclasses.replace(op, attrs=MappingProxyType(
+            {**op.attrs, "functional_inputs": bits})) if bits else op)
+    return out
 
 
 def _leaf(module: Any, path: str) -> bool:

@@ -83,6 +83,11 @@ class DraftGraph:
         self.priced: set[str] = set()
         self.absorbed: list[Any] = []
         self.carrying: set[str] = set()  # drafts known to carry a gradient (_carries)
+        # the IR ops the op being built reads through element-wise steps or copies run
+        # outside its module (``ir``), and per op the input indices it reads so
+        # (``through_code``)
+        self.read_outside: set[str] = set()
+        self.through_code: dict[str, tuple[int, ...]] = {}
 
     # -- naming --------------------------------------------------------------------------
 
@@ -157,6 +162,7 @@ class DraftGraph:
             attrs = {**attrs, **self.folded(self.absorbed)}
             self.absorbed = []
         name = self._name(node, label or kind.value, main)
+        self._record_outside(name, tuple(dict.fromkeys(inputs)))
         owned = tuple(p for p in params if p not in self.owner)
         for p in owned:
             self.owner[p] = name
@@ -166,6 +172,33 @@ class DraftGraph:
             sum(numel(self.param_shape[p]) for p in owned), float(flops), dict(attrs), owned,
             self.scope(node))
         return Act((name,), shape, dtype)
+
+    def _record_outside(self, name: str, inputs: tuple[str, ...]) -> None:
+        """Note which of op ``name``'s inputs it reads through code run outside its module
+        (:meth:`_steps_outside`), for the importer's ``attrs.functional_inputs``; those
+        reads are its own (a relayout :meth:`ir` makes for one of several inputs leaves the
+        others' to the op reading them)."""
+        idx = tuple(i for i, src in enumerate(inputs) if src in self.read_outside)
+        if idx:
+            self.through_code[name] = idx
+        self.read_outside -= set(inputs)
+
+    def _steps_outside(self, node: Any, x: Act) -> bool:
+        """Whether a folded step of ``x`` ran in neither the module whose code reads it
+        (``node``'s) nor the one of the op it comes from: in a parent's forward, between
+        the producer's boundary and the reader's (Granite's ``inputs_embeds *
+        embedding_multiplier`` before the first layer's norm). A step inside the producer's
+        module (a scaled embedding's own product) runs before its boundary."""
+        def within(path: str, module: str) -> bool:
+            return bool(module) and (path == module or path.startswith(module + "."))
+
+        def inner(scope: tuple[tuple[str, str], ...]) -> str:
+            return scope[-1][0] if scope else ""
+
+        reader = inner(self.scope(node))
+        made = [inner(self.drafts[s].scope) for s in x.src if s in self.drafts]
+        return any(not within(p, reader) and not any(within(p, m) for m in made)
+                   for p in (inner(self.scope(s)) for s in x.steps))
 
     def adopt(self, draft: Draft, params: Sequence[str]) -> list[str]:
         """Give ``draft`` those of ``params`` no op owns yet (a bias, a position table that
@@ -223,6 +256,8 @@ class DraftGraph:
         stands for, priced instead of its estimate."""
         own = self.steps_to_price(x.steps) if isinstance(x, Act) else []
         self.absorbed += own
+        if isinstance(x, Act) and self._steps_outside(node, x):
+            self.read_outside.update(x.src)
         moved_to = _channels_moved(self.drafts[x.src[0]], x) if isinstance(x, Act) else None
         if isinstance(x, Act) and len(x.src) == 1 and moved_to is None:
             d = self.drafts[x.src[0]]

@@ -690,8 +690,9 @@ def input_reads(graph: Graph, boundary: StageBoundary) -> dict[str, list[tuple[s
 
 def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[int]:
     """The edges (indices into ``pairs``) from one piece of the user's functional code to
-    another (``attrs.functional`` on both; the module's output — the loss's input — is
-    converted by the module's own boundary, so it is not one): ``parallelize`` runs
+    another (``attrs.functional`` on the producer, the read functional:
+    :meth:`~ilp_planner.ir.graph.Op.reads_functionally`; the module's output — the loss's
+    input — is converted by the module's own boundary, so it is not one): ``parallelize`` runs
     programs at module boundaries only, so nothing may move there. An imported embedding
     whose position tables it owns counts as functional code here: the tables' own modules
     add their lookups to its output in the user's code (OPT's, GPT-2's
@@ -700,7 +701,8 @@ def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[i
     plan's."""
     output = _module_output(graph)
     return frozenset(i for i, (src, dst) in enumerate(pairs)
-                     if src != output and graph[dst].attrs.get("functional")
+                     if src != output
+                     and graph[dst].reads_functionally(graph[dst].inputs.index(src))
                      and (graph[src].attrs.get("functional")
                           or (graph[src].kind is OpKind.EMBEDDING
                               and position_tables(graph[src].attrs))))
@@ -717,7 +719,7 @@ def _functional_follows(graph: Graph, owner: dict[str, str], position: dict[str,
     return tuple((owner[op.name], position[op.inputs[0]], position[op.name])
                  for op in graph.ops
                  if op.kind is not OpKind.INPUT and owner[op.name] != op.name
-                 and op.attrs.get("functional") and op.inputs[0] != output
+                 and op.reads_functionally(0) and op.inputs[0] != output
                  and graph[op.inputs[0]].attrs.get("functional"))
 
 

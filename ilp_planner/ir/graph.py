@@ -30,7 +30,12 @@ one producer reads the one value the producer's boundary hands out, whatever pro
 it into its layout. Such readers are a *shared read* (:meth:`Graph.shared_reads`): the
 planner gives them one input layout and one gradient layout and prices the program once, on
 the first of them (the runtime runs it once; autograd sums the readers' gradients, which
-then run one backward program).
+then run one backward program). ``attrs.functional_inputs`` (a bit per input index) marks
+the inputs a module's op reads *through* functional code: element-wise steps the user's
+code runs outside both modules on the output of a producer that functional code reads too
+(Granite's ``inputs_embeds * embedding_multiplier`` before the first layer's norm and the
+residual add), so the module receives a value computed from what the producer's boundary
+converted for that code — that read is a functional read (:meth:`Op.reads_functionally`).
 
 ``part`` (imported models) is block ``attrs.part`` of the ``attrs.parts`` equal column blocks
 a linear's output is cut into by the user's code (``chunk`` / ``split``: Phi-3's fused
@@ -207,6 +212,14 @@ class Op:
             raise KeyError(f"op {self.name!r} ({self.kind.value}) has no attribute {key!r}")
         return self.attrs[key]
 
+    def reads_functionally(self, idx: int) -> bool:
+        """Whether input ``idx`` reaches this op as functional code reads it — converted,
+        if at all, at its producer's boundary, not at this op's: the op is functional code
+        (``attrs.functional``), or a module reading that input through steps run outside it
+        (``attrs.functional_inputs``)."""
+        return bool(self.attrs.get("functional")) \
+            or bool(self.attrs.get("functional_inputs", 0) >> idx & 1)
+
     @property
     def tie_key(self) -> str | None:
         """Key shared by the same op in every repetition of a block (None if not repeated)."""
@@ -257,16 +270,14 @@ class Graph:
 
     def shared_reads(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """Producer → its functional readers ``(consumer, input index)`` in graph order,
-        where there are two or more (``attrs.functional``): one value, one program — the
-        first reader's, which the plan prices; the others read its result. A graph input is
+        where there are two or more (:meth:`Op.reads_functionally`): one value, one program —
+        the first reader's, which the plan prices; the others read its result. A graph input is
         no producer here (each consumer loads its own block, nothing moves)."""
         if self._shared is None:
             readers: dict[str, list[tuple[str, int]]] = {}
             for op in self._ops.values():
-                if not op.attrs.get("functional"):
-                    continue
                 for idx, src in enumerate(op.inputs):
-                    if self._ops[src].kind is not OpKind.INPUT:
+                    if op.reads_functionally(idx) and self._ops[src].kind is not OpKind.INPUT:
                         readers.setdefault(src, []).append((op.name, idx))
             self._shared = {src: tuple(rs) for src, rs in readers.items() if len(rs) > 1}
         return dict(self._shared)

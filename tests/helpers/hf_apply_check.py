@@ -41,6 +41,7 @@ from ilp_planner.intra_op.baselines import (  # noqa: E402
 )
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations  # noqa: E402
 from ilp_planner.ir.graph import Op, OpKind  # noqa: E402
+from ilp_planner.ir.layouts import drop_unit_axes  # noqa: E402
 from ilp_planner.lowering.moe_strategies import expert_parallel  # noqa: E402
 from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
@@ -182,6 +183,56 @@ def opt() -> Case:
                     word_embed_proj_dim=32, use_cache=False, dropout=0.0,
                     attention_dropout=0.0)
     return Case(OPTForCausalLM(cfg), *_tokens())
+
+
+def granite() -> Case:
+    """GraniteForCausalLM: its embeddings scaled in the model's code (``inputs_embeds *
+    embedding_multiplier``), between the embedding's boundary and the first layer's norm,
+    which reads the product (a read through functional code, converted at the embedding's
+    boundary with the residual's)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    cfg = GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=2 * SEQ, embedding_multiplier=2.0,
+                        use_cache=False)
+    return Case(GraniteForCausalLM(cfg), *_tokens())
+
+
+def gemma() -> Case:
+    """GemmaForCausalLM: its embeddings scaled by √hidden inside the embedding's own module
+    (before its boundary)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False)
+    return Case(GemmaForCausalLM(cfg), *_tokens())
+
+
+def embedding_converted(make: Callable[[], Case]) -> Callable[[], Case]:
+    """``make``'s model planned with its word table's columns split (its output split over
+    the hidden dim, no partial sums): the norms and the residual read whole rows, so the
+    embedding's boundary converts its output for them."""
+    def keep(op: Op, s: Strategy) -> bool:
+        return op.kind is not OpKind.EMBEDDING or (
+            s.output.split_degree(1) > 1 and not drop_unit_axes(s.output).has_partial)
+
+    return lambda: dataclasses.replace(make(), keep=keep)
+
+
+def gpt2_gelu_after_conversion() -> Case:
+    """GPT-2 planned with each ``c_fc`` splitting its output's columns and each ``c_proj``
+    reading whole rows (column-parallel: its input gradient partial sums): the GELU module
+    between them runs in the model's code on ``c_fc``'s output, which no functional code
+    reads, so ``c_proj``'s own boundary converts the GELU's result and its backward resolves
+    the partial gradient before the GELU's backward reads it."""
+    def keep(op: Op, s: Strategy) -> bool:
+        if op.name.endswith("mlp.c_fc"):
+            return s.output.split_degree(1) > 1 and not drop_unit_axes(s.output).has_partial
+        return not op.name.endswith("mlp.c_proj") or s.inputs[0].split_degree(1) == 1
+
+    return dataclasses.replace(gpt2(), keep=keep)
 
 
 def vit() -> Case:
@@ -503,6 +554,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
     "opt": opt,
+    "granite-embedding-converted": embedding_converted(granite),
+    "gemma-embedding-converted": embedding_converted(gemma),
+    "gpt2-gelu-after-conversion": gpt2_gelu_after_conversion,
     "gpt2": gpt2,
     "vit": vit,
     "resnet": resnet,
