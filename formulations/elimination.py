@@ -35,6 +35,7 @@ on the kept strategies (``ilp_planner.intra_op.solve_mesh.solve_mesh``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -165,18 +166,17 @@ class _Step:
                ) -> list[tuple[tuple[int, ...], np.ndarray]]:
         """The maximal factors, each with the smaller ones folded into it (their rows at
         ``at`` when given), in the order :meth:`total` adds them."""
+        factors = [*self.inputs, *extra]
         parts: list[tuple[tuple[int, ...], np.ndarray]] = []
-        for vars_, table, _ in sorted([*self.inputs, *extra], key=lambda f: -np.ndim(f[1])):
-            host = next((i for i, (vs, _) in enumerate(parts) if set(vars_) <= set(vs)), None)
-            table = np.asarray(table, dtype=float)
+        for i, host in _fold_plan(tuple(f[0] for f in factors)):
+            vars_, table = factors[i][0], np.asarray(factors[i][1], dtype=float)
             if at is not None:  # the row (1-d over y, or a scalar): broadcasts as it is
                 piece = table[tuple(slice(None) if v == self.y else at[v] for v in vars_)]
             if host is None:
                 parts.append((vars_, table if at is None else piece))
             else:
                 vs, t = parts[host]
-                parts[host] = (vs, t + (_aligned(vars_, table, list(vs)) if at is None
-                                        else piece))
+                parts[host] = (vs, t + (_aligned(vars_, table, vs) if at is None else piece))
         return parts
 
     def reduced(self, sizes: list[int]) -> np.ndarray:
@@ -284,13 +284,38 @@ def min_marginals(steps: list[_Step], sizes: list[int]) -> list[np.ndarray]:
     return marg
 
 
-def _aligned(vars_: tuple[int, ...], table: np.ndarray, axes: list[int]) -> np.ndarray:
+def _aligned(vars_: tuple[int, ...], table: np.ndarray, axes) -> np.ndarray:
     """``table`` (one axis per var of ``vars_``) broadcastable against ``axes``."""
-    perm = sorted(range(len(vars_)), key=lambda i: axes.index(vars_[i]))
+    perm, slots = _alignment(tuple(vars_), tuple(axes))
     moved = np.transpose(table, perm)
-    present = {vars_[i] for i in perm}
-    shape = [moved.shape[[vars_[i] for i in perm].index(a)] if a in present else 1 for a in axes]
-    return moved.reshape(shape)
+    return moved.reshape([1 if i < 0 else moved.shape[i] for i in slots])
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _alignment(vars_: tuple[int, ...], axes: tuple[int, ...]
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """How :func:`_aligned` moves a table over ``vars_`` onto ``axes``: the transpose,
+    and per axis the moved table's axis of that size (-1: a unit axis). Every pass of
+    every branch-and-bound node aligns the same few factors, so it is worked out once."""
+    perm = tuple(sorted(range(len(vars_)), key=lambda i: axes.index(vars_[i])))
+    moved = [vars_[i] for i in perm]
+    return perm, tuple(moved.index(a) if a in moved else -1 for a in axes)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _fold_plan(scopes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int | None], ...]:
+    """How :meth:`_Step._parts` folds factors over ``scopes``: the factors by falling
+    dimension (stable), each with the part it is folded into (the first earlier one whose
+    groups hold its own) or None where it starts a part. Depends on the scopes alone, which
+    every pass over one group graph repeats."""
+    plan: list[tuple[int, int | None]] = []
+    hosts: list[set[int]] = []
+    for i in sorted(range(len(scopes)), key=lambda i: -len(scopes[i])):
+        host = next((h for h, vs in enumerate(hosts) if set(scopes[i]) <= vs), None)
+        if host is None:
+            hosts.append(set(scopes[i]))
+        plan.append((i, host))
+    return tuple(plan)
 
 
 def _merged_edges(problem: Problem) -> dict[tuple[int, int], np.ndarray]:
@@ -632,6 +657,9 @@ def _search_note(search: _BranchAndBound, keep, proven: float | None) -> str:
 
 # most elimination passes :class:`_BranchAndBound` spends before leaving the proof to the ILP
 BRANCH_PASSES = 400
+# most open nodes below the incumbent :class:`_BranchAndBound` carries before leaving the
+# proof to the ILP (:meth:`_BranchAndBound._piling_up`)
+BRANCH_OPEN = 8
 # solves a restriction to its gap: (a best choice, a proven lower bound on its objective),
 # or None when it gives up; the restriction has a choice that fits
 NodeSolver = Callable[[Problem], "tuple[tuple[int, ...], float] | None"]
@@ -761,7 +789,7 @@ class _BranchAndBound:
                 if found is not None:
                     self._offer(_lifted(node.allowed, found))
                 continue
-            if self.passes > BRANCH_PASSES:
+            if self.passes > BRANCH_PASSES or self._piling_up(low):
                 return self.best, None
             if node.over is not None:
                 self._split_memory(node)
@@ -780,6 +808,14 @@ class _BranchAndBound:
             self._offer(_lifted(node.allowed, solved[0]))
             floor = min(floor, solved[1])
         return self.best, min(self.best_obj, floor)  # every node infeasible, closed or solved
+
+    def _piling_up(self, low: float) -> bool:
+        """Whether the open nodes the incumbent does not close (the one popped at ``low``
+        among them) number more than :data:`BRANCH_OPEN`: the searches that close do so
+        with a handful open, and past that the pile only grows until ``BRANCH_PASSES``
+        are spent and the ILP proves the rest anyway. Counts only: deterministic."""
+        limit = self.best_obj - self.gap * abs(self.best_obj)
+        return (low < limit) + sum(1 for entry in self._heap if entry[0] < limit) > BRANCH_OPEN
 
     def _offer(self, choice: tuple[int, ...]) -> None:
         """Keep ``choice`` (the problem's indices) as the incumbent if it fits and is better."""

@@ -548,3 +548,48 @@ def test_an_ilp_cutoff_without_a_warm_start_raises_cutoff_not_a_heuristic_plan(m
         sm._solve_ilp(config, p, None, None, [], 0.0, cutoff=optimum.objective * 0.99)
     kept = sm._solve_ilp(config, p, None, None, [], 0.0, cutoff=optimum.objective * 1.01)
     assert kept.status == "optimal" and kept.objective == pytest.approx(optimum.objective)
+
+
+@pytest.mark.parametrize("open_nodes", [0, 1, 2])
+def test_a_branch_and_bound_stopped_for_its_pile_of_open_nodes_keeps_the_optimum(
+        open_nodes, monkeypatch):
+    """``BRANCH_OPEN``: the search stops once more open nodes than that lie below the
+    incumbent, the proof left to the ILP on the kept strategies. On random budgeted
+    problems (buckets on odd seeds; nothing enumerated) where the stop fires, what it
+    returns fits and claims no bound, and the kept strategies still hold the exhaustive
+    optimum — the result the un-stopped search (or the ILP after it) reaches."""
+    monkeypatch.setattr(elimination, "ENUMERATE_POINTS", 0)
+    monkeypatch.setattr(elimination, "BRANCH_OPEN", open_nodes)
+    stopped = 0
+    for seed in range(60):
+        p, opt = _budgeted_with_optimum(seed)
+        if p is None:
+            continue
+        search = _BranchAndBound(p, 0.0)
+        best, bound = search.run(tuple(int(np.argmin(m)) for m in p.memory))
+        assert p.feasible(best) and p.objective(best) >= opt * (1 - REL) - 1e-12
+        if bound is None:
+            stopped += 1
+        else:
+            assert bound <= opt * (1 + REL) + 1e-12
+        res = solve_elimination(p)
+        assert p.feasible(res.result.choice)
+        assert res.result.bound <= opt * (1 + REL) + 1e-12
+        if res.keep is None:
+            assert math.isclose(res.result.objective, opt, rel_tol=1e-8, abs_tol=1e-12)
+        else:
+            found = exhaustive(p.subset(res.keep)).objective
+            assert math.isclose(found, opt, rel_tol=1e-8, abs_tol=1e-12), seed
+    assert stopped > 0  # the rule fired: the cases above are the ones it leaves to the ILP
+
+
+def test_solve_mesh_with_the_pile_rule_firing_at_once_equals_the_ilp_alone(monkeypatch):
+    """Any branch and bound of a solve under a binding budget stopped at its first open
+    node (``BRANCH_OPEN`` 0): the ILP after it proves the same optimum as the ILP alone."""
+    monkeypatch.setattr(elimination, "BRANCH_OPEN", 0)
+    config = _tiny_gpt(2, 1, 4, tie_layers=False)
+    gp, res = solve_mesh(MeshSolveRequest.whole_model(config, 1, 4, None))
+    least = gp.problem.min_memory()[0]
+    on, off = _pair(config, least + 0.3 * (gp.problem.memory_of(res.choice) - least))
+    assert on.status == off.status == "optimal"
+    assert math.isclose(on.objective, off.objective, rel_tol=1e-7)
