@@ -1153,3 +1153,7 @@ def test_a_config_builds_a_hugging_face_class_from_its_configuration_fields(tmp_
     path.write_text(path.read_text().replace("'n_embd': 32", "'n_embd': 30"))  # 30 % 4 heads
     with pytest.raises(ConfigError, match=r"model\.kwargs.*GPT2Config\(\*\*kwargs\)"):
         load_config(path)
+    path.write_text(path.read_text().replace("'n_layer'", "'n_layers'"))  # a misspelt field
+    with pytest.raises(ConfigError, match=r"model\.kwargs\.n_layers.*not a field of GPT2Config "
+                                          r"\(did you mean 'n_layer'\?\)"):
+        load_config(path)

@@ -630,3 +630,44 @@ def test_nothing_moves_between_a_functional_head_and_the_steps_the_code_runs_on_
     plan = ilp_planner.solve(config, baselines=False)
     layers = {ly.name: ly for ly in plan.layers}
     assert drop_unit_axes(layers["loss"].inputs[0]) == drop_unit_axes(layers["linear"].output)
+
+
+class _ChunkedAndWhole(nn.Module):
+    """A linear's output cut into gate and up by ``chunk`` and also read whole (``side``),
+    or cut two ways (``chunk(2)`` and ``chunk(4)``) where ``twice``."""
+
+    def __init__(self, twice: bool = False):
+        super().__init__()
+        self.twice = twice
+        self.fc, self.out = nn.Linear(64, 256), nn.Linear(128, 64)
+        self.side = nn.Linear(64 if twice else 256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        a, b = h.chunk(2, dim=-1)
+        other = h.chunk(4, dim=-1)[0] if self.twice else h
+        return self.out(a * nn.functional.silu(b)) + self.side(other)
+
+
+def test_a_fused_output_also_read_whole_keeps_its_columns_whole():
+    """``parallelize`` cannot hand a whole reader the interleaved blocks of a column split,
+    so the planner never prices one (it once did, and the runtime refused the plan)."""
+    g = from_module(_ChunkedAndWhole(), (torch.randn(8, 64),))
+    fc = g["fc"]
+    assert fc.attrs["parts"] == 2 and fc.attrs["parts_read_whole"] == 1
+    config = load_config({"model": g, "cluster": CLUSTER})
+    ctx = StrategyContext(config.cluster, 2, 2, config.memory)
+    assert {s.output.split_degree(1) for s in op_strategies(fc, [g["x"].output], ctx)} == {1}
+    unmarked = dataclasses.replace(fc, attrs={k: v for k, v in fc.attrs.items()
+                                              if k != "parts_read_whole"})
+    assert 2 in {s.output.split_degree(1) for s in op_strategies(unmarked, [g["x"].output], ctx)}
+
+
+def test_one_linear_cut_two_ways_keeps_one_cut_as_parts():
+    """``chunk(2)`` and ``chunk(4)`` of one output: the second cut is a relayout, not a
+    ``part`` op of the first cut's width read by a linear expecting a quarter."""
+    g = from_module(_ChunkedAndWhole(twice=True), (torch.randn(8, 64),))
+    parts = [op for op in g.ops if op.kind is OpKind.PART]
+    assert {op.attrs["parts"] for op in parts} == {2}
+    assert all(op.output.shape == (8, 128) for op in parts)
+    assert g[g["side"].inputs[0]].output.shape == (8, 64)

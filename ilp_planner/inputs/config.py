@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -410,6 +411,8 @@ def _parse_torch_model(r: Reader, value: Mapping[str, Any]) -> Graph:
     inputs = {k: tensor(*rest) for k, *rest in specs} if named else \
         tuple(tensor(*rest) for _, *rest in specs)
     hf_config = _hf_config_class(factory)
+    if hf_config is not None:
+        _check_hf_fields(r, hf_config, kwargs)
     try:
         with torch.device("meta"):
             module = factory(**kwargs) if hf_config is None else factory(
@@ -434,6 +437,23 @@ def _hf_config_class(factory: Any) -> type | None:
             and hasattr(factory, "from_pretrained"):
         return config_class
     return None
+
+
+def _check_hf_fields(r: Reader, config_class: type, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a ``model.kwargs`` key that is no field of the Hugging Face configuration
+    class: the class would keep it as a stray attribute and build its default model (a
+    misspelt ``n_layers`` gives GPT-2's 12 layers)."""
+    try:
+        default = config_class()
+    except Exception:  # noqa: BLE001 - a class without defaults is checked by its constructor
+        return
+    fields = set(default.to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    for key in kwargs:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            r.fail(join("model.kwargs", key),
+                   f"not a field of {config_class.__name__}"
+                   + (f" (did you mean {near[0]!r}?)" if near else ""))
 
 
 def _parse_link(r: Reader, value: Any, path: str, base: Link | None = None) -> Link:

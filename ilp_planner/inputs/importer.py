@@ -232,11 +232,14 @@ def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) ->
     parameters records each one's size (:func:`ilp_planner.ir.graph.opaque_param_sizes`), so
     the plan prices one role per parameter, as the runtime places them."""
     blocks = mark_blocks(drafts)
+    read_whole = {i for d in drafts if d.kind is not OpKind.PART for i in d.inputs}
     ops = []
     for d in drafts:
         block, index = blocks.get(d.name, (None, None))
         weight = TensorSpec(d.weight, d.dtype) if d.weight is not None else None
         attrs = dict(d.attrs)
+        if d.kind is not OpKind.PART and attrs.get("parts") and d.name in read_whole:
+            attrs["parts_read_whole"] = 1  # its columns stay whole: fused_parts_strategies
         if d.kind is OpKind.OPAQUE and len(d.source_params) > 1:
             attrs.update({f"param_{i}": numel(param_shape[p])
                           for i, p in enumerate(d.source_params)})

@@ -276,7 +276,8 @@ class DraftGraph:
         if not isinstance(x, Act):
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
         part = _fused_part(self.drafts[x.src[0]], x)
-        if part is not None:
+        # one linear cut two ways (chunk(2) and chunk(4)): the second cut is a relayout
+        if part is not None and self.drafts[x.src[0]].attrs.get("parts", part[1]) == part[1]:
             return self._part(x, *part)
         # a relayout the planner cannot follow: a copy, so no FLOPs, and its bytes once each
         # way — unless the value's own folded copies (absorbed) are that copy
@@ -296,7 +297,8 @@ class DraftGraph:
         whose code splits it; the linear is marked ``attrs.parts``."""
         src = self.drafts[x.src[0]]
         for d in self.drafts.values():
-            if d.kind is OpKind.PART and d.inputs == (src.name,) and d.attrs["part"] == index:
+            if d.kind is OpKind.PART and d.inputs == (src.name,) \
+                    and (d.attrs["part"], d.attrs["parts"]) == (index, parts):
                 return d.name
         src.attrs["parts"] = parts
         act = self.add(x.chain[0][4], OpKind.PART, [src.name], ir_shape(x.shape, x.dtype),

@@ -43,7 +43,8 @@ a linear's output is cut into by the user's code (``chunk`` / ``split``: Phi-3's
 columns are such blocks: a column split of it ``k`` ways hands device ``i`` the ``i``-th
 ``k``-th of every block (Megatron's interleaved fused weight; the runtime stores the weight's
 columns in that order, :mod:`runtime.fused_parts`), so each part splits its columns as the
-linear does, with no communication.
+linear does, with no communication. Where another op also reads the linear whole
+(``attrs.parts_read_whole``, marked at import) its columns stay whole.
 
 ``moe`` is a whole mixture-of-experts MLP on ``(tokens, hidden)``: router (gate matmul,
 softmax or sigmoid, top-k), dispatch, experts and combine as one op, so that its strategies choose the

@@ -887,7 +887,10 @@ def fused_parts_strategies(op: Op, strategies: list[Strategy]) -> list[Strategy]
     if not parts:
         return strategies
     width = op.output.shape[1] // parts
-    kept = [s for s in strategies if width % s.output.split_degree(1) == 0
+    # an op other than its parts reading the output whole (``attrs.parts_read_whole``) would
+    # gather the interleaved blocks out of order: the columns stay whole then
+    most = 1 if op.attrs.get("parts_read_whole") else width
+    kept = [s for s in strategies if most % s.output.split_degree(1) == 0
             and all(s.output.fact[a].size == 1 for a in s.output.partial_axes)]
     if not kept:
         raise ValueError(f"linear {op.name!r} computes {parts} fused column blocks of "
