@@ -181,3 +181,27 @@ def test_megatron_sp_keeps_a_per_head_norm_on_its_tensor_parallel_heads():
     assert heads in kept and tokens not in kept
     plain = norm(32, grouped=False)
     assert {s.output.canonical_key() for s in _strategies(plain) if keep(plain, s)} == {tokens}
+
+
+def test_a_projection_a_per_head_norm_reads_splits_its_columns_in_whole_heads():
+    """The module views the projection ``(b, s, heads, d)`` before the norm's boundary, so
+    a column split cutting a head (4 ways over 2 key / value heads, although their 256
+    columns divide by 4) would fail in that view on the rank's block: only divisors of its
+    heads are offered (``attrs.whole_heads``, marked at import beside the norm)."""
+    def k_proj(marked: bool) -> Op:
+        return Op("k_proj", OpKind.LINEAR, ("x",), TensorSpec((TOKENS, 2 * HEAD), "bfloat16"),
+                  TensorSpec((1024, 2 * HEAD), "bfloat16"), 1024 * 2 * HEAD,
+                  2.0 * TOKENS * 1024 * 2 * HEAD,
+                  attrs=MappingProxyType({"bias": 0, **({"whole_heads": 2} if marked else {})}))
+    x = TensorSpec((TOKENS, 1024), "bfloat16")
+    assert {s.output.split_degree(1) for s in op_strategies(k_proj(True), [x], ctx())} <= {1, 2}
+    assert 4 in {s.output.split_degree(1) for s in op_strategies(k_proj(False), [x], ctx())}
+    torch.manual_seed(0)
+    hf = pytest.importorskip("transformers")
+    model = hf.Qwen3ForCausalLM(hf.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=64, use_cache=False))
+    g = from_module(model, (torch.randint(0, 64, (2, 8)),))
+    assert g["model.layers.0.self_attn.q_proj"].attrs["whole_heads"] == 4
+    assert g["model.layers.0.self_attn.k_proj"].attrs["whole_heads"] == 2
+    assert "whole_heads" not in g["model.layers.0.self_attn.v_proj"].attrs

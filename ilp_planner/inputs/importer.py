@@ -233,6 +233,9 @@ def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) ->
     the plan prices one role per parameter, as the runtime places them."""
     blocks = mark_blocks(drafts)
     read_whole = {i for d in drafts if d.kind is not OpKind.PART for i in d.inputs}
+    # a projection a per-head norm reads: its heads (its columns split in whole heads)
+    heads = {d.inputs[0]: d.shape[1] // d.attrs["group_width"] for d in drafts
+             if d.attrs.get("group_width")}
     ops = []
     for d in drafts:
         block, index = blocks.get(d.name, (None, None))
@@ -240,6 +243,8 @@ def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) ->
         attrs = dict(d.attrs)
         if d.kind is not OpKind.PART and attrs.get("parts") and d.name in read_whole:
             attrs["parts_read_whole"] = 1  # its columns stay whole: fused_parts_strategies
+        if d.name in heads and d.kind is OpKind.LINEAR:
+            attrs["whole_heads"] = heads[d.name]  # strategies.head_column_strategies
         if d.kind is OpKind.OPAQUE and len(d.source_params) > 1:
             attrs.update({f"param_{i}": numel(param_shape[p])
                           for i, p in enumerate(d.source_params)})

@@ -830,7 +830,7 @@ def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
 def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
     kind = op.kind
     if kind in (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL):
-        return fused_parts_strategies(op, _matmul_family(op, inputs, ctx))
+        return head_column_strategies(op, fused_parts_strategies(op, _matmul_family(op, inputs, ctx)))
     if kind is OpKind.CONV2D:
         return _conv_family(op, ctx)
     if kind is OpKind.MOE:
@@ -874,6 +874,18 @@ def grouped_norm_layouts(op: Op, ctx: StrategyContext) -> list[Layout]:
         raise ValueError(f"norm {op.name!r}: attrs.group_width {op.attr('group_width')} does "
                          f"not divide its {op.output.shape[1]} features")
     return candidate_layouts(op.output, ctx, (0, 1), {1: groups})
+
+
+def head_column_strategies(op: Op, strategies: list[Strategy]) -> list[Strategy]:
+    """A projection a per-head norm reads (``attrs.whole_heads``: its heads, marked at
+    import) through the module's own ``view(b, s, heads, d)``: its columns split only by a
+    divisor of its heads, so that the view of a column-split block keeps whole heads
+    (another split makes that view fail on the rank's uneven block before any boundary
+    could convert it)."""
+    heads = op.attrs.get("whole_heads")
+    if not heads:
+        return strategies
+    return [s for s in strategies if heads % s.output.split_degree(1) == 0]
 
 
 def fused_parts_strategies(op: Op, strategies: list[Strategy]) -> list[Strategy]:
