@@ -230,7 +230,10 @@ def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], t
 def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) -> list[Op]:
     """The drafts as IR ops, with their repeated blocks marked. An opaque op owning several
     parameters records each one's size (:func:`ilp_planner.ir.graph.opaque_param_sizes`), so
-    the plan prices one role per parameter, as the runtime places them."""
+    the plan prices one role per parameter, as the runtime places them. Two marks need every
+    op's readers, so they are made here: a fused linear another op also reads whole
+    (``attrs.parts_read_whole``), and a projection a per-head norm reads (its heads,
+    ``attrs.whole_heads``) — each narrows the column splits its strategies offer."""
     blocks = mark_blocks(drafts)
     read_whole = {i for d in drafts if d.kind is not OpKind.PART for i in d.inputs}
     # a projection a per-head norm reads: its heads (its columns split in whole heads)
