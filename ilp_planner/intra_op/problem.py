@@ -44,7 +44,7 @@ import numpy as np
 
 from formulations.problem import BucketTerms, Problem
 from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
-from ilp_planner.ir.cluster import Cluster
+from ilp_planner.ir.cluster import Cluster, Factorisation
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec, position_tables
 from ilp_planner.ir.layouts import Layout, LayoutError, drop_unit_axes, grad_layout
 from ilp_planner.lowering.compute_model import update_seconds
@@ -288,19 +288,30 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
 
 def _cost_context(ctx: StrategyContext) -> StrategyContext:
     """``ctx`` without what only decides which strategies exist (the p0 cap, the state
-    sharding levels offered): a given strategy's option is priced the same under either,
-    so the plan's build and the baseline members' share it."""
-    if ctx.max_weight_replication is None and ctx.zero_levels == (0,):
+    sharding levels offered, a restricted build's factorisations): a given strategy's
+    option is priced the same under either, so the plan's build and the baseline members'
+    share it."""
+    if ctx.max_weight_replication is None and ctx.zero_levels == (0,) and ctx.facts is None:
         return ctx
-    return dataclasses.replace(ctx, max_weight_replication=None, zero_levels=(0,))
+    return dataclasses.replace(ctx, max_weight_replication=None, zero_levels=(0,), facts=None)
 
 
 def _every_strategy(op: Op, in_specs: list[TensorSpec], ctx: StrategyContext,
-                    cache: BuildCache | None) -> list[Strategy]:
+                    cache: BuildCache | None,
+                    facts: frozenset[Factorisation] | None = None) -> list[Strategy]:
     """:func:`op_strategies`, once per op content, inputs and context with ``cache`` (the
     plan's build and each baseline member's read one list); a context offering state
     sharding derives its list from the one without (:func:`with_state_sharding`), so the
-    FSDP members do not derive the layouts the DDP members did."""
+    FSDP members do not derive the layouts the DDP members did. ``facts``: only the
+    strategies on those factorisations (a :class:`Restriction`'s matmul ones) — the whole
+    list's where the cache holds it, else enumerated on them alone (a member on a graph
+    the plan never built: another micro-batch count's)."""
+    if facts is not None:
+        whole = None if cache is None else cache.strategies.get(
+            (_op_content(op), tuple(in_specs), ctx))
+        if whole is not None:
+            return [s for s in whole if s.fact in facts]
+        ctx = dataclasses.replace(ctx, facts=facts)
     if cache is None:
         return op_strategies(op, in_specs, ctx)
     key = (_op_content(op), tuple(in_specs), ctx)
@@ -324,13 +335,16 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
     state replicated, keeps the replicated twin of every layout ``keep`` passes at some
     state sharding level — FSDP's members included). Raises ``ValueError`` naming the op
     when ``keep`` passes none."""
-    every = _every_strategy(op, in_specs, ctx, cache)
     if keep is None:
-        return every
-    offered = every
-    if isinstance(keep, Restriction) and op.kind in _FACTORED:
-        offered = [s for s in every if s.fact in keep.matmul_facts]
+        return _every_strategy(op, in_specs, ctx, cache)
+    facts = keep.matmul_facts if isinstance(keep, Restriction) and op.kind in _FACTORED \
+        else None
+    offered = _every_strategy(op, in_specs, ctx, cache, facts)
     kept = [s for s in offered if (op.kind is OpKind.OPAQUE and not s.zero) or keep(op, s)]
+    # a tied table's twins share their strategies' factorisations, so the member's list
+    # serves them; a refusal names the op's whole list
+    every = _every_strategy(op, in_specs, ctx, cache) if facts is not None and not kept \
+        else offered
     if tied_table:  # its state stays replicated: layouts the restriction takes at any level
         def twin(s: Strategy) -> tuple:
             return s.label.split("+zero")[0], s.fact, s.inputs, s.weight, s.output
