@@ -3,9 +3,11 @@
 Multi-process (slow): one torchrun launch per cluster shape runs every model of
 :data:`tests.helpers.hf_apply_check.MODELS` — imported with ``ilp_planner.from_module``,
 solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`` — and each
-test reads its model's line: the losses match one process (fp32, 1e-4) and the collectives
-executed are the planned ones, every step, on every rank. The 1 × 4 launch also trains
-Llama's and GPT-2's Megatron plans through ``to_parallelize_plan`` and PyTorch's
+test reads its model's line: the losses match one process (fp32, 1e-4), the collectives
+executed are the planned ones, every step, on every rank, and after training the module's
+``state_dict`` holds one process's trained parameters (whole values, Phi-3's fused
+``gate_up_proj`` in its own column order) and ``load_state_dict`` of it gives them back.
+The 1 × 4 launch also trains Llama's and GPT-2's Megatron plans through ``to_parallelize_plan`` and PyTorch's
 ``parallelize_module`` (2-way data × 2-way tensor parallel), matching one process. Megatron
 and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on both shapes,
 attention split over the batch and the heads at once. The 2 × 2 cluster gives plans on a

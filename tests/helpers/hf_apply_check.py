@@ -295,6 +295,30 @@ def running_stats_differ(plan: Plan, model: nn.Module, reference: nn.Module) -> 
     return out
 
 
+def saved_state_differs(model: nn.Module, reference: nn.Module) -> list[str]:
+    """Parameters whose trained value in the applied module's ``state_dict`` (whole: a
+    DTensor's full value) differs from one process's, and parameters that
+    ``load_state_dict`` of that state does not give back as they are (Phi-3's fused
+    ``gate_up_proj``, held interleaved, is saved and loaded in the module's own order)."""
+    out = []
+    state = model.state_dict()
+    for name, want in reference.state_dict().items():
+        if name not in dict(reference.named_parameters()):
+            continue  # buffers: running_stats_differ
+        got = state[name]
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            out.append(f"state_dict[{name!r}] differs from one process's"
+                       + (f" (shape {tuple(got.shape)})" if got.shape != want.shape else ""))
+    before = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
+    model.load_state_dict(state)
+    for n, p in model.named_parameters():
+        if not torch.equal(p.to_local() if isinstance(p, DTensor) else p.detach(), before[n]):
+            out.append(f"load_state_dict(state_dict()) changed {n}")
+    return out
+
+
 def t5(attention: str = "sdpa") -> Case:
     """T5ForConditionalGeneration: keyword inputs (``input_ids``, ``decoder_input_ids``),
     relative position biases (an embedding of bucketed distances, SDPA's mask in every
@@ -659,6 +683,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
         exchanged |= {r.purpose for r in rows if r.kind == "all_to_all" and r.executed_count}
         synced |= {r.phase for r in rows if r.purpose == "batchnorm" and r.executed_count}
     failures += running_stats_differ(plan, model, reference)
+    failures += saved_state_differs(model, reference)
     if dist.get_rank() == 0 and not failures:
         a2a = f" all_to_all={','.join(sorted(exchanged))}" if exchanged else ""
         bn = f" batchnorm={','.join(sorted(synced))}" if synced else ""
