@@ -137,6 +137,23 @@ def test_memory_bound_kinds_backward_bytes() -> None:
         assert (fwd.bytes, bwd.bytes) == (f * n, b * n), kind
 
 
+def test_a_fused_outputs_part_is_a_view_whose_gradient_is_catted_by_hand() -> None:
+    """Phi-3's ``gate, up = gate_up_proj(x).chunk(2, -1)``: each part is a view (no forward
+    work); autograd's split backward writes both gradients into the fused one in one
+    ``cat`` — each part's gradient read and written (2N bytes), the kernel's floor once,
+    on part 0. Split 4 ways, a device moves a quarter."""
+    n = 2048 * 4096 * 2
+    parts = [Op(f"p{i}", OpKind.PART, ("fc",), TensorSpec((2048, 4096), "bfloat16"),
+                attrs={"part": i, "parts": 2}) for i in (0, 1)]
+    for op in parts:
+        fwd, bwd = op_work(op, 1.0)
+        assert (fwd.bytes, fwd.kernels) == (0.0, 0)
+        assert (bwd.bytes, bwd.kernels) == (2 * n, 1 if op.attrs["part"] == 0 else 0)
+    times = [op_times(op, 4.0, _cluster()) for op in parts]
+    assert times[0] == pytest.approx((0.0, 2 * n / 4 / HBM + FLOOR), rel=1e-12)
+    assert times[1] == pytest.approx((0.0, 2 * n / 4 / HBM), rel=1e-12)
+
+
 def test_optimizer_update_bytes_and_price() -> None:
     """Adam mixed moves 30 bytes per parameter (read grad 4 + state 12, write state 12 +
     half weights 2), fp32 Adam 28, SGD 12; no update is priced on a flat cluster."""

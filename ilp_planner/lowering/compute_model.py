@@ -56,6 +56,9 @@ pool (max, stride k)      N·k² + N               N + N·k²
 loss (cross-entropy)      logits L               2L (read logits, write dlogits)
 opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
 flatten                   nothing (a view)       nothing
+part (a fused output's    nothing (a view)       2N: its gradient read and written into the
+  column block, chunk)                           fused one (one ``cat`` kernel for all the
+                                                 parts: counted on part 0)
 ========================  =====================  ==========================================
 
 Rotary positions turn q and k before the attention kernel, in kernels of their own
@@ -319,6 +322,8 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
     if kind is OpKind.OPAQUE:
         moved = (op.attrs.get("bytes_read", 0) + op.attrs.get("bytes_written", 0)) / split
         return _streaming(flops, moved, 2 * moved)
+    if kind is OpKind.PART:  # a view; autograd's split backward cats the parts' gradients
+        return NO_WORK, PhaseWork(0.0, 2 * n, 1 if op.attrs.get("part") == 0 else 0)
     return NO_WORK, NO_WORK  # input, flatten
 
 
