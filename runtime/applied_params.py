@@ -44,7 +44,7 @@ from ilp_planner.plan.data import LayerPlan
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, DimMap, Meshes, dtensor_spec, placements
 from runtime.errors import FidelityError, RuntimeSetupError
-from runtime.fused_parts import fused_degree, interleaved, keep_natural_order
+from runtime.fused_parts import fused_degree, interleaved
 from runtime.mesh import MeshRegistry
 from runtime.recorder import tagged
 
@@ -173,6 +173,9 @@ class AppliedParams:
         self.replicating = replicating  # left once the gradients are reduced
         self.devices = comm.devices
         self.slots: dict[Slot, PlacedParam] = {}
+        # the module's parameters held in another column order than its own (a fused
+        # weight split over its columns, :mod:`runtime.fused_parts`): (parts, degree, dim)
+        self.interleaved: dict[str, tuple[int, int, int]] = {}
         self.tied = tied
         self._placed: dict[int, Slot] = {}  # id of the module's original parameter -> slot
         originals = dict(module.named_parameters(remove_duplicate=False))
@@ -223,15 +226,14 @@ class AppliedParams:
                     f"a table only between an embedding and the embeddings and nn.Linear "
                     f"head the importer marks tied")
             if table is None:
-                # a fused weight's columns in the order its column split holds them, saved
-                # and loaded in the module's own order
+                # a fused weight's columns in the order its column split holds them
                 parts, k = op.attrs.get("parts", 0), fused_degree(self.graph, op, ly)
                 dim = dims.real_dim(1) if role == "weight" else 0
                 registered = self._registered(interleaved(original.detach(), parts, k, dim),
                                               stored, dims, fqn, paths.get(id(original), [fqn]))
-                if parts > 1 and k > 1:
+                if parts > 1 and k > 1:  # state_dict keys holding it interleaved
                     for alias in paths.get(id(original), [fqn]):
-                        keep_natural_order(*owner_of(self.module, alias), parts, k, dim)
+                        self.interleaved[alias] = (parts, k, dim)
                 self._placed[id(original)] = (op.name, role)
                 value: torch.Tensor = registered
             else:

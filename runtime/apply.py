@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ilp_planner.inputs.config import Config, parse_config
 from ilp_planner.ir.graph import OpKind
@@ -85,7 +85,7 @@ from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_he
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
-from runtime.fused_parts import fused_degree
+from runtime.fused_parts import fused_degree, interleaved, natural_order
 from runtime.local_batchnorm import register_batchnorms, stats_groups
 from runtime.mesh import MeshRegistry
 
@@ -227,6 +227,40 @@ def parallelize(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = 
     return it; its :class:`Applied` state is ``module.ilp_plan``."""
     module.ilp_plan = Applied(plan, module, device_mesh)  # type: ignore[attr-defined]
     return module
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The applied module's whole state, every entry a plain tensor in the module's own
+    order — what one process training it would save: each DTensor's full value, a fused
+    weight's columns (held interleaved, :mod:`runtime.fused_parts`) put back in order;
+    buffers as this rank holds them (a batch norm split over its channels keeps only its
+    own channels' running statistics current). A collective: every rank calls it.
+    ``state_dict()`` itself holds the entries as they train — DTensors, fused columns
+    interleaved, as the optimizer's state is — which is what resuming on the same plan
+    needs."""
+    held = module.ilp_plan.params.interleaved  # type: ignore[union-attr]
+    out = {}
+    for name, value in module.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out[name] = natural_order(full.detach(), *held[name]) if name in held else full.detach()
+    return out
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, torch.Tensor],
+                         strict: bool = True):
+    """Load whole tensors in the module's own order (one process's ``state_dict``, a
+    :func:`full_state_dict`) into the applied module: each rank cuts its own block of every
+    entry the plan splits (no communication: every rank holds ``state``), a fused weight's
+    columns interleaved first. Returns ``load_state_dict``'s missing and unexpected keys."""
+    held = module.ilp_plan.params.interleaved  # type: ignore[union-attr]
+    own = module.state_dict()
+    cut = {}
+    for name, value in state.items():
+        value = interleaved(value, *held[name]) if name in held else value
+        like = own.get(name)
+        cut[name] = distribute_tensor(value.to(like.dtype), like.device_mesh, like.placements,
+                                      src_data_rank=None) if isinstance(like, DTensor) else value
+    return module.load_state_dict(cut, strict=strict)
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

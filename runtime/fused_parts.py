@@ -10,19 +10,18 @@ up_i]``, so the module's own matmul, on blocks or on DTensors, leaves each devic
 ``[gate_i | up_i]``. The user's ``chunk`` of that value runs on each rank's block
 (:class:`LocalParts`, no communication; DTensor would gather a split dim before splitting
 it) and hands back the parts as DTensors in the same placements, whose gradients come back
-in them. The module's parameter keeps this order while it trains; its ``state_dict`` and
-``load_state_dict`` read and write it in the module's own order (:func:`keep_natural_order`),
-so a checkpoint of the trained model is the one a single process would save.
+in them. The module's parameter (and its optimizer state) keeps this order while it
+trains, and ``state_dict`` holds it so (resuming on the same plan needs nothing else);
+:func:`runtime.apply.full_state_dict` gives the whole state in the module's own order (what
+one process would save), :func:`runtime.apply.load_full_state_dict` takes one back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ilp_planner.ir.graph import Graph, Op, OpKind
@@ -53,36 +52,6 @@ def natural_order(full: torch.Tensor, parts: int, k: int, dim: int) -> torch.Ten
     if parts <= 1 or k <= 1:
         return full
     return full.index_select(dim, torch.argsort(_order(full.shape[dim], parts, k)))
-
-
-def keep_natural_order(owner: nn.Module, attr: str, parts: int, k: int, dim: int) -> None:
-    """``owner.<attr>``, a fused parameter stored interleaved (:func:`interleaved`), saved by
-    ``state_dict`` in the module's own column order and loaded from it by
-    ``load_state_dict``: the entry is the same DTensor layout as the parameter, its value
-    reordered (every rank gathers the whole parameter to reorder it, as a full state dict
-    does anyway). Without this a checkpoint of the trained model held the columns permuted
-    — gate and up interleaved — which nothing downstream could tell."""
-    def saved(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
-        key = prefix + attr
-        if key in state:
-            state[key] = _reordered(state[key], natural_order, getattr(module, attr))
-
-    def loading(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
-        key = prefix + attr
-        if key in state:
-            state[key] = _reordered(state[key], interleaved, getattr(module, attr))
-
-    def _reordered(value: torch.Tensor, order: Callable[..., torch.Tensor],
-                   like: torch.Tensor) -> torch.Tensor:
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        moved = order(full.detach(), parts, k, dim)
-        if not isinstance(like, DTensor):
-            return moved
-        return distribute_tensor(moved.to(like.dtype), like.device_mesh, like.placements,
-                                 src_data_rank=None)  # each rank cuts its own block
-
-    owner.register_state_dict_post_hook(saved)
-    owner.register_load_state_dict_pre_hook(loading)
 
 
 def fused_degree(graph: Graph, op: Op, ly: LayerPlan) -> int:
