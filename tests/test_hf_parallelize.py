@@ -5,8 +5,9 @@ Multi-process (slow): one torchrun launch per cluster shape runs every model of
 solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`` — and each
 test reads its model's line: the losses match one process (fp32, 1e-4), the collectives
 executed are the planned ones, every step, on every rank, and after training the module's
-``state_dict`` holds one process's trained parameters (whole values, Phi-3's fused
-``gate_up_proj`` in its own column order) and ``load_state_dict`` of it gives them back.
+whole state (``runtime.apply.full_state_dict``: Phi-3's fused ``gate_up_proj`` in its own
+column order) holds one process's trained parameters and loading it back
+(``load_full_state_dict``) leaves every parameter as it was.
 The 1 × 4 launch also trains Llama's and GPT-2's Megatron plans through ``to_parallelize_plan`` and PyTorch's
 ``parallelize_module`` (2-way data × 2-way tensor parallel), matching one process. Megatron
 and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on both shapes,
@@ -79,11 +80,13 @@ def test_per_head_qk_norms_train_split_by_heads_like_one_process(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("model", ["llama-megatron", "bert-megatron-sp"])
+@pytest.mark.parametrize("model", ["llama-megatron", "llama-megatron-sp", "bert-megatron-sp"])
 def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, shape):
     """Megatron (and Megatron-SP) on the imported models: the user's attention runs on
     DTensors split over the batch on the data-parallel axis and over the heads on the
-    tensor-parallel one, in both of the model's attention layers."""
+    tensor-parallel one, in both of the model's attention layers; Llama's Megatron-SP keeps
+    its gated MLP's product on the tensor-parallel columns between its sequence-split
+    norms."""
     assert "dp×tp-attention=2" in line_of(shape, model)
 
 

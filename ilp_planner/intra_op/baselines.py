@@ -20,7 +20,9 @@ column/row parallel layers and the best mesh — a generous, hand-tuned Megatron
   norms, residual adds and other token-wise ops split their tokens over TP as well (the
   activations between blocks are ``(S0, S0)``), so the TP AllReduce becomes a
   ReduceScatter after the row-parallel linear and an AllGather before the column-parallel
-  one;
+  one; an activation or a gated product between a column- and a row-parallel linear
+  (SwiGLU's ``silu(w1 x) * w3 x``) may stay on the columns over TP, where Megatron-SP runs
+  it (:data:`_TP_REGION`);
 * ``summa(r×c)`` — linear layers as 2-D SUMMA on an ``r × c`` mesh; other ops free. A
   linear whose sizes the mesh does not divide (GPT-2's 50,257-wide head: no SUMMA member
   exists) splits only what divides, the way Megatron keeps undividable heads whole: its
@@ -92,6 +94,9 @@ from ilp_planner.lowering.strategies import Strategy, head_splits, summa_fits
 
 Filter = StrategyFilter
 _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
+_TP_REGION = (OpKind.GELU, OpKind.SILU, OpKind.RELU, OpKind.MUL)
+"""Element-wise kinds Megatron-SP runs inside the TP region (on the column-parallel
+linear's output) where they sit there: an MLP's activation, a gated MLP's product."""
 
 
 def restrict(gp: GraphProblem, keep: Filter) -> tuple[Problem, list[np.ndarray]] | str:
@@ -153,6 +158,8 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
     allowed = {Layout(fact2, (x, y)).canonical_key() for x in (Split(0), B) for y in (B, Split(1))}
     whole_batch = {Layout(fact2, (B, y)).canonical_key() for y in (B, Split(1))}
     seq = Layout(fact2, (Split(0), Split(0))).canonical_key()
+    # inside the TP region, between a column- and a row-parallel linear: the columns over TP
+    columns = {Layout(fact2, (x, Split(1))).canonical_key() for x in (Split(0), B)}
     # an attention's output: tokens over DP, heads over TP where they split
     attention = {h: Layout(fact2, (Split(0), h)).canonical_key() for h in (Split(1), B)}
     matmul_facts = {(dp, tp, one), (dp, one, tp)}
@@ -170,7 +177,12 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
         # ``qk_layernorm`` does, sequence-parallel or not
         if sequence_parallel and op.kind not in (OpKind.SOFTMAX, OpKind.OPAQUE) \
                 and not op.attrs.get("group_width"):
-            return not s.output.has_partial and s.output.canonical_key() == seq
+            # an MLP's activation and a gated MLP's product (SwiGLU's ``silu(w1 x) * w3 x``)
+            # run on the column-parallel linear's split inside the TP region, as
+            # Megatron-SP runs them; the tokens split over TP outside it only
+            key = s.output.canonical_key()
+            return not s.output.has_partial and (
+                key == seq or (op.kind in _TP_REGION and key in columns))
         if op.kind is OpKind.BATCHNORM:  # see the module docstring
             return s.output.canonical_key() in whole_batch
         return not s.output.has_partial and s.output.canonical_key() in allowed

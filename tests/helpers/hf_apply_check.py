@@ -47,7 +47,13 @@ from ilp_planner.lowering.strategies import Strategy  # noqa: E402
 from ilp_planner.plan.audit import format_rows  # noqa: E402
 from ilp_planner.plan.data import Plan  # noqa: E402
 from ilp_planner.testing import restricted_plan  # noqa: E402
-from runtime.apply import audit, full_value, parallelize  # noqa: E402
+from runtime.apply import (  # noqa: E402
+    audit,
+    full_state_dict,
+    full_value,
+    load_full_state_dict,
+    parallelize,
+)
 from runtime.dtensors import rank_grid  # noqa: E402
 from runtime.errors import RuntimeSetupError  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
@@ -296,26 +302,26 @@ def running_stats_differ(plan: Plan, model: nn.Module, reference: nn.Module) -> 
 
 
 def saved_state_differs(model: nn.Module, reference: nn.Module) -> list[str]:
-    """Parameters whose trained value in the applied module's ``state_dict`` (whole: a
-    DTensor's full value) differs from one process's, and parameters that
-    ``load_state_dict`` of that state does not give back as they are (Phi-3's fused
-    ``gate_up_proj``, held interleaved, is saved and loaded in the module's own order)."""
+    """Parameters whose trained value in the applied module's whole state
+    (:func:`full_state_dict`: Phi-3's fused ``gate_up_proj``, held interleaved, in its own
+    column order) differs from one process's, and parameters that loading that state back
+    (:func:`load_full_state_dict`) does not leave as they are."""
     out = []
-    state = model.state_dict()
+    state = full_state_dict(model)
+    params = dict(reference.named_parameters())
     for name, want in reference.state_dict().items():
-        if name not in dict(reference.named_parameters()):
+        if name not in params:
             continue  # buffers: running_stats_differ
         got = state[name]
-        got = got.full_tensor() if isinstance(got, DTensor) else got
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            out.append(f"state_dict[{name!r}] differs from one process's"
+            out.append(f"full_state_dict()[{name!r}] differs from one process's"
                        + (f" (shape {tuple(got.shape)})" if got.shape != want.shape else ""))
     before = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
               for n, p in model.named_parameters()}
-    model.load_state_dict(state)
+    load_full_state_dict(model, state)
     for n, p in model.named_parameters():
-        if not torch.equal(p.to_local() if isinstance(p, DTensor) else p.detach(), before[n]):
-            out.append(f"load_state_dict(state_dict()) changed {n}")
+        if not torch.equal((p.to_local() if isinstance(p, DTensor) else p).detach(), before[n]):
+            out.append(f"load_full_state_dict(full_state_dict()) changed {n}")
     return out
 
 
@@ -587,6 +593,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "resnet-data-parallel": resnet_batch_split(both=False),
     "resnet-batch-and-channels": resnet_batch_split(both=True),
     "llama-megatron": megatron(lambda: llama(tied=False)),
+    "llama-megatron-sp": megatron(lambda: llama(tied=False), sequence_parallel=True),
     "bert-megatron-sp": megatron(bert, sequence_parallel=True),
     "gpt2-megatron": megatron(gpt2),
     "mixtral": lambda: mixtral(expert_parallel_only),
