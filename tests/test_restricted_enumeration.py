@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 
 from ilp_planner.inputs import models
 from ilp_planner.intra_op.baselines import megatron_filter
-from ilp_planner.intra_op.problem import BuildCache, build_problem
+from ilp_planner.intra_op.problem import (
+    BuildCache,
+    _every_strategy,
+    _kept_strategies,
+    build_problem,
+)
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.ir.layouts import drop_unit_axes
@@ -89,3 +94,25 @@ def test_a_member_without_a_strategy_counts_the_ops_whole_list():
     assert len(set(messages)) == 1
     assert f"among the {len(whole)} output layouts" in messages[0]
     assert len(own) < len(whole)  # the member's own list would have named fewer
+
+
+def test_a_fused_linear_the_members_factorisations_cannot_split_is_refused_as_before():
+    """A fused linear whose output is also read whole (``attrs.parts_read_whole``) keeps its
+    columns whole: on Megatron's TP-8 factorisations it has no strategy, and the refusal is
+    the baseline's own, naming the op's whole list — the same with no cache, a fresh one or
+    one holding the plan's list (the fused linear's own refusal of those factorisations
+    alone is not the member's answer)."""
+    g = models.gpt(hidden=64, layers=1, heads=4, seq_len=16, vocab=128, batch=8)
+    fc = next(op for op in g.ops if op.kind is OpKind.LINEAR and op.output.shape[1] == 256)
+    op = dataclasses.replace(fc, attrs={**fc.attrs, "parts": 2, "parts_read_whole": 1})
+    ctx = StrategyContext(cluster(1, 8), 1, 8, MemorySpec.preset("adam"))
+    ins = [g[i].output for i in op.inputs]
+    keep = megatron_filter(MeshAxis(1, 1), MeshAxis(1, 8))
+    warm = BuildCache()
+    _every_strategy(op, ins, ctx, warm)
+    messages = set()
+    for cache in (None, BuildCache(), warm):
+        with pytest.raises(ValueError, match="no allowed strategy for h.0.mlp.fc1") as err:
+            _kept_strategies(op, op.name, ins, ctx, keep, cache)
+        messages.add(str(err.value))
+    assert len(messages) == 1

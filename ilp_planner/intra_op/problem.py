@@ -309,9 +309,14 @@ def _every_strategy(op: Op, in_specs: list[TensorSpec], ctx: StrategyContext,
     if facts is not None:
         whole = None if cache is None else cache.strategies.get(
             (_op_content(op), tuple(in_specs), ctx))
-        if whole is not None:
-            return [s for s in whole if s.fact in facts]
-        ctx = dataclasses.replace(ctx, facts=facts)
+        if whole is None:
+            try:
+                return _every_strategy(op, in_specs, dataclasses.replace(ctx, facts=facts),
+                                       cache)
+            except ValueError:  # the op refuses these factorisations (a fused linear none
+                # splits evenly): its whole list says whether another serves, as before
+                whole = _every_strategy(op, in_specs, ctx, cache)
+        return [s for s in whole if s.fact in facts]
     if cache is None:
         return op_strategies(op, in_specs, ctx)
     key = (_op_content(op), tuple(in_specs), ctx)
