@@ -92,6 +92,20 @@ def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["titan-llama", "titan-llama-megatron-sp"])
+def test_a_hand_written_torchtitan_style_llama_trains_like_one_process(model, shape):
+    """Not every model users bring is Hugging Face's: a Llama written the way torchtitan's
+    is — rotary positions as complex products (``view_as_complex``), grouped-query heads by
+    ``repeat_interleave``, blocks in a ``ModuleDict`` — under the solver's plan and under
+    Megatron-SP's layouts (its SwiGLU product on the tensor-parallel columns)."""
+    line = line_of(shape, model)
+    assert "3d(" in line
+    if model.endswith("megatron-sp"):
+        assert "dp×tp-attention=2" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["mixtral", "qwen2-moe"])
 def test_hf_moe_trains_expert_parallel_like_one_process_and_the_plan(model, shape):
     """Mixtral and Qwen2-MoE with every routed block expert parallel (the plan's best among

@@ -28,7 +28,7 @@ from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
 from ilp_planner.testing import _choose
 from runtime.modules import GPT, MLP
-from tests.helpers.user_models import Llama, MaskedGPT, NanoGPT, ResNet
+from tests.helpers.user_models import Llama, MaskedGPT, NanoGPT, ResNet, TitanLlama
 
 CLUSTER = {"nodes": 2, "devices_per_node": 2, "memory_gib": 16, "peak_tflops": 10,
            "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 100},
@@ -165,6 +165,30 @@ def test_llama_import():
     assert plan.solver.status == "optimal"
     assert all(plan.cost.total_s <= b["total_s"] + 1e-15
                for b in plan.baselines.values() if b.get("total_s") is not None)
+
+
+def test_a_torchtitan_style_llama_imports_whole():
+    """torchtitan's way of writing a Llama: rotary positions as complex products
+    (``view_as_complex`` of q and k times a ``polar`` table, ``view_as_real`` back), GQA by
+    ``repeat_interleave``, the blocks in a ``ModuleDict``. Every parameter is an op's, no op
+    is opaque, and the rotary's kernels and the repeats are the attention's input steps and
+    copies: each repeat reads k's (or v's) 2·2·8·8 elements and writes twice as many."""
+    model = TitanLlama(64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, max_seq=8)
+    g = from_module(model, (_ids(2, 8),))
+    assert g.total_params == sum(p.numel() for p in model.parameters())
+    assert not any(op.kind is OpKind.OPAQUE for op in g.ops)
+    attn = g["layers.0.attention.attention"]
+    assert attn.kind is OpKind.ATTENTION
+    assert attn.inputs == tuple(f"layers.0.attention.{w}" for w in ("wq", "wk", "wv"))
+    assert (attn.attr("heads"), attn.attr("kv_heads")) == (4, 2)
+    assert attn.attr("input_steps") > 0 and attn.attr("input_steps_bwd") > 0  # the rotary
+    k = 2 * 2 * 8 * 8
+    assert attn.attr("input_copies_repeat") == 2
+    assert attn.attr("input_copies_bytes") == 2 * (k + 2 * k) * 4
+    swiglu = g["layers.0.feed_forward.mul"]
+    assert swiglu.inputs == ("layers.0.feed_forward.silu", "layers.0.feed_forward.w3")
+    plan = ilp_planner.solve(g, cluster=CLUSTER)
+    assert plan.solver.status == "optimal"
 
 
 def test_resnet_import_and_solve():

@@ -387,6 +387,15 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
 
+def titan_llama() -> Case:
+    """A Llama written by hand the way torchtitan's is (complex rotary, ``ModuleDict``
+    blocks, ``repeat_interleave`` GQA: :class:`tests.helpers.user_models.TitanLlama`)."""
+    from tests.helpers.user_models import TitanLlama
+
+    model = TitanLlama(VOCAB, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, max_seq=SEQ)
+    return Case(model, *_tokens())
+
+
 def llama_tied_exchanging() -> Case:
     """Tied Llama whose table is whole on every device while its head splits the vocabulary
     4 ways: the tied exchange gathers the head's gradient and cuts the table."""
@@ -594,6 +603,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "resnet-batch-and-channels": resnet_batch_split(both=True),
     "llama-megatron": megatron(lambda: llama(tied=False)),
     "llama-megatron-sp": megatron(lambda: llama(tied=False), sequence_parallel=True),
+    "titan-llama": titan_llama,
+    "titan-llama-megatron-sp": megatron(titan_llama, sequence_parallel=True),
     "bert-megatron-sp": megatron(bert, sequence_parallel=True),
     "gpt2-megatron": megatron(gpt2),
     "mixtral": lambda: mixtral(expert_parallel_only),
@@ -618,9 +629,10 @@ def cluster(nodes: int, devices: int) -> dict:
 
 
 def loss_of(output, targets: torch.Tensor) -> torch.Tensor:
-    """The user's loss on the model's own output: cross-entropy per token (language models)
-    or per image (classifiers)."""
-    return F.cross_entropy(output.logits.flatten(0, -2), targets.flatten())
+    """The user's loss on the model's own output (its ``logits`` where it returns a
+    structure): cross-entropy per token (language models) or per image (classifiers)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 def example(inputs: torch.Tensor | dict[str, torch.Tensor]) -> tuple | dict:

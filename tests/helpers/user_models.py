@@ -261,3 +261,88 @@ class TransposedHead(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.body(self.wte(ids))) @ self.head.T
+
+
+def rotary_table(head_dim: int, positions: int, theta: float = 10000.0) -> torch.Tensor:
+    """torchtitan's rotary table: ``e^{i·t·θ_j}`` per position ``t`` and pair ``j``."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(positions).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def rotate_complex(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, seq, heads, head_dim) turned as complex pairs, torchtitan's way."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    turned = torch.view_as_real(pairs * table.view(1, pairs.shape[1], 1, pairs.shape[-1]))
+    return turned.flatten(3).type_as(x)
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's attention: ``wq``, ``wk``, ``wv``, ``wo``; key / value heads repeated by
+    ``repeat_interleave`` for grouped-query attention, SDPA."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = rotate_complex(self.wq(x).view(b, s, -1, self.head_dim), table)
+        k = rotate_complex(self.wk(x).view(b, s, -1, self.head_dim), table)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        rep = self.heads // self.kv_heads
+        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+
+class TitanFeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) · w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
+        super().__init__()
+        self.attention = TitanAttention(dim, heads, kv_heads)
+        self.feed_forward = TitanFeedForward(dim, hidden)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), table)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(nn.Module):
+    """A Llama written the way torchtitan's is: complex rotary positions (a non-persistent
+    buffer), the blocks in a ``ModuleDict``, an untied ``output`` head."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int,
+                 hidden: int, max_seq: int):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.register_buffer("rotary", rotary_table(dim // heads, 2 * max_seq), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, heads, kv_heads, hidden)
+                                     for i in range(layers)})
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        table = self.rotary[: tokens.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, table)
+        return self.output(self.norm(h))
