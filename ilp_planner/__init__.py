@@ -5,7 +5,9 @@ Public API: :func:`solve` (:mod:`ilp_planner.api`), :func:`load_config`, :class:
 :class:`Plan`, :func:`explain` and :func:`summary` (reports of a plan), :func:`sweep` and
 :func:`load_sweep` (batch solves), :func:`from_module` (a user's ``nn.Module`` → :class:`Graph`),
 :func:`parallelize` (a plan applied to that module under ``torchrun``, :mod:`runtime.apply`;
-``apply`` is the same function; :func:`full_value` reads a loss computed from its output),
+``apply`` is the same function; :func:`full_value` reads a loss computed from its output,
+:func:`full_state_dict` and :func:`load_full_state_dict` its whole state in the module's own
+order),
 and :func:`to_parallelize_plan` with :func:`tensor_parallel_mesh` (the plan as PyTorch
 tensor-parallel styles and their mesh, :mod:`runtime.tp_styles`). They are resolved lazily
 so that importing an IR module (``ilp_planner.ir.graph``) pulls in neither the solvers nor
@@ -31,6 +33,8 @@ _API = {
     "from_module": "ilp_planner.inputs.importer",
     "apply": "runtime.apply",
     "full_value": "runtime.apply",
+    "full_state_dict": "runtime.apply",
+    "load_full_state_dict": "runtime.apply",
     "Graph": "ilp_planner.ir.graph",
 }
 
