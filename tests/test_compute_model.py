@@ -8,11 +8,14 @@ import dataclasses
 import math
 
 import pytest
+import torch
+from torch import nn
 
 import ilp_planner
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs import models
 from ilp_planner.inputs.config import load_config, parse_config, section_mapping
+from ilp_planner.inputs.importer import from_module
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.device import ComputeFit, device_spec
@@ -152,6 +155,30 @@ def test_a_fused_outputs_part_is_a_view_whose_gradient_is_catted_by_hand() -> No
     times = [op_times(op, 4.0, _cluster()) for op in parts]
     assert times[0] == pytest.approx((0.0, 2 * n / 4 / HBM + FLOOR), rel=1e-12)
     assert times[1] == pytest.approx((0.0, 2 * n / 4 / HBM), rel=1e-12)
+
+
+def test_a_fused_output_read_in_part_pays_the_zeros_of_the_other_part() -> None:
+    """``_, up = fc(x).chunk(2, -1)``: the import marks the one part read to carry the
+    backward's cat (``attrs.cat``) and the block no code reads (``attrs.unread_parts``):
+    autograd writes that block's gradient as zeros (N), which the cat reads (N) and writes
+    (N) beside the part's own 2N — 5N bytes and two kernels (zeros, cat)."""
+    class Half(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 256, bias=False)
+            self.out = nn.Linear(128, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            _, up = self.fc(x).chunk(2, dim=-1)
+            return self.out(up)
+
+    g = from_module(Half(), (torch.zeros(8, 16, 64),))
+    parts = [op for op in g.ops if op.kind is OpKind.PART]
+    assert [(op.attrs["part"], op.attrs["cat"], op.attrs["unread_parts"]) for op in parts] == [
+        (1, 1, 1)]
+    n = 8 * 16 * 128 * 4
+    fwd, bwd = op_work(parts[0], 1.0)
+    assert (fwd.bytes, bwd.bytes, bwd.kernels) == (0.0, 5 * n, 2)
 
 
 def test_optimizer_update_bytes_and_price() -> None:

@@ -230,15 +230,25 @@ def _flops_on_data(ep: Any, args: tuple, kwargs: dict, bodies: dict[str, Any], t
 def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) -> list[Op]:
     """The drafts as IR ops, with their repeated blocks marked. An opaque op owning several
     parameters records each one's size (:func:`ilp_planner.ir.graph.opaque_param_sizes`), so
-    the plan prices one role per parameter, as the runtime places them. Two marks need every
-    op's readers, so they are made here: a fused linear another op also reads whole
+    the plan prices one role per parameter, as the runtime places them. Three marks need
+    every op's readers, so they are made here: a fused linear another op also reads whole
     (``attrs.parts_read_whole``), and a projection a per-head norm reads (its heads,
-    ``attrs.whole_heads``) — each narrows the column splits its strategies offer."""
+    ``attrs.whole_heads``) — each narrows the column splits its strategies offer — and the
+    part that carries the fused output's backward ``cat`` (``attrs.cat``, with the parts no
+    code reads, ``attrs.unread_parts``)."""
     blocks = mark_blocks(drafts)
     read_whole = {i for d in drafts if d.kind is not OpKind.PART for i in d.inputs}
     # a projection a per-head norm reads: its heads (its columns split in whole heads)
     heads = {d.inputs[0]: d.shape[1] // d.attrs["group_width"] for d in drafts
              if d.attrs.get("group_width")}
+    # a fused output's parts: autograd's one cat of their gradients (with zeros for the
+    # blocks no code reads) is priced on the lowest part read (compute_model's ``part``)
+    read: dict[str, list[Draft]] = {}
+    for d in drafts:
+        if d.kind is OpKind.PART:
+            read.setdefault(d.inputs[0], []).append(d)
+    cats = {min(ps, key=lambda d: d.attrs["part"]).name: ps[0].attrs["parts"] - len(ps)
+            for ps in read.values()}
     ops = []
     for d in drafts:
         block, index = blocks.get(d.name, (None, None))
@@ -246,6 +256,10 @@ def _frozen_ops(drafts: list[Draft], param_shape: dict[str, tuple[int, ...]]) ->
         attrs = dict(d.attrs)
         if d.kind is not OpKind.PART and attrs.get("parts") and d.name in read_whole:
             attrs["parts_read_whole"] = 1  # its columns stay whole: fused_parts_strategies
+        if d.name in cats:
+            attrs.update(cat=1, unread_parts=cats[d.name])
+        elif d.kind is OpKind.PART:
+            attrs["cat"] = 0
         if d.name in heads and d.kind is OpKind.LINEAR:
             attrs["whole_heads"] = heads[d.name]  # strategies.head_column_strategies
         if d.kind is OpKind.OPAQUE and len(d.source_params) > 1:

@@ -57,8 +57,13 @@ loss (cross-entropy)      logits L               2L (read logits, write dlogits)
 opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
 flatten                   nothing (a view)       nothing
 part (a fused output's    nothing (a view)       2N: its gradient read and written into the
-  column block, chunk)                           fused one (one ``cat`` kernel for all the
-                                                 parts: counted on part 0)
+  column block, chunk)                           fused one; one ``cat`` kernel for all the
+                                                 parts, and a zero-filled gradient (N
+                                                 written, read by the cat: 3N, a kernel)
+                                                 for each part no code reads, counted on
+                                                 the lowest part read (``attrs.cat``,
+                                                 ``unread_parts``, marked at import; part 0
+                                                 where unmarked)
 ========================  =====================  ==========================================
 
 Rotary positions turn q and k before the attention kernel, in kernels of their own
@@ -323,7 +328,9 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         moved = (op.attrs.get("bytes_read", 0) + op.attrs.get("bytes_written", 0)) / split
         return _streaming(flops, moved, 2 * moved)
     if kind is OpKind.PART:  # a view; autograd's split backward cats the parts' gradients
-        return NO_WORK, PhaseWork(0.0, 2 * n, 1 if op.attrs.get("part") == 0 else 0)
+        cat = op.attrs.get("cat", int(op.attrs.get("part") == 0))
+        unread = op.attrs.get("unread_parts", 0) if cat else 0
+        return NO_WORK, PhaseWork(0.0, (2 + 3 * unread) * n, cat + unread)
     return NO_WORK, NO_WORK  # input, flatten
 
 
