@@ -446,7 +446,9 @@ def test_phi3s_fused_gate_up_is_cut_into_parts_no_opaque_op(imported):
     gate, up = graph[f"{mlp}.part"], graph[f"{mlp}.part_1"]
     for i, part in enumerate((gate, up)):
         assert part.kind is OpKind.PART and part.inputs == (fused.name,)
-        assert dict(part.attrs) == {"part": i, "parts": 2, "functional": 1}
+        # gate carries the backward's cat of both gradients (no part unread)
+        assert dict(part.attrs) == {"part": i, "parts": 2, "functional": 1, "cat": int(i == 0),
+                                    **({"unread_parts": 0} if i == 0 else {})}
         assert part.output.shape == (BATCH * SEQ, 64) and part.flops == 0
     assert graph[f"{mlp}.activation_fn"].inputs == (gate.name,)
     assert graph[f"{mlp}.mul"].inputs == (up.name, f"{mlp}.activation_fn")
