@@ -231,18 +231,48 @@ def parallelize(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The applied module's whole state, every entry a plain tensor in the module's own
-    order — what one process training it would save: each DTensor's full value, a fused
-    weight's columns (held interleaved, :mod:`runtime.fused_parts`) put back in order;
-    buffers as this rank holds them (a batch norm split over its channels keeps only its
-    own channels' running statistics current). A collective: every rank calls it.
-    ``state_dict()`` itself holds the entries as they train — DTensors, fused columns
-    interleaved, as the optimizer's state is — which is what resuming on the same plan
-    needs."""
-    held = module.ilp_plan.params.interleaved  # type: ignore[union-attr]
+    order — what one process training it would save, the same on every rank: each
+    DTensor's full value, a fused weight's columns (held interleaved,
+    :mod:`runtime.fused_parts`) put back in order, and a batch norm split over its channels
+    given every rank's channels of its running statistics (each rank updates its own,
+    :mod:`runtime.local_batchnorm`). A collective: every rank calls it. ``state_dict()``
+    itself holds the entries as they train — DTensors, fused columns interleaved, as the
+    optimizer's state is — which is what resuming on the same plan needs."""
+    applied = module.ilp_plan  # type: ignore[union-attr]
+    held, stats = applied.params.interleaved, _channel_blocks(applied)
     out = {}
     for name, value in module.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        out[name] = natural_order(full.detach(), *held[name]) if name in held else full.detach()
+        full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+        if name in held:
+            full = natural_order(full, *held[name])
+        elif name in stats:
+            full = _gathered_channels(full, stats[name])
+        out[name] = full
+    return out
+
+
+def _channel_blocks(applied: Applied) -> dict[str, list[tuple[int, int]]]:
+    """Per running-statistics buffer of a batch norm the plan splits over its channels,
+    every rank's ``[lo, hi)`` channel block."""
+    out = {}
+    for op in applied.graph.ops:
+        if op.kind is not OpKind.BATCHNORM:
+            continue
+        blocks = [(int(lo), int(hi)) for lo, hi in
+                  applied.layers[op.name].output.regions(op.output.shape)[:, 1]]
+        if any(b != (0, op.output.shape[1]) for b in blocks):
+            path = op.source_params[0].rsplit(".", 1)[0]
+            out.update({f"{path}.{buf}": blocks for buf in ("running_mean", "running_var")})
+    return out
+
+
+def _gathered_channels(mine: torch.Tensor, blocks: list[tuple[int, int]]) -> torch.Tensor:
+    """A per-channel buffer whole: each rank's value on its own channel block."""
+    every = [torch.empty_like(mine) for _ in blocks]
+    dist.all_gather(every, mine.contiguous())
+    out = mine.clone()
+    for value, (lo, hi) in zip(every, blocks, strict=True):
+        out[lo:hi] = value[lo:hi]
     return out
 
 

@@ -6,8 +6,8 @@ solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`
 test reads its model's line: the losses match one process (fp32, 1e-4), the collectives
 executed are the planned ones, every step, on every rank, and after training the module's
 whole state (``runtime.apply.full_state_dict``: Phi-3's fused ``gate_up_proj`` in its own
-column order) holds one process's trained parameters and loading it back
-(``load_full_state_dict``) leaves every parameter as it was.
+column order, a channel-split batch norm's running statistics from every rank) is one
+process's, the same on every rank, and ``load_full_state_dict`` sets what it is given.
 The 1 × 4 launch also trains Llama's and GPT-2's Megatron plans through ``to_parallelize_plan`` and PyTorch's
 ``parallelize_module`` (2-way data × 2-way tensor parallel), matching one process. Megatron
 and Megatron-SP plans (the baselines' layouts) train under ``parallelize`` on both shapes,
@@ -84,9 +84,9 @@ def test_per_head_qk_norms_train_split_by_heads_like_one_process(model, shape):
 def test_megatron_plans_train_with_attention_split_over_batch_and_heads(model, shape):
     """Megatron (and Megatron-SP) on the imported models: the user's attention runs on
     DTensors split over the batch on the data-parallel axis and over the heads on the
-    tensor-parallel one, in both of the model's attention layers; Llama's Megatron-SP keeps
-    its gated MLP's product on the tensor-parallel columns between its sequence-split
-    norms."""
+    tensor-parallel one, in both of the model's attention layers. Llama's Megatron-SP plan
+    has its gated MLP's product on the tensor-parallel columns (what
+    ``tests/test_megatron_sp_region.py`` checks layer by layer); here, that it runs."""
     assert "dp×tp-attention=2" in line_of(shape, model)
 
 
@@ -97,7 +97,7 @@ def test_a_hand_written_torchtitan_style_llama_trains_like_one_process(model, sh
     """Not every model users bring is Hugging Face's: a Llama written the way torchtitan's
     is — rotary positions as complex products (``view_as_complex``), grouped-query heads by
     ``repeat_interleave``, blocks in a ``ModuleDict`` — under the solver's plan and under
-    Megatron-SP's layouts (its SwiGLU product on the tensor-parallel columns)."""
+    Megatron-SP's layouts."""
     line = line_of(shape, model)
     assert "3d(" in line
     if model.endswith("megatron-sp"):

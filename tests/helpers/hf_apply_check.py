@@ -302,26 +302,29 @@ def running_stats_differ(plan: Plan, model: nn.Module, reference: nn.Module) -> 
 
 
 def saved_state_differs(model: nn.Module, reference: nn.Module) -> list[str]:
-    """Parameters whose trained value in the applied module's whole state
-    (:func:`full_state_dict`: Phi-3's fused ``gate_up_proj``, held interleaved, in its own
-    column order) differs from one process's, and parameters that loading that state back
-    (:func:`load_full_state_dict`) does not leave as they are."""
+    """Entries of the applied module's whole state (:func:`full_state_dict`: Phi-3's fused
+    ``gate_up_proj``, held interleaved, in its own column order; a channel-split batch
+    norm's running statistics from every rank's channels) that differ from one process's
+    after training, or from rank to rank; and entries that loading a state
+    (:func:`load_full_state_dict`: a perturbed copy, then the state itself) does not set."""
     out = []
     state = full_state_dict(model)
-    params = dict(reference.named_parameters())
     for name, want in reference.state_dict().items():
-        if name not in params:
-            continue  # buffers: running_stats_differ
         got = state[name]
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        if got.shape != want.shape or not torch.allclose(got.double(), want.double(),
+                                                         rtol=1e-4, atol=1e-5):
             out.append(f"full_state_dict()[{name!r}] differs from one process's"
                        + (f" (shape {tuple(got.shape)})" if got.shape != want.shape else ""))
-    before = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
-    load_full_state_dict(model, state)
-    for n, p in model.named_parameters():
-        if not torch.equal((p.to_local() if isinstance(p, DTensor) else p).detach(), before[n]):
-            out.append(f"load_full_state_dict(full_state_dict()) changed {n}")
+    sums = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, sum(v.double().sum() for v in state.values()).reshape(1))
+    if len({float(x) for x in sums}) > 1:
+        out.append(f"full_state_dict() differs between ranks: sums {[float(x) for x in sums]}")
+    moved = {n: v + 1 if v.is_floating_point() else v for n, v in state.items()}
+    for loaded in (moved, state):
+        load_full_state_dict(model, loaded)
+        back = full_state_dict(model)
+        out += [f"load_full_state_dict did not set {n}" for n, v in loaded.items()
+                if not torch.equal(back[n], v)]
     return out
 
 
