@@ -95,8 +95,8 @@ from ilp_planner.lowering.strategies import Strategy, head_splits, summa_fits
 Filter = StrategyFilter
 _MATMUL = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.CONV2D, OpKind.MATMUL)
 _TP_REGION = (OpKind.GELU, OpKind.SILU, OpKind.RELU, OpKind.MUL)
-"""Element-wise kinds Megatron-SP runs inside the TP region (on the column-parallel
-linear's output) where they sit there: an MLP's activation, a gated MLP's product."""
+"""Element-wise kinds Megatron-SP may run inside the TP region, on a column-parallel
+linear's output columns: an MLP's activation, a gated MLP's product."""
 
 
 def restrict(gp: GraphProblem, keep: Filter) -> tuple[Problem, list[np.ndarray]] | str:
@@ -180,9 +180,10 @@ def megatron_filter(dp: MeshAxis, tp: MeshAxis, sequence_parallel: bool = False,
             # an MLP's activation and a gated MLP's product (SwiGLU's ``silu(w1 x) * w3 x``)
             # run on the column-parallel linear's split inside the TP region, as
             # Megatron-SP runs them; the tokens split over TP outside it only
+            if s.output.has_partial:
+                return False
             key = s.output.canonical_key()
-            return not s.output.has_partial and (
-                key == seq or (op.kind in _TP_REGION and key in columns))
+            return key == seq or (op.kind in _TP_REGION and key in columns)
         if op.kind is OpKind.BATCHNORM:  # see the module docstring
             return s.output.canonical_key() in whole_batch
         return not s.output.has_partial and s.output.canonical_key() in allowed
