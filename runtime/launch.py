@@ -6,7 +6,7 @@ wall time of every step. Several plans share one launch (and one process start-u
 Order of checks, so that bad input fails fast and never hangs: the plan files are read and
 validated and the world size (``WORLD_SIZE`` from torchrun) is compared with each plan's
 device count *before* the process group exists; then the backend is initialised — NCCL
-when CUDA is available, gloo otherwise — with a collective timeout (``--timeout``, default
+when CUDA is available, gloo otherwise (``--backend``) — with a collective timeout (``--timeout``, default
 60 s), so a rank that dies mid-step ends the job with an error (torchrun also tears the
 other workers down as soon as one exits non-zero), and a heartbeat (``--heartbeat-s``,
 :mod:`runtime.heartbeat`) ends it within a few beats when a rank stops. Under
@@ -16,11 +16,13 @@ leaves the rank's account there (:mod:`runtime.failures`) for the run's one erro
 Outputs (rank 0): ``--timings CSV`` — every single collective issued, in the calibration
 format (``collective,group_size,bytes,link,seconds``) that ``ilp-planner calibrate`` fits;
 ``--results JSON`` — per plan: losses, step seconds, communication seconds per step and per
-purpose, and the reference comparison; ``--save-params DIR`` — final full parameters
-(``DIR/<plan stem>.pt``); ``--check-reference`` — run the single-process reference on rank 0
-and fail (exit 1) unless every step's loss and every final parameter agree within
-``--rtol`` (relative, norm-wise per tensor; default per compute dtype,
-:data:`runtime.reference.RTOL`).
+purpose, the reference comparison and, on CUDA, rank 0's peak allocated memory over the
+plan's setup and steps (``torch.cuda.max_memory_allocated``, less what was allocated
+before) and with ``--profile-last-step`` its last step's GPU kernel seconds;
+``--save-params DIR`` — final full parameters (``DIR/<plan stem>.pt``);
+``--check-reference`` — run the single-process reference on rank 0 and fail (exit 1)
+unless every step's loss and every final parameter agree within ``--rtol`` (relative,
+norm-wise per tensor; default per compute dtype, :data:`runtime.reference.RTOL`).
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from ilp_planner.errors import ConfigError, PlannerError
 from ilp_planner.plan import audit
 from ilp_planner.plan.data import Plan
 from runtime import failures, heartbeat
-from runtime.executor import Executor, RunOptions
+from runtime.errors import RuntimeSetupError
+from runtime.executor import Executor, RunOptions, StepResult
 from runtime.optim import OptimizerSpec
 from runtime.reference import compare, run_reference, tolerance
 
+BACKENDS = ("auto", "nccl", "gloo")
 CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -80,6 +85,13 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
                    help="relative tolerance of --check-reference (default: per compute dtype, "
                         "runtime.reference.RTOL: 1e-4 float32, 1e-2 bfloat16, 2e-3 float16)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--profile-last-step", action="store_true",
+                   help="on CUDA, run the last step under the profiler and report its GPU "
+                        "kernel seconds (--results: last_step_kernel_s; the step's own time "
+                        "includes the profiler's overhead)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto (default): NCCL on CUDA, gloo on CPU; gloo on CUDA lets more ranks "
+                        "than GPUs share them (a check on one GPU; NCCL needs a GPU per rank)")
     p.add_argument("--heartbeat-s", type=float, default=10.0,
                    help="each rank beats through torchrun's store this often; a rank silent for "
                         f"{heartbeat.MISSED_BEATS} beats (stopped, hung) ends the run naming it "
@@ -143,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> int:
     """Compile every plan (fails before any process group), start the backend, train each
     plan in turn, write the outputs; 1 when an audit or reference check failed."""
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend, device = _backend_and_device(args.backend, local_rank)
     executors = _executors(args, rank, world, device)
     faulthandler.enable()  # a rank killed by a signal prints where it was
-    backend = _init_backend(device, args.timeout)
+    _init_backend(backend, device, args.timeout)
     beat = heartbeat.start(rank, world, args.heartbeat_s)
     try:
         runs = [_train(ex, path, args, rank, world, backend)
@@ -180,14 +192,30 @@ def _recording(args: argparse.Namespace) -> bool:
     return args.record or args.audit or bool(args.timings)
 
 
-def _init_backend(device: torch.device, timeout_s: float) -> str:
-    """The default process group: NCCL on CUDA, gloo otherwise, with the collective
-    timeout (a rank that dies mid-step ends the job with an error)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def _backend_and_device(choice: str, local_rank: int) -> tuple[str, torch.device]:
+    """The backend and this rank's device: NCCL on ``cuda:LOCAL_RANK`` where CUDA is
+    available, else gloo on the CPU. gloo on CUDA shares the node's GPUs round-robin (ranks
+    beyond the GPU count: a multi-rank check on one GPU); NCCL refuses two ranks on one GPU,
+    so that case is refused here, before any process group, with what to do instead."""
+    if not torch.cuda.is_available():
+        if choice == "nccl":
+            raise RuntimeSetupError("--backend nccl needs CUDA, and torch sees no GPU here")
+        return "gloo", torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    backend = "nccl" if choice == "auto" else choice
+    if backend == "nccl" and local_rank >= gpus:
+        raise RuntimeSetupError(f"local rank {local_rank} has no GPU of its own ({gpus} on this node) "
+                                f"and NCCL needs one per rank: start at most {gpus} processes per "
+                                f"node, or pass --backend gloo to share the GPUs")
+    return backend, torch.device("cuda", local_rank % gpus)
+
+
+def _init_backend(backend: str, device: torch.device, timeout_s: float) -> None:
+    """The default process group, with the collective timeout (a rank that dies mid-step
+    ends the job with an error)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return backend
 
 
 @dataclass
@@ -203,6 +231,7 @@ class _PlanRun:
 def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: int,
            backend: str) -> _PlanRun:
     """Set one plan up, train it for ``--steps`` steps, gather its parameters and results."""
+    held = _start_peak(ex.device)
     ex.setup()
     c = ex.compiled
     if rank == 0:
@@ -212,9 +241,13 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
     run = _PlanRun({})
     record = _recording(args)
     losses, secs, comm, audited, order = [], [], [], [], None
+    kernel_s = None
     for step in range(args.steps):
         _maybe_crash(args, rank, step)
-        r = ex.train_step(step)
+        if args.profile_last_step and step == args.steps - 1 and ex.device.type == "cuda":
+            r, kernel_s = _profiled_step(ex, step)
+        else:
+            r = ex.train_step(step)
         if args.audit:
             audited.append(_audit(ex, r.events, rank, world, step))
         losses.append(r.loss)
@@ -226,6 +259,7 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
             said = f"  comm {comm[-1]['total_s'] * 1e3:.1f} ms" if record else ""
             print(f"  step {step}: loss {r.loss:.6f}  time {r.seconds * 1e3:.1f} ms{said}",
                   flush=True)
+    peak = _peak_since(ex.device, held)
     params = ex.gather_params()
     by_rank = [None] * world if rank == 0 else None
     dist.gather_object([s["total_s"] for s in comm] if record else None, by_rank, dst=0)
@@ -234,6 +268,7 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
                  "comm": comm, "comm_s_by_rank": by_rank, "world": world, "backend": backend,
                  "microbatches": c.microbatches, "stages": len(c.stages),
                  "audit_ok": all(audited) if args.audit else None,
+                 "peak_memory_bytes": peak, "last_step_kernel_s": kernel_s,
                  "order": order,  # rank 0's first step: collectives and marks, if recorded
                  # rank 0's parameter blocks as held between steps: dtype, elements
                  "held": {k: [str(v.t.dtype).removeprefix("torch."), v.t.numel()]
@@ -246,6 +281,32 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
         if args.check_reference:
             run.failed |= not _check_reference(ex, args, losses, params, run.entry)
     return run
+
+
+def _profiled_step(ex: Executor, step: int) -> tuple[StepResult, float]:
+    """One step under the profiler (CUDA activity only): its result and the seconds this
+    rank's GPU spent in kernels — a step much longer than its kernels waits on the host."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = ex.train_step(step)
+    return r, sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+
+
+def _start_peak(device: torch.device) -> int | None:
+    """On CUDA: what is allocated now (earlier plans' state), and the peak counter reset."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _peak_since(device: torch.device, held: int | None) -> int | None:
+    """This plan's own peak: the most allocated since :func:`_start_peak`, less what was
+    allocated then (None on CPU)."""
+    if held is None:
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - held
 
 
 def _maybe_crash(args: argparse.Namespace, rank: int, step: int) -> None:

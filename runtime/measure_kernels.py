@@ -9,7 +9,7 @@ Shapes: square matmuls from small to large (the size curve's knee and its asympt
 skinny ones with one small dimension each (the curve's per-dimension factor; on a GPU the
 small dimension stays ≥ 256 so that the matmul is still compute-bound — a memory-bound
 matmul's time says nothing of the curve), and streams from cache-sized to memory-sized
-(bandwidth and the per-launch floor). Each timing is the
+(bandwidth and the per-launch floor; on a GPU, around its L2 cache's sizes). Each timing is the
 fastest of ``repeats`` loops of launches long enough to read a clock (≥ 1 ms), divided by
 its length: a launch's whole cost, what eager training pays per kernel.
 """
@@ -29,12 +29,16 @@ _CPU_QUICK = ((32, 64, 128, 256, 384), ((8, 256, 256), (256, 8, 256), (256, 256,
 _CPU_FULL = ((32, 64, 128, 256, 512, 768, 1024),
              ((8, 512, 512), (512, 8, 512), (512, 512, 8), (32, 1024, 1024)),
              tuple(4**p for p in range(5, 13)))
+# A GPU's streams skip the sizes its L2 cache holds (tens of MB: 50 MB on an H100, 60 on an
+# H200): there a stream runs at the cache's bandwidth, neither the launch floor (the small
+# sizes) nor HBM's bandwidth (the large ones), and a fit through them overstates the
+# bandwidth (an H200's came out at 5.1 TB/s of a 4.8 TB/s datasheet).
 _GPU_QUICK = ((256, 512, 1024, 2048, 4096), ((4096, 4096, 256), (4096, 256, 4096), (256, 4096, 4096)),
-              tuple(4**p for p in range(6, 14)))
+              (4**5, 4**6, 4**13, 4**14))
 _GPU_FULL = ((128, 256, 512, 1024, 2048, 4096, 6144, 8192),
              ((16, 8192, 8192), (8192, 8192, 256), (8192, 256, 8192), (256, 8192, 8192),
               (8192, 8192, 512), (8192, 512, 8192)),
-             tuple(4**p for p in range(6, 15)))
+             (4**5, 4**6, 4**7, 4**13, 4**14, 4**15))
 MIN_SAMPLE_S = 1e-3
 
 

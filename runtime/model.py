@@ -15,8 +15,9 @@ arithmetic. Conventions (those of :mod:`ilp_planner.inputs.models`):
   contiguous block of columns;
 * attention reads the fused QKV projection ``(tokens, 3h)`` whose columns are head-major
   (``[head0: q k v | head1: q k v | …]``), runs causal softmax attention per sequence of
-  ``seq_len`` tokens and writes ``(tokens, h)`` with heads contiguous — so a shard holding
-  whole heads and whole sequences computes its part alone;
+  ``seq_len`` tokens as one fused kernel (``scaled_dot_product_attention``: FlashAttention on
+  a GPU, the kernel the compute model prices) and writes ``(tokens, h)`` with heads
+  contiguous — so a shard holding whole heads and whole sequences computes its part alone;
 * an embedding is a lookup in a ``(vocab, hidden)`` table plus a learned ``(seq_len, hidden)``
   position table (token ``t`` has position ``t mod seq_len``); a shard of the table covering
   rows ``[v0, v1)`` returns zeros for ids outside it (the masked lookup whose partial sums
@@ -389,10 +390,7 @@ def attention(qkv: torch.Tensor, heads: int, seq_len: int, rope_theta: int = 0,
         q, k = rotary(q, rope_theta), rotary(k, rope_theta)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # fused: flash on a GPU
     return out.transpose(1, 2).reshape(tokens, heads * d)
 
 

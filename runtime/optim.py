@@ -7,6 +7,11 @@ the full tensor — the executor and the single-process reference share this cod
     SGD:   p ← p − lr·g
     Adam:  m ← β1·m + (1−β1)·g,   v ← β2·v + (1−β2)·g²,
            p ← p − lr · (m / (1−β1ᵗ)) / (√(v / (1−β2ᵗ)) + ε)      (t = 1, 2, …)
+
+Adam runs as PyTorch's fused kernel (``torch.optim.adam.adam(fused=True)``, one pass over
+every tensor: read p, g, m, v, write p, m, v), the update the compute model prices
+(:func:`ilp_planner.lowering.compute_model.update_bytes_per_param`); an unfused update (a
+dozen elementwise passes) moves three to four times those bytes. SGD is one foreach add.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adam import adam
 
 from ilp_planner.errors import ConfigError
 
@@ -40,22 +46,22 @@ class Optimizer:
 
     def __init__(self, spec: OptimizerSpec):
         self.spec = spec
-        self.t = 0
-        self.state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.state: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # m, v, t
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
         s = self.spec
-        self.t += 1
         if s.name == "sgd":
             torch._foreach_add_(list(params.values()), [grads[k] for k in params], alpha=-s.lr)
             return
+        if not params:
+            return
         for name, p in params.items():
-            g = grads[name]
-            m, v = self.state.get(name) or (torch.zeros_like(p), torch.zeros_like(p))
-            m.mul_(s.beta1).add_(g, alpha=1 - s.beta1)
-            v.mul_(s.beta2).addcmul_(g, g, value=1 - s.beta2)
-            self.state[name] = (m, v)
-            m_hat = m / (1 - s.beta1 ** self.t)
-            v_hat = v / (1 - s.beta2 ** self.t)
-            p.sub_(s.lr * m_hat / (v_hat.sqrt() + s.eps))
+            if name not in self.state:
+                self.state[name] = (torch.zeros_like(p), torch.zeros_like(p),
+                                    torch.zeros((), dtype=torch.float32, device=p.device))
+        names = list(params)
+        m, v, steps = (list(x) for x in zip(*(self.state[k] for k in names), strict=True))
+        adam([params[k] for k in names], [grads[k] for k in names], m, v, [], steps,
+             fused=True, amsgrad=False, beta1=s.beta1, beta2=s.beta2, lr=s.lr, weight_decay=0.0,
+             eps=s.eps, maximize=False)

@@ -116,14 +116,16 @@ def test_split_32_ways_costs_more_than_a_32nd() -> None:
 
 
 def test_attention_is_priced_as_a_flash_kernel() -> None:
-    """Forward: its FLOPs at the curve of (seq, seq, head_dim), bytes of Q, K, V, O;
-    backward: 2.5 × the FLOPs (S recomputed), 8 tensors' bytes."""
+    """Forward: its FLOPs at the curve of (seq, seq, head_dim), of which a causal kernel
+    runs the diagonal tiles and below ((1 + 128/s)/2), bytes of Q, K, V, O; backward:
+    2.5 × those FLOPs (S recomputed), 8 tensors' bytes."""
     t, h, heads, seq = 8 * 2048, 4096, 32, 2048
     op = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
             flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
     fwd, bwd = op_work(op, 4.0)
     assert fwd.gemm == bwd.gemm == (seq, seq, h / heads)
-    assert (fwd.flops, bwd.flops) == (op.flops / 4, 2.5 * op.flops / 4)
+    causal = (1 + 128 / seq) / 2
+    assert (fwd.flops, bwd.flops) == (op.flops / 4 * causal, 2.5 * op.flops / 4 * causal)
     assert (fwd.bytes, bwd.bytes) == (4 * t * h * 2 / 4, 8 * t * h * 2 / 4)
     assert bound_by(fwd, A100, "bfloat16") == "compute"
 

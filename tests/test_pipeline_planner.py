@@ -208,8 +208,8 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
     little more memory, sharded optimizer state beats the plain space's best. Each stage's
     memory is the exact peak of its plan at the micro-batches its position holds."""
     with pytest.raises(InfeasibleError, match="least memory any assignment needs"):
-        solve_pipelined(_utf_pipe(0.0005, **PLAIN), baselines=False)
-    tight = _utf_pipe(0.0005)
+        solve_pipelined(_utf_pipe(0.00055, **PLAIN), baselines=False)
+    tight = _utf_pipe(0.00055)
     plan = solve_pipelined(tight, baselines=False)
     assert any(lp.recompute for lp in plan.layers)
     assert [st.dp.inflight_microbatches for st in plan.stages] == [2, 1]

@@ -84,10 +84,10 @@ def test_the_counts_search_equals_every_count_solved_on_its_own(memory_mib):
     assert peak_memory(gp, res.choice) <= config.cluster.memory_bytes * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("memory_mib", [0.7, 0.66])
+@pytest.mark.parametrize("memory_mib", [0.7, 0.68])
 def test_a_middle_count_that_wins_is_found(memory_mib):
-    """At 0.7 and 0.66 MiB four recomputed blocks beat every other count (0.000780 s and
-    0.000792 s a step against 0.000829 s with all five): the fewest that fit (2, 3) and all
+    """At 0.7 and 0.68 MiB four recomputed blocks beat every other count (0.000780 s a step
+    against 0.000829 s with all five): the fewest that fit (2, 3) and all
     (5) — what the search sampled before the cover — miss it; the cover finds it and
     proves it."""
     by_count = _every_count(memory_mib)

@@ -86,7 +86,7 @@ def test_pipelined_plan_is_no_worse_than_the_pipelined_grid():
     space and offered to the DP), and the plan's simulated step at most the grid's,
     assembled and simulated the same way."""
     _check("tiny-utf-zero-cpu", {"cluster.nodes": 1, "cluster.devices_per_node": 4,
-                                 "cluster.memory_gib": 0.0005, "pipeline.stages": "auto",
+                                 "cluster.memory_gib": 0.00055, "pipeline.stages": "auto",
                                  "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"})
 
 

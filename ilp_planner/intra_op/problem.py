@@ -68,6 +68,7 @@ from ilp_planner.lowering.strategies import (
     follower_inputs,
     forward_seconds,
     grad_sync,
+    loss_memory,
     op_strategies,
     tie_transposes,
     tied_exchange_seconds,
@@ -406,6 +407,8 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         fwd.append(forward_seconds(op, tensor, resolved, ctx))
         cost += _per_step(secs, fc, microbatches)
         act += out.local_bytes(op.output)
+        if op.kind is OpKind.LOSS:  # its backward runs first, while every activation is held
+            act += sum(loss_memory(tensor, resolved))
     syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
                                            base.output, ctx)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,

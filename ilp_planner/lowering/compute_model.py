@@ -27,7 +27,8 @@ linear, matmul            F; X, W, Y             2F (dX = dY·Wᵀ, dW = Xᵀ·d
 conv2d (implicit GEMM)    F; X, W, Y             2F; 2 × (X, W, Y)
 embedding                 lookup: 2N (+N/table)  scatter-add of dY into the table rows: 3N
 attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 matmuls for 2);
-                                                 reads Q, K, V, O, dO, writes dQ, dK, dV: 8N
+  (causal: F and 2.5F                            reads Q, K, V, O, dO, writes dQ, dK, dV: 8N
+  × :func:`causal_fraction`)
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
                           4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
                                                  always for ``attrs.unfused``: an imported
@@ -53,7 +54,9 @@ add                       3N                     none: the gradient passes to bo
 mul                       3N                     5N (read dy, a, b, write da, db), 2 kernels
 batchnorm                 3N (stats, normalise)  4N (reductions, then dx), 2 kernels
 pool (max, stride k)      N·k² + N               N + N·k²
-loss (cross-entropy)      logits L               2L (read logits, write dlogits)
+loss (cross-entropy)      float32 passes over    the same bytes (:func:`_loss_work`): what
+                          the logits: 24 B each  the runtime's code moves, not a fused
+                          (+ the copy to fp32)   kernel's 2L
 opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
 flatten                   nothing (a view)       nothing
 part (a fused output's    nothing (a view)       2N: its gradient read and written into the
@@ -108,7 +111,12 @@ GemmShape = tuple[float, float, float]
 """A matmul's local sizes (m, n, k): ``(m, k) × (k, n)`` on one device."""
 
 MASK_BYTES = 1  # dropout keeps a boolean mask per element
+LOSS_STAT_BYTES = 4  # the loss computes in float32 (strategies.LOSS_ITEMSIZE)
 FLASH_BACKWARD_FLOPS = 2.5  # recomputes S = QKᵀ: five matmuls against the forward's two
+# FlashAttention's block of query rows and of keys (FlashAttention-2 and cuDNN's fused
+# attention run 128 × 128 tiles on Ampere and Hopper): a causal kernel skips the tiles
+# above the diagonal and computes the diagonal ones whole
+FLASH_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,24 @@ def _streaming(flops: float, fwd: float, bwd: float, kernels: tuple[int, int] = 
     return PhaseWork(flops, fwd, kernels[0]), back
 
 
+def _loss_work(flops: float, logits: TensorSpec, split: float) -> tuple[PhaseWork, PhaseWork]:
+    """The runtime's cross-entropy (:func:`runtime.ops.loss`, vocabulary-parallel ready, in
+    float32) kernel by kernel, per local logit of ``it`` bytes. Forward: the float32 copy
+    (read it, write 4; none in fp32), the row max (read 4), ``z − max`` and its ``exp``
+    (read 4, write 4 each), the row sum (read 4): 24 + copy. Backward: the exponential's
+    gradient (read 4, write 4), the target gather's (a zero-filled 4), their sum (read 8,
+    write 4), the cast back (read 4, write it): 24 + cast. Each pass is its own kernel; the
+    per-row steps (log, target mask) are small kernels of their own. On a large vocabulary
+    this is a real share of the step (``benchmarks/gpu_check.py``: a 124M GPT's loss runs
+    several milliseconds on an H200, where a fused kernel's 2 × the logits' bytes would be
+    half a millisecond)."""
+    it = logits.itemsize
+    elements = logits.numel / split
+    cast = it + LOSS_STAT_BYTES if it != LOSS_STAT_BYTES else 0
+    kernels = (8 + bool(cast), 6 + bool(cast))
+    return _streaming(flops, (24 + cast) * elements, (24 + cast) * elements, kernels)
+
+
 def default_gemm(op: Op, split: float) -> GemmShape:
     """The local matmul of a matmul-like op when the strategy names none: the global
     (m, n, k) with the rows divided by ``split`` (a data-parallel split)."""
@@ -211,8 +237,9 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
     flops = op.flops / split
     rf, rb, rk = _rotary(op, split, itemsize)  # the same in both phases
     if flash:
-        return (PhaseWork(flops, 4 * n, 1 + rk, gemm, rb, rf),
-                PhaseWork(FLASH_BACKWARD_FLOPS * flops, 8 * n, 2 + rk, gemm, rb, rf))
+        work = flops * causal_fraction(op, seq)
+        return (PhaseWork(work, 4 * n, 1 + rk, gemm, rb, rf),
+                PhaseWork(FLASH_BACKWARD_FLOPS * work, 8 * n, 2 + rk, gemm, rb, rf))
     scores = op.output.shape[0] * heads * seq / split  # E, elements
     e = scores * itemsize
     # an imported hand-written attention drops probabilities only where its code does
@@ -222,6 +249,19 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
                       (2 + 2 * drop) * e + mask + rb, rf),
             PhaseWork(2 * flops, 8 * n + 4 * e, 5 + drop + rk, gemm,
                       (3 + 2 * drop) * e + mask + rb, rf))
+
+
+def causal_fraction(op: Op, seq: float) -> float:
+    """The share of an attention's score tiles a fused kernel computes: a causal one
+    (every attention but those an import marks ``attrs.not_plain_causal``) skips the tiles
+    above the diagonal, ``(1 + tile/s) / 2`` of them kept (tiles of :data:`FLASH_TILE`).
+    The op's FLOPs stay the full ``4·tokens·s·h`` that MFU counts; an unfused attention
+    computes every score and masks after. On an H200 a 124M GPT's (s = 1,024) fused causal
+    attention took about half the time its full FLOPs priced (``benchmarks/gpu_check.py``'s
+    profile, forward and backward kernels)."""
+    if op.attrs.get("not_plain_causal") or seq <= FLASH_TILE:
+        return 1.0
+    return (1.0 + FLASH_TILE / seq) / 2.0
 
 
 def _rotary(op: Op, split: float, itemsize: int) -> tuple[float, float, int]:
@@ -322,8 +362,7 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         window = op.attrs.get("kernel", 1) ** 2
         return _streaming(flops, n * (window + 1), n * (window + 1))
     if kind is OpKind.LOSS:
-        logits = (read.numel * read.itemsize / split) if read is not None else n
-        return _streaming(flops, logits, 2 * logits)
+        return _loss_work(flops, read or op.output, split)
     if kind is OpKind.OPAQUE:
         moved = (op.attrs.get("bytes_read", 0) + op.attrs.get("bytes_written", 0)) / split
         return _streaming(flops, moved, 2 * moved)
