@@ -35,7 +35,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,16 +65,18 @@ GPT_125M = {"kind": "gpt", "hidden": 768, "layers": 12, "heads": 12, "seq_len": 
 VARIANTS = (("no recompute, 1 micro-batch", "never", 1),
             ("full recompute, 1 micro-batch", "always", 1),
             ("no recompute, 4 micro-batches", "never", 4))
-# a GPU's name (torch.cuda.get_device_name) → its catalogue entry; first match wins
-NAME_TO_CATALOGUE = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"),
-                     ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"), ("L4", "l4"),
-                     ("V100-SXM2-32GB", "v100-32gb"), ("V100", "v100-16gb"))
+# a GPU's name (torch.cuda.get_device_name) → its catalogue entry: the first pattern found
+# (case-insensitive) wins; PCIe and NVL H100s, L40s and other parts have no entry (--gpu)
+NAME_TO_CATALOGUE = ((r"\bH200\b", "h200"), (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", "h100-sxm"),
+                     (r"\bA100\b.*\b80GB\b", "a100-80gb"), (r"\bA100\b", "a100-40gb"),
+                     (r"\bL4$", "l4"), (r"\bV100\b.*\b32GB\b", "v100-32gb"),
+                     (r"\bV100\b", "v100-16gb"))
 
 
 def catalogue_name(gpu_name: str) -> str:
     """The catalogue entry of a GPU named as CUDA names it, e.g. ``NVIDIA H100 80GB HBM3``."""
-    for key, entry in NAME_TO_CATALOGUE:
-        if key.lower() in gpu_name.lower():
+    for pattern, entry in NAME_TO_CATALOGUE:
+        if re.search(pattern, gpu_name.strip(), re.IGNORECASE):
             return entry
     raise SystemExit(f"gpu_check: no catalogue entry matches {gpu_name!r}; pass --gpu NAME "
                      f"(a catalogue name: ilp_planner.ir.device)")
@@ -129,10 +134,13 @@ def launch(plans: list[Path], nproc: int, extra: list[str], work: Path, tag: str
                            [str(p) for p in plans] + ["--results", str(results), *extra])
     log = work / f"{tag}.log"
     with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.call(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                 timeout=max(budget.left(), 1.0))
-        except subprocess.TimeoutExpired:
+            rc: int | str = proc.wait(timeout=max(budget.left(), 1.0))
+        except subprocess.TimeoutExpired:  # torchrun and its workers, which hold the GPU
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timed out"
     if not results.exists():  # a failed check (exit 1) still writes its results
         raise RuntimeError(f"launch {tag} failed ({rc}):\n{log.read_text()[-1500:]}")
@@ -295,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=480.0, help="time budget (default 480 s)")
     p.add_argument("--out", metavar="DIR", default=None, help="write gpu_check.json and logs here")
     p.add_argument("--gpu", default=None, help="catalogue entry (default: from the GPU's name)")
-    p.add_argument("--steps", type=int, default=12, help="steps per GPT plan (default 12)")
+    p.add_argument("--steps", type=int, default=12,
+                   help="steps per GPT plan, at least 4: two warm-up, one profiled (default 12)")
     args = p.parse_args(argv)
+    if args.steps < 4:
+        p.error("--steps: at least 4 (two warm-up steps, one timed, one profiled)")
     import torch
 
     if not torch.cuda.is_available():

@@ -265,21 +265,3 @@ class _Edge(torch.autograd.Function):
         gx = ctx.comm.run(g.contiguous(), red.backward_steps, red.tensor, "backward", ctx.purpose,
                           ctx.where)
         return gx, None, None, None, None
-
-
-class _ReduceReplicated(torch.autograd.Function):
-    """AllReduce of partial sums whose gradient is replicated (the loss statistics): the
-    backward is the identity — no collective."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, layout: Layout, axes: tuple[int, ...], where: str):
-        return comm.all_reduce(x.detach().clone(), layout, axes, "forward", "loss", where)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g, None, None, None, None
-
-
-def reduce_replicated(x: torch.Tensor, comm: Comm, layout: Layout, axes: tuple[int, ...],
-                      where: str = "") -> torch.Tensor:
-    return _ReduceReplicated.apply(x, comm, layout, axes, where)

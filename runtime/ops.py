@@ -36,7 +36,7 @@ from ilp_planner.lowering.strategies import (
 )
 from ilp_planner.plan.data import LayerPlan
 from runtime import model, moe
-from runtime.comm import Comm, LVal, Report, reduce_replicated
+from runtime.comm import Comm, LVal, Report
 from runtime.errors import RuntimeSetupError
 
 
@@ -239,11 +239,11 @@ def mul(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[s
 def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
          data: dict) -> LVal:
     """Mean cross-entropy, vocabulary-parallel when the class dim is split — the collectives
-    of :func:`ilp_planner.lowering.strategies.loss_collectives`: the row max (detached) MAX-reduced,
+    of :func:`ilp_planner.lowering.strategies.loss_collectives`: the row max MAX-reduced,
     then the two per-row sums Σexp and the target logit in one AllReduce over the class
-    axes; the mean over rows is a partial sum over the row axes, reduced asynchronously
-    into the reported loss (``ctx.reports``) while autograd runs from this rank's part.
-    None of these reductions has a backward collective."""
+    axes (:class:`_CrossEntropy`); the mean over rows is a partial sum over the row axes,
+    reduced asynchronously into the reported loss (``ctx.reports``) while autograd runs from
+    this rank's part. None of these reductions has a backward collective."""
     (logits,) = xs
     lay = logits.layout
     if lay.has_partial:
@@ -251,26 +251,60 @@ def loss(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[
     rows, classes = ctx.spec(op.inputs[0]).shape
     (r0, r1), (c0, c1) = ctx.region(lay, (rows, classes))
     targets = data[model.targets_key(op.name)][r0:r1]
-    z = logits.t.float()  # the statistics are float32 whatever the compute dtype
     vocab, row_axes = loss_axes(lay)
-    m = z.detach().amax(dim=1)
-    if vocab:
-        m = ctx.comm.all_reduce(m, lay, vocab, "forward", "loss", op.name,
-                                op=torch.distributed.ReduceOp.MAX)
-    se = torch.exp(z - m[:, None]).sum(dim=1)
     inside = (targets >= c0) & (targets < c1)
     idx = torch.where(inside, targets - c0, torch.zeros_like(targets))
-    tgt = z.gather(1, idx[:, None]).squeeze(1) * inside.to(z.dtype)
-    if vocab:
-        both = reduce_replicated(torch.stack([se, tgt]), ctx.comm, lay, vocab, op.name)
-        se, tgt = both[0], both[1]
-    part = ((torch.log(se) + m - tgt).sum() / rows).reshape(1)
+
+    def reduce_max(m: torch.Tensor) -> torch.Tensor:
+        return ctx.comm.all_reduce(m, lay, vocab, "forward", "loss", op.name,
+                                   op=torch.distributed.ReduceOp.MAX) if vocab else m
+
+    def reduce_sums(both: torch.Tensor) -> torch.Tensor:
+        return ctx.comm.all_reduce(both, lay, vocab, "forward", "loss", op.name) if vocab else both
+
+    part = _CrossEntropy.apply(logits.t, idx, inside, rows, reduce_max, reduce_sums)
     # the mean is a partial sum over the row axes; its gradient is replicated, so autograd
     # needs only this rank's part, and the AllReduce that completes the value only reports
     # it: launched now, waited at the step's end (no barrier between forward and backward)
     ctx.reports.append(ctx.comm.report(part, lay, row_axes, "forward", "loss", op.name)
                        if row_axes else Report(part.detach()))
     return LVal(part, lp.output)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """This rank's part of the mean cross-entropy over ``rows`` rows, from its block of
+    logits (its rows, its classes), in float32, holding as little as Megatron-LM's
+    vocabulary-parallel loss: ``e = exp(z − max)`` computed in place on one float32 copy of
+    the logits and kept for the backward (4 bytes a logit), the logits themselves not kept;
+    the backward turns ``e`` into the gradient in place — ``(e / Σe − onehot) · g / rows`` —
+    and casts it to the logits' dtype. Passes over the logits: the copy, the max, ``− max``,
+    ``exp``, the sum forward; one scaling and the cast backward (what
+    :func:`ilp_planner.lowering.compute_model._loss_work` prices and
+    :func:`ilp_planner.lowering.strategies.loss_memory` holds)."""
+
+    @staticmethod
+    def forward(ctx, logits, idx, inside, rows, reduce_max, reduce_sums):
+        z = logits.float()
+        if z.data_ptr() == logits.data_ptr():  # float32 logits: work on a copy
+            z = z.clone()
+        m = reduce_max(z.amax(dim=1))
+        z.sub_(m[:, None])
+        tgt = z.gather(1, idx[:, None]).squeeze(1) * inside.to(z.dtype)  # z_t − max, or 0
+        z.exp_()
+        both = reduce_sums(torch.stack([z.sum(dim=1), tgt]))
+        se, tgt = both[0], both[1]
+        ctx.save_for_backward(z, se, idx, inside)
+        ctx.rows, ctx.dtype = rows, logits.dtype
+        return ((torch.log(se) - tgt).sum() / rows).reshape(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        e, se, idx, inside = ctx.saved_tensors
+        scale = g.reshape(()).float() / ctx.rows
+        e.mul_(scale / se[:, None])  # the softmax, scaled
+        hit = torch.arange(e.shape[0], device=e.device)
+        e.index_put_((hit, idx), -scale * inside.to(e.dtype), accumulate=True)
+        return e.to(ctx.dtype), None, None, None, None, None
 
 
 OpFn = Callable[[StageContext, Op, LayerPlan, list[LVal], dict[str, LVal], dict], LVal]

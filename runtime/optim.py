@@ -22,6 +22,7 @@ import torch
 from torch.optim.adam import adam
 
 from ilp_planner.errors import ConfigError
+from runtime.errors import RuntimeSetupError
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -61,6 +62,12 @@ class Optimizer:
                 self.state[name] = (torch.zeros_like(p), torch.zeros_like(p),
                                     torch.zeros((), dtype=torch.float32, device=p.device))
         names = list(params)
+        for k in names:  # the fused kernel assumes dense tensors laid out alike (CPU: silently)
+            p, g = params[k], grads[k]
+            if not (p.is_contiguous() and g.is_contiguous() and p.dtype == g.dtype):
+                raise RuntimeSetupError(f"Adam's fused update needs contiguous {k!r} and gradient "
+                                        f"of one dtype, got {p.dtype}/{g.dtype}, contiguous "
+                                        f"{p.is_contiguous()}/{g.is_contiguous()}")
         m, v, steps = (list(x) for x in zip(*(self.state[k] for k in names), strict=True))
         adam([params[k] for k in names], [grads[k] for k in names], m, v, [], steps,
              fused=True, amsgrad=False, beta1=s.beta1, beta2=s.beta2, lr=s.lr, weight_decay=0.0,

@@ -2,8 +2,8 @@
 CUDA in one line and maps CUDA's device names to catalogue entries; the launcher's backend
 and device choice (NCCL needs a GPU per rank, gloo may share them); the fused Adam the
 runtime runs equals Adam's formula; the loss's memory and bytes as the runtime's code holds
-and moves them; a causal flash attention's share of its FLOPs. The device run itself is in
-``benchmarks/README.md``."""
+and moves them, and its gradient is softmax − one-hot; a causal flash attention's share
+of its FLOPs. The device run itself is in ``benchmarks/README.md``."""
 
 from __future__ import annotations
 
@@ -55,9 +55,13 @@ def test_cuda_device_names_map_to_catalogue_entries(name: str, entry: str) -> No
     device_spec(entry)  # every target exists
 
 
-def test_an_unknown_gpu_asks_for_its_catalogue_name() -> None:
+@pytest.mark.parametrize("name", ["Some Future Accelerator", "NVIDIA L40S", "NVIDIA L40",
+                                  "NVIDIA H100 PCIe", "NVIDIA H100 NVL"])
+def test_a_gpu_without_an_entry_asks_for_its_catalogue_name(name: str) -> None:
+    """Parts the catalogue does not hold (an L40S is no L4, a PCIe H100 no SXM one) are
+    refused, not priced as a neighbour."""
     with pytest.raises(SystemExit, match="--gpu NAME"):
-        gpu_check.catalogue_name("Some Future Accelerator")
+        gpu_check.catalogue_name(name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's choices")
@@ -68,9 +72,21 @@ def test_without_cuda_the_launcher_takes_gloo_and_refuses_nccl() -> None:
         _backend_and_device("nccl", 0)
 
 
+def test_with_cuda_nccl_takes_a_gpu_per_rank_and_gloo_shares_them(monkeypatch) -> None:
+    """Two GPUs: NCCL puts local rank r on cuda:r and refuses rank 2 before any process
+    group (naming the way out); gloo shares the GPUs round-robin."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _backend_and_device("auto", 1) == ("nccl", torch.device("cuda", 1))
+    with pytest.raises(RuntimeSetupError, match="--backend gloo"):
+        _backend_and_device("auto", 2)
+    assert _backend_and_device("gloo", 3) == ("gloo", torch.device("cuda", 1))
+
+
 def test_fused_adam_is_adams_formula() -> None:
     """The runtime's Adam (PyTorch's fused kernel) against the update written out in float64,
-    over three steps; state is per tensor, and a tensor seen late starts at its own step 1."""
+    over three steps, with per-tensor state; a transposed (non-contiguous) tensor is refused
+    (PyTorch's fused CPU kernel would update it wrongly, silently)."""
     spec = OptimizerSpec("adam", lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     p = {"a": torch.randn(5, 3, generator=gen), "b": torch.randn(7, generator=gen)}
@@ -88,18 +104,33 @@ def test_fused_adam_is_adams_formula() -> None:
     for k in p:
         torch.testing.assert_close(p[k].double(), ref[k][0], rtol=1e-6, atol=1e-7)
     assert all(float(opt.state[k][2]) == 3.0 for k in p)
+    w = torch.randn(3, 4).t()
+    with pytest.raises(RuntimeSetupError, match="contiguous"):
+        Optimizer(spec).step({"w": w}, {"w": torch.randn(4, 3)})
 
 
-def test_loss_memory_is_the_runtimes_float32_statistics_by_hand() -> None:
-    """bf16 logits (rows × classes) on 1 × 4 with rows split 4 ways: the loss keeps
-    exp(z − max) in float32 (4 B), the logits are not kept (−2 B), and its backward holds two
-    float32 gradients (8 B) per local logit; fp32 logits keep nothing more."""
+def test_loss_memory_is_what_autograd_keeps_of_the_runtimes_loss() -> None:
+    """What autograd saves for :class:`runtime.ops._CrossEntropy` (counted by a saved-tensors
+    hook) is one float32 tensor of the logits' shape plus per-row statistics (Σexp, target
+    index, mask) — what :func:`loss_memory` charges, on a rows-split block too."""
+    from runtime.ops import _CrossEntropy
+
     rows, classes = 64, 1000
-    layout = _row_split(4)
-    half = TensorSpec((rows, classes), "bfloat16")
-    local = rows * classes / 4
-    assert loss_memory(half, layout) == (2 * local, 8 * local)
-    assert loss_memory(TensorSpec((rows, classes), "float32"), layout) == (0.0, 8 * local)
+    for dtype in (torch.bfloat16, torch.float32):
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        logits = torch.randn(rows, classes, dtype=dtype, requires_grad=True)
+        targets = torch.randint(0, classes, (rows,))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _CrossEntropy.apply(logits, targets, torch.ones(rows, dtype=torch.bool), rows,
+                                lambda m: m, lambda b: b)
+        spec = TensorSpec((rows, classes), str(dtype).removeprefix("torch."))
+        assert sum(saved) == loss_memory(spec, _row_split(1)) + rows * (4 + 8 + 1)
+        assert loss_memory(spec, _row_split(4)) == 4 * rows * classes / 4
 
 
 def test_every_option_of_a_gpt_charges_its_loss_memory() -> None:
@@ -121,7 +152,7 @@ def test_every_option_of_a_gpt_charges_its_loss_memory() -> None:
                       for m, out in zip(gp.members[node], opt.outputs, strict=True))
         read = opt.inputs[at][0]
         reads.add(read)
-        assert math.isclose(opt.activation_bytes, outputs + sum(loss_memory(logits, read)),
+        assert math.isclose(opt.activation_bytes, outputs + loss_memory(logits, read),
                             rel_tol=1e-12)
     assert len(reads) >= 2  # rows split and replicated, at least
 
@@ -145,15 +176,39 @@ def test_causal_flash_attention_runs_the_diagonal_tiles_and_below() -> None:
 
 
 def test_the_loss_moves_what_the_runtimes_passes_move() -> None:
-    """24 bytes a float32 logit each way, plus the copy to float32 and back for bf16."""
+    """Forward 28 bytes a float32 logit plus the copy's read; backward the scaled softmax (8)
+    and, for half-precision logits, the cast back (4 + 2)."""
     rows, classes = 512, 4096
-    for dtype, extra in (("bfloat16", 6), ("float32", 0)):
+    for dtype, fwd_b, bwd_b in (("bfloat16", 30, 14), ("float32", 32, 8)):
         logits = TensorSpec((rows, classes), dtype)
         loss = Op("loss", OpKind.LOSS, ("logits",), TensorSpec((1,), "float32"),
                   flops=3.0 * rows * classes)
         fwd, bwd = op_work(loss, 2.0, read=logits)
-        assert fwd.bytes == bwd.bytes == (24 + extra) * rows * classes / 2
+        assert (fwd.bytes, bwd.bytes) == (fwd_b * rows * classes / 2, bwd_b * rows * classes / 2)
 
 
 def _row_split(p: int) -> Layout:
     return Layout((MeshAxis(1, p),), (Split(0),))
+
+
+def test_the_runtimes_cross_entropy_is_torchs_value_and_gradient() -> None:
+    """:class:`runtime.ops._CrossEntropy` on one block of bf16 and fp32 logits (no vocabulary
+    split) against ``F.cross_entropy`` in float64: the same value and the same gradient, and
+    the float32 input is left as it was (the in-place passes work on a copy)."""
+    from runtime.ops import _CrossEntropy
+
+    gen = torch.Generator().manual_seed(1)
+    rows, classes = 12, 37
+    targets = torch.randint(0, classes, (rows,), generator=gen)
+    inside = torch.ones(rows, dtype=torch.bool)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        logits = (3 * torch.randn(rows, classes, generator=gen)).to(dtype).requires_grad_(True)
+        kept = logits.detach().clone()
+        part = _CrossEntropy.apply(logits, targets, inside, rows, lambda m: m, lambda b: b)
+        part.backward(torch.tensor([2.0]))
+        ref_in = logits.detach().double().requires_grad_(True)
+        ref = torch.nn.functional.cross_entropy(ref_in, targets) * 2.0
+        ref.backward()
+        assert torch.equal(logits.detach(), kept)
+        assert math.isclose(float(part.detach()) * 2.0, float(ref.detach()), rel_tol=tol)
+        torch.testing.assert_close(logits.grad.double(), ref_in.grad, rtol=tol, atol=tol * 1e-2)

@@ -407,8 +407,8 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         fwd.append(forward_seconds(op, tensor, resolved, ctx))
         cost += _per_step(secs, fc, microbatches)
         act += out.local_bytes(op.output)
-        if op.kind is OpKind.LOSS:  # its backward runs first, while every activation is held
-            act += sum(loss_memory(tensor, resolved))
+        if op.kind is OpKind.LOSS:  # its float32 statistics
+            act += loss_memory(tensor, resolved)
     syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
                                            base.output, ctx)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,

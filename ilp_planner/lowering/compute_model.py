@@ -54,9 +54,9 @@ add                       3N                     none: the gradient passes to bo
 mul                       3N                     5N (read dy, a, b, write da, db), 2 kernels
 batchnorm                 3N (stats, normalise)  4N (reductions, then dx), 2 kernels
 pool (max, stride k)      N·k² + N               N + N·k²
-loss (cross-entropy)      float32 passes over    the same bytes (:func:`_loss_work`): what
-                          the logits: 24 B each  the runtime's code moves, not a fused
-                          (+ the copy to fp32)   kernel's 2L
+loss (cross-entropy)      float32 passes over    softmax scaled in place, cast back:
+                          the logits: 28 B + it  12 B + it (:func:`_loss_work`: what the
+                          a logit (+ the copy)   runtime's code moves, not a fused 2L)
 opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
 flatten                   nothing (a view)       nothing
 part (a fused output's    nothing (a view)       2N: its gradient read and written into the
@@ -193,21 +193,19 @@ def _streaming(flops: float, fwd: float, bwd: float, kernels: tuple[int, int] = 
 
 
 def _loss_work(flops: float, logits: TensorSpec, split: float) -> tuple[PhaseWork, PhaseWork]:
-    """The runtime's cross-entropy (:func:`runtime.ops.loss`, vocabulary-parallel ready, in
-    float32) kernel by kernel, per local logit of ``it`` bytes. Forward: the float32 copy
-    (read it, write 4; none in fp32), the row max (read 4), ``z − max`` and its ``exp``
-    (read 4, write 4 each), the row sum (read 4): 24 + copy. Backward: the exponential's
-    gradient (read 4, write 4), the target gather's (a zero-filled 4), their sum (read 8,
-    write 4), the cast back (read 4, write it): 24 + cast. Each pass is its own kernel; the
-    per-row steps (log, target mask) are small kernels of their own. On a large vocabulary
-    this is a real share of the step (``benchmarks/gpu_check.py``: a 124M GPT's loss runs
-    several milliseconds on an H200, where a fused kernel's 2 × the logits' bytes would be
-    half a millisecond)."""
+    """The runtime's cross-entropy (:class:`runtime.ops._CrossEntropy`, in float32) pass by
+    pass, per local logit of ``it`` bytes. Forward: the float32 copy (read it, write 4), the
+    row max (read 4), ``− max`` and ``exp`` in place (read 4, write 4 each), the row sum
+    (read 4): 28 + it. Backward: the softmax scaled in place (read 4, write 4) and the cast to
+    the logits' dtype (read 4, write it; none in fp32): 12 + it, or 8. The per-row steps
+    (target gather and scatter, log) are small kernels of their own. On a large vocabulary
+    this is a real share of the step (``benchmarks/gpu_check.py``: several milliseconds of a
+    124M GPT's step on an H200, where a fused kernel's 2 × the logits' bytes would be half
+    a millisecond)."""
     it = logits.itemsize
     elements = logits.numel / split
-    cast = it + LOSS_STAT_BYTES if it != LOSS_STAT_BYTES else 0
-    kernels = (8 + bool(cast), 6 + bool(cast))
-    return _streaming(flops, (24 + cast) * elements, (24 + cast) * elements, kernels)
+    cast_back = 4 + it if it != LOSS_STAT_BYTES else 0
+    return _streaming(flops, (28 + it) * elements, (8 + cast_back) * elements, (13, 9))
 
 
 def default_gemm(op: Op, split: float) -> GemmShape:

@@ -1050,24 +1050,17 @@ def loss_axes(layout: Layout, rank: int = 2) -> tuple[tuple[int, ...], tuple[int
     return vocab, rows
 
 
-def loss_memory(logits: TensorSpec, layout: Layout) -> tuple[float, float]:
-    """(held, transient) bytes of the runtime's cross-entropy (:func:`runtime.ops.loss`) on
-    the local block of ``logits``, beyond the logits themselves (its producer's activation).
-
-    The loss computes in float32: autograd keeps only ``exp(z − max)`` (4 bytes per logit)
-    and neither the logits nor their float32 copy, so it holds ``4 − itemsize`` bytes per
-    logit more than the memory model's convention (every output held) charges — 2 under
-    bf16, none in fp32. Its backward then holds two float32 gradients at once (the
-    exponential's and the target gather's, summed into the logits'): 8 bytes per logit
-    while it runs — the backward's first step, while every activation is still held, so the
-    memory model charges it with the activations (not as a per-op transient, whose maximum
-    the peak adds once; under GPipe this counts it once per micro-batch in flight, a
-    conservative excess on the last stage). Measured on an H200 (124M GPT, bf16, 8 × 1,024
-    tokens, vocab 50,304): the step's peak was 4.12 GiB above the model without these terms,
-    which is what they add (``benchmarks/gpu_check.py``)."""
-    elements = layout.local_bytes(logits) / logits.itemsize
-    return (max(LOSS_ITEMSIZE - logits.itemsize, 0) * elements,
-            2 * LOSS_ITEMSIZE * elements)
+def loss_memory(logits: TensorSpec, layout: Layout) -> float:
+    """Bytes the runtime's cross-entropy (:func:`runtime.ops.loss`) holds on the local block
+    of ``logits`` beyond what the memory model's convention charges (every op's output held,
+    the logits as their producer's): one float32 copy of the logits, turned into
+    ``exp(z − max)`` in place and kept for the backward, which turns it into the gradient in
+    place — 4 bytes a logit at the forward's end (the logits still referenced) and at the
+    backward's start (the logits freed, the gradient's cast to their dtype allocated). The
+    loss this replaced (``z − max`` and its ``exp`` both kept, two float32 gradients summed)
+    put a 124M GPT's peak on an H200 4.12 GiB above the model without a loss term, about 10.7
+    bytes a logit (``benchmarks/gpu_check.py``)."""
+    return LOSS_ITEMSIZE * layout.local_bytes(logits) / logits.itemsize
 
 
 def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -> tuple[Collective, ...]:
