@@ -65,10 +65,10 @@ from ilp_planner.lowering.strategies import (
     StrategyContext,
     SyncBucket,
     follow,
+    follower_held_bytes,
     follower_inputs,
     forward_seconds,
     grad_sync,
-    loss_memory,
     op_strategies,
     tie_transposes,
     tied_exchange_seconds,
@@ -406,9 +406,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         comp.append(secs)
         fwd.append(forward_seconds(op, tensor, resolved, ctx))
         cost += _per_step(secs, fc, microbatches)
-        act += out.local_bytes(op.output)
-        if op.kind is OpKind.LOSS:  # its float32 statistics
-            act += loss_memory(tensor, resolved)
+        act += follower_held_bytes(op, tensor, resolved, out)
     syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
                                            base.output, ctx)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,

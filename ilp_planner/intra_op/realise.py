@@ -18,7 +18,7 @@ from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.stage_boundary import export_program, import_program
 from ilp_planner.lowering.strategies import (
     SyncBucket,
-    loss_memory,
+    follower_held_bytes,
     tie_transposes,
     tied_exchange_collectives,
     tied_source,
@@ -48,9 +48,9 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
     layers: list[LayerPlan] = []
     for op, pos, node, opt, colls in _rows(gp, choice, stage, stage_of, memo):
         is_base = pos == 0
-        held = 0.0 if opt.recompute else opt.outputs[pos].local_bytes(op.output) + (
-            loss_memory(gp.graph[op.inputs[0]].output, opt.inputs[pos][0])
-            if op.kind is OpKind.LOSS else 0.0)  # as the node's activation counts it
+        held = 0.0 if opt.recompute else (
+            opt.outputs[pos].local_bytes(op.output) if is_base else follower_held_bytes(
+                op, gp.graph[op.inputs[0]].output, opt.inputs[pos][0], opt.outputs[pos]))
         layers.append(LayerPlan(
             op.name, op.kind.value, opt.base.label if is_base else f"follows {node}",
             opt.inputs[pos], opt.base.weight if is_base else None, opt.outputs[pos],

@@ -111,7 +111,7 @@ GemmShape = tuple[float, float, float]
 """A matmul's local sizes (m, n, k): ``(m, k) × (k, n)`` on one device."""
 
 MASK_BYTES = 1  # dropout keeps a boolean mask per element
-LOSS_STAT_BYTES = 4  # the loss computes in float32 (strategies.LOSS_ITEMSIZE)
+LOSS_ITEMSIZE = 4  # the loss statistics are float32, whatever the logits' dtype
 FLASH_BACKWARD_FLOPS = 2.5  # recomputes S = QKᵀ: five matmuls against the forward's two
 # FlashAttention's block of query rows and of keys (FlashAttention-2 and cuDNN's fused
 # attention run 128 × 128 tiles on Ampere and Hopper): a causal kernel skips the tiles
@@ -204,7 +204,7 @@ def _loss_work(flops: float, logits: TensorSpec, split: float) -> tuple[PhaseWor
     a millisecond)."""
     it = logits.itemsize
     elements = logits.numel / split
-    cast_back = 4 + it if it != LOSS_STAT_BYTES else 0
+    cast_back = 4 + it if it != LOSS_ITEMSIZE else 0
     return _streaming(flops, (28 + it) * elements, (8 + cast_back) * elements, (13, 9))
 
 

@@ -49,7 +49,7 @@ from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, fact_str, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec, opaque_param_sizes, position_tables
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
-from ilp_planner.lowering.compute_model import GemmShape, op_times
+from ilp_planner.lowering.compute_model import LOSS_ITEMSIZE, GemmShape, op_times
 from ilp_planner.lowering.cost_model import (
     Collective,
     CollectiveKind,
@@ -1040,7 +1040,6 @@ def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: Te
     return tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward)
 
 
-LOSS_ITEMSIZE = 4  # the loss statistics are fp32
 
 
 def loss_axes(layout: Layout, rank: int = 2) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -1061,6 +1060,14 @@ def loss_memory(logits: TensorSpec, layout: Layout) -> float:
     put a 124M GPT's peak on an H200 4.12 GiB above the model without a loss term, about 10.7
     bytes a logit (``benchmarks/gpu_check.py``)."""
     return LOSS_ITEMSIZE * layout.local_bytes(logits) / logits.itemsize
+
+
+def follower_held_bytes(op: Op, read: TensorSpec, read_layout: Layout, out: Layout) -> float:
+    """What a follower holds per micro-batch: its output's local block, and for a loss its
+    float32 statistics (:func:`loss_memory`) — the one rule the ILP's memory row and the
+    plan's per-layer memory both use."""
+    held = out.local_bytes(op.output)
+    return held + loss_memory(read, read_layout) if op.kind is OpKind.LOSS else held
 
 
 def loss_collectives(logits: TensorSpec, layout: Layout, ctx: StrategyContext) -> tuple[Collective, ...]:
