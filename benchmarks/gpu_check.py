@@ -261,9 +261,9 @@ def eager_part(rep: Report, steps: int, gpt: dict = GPT_125M) -> None:
     what the executor's step costs beside PyTorch's own — and how much of its step the GPU
     is busy (the profiler's kernel time): a step longer than its kernels waits on the host."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from runtime import model
+    from runtime.launch import kernel_seconds
     from runtime.modules import GPT
     from runtime.optim import Optimizer, OptimizerSpec
 
@@ -289,9 +289,7 @@ def eager_part(rep: Report, steps: int, gpt: dict = GPT_125M) -> None:
         t0 = time.perf_counter()
         step()
         secs.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-    busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+    _, busy = kernel_seconds(step)
     wall = statistics.median(secs[2:])
     rep.raw["eager"] = {"step_s": secs, "kernel_s": busy}
     rep.add("3 step time", "plain PyTorch eager, same model (autocast bf16, fused Adam)",

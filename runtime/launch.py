@@ -31,13 +31,16 @@ import argparse
 import csv
 import datetime
 import faulthandler
+import functools
 import gc
 import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,10 +51,11 @@ from ilp_planner.plan import audit
 from ilp_planner.plan.data import Plan
 from runtime import failures, heartbeat
 from runtime.errors import RuntimeSetupError
-from runtime.executor import Executor, RunOptions, StepResult
+from runtime.executor import Executor, RunOptions
 from runtime.optim import OptimizerSpec
 from runtime.reference import compare, run_reference, tolerance
 
+T = TypeVar("T")
 BACKENDS = ("auto", "nccl", "gloo")
 CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -245,7 +249,7 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
     for step in range(args.steps):
         _maybe_crash(args, rank, step)
         if args.profile_last_step and step == args.steps - 1 and ex.device.type == "cuda":
-            r, kernel_s = _profiled_step(ex, step)
+            r, kernel_s = kernel_seconds(functools.partial(ex.train_step, step))
         else:
             r = ex.train_step(step)
         if args.audit:
@@ -283,11 +287,11 @@ def _train(ex: Executor, path: str, args: argparse.Namespace, rank: int, world: 
     return run
 
 
-def _profiled_step(ex: Executor, step: int) -> tuple[StepResult, float]:
-    """One step under the profiler (CUDA activity only): its result and the seconds this
+def kernel_seconds(run: Callable[[], T]) -> tuple[T, float]:
+    """``run()`` under the profiler (CUDA activity only): its result and the seconds this
     rank's GPU spent in kernels — a step much longer than its kernels waits on the host."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        r = ex.train_step(step)
+        r = run()
     return r, sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 

@@ -27,7 +27,9 @@ arithmetic. Conventions (those of :mod:`ilp_planner.inputs.models`):
 * the loss is the mean cross-entropy of the last op's output rows against integer labels,
   for every model (GPT: next-token-style labels drawn at random; MLP: class labels in
   ``[0, out_features)``) — one code path, and the vocabulary-parallel form splits it;
-* dropout runs with p = 0 (identity) so runs are deterministic;
+* a dropout that drops is refused (:func:`check_supported`): runs are deterministic, each
+  checked against one process; an imported one marked ``identity`` (p = 0) returns its
+  input;
 * Llama-style blocks (``kind: moe, block: llama``): ``rmsnorm`` has a gain only, ``silu``
   and ``mul`` (SwiGLU's product) are elementwise, an embedding without ``seq_len`` has no
   position table and its attention turns queries and keys by rotary positions
@@ -110,8 +112,6 @@ IMPORTED_ONLY: dict[tuple[OpKind, str], str] = {
                                             "and ViT's bidirectional attention, an explicit "
                                             "mask), where the runtime's kernel runs plain "
                                             "causal attention",
-    (OpKind.ATTENTION, "probs_dropout"): "a dropout on its probabilities (the module's own "
-                                         "code), which the runtime's kernel does not apply",
     (OpKind.ATTENTION, "input_steps"): "element-wise steps on its q, k or v before it (the "
                                        "module's own rotary positions, a scale), which the "
                                        "runtime's kernel does not apply",
@@ -127,7 +127,10 @@ priced. ``plan.parallelize`` runs those ops in the user's own module."""
 
 def check_supported(graph: Graph) -> None:
     """Raise naming the first op the runtime cannot execute, or cannot execute as the
-    graph means it (:data:`IMPORTED_ONLY`, attention reading separate q, k, v)."""
+    graph means it (a dropout, :data:`IMPORTED_ONLY`, attention reading separate q, k,
+    v)."""
+    for op in graph.ops:
+        _check_no_dropout(op)
     for op in graph.ops:
         if op.kind not in SUPPORTED_KINDS:
             raise RuntimeSetupError(
@@ -142,6 +145,20 @@ def check_supported(graph: Graph) -> None:
             tied_source(graph, op)
         if op.kind in _SHAPE_RULES:
             _SHAPE_RULES[op.kind](op, graph[op.inputs[0]].output.shape)
+
+
+def _check_no_dropout(op: Op) -> None:
+    """Refuse a dropout that drops (a dropout op not marked ``identity``, an attention's
+    ``probs_dropout``: p > 0): the executor's runs are deterministic, each checked against
+    one process, so it runs none and would run another model than the one priced."""
+    if (op.kind is OpKind.DROPOUT and not op.attrs.get("identity")) or (
+            op.kind is OpKind.ATTENTION and op.attrs.get("probs_dropout")):
+        what = "drops" if op.kind is OpKind.DROPOUT else "drops its probabilities"
+        raise RuntimeSetupError(
+            f"{op.kind.value} {op.name!r} {what} (p > 0), where the runtime's executor runs "
+            f"no dropout (its runs are deterministic and checked against one process): set "
+            f"model.dropout: 0 for a built-in model, or train an imported module, its "
+            f"dropouts included, with plan.parallelize(module)")
 
 
 def _check_not_imported_only(op: Op) -> None:
@@ -425,5 +442,5 @@ ELEMENTWISE = {
     OpKind.GELU: gelu,
     OpKind.RELU: relu,
     OpKind.SILU: F.silu,
-    OpKind.DROPOUT: lambda x: x,  # p = 0
+    OpKind.DROPOUT: lambda x: x,  # ``attrs.identity`` only (:func:`check_supported`)
 }

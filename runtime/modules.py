@@ -53,9 +53,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = model.attention(self.attn["qkv"](self.ln1(x)), self.heads, self.seq_len)
-        x = x + nn.functional.dropout(self.attn["proj"](a), 0.0)
-        m = self.mlp["fc2"](model.gelu(self.mlp["fc1"](self.ln2(x))))
-        return x + nn.functional.dropout(m, 0.0)
+        x = x + self.attn["proj"](a)
+        return x + self.mlp["fc2"](model.gelu(self.mlp["fc1"](self.ln2(x))))
 
 
 class GPT(nn.Module):

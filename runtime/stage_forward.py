@@ -147,7 +147,7 @@ class StageForward:
         in phase ``recompute`` (:func:`runtime.recorder.replaying`), as the plan lists
         them. Only the run's values read after it leave it. ``early_stop=False``: the whole
         run is replayed (stopping at the last saved tensor would skip the collectives after
-        it). Dropout runs with p = 0 and the checkpoint restores the RNG state, so the
+        it). The executor runs no dropout (:func:`runtime.model.check_supported`), so the
         replay recomputes the same values."""
         g = self.compiled.graph
         inside = set(names)

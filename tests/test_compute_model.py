@@ -324,11 +324,13 @@ def test_explain_names_what_bounds_each_kind() -> None:
 
 
 def test_unfused_attention_pays_for_its_scores_by_hand() -> None:
-    """Megatron 2021's attention: the matmuls' roofline, plus the softmax and dropout
-    streaming the s × s scores (E elements) after them; backward 2 × the FLOPs."""
+    """Megatron 2021's attention (dropping its probabilities at 0.1): the matmuls'
+    roofline, plus the softmax and dropout streaming the s × s scores (E elements) after
+    them; backward 2 × the FLOPs."""
     t, h, heads, seq = 4 * 2048, 2304, 24, 2048
     op = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
-            flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
+            flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq,
+                                            "probs_dropout": 1})
     e = t * heads * seq  # score elements
     n = t * h
     fwd, bwd = op_work(op, 1.0, flash=False)
@@ -414,9 +416,9 @@ def test_imported_hand_written_attention_is_priced_unfused_on_a_flash_device() -
     attention is fused flash, so it is priced as the unfused sequence there."""
     t, h, heads, seq = 4 * 2048, 2304, 24, 2048
     fused = Op("a", OpKind.ATTENTION, ("qkv",), TensorSpec((t, h), "bfloat16"),
-               flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq})
-    written = dataclasses.replace(fused, attrs={**fused.attrs, "unfused": 1,
-                                                "probs_dropout": 1})
+               flops=4.0 * t * seq * h, attrs={"heads": heads, "seq_len": seq,
+                                               "probs_dropout": 1})
+    written = dataclasses.replace(fused, attrs={**fused.attrs, "unfused": 1})
     unfused = dataclasses.replace(A100, fit=dataclasses.replace(FIT, attention="unfused"))
     assert FIT.attention == "flash"
     assert op_times(written, 2.0, _cluster()) == op_times(fused, 2.0, _cluster(unfused))

@@ -108,7 +108,7 @@ def test_megatron_sp_trades_allreduce_for_reducescatter_and_allgather():
     for i in range(2):
         norm = sp_layers[f"h.{i}.ln2"]
         assert [x.split_degree(0) for x in (norm.output,)] == [8]  # tokens over dp and tp
-        drop = sp_layers[f"h.{i}.mlp.dropout"]  # reads fc2's partial sums
+        drop = sp_layers[f"h.{i}.mlp.residual"]  # reads fc2's partial sums
         assert drop.output.split_degree(0) == 8
         assert [(c.kind.value, c.group_size) for c in drop.collectives
                 if c.phase == "forward"] == [("reduce_scatter", 4)]
@@ -117,7 +117,7 @@ def test_megatron_sp_trades_allreduce_for_reducescatter_and_allgather():
         assert not any(c.kind.value == "all_reduce" for c in sp_fwd)
         assert any(c.kind.value == "all_gather" and c.phase == "forward"
                    for c in sp_layers[f"h.{i}.mlp.fc1"].collectives)
-        mg_drop = mg_layers[f"h.{i}.mlp.dropout"]
+        mg_drop = mg_layers[f"h.{i}.mlp.residual"]
         assert mg_drop.output.split_degree(0) == 2  # Megatron: tokens over dp only
 
 
@@ -168,7 +168,9 @@ def test_megatron_row_parallel_output_is_allreduced_over_tp():
     follower or before the next reader: together exactly the AllReduce closed form
     2(tp−1)α + 2(tp−1)/tp·nβ."""
     layers_n, hidden, seq, batch, vocab = 3, 64, 16, 4, 128
-    g = models.gpt(hidden=hidden, layers=layers_n, heads=4, seq_len=seq, vocab=vocab, batch=batch)
+    # Megatron-LM's GPT drops (0.1): the follower of each row-parallel output is a dropout
+    g = models.gpt(hidden=hidden, layers=layers_n, heads=4, seq_len=seq, vocab=vocab, batch=batch,
+                   dropout=0.1)
     cl = cluster(2, 4)
     gp = build_problem(g, cl, 2, 4, MemorySpec.preset("adam"))
     dp, tp, one = MeshAxis(2, 1), MeshAxis(1, 4), MeshAxis(1, 1)

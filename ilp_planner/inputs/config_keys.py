@@ -109,6 +109,10 @@ _BUILDER_ARGS = {
                       noun="activation"),
     "norm_topk": Key("boolean", "renormalise the top-k routing weights to sum to 1 (Mixtral)"),
     "dtype": Key("choice", "dtype of every tensor", choices=MODEL_DTYPES, noun="dtype"),
+    "dropout": Key("number", "probability of the blocks' residual and attention-probability "
+                             "dropouts, below 1 (0: none, the graph has no dropout ops; "
+                             "Megatron-LM trains with 0.1; the runtime's executor runs "
+                             "only 0)", nonneg=True, at_most=1.0),
 }
 
 

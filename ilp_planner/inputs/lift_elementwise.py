@@ -82,9 +82,10 @@ def _follower(kind: OpKind) -> Handler:
     def lift_follower(g: DraftGraph, call: Call) -> Any:
         x, val = call.args[0], call.val
         out = first_output(val)
+        identity = kind is OpKind.DROPOUT and not _drops(call)
         if isinstance(x, Act) and x.role:  # dropout on attention probabilities folds into
             # the attention, which prices it where it drops anything (``probs_dropout``)
-            if kind is not OpKind.DROPOUT or not _drops(call):
+            if kind is not OpKind.DROPOUT or identity:
                 return x
             res = dataclasses.replace(x, parts=MappingProxyType({**x.parts, "dropout": 1}))
             return [res, Const()] if isinstance(val, (list, tuple)) else res
@@ -92,7 +93,12 @@ def _follower(kind: OpKind) -> Handler:
         d = g.drafts[src]
         shape = d.shape if numel(d.shape) == numel(out.shape) else ir_shape(out.shape,
                                                                              dtype_of(out))
-        act = g.add(call.node, kind, [src], shape, dtype_of(out), flops=float(numel(out.shape)))
+        # a dropout that drops nothing stays an op (a module boundary ``parallelize`` may
+        # run a program at) marked ``identity``: torch returns its input, so it costs and
+        # holds nothing
+        act = g.add(call.node, kind, [src], shape, dtype_of(out),
+                    flops=0.0 if identity else float(numel(out.shape)),
+                    **({"identity": 1} if identity else {}))
         res = Act(act.src, tuple(out.shape), act.dtype)
         return [res, Const()] if isinstance(val, (list, tuple)) else res
 

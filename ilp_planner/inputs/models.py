@@ -86,32 +86,50 @@ def mlp(dims: list[int], batch: int, bias: bool = False, dtype: str = "float32")
     return Graph(f"mlp{len(dims) - 1}", b.ops)
 
 
+def _dropped(b: _Builder, name: str, x: str, tokens: int, h: int, dropout: float) -> str:
+    """``x`` through a dropout op where ``dropout`` (its probability) drops anything; at
+    p = 0 a dropout is the identity (torch returns its input: no kernel, no mask), so the
+    graph has none."""
+    return b.elementwise(name, OpKind.DROPOUT, [x], tokens, h) if dropout > 0 else x
+
+
 def _attention_half(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
-                    seq: int) -> str:
-    """x + proj(attn(qkv(ln1(x)))): the first half of a pre-LN block."""
+                    seq: int, dropout: float = 0.0) -> str:
+    """x + dropout(proj(attn(qkv(ln1(x))))): the first half of a pre-LN block; with
+    ``dropout`` > 0 the attention drops its probabilities too (``attrs.probs_dropout``)."""
     ln1 = b.layernorm(f"{prefix}ln1", x, tokens, h)
     qkv = b.linear(f"{prefix}attn.qkv", ln1, tokens, h, 3 * h)
     attn = b.add(f"{prefix}attn.core", OpKind.ATTENTION, [qkv], b.t(tokens, h),
-                 flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq)
+                 flops=4.0 * tokens * seq * h, heads=heads, seq_len=seq,
+                 **({"probs_dropout": 1} if dropout > 0 else {}))
     proj = b.linear(f"{prefix}attn.proj", attn, tokens, h, h)
-    d1 = b.elementwise(f"{prefix}attn.dropout", OpKind.DROPOUT, [proj], tokens, h)
+    d1 = _dropped(b, f"{prefix}attn.dropout", proj, tokens, h, dropout)
     return b.elementwise(f"{prefix}attn.residual", OpKind.ADD, [x, d1], tokens, h)
 
 
 def _transformer_block(b: _Builder, prefix: str, x: str, tokens: int, h: int, heads: int,
-                       seq: int, skip: str | None = None, ffn: int | None = None) -> str:
-    """Pre-LN block: x + proj(attn(qkv(ln1(x)))), then + fc2(gelu(fc1(ln2(.)))), the MLP's
-    hidden size ``ffn`` (4h by default)."""
+                       seq: int, skip: str | None = None, ffn: int | None = None,
+                       dropout: float = 0.0) -> str:
+    """Pre-LN block: x + dropout(proj(attn(qkv(ln1(x))))), then
+    + dropout(fc2(gelu(fc1(ln2(.))))), the MLP's hidden size ``ffn`` (4h by default), the
+    dropouts only where ``dropout`` > 0 (:func:`_dropped`)."""
     ffn = 4 * h if ffn is None else ffn
     if skip is not None:
         x = b.elementwise(f"{prefix}skip_add", OpKind.ADD, [x, skip], tokens, h)
-    r1 = _attention_half(b, prefix, x, tokens, h, heads, seq)
+    r1 = _attention_half(b, prefix, x, tokens, h, heads, seq, dropout)
     ln2 = b.layernorm(f"{prefix}ln2", r1, tokens, h)
     fc1 = b.linear(f"{prefix}mlp.fc1", ln2, tokens, h, ffn)
     act = b.elementwise(f"{prefix}mlp.gelu", OpKind.GELU, [fc1], tokens, ffn)
     fc2 = b.linear(f"{prefix}mlp.fc2", act, tokens, ffn, h)
-    d2 = b.elementwise(f"{prefix}mlp.dropout", OpKind.DROPOUT, [fc2], tokens, h)
+    d2 = _dropped(b, f"{prefix}mlp.dropout", fc2, tokens, h, dropout)
     return b.elementwise(f"{prefix}mlp.residual", OpKind.ADD, [r1, d2], tokens, h)
+
+
+def _check_dropout(dropout: float) -> None:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or \
+            not 0 <= dropout < 1:
+        raise ConfigError(f"expected a dropout probability in [0, 1), got {dropout!r}",
+                          key="model.dropout")
 
 
 def _check_heads(hidden: int, heads: int) -> None:
@@ -121,16 +139,20 @@ def _check_heads(hidden: int, heads: int) -> None:
 
 
 def gpt(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: int,
-        dtype: str = "float32") -> Graph:
-    """GPT (pre-LN decoder): embedding, ``layers`` blocks ``h.{i}.*``, final LN, tied head."""
+        dtype: str = "float32", dropout: float = 0.0) -> Graph:
+    """GPT (pre-LN decoder): embedding, ``layers`` blocks ``h.{i}.*``, final LN, tied head.
+    ``dropout``: the probability of the blocks' residual and attention dropouts (Megatron-LM
+    trains with 0.1; none at 0, as most pretraining now runs)."""
     _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, vocab=vocab, batch=batch)
     _check_heads(hidden, heads)
+    _check_dropout(dropout)
     b = _Builder(dtype)
     tokens = batch * seq_len
     x = _gpt_embedding(b, tokens, hidden, seq_len, vocab)
     for i in range(layers):
         b.block, b.block_index = "h", i
-        x = _transformer_block(b, f"h.{i}.", x, tokens, hidden, heads, seq_len)
+        x = _transformer_block(b, f"h.{i}.", x, tokens, hidden, heads, seq_len,
+                               dropout=dropout)
     b.block = b.block_index = None
     _gpt_head(b, x, tokens, hidden, vocab)
     return Graph(f"gpt-L{layers}-h{hidden}", b.ops)
@@ -165,7 +187,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         norm_topk: bool = True, router: str = "softmax", routed_scale: float = 1.0,
         expert_groups: int = 1, topk_groups: int = 1, block: str = "gpt",
         kv_heads: int | None = None, dense_ffn: int | None = None,
-        dtype: str = "float32") -> Graph:
+        dtype: str = "float32", dropout: float = 0.0) -> Graph:
     """A decoder whose every ``moe_every``-th block (blocks ``moe_every − 1``,
     ``2·moe_every − 1``, …), past the first ``first_dense`` (DeepSeek's
     ``first_k_dense_replace``), has a mixture-of-experts MLP (:data:`OpKind.MOE
@@ -188,11 +210,14 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         llama:  2V·h + L·(a + 2h) + h + D·3h·f_d + M·moe
 
     with ``D`` dense and ``M`` MoE blocks and ``moe`` = h·E (+ E correction biases for a
-    sigmoid router) + m·h·(E·f + S·f_s), m = 3 (SwiGLU) or 2 (GELU) matrices per expert."""
+    sigmoid router) + m·h·(E·f + S·f_s), m = 3 (SwiGLU) or 2 (GELU) matrices per expert.
+    ``dropout`` (``block: gpt`` only): as :func:`gpt`'s, after the attention and the dense
+    MLPs."""
     _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, vocab=vocab,
               batch=batch, experts=experts, top_k=top_k, expert_ffn=expert_ffn,
               moe_every=moe_every, **({} if dense_ffn is None else {"dense_ffn": dense_ffn}))
     _check_heads(hidden, heads)
+    _check_dropout(dropout)
     is_moe = _moe_blocks(layers, moe_every, first_dense)
     attrs = _moe_attrs(experts, top_k, expert_ffn, capacity_factor, dropless, shared_experts,
                        shared_ffn, activation, norm_topk, router, routed_scale)
@@ -200,6 +225,9 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
     if block not in ("gpt", "llama"):
         raise ConfigError(f"expected block 'gpt' or 'llama', got {block!r}", key="model.block")
     llama = block == "llama"
+    if llama and dropout:
+        raise ConfigError(f"block: llama has no dropout (Llama trains without), got dropout "
+                          f"{dropout}", key="model.dropout")
     kv = _kv_heads(heads, kv_heads, llama)
     ffn = 4 * hidden if dense_ffn is None else dense_ffn
     b = _Builder(dtype)
@@ -212,9 +240,9 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
         if llama:
             x = _llama_block(*args, kv, ffn, attrs if is_moe[i] else None)
         elif not is_moe[i]:
-            x = _transformer_block(*args, ffn=ffn)
+            x = _transformer_block(*args, ffn=ffn, dropout=dropout)
         else:
-            r1 = _attention_half(*args)
+            r1 = _attention_half(*args, dropout)
             ln2 = b.layernorm(f"h.{i}.ln2", r1, tokens, hidden)
             y = _moe_op(b, f"h.{i}.moe", ln2, tokens, hidden, attrs)
             x = b.elementwise(f"h.{i}.mlp.residual", OpKind.ADD, [r1, y], tokens, hidden)
@@ -360,13 +388,14 @@ def gpt_params_closed_form(hidden: int, layers: int, vocab: int, seq_len: int) -
 
 
 def u_transformer(hidden: int, layers: int, heads: int, seq_len: int, batch: int,
-                  dtype: str = "float32") -> Graph:
+                  dtype: str = "float32", dropout: float = 0.0) -> Graph:
     """U-shaped transformer (Zhuang et al. §5.2): ``layers`` blocks where the output of block i
     also feeds block ``layers − 1 − i`` (i < layers/2) through a long skip edge, as U-Net's
     i-th layer feeds the i-th layer from last. Input and output are ``(tokens, hidden)``
-    feature maps; a linear stem and head frame the blocks."""
+    feature maps; a linear stem and head frame the blocks; ``dropout`` as :func:`gpt`'s."""
     _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, batch=batch)
     _check_heads(hidden, heads)
+    _check_dropout(dropout)
     if layers % 2:
         raise ConfigError(f"a U-Transformer needs an even number of layers, got {layers}",
                           key="model.layers")
@@ -378,7 +407,8 @@ def u_transformer(hidden: int, layers: int, heads: int, seq_len: int, batch: int
     for i in range(layers):
         b.block, b.block_index = "u", i
         skip = outs[layers - 1 - i] if i >= layers // 2 else None
-        x = _transformer_block(b, f"u.{i}.", x, tokens, hidden, heads, seq_len, skip)
+        x = _transformer_block(b, f"u.{i}.", x, tokens, hidden, heads, seq_len, skip,
+                               dropout=dropout)
         outs.append(x)
     b.block = b.block_index = None
     x = b.layernorm("ln_f", x, tokens, hidden)

@@ -32,9 +32,10 @@ attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 m
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
                           4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
                                                  always for ``attrs.unfused``: an imported
-                                                 hand-written attention runs as written,
-                                                 its dropout only where its code drops:
-                                                 ``attrs.probs_dropout``, else 2E and 3E)
+                                                 hand-written attention runs as written),
+                                                 the dropout only where probabilities are
+                                                 dropped (``attrs.probs_dropout``), else
+                                                 2E and 3E
 + its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
                           elements, 2 kernels    pass over dy, dx and the tables)
 + folded steps, any op    torch's bytes, 1 FLOP  what autograd runs for them, counted on
@@ -50,6 +51,8 @@ layernorm, rmsnorm        2N (read x, write y)   3N (read x, dy, write dx), 2 ke
 softmax                   2N                     3N (read y, dy, write dx)
 gelu, silu, relu          2N                     3N (read x, dy, write dx)
 dropout                   2N + N mask bytes      2N + N mask bytes (read dy, mask, write dx)
+  (``attrs.identity``:    none                   none
+  p = 0, imported)
 add                       3N                     none: the gradient passes to both inputs
 mul                       3N                     5N (read dy, a, b, write da, db), 2 kernels
 batchnorm                 3N (stats, normalise)  4N (reductions, then dx), 2 kernels
@@ -220,10 +223,10 @@ def default_gemm(op: Op, split: float) -> GemmShape:
 
 def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseWork, PhaseWork]:
     """A fused flash kernel, or the unfused sequence (batched QKᵀ, softmax, dropout, PV)
-    that writes and reads the s × s scores: E = tokens · heads · seq elements in all; an
-    imported hand-written one (``attrs.unfused``) has the dropout only where its code drops
-    probabilities (``attrs.probs_dropout``: p > 0 in training), else 2E and the mask less
-    each phase and one kernel fewer.
+    that writes and reads the s × s scores: E = tokens · heads · seq elements in all; the
+    dropout only where the probabilities are dropped (``attrs.probs_dropout``: a built-in
+    model's ``dropout`` > 0, an imported module's p > 0 in training), else 2E and the mask
+    less each phase and one kernel fewer.
     Unfused forward: the two matmuls move Q, K, V, O and write S / read P' (4N + 2E), the
     softmax reads S and writes P, the dropout reads P and writes P' and its mask
     (4E + E mask bytes); backward: four matmuls (dP', dV, dQ, dK: 8N + 4E, 2 × the
@@ -240,8 +243,7 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
                 PhaseWork(FLASH_BACKWARD_FLOPS * work, 8 * n, 2 + rk, gemm, rb, rf))
     scores = op.output.shape[0] * heads * seq / split  # E, elements
     e = scores * itemsize
-    # an imported hand-written attention drops probabilities only where its code does
-    drop = 1 if not op.attrs.get("unfused") or op.attrs.get("probs_dropout") else 0
+    drop = 1 if op.attrs.get("probs_dropout") else 0  # p > 0: the model's or the module's
     mask = drop * scores * MASK_BYTES
     return (PhaseWork(flops, 4 * n + 2 * e, 3 + drop + rk, gemm,
                       (2 + 2 * drop) * e + mask + rb, rf),
@@ -348,6 +350,8 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         norm = kind in (OpKind.LAYERNORM, OpKind.RMSNORM)
         return _streaming(flops, 2 * n, 3 * n, (1, 2 if norm else 1))
     if kind is OpKind.DROPOUT:
+        if op.attrs.get("identity"):  # p = 0 or evaluated: torch returns the input
+            return NO_WORK, NO_WORK
         mask = op.output.numel / split * MASK_BYTES
         return _streaming(flops, 2 * n + mask, 2 * n + mask)
     if kind is OpKind.ADD:

@@ -1063,9 +1063,12 @@ def loss_memory(logits: TensorSpec, layout: Layout) -> float:
 
 
 def follower_held_bytes(op: Op, read: TensorSpec, read_layout: Layout, out: Layout) -> float:
-    """What a follower holds per micro-batch: its output's local block, and for a loss its
-    float32 statistics (:func:`loss_memory`) — the one rule the ILP's memory row and the
-    plan's per-layer memory both use."""
+    """What a follower holds per micro-batch: its output's local block (none for an
+    identity dropout, whose output is its input), and for a loss its float32 statistics
+    (:func:`loss_memory`) — the one rule the ILP's memory row and the plan's per-layer
+    memory both use."""
+    if op.kind is OpKind.DROPOUT and op.attrs.get("identity"):
+        return 0.0
     held = out.local_bytes(op.output)
     return held + loss_memory(read, read_layout) if op.kind is OpKind.LOSS else held
 

@@ -1,0 +1,161 @@
+"""Dropout is priced as the program runs it: a built-in model's ``dropout`` probability puts
+dropout ops (and the attention's dropped probabilities) in its graph only where p > 0, an
+import folds a dropout that drops nothing, and the runtime's executor, which runs no dropout,
+refuses a graph that drops instead of running another model than the one priced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import ilp_planner
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs import models
+from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.importer import from_module
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.lowering.compute_model import MASK_BYTES, op_work
+from runtime.errors import RuntimeSetupError
+from runtime.model import check_supported
+
+SHAPE = dict(hidden=16, layers=2, heads=2, seq_len=8, vocab=64, batch=2)
+
+
+def _dropouts(graph) -> list[str]:
+    return [op.name for op in graph.ops if op.kind is OpKind.DROPOUT]
+
+
+@pytest.mark.parametrize("build", [
+    lambda p: models.gpt(**SHAPE, dropout=p),
+    lambda p: models.moe(**SHAPE, experts=4, top_k=2, expert_ffn=8, moe_every=2, dropout=p),
+    lambda p: models.u_transformer(16, 2, 2, 8, 2, dropout=p),
+])
+def test_a_builtin_model_has_dropout_ops_only_where_it_drops(build) -> None:
+    """p = 0 (the default): no dropout op, no dropped probabilities, each residual add
+    reads its projection; p > 0: a dropout after every attention projection and dense MLP,
+    and every attention drops its probabilities — the same graph otherwise."""
+    plain, dropping = build(0.0), build(0.1)
+    assert _dropouts(plain) == []
+    assert not any(op.attrs.get("probs_dropout") for op in plain.ops)
+    attn = [op for op in dropping.ops if op.kind is OpKind.ATTENTION]
+    assert attn and all(op.attrs["probs_dropout"] == 1 for op in attn)
+    dense = sum(1 for op in dropping.ops if op.name.endswith("mlp.fc2"))
+    assert len(_dropouts(dropping)) == len(attn) + dense
+    for name in _dropouts(dropping):
+        (reader,) = dropping.consumers(name)
+        assert dropping[reader].kind is OpKind.ADD
+        # without the dropout, the add reads the dropout's input
+        source = dropping[name].inputs[0]
+        assert source in plain[reader].inputs
+    assert len(plain.ops) == len(dropping.ops) - len(_dropouts(dropping))
+
+
+@pytest.mark.parametrize("value,text", [
+    (-0.1, r"model\.dropout.*non-negative number"),
+    (1.5, r"model\.dropout.*<= 1"),
+    (1.0, r"model\.dropout.*\[0, 1\)"),
+    ("high", r"model\.dropout.*number"),
+])
+def test_a_bad_dropout_names_its_key(tmp_path, value, text) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"model: {{kind: gpt, hidden: 16, layers: 1, heads: 2, seq_len: 8, "
+                    f"vocab: 64, batch: 2, dropout: {value}}}\n"
+                    f"cluster: {{nodes: 1, devices_per_node: 2, memory_gib: 1, "
+                    f"peak_tflops: 1, links: {{intra: {{latency_us: 1, bandwidth_gbps: 1}}, "
+                    f"inter: {{latency_us: 1, bandwidth_gbps: 1}}}}}}\n")
+    with pytest.raises(ConfigError, match=text):
+        load_config(path).graph  # noqa: B018 — building the model reads the key
+
+
+def test_llama_blocks_refuse_a_dropout() -> None:
+    with pytest.raises(ConfigError, match=r"model\.dropout.*llama"):
+        models.moe(**SHAPE, experts=4, top_k=2, expert_ffn=8, block="llama", dropout=0.1)
+
+
+def test_the_dropouts_price_their_bytes_and_the_scores_theirs() -> None:
+    """The residual dropouts cost what the compute model's table says (2N + N mask bytes
+    each phase); an unfused attention that drops its probabilities moves 2E bytes and E
+    mask bytes more in each phase and runs one kernel more (E = tokens · heads · seq)."""
+    plain, dropping = models.gpt(**SHAPE), models.gpt(**SHAPE, dropout=0.1)
+    for name in _dropouts(dropping):
+        op = dropping[name]
+        n = op.output.numel * 4
+        fwd, bwd = op_work(op, 1.0)
+        assert fwd.bytes == bwd.bytes == 2 * n + op.output.numel * MASK_BYTES
+    a0, a1 = plain["h.0.attn.core"], dropping["h.0.attn.core"]
+    (f0, b0), (f1, b1) = op_work(a0, 1.0, flash=False), op_work(a1, 1.0, flash=False)
+    scores = SHAPE["batch"] * SHAPE["seq_len"] * SHAPE["heads"] * SHAPE["seq_len"]
+    assert f1.stream_bytes - f0.stream_bytes == 2 * scores * 4 + scores * MASK_BYTES
+    assert b1.stream_bytes - b0.stream_bytes == 2 * scores * 4 + scores * MASK_BYTES
+    assert (f1.kernels, b1.kernels) == (f0.kernels + 1, b0.kernels + 1)
+
+
+CLUSTER = {"nodes": 1, "devices_per_node": 2, "memory_gib": 1, "peak_tflops": 1,
+           "links": {"intra": {"latency_us": 10, "bandwidth_gbps": 10},
+                     "inter": {"latency_us": 10, "bandwidth_gbps": 10}}}
+
+
+def test_a_plan_with_dropout_costs_more_and_holds_its_masks() -> None:
+    """Pricing follows the graph: the dropping model's step and activation memory are
+    strictly above the plain one's on the same cluster."""
+    model = dict(kind="gpt", **SHAPE)
+    plain = ilp_planner.solve(model, cluster=CLUSTER, baselines=False)
+    dropping = ilp_planner.solve({**model, "dropout": 0.1}, cluster=CLUSTER, baselines=False)
+    assert dropping.cost.compute_s > plain.cost.compute_s
+    assert dropping.cost.peak_memory_bytes > plain.cost.peak_memory_bytes
+
+
+class _Dropper(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("p,train,drops", [(0.1, True, True), (0.0, True, False),
+                                           (0.1, False, False)])
+def test_an_imported_dropout_that_drops_nothing_costs_and_holds_nothing(p, train, drops) -> None:
+    """torch runs a dropout of p = 0, or any dropout of an evaluated module, as the
+    identity: the import keeps it as an op (a module boundary ``parallelize`` may run a
+    program at) marked ``identity``, which the compute model prices at no work and the
+    memory model at no bytes, and which the executor runs; one that drops is priced and
+    refused."""
+    module = _Dropper(p).train(train)
+    graph = from_module(module, (torch.randn(4, 8),))
+    (name,) = _dropouts(graph)
+    op = graph[name]
+    assert op.attrs.get("identity", 0) == int(not drops)
+    fwd, bwd = op_work(op, 1.0)
+    assert (fwd.bytes + bwd.bytes > 0) == drops
+    assert (fwd.kernels + bwd.kernels > 0) == drops
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    layer = next(ly for ly in plan.layers if ly.name == name)
+    assert (layer.memory_bytes > 0) == drops
+    if drops:
+        with pytest.raises(RuntimeSetupError, match="drops"):
+            check_supported(graph)
+    else:
+        check_supported(graph)
+
+
+def test_the_executor_refuses_a_graph_that_drops() -> None:
+    """The executor runs no dropout: a built-in model with dropout > 0, or an imported
+    attention that drops its probabilities, is refused before any rank starts, naming the
+    op and the way out."""
+    check_supported(models.gpt(**SHAPE))
+    with pytest.raises(RuntimeSetupError, match=r"attention 'h\.0\.attn\.core' drops its "
+                                                r"probabilities.*model\.dropout: 0"):
+        check_supported(models.gpt(**SHAPE, dropout=0.1))
+    mlp_only = models.gpt(**SHAPE, dropout=0.1)
+    no_probs = type(mlp_only)(mlp_only.name, [
+        dataclasses.replace(op, attrs={k: v for k, v in op.attrs.items() if k != "probs_dropout"})
+        for op in mlp_only.ops])
+    with pytest.raises(RuntimeSetupError, match=r"dropout 'h\.0\.attn\.dropout' drops.*"
+                                                r"plan\.parallelize"):
+        check_supported(no_probs)
