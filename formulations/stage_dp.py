@@ -421,13 +421,27 @@ def device_step(table: StageCostTable) -> int:
 def _max_positions(table: StageCostTable, schedule: str, M: int, budget: float) -> np.ndarray:
     """``s_max[k,i,m]``: the entry is memory-feasible exactly at positions ``1..s_max``
     (``_INF_POS``: at every position; 0: nowhere or undefined)."""
-    sat = _positions_saturate(schedule, M)
+    return _positions_within(_table_memory(table, schedule, M), np.isfinite(table.time),
+                             _positions_saturate(schedule, M), budget)
+
+
+MemoryAt = Callable[[int], np.ndarray]
+"""Per position ``p`` (from the end), each entry's memory ``[k, i, m]`` there (inf: none)."""
+
+
+def _table_memory(table: StageCostTable, schedule: str, M: int) -> MemoryAt:
+    """The table's own memory: ``fixed + inflight(p)·act`` of each defined entry."""
     finite = np.isfinite(table.time)
-    smax = np.zeros(table.time.shape, dtype=np.int64)
     mem, act = np.nan_to_num(table.mem_fixed), np.nan_to_num(table.act)
+    return lambda p: np.where(finite, mem + inflight_microbatches(schedule, p, M) * act, np.inf)
+
+
+def _positions_within(mem_at: MemoryAt, finite: np.ndarray, sat: int, budget: float
+                      ) -> np.ndarray:
+    """:func:`_max_positions` of any memory (non-decreasing in the position)."""
+    smax = np.zeros(finite.shape, dtype=np.int64)
     for s in range(1, sat + 1):
-        ok = finite & (mem + inflight_microbatches(schedule, s, M) * act <= budget)
-        smax[ok] = s
+        smax[finite & (mem_at(s) <= budget)] = s
     smax[smax == sat] = _INF_POS
     return smax
 
@@ -743,24 +757,22 @@ class _Problem:
             self.num_stages,
         )
 
-    def min_memory(self) -> tuple[float, list[tuple[int, int, int]]]:
+    def min_memory(self, mem_at: MemoryAt | None = None
+                   ) -> tuple[float, list[tuple[int, int, int]]]:
         """Least possible max-stage memory over all complete assignments (no budget), and
-        one assignment that achieves it.
+        one assignment that achieves it. ``mem_at``: each entry's memory per position
+        (non-decreasing in it; default the table's ``fixed + inflight·act``).
 
-        Free stage count: bisection over the candidate values ``mem(e, p) = fixed_e +
-        inflight(p)·act_e`` between a lower bound (every stage charged position 1) and an
-        upper bound (every stage charged the saturated in-flight count), each probe one
-        :meth:`_fewest_stages` pass with the budget set to the probe. Fixed stage count or
-        shapes: a min-max DP over the exact positions."""
+        Free stage count: bisection over the candidate values ``mem(e, p)`` between a
+        lower bound (every stage charged position 1) and an upper bound (every stage
+        charged the saturated in-flight count), each probe one :meth:`_fewest_stages`
+        pass with the budget set to the probe. Fixed stage count or shapes: a min-max DP
+        over the exact positions."""
         t = self.table
         finite = np.isfinite(t.time)
         sat = _positions_saturate(self.schedule, self.M)
         L, D, sizes = t.num_layers, self.devices, self.sizes
-
-        def mem_at(p: int) -> np.ndarray:
-            k = inflight_microbatches(self.schedule, p, self.M)
-            return np.where(finite, t.mem_fixed + k * t.act, np.inf)
-
+        mem_at = mem_at or _table_memory(t, self.schedule, self.M)
         if self.fixed_idx is not None:
             r = _dp_fixed_shapes(mem_at, self.fixed_idx, L, np.maximum)
             return r.value, r.stages
@@ -773,14 +785,14 @@ class _Problem:
         high = _dp(lambda p: hi_arr, 0, hi_arr, sizes, L, D, np.maximum, None)
         if not np.isfinite(high.value):
             return np.inf, []
-        levels = sorted({inflight_microbatches(self.schedule, p, self.M) for p in range(1, sat + 1)})
-        vals = np.unique(np.concatenate([(t.mem_fixed + k * t.act)[finite] for k in levels]))
+        vals = np.unique(np.concatenate([mem_at(p)[finite] for p in range(1, sat + 1)]))
         cand = vals[(vals >= low) & (vals <= high.value)]
         best: tuple[float, list[tuple[int, int, int]]] = (high.value, high.stages)
         a, b = 0, cand.size - 1  # feasible at cand[b] (the upper bound)
         while a <= b:
             mid = (a + b) // 2
-            r = self._fewest_stages(_max_positions(t, self.schedule, self.M, float(cand[mid])), finite)
+            r = self._fewest_stages(_positions_within(mem_at, finite, sat, float(cand[mid])),
+                                    finite)
             if np.isfinite(r.value):
                 best = (float(cand[mid]), r.stages)
                 b = mid - 1
@@ -875,7 +887,40 @@ def _search_enumerate(prob: _Problem) -> tuple[float, _DPResult, float]:
     return best
 
 
-def _infeasible(prob: _Problem) -> InfeasibleError:
+LeastMemoryFn = Callable[[int, int, Shape, int], float]
+"""``(k, i, shape, n)`` → a lower bound on the per-device memory any plan of layers ``k..i``
+(inclusive) on ``shape`` needs holding ``n`` micro-batches: for a stage solver whose plans
+are more than the table's variants (ones that recompute or shard state to fit), what the
+infeasibility message may claim. Any value within the budget where a plan fits."""
+
+
+def _least_memory_at(prob: _Problem, least: LeastMemoryFn) -> MemoryAt:
+    """``least`` per position, for every defined entry of the table (inf elsewhere),
+    once per (range, shape, in-flight count)."""
+    t = prob.table
+    entries = np.argwhere(np.isfinite(t.time))
+    by_count: dict[int, np.ndarray] = {}
+    known: dict[tuple[int, int, Shape, int], float] = {}
+
+    def mem_at(p: int) -> np.ndarray:
+        n = inflight_microbatches(prob.schedule, p, prob.M)
+        if n not in by_count:
+            out = np.full(t.time.shape, np.inf)
+            for k, i, m in entries:
+                key = (int(k), int(i), t.shapes[m], n)
+                if key not in known:
+                    known[key] = float(least(*key))
+                out[k, i, m] = known[key]
+            by_count[n] = out
+        return by_count[n]
+
+    return mem_at
+
+
+def _infeasible(prob: _Problem, least: LeastMemoryFn | None = None) -> InfeasibleError:
+    """Why nothing fits: the least memory any assignment of the table's variants needs,
+    or with ``least`` a lower bound on what any assignment of the stage solver's plans
+    needs (``at least``) — the binding stage named either way."""
     t = prob.table
     where = (
         f"{t.num_layers} layers on {t.num_devices} devices"
@@ -886,26 +931,39 @@ def _infeasible(prob: _Problem) -> InfeasibleError:
             else ""
         )
     )
-    mm_value, mm_stages = prob.min_memory()
-    if np.isfinite(mm_value):
+    mem_at = None if least is None else _least_memory_at(prob, least)
+    mm_value, mm_stages = prob.min_memory(mem_at)
+    if np.isfinite(mm_value) and (least is None or mm_value > prob.budget):
         S = len(mm_stages)
         worst = None
         for j, (k, i, m) in enumerate(mm_stages):
             n_in = inflight_microbatches(prob.schedule, S - j, prob.M)
-            need = t.mem_fixed[k, i, m] + n_in * t.act[k, i, m]
+            need = (t.mem_fixed[k, i, m] + n_in * t.act[k, i, m] if mem_at is None
+                    else mem_at(S - j)[k, i, m])
             if worst is None or need > worst[0]:
                 worst = (need, k, i, m, n_in)
         need, k, i, m, n_in = worst  # type: ignore[misc]
+        bound = "" if least is None else "at least "
         err = InfeasibleError(
             f"no stage assignment of {where} fits the memory budget of "
             f"{_fmt_bytes(prob.budget)} per device under {prob.schedule} with {prob.M} "
-            f"micro-batches: the least memory any assignment needs is {_fmt_bytes(mm_value)} "
-            f"(its fullest stage: layers {k}–{i} on {t.shapes[m][0]}×{t.shapes[m][1]} holding "
-            f"{n_in} micro-batch{'es' if n_in != 1 else ''} needs {_fmt_bytes(need)}). Raise the "
-            f"budget, give stages more devices, or hold fewer micro-batches in flight (1f1b "
-            f"instead of gpipe/eager-1f1b, fewer micro-batches)."
+            f"micro-batches: the least memory any assignment needs is {bound}"
+            f"{_fmt_bytes(mm_value)} (its fullest stage: layers {k}–{i} on "
+            f"{t.shapes[m][0]}×{t.shapes[m][1]} holding {n_in} micro-batch"
+            f"{'es' if n_in != 1 else ''} needs {bound}{_fmt_bytes(need)}). Raise the budget, "
+            f"give stages more devices, or hold fewer micro-batches in flight (1f1b instead "
+            f"of gpipe/eager-1f1b, fewer micro-batches)."
         )
         err.needed_bytes, err.budget_bytes = float(mm_value), float(prob.budget)
+        return err
+    if np.isfinite(mm_value):  # the bounds prove nothing: no figure to give
+        err = InfeasibleError(
+            f"no stage assignment of {where} fits the memory budget of "
+            f"{_fmt_bytes(prob.budget)} per device under {prob.schedule} with {prob.M} "
+            f"micro-batches: every assignment holds a stage at a position where none of its "
+            f"plans fits. Raise the budget, give stages more devices, or hold fewer "
+            f"micro-batches in flight.")
+        err.needed_bytes, err.budget_bytes = None, float(prob.budget)
         return err
     err = InfeasibleError(
         f"no assignment of {where} uses every device exactly once with defined stage costs "
@@ -928,10 +986,12 @@ def solve_stages_from_table(
     num_stages: int | None = None,
     fixed_submeshes: Sequence[Shape] | None = None,
     search: str = "bisect",
+    least_memory: LeastMemoryFn | None = None,
 ) -> StagePlan:
     """Run the DP search on a prepared :class:`StageCostTable` (see :func:`solve_stages`).
     ``search``: ``bisect`` (default) or ``enumerate`` (Alpa's loop over every candidate
-    ``T_max``; same optimum, many more DP solves — kept as the baseline)."""
+    ``T_max``; same optimum, many more DP solves — kept as the baseline).
+    ``least_memory``: what the infeasibility message may claim (:data:`LeastMemoryFn`)."""
     t0 = time.perf_counter()
     schedule = check_schedule_name(schedule)
     M = int(num_microbatches)
@@ -952,7 +1012,7 @@ def solve_stages_from_table(
         raise ConfigError(f"unknown stage search {search!r}: use 'bisect' or 'enumerate'")
     obj, res, t_max = (_search if search == "bisect" else _search_enumerate)(prob)
     if not np.isfinite(obj):
-        raise _infeasible(prob)
+        raise _infeasible(prob, least_memory)
     stages = _stage_choices(table, res.stages, schedule, M, nodes, devices_per_node)
     return StagePlan(
         stages=tuple(stages),
@@ -1038,6 +1098,7 @@ def solve_stages(
     fixed_submeshes: Sequence[Shape] | None = None,
     imbalance_tolerance: float | None = None,
     layer_work: Sequence[float] | None = None,
+    least_memory: LeastMemoryFn | None = None,
 ) -> StagePlan:
     """Optimal stages for ``Σ t_i + (B − 1)·max t_j`` (module docstring).
 
@@ -1047,7 +1108,8 @@ def solve_stages(
     is the cross-mesh send time of the activations leaving a stage that ends before layer
     ``end`` (only for ``end < L``). ``num_stages`` fixes the stage count; ``fixed_submeshes``
     fixes every stage's shape (in order). Raises :class:`InfeasibleError` naming the least
-    memory any assignment needs when nothing fits the budget."""
+    memory any assignment needs when nothing fits the budget (of the variants, or at least
+    ``least_memory``'s: :data:`LeastMemoryFn`)."""
     t0 = time.perf_counter()
     table = build_cost_table(
         num_layers,
@@ -1071,5 +1133,6 @@ def solve_stages(
         memory_budget_bytes=memory_budget_bytes,
         num_stages=num_stages,
         fixed_submeshes=fixed_submeshes,
+        least_memory=least_memory,
     )
     return dataclasses.replace(plan, table_s=table_s)

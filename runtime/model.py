@@ -151,7 +151,7 @@ def _check_no_dropout(op: Op) -> None:
     """Refuse a dropout that drops (a dropout op not marked ``identity``, an attention's
     ``probs_dropout``: p > 0): the executor's runs are deterministic, each checked against
     one process, so it runs none and would run another model than the one priced."""
-    if (op.kind is OpKind.DROPOUT and not op.attrs.get("identity")) or (
+    if (op.kind is OpKind.DROPOUT and not op.is_identity) or (
             op.kind is OpKind.ATTENTION and op.attrs.get("probs_dropout")):
         what = "drops" if op.kind is OpKind.DROPOUT else "drops its probabilities"
         raise RuntimeSetupError(

@@ -35,15 +35,15 @@ def _dropouts(graph) -> list[str]:
 ])
 def test_a_builtin_model_has_dropout_ops_only_where_it_drops(build) -> None:
     """p = 0 (the default): no dropout op, no dropped probabilities, each residual add
-    reads its projection; p > 0: a dropout after every attention projection and dense MLP,
-    and every attention drops its probabilities — the same graph otherwise."""
+    reads its projection; p > 0: a dropout after every attention projection and every MLP
+    (dense or MoE), and every attention drops its probabilities — the same graph
+    otherwise."""
     plain, dropping = build(0.0), build(0.1)
     assert _dropouts(plain) == []
     assert not any(op.attrs.get("probs_dropout") for op in plain.ops)
     attn = [op for op in dropping.ops if op.kind is OpKind.ATTENTION]
     assert attn and all(op.attrs["probs_dropout"] == 1 for op in attn)
-    dense = sum(1 for op in dropping.ops if op.name.endswith("mlp.fc2"))
-    assert len(_dropouts(dropping)) == len(attn) + dense
+    assert len(_dropouts(dropping)) == 2 * len(attn)  # one attention, one MLP a block
     for name in _dropouts(dropping):
         (reader,) = dropping.consumers(name)
         assert dropping[reader].kind is OpKind.ADD
@@ -55,7 +55,7 @@ def test_a_builtin_model_has_dropout_ops_only_where_it_drops(build) -> None:
 
 @pytest.mark.parametrize("value,text", [
     (-0.1, r"model\.dropout.*non-negative number"),
-    (1.5, r"model\.dropout.*<= 1"),
+    (1.5, r"model\.dropout.*\[0, 1\)"),
     (1.0, r"model\.dropout.*\[0, 1\)"),
     ("high", r"model\.dropout.*number"),
 ])
@@ -142,6 +142,41 @@ def test_an_imported_dropout_that_drops_nothing_costs_and_holds_nothing(p, train
             check_supported(graph)
     else:
         check_supported(graph)
+
+
+class _SdpaDropper(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.qkv = p, nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 4, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p,
+                                                       is_causal=True)
+        return y.transpose(1, 2).reshape(8, 8)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_a_fused_attention_that_drops_its_probabilities_is_marked(p) -> None:
+    """SDPA's ``dropout_p`` > 0 drops the probabilities: the import marks the attention
+    ``probs_dropout`` (priced; the executor refuses it), at 0 it does not."""
+    graph = from_module(_SdpaDropper(p), (torch.randn(8, 8),))
+    (attn,) = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
+    assert attn.attrs.get("probs_dropout", 0) == int(p > 0)
+
+
+def test_the_memory_lower_bound_holds_no_identity_dropout() -> None:
+    """``validate``'s memory lower bound charges an op's output unless the op is an
+    identity dropout (its output is its input): the same model with and without one
+    has the same bound."""
+    from ilp_planner.lowering.cost_model import MemorySpec, memory_terms
+
+    plain = from_module(_Dropper(0.0).train(), (torch.randn(4, 8),))
+    absent = from_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                         (torch.randn(4, 8),))
+    memory = MemorySpec.preset("adam")
+    assert sum(t.activation_bytes for t in memory_terms(plain, memory)) == \
+        sum(t.activation_bytes for t in memory_terms(absent, memory))
 
 
 def test_the_executor_refuses_a_graph_that_drops() -> None:

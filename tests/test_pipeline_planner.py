@@ -226,6 +226,24 @@ def test_memory_bound_stages_recompute_or_shard_state_to_fit_their_position():
         assert dp_memory == pytest.approx(peak, rel=1e-12) and peak <= roomier.cluster.memory_bytes
 
 
+@pytest.mark.parametrize("space,fits", [({}, 0.0005), (PLAIN, 0.0006)],
+                         ids=["recompute-and-shard", "plain"])
+def test_an_infeasible_pipeline_claims_only_a_memory_no_plan_can_go_below(space, fits):
+    """Below every stage plan's reach (0.00045 GiB) the message's least memory is a lower
+    bound over every plan the stage solves could make — recomputing and sharding state
+    where the config allows (the floors of the solves that found none) — so a budget at
+    which the planner does find a plan (0.0005 GiB with recomputation and state sharding,
+    0.0006 without) is never below it. Before, it was the fastest stage plans' memory
+    (0.000952 GiB), which either budget beats."""
+    with pytest.raises(InfeasibleError, match="least memory any assignment needs is at "
+                                              "least") as err:
+        solve_pipelined(_utf_pipe(0.00045, **space), baselines=False)
+    need = err.value.needed_bytes
+    assert 0.00045 * 2**30 < need <= fits * 2**30
+    plan = solve_pipelined(_utf_pipe(fits, **space), baselines=False)
+    assert max(st.dp.memory_bytes for st in plan.stages) >= need
+
+
 def test_lazy_gap_variants_reach_the_optimum_of_every_in_flight_count_solved():
     """Six blocks on 8 devices, 8 micro-batches under 1F1B and a budget that binds: the
     planner solves the in-flight counts between two solved ones only where the DP chooses

@@ -333,6 +333,36 @@ def test_infeasible_error_reports_the_exact_least_memory():
     assert checked >= 30
 
 
+def test_a_stage_solvers_lower_bounds_are_what_the_message_claims():
+    """With ``least_memory`` (a stage solver whose plans are more than the table's
+    variants), the message gives the min-max of its lower bounds, ``at least``: half of
+    every variant's memory gives half the table's own least need, named as a bound; bounds
+    within the budget prove nothing, and the message gives no figure."""
+    checked = 0
+    for seed in range(40):
+        kw = random_instance(seed)
+        kw["memory_budget_bytes"] = 0.01 * GiB
+        cost = kw["stage_cost"]
+        with pytest.raises(InfeasibleError) as plain:
+            solve_stages(**kw)
+        if plain.value.needed_bytes is None:
+            continue
+
+        def half(k, i, shape, n, cost=cost):
+            return 0.5 * cost(k, i + 1, shape).memory(n)
+
+        with pytest.raises(InfeasibleError) as bounded:
+            solve_stages(**kw, least_memory=half)
+        assert bounded.value.needed_bytes == pytest.approx(0.5 * plain.value.needed_bytes)
+        assert "needs is at least" in str(bounded.value)
+        with pytest.raises(InfeasibleError) as unproven:
+            solve_stages(**kw, least_memory=lambda k, i, shape, n: 0.0)
+        assert unproven.value.needed_bytes is None
+        assert "where none of its plans fits" in str(unproven.value)
+        checked += 1
+    assert checked >= 20
+
+
 def test_all_stages_undefined_raises():
     with pytest.raises(InfeasibleError, match="stage_cost returned None"):
         solve_stages(3, 1, 2, 4, lambda a, e, sh: None)

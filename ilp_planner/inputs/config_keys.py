@@ -112,7 +112,7 @@ _BUILDER_ARGS = {
     "dropout": Key("number", "probability of the blocks' residual and attention-probability "
                              "dropouts, below 1 (0: none, the graph has no dropout ops; "
                              "Megatron-LM trains with 0.1; the runtime's executor runs "
-                             "only 0)", nonneg=True, at_most=1.0),
+                             "only 0)", nonneg=True),
 }
 
 
@@ -226,7 +226,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
                                nonneg=True, at_most=PHYSICAL_MAX,
                                default_text=f"the device's, else {_FIT.kernel_floor_s * 1e6:g}"),
         "attention": Key("choice", "attention's kernels: one fused flash kernel, or unfused "
-                                   "(matmuls, softmax and dropout over the s × s scores)",
+                                   "(matmuls, softmax and a dropout where it drops, over the s × s "
+                                   "scores)",
                          None, choices=ATTENTION_KERNELS, noun="attention kernel",
                          default_text=f"the device's, else {_FIT.attention}"),
     },

@@ -99,14 +99,25 @@ def lift_addmm(g: DraftGraph, call: Call) -> Any:
 def lift_sdpa(g: DraftGraph, call: Call) -> Any:
     out = _attention(g, call, call.args[0], call.args[1], call.args[2], sdpa=True)
     _mark_causal(g, out, _sdpa_causal(g, call))
+    p = call.args[4] if len(call.args) > 4 else call.kwargs.get("dropout_p", 0.0)
+    op = _attention_op(g, out)
+    if op is not None and isinstance(p, (int, float)) and p > 0:
+        op.attrs["probs_dropout"] = 1  # SDPA drops its probabilities (priced; the executor
+        # refuses it)
     return out
+
+
+def _attention_op(g: DraftGraph, out: Any) -> Any:
+    """The attention op ``out`` comes from, or None."""
+    op = g.drafts[out.src[0]] if isinstance(out, Act) and out.src else None
+    return op if op is not None and op.kind is OpKind.ATTENTION else None
 
 
 def _mark_causal(g: DraftGraph, out: Any, causal: bool) -> None:
     """Mark the attention op ``out`` comes from ``attrs.not_plain_causal`` unless it is
     proven plain causal: the runtime's executor, which runs only that, refuses it."""
-    op = g.drafts[out.src[0]] if isinstance(out, Act) and out.src else None
-    if not causal and op is not None and op.kind is OpKind.ATTENTION:
+    op = _attention_op(g, out)
+    if not causal and op is not None:
         op.attrs["not_plain_causal"] = 1
 
 

@@ -211,8 +211,8 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
 
     with ``D`` dense and ``M`` MoE blocks and ``moe`` = h·E (+ E correction biases for a
     sigmoid router) + m·h·(E·f + S·f_s), m = 3 (SwiGLU) or 2 (GELU) matrices per expert.
-    ``dropout`` (``block: gpt`` only): as :func:`gpt`'s, after the attention and the dense
-    MLPs."""
+    ``dropout`` (``block: gpt`` only): as :func:`gpt`'s, after the attention and every MLP,
+    dense or MoE (as Megatron-LM drops them)."""
     _positive(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, vocab=vocab,
               batch=batch, experts=experts, top_k=top_k, expert_ffn=expert_ffn,
               moe_every=moe_every, **({} if dense_ffn is None else {"dense_ffn": dense_ffn}))
@@ -245,6 +245,7 @@ def moe(hidden: int, layers: int, heads: int, seq_len: int, vocab: int, batch: i
             r1 = _attention_half(*args, dropout)
             ln2 = b.layernorm(f"h.{i}.ln2", r1, tokens, hidden)
             y = _moe_op(b, f"h.{i}.moe", ln2, tokens, hidden, attrs)
+            y = _dropped(b, f"h.{i}.mlp.dropout", y, tokens, hidden, dropout)
             x = b.elementwise(f"h.{i}.mlp.residual", OpKind.ADD, [r1, y], tokens, hidden)
     b.block = b.block_index = None
     if llama:
@@ -503,7 +504,7 @@ def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
     2·out·K for matmuls/linears (K = weight rows or the first input's last dim),
     2·out·(C_in·k·k) for convolutions, 4·tokens·seq·h for attention, 8·out for layernorm,
     2·out·(E + m·(top_k·f + S·f_s)) for an MoE (m = 3 SwiGLU, 2 GELU matrices),
-    0 for inputs and flatten, one FLOP per output element otherwise."""
+    0 for inputs, flatten and an identity dropout, one FLOP per output element otherwise."""
     n = float(out.numel)
     if kind in (OpKind.LINEAR, OpKind.MATMUL):
         k = weight.shape[0] if weight is not None else (in_shapes[0][-1] if in_shapes else 1)
@@ -521,7 +522,8 @@ def _default_flops(kind: OpKind, out: TensorSpec, weight: TensorSpec | None,
         m = 3 if attrs.get("swiglu", 1) else 2
         return 2.0 * n * (attrs["experts"] + m * (attrs["top_k"] * attrs["ffn"] + attrs.get(
             "shared", 0) * attrs.get("shared_ffn", 0)))
-    if kind in (OpKind.INPUT, OpKind.FLATTEN):
+    if kind in (OpKind.INPUT, OpKind.FLATTEN) or (kind is OpKind.DROPOUT
+                                                   and attrs.get("identity")):
         return 0.0
     return n
 

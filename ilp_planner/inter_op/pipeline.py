@@ -189,6 +189,8 @@ def _stage_dp(config: Config, solver: StageSolver, boundary: BoundaryCost,
             memory_budget_bytes=cluster.memory_bytes, num_stages=space.num_stages,
             submesh_shapes=space.shapes, fixed_submeshes=space.fixed,
             imbalance_tolerance=pipe.imbalance_tolerance,
+            least_memory=lambda k, i, shape, held: solver.state.least_memory(
+                (solver.keys.key(k, i + 1), shape), held, cluster.memory_bytes),
         )
         state = solver.state
         if state.max_position is not None:

@@ -39,7 +39,13 @@ from ilp_planner.inter_op.stage_variants import AtGridPoint, Gap, How
 from ilp_planner.intra_op.problem import BuildCache, held_activations, peak_memory
 from ilp_planner.intra_op.realise import EdgeMemo, LazyRealisation
 from ilp_planner.intra_op.request import MeshSolveRequest
-from ilp_planner.intra_op.solve_mesh import CutOff, fastest_bound, solve_mesh, solve_under_reserve
+from ilp_planner.intra_op.solve_mesh import (
+    CutOff,
+    fastest_bound,
+    memory_floor,
+    solve_mesh,
+    solve_under_reserve,
+)
 from ilp_planner.ir.graph import Graph
 from ilp_planner.lowering.compute_model import least_seconds
 from ilp_planner.lowering.stage_boundary import StageBoundary, stage_boundary
@@ -80,6 +86,27 @@ class StageSolverState:
     relaxed: set[Pair] = field(default_factory=set)
     #: (signature class, shape, count) solves cut off: slower than the incumbent
     cut_off: set[tuple] = field(default_factory=set)
+    #: (signature class, shape) → {count: a lower bound on the peak of every plan holding
+    #: that many micro-batches} where the count's solve found none (:func:`memory_floor`)
+    floors: dict[tuple, dict[int, float]] = field(default_factory=dict)
+
+    def found_none(self, key: tuple, request: MeshSolveRequest) -> None:
+        """The solve ``key`` (signature class, shape, how) found no plan; at an in-flight
+        count, its floor is kept (:func:`memory_floor`: the solve's builds are in the
+        cache, so it is cheap)."""
+        self.solved[key] = None
+        if isinstance(key[2], int):
+            self.floors.setdefault(key[:2], {})[key[2]] = memory_floor(request)
+
+    def least_memory(self, key: tuple, held: int, budget: float) -> float:
+        """A lower bound on the memory any plan of the pair ``key`` (signature class,
+        shape) needs holding ``held`` micro-batches, for the stage DP's infeasibility
+        message (:data:`formulations.stage_dp.LeastMemoryFn`): 0 where a variant fits
+        there, else the largest floor of the counts at most ``held`` whose solves found no
+        plan (more held needs at least as much), else 0 (nothing proven)."""
+        if any(c.memory(held) <= budget for _, c in self.variants.get(key, [])):
+            return 0.0
+        return max((f for h, f in self.floors.get(key, {}).items() if h <= held), default=0.0)
 
     def widen_positions(self, deepest: int) -> None:
         """Allow positions up to ``deepest``: the variants were made for fewer (the solves
@@ -188,7 +215,7 @@ class StageSolver:
                 else:
                     gp, res = solve_mesh(request, cutoff)
             except InfeasibleError:
-                self.state.solved[key] = None
+                self.state.found_none(key, request)
             except CutOff:
                 self.state.cut_off.add(key)
                 return None

@@ -488,6 +488,25 @@ def _recomputed_without_budget(config: Config, units) -> frozenset:
     return frozenset(units) if config.solver.recompute == "always" else frozenset()
 
 
+def memory_floor(request: MeshSolveRequest) -> float:
+    """A lower bound on the exact peak of every plan in ``request``'s space — any count of
+    recomputed blocks its ``solver.recompute`` allows, any state sharding — for what an
+    infeasibility message may claim: per group, the least memory row of its options with
+    none of the blocks recomputed or with all of them (a recomputed op's row, its
+    re-materialised activations shared over the recomputed blocks of its family, is least
+    when all are), summed. The row is at most the peak (transients and the re-materialised
+    block come on top). The builds are :func:`solve_mesh`'s own (its cache's)."""
+    config, units = request.config, request.graph.blocks()
+    policy = config.solver.recompute
+    sets = {frozenset()} if policy == "never" or not units else (
+        {frozenset(units)} if policy == "always" else {frozenset(), frozenset(units)})
+    problems = [_built(dataclasses.replace(request, memory_budget=None, recompute=blocks)).problem
+                for blocks in sets]
+    assert all(p.names == problems[0].names for p in problems)  # one group structure
+    return sum(min(float(p.memory[g].min()) for p in problems)
+               for g in range(len(problems[0].memory)))
+
+
 def fastest_bound(request: MeshSolveRequest) -> float:
     """A lower bound on the objective of :func:`solve_mesh` without a memory budget (the
     fastest plan) on ``request``, from the problem that solve builds (kept in its cache

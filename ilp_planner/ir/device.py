@@ -37,7 +37,8 @@ class ComputeFit:
 
     and one choice of the software stack, not fitted: ``attention`` runs as one fused
     ``flash`` kernel (FlashAttention, PyTorch's SDPA) or ``unfused`` (batched matmuls, a
-    softmax and a dropout writing and reading the s × s scores: Megatron-LM before 2022).
+    softmax and, where the probabilities are dropped, a dropout writing and reading the
+    s × s scores: Megatron-LM before 2022).
     """
 
     matmul_efficiency: float = 0.8

@@ -222,6 +222,18 @@ class Op:
             or bool(self.attrs.get("functional_inputs", 0) >> idx & 1)
 
     @property
+    def is_identity(self) -> bool:
+        """A dropout that drops nothing (``attrs.identity``: p = 0 or an evaluated module,
+        kept by an import as a module boundary): torch returns its input, so it runs no
+        kernel and holds no bytes of its own."""
+        return self.kind is OpKind.DROPOUT and bool(self.attrs.get("identity"))
+
+    @property
+    def held_output_bytes(self) -> float:
+        """The bytes of its output it holds, unsharded (none for :attr:`is_identity`)."""
+        return 0.0 if self.is_identity else float(self.output.nbytes)
+
+    @property
     def tie_key(self) -> str | None:
         """Key shared by the same op in every repetition of a block (None if not repeated)."""
         if self.block is None or self.block_index is None:

@@ -350,7 +350,7 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         norm = kind in (OpKind.LAYERNORM, OpKind.RMSNORM)
         return _streaming(flops, 2 * n, 3 * n, (1, 2 if norm else 1))
     if kind is OpKind.DROPOUT:
-        if op.attrs.get("identity"):  # p = 0 or evaluated: torch returns the input
+        if op.is_identity:  # p = 0 or evaluated: torch returns the input
             return NO_WORK, NO_WORK
         mask = op.output.numel / split * MASK_BYTES
         return _streaming(flops, 2 * n + mask, 2 * n + mask)

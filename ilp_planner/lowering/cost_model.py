@@ -313,7 +313,7 @@ def memory_terms(graph: Graph, memory: MemorySpec, tie_layers: bool = True) -> l
         grouped.setdefault((op.tie_key if tie_layers else None) or op.name, []).append(op)
     return [MemoryTerm(name, tuple(op.name for op in ops),
                        sum(op.params * memory.bytes_per_param for op in ops),
-                       float(sum(op.output.nbytes for op in ops)))
+                       float(sum(op.held_output_bytes for op in ops)))
             for name, ops in grouped.items()]
 
 

@@ -1067,7 +1067,7 @@ def follower_held_bytes(op: Op, read: TensorSpec, read_layout: Layout, out: Layo
     identity dropout, whose output is its input), and for a loss its float32 statistics
     (:func:`loss_memory`) — the one rule the ILP's memory row and the plan's per-layer
     memory both use."""
-    if op.kind is OpKind.DROPOUT and op.attrs.get("identity"):
+    if op.is_identity:
         return 0.0
     held = out.local_bytes(op.output)
     return held + loss_memory(read, read_layout) if op.kind is OpKind.LOSS else held

@@ -207,9 +207,8 @@ class MaskedBlock(modules.Block):
         return out.transpose(1, 2).reshape(tokens, self.heads * d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + F.dropout(self.attn["proj"](self.attention(self.attn["qkv"](self.ln1(x)))), 0.0)
-        m = self.mlp["fc2"](F.gelu(self.mlp["fc1"](self.ln2(x))))
-        return x + F.dropout(m, 0.0)
+        x = x + self.attn["proj"](self.attention(self.attn["qkv"](self.ln1(x))))
+        return x + self.mlp["fc2"](F.gelu(self.mlp["fc1"](self.ln2(x))))
 
 
 class MaskedGPT(modules.GPT):
