@@ -30,6 +30,7 @@ from ilp_planner.intra_op.baselines import GridPoint
 from ilp_planner.intra_op.problem import (
     BuildCache,
     GraphProblem,
+    NodeOption,
     build_problem,
     describe_infeasible,
     peak_memory,
@@ -489,22 +490,36 @@ def _recomputed_without_budget(config: Config, units) -> frozenset:
 
 
 def memory_floor(request: MeshSolveRequest) -> float:
-    """A lower bound on the exact peak of every plan in ``request``'s space — any count of
-    recomputed blocks its ``solver.recompute`` allows, any state sharding — for what an
-    infeasibility message may claim: per group, the least memory row of its options with
-    none of the blocks recomputed or with all of them (a recomputed op's row, its
-    re-materialised activations shared over the recomputed blocks of its family, is least
-    when all are), summed. The row is at most the peak (transients and the re-materialised
-    block come on top). The builds are :func:`solve_mesh`'s own (its cache's)."""
+    """A lower bound on the exact peak (:func:`peak_memory`) of every plan in ``request``'s
+    space — any set of recomputed blocks its ``solver.recompute`` allows, any state
+    sharding — for what an infeasibility message may claim. Per node and option the lesser
+    of two charges: held (state and the in-flight micro-batches' activations, as with no
+    block recomputed) and recomputed (state and its re-materialised activations over the
+    ``n`` blocks there are: with ``k ≤ n`` of them recomputed, the peak's largest block
+    holds at least their average, so each recomputed node brings at least ``1/k ≥ 1/n`` of
+    its bytes — the memory row's charge per family can exceed that where a model has
+    several families); per group the least option's sum, summed. Transients come on top.
+    The builds are :func:`solve_mesh`'s own (its cache's)."""
     config, units = request.config, request.graph.blocks()
     policy = config.solver.recompute
-    sets = {frozenset()} if policy == "never" or not units else (
-        {frozenset(units)} if policy == "always" else {frozenset(), frozenset(units)})
-    problems = [_built(dataclasses.replace(request, memory_budget=None, recompute=blocks)).problem
-                for blocks in sets]
-    assert all(p.names == problems[0].names for p in problems)  # one group structure
-    return sum(min(float(p.memory[g].min()) for p in problems)
-               for g in range(len(problems[0].memory)))
+    free = dataclasses.replace(request, memory_budget=None)
+    builds = ([] if policy == "always" and units else [frozenset()]) + (
+        [] if policy == "never" or not units else [frozenset(units)])
+    try:
+        gps = [_built(dataclasses.replace(free, recompute=blocks)) for blocks in builds]
+    except ValueError:  # no problem to bound (what the solve raised): nothing proven
+        return 0.0
+    inflight = gps[0].boundary.inflight
+
+    def charge(o: NodeOption) -> float:
+        return (o.state_bytes + o.recompute_bytes / len(units) if o.recompute
+                else o.memory_bytes + (inflight - 1) * o.activation_bytes)
+
+    first = gps[0]
+    rows = [np.zeros(len(c)) for c in first.problem.cost]
+    for node, g in first.group_of.items():
+        rows[g] += np.min([[charge(o) for o in gp.options[node]] for gp in gps], axis=0)
+    return float(sum(r.min() for r in rows))
 
 
 def fastest_bound(request: MeshSolveRequest) -> float:
