@@ -30,7 +30,6 @@ from ilp_planner.intra_op.baselines import GridPoint
 from ilp_planner.intra_op.problem import (
     BuildCache,
     GraphProblem,
-    NodeOption,
     build_problem,
     describe_infeasible,
     peak_memory,
@@ -433,13 +432,15 @@ def _count_ranges(counts) -> str:
     return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in _runs(counts))
 
 
-def _row_charges(opts: list, inflight: int) -> np.ndarray:
+def _row_charges(opts: list, inflight: int, blocks: int | None = None) -> np.ndarray:
     """Per option, what a node's options charge the memory row (as
     :func:`~ilp_planner.intra_op.problem.build_nodes` sums them): state and one
     micro-batch's activations, plus the held activations of the other micro-batches in
-    flight."""
-    return np.array([o.memory_bytes + (inflight - 1) * (0.0 if o.recompute
-                                                         else o.activation_bytes)
+    flight. ``blocks``: a recomputed option charges its re-materialised bytes over that
+    many blocks instead (:func:`memory_floor`)."""
+    return np.array([o.state_bytes + o.recompute_bytes / blocks if o.recompute and blocks
+                     else o.memory_bytes + (inflight - 1) * (0.0 if o.recompute
+                                                             else o.activation_bytes)
                      for o in opts])
 
 
@@ -509,16 +510,11 @@ def memory_floor(request: MeshSolveRequest) -> float:
         gps = [_built(dataclasses.replace(free, recompute=blocks)) for blocks in builds]
     except ValueError:  # no problem to bound (what the solve raised): nothing proven
         return 0.0
-    inflight = gps[0].boundary.inflight
-
-    def charge(o: NodeOption) -> float:
-        return (o.state_bytes + o.recompute_bytes / len(units) if o.recompute
-                else o.memory_bytes + (inflight - 1) * o.activation_bytes)
-
     first = gps[0]
     rows = [np.zeros(len(c)) for c in first.problem.cost]
     for node, g in first.group_of.items():
-        rows[g] += np.min([[charge(o) for o in gp.options[node]] for gp in gps], axis=0)
+        rows[g] += np.min([_row_charges(gp.options[node], first.boundary.inflight, len(units))
+                           for gp in gps], axis=0)
     return float(sum(r.min() for r in rows))
 
 
