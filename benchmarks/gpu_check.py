@@ -50,6 +50,7 @@ from pathlib import Path
 import yaml
 
 from ilp_planner.api import solve
+from ilp_planner.commands.calibrate import measure_host_time
 from ilp_planner.commands.run import torchrun_command
 from ilp_planner.inputs.compute_calibration import compute_section, fit_compute
 from ilp_planner.inputs.config import parse_config
@@ -181,7 +182,7 @@ def executor_part(rep: Report, work: Path, budget: Budget) -> None:
                     "OK" if ok else "FAIL")
 
 
-def calibrate_part(rep: Report, spec: DeviceSpec, dtype: str) -> dict | None:
+def calibrate_part(rep: Report, spec: DeviceSpec, dtype: str, work: Path) -> dict | None:
     """Part 2: the roofline fitted on this GPU beside the catalogue entry; the fitted
     ``cluster.compute`` section (efficiencies of the catalogue's datasheet figures)."""
     import torch
@@ -189,6 +190,7 @@ def calibrate_part(rep: Report, spec: DeviceSpec, dtype: str) -> dict | None:
     from runtime.measure_kernels import measure_kernels
 
     rows, name = measure_kernels(quick=False, dtype=dtype)
+    rows += measure_host_time(work / "kernels.csv", dtype)
     torch.cuda.empty_cache()
     rep.raw["kernels"] = [r.__dict__ for r in rows]
     cal = fit_compute(rows)
@@ -203,7 +205,9 @@ def calibrate_part(rep: Report, spec: DeviceSpec, dtype: str) -> dict | None:
             ("matmul half dim d½", f"{fit.matmul_half_dim:.0f}", f"{cal.half_dim:.0f}"),
             ("memory efficiency", f"{fit.memory_efficiency:.3f}",
              f"{section['memory_efficiency']:.3f} ({cal.bandwidth / 1e9:.0f} GB/s)"),
-            ("kernel floor", f"{fit.kernel_floor_s * 1e6:.1f} µs", f"{cal.floor_s * 1e6:.1f} µs")):
+            ("kernel floor", f"{fit.kernel_floor_s * 1e6:.1f} µs", f"{cal.floor_s * 1e6:.1f} µs"),
+            ("host time a kernel issued", f"{fit.dispatch_s * 1e6:.1f} µs (not modelled)",
+             "not measured" if cal.dispatch_s is None else f"{cal.dispatch_s * 1e6:.1f} µs")):
         rep.add("2 device", f"{item} ({name}, {dtype})", f"catalogue {cat}", got,
                 f"fit over {cal.rows} kernels, median relative error {cal.median_abs_rel:.1%}")
     return section
@@ -322,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         _part(rep, "1 executor", budget, 90, lambda: executor_part(rep, work, budget))
-        section = _part(rep, "2 device", budget, 60, lambda: calibrate_part(rep, spec, "bfloat16"))
+        section = _part(rep, "2 device", budget, 60, lambda: calibrate_part(rep, spec, "bfloat16", work))
         _part(rep, "3 step time", budget, 60,
               lambda: gpt_part(rep, gpu, section, work, args.steps, budget))
         _part(rep, "3 step time", budget, 20, lambda: eager_part(rep, args.steps))

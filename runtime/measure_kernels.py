@@ -5,6 +5,9 @@ when there is one, else the CPU), in the format ``kernel,m,n,k,bytes,seconds`` t
 (:mod:`ilp_planner.inputs.compute_calibration`); ``calibrate --measure`` calls
 :func:`measure_kernels` itself.
 
+The runtime's host time a kernel, the format's ``dispatch`` row, is measured apart
+(:mod:`runtime.measure_dispatch`: it loads the executor).
+
 Shapes: square matmuls from small to large (the size curve's knee and its asymptote) and
 skinny ones with one small dimension each (the curve's per-dimension factor; on a GPU the
 small dimension stays ≥ 256 so that the matmul is still compute-bound — a memory-bound

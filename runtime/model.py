@@ -351,12 +351,18 @@ def split_microbatches(batch: dict[str, torch.Tensor], m: int) -> list[dict[str,
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    y = x @ w
-    return y if b is None else y + b
+    """``x @ w + b`` with ``w`` stored (in, out): one kernel with the bias (``addmm``: the
+    bias in the matmul's epilogue, as the compute model prices a linear's forward); its
+    backward sums the output gradient's rows for the bias in a kernel of its own."""
+    return x @ w if b is None else F.linear(x, w.t(), b)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor, vocab_offset: int = 0) -> torch.Tensor:
-    """Masked lookup in rows ``[vocab_offset, vocab_offset + len(table))`` of the table."""
+def embedding(ids: torch.Tensor, table: torch.Tensor, vocab_offset: int = 0,
+              whole: bool = True) -> torch.Tensor:
+    """Masked lookup in rows ``[vocab_offset, vocab_offset + len(table))`` of the table; a
+    ``whole`` table (every id inside it) is looked up directly, one kernel as priced."""
+    if whole:
+        return F.embedding(ids, table)
     local = ids - vocab_offset
     inside = (local >= 0) & (local < table.shape[0])
     rows = F.embedding(torch.where(inside, local, torch.zeros_like(local)), table)
@@ -401,8 +407,11 @@ def attention(qkv: torch.Tensor, heads: int, seq_len: int, rope_theta: int = 0,
     r = heads // kv
     d = width // (kv * (r + 2))
     x = qkv.reshape(tokens // seq_len, seq_len, kv, r + 2, d)
-    q = x[:, :, :, :r].reshape(tokens // seq_len, seq_len, heads, d).transpose(1, 2)
-    k, v = (x[:, :, :, i].transpose(1, 2) for i in (r, r + 1))  # (batch, kv, seq, d)
+    # one split: its backward writes the fused gradient in one ``cat`` (three slices would
+    # each write a zero-filled copy, then two additions merge them)
+    q, k, v = x.split([r, 1, 1], dim=3)
+    q = q.reshape(tokens // seq_len, seq_len, heads, d).transpose(1, 2)
+    k, v = (t.squeeze(3).transpose(1, 2) for t in (k, v))  # (batch, kv, seq, d)
     if rope_theta:
         q, k = rotary(q, rope_theta), rotary(k, rope_theta)
     if r > 1:

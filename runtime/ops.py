@@ -110,10 +110,8 @@ def linear(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
         w = ctx.comm.edge(w, w_prog, "weight", op.name)  # the fp32 master, then cast
         w = LVal(w.t.to(x.t.dtype), w.layout)
     out = _matmul_out(op, lp, x.layout, w.layout)
-    y = x.t @ w.t
-    if "bias" in params:
-        y = y + bias_share(params["bias"].t, out)
-    return LVal(y, out)
+    bias = params.get("bias")
+    return LVal(model.linear(x.t, w.t, None if bias is None else bias_share(bias.t, out)), out)
 
 
 def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal],
@@ -123,7 +121,7 @@ def embedding(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: 
     out = _matmul_out(op, lp, ids.layout, w.layout)
     (v0, _), _ = ctx.region(w.layout, op.weight.shape)
     (r0, r1), = ctx.region(ids.layout, (op.output.shape[0],))
-    y = model.embedding(ids.t, w.t, v0)
+    y = model.embedding(ids.t, w.t, v0, whole=w.t.shape[0] == op.weight.shape[0])
     if pos is not None:
         y = y + bias_share(pos.t, out)[model.positions(r0, r1 - r0, op.attr("seq_len"),
                                                        pos.t.device)]

@@ -22,6 +22,7 @@ from ilp_planner.inputs.calibration import (
     read_timings_csv,
     write_timings_csv,
 )
+from ilp_planner.inputs.compute_calibration import KernelTiming, read_kernel_csv, write_kernel_csv
 from ilp_planner.inputs.config import parse_config
 from ilp_planner.ir.cluster import Link
 from ilp_planner.lowering.cost_model import CollectiveKind, collective_time
@@ -270,8 +271,11 @@ def test_cli_creates_the_fragment_folders_and_refuses_a_folder_before_measuring(
 
 def _fake_measure(argv, stdout=None):
     """``runtime.measure`` as torchrun would run it: timings written where ``--output`` says,
-    and the claim it prints."""
+    and the claim it prints; ``runtime.measure_dispatch`` (its own process) a host-time row."""
     target = argv[argv.index("--output") + 1]
+    if "runtime.measure_dispatch" in argv:
+        write_kernel_csv([KernelTiming("dispatch", 100, 0, 0, 0.0, 3e-3)], target)
+        return 0
     write_timings_csv(synthetic_rows(noise=0.0), target)
     print(f"wrote timings to {target}", file=stdout)
     return 0
@@ -284,6 +288,13 @@ def test_cli_measure_keeps_the_timings_it_says_it_wrote(tmp_path, capsys, monkey
     monkeypatch.setattr(calibrate_verb.subprocess, "call", _fake_measure)
     argv = ["calibrate", "--measure"] + (["-o", "fits/frag.yaml"] if with_output else [])
     assert main(argv) == 0
-    claimed = capsys.readouterr().err.split("wrote timings to ")[1].split()[0]
+    out = capsys.readouterr()
+    claimed = out.err.split("wrote timings to ")[1].split()[0]
     assert Path(claimed).is_file()
     assert Path(claimed).parent == (Path("fits") if with_output else Path("."))
+    # the kernels measured here and the host's time (its own process: 3 ms for 100 kernels)
+    fragment = Path("fits/frag.yaml").read_text() if with_output else out.out
+    assert yaml.safe_load(fragment)["cluster"]["compute"]["dispatch_us"] == pytest.approx(30)
+    kept = read_kernel_csv(Path(claimed).parent / "kernels.csv")
+    assert kept[-1] == KernelTiming("dispatch", 100, 0, 0, 0.0, 3e-3)
+    assert (Path(claimed).parent / "dispatch-plan.json").is_file()

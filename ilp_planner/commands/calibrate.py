@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ilp_planner.api import solve
 from ilp_planner.commands.run import torchrun_command
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.calibration import (
@@ -42,6 +43,7 @@ from ilp_planner.inputs.compute_calibration import (
     write_kernel_csv,
 )
 from ilp_planner.inputs.files import prepare_output, write_output
+from ilp_planner.plan.data import Plan
 from runtime.measure_kernels import measure_kernels
 
 
@@ -136,12 +138,48 @@ def measured_kernels_path(args: argparse.Namespace) -> Path:
     return measured_timings_path(args).parent / "kernels.csv"
 
 
+# The model whose one-device training step measures the runtime's host time a kernel
+# (runtime.measure_kernels.measure_dispatch): its kernels take microseconds, so the step's
+# time is the runtime's issuing them (Python, the dispatcher, autograd), not the device's
+DISPATCH_GPT = {"kind": "gpt", "hidden": 64, "layers": 2, "heads": 4, "seq_len": 16,
+                "vocab": 128, "batch": 8}
+_ONE_DEVICE = {"name": "one-device", "nodes": 1, "devices_per_node": 1, "memory_gib": 2,
+               "peak_tflops": 1.0, "efficiency": 0.5,
+               "links": {"intra": {"latency_us": 10, "bandwidth_gbps": 10},
+                         "inter": {"latency_us": 10, "bandwidth_gbps": 10}}}
+
+
+def dispatch_plan(dtype: str) -> Plan:
+    """The one-device plan of :data:`DISPATCH_GPT` in ``dtype`` whose step
+    ``calibrate --measure`` times for the host's time a kernel."""
+    return solve({"model": {**DISPATCH_GPT, "dtype": dtype}, "cluster": _ONE_DEVICE},
+                 baselines=False)
+
+
+def measure_host_time(kernels_csv: Path, dtype: str) -> list[KernelTiming]:
+    """The runtime's host time a kernel (:mod:`runtime.measure_dispatch`) on
+    :func:`dispatch_plan`'s plan, kept beside the kernels' CSV as ``dispatch-plan.json``: in a
+    process of its own, as a training rank runs — it loads the executor, and a process that
+    solved holds the build caches, whose garbage collections would be timed with it."""
+    plan_path = kernels_csv.parent / "dispatch-plan.json"
+    dispatch_plan(dtype).save(plan_path)
+    row_csv = kernels_csv.parent / "dispatch.csv"
+    rc = subprocess.call([sys.executable, "-m", "runtime.measure_dispatch", str(plan_path),
+                          "--output", str(row_csv)], stdout=sys.stderr)
+    if rc != 0:
+        raise ConfigError(f"measuring the runtime's host time failed (exit status {rc})")
+    rows = read_kernel_csv(row_csv)
+    row_csv.unlink()
+    return rows
+
+
 def _load_kernels(args: argparse.Namespace) -> list[KernelTiming] | None:
     """Kernel timings: measured now (``--measure``), read (``--kernel-timings``), or none."""
     if not args.measure:
         return None if args.kernel_timings is None else read_kernel_csv(args.kernel_timings)
     out = prepare_output(measured_kernels_path(args))
     rows, name = measure_kernels(quick=args.quick, dtype=args.dtype)
+    rows += measure_host_time(out, args.dtype or ("float32" if name == "cpu" else "bfloat16"))
     write_kernel_csv(rows, out)
     print(f"wrote {len(rows)} kernel timings on {name} to {out}", file=sys.stderr)
     return rows

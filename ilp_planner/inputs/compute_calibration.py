@@ -1,11 +1,15 @@
 """Fit the roofline's parameters (:mod:`ilp_planner.lowering.compute_model`) from kernel
 timings: what ``calibrate --measure`` writes as ``cluster.compute``.
 
-Two kinds of timed kernel, each one launch:
+Two kinds of timed kernel, each one launch, and the runtime's host time:
 
 * ``stream`` — an elementwise kernel moving ``bytes``: ``t = bytes / W + f``;
 * ``matmul`` — ``(m, k) × (k, n)``, ``2mnk`` FLOPs, ``bytes`` its operands and result:
-  ``t = max(2mnk / (T · Π d/(d + d½)), bytes / W) + f``.
+  ``t = max(2mnk / (T · Π d/(d + d½)), bytes / W) + f``;
+* ``dispatch`` — one training step of the runtime on a model too small for the device to
+  matter, ``m`` kernels issued (counted at dispatch): ``t = m · h``, h the host's seconds a
+  kernel (``ComputeFit.dispatch_s``), their median ratio. Without such rows h is not
+  measured and the fragment leaves it out.
 
 Unknowns: the achieved matmul asymptote T (FLOP/s), the size scale d½, the achieved
 bandwidth W (bytes/s) and the kernel floor f (s). The stream rows alone fix W and f by
@@ -24,6 +28,7 @@ peak and bandwidth themselves at efficiency 1 (a CPU has no datasheet to be a fr
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -35,14 +40,15 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.lowering.compute_model import size_factor
 
 KERNEL_COLUMNS = ("kernel", "m", "n", "k", "bytes", "seconds")
-KERNEL_KINDS = ("matmul", "stream")
+KERNEL_KINDS = ("matmul", "stream", "dispatch")
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
 @dataclass(frozen=True)
 class KernelTiming:
     """One timed kernel: ``seconds`` for a ``matmul`` of sizes (m, n, k) or a ``stream``
-    (m = n = k = 0) moving ``bytes``."""
+    (m = n = k = 0) moving ``bytes``; or a runtime step issuing ``m`` kernels
+    (``dispatch``, n = k = bytes = 0)."""
 
     kernel: str
     m: int
@@ -56,7 +62,11 @@ class KernelTiming:
             raise ValueError(f"kernel: expected one of {list(KERNEL_KINDS)}, got {self.kernel!r}")
         if self.kernel == "matmul" and min(self.m, self.n, self.k) < 1:
             raise ValueError(f"m, n, k: a matmul needs positive sizes, got {self.m, self.n, self.k}")
-        if not (math.isfinite(self.bytes) and self.bytes > 0):
+        if self.kernel == "dispatch" and self.m < 1:
+            raise ValueError(f"m: a dispatch row needs the kernels its step issued (>= 1), "
+                             f"got {self.m}")
+        if not (math.isfinite(self.bytes) and (self.bytes > 0 or self.kernel == "dispatch"
+                                                and self.bytes == 0)):
             raise ValueError(f"bytes: expected a finite number > 0, got {self.bytes}")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
             raise ValueError(f"seconds: expected a finite number > 0, got {self.seconds}")
@@ -78,9 +88,12 @@ class ComputeCalibration:
     median_abs_rel: float
     max_abs_rel: float
     floor_clamped: bool = False
+    dispatch_s: float | None = None  # h, host seconds a kernel (None: not measured)
 
     def predict(self, row: KernelTiming) -> float:
         """The model's seconds for ``row``."""
+        if row.kernel == "dispatch":
+            return row.m * (self.dispatch_s or 0.0)
         mem = row.bytes / self.bandwidth
         if row.kernel == "stream":
             return mem + self.floor_s
@@ -149,6 +162,8 @@ def fit_compute(rows: Iterable[KernelTiming]) -> ComputeCalibration:
     rows = list(rows)
     stream = [r for r in rows if r.kernel == "stream"]
     matmul = [r for r in rows if r.kernel == "matmul"]
+    steps = [r.seconds / r.m for r in rows if r.kernel == "dispatch"]
+    dispatch_s = float(np.median(steps)) if steps else None
     if len({(r.m, r.n, r.k) for r in matmul}) < 2:
         raise ConfigError("matmul timings: need at least two shapes to fit the size curve")
     bandwidth, floor_s, clamped = _fit_stream(stream)
@@ -157,10 +172,11 @@ def fit_compute(rows: Iterable[KernelTiming]) -> ComputeCalibration:
     if not math.isfinite(peak):
         raise ConfigError("matmul timings do not determine a throughput (all within the "
                           "kernel floor)")
-    cal = ComputeCalibration(peak, half_dim, bandwidth, floor_s, len(rows), 0.0, 0.0, clamped)
+    cal = ComputeCalibration(peak, half_dim, bandwidth, floor_s, len(rows), 0.0, 0.0, clamped,
+                             dispatch_s)
     rel = np.array([abs(cal.predict(r) - r.seconds) / r.seconds for r in rows])
-    return ComputeCalibration(peak, half_dim, bandwidth, floor_s, len(rows),
-                              float(np.median(rel)), float(rel.max()), clamped)
+    return dataclasses.replace(cal, median_abs_rel=float(np.median(rel)),
+                               max_abs_rel=float(rel.max()))
 
 
 def compute_section(cal: ComputeCalibration, peak_tflops: float | None = None,
@@ -174,11 +190,14 @@ def compute_section(cal: ComputeCalibration, peak_tflops: float | None = None,
         if got > of * (1 + 1e-9):
             raise ConfigError(f"the fitted {what} ({got:.4g}/s) exceeds the datasheet figure "
                               f"given ({of:.4g}/s); check --peak-tflops / --hbm-gbps")
-    return {"peak_tflops": peak / 1e12, "hbm_gbps": hbm / 1e9,
-            "matmul_efficiency": min(cal.matmul_flops / peak, 1.0),
-            "matmul_half_dim": cal.half_dim,
-            "memory_efficiency": min(cal.bandwidth / hbm, 1.0),
-            "kernel_floor_us": cal.floor_s * 1e6}
+    section = {"peak_tflops": peak / 1e12, "hbm_gbps": hbm / 1e9,
+               "matmul_efficiency": min(cal.matmul_flops / peak, 1.0),
+               "matmul_half_dim": cal.half_dim,
+               "memory_efficiency": min(cal.bandwidth / hbm, 1.0),
+               "kernel_floor_us": cal.floor_s * 1e6}
+    if cal.dispatch_s is not None:
+        section["dispatch_us"] = cal.dispatch_s * 1e6
+    return section
 
 
 def compute_report(cal: ComputeCalibration) -> str:
@@ -187,7 +206,10 @@ def compute_report(cal: ComputeCalibration) -> str:
         if cal.floor_clamped else ""
     return (f"compute: matmul {cal.matmul_flops / 1e12:.4g} TFLOP/s asymptote, d½ "
             f"{cal.half_dim:.4g}, bandwidth {cal.bandwidth / 1e9:.4g} GB/s, kernel floor "
-            f"{cal.floor_s * 1e6:.3g} us ({cal.rows} kernels, |rel| median "
+            f"{cal.floor_s * 1e6:.3g} us"
+            + ("" if cal.dispatch_s is None else
+               f", host {cal.dispatch_s * 1e6:.3g} us a kernel issued")
+            + f" ({cal.rows} kernels, |rel| median "
             f"{cal.median_abs_rel:.2%}, max {cal.max_abs_rel:.2%}){note}")
 
 

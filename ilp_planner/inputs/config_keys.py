@@ -225,6 +225,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "kernel_floor_us": Key("number", "µs every kernel costs however small", None,
                                nonneg=True, at_most=PHYSICAL_MAX,
                                default_text=f"the device's, else {_FIT.kernel_floor_s * 1e6:g}"),
+        "dispatch_us": Key("number", "µs of host time the runtime spends issuing each kernel "
+                                     "(a phase takes the longer of its device time and its "
+                                     "kernels' host time; calibrate --measure measures it)",
+                           None, nonneg=True, at_most=PHYSICAL_MAX,
+                           default_text=f"the device's, else {_FIT.dispatch_s * 1e6:g} (not "
+                                        f"modelled)"),
         "attention": Key("choice", "attention's kernels: one fused flash kernel, or unfused "
                                    "(matmuls, softmax and a dropout where it drops, over the s × s "
                                    "scores)",

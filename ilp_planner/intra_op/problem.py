@@ -47,7 +47,12 @@ from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
 from ilp_planner.ir.cluster import Cluster, Factorisation
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec, position_tables
 from ilp_planner.ir.layouts import Layout, LayoutError, drop_unit_axes, grad_layout
-from ilp_planner.lowering.compute_model import update_seconds
+from ilp_planner.lowering.compute_model import (
+    PhaseWork,
+    master_weight_seconds,
+    phase_seconds,
+    update_seconds,
+)
 from ilp_planner.lowering.cost_model import (
     ONCE_PER_STEP,
     Collective,
@@ -70,6 +75,7 @@ from ilp_planner.lowering.strategies import (
     forward_seconds,
     grad_sync,
     op_strategies,
+    param_shapes,
     tie_transposes,
     tied_exchange_seconds,
     tied_source,
@@ -237,6 +243,33 @@ def _op_content(op: Op) -> tuple:
             len(op.inputs))
 
 
+def gradient_merges(graph: Graph, name: str) -> tuple[int, ...]:
+    """The inputs of ``name`` (indices) whose gradient autograd adds to one another reader
+    of the same tensor already produced: a tensor read by k ops gets k − 1 additions of its
+    gradient in the backward, each charged to a reader after the first in graph order (a
+    residual stream's add, a fused output's second and third parts); none for model
+    inputs, which take no gradient."""
+    op = graph[name]
+    return tuple(i for i, src in enumerate(op.inputs)
+                 if op.inputs.index(src) == i and graph[src].kind is not OpKind.INPUT
+                 and graph.consumers(src)[0] != name)
+
+
+def merge_seconds(graph: Graph, name: str, layouts: tuple[Layout, ...],
+                  cluster: Cluster) -> float:
+    """Backward seconds of ``name``'s :func:`gradient_merges` on one device: one in-place
+    addition a merge (read both gradients, write one: 3 × the local gradient's bytes, a
+    kernel each), at its inputs' ``layouts``; 0 on a flat cluster."""
+    merges = gradient_merges(graph, name)
+    device = cluster.device
+    if not merges or device is None:
+        return 0.0
+    op = graph[name]
+    moved = sum(3 * layouts[i].local_bytes(graph[op.inputs[i]].output) for i in merges)
+    return phase_seconds(PhaseWork(0.0, moved, len(merges)), device,
+                         graph[op.inputs[merges[0]]].output.dtype)
+
+
 def _follower(op: Op, graph: Graph) -> bool:
     return (op.kind in FOLLOWER_KINDS and len(op.inputs) == 1
             and graph[op.inputs[0]].kind is not OpKind.INPUT)
@@ -267,8 +300,8 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
     if cache is not None:  # by what an option depends on besides its base strategy
         memo = cache.base_options.setdefault((
             _cost_context(ctx), microbatches, input_reached, tuple(in_specs),
-            tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1)
-                  for i, m in enumerate(members))), {})
+            tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1,
+                   gradient_merges(graph, m)) for i, m in enumerate(members))), {})
     for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
         made = None if memo is None else memo.get(base)
         if made is None:
@@ -383,8 +416,14 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
     colls = [own]
     # the optimizer step, once per step: spread over the micro-batches' compute, so that
     # the step counts it once (0 under the flat model, which never priced it)
+    syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
+                                           base.output, ctx)
     update = update_seconds(base.update_params, ctx.memory, rep, ctx.cluster)
-    comp = [base.compute_s + update / microbatches]
+    if not base.zero:  # state sharding's blocks are cast and accumulated otherwise
+        update += master_weight_seconds(rep, base.update_params, len(param_shapes(rep)),
+                                        ctx.memory, microbatches, bool(syncs), ctx.cluster)
+    comp = [base.compute_s + update / microbatches
+            + merge_seconds(graph, members[0], base.inputs, ctx.cluster)]
     fwd = [base.forward_compute_s]
     cost = _per_step(comp[0], own, microbatches)
     act = base.activation_bytes
@@ -399,6 +438,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         if resolved != raw and f not in riding:
             red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
             fc = red.forward + red.backward + fc
+        secs += merge_seconds(graph, f, (resolved,), ctx.cluster)
         outputs.append(out)
         inputs.append((resolved,))
         grads.append((resolved,))
@@ -407,8 +447,6 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         fwd.append(forward_seconds(op, tensor, resolved, ctx))
         cost += _per_step(secs, fc, microbatches)
         act += follower_held_bytes(op, tensor, resolved, out)
-    syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
-                                           base.output, ctx)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,
                       base.state_bytes + act, base.state_bytes, act, syncs,
                       transient_bytes=base.transient_bytes if input_reached else
@@ -802,8 +840,8 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
                                  tied_table=table, rides=st.rides)
         else:
             content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
-                       tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
-                             for i, m in enumerate(mem)), keep, table)
+                       tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1,
+                              gradient_merges(graph, m)) for i, m in enumerate(mem)), keep, table)
             opts = cache.options.get(content)
             if opts is None:
                 opts = cache.options[content] = _node_options(

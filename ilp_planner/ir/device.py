@@ -34,6 +34,11 @@ class ComputeFit:
       halves the efficiency: ``eff(m, n, k) = e_max · Π_{d ∈ m,n,k} d / (d + d½)``;
     * ``memory_efficiency`` — achieved / datasheet memory bandwidth of a streaming kernel;
     * ``kernel_floor_s`` — seconds every kernel costs however small (launch, a wave's ramp);
+    * ``dispatch_s`` — host seconds the runtime spends on each kernel it issues (eager
+      PyTorch: Python, the dispatcher, autograd's bookkeeping). The host issues kernels
+      ahead of the device, so a phase takes the longer of its device time and its kernels'
+      host time. 0 (every catalogue entry): not modelled — the host is no part of a GPU's
+      datasheet; ``calibrate --measure`` measures the runtime's own on its machine;
 
     and one choice of the software stack, not fitted: ``attention`` runs as one fused
     ``flash`` kernel (FlashAttention, PyTorch's SDPA) or ``unfused`` (batched matmuls, a
@@ -46,6 +51,7 @@ class ComputeFit:
     memory_efficiency: float = 0.9
     kernel_floor_s: float = 5e-6
     attention: str = "flash"
+    dispatch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1 or not 0 < self.memory_efficiency <= 1:
@@ -54,9 +60,10 @@ class ComputeFit:
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(f"attention kernel must be one of {list(ATTENTION_KERNELS)}, "
                               f"got {self.attention!r}")
-        if self.matmul_half_dim < 0 or self.kernel_floor_s < 0:
-            raise ConfigError("matmul_half_dim and kernel_floor_s must be >= 0, got "
-                              f"{self.matmul_half_dim} and {self.kernel_floor_s}")
+        if self.matmul_half_dim < 0 or self.kernel_floor_s < 0 or self.dispatch_s < 0:
+            raise ConfigError("matmul_half_dim, kernel_floor_s and dispatch_s must be >= 0, got "
+                              f"{self.matmul_half_dim}, {self.kernel_floor_s} and "
+                              f"{self.dispatch_s}")
 
 
 @dataclass(frozen=True)

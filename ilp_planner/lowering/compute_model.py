@@ -5,6 +5,12 @@ Each phase (forward, backward) of an op on its local shard is priced as::
     t = max(FLOPs / (peak · eff(m, n, k)),  bytes / (HBM bandwidth · memory efficiency))
         + kernels · kernel floor
 
+or, where longer, ``kernels · dispatch`` — the host's time issuing the phase's kernels
+(eager PyTorch: Python, the dispatcher and autograd per kernel; the device runs behind the
+host and waits where its kernels are shorter). Taken per op and phase, this prices an
+eager step as the sum of each op's longer side; the host's lead over a long matmul that
+later short kernels use up is not credited (an upper bound where both sides alternate).
+
 with the device's fitted parameters (:class:`~ilp_planner.ir.device.ComputeFit`). The
 matmul efficiency falls for small and skinny local shapes::
 
@@ -23,7 +29,9 @@ with the reason for the backward:
 ========================  =====================  ==========================================
 kind                      forward                backward
 ========================  =====================  ==========================================
-linear, matmul            F; X, W, Y             2F (dX = dY·Wᵀ, dW = Xᵀ·dY); 2 × (X, W, Y)
+linear, matmul            F; X, W, Y (a bias in  2F (dX = dY·Wᵀ, dW = Xᵀ·dY); 2 × (X, W, Y);
+                          the matmul's epilogue) a bias: dY's rows summed, a kernel of its
+                                                 own reading dY (a streaming term)
 conv2d (implicit GEMM)    F; X, W, Y             2F; 2 × (X, W, Y)
 embedding                 lookup: 2N (+N/table)  scatter-add of dY into the table rows: 3N
 attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 matmuls for 2);
@@ -93,7 +101,10 @@ attention's output made contiguous before its projection, a ``cat`` — are that
 the backward, :func:`ilp_planner.inputs.lift_backward.replay_backward`); a hand-written
 attention run as written (``attrs.unfused``) adds its scores' scale and mask.
 
-The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
+The runtime's own passes over the master weights (:func:`master_weight_seconds`: under
+mixed precision the compute copy cast once a step and each micro-batch's gradient cast back;
+gradients accumulated in place across micro-batches) are priced once a step, beside the
+update. The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
 optimizer shard it reads the gradient and the optimizer state and writes the state and the
 compute copy of the weight (Adam under mixed precision: 4 + 12 read, 12 + 2 written = 30
 bytes). A cluster without a device (raw numbers, no ``cluster.compute``) keeps the flat
@@ -102,6 +113,7 @@ model ``3 × FLOPs / (peak × efficiency)`` exactly (:func:`op_seconds`), with n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -167,15 +179,20 @@ def phase_terms(work: PhaseWork, device: DeviceSpec, dtype: str
 
 def phase_seconds(work: PhaseWork, device: DeviceSpec, dtype: str) -> float:
     """The roofline of one phase: the larger of its FLOPs and bytes times, plus its
-    separate streaming kernels and its floors."""
+    separate streaming kernels and its floors — or, where longer, the host's time issuing
+    its kernels (``kernels × dispatch_s``: the device waits for the host)."""
     flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
-    return max(flops_s, bytes_s) + stream_s + floor_s
+    return max(max(flops_s, bytes_s) + stream_s + floor_s,
+               work.kernels * device.fit.dispatch_s)
 
 
 def bound_by(work: PhaseWork, device: DeviceSpec, dtype: str) -> str:
     """Which term takes most of a phase: ``compute`` (FLOPs above bytes), ``memory``
-    (bytes above FLOPs, with any streaming kernels) or ``floor`` (the kernel floors)."""
+    (bytes above FLOPs, with any streaming kernels), ``floor`` (the kernel floors) or
+    ``host`` (issuing its kernels takes longer than the device runs them)."""
     flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
+    if work.kernels * device.fit.dispatch_s > max(flops_s, bytes_s) + stream_s + floor_s:
+        return "host"
     compute = flops_s if flops_s >= bytes_s else 0.0
     memory = stream_s + (bytes_s if bytes_s > flops_s else 0.0)
     return max((("compute", compute), ("memory", memory), ("floor", floor_s)),
@@ -338,7 +355,12 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
     flops = op.flops / split
     n = op.output.numel / split * it  # bytes of the local output
     if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV2D):
-        return _gemm_work(flops, gemm or default_gemm(op, split), it)
+        gemm = gemm or default_gemm(op, split)
+        fwd, bwd = _gemm_work(flops, gemm, it)
+        if kind is OpKind.LINEAR and op.attrs.get("bias"):  # dbias: dY's rows summed
+            bwd = dataclasses.replace(bwd, kernels=bwd.kernels + 1,
+                                      stream_bytes=bwd.stream_bytes + gemm[0] * gemm[1] * it)
+        return fwd, bwd
     if kind is OpKind.ATTENTION:  # an imported hand-written one runs unfused (its code)
         return _attention(op, split, it, flash and not op.attrs.get("unfused"))
     if kind is OpKind.EMBEDDING:
@@ -423,6 +445,31 @@ def update_bytes_per_param(memory: MemorySpec, mixed: bool) -> float:
     4 + 8 + 8 + 4 + 4 = 28; SGD: 12."""
     w, g, o = memory.weight_bytes, memory.grad_bytes, memory.optimizer_bytes
     return g + 2 * o + (w if mixed else 2 * w)
+
+
+MASTER_ITEMSIZE = 4  # the runtime's master weights and their gradients are float32
+
+
+def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpec,
+                          microbatches: int, synced: bool, cluster: Cluster) -> float:
+    """Seconds a step spends on ``op``'s master weights besides the optimizer's update, as
+    the runtime runs it (``params`` local parameters in ``tensors`` tensors, held whole —
+    state sharding level 0): under mixed precision the compute copy cast once a step (read
+    the float32 master, write the copy: :meth:`runtime.stage_forward.StageForward._compute_copy`)
+    and each micro-batch's gradient cast back (read it, write float32); in any precision
+    autograd's in-place accumulation into ``.grad`` (read it and the new gradient, write
+    it) — every micro-batch where ``.grad`` is a slice of a synchronised flat buffer
+    (:mod:`runtime.grad_sync`), every one after the first otherwise. One kernel per tensor
+    each. 0 on a flat cluster (it never priced them) or without parameters."""
+    if cluster.device is None or params <= 0:
+        return 0.0
+    spec = op.weight or op.output
+    g = memory.grad_bytes
+    adds = microbatches if synced else microbatches - 1
+    casts = 1 + microbatches if spec.dtype in HALF_DTYPES else 0
+    work = PhaseWork(0.0, params * (casts * (MASTER_ITEMSIZE + spec.itemsize) + adds * 3 * g),
+                     tensors * (casts + adds))
+    return phase_seconds(work, cluster.device, "float32")
 
 
 def update_seconds(params: float, memory: MemorySpec, op: Op, cluster: Cluster) -> float:

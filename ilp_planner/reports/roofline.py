@@ -1,12 +1,13 @@
 """What bounds each kind of op under the roofline compute model: ``explain``'s table of
-seconds per micro-batch by bound (compute, memory, kernel floor), forward and backward of
+seconds per micro-batch by bound (compute, memory, kernel floor, or the host issuing the
+kernels where ``cluster.compute.dispatch_us`` makes that longer), forward and backward of
 every layer on its local shard, summed per op kind.
 
 Only a cluster with a device (a catalogue accelerator or a ``cluster.compute`` section)
 prices by roofline; under the flat model every op is "compute" by construction and the
 table is left out. Recomputation runs the forward again at the same prices and is not
-counted twice here; the optimizer update (memory-bound) is in the layers' compute, not in
-this table.
+counted twice here; the optimizer update (memory-bound), the passes over the master weights
+and the gradient merges are in the layers' compute, not in this table.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ilp_planner.lowering.compute_model import GemmShape, bound_by, op_work, pha
 from ilp_planner.lowering.strategies import is_summa, local_gemm
 from ilp_planner.plan.data import LayerPlan, Plan
 
-BOUNDS = ("compute", "memory", "floor")
+BOUNDS = ("compute", "memory", "floor", "host")
 MATMUL_LIKE = (OpKind.LINEAR, OpKind.EMBEDDING, OpKind.MATMUL, OpKind.CONV2D)
 
 

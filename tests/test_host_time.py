@@ -1,0 +1,240 @@
+"""The kernels the runtime issues, priced: the host's time issuing them (``dispatch_s``), the
+passes over the master weights, gradient merges and a linear's bias gradient — each against a
+hand-computed case — and the kernels one training step of the executor dispatches against
+the kernels its plan prices (counted at dispatch, on one process)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from ilp_planner.api import solve
+from ilp_planner.commands.calibrate import dispatch_plan
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs import models
+from ilp_planner.inputs.compute_calibration import (
+    KernelTiming,
+    compute_section,
+    fit_compute,
+    read_kernel_csv,
+    write_kernel_csv,
+)
+from ilp_planner.inputs.config import load_config, parse_config
+from ilp_planner.intra_op.problem import gradient_merges, merge_seconds
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
+from ilp_planner.ir.device import ComputeFit, DeviceSpec
+from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.layouts import Layout
+from ilp_planner.lowering.compute_model import (
+    PhaseWork,
+    bound_by,
+    master_weight_seconds,
+    op_work,
+    phase_seconds,
+)
+from ilp_planner.lowering.cost_model import MemorySpec
+from ilp_planner.reports.explain import step_seconds
+from ilp_planner.reports.roofline import bound_seconds
+from runtime.executor import Executor, RunOptions
+from runtime.measure_dispatch import count_dispatched
+from tests.helpers.shipped import CONFIGS
+
+HBM = 2e12
+HOST = 30e-6
+
+
+def _device(dispatch_s: float = HOST) -> DeviceSpec:
+    return DeviceSpec("t", 80 * 2**30, {"bfloat16": 300e12, "float32": 20e12}, HBM, (),
+                      ComputeFit(0.8, 128.0, 1.0, 5e-6, "flash", dispatch_s))
+
+
+def _cluster(device: DeviceSpec | None) -> Cluster:
+    link = Link(1e-5, 1e-10)
+    return Cluster(1, 1, 80 * 2**30, 300e12, link, link, 0.5, "t", device)
+
+
+def test_a_phase_takes_the_longer_of_its_device_time_and_its_kernels_host_time() -> None:
+    small = PhaseWork(0.0, 1e6, 3)  # 0.5 µs of bytes and 15 µs of floors, 90 µs to issue
+    assert phase_seconds(small, _device(), "bfloat16") == pytest.approx(3 * HOST, rel=1e-12)
+    assert bound_by(small, _device(), "bfloat16") == "host"
+    big = PhaseWork(0.0, 1e9, 1)  # 500 µs of bytes
+    assert phase_seconds(big, _device(), "bfloat16") == pytest.approx(1e9 / HBM + 5e-6, rel=1e-12)
+    assert bound_by(big, _device(), "bfloat16") == "memory"
+    # not modelled (every catalogue entry): the device's time alone
+    assert phase_seconds(small, _device(0.0), "bfloat16") == pytest.approx(1e6 / HBM + 15e-6)
+
+
+def test_a_linear_with_a_bias_sums_its_output_gradient_in_a_kernel_of_its_own() -> None:
+    g = models.mlp([64, 32], batch=16, bias=True)
+    plain = models.mlp([64, 32], batch=16, bias=False)
+    (fb, bb), (fp, bp) = op_work(g["fc1"], 1.0), op_work(plain["fc1"], 1.0)
+    assert fb == fp  # the forward's bias rides in the matmul's epilogue
+    assert bb.kernels == bp.kernels + 1 == 3
+    assert bb.stream_bytes - bp.stream_bytes == 16 * 32 * 4  # dY read once more
+    assert bb.bytes == bp.bytes and bb.flops == bp.flops
+
+
+@pytest.mark.parametrize(("dtype", "microbatches", "synced", "casts", "adds"), [
+    ("bfloat16", 1, False, 2, 0),   # the copy cast, one gradient cast back
+    ("bfloat16", 4, True, 5, 4),    # four gradients cast back and added into the buffer
+    ("bfloat16", 4, False, 5, 3),   # the first gradient becomes .grad
+    ("float32", 1, False, 0, 0),
+    ("float32", 3, True, 0, 3),
+])
+def test_master_weight_passes_by_hand(dtype: str, microbatches: int, synced: bool, casts: int,
+                                      adds: int) -> None:
+    g = models.mlp([64, 32], batch=16, bias=True, dtype=dtype)
+    op, params, tensors = g["fc1"], 64 * 32 + 32, 2
+    mem = MemorySpec.preset("adam_mixed" if dtype == "bfloat16" else "adam")
+    item = 2 if dtype == "bfloat16" else 4
+    want_bytes = params * (casts * (4 + item) + adds * 3 * 4)
+    got = master_weight_seconds(op, params, tensors, mem, microbatches, synced,
+                                _cluster(_device()))
+    want = max(want_bytes / HBM + tensors * (casts + adds) * 5e-6,
+               tensors * (casts + adds) * HOST)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert master_weight_seconds(op, params, tensors, mem, microbatches, synced,
+                                 _cluster(None)) == 0.0
+
+
+def test_a_tensor_read_twice_adds_its_gradients_once_in_the_later_reader() -> None:
+    cfg = load_config(CONFIGS / "tiny-gpt-cpu.yaml")
+    g = cfg.graph
+    merged = {op.name: gradient_merges(g, op.name) for op in g.ops if gradient_merges(g, op.name)}
+    # the residual stream: each block's two adds read it after a norm did
+    assert merged == {op.name: (0,) for op in g.ops if op.kind is OpKind.ADD}
+    add = g["h.0.attn.residual"]
+    lay = Layout.replicated((MeshAxis(1, 1),))
+    want = max(3 * g[add.inputs[0]].output.nbytes / HBM + 5e-6, HOST)
+    assert merge_seconds(g, add.name, (lay, lay), _cluster(_device())) == pytest.approx(want)
+    assert merge_seconds(g, "h.0.ln1", (lay,), _cluster(_device())) == 0.0
+    assert merge_seconds(g, add.name, (lay, lay), _cluster(None)) == 0.0
+
+
+def test_dispatch_rows_fit_the_host_time_and_round_trip(tmp_path) -> None:
+    streams = [KernelTiming("stream", 0, 0, 0, b, b / 1e11 + 4e-6) for b in (1e4, 1e6, 1e8)]
+    matmuls = [KernelTiming("matmul", s, s, s, 3 * s * s * 2.0,
+                            2 * s**3 / (1e13 * (s / (s + 64)) ** 3) + 4e-6) for s in (256, 1024)]
+    steps = [KernelTiming("dispatch", k, 0, 0, 0.0, k * 25e-6 * f)
+             for k, f in ((100, 1.0), (180, 1.02), (140, 0.97))]
+    cal = fit_compute(streams + matmuls + steps)
+    assert cal.dispatch_s == pytest.approx(25e-6)  # the median step's ratio
+    assert compute_section(cal)["dispatch_us"] == pytest.approx(25.0)
+    assert "dispatch_us" not in compute_section(fit_compute(streams + matmuls))
+    path = tmp_path / "k.csv"
+    write_kernel_csv(steps, path)
+    assert read_kernel_csv(path) == steps
+    with pytest.raises(ValueError, match="kernels its step issued"):
+        KernelTiming("dispatch", 0, 0, 0, 0.0, 1.0)
+
+
+def test_dispatch_us_is_read_from_the_compute_section() -> None:
+    doc = {"model": {"kind": "mlp", "dims": [8, 8], "batch": 4},
+           "cluster": {"gpu": "h100-sxm", "nodes": 1, "devices_per_node": 1, "intra": "nvlink4",
+                       "inter": "ib-ndr400",
+                       "compute": {"dispatch_us": 30}}}
+    assert parse_config(doc).cluster.device.fit.dispatch_s == pytest.approx(30e-6)
+    doc["cluster"]["compute"]["dispatch_us"] = -1
+    with pytest.raises(ConfigError, match="cluster.compute.dispatch_us"):
+        parse_config(doc)
+
+
+def _priced_and_dispatched(config: str, layers: int, microbatches: int,
+                           recompute: str) -> tuple[int, int]:
+    """(kernels the plan prices, kernels the executor's step dispatches) of ``config`` on one
+    device: with a second of host time a kernel and a device too fast to matter, the
+    predicted step's seconds are its kernels."""
+    cfg = load_config(CONFIGS / config).with_overrides({
+        "model.layers": layers, "cluster.nodes": 1, "cluster.devices_per_node": 1,
+        "pipeline.microbatches": microbatches, "solver.recompute": recompute,
+        "cluster.compute": {"hbm_gbps": 1e9, "peak_tflops": 1e6, "kernel_floor_us": 0,
+                            "dispatch_us": 1e6}})
+    plan = solve(cfg, baselines=False)
+    priced = step_seconds(plan)
+    assert priced == pytest.approx(round(priced), abs=1e-6)
+    ex = Executor(plan, RunOptions(record=False), rank=0, world=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ex.setup()
+        ex.train_step(0)
+        dispatched = count_dispatched(lambda: ex.train_step(1))
+    finally:
+        dist.destroy_process_group()
+    return round(priced), dispatched
+
+
+@pytest.mark.parametrize("config", ["tiny-gpt-cpu.yaml", "tiny-gpt-bf16-cpu.yaml"])
+@pytest.mark.parametrize(("microbatches", "recompute"), [(1, "never"), (2, "never"),
+                                                         (2, "always")])
+def test_a_block_prices_the_kernels_the_executor_dispatches(config: str, microbatches: int,
+                                                            recompute: str) -> None:
+    """A block's kernels, priced vs dispatched (one block more, the difference): equal but
+    for the two layernorms' backwards, each one aten op the model counts as the two CUDA
+    kernels it launches (dx; dγ and dβ) — recomputed blocks too, whose forward runs twice.
+    The whole step's count — with the embedding, loss and optimizer, whose small kernels the
+    model prices less exactly — within 20 %."""
+    (p2, d2), (p3, d3) = (_priced_and_dispatched(config, n, microbatches, recompute)
+                          for n in (2, 3))
+    assert (p3 - p2) - (d3 - d2) == 2 * microbatches, (p2, d2, p3, d3)
+    assert d3 - d2 > 25 * microbatches  # a block issues dozens (casts under bf16: 24 more)
+    assert math.isclose(p3, d3, rel_tol=0.2), (p3, d3)
+
+
+def test_the_host_time_decides_between_plans_when_kernels_are_small() -> None:
+    """Four micro-batches issue about four times the kernels: with a host that takes 30 µs a
+    kernel the tiny GPT's step on an H100 costs several times as much, where the device alone
+    prices it at little more (the same FLOPs)."""
+    base = {"model": {"kind": "gpt", "hidden": 64, "layers": 2, "heads": 4, "seq_len": 16,
+                      "vocab": 128, "batch": 8, "dtype": "bfloat16"},
+            "cluster": {"gpu": "h100-sxm", "nodes": 1, "devices_per_node": 1,
+                        "intra": "nvlink4", "inter": "ib-ndr400"}}
+    steps = {}
+    for host in (0, 30):
+        for m in (1, 4):
+            doc = {**base, "pipeline": {"microbatches": m},
+                   "cluster": {**base["cluster"], "compute": {"dispatch_us": host}}}
+            steps[host, m] = step_seconds(solve(doc, baselines=False))
+    assert steps[30, 4] > 3 * steps[30, 1]
+    # its kernels are all but their 5 µs floors (the catalogue's): issuing each takes 6× that
+    assert 5 < steps[30, 1] / steps[0, 1] <= 6 + 1e-9
+
+
+def test_measure_dispatch_runs_as_calibrate_runs_it(tmp_path) -> None:
+    """``python -m runtime.measure_dispatch`` on the plan ``calibrate --measure`` times: one
+    ``dispatch`` row, its kernels those the same step issues counted here."""
+    plan = dispatch_plan("float32")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    out = tmp_path / "dispatch.csv"
+    subprocess.run([sys.executable, "-m", "runtime.measure_dispatch", str(path), "--output",
+                    str(out), "--repeats", "1"], check=True, capture_output=True, timeout=300)
+    (row,) = read_kernel_csv(out)
+    ex = Executor(plan, RunOptions(record=False), rank=0, world=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ex.setup()
+        ex.train_step(0)
+        assert row.kernel == "dispatch" and row.m == count_dispatched(lambda: ex.train_step(1))
+    finally:
+        dist.destroy_process_group()
+    assert row.m > 50 and row.seconds > 0
+
+
+def test_explain_names_the_host_where_it_binds() -> None:
+    """``explain``'s roofline table: a tiny GPT's norms on an H100 are floor-bound; with a
+    host taking 30 µs a kernel they are host-bound, at exactly their kernels × 30 µs."""
+    doc = {"model": {"kind": "gpt", "hidden": 64, "layers": 2, "heads": 4, "seq_len": 16,
+                     "vocab": 128, "batch": 8, "dtype": "bfloat16"},
+           "cluster": {"gpu": "h100-sxm", "nodes": 1, "devices_per_node": 1,
+                       "intra": "nvlink4", "inter": "ib-ndr400"}}
+    plain = parse_config(doc)
+    assert bound_seconds(solve(plain, baselines=False), plain)["layernorm"]["host"] == 0.0
+    doc["cluster"]["compute"] = {"dispatch_us": 30}
+    hosted = parse_config(doc)
+    row = bound_seconds(solve(hosted, baselines=False), hosted)["layernorm"]
+    norms = 2 * 2 + 1  # two per block and the final one; 1 + 2 kernels each
+    assert row["host"] == pytest.approx(norms * 3 * 30e-6) and row["floor"] == 0.0
