@@ -30,8 +30,9 @@ from ilp_planner.inputs.compute_calibration import KernelTiming, write_kernel_cs
 from ilp_planner.plan.data import Plan
 from runtime.executor import Executor, RunOptions
 
-# what no kernel runs for: allocations, and reading a scalar back (the loss's report)
-_NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty",
+# what no kernel runs for: allocations, a view the schema does not mark as one (after a
+# reshape's copy), and reading a scalar back (the loss's report)
+_NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "_unsafe_view",
                         "new_empty_strided", "lift_fresh", "_local_scalar_dense"})
 
 

@@ -24,7 +24,8 @@ from ilp_planner.inputs.compute_calibration import (
     write_kernel_csv,
 )
 from ilp_planner.inputs.config import load_config, parse_config
-from ilp_planner.intra_op.problem import gradient_merges, merge_seconds
+from ilp_planner.inter_op.layer_units import subgraph
+from ilp_planner.intra_op.problem import _structure, gradient_merges, merge_seconds
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
 from ilp_planner.ir.device import ComputeFit, DeviceSpec
 from ilp_planner.ir.graph import OpKind
@@ -37,6 +38,7 @@ from ilp_planner.lowering.compute_model import (
     phase_seconds,
 )
 from ilp_planner.lowering.cost_model import MemorySpec
+from ilp_planner.lowering.stage_boundary import stage_boundary
 from ilp_planner.reports.explain import step_seconds
 from ilp_planner.reports.roofline import bound_seconds
 from runtime.executor import Executor, RunOptions
@@ -110,9 +112,42 @@ def test_a_tensor_read_twice_adds_its_gradients_once_in_the_later_reader() -> No
     add = g["h.0.attn.residual"]
     lay = Layout.replicated((MeshAxis(1, 1),))
     want = max(3 * g[add.inputs[0]].output.nbytes / HBM + 5e-6, HOST)
-    assert merge_seconds(g, add.name, (lay, lay), _cluster(_device())) == pytest.approx(want)
-    assert merge_seconds(g, "h.0.ln1", (lay,), _cluster(_device())) == 0.0
-    assert merge_seconds(g, add.name, (lay, lay), _cluster(None)) == 0.0
+    dev = _cluster(_device())
+    assert merge_seconds(g, add.name, (0,), (lay, lay), dev) == pytest.approx(want)
+    assert merge_seconds(g, "h.0.ln1", (), (lay,), dev) == 0.0
+    assert merge_seconds(g, add.name, (0,), (lay, lay), _cluster(None)) == 0.0
+
+
+def test_merges_count_reads_and_the_stage_boundary() -> None:
+    """``x + x`` adds its two gradients (the U-transformer's first skip add reads one tensor
+    twice); in a pipeline stage the imported residual stream is read twice as in the whole
+    model, and a tensor a later stage reads too gets its gradient back from there."""
+    u = load_config(CONFIGS / "u-transformer-2x4.yaml").graph
+    twice = next(op for op in u.ops if op.inputs and len(set(op.inputs)) < len(op.inputs))
+    assert gradient_merges(u, twice.name) == (1,)
+    g = load_config(CONFIGS / "tiny-gpt-cpu.yaml").graph
+    names = [op.name for op in g.ops if op.name.startswith("h.1.")]
+    boundary = stage_boundary(g, names)
+    assert "h.0.mlp.residual" in boundary.imported
+    assert gradient_merges(g, "h.1.attn.residual") == (0,)
+    assert gradient_merges(g, "h.1.attn.residual", boundary) == (0,)
+    assert gradient_merges(g, "h.1.ln1", boundary) == ()
+    # the last block's output: read by the final norm here and by nothing else
+    assert gradient_merges(g, "ln_f") == ()
+    cut = stage_boundary(g, [op.name for op in g.ops if not op.name.startswith("h.1.")
+                             and op.name not in ("ln_f", "lm_head", "loss")])
+    assert "h.0.mlp.residual" in cut.exported
+    assert gradient_merges(g, "h.0.mlp.residual", cut) == (0,)  # its own input, read twice
+    # a stage's build prices the first block's merge as every other block's
+    stage = stage_problem_merges(g, names, boundary)
+    assert stage["h.1.attn.residual"] == stage["h.1.mlp.residual"] == (0,)
+
+
+def stage_problem_merges(g, names, boundary) -> dict[str, tuple[int, ...]]:
+    """Each op's merges as a stage's build derives them (its structure, on the stage's
+    graph, with the boundary)."""
+    st = _structure(subgraph(g, names), boundary, True, None)
+    return {m: shape[i][2] for _, mem, _, shape, _ in st.nodes for i, m in enumerate(mem)}
 
 
 def test_dispatch_rows_fit_the_host_time_and_round_trip(tmp_path) -> None:

@@ -74,6 +74,7 @@ from ilp_planner.lowering.strategies import (
     follower_inputs,
     forward_seconds,
     grad_sync,
+    is_summa,
     op_strategies,
     param_shapes,
     tie_transposes,
@@ -243,24 +244,35 @@ def _op_content(op: Op) -> tuple:
             len(op.inputs))
 
 
-def gradient_merges(graph: Graph, name: str) -> tuple[int, ...]:
-    """The inputs of ``name`` (indices) whose gradient autograd adds to one another reader
-    of the same tensor already produced: a tensor read by k ops gets k − 1 additions of its
-    gradient in the backward, each charged to a reader after the first in graph order (a
-    residual stream's add, a fused output's second and third parts); none for model
-    inputs, which take no gradient."""
+def gradient_merges(graph: Graph, name: str,
+                    boundary: StageBoundary | None = None) -> tuple[int, ...]:
+    """The reads of ``name`` (input indices) whose gradient autograd adds to one already
+    produced for the same tensor: a tensor read k times gets k − 1 additions in the
+    backward, each charged to a read after its first in graph order (a residual stream's
+    add; the second operand of ``x + x``), and one more per read where a later stage also
+    reads it (its gradient comes back from there: ``boundary.exported``). None for model
+    data or integer tensors, which take no gradient; a tensor imported from an earlier
+    stage takes one (``boundary.imported``)."""
     op = graph[name]
-    return tuple(i for i, src in enumerate(op.inputs)
-                 if op.inputs.index(src) == i and graph[src].kind is not OpKind.INPUT
-                 and graph.consumers(src)[0] != name)
+    imported = boundary.imported if boundary is not None else frozenset()
+    exported = boundary.exported if boundary is not None else frozenset()
+    out = []
+    for i, src in enumerate(op.inputs):
+        tensor = graph[src]
+        if (tensor.kind is OpKind.INPUT and src not in imported) \
+                or "float" not in tensor.output.dtype:
+            continue
+        first = graph.consumers(src)[0]
+        if src in exported or (first, graph[first].inputs.index(src)) != (name, i):
+            out.append(i)
+    return tuple(out)
 
 
-def merge_seconds(graph: Graph, name: str, layouts: tuple[Layout, ...],
-                  cluster: Cluster) -> float:
-    """Backward seconds of ``name``'s :func:`gradient_merges` on one device: one in-place
-    addition a merge (read both gradients, write one: 3 × the local gradient's bytes, a
+def merge_seconds(graph: Graph, name: str, merges: tuple[int, ...],
+                  layouts: tuple[Layout, ...], cluster: Cluster) -> float:
+    """Backward seconds of ``name``'s ``merges`` (:func:`gradient_merges`) on one device:
+    one addition a merge (read both gradients, write one: 3 × the local gradient's bytes, a
     kernel each), at its inputs' ``layouts``; 0 on a flat cluster."""
-    merges = gradient_merges(graph, name)
     device = cluster.device
     if not merges or device is None:
         return 0.0
@@ -287,27 +299,31 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
                   microbatches: int, input_reached: bool,
                   keep: StrategyFilter | None = None,
                   cache: BuildCache | None = None, tied_table: bool = False,
-                  rides: dict[tuple[str, int], tuple[str, int]] | None = None) -> list[NodeOption]:
+                  rides: dict[tuple[str, int], tuple[str, int]] | None = None,
+                  merges: tuple[tuple[int, ...], ...] | None = None) -> list[NodeOption]:
     """``rides``: :func:`riders` of ``graph`` (the structure's, derived here when not
-    given)."""
+    given); ``merges``: each member's :func:`gradient_merges` (the structure's, with its
+    stage boundary; derived here without one when not given)."""
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
     rides = riders(graph) if rides is None else rides
     riding = frozenset(f for f in members[1:] if (f, 0) in rides)
+    if merges is None:
+        merges = tuple(gradient_merges(graph, m) for m in members)
     memo = None
     if cache is not None:  # by what an option depends on besides its base strategy
         memo = cache.base_options.setdefault((
             _cost_context(ctx), microbatches, input_reached, tuple(in_specs),
-            tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1,
-                   gradient_merges(graph, m)) for i, m in enumerate(members))), {})
+            tuple((*_op_content(graph[m]), members.index(graph[m].inputs[0]) if i else -1)
+                  for i, m in enumerate(members)), merges), {})
     for base in _kept_strategies(rep, node, in_specs, ctx, keep, cache, tied_table):
         made = None if memo is None else memo.get(base)
         if made is None:
             choices = [follower_inputs(graph[f], base.output, rep.output) for f in readers]
             made = [_node_option(graph, members, base, dict(zip(readers, picks, strict=True)),
-                                 ctx, microbatches, input_reached, riding)
+                                 ctx, microbatches, input_reached, riding, merges)
                     for picks in itertools.product(*choices)]
             if memo is not None:
                 memo[base] = made
@@ -400,12 +416,15 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
 
 def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
                  ctx: StrategyContext, microbatches: int, input_reached: bool,
-                 riding: frozenset[str] = frozenset()) -> NodeOption:
+                 riding: frozenset[str] = frozenset(),
+                 merges: tuple[tuple[int, ...], ...] | None = None) -> NodeOption:
     """One option: the base strategy, and each follower reading the base op's output in
     ``resolved_for[follower]`` (one of :func:`follower_inputs`). A follower in ``riding``
     reads a shared value whose program another follower of the node runs
     (:func:`~ilp_planner.lowering.shared_reads.riders`): its resolve is neither listed nor
-    priced again (the runtime converts the value once)."""
+    priced again (the runtime converts the value once). ``merges``: each member's
+    :func:`gradient_merges` (none where not given)."""
+    merges = merges or tuple(() for _ in members)
     rep = graph[members[0]]
     outputs = [base.output]
     inputs = [base.inputs]
@@ -419,11 +438,12 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
     syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
                                            base.output, ctx)
     update = update_seconds(base.update_params, ctx.memory, rep, ctx.cluster)
-    if not base.zero:  # state sharding's blocks are cast and accumulated otherwise
+    # not priced (master_weight_seconds): state-sharded blocks, SUMMA's gathered weights
+    if not base.zero and not is_summa(base.label):
         update += master_weight_seconds(rep, base.update_params, len(param_shapes(rep)),
                                         ctx.memory, microbatches, bool(syncs), ctx.cluster)
     comp = [base.compute_s + update / microbatches
-            + merge_seconds(graph, members[0], base.inputs, ctx.cluster)]
+            + merge_seconds(graph, members[0], merges[0], base.inputs, ctx.cluster)]
     fwd = [base.forward_compute_s]
     cost = _per_step(comp[0], own, microbatches)
     act = base.activation_bytes
@@ -438,7 +458,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         if resolved != raw and f not in riding:
             red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
             fc = red.forward + red.backward + fc
-        secs += merge_seconds(graph, f, (resolved,), ctx.cluster)
+        secs += merge_seconds(graph, f, merges[members.index(f)], (resolved,), ctx.cluster)
         outputs.append(out)
         inputs.append((resolved,))
         grads.append((resolved,))
@@ -698,8 +718,9 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     for node, mem in members.items():
         rep = graph[node]
         reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
-        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1)
-                      for i, m in enumerate(mem))  # which member each follower reads
+        # which member each follower reads; each member's gradient merges (its cost)
+        shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1,
+                       gradient_merges(graph, m, boundary)) for i, m in enumerate(mem))
         shapes[node] = shape
         tie = (ties.setdefault((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached),
                                len(ties)) if rep.tie_key else None)
@@ -828,7 +849,8 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
     # derived copies of an options list (recomputed; without state sharding) by (what, list
     # id, …); each entry keeps its source list alive so the id stays valid
     recomputed_lists: dict[tuple, tuple] = {} if cache is None else cache.recomputed
-    for node, mem, reached, _, tie in st.nodes:
+    for node, mem, reached, shape, tie in st.nodes:
+        merges = tuple(s[2] for s in shape)
         key = (tie, again.get(node)) if tie is not None else None
         if key is not None and key in tied:
             options[node] = tied[key]
@@ -837,15 +859,16 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
         table = keep is not None and node in st.tied_tables
         if cache is None:
             opts = _node_options(graph, node, mem, ctx, microbatches, reached, keep,
-                                 tied_table=table, rides=st.rides)
+                                 tied_table=table, rides=st.rides, merges=merges)
         else:
             content = (ctx, microbatches, reached, tuple(graph[i].output for i in rep.inputs),
-                       tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1,
-                              gradient_merges(graph, m)) for i, m in enumerate(mem)), keep, table)
+                       tuple((*_op_content(graph[m]), mem.index(graph[m].inputs[0]) if i else -1)
+                             for i, m in enumerate(mem)), merges, keep, table)
             opts = cache.options.get(content)
             if opts is None:
                 opts = cache.options[content] = _node_options(
-                    graph, node, mem, ctx, microbatches, reached, keep, cache, table, st.rides)
+                    graph, node, mem, ctx, microbatches, reached, keep, cache, table, st.rides,
+                    merges)
         if node in st.tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]

@@ -104,10 +104,10 @@ attention run as written (``attrs.unfused``) adds its scores' scale and mask.
 The runtime's own passes over the master weights (:func:`master_weight_seconds`: under
 mixed precision the compute copy cast once a step and each micro-batch's gradient cast back;
 gradients accumulated in place across micro-batches) are priced once a step, beside the
-update. The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of the local
-optimizer shard it reads the gradient and the optimizer state and writes the state and the
-compute copy of the weight (Adam under mixed precision: 4 + 12 read, 12 + 2 written = 30
-bytes). A cluster without a device (raw numbers, no ``cluster.compute``) keeps the flat
+update. The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of
+the local optimizer shard it reads the gradient and the optimizer state and writes the state
+(Adam under mixed precision: 4 + 12 read, 12 written = 28 bytes; the compute copy is the
+cast's). A cluster without a device (raw numbers, no ``cluster.compute``) keeps the flat
 model ``3 × FLOPs / (peak × efficiency)`` exactly (:func:`op_seconds`), with no update.
 """
 
@@ -439,12 +439,13 @@ def least_seconds(op: Op, cluster: Cluster) -> float:
 
 def update_bytes_per_param(memory: MemorySpec, mixed: bool) -> float:
     """Bytes one optimizer step moves per parameter of its shard: read the gradient and
-    the optimizer state, write the state back, and write the weights (read them too where
-    they are the master copy; under mixed precision the master sits in the state and the
-    half-precision weights are only written). Adam mixed: 4 + 12 + 12 + 2 = 30; Adam fp32:
+    the optimizer state, write the state back, and read and write the weights where they
+    are the master copy. Under mixed precision the float32 master sits in the state and the
+    runtime's fused Adam updates it alone: the half-precision copy is written by the next
+    step's cast (:func:`master_weight_seconds`). Adam mixed: 4 + 12 + 12 = 28; Adam fp32:
     4 + 8 + 8 + 4 + 4 = 28; SGD: 12."""
     w, g, o = memory.weight_bytes, memory.grad_bytes, memory.optimizer_bytes
-    return g + 2 * o + (w if mixed else 2 * w)
+    return g + 2 * o + (0 if mixed else 2 * w)
 
 
 MASTER_ITEMSIZE = 4  # the runtime's master weights and their gradients are float32
@@ -460,7 +461,9 @@ def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpe
     autograd's in-place accumulation into ``.grad`` (read it and the new gradient, write
     it) — every micro-batch where ``.grad`` is a slice of a synchronised flat buffer
     (:mod:`runtime.grad_sync`), every one after the first otherwise. One kernel per tensor
-    each. 0 on a flat cluster (it never priced them) or without parameters."""
+    each. 0 on a flat cluster (it never priced them) or without parameters. Not priced: a
+    SUMMA weight, which the runtime gathers as float32 and casts every micro-batch at its
+    gathered size, and state-sharded blocks (their gathers and buffers do it otherwise)."""
     if cluster.device is None or params <= 0:
         return 0.0
     spec = op.weight or op.output
