@@ -139,7 +139,7 @@ def measured_kernels_path(args: argparse.Namespace) -> Path:
 
 
 # The model whose one-device training step measures the runtime's host time a kernel
-# (runtime.measure_kernels.measure_dispatch): its kernels take microseconds, so the step's
+# (runtime.measure_dispatch): its kernels take microseconds, so the step's
 # time is the runtime's issuing them (Python, the dispatcher, autograd), not the device's
 DISPATCH_GPT = {"kind": "gpt", "hidden": 64, "layers": 2, "heads": 4, "seq_len": 16,
                 "vocab": 128, "batch": 8}

@@ -299,19 +299,17 @@ def _node_options(graph: Graph, node: str, members: list[str], ctx: StrategyCont
                   microbatches: int, input_reached: bool,
                   keep: StrategyFilter | None = None,
                   cache: BuildCache | None = None, tied_table: bool = False,
-                  rides: dict[tuple[str, int], tuple[str, int]] | None = None,
-                  merges: tuple[tuple[int, ...], ...] | None = None) -> list[NodeOption]:
+                  rides: dict[tuple[str, int], tuple[str, int]] | None = None, *,
+                  merges: tuple[tuple[int, ...], ...]) -> list[NodeOption]:
     """``rides``: :func:`riders` of ``graph`` (the structure's, derived here when not
     given); ``merges``: each member's :func:`gradient_merges` (the structure's, with its
-    stage boundary; derived here without one when not given)."""
+    stage boundary)."""
     rep = graph[node]
     in_specs = [graph[i].output for i in rep.inputs]
     opts: list[NodeOption] = []
     readers = [f for f in members[1:] if graph[f].inputs[0] == node]  # may see partial sums
     rides = riders(graph) if rides is None else rides
     riding = frozenset(f for f in members[1:] if (f, 0) in rides)
-    if merges is None:
-        merges = tuple(gradient_merges(graph, m) for m in members)
     memo = None
     if cache is not None:  # by what an option depends on besides its base strategy
         memo = cache.base_options.setdefault((
@@ -416,15 +414,13 @@ def _kept_strategies(op: Op, node: str, in_specs: list[TensorSpec], ctx: Strateg
 
 def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for: dict[str, Layout],
                  ctx: StrategyContext, microbatches: int, input_reached: bool,
-                 riding: frozenset[str] = frozenset(),
-                 merges: tuple[tuple[int, ...], ...] | None = None) -> NodeOption:
+                 riding: frozenset[str], merges: tuple[tuple[int, ...], ...]) -> NodeOption:
     """One option: the base strategy, and each follower reading the base op's output in
     ``resolved_for[follower]`` (one of :func:`follower_inputs`). A follower in ``riding``
     reads a shared value whose program another follower of the node runs
     (:func:`~ilp_planner.lowering.shared_reads.riders`): its resolve is neither listed nor
     priced again (the runtime converts the value once). ``merges``: each member's
-    :func:`gradient_merges` (none where not given)."""
-    merges = merges or tuple(() for _ in members)
+    :func:`gradient_merges`, from the structure."""
     rep = graph[members[0]]
     outputs = [base.output]
     inputs = [base.inputs]
@@ -868,7 +864,7 @@ def _options_per_node(graph: Graph, st: _Structure, ctx: StrategyContext, microb
             if opts is None:
                 opts = cache.options[content] = _node_options(
                     graph, node, mem, ctx, microbatches, reached, keep, cache, table, st.rides,
-                    merges)
+                    merges=merges)
         if node in st.tied_tables and any(o.base.zero for o in opts):
             opts = recomputed_lists.setdefault(("replicated", id(opts)), (opts, [
                 o for o in opts if not o.base.zero]))[1]
