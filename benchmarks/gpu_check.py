@@ -207,7 +207,9 @@ def calibrate_part(rep: Report, spec: DeviceSpec, dtype: str, work: Path) -> dic
              f"{section['memory_efficiency']:.3f} ({cal.bandwidth / 1e9:.0f} GB/s)"),
             ("kernel floor", f"{fit.kernel_floor_s * 1e6:.1f} µs", f"{cal.floor_s * 1e6:.1f} µs"),
             ("host time a kernel issued", f"{fit.dispatch_s * 1e6:.1f} µs (not modelled)",
-             "not measured" if cal.dispatch_s is None else f"{cal.dispatch_s * 1e6:.1f} µs")):
+             "not measured" if cal.dispatch_s is None else f"{cal.dispatch_s * 1e6:.1f} µs"),
+            ("host time a replayed kernel adds", f"{fit.replay_s * 1e6:.1f} µs (not modelled)",
+             "not measured" if cal.replay_s is None else f"{cal.replay_s * 1e6:.1f} µs")):
         rep.add("2 device", f"{item} ({name}, {dtype})", f"catalogue {cat}", got,
                 f"fit over {cal.rows} kernels, median relative error {cal.median_abs_rel:.1%}")
     return section

@@ -273,8 +273,10 @@ def _fake_measure(argv, stdout=None):
     """``runtime.measure`` as torchrun would run it: timings written where ``--output`` says,
     and the claim it prints; ``runtime.measure_dispatch`` (its own process) a host-time row."""
     target = argv[argv.index("--output") + 1]
-    if "runtime.measure_dispatch" in argv:
-        write_kernel_csv([KernelTiming("dispatch", 100, 0, 0, 0.0, 3e-3)], target)
+    if "runtime.measure_dispatch" in argv:  # the recomputed plan's step: 20 kernels more
+        again = "replay-plan" in argv[argv.index("--output") - 1]
+        write_kernel_csv([KernelTiming("dispatch", 120 if again else 100, 0, 0, 0.0,
+                                       4.6e-3 if again else 3e-3)], target)
         return 0
     write_timings_csv(synthetic_rows(noise=0.0), target)
     print(f"wrote timings to {target}", file=stdout)
@@ -294,7 +296,12 @@ def test_cli_measure_keeps_the_timings_it_says_it_wrote(tmp_path, capsys, monkey
     assert Path(claimed).parent == (Path("fits") if with_output else Path("."))
     # the kernels measured here and the host's time (its own process: 3 ms for 100 kernels)
     fragment = Path("fits/frag.yaml").read_text() if with_output else out.out
-    assert yaml.safe_load(fragment)["cluster"]["compute"]["dispatch_us"] == pytest.approx(30)
+    # and a replayed kernel's: (4.6 ms - 120 x 30 us) / 20 replayed = 50 us beyond dispatch
+    compute = yaml.safe_load(fragment)["cluster"]["compute"]
+    assert compute["dispatch_us"] == pytest.approx(30)
+    assert compute["replay_us"] == pytest.approx(50)
     kept = read_kernel_csv(Path(claimed).parent / "kernels.csv")
-    assert kept[-1] == KernelTiming("dispatch", 100, 0, 0, 0.0, 3e-3)
-    assert (Path(claimed).parent / "dispatch-plan.json").is_file()
+    assert kept[-2:] == [KernelTiming("dispatch", 100, 0, 0, 0.0, 3e-3),
+                         KernelTiming("replay", 120, 20, 0, 0.0, 4.6e-3)]
+    for name in ("dispatch-plan.json", "replay-plan.json"):
+        assert (Path(claimed).parent / name).is_file()

@@ -246,9 +246,9 @@ def test_recomputation_runs_the_forward_again_at_its_roofline_price() -> None:
     checked = 0
     for node in again.recomputed:
         for p, r in zip(plain.options[node], again.options[node], strict=True):
-            assert r.compute_s == pytest.approx([c + f for c, f in zip(p.compute_s, p.forward_s,
+            assert r.compute_s == pytest.approx([c + f for c, f in zip(p.compute_s, p.replay_s,
                                                                          strict=True)])
-            assert all(0 < f <= c for f, c in zip(p.forward_s, p.compute_s, strict=True) if c)
+            assert all(0 < f <= c for f, c in zip(p.replay_s, p.compute_s, strict=True) if c)
             checked += 1
     assert checked
 
@@ -273,7 +273,7 @@ def test_flat_cluster_prices_every_strategy_exactly_as_before() -> None:
                 want = 0.0 if op.kind is OpKind.FLATTEN else \
                     compute_time(3.0 * op.flops / split, cfg.cluster)
                 assert o.compute_s[pos] == want, (member, o.base.label)
-                assert o.forward_s[pos] == want / 3
+                assert o.replay_s[pos] == want / 3
     plan = ilp_planner.solve(cfg)
     assert plan.cost.compute_s == pytest.approx(sum(ly.compute_s for ly in plan.layers))
 
@@ -413,8 +413,8 @@ def test_rotary_positions_are_recomputed_and_named_by_explain() -> None:
     plain = build_problem(cfg.graph, cfg.cluster, 1, 1, cfg.memory)
     assert attn.name in again.recomputed
     for p, r in zip(plain.options[attn.name], again.options[attn.name], strict=True):
-        assert r.compute_s[0] - p.compute_s[0] == pytest.approx(p.forward_s[0])
-        assert p.forward_s[0] >= rope_fwd
+        assert r.compute_s[0] - p.compute_s[0] == pytest.approx(p.replay_s[0])
+        assert p.replay_s[0] >= rope_fwd
     text = explain(ilp_planner.solve(cfg, baselines=False), collectives=False)
     assert "rotary positions priced in 2 attention op(s)" in text and "NOT priced" not in text
     flat = explain(ilp_planner.solve({**_gpt(device=False), "model": llama}, baselines=False),

@@ -106,7 +106,7 @@ def test_priced_by_its_bytes_on_the_local_block():
         split = s.output.split_degree(0) * s.output.split_degree(1)
         fwd = 4 * n / split / HBM + FLOOR
         bwd = 6 * n / split / HBM + 2 * FLOOR
-        assert s.forward_compute_s == pytest.approx(fwd, rel=1e-12)
+        assert s.replay_compute_s == pytest.approx(fwd, rel=1e-12)
         assert s.compute_s == pytest.approx(fwd + bwd, rel=1e-12)
 
 

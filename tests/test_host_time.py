@@ -1,7 +1,8 @@
-"""The kernels the runtime issues, priced: the host's time issuing them (``dispatch_s``), the
-passes over the master weights, gradient merges and a linear's bias gradient — each against a
-hand-computed case — and the kernels one training step of the executor dispatches against
-the kernels its plan prices (counted at dispatch, on one process)."""
+"""The kernels the runtime issues, priced: the host's time issuing them (``dispatch_s``) and
+replaying them under recomputation (``replay_s``), the passes over the master weights,
+gradient merges and a linear's bias gradient — each against a hand-computed case — and the
+kernels one training step of the executor dispatches against the kernels its plan prices
+(counted at dispatch, on one process)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ HBM = 2e12
 HOST = 30e-6
 
 
-def _device(dispatch_s: float = HOST) -> DeviceSpec:
+def _device(dispatch_s: float = HOST, replay_s: float = 0.0) -> DeviceSpec:
     return DeviceSpec("t", 80 * 2**30, {"bfloat16": 300e12, "float32": 20e12}, HBM, (),
-                      ComputeFit(0.8, 128.0, 1.0, 5e-6, "flash", dispatch_s))
+                      ComputeFit(0.8, 128.0, 1.0, 5e-6, "flash", dispatch_s, replay_s))
 
 
 def _cluster(device: DeviceSpec | None) -> Cluster:
@@ -68,6 +69,18 @@ def test_a_phase_takes_the_longer_of_its_device_time_and_its_kernels_host_time()
     assert bound_by(big, _device(), "bfloat16") == "memory"
     # not modelled (every catalogue entry): the device's time alone
     assert phase_seconds(small, _device(0.0), "bfloat16") == pytest.approx(1e6 / HBM + 15e-6)
+
+
+def test_a_replayed_forward_costs_the_host_its_checkpoint_bookkeeping_too() -> None:
+    """A forward that recomputation replays: each kernel ``dispatch + replay`` of host time
+    where that binds; a long kernel's device time hides it as it hides the dispatch."""
+    small, big = PhaseWork(0.0, 1e6, 3), PhaseWork(0.0, 1e9, 1)
+    dev = _device(HOST, 50e-6)
+    assert phase_seconds(small, dev, "bfloat16", replayed=True) == \
+        pytest.approx(3 * (HOST + 50e-6), rel=1e-12)
+    assert phase_seconds(small, dev, "bfloat16") == pytest.approx(3 * HOST, rel=1e-12)
+    assert phase_seconds(big, dev, "bfloat16", replayed=True) == \
+        pytest.approx(1e9 / HBM + 5e-6, rel=1e-12)
 
 
 def test_a_linear_with_a_bias_sums_its_output_gradient_in_a_kernel_of_its_own() -> None:
@@ -167,27 +180,52 @@ def test_dispatch_rows_fit_the_host_time_and_round_trip(tmp_path) -> None:
         KernelTiming("dispatch", 0, 0, 0, 0.0, 1.0)
 
 
-def test_dispatch_us_is_read_from_the_compute_section() -> None:
+def test_replay_rows_fit_a_replayed_kernels_host_time_beyond_its_dispatch() -> None:
+    """``replay`` rows: the recomputed step's ``m`` kernels at the dispatch rows' h, and its
+    ``n`` replayed ones r more each — r the median of ``(t − m·h) / n``, at least 0."""
+    streams = [KernelTiming("stream", 0, 0, 0, b, b / 1e11 + 4e-6) for b in (1e4, 1e6, 1e8)]
+    matmuls = [KernelTiming("matmul", s, s, s, 3 * s * s * 2.0,
+                            2 * s**3 / (1e13 * (s / (s + 64)) ** 3) + 4e-6) for s in (256, 1024)]
+    steps = [KernelTiming("dispatch", 100, 0, 0, 0.0, 100 * 25e-6)]
+    replays = [KernelTiming("replay", m, n, 0, 0.0, m * 25e-6 + n * r)
+               for m, n, r in ((120, 20, 150e-6), (160, 60, 140e-6), (130, 30, 170e-6))]
+    cal = fit_compute(streams + matmuls + steps + replays)
+    assert cal.replay_s == pytest.approx(150e-6)
+    assert compute_section(cal)["replay_us"] == pytest.approx(150.0)
+    assert all(cal.predict(r) == pytest.approx(r.seconds) for r in replays[:1])
+    # noise larger than the bookkeeping: 0, not a negative host time
+    fast = [KernelTiming("replay", 120, 20, 0, 0.0, 120 * 24e-6)]
+    assert fit_compute(streams + matmuls + steps + fast).replay_s == 0.0
+    with pytest.raises(ConfigError, match="replay timings need dispatch timings"):
+        fit_compute(streams + matmuls + replays)
+    with pytest.raises(ValueError, match="kernels recomputation replayed"):
+        KernelTiming("replay", 100, 101, 0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("key", ["dispatch_us", "replay_us"])
+def test_host_times_are_read_from_the_compute_section(key: str) -> None:
     doc = {"model": {"kind": "mlp", "dims": [8, 8], "batch": 4},
            "cluster": {"gpu": "h100-sxm", "nodes": 1, "devices_per_node": 1, "intra": "nvlink4",
                        "inter": "ib-ndr400",
-                       "compute": {"dispatch_us": 30}}}
-    assert parse_config(doc).cluster.device.fit.dispatch_s == pytest.approx(30e-6)
-    doc["cluster"]["compute"]["dispatch_us"] = -1
-    with pytest.raises(ConfigError, match="cluster.compute.dispatch_us"):
+                       "compute": {key: 30}}}
+    fit = parse_config(doc).cluster.device.fit
+    assert getattr(fit, key.replace("_us", "_s")) == pytest.approx(30e-6)
+    doc["cluster"]["compute"][key] = -1
+    with pytest.raises(ConfigError, match=f"cluster.compute.{key}"):
         parse_config(doc)
 
 
 def _priced_and_dispatched(config: str, layers: int, microbatches: int,
-                           recompute: str) -> tuple[int, int]:
+                           recompute: str, replay_us: float = 0.0) -> tuple[int, int]:
     """(kernels the plan prices, kernels the executor's step dispatches) of ``config`` on one
     device: with a second of host time a kernel and a device too fast to matter, the
-    predicted step's seconds are its kernels."""
+    predicted step's seconds are its kernels (``replay_us`` = 1e6: a replayed kernel counts
+    twice)."""
     cfg = load_config(CONFIGS / config).with_overrides({
         "model.layers": layers, "cluster.nodes": 1, "cluster.devices_per_node": 1,
         "pipeline.microbatches": microbatches, "solver.recompute": recompute,
         "cluster.compute": {"hbm_gbps": 1e9, "peak_tflops": 1e6, "kernel_floor_us": 0,
-                            "dispatch_us": 1e6}})
+                            "dispatch_us": 1e6, "replay_us": replay_us}})
     plan = solve(cfg, baselines=False)
     priced = step_seconds(plan)
     assert priced == pytest.approx(round(priced), abs=1e-6)
@@ -217,6 +255,19 @@ def test_a_block_prices_the_kernels_the_executor_dispatches(config: str, microba
     assert (p3 - p2) - (d3 - d2) == 2 * microbatches, (p2, d2, p3, d3)
     assert d3 - d2 > 25 * microbatches  # a block issues dozens (casts under bf16: 24 more)
     assert math.isclose(p3, d3, rel_tol=0.2), (p3, d3)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_replay_is_priced_on_the_kernels_recomputation_dispatches_again(
+        microbatches: int) -> None:
+    """With a second of host time a replayed kernel beyond its dispatch, a recomputed step
+    is priced the kernels recomputation replays more — exactly the kernels the executor's
+    recomputed step dispatches beyond its plain twin's (counted at dispatch)."""
+    _, plain = _priced_and_dispatched("tiny-gpt-cpu.yaml", 2, microbatches, "never")
+    priced, again = _priced_and_dispatched("tiny-gpt-cpu.yaml", 2, microbatches, "always")
+    booked, same = _priced_and_dispatched("tiny-gpt-cpu.yaml", 2, microbatches, "always", 1e6)
+    assert same == again > plain
+    assert booked - priced == again - plain
 
 
 def test_the_host_time_decides_between_plans_when_kernels_are_small() -> None:

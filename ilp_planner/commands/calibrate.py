@@ -149,28 +149,38 @@ _ONE_DEVICE = {"name": "one-device", "nodes": 1, "devices_per_node": 1, "memory_
                          "inter": {"latency_us": 10, "bandwidth_gbps": 10}}}
 
 
-def dispatch_plan(dtype: str) -> Plan:
+def dispatch_plan(dtype: str, recompute: str = "never") -> Plan:
     """The one-device plan of :data:`DISPATCH_GPT` in ``dtype`` whose step
-    ``calibrate --measure`` times for the host's time a kernel."""
-    return solve({"model": {**DISPATCH_GPT, "dtype": dtype}, "cluster": _ONE_DEVICE},
-                 baselines=False)
+    ``calibrate --measure`` times for the host's time a kernel (``recompute``: ``always``,
+    every block recomputed, for a replayed kernel's)."""
+    return solve({"model": {**DISPATCH_GPT, "dtype": dtype}, "cluster": _ONE_DEVICE,
+                  "solver": {"recompute": recompute}}, baselines=False)
 
 
 def measure_host_time(kernels_csv: Path, dtype: str) -> list[KernelTiming]:
     """The runtime's host time a kernel (:mod:`runtime.measure_dispatch`) on
-    :func:`dispatch_plan`'s plan, kept beside the kernels' CSV as ``dispatch-plan.json``: in a
-    process of its own, as a training rank runs — it loads the executor, and a process that
-    solved holds the build caches, whose garbage collections would be timed with it."""
-    plan_path = kernels_csv.parent / "dispatch-plan.json"
-    dispatch_plan(dtype).save(plan_path)
-    row_csv = kernels_csv.parent / "dispatch.csv"
-    rc = subprocess.call([sys.executable, "-m", "runtime.measure_dispatch", str(plan_path),
-                          "--output", str(row_csv)], stdout=sys.stderr)
-    if rc != 0:
-        raise ConfigError(f"measuring the runtime's host time failed (exit status {rc})")
-    rows = read_kernel_csv(row_csv)
-    row_csv.unlink()
-    return rows
+    :func:`dispatch_plan`'s plan — a ``dispatch`` row — and on its twin recomputing every
+    block — a ``replay`` row, its replayed kernels those its step issues beyond the
+    plain one's. Each plan is kept beside the kernels' CSV (``dispatch-plan.json``,
+    ``replay-plan.json``) and timed in a process of its own, as a training rank runs: it
+    loads the executor, and a process that solved holds the build caches, whose garbage
+    collections would be timed with it."""
+    steps = {}
+    for recompute, name in (("never", "dispatch"), ("always", "replay")):
+        plan_path = kernels_csv.parent / f"{name}-plan.json"
+        dispatch_plan(dtype, recompute).save(plan_path)
+        row_csv = kernels_csv.parent / f"{name}.csv"
+        rc = subprocess.call([sys.executable, "-m", "runtime.measure_dispatch", str(plan_path),
+                              "--output", str(row_csv)], stdout=sys.stderr)
+        if rc != 0:
+            raise ConfigError(f"measuring the runtime's host time failed (exit status {rc})")
+        (steps[name],) = read_kernel_csv(row_csv)
+        row_csv.unlink()
+    plain, again = steps["dispatch"], steps["replay"]
+    if again.m <= plain.m:
+        raise ConfigError(f"the recomputed step issued {again.m} kernels, the plain one "
+                          f"{plain.m}: no replayed kernel to time")
+    return [plain, KernelTiming("replay", again.m, again.m - plain.m, 0, 0.0, again.seconds)]
 
 
 def _load_kernels(args: argparse.Namespace) -> list[KernelTiming] | None:

@@ -9,7 +9,12 @@ Two kinds of timed kernel, each one launch, and the runtime's host time:
 * ``dispatch`` — one training step of the runtime on a model too small for the device to
   matter, ``m`` kernels issued (counted at dispatch): ``t = m · h``, h the host's seconds a
   kernel (``ComputeFit.dispatch_s``), their median ratio. Without such rows h is not
-  measured and the fragment leaves it out.
+  measured and the fragment leaves it out;
+* ``replay`` — the same step with every block recomputed, ``m`` kernels issued of which
+  ``n`` a recomputation replays: ``t = m · h + n · r``, r each replayed kernel's host time
+  beyond its dispatch (``ComputeFit.replay_s``: ``torch.utils.checkpoint``'s bookkeeping),
+  the median of ``(t − m · h) / n`` (at least 0: the two steps' noise can exceed it). It
+  needs the dispatch rows' h.
 
 Unknowns: the achieved matmul asymptote T (FLOP/s), the size scale d½, the achieved
 bandwidth W (bytes/s) and the kernel floor f (s). The stream rows alone fix W and f by
@@ -40,7 +45,8 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.lowering.compute_model import size_factor
 
 KERNEL_COLUMNS = ("kernel", "m", "n", "k", "bytes", "seconds")
-KERNEL_KINDS = ("matmul", "stream", "dispatch")
+KERNEL_KINDS = ("matmul", "stream", "dispatch", "replay")
+_STEPS = ("dispatch", "replay")  # a runtime step's rows: kernels issued, no bytes
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -48,7 +54,8 @@ _GOLDEN = (math.sqrt(5) - 1) / 2
 class KernelTiming:
     """One timed kernel: ``seconds`` for a ``matmul`` of sizes (m, n, k) or a ``stream``
     (m = n = k = 0) moving ``bytes``; or a runtime step issuing ``m`` kernels
-    (``dispatch``, n = k = bytes = 0)."""
+    (``dispatch``, n = k = bytes = 0; ``replay``: ``n`` of them replayed by recomputation,
+    k = bytes = 0)."""
 
     kernel: str
     m: int
@@ -62,10 +69,13 @@ class KernelTiming:
             raise ValueError(f"kernel: expected one of {list(KERNEL_KINDS)}, got {self.kernel!r}")
         if self.kernel == "matmul" and min(self.m, self.n, self.k) < 1:
             raise ValueError(f"m, n, k: a matmul needs positive sizes, got {self.m, self.n, self.k}")
-        if self.kernel == "dispatch" and self.m < 1:
-            raise ValueError(f"m: a dispatch row needs the kernels its step issued (>= 1), "
+        if self.kernel in _STEPS and self.m < 1:
+            raise ValueError(f"m: a {self.kernel} row needs the kernels its step issued (>= 1), "
                              f"got {self.m}")
-        if not (math.isfinite(self.bytes) and (self.bytes > 0 or self.kernel == "dispatch"
+        if self.kernel == "replay" and not 1 <= self.n <= self.m:
+            raise ValueError(f"n: a replay row needs the kernels recomputation replayed "
+                             f"(1 to m = {self.m}), got {self.n}")
+        if not (math.isfinite(self.bytes) and (self.bytes > 0 or self.kernel in _STEPS
                                                 and self.bytes == 0)):
             raise ValueError(f"bytes: expected a finite number > 0, got {self.bytes}")
         if not (math.isfinite(self.seconds) and self.seconds > 0):
@@ -89,11 +99,14 @@ class ComputeCalibration:
     max_abs_rel: float
     floor_clamped: bool = False
     dispatch_s: float | None = None  # h, host seconds a kernel (None: not measured)
+    replay_s: float | None = None  # r, host seconds a replayed kernel beyond h
 
     def predict(self, row: KernelTiming) -> float:
         """The model's seconds for ``row``."""
         if row.kernel == "dispatch":
             return row.m * (self.dispatch_s or 0.0)
+        if row.kernel == "replay":
+            return row.m * (self.dispatch_s or 0.0) + row.n * (self.replay_s or 0.0)
         mem = row.bytes / self.bandwidth
         if row.kernel == "stream":
             return mem + self.floor_s
@@ -164,6 +177,12 @@ def fit_compute(rows: Iterable[KernelTiming]) -> ComputeCalibration:
     matmul = [r for r in rows if r.kernel == "matmul"]
     steps = [r.seconds / r.m for r in rows if r.kernel == "dispatch"]
     dispatch_s = float(np.median(steps)) if steps else None
+    replays = [r for r in rows if r.kernel == "replay"]
+    if replays and dispatch_s is None:
+        raise ConfigError("replay timings need dispatch timings: a replayed kernel's host time "
+                          "is what the recomputed step takes beyond its kernels' dispatch")
+    replay_s = max(0.0, float(np.median([(r.seconds - r.m * dispatch_s) / r.n
+                                         for r in replays]))) if replays else None
     if len({(r.m, r.n, r.k) for r in matmul}) < 2:
         raise ConfigError("matmul timings: need at least two shapes to fit the size curve")
     bandwidth, floor_s, clamped = _fit_stream(stream)
@@ -173,7 +192,7 @@ def fit_compute(rows: Iterable[KernelTiming]) -> ComputeCalibration:
         raise ConfigError("matmul timings do not determine a throughput (all within the "
                           "kernel floor)")
     cal = ComputeCalibration(peak, half_dim, bandwidth, floor_s, len(rows), 0.0, 0.0, clamped,
-                             dispatch_s)
+                             dispatch_s, replay_s)
     rel = np.array([abs(cal.predict(r) - r.seconds) / r.seconds for r in rows])
     return dataclasses.replace(cal, median_abs_rel=float(np.median(rel)),
                                max_abs_rel=float(rel.max()))
@@ -197,6 +216,8 @@ def compute_section(cal: ComputeCalibration, peak_tflops: float | None = None,
                "kernel_floor_us": cal.floor_s * 1e6}
     if cal.dispatch_s is not None:
         section["dispatch_us"] = cal.dispatch_s * 1e6
+    if cal.replay_s is not None:
+        section["replay_us"] = cal.replay_s * 1e6
     return section
 
 
@@ -209,6 +230,8 @@ def compute_report(cal: ComputeCalibration) -> str:
             f"{cal.floor_s * 1e6:.3g} us"
             + ("" if cal.dispatch_s is None else
                f", host {cal.dispatch_s * 1e6:.3g} us a kernel issued")
+            + ("" if cal.replay_s is None else
+               f" and {cal.replay_s * 1e6:.3g} us more a kernel replayed")
             + f" ({cal.rows} kernels, |rel| median "
             f"{cal.median_abs_rel:.2%}, max {cal.max_abs_rel:.2%}){note}")
 

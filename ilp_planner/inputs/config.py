@@ -592,7 +592,8 @@ def _with_compute(r: Reader, value: Any, cluster: Cluster) -> Cluster:
                      got.get("memory_efficiency", fit.memory_efficiency),
                      got["kernel_floor_us"] * 1e-6 if "kernel_floor_us" in got
                      else fit.kernel_floor_s, got.get("attention", fit.attention),
-                     got["dispatch_us"] * 1e-6 if "dispatch_us" in got else fit.dispatch_s)
+                     got["dispatch_us"] * 1e-6 if "dispatch_us" in got else fit.dispatch_s,
+                     got["replay_us"] * 1e-6 if "replay_us" in got else fit.replay_s)
     peak = got.get("peak_tflops", cluster.peak_flops / 1e12 if base is None else None)
     peaks = ({dt: peak * 1e12 for dt in ("float32", "float16", "bfloat16")} if peak is not None
              else base.peak_flops)
@@ -613,7 +614,8 @@ def compute_mapping(device: DeviceSpec) -> dict[str, float | str]:
             "memory_efficiency": device.fit.memory_efficiency,
             "kernel_floor_us": device.fit.kernel_floor_s * 1e6,
             "attention": device.fit.attention,
-            "dispatch_us": device.fit.dispatch_s * 1e6}
+            "dispatch_us": device.fit.dispatch_s * 1e6,
+            "replay_us": device.fit.replay_s * 1e6}
 
 
 def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:

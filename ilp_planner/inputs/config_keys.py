@@ -231,6 +231,12 @@ SECTIONS: dict[str, dict[str, Key]] = {
                            None, nonneg=True, at_most=PHYSICAL_MAX,
                            default_text=f"the device's, else {_FIT.dispatch_s * 1e6:g} (not "
                                         f"modelled)"),
+        "replay_us": Key("number", "µs of host time each kernel a recomputation replays costs "
+                                   "beyond its dispatch (torch.utils.checkpoint's saved-tensor "
+                                   "hooks and replay; calibrate --measure measures it)",
+                         None, nonneg=True, at_most=PHYSICAL_MAX,
+                         default_text=f"the device's, else {_FIT.replay_s * 1e6:g} (not "
+                                      f"modelled)"),
         "attention": Key("choice", "attention's kernels: one fused flash kernel, or unfused "
                                    "(matmuls, softmax and a dropout where it drops, over the s × s "
                                    "scores)",

@@ -72,11 +72,11 @@ from ilp_planner.lowering.strategies import (
     follow,
     follower_held_bytes,
     follower_inputs,
-    forward_seconds,
     grad_sync,
     is_summa,
     op_strategies,
     param_shapes,
+    replay_seconds,
     tie_transposes,
     tied_exchange_seconds,
     tied_source,
@@ -123,8 +123,8 @@ class NodeOption:
     recompute: bool = False  # activations dropped after forward, recomputed in backward
     recompute_bytes: float = 0.0  # those activations, re-materialised in the block's backward
     transient_bytes: float = 0.0  # held while the node runs (state sharding)
-    # per op, the forward's share of ``compute_s`` (what a recomputation runs again)
-    forward_s: list[float] = field(default_factory=list)
+    # per op, what a recomputation runs again (:attr:`Strategy.replay_s`)
+    replay_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -440,7 +440,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                                         ctx.memory, microbatches, bool(syncs), ctx.cluster)
     comp = [base.compute_s + update / microbatches
             + merge_seconds(graph, members[0], merges[0], base.inputs, ctx.cluster)]
-    fwd = [base.forward_compute_s]
+    replay = [base.replay_compute_s]
     cost = _per_step(comp[0], own, microbatches)
     act = base.activation_bytes
     for f in members[1:]:
@@ -460,7 +460,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         grads.append((resolved,))
         colls.append(fc)
         comp.append(secs)
-        fwd.append(forward_seconds(op, tensor, resolved, ctx))
+        replay.append(replay_seconds(op, tensor, resolved, ctx))
         cost += _per_step(secs, fc, microbatches)
         act += follower_held_bytes(op, tensor, resolved, out)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,
@@ -468,14 +468,15 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                       transient_bytes=base.transient_bytes if input_reached else
                       # no input gradient: no backward gather held beside the full gradient
                       max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes),
-                      forward_s=fwd)
+                      replay_s=replay)
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
     """``opt`` with activation recomputation (:func:`torch.utils.checkpoint` over the
     node's block): its forward compute and forward activation collectives run again in the
-    backward (listed again in phase ``recompute``; its forward compute is ``forward_s``, a
-    third of the op's compute under the flat model), and its outputs are not held between
+    backward (listed again in phase ``recompute``; its forward compute is ``replay_s``, a
+    third of the op's compute under the flat model, with checkpoint's host time where
+    measured), and its outputs are not held between
     forward and backward. They are re-materialised while the block's backward runs, one
     block at a time: the memory row charges ``activation / copies`` (``copies`` = the
     blocks of this family), exact when the blocks are tied (the copies sum to one block),
@@ -496,13 +497,13 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
                    if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
              for cs in kept]
     extra = [list(cs[len(orig):]) for cs, orig in zip(colls, kept, strict=True)]
-    again = (sum(opt.forward_s) + sum(c.seconds for cs in extra for c in cs)
+    again = (sum(opt.replay_s) + sum(c.seconds for cs in extra for c in cs)
              - sum(c.seconds for c in dropped))
     reused = opt.base.regathered_bytes if dropped else 0.0  # the recomputation's gather
     rematerialised = opt.activation_bytes + reused
     charged = rematerialised / copies
     return dataclasses.replace(
-        opt, collectives=colls, compute_s=[c + f for c, f in zip(opt.compute_s, opt.forward_s,
+        opt, collectives=colls, compute_s=[c + f for c, f in zip(opt.compute_s, opt.replay_s,
                                                                  strict=True)],
         cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,
         activation_bytes=charged, recompute=True, recompute_bytes=rematerialised,

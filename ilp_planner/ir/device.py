@@ -39,6 +39,12 @@ class ComputeFit:
       ahead of the device, so a phase takes the longer of its device time and its kernels'
       host time. 0 (every catalogue entry): not modelled — the host is no part of a GPU's
       datasheet; ``calibrate --measure`` measures the runtime's own on its machine;
+    * ``replay_s`` — host seconds each kernel a recomputation replays costs beyond its
+      dispatch: ``torch.utils.checkpoint``'s bookkeeping (a saved-tensor hook packing and
+      unpacking each tensor the region saves, the region's set-up and replay). Charged per
+      replayed kernel on the replay's host time; checkpoint's cost has a per-region part
+      too, which this spreads over the region's kernels — exact for regions the size of
+      the calibrating GPT's blocks. 0 (every catalogue entry): not modelled;
 
     and one choice of the software stack, not fitted: ``attention`` runs as one fused
     ``flash`` kernel (FlashAttention, PyTorch's SDPA) or ``unfused`` (batched matmuls, a
@@ -52,6 +58,7 @@ class ComputeFit:
     kernel_floor_s: float = 5e-6
     attention: str = "flash"
     dispatch_s: float = 0.0
+    replay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.matmul_efficiency <= 1 or not 0 < self.memory_efficiency <= 1:
@@ -60,10 +67,10 @@ class ComputeFit:
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(f"attention kernel must be one of {list(ATTENTION_KERNELS)}, "
                               f"got {self.attention!r}")
-        if self.matmul_half_dim < 0 or self.kernel_floor_s < 0 or self.dispatch_s < 0:
-            raise ConfigError("matmul_half_dim, kernel_floor_s and dispatch_s must be >= 0, got "
-                              f"{self.matmul_half_dim}, {self.kernel_floor_s} and "
-                              f"{self.dispatch_s}")
+        if min(self.matmul_half_dim, self.kernel_floor_s, self.dispatch_s, self.replay_s) < 0:
+            raise ConfigError("matmul_half_dim, kernel_floor_s, dispatch_s and replay_s must be "
+                              f">= 0, got {self.matmul_half_dim}, {self.kernel_floor_s}, "
+                              f"{self.dispatch_s} and {self.replay_s}")
 
 
 @dataclass(frozen=True)

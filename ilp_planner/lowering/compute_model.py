@@ -10,6 +10,9 @@ or, where longer, ``kernels · dispatch`` — the host's time issuing the phase'
 host and waits where its kernels are shorter). Taken per op and phase, this prices an
 eager step as the sum of each op's longer side; the host's lead over a long matmul that
 later short kernels use up is not credited (an upper bound where both sides alternate).
+A forward that activation recomputation replays costs the host ``kernels · (dispatch +
+replay)`` (``ComputeFit.replay_s``: ``torch.utils.checkpoint``'s bookkeeping a replayed
+kernel; :func:`op_replay_seconds`).
 
 with the device's fitted parameters (:class:`~ilp_planner.ir.device.ComputeFit`). The
 matmul efficiency falls for small and skinny local shapes::
@@ -177,13 +180,15 @@ def phase_terms(work: PhaseWork, device: DeviceSpec, dtype: str
     return (flops_s, work.bytes / rate, stream_s, work.kernels * device.fit.kernel_floor_s)
 
 
-def phase_seconds(work: PhaseWork, device: DeviceSpec, dtype: str) -> float:
+def phase_seconds(work: PhaseWork, device: DeviceSpec, dtype: str,
+                  replayed: bool = False) -> float:
     """The roofline of one phase: the larger of its FLOPs and bytes times, plus its
     separate streaming kernels and its floors — or, where longer, the host's time issuing
-    its kernels (``kernels × dispatch_s``: the device waits for the host)."""
+    its kernels (``kernels × dispatch_s``: the device waits for the host; ``replayed``: the
+    phase is a forward a recomputation runs again, each kernel also ``replay_s``)."""
     flops_s, bytes_s, stream_s, floor_s = phase_terms(work, device, dtype)
-    return max(max(flops_s, bytes_s) + stream_s + floor_s,
-               work.kernels * device.fit.dispatch_s)
+    host = device.fit.dispatch_s + (device.fit.replay_s if replayed else 0.0)
+    return max(max(flops_s, bytes_s) + stream_s + floor_s, work.kernels * host)
 
 
 def bound_by(work: PhaseWork, device: DeviceSpec, dtype: str) -> str:
@@ -408,6 +413,18 @@ def op_times(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = No
     dtype = (read or op.output).dtype
     fwd, bwd = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
     return phase_seconds(fwd, cluster.device, dtype), phase_seconds(bwd, cluster.device, dtype)
+
+
+def op_replay_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,
+                      read: TensorSpec | None = None) -> float:
+    """Seconds ``op``'s forward takes again when activation recomputation replays it
+    (:func:`op_times`' forward, its host time with ``ComputeFit.replay_s`` a kernel)."""
+    if cluster.device is None:  # the flat model's third, as :func:`op_times`
+        return compute_time(3.0 * op.flops / split, cluster) / 3
+    if not cluster.device.fit.replay_s:
+        return op_times(op, split, cluster, gemm, read)[0]
+    fwd, _ = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
+    return phase_seconds(fwd, cluster.device, (read or op.output).dtype, replayed=True)
 
 
 def op_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,

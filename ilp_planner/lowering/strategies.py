@@ -49,7 +49,12 @@ from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, fact_str, mesh_factorisations
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec, opaque_param_sizes, position_tables
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
-from ilp_planner.lowering.compute_model import LOSS_ITEMSIZE, GemmShape, op_times
+from ilp_planner.lowering.compute_model import (
+    LOSS_ITEMSIZE,
+    GemmShape,
+    op_replay_seconds,
+    op_times,
+)
 from ilp_planner.lowering.cost_model import (
     Collective,
     CollectiveKind,
@@ -100,9 +105,10 @@ class Strategy:
     # (:func:`ilp_planner.intra_op.problem.recomputed`)
     gathered_bytes: float = 0.0
     regathered_bytes: float = 0.0
-    # the forward's share of ``compute_s`` (what a recomputation runs again); None: a third
+    # what a recomputation runs again: the forward (its share of ``compute_s``) with the
+    # replay's host time (``ComputeFit.replay_s``); None: a third of ``compute_s``
     # (backward = 2 × forward FLOPs), the flat model's split
-    forward_s: float | None = None
+    replay_s: float | None = None
     # parameters of the local optimizer-state shard: what one optimizer step updates
     update_params: float = 0.0
 
@@ -115,8 +121,8 @@ class Strategy:
         return h
 
     @property
-    def forward_compute_s(self) -> float:
-        return self.compute_s / 3 if self.forward_s is None else self.forward_s
+    def replay_compute_s(self) -> float:
+        return self.compute_s / 3 if self.replay_s is None else self.replay_s
 
     @property
     def grads_of_inputs(self) -> tuple[Layout, ...]:
@@ -183,12 +189,14 @@ def _compute(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None 
 
 def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None = None,
             read: TensorSpec | None = None) -> dict[str, float]:
-    """:class:`Strategy` keywords ``compute_s`` (:func:`_compute`) and ``forward_s``."""
+    """:class:`Strategy` keywords ``compute_s`` (:func:`_compute`) and ``replay_s``."""
     if ctx.cluster.device is None:  # bit for bit the flat model's price
         total = compute_time(3.0 * op.flops / split, ctx.cluster)
-        return {"compute_s": total, "forward_s": total / 3}
+        return {"compute_s": total, "replay_s": total / 3}
     fwd, bwd = op_times(op, split, ctx.cluster, gemm, read)
-    return {"compute_s": fwd + bwd, "forward_s": fwd}
+    replay = op_replay_seconds(op, split, ctx.cluster, gemm, read) \
+        if ctx.cluster.device.fit.replay_s else fwd
+    return {"compute_s": fwd + bwd, "replay_s": replay}
 
 
 def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
@@ -217,14 +225,14 @@ def _gemm_priced(op: Op, weight: TensorSpec, fact: Factorisation, ctx: StrategyC
     return _priced(op, split, ctx, gemm)
 
 
-def forward_seconds(op: Op, in_tensor: TensorSpec, in_layout: Layout,
-                    ctx: StrategyContext) -> float:
-    """The forward share of a follower's compute (:func:`follow`'s third value)."""
+def replay_seconds(op: Op, in_tensor: TensorSpec, in_layout: Layout,
+                   ctx: StrategyContext) -> float:
+    """What a recomputation of a follower runs again (:attr:`Strategy.replay_s`)."""
     split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
     if op.kind in (OpKind.FLATTEN, OpKind.PART):
         return 0.0
     read = in_tensor if op.kind is OpKind.LOSS else None
-    return _priced(op, split, ctx, read=read)["forward_s"]
+    return _priced(op, split, ctx, read=read)["replay_s"]
 
 
 def coll(kind: CollectiveKind, fact: Factorisation, axes: tuple[int, ...], nbytes: float,
