@@ -51,6 +51,8 @@ from ilp_planner.lowering.compute_model import (
     PhaseWork,
     master_weight_seconds,
     phase_seconds,
+    shard_cast_seconds,
+    state_shard_seconds,
     update_seconds,
 )
 from ilp_planner.lowering.cost_model import (
@@ -73,6 +75,7 @@ from ilp_planner.lowering.strategies import (
     follower_held_bytes,
     follower_inputs,
     grad_sync,
+    input_grad_roles,
     is_summa,
     op_strategies,
     param_shapes,
@@ -125,6 +128,9 @@ class NodeOption:
     transient_bytes: float = 0.0  # held while the node runs (state sharding)
     # per op, what a recomputation runs again (:attr:`Strategy.replay_s`)
     replay_s: list[float] = field(default_factory=list)
+    # ZeRO-3, per micro-batch: the casts of the shards whose backward gathers nothing, which
+    # a recomputation gathers again (:func:`~ilp_planner.lowering.compute_model.shard_cast_seconds`)
+    unread_cast_s: float = 0.0
 
 
 @dataclass
@@ -431,11 +437,19 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
     colls = [own]
     # the optimizer step, once per step: spread over the micro-batches' compute, so that
     # the step counts it once (0 under the flat model, which never priced it)
-    syncs = () if base.zero else grad_sync(rep, base.label, base.inputs, base.weight,
-                                           base.output, ctx)
+    buckets = grad_sync(rep, base.label, base.inputs, base.weight, base.output, ctx)
+    syncs = () if base.zero else buckets
     update = update_seconds(base.update_params, ctx.memory, rep, ctx.cluster)
-    # not priced (master_weight_seconds): state-sharded blocks, SUMMA's gathered weights
-    if not base.zero and not is_summa(base.label):
+    unread_cast = 0.0  # ZeRO-3 buckets the backward does not gather: a recomputation does
+    if base.zero:  # the sharded buckets' passes (their gathers' casts, flat gradients)
+        reads = input_grad_roles(rep) if input_reached else frozenset()
+        shards = [(len(b.roles), b.numel, b.collective.group_size, bool(reads & set(b.roles)))
+                  for b in buckets]
+        update += state_shard_seconds(rep, shards, base.zero, microbatches, ctx.cluster)
+        if base.zero == 3:
+            unread_cast = sum(shard_cast_seconds(rep, n, p, ctx.cluster)
+                              for _, n, p, read in shards if not read)
+    elif not is_summa(base.label):  # not priced: SUMMA's weights, gathered and cast
         update += master_weight_seconds(rep, base.update_params, len(param_shapes(rep)),
                                         ctx.memory, microbatches, bool(syncs), ctx.cluster)
     comp = [base.compute_s + update / microbatches
@@ -468,7 +482,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                       transient_bytes=base.transient_bytes if input_reached else
                       # no input gradient: no backward gather held beside the full gradient
                       max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes),
-                      replay_s=replay)
+                      replay_s=replay, unread_cast_s=unread_cast)
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
@@ -487,7 +501,9 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
     gradient reads the weights, :func:`ilp_planner.lowering.strategies.state_sharded`) is dropped,
     two gathers per micro-batch instead of three. The kept buffer is held like a
     re-materialised activation, from the block's recomputation to the op's backward, so
-    it joins ``recompute_bytes`` and leaves the op's transient."""
+    it joins ``recompute_bytes`` and leaves the op's transient; a bucket whose backward
+    gathers nothing is gathered by the recomputation all the same, its shard cast again
+    (``unread_cast_s``)."""
     def regather(c: Collective) -> bool:
         return c.purpose == "fsdp_gather" and c.phase == "backward"
 
@@ -497,14 +513,15 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
                    if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
              for cs in kept]
     extra = [list(cs[len(orig):]) for cs, orig in zip(colls, kept, strict=True)]
-    again = (sum(opt.replay_s) + sum(c.seconds for cs in extra for c in cs)
+    again = (sum(opt.replay_s) + opt.unread_cast_s + sum(c.seconds for cs in extra for c in cs)
              - sum(c.seconds for c in dropped))
     reused = opt.base.regathered_bytes if dropped else 0.0  # the recomputation's gather
     rematerialised = opt.activation_bytes + reused
     charged = rematerialised / copies
     return dataclasses.replace(
-        opt, collectives=colls, compute_s=[c + f for c, f in zip(opt.compute_s, opt.replay_s,
-                                                                 strict=True)],
+        opt, collectives=colls, compute_s=[c + f + (opt.unread_cast_s if i == 0 else 0.0)
+                                           for i, (c, f) in enumerate(zip(
+                                               opt.compute_s, opt.replay_s, strict=True))],
         cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,
         activation_bytes=charged, recompute=True, recompute_bytes=rematerialised,
         # max(forward gather, full gradient + regathered) without the regathered weights,

@@ -478,9 +478,9 @@ def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpe
     autograd's in-place accumulation into ``.grad`` (read it and the new gradient, write
     it) — every micro-batch where ``.grad`` is a slice of a synchronised flat buffer
     (:mod:`runtime.grad_sync`), every one after the first otherwise. One kernel per tensor
-    each. 0 on a flat cluster (it never priced them) or without parameters. Not priced: a
-    SUMMA weight, which the runtime gathers as float32 and casts every micro-batch at its
-    gathered size, and state-sharded blocks (their gathers and buffers do it otherwise)."""
+    each. 0 on a flat cluster (it never priced them) or without parameters. State-sharded
+    blocks run their own passes (:func:`state_shard_seconds`). Not priced: a SUMMA weight,
+    which the runtime gathers as float32 and casts every micro-batch at its gathered size."""
     if cluster.device is None or params <= 0:
         return 0.0
     spec = op.weight or op.output
@@ -490,6 +490,67 @@ def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpe
     work = PhaseWork(0.0, params * (casts * (MASTER_ITEMSIZE + spec.itemsize) + adds * 3 * g),
                      tensors * (casts + adds))
     return phase_seconds(work, cluster.device, "float32")
+
+
+def state_shard_seconds(op: Op, buckets: list[tuple[int, int, int, bool]], level: int,
+                        microbatches: int, cluster: Cluster) -> float:
+    """Seconds a step spends on the passes over ``op``'s state-sharded buckets besides their
+    collectives and the shard's update, as the runtime runs them (:mod:`runtime.zero_state`,
+    :mod:`runtime.zero`) — each bucket given as (roles R, elements N of its padded local
+    blocks, group size p, its ZeRO-3 backward reads the weights); its flat buffer holds
+    ``n = s·p`` elements, ``s = ⌈N/p⌉`` the shard; w the compute dtype's bytes; one cast
+    (read fp32, write w) wherever the compute dtype is a half one, none in float32:
+
+    * ZeRO-1/2: at the step's start the flat fp32 gradient and the shard's gradient are
+      zeroed (2 kernels); every micro-batch each role's gradient is added into its slice
+      of the flat buffer (R kernels, ``(8 + w)·N`` bytes); the shard's gradient adds the
+      reduce-scattered one (ZeRO-1 once a step; ZeRO-2 every micro-batch, which also
+      zeroes the flat buffer again); after the update the shard is cast and, gathered,
+      copied into each role's full block (R kernels, ``2w·N``);
+    * ZeRO-3, every micro-batch: each gather casts the shard (the forward's, and the
+      backward's where it reads the weights); autograd writes each role's gradient into a
+      zero-filled flat buffer (``slice_backward``: a fill and a copy, 2 kernels a role, as
+      a CUDA device runs it) and adds the R of them (R − 1 kernels); the flat gradient is
+      cast to float32 for the reduce-scatter; from the second micro-batch on the shard's
+      gradient accumulates (an add).
+
+    0 on a flat cluster (it never priced them)."""
+    if cluster.device is None or not buckets:
+        return 0.0
+    spec = op.weight or op.output
+    w, m = spec.itemsize, microbatches
+    cast = 1 if spec.dtype in HALF_DTYPES else 0
+    kernels, moved = 0, 0.0
+    for roles, numel, p, reads in buckets:
+        s = -(-numel // p)
+        n = s * p
+        cast_b = cast * (MASTER_ITEMSIZE + w) * s
+        if level in (1, 2):
+            per_mb = (roles, (8 + w) * numel)
+            shard = (1, 12 * s) if level == 1 else (0, 0.0)
+            again = (2, 12 * s + 4 * n) if level == 2 else (0, 0)
+            kernels += 2 + m * (per_mb[0] + again[0]) + shard[0] + cast + roles
+            moved += (4 * n + 4 * s + m * (per_mb[1] + again[1]) + shard[1] + cast_b
+                      + 2 * w * numel)
+        else:
+            gathers = 2 if reads else 1
+            kernels += m * (gathers * cast + 3 * roles - 1 + cast) + (m - 1)
+            moved += (m * (gathers * cast_b + roles * w * n + 2 * w * numel
+                           + (roles - 1) * 3 * w * n + cast * (w + MASTER_ITEMSIZE) * n)
+                      + (m - 1) * 12 * s)
+    return phase_seconds(PhaseWork(0.0, moved, kernels), cluster.device, "float32")
+
+
+def shard_cast_seconds(op: Op, numel: int, group_size: int, cluster: Cluster) -> float:
+    """One cast of a ZeRO-3 bucket's float32 shard (``⌈numel / group_size⌉`` elements) to
+    the compute dtype, as each of its gathers does (:func:`state_shard_seconds`); 0 in
+    float32 (no cast) or on a flat cluster."""
+    spec = op.weight or op.output
+    if cluster.device is None or spec.dtype not in HALF_DTYPES:
+        return 0.0
+    s = -(-numel // group_size)
+    return phase_seconds(PhaseWork(0.0, (MASTER_ITEMSIZE + spec.itemsize) * s, 1),
+                         cluster.device, "float32")
 
 
 def update_seconds(params: float, memory: MemorySpec, op: Op, cluster: Cluster) -> float:
