@@ -81,14 +81,20 @@ class Comparison:
     undetermined_elements: int
     drift: dict[str, float] = field(default_factory=dict)  # ReferenceResult.drift
 
-    def allowed(self, name: str, rtol: float) -> float:
+    def allowed(self, name: str, rtol: float, drift: bool = True) -> float:
         """A parameter's tolerance: ``rtol``, or where the reference measured its drift
-        (Adam in a half dtype), :data:`DRIFT_MULTIPLE` × that drift if larger."""
-        return max(rtol, DRIFT_MULTIPLE * self.drift.get(name, 0.0))
+        (Adam in a half dtype) and ``drift`` allows it, :data:`DRIFT_MULTIPLE` × that
+        drift if larger (a tolerance the user named is taken as it is)."""
+        return max(rtol, DRIFT_MULTIPLE * self.drift.get(name, 0.0) if drift else 0.0)
 
-    def ok(self, rtol: float) -> bool:
+    def nearest(self, rtol: float, drift: bool = True) -> str:
+        """The parameter closest to (or furthest past) its tolerance."""
+        return max(self.param_rel_errs,
+                   key=lambda k: self.param_rel_errs[k] / self.allowed(k, rtol, drift))
+
+    def ok(self, rtol: float, drift: bool = True) -> bool:
         return self.loss_rel_err <= rtol and all(
-            err <= self.allowed(k, rtol) for k, err in self.param_rel_errs.items())
+            err <= self.allowed(k, rtol, drift) for k, err in self.param_rel_errs.items())
 
     def to_dict(self) -> dict:
         return {"loss_rel_err": self.loss_rel_err, "param_rel_err": self.param_rel_err,
@@ -199,6 +205,7 @@ def _train(graph: Graph, steps: int, seed: int, optimizer: OptimizerSpec, microb
             p.grad = None
         total = 0.0
         for mb in model.split_microbatches(model.make_batch(graph, seed), microbatches):
+            mb = {k: v.to(dtype) if v.is_floating_point() else v for k, v in mb.items()}
             copies = {k: p.to(dtype) for k, p in params.items()}  # masters stay float32
             loss = forward(graph, copies, mb) / microbatches
             (loss * scale).backward()

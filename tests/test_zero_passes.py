@@ -6,6 +6,7 @@ sharded buckets issue against the kernels its plan prices."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import sys
 
@@ -66,12 +67,16 @@ def test_a_buckets_passes_by_hand(level: int, dtype: str, kernels: int, moved: f
 def test_an_unread_zero3_bucket_gathers_once_but_under_recomputation() -> None:
     """A ZeRO-3 bucket whose backward reads no weight (the first layer's, an embedding's)
     casts its shard once a micro-batch; a recomputation gathers it again, one cast
-    (:attr:`~ilp_planner.intra_op.problem.NodeOption.unread_cast_s`)."""
+    (:attr:`~ilp_planner.intra_op.problem.NodeOption.recompute_cast_s`), whose host time is
+    a replayed kernel's."""
     op, host = _linear("bfloat16"), _cluster(1.0)
     read = state_shard_seconds(op, [(R, N, P, True)], 3, M, host)
     unread = state_shard_seconds(op, [(R, N, P, False)], 3, M, host)
     assert read - unread == pytest.approx(M)
     assert shard_cast_seconds(op, N, P, host) == pytest.approx(1.0)
+    replaying = dataclasses.replace(host, device=dataclasses.replace(
+        host.device, fit=dataclasses.replace(host.device.fit, replay_s=0.5)))
+    assert shard_cast_seconds(op, N, P, replaying, replayed=True) == pytest.approx(1.5)
     assert shard_cast_seconds(_linear("float32"), N, P, host) == 0.0
 
 

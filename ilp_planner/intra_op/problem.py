@@ -128,9 +128,10 @@ class NodeOption:
     transient_bytes: float = 0.0  # held while the node runs (state sharding)
     # per op, what a recomputation runs again (:attr:`Strategy.replay_s`)
     replay_s: list[float] = field(default_factory=list)
-    # ZeRO-3, per micro-batch: the casts of the shards whose backward gathers nothing, which
-    # a recomputation gathers again (:func:`~ilp_planner.lowering.compute_model.shard_cast_seconds`)
-    unread_cast_s: float = 0.0
+    # ZeRO-3, per micro-batch: what a recomputation changes in the shards' casts — each
+    # bucket's recomputation gather casts its shard (a replayed kernel) and the backward
+    # gathers none (:func:`~ilp_planner.lowering.compute_model.shard_cast_seconds`)
+    recompute_cast_s: float = 0.0
 
 
 @dataclass
@@ -440,15 +441,16 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
     buckets = grad_sync(rep, base.label, base.inputs, base.weight, base.output, ctx)
     syncs = () if base.zero else buckets
     update = update_seconds(base.update_params, ctx.memory, rep, ctx.cluster)
-    unread_cast = 0.0  # ZeRO-3 buckets the backward does not gather: a recomputation does
+    recompute_cast = 0.0  # ZeRO-3: what a recomputation changes in the gathers' casts
     if base.zero:  # the sharded buckets' passes (their gathers' casts, flat gradients)
         reads = input_grad_roles(rep) if input_reached else frozenset()
         shards = [(len(b.roles), b.numel, b.collective.group_size, bool(reads & set(b.roles)))
                   for b in buckets]
         update += state_shard_seconds(rep, shards, base.zero, microbatches, ctx.cluster)
-        if base.zero == 3:
-            unread_cast = sum(shard_cast_seconds(rep, n, p, ctx.cluster)
-                              for _, n, p, read in shards if not read)
+        if base.zero == 3:  # every bucket's gather replayed, none gathered by the backward
+            recompute_cast = sum(shard_cast_seconds(rep, n, p, ctx.cluster, replayed=True)
+                                 - (shard_cast_seconds(rep, n, p, ctx.cluster) if read else 0.0)
+                                 for _, n, p, read in shards)
     elif not is_summa(base.label):  # not priced: SUMMA's weights, gathered and cast
         update += master_weight_seconds(rep, base.update_params, len(param_shapes(rep)),
                                         ctx.memory, microbatches, bool(syncs), ctx.cluster)
@@ -482,7 +484,7 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                       transient_bytes=base.transient_bytes if input_reached else
                       # no input gradient: no backward gather held beside the full gradient
                       max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes),
-                      replay_s=replay, unread_cast_s=unread_cast)
+                      replay_s=replay, recompute_cast_s=recompute_cast)
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
@@ -501,9 +503,10 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
     gradient reads the weights, :func:`ilp_planner.lowering.strategies.state_sharded`) is dropped,
     two gathers per micro-batch instead of three. The kept buffer is held like a
     re-materialised activation, from the block's recomputation to the op's backward, so
-    it joins ``recompute_bytes`` and leaves the op's transient; a bucket whose backward
-    gathers nothing is gathered by the recomputation all the same, its shard cast again
-    (``unread_cast_s``)."""
+    it joins ``recompute_bytes`` and leaves the op's transient. The gathers' casts move
+    with them (``recompute_cast_s``): every bucket's shard is cast again by the
+    recomputation — a bucket whose backward reads no weight too — and none by the
+    backward."""
     def regather(c: Collective) -> bool:
         return c.purpose == "fsdp_gather" and c.phase == "backward"
 
@@ -513,13 +516,13 @@ def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:
                    if c.phase == "forward" and c.purpose not in ONCE_PER_STEP]
              for cs in kept]
     extra = [list(cs[len(orig):]) for cs, orig in zip(colls, kept, strict=True)]
-    again = (sum(opt.replay_s) + opt.unread_cast_s + sum(c.seconds for cs in extra for c in cs)
+    again = (sum(opt.replay_s) + opt.recompute_cast_s + sum(c.seconds for cs in extra for c in cs)
              - sum(c.seconds for c in dropped))
     reused = opt.base.regathered_bytes if dropped else 0.0  # the recomputation's gather
     rematerialised = opt.activation_bytes + reused
     charged = rematerialised / copies
     return dataclasses.replace(
-        opt, collectives=colls, compute_s=[c + f + (opt.unread_cast_s if i == 0 else 0.0)
+        opt, collectives=colls, compute_s=[c + f + (opt.recompute_cast_s if i == 0 else 0.0)
                                            for i, (c, f) in enumerate(zip(
                                                opt.compute_s, opt.replay_s, strict=True))],
         cost_s=opt.cost_s + microbatches * again, memory_bytes=opt.state_bytes + charged,

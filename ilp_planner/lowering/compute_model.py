@@ -459,8 +459,9 @@ def update_bytes_per_param(memory: MemorySpec, mixed: bool) -> float:
     the optimizer state, write the state back, and read and write the weights where they
     are the master copy. Under mixed precision the float32 master sits in the state and the
     runtime's fused Adam updates it alone: the half-precision copy is written by the next
-    step's cast (:func:`master_weight_seconds`). Adam mixed: 4 + 12 + 12 = 28; Adam fp32:
-    4 + 8 + 8 + 4 + 4 = 28; SGD: 12."""
+    step's cast (:func:`master_weight_seconds`; a sharded block's,
+    :func:`state_shard_seconds`). Adam mixed: 4 + 12 + 12 = 28; Adam fp32: 4 + 8 + 8 + 4 + 4
+    = 28; SGD: 12."""
     w, g, o = memory.weight_bytes, memory.grad_bytes, memory.optimizer_bytes
     return g + 2 * o + (0 if mixed else 2 * w)
 
@@ -541,16 +542,18 @@ def state_shard_seconds(op: Op, buckets: list[tuple[int, int, int, bool]], level
     return phase_seconds(PhaseWork(0.0, moved, kernels), cluster.device, "float32")
 
 
-def shard_cast_seconds(op: Op, numel: int, group_size: int, cluster: Cluster) -> float:
+def shard_cast_seconds(op: Op, numel: int, group_size: int, cluster: Cluster,
+                       replayed: bool = False) -> float:
     """One cast of a ZeRO-3 bucket's float32 shard (``⌈numel / group_size⌉`` elements) to
-    the compute dtype, as each of its gathers does (:func:`state_shard_seconds`); 0 in
-    float32 (no cast) or on a flat cluster."""
+    the compute dtype, as each of its gathers does (:func:`state_shard_seconds`;
+    ``replayed``: a recomputation's, its host time a replayed kernel's); 0 in float32 (no
+    cast) or on a flat cluster."""
     spec = op.weight or op.output
     if cluster.device is None or spec.dtype not in HALF_DTYPES:
         return 0.0
     s = -(-numel // group_size)
     return phase_seconds(PhaseWork(0.0, (MASTER_ITEMSIZE + spec.itemsize) * s, 1),
-                         cluster.device, "float32")
+                         cluster.device, "float32", replayed)
 
 
 def update_seconds(params: float, memory: MemorySpec, op: Op, cluster: Cluster) -> float:

@@ -642,8 +642,10 @@ def _moe_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
             b.collective for b in grad_sync(op, label, (x,), None, o, ctx))
         state = _local_params(op, label, (x,), None, o) * ctx.memory.bytes_per_param
         per_device = dataclasses.replace(op, flops=moe_flops(op, x))
-        out.append(Strategy(label, x.fact, (x,), None, o, _compute(per_device, 1, ctx), colls,
-                            state, moe_activation_bytes(op, x, o), (grad,)))
+        priced = _priced(per_device, 1, ctx)
+        out.append(Strategy(label, x.fact, (x,), None, o, priced["compute_s"], colls,
+                            state, moe_activation_bytes(op, x, o), (grad,),
+                            replay_s=priced["replay_s"]))
     return out
 
 
