@@ -25,6 +25,7 @@ from ilp_planner.lowering.redistribution import Redistribution
 from ilp_planner.lowering.strategies import (
     StrategyContext,
     SyncBucket,
+    backward_reads,
     grad_sync,
     tied_exchange,
     tied_source,
@@ -34,7 +35,7 @@ from ilp_planner.plan.data import LayerPlan, Plan, ReshardingEntry, Stage
 from ilp_planner.plan.programs import edge_programs
 from runtime import model
 from runtime.errors import RuntimeSetupError
-from runtime.zero import ZERO_PURPOSES, backward_reads, planned_collectives
+from runtime.zero import ZERO_PURPOSES, planned_collectives
 
 Segment = tuple[bool, tuple[str, ...]]  # (recomputed under one checkpoint?, layers in order)
 
@@ -78,7 +79,7 @@ class CompiledPlan:
 
     def zero3_backward_reads(self, op: Op, sync: SyncBucket) -> bool:
         """ZeRO-3: whether ``op``'s backward reads the bucket's weights
-        (:func:`runtime.zero.backward_reads`): autograd reaches its input unless that is
+        (:func:`~ilp_planner.lowering.strategies.backward_reads`): autograd reaches its input unless that is
         the model's data, as the planner's ``input_reached``."""
         return backward_reads(op, sync.roles, self.graph[op.inputs[0]].kind is not OpKind.INPUT)
 

@@ -61,10 +61,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ilp_planner.ir.graph import Op
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.cost_model import CollectiveKind
-from ilp_planner.lowering.strategies import SyncBucket, input_grad_roles
+from ilp_planner.lowering.strategies import SyncBucket
 from runtime.recorder import Recorder, tagged, timed
 
 ZERO_PURPOSES = frozenset({"shard_grad_sync", "shard_grad", "weight_allgather", "fsdp_gather"})
@@ -173,14 +172,6 @@ class ZeroBucket:
         return {r: v.clone() for r, v in self.views(flat).items()}
 
 
-def backward_reads(op: Op, roles: tuple[str, ...], input_reached: bool) -> bool:
-    """Whether a ZeRO-3 op's backward reads the weights of a bucket holding ``roles``: some
-    role is read for the input's gradient
-    (:func:`~ilp_planner.lowering.strategies.input_grad_roles`) and autograd reaches the input —
-    exactly when the planner lists the bucket's backward gather (``input_backward``)."""
-    return input_reached and bool(input_grad_roles(op).intersection(roles))
-
-
 def planned_collectives(sync: SyncBucket, level: int, weight_itemsize: int,
                         recompute: bool = False, reads: bool = True,
                         ) -> list[tuple[str, str, str, float, int]]:
@@ -189,8 +180,9 @@ def planned_collectives(sync: SyncBucket, level: int, weight_itemsize: int,
     table restated with the runtime's own sizes: gradients reduce-scattered in the master
     dtype of the bucket, weights gathered with ``weight_itemsize`` (the compute dtype the
     runtime gathers in). At level 3 the backward gathers again where it reads the weights
-    (``reads``, :func:`backward_reads`); a recomputed layer's forward gather runs again
-    (``recompute``) and its buffer serves the backward, which then gathers nothing."""
+    (``reads``, :func:`~ilp_planner.lowering.strategies.backward_reads`); a recomputed
+    layer's forward gather runs again (``recompute``) and its buffer serves the backward,
+    which then gathers nothing."""
     p = sync.collective.group_size
     padded = -(-sync.numel // p) * p
     grad_item = sync.collective.bytes / sync.numel

@@ -71,11 +71,11 @@ from ilp_planner.lowering.strategies import (
     Strategy,
     StrategyContext,
     SyncBucket,
+    backward_reads,
     follow,
     follower_held_bytes,
     follower_inputs,
     grad_sync,
-    input_grad_roles,
     is_summa,
     op_strategies,
     param_shapes,
@@ -443,9 +443,8 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
     update = update_seconds(base.update_params, ctx.memory, rep, ctx.cluster)
     recompute_cast = 0.0  # ZeRO-3: what a recomputation changes in the gathers' casts
     if base.zero:  # the sharded buckets' passes (their gathers' casts, flat gradients)
-        reads = input_grad_roles(rep) if input_reached else frozenset()
-        shards = [(len(b.roles), b.numel, b.collective.group_size, bool(reads & set(b.roles)))
-                  for b in buckets]
+        shards = [(len(b.roles), b.numel, b.collective.group_size,
+                   backward_reads(rep, b.roles, input_reached)) for b in buckets]
         update += state_shard_seconds(rep, shards, base.zero, microbatches, ctx.cluster)
         if base.zero == 3:  # every bucket's gather replayed, none gathered by the backward
             recompute_cast = sum(shard_cast_seconds(rep, n, p, ctx.cluster, replayed=True)

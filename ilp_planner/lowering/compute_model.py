@@ -12,7 +12,7 @@ eager step as the sum of each op's longer side; the host's lead over a long matm
 later short kernels use up is not credited (an upper bound where both sides alternate).
 A forward that activation recomputation replays costs the host ``kernels · (dispatch +
 replay)`` (``ComputeFit.replay_s``: ``torch.utils.checkpoint``'s bookkeeping a replayed
-kernel; :func:`op_replay_seconds`).
+kernel; :func:`op_times_replayed`).
 
 with the device's fitted parameters (:class:`~ilp_planner.ir.device.ComputeFit`). The
 matmul efficiency falls for small and skinny local shapes::
@@ -407,24 +407,21 @@ def op_times(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = No
     """(forward, backward) seconds of ``op`` on one device holding ``1/split`` of it: the
     roofline where the cluster names a device, else the flat model's third and two
     thirds of ``3 × FLOPs / (peak × efficiency)``."""
+    return op_times_replayed(op, split, cluster, gemm, read)[:2]
+
+
+def op_times_replayed(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,
+                      read: TensorSpec | None = None) -> tuple[float, float, float]:
+    """:func:`op_times` and the seconds the forward takes again when activation
+    recomputation replays it (its host time with ``ComputeFit.replay_s`` a kernel; the
+    flat model's third)."""
     if cluster.device is None:
         total = compute_time(3.0 * op.flops / split, cluster)
-        return total / 3, total - total / 3
+        return total / 3, total - total / 3, total / 3
     dtype = (read or op.output).dtype
     fwd, bwd = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
-    return phase_seconds(fwd, cluster.device, dtype), phase_seconds(bwd, cluster.device, dtype)
-
-
-def op_replay_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,
-                      read: TensorSpec | None = None) -> float:
-    """Seconds ``op``'s forward takes again when activation recomputation replays it
-    (:func:`op_times`' forward, its host time with ``ComputeFit.replay_s`` a kernel)."""
-    if cluster.device is None:  # the flat model's third, as :func:`op_times`
-        return compute_time(3.0 * op.flops / split, cluster) / 3
-    if not cluster.device.fit.replay_s:
-        return op_times(op, split, cluster, gemm, read)[0]
-    fwd, _ = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
-    return phase_seconds(fwd, cluster.device, (read or op.output).dtype, replayed=True)
+    return (phase_seconds(fwd, cluster.device, dtype), phase_seconds(bwd, cluster.device, dtype),
+            phase_seconds(fwd, cluster.device, dtype, replayed=True))
 
 
 def op_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = None,

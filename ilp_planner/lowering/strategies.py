@@ -52,8 +52,7 @@ from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.lowering.compute_model import (
     LOSS_ITEMSIZE,
     GemmShape,
-    op_replay_seconds,
-    op_times,
+    op_times_replayed,
 )
 from ilp_planner.lowering.cost_model import (
     Collective,
@@ -193,9 +192,7 @@ def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None =
     if ctx.cluster.device is None:  # bit for bit the flat model's price
         total = compute_time(3.0 * op.flops / split, ctx.cluster)
         return {"compute_s": total, "replay_s": total / 3}
-    fwd, bwd = op_times(op, split, ctx.cluster, gemm, read)
-    replay = op_replay_seconds(op, split, ctx.cluster, gemm, read) \
-        if ctx.cluster.device.fit.replay_s else fwd
+    fwd, bwd, replay = op_times_replayed(op, split, ctx.cluster, gemm, read)
     return {"compute_s": fwd + bwd, "replay_s": replay}
 
 
@@ -765,6 +762,14 @@ def input_grad_roles(op: Op) -> frozenset[str]:
         return frozenset({"weight"})
     return frozenset()
 
+
+
+def backward_reads(op: Op, roles: tuple[str, ...], input_reached: bool) -> bool:
+    """Whether a ZeRO-3 op's backward reads the weights of a bucket holding ``roles``: some
+    role is read for the input's gradient (:func:`input_grad_roles`) and autograd reaches
+    the input — exactly when the bucket's backward gather is listed (``input_backward``)
+    and the runtime gathers again (:mod:`runtime.zero`)."""
+    return input_reached and bool(input_grad_roles(op).intersection(roles))
 
 def state_sharded(op: Op, base: Strategy, levels: Sequence[int],
                   ctx: StrategyContext) -> list[Strategy]:
