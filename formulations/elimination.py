@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from formulations.problem import Problem
+from formulations.problem import Problem, chunk_count
 from formulations.result import SolveResult, SolveStats
 
 # largest elimination work (table entries summed over eliminations) attempted
@@ -665,24 +665,77 @@ BRANCH_OPEN = 8
 NodeSolver = Callable[[Problem], "tuple[tuple[int, ...], float] | None"]
 # a restriction with at most this many choices is solved by evaluating every one of them
 ENUMERATE_POINTS = 20_000
+# a whole problem with at most this many choices is (:func:`enumerated_optimum`)
+ENUMERATE_DIRECTLY = 65_536
+# most groups with a choice to make that :func:`_enumerated` lays out as a grid's axes
+# (numpy's limit is 64); more than a 2-choice group each would exceed ``ENUMERATE_DIRECTLY``
+GRID_AXES = 16
+# :func:`_enumerated` gathers by index arrays up to this many choices (fewer numpy calls)
+BY_INDEX_UP_TO = 4_096
 
 
 def _space(allowed) -> int:
     return math.prod(len(a) for a in allowed)
 
 
-def _enumerated(problem: Problem) -> tuple[int, ...] | None:
-    """The exact optimum of a small problem (at most ``ENUMERATE_POINTS`` choices), bucket
-    rounding and memory row included, by evaluating every choice at once; None when no
-    choice fits. The kept strategies of a stage solve are often a handful of choices
-    whose only open question is the buckets' rounding: this settles it without an ILP."""
+def _enumerated(problem: Problem, limit: int | None = None) -> tuple[int, ...] | None:
+    """The exact optimum of a small problem (at most ``limit`` choices, by default
+    ``ENUMERATE_POINTS``), bucket rounding and memory row included, by evaluating every
+    choice at once; None when no choice fits. The kept strategies of a stage solve are
+    often a handful of choices whose only open question is the buckets' rounding: this
+    settles it without an ILP. Ties go to the first choice in index order."""
     sizes = [len(c) for c in problem.cost]
     n = math.prod(sizes)
-    if n > ENUMERATE_POINTS:
-        raise ValueError(f"{n} choices exceed {ENUMERATE_POINTS}")
-    # an index array per group with a choice to make, the rest fixed at their one strategy
-    # (a grid with a dimension per group would not do: a model's restriction has hundreds)
+    limit = ENUMERATE_POINTS if limit is None else limit
+    if n > limit:
+        raise ValueError(f"{n} choices exceed {limit}")
     free = [g for g, k in enumerate(sizes) if k > 1]
+    if len(free) > GRID_AXES or n <= BY_INDEX_UP_TO:
+        return _enumerated_by_index(problem, sizes, free, n)
+    # a grid with an axis per group with a choice to make (the rest fixed at their one
+    # strategy): every term is added by broadcasting, each sum growing only over the axes
+    # its terms span, with no index arrays to gather by
+    axis = {g: i for i, g in enumerate(free)}
+    shape = tuple(sizes[g] for g in free)
+
+    def along(groups: tuple[int, ...], table: np.ndarray) -> np.ndarray:
+        """``table`` (one dimension per group in ``groups``) on the grid's axes."""
+        for d in reversed(range(len(groups))):
+            if groups[d] not in axis:  # a fixed group: its one strategy
+                table = np.take(table, 0, axis=d)
+        kept = [g for g in groups if g in axis]
+        if len(kept) == 2 and axis[kept[0]] > axis[kept[1]]:
+            table, kept = table.T, kept[::-1]
+        dims = [1] * len(shape)
+        for g in kept:
+            dims[axis[g]] = sizes[g]
+        return np.reshape(table, dims)
+
+    value = np.zeros(shape) + sum(along((g,), c) for g, c in enumerate(problem.cost))
+    for (u, v), r in problem.edges.items():
+        value += along((u, v), r)
+    b = problem.buckets
+    if b is not None:
+        for j, alpha in enumerate(b.alpha):
+            total = sum((along((g,), x[:, j]) for g, x in enumerate(b.bytes) if x[:, j].any()),
+                        np.zeros(()))
+            value += alpha * chunk_count(total, b.cap)
+    if problem.memory_budget is not None:
+        memory = sum(along((g,), m) for g, m in enumerate(problem.memory))
+        value = np.where(memory <= problem.memory_budget * (1 + 1e-9), value, np.inf)
+    best = int(np.argmin(value))
+    if not np.isfinite(value.flat[best]):
+        return None
+    choice = [0] * len(sizes)
+    for g, k in zip(free, np.unravel_index(best, shape), strict=True):
+        choice[g] = int(k)
+    return tuple(choice)
+
+
+def _enumerated_by_index(problem: Problem, sizes: list[int], free: list[int], n: int
+                         ) -> tuple[int, ...] | None:
+    """:func:`_enumerated` with more groups to choose than a grid has axes: an index array
+    per group with a choice to make, the rest fixed at their one strategy."""
     grid: list[np.ndarray | int] = [0] * len(sizes)
     if free:
         for g, k in zip(free, np.unravel_index(np.arange(n), [sizes[g] for g in free]),
@@ -700,6 +753,21 @@ def _enumerated(problem: Problem) -> tuple[int, ...] | None:
     if not np.isfinite(value[best]):
         return None
     return tuple(int(k[best]) if isinstance(k, np.ndarray) else 0 for k in grid)
+
+
+def enumerated_optimum(problem: Problem) -> tuple[tuple[int, ...], float] | None:
+    """The exact optimum of a problem of at most ``ENUMERATE_DIRECTLY`` choices, found by
+    evaluating them all (:func:`_enumerated`): the choice and its objective; None where it
+    has more. Raises :class:`NoFit` when no choice meets the memory budget. A baseline
+    member (a few strategies per op) is often such a problem: :func:`solve_elimination`'s
+    fixed work (the dual, the usage rounds, the min-marginals) costs it 1.5 – 5 ms where
+    evaluating its choices takes a fraction of a millisecond up to about 50,000 of them."""
+    if _space(problem.cost) > ENUMERATE_DIRECTLY:
+        return None
+    found = _enumerated(problem, ENUMERATE_DIRECTLY)
+    if found is None:
+        raise NoFit("no choice meets the memory budget")
+    return found, problem.objective(found)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from test_sbp_ilp import random_problem
 
 from formulations import elimination
 from formulations.elimination import (
+    NoFit,
     _BranchAndBound,
     _enumerated,
     _lagrange,
@@ -29,6 +30,7 @@ from formulations.elimination import (
     _Relaxation,
     bound_prune,
     elimination_order,
+    enumerated_optimum,
     min_marginals,
     minimise,
     solve_elimination,
@@ -170,7 +172,11 @@ def test_lagrangian_reaches_the_exact_dual_maximum(seed):
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_evaluating_every_choice_finds_the_optimum(seed):
+@pytest.mark.parametrize("by_index_up_to", [0, 10**9])
+def test_evaluating_every_choice_finds_the_optimum(seed, by_index_up_to, monkeypatch):
+    """On a grid with an axis per group (index arrays up to no size) and by index arrays
+    (up to any size): the optimum, bucket rounding and memory row included."""
+    monkeypatch.setattr(elimination, "BY_INDEX_UP_TO", by_index_up_to)
     p = random_problem(seed, budget=[None, "mid", "tight"][seed % 3], max_groups=6, max_k=4)
     if seed % 2:
         p = _with_buckets(p, seed)
@@ -202,6 +208,38 @@ def test_evaluating_every_choice_of_many_groups_most_decided(seed):
     want = exhaustive(p)
     assert p.feasible(found)
     assert math.isclose(p.objective(found), want.objective, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_grid_and_index_evaluation_break_ties_alike(seed, monkeypatch):
+    """Costs on a coarse integer scale make ties: both ways of evaluating every choice
+    return the first optimal choice in index order."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.integers(1, 4)) for _ in range(int(rng.integers(2, 7)))]
+    p = Problem([f"g{g}" for g in range(len(sizes))],
+                [rng.integers(0, 3, k).astype(float) for k in sizes],
+                [rng.integers(0, 3, k).astype(float) for k in sizes],
+                {(g, g + 1): rng.integers(0, 2, (sizes[g], sizes[g + 1])).astype(float)
+                 for g in range(len(sizes) - 1)})
+    p = _with_buckets(p, seed) if seed % 2 else p
+    first = min(itertools.product(*(range(k) for k in sizes)), key=p.objective)
+    found = []
+    for up_to in (0, 10**9):
+        monkeypatch.setattr(elimination, "BY_INDEX_UP_TO", up_to)
+        found.append(_enumerated(p))
+    assert found[0] == found[1]
+    assert math.isclose(p.objective(found[0]), p.objective(first), rel_tol=1e-12)
+
+
+def test_enumerated_optimum_is_exact_declines_large_spaces_and_says_nothing_fits():
+    p = random_problem(3, budget="mid", max_groups=6, max_k=4)
+    choice, objective = enumerated_optimum(p)
+    assert p.feasible(choice) and math.isclose(objective, exhaustive(p).objective, rel_tol=1e-9)
+    wide = Problem([f"g{g}" for g in range(17)], [np.arange(2.0)] * 17, [np.zeros(2)] * 17, {})
+    assert enumerated_optimum(wide) is None  # 2^17 choices: the elimination's work
+    tight = replace(p, memory_budget=sum(float(m.min()) for m in p.memory) * 0.5)
+    with pytest.raises(NoFit):
+        enumerated_optimum(tight)
 
 
 def _exhaustive_node(sub):

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from formulations.elimination import NoFit, solve_elimination
+from formulations.elimination import NoFit, enumerated_optimum, solve_elimination
 from formulations.problem import Problem
 from formulations.sbp_ilp import SbpIlp
 from ilp_planner.intra_op.moe_baselines import (
@@ -237,12 +237,19 @@ BEATEN = Beaten()
 
 def solve_exact(sub: Problem, time_limit_s: float, cutoff: float | None = None
                 ) -> tuple[list[int], float, float] | str | None:
-    """The optimum of a restricted problem: variable elimination (exact, and fast on the
-    few strategies a baseline keeps); what it leaves open goes to the ILP on the strategies
-    its bound keeps, within ``time_limit_s``. Returns (choice, objective, gap) or why none;
-    None where the elimination proves that no choice costs less than ``cutoff``."""
+    """The optimum of a restricted problem: every undominated choice evaluated where they
+    are few (:func:`~formulations.elimination.enumerated_optimum`), else variable
+    elimination (exact, and fast on the few strategies a baseline keeps); what it leaves
+    open goes to the ILP on the strategies its bound keeps, within ``time_limit_s``.
+    Returns (choice, objective, gap) or why none; None where the enumeration or the
+    elimination proves that no choice costs less than ``cutoff``."""
     deadline = time.perf_counter() + time_limit_s
     try:
+        small = enumerated_optimum(sub)
+        if small is not None:
+            choice, objective = small
+            return None if cutoff is not None and objective >= cutoff else (
+                list(choice), objective, 0.0)
         exact = solve_elimination(sub, node_solver=functools.partial(_node_ilp, deadline),
                                   cutoff=cutoff)
     except NoFit as exc:

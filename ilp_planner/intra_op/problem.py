@@ -376,6 +376,11 @@ def _every_strategy(op: Op, in_specs: list[TensorSpec], ctx: StrategyContext,
         return op_strategies(op, in_specs, ctx)
     key = (_op_content(op), tuple(in_specs), ctx)
     every = cache.strategies.get(key)
+    if every is None and ctx.facts is not None and not any(ctx.zero_levels):
+        whole = cache.strategies.get((_op_content(op), tuple(in_specs),
+                                      dataclasses.replace(ctx, facts=None)))
+        if whole is not None:  # the plan's list, on these factorisations
+            every = cache.strategies[key] = [s for s in whole if s.fact in ctx.facts]
     if every is None:
         if any(ctx.zero_levels):
             plain = dataclasses.replace(ctx, zero_levels=(0,))
