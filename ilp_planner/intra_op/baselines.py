@@ -54,7 +54,8 @@ Pricing is fast at scale: each member's problem is built with only its own strat
 (:func:`~ilp_planner.intra_op.problem.build_problem`'s ``keep``; every op's strategies
 generated once per build cache, a :class:`Restriction` testing only its factorisations'
 against it) — the full problem restricted,
-strategy for strategy — and solved exactly by variable elimination (:func:`solve_exact`).
+strategy for strategy — and solved exactly (:func:`solve_exact`): by evaluating every
+choice where they are few, else by variable elimination.
 :func:`restrict` restricts an already built problem the same way.
 """
 
