@@ -704,6 +704,8 @@ def _enumerated(problem: Problem, limit: int | None = None) -> tuple[int, ...] |
             if groups[d] not in axis:  # a fixed group: its one strategy
                 table = np.take(table, 0, axis=d)
         kept = [g for g in groups if g in axis]
+        if not kept:  # a number
+            return np.asarray(table)
         if len(kept) == 2 and axis[kept[0]] > axis[kept[1]]:
             table, kept = table.T, kept[::-1]
         dims = [1] * len(shape)
@@ -711,9 +713,13 @@ def _enumerated(problem: Problem, limit: int | None = None) -> tuple[int, ...] |
             dims[axis[g]] = sizes[g]
         return np.reshape(table, dims)
 
-    value = np.zeros(shape) + sum(along((g,), c) for g, c in enumerate(problem.cost))
-    for (u, v), r in problem.edges.items():
-        value += along((u, v), r)
+    terms = [along((g,), c) for g, c in enumerate(problem.cost)]
+    terms += [along((u, v), r) for (u, v), r in problem.edges.items()]
+    # the fixed groups' terms are numbers: summed first, added to the grid once
+    value = np.full(shape, float(sum(t for t in terms if t.ndim == 0)))
+    for t in terms:
+        if t.ndim:
+            value += t
     b = problem.buckets
     if b is not None:
         for j, alpha in enumerate(b.alpha):

@@ -27,6 +27,7 @@ layout, see :func:`ilp_planner.lowering.strategies.input_grad_layouts`).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import NamedTuple
 
@@ -85,12 +86,46 @@ def _pieces(n: int, k: int) -> list[tuple[int, int]]:
 
 
 def _pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` padded with zeros to ``shape`` (one kernel), or ``t`` itself where it has that
+    shape already (a view stays a view)."""
     if tuple(t.shape) == tuple(shape):
-        return t.contiguous()
+        return t
     pads: list[int] = []
     for have, want in zip(reversed(t.shape), reversed(shape), strict=True):
         pads += [0, want - have]
     return F.pad(t, pads)
+
+
+def _slice(t: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
+    """A local slice (``B → S``): this rank's piece of ``dim``, contiguous — a copy where
+    the piece is strided (a dim before ``dim`` holds more than one element), a view
+    otherwise."""
+    return t.narrow(dim, lo, hi - lo).contiguous()
+
+
+def _packed(t: torch.Tensor, bounds: list[tuple[int, int]], dim: int,
+            piece: list[int]) -> torch.Tensor:
+    """The send buffer of a ReduceScatter or AlltoAll: the ``k`` pieces ``bounds`` of
+    ``dim``, each padded to ``piece``, one after another — ``t`` itself where they already
+    lie so (no piece to pad, no dim before ``dim`` holding more than one element), else
+    their stack (one kernel, and one a piece to pad)."""
+    raw = [t.narrow(dim, lo, hi - lo) for lo, hi in bounds]
+    if all(tuple(p.shape) == tuple(piece) for p in raw) and math.prod(t.shape[:dim]) == 1:
+        return t.contiguous().view(-1)
+    return torch.stack([_pad_to(p, tuple(piece)) for p in raw]).view(-1)
+
+
+def _unpacked(out: torch.Tensor, sizes: list[list[int]], dim: int) -> torch.Tensor:
+    """The ``k`` received blocks ``out[q]`` (each padded) joined along ``dim``, each cut to
+    its ``sizes[q]`` — ``out`` itself, re-viewed, where they already lie so (no block cut,
+    no dim before ``dim`` holding more than one element), else their concatenation (one
+    kernel)."""
+    block = list(out.shape[1:])
+    if all(size == block for size in sizes) and math.prod(block[:dim]) == 1:
+        whole = list(block)
+        whole[dim] *= out.shape[0]
+        return out.view(whole)
+    return torch.cat([_narrow(out[q], size) for q, size in enumerate(sizes)], dim=dim)
 
 
 def _narrow(t: torch.Tensor, shape) -> torch.Tensor:
@@ -197,24 +232,28 @@ class Comm:
         k = src.fact[a].size
         cur, new = src.placements[a], dst.placements[a]
         shape = tensor.shape
-        if isinstance(cur, Broadcast) and isinstance(new, Split):  # local slice
-            lo, hi = _pieces(t.shape[new.dim], k)[self.coord(src, a)]
-            return t.narrow(new.dim, lo, hi - lo).contiguous()
+        if isinstance(cur, Broadcast) and isinstance(new, Split):
+            return _slice(t, new.dim, *_pieces(t.shape[new.dim], k)[self.coord(src, a)])
         group = self.group(src, (a,))
+        # the local kernels around each collective are the ones
+        # :func:`~ilp_planner.lowering.redistribution.step_local_work` prices
         with tagged(phase, purpose, where), timed(self.recorder):
             if isinstance(cur, Partial) and isinstance(new, Broadcast):
-                # a fresh buffer: the value may feed other edges, the reduction is in place
-                buf = _pad_to(t, src.padded_shape(shape)).clone()
+                # a fresh buffer (the value may feed other edges; the reduction is in place):
+                # the padded copy, or a plain one
+                padded = src.padded_shape(shape)
+                buf = _pad_to(t, padded) if tuple(t.shape) != tuple(padded) else \
+                    t.clone(memory_format=torch.contiguous_format)
                 dist.all_reduce(buf, group=group)
-                return _narrow(buf, t.shape)
+                return _narrow(buf, t.shape).contiguous()  # a copy where it was padded
             if isinstance(cur, Partial) and isinstance(new, Split):
                 d = new.dim
                 piece = list(src.padded_shape(shape))
                 piece[d] = dst.padded_shape(shape)[d]
-                pieces = [_pad_to(t.narrow(d, lo, hi - lo), tuple(piece))
-                          for lo, hi in _pieces(t.shape[d], k)]
                 out = torch.empty(piece, dtype=t.dtype, device=t.device)
-                dist.reduce_scatter_single(out.view(-1), torch.stack(pieces).view(-1), group=group)
+                dist.reduce_scatter_single(out.view(-1),
+                                           _packed(t, _pieces(t.shape[d], k), d, piece),
+                                           group=group)
                 lo, hi = _pieces(t.shape[d], k)[self.coord(src, a)]
                 mine = list(t.shape)
                 mine[d] = hi - lo
@@ -223,31 +262,31 @@ class Comm:
                 d = cur.dim
                 pad = src.padded_shape(shape)
                 out = torch.empty((k, *pad), dtype=t.dtype, device=t.device)
-                dist.all_gather_single(out.view(-1), _pad_to(t, pad).view(-1), group=group)
+                dist.all_gather_single(out.view(-1), _pad_to(t, pad).contiguous().view(-1),
+                                       group=group)
                 parent = self.region(dst, shape)[d]
-                parts = []
-                for q, (lo, hi) in enumerate(_pieces(parent[1] - parent[0], k)):
+                sizes = []
+                for lo, hi in _pieces(parent[1] - parent[0], k):
                     size = list(t.shape)
                     size[d] = hi - lo
-                    parts.append(_narrow(out[q], size))
-                return torch.cat(parts, dim=d).contiguous()
+                    sizes.append(size)
+                return _unpacked(out, sizes, d)
             if isinstance(cur, Split) and isinstance(new, Split):
                 i, j = cur.dim, new.dim
                 piece = list(src.padded_shape(shape))
                 piece[j] = dst.padded_shape(shape)[j]
                 bounds_j = _pieces(t.shape[j], k)
-                pieces = [_pad_to(t.narrow(j, lo, hi - lo), tuple(piece)) for lo, hi in bounds_j]
                 out = torch.empty((k, *piece), dtype=t.dtype, device=t.device)
-                dist.all_to_all_single(out.view(-1), torch.stack(pieces).view(-1), group=group)
+                dist.all_to_all_single(out.view(-1), _packed(t, bounds_j, j, piece), group=group)
                 parent = self.region(dst, shape)[i]
                 lo_j, hi_j = bounds_j[self.coord(src, a)]
-                parts = []
-                for q, (lo, hi) in enumerate(_pieces(parent[1] - parent[0], k)):
+                sizes = []
+                for lo, hi in _pieces(parent[1] - parent[0], k):
                     size = list(t.shape)
                     size[i] = hi - lo
                     size[j] = hi_j - lo_j
-                    parts.append(_narrow(out[q], size))
-                return torch.cat(parts, dim=i).contiguous()
+                    sizes.append(size)
+                return _unpacked(out, sizes, i)
         raise ValueError(f"step {step} is not a layout change the runtime executes")
 
 

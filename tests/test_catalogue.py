@@ -32,7 +32,11 @@ from ilp_planner.lowering.cost_model import (
     nccl_allreduce_times,
     nccl_time,
 )
-from ilp_planner.lowering.redistribution import plan_redistribution
+from ilp_planner.lowering.redistribution import (
+    plan_redistribution,
+    step_kernel_seconds,
+    step_local_seconds,
+)
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.explain import explain, fmt_bytes
 from tests.helpers.procs import ROOT, run
@@ -279,6 +283,16 @@ def _program(cluster: Cluster, nbytes: int):
     return plan_redistribution(Layout(FACT, (P,)), Layout(FACT, (B,)), tensor, cluster)
 
 
+def _as_nccl(red, cat: Cluster, backward: bool = True) -> float:
+    """A program's steps priced under the catalogue cluster's model: each call's NCCL time
+    and the local kernels the runtime runs around it, a slice's copy (both programs'
+    steps alike)."""
+    steps = [*red.steps, *(red.backward_steps if backward else ())]
+    return sum((0.0 if s.collective is None else nccl_time(
+        s.collective.kind, s.collective.group_size, s.collective.bytes, cat.intra, cat.inter,
+        s.collective.nodes)) + step_kernel_seconds(s, red.tensor, cat) for s in steps)
+
+
 def test_catalogue_cluster_issues_one_allreduce_where_nccl_would():
     cat = catalogue_cluster("a100-80gb", 2, 8, "nvlink3", "8x-ib-hdr200")
     ring = dataclasses.replace(cat, collectives="ring", intra=Link(cat.intra.alpha, cat.intra.beta),
@@ -287,22 +301,23 @@ def test_catalogue_cluster_issues_one_allreduce_where_nccl_would():
         one = _program(cat, nbytes)
         assert [c.kind for c in one.forward] == [AR], nbytes
         assert one.forward_seconds == pytest.approx(
-            nccl_time(AR, 16, nbytes, cat.intra, cat.inter, nodes=2))
+            nccl_time(AR, 16, nbytes, cat.intra, cat.inter, nodes=2)
+            + step_kernel_seconds(one.steps[0], one.tensor, cat))
         # the textbook ring (same α and β, no launch) saves α with a reduce-scatter and
         # pairwise gathers: cheaper under that model, dearer under NCCL's
         chain = _program(ring, nbytes)
         assert len(chain.forward) > 2
-        assert chain.forward_seconds < collective_time(AR, 16, nbytes, ring.inter)
-        priced_as_nccl = sum(nccl_time(c.kind, c.group_size, c.bytes, cat.intra, cat.inter,
-                                       c.nodes) for c in chain.forward)
-        assert priced_as_nccl > one.forward_seconds
+        assert chain.forward_seconds < collective_time(AR, 16, nbytes, ring.inter) \
+            + step_local_seconds(AR, nbytes, 16, False, chain.tensor, ring)
+        assert _as_nccl(chain, cat, backward=False) > one.forward_seconds
 
 
 def test_a_chain_only_where_cheaper_under_the_model():
     cat = catalogue_cluster("a100-80gb", 2, 8, "nvlink3", "8x-ib-hdr200")
     for nbytes in (2**10, 2**20, 2**24, 2**28):
         prog = _program(cat, nbytes)
-        single = nccl_time(AR, 16, nbytes, cat.intra, cat.inter, nodes=2)
+        single = nccl_time(AR, 16, nbytes, cat.intra, cat.inter, nodes=2) \
+            + step_local_seconds(AR, nbytes, 16, False, prog.tensor, cat)
         if len(prog.forward) > 1:  # a chain: strictly cheaper than the one AllReduce
             assert prog.forward_seconds < single
         else:
@@ -311,7 +326,8 @@ def test_a_chain_only_where_cheaper_under_the_model():
     # it at the inter-node bus bandwidth
     big = _program(cat, 2**28)
     assert [c.kind for c in big.forward][0] is CollectiveKind.REDUCE_SCATTER
-    assert big.forward_seconds < nccl_time(AR, 16, 2**28, cat.intra, cat.inter, nodes=2)
+    assert big.forward_seconds < nccl_time(AR, 16, 2**28, cat.intra, cat.inter, nodes=2) \
+        + step_local_seconds(AR, 2**28, 16, False, big.tensor, cat)
 
 
 @pytest.mark.parametrize("cap", [0.0, 4096.0, 25 * 2**20])
@@ -342,8 +358,7 @@ def test_nccl_programs_are_the_cheapest_under_their_model_and_issue_fewer_calls(
     cat = setting(8)[0]
 
     def nccl_price(red) -> float:
-        return sum(nccl_time(c.kind, c.group_size, c.bytes, cat.intra, cat.inter, c.nodes)
-                   for c in red.forward + red.backward)
+        return _as_nccl(red, cat)
 
     calls = {"ring": 0, "nccl": 0}
     differ = 0
@@ -369,10 +384,12 @@ def test_nccl_programs_are_the_cheapest_under_their_model_and_issue_fewer_calls(
 @pytest.mark.slow
 def test_nccl_model_programs_run_on_gloo_and_give_the_unsharded_values(monkeypatch):
     """The redistribution programs the NCCL model picks on a catalogue 2 × 4 cluster (one
-    AllReduce where the ring model would chain) run forward and backward on 8 gloo
-    processes and every rank holds the block of the unsharded tensor."""
+    AllReduce where the ring model would chain; the local kernels around the calls priced)
+    run forward and backward on 8 gloo processes: every rank holds the block of the
+    unsharded tensor and dispatches the local kernels the lowering prices."""
     monkeypatch.setenv("CASE_STRIDE", "211")
     monkeypatch.setenv("CATALOGUE_CLUSTER", "1")
+    monkeypatch.setenv("COUNT_KERNELS", "1")
     res = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
                str(ROOT / "tests" / "helpers" / "redistribute_check.py")], timeout=300)
     lines = [x for x in res.stdout.splitlines() if x.startswith(("OK", "BAD", "cases"))]

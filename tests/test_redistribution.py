@@ -96,14 +96,16 @@ def test_lowered_programs_run_on_gloo_and_give_the_unsharded_values():
     and 3-D shapes, destinations keeping partial sums included — executed forward and
     backward by the runtime's step executor on 8 real gloo processes (one launch): every
     rank's block equals the block of the unsharded tensor (the backward's of the gradient in
-    the producer's layout)."""
+    the producer's layout), and each rank dispatches the local kernels the lowering prices
+    (:func:`~ilp_planner.lowering.redistribution.step_work`: exactly on even shapes, at
+    most that on uneven ones)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "CASE_STRIDE": "211", "PYTHONPATH": str(root)}
+    env = {**os.environ, "CASE_STRIDE": "211", "PYTHONPATH": str(root), "COUNT_KERNELS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
                           str(root / "tests" / "helpers" / "redistribute_check.py")],
                          capture_output=True, text=True, timeout=300, env=env, cwd=root)

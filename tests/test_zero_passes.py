@@ -132,10 +132,8 @@ def test_a_sharded_block_prices_the_kernels_its_ranks_dispatch(
     """A GPT block with every weight's state sharded at ``level``, on two gloo ranks: the
     kernels it prices equal those each rank dispatches, but for two kinds the model counts
     as the two CUDA kernels they launch and dispatch counts once — the layernorms' backward
-    (dx; dγ and dβ) and ZeRO-3's ``slice_backward`` (a zero fill and a copy). Left out of
-    the count: the local kernels of edge programs and collectives (``runtime/comm.py``:
-    padding, the cat and stack around an all-to-all), which the model does not price as
-    kernels."""
+    (dx; dγ and dβ) and ZeRO-3's ``slice_backward`` (a zero fill and a copy). The edge
+    programs' local kernels count too (:mod:`tests.test_edge_local_kernels`)."""
     priced, block = _block_kernels(level, dtype, microbatches, recompute, tmp_path)
     # the block's buckets are sharded and their passes ran (ZeRO-3 in float32 casts
     # nothing: its passes are autograd's, the flat gradient's slices)
@@ -143,7 +141,7 @@ def test_a_sharded_block_prices_the_kernels_its_ranks_dispatch(
         assert block["aten::slice_backward @ step_loop.py:backward"] > 0
     else:
         assert block["aten::add_ @ zero_state.py:_accumulate"] > 0
-    dispatched = sum(v for k, v in block.items() if not k.split(" @ ")[1].startswith("comm.py"))
+    dispatched = sum(block.values())
     twice = sum(v for k, v in block.items()
                 if k.startswith(("aten::native_layer_norm_backward", "aten::slice_backward")))
     assert priced == dispatched + twice, sorted(block.items())

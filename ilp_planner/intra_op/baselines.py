@@ -238,12 +238,12 @@ BEATEN = Beaten()
 
 def solve_exact(sub: Problem, time_limit_s: float, cutoff: float | None = None
                 ) -> tuple[list[int], float, float] | str | None:
-    """The optimum of a restricted problem: every undominated choice evaluated where they
-    are few (:func:`~formulations.elimination.enumerated_optimum`), else variable
-    elimination (exact, and fast on the few strategies a baseline keeps); what it leaves
-    open goes to the ILP on the strategies its bound keeps, within ``time_limit_s``.
-    Returns (choice, objective, gap) or why none; None where the enumeration or the
-    elimination proves that no choice costs less than ``cutoff``."""
+    """The optimum of a restricted problem: every choice evaluated where they are few
+    (:func:`~formulations.elimination.enumerated_optimum`), else variable elimination
+    (exact, and fast on the few strategies a baseline keeps); what it leaves open goes to
+    the ILP on the strategies its bound keeps, within ``time_limit_s``. Returns (choice,
+    objective, gap) or why none; None where the enumeration or the elimination proves that
+    no choice costs less than ``cutoff``."""
     deadline = time.perf_counter() + time_limit_s
     try:
         small = enumerated_optimum(sub)

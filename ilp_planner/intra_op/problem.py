@@ -471,16 +471,21 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
         resolved = resolved_for.get(f, raw)
         out, fc, secs = follow(op, tensor, resolved, ctx)
         fc = list(fc)
+        again = replay_seconds(op, tensor, resolved, ctx)
         if resolved != raw and f not in riding:
             red = plan_redistribution(raw, resolved, tensor, ctx.cluster)
             fc = red.forward + red.backward + fc
+            # its slices' copies, local work beside the collectives (a recomputation runs
+            # the forward's again)
+            secs += red.local_forward_s + red.local_backward_s
+            again += red.local_forward_s
         secs += merge_seconds(graph, f, merges[members.index(f)], (resolved,), ctx.cluster)
         outputs.append(out)
         inputs.append((resolved,))
         grads.append((resolved,))
         colls.append(fc)
         comp.append(secs)
-        replay.append(replay_seconds(op, tensor, resolved, ctx))
+        replay.append(again)
         cost += _per_step(secs, fc, microbatches)
         act += follower_held_bytes(op, tensor, resolved, out)
     return NodeOption(base, outputs, inputs, grads, colls, comp, cost,

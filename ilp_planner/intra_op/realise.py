@@ -26,12 +26,16 @@ from ilp_planner.lowering.strategies import (
 from ilp_planner.plan.data import CostBreakdown, LayerPlan
 
 EdgeMemo = dict
-"""Cluster → ``(have, want, tensor, grad)`` → the edge's (forward, backward) collectives:
-the programs of :func:`plan_redistribution` kept across realisations (a pure function of
-its arguments; the stage DP realises thousands of choices over the same edges)."""
+"""Cluster → ``(have, want, tensor, grad)`` → the edge's (forward, backward) collectives and
+its slices' (forward, backward) seconds: the programs of :func:`plan_redistribution` kept
+across realisations (a pure function of its arguments; the stage DP realises thousands of
+choices over the same edges)."""
 
 Row = tuple
-"""(op, position in its node, node, chosen option, the op's collectives)."""
+"""(op, position in its node, node, chosen option, the op's collectives, the seconds a
+micro-batch of its programs' local work beside them — the slices' copies,
+:attr:`~ilp_planner.lowering.redistribution.RedistStep.local_s` — which its layer's
+``compute_s`` carries)."""
 
 
 def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
@@ -46,7 +50,7 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
     graph into stages), listed on the layer completing each. ``memo`` keeps the edges'
     programs across calls (:data:`EdgeMemo`)."""
     layers: list[LayerPlan] = []
-    for op, pos, node, opt, colls in _rows(gp, choice, stage, stage_of, memo):
+    for op, pos, node, opt, colls, local in _rows(gp, choice, stage, stage_of, memo):
         is_base = pos == 0
         held = 0.0 if opt.recompute else (
             opt.outputs[pos].local_bytes(op.output) if is_base else follower_held_bytes(
@@ -54,7 +58,8 @@ def realise(gp: GraphProblem, choice: list[int], stage: int = 0,
         layers.append(LayerPlan(
             op.name, op.kind.value, opt.base.label if is_base else f"follows {node}",
             opt.inputs[pos], opt.base.weight if is_base else None, opt.outputs[pos],
-            opt.compute_s[pos], (opt.state_bytes if is_base else 0.0) + held, tuple(colls),
+            opt.compute_s[pos] + local, (opt.state_bytes if is_base else 0.0) + held,
+            tuple(colls),
             stage, tuple(gp.graph[s].output.shape for s in op.inputs), op.output.shape,
             opt.base.zero if is_base else 0, opt.recompute,
         ))
@@ -69,7 +74,7 @@ def realised_total_s(gp: GraphProblem, choice: list[int], memo: EdgeMemo | None 
     order), without building the layers' plans or the figures ``total_s`` does not read:
     what the stage DP's table needs of every stage solve it makes."""
     rows = _rows(gp, choice, 0, None, memo)
-    compute = sum(r[3].compute_s[r[1]] for r in rows)
+    compute = sum(r[3].compute_s[r[1]] + r[5] for r in rows)
     return CostBreakdown.of(compute, [c for r in rows for c in r[4]], 0.0,
                             gp.microbatches).total_s
 
@@ -119,14 +124,17 @@ class LazyRealisation:
 
 
 def _edge(have: Layout, want: Layout, tensor: TensorSpec, grad: Layout | None, gp: GraphProblem,
-          edges: dict | None) -> tuple[tuple[Collective, ...], tuple[Collective, ...]]:
-    """The forward and backward collectives of one edge's program (through ``edges``, the
-    cluster's part of an :data:`EdgeMemo`, when given)."""
+          edges: dict | None
+          ) -> tuple[tuple[Collective, ...], tuple[Collective, ...], float, float]:
+    """The forward and backward collectives of one edge's program and its slices' forward
+    and backward seconds (through ``edges``, the cluster's part of an :data:`EdgeMemo`,
+    when given)."""
     key = (have, want, tensor, grad)
     hit = None if edges is None else edges.get(key)
     if hit is None:
         red = plan_redistribution(have, want, tensor, gp.ctx.cluster, grad)
-        hit = (tuple(red.forward), tuple(red.backward))
+        hit = (tuple(red.forward), tuple(red.backward), red.local_forward_s,
+               red.local_backward_s)
         if edges is not None:
             edges[key] = hit
     return hit
@@ -149,11 +157,13 @@ def _rows(gp: GraphProblem, choice: list[int], stage: int, stage_of: dict[str, i
         pos = gp.position[op.name]
         opt = chosen[node]
         colls: list[Collective] = []
+        local = 0.0
         for idx, src in enumerate(op.inputs):
             want = opt.inputs[pos][idx]
             if src in gp.boundary.imported:
                 red = import_program(want, opt.grads[pos][idx], graph[src].output, gp.ctx.cluster)
                 colls += red.forward + red.backward
+                local += red.local_forward_s + red.local_backward_s
                 continue
             if graph[src].kind is OpKind.INPUT:
                 continue
@@ -161,24 +171,30 @@ def _rows(gp: GraphProblem, choice: list[int], stage: int, stage_of: dict[str, i
                 continue  # a follower reads its producer inside the node (resolve counted)
             if (op.name, idx) in rides:
                 continue  # reads the shared value its priced reader's program made
-            fwd, bwd = _edge(chosen[gp.owner[src]].outputs[gp.position[src]], want,
-                             graph[src].output, opt.grads[pos][idx], gp, edges)
+            fwd, bwd, local_fwd, local_bwd = _edge(
+                chosen[gp.owner[src]].outputs[gp.position[src]], want, graph[src].output,
+                opt.grads[pos][idx], gp, edges)
             colls += fwd
             colls += bwd
+            local += local_fwd + local_bwd
             if opt.recompute:  # the checkpointed block runs its input programs again
                 colls += [c.with_phase("recompute") for c in fwd]
+                local += local_fwd
         colls += [c for c in opt.collectives[pos] if c.purpose != "grad_sync"]
         if pos == 0:  # the strategy's grad_sync collectives, as SyncBuckets to fuse
             syncs += [(op.name, b) for b in opt.syncs]
         if op.name in gp.boundary.exported:
             red = export_program(opt.outputs[pos], op.output, gp.ctx.cluster)
             colls += red.forward + red.backward
+            local += red.local_forward_s + red.local_backward_s
         emb = tied_source(graph, op) if op.attrs.get("tied") else None
         if emb is not None and emb.name in gp.owner and pos == 0:
-            colls += tied_exchange_collectives(chosen[gp.owner[emb.name]].base.weight,
-                                               opt.base.weight, emb.weight, gp.ctx.cluster,
-                                               tie_transposes(op))
-        rows.append((op, pos, node, opt, colls))
+            exchange, once = tied_exchange_collectives(
+                chosen[gp.owner[emb.name]].base.weight, opt.base.weight, emb.weight,
+                gp.ctx.cluster, tie_transposes(op))
+            colls += exchange
+            local += once / gp.microbatches  # once a step, spread over its micro-batches
+        rows.append((op, pos, node, opt, colls, local))
     where = stage_of or {}
     colls_of = {r[0].name: r[4] for r in rows}
     for s in sorted({where.get(name, stage) for name, _ in syncs}):

@@ -51,6 +51,7 @@ backward AllGather.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,18 +65,21 @@ from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, axis_coordinates, proper_factorisations
 from ilp_planner.ir.graph import TensorSpec
 from ilp_planner.ir.layouts import B, Layout, Partial, Placement, Split, drop_unit_axes, grad_layout
+from ilp_planner.lowering.compute_model import PhaseWork, phase_seconds
 from ilp_planner.lowering.cost_model import Collective, CollectiveKind, collective_seconds, make_collective
 
 
 @dataclass(frozen=True)
 class RedistStep:
-    """One layout change; ``collective`` is None for a free local slice or re-view. A step
-    on one factorisation changes exactly one mesh axis; a step between factorisations is a
-    re-view (same block on every device)."""
+    """One layout change; ``collective`` is None for a local slice or re-view. A step on one
+    factorisation changes exactly one mesh axis; a step between factorisations is a re-view
+    (same block on every device). ``local_s``: a slice's copy where its piece is strided
+    (:func:`step_work`; a collective's own local kernels are in its ``seconds``)."""
 
     src: Layout
     dst: Layout
     collective: Collective | None
+    local_s: float = 0.0
 
     @property
     def is_view(self) -> bool:
@@ -115,13 +119,24 @@ class Redistribution:
                 if s.collective is not None]
 
     @property
+    def local_forward_s(self) -> float:
+        """The forward steps' slice copies (:attr:`RedistStep.local_s`): local work beside
+        the collectives, which a caller pricing the collectives adds to compute."""
+        return sum(s.local_s for s in self.steps)
+
+    @property
+    def local_backward_s(self) -> float:
+        return sum(s.local_s for s in self.backward_steps)
+
+    @property
     def forward_seconds(self) -> float:
-        return sum(c.seconds for c in self.forward)
+        return sum(c.seconds for c in self.forward) + self.local_forward_s
 
     @property
     def seconds(self) -> float:
         """Forward plus backward time."""
-        return self.forward_seconds + sum(c.seconds for c in self.backward)
+        return self.forward_seconds + sum(c.seconds for c in self.backward) \
+            + self.local_backward_s
 
     @property
     def bytes(self) -> float:
@@ -176,6 +191,103 @@ def step_bytes(kind: CollectiveKind, src: Layout, dst: Layout, axis: int, tensor
         d = dst.placements[axis].dim
         shape[d] = (dst_block or dst.padded_shape(tensor.shape))[d] * k
     return float(math.prod(shape) * tensor.itemsize)
+
+
+def step_local_work(kind: CollectiveKind, nbytes: float, k: int, uneven: bool,
+                    pack: bool = True, unpack: bool = True) -> PhaseWork:
+    """The local kernels :mod:`runtime.comm` runs around one step's collective on a device,
+    ``nbytes`` the formula's *n* (:func:`step_bytes`), ``k`` the axis size. An AllReduce
+    reduces a fresh copy of its block in place (one copy; where padded, the block is
+    copied out of it again, so that every step hands on a contiguous block). A
+    ReduceScatter sends its ``k`` pieces one after another: their stack where they do not
+    already lie so (``pack``: a dim before the split one holds more than one element); an
+    AllGather's ``k`` blocks are joined by a cat where they do not already lie so
+    (``unpack``: likewise before the gathered dim); an AlltoAll does both. Each kernel
+    reads and writes its bytes. Where a dim does not split evenly (``uneven``: some rank's
+    block is smaller than the padded one) the slowest rank also pads — each of a
+    ReduceScatter's or AlltoAll's pieces, an AllGather's block — packs and unpacks, and a
+    ReduceScatter copies its unpadded piece out: an upper bound for that rank (a rank
+    whose pieces are whole pads fewer). A local slice (``B → S``, no collective) is
+    :func:`slice_work`."""
+    pack, unpack = pack or uneven, unpack or uneven
+    if kind is CollectiveKind.ALL_REDUCE:  # uneven: the padded copy, and the block out
+        return PhaseWork(0.0, 4 * nbytes, 2) if uneven else PhaseWork(0.0, 2 * nbytes, 1)
+    if kind is CollectiveKind.REDUCE_SCATTER:
+        extra = (k + 1, 2 * nbytes + 2 * nbytes / k) if uneven else (0, 0.0)
+        return PhaseWork(0.0, 2 * nbytes * pack + extra[1], int(pack) + extra[0])
+    if kind is CollectiveKind.ALL_GATHER:
+        extra = (1, 2 * nbytes / k) if uneven else (0, 0.0)
+        return PhaseWork(0.0, 2 * nbytes * unpack + extra[1], int(unpack) + extra[0])
+    if kind is CollectiveKind.ALL_TO_ALL:
+        extra = (k, 2 * nbytes) if uneven else (0, 0.0)
+        return PhaseWork(0.0, 2 * nbytes * (pack + unpack) + extra[1],
+                         int(pack) + int(unpack) + extra[0])
+    return PhaseWork(0.0, 0.0, 0)
+
+
+def step_local_seconds(kind: CollectiveKind, nbytes: float, k: int, uneven: bool,
+                       tensor: TensorSpec, cluster: Cluster, pack: bool = True,
+                       unpack: bool = True) -> float:
+    """:func:`step_local_work` on the cluster's device (0 on a flat cluster, which prices
+    no kernel)."""
+    if cluster.device is None:
+        return 0.0
+    return phase_seconds(step_local_work(kind, nbytes, k, uneven, pack, unpack),
+                         cluster.device, tensor.dtype)
+
+
+def slice_work(piece_bytes: float, strided: bool) -> PhaseWork:
+    """A local slice (``B → S``, :func:`runtime.comm._slice`): one copy of the piece where
+    it is strided (a dim before the sliced one holds more than one element), nothing where
+    it is a view."""
+    return PhaseWork(0.0, 2 * piece_bytes, 1) if strided else PhaseWork(0.0, 0.0, 0)
+
+
+def _spread(block: Sequence[int], dim: int) -> bool:
+    """Whether a dim before ``dim`` of a block holds more than one element: its pieces
+    along ``dim`` are then strided in memory (a stack or cat moves them)."""
+    return math.prod(block[:dim]) > 1
+
+
+def _before(blocks: np.ndarray) -> np.ndarray:
+    """Per block (row) and dim, the elements of the dims before it: :func:`_spread` of
+    many blocks at once (above 1: spread)."""
+    return np.concatenate([np.ones((len(blocks), 1), dtype=np.int64),
+                           np.cumprod(blocks, axis=1)[:, :-1]], axis=1)
+
+
+def _uneven(layout: Layout, tensor: TensorSpec) -> bool:
+    """Whether some dim of ``tensor`` does not split evenly under ``layout``."""
+    return any(n % layout.split_degree(d) for d, n in enumerate(tensor.shape))
+
+
+def step_work(step: RedistStep, tensor: TensorSpec) -> PhaseWork:
+    """The local kernels the runtime runs for one lowered step (:mod:`runtime.comm`): a
+    collective's (:func:`step_local_work`), a slice's (:func:`slice_work`), a re-view's
+    none. Exact where the tensor splits evenly; else the slowest rank's at most."""
+    src, dst = step.src, step.dst
+    if step.is_view:
+        return PhaseWork(0.0, 0.0, 0)
+    a, c = step.axis, step.collective
+    if c is None:
+        piece = math.prod(dst.padded_shape(tensor.shape)) * tensor.itemsize
+        return slice_work(piece, _spread(src.padded_shape(tensor.shape), dst.placements[a].dim))
+    pack = unpack = False
+    if c.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
+        pack = _spread(src.padded_shape(tensor.shape), dst.placements[a].dim)
+    if c.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL):
+        unpack = _spread(dst.padded_shape(tensor.shape), src.placements[a].dim)
+    return step_local_work(c.kind, c.bytes, c.group_size,
+                           _uneven(src, tensor) or _uneven(dst, tensor), pack, unpack)
+
+
+def step_kernel_seconds(step: RedistStep, tensor: TensorSpec, cluster: Cluster) -> float:
+    """The seconds of a lowered step's local kernels (:func:`step_work`) on the cluster's
+    device (0 on a flat cluster): a collective's are part of its ``seconds`` beside the
+    call's, a slice's its :attr:`RedistStep.local_s`."""
+    if cluster.device is None:
+        return 0.0
+    return phase_seconds(step_work(step, tensor), cluster.device, tensor.dtype)
 
 
 _EPS = 1e-15  # weight of free edges: csgraph needs strictly positive weights
@@ -290,9 +402,13 @@ class RedistributionPlanner:
 
     def collective(self, kind: CollectiveKind, src: Layout, dst: Layout, axis: int,
                    tensor: TensorSpec) -> Collective:
+        """One step's collective, its seconds the call's and the local kernels' around it
+        (:func:`step_local_work`): the time the runtime's step takes."""
         ax = src.fact[axis]
-        return make_collective(kind, ax.size, step_bytes(kind, src, dst, axis, tensor),
-                               self.cluster, ax.spans_nodes, (axis,), nodes=ax.nodes)
+        c = make_collective(kind, ax.size, step_bytes(kind, src, dst, axis, tensor),
+                            self.cluster, ax.spans_nodes, (axis,), nodes=ax.nodes)
+        local = step_kernel_seconds(RedistStep(src, dst, c), tensor, self.cluster)
+        return dataclasses.replace(c, seconds=c.seconds + local) if local else c
 
     def _build_graph(self, tensor: TensorSpec) -> _StateGraph:
         tables = self._tables(tensor.rank)
@@ -359,21 +475,67 @@ class RedistributionPlanner:
         moved = np.where(moves.scatter,
                          whole // np.maximum(blocks[src, dim], 1) * blocks[dst, dim] * k, moved)
         out = np.full(len(src), _EPS)
+        self._slice_seconds(moves, blocks, tensor, out)
         priced = np.flatnonzero(moves.kind >= 0)
         if not len(priced):
             return out
         sizes, size_of = np.unique(moved[priced] * tensor.itemsize, return_inverse=True)
-        keys = (moves.kind[priced] * len(moves.axes) + moves.axis[priced]) * len(sizes) + size_of
+        # where a device prices kernels, each move's local kernels too (the same
+        # :meth:`collective` prices a path's steps at), which an uneven split changes
+        flags = self._local_flags(moves, blocks, shape, tables.degrees[moves.cand])[priced]
+        keys = ((moves.kind[priced] * len(moves.axes) + moves.axis[priced]) * len(sizes)
+                + size_of) * 8 + flags
         uniq, inverse = np.unique(keys, return_inverse=True)
-        ka, nb = np.divmod(uniq, len(sizes))
+        rest, flag = np.divmod(uniq, 8)
+        ka, nb = np.divmod(rest, len(sizes))
         kd, a = np.divmod(ka, len(moves.axes))
-        seconds = np.array([collective_seconds(_KINDS[k_], moves.axes[a_].size, float(n_),
-                                               self.cluster, moves.axes[a_].spans_nodes,
-                                               moves.axes[a_].nodes)
-                            for k_, a_, n_ in zip(kd.tolist(), a.tolist(),
-                                                  sizes[nb].tolist(), strict=True)])
+        seconds = np.array([
+            collective_seconds(_KINDS[k_], moves.axes[a_].size, float(n_), self.cluster,
+                               moves.axes[a_].spans_nodes, moves.axes[a_].nodes)
+            + step_local_seconds(_KINDS[k_], float(n_), moves.axes[a_].size, bool(f_ & 4),
+                                 tensor, self.cluster, bool(f_ & 2), bool(f_ & 1))
+            for k_, a_, n_, f_ in zip(kd.tolist(), a.tolist(), sizes[nb].tolist(),
+                                      flag.tolist(), strict=True)])
         out[priced] = seconds[inverse]
         return out
+
+    def _slice_seconds(self, moves: _Moves, blocks: np.ndarray, tensor: TensorSpec,
+                       out: np.ndarray) -> None:
+        """Into ``out``: each strided slice's copy (:func:`slice_work`), priced once per
+        distinct piece size; the other slices stay free."""
+        if self.cluster.device is None:
+            return
+        strided = np.flatnonzero((moves.kind < 0) & (_before(blocks)[moves.src, moves.dim] > 1))
+        if not len(strided):
+            return
+        pieces, inverse = np.unique(np.prod(blocks[moves.dst[strided]], axis=1),
+                                    return_inverse=True)
+        seconds = np.array([phase_seconds(slice_work(float(n) * tensor.itemsize, True),
+                                          self.cluster.device, tensor.dtype)
+                            for n in pieces.tolist()])
+        out[strided] = seconds[inverse]
+
+    def _local_flags(self, moves: _Moves, blocks: np.ndarray, shape: np.ndarray,
+                     degrees: np.ndarray) -> np.ndarray:
+        """Per move, what its local kernels depend on besides kind, axis and bytes
+        (:meth:`step_kernel_seconds`'s reading of the layouts): 4 where a dim splits
+        unevenly, 2 where its pieces must be packed, 1 where the received blocks must be
+        unpacked; all 0 on a flat cluster, which prices no kernel."""
+        if self.cluster.device is None:
+            return np.zeros(len(moves.src), dtype=np.int64)
+        uneven = np.any(shape % degrees != 0, axis=1)
+        odd = uneven[moves.src] | uneven[moves.dst]
+        before = _before(blocks)
+        kind = moves.kind
+        a2a = kind == _KIND_ID[CollectiveKind.ALL_TO_ALL]
+        scatters = (kind == _KIND_ID[CollectiveKind.REDUCE_SCATTER]) | a2a
+        gathers = (kind == _KIND_ID[CollectiveKind.ALL_GATHER]) | a2a
+        # the gathered dim: an AllGather's ``dim``; an AlltoAll's is the dim whose block grows
+        grown = np.argmax(blocks[moves.dst] > blocks[moves.src], axis=1)
+        gathered = np.where(a2a, grown, moves.dim)
+        pack = scatters & (before[moves.src, moves.dim] > 1)
+        unpack = gathers & (before[moves.dst, gathered] > 1)
+        return (odd * 4 + pack * 2 + unpack).astype(np.int64)
 
     def _dijkstra(self, src: Layout, tensor: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
         graph = self._graph(tensor)
@@ -498,8 +660,12 @@ class RedistributionPlanner:
             axis = next(i for i in range(len(u.placements)) if u.placements[i] != v.placements[i])
             kind = next(kd for pl, ax, kd in _axis_moves(u, tensor)
                         if ax == axis and pl == v.placements[axis])
-            steps.append(RedistStep(u, v, None if kind is None else
-                                    self.collective(kind, u, v, axis, tensor)))
+            if kind is None:  # a slice: its copy, where strided, beside the program's calls
+                cut = RedistStep(u, v, None)
+                steps.append(dataclasses.replace(
+                    cut, local_s=step_kernel_seconds(cut, tensor, self.cluster)))
+            else:
+                steps.append(RedistStep(u, v, self.collective(kind, u, v, axis, tensor)))
             k += 1
         return tuple(steps)
 

@@ -52,7 +52,9 @@ from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.lowering.compute_model import (
     LOSS_ITEMSIZE,
     GemmShape,
+    PhaseWork,
     op_times_replayed,
+    phase_seconds,
 )
 from ilp_planner.lowering.cost_model import (
     Collective,
@@ -194,6 +196,30 @@ def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None =
         return {"compute_s": total, "replay_s": total / 3}
     fwd, bwd, replay = op_times_replayed(op, split, ctx.cluster, gemm, read)
     return {"compute_s": fwd + bwd, "replay_s": replay}
+
+
+def _with_bias_share(priced: dict[str, float], op: Op, label: str, ins: tuple[Layout, ...],
+                     weight: Layout | None, output: Layout, ctx: StrategyContext
+                     ) -> dict[str, float]:
+    """``priced`` (:func:`_priced`'s keywords) with the runtime's bias share: where the
+    output is a partial sum over ``p > 1`` devices, each bias-like parameter (a bias, a
+    position table) is added as ``b / p`` (:func:`runtime.ops.bias_share`) — one kernel a
+    forward, again in a recomputation, reading and writing its local block. Nothing on a
+    flat cluster, which prices no kernel."""
+    device = ctx.cluster.device
+    if device is None or not any(output.fact[a].size > 1 for a in output.partial_axes):
+        return priced
+    shapes = param_shapes(op)
+    lays = param_layouts(op, label, ins, weight, output)
+    shares = [r for r in shapes if r == "bias" or r.startswith("pos")]
+    if not shares:
+        return priced
+    moved = sum(2 * math.prod(lays[r][0].padded_shape(shapes[r])) for r in shares) \
+        * op.output.itemsize
+    work = PhaseWork(0.0, float(moved), len(shares))
+    dtype = op.output.dtype
+    return {**priced, "compute_s": priced["compute_s"] + phase_seconds(work, device, dtype),
+            "replay_s": priced["replay_s"] + phase_seconds(work, device, dtype, replayed=True)}
 
 
 def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
@@ -502,7 +528,9 @@ def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> li
             label, fact, ins, None if is_matmul else w_layout, o_layout,
             collectives=colls, state_bytes=local * ctx.memory.bytes_per_param,
             activation_bytes=o_layout.local_bytes(op.output), input_grads=grads,
-            update_params=local, **_gemm_priced(op, weight, fact, ctx),
+            update_params=local, **_with_bias_share(
+                _gemm_priced(op, weight, fact, ctx), op, label, ins,
+                None if is_matmul else w_layout, o_layout, ctx),
         ))
     if not is_embedding and not is_matmul:
         out.extend(_summa(op, inputs[0], ctx))
@@ -603,7 +631,8 @@ def _conv_strategy(op: Op, label: str, x: Layout, w: Layout, o: Layout,
                     state_bytes=local * ctx.memory.bytes_per_param,
                     activation_bytes=o.local_bytes(op.output),
                     input_grads=input_grad_layouts(op, label, (x,), w), update_params=local,
-                    **_gemm_priced(op, op.weight, priced_on, ctx))
+                    **_with_bias_share(_gemm_priced(op, op.weight, priced_on, ctx), op, label,
+                                       (x,), w, o, ctx))
 
 
 def _grouped_conv_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
@@ -1050,9 +1079,12 @@ def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[
 
 def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
                               cluster: Cluster, transpose: bool = True
-                              ) -> tuple[Collective, ...]:
+                              ) -> tuple[tuple[Collective, ...], float]:
+    """:func:`tied_exchange`'s collectives, once a step, and its slices' copies' seconds
+    (:attr:`~ilp_planner.lowering.redistribution.RedistStep.local_s`)."""
     to_emb, back = tied_exchange(emb_weight, head_weight, table, cluster, transpose)
-    return tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward)
+    return (tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward),
+            to_emb.local_forward_s + back.local_forward_s)
 
 
 

@@ -1,6 +1,9 @@
 """Run under torchrun: execute lowered redistribution programs (forward steps and backward
 steps) on real gloo processes and compare every rank's block with the unsharded tensor.
-Prints one line per case; exit 1 on any mismatch."""
+With ``COUNT_KERNELS`` set, also count the kernels each rank dispatches outside the
+collectives (as :mod:`tests.helpers.rank_kernels` does) against the kernels the lowering
+prices (:func:`~ilp_planner.lowering.redistribution.step_work`): equal where the tensor
+splits evenly, at most that elsewhere. Prints one line per case; exit 1 on any mismatch."""
 
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
 from ilp_planner.ir.graph import TensorSpec
 from ilp_planner.ir.layouts import B, Layout, P, S, grad_layout
 from ilp_planner.ir.links import catalogue_cluster
+from ilp_planner.lowering.redistribution import step_work
 from runtime.comm import Comm
 from runtime.mesh import MeshRegistry
+from tests.helpers.rank_kernels import _Count, _waits_inside
 
 
 def setting(world: int) -> tuple[Cluster, list, list]:
@@ -78,21 +83,41 @@ def main() -> int:
     reg.create()
     g = torch.Generator().manual_seed(0)
     flags = torch.zeros(len(todo), dtype=torch.int64)
+    count = _Count() if os.environ.get("COUNT_KERNELS") else None
+    kernels: list[str] = []  # rank 0's (issued, priced) per case
+    if count is not None:
+        _waits_inside(count)
     for i, (shape, src, dst, tensor, red) in enumerate(todo):
         full = torch.randn(shape, generator=g)
-        got = comm.run(comm.block(full, src), red.steps, tensor, "forward", "test")
+        x, gx = comm.block(full, src), comm.block(full, red.grad_dst)
+        if count is not None:
+            count.ops.clear()
+            count.__enter__()
+        got = comm.run(x, red.steps, tensor, "forward", "test")
+        back = comm.run(gx, red.backward_steps, tensor, "backward", "test")
+        ok_k = True
+        if count is not None:
+            count.__exit__(None, None, None)
+            steps = red.steps + red.backward_steps
+            priced = sum(step_work(st, tensor).kernels for st in steps)
+            even = all(n % lay.split_degree(d) == 0 for st in steps for lay in (st.src, st.dst)
+                       for d, n in enumerate(shape))
+            issued = sum(count.ops.values())
+            ok_k = issued == priced if even else issued <= priced
+            kernels.append(f", kernels {issued} of {priced} priced")
         want = comm.block(full, dst)
         ok = got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
-        back = comm.run(comm.block(full, red.grad_dst), red.backward_steps, tensor, "backward", "test")
         want_b = comm.block(full, grad_layout(src))
         ok_b = back.shape == want_b.shape and torch.allclose(back, want_b, atol=1e-5)
-        flags[i] = int(ok and ok_b)
+        flags[i] = int(ok and ok_b and ok_k)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # one collective for all verdicts
     bad = int((flags == 0).sum())
     if dist.get_rank() == 0:
-        for (shape, src, dst, _, red), f in zip(todo, flags.tolist(), strict=True):
+        for i, ((shape, src, dst, _, red), f) in enumerate(zip(todo, flags.tolist(),
+                                                               strict=True)):
             print(f"{'OK ' if f else 'BAD'} {shape} {src} -> {dst}: "
-                  f"{len(red.steps)} + {len(red.backward_steps)} steps", flush=True)
+                  f"{len(red.steps)} + {len(red.backward_steps)} steps"
+                  f"{kernels[i] if kernels else ''}", flush=True)
         print(f"cases {len(todo)} bad {bad}", flush=True)
     dist.destroy_process_group()
     return 1 if bad else 0
