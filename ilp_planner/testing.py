@@ -38,9 +38,17 @@ from ilp_planner.ir.graph import Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.redistribution import plan_redistribution
 from ilp_planner.lowering.stage_boundary import export_program, import_program
-from ilp_planner.lowering.strategies import Strategy, input_grad_layouts, resolve_partial, tied_source
+from ilp_planner.lowering.strategies import (
+    Strategy,
+    input_grad_layouts,
+    resolve_partial,
+    tie_transposes,
+    tied_exchange_collectives,
+    tied_source,
+)
 from ilp_planner.plan.data import (
     CostBreakdown,
+    LayerPlan,
     PipelineSchedule,
     Plan,
     ReshardingEntry,
@@ -195,34 +203,46 @@ def _stage_mesh(cluster: Cluster, nodes: int, local: int, index: int) -> SubMesh
     return SubMesh(index * nodes, nodes, 0, local, cluster.devices_per_node)
 
 
-def _at_stage_boundaries(graph, gp, lp, outputs: dict[str, Layout], stage_of: dict[str, int]) -> tuple:
-    """A layer's collectives once the single-mesh plan is cut into stages: the edge
-    programs of inputs from another stage (they arrive by cross-mesh resharding, exactly in
-    the layout the layer reads) replaced by their import programs, the export program added
-    where a later stage reads the output (:mod:`ilp_planner.lowering.stage_boundary`), and a tied
+def _at_stage_boundaries(graph, gp, lp, layers: dict[str, LayerPlan],
+                         stage_of: dict[str, int]) -> LayerPlan:
+    """A layer once the single-mesh plan is cut into stages: the edge programs of inputs
+    from another stage (they arrive by cross-mesh resharding, exactly in the layout the
+    layer reads) replaced by their import programs, the export program added where a later
+    stage reads the output (:mod:`ilp_planner.lowering.stage_boundary`), and a tied
     exchange whose partner is on another stage dropped (:func:`price_stage_boundaries` adds
-    the cross-stage one)."""
+    the cross-stage one) — their collectives, and their slices' copies in ``compute_s``
+    (:attr:`~ilp_planner.lowering.redistribution.RedistStep.local_s`, which
+    :func:`~ilp_planner.intra_op.realise.realise` put there)."""
     colls = list(lp.collectives)
+    local = 0.0
     op = graph[lp.name]
     cluster = gp.ctx.cluster
     emb = tied_source(graph, op) if op.attrs.get("tied") else None
     if emb is not None and stage_of[emb.name] != stage_of[lp.name]:  # exchanged across stages
         colls = [c for c in colls if c.purpose != "tied_weight"]
+        if emb.name in gp.owner and gp.position[lp.name] == 0:
+            once = tied_exchange_collectives(layers[emb.name].weight, lp.weight, emb.weight,
+                                             cluster, tie_transposes(op))[1]
+            local -= once / gp.microbatches
     grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
     for idx, src in enumerate(op.inputs):
         if (graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[lp.name]
                 or gp.owner[src] == gp.owner[lp.name]):  # a follower's input is priced inside
             continue
         tensor = graph[src].output
-        red = plan_redistribution(outputs[src], lp.inputs[idx], tensor, cluster, grads[idx])
+        red = plan_redistribution(layers[src].output, lp.inputs[idx], tensor, cluster,
+                                  grads[idx])
         for c in red.forward + red.backward:
             colls.remove(c)
+        local -= red.local_forward_s * (2 if lp.recompute else 1) + red.local_backward_s
         imp = import_program(lp.inputs[idx], grads[idx], tensor, cluster)
         colls += imp.forward + imp.backward
+        local += imp.local_forward_s + imp.local_backward_s
     if any(stage_of[c] > stage_of[lp.name] for c in graph.consumers(lp.name)):
         exp = export_program(lp.output, op.output, cluster)
         colls += exp.forward + exp.backward
-    return tuple(colls)
+        local += exp.local_forward_s + exp.local_backward_s
+    return replace(lp, collectives=tuple(colls), compute_s=lp.compute_s + local)
 
 
 def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
@@ -266,10 +286,9 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
         if s < stages - 1 and n == cuts[s]:
             s += 1
     layers, cost = realise(gp, choice, stage_of=stage_of)
-    outputs = {lp.name: lp.output for lp in layers}
-    layers = [replace(lp, stage=stage_of[lp.name],
-                      collectives=_at_stage_boundaries(graph, gp, lp, outputs, stage_of))
-              for lp in layers]
+    by_name = {lp.name: lp for lp in layers}
+    layers = [replace(_at_stage_boundaries(graph, gp, lp, by_name, stage_of),
+                      stage=stage_of[lp.name]) for lp in layers]
     meshes = [_stage_mesh(c, n_s, d_s, i) for i in range(stages)]
     devices = [m.device_ids() for m in meshes]
     stage_list = [Stage(i, tuple(devices[i]), (n_s, d_s),

@@ -54,7 +54,12 @@ from ilp_planner.ir.cluster import Cluster, Factorisation
 from ilp_planner.ir.graph import Op, TensorSpec
 from ilp_planner.ir.layouts import B, Layout, P, Placement, Split
 from ilp_planner.lowering.cost_model import Collective, CollectiveKind, make_collective
-from ilp_planner.lowering.redistribution import Redistribution, RedistStep, planner_for
+from ilp_planner.lowering.redistribution import (
+    Redistribution,
+    RedistStep,
+    planner_for,
+    step_bytes,
+)
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"  # the AllToAlls' purposes (plan and audit)
 RECEIVED, COUNTS = "moe_received", "moe_counts"  # a dropless exchange's (see dropless)
@@ -188,22 +193,33 @@ def dispatch_tensor(op: Op, x: Layout) -> TensorSpec:
     return TensorSpec((op.attr("experts"), g * capacity(op, t // g), h), op.output.dtype)
 
 
-def _a2a(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster) -> tuple[RedistStep]:
+def _a2a(src: Layout, dst: Layout, tensor: TensorSpec, cluster: Cluster,
+         packed: bool = True) -> tuple[RedistStep]:
     """The one AllToAll over p1 between two dispatch-buffer layouts, as a step the
-    runtime's :class:`~runtime.comm.Comm` executes (``all_to_all_single``). Built directly,
-    not searched: a path of re-views the edge search may prefer for an opaque tensor would
-    move the buffer off the device that owns the expert."""
+    runtime's :class:`~runtime.comm.Comm` executes (``all_to_all_single``, with the local
+    kernels it runs around it). Built directly, not searched: a path of re-views the edge
+    search may prefer for an opaque tensor would move the buffer off the device that owns
+    the expert. ``packed=False``: the call alone — a dropless op exchanges its sorted rows
+    as they lie (``runtime.moe._Exchange``), with no stack or cat."""
     kind = CollectiveKind.ALL_TO_ALL
-    return (RedistStep(src, dst, planner_for(src, cluster).collective(kind, src, dst, 1, tensor)),)
+    if packed:
+        c = planner_for(src, cluster).collective(kind, src, dst, 1, tensor)
+    else:
+        ax = src.fact[1]
+        c = make_collective(kind, ax.size, step_bytes(kind, src, dst, 1, tensor), cluster,
+                            ax.spans_nodes, (1,), nodes=ax.nodes)
+    return (RedistStep(src, dst, c),)
 
 
-def moe_programs(op: Op, x: Layout, cluster: Cluster) -> tuple[Redistribution, Redistribution] | None:
+def moe_programs(op: Op, x: Layout, cluster: Cluster, packed: bool = True
+                 ) -> tuple[Redistribution, Redistribution] | None:
     """The dispatch and combine AllToAlls of an expert-parallel strategy over p1 (None
     where nothing is exchanged: expert slicing, or p1 = 1), as edge programs on the
     dispatch buffer. Dispatch moves ``(S1, S1, B) → (S1, S0, B)``; its gradient comes back
     partial over p2 where the experts are tensor-parallel (their ``dX`` is a partial sum),
     and is moved back as it is — the op's input gradient is partial there anyway. Combine
-    moves the experts' output ``(S1, S0, P) → (S1, S1, P)``, its gradient replicated."""
+    moves the experts' output ``(S1, S0, P) → (S1, S1, P)``, its gradient replicated.
+    ``packed``: as :func:`_a2a`'s."""
     fact = x.fact
     if not expert_parallel(x) or fact[1].size == 1:
         return None
@@ -212,16 +228,16 @@ def moe_programs(op: Op, x: Layout, cluster: Cluster) -> tuple[Redistribution, R
     held, owned = (Split(1), Split(1)), (Split(1), Split(0))
     d_src, d_dst = Layout(fact, (*held, B)), Layout(fact, (*owned, B))
     g_dst, g_src = Layout(fact, (*owned, p2)), Layout(fact, (*held, p2))
-    dispatch = Redistribution(d_src, d_dst, buf, _a2a(d_src, d_dst, buf, cluster), g_dst,
-                              _a2a(g_dst, g_src, buf, cluster))
-    combine = Redistribution(g_dst, g_src, buf, _a2a(g_dst, g_src, buf, cluster), d_src,
-                             _a2a(d_src, d_dst, buf, cluster))
+    dispatch = Redistribution(d_src, d_dst, buf, _a2a(d_src, d_dst, buf, cluster, packed),
+                              g_dst, _a2a(g_dst, g_src, buf, cluster, packed))
+    combine = Redistribution(g_dst, g_src, buf, _a2a(g_dst, g_src, buf, cluster, packed),
+                             d_src, _a2a(d_src, d_dst, buf, cluster, packed))
     return dispatch, combine
 
 
 def moe_collectives(op: Op, x: Layout, cluster: Cluster) -> tuple[Collective, ...]:
     """The AllToAlls the strategy issues per micro-batch, forward and backward."""
-    progs = moe_programs(op, x, cluster)
+    progs = moe_programs(op, x, cluster, packed=not dropless(op))
     if progs is None:
         return ()
     out: list[Collective] = []
