@@ -475,14 +475,15 @@ class RedistributionPlanner:
         moved = np.where(moves.scatter,
                          whole // np.maximum(blocks[src, dim], 1) * blocks[dst, dim] * k, moved)
         out = np.full(len(src), _EPS)
-        self._slice_seconds(moves, blocks, tensor, out)
+        _slice_seconds(moves, blocks, tensor, self.cluster, out)
         priced = np.flatnonzero(moves.kind >= 0)
         if not len(priced):
             return out
         sizes, size_of = np.unique(moved[priced] * tensor.itemsize, return_inverse=True)
         # where a device prices kernels, each move's local kernels too (the same
         # :meth:`collective` prices a path's steps at), which an uneven split changes
-        flags = self._local_flags(moves, blocks, shape, tables.degrees[moves.cand])[priced]
+        flags = _local_flags(moves, blocks, shape, tables.degrees[moves.cand],
+                             self.cluster)[priced]
         keys = ((moves.kind[priced] * len(moves.axes) + moves.axis[priced]) * len(sizes)
                 + size_of) * 8 + flags
         uniq, inverse = np.unique(keys, return_inverse=True)
@@ -498,44 +499,6 @@ class RedistributionPlanner:
                                       flag.tolist(), strict=True)])
         out[priced] = seconds[inverse]
         return out
-
-    def _slice_seconds(self, moves: _Moves, blocks: np.ndarray, tensor: TensorSpec,
-                       out: np.ndarray) -> None:
-        """Into ``out``: each strided slice's copy (:func:`slice_work`), priced once per
-        distinct piece size; the other slices stay free."""
-        if self.cluster.device is None:
-            return
-        strided = np.flatnonzero((moves.kind < 0) & (_before(blocks)[moves.src, moves.dim] > 1))
-        if not len(strided):
-            return
-        pieces, inverse = np.unique(np.prod(blocks[moves.dst[strided]], axis=1),
-                                    return_inverse=True)
-        seconds = np.array([phase_seconds(slice_work(float(n) * tensor.itemsize, True),
-                                          self.cluster.device, tensor.dtype)
-                            for n in pieces.tolist()])
-        out[strided] = seconds[inverse]
-
-    def _local_flags(self, moves: _Moves, blocks: np.ndarray, shape: np.ndarray,
-                     degrees: np.ndarray) -> np.ndarray:
-        """Per move, what its local kernels depend on besides kind, axis and bytes
-        (:meth:`step_kernel_seconds`'s reading of the layouts): 4 where a dim splits
-        unevenly, 2 where its pieces must be packed, 1 where the received blocks must be
-        unpacked; all 0 on a flat cluster, which prices no kernel."""
-        if self.cluster.device is None:
-            return np.zeros(len(moves.src), dtype=np.int64)
-        uneven = np.any(shape % degrees != 0, axis=1)
-        odd = uneven[moves.src] | uneven[moves.dst]
-        before = _before(blocks)
-        kind = moves.kind
-        a2a = kind == _KIND_ID[CollectiveKind.ALL_TO_ALL]
-        scatters = (kind == _KIND_ID[CollectiveKind.REDUCE_SCATTER]) | a2a
-        gathers = (kind == _KIND_ID[CollectiveKind.ALL_GATHER]) | a2a
-        # the gathered dim: an AllGather's ``dim``; an AlltoAll's is the dim whose block grows
-        grown = np.argmax(blocks[moves.dst] > blocks[moves.src], axis=1)
-        gathered = np.where(a2a, grown, moves.dim)
-        pack = scatters & (before[moves.src, moves.dim] > 1)
-        unpack = gathers & (before[moves.dst, gathered] > 1)
-        return (odd * 4 + pack * 2 + unpack).astype(np.int64)
 
     def _dijkstra(self, src: Layout, tensor: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
         graph = self._graph(tensor)
@@ -694,6 +657,46 @@ class RedistributionPlanner:
         back = grad_dst if grad_dst is not None else grad_layout(dst)
         return Redistribution(src, dst, tensor, self.path(src, dst, tensor), back,
                               self.path(back, grad_layout(src), tensor))
+
+
+def _slice_seconds(moves: _Moves, blocks: np.ndarray, tensor: TensorSpec, cluster: Cluster,
+                   out: np.ndarray) -> None:
+    """Into ``out`` (:meth:`RedistributionPlanner._move_seconds`'s): each strided slice's
+    copy (:func:`slice_work`), priced once per distinct piece size; the other slices stay
+    free."""
+    if cluster.device is None:
+        return
+    strided = np.flatnonzero((moves.kind < 0) & (_before(blocks)[moves.src, moves.dim] > 1))
+    if not len(strided):
+        return
+    pieces, inverse = np.unique(np.prod(blocks[moves.dst[strided]], axis=1),
+                                return_inverse=True)
+    seconds = np.array([phase_seconds(slice_work(float(n) * tensor.itemsize, True),
+                                      cluster.device, tensor.dtype) for n in pieces.tolist()])
+    out[strided] = seconds[inverse]
+
+
+def _local_flags(moves: _Moves, blocks: np.ndarray, shape: np.ndarray, degrees: np.ndarray,
+                 cluster: Cluster) -> np.ndarray:
+    """Per move, what its local kernels depend on besides kind, axis and bytes
+    (:func:`step_work`'s reading of the layouts): 4 where a dim splits unevenly, 2 where
+    its pieces must be packed, 1 where the received blocks must be unpacked; all 0 on a
+    flat cluster, which prices no kernel."""
+    if cluster.device is None:
+        return np.zeros(len(moves.src), dtype=np.int64)
+    uneven = np.any(shape % degrees != 0, axis=1)
+    odd = uneven[moves.src] | uneven[moves.dst]
+    before = _before(blocks)
+    kind = moves.kind
+    a2a = kind == _KIND_ID[CollectiveKind.ALL_TO_ALL]
+    scatters = (kind == _KIND_ID[CollectiveKind.REDUCE_SCATTER]) | a2a
+    gathers = (kind == _KIND_ID[CollectiveKind.ALL_GATHER]) | a2a
+    # the gathered dim: an AllGather's ``dim``; an AlltoAll's is the dim whose block grows
+    grown = np.argmax(blocks[moves.dst] > blocks[moves.src], axis=1)
+    gathered = np.where(a2a, grown, moves.dim)
+    pack = scatters & (before[moves.src, moves.dim] > 1)
+    unpack = gathers & (before[moves.dst, gathered] > 1)
+    return (odd * 4 + pack * 2 + unpack).astype(np.int64)
 
 
 def _rank_tables_of(universe: tuple[Factorisation, ...], rank: int) -> _RankTables:
