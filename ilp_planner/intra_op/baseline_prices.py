@@ -16,7 +16,14 @@ from ilp_planner.intra_op.baselines import (
     torchtitan_choice,
 )
 from ilp_planner.intra_op.moe_baselines import has_moe
-from ilp_planner.intra_op.problem import BuildCache, NodeCosts, build_nodes
+from ilp_planner.intra_op.problem import (
+    BuildCache,
+    NodeCosts,
+    SubsetNodes,
+    build_nodes,
+    problem_key,
+    subset_nodes,
+)
 from ilp_planner.intra_op.realise import EdgeMemo, realise
 from ilp_planner.intra_op.request import MeshSolveRequest
 from ilp_planner.ir.graph import Graph
@@ -38,7 +45,12 @@ class MemberBuilder:
     On the configured micro-batches the members build in the request's own cache where it
     has one — the plan's: every option a member keeps is one the plan's build priced
     (:class:`~ilp_planner.intra_op.problem.BuildCache`'s ``base_options``), so a member
-    builds only its edge matrices and the strategies the plan's space left out."""
+    builds only its edge matrices and the strategies the plan's space left out. Where the
+    cache holds the plan's whole problem at the member's state sharding levels and
+    recomputed blocks (the plan's own, uncapped: data parallel, Megatron, SUMMA and the
+    grid's DDP points without checkpointing), the member is read off it
+    (:func:`~ilp_planner.intra_op.problem.subset_nodes`): its rows and matrices indexed,
+    nothing built."""
 
     def __init__(self, request: MeshSolveRequest):
         self.request = request
@@ -85,15 +97,24 @@ class MemberBuilder:
                      if batch % m == 0 and (batch // m) % dp == 0), None)
 
     def _build(self, m: int, levels: tuple[int, ...], blocks: frozenset,
-               keep: Filter) -> NodeCosts:
+               keep: Filter) -> NodeCosts | SubsetNodes:
         req, config = self.request, self.request.config
         if m not in self.graphs:
             self.graphs[m] = config.with_overrides({"pipeline.microbatches": m}).microbatch_graph()
+        cache = self.caches.setdefault(m, BuildCache())
+        whole = None if cache.problems_of is not self.graphs[m] else cache.problems.get(
+            problem_key(config.cluster, req.nodes, req.local, config.memory,
+                        config.solver.tie_layers, None, m, req.boundary,
+                        config.grad_bucket_bytes, levels, blocks))
+        subset = None if whole is None else subset_nodes(
+            whole, keep, cache, config.solver.tie_layers, req.memory_budget)
+        if subset is not None:
+            return subset
         return build_nodes(self.graphs[m], config.cluster, req.nodes, req.local, config.memory,
                            tie_layers=config.solver.tie_layers,
                            memory_budget=req.memory_budget, microbatches=m,
                            boundary=req.boundary, grad_bucket_bytes=config.grad_bucket_bytes,
-                           cache=self.caches.setdefault(m, BuildCache()), zero_levels=levels,
+                           cache=cache, zero_levels=levels,
                            recompute=blocks, keep=keep)
 
 

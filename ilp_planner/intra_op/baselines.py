@@ -371,6 +371,9 @@ class _Built:
     nodes: NodeCosts
     need: float
     priced: Priced | float | str | None = None
+    # a proven bound on its optimum without the memory row, once a solve under a budget
+    # found it (:func:`_solved`): no checkpointed twin goes below it
+    floor: float | None = None
 
     @property
     def gp(self) -> GraphProblem:
@@ -444,6 +447,8 @@ def _solved(built: _Built, budget: float | None, time_limit_s: float,
         free = solve_exact(dataclasses.replace(problem, memory_budget=None), time_limit_s, cutoff)
         if free is None:
             return None
+        if not isinstance(free, str):
+            built.floor = free[1] - free[2] * abs(free[1])
         if not isinstance(free, str) and free[2] == 0 and problem.feasible(free[0]):
             out, binds = free, False
     if out is None:
@@ -661,6 +666,10 @@ class _GridSearch:
     # memory row, or whose bound without the row already exceeds the best: checkpointing
     # cannot win there (:meth:`_done_without_checkpointing`)
     done: set[tuple] = field(default_factory=set)
+    # (fsdp, dp, tp, sp) → its plain point's proven bound without the memory row
+    # (:attr:`_Built.floor`): a checkpointed twin costs at least that, so once the best
+    # is below it the twin is never built
+    floors: dict[tuple, float] = field(default_factory=dict)
     order: int = 0
 
     def group(self, fsdp: bool, mode: str, blocks: frozenset, meshes: list) -> None:
@@ -669,8 +678,9 @@ class _GridSearch:
         for dp, tp in meshes:
             for sp in (False, True) if tp.size > 1 else (False,):
                 self.order += 1
-                if mode != "none" and (fsdp, dp, tp, sp) in self.done:
-                    continue  # checkpointing could only add work (``done``)
+                if mode != "none" and ((fsdp, dp, tp, sp) in self.done
+                                       or self._beaten_twin((fsdp, dp, tp, sp))):
+                    continue  # checkpointing could only add work (``done``, ``floors``)
                 name = (f"torchtitan({'fsdp' if fsdp else 'ddp'}={dp},tp={tp},"
                         f"{'sp,' if sp else ''}ac={mode})")
                 state = _fully_sharded if fsdp else _replicated_state
@@ -691,6 +701,8 @@ class _GridSearch:
             res = _member_price(built, self.budget, self.time_limit_s, beat)
             if mode == "none" and self._done_without_checkpointing(res):
                 self.done.add((fsdp, *point))
+            if mode == "none" and built.floor is not None:
+                self.floors[(fsdp, *point)] = built.floor
             if isinstance(res, float):
                 self.needs.append((res, name))
             elif isinstance(res, str):
@@ -699,6 +711,13 @@ class _GridSearch:
                                               or (res.objective, i) < self.best[:2]):
                 self.best = (res.objective, i, name, res,
                              _reserve(res.gp.options) if fsdp else 0.0)
+
+    def _beaten_twin(self, point: tuple) -> bool:
+        """Whether the best so far is already below what every checkpointed twin of
+        ``point`` costs (its plain point's :attr:`floors`; with ``prune`` only)."""
+        floor = self.floors.get(point)
+        return (self.prune and self.best is not None and floor is not None
+                and floor > self.best[0] * (1 + _BEAT_MARGIN))
 
     @staticmethod
     def _done_without_checkpointing(res: Priced | float | str | Beaten | None) -> bool:

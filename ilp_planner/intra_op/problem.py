@@ -675,6 +675,87 @@ class NodeCosts:
         return self.done
 
 
+@dataclass
+class SubsetNodes:
+    """A restricted build read off the whole problem (:func:`subset_nodes`): the
+    :class:`NodeCosts` protocol a baseline member needs — its options, rows, bound, least
+    memory and, once asked, its problem (the whole one's entries at the kept options,
+    under ``memory_budget``). Its rows are the whole problem's, completed: they hold the
+    edges inside a group too, so :meth:`bound` is at least a build's."""
+
+    whole: GraphProblem
+    allowed: list[np.ndarray]
+    options: dict[str, list[NodeOption]]
+    memory_budget: float | None
+    done: GraphProblem | None = None
+
+    def min_memory(self) -> float:
+        """The least per-device memory any choice needs."""
+        return sum(float(m[a].min()) for m, a in zip(self.whole.problem.memory, self.allowed,
+                                                      strict=True))
+
+    def bound(self) -> float:
+        """Every group's cheapest kept option on its own (edges between groups add)."""
+        return float(sum(c[a].min() for c, a in zip(self.whole.problem.cost, self.allowed,
+                                                      strict=True)))
+
+    def complete(self) -> GraphProblem:
+        """The restricted problem (once)."""
+        if self.done is None:
+            problem = dataclasses.replace(self.whole.problem.subset(self.allowed),
+                                          memory_budget=self.memory_budget)
+            self.done = dataclasses.replace(self.whole, problem=problem, options=self.options)
+        return self.done
+
+
+def problem_key(cluster: Cluster, nodes: int, local: int, memory: MemorySpec, tie_layers: bool,
+                max_weight_replication: int | None, microbatches: int,
+                boundary: StageBoundary | None, grad_bucket_bytes: float,
+                zero_levels: tuple[int, ...], recompute: frozenset) -> tuple:
+    """What a whole problem is kept by in :attr:`BuildCache.problems` (its build's
+    arguments save the budget): the plan's solves rebuild by it, and a baseline member
+    built with the same arguments but a ``keep`` finds it (:func:`subset_nodes`)."""
+    return (cluster, nodes, local, memory, tie_layers, max_weight_replication, microbatches,
+            boundary, grad_bucket_bytes, tuple(zero_levels), frozenset(recompute))
+
+
+def subset_nodes(whole: GraphProblem, keep: StrategyFilter, cache: BuildCache,
+                 tie_layers: bool, memory_budget: float | None) -> SubsetNodes | None:
+    """``build_nodes(…, keep=keep)`` read off ``whole``, built in ``cache`` with the same
+    arguments but ``keep`` (and no weight-replication cap): each node keeps ``whole``'s
+    options whose base strategy the build keeps (:func:`_kept_strategies`), in the same
+    order — every option of a base strategy is the one ``cache`` priced for both — so its
+    rows and edge matrices are ``whole``'s at those options, found by indexing instead of
+    building. Raises ``ValueError`` where an op keeps none, as the build; None where the
+    nodes of a group would keep different options (the build then decides)."""
+    ctx = whole.ctx
+    if ctx.max_weight_replication is not None or whole.boundary.imported \
+            or whole.boundary.exported:
+        return None
+    st = _structure(whole.graph, whole.boundary, tie_layers, cache)
+    picked: dict[tuple[int, bool], tuple[list[int], list[NodeOption]]] = {}
+    options: dict[str, list[NodeOption]] = {}
+    allowed: list[np.ndarray] = []
+    for group in whole.groups:
+        first = None
+        for node in group:
+            opts, table = whole.options[node], node in st.tied_tables
+            hit = picked.get((id(opts), table))
+            if hit is None:
+                rep = whole.graph[node]
+                kept = set(_kept_strategies(rep, node, [whole.graph[i].output for i in rep.inputs],
+                                            ctx, keep, cache, table))
+                idx = [k for k, o in enumerate(opts) if o.base in kept]
+                hit = picked[(id(opts), table)] = (idx, [opts[k] for k in idx])
+            if first is None:
+                first = hit[0]
+            elif hit[0] != first:
+                return None
+            options[node] = hit[1]
+        allowed.append(np.array(first, dtype=int))
+    return SubsetNodes(whole, allowed, options, memory_budget)
+
+
 STRUCTURES_KEPT = 16
 """Graph structures a build cache keeps (the latest): one solve's builds share a graph or a
 few (one per micro-batch count), while a pipeline's stage solves build a graph per layer

@@ -33,6 +33,7 @@ from ilp_planner.intra_op.problem import (
     build_problem,
     describe_infeasible,
     peak_memory,
+    problem_key,
 )
 from ilp_planner.intra_op.request import MeshSolveRequest, PhaseTimes
 
@@ -749,9 +750,10 @@ def _built(request: MeshSolveRequest) -> GraphProblem:
     with its budget — the same arrays, so the same problem bit for bit."""
     config, cache, graph = request.config, request.cache, request.graph
     opts = config.solver
-    key = (config.cluster, request.nodes, request.local, config.memory, opts.tie_layers,
-           opts.max_weight_replication, request.microbatches, request.boundary,
-           config.grad_bucket_bytes, tuple(opts.state_sharding), request.recompute)
+    key = problem_key(config.cluster, request.nodes, request.local, config.memory,
+                      opts.tie_layers, opts.max_weight_replication, request.microbatches,
+                      request.boundary, config.grad_bucket_bytes, tuple(opts.state_sharding),
+                      request.recompute)
     gp = None
     if cache is not None:
         if cache.problems_of is not graph:
