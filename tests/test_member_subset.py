@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ilp_planner.inputs.config import load_config
+from ilp_planner.inputs.importer import from_module
 from ilp_planner.intra_op.baseline_prices import MemberBuilder
 from ilp_planner.intra_op.baselines import (
     data_parallel_filter,
@@ -35,7 +37,9 @@ from ilp_planner.intra_op.problem import (
     subset_nodes,
 )
 from ilp_planner.intra_op.request import MeshSolveRequest
-from ilp_planner.ir.cluster import MeshAxis
+from ilp_planner.ir.cluster import Cluster, Link, MeshAxis
+from ilp_planner.lowering.cost_model import MemorySpec
+from tests.test_shared_reads import TOKENS, D, FanOut
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -116,8 +120,8 @@ def test_a_subset_is_the_restricted_build(name):
 def test_families_and_grid_price_the_same_with_the_whole_problem_at_hand(name, budget_gib):
     """Every family's best member and the torchtitan grid's best point (each member solved
     to its optimum: no pruning) are the same members at the same prices and choices
-    whether the builder reads them off the plan's whole problem or builds each; under a
-    budget that binds, too."""
+    whether the builder reads them off the plan's whole problem or builds each (the first
+    pruned but under one budget, the second never); under a budget that binds, too."""
     config = load_config(CONFIGS / f"{name}.yaml")
     base = MeshSolveRequest.whole_cluster(config)
     if budget_gib is not None:
@@ -125,13 +129,14 @@ def test_families_and_grid_price_the_same_with_the_whole_problem_at_hand(name, b
     read_off = dataclasses.replace(base, cache=BuildCache())
     _whole(read_off)
     builders = [MemberBuilder(read_off), MemberBuilder(dataclasses.replace(base, cache=None))]
+    prune = budget_gib != 0.0008  # pruned too: members may be solved in another order
     assert isinstance(builders[0]((0,), frozenset(), summa_filter(MeshAxis(2, 1),
                                                                   MeshAxis(1, 4)), 1),
                       SubsetNodes)
     c = config.cluster
     fams = [price_families(b, c.nodes, c.devices_per_node, base.microbatches,
-                           base.memory_budget, 30.0, moe="moe" in name, prune=False)
-            for b in builders]
+                           base.memory_budget, 30.0, moe="moe" in name, prune=p)
+            for b, p in zip(builders, (prune, False), strict=True)]
     assert fams[0].keys() == fams[1].keys()
     if budget_gib == 0.0008:
         assert fams[0]["megatron(dp=2,tp=4)"].memory_binds
@@ -143,10 +148,26 @@ def test_families_and_grid_price_the_same_with_the_whole_problem_at_hand(name, b
         assert a.choice == b.choice, k
         assert math.isclose(a.objective, b.objective, rel_tol=1e-9), k
     grids = [torchtitan_choice(base.graph, b, c.nodes, c.devices_per_node, base.memory_budget,
-                               30.0, base.microbatches, prune=False) for b in builders]
+                               30.0, base.microbatches, prune=p)
+             for b, p in zip(builders, (prune, False), strict=True)]
     if isinstance(grids[0], str):
         assert grids[0] == grids[1]
         return
     assert grids[0].name == grids[1].name
     assert grids[0].choice == grids[1].choice
     assert math.isclose(grids[0].objective, grids[1].objective, rel_tol=1e-9)
+
+
+def test_a_graph_with_couplings_is_built():
+    """Where the graph couples readers (a value two pieces of functional code read), the
+    couplings' penalty depends on every option the problem holds: the member is built,
+    not read off."""
+    torch.manual_seed(0)
+    graph = from_module(FanOut(), (torch.randn(TOKENS, D),))
+    cache = BuildCache()
+    cl = Cluster(1, 4, memory_bytes=16 * 2**30, peak_flops=1e12,
+                 intra=Link.from_bandwidth(1, 10), inter=Link.from_bandwidth(2, 5))
+    whole = build_problem(graph, cl, 1, 4, MemorySpec.preset("adam"), cache=cache)
+    assert any(bool(np.any(c > 1.0)) for c in whole.problem.edges.values())  # penalties
+    keep = megatron_filter(MeshAxis(1, 2), MeshAxis(1, 2))
+    assert subset_nodes(whole, keep, cache, True, None) is None

@@ -48,9 +48,11 @@ class MemberBuilder:
     builds only its edge matrices and the strategies the plan's space left out. Where the
     cache holds the plan's whole problem at the member's state sharding levels and
     recomputed blocks (the plan's own, uncapped: data parallel, Megatron, SUMMA and the
-    grid's DDP points without checkpointing), the member is read off it
+    grid's DDP points at the plan's levels — without checkpointing, or with the blocks the
+    plan recomputes) and the graph has no couplings, the member is read off it
     (:func:`~ilp_planner.intra_op.problem.subset_nodes`): its rows and matrices indexed,
-    nothing built."""
+    nothing built. Its bound then holds the edges inside groups too, so the members of a
+    family may be solved in another order; the best member and its price are the same."""
 
     def __init__(self, request: MeshSolveRequest):
         self.request = request
@@ -59,7 +61,7 @@ class MemberBuilder:
         self.graphs: dict[int, Graph] = {request.microbatches: request.graph}
 
     def __call__(self, levels: tuple[int, ...], blocks: frozenset, keep: Filter,
-                 dp: int) -> NodeCosts:
+                 dp: int) -> NodeCosts | SubsetNodes:
         m = self.request.microbatches
         try:
             return self._build(m, levels, blocks, keep)

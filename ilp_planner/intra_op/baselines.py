@@ -86,6 +86,7 @@ from ilp_planner.intra_op.problem import (
     NodeOption,
     Restriction,
     StrategyFilter,
+    SubsetNodes,
     peak_memory,
 )
 from ilp_planner.ir.cluster import MeshAxis, mesh_factorisations
@@ -352,7 +353,7 @@ def member_name(label: str, a: MeshAxis, b: MeshAxis) -> str:
     return f"summa({a}x{b})" if label == "summa" else f"{label}(dp={a},tp={b})"
 
 
-Build = Callable[[tuple[int, ...], frozenset, Filter, int], NodeCosts]
+Build = Callable[[tuple[int, ...], frozenset, Filter, int], NodeCosts | SubsetNodes]
 """``build(zero_levels, recomputed_blocks, keep, dp)``: the first half
 (:func:`~ilp_planner.intra_op.problem.build_nodes`) of the planner's problem restricted to
 the strategies ``keep`` passes (:func:`~ilp_planner.intra_op.problem.build_problem`'s
@@ -368,7 +369,7 @@ class _Built:
     the least memory any of its choices needs (with its reserve); ``priced``: its price
     once solved."""
 
-    nodes: NodeCosts
+    nodes: NodeCosts | SubsetNodes
     need: float
     priced: Priced | float | str | None = None
     # a proven bound on its optimum without the memory row, once a solve under a budget

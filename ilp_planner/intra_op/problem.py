@@ -727,12 +727,16 @@ def subset_nodes(whole: GraphProblem, keep: StrategyFilter, cache: BuildCache,
     order — every option of a base strategy is the one ``cache`` priced for both — so its
     rows and edge matrices are ``whole``'s at those options, found by indexing instead of
     building. Raises ``ValueError`` where an op keeps none, as the build; None where the
-    nodes of a group would keep different options (the build then decides)."""
+    nodes of a group would keep different options, or where the graph has couplings
+    (:func:`_add_shared_couplings`: their penalty is priced from every option the problem
+    holds, so the whole problem's would not be the member's) — the build then decides."""
     ctx = whole.ctx
     if ctx.max_weight_replication is not None or whole.boundary.imported \
             or whole.boundary.exported:
         return None
     st = _structure(whole.graph, whole.boundary, tie_layers, cache)
+    if st.couplings or st.still or st.still_within or st.input_couplings:
+        return None
     picked: dict[tuple[int, bool], tuple[list[int], list[NodeOption]]] = {}
     options: dict[str, list[NodeOption]] = {}
     allowed: list[np.ndarray] = []
