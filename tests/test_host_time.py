@@ -6,11 +6,13 @@ kernels one training step of the executor dispatches against the kernels its pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ilp_planner.api import solve
@@ -32,16 +34,28 @@ from ilp_planner.ir.device import ComputeFit, DeviceSpec
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.compute_model import (
+    UNSCALE_BYTES,
+    UNSCALE_KERNELS,
     PhaseWork,
     bound_by,
     master_weight_seconds,
+    op_times_replayed,
     op_work,
     phase_seconds,
+    unscale_seconds,
 )
 from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.stage_boundary import stage_boundary
+from ilp_planner.lowering.strategies import (
+    StrategyContext,
+    is_summa,
+    local_gemm,
+    op_strategies,
+    summa_cast_seconds,
+)
 from ilp_planner.reports.explain import step_seconds
 from ilp_planner.reports.roofline import bound_seconds
+from runtime import model as runtime_model
 from runtime.executor import Executor, RunOptions
 from runtime.measure_dispatch import count_dispatched
 from tests.helpers.shipped import CONFIGS
@@ -114,6 +128,58 @@ def test_master_weight_passes_by_hand(dtype: str, microbatches: int, synced: boo
     assert got == pytest.approx(want, rel=1e-12)
     assert master_weight_seconds(op, params, tensors, mem, microbatches, synced,
                                  _cluster(None)) == 0.0
+
+
+def test_a_summa_weight_accumulates_but_is_cast_at_its_gathered_size() -> None:
+    """SUMMA's weight block (``gathered`` of the ``params``) has no compute copy and no
+    gradient cast back among the master passes — its casts run at its gathered size in the
+    strategy's compute — but its gradient accumulates like the bias's: by hand, bfloat16,
+    four synchronised micro-batches (the bias: one copy cast and four casts back)."""
+    g = models.mlp([64, 32], batch=16, bias=True, dtype="bfloat16")
+    op, block, bias = g["fc1"], 64 * 32 // 4, 32 // 2
+    params = block + bias
+    mem = MemorySpec.preset("adam_mixed")
+    got = master_weight_seconds(op, params, 2, mem, 4, True, _cluster(_device()), block)
+    moved, kernels = bias * 5 * (4 + 2) + params * 4 * 3 * 4, 5 + 2 * 4
+    assert got == pytest.approx(max(moved / HBM + kernels * 5e-6, kernels * HOST), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_summa_prices_its_weight_casts_forward_backward_and_replayed(dtype: str) -> None:
+    """Under a half compute dtype a SUMMA strategy's compute holds two casts of its gathered
+    weight block (K × N/c elements: the forward's from the float32 master, the backward's
+    gradient back), its replay the forward's again — by hand; in float32 nothing."""
+    g = models.mlp([64, 32], batch=16, bias=False, dtype=dtype)
+    op = g["fc1"]
+    cluster = dataclasses.replace(_cluster(_device()), nodes=1, devices_per_node=4)
+    ctx = StrategyContext(cluster, 1, 4, MemorySpec.preset("adam_mixed"))
+    summa = [s for s in op_strategies(op, [g["input"].output], ctx) if is_summa(s.label)]
+    assert summa
+    for s in summa:
+        r, c = (a.size for a in s.fact)
+        split, gemm = local_gemm(op, op.weight, s.fact, True)
+        fwd, bwd, replay = op_times_replayed(op, split, cluster, gemm)
+        cast = 0.0 if dtype == "float32" else max(6 * 64 * 32 / c / HBM + 5e-6, HOST)
+        assert summa_cast_seconds(op, c, cluster) == pytest.approx(cast, rel=1e-12)
+        assert s.compute_s == pytest.approx(fwd + bwd + 2 * cast, rel=1e-12)
+        assert s.replay_s == pytest.approx(replay + cast, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_float16_loss_scale_unscales_each_gradient_by_hand(dtype: str) -> None:
+    """Only float16 takes a loss scale: per gradient tensor 6 kernels, 34 bytes an element
+    (:data:`UNSCALE_BYTES`); the kernel count is what :func:`runtime.model.unscale`
+    dispatches."""
+    g = models.mlp([64, 32], batch=16, bias=True, dtype=dtype)
+    op, params, tensors = g["fc1"], 64 * 32 + 32, 2
+    got = unscale_seconds(op, params, tensors, _cluster(_device()))
+    kernels = tensors * UNSCALE_KERNELS
+    want = max(params * UNSCALE_BYTES / HBM + kernels * 5e-6, kernels * HOST) \
+        if dtype == "float16" else 0.0
+    assert got == pytest.approx(want, rel=1e-12)
+    assert unscale_seconds(op, params, tensors, _cluster(None)) == 0.0
+    grads = {"weight": torch.randn(64, 32), "bias": torch.randn(32)}
+    assert count_dispatched(lambda: runtime_model.unscale(grads, 1024.0)) == kernels
 
 
 def test_a_tensor_read_twice_adds_its_gradients_once_in_the_later_reader() -> None:
@@ -216,12 +282,14 @@ def test_host_times_are_read_from_the_compute_section(key: str) -> None:
 
 
 def _priced_and_dispatched(config: str, layers: int, microbatches: int,
-                           recompute: str, replay_us: float = 0.0) -> tuple[int, int]:
+                           recompute: str, replay_us: float = 0.0,
+                           dtype: str | None = None) -> tuple[int, int]:
     """(kernels the plan prices, kernels the executor's step dispatches) of ``config`` on one
-    device: with a second of host time a kernel and a device too fast to matter, the
-    predicted step's seconds are its kernels (``replay_us`` = 1e6: a replayed kernel counts
-    twice)."""
+    device (``dtype``: its model's, where given): with a second of host time a kernel and a
+    device too fast to matter, the predicted step's seconds are its kernels (``replay_us`` =
+    1e6: a replayed kernel counts twice)."""
     cfg = load_config(CONFIGS / config).with_overrides({
+        **({"model.dtype": dtype} if dtype else {}),
         "model.layers": layers, "cluster.nodes": 1, "cluster.devices_per_node": 1,
         "pipeline.microbatches": microbatches, "solver.recompute": recompute,
         "cluster.compute": {"hbm_gbps": 1e9, "peak_tflops": 1e6, "kernel_floor_us": 0,
@@ -240,18 +308,22 @@ def _priced_and_dispatched(config: str, layers: int, microbatches: int,
     return round(priced), dispatched
 
 
-@pytest.mark.parametrize("config", ["tiny-gpt-cpu.yaml", "tiny-gpt-bf16-cpu.yaml"])
+@pytest.mark.parametrize(("config", "dtype"), [("tiny-gpt-cpu.yaml", None),
+                                               ("tiny-gpt-bf16-cpu.yaml", None),
+                                               ("tiny-gpt-bf16-cpu.yaml", "float16")])
 @pytest.mark.parametrize(("microbatches", "recompute"), [(1, "never"), (2, "never"),
                                                          (2, "always")])
-def test_a_block_prices_the_kernels_the_executor_dispatches(config: str, microbatches: int,
+def test_a_block_prices_the_kernels_the_executor_dispatches(config: str, dtype: str | None,
+                                                            microbatches: int,
                                                             recompute: str) -> None:
     """A block's kernels, priced vs dispatched (one block more, the difference): equal but
     for the two layernorms' backwards, each one aten op the model counts as the two CUDA
-    kernels it launches (dx; dγ and dβ) — recomputed blocks too, whose forward runs twice.
-    The whole step's count — with the embedding, loss and optimizer, whose small kernels the
+    kernels it launches (dx; dγ and dβ) — recomputed blocks too, whose forward runs twice;
+    under float16 the loss scale's unscaling of each of its parameters' gradients too. The
+    whole step's count — with the embedding, loss and optimizer, whose small kernels the
     model prices less exactly — within 20 %."""
-    (p2, d2), (p3, d3) = (_priced_and_dispatched(config, n, microbatches, recompute)
-                          for n in (2, 3))
+    (p2, d2), (p3, d3) = (_priced_and_dispatched(config, n, microbatches, recompute,
+                                                 dtype=dtype) for n in (2, 3))
     assert (p3 - p2) - (d3 - d2) == 2 * microbatches, (p2, d2, p3, d3)
     assert d3 - d2 > 25 * microbatches  # a block issues dozens (casts under bf16: 24 more)
     assert math.isclose(p3, d3, rel_tol=0.2), (p3, d3)

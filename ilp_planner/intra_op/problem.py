@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ from ilp_planner.lowering.compute_model import (
     phase_seconds,
     shard_cast_seconds,
     state_shard_seconds,
+    unscale_seconds,
     update_seconds,
 )
 from ilp_planner.lowering.cost_model import (
@@ -455,9 +457,15 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
             recompute_cast = sum(shard_cast_seconds(rep, n, p, ctx.cluster, replayed=True)
                                  - (shard_cast_seconds(rep, n, p, ctx.cluster) if read else 0.0)
                                  for _, n, p, read in shards)
-    elif not is_summa(base.label):  # not priced: SUMMA's weights, gathered and cast
+    else:  # SUMMA's weight block is gathered from its master and cast in its compute
+        summa = is_summa(base.label) and rep.weight is not None and base.weight is not None
+        gathered = math.prod(base.weight.padded_shape(rep.weight.shape)) if summa else 0
         update += master_weight_seconds(rep, base.update_params, len(param_shapes(rep)),
-                                        ctx.memory, microbatches, bool(syncs), ctx.cluster)
+                                        ctx.memory, microbatches, bool(syncs), ctx.cluster,
+                                        gathered)
+    # a float16 loss scale's unscaling of what the optimizer reads
+    update += unscale_seconds(rep, base.update_params,
+                              len(buckets) if base.zero else len(param_shapes(rep)), ctx.cluster)
     comp = [base.compute_s + update / microbatches
             + merge_seconds(graph, members[0], merges[0], base.inputs, ctx.cluster)]
     replay = [base.replay_compute_s]

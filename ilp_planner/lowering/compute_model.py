@@ -106,12 +106,15 @@ attention run as written (``attrs.unfused``) adds its scores' scale and mask.
 
 The runtime's own passes over the master weights (:func:`master_weight_seconds`: under
 mixed precision the compute copy cast once a step and each micro-batch's gradient cast back;
-gradients accumulated in place across micro-batches) are priced once a step, beside the
-update. The optimizer's update (:func:`update_seconds`) is memory-bound: per parameter of
-the local optimizer shard it reads the gradient and the optimizer state and writes the state
-(Adam under mixed precision: 4 + 12 read, 12 written = 28 bytes; the compute copy is the
-cast's). A cluster without a device (raw numbers, no ``cluster.compute``) keeps the flat
-model ``3 × FLOPs / (peak × efficiency)`` exactly (:func:`op_seconds`), with no update.
+gradients accumulated in place across micro-batches; SUMMA's weight block instead cast at
+its gathered size every micro-batch, in its strategy's compute) and, under float16, the loss
+scale's unscaling of every gradient the optimizer reads (:func:`unscale_seconds`) are priced
+once a step, beside the update. The optimizer's update (:func:`update_seconds`) is
+memory-bound: per parameter of the local optimizer shard it reads the gradient and the
+optimizer state and writes the state (Adam under mixed precision: 4 + 12 read, 12 written
+= 28 bytes; the compute copy is the cast's). A cluster without a device (raw numbers, no
+``cluster.compute``) keeps the flat model ``3 × FLOPs / (peak × efficiency)`` exactly
+(:func:`op_seconds`), with no update.
 """
 
 from __future__ import annotations
@@ -467,7 +470,8 @@ MASTER_ITEMSIZE = 4  # the runtime's master weights and their gradients are floa
 
 
 def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpec,
-                          microbatches: int, synced: bool, cluster: Cluster) -> float:
+                          microbatches: int, synced: bool, cluster: Cluster,
+                          gathered: float = 0.0) -> float:
     """Seconds a step spends on ``op``'s master weights besides the optimizer's update, as
     the runtime runs it (``params`` local parameters in ``tensors`` tensors, held whole —
     state sharding level 0): under mixed precision the compute copy cast once a step (read
@@ -477,16 +481,41 @@ def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpe
     it) — every micro-batch where ``.grad`` is a slice of a synchronised flat buffer
     (:mod:`runtime.grad_sync`), every one after the first otherwise. One kernel per tensor
     each. 0 on a flat cluster (it never priced them) or without parameters. State-sharded
-    blocks run their own passes (:func:`state_shard_seconds`). Not priced: a SUMMA weight,
-    which the runtime gathers as float32 and casts every micro-batch at its gathered size."""
+    blocks run their own passes (:func:`state_shard_seconds`). ``gathered``: the elements of
+    ``params`` in a weight SUMMA gathers from its master and casts at its gathered size
+    every micro-batch (priced in the strategy's compute,
+    :func:`~ilp_planner.lowering.strategies.summa_cast_seconds`): no compute copy and no
+    gradient cast back here, but its gradient accumulates like the others'."""
     if cluster.device is None or params <= 0:
         return 0.0
     spec = op.weight or op.output
     g = memory.grad_bytes
     adds = microbatches if synced else microbatches - 1
     casts = 1 + microbatches if spec.dtype in HALF_DTYPES else 0
-    work = PhaseWork(0.0, params * (casts * (MASTER_ITEMSIZE + spec.itemsize) + adds * 3 * g),
-                     tensors * (casts + adds))
+    cast_tensors = tensors - (1 if gathered else 0)
+    work = PhaseWork(0.0, (params - gathered) * casts * (MASTER_ITEMSIZE + spec.itemsize)
+                     + params * adds * 3 * g, cast_tensors * casts + tensors * adds)
+    return phase_seconds(work, cluster.device, "float32")
+
+
+# an element of a float16 gradient unscaled (float32): divided in place (read 4, write 4);
+# ``isfinite``, which aten composes of abs (4 + 4), ne inf (4 + 1), eq self (8 + 1) and
+# their product (2 + 1); ``all`` over it (1)
+UNSCALE_BYTES = 34
+UNSCALE_KERNELS = 6  # a tensor: div_, abs, ne, eq, mul, all (the flag's read is no kernel)
+
+
+def unscale_seconds(op: Op, params: float, tensors: int, cluster: Cluster) -> float:
+    """Seconds of undoing the float16 loss scale on the ``params`` gradient elements the
+    optimizer reads for ``op`` (``tensors`` tensors), as :func:`runtime.model.unscale` runs
+    it once a step: per tensor a division in place and a finiteness test read back to the
+    host (:data:`UNSCALE_KERNELS` kernels, :data:`UNSCALE_BYTES` an element). 0 unless the
+    op computes in float16 (bfloat16 and float32 take no loss scale), without parameters,
+    or on a flat cluster (it never priced them)."""
+    spec = op.weight or op.output
+    if cluster.device is None or params <= 0 or spec.dtype != "float16":
+        return 0.0
+    work = PhaseWork(0.0, params * UNSCALE_BYTES, UNSCALE_KERNELS * tensors)
     return phase_seconds(work, cluster.device, "float32")
 
 

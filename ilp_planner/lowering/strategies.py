@@ -47,10 +47,18 @@ import numpy as np
 
 from ilp_planner.errors import LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, fact_str, mesh_factorisations
-from ilp_planner.ir.graph import Op, OpKind, TensorSpec, opaque_param_sizes, position_tables
+from ilp_planner.ir.graph import (
+    HALF_DTYPES,
+    Op,
+    OpKind,
+    TensorSpec,
+    opaque_param_sizes,
+    position_tables,
+)
 from ilp_planner.ir.layouts import B, Layout, P, Partial, Placement, Split
 from ilp_planner.lowering.compute_model import (
     LOSS_ITEMSIZE,
+    MASTER_ITEMSIZE,
     GemmShape,
     PhaseWork,
     op_times_replayed,
@@ -220,6 +228,33 @@ def _with_bias_share(priced: dict[str, float], op: Op, label: str, ins: tuple[La
     dtype = op.output.dtype
     return {**priced, "compute_s": priced["compute_s"] + phase_seconds(work, device, dtype),
             "replay_s": priced["replay_s"] + phase_seconds(work, device, dtype, replayed=True)}
+
+
+def summa_cast_seconds(op: Op, cols: int, cluster: Cluster, replayed: bool = False) -> float:
+    """One cast of SUMMA's gathered weight block (K × N/``cols`` elements) between its
+    float32 master and the half compute dtype: the runtime gathers the master
+    (:func:`summa_programs`) and casts the block every forward (again in a recomputation:
+    ``replayed``), and the backward casts its gradient back to float32 for the
+    ReduceScatter — one kernel, (4 + w) bytes an element, each. 0 in float32 (nothing to
+    cast) or on a flat cluster (it never priced kernels)."""
+    assert op.weight is not None
+    if cluster.device is None or op.weight.dtype not in HALF_DTYPES:
+        return 0.0
+    numel = op.weight.numel // cols
+    work = PhaseWork(0.0, float((MASTER_ITEMSIZE + op.weight.itemsize) * numel), 1)
+    return phase_seconds(work, cluster.device, "float32", replayed)
+
+
+def _with_summa_casts(priced: dict[str, float], op: Op, cols: int,
+                      ctx: StrategyContext) -> dict[str, float]:
+    """``priced`` (:func:`_priced`'s keywords) with SUMMA's weight casts
+    (:func:`summa_cast_seconds`): the forward's and the backward's in a micro-batch's
+    compute, the forward's again in a recomputation."""
+    cast = summa_cast_seconds(op, cols, ctx.cluster)
+    if not cast:
+        return priced
+    return {**priced, "compute_s": priced["compute_s"] + 2 * cast,
+            "replay_s": priced["replay_s"] + summa_cast_seconds(op, cols, ctx.cluster, True)}
 
 
 def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
@@ -579,7 +614,8 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
             label, fact, (lay,), lay, lay, collectives=colls,
             state_bytes=local * ctx.memory.bytes_per_param + gathered,
             activation_bytes=lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
-            update_params=local, **_gemm_priced(op, op.weight, fact, ctx, True),
+            update_params=local,
+            **_with_summa_casts(_gemm_priced(op, op.weight, fact, ctx, True), op, c, ctx),
         ))
     return out
 
