@@ -220,20 +220,33 @@ def _streaming(flops: float, fwd: float, bwd: float, kernels: tuple[int, int] = 
     return PhaseWork(flops, fwd, kernels[0]), back
 
 
+# the runtime's loss kernels a micro-batch (:func:`runtime.ops.loss`), as aten dispatches
+# them: forward, the targets' mask and local ids (6: ge, lt, and, sub, zeros_like, where)
+# and the cross-entropy (13: the float32 copy, max, − max, the target's gather, its mask
+# cast and product, exp, the row sum, stack, log, −, sum, / rows); backward, the step
+# loop's scaling of the loss (4: / micro-batches, sum, the seed, its gradient), the
+# cross-entropy's (8: the scale, / Σe, the softmax scaled, the rows' arange, − scale, the
+# mask's cast and product, the targets' index_put; one more casting to half logits) and the
+# reported loss read at the step's end (2: / micro-batches, sum)
+LOSS_KERNELS = (6 + 13, 4 + 8 + 2)
+
+
 def _loss_work(flops: float, logits: TensorSpec, split: float) -> tuple[PhaseWork, PhaseWork]:
     """The runtime's cross-entropy (:class:`runtime.ops._CrossEntropy`, in float32) pass by
     pass, per local logit of ``it`` bytes. Forward: the float32 copy (read it, write 4), the
     row max (read 4), ``− max`` and ``exp`` in place (read 4, write 4 each), the row sum
     (read 4): 28 + it. Backward: the softmax scaled in place (read 4, write 4) and the cast to
     the logits' dtype (read 4, write it; none in fp32): 12 + it, or 8. The per-row steps
-    (target gather and scatter, log) are small kernels of their own. On a large vocabulary
-    this is a real share of the step (``benchmarks/gpu_check.py``: several milliseconds of a
-    124M GPT's step on an H200, where a fused kernel's 2 × the logits' bytes would be half
-    a millisecond)."""
+    (target mask, gather and scatter, log, the step loop's scaling) are small kernels of
+    their own (:data:`LOSS_KERNELS`). On a large vocabulary this is a real share of the step
+    (``benchmarks/gpu_check.py``: several milliseconds of a 124M GPT's step on an H200,
+    where a fused kernel's 2 × the logits' bytes would be half a millisecond)."""
     it = logits.itemsize
     elements = logits.numel / split
     cast_back = 4 + it if it != LOSS_ITEMSIZE else 0
-    return _streaming(flops, (28 + it) * elements, (8 + cast_back) * elements, (13, 9))
+    fwd, bwd = LOSS_KERNELS
+    return _streaming(flops, (28 + it) * elements, (8 + cast_back) * elements,
+                      (fwd, bwd + (1 if cast_back else 0)))
 
 
 def default_gemm(op: Op, split: float) -> GemmShape:
@@ -374,7 +387,11 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
     if kind is OpKind.EMBEDDING:
         tables = 1 + sum(1 for k in op.attrs if k == "seq_len" or k.startswith("pos_"))
         out = (gemm[0] * gemm[1] * it) if gemm else n
-        return _streaming(0.0, (tables + 1) * out, 3 * out)
+        # the runtime's learned positions (``seq_len``, :func:`runtime.ops.embedding`): the
+        # rows' positions computed (arange, remainder), looked up and added (index, add);
+        # their gradient scattered back into the table (new_zeros, index_put)
+        own = 1 if "seq_len" in op.attrs else 0
+        return _streaming(0.0, (tables + 1) * out, 3 * out, (1 + 4 * own, 1 + 2 * own))
     if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX, OpKind.GELU, OpKind.SILU,
                 OpKind.RELU):
         norm = kind in (OpKind.LAYERNORM, OpKind.RMSNORM)

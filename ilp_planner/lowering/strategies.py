@@ -230,6 +230,36 @@ def _with_bias_share(priced: dict[str, float], op: Op, label: str, ins: tuple[La
             "replay_s": priced["replay_s"] + phase_seconds(work, device, dtype, replayed=True)}
 
 
+# a local id of a vocabulary-split lookup (int64): made local (sub: 8 + 8), tested against
+# the block (ge, lt: 8 + 1 each), the tests combined (and: 2 + 1), the masked ids (zeros_like:
+# 8; where: 1 + 8 + 8, write 8)
+VOCAB_MASK_ID_BYTES = 16 + 9 + 9 + 3 + 8 + 25
+
+
+def _with_vocab_mask(priced: dict[str, float], op: Op, weight: Layout, output: Layout,
+                     ctx: StrategyContext) -> dict[str, float]:
+    """``priced`` (:func:`_priced`'s keywords) with an embedding's masked lookup where its
+    table's rows (the vocabulary) are split (:func:`runtime.model.embedding`, not
+    ``whole``): forward 8 kernels more — the ids made local and masked
+    (:data:`VOCAB_MASK_ID_BYTES` a local id), the mask cast to the rows' dtype, and the rows
+    of ids outside the block zeroed (read and write the local output, read the mask) —
+    again in a recomputation; backward 1 (the same product on the output's gradient).
+    Nothing for another op, a table whose rows are whole, or on a flat cluster."""
+    device = ctx.cluster.device
+    if device is None or op.kind is not OpKind.EMBEDDING or weight.split_degree(0) == 1:
+        return priced
+    it = op.output.itemsize
+    local = output.padded_shape(op.output.shape)  # (its ids, the hidden block)
+    ids, rows = local[0], math.prod(local) * it  # rows: the bytes the mask zeroes
+    fwd = PhaseWork(0.0, ids * (VOCAB_MASK_ID_BYTES + 1 + 2 * it) + 2 * rows, 8)
+    bwd = PhaseWork(0.0, ids * it + 2 * rows, 1)
+    dtype = op.output.dtype
+    return {**priced,
+            "compute_s": priced["compute_s"] + phase_seconds(fwd, device, dtype)
+            + phase_seconds(bwd, device, dtype),
+            "replay_s": priced["replay_s"] + phase_seconds(fwd, device, dtype, replayed=True)}
+
+
 def summa_cast_seconds(op: Op, cols: int, cluster: Cluster, replayed: bool = False) -> float:
     """One cast of SUMMA's gathered weight block (K × N/``cols`` elements) between its
     float32 master and the half compute dtype: the runtime gathers the master
@@ -563,9 +593,9 @@ def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> li
             label, fact, ins, None if is_matmul else w_layout, o_layout,
             collectives=colls, state_bytes=local * ctx.memory.bytes_per_param,
             activation_bytes=o_layout.local_bytes(op.output), input_grads=grads,
-            update_params=local, **_with_bias_share(
+            update_params=local, **_with_vocab_mask(_with_bias_share(
                 _gemm_priced(op, weight, fact, ctx), op, label, ins,
-                None if is_matmul else w_layout, o_layout, ctx),
+                None if is_matmul else w_layout, o_layout, ctx), op, w_layout, o_layout, ctx),
         ))
     if not is_embedding and not is_matmul:
         out.extend(_summa(op, inputs[0], ctx))
@@ -1101,26 +1131,48 @@ def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
             plan_redistribution(emb_weight, head_t, table, cluster))
 
 
+def tied_passes_seconds(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
+                        cluster: Cluster, transpose: bool = True) -> float:
+    """The runtime's own passes of a head's tied exchange on one stage beside its two
+    programs (:meth:`runtime.tied.TiedWeights._on_one_stage`, float32 gradients): the
+    head's gradient copied transposed and contiguous (read, write its block ``h``), added to
+    the embedding's (read two blocks ``e``, write one), the sum brought back copied
+    transposed again — 3 kernels, ``4 · (4h + 3e)`` bytes. 0 on a flat cluster, and for a
+    tied embedding (no transpose), which the runtime does not exchange this way."""
+    if cluster.device is None or not transpose:
+        return 0.0
+    h = math.prod(head_weight.padded_shape(table.shape[::-1]))
+    e = math.prod(emb_weight.padded_shape(table.shape))
+    work = PhaseWork(0.0, float(MASTER_ITEMSIZE * (4 * h + 3 * e)), 3)
+    return phase_seconds(work, cluster.device, "float32")
+
+
 def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[Layout],
                           table: TensorSpec, cluster: Cluster, transpose: bool = True
                           ) -> np.ndarray:
     """Seconds of :func:`tied_exchange` for every (embedding weight, head weight) pair,
-    without building step lists (the ILP's edge matrix between the two layers)."""
+    without building step lists (the ILP's edge matrix between the two layers), with
+    :func:`tied_passes_seconds`."""
     heads_t = [transposed(h) if transpose else h for h in head_weights]
-    table = table.master
     planner = planner_for(heads_t[0], cluster)
-    return (planner.forward_costs(heads_t, emb_weights, table).T
-            + planner.forward_costs(emb_weights, heads_t, table))
+    passes = np.array([[tied_passes_seconds(e, h, table, cluster, transpose)
+                        for h in head_weights] for e in emb_weights]).reshape(
+                            len(emb_weights), len(head_weights))
+    master = table.master
+    return (planner.forward_costs(heads_t, emb_weights, master).T
+            + planner.forward_costs(emb_weights, heads_t, master) + passes)
 
 
 def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
                               cluster: Cluster, transpose: bool = True
                               ) -> tuple[tuple[Collective, ...], float]:
-    """:func:`tied_exchange`'s collectives, once a step, and its slices' copies' seconds
-    (:attr:`~ilp_planner.lowering.redistribution.RedistStep.local_s`)."""
+    """:func:`tied_exchange`'s collectives, once a step, and the seconds of its slices'
+    copies (:attr:`~ilp_planner.lowering.redistribution.RedistStep.local_s`) and of the
+    runtime's passes around them (:func:`tied_passes_seconds`)."""
     to_emb, back = tied_exchange(emb_weight, head_weight, table, cluster, transpose)
     return (tuple(c.with_phase("step", "tied_weight") for c in to_emb.forward + back.forward),
-            to_emb.local_forward_s + back.local_forward_s)
+            to_emb.local_forward_s + back.local_forward_s
+            + tied_passes_seconds(emb_weight, head_weight, table, cluster, transpose))
 
 
 
