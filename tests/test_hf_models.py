@@ -492,11 +492,12 @@ def test_a_fused_gate_up_is_priced_as_the_unfused_pair(imported):
     for label, s in mine.items():
         g, u = gate[label], up[label]
         assert s.compute_s == pytest.approx(g.compute_s + u.compute_s, rel=1e-12)
-        if label.startswith("summa"):  # I[i, :] gathered once for both
-            rows = s.fact[0].size
-            assert s.state_bytes == g.state_bytes + u.state_bytes - BATCH * SEQ * 32 * 4 / rows
-            continue
         assert s.state_bytes == g.state_bytes + u.state_bytes
+        if label.startswith("summa"):  # I[i, :] gathered (and held) once for both
+            rows = s.fact[0].size
+            assert s.activation_bytes == pytest.approx(
+                g.activation_bytes + u.activation_bytes - BATCH * SEQ * 32 * 4 / rows)
+            continue
         assert s.activation_bytes == g.activation_bytes + u.activation_bytes
         assert coll_bytes(s) == pytest.approx(coll_bytes(g, u), rel=1e-12)
         for name in ("model.layers.0.mlp.part", "model.layers.0.mlp.part_1"):

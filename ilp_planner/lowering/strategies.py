@@ -638,12 +638,16 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
         colls = (*x_prog.forward, *(c.with_phase("forward", "weight") for c in w_prog.forward),
                  *(c.with_phase("backward", "weight") for c in w_prog.backward),
                  *(b.collective for b in grad_sync(op, label, (lay,), lay, lay, ctx)))
-        gathered = in_tensor.nbytes / r + op.weight.nbytes / c  # I[i, :] and W[:, j] held
+        # I[i, :] and W[:, j] (cast to the compute dtype) gathered: the local matmul saves
+        # both for its backward, so each micro-batch in flight holds its own, and a
+        # recomputed block gathers them again
+        gathered = in_tensor.nbytes / r + op.weight.nbytes / c
         local = _local_params(op, label, (lay,), lay, lay)
         out.append(Strategy(
             label, fact, (lay,), lay, lay, collectives=colls,
-            state_bytes=local * ctx.memory.bytes_per_param + gathered,
-            activation_bytes=lay.local_bytes(op.output), input_backward=tuple(x_prog.backward),
+            state_bytes=local * ctx.memory.bytes_per_param,
+            activation_bytes=lay.local_bytes(op.output) + gathered,
+            input_backward=tuple(x_prog.backward),
             update_params=local,
             **_with_summa_casts(_gemm_priced(op, op.weight, fact, ctx, True), op, c, ctx),
         ))
