@@ -34,7 +34,13 @@ from ilp_planner.lowering.compute_model import (
     update_seconds,
 )
 from ilp_planner.lowering.cost_model import MemorySpec, compute_time
-from ilp_planner.lowering.strategies import NORM_KINDS, grad_sync, is_summa, param_shapes
+from ilp_planner.lowering.strategies import (
+    NORM_KINDS,
+    grad_sync,
+    is_summa,
+    param_layouts,
+    param_shapes,
+)
 from ilp_planner.reports.explain import explain
 from ilp_planner.reports.roofline import bound_seconds
 from ilp_planner.reports.summary import cluster_summary
@@ -225,18 +231,26 @@ def test_every_strategy_pays_the_update_once_per_step_and_respects_the_stage_bou
             op = cfg.graph[node]
             for o in opts:
                 upd = update_seconds(o.base.update_params, cfg.memory, op, cfg.cluster)
+                buckets = grad_sync(op, o.base.label, o.base.inputs, o.base.weight,
+                                    o.base.output, gp.ctx)
                 if o.base.zero:
-                    buckets = grad_sync(op, o.base.label, o.base.inputs, o.base.weight,
-                                        o.base.output, gp.ctx)
                     upd += state_shard_seconds(
                         op, [(len(b.roles), b.numel, b.collective.group_size, True)
                              for b in buckets], o.base.zero, m, cfg.cluster)
-                else:  # SUMMA's weight block: no compute copy, its casts in its compute
-                    block = math.prod(o.base.weight.padded_shape(op.weight.shape)) \
-                        if is_summa(o.base.label) else 0
-                    upd += master_weight_seconds(op, o.base.update_params,
-                                                 len(param_shapes(op)), cfg.memory, m,
-                                                 bool(o.syncs), cfg.cluster, block)
+                # role by role: in a bucket (no state sharding) every micro-batch's gradient
+                # is added into the flat buffer, outside one the first comes as it is;
+                # SUMMA's weight block has no compute copy (its casts are in its compute)
+                bucketed = {r for b in buckets for r in b.roles}
+                lays = param_layouts(op, o.base.label, o.base.inputs, o.base.weight,
+                                     o.base.output)
+                for synced in (False, True):
+                    roles = [r for r in lays if (r in bucketed) == synced
+                             and not (synced and o.base.zero)]
+                    local = {r: math.prod(lays[r][0].padded_shape(param_shapes(op)[r]))
+                             for r in roles}
+                    block = local.get("weight", 0) if is_summa(o.base.label) else 0
+                    upd += master_weight_seconds(op, sum(local.values()), len(roles),
+                                                 cfg.memory, m, synced, cfg.cluster, block)
                 merge = merge_seconds(cfg.graph, node, gradient_merges(cfg.graph, node), o.base.inputs,
                                       cfg.cluster)
                 assert o.compute_s[0] == pytest.approx(o.base.compute_s + upd / m + merge,

@@ -132,17 +132,22 @@ def test_master_weight_passes_by_hand(dtype: str, microbatches: int, synced: boo
 
 
 def test_a_summa_weight_accumulates_but_is_cast_at_its_gathered_size() -> None:
-    """SUMMA's weight block (``gathered`` of the ``params``) has no compute copy and no
-    gradient cast back among the master passes — its casts run at its gathered size in the
-    strategy's compute — but its gradient accumulates like the bias's: by hand, bfloat16,
-    four synchronised micro-batches (the bias: one copy cast and four casts back)."""
+    """SUMMA's weight block (``gathered``) has no compute copy and no gradient cast back
+    among the master passes — its casts run at its gathered size in the strategy's compute —
+    but its gradient accumulates: outside every bucket (its gather's backward
+    reduce-scatters it), autograd takes the first micro-batch's as it comes and adds the
+    other three. By hand, bfloat16, four micro-batches; a bias in a bucket beside it is
+    cast once a step, cast back and added every micro-batch."""
     g = models.mlp([64, 32], batch=16, bias=True, dtype="bfloat16")
     op, block, bias = g["fc1"], 64 * 32 // 4, 32 // 2
-    params = block + bias
     mem = MemorySpec.preset("adam_mixed")
-    got = master_weight_seconds(op, params, 2, mem, 4, True, _cluster(_device()), block)
-    moved, kernels = bias * 5 * (4 + 2) + params * 4 * 3 * 4, 5 + 2 * 4
-    assert got == pytest.approx(max(moved / HBM + kernels * 5e-6, kernels * HOST), rel=1e-12)
+    host = _cluster(_device())
+    weight = master_weight_seconds(op, block, 1, mem, 4, False, host, block)
+    moved, kernels = block * 3 * 3 * 4, 3
+    assert weight == pytest.approx(max(moved / HBM + kernels * 5e-6, kernels * HOST), rel=1e-12)
+    synced = master_weight_seconds(op, bias, 1, mem, 4, True, host)
+    moved, kernels = bias * (5 * (4 + 2) + 4 * 3 * 4), 5 + 4
+    assert synced == pytest.approx(max(moved / HBM + kernels * 5e-6, kernels * HOST), rel=1e-12)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -80,6 +80,7 @@ from ilp_planner.lowering.strategies import (
     grad_sync,
     is_summa,
     op_strategies,
+    param_layouts,
     param_shapes,
     replay_seconds,
     tie_transposes,
@@ -457,15 +458,13 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
             recompute_cast = sum(shard_cast_seconds(rep, n, p, ctx.cluster, replayed=True)
                                  - (shard_cast_seconds(rep, n, p, ctx.cluster) if read else 0.0)
                                  for _, n, p, read in shards)
-    else:  # SUMMA's weight block is gathered from its master and cast in its compute
-        summa = is_summa(base.label) and rep.weight is not None and base.weight is not None
-        gathered = math.prod(base.weight.padded_shape(rep.weight.shape)) if summa else 0
-        update += master_weight_seconds(rep, base.update_params, len(param_shapes(rep)),
-                                        ctx.memory, microbatches, bool(syncs), ctx.cluster,
-                                        gathered)
-    # a float16 loss scale's unscaling of what the optimizer reads
-    update += unscale_seconds(rep, base.update_params,
-                              len(buckets) if base.zero else len(param_shapes(rep)), ctx.cluster)
+    update += _master_passes(rep, base, buckets, ctx, microbatches)
+    # a float16 loss scale's unscaling of every gradient the optimizer reads: a sharded
+    # bucket's shard, or a role's whole block
+    bucketed = {r for b in buckets for r in b.roles} if base.zero else set()
+    tensors = len(buckets) + sum(1 for r in param_shapes(rep) if r not in bucketed) \
+        if base.zero else len(param_shapes(rep))
+    update += unscale_seconds(rep, base.update_params, tensors, ctx.cluster)
     comp = [base.compute_s + update / microbatches
             + merge_seconds(graph, members[0], merges[0], base.inputs, ctx.cluster)]
     replay = [base.replay_compute_s]
@@ -502,6 +501,28 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                       # no input gradient: no backward gather held beside the full gradient
                       max(base.gathered_bytes, base.transient_bytes - base.regathered_bytes),
                       replay_s=replay, recompute_cast_s=recompute_cast)
+
+
+def _master_passes(rep: Op, base: Strategy, buckets: tuple[SyncBucket, ...], ctx: StrategyContext,
+                   microbatches: int) -> float:
+    """The runtime's passes over ``rep``'s master weights that no sharded bucket runs
+    (:func:`master_weight_seconds`), role by role: a role in a gradient bucket accumulates
+    into its slice of the flat buffer every micro-batch; one outside every bucket (nothing
+    to synchronise, or SUMMA's weight, which its gather's backward reduce-scatters) takes
+    its first gradient as it comes. Under state sharding the buckets' roles run their own
+    passes (:func:`state_shard_seconds`): only the others are priced here. SUMMA's weight
+    block is cast at its gathered size in the strategy's compute, not here."""
+    lays = param_layouts(rep, base.label, base.inputs, base.weight, base.output)
+    shapes = param_shapes(rep)
+    bucketed = {r for b in buckets for r in b.roles}
+    total = 0.0
+    for synced in (False, True) if not base.zero else (False,):
+        roles = [r for r in lays if (r in bucketed) == synced]
+        local = {r: math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles}
+        gathered = local.get("weight", 0) if is_summa(base.label) else 0
+        total += master_weight_seconds(rep, float(sum(local.values())), len(roles), ctx.memory,
+                                       microbatches, synced, ctx.cluster, gathered)
+    return total
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:

@@ -1087,14 +1087,25 @@ def follow(op: Op, in_tensor: TensorSpec, in_layout: Layout,
     """
     split = math.prod(in_layout.split_degree(d) for d in range(in_tensor.rank))
     if op.kind is OpKind.LOSS:
-        return (Layout.replicated(in_layout.fact), loss_collectives(in_tensor, in_layout, ctx),
-                _compute(op, split, ctx, read=in_tensor))
+        colls = loss_collectives(in_tensor, in_layout, ctx)
+        return (Layout.replicated(in_layout.fact), colls,
+                _compute(op, split, ctx, read=in_tensor) + _loss_copies_seconds(colls, ctx))
     if op.kind is OpKind.FLATTEN:
         if any(isinstance(pl, Split) and pl.dim > 1 for pl in in_layout.placements):
             raise ValueError(f"flatten {op.name!r} cannot follow a spatially split layout "
                              f"{in_layout}; only batch and channel splits carry over")
         return in_layout, (), 0.0
     return in_layout, (), _compute(op, split, ctx)
+
+
+def _loss_copies_seconds(colls: tuple[Collective, ...], ctx: StrategyContext) -> float:
+    """The copies the loss's reductions run on (``Comm.all_reduce`` and ``Comm.report``
+    reduce a clone of their input, which autograd may still hold): one kernel each,
+    reading and writing its bytes. 0 without a reduction or on a flat cluster."""
+    if ctx.cluster.device is None or not colls:
+        return 0.0
+    work = PhaseWork(0.0, 2.0 * sum(c.bytes for c in colls), len(colls))
+    return phase_seconds(work, ctx.cluster.device, "float32")
 
 
 def tied_source(graph, op: Op) -> Op | None:

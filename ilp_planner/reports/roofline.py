@@ -6,8 +6,10 @@ every layer on its local shard, summed per op kind.
 Only a cluster with a device (a catalogue accelerator or a ``cluster.compute`` section)
 prices by roofline; under the flat model every op is "compute" by construction and the
 table is left out. Recomputation runs the forward again at the same prices and is not
-counted twice here; the optimizer update (memory-bound), the passes over the master weights
-and the gradient merges are in the layers' compute, not in this table.
+counted twice here; the optimizer update (memory-bound), the passes over the master weights,
+the float16 unscale, the gradient merges and what a strategy adds beside its op's kernels
+(a bias's shares, SUMMA's weight casts, a vocabulary-split lookup's mask, the loss's
+reductions' copies) are in the layers' compute, not in this table.
 """
 
 from __future__ import annotations
