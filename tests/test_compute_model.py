@@ -44,6 +44,7 @@ from ilp_planner.lowering.strategies import (
 from ilp_planner.reports.explain import explain
 from ilp_planner.reports.roofline import bound_seconds
 from ilp_planner.reports.summary import cluster_summary
+from tests.helpers.shipped import CONFIGS
 
 A100 = device_spec("a100-80gb")
 FIT = A100.fit
@@ -260,6 +261,27 @@ def test_every_strategy_pays_the_update_once_per_step_and_respects_the_stage_bou
                     assert o.base.update_params < op.params
                 elif op.params:
                     assert o.base.update_params >= op.params / 4
+
+
+def test_an_moe_op_pays_its_update_over_its_experts_local_parameters() -> None:
+    """An MoE op's experts and router are parameters like any op's: every option's update
+    runs over its local ones (the state its memory holds), and its step's compute holds
+    that update, the master passes and the gradient additions, spread over the
+    micro-batches (the tiny MoE on a device, bfloat16)."""
+    cfg = load_config(CONFIGS / "tiny-moe-cpu.yaml").with_overrides(
+        {"cluster.compute": {"hbm_gbps": 2039}, "model.dtype": "bfloat16",
+         "pipeline.microbatches": 2})
+    gp = build_problem(cfg.graph, cfg.cluster, 1, 4, cfg.memory, microbatches=2)
+    moe = [n for n in gp.options if cfg.graph[n].kind is OpKind.MOE]
+    assert moe
+    for node in moe:
+        op = cfg.graph[node]
+        for o in gp.options[node]:
+            assert o.base.update_params > 0
+            assert o.base.update_params * cfg.memory.bytes_per_param == \
+                pytest.approx(o.base.state_bytes, rel=1e-12)
+            update = update_seconds(o.base.update_params, cfg.memory, op, cfg.cluster)
+            assert o.compute_s[0] >= o.base.compute_s + update / 2 > o.base.compute_s
 
 
 def test_recomputation_runs_the_forward_again_at_its_roofline_price() -> None:

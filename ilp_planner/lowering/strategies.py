@@ -736,12 +736,14 @@ def _moe_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
         label = moe_label(x)
         colls = moe_collectives(op, x, ctx.cluster) + tuple(
             b.collective for b in grad_sync(op, label, (x,), None, o, ctx))
-        state = _local_params(op, label, (x,), None, o) * ctx.memory.bytes_per_param
+        local = _local_params(op, label, (x,), None, o)
         per_device = dataclasses.replace(op, flops=moe_flops(op, x))
         priced = _priced(per_device, 1, ctx)
+        # its experts' and router's local parameters: the optimizer's update, the master
+        # passes and the float16 unscale run over them like any op's
         out.append(Strategy(label, x.fact, (x,), None, o, priced["compute_s"], colls,
-                            state, moe_activation_bytes(op, x, o), (grad,),
-                            replay_s=priced["replay_s"]))
+                            local * ctx.memory.bytes_per_param, moe_activation_bytes(op, x, o),
+                            (grad,), update_params=local, replay_s=priced["replay_s"]))
     return out
 
 

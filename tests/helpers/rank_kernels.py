@@ -79,6 +79,9 @@ def _rank(rank: int, world: int, plan: str, out: str) -> None:
         with mode:
             ex.train_step(1)
         Path(f"{out}.{rank}").write_text(json.dumps(dict(mode.ops)))
+        # no rank tears its group down while another still talks to it (gloo aborts the
+        # process then: "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
