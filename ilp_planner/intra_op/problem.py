@@ -459,12 +459,6 @@ def _node_option(graph: Graph, members: list[str], base: Strategy, resolved_for:
                                  - (shard_cast_seconds(rep, n, p, ctx.cluster) if read else 0.0)
                                  for _, n, p, read in shards)
     update += _master_passes(rep, base, buckets, ctx, microbatches)
-    # a float16 loss scale's unscaling of every gradient the optimizer reads: a sharded
-    # bucket's shard, or a role's whole block
-    bucketed = {r for b in buckets for r in b.roles} if base.zero else set()
-    tensors = len(buckets) + sum(1 for r in param_shapes(rep) if r not in bucketed) \
-        if base.zero else len(param_shapes(rep))
-    update += unscale_seconds(rep, base.update_params, tensors, ctx.cluster)
     comp = [base.compute_s + update / microbatches
             + merge_seconds(graph, members[0], merges[0], base.inputs, ctx.cluster)]
     replay = [base.replay_compute_s]
@@ -511,7 +505,9 @@ def _master_passes(rep: Op, base: Strategy, buckets: tuple[SyncBucket, ...], ctx
     to synchronise, or SUMMA's weight, which its gather's backward reduce-scatters) takes
     its first gradient as it comes. Under state sharding the buckets' roles run their own
     passes (:func:`state_shard_seconds`): only the others are priced here. SUMMA's weight
-    block is cast at its gathered size in the strategy's compute, not here."""
+    block is cast at its gathered size in the strategy's compute, not here. Under float16,
+    the loss scale's unscaling of every gradient the optimizer reads — a sharded bucket's
+    shard, or a role's whole block (:func:`unscale_seconds`)."""
     lays = param_layouts(rep, base.label, base.inputs, base.weight, base.output)
     shapes = param_shapes(rep)
     bucketed = {r for b in buckets for r in b.roles}
@@ -522,7 +518,8 @@ def _master_passes(rep: Op, base: Strategy, buckets: tuple[SyncBucket, ...], ctx
         gathered = local.get("weight", 0) if is_summa(base.label) else 0
         total += master_weight_seconds(rep, float(sum(local.values())), len(roles), ctx.memory,
                                        microbatches, synced, ctx.cluster, gathered)
-    return total
+    read = len(buckets) + sum(1 for r in lays if r not in bucketed) if base.zero else len(lays)
+    return total + unscale_seconds(rep, base.update_params, read, ctx.cluster)
 
 
 def recomputed(opt: NodeOption, microbatches: int, copies: int) -> NodeOption:

@@ -206,6 +206,13 @@ def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None =
     return {"compute_s": fwd + bwd, "replay_s": replay}
 
 
+def _plus(priced: dict[str, float], compute_s: float, replay_s: float) -> dict[str, float]:
+    """``priced`` (:func:`_priced`'s keywords) with seconds a strategy runs beside its op's
+    kernels: ``compute_s`` a micro-batch, ``replay_s`` of them again in a recomputation."""
+    return {**priced, "compute_s": priced["compute_s"] + compute_s,
+            "replay_s": priced["replay_s"] + replay_s}
+
+
 def _with_bias_share(priced: dict[str, float], op: Op, label: str, ins: tuple[Layout, ...],
                      weight: Layout | None, output: Layout, ctx: StrategyContext
                      ) -> dict[str, float]:
@@ -226,8 +233,8 @@ def _with_bias_share(priced: dict[str, float], op: Op, label: str, ins: tuple[La
         * op.output.itemsize
     work = PhaseWork(0.0, float(moved), len(shares))
     dtype = op.output.dtype
-    return {**priced, "compute_s": priced["compute_s"] + phase_seconds(work, device, dtype),
-            "replay_s": priced["replay_s"] + phase_seconds(work, device, dtype, replayed=True)}
+    return _plus(priced, phase_seconds(work, device, dtype),
+                 phase_seconds(work, device, dtype, replayed=True))
 
 
 # a local id of a vocabulary-split lookup (int64): made local (sub: 8 + 8), tested against
@@ -254,10 +261,8 @@ def _with_vocab_mask(priced: dict[str, float], op: Op, weight: Layout, output: L
     fwd = PhaseWork(0.0, ids * (VOCAB_MASK_ID_BYTES + 1 + 2 * it) + 2 * rows, 8)
     bwd = PhaseWork(0.0, ids * it + 2 * rows, 1)
     dtype = op.output.dtype
-    return {**priced,
-            "compute_s": priced["compute_s"] + phase_seconds(fwd, device, dtype)
-            + phase_seconds(bwd, device, dtype),
-            "replay_s": priced["replay_s"] + phase_seconds(fwd, device, dtype, replayed=True)}
+    return _plus(priced, phase_seconds(fwd, device, dtype) + phase_seconds(bwd, device, dtype),
+                 phase_seconds(fwd, device, dtype, replayed=True))
 
 
 def summa_cast_seconds(op: Op, cols: int, cluster: Cluster, replayed: bool = False) -> float:
@@ -283,8 +288,7 @@ def _with_summa_casts(priced: dict[str, float], op: Op, cols: int,
     cast = summa_cast_seconds(op, cols, ctx.cluster)
     if not cast:
         return priced
-    return {**priced, "compute_s": priced["compute_s"] + 2 * cast,
-            "replay_s": priced["replay_s"] + summa_cast_seconds(op, cols, ctx.cluster, True)}
+    return _plus(priced, 2 * cast, summa_cast_seconds(op, cols, ctx.cluster, True))
 
 
 def local_gemm(op: Op, weight: TensorSpec, fact: Factorisation,
