@@ -31,7 +31,7 @@ from ilp_planner.inputs.config import Config
 from ilp_planner.inter_op.assembly import price_stage_boundaries, stage_costs
 from ilp_planner.inter_op.resharding import unit_tasks
 from ilp_planner.intra_op.baselines import Filter, restrict
-from ilp_planner.intra_op.problem import build_problem
+from ilp_planner.intra_op.problem import build_problem, gradient_merges, merge_seconds
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.cluster import Cluster, SubMesh
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec
@@ -242,7 +242,30 @@ def _at_stage_boundaries(graph, gp, lp, layers: dict[str, LayerPlan],
         exp = export_program(lp.output, op.output, cluster)
         colls += exp.forward + exp.backward
         local += exp.local_forward_s + exp.local_backward_s
+    local += merge_seconds(graph, lp.name, _stage_merges(graph, lp.name, stage_of), lp.inputs,
+                           cluster) - merge_seconds(graph, lp.name, gradient_merges(graph, lp.name),
+                                                    lp.inputs, cluster)
     return replace(lp, collectives=tuple(colls), compute_s=lp.compute_s + local)
+
+
+def _stage_merges(graph, name: str, stage_of: dict[str, int]) -> tuple[int, ...]:
+    """:func:`~ilp_planner.intra_op.problem.gradient_merges` of ``name`` on its stage (the
+    single-mesh plan priced them on the whole graph): a read after the first on this stage,
+    or any read of a tensor a later stage also reads (its gradient comes back from there);
+    a tensor from an earlier stage arrives as a leaf its first reader here takes whole."""
+    s = stage_of[name]
+    out = []
+    for i, src in enumerate(graph[name].inputs):
+        tensor = graph[src]
+        if tensor.kind is OpKind.INPUT or "float" not in tensor.output.dtype:
+            continue
+        reads = [(c, j) for c in graph.consumers(src) if stage_of.get(c) == s
+                 for j, x in enumerate(graph[c].inputs) if x == src]
+        exported = stage_of.get(src) == s and any(
+            stage_of.get(c, s) > s for c in graph.consumers(src))
+        if exported or reads[0] != (name, i):
+            out.append(i)
+    return tuple(out)
 
 
 def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
@@ -312,7 +335,7 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     actions = schedule_actions(schedule, stages, microbatches)
     sched = PipelineSchedule(schedule, microbatches,
                              tuple(tuple(actions[str(i)]) for i in range(stages)))
-    layers = price_stage_boundaries(graph, layers, stage_list, resharding, c)
+    layers = price_stage_boundaries(graph, layers, stage_list, resharding, c, microbatches)
     stage_list = [replace(st, times=t) for st, t in
                   zip(stage_list, stage_costs(layers, stage_list, microbatches), strict=True)]
     return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,

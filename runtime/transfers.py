@@ -74,8 +74,8 @@ class Transfers:
         self._send(e.tasks, v.t.detach(), mine, "forward", e)
 
     def recv_forward(self, e: ReshardingEntry) -> LVal:
-        """This rank's block of ``e``'s ``dst_layout``, as a leaf that requires its
-        gradient (received: the blocking receives' time is the transfer's)."""
+        """This rank's block of ``e``'s ``dst_layout``, as a view of a leaf that requires
+        its gradient (received: the blocking receives' time is the transfer's)."""
         mine = self._region(e.dst_layout, e, e.dst_stage)
         local = torch.empty(_shape(mine), device=self.device, dtype=self._dtype(e.tensor))
         with timed(self.recorder):
@@ -84,12 +84,15 @@ class Transfers:
                 work.wait()
         for t, buf, _ in posted:
             local[_relative(t.region, mine)] = buf
-        return LVal(local.requires_grad_(True), e.dst_layout)
+        # read through a view of the leaf: its gradient reaches the leaf as a new view, which
+        # autograd keeps as it is, where the leaf itself would be handed one its reader
+        # shares (an add's, passed to both operands) and copy it
+        return LVal(local.requires_grad_(True).view_as(local), e.dst_layout)
 
     def send_backward(self, e: ReshardingEntry, leaf: LVal) -> None:
-        """Post the backward tasks this rank sends of the gradient of ``leaf`` (zeros when
-        autograd did not reach it)."""
-        g = leaf.t.grad
+        """Post the backward tasks this rank sends of the gradient of ``leaf`` (a view of
+        the received leaf, :meth:`recv_forward`; zeros when autograd did not reach it)."""
+        g = leaf.t._base.grad
         if g is None:
             g = torch.zeros_like(leaf.t)
         mine = self._region(e.dst_layout, e, e.dst_stage)

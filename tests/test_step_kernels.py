@@ -10,7 +10,11 @@ step (Adam's update and its step counts, priced as bytes shared by every op) and
 fill of each flat gradient buffer at the step's start (one a device group). Nothing
 else differs: SUMMA's gathered weight casts and its weight's gradient additions outside
 the buckets, the loss's reductions' copies, a vocabulary-split lookup's mask, the float16
-unscale of every tensor the optimizer reads (a sharded bucket's shard, a whole block)."""
+unscale of every tensor the optimizer reads (a sharded bucket's shard, a whole block).
+
+A pipelined plan is checked stage by stage: each rank of a stage dispatches the kernels the
+stage prices, its cross-mesh transfers' copies and fills and the tied table's exchange
+across the stages included."""
 
 from __future__ import annotations
 
@@ -20,11 +24,18 @@ import sys
 
 import pytest
 
+from ilp_planner.api import solve
 from ilp_planner.inputs.config import parse_config
 from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.strategies import is_summa
 from ilp_planner.reports.explain import step_seconds
-from ilp_planner.testing import matmul_filter, restricted_plan, sharded_plan, three_d_filter
+from ilp_planner.testing import (
+    matmul_filter,
+    pipelined_plan,
+    restricted_plan,
+    sharded_plan,
+    three_d_filter,
+)
 from tests.helpers.procs import run
 
 LAYERS = 2
@@ -81,3 +92,52 @@ def test_a_step_prices_the_kernels_every_rank_dispatches(case: str, tmp_path) ->
         assert optimizer == 2
         assert round(priced) - sum(counts.values()) == \
             LAYERNORMS * microbatches - optimizer - fills, (case, rank, counts)
+
+
+def _pipelined_config():
+    return _config(4, "float32", 2).with_overrides(
+        {"pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}})
+
+
+PIPELINED = {
+    # the planner's own: data parallel on each stage, the tied table replicated on both
+    "solved": lambda: solve(_pipelined_config(), baselines=False),
+    # a hand-cut plan (mid-block: a residual crosses read by one add) with the table split
+    # over the vocabulary: the head's gradient cut back from the sum's transpose
+    "vocab-split": lambda: pipelined_plan(_config(4, "float32", 2), stages=2, microbatches=2,
+                                          keep=three_d_filter((1, 1, 2))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(PIPELINED))
+def test_a_pipelined_step_prices_the_kernels_every_rank_dispatches(case: str, tmp_path) -> None:
+    """Each stage's priced seconds (micro-batches × its forward and backward, and its
+    gradient synchronisation) are the kernels each of its ranks dispatches, the cross-mesh
+    transfers' copies and the tied table's exchange across the stages included, but for
+    the named exceptions above and one more: the exchange's zero fill, priced for a stage's
+    slowest devices, which its first does not run."""
+    plan = PIPELINED[case]()
+    assert len(plan.stages) == 2 and any(
+        c.purpose == "tied_weight" for ly in plan.layers for c in ly.collectives)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    out = tmp_path / "kernels"
+    done = run([sys.executable, "-m", "tests.helpers.rank_kernels", str(path), str(out), "4"],
+               timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = plan.schedule.num_microbatches
+    for stage in plan.stages:
+        t = stage.times
+        priced = m * (t.forward_s + t.backward_s) + t.grad_sync_s
+        assert priced == pytest.approx(round(priced), abs=1e-6)
+        norms = sum(1 for ly in plan.layers if ly.stage == stage.index and ly.kind == "layernorm")
+        for rank in stage.devices:
+            counts = collections.Counter(json.loads((tmp_path / f"kernels.{rank}").read_text()))
+            assert counts["aten::_fused_adam_ @ optim.py:step"] == 1
+            assert any(k.endswith("transfers.py:recv_forward") or
+                       k.endswith("transfers.py:recv_backward") for k in counts)
+            fills = counts["aten::zero_ @ grad_sync.py:begin_step"]
+            first = 1 if rank == stage.devices[0] else 0
+            assert round(priced) - sum(counts.values()) == \
+                norms * m - 2 - fills + first, (case, rank, counts)

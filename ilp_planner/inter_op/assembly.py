@@ -16,13 +16,18 @@ from formulations.stage_dp import StageChoice
 from ilp_planner.errors import InfeasibleError
 from ilp_planner.inputs.config import Config
 from ilp_planner.inter_op.stage_resharding import plan_stage_resharding
+from ilp_planner.inter_op.transfer_passes import transfer_passes_seconds
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective, CollectiveKind, make_collective
 from ilp_planner.lowering.grad_buckets import exposed_grad_sync
 from ilp_planner.lowering.redistribution import plan_redistribution
-from ilp_planner.lowering.strategies import tie_transposes, tied_source
+from ilp_planner.lowering.strategies import (
+    cross_stage_tied_passes_seconds,
+    tie_transposes,
+    tied_source,
+)
 from ilp_planner.plan.check import find_entry
 from ilp_planner.plan.data import (
     CostBreakdown,
@@ -106,7 +111,8 @@ def assemble_pipeline(config: Config, graph: Graph, plans: Sequence[SolvedStage]
                                   stage_of, out_layout, in_layouts,
                                   {} if reshardings is None else reshardings)
     resharding_s = time.perf_counter() - t0
-    layers = price_stage_boundaries(graph, layers, stages, resharding, config.cluster)
+    layers = price_stage_boundaries(graph, layers, stages, resharding, config.cluster,
+                                    pipe.microbatches)
     times = stage_costs(layers, stages, pipe.microbatches)
     stages = [dataclasses.replace(s, times=t) for s, t in zip(stages, times, strict=True)]
     name = INTERLEAVED if virtual_stages > 1 else pipe.schedule
@@ -184,29 +190,41 @@ def stage_durations(stages: Sequence[StageTimes], resharding: Sequence[Reshardin
 
 
 def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Sequence[int],
-                                 cluster: Cluster) -> list[Collective]:
+                                 cluster: Cluster, head: bool, devices: int
+                                 ) -> tuple[list[Collective], float]:
     """One side of a tied table's gradient exchange across two stages, as the runtime runs
     it: the copy's gradient gathered to replicated within its stage (lowered program), then
-    one AllReduce of the full table over both stages' ranks, in the master dtype."""
+    one AllReduce of the full table over both stages' ranks, in the master dtype — with the
+    seconds of the gather's slices' copies and of the runtime's passes around it
+    (:func:`~ilp_planner.lowering.strategies.cross_stage_tied_passes_seconds`; ``head``:
+    the side seeing the table transposed, ``devices``: its stage's)."""
     table = table.master
     gather = plan_redistribution(layout, Layout.replicated(layout.fact), table, cluster)
     spans = len({r // cluster.devices_per_node for r in ranks}) > 1
-    return [c.with_phase("step", "tied_weight") for c in gather.forward] + [
+    colls = [c.with_phase("step", "tied_weight") for c in gather.forward] + [
         make_collective(CollectiveKind.ALL_REDUCE, len(ranks), table.nbytes, cluster, spans,
                         phase="step", purpose="tied_weight")]
+    return colls, gather.local_forward_s + cross_stage_tied_passes_seconds(
+        layout, table, head, devices, cluster)
 
 
 def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequence[Stage],
-                           resharding: Sequence[ReshardingEntry], cluster: Cluster
-                           ) -> list[LayerPlan]:
+                           resharding: Sequence[ReshardingEntry], cluster: Cluster,
+                           microbatches: int) -> list[LayerPlan]:
     """Check that every edge crossing stages has a resharding entry delivering exactly the
     layout its consumer reads (the stage's own export and import programs are already on
     its layers, :mod:`ilp_planner.lowering.stage_boundary`), and add the one boundary cost no stage
-    ILP can see: the gradient exchange of a table tied across two stages."""
+    ILP can see: the gradient exchange of a table tied across two stages — its collectives,
+    and its local passes in ``compute_s``, once a step spread over its ``microbatches`` (as
+    :func:`~ilp_planner.intra_op.realise.realise` spreads the exchange on one stage) — and
+    the cross-mesh transfers' own copies each micro-batch
+    (:func:`~ilp_planner.inter_op.transfer_passes.transfer_passes_seconds`), on the producer's
+    stage and the consumer's (their broadcasts are the resharding makespans)."""
     by_name = {ly.name: ly for ly in layers}
     stage_of = {ly.name: ly.stage for ly in layers}
     rows = [(e.tensor, e.consumer, e.dst_stage, e.dst_layout) for e in resharding]
     extra: dict[str, list[Collective]] = {ly.name: [] for ly in layers}
+    local = dict.fromkeys(extra, 0.0)
     for op in graph.ops:
         if op.name not in by_name:
             continue
@@ -226,6 +244,14 @@ def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequen
                                 (op.name, TensorSpec(seen, emb.weight.dtype))):
                 weight = by_name[name].weight
                 assert weight is not None
-                extra[name] += cross_stage_tied_collectives(weight, table, ranks, cluster)
-    return [dataclasses.replace(ly, collectives=ly.collectives + tuple(extra[ly.name]))
+                colls, seconds = cross_stage_tied_collectives(
+                    weight, table, ranks, cluster, name == op.name,
+                    len(stages[stage_of[name]].devices))
+                extra[name] += colls
+                local[name] += seconds / microbatches
+    for e in resharding:  # the transfers' own copies, each micro-batch, on both stages
+        local[e.tensor] += transfer_passes_seconds(e, stages, e.src_stage, cluster)
+        local[e.consumer] += transfer_passes_seconds(e, stages, e.dst_stage, cluster)
+    return [dataclasses.replace(ly, collectives=ly.collectives + tuple(extra[ly.name]),
+                                compute_s=ly.compute_s + local[ly.name])
             for ly in layers]

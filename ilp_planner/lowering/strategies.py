@@ -1168,6 +1168,38 @@ def tied_passes_seconds(emb_weight: Layout, head_weight: Layout, table: TensorSp
     return phase_seconds(work, cluster.device, "float32")
 
 
+def cross_stage_tied_passes_seconds(layout: Layout, table: TensorSpec, head: bool,
+                                    devices: int, cluster: Cluster) -> float:
+    """The runtime's own passes of one side of a tied table's exchange across two stages
+    beside its collectives (:meth:`runtime.tied.TiedWeights._across_stages`, float32, ``T``
+    the table's elements): on every device of the stage but its first, its contribution
+    zeroed (one fill, ``4T`` bytes written) — priced for those, the stage's slowest, where
+    the stage has more than one device; the head's side (``head``: its gradient seen as
+    ``table``, the embedding's shape transposed) made contiguous in the embedding's
+    orientation (one copy, ``8T``) and its block cut back from the sum's transpose (one copy
+    of its block ``b``, ``8b``, unless that block holds one vocabulary entry); the
+    embedding's block cut where it splits the table's columns (``8b``, unless it holds one
+    row). 0 on a flat cluster."""
+    if cluster.device is None:
+        return 0.0
+    whole = math.prod(table.shape)
+    local = layout.padded_shape(table.shape)
+    block = math.prod(local)
+    kernels, moved = 0, 0.0
+    if devices > 1:
+        kernels, moved = 1, 4.0 * whole
+    if head:
+        kernels, moved = kernels + 1, moved + 8.0 * whole
+        cut = local[1] > 1
+    else:
+        cut = local[0] > 1 and local[1] < table.shape[1]
+    if cut:
+        kernels, moved = kernels + 1, moved + 8.0 * block
+    if not kernels:
+        return 0.0
+    return phase_seconds(PhaseWork(0.0, moved, kernels), cluster.device, "float32")
+
+
 def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[Layout],
                           table: TensorSpec, cluster: Cluster, transpose: bool = True
                           ) -> np.ndarray:

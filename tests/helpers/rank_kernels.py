@@ -42,13 +42,18 @@ class _Count(TorchDispatchMode):
 
 
 def _where() -> str:
+    """The op's innermost frame in ``runtime/``, or ``tied.py:exchange`` for every op of a
+    tied table's gradient exchange (its programs' slices included), which is priced as one."""
     frame = sys._getframe(2)
+    inner = None
     while frame is not None:
-        path = frame.f_code.co_filename
-        if "/runtime/" in path:
-            return f"{path.split('/runtime/')[-1]}:{frame.f_code.co_name}"
+        path, name = frame.f_code.co_filename, frame.f_code.co_name
+        if path.endswith("/runtime/tied.py") and name == "exchange":
+            return "tied.py:exchange"
+        if inner is None and "/runtime/" in path:
+            inner = f"{path.split('/runtime/')[-1]}:{name}"
         frame = frame.f_back
-    return "?"
+    return inner or "?"
 
 
 def _waits_inside(mode: _Count) -> None:
