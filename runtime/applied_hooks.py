@@ -219,8 +219,9 @@ def _shared_program(graph: Graph, src: str, readers: list[tuple[str, int]],
             f"{src!r} is read by functional code {sorted(readers)}, which the plan's graph "
             f"does not price as one shared read ({sorted(shared) or 'none'}); import the "
             f"module with from_module(dtensor=True) and re-solve")
-    for what, seen in (("layouts", {p.dst for p in progs}),
-                       ("gradient layouts", {p.grad_dst for p in progs})):
+    # unit mesh axes aside: one DeviceMesh and the same placements run both
+    for what, seen in (("layouts", {drop_unit_axes(p.dst) for p in progs}),
+                       ("gradient layouts", {drop_unit_axes(p.grad_dst) for p in progs})):
         if len(seen) > 1:
             raise RuntimeSetupError(
                 f"{src!r} feeds functional code in two {what} "
@@ -489,6 +490,11 @@ class BoundaryHooks:
             raise RuntimeSetupError(f"input {op.name!r} is read in {len(seen)} layouts "
                                     f"({', '.join(sorted(map(str, seen)))})")
         lay = wants[0]
+        if x.numel() != op.output.numel:
+            raise RuntimeSetupError(
+                f"input {op.name!r} has shape {tuple(x.shape)}; the plan was solved for "
+                f"{op.output.shape}: a plan's layouts and prices are for its example "
+                f"inputs' shapes — pad the batch to them, or import and solve for these")
         local = self.comm.block(x.reshape(op.output.shape), lay)
         dims = DimMap(tuple(x.shape), op.output.rank)
         spec = dtensor_spec(self.meshes.of(lay), placements(lay, dims, op.name), x, tuple(x.shape))

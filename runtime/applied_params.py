@@ -124,6 +124,19 @@ def own_path(op: Op, fqn: str, paths: list[str]) -> str:
     return mine[0] if mine else fqn
 
 
+def check_trainable(module: nn.Module) -> None:
+    """Every parameter takes a gradient: the plan prices each one's gradient reduction,
+    optimizer state and update, and placing it as a DTensor parameter would train a frozen
+    one (``requires_grad=False``) silently. Frozen parameters are refused, by name."""
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise RuntimeSetupError(
+            f"parameters {', '.join(frozen[:3])}{' …' if len(frozen) > 3 else ''} are frozen "
+            f"(requires_grad=False): the plan prices and parallelize trains every parameter; "
+            f"frozen parameters are not supported — unfreeze them, or plan a module without "
+            f"them")
+
+
 def check_owned(graph: Graph, module: nn.Module) -> None:
     """Every embedding table of the module is some op's, looked up by the op owning it (or
     its tied copies): a table no op owns stays out of the plan's placements and gradient

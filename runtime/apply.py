@@ -49,9 +49,10 @@ layout of the loss's input); its scalar reduction is not part of the comparison.
 
 What it refuses, naming the op — before it swaps a forward or places a parameter
 (:func:`runtime.applied_hooks.hook_table` runs first): pipelined or micro-batched plans,
-embedding tables no op of the plan owns (:func:`runtime.applied_params.check_owned`: a
-relative position table added to hand-written attention scores; in an SDPA's mask its first
-attention owns it, :mod:`runtime.applied_bias`), a layout change between two ops written as
+frozen parameters (:func:`runtime.applied_params.check_trainable`), embedding tables no
+op of the plan owns (:func:`runtime.applied_params.check_owned`: a relative position table
+added to hand-written attention scores; in an SDPA's mask its first attention owns it,
+:mod:`runtime.applied_bias`), a layout change between two ops written as
 functional code, or one value that functional code reads in two layouts (no module boundary
 to run the program at); and, when the forward runs, a
 module with parameters the forward calls several times (a parameter-free one — a dropout
@@ -81,7 +82,13 @@ from runtime.applied_bias import install_bias_tables
 from runtime.applied_edges import EdgeRunner
 from runtime.applied_hooks import BoundaryHooks, hook_table, leaf_module
 from runtime.applied_moe import install_moe
-from runtime.applied_params import AppliedParams, TiedHead, check_owned, tied_heads
+from runtime.applied_params import (
+    AppliedParams,
+    TiedHead,
+    check_owned,
+    check_trainable,
+    tied_heads,
+)
 from runtime.comm import Comm
 from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
@@ -121,6 +128,7 @@ class Applied:
         chunks = self._grad_chunks()
         tied = tied_heads(self.config, self.layers)
         _check_tied_heads(tied, module)
+        check_trainable(module)
         check_owned(self.graph, module)
         # the boundary hooks' refusals (a layout change between two pieces of functional
         # code), before install_moe swaps forwards and AppliedParams places parameters

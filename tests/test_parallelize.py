@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import ilp_planner
+from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import MeshAxis
 from ilp_planner.ir.layouts import B, Layout, P, S
 from runtime.apply import parallelize
@@ -55,14 +56,17 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T"])
+@pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T", "encoder"])
 def test_applied_modules_match_one_process_and_the_plan(model):
     """``twin``: two followers in functional code read one row-parallel linear's partial
     sums, resolved once at its boundary — listed once in the plan, run once (the audit
     would count a second listing as a collective never run). ``coded``: the solver's plan
     of a ReLU following a functional linear (whose optimum once resolved partial sums
     between the two, a plan ``parallelize`` refused) runs. ``head_T``: a head on a
-    parameter's ``.T`` in the module's code, imported as the linear it is, trains."""
+    parameter's ``.T`` in the module's code, imported as the linear it is, trains.
+    ``encoder``: ``nn.TransformerEncoderLayer``, whose attention's functional linear and
+    residual add read the block's input on meshes that differ by a unit axis (refused as
+    two layouts before), trains."""
     res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))
@@ -118,6 +122,44 @@ def test_refusals_name_the_reason(one_rank):
     two = dict(CLUSTER, devices_per_node=2)
     with pytest.raises(RuntimeSetupError, match="for 2 devices, the job has 1"):
         parallelize(ilp_planner.solve(graph, cluster=two, baselines=False), mlp)
+
+
+def test_frozen_parameters_and_other_shapes_are_refused_by_name(one_rank):
+    """A frozen parameter would be placed as a trained DTensor parameter and priced as one:
+    refused at import and by parallelize. An input of another shape than the plan's
+    example: refused naming both shapes (its layouts and prices are for those)."""
+    mlp = MLP([8, 8, 4])
+    plan = ilp_planner.solve(ilp_planner.from_module(mlp, (torch.zeros(4, 8),)),
+                             cluster=CLUSTER, baselines=False)
+    mlp.fc[0].weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"fc\.0\.weight are frozen"):
+        ilp_planner.from_module(mlp, (torch.zeros(4, 8),))
+    with pytest.raises(RuntimeSetupError, match=r"fc\.0\.weight are frozen"):
+        parallelize(plan, mlp)
+    mlp.fc[0].weight.requires_grad_(True)
+    applied = parallelize(plan, mlp)
+    with pytest.raises(RuntimeSetupError, match=r"has shape \(8, 8\); the plan was solved "
+                                                r"for \(4, 8\)"):
+        applied(torch.zeros(8, 8))
+
+
+def test_a_module_computing_its_own_loss_is_refused_for_parallelize() -> None:
+    """parallelize runs the module's code on sharded values, where a loss its forward
+    computes from its targets does not run (Hugging Face's ``labels``): refused at import,
+    saying what to do; the runtime's own executor's bare graph imports it."""
+
+    class OwnLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.fc(x), y)
+
+    args = (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ConfigError, match="a loss its own forward computes"):
+        ilp_planner.from_module(OwnLoss(), args)
+    assert ilp_planner.from_module(OwnLoss(), args, dtensor=False).ops
 
 
 def test_one_rank_applies_and_trains_like_the_module(one_rank):

@@ -117,6 +117,13 @@ def from_module(module: Any, example_inputs: Any, *,
     or an index) picks another."""
     import torch
 
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ConfigError(
+            f"cannot import {type(module).__name__}: parameters {', '.join(frozen[:3])}"
+            f"{' …' if len(frozen) > 3 else ''} are frozen (requires_grad=False); the planner "
+            f"prices and the runtime trains every parameter, so frozen ones are not supported "
+            f"— unfreeze them, or import a module without them")
     args, kwargs = _split_inputs(example_inputs)
     root, strip = module, ""
     if loss_fn is not None:
@@ -132,6 +139,14 @@ def from_module(module: Any, example_inputs: Any, *,
     out = _model_output(g.outputs, ep.call_spec.out_spec, output, type(module).__name__)
     if g.drafts[out.src[0]].kind is not OpKind.LOSS:
         g.loss(_Synthetic("loss"), out)
+    elif dtensor and loss_fn is None:
+        raise ConfigError(
+            f"cannot import {type(module).__name__} to run under parallelize: its output is "
+            f"a loss its own forward computes (from its targets — Hugging Face's `labels`), "
+            f"which parallelize does not run on the module's sharded values; call it without "
+            f"the targets and compute the loss on its output (``loss_fn=``, or the default "
+            f"cross-entropy over its logits), or import with dtensor=False for a plan the "
+            f"runtime's own executor runs")
     ops = _frozen_ops(list(g.drafts.values()), g.param_shape)
     if dtensor:  # the plan runs on the module: its functional code reads shared values
         ops = _read_through_code([_marked_functional(op, module) for op in ops],

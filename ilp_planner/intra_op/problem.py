@@ -170,7 +170,7 @@ class GraphProblem:
             return opt.inputs[pos][idx], opt.grads[pos][idx]
 
         for (o, oi), (d, di) in riders(self.graph).items():
-            if read(o, oi) != read(d, di):
+            if tuple(map(drop_unit_axes, read(o, oi))) != tuple(map(drop_unit_axes, read(d, di))):
                 return (f"{self.graph[o].inputs[oi]!r} feeds functional code in two layouts "
                         f"({d!r}, {o!r}): no module boundary can run both programs")
         pairs = [(src, dst) for src, dst in self.graph.edges()
@@ -1289,6 +1289,13 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
         edges[key] = edges[key] + mat if key in edges else mat.copy()
 
 
+def _shared_key(opt: NodeOption, pos: int, idx: int) -> tuple[Layout, Layout]:
+    """A shared read's (input layout, gradient layout), unit mesh axes aside: the runtime
+    runs the two on one DeviceMesh with the same placements (:func:`runtime.dtensors.rank_grid`
+    drops them), so a rider reads its priced reader's value as it is."""
+    return drop_unit_axes(opt.inputs[pos][idx]), drop_unit_axes(opt.grads[pos][idx])
+
+
 def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
                           cost: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray],
                           buckets: BucketTerms | None) -> None:
@@ -1326,11 +1333,12 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
         _add_pair(cost, edges, st.group_of[u], st.group_of[v],
                   penalty * (made[:, None] != read[None, :]).astype(float))
     for d, pos_d, idx_d, o, pos_o, idx_o in st.couplings:
-        ids: dict[tuple[Layout, Layout], int] = {}  # each distinct pair compared once
-        want = np.array([ids.setdefault((opt.inputs[pos_d][idx_d], opt.grads[pos_d][idx_d]),
-                                        len(ids)) for opt in options[d]])
-        have = np.array([ids.setdefault((opt.inputs[pos_o][idx_o], opt.grads[pos_o][idx_o]),
-                                        len(ids)) for opt in options[o]])
+        # each distinct pair compared once, unit mesh axes aside (one DeviceMesh runs both)
+        ids: dict[tuple[Layout, Layout], int] = {}
+        want = np.array([ids.setdefault(_shared_key(opt, pos_d, idx_d), len(ids))
+                         for opt in options[d]])
+        have = np.array([ids.setdefault(_shared_key(opt, pos_o, idx_o), len(ids))
+                         for opt in options[o]])
         mat = penalty * (want[:, None] != have[None, :]).astype(float)
         _add_pair(cost, edges, st.group_of[d], st.group_of[o], mat)
     for a, pos_a, idx_a, b, pos_b, idx_b in st.input_couplings:  # one tensor per input

@@ -10,8 +10,9 @@ code reading one linear's output — one shared value —, planned with that lin
 row-parallel so the value's partial sums are resolved once for both:
 :func:`row_parallel_proj`) or ``coded`` (a ReLU following a linear applied in functional
 code: nothing may move between them) or ``head_T`` (a head on a parameter's ``.T`` in the
-module's own code). Prints ``OK <strategies>`` on rank 0 and exits 0, or prints
-the differences and exits 1.
+module's own code) or ``encoder`` (PyTorch's ``nn.TransformerEncoderLayer``: its
+attention's functional linear and its residual add read one value). Prints
+``OK <strategies>`` on rank 0 and exits 0, or prints the differences and exits 1.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from runtime.modules import MLP  # noqa: E402
 from runtime.recorder import Recorder  # noqa: E402
 from tests.helpers.user_models import (  # noqa: E402
     CodedLinear,
+    EncoderLM,
     Llama,
     TransposedHead,
     TwinFollowers,
@@ -57,6 +59,8 @@ def build(name: str):
         return TwinFollowers(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     if name == "coded":
         return CodedLinear(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
+    if name == "encoder":
+        return EncoderLM(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
     if name == "head_T":
         return TransposedHead(64, 32), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
     model = Llama(vocab=64, dim=32, n_layers=2, seq_len=8)
@@ -92,7 +96,7 @@ def loss_of(out, y):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T"))
+    ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")

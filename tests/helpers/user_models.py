@@ -345,3 +345,19 @@ class TitanLlama(nn.Module):
         for layer in self.layers.values():
             h = layer(h, table)
         return self.output(self.norm(h))
+
+
+class EncoderLM(nn.Module):
+    """PyTorch's own ``nn.TransformerEncoderLayer`` (its ``nn.MultiheadAttention`` runs
+    ``F.linear`` on the block's input, which its residual add also reads) between an
+    embedding and a head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0,
+                                                batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.emb(ids)))
