@@ -343,6 +343,22 @@ _COLOURS = {
 }
 
 
+def plot_formats() -> list[str]:
+    """The file extensions :func:`plot_timeline` writes (matplotlib's, sorted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return sorted(Figure().canvas.get_supported_filetypes())
+
+
+def can_plot(path: str) -> bool:
+    """Whether :func:`plot_timeline` can write ``path`` (its extension is one it writes)."""
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    return "." in name and name.rsplit(".", 1)[-1].lower() in plot_formats()
+
+
 def plot_timeline(
     timeline: SimResult | Sequence[Event],
     path: str,

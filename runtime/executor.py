@@ -124,6 +124,9 @@ class Executor:
         checked = checked or check_plan(plan, microbatches=options.microbatches, strategies=False)
         self.compiled: CompiledPlan = compile_plan(plan, checked)
         c = self.compiled
+        if not any(op.params for op in c.graph.ops):
+            raise RuntimeSetupError(f"plan {plan.name}'s model has no parameters: a training "
+                                    f"step has nothing to train")
         self.recorder = Recorder(c.cluster.devices_per_node)
         self.registry = MeshRegistry(options.timeout_s)
         self.comms = {s.index: Comm(self.registry, s.devices, rank, c.cluster, self.recorder)

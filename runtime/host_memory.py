@@ -12,12 +12,14 @@ limit is a container's, not ``/proc/meminfo``'s.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from pathlib import Path
 
 import torch
 
+from ilp_planner.errors import ConfigError
 from ilp_planner.plan.data import Plan
 from runtime.errors import RuntimeSetupError
 
@@ -40,7 +42,14 @@ def available_host_bytes(limit_gib: float | None = None) -> float | None:
     """The memory ranks of this host may use: the given limit, else :data:`HOST_MEMORY_ENV`,
     else ``MemAvailable``; None where none is known (not Linux)."""
     if limit_gib is None and os.environ.get(HOST_MEMORY_ENV):
-        limit_gib = float(os.environ[HOST_MEMORY_ENV])
+        text = os.environ[HOST_MEMORY_ENV]
+        try:
+            limit_gib = float(text)
+        except ValueError:
+            limit_gib = math.nan
+        if not math.isfinite(limit_gib) or limit_gib <= 0:
+            raise ConfigError(f"${HOST_MEMORY_ENV}: expected a positive number of GiB, got "
+                              f"{text!r}")
     if limit_gib is not None:
         return limit_gib * GIB
     meminfo = Path("/proc/meminfo")

@@ -34,6 +34,7 @@ import faulthandler
 import functools
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -60,18 +61,57 @@ BACKENDS = ("auto", "nccl", "gloo")
 CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
+def positive(cast: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type: ``cast`` of the text, refused unless finite and > 0 (a count or
+    a tolerance of 0 or less either does nothing or divides by zero)."""
+    return _bounded(cast, lambda v: v > 0, "a positive")
+
+
+def non_negative(cast: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type: ``cast`` of the text, refused unless finite and ≥ 0."""
+    return _bounded(cast, lambda v: v >= 0, "a non-negative")
+
+
+def _bounded(cast: Callable[[str], T], ok: Callable[[T], bool], what: str
+             ) -> Callable[[str], T]:
+    kind = "integer" if cast is int else "number"
+
+    def parse(text: str) -> T:
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what} {kind}, got {text!r}")
+        return value
+
+    parse.__name__ = f"{what.split()[-1]} {kind}"
+    return parse
+
+
+def check_training_options(args: argparse.Namespace, plans: int) -> None:
+    """The per-plan lists (``--optimizer``, ``--lr``) checked as every rank would read them,
+    before any rank starts: raises :class:`ConfigError` naming the option."""
+    for o, lr in zip(_per_plan(args.optimizer, plans, "--optimizer", str),
+                     _per_plan(args.lr, plans, "--lr", float), strict=True):
+        try:
+            OptimizerSpec(o, lr)
+        except ConfigError as exc:
+            raise ConfigError(f"--optimizer / --lr: {exc}") from None
+
+
 def add_training_options(p: argparse.ArgumentParser) -> None:
     """The training options, shared by this launcher and ``ilp-planner run`` (which
     forwards them with :func:`forward_options`)."""
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps to train (default 3)")
+    p.add_argument("--steps", type=positive(int), default=3, help="optimizer steps to train (default 3)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initial parameters and the synthetic data (default 0)")
     p.add_argument("--optimizer", default="adam",
                    help="sgd or adam; a comma-separated list gives one per plan")
     p.add_argument("--lr", default="1e-2", help="learning rate; a comma list gives one per plan")
-    p.add_argument("--microbatches", type=int, default=None,
+    p.add_argument("--microbatches", type=positive(int), default=None,
                    help="gradient accumulation for single-stage plans (default: the config's)")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--timeout", type=positive(float), default=60.0, help="collective timeout, seconds")
     p.add_argument("--audit", action="store_true",
                    help="per rank, the collectives the plan prices beside those the recorder saw "
                         "executed (count and bytes per kind and purpose); exit 1 where they differ")
@@ -85,7 +125,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-params", metavar="DIR", help="save final full parameters here")
     p.add_argument("--check-reference", action="store_true",
                    help="compare with the single-process reference on rank 0")
-    p.add_argument("--rtol", type=float, default=None,
+    p.add_argument("--rtol", type=positive(float), default=None,
                    help="relative tolerance of --check-reference (default: per compute dtype, "
                         "runtime.reference.RTOL: 1e-4 float32, 1e-2 bfloat16, 2e-3 float16)")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -96,7 +136,7 @@ def add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto (default): NCCL on CUDA, gloo on CPU; gloo on CUDA lets more ranks "
                         "than GPUs share them (a check on one GPU; NCCL needs a GPU per rank)")
-    p.add_argument("--heartbeat-s", type=float, default=10.0,
+    p.add_argument("--heartbeat-s", type=non_negative(float), default=10.0,
                    help="each rank beats through torchrun's store this often; a rank silent for "
                         f"{heartbeat.MISSED_BEATS} beats (stopped, hung) ends the run naming it "
                         "(0: off)")

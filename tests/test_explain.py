@@ -316,3 +316,23 @@ def test_solve_prints_a_wall_time_whose_parts_add_up(capsys):
     total, *parts = (float(x) for x in m.groups())
     assert sum(parts) == pytest.approx(total, abs=0.03) and float(m.group(6)) >= 0
     assert float(m.group(5)) > 0  # the baselines' time is counted, not hidden
+
+
+def test_an_uncounted_opaque_op_on_a_flat_cluster_is_said_to_be_free() -> None:
+    """An op the planner does not understand is priced by the FLOPs torch counts; where it
+    counts none and the cluster has no compute model to price bytes, explain says the op's
+    compute is free there and how to price it — never silently."""
+    ops = [{"name": "x", "kind": "input", "shape": [8, 16]},
+           {"name": "fc", "kind": "linear", "inputs": ["x"], "shape": [8, 16],
+            "weight": [16, 16]},
+           {"name": "fft", "kind": "opaque", "inputs": ["fc"], "shape": [8, 16], "flops": 0},
+           {"name": "loss", "kind": "loss", "inputs": ["fft"], "shape": [1]}]
+    link = {"latency_us": 1, "bandwidth_gbps": 10}
+    flat = {"nodes": 1, "devices_per_node": 2, "memory_gib": 1, "peak_tflops": 1,
+            "links": {"intra": link, "inter": link}}
+    text = explain(solve({"kind": "graph", "name": "u", "ops": ops}, cluster=flat,
+                         baselines=False))
+    assert "torch counts none for fft, so their compute is free here" in text
+    priced = dict(flat, compute={"hbm_gbps": 1000})
+    assert "compute is free" not in explain(
+        solve({"kind": "graph", "name": "u", "ops": ops}, cluster=priced, baselines=False))

@@ -148,6 +148,21 @@ def test_simulate_bounds_its_micro_batch_override(capsys, tmp_path):
     pipelined_plan(load_config(TINY), stages=2, schedule="1f1b", microbatches=2).save(plan)
     _fails(capsys, ["simulate", str(plan), "--microbatches", str(10**9)], "ILP_PLANNER_MAX_MICROBATCHES")
     _fails(capsys, ["simulate", str(plan), "--microbatches", "-3"], "positive integer")
+    # a chart format no backend writes: refused before the work, not by matplotlib after it
+    _fails(capsys, ["simulate", str(plan), "--plot", str(tmp_path / "out.txt")],
+           "out.txt: expected a file ending in one of", ".png")
+
+
+def test_validate_refuses_more_stages_than_layer_units_as_solve_does(capsys, tmp_path):
+    import yaml
+
+    doc = yaml.safe_load((CONFIGS / "tiny-gpt-cpu.yaml").read_text())
+    doc["pipeline"] = {"stages": 3, "microbatches": 4}
+    bad = tmp_path / "pp3.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    for verb in ("validate", "solve"):
+        _fails(capsys, [verb, str(bad)], f"{bad}: pipeline.stages: 3 stages requested but the "
+                                         f"model has only 2 layer units")
 
 
 def test_solve_refuses_a_folder_for_its_plan_before_solving(capsys, tmp_path, monkeypatch):

@@ -94,6 +94,23 @@ def _spec(**extra):
     return {"kind": "graph", "name": "toy", "ops": ops, **extra}
 
 
+def test_an_elementwise_op_may_read_a_model_input_and_be_solved() -> None:
+    """A ReLU reading the input has layouts of its own (it follows no producer): solved,
+    not a traceback; the ops after it follow it as usual."""
+    from ilp_planner.api import solve
+
+    ops = [{"name": "x", "kind": "input", "shape": [8, 16]},
+           {"name": "r", "kind": "relu", "inputs": ["x"], "shape": [8, 16]},
+           {"name": "fc", "kind": "linear", "inputs": ["r"], "shape": [8, 4], "weight": [16, 4]},
+           {"name": "loss", "kind": "loss", "inputs": ["fc"], "shape": [1]}]
+    cluster = {"nodes": 1, "devices_per_node": 2, "memory_gib": 1, "peak_tflops": 1,
+               "links": {"intra": {"latency_us": 1, "bandwidth_gbps": 10},
+                         "inter": {"latency_us": 1, "bandwidth_gbps": 10}}}
+    plan = solve({"kind": "graph", "name": "relu", "ops": ops}, cluster=cluster,
+                 baselines=False)
+    assert plan.solver.status == "optimal" and plan.layer("r").strategy != ""
+
+
 def test_graph_from_spec_builds_and_defaults():
     g = models.graph_from_spec(_spec(), "toy.yaml")
     assert g.name == "toy" and len(g) == 6
@@ -118,6 +135,11 @@ def test_graph_from_spec_builds_and_defaults():
     (lambda s: s["ops"][3].pop("block"), "model.ops[3].block", "together"),
     (lambda s: s["ops"][2].update(inputs=[]), "model.ops[2].inputs", "at least one input"),
     (lambda s: s.update(ops=[]), "model.ops", "at least 1"),
+    (lambda s: s["ops"][0].update(inputs=["x"]), "model.ops[0].inputs", "reads no other op"),
+    (lambda s: s["ops"][2].update(shape=[8, 16]), "model.ops[2].inputs[0]",
+     "input of shape [8, 32] does not broadcast to its output's [8, 16]"),
+    (lambda s: s["ops"][5].update(inputs=["x"]), "model.ops[5].inputs[0]",
+     "a loss op follows the op producing its input, not a model input ('x')"),
 ])
 def test_graph_from_spec_errors(mutate, key, text):
     spec = _spec()

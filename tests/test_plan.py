@@ -124,6 +124,20 @@ def test_corrupt_and_missing_files_are_rejected(plan, tmp_path):
         Plan.load(path)
     with pytest.raises(PlanFormatError, match="file not found"):
         Plan.load(tmp_path / "missing.json")
+    # a top-level field missing, a collective of no known kind: named where they are
+    for key in ("layers", "cost", "solver"):
+        d = plan.to_dict()
+        del d[key]
+        path.write_text(json.dumps(d))
+        with pytest.raises(PlanFormatError, match=rf"corrupt.json: {key}: missing$"):
+            Plan.load(path)
+    d = plan.to_dict()
+    i, ly = next((i, ly) for i, ly in enumerate(d["layers"]) if ly["collectives"])
+    ly["collectives"][0]["kind"] = "all_scatter"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanFormatError, match=rf"layers\[{i}\]\.collectives\[0\]\.kind: "
+                                              r"'all_scatter' is not a collective"):
+        Plan.load(path)
 
 
 _DROP = object()

@@ -352,3 +352,17 @@ def test_install_and_test_commands_are_ci_s():
     test_cmd = re.findall(r"^(python -m pytest[^\n]*)$", ci, re.M)
     assert test_cmd and test_cmd[0] in readme, (
         f"README.md does not give .ci/run's test command {test_cmd}")
+
+
+# -- the Python examples' imports ----------------------------------------------------------
+
+
+def test_every_python_example_imports_what_it_names():
+    """Each ``python`` code block's ``import`` and ``from … import`` statements run (a
+    name moved to another module broke the API example's second line)."""
+    blocks = re.findall(r"```python\n(.*?)```", _text(README), flags=re.S)
+    assert blocks
+    for block in blocks:
+        for node in ast.parse(block).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                exec(compile(ast.Module([node], []), "README.md", "exec"), {})

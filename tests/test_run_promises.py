@@ -64,6 +64,40 @@ def test_the_host_limit_may_come_from_the_environment(monkeypatch, capsys, dp2):
     assert "but 0.1 MiB is available" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", [
+    ["--steps", "0"], ["--steps", "-2"], ["--microbatches", "0"], ["--timeout", "-5"],
+    ["--rtol", "0"], ["--rtol", "nan"], ["--heartbeat-s", "-1"], ["--nproc-per-node", "0"],
+    ["--host-memory-gib", "-1"], ["--host-memory-gib", "nan"]])
+def test_run_refuses_a_count_or_limit_out_of_range_before_any_rank(monkeypatch, capsys, dp2,
+                                                                    option):
+    _no_launch(monkeypatch)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", str(dp2), *option])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option[0]}: expected a " in err and repr(option[1]) in err
+
+
+@pytest.mark.parametrize("option,says", [
+    (["--optimizer", "adamw"], "unknown optimizer 'adamw'"),
+    (["--lr", "-1"], "learning rate must be positive"),
+    (["--lr", "abc"], "--lr: could not convert"),
+    (["--optimizer", "sgd,adam"], "--optimizer lists 2 values for 1 plans")])
+def test_run_refuses_the_per_plan_lists_before_any_rank(monkeypatch, capsys, dp2, option, says):
+    _no_launch(monkeypatch)
+    assert cli.main(["run", str(dp2), *option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+
+
+def test_a_host_limit_in_the_environment_must_be_a_positive_number(monkeypatch, capsys, dp2):
+    for text in ("abc", "-1"):
+        monkeypatch.setenv(HOST_MEMORY_ENV, text)
+        assert cli.main(["check", str(dp2)]) == 2
+        assert f"${HOST_MEMORY_ENV}: expected a positive number of GiB, got {text!r}" in \
+            capsys.readouterr().err
+
+
 def test_check_says_what_run_will_do_about_host_memory(capsys, dp2):
     assert cli.main(["check", str(dp2), "--host-memory-gib", "0.0001"]) == 0
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ from ilp_planner.errors import PlannerError
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.executor import Executor, RunOptions
-from runtime.host_memory import check_fits_host
+from runtime.host_memory import available_host_bytes, check_fits_host
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.for_host:  # a malformed limit in the environment is an input error, said once
+        available_host_bytes(args.host_memory_gib)
     for path in args.plans:
         plan = Plan.load(path)
         checked = check_plan(plan, str(path))

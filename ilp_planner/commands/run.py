@@ -28,7 +28,7 @@ from ilp_planner.plan.data import Plan
 from runtime.errors import RunFailedError
 from runtime.executor import Executor, RunOptions
 from runtime.host_memory import HOST_MEMORY_ENV, check_fits_host
-from runtime.launch import add_training_options, forward_options
+from runtime.launch import add_training_options, check_training_options, forward_options, positive
 from runtime.supervise import launch_ranks
 
 
@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plans", nargs="+", metavar="PLAN",
                    help="plan JSON (or a YAML config to solve first)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
+    p.add_argument("--nproc-per-node", type=positive(int), default=None,
                    help="processes to start (default: the plan's device count)")
     add_host_memory_option(p)
     p.add_argument("--log-dir", metavar="DIR", default=None,
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_host_memory_option(p: argparse.ArgumentParser) -> None:
     """``--host-memory-gib``, shared with ``check``."""
-    p.add_argument("--host-memory-gib", type=float, default=None,
+    p.add_argument("--host-memory-gib", type=positive(float), default=None,
                    help="memory the ranks on this host may use, in GiB (default: "
                         f"${HOST_MEMORY_ENV}, else MemAvailable of /proc/meminfo; on GPU each "
                         "device's free memory)")
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_and_launch(args: argparse.Namespace, folder: Path) -> int:
     """Solve the configurations, check every plan, then start the ranks."""
+    check_training_options(args, len(args.plans))
     files = [plan_file(path, folder) for path in args.plans]
     n = args.nproc_per_node or Plan.load(files[0]).num_devices
     for path in files:

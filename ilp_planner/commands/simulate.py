@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from formulations.schedules import INTERLEAVED, SCHEDULE_NAMES, make_schedule
-from formulations.simulator import plot_timeline, simulate
+from formulations.simulator import can_plot, plot_formats, plot_timeline, simulate
 from ilp_planner.errors import ConfigError, PlanFormatError
 from ilp_planner.inputs.files import prepare_output
 from ilp_planner.inputs.limits import check_limit
@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot and not can_plot(args.plot):  # before the work, not at its end
+        raise ConfigError(f"--plot {args.plot}: expected a file ending in one of "
+                          f"{', '.join('.' + k for k in plot_formats())}")
     plan = load_checked(args.plan)
     if not plan.stages or plan.schedule is None:
         raise PlanFormatError(f"{args.plan}: plan {plan.name!r} has no pipeline stages; solve a "
@@ -75,3 +78,4 @@ def run(args: argparse.Namespace) -> int:
         plot_timeline(result, args.plot, title=f"{plan.name}: {name}, {m} micro-batches")
         print(f"wrote {args.plot}")
     return 0
+

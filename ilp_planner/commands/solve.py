@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("config", metavar="CONFIG", help="YAML configuration file")
     p.add_argument("-o", "--output", metavar="PLAN", help="write the plan JSON here")
     p.add_argument("--time-limit", type=float, metavar="S",
-                   help="override solver.time_limit_s")
+                   help="override solver.time_limit_s (the limit of each exact solve; a "
+                        "search over recomputed blocks or transient caps runs several)")
     p.add_argument("--no-baselines", action="store_true", help="skip pricing the baselines")
     p.add_argument("--compare", action="append", default=[], metavar="CONFIGURATION",
                    help="price a configuration you run beside the plan, e.g. 'megatron: tp=8 "

@@ -13,6 +13,7 @@ import sys
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import parse_config, read_yaml
+from ilp_planner.inter_op.layer_units import check_stage_count
 from ilp_planner.reports.summary import fits_memory, model_summary
 
 
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
                                   "`ilp-planner sweep` on it, or validate its base config",
                                   source=str(path))
             config = parse_config(data, str(path))
+            check_stage_count(config)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             failed += 1

@@ -577,7 +577,15 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
             r.fail(join(path, "name"),
                    f"duplicate op name {op_name!r} (first defined at {key}.ops[{seen[op_name]}])")
         kind = OpKind(r.read(GRAPH_OP_KEYS["kind"], d["kind"], join(path, "kind")))
+        if kind is OpKind.INPUT and d.get("inputs"):
+            r.fail(join(path, "inputs"), "an input op reads no other op")
         inputs = _spec_inputs(r, d, path, key, seen, all_names)
+        if kind in _FOLLOWING:
+            given = [j for j, src in enumerate(inputs) if ops[seen[src]].kind is OpKind.INPUT]
+            if given:
+                r.fail(join(join(path, "inputs"), given[0]),
+                       f"a {kind.value} op follows the op producing its input, not a model "
+                       f"input ({inputs[given[0]]!r}); put an op between them")
         op = _spec_op(r, d, path, op_name, kind, inputs, [shapes[s] for s in inputs], dtype)
         ops.append(op)
         seen[op_name] = i
@@ -681,10 +689,26 @@ def graph_to_spec(graph: Graph) -> dict[str, Any]:
     return {"kind": "graph", "name": graph.name, "ops": ops}
 
 
+_FOLLOWING = frozenset({OpKind.POOL, OpKind.FLATTEN, OpKind.LOSS, OpKind.PART})
+"""Kinds laid out as the op producing their input (strategies.FOLLOWER_KINDS but the
+element-wise ones, which also stand alone): a model input is not one."""
+
+
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``to`` (right-aligned, each dim equal or 1)."""
+    return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(shape[::-1], to[::-1], strict=False))
+
+
 def _check_explicit_op(r: Reader, path: str, kind: OpKind, out: TensorSpec,
                        weight: TensorSpec | None, in_shapes: list[tuple[int, ...]],
                        attrs: dict[str, int]) -> None:
     """Shape rules the strategy generators rely on, checked per kind."""
+    if kind.is_elementwise:
+        for j, shape in enumerate(in_shapes):
+            if not _broadcasts(shape, out.shape):
+                r.fail(join(join(path, "inputs"), j),
+                       f"a {kind.value} op's input of shape {list(shape)} does not broadcast "
+                       f"to its output's {list(out.shape)}")
     if kind is OpKind.LINEAR:
         if weight is None or weight.rank != 2:
             r.fail(join(path, "weight"), "a linear op needs a 2-D weight [in, out]")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ilp_planner.errors import ConfigError
+from ilp_planner.inputs.config import Config
 from ilp_planner.ir.graph import Graph, Op, OpKind
 
 
@@ -146,3 +148,18 @@ class RangeKeys:
             self._keys[k] = tuple(self.part(u, min(u - a, self.back[u]), min(e - 1 - u, self.ahead[u]))
                                   for u in range(a, e))
         return self._keys[k]
+
+
+def check_stage_count(config: Config, num_units: int | None = None) -> None:
+    """Raise :class:`ConfigError` (the file, ``pipeline.stages``) where the config asks for
+    more stages than the model has layer units (``num_units``: its units, derived here when
+    not given) — a config error ``validate`` reports too."""
+    pipe = config.pipeline
+    if not pipe.pipelined or pipe.stages == "auto":
+        return
+    if num_units is None:
+        num_units = len(layer_units(config.microbatch_graph(), pipe.max_units))
+    if int(pipe.stages) > num_units:
+        raise ConfigError(f"{pipe.stages} stages requested but the model has only {num_units} "
+                          f"layer units to distribute", source=config.source,
+                          key="pipeline.stages")

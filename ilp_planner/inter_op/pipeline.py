@@ -32,7 +32,7 @@ from ilp_planner.inter_op.assembly import (
 from ilp_planner.inter_op.boundary_estimate import BoundaryCost
 from ilp_planner.inter_op.given_rival import given_if_faster, given_if_faster_noted
 from ilp_planner.inter_op.interleaved import best_interleaved, interleaved_report
-from ilp_planner.inter_op.layer_units import layer_units
+from ilp_planner.inter_op.layer_units import check_stage_count, layer_units
 from ilp_planner.inter_op.pipelined_grid import (
     GridPipeline,
     grid_stage_plans,
@@ -70,10 +70,8 @@ class _StageSpace:
     def of(cls, config: Config, num_units: int) -> _StageSpace:
         """The config's space for ``num_units`` layer units (no more stages than units)."""
         pipe, cluster = config.pipeline, config.cluster
+        check_stage_count(config, num_units)
         num_stages = None if pipe.stages == "auto" else int(pipe.stages)
-        if num_stages is not None and num_stages > num_units:
-            raise InfeasibleError(f"{num_stages} stages requested but the model has only "
-                                  f"{num_units} layer units to distribute")
         return cls(submesh_shapes(cluster.nodes, cluster.devices_per_node, pipe.submesh_space),
                    num_stages, list(pipe.submeshes) if pipe.submeshes else None)
 

@@ -987,6 +987,9 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
                      if all(x.rank == op.output.rank and x.shape[d] == op.output.shape[d]
                             for x in inputs))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), len(op.inputs), ctx)
+    if kind.is_elementwise:  # one reading a model input: any layout of it
+        dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), 1, ctx)
     raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
 
 

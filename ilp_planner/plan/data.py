@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from formulations.result import SolveResult, SolveStats
 from ilp_planner.errors import LayoutError, PlanFormatError
@@ -20,7 +21,7 @@ from ilp_planner.inputs.files import read_input, write_output
 from ilp_planner.ir.cluster import MeshAxis, fact_str
 from ilp_planner.ir.layouts import Layout, parse_placement
 from ilp_planner.ir.regions import Region
-from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective
+from ilp_planner.lowering.cost_model import ONCE_PER_STEP, Collective, CollectiveKind
 from ilp_planner.plan.fields import (
     amount,
     finite,
@@ -225,11 +226,22 @@ def _check_strategy_mesh(strategy: dict, output: Layout, path: str) -> None:
                               f"layouts, {expected}")
 
 
+def _top(d: dict, key: str) -> Any:
+    """A top-level field of a plan file, or an error naming it as missing."""
+    if key not in d:
+        raise PlanFormatError(f"{key}: missing")
+    return d[key]
+
+
 def _collective(d, path: str) -> Collective:
     """A collective whose size, bytes and seconds are non-negative numbers, its link,
     phase and purpose strings and its mesh axes integers."""
     for k in ("group_size", "bytes", "seconds"):
         amount(required(d, k, path), f"{path}.{k}")
+    kind = string(required(d, "kind", path), f"{path}.kind")
+    if kind not in {k.value for k in CollectiveKind}:
+        raise PlanFormatError(f"{path}.kind: {kind!r} is not a collective; expected one of "
+                              f"{sorted(k.value for k in CollectiveKind)}")
     string(required(d, "link", path), f"{path}.link")
     for k in ("phase", "purpose"):
         optional(d.get(k), f"{path}.{k}", string)
@@ -692,9 +704,9 @@ class Plan:
         try:
             return cls(
                 string(d.get("name"), "name"), mapping(d.get("config"), "config"),
-                SolverReport.from_dict(mapping(d["solver"], "solver"), "solver"),
-                CostBreakdown.from_dict(mapping(d["cost"], "cost")),
-                [LayerPlan.from_dict(x, f"layers[{i}]") for i, x in enumerate(d["layers"])],
+                SolverReport.from_dict(mapping(_top(d, "solver"), "solver"), "solver"),
+                CostBreakdown.from_dict(mapping(_top(d, "cost"), "cost")),
+                list(items(_top(d, "layers"), "layers", LayerPlan.from_dict)),
                 _baselines(d.get("baselines", {})),
                 list(items(d.get("stages", []), "stages", Stage.from_dict)),
                 optional(d.get("schedule"), "schedule", PipelineSchedule.from_dict),

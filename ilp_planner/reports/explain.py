@@ -401,8 +401,16 @@ def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
     top = sorted(cost, key=lambda name: -cost[name])[:shown]
     listed = ", ".join(f"{name} {cost[name] / total:.1%}" for name in top)
     more = f", … {len(cost) - shown} more" if len(cost) > shown else ""
-    return [f"unsharded {len(cost)} opaque op(s), replicated: {fmt_seconds(sum(cost.values()))} "
-            f"({opaque_share(plan):.1%} of the step): {listed}{more}"]
+    lines = [f"unsharded {len(cost)} opaque op(s), replicated: {fmt_seconds(sum(cost.values()))} "
+             f"({opaque_share(plan):.1%} of the step): {listed}{more}"]
+    free = [ly.name for ly in plan.layers if ly.name in cost and ly.compute_s == 0.0]
+    if free and parse_config(plan.config).cluster.device is None:
+        lines.append(
+            f"  priced by their FLOPs only, on a cluster without a compute model: torch counts "
+            f"none for {', '.join(free[:shown])}{' …' if len(free) > shown else ''}, so their "
+            f"compute is free here; name a catalogue `gpu:` or give `cluster.compute` to price "
+            f"their bytes and kernels")
+    return lines
 
 
 def explain(plan: Plan, *, collectives: bool = True) -> str:
@@ -453,7 +461,8 @@ def _cost_lines(plan: Plan) -> list[str]:
         f"compute {fmt_seconds(c.compute_s)} + activation comm {fmt_seconds(c.activation_comm_s)} "
         f"({fmt_bytes(c.activation_comm_bytes)}) + grad sync {fmt_seconds(c.grad_sync_s)} "
         f"({fmt_bytes(c.grad_sync_bytes)}); grad sync overlapped with the backward in buckets: "
-        f"{fmt_seconds(c.grad_sync_exposed_s)} exposed, step {fmt_seconds(c.step_s)}",
+        f"{fmt_seconds(c.grad_sync_exposed_s)} exposed, so {fmt_seconds(c.step_s)} a step "
+        f"where the runtime overlaps them (the objective and every ratio use the total)",
     ]
     lines += _opaque_lines(plan)
     if plan.schedule is not None:
