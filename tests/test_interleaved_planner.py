@@ -116,3 +116,21 @@ def test_forced_interleaving_with_auto_stages_finds_the_only_fit() -> None:
     assert auto.schedule.virtual_stages == 2 and len(auto.stages) == 4
     assert [s.layers for s in auto.stages] == [s.layers for s in fixed.stages]
     assert auto.step_s == pytest.approx(fixed.step_s)
+
+
+def test_an_interleaved_plan_s_cost_is_its_busiest_mesh_with_its_chunks_summed() -> None:
+    """A mesh's devices run all its chunks: the plan's breakdown sums them (as a compared
+    configuration's does, so the two rows of a report compare like with like), its peak the
+    largest chunk's."""
+    plan = solve(CONFIG, baselines=False)
+    chunks = [s.times.cost for s in plan.stages]
+    p = len(chunks) // plan.schedule.virtual_stages
+    assert p == 2 and len(chunks) == 4
+    meshes = [(sum(c.compute_s for c in chunks[r::p]), sum(c.grad_sync_s for c in chunks[r::p]),
+               sum(c.total_s for c in chunks[r::p])) for r in range(p)]
+    compute, sync, total = max(meshes, key=lambda m: m[2])
+    assert plan.cost.compute_s == pytest.approx(compute, rel=1e-12)
+    assert plan.cost.grad_sync_s == pytest.approx(sync, rel=1e-12)
+    assert plan.cost.total_s == pytest.approx(total, rel=1e-12)
+    assert plan.cost.peak_memory_bytes == max(c.peak_memory_bytes for c in chunks)
+    assert plan.cost.compute_s > max(c.compute_s for c in chunks)  # not one chunk's

@@ -135,13 +135,25 @@ def _exposed_tail(times: Sequence[StageTimes], virtual_stages: int) -> float:
 
 
 def pipeline_plan(config: Config, pipeline: AssembledPipeline, report: SolverReport) -> Plan:
-    """The plan of ``pipeline``: its cost the busiest stage's, with the largest peak."""
-    per_stage = [s.times.cost for s in pipeline.stages if s.times is not None]
-    busiest = max(per_stage, key=lambda c: c.total_s)
-    cost = dataclasses.replace(busiest, peak_memory_bytes=max(c.peak_memory_bytes
-                                                              for c in per_stage))
-    return Plan(config.name, config.raw, report, cost, pipeline.layers, stages=pipeline.stages,
-                schedule=pipeline.schedule, resharding=pipeline.resharding)
+    """The plan of ``pipeline``, its cost :func:`pipeline_cost`."""
+    return Plan(config.name, config.raw, report, pipeline_cost(pipeline), pipeline.layers,
+                stages=pipeline.stages, schedule=pipeline.schedule,
+                resharding=pipeline.resharding)
+
+
+def pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
+    """A pipeline's cost breakdown: its busiest stage mesh's (under interleaved 1F1B a
+    mesh's chunks summed: its devices run them all), with the largest peak of any chunk —
+    one figure for the plan and for a compared configuration's pipeline, so their rows
+    compare like with like."""
+    per_chunk = [s.times.cost for s in pipeline.stages if s.times is not None]
+    p = len(per_chunk) // pipeline.schedule.virtual_stages
+    summed = [f.name for f in dataclasses.fields(CostBreakdown) if f.name != "peak_memory_bytes"]
+    per_mesh = [dataclasses.replace(per_chunk[r], **{f: sum(getattr(c, f) for c in per_chunk[r::p])
+                                                     for f in summed}) for r in range(p)]
+    busiest = max(per_mesh, key=lambda c: c.total_s)
+    return dataclasses.replace(busiest, peak_memory_bytes=max(c.peak_memory_bytes
+                                                              for c in per_chunk))
 
 
 def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:

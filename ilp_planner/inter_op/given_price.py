@@ -42,7 +42,12 @@ from ilp_planner.inputs.given_config import (
     recomputed_blocks,
     stage_shape,
 )
-from ilp_planner.inter_op.assembly import AssembledPipeline, SolvedStage, assemble_pipeline
+from ilp_planner.inter_op.assembly import (
+    AssembledPipeline,
+    SolvedStage,
+    assemble_pipeline,
+    pipeline_cost,
+)
 from ilp_planner.inter_op.layer_units import RangeKeys, layer_units, subgraph
 from ilp_planner.inter_op.stage_solver import pipeline_latency
 from ilp_planner.intra_op.given_layout import GivenLayout, solve_given_layout
@@ -163,7 +168,7 @@ def _price(config: Config, g: GivenConfig) -> GivenPrice:
         layers, cost = realise(layout.gp, layout.choice)
         return GivenPrice(layers, cost, cost.total_s, m)
     pipeline = _given_pipeline(g, cfg, graph, m)
-    return GivenPrice(pipeline.layers, _pipeline_cost(pipeline), pipeline.step_s, m, pipeline)
+    return GivenPrice(pipeline.layers, pipeline_cost(pipeline), pipeline.step_s, m, pipeline)
 
 
 def _priced_config(config: Config, g: GivenConfig) -> tuple[int, Config]:
@@ -231,19 +236,6 @@ def _mesh_peaks(g: GivenConfig, m: int, chunks: Sequence[GivenLayout]) -> list[f
         peaks.append(sum(peak_memory(at, c) for at, c in ats)
                      + (held - 1) * sum(held_activations(at, c) for at, c in ats))
     return peaks
-
-
-def _pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
-    """The busiest stage mesh's breakdown (an interleaved mesh's chunks summed) with the
-    largest peak of any mesh (as a pipelined plan's cost is)."""
-    per_chunk = [s.times.cost for s in pipeline.stages if s.times is not None]
-    p = len(per_chunk) // pipeline.schedule.virtual_stages
-    fields = [f.name for f in dataclasses.fields(CostBreakdown) if f.name != "peak_memory_bytes"]
-    per_mesh = [dataclasses.replace(per_chunk[r], **{f: sum(getattr(c, f) for c in per_chunk[r::p])
-                                                     for f in fields}) for r in range(p)]
-    busiest = max(per_mesh, key=lambda c: c.total_s)
-    peak = max(c.peak_memory_bytes for c in per_chunk)
-    return dataclasses.replace(busiest, peak_memory_bytes=peak)
 
 
 def _given_block(config: Config, g: GivenConfig, plan: Plan, layers: Sequence[LayerPlan],
