@@ -490,11 +490,13 @@ class BoundaryHooks:
             raise RuntimeSetupError(f"input {op.name!r} is read in {len(seen)} layouts "
                                     f"({', '.join(sorted(map(str, seen)))})")
         lay = wants[0]
-        if x.numel() != op.output.numel:
+        batch = op.attrs.get("row_items")
+        if x.numel() != op.output.numel or (batch and x.dim() and x.shape[0] != batch):
+            example = f"a batch of {batch}, " if batch else ""
             raise RuntimeSetupError(
                 f"input {op.name!r} has shape {tuple(x.shape)}; the plan was solved for "
-                f"{op.output.shape}: a plan's layouts and prices are for its example "
-                f"inputs' shapes — pad the batch to them, or import and solve for these")
+                f"{example}{op.output.numel} elements: a plan's layouts and prices are for its "
+                f"example inputs' shapes — pad the batch to them, or import and solve for these")
         local = self.comm.block(x.reshape(op.output.shape), lay)
         dims = DimMap(tuple(x.shape), op.output.rank)
         spec = dtensor_spec(self.meshes.of(lay), placements(lay, dims, op.name), x, tuple(x.shape))

@@ -124,7 +124,7 @@ class Executor:
         checked = checked or check_plan(plan, microbatches=options.microbatches, strategies=False)
         self.compiled: CompiledPlan = compile_plan(plan, checked)
         c = self.compiled
-        if not any(op.params for op in c.graph.ops):
+        if not model.graph_param_specs(c.full_graph):  # the parameters the runtime creates
             raise RuntimeSetupError(f"plan {plan.name}'s model has no parameters: a training "
                                     f"step has nothing to train")
         self.recorder = Recorder(c.cluster.devices_per_node)

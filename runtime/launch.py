@@ -79,9 +79,10 @@ def _bounded(cast: Callable[[str], T], ok: Callable[[T], bool], what: str
     def parse(text: str) -> T:
         try:
             value = cast(text)
-        except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or not ok(value):
+            fine = math.isfinite(value) and ok(value)
+        except (ValueError, OverflowError):  # not a number; an integer too large for a float
+            fine = False
+        if not fine:
             raise argparse.ArgumentTypeError(f"expected {what} {kind}, got {text!r}")
         return value
 

@@ -6,7 +6,9 @@ torch's own FLOP count."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -448,6 +450,7 @@ def test_phi3s_fused_gate_up_is_cut_into_parts_no_opaque_op(imported):
         assert part.kind is OpKind.PART and part.inputs == (fused.name,)
         # gate carries the backward's cat of both gradients (no part unread)
         assert dict(part.attrs) == {"part": i, "parts": 2, "functional": 1, "cat": int(i == 0),
+                                    "row_items": BATCH,
                                     **({"unread_parts": 0} if i == 0 else {})}
         assert part.output.shape == (BATCH * SEQ, 64) and part.flops == 0
     assert graph[f"{mlp}.activation_fn"].inputs == (gate.name,)
@@ -564,7 +567,7 @@ def test_convnext_channels_moved_last_and_back_are_copies_that_keep_whole_images
     (a divisor of the batch) — so the image's batch split and the tokens' row split are one
     distribution. Its layer scale (``γ · x`` after the second linear) is an op owning γ."""
     _, graph = imported("convnext")
-    moves = [op for op in graph.ops if op.attrs.get("row_items")]
+    moves = [op for op in graph.ops if op.attrs.get("rows_local") and op.attrs.get("row_items")]
     assert moves and all(op.attrs["row_items"] == BATCH and op.attrs["rows_local"]
                          for op in moves)
     for op in moves:
@@ -685,6 +688,9 @@ def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(i
     assert list(param_shapes(op)) == ["router", "gate_up", "down"]
     assert list(param_shapes(op).values()) == [tuple(params[n].shape) for n in op.source_params]
     ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
+    # the experts' axes, not the example's batch of 2 (which splits its tokens two ways at
+    # most under parallelize): the op as imported for a batch every mesh axis divides
+    op = dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "row_items": 8}))
     strats = op_strategies(op, [TensorSpec(op.output.shape)], ctx)
     assert strats and all(s.fact[2].size == 1 for s in strats)
     assert {s.fact[1].size for s in strats if expert_parallel(s.inputs[0])} == {1, 2, 4}
@@ -1082,7 +1088,8 @@ def test_multi_head_latent_attention_imports_as_its_projections_and_heads(import
     steps = {k: v for k, v in op.attrs.items() if k.startswith("input_")}
     # HF hands SDPA an explicit mask: the lower triangle, so plain causal (unmarked)
     assert {k: v for k, v in op.attrs.items() if k not in steps} == {
-        "heads": heads, "seq_len": SEQ, "shared_input": 2, "functional": 1}
+        "heads": heads, "seq_len": SEQ, "shared_input": 2, "functional": 1,
+        "row_items": BATCH}  # the batch: its rows split by its divisors
     # its rotary on q's and the shared key's rope parts: kernels of their own, priced; the
     # key's shared rope part, written into every head's slice (v2's ``copy_`` into a
     # ``new_empty`` key, v3's too), a copy that repeats it: backward, a sum over the heads
@@ -1128,7 +1135,8 @@ def test_mla_splits_its_heads_reading_the_shared_rotary_key_whole():
         assert input_grad_layouts(op, s.label, s.inputs, s.weight) == s.grads_of_inputs
     copy = graph["model.layers.0.self_attn.kv_a_layernorm.opaque"]
     offered = op_strategies(copy, [graph[i].output for i in copy.inputs], ctx)
-    assert {s.output.split_degree(0) for s in offered} == {1, 2, 4}
+    # its rows (N·S) split by the batch's divisors only: parallelize splits the batch dim
+    assert {s.output.split_degree(0) for s in offered} == {1, 2} and BATCH == 2
     assert all(s.output.split_degree(1) == 1 for s in offered)
 
 
@@ -1160,3 +1168,30 @@ def test_a_config_builds_a_hugging_face_class_from_its_configuration_fields(tmp_
     with pytest.raises(ConfigError, match=r"model\.kwargs\.n_layers.*not a field of GPT2Config "
                                           r"\(did you mean 'n_layer'\?\)"):
         load_config(path)
+
+
+def test_a_model_given_its_labels_is_refused_for_parallelize() -> None:
+    """The usual Hugging Face training call passes ``labels``: the model's forward computes
+    its own loss, which ``parallelize`` does not run on its sharded values (it failed at the
+    first forward). Refused at import, saying what to do; without labels it imports."""
+    cfg = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=SEQ, use_cache=False)
+    model = T.LlamaForCausalLM(cfg)
+    ids = _ids()
+    with pytest.raises(ConfigError, match="a loss its own forward computes"):
+        from_module(model, {"input_ids": ids, "labels": ids})
+    assert from_module(model, {"input_ids": ids}).ops
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_an_imported_graph_reads_back_from_its_plan_s_config(imported, name):
+    """A plan carries its graph as the config's explicit form, which every verb and
+    ``parallelize`` read back through the config's checks (an element-wise op reading a view
+    of its output's elements — RoBERTa's, ConvNeXt's — must pass them)."""
+    from ilp_planner.inputs.models import graph_from_spec, graph_to_spec
+
+    _, graph = imported(name)
+    again = graph_from_spec(graph_to_spec(graph), "plan.json")
+    assert [(op.name, op.kind, op.output, op.inputs, dict(op.attrs)) for op in again.ops] == \
+        [(op.name, op.kind, op.output, op.inputs, dict(op.attrs)) for op in graph.ops]

@@ -41,8 +41,10 @@ def _ids(*shape: int) -> torch.Tensor:
 
 # what an imported graph adds for running on the user's module (DTensor): hand-written
 # attention splits batch or heads and runs unfused, the user's loss reads whole classes, a
-# weight stored (out, in), an op of functional code (its readers share one value)
-_EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t", "functional")
+# weight stored (out, in), an op of functional code (its readers share one value), the batch
+# its rows hold (splits by its divisors only)
+_EXECUTION_ATTRS = ("one_split", "unfused", "whole_classes", "weight_t", "functional",
+                    "row_items")
 
 
 def _attrs(op) -> dict:
@@ -102,7 +104,8 @@ def test_nanogpt_import():
     assert head.attrs["tied"] == 1 and head.params == 0  # nanoGPT ties wte and lm_head
     attn = g["transformer.h.0.attn.attention"]
     assert attn.inputs == ("transformer.h.0.attn.c_attn",)
-    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1, "functional": 1}
+    assert dict(attn.attrs) == {"heads": 2, "seq_len": 8, "qkv_major": 1, "functional": 1,
+                                "row_items": 2}  # the batch: its rows split by divisors of 2
     assert attn.flops == 4.0 * 16 * 8 * 16
     assert g["transformer.h.1.mlp.0"].block == "transformer.h"
     assert g["transformer.h.1.mlp.0"].block_index == 1
@@ -144,7 +147,8 @@ def test_llama_import():
                                 "input_steps_bwd_flops": int(3.5 * (q + k)) + 2 * k,
                                 "input_copies": 4, "input_copies_bytes": 2 * 3 * k * 4 + cats,
                                 "input_copies_concat": 2, "input_copies_repeat": 2,
-                                "input_copies_bwd_bytes": 2 * 3 * k * 4}
+                                "input_copies_bwd_bytes": 2 * 3 * k * 4,
+                                "row_items": 2}  # the batch: rows split by its divisors
     assert g["layers.0.attention_norm"].kind is OpKind.RMSNORM  # hand-written RMSNorm
     assert g["layers.0.attention_norm"].params == 32
     assert g["norm"].kind is OpKind.RMSNORM

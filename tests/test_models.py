@@ -111,6 +111,24 @@ def test_an_elementwise_op_may_read_a_model_input_and_be_solved() -> None:
     assert plan.solver.status == "optimal" and plan.layer("r").strategy != ""
 
 
+def test_a_pool_reading_a_model_input_gets_a_config_error_not_a_traceback() -> None:
+    """A pool (or flatten) is laid out as the op producing its input: reading the model's
+    input straight away (an imported ``nn.Sequential(AvgPool2d, …)``), it says so."""
+    import torch
+    from torch import nn
+
+    from ilp_planner.api import solve
+    from ilp_planner.inputs.importer import from_module
+
+    g = from_module(nn.Sequential(nn.AvgPool2d(2), nn.Flatten(), nn.Linear(12, 10)),
+                    (torch.zeros(4, 3, 4, 4),))
+    link = {"latency_us": 1, "bandwidth_gbps": 10}
+    with pytest.raises(ConfigError, match=r"op '0' \(pool\) reads a model input directly"):
+        solve(g, cluster={"nodes": 1, "devices_per_node": 2, "memory_gib": 1,
+                          "peak_tflops": 1, "links": {"intra": link, "inter": link}},
+              baselines=False)
+
+
 def test_graph_from_spec_builds_and_defaults():
     g = models.graph_from_spec(_spec(), "toy.yaml")
     assert g.name == "toy" and len(g) == 6
@@ -137,7 +155,7 @@ def test_graph_from_spec_builds_and_defaults():
     (lambda s: s.update(ops=[]), "model.ops", "at least 1"),
     (lambda s: s["ops"][0].update(inputs=["x"]), "model.ops[0].inputs", "reads no other op"),
     (lambda s: s["ops"][2].update(shape=[8, 16]), "model.ops[2].inputs[0]",
-     "input of shape [8, 32] does not broadcast to its output's [8, 16]"),
+     "input of shape [8, 32] neither broadcasts to its output's [8, 16]"),
     (lambda s: s["ops"][5].update(inputs=["x"]), "model.ops[5].inputs[0]",
      "a loss op follows the op producing its input, not a model input ('x')"),
 ])

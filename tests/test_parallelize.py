@@ -56,7 +56,8 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T", "encoder"])
+@pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T", "encoder",
+                                   "odd_batch"])
 def test_applied_modules_match_one_process_and_the_plan(model):
     """``twin``: two followers in functional code read one row-parallel linear's partial
     sums, resolved once at its boundary — listed once in the plan, run once (the audit
@@ -66,7 +67,8 @@ def test_applied_modules_match_one_process_and_the_plan(model):
     parameter's ``.T`` in the module's code, imported as the linear it is, trains.
     ``encoder``: ``nn.TransformerEncoderLayer``, whose attention's functional linear and
     residual add read the block's input on meshes that differ by a unit axis (refused as
-    two layouts before), trains."""
+    two layouts before), trains. ``odd_batch``: a batch of 3 on 4 ranks, whose plan split
+    it 2 ways before (refused at the first forward), trains."""
     res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))
@@ -139,8 +141,10 @@ def test_frozen_parameters_and_other_shapes_are_refused_by_name(one_rank):
     mlp.fc[0].weight.requires_grad_(True)
     applied = parallelize(plan, mlp)
     with pytest.raises(RuntimeSetupError, match=r"has shape \(8, 8\); the plan was solved "
-                                                r"for \(4, 8\)"):
+                                                r"for a batch of 4, 32 elements"):
         applied(torch.zeros(8, 8))
+    with pytest.raises(RuntimeSetupError, match=r"has shape \(2, 16\)"):  # as many elements
+        applied(torch.zeros(2, 16))
 
 
 def test_a_module_computing_its_own_loss_is_refused_for_parallelize() -> None:

@@ -137,9 +137,10 @@ def from_module(module: Any, example_inputs: Any, *,
     except Unsupported as exc:
         raise ConfigError(f"cannot import {type(module).__name__}: {exc}") from None
     out = _model_output(g.outputs, ep.call_spec.out_spec, output, type(module).__name__)
+    own_loss = any(d.kind is OpKind.LOSS for d in g.drafts.values())
     if g.drafts[out.src[0]].kind is not OpKind.LOSS:
         g.loss(_Synthetic("loss"), out)
-    elif dtensor and loss_fn is None:
+    if own_loss and dtensor and loss_fn is None:
         raise ConfigError(
             f"cannot import {type(module).__name__} to run under parallelize: its output is "
             f"a loss its own forward computes (from its targets — Hugging Face's `labels`), "
@@ -151,6 +152,7 @@ def from_module(module: Any, example_inputs: Any, *,
     if dtensor:  # the plan runs on the module: its functional code reads shared values
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
                                  g.through_code)
+        ops = _whole_items(ops, _batch(args, kwargs, torch))
     return Graph(name or type(module).__name__, ops)
 
 
@@ -382,6 +384,27 @@ def _output_fields(spec: Any) -> dict[str | int, int]:
             out[names[i]] = first
         first += child.num_leaves
     return out
+
+
+def _batch(args: tuple, kwargs: dict, torch: Any) -> int | None:
+    """The example's batch: the leading dim of its first tensor input."""
+    return next((int(x.shape[0]) for x in (*args, *kwargs.values())
+                 if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
+
+
+def _whole_items(ops: list[Op], batch: int | None) -> list[Op]:
+    """Each op whose rows hold whole examples marked with the batch (``attrs.row_items``):
+    ``parallelize`` splits an activation's rows over the module's batch dim only, so its
+    strategies split them by a divisor of the batch (a batch of 3 on 4 devices split 2 ways
+    would fail at the first forward); a model input marked so too, which ``parallelize``
+    checks the module is handed. An opaque op's own mark stays."""
+    if not batch:
+        return ops
+    return [dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "row_items": batch}))
+            if "row_items" not in op.attrs
+            and op.output.rank >= 1 and op.output.shape[0] % batch == 0
+            and op.output.shape[0] >= batch else op
+            for op in ops]
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ilp_planner.errors import LayoutError
+from ilp_planner.errors import ConfigError, LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, fact_str, mesh_factorisations
 from ilp_planner.ir.graph import (
     HALF_DTYPES,
@@ -830,8 +830,20 @@ def _batchnorm_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
 
 def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
     """All strategies of a non-follower op on the context's mesh, each with its state-sharded
-    variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows."""
-    return with_state_sharding(op, _base_strategies(op, inputs, ctx), ctx)
+    variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows; an op
+    marked ``attrs.row_items`` (whole examples in its rows) splits them by its divisors only."""
+    return with_state_sharding(op, _whole_items(op, _base_strategies(op, inputs, ctx)), ctx)
+
+
+def _whole_items(op: Op, strategies: list[Strategy]) -> list[Strategy]:
+    """The strategies whose output and inputs split their rows (dim 0) by a divisor of
+    ``attrs.row_items``: an imported module's batch (``parallelize`` splits the tokens over
+    its batch dim only) or an opaque op's images."""
+    items = op.attrs.get("row_items")
+    if not items:
+        return strategies
+    return [s for s in strategies
+            if all(items % lay.split_degree(0) == 0 for lay in (s.output, *s.inputs))]
 
 
 def with_state_sharding(op: Op, base: list[Strategy], ctx: StrategyContext) -> list[Strategy]:
@@ -990,7 +1002,11 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
     if kind.is_elementwise:  # one reading a model input: any layout of it
         dims = (0, 1) if op.output.rank == 4 else tuple(range(op.output.rank))
         return _layout_strategies(op, candidate_layouts(op.output, ctx, dims), 1, ctx)
-    raise ValueError(f"op {op.name!r} of kind {kind.value} has no standalone strategies")
+    # a pool, flatten, part or loss is laid out as the op producing its input
+    raise ConfigError(f"op {op.name!r} ({kind.value}) reads a model input directly; the "
+                      f"planner lays a {kind.value} out as the op producing its input — put an "
+                      f"op before it (a convolution, a linear, a norm) or plan the module "
+                      f"around it")
 
 
 def grouped_norm_layouts(op: Op, ctx: StrategyContext) -> list[Layout]:

@@ -11,7 +11,8 @@ row-parallel so the value's partial sums are resolved once for both:
 :func:`row_parallel_proj`) or ``coded`` (a ReLU following a linear applied in functional
 code: nothing may move between them) or ``head_T`` (a head on a parameter's ``.T`` in the
 module's own code) or ``encoder`` (PyTorch's ``nn.TransformerEncoderLayer``: its
-attention's functional linear and its residual add read one value). Prints
+attention's functional linear and its residual add read one value) or ``odd_batch`` (a
+Llama block on a batch of 3: its rows split by divisors of 3 only). Prints
 ``OK <strategies>`` on rank 0 and exits 0, or prints the differences and exits 1.
 """
 
@@ -59,6 +60,9 @@ def build(name: str):
         return TwinFollowers(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     if name == "coded":
         return CodedLinear(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
+    if name == "odd_batch":  # 3 examples on 4 ranks: no split of the batch runs
+        model = Llama(vocab=64, dim=32, n_layers=1, seq_len=8)
+        return model, torch.randint(0, 64, (3, 8)), torch.randint(0, 64, (3, 8)), 1.0
     if name == "encoder":
         return EncoderLM(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
     if name == "head_T":
@@ -96,7 +100,8 @@ def loss_of(out, y):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder"))
+    ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder",
+                                      "odd_batch"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")
