@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config
+from ilp_planner.inputs.importer import frozen_refusal
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.grad_buckets import GradBucket
@@ -125,16 +126,11 @@ def own_path(op: Op, fqn: str, paths: list[str]) -> str:
 
 
 def check_trainable(module: nn.Module) -> None:
-    """Every parameter takes a gradient: the plan prices each one's gradient reduction,
-    optimizer state and update, and placing it as a DTensor parameter would train a frozen
-    one (``requires_grad=False``) silently. Frozen parameters are refused, by name."""
-    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+    """Every parameter takes a gradient (:func:`~ilp_planner.inputs.importer.frozen_refusal`:
+    frozen ones are refused, by name)."""
+    frozen = frozen_refusal(module)
     if frozen:
-        raise RuntimeSetupError(
-            f"parameters {', '.join(frozen[:3])}{' …' if len(frozen) > 3 else ''} are frozen "
-            f"(requires_grad=False): the plan prices and parallelize trains every parameter; "
-            f"frozen parameters are not supported — unfreeze them, or plan a module without "
-            f"them")
+        raise RuntimeSetupError(frozen)
 
 
 def check_owned(graph: Graph, module: nn.Module) -> None:

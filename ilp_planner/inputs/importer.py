@@ -117,13 +117,9 @@ def from_module(module: Any, example_inputs: Any, *,
     or an index) picks another."""
     import torch
 
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    frozen = frozen_refusal(module)
     if frozen:
-        raise ConfigError(
-            f"cannot import {type(module).__name__}: parameters {', '.join(frozen[:3])}"
-            f"{' …' if len(frozen) > 3 else ''} are frozen (requires_grad=False); the planner "
-            f"prices and the runtime trains every parameter, so frozen ones are not supported "
-            f"— unfreeze them, or import a module without them")
+        raise ConfigError(f"cannot import {type(module).__name__}: {frozen}")
     args, kwargs = _split_inputs(example_inputs)
     root, strip = module, ""
     if loss_fn is not None:
@@ -384,6 +380,18 @@ def _output_fields(spec: Any) -> dict[str | int, int]:
             out[names[i]] = first
         first += child.num_leaves
     return out
+
+
+def frozen_refusal(module: Any) -> str | None:
+    """Why ``module`` cannot be planned or run where it has frozen parameters
+    (``requires_grad=False``: the plan would price their training, and ``parallelize``,
+    placing them as DTensor parameters, would train them), naming them; else None."""
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    return (f"parameters {', '.join(frozen[:3])}{' …' if len(frozen) > 3 else ''} are frozen "
+            f"(requires_grad=False): the plan prices and the runtime trains every parameter, "
+            f"so frozen ones are not supported — unfreeze them, or plan a module without them")
 
 
 def _batch(args: tuple, kwargs: dict, torch: Any) -> int | None:
