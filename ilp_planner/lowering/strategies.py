@@ -978,9 +978,8 @@ def _base_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> 
         return _layout_strategies(op, candidate_layouts(op.output, ctx, (0,)), 1, ctx)
     if kind is OpKind.BATCHNORM:
         return _batchnorm_family(op, ctx)
-    if kind is OpKind.OPAQUE:  # whole items (images) only, where it says how many
-        items = {0: op.attrs["row_items"]} if "row_items" in op.attrs else None
-        return _layout_strategies(op, candidate_layouts(op.output, ctx, opaque_dims(op), items),
+    if kind is OpKind.OPAQUE:  # whole items (images) only where it says how many: _whole_items
+        return _layout_strategies(op, candidate_layouts(op.output, ctx, opaque_dims(op)),
                                   len(op.inputs), ctx)
     if kind is OpKind.ATTENTION:
         divs = {0: op.output.shape[0] // op.attr("seq_len"), 1: head_splits(op)}
