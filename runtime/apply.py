@@ -95,6 +95,7 @@ from runtime.errors import RuntimeSetupError
 from runtime.fused_parts import fused_degree, interleaved, natural_order
 from runtime.local_batchnorm import register_batchnorms, stats_groups
 from runtime.mesh import MeshRegistry
+from runtime.replicated_ops import run_replicated
 
 GROUP_TIMEOUT_S = 300.0
 
@@ -130,6 +131,7 @@ class Applied:
         _check_tied_heads(tied, module)
         check_trainable(module)
         check_owned(self.graph, module)
+        run_replicated(self.graph.replicated_ops)  # ops DTensor has no rule for
         # the boundary hooks' refusals (a layout change between two pieces of functional
         # code), before install_moe swaps forwards and AppliedParams places parameters
         hook_table(self.graph, self.layers, programs, module)

@@ -58,6 +58,8 @@ LAZY: dict[tuple[str, str], str] = {
     ("ilp_planner.ir.layouts", "torch"): "DTensor conversions for users of torch; the IR is torch-free",
     ("ilp_planner.inputs.config", "torch"): "a `kind: torch` model only; YAML configs need no torch",
     ("ilp_planner.inputs.importer", "torch"): "the nn.Module importer: the planner runs without torch",
+    ("ilp_planner.inputs.dtensor_gaps", "torch"): "DTensor's rule tables, read by the importer "
+                                                  "and the runtime only",
     ("runtime.applied_edges", "torch"): "a DTensor internal (local shapes), only where an edge moves data",
     ("runtime.applied_hooks", "torch"): "SDPA's kernel choice, only on CPU meshes",
     ("runtime.fidelity", "torch"): "torch's fake process group and fake tensors (test-only internals)",

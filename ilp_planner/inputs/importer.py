@@ -87,6 +87,7 @@ from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
+from ilp_planner.inputs.dtensor_gaps import dtensor_gaps
 from ilp_planner.inputs.lift_backward import StepsBackward, replay_backward, stored_bytes
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_masks import ConstantValues
@@ -149,7 +150,8 @@ def from_module(module: Any, example_inputs: Any, *,
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
                                  g.through_code)
         ops = _whole_items(ops, _batch(args, kwargs, torch))
-    return Graph(name or type(module).__name__, ops)
+    return Graph(name or type(module).__name__, ops,
+                 dtensor_gaps(torch, ep) if dtensor else ())
 
 
 class _NodeCounter:

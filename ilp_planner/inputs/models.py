@@ -470,6 +470,8 @@ GRAPH_KEYS: dict[str, Key] = {
     "kind": Key("choice", "the explicit form (optional where the caller knows it)", "graph",
                 choices=("graph",)),
     "ops": Key("list", "the layer graph's ops in topological order (see model.ops[i])"),
+    "replicated_ops": Key("list", "aten ops DTensor has no sharding rule for, run replicated "
+                                  "by parallelize (an import records them)", ()),
     "name": Key("string", "the graph's name", "graph"),
     "dtype": Key("choice", "default dtype of every op's tensors", "float32",
                  choices=tuple(DTYPE_BYTES), noun="dtype"),
@@ -591,8 +593,11 @@ def graph_from_spec(spec: Mapping[str, Any], source: str | None = None, *,
         ops.append(op)
         seen[op_name] = i
         shapes[op_name] = op.output.shape
+    replicated = tuple(r.string(x, join(join(key, "replicated_ops"), j)) for j, x in
+                       enumerate(r.sequence(spec.get("replicated_ops", []),
+                                            join(key, "replicated_ops"))))
     try:
-        return Graph(name, ops)
+        return Graph(name, ops, replicated)
     except ConfigError as exc:  # defensive: the checks above should have caught it
         raise ConfigError(str(exc), source=source, key=join(key, "ops")) from exc
 
@@ -687,7 +692,10 @@ def graph_to_spec(graph: Graph) -> dict[str, Any]:
         if op.source_params:
             d["source_params"] = list(op.source_params)
         ops.append(d)
-    return {"kind": "graph", "name": graph.name, "ops": ops}
+    out: dict[str, Any] = {"kind": "graph", "name": graph.name, "ops": ops}
+    if graph.replicated_ops:
+        out["replicated_ops"] = list(graph.replicated_ops)
+    return out
 
 
 _FOLLOWING = frozenset({OpKind.POOL, OpKind.FLATTEN, OpKind.LOSS, OpKind.PART})

@@ -244,10 +244,14 @@ class Op:
 
 
 class Graph:
-    """A DAG of ops in topological order, addressed by name."""
+    """A DAG of ops in topological order, addressed by name. ``replicated_ops`` (imported
+    models): the aten ops the model's forward or backward dispatches that DTensor has no
+    sharding rule for (:mod:`ilp_planner.inputs.dtensor_gaps`) — ``parallelize`` runs them on
+    every rank's whole replicated values, as the plan's opaque ops are laid out."""
 
-    def __init__(self, name: str, ops: Iterable[Op]):
+    def __init__(self, name: str, ops: Iterable[Op], replicated_ops: Iterable[str] = ()):
         self.name = name
+        self.replicated_ops = tuple(replicated_ops)
         self._ops: dict[str, Op] = {}
         for op in ops:
             if op.name in self._ops:

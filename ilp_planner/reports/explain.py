@@ -413,6 +413,14 @@ def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
     return lines
 
 
+def _replicated_lines(plan: Plan) -> list[str]:
+    """The aten ops of an imported model that ``parallelize`` runs replicated, DTensor
+    having no rule for them (:mod:`runtime.replicated_ops`)."""
+    gaps = parse_config(plan.config).graph.replicated_ops
+    return [f"run replicated under parallelize (DTensor has no sharding rule for them): "
+            f"{', '.join(gaps)}"] if gaps else []
+
+
 def explain(plan: Plan, *, collectives: bool = True) -> str:
     """A readable report of ``plan``: solver report, model and cluster, cost per step,
     stages and schedule (pipelined plans), memory per device, every layer's strategy in
@@ -465,6 +473,7 @@ def _cost_lines(plan: Plan) -> list[str]:
         f"where the runtime overlaps them (the objective and every ratio use the total)",
     ]
     lines += _opaque_lines(plan)
+    lines += _replicated_lines(plan)
     if plan.schedule is not None:
         sim = plan.schedule.simulated
         lines.append(f"step time {fmt_seconds(step_seconds(plan))} (schedule makespan "

@@ -12,7 +12,8 @@ row-parallel so the value's partial sums are resolved once for both:
 code: nothing may move between them) or ``head_T`` (a head on a parameter's ``.T`` in the
 module's own code) or ``encoder`` (PyTorch's ``nn.TransformerEncoderLayer``: its
 attention's functional linear and its residual add read one value) or ``odd_batch`` (a
-Llama block on a batch of 3: its rows split by divisors of 3 only). Prints
+Llama block on a batch of 3: its rows split by divisors of 3 only) or ``weight_norm`` (a
+weight-normed linear, whose backward DTensor has no rule for, run replicated). Prints
 ``OK <strategies>`` on rank 0 and exits 0, or prints the differences and exits 1.
 """
 
@@ -46,6 +47,7 @@ from tests.helpers.user_models import (  # noqa: E402
     Llama,
     TransposedHead,
     TwinFollowers,
+    WeightNormed,
 )
 
 
@@ -65,6 +67,8 @@ def build(name: str):
         return model, torch.randint(0, 64, (3, 8)), torch.randint(0, 64, (3, 8)), 1.0
     if name == "encoder":
         return EncoderLM(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
+    if name == "weight_norm":
+        return WeightNormed(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     if name == "head_T":
         return TransposedHead(64, 32), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
     model = Llama(vocab=64, dim=32, n_layers=2, seq_len=8)
@@ -101,7 +105,7 @@ def loss_of(out, y):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder",
-                                      "odd_batch"))
+                                      "odd_batch", "weight_norm"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")

@@ -361,3 +361,18 @@ class EncoderLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.layer(self.emb(ids)))
+
+
+class WeightNormed(nn.Module):
+    """A linear under ``torch.nn.utils.parametrizations.weight_norm`` (its weight computed
+    from a direction and a gain: the planner keeps it an opaque op, replicated), then a
+    ReLU and a plain linear the plan may split. DTensor has no rule for weight norm's
+    backward (``aten._weight_norm_interface_backward``)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.normed = nn.utils.parametrizations.weight_norm(nn.Linear(dim, hidden))
+        self.out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.normed(x)))
