@@ -117,6 +117,7 @@ def from_module(module: Any, example_inputs: Any, *,
     default loss reads its ``logits`` field, else its first tensor; ``output`` (a field name
     or an index) picks another."""
     import torch
+    import torch.utils.flop_counter  # noqa: F401 - the backward counts' FLOPs (lift_backward)
 
     frozen = frozen_refusal(module)
     if frozen:

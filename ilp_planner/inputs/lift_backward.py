@@ -13,8 +13,9 @@ the export's fake tensors (no memory, no data), the values they read that carry 
 as leaves, and their backward recorded below autograd (:func:`replay_backward`): the
 kernels it dispatches, the bytes of the tensors each reads and writes (stored elements: a
 broadcast dim read once, as the importer counts the forward), and one FLOP per element an
-arithmetic kernel writes. Torch is passed in (the importer's lazy import), so this module
-imports none.
+arithmetic kernel writes — or, for a matmul or convolution, what ``FlopCounterMode`` counts.
+Torch is passed in (the importer's lazy import, ``torch.utils.flop_counter`` loaded), so
+this module imports none.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def replay_backward(torch: Any, steps: Sequence[Any], trained: Callable[[str], b
         if not outs or not leaves:
             return NO_BACKWARD
         grads = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in outs]
-        with _recorder(torch)() as rec:
+        with _recorder(torch)() as rec, \
+                torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
             torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-    return StepsBackward(rec.kernels, rec.bytes, rec.flops)
+    return StepsBackward(rec.kernels, rec.bytes, rec.flops + int(counter.get_total_flops()))
 
 
 def _region(torch: Any, steps: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -127,7 +129,9 @@ def _node_args(torch: Any, n: Any) -> list[Any]:
 def _recorder(torch: Any) -> type:
     """A dispatch mode counting every kernel below autograd: each op writing a tensor,
     views and allocations aside (:data:`_FREE`), with the stored bytes of the tensors it
-    reads and writes and one FLOP per element it writes unless it only moves data."""
+    reads and writes and one FLOP per element it writes unless it only moves data or
+    ``FlopCounterMode`` counts it (a matmul, a convolution: counted there, by its formula)."""
+    counted = torch.utils.flop_counter.flop_registry
 
     class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         def __init__(self) -> None:
@@ -146,7 +150,7 @@ def _recorder(torch: Any) -> type:
                    if isinstance(t, torch.Tensor)]
             self.kernels += 1
             self.bytes += stored_bytes(ins) + stored_bytes(outs)
-            if name not in _MOVES:
+            if name not in _MOVES and func._overloadpacket not in counted:
                 self.flops += sum(t.numel() for t in outs)
             return out
 

@@ -218,6 +218,12 @@ class DraftGraph:
         gradient (:meth:`trained`)."""
         return folded_steps(self.count, nodes, self.count.backward(nodes, self.trained))
 
+    def _differentiated(self, name: str) -> bool:
+        """Whether an opaque op's backward computes a gradient for node ``name``'s value: an
+        activation carrying one (:meth:`trained`) or a value made of parameters."""
+        x = self.values.get(name)
+        return self.trained(name) or (isinstance(x, Const) and bool(x.params))
+
     def trained(self, name: str) -> bool:
         """Whether node ``name``'s value carries a gradient in training: an activation
         derived from an op owning parameters — not one computed from the inputs alone (a
@@ -308,16 +314,25 @@ class DraftGraph:
     def opaque(self, node: Any, args: list[Any], acts: list[Any], val: Any, op: str) -> Any:
         """An op the planner cannot shard: kept replicated, its inputs gathered; it owns the
         parameters among ``args``, and is priced with torch's own count of its FLOPs and
-        bytes (``attrs.bytes_read`` / ``bytes_written``), never a guess."""
+        bytes (``attrs.bytes_read`` / ``bytes_written``), never a guess — its backward too,
+        replayed as autograd runs it (``attrs.bwd`` kernels, ``bwd_bytes``, ``bwd_flops``:
+        :func:`~ilp_planner.inputs.lift_backward.replay_backward`, the gradients of the
+        activations and the parameters it reads) — but for a custom op torch has no
+        backward formula for, which trains nowhere (the compute model's convention then)."""
         out = first_output(val)
         srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
         shape = tuple(out.shape)
         spec = shape if len(shape) == 4 else ir_shape(shape, dtype_of(out))
         params = [p for a in flatten(args) if isinstance(a, Const) for p in a.params]
         cost = self.count(node)
+        try:
+            back = self.count.backward([node], self._differentiated)
+            counted = {"bwd": back.kernels, "bwd_bytes": back.bytes, "bwd_flops": back.flops}
+        except Unsupported:  # a custom op without a backward formula: the convention's
+            counted = {}
         act = self.add(node, OpKind.OPAQUE, srcs, spec, dtype_of(out), params=params,
                        flops=cost.flops, label=op, bytes_read=cost.bytes_read,
-                       bytes_written=cost.bytes_written)
+                       bytes_written=cost.bytes_written, **counted)
         res = Act(act.src, shape, act.dtype)
         return [res] + [Const() for _ in val[1:]] if isinstance(val, (list, tuple)) else res
 

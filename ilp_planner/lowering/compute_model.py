@@ -71,7 +71,11 @@ pool (max, stride k)      N·k² + N               N + N·k²
 loss (cross-entropy)      float32 passes over    softmax scaled in place, cast back:
                           the logits: 28 B + it  12 B + it (:func:`_loss_work`: what the
                           a logit (+ the copy)   runtime's code moves, not a fused 2L)
-opaque                    torch's FLOPs, bytes   2 × both (no better knowledge)
+opaque                    torch's FLOPs, bytes   imported: as autograd runs it, replayed at
+                                                 import on fake tensors (``attrs.bwd``
+                                                 kernels, ``bwd_bytes``, ``bwd_flops``:
+                                                 FlopCounterMode's); a written graph's:
+                                                 2 × both (no better knowledge)
 flatten                   nothing (a view)       nothing
 part (a fused output's    nothing (a view)       2N: its gradient read and written into the
   column block, chunk)                           fused one; one ``cat`` kernel for all the
@@ -414,7 +418,11 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         return _loss_work(flops, read or op.output, split)
     if kind is OpKind.OPAQUE:
         moved = (op.attrs.get("bytes_read", 0) + op.attrs.get("bytes_written", 0)) / split
-        return _streaming(flops, moved, 2 * moved)
+        if "bwd" in op.attrs:  # its backward as autograd runs it, counted at import
+            return PhaseWork(flops, moved, 1), (PhaseWork(
+                op.attrs["bwd_flops"] / split, op.attrs["bwd_bytes"] / split, op.attrs["bwd"])
+                if op.attrs["bwd"] else NO_WORK)
+        return _streaming(flops, moved, 2 * moved)  # a written graph's: the convention
     if kind is OpKind.PART:  # a view; autograd's split backward cats the parts' gradients
         cat = op.attrs.get("cat", int(op.attrs.get("part") == 0))
         unread = op.attrs.get("unread_parts", 0) if cat else 0
