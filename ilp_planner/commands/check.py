@@ -1,6 +1,7 @@
 """``ilp-planner check PLAN [PLAN …]``: check plan files without running anything — the
 checks every verb and every rank run before reading a plan as a program
-(:mod:`ilp_planner.plan.check`) — and say whether the torch runtime can execute each one
+(:mod:`ilp_planner.plan.check`), a single-mesh plan's stated figures against its layouts
+priced again (:mod:`ilp_planner.intra_op.reprice`) — and say whether the torch runtime can execute each one
 here (supported ops, even splits, float32, and with ``--for-host``, the default, whether this
 host's memory holds its ranks: ``run`` refuses exactly the plans this says it cannot run)."""
 
@@ -10,6 +11,7 @@ import argparse
 
 from ilp_planner.commands.run import add_host_memory_option
 from ilp_planner.errors import PlannerError
+from ilp_planner.intra_op.reprice import check_prices
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.executor import Executor, RunOptions
@@ -37,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.plans:
         plan = Plan.load(path)
         checked = check_plan(plan, str(path))
+        check_prices(plan, str(path))  # the figures it states are its layouts' prices
         try:
             Executor(plan, RunOptions(), rank=0, world=plan.num_devices, checked=checked)
             if args.for_host:

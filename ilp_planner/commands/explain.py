@@ -9,6 +9,7 @@ import os
 import sys
 
 from ilp_planner.api import solve
+from ilp_planner.intra_op.reprice import check_prices
 from ilp_planner.plan.check import load_checked
 from ilp_planner.reports.explain import explain
 
@@ -33,7 +34,9 @@ def load_plan_or_solve(path: str):
     if path.endswith((".yaml", ".yml")):
 
         return solve(path)
-    return load_checked(path)
+    plan = load_checked(path)
+    check_prices(plan, path)  # the figures it reports are its layouts' prices
+    return plan
 
 
 def emit(text: str) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError
+from ilp_planner.intra_op.reprice import check_prices
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.errors import RunFailedError
@@ -103,13 +104,15 @@ def plan_file(path: str, folder: Path) -> Path:
 
 
 def check_runnable(plan: Plan, path: str, n: int, args: argparse.Namespace) -> None:
-    """Every check a rank would fail, here and once: device count, the plan's own check, this
-    host's memory, and the compile each rank does (stages, entries, lowered schedule, edge
+    """Every check a rank would fail, here and once: device count, the plan's own check (and
+    its stated figures against its layouts' prices, which the audit expects), this host's
+    memory, and the compile each rank does (stages, entries, lowered schedule, edge
     programs; the ranks skip the strategy enumeration)."""
     if plan.num_devices != n:
         raise ConfigError(f"plan {path} is for {plan.num_devices} devices but --nproc-per-node "
                           f"is {n}; start {plan.num_devices} processes or re-solve the plan "
                           f"for {n}")
     checked = check_plan(plan, path, args.microbatches)
+    check_prices(plan, path)  # what --audit expects and the host check reads
     check_fits_host(plan, n, args.host_memory_gib)
     Executor(plan, RunOptions(microbatches=args.microbatches), rank=0, world=n, checked=checked)

@@ -1,0 +1,108 @@
+"""A single-mesh plan's stated figures against its layouts priced again
+(:mod:`ilp_planner.intra_op.reprice`): what the solver writes re-prices to exactly itself; a
+file edited after solving — one layer's layouts changed to another strategy of its op, a
+collective's seconds, the cost block, the config's links or memory — is refused by
+``check`` (and ``run``, ``explain``), naming what differs, where before ``check`` passed it
+and the runtime would have run one program while ``explain`` reported another."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from ilp_planner.api import solve
+from ilp_planner.cli import main
+from ilp_planner.errors import PlanFormatError
+from ilp_planner.inputs.config import load_config, parse_config
+from ilp_planner.intra_op.reprice import check_prices, price_differences, reprice
+from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+from ilp_planner.plan.data import Plan
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@functools.cache
+def _solved(name: str) -> dict:
+    return solve(load_config(CONFIGS / f"{name}.yaml"), baselines=False).to_dict()
+
+
+def _plan(name: str = "tiny-gpt-cpu") -> dict:
+    return copy.deepcopy(_solved(name))
+
+
+@pytest.mark.parametrize("name", ["tiny-mlp-cpu", "tiny-gpt-cpu", "tiny-gpt-bf16-cpu",
+                                  "tiny-moe-cpu", "tiny-vgg-cpu", "transformer-autoddl-64"])
+def test_a_solved_plan_reprices_to_exactly_its_own_figures(name) -> None:
+    plan = Plan.from_dict(_plan(name))
+    layers, cost = reprice(plan, parse_config(plan.config))
+    assert price_differences(plan, layers, cost) == []
+    assert [ly.collectives for ly in layers] == [ly.collectives for ly in plan.layers]
+    assert cost == plan.cost
+    check_prices(plan, name)
+
+
+def _another_strategy(d: dict, name: str) -> dict:
+    """``d`` with layer ``name`` on another strategy of its op (label and layouts), its
+    listed figures left as they were: a hand-tuned layer."""
+    plan = Plan.from_dict(d)
+    config = parse_config(plan.config)
+    graph = config.microbatch_graph()
+    op = graph[name]
+    cl = config.cluster
+    ctx = StrategyContext(cl, cl.nodes, cl.devices_per_node, config.memory)
+    mine = plan.layer(name)
+    other = next(s for s in op_strategies(op, [graph[i].output for i in op.inputs], ctx)
+                 if s.label != mine.strategy and not s.zero
+                 and s.inputs[0].fact == mine.inputs[0].fact)
+    i = [ly["name"] for ly in d["layers"]].index(name)
+    edited = Plan.from_dict(d)
+    layer = edited.layers[i]
+    edited.layers[i] = dataclasses.replace(layer, strategy=other.label, inputs=other.inputs,
+                                           weight=other.weight, output=other.output)
+    return edited.to_dict()
+
+
+def test_a_layer_moved_to_another_strategy_is_refused_naming_what_its_layouts_cost() -> None:
+    d = _another_strategy(_plan(), "h.1.attn.core")
+    with pytest.raises(PlanFormatError, match=r"edited\.json: .*h\.1\.attn\.core"):
+        check_prices(Plan.from_dict(d), "edited.json")
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d["layers"][1]["collectives"][0].update(
+        seconds=100 * d["layers"][1]["collectives"][0]["seconds"]), "lists collectives"),
+    (lambda d: d["layers"][1].update(compute_s=1.0), "states compute"),
+    (lambda d: d["cost"].update(peak_memory_bytes=0.0), "cost.peak_memory_bytes is 0"),
+    (lambda d: d["config"]["cluster"]["links"]["intra"].update(bandwidth_gbps=1000),
+     "lists collectives"),
+    (lambda d: d["config"]["cluster"].update(memory_gib=1e-4), "exceeds the config's"),
+])
+def test_an_edited_figure_is_refused_by_name(edit, says) -> None:
+    d = _plan()
+    assert d["layers"][1]["collectives"], "the edit needs a layer with a collective"
+    edit(d)
+    with pytest.raises(PlanFormatError, match=says):
+        check_prices(Plan.from_dict(d), "edited.json")
+
+
+def test_check_exits_2_on_an_edited_plan_and_passes_the_solved_one(tmp_path, capsys) -> None:
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(_plan()))
+    d = _plan()
+    d["layers"][1]["compute_s"] = 1.0
+    bad.write_text(json.dumps(d))
+    assert main(["check", "--no-for-host", str(good)]) == 0
+    assert main(["check", "--no-for-host", str(bad)]) == 2
+    assert "states compute" in capsys.readouterr().err
+
+
+def test_a_pipelined_plan_is_left_to_its_own_checks() -> None:
+    plan = Plan.from_dict(_plan("tiny-gpt-interleaved-cpu"))
+    check_prices(plan, "pipelined")  # no single-mesh figures to derive again
+    with pytest.raises(ValueError):
+        reprice(plan, parse_config(plan.config))
