@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ilp_planner.errors import PlanFormatError
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.lowering.grad_buckets import GradBucket, fill_buckets
@@ -196,7 +197,7 @@ def _check_zero(graph: Graph, op: Op, lp: LayerPlan, syncs: tuple[SyncBucket, ..
     listed = sorted((c.kind.value, c.purpose, c.phase, c.bytes, c.group_size)
                     for c in lp.collectives if c.purpose in ZERO_PURPOSES)
     if issued != listed:
-        raise RuntimeSetupError(
+        raise PlanFormatError(  # the file, not this host
             f"layer {lp.name!r} (zero{lp.zero}): the plan lists state-sharding collectives "
             f"{listed} but its gradient buckets give {issued}; re-solve the config")
 
@@ -249,7 +250,7 @@ def _grad_chunks(plan: Plan, stage: Stage, buckets: dict[str, tuple[SyncBucket, 
                     if col.purpose == "grad_sync")
     issued = sorted((ch.launcher, ch.collective.bytes, ch.collective.group_size) for ch in chunks)
     if listed != issued:
-        raise RuntimeSetupError(
+        raise PlanFormatError(  # the file, not this host
             f"stage {stage.index}: the plan lists gradient AllReduces {listed} but its layers "
             f"and training.grad_bucket_mb give {issued}; re-solve the config")
     return chunks

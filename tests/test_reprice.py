@@ -1,7 +1,7 @@
 """A single-mesh plan's stated figures against its layouts priced again
 (:mod:`ilp_planner.intra_op.reprice`): what the solver writes re-prices to exactly itself; a
 file edited after solving — one layer's layouts changed to another strategy of its op, a
-collective's seconds, the cost block, the config's links or memory — is refused by
+collective's seconds, the cost block, the config's links or optimizer — is refused by
 ``check`` (and ``run``, ``explain``), naming what differs, where before ``check`` passed it
 and the runtime would have run one program while ``explain`` reported another."""
 
@@ -80,7 +80,7 @@ def test_a_layer_moved_to_another_strategy_is_refused_naming_what_its_layouts_co
     (lambda d: d["cost"].update(peak_memory_bytes=0.0), "cost.peak_memory_bytes is 0"),
     (lambda d: d["config"]["cluster"]["links"]["intra"].update(bandwidth_gbps=1000),
      "lists collectives"),
-    (lambda d: d["config"]["cluster"].update(memory_gib=1e-4), "exceeds the config's"),
+    (lambda d: d["config"]["training"].update(optimizer="sgd"), "states memory"),
 ])
 def test_an_edited_figure_is_refused_by_name(edit, says) -> None:
     d = _plan()
@@ -106,3 +106,19 @@ def test_a_pipelined_plan_is_left_to_its_own_checks() -> None:
     check_prices(plan, "pipelined")  # no single-mesh figures to derive again
     with pytest.raises(ValueError):
         reprice(plan, parse_config(plan.config))
+
+
+def test_check_exits_2_on_a_pipelined_plan_listing_other_gradient_reductions(tmp_path,
+                                                                             capsys) -> None:
+    """A contradiction in the file — a gradient AllReduce's bytes doubled — is the plan's
+    error, not this host's: ``check`` exits 2 (it printed "valid, but the runtime cannot
+    execute it here" and exited 0 before)."""
+    d = _plan("tiny-gpt-interleaved-cpu")
+    layer = next(ly for ly in d["layers"]
+                 if any(c["purpose"] == "grad_sync" for c in ly["collectives"]))
+    sync = next(c for c in layer["collectives"] if c["purpose"] == "grad_sync")
+    sync["bytes"] *= 2
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    assert main(["check", "--no-for-host", str(bad)]) == 2
+    assert "gradient AllReduces" in capsys.readouterr().err

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from ilp_planner.api import solve
+from ilp_planner.errors import PlanFormatError
 from ilp_planner.inputs.config import load_config, parse_config
 from ilp_planner.intra_op.baselines import summa_filter
 from ilp_planner.ir.cluster import MeshAxis
@@ -247,7 +248,7 @@ def test_state_sharding_listing_must_match_the_buckets() -> None:
     colls = [dataclasses.replace(c, bytes=c.bytes / 2) if c.purpose == "shard_grad" else c
              for c in plan.layers[fc2].collectives]
     plan.layers[fc2] = dataclasses.replace(plan.layers[fc2], collectives=tuple(colls))
-    with pytest.raises(RuntimeSetupError, match="'fc2' \\(zero3\\).*state-sharding collectives"):
+    with pytest.raises(PlanFormatError, match="'fc2' \\(zero3\\).*state-sharding collectives"):
         Executor(plan, RunOptions(), rank=0, world=4)
 
 

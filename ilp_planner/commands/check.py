@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ilp_planner.commands.run import add_host_memory_option
-from ilp_planner.errors import PlannerError
+from ilp_planner.errors import PlanFormatError, PlannerError
 from ilp_planner.intra_op.reprice import check_prices
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
             if args.for_host:
                 check_fits_host(plan, plan.num_devices, args.host_memory_gib)
             runtime = "the runtime can execute it"
+        except PlanFormatError:
+            raise  # the file contradicts itself: no host runs it (exit 2)
         except PlannerError as exc:
             runtime = f"valid, but the runtime cannot execute it here: {exc}"
         stages = max(1, len(plan.stages))
