@@ -21,6 +21,7 @@ from ilp_planner.errors import PlanFormatError
 from ilp_planner.inputs.config import load_config, parse_config
 from ilp_planner.intra_op.reprice import check_prices, price_differences, reprice
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -122,3 +123,16 @@ def test_check_exits_2_on_a_pipelined_plan_listing_other_gradient_reductions(tmp
     bad.write_text(json.dumps(d))
     assert main(["check", "--no-for-host", str(bad)]) == 2
     assert "gradient AllReduces" in capsys.readouterr().err
+
+
+def test_a_schedule_in_another_order_than_its_name_is_refused() -> None:
+    """Interleaved 1F1B's actions reordered to run every forward first (a valid, deadlock-
+    free order holding every micro-batch at once): refused, the stages' memory having been
+    solved for the named order's micro-batches in flight — ``check`` accepted it before."""
+    d = _plan("tiny-gpt-interleaved-cpu")
+    rows = d["schedule"]["actions"]
+    for k, row in rows.items():
+        rows[k] = [a for a in row if "F" in a] + [a for a in row if "F" not in a]
+    with pytest.raises(PlanFormatError, match=r"schedule\.actions\.0: not the "
+                                              r"interleaved-1f1b order .* action \d+ is"):
+        check_plan(Plan.from_dict(d), "reordered.json")

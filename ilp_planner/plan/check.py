@@ -341,8 +341,26 @@ def lowered_actions(plan: Plan, num_stages: int, m: int, src: str
     except (TypeError, ValueError, AttributeError) as exc:
         raise PlanFormatError(f"{src}: schedule actions do not parse ({exc})") from exc
     validate(sched)
+    _as_named(rows, name, m, v, src)
     return {i: [(a.stage, a.kind.value, a.microbatch) for a in row]
             for i, row in enumerate(sched.rows)}
+
+
+def _as_named(rows: list[list[str]], name: str, m: int, v: int, src: str) -> None:
+    """A valid schedule must also be the one its name says: the stages' memory was solved
+    for its micro-batches in flight and ``simulate`` replays it by name — GPipe's order
+    under the name ``1f1b`` would hold every micro-batch at once."""
+    named = make_schedule(name, len(rows), m, virtual_stages=v).to_strings()
+    for i, (row, want) in enumerate(zip(rows, named, strict=True)):
+        if row != want:
+            j = next((j for j, (a, b) in enumerate(zip(row, want, strict=False)) if a != b),
+                     min(len(row), len(want)))
+            got = row[j] if j < len(row) else "nothing"
+            runs = want[j] if j < len(want) else "nothing"
+            raise PlanFormatError(
+                f"{src}: schedule.actions.{i}: not the {name} order for {len(rows)} stage "
+                f"meshes and {m} micro-batches (the order memory and time were priced for): "
+                f"action {j} is {got} where {name} runs {runs}")
 
 
 def known_schedule(name: str, src: str) -> str:
