@@ -45,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
             if args.for_host:
                 check_fits_host(plan, plan.num_devices, args.host_memory_gib)
             runtime = "the runtime can execute it"
-        except PlanFormatError:
-            raise  # the file contradicts itself: no host runs it (exit 2)
+        except PlanFormatError as exc:  # the file contradicts itself: no host runs it
+            raise PlanFormatError(f"{path}: {exc}") from None
         except PlannerError as exc:
             runtime = f"valid, but the runtime cannot execute it here: {exc}"
         stages = max(1, len(plan.stages))

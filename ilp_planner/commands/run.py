@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ilp_planner.api import solve
-from ilp_planner.errors import ConfigError
+from ilp_planner.errors import ConfigError, PlanFormatError
 from ilp_planner.intra_op.reprice import check_prices
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
@@ -115,4 +115,8 @@ def check_runnable(plan: Plan, path: str, n: int, args: argparse.Namespace) -> N
     checked = check_plan(plan, path, args.microbatches)
     check_prices(plan, path)  # what --audit expects and the host check reads
     check_fits_host(plan, n, args.host_memory_gib)
-    Executor(plan, RunOptions(microbatches=args.microbatches), rank=0, world=n, checked=checked)
+    try:
+        Executor(plan, RunOptions(microbatches=args.microbatches), rank=0, world=n,
+                 checked=checked)
+    except PlanFormatError as exc:  # a listing contradicting its layers: name the file
+        raise PlanFormatError(f"{path}: {exc}") from None

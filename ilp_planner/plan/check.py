@@ -184,6 +184,7 @@ def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
             if s.mesh[0] * s.mesh[1] != len(s.devices):
                 raise PlanFormatError(f"{where}.mesh: expected [nodes, devices per node] with "
                                       f"{len(s.devices)} devices in all, got {list(s.mesh)}")
+            _check_node_aligned(s, config.cluster.devices_per_node, where)
         placed = [n for s in out for n in s.layers]
         if sorted(placed) != sorted(layers):
             raise PlanFormatError(f"{src}: stages list {len(placed)} layers, the plan has "
@@ -204,6 +205,22 @@ def plan_stages(plan: Plan, config: Config, src: str) -> list[Stage]:
                                           f"{lay.num_devices} devices, its stage {s.index} has "
                                           f"{len(s.devices)}")
     return out
+
+
+def _check_node_aligned(stage: Stage, per_node: int, where: str) -> None:
+    """A stage's devices in mesh order are its ``mesh``: each of its ``nodes`` rows is
+    ``devices per node`` consecutive devices of one node, each row on another node — the
+    links its collectives were priced on (a row spanning two nodes would run them over the
+    slower link)."""
+    nodes, local = stage.mesh
+    rows = [stage.devices[r * local:(r + 1) * local] for r in range(nodes)]
+    homes = [row[0] // per_node for row in rows]
+    if any(list(row) != list(range(row[0], row[0] + local)) or row[-1] // per_node != home
+           for row, home in zip(rows, homes, strict=True)) or len(set(homes)) != nodes:
+        raise PlanFormatError(
+            f"{where}.devices: {list(stage.devices)} are not a {nodes}x{local} mesh of whole "
+            f"node rows ({local} consecutive devices of one node per row, each row on its own "
+            f"node of {per_node} devices)")
 
 
 def virtual_stages(plan: Plan) -> int:
