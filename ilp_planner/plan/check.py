@@ -281,6 +281,8 @@ def _check_entry(plan: Plan, graph: Graph, stages: Sequence[Stage], stage_of: di
     if tuple(spec.shape) != e.shape:
         raise PlanFormatError(f"{where}: shape {list(e.shape)} but the op's output is "
                               f"{list(spec.shape)}")
+    if e.dtype != spec.dtype:  # the transfer's bytes, the audit's expectation
+        raise PlanFormatError(f"{where}: dtype {e.dtype} but the op's output is {spec.dtype}")
     if stage_of[e.tensor] != e.src_stage or stage_of[e.consumer] != e.dst_stage:
         raise PlanFormatError(f"{where}: stages {e.src_stage}->{e.dst_stage} disagree with the "
                               f"stage lists")
