@@ -2,9 +2,11 @@
 
 The importer records the aten ops an imported model dispatches, forward and backward, that
 DTensor cannot run (``Graph.replicated_ops``, :mod:`ilp_planner.inputs.dtensor_gaps`):
-``weight_norm``'s backward, for one. Each is given a rule taking every tensor it reads and
-writes replicated (DTensor's ``register_sharding``): every rank computes it on the whole
-values, as one process does and as the plan lays out the op reading them (an op the planner
+``weight_norm``'s backward, ReLU6's (``hardtanh_backward``). Each is given a rule (DTensor's
+``register_sharding``): an activation's backward — element-wise in its same-shaped operands —
+runs on whatever blocks its operands share, as the plan splits the activation; any other op
+takes every tensor it reads and writes replicated, every rank computing it on the whole
+values as one process does and as the plan lays out the op reading them (an op the planner
 cannot shard is ``opaque``, replicated), so nothing moves. Where a value reached such an op
 split, DTensor would gather it first — a collective the plan does not price, which the
 dispatch-level audit shows as untagged, never a silent wrong value.
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import register_sharding
 
@@ -41,7 +43,7 @@ def run_replicated(names: Iterable[str]) -> tuple[str, ...]:
                 f"the model's code calls {name}, which DTensor has no sharding rule for and "
                 f"which reads a list of tensors: the runtime cannot run it replicated")
     for name, op in todo:
-        register_sharding(op)(_replicated(len(op._schema.returns)))
+        register_sharding(op)(_rule(op))
         _REGISTERED.add(name)
     return tuple(name for name, _ in todo)
 
@@ -68,12 +70,37 @@ def _overload(name: str) -> torch._ops.OpOverload:
                                 f"replicated, which this torch does not have") from None
 
 
-def _replicated(outputs: int):
-    """A ``register_sharding`` rule: every output and every tensor input replicated."""
+ELEMENTWISE = frozenset({
+    "hardtanh_backward", "threshold_backward", "gelu_backward", "silu_backward",
+    "elu_backward", "leaky_relu_backward", "hardsigmoid_backward", "hardswish_backward",
+    "softplus_backward", "mish_backward", "sigmoid_backward", "tanh_backward",
+})
+"""Activations' backward ops: element-wise in their same-shaped operands, so they run on
+any block the operands share (torch tags few of them ``pointwise``)."""
+
+
+def _elementwise(op: torch._ops.OpOverload) -> bool:
+    return op._schema.name.removeprefix("aten::") in ELEMENTWISE or torch.Tag.pointwise in op.tags
+
+
+def _rule(op: torch._ops.OpOverload):
+    """A ``register_sharding`` rule for ``op``: every output and tensor input replicated;
+    for an element-wise op whose operands all have its output's shape, also all of them
+    split alike on any one dim (the operands' shared blocks: nothing moves)."""
+    outputs = len(op._schema.returns)
+    pointwise = _elementwise(op) and outputs == 1
 
     def rule(*args, **kwargs):
-        inputs = [Replicate() if isinstance(a, DTensorSpec) else None
-                  for a in (*args, *kwargs.values())]
-        return [([Replicate()] * outputs, inputs)]
+        given = (*args, *kwargs.values())
+        specs = [a for a in given if isinstance(a, DTensorSpec)]
+        out = [([Replicate()] * outputs,
+                [Replicate() if isinstance(a, DTensorSpec) else None for a in given])]
+        shapes = {tuple(a.tensor_meta.shape) for a in specs if a.tensor_meta is not None}
+        if pointwise and len(shapes) == 1 and len(specs) == sum(
+                a.tensor_meta is not None for a in specs):
+            for d in range(len(next(iter(shapes)))):
+                out.append(([Shard(d)], [Shard(d) if isinstance(a, DTensorSpec) else None
+                                         for a in given]))
+        return out
 
     return rule

@@ -16,9 +16,10 @@ from ilp_planner.inputs.models import graph_from_spec, graph_to_spec
 from ilp_planner.plan.data import Plan
 from runtime.errors import RuntimeSetupError
 from runtime.replicated_ops import run_replicated
-from tests.helpers.user_models import Llama, WeightNormed
+from tests.helpers.user_models import Llama, ReLU6MLP, WeightNormed
 
 BACKWARD = "aten._weight_norm_interface_backward.default"
+FOUND = ("aten._weight_norm_interface.default", BACKWARD)  # the forward: a decomposition only
 CLUSTER = {"nodes": 1, "devices_per_node": 4, "memory_gib": 16, "peak_tflops": 1,
            "links": {"intra": {"latency_us": 1, "bandwidth_gbps": 10},
                      "inter": {"latency_us": 1, "bandwidth_gbps": 10}}}
@@ -34,7 +35,7 @@ def test_weight_norms_backward_is_found_and_nothing_in_a_covered_model() -> None
     exported forward — is found; a Llama stack (SDPA, RMSNorm, rotary, SwiGLU: all ops
     DTensor runs or the runtime runs on local blocks) has none; the runtime's own executor
     (``dtensor=False``) needs none."""
-    assert _weight_normed_graph().replicated_ops == (BACKWARD,)
+    assert _weight_normed_graph().replicated_ops == FOUND
     ids = torch.randint(0, 64, (2, 8))
     assert ilp_planner.from_module(Llama(vocab=64, dim=32, n_layers=1, seq_len=8),
                                    (ids,)).replicated_ops == ()
@@ -45,12 +46,13 @@ def test_weight_norms_backward_is_found_and_nothing_in_a_covered_model() -> None
 
 def test_the_gaps_travel_with_the_plan_and_explain_names_them() -> None:
     graph = _weight_normed_graph()
-    assert graph_from_spec(graph_to_spec(graph)).replicated_ops == (BACKWARD,)
+    assert graph_from_spec(graph_to_spec(graph)).replicated_ops == FOUND
     plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
     again = Plan.from_dict(plan.to_dict())
     text = ilp_planner.explain(again, collectives=False)
-    assert f"run replicated under parallelize (DTensor has no sharding rule for them): " \
-           f"{BACKWARD}" in text
+    assert "run by the runtime's own rules under parallelize (DTensor has none for them; " \
+           f"element-wise ones on their operands' blocks, the rest replicated): " \
+           f"{', '.join(FOUND)}" in text
 
 
 def test_a_graph_listing_something_else_is_refused_by_key() -> None:
@@ -71,3 +73,11 @@ def test_the_runtime_registers_only_what_dtensor_lacks_and_refuses_unknown_ops()
     assert run_replicated([BACKWARD, "aten.mm.default"]) == ()
     with pytest.raises(RuntimeSetupError, match="aten.no_such_op.default"):
         run_replicated(["aten.no_such_op.default"])
+
+
+def test_an_op_dtensor_runs_only_by_decomposition_counts_as_a_gap() -> None:
+    """ReLU6's backward (``aten.hardtanh_backward``) has no DTensor rule, only a
+    decomposition DTensor's propagator fails on: it is found (the audit of a user's
+    MobileNetV2 crashed in the first backward), and its rule is element-wise."""
+    graph = ilp_planner.from_module(ReLU6MLP(), (torch.randint(0, 64, (4, 8)),))
+    assert graph.replicated_ops == ("aten.hardtanh_backward.default",)

@@ -7,11 +7,12 @@ autograd's backward dispatch needs a DTensor sharding rule. Most have one; some 
 first backward, mid-step. The importer finds them up front: the exported program is
 replayed, forward and backward, on its own fake tensors (no memory, no data) under a
 dispatch mode recording every op below autograd — where DTensor dispatches — and the ones
-DTensor has no rule, decomposition or composite kernel for are recorded on the graph
-(``Graph.replicated_ops``). The runtime registers for each a rule taking every tensor
-replicated (:mod:`runtime.replicated_ops`): each rank computes it on the whole values, as
-one process does — which is how the planner lays such ops out (an op it cannot shard is
-``opaque``, replicated). Torch is passed in (the importer's lazy import)."""
+DTensor has no rule or composite kernel for are recorded on the graph
+(``Graph.replicated_ops``). The runtime registers a rule for each
+(:mod:`runtime.replicated_ops`): an element-wise one (an activation's backward) runs on the
+blocks its operands share, any other on every rank's whole values, as one process does —
+which is how the planner lays such ops out (an op it cannot shard is ``opaque``,
+replicated). Torch is passed in (the importer's lazy import)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def _run_locally(op: Any) -> bool:
 
 
 def lacks_rule(torch: Any, op: Any) -> bool:
-    """Whether DTensor has nothing to run aten op ``op`` with: no strategy or rule
-    registered, no decomposition its propagator follows, no composite kernel torch
-    decomposes it by."""
+    """Whether DTensor has no rule of its own for aten op ``op``: no strategy or rule
+    registered, no composite kernel torch decomposes it by before DTensor sees it. An op
+    DTensor would only run through its propagator's decompositions counts as lacking one:
+    that path fails on some (``hardtanh_backward``, ReLU6's, in torch 2.13) and cannot be
+    told from the ones it serves without a device mesh."""
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -56,12 +59,6 @@ def lacks_rule(torch: Any, op: Any) -> bool:
               getattr(prop, "op_single_dim_strategy_funcs", {}))
     if any(op in t for t in tables):
         return False
-    try:
-        from torch.distributed.tensor._decompositions import DecompShardingStrategy
-        if DecompShardingStrategy.has_decomp(op):
-            return False
-    except ImportError:  # an older torch: no decomposition path
-        pass
     return not torch._C._dispatch_has_kernel_for_dispatch_key(
         op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 

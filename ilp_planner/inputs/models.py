@@ -470,8 +470,8 @@ GRAPH_KEYS: dict[str, Key] = {
     "kind": Key("choice", "the explicit form (optional where the caller knows it)", "graph",
                 choices=("graph",)),
     "ops": Key("list", "the layer graph's ops in topological order (see model.ops[i])"),
-    "replicated_ops": Key("list", "aten ops DTensor has no sharding rule for, run replicated "
-                                  "by parallelize (an import records them)", ()),
+    "replicated_ops": Key("list", "aten ops DTensor has no sharding rule of its own for, "
+                                  "run under the runtime's (an import records them)", ()),
     "name": Key("string", "the graph's name", "graph"),
     "dtype": Key("choice", "default dtype of every op's tensors", "float32",
                  choices=tuple(DTYPE_BYTES), noun="dtype"),

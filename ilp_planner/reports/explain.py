@@ -417,7 +417,8 @@ def _replicated_lines(plan: Plan) -> list[str]:
     """The aten ops of an imported model that ``parallelize`` runs replicated, DTensor
     having no rule for them (:mod:`runtime.replicated_ops`)."""
     gaps = parse_config(plan.config).graph.replicated_ops
-    return [f"run replicated under parallelize (DTensor has no sharding rule for them): "
+    return [f"run by the runtime's own rules under parallelize (DTensor has none for them; "
+            f"element-wise ones on their operands' blocks, the rest replicated): "
             f"{', '.join(gaps)}"] if gaps else []
 
 

@@ -13,7 +13,8 @@ code: nothing may move between them) or ``head_T`` (a head on a parameter's ``.T
 module's own code) or ``encoder`` (PyTorch's ``nn.TransformerEncoderLayer``: its
 attention's functional linear and its residual add read one value) or ``odd_batch`` (a
 Llama block on a batch of 3: its rows split by divisors of 3 only) or ``weight_norm`` (a
-weight-normed linear, whose backward DTensor has no rule for, run replicated). Prints
+weight-normed linear, whose backward DTensor has no rule for, run replicated) or ``relu6``
+(ReLU6's backward, run on the blocks the plan splits the activation into). Prints
 ``OK <strategies>`` on rank 0 and exits 0, or prints the differences and exits 1.
 """
 
@@ -45,6 +46,7 @@ from tests.helpers.user_models import (  # noqa: E402
     CodedLinear,
     EncoderLM,
     Llama,
+    ReLU6MLP,
     TransposedHead,
     TwinFollowers,
     WeightNormed,
@@ -67,6 +69,8 @@ def build(name: str):
         return model, torch.randint(0, 64, (3, 8)), torch.randint(0, 64, (3, 8)), 1.0
     if name == "encoder":
         return EncoderLM(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
+    if name == "relu6":
+        return ReLU6MLP(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
     if name == "weight_norm":
         return WeightNormed(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     if name == "head_T":
@@ -105,7 +109,7 @@ def loss_of(out, y):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder",
-                                      "odd_batch", "weight_norm"))
+                                      "odd_batch", "weight_norm", "relu6"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")

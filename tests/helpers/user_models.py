@@ -376,3 +376,19 @@ class WeightNormed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.relu(self.normed(x)))
+
+
+class ReLU6MLP(nn.Module):
+    """An MLP block with ``nn.ReLU6`` (MobileNetV2's activation) between two linears the
+    plan splits: DTensor runs its backward (``aten.hardtanh_backward``) by no rule of its
+    own, so the runtime registers an element-wise one."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed, self.up = nn.Embedding(vocab, dim), nn.Linear(dim, 2 * dim)
+        self.act, self.down = nn.ReLU6(), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.down(self.act(self.up(x))))
