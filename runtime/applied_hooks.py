@@ -167,6 +167,7 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
                module: nn.Module) -> tuple[dict[str, Hook], Programs]:
     """Every module boundary's :class:`Hook`, and the programs run on a producer's output
     for functional consumers (the module's own output's among them)."""
+    _refuse_reused_weights(graph, module)
     hooks: dict[str, Hook] = {}
     functional: dict[str, list[tuple[str, int]]] = {}  # producer -> its functional readers
     for op in graph.ops:
@@ -191,6 +192,24 @@ def hook_table(graph: Graph, layers: dict[str, LayerPlan], edges: dict[tuple[str
             if (prog := _shared_program(graph, src, readers, edges)) is not None}
     _outputs(graph, layers, module, hooks, post)
     return hooks, post
+
+
+def _refuse_reused_weights(graph: Graph, module: nn.Module) -> None:
+    """Refuse, before anything changes, a module with parameters the forward calls again:
+    the importer names a later call ``<path>.<kind>[_i]`` without parameters (its weight
+    priced once, on the first call, and the calls laid out apart), and no hook can run it
+    (ALBERT's shared layer: it failed in the first forward)."""
+    for op in graph.ops:
+        path, _, last = op.name.rpartition(".")
+        if path and path in graph and graph[path].kind is op.kind and not op.source_params \
+                and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
+                and leaf_module(module, path) is not None \
+                and any(True for _ in module.get_submodule(path).parameters()):
+            raise RuntimeSetupError(
+                f"module {path!r} is called again in the forward (op {op.name!r}) with its "
+                f"parameters: a module called twice with its weights (a shared layer, as "
+                f"ALBERT's) is not supported by parallelize — the plan prices its weight on "
+                f"the first call only and lays the calls out apart")
 
 
 def _read_through_code(h: Hook, idx: int, read: Layout) -> None:

@@ -691,3 +691,4 @@ def test_one_linear_cut_two_ways_keeps_one_cut_as_parts():
     assert {op.attrs["parts"] for op in parts} == {2}
     assert all(op.output.shape == (8, 128) for op in parts)
     assert g[g["side"].inputs[0]].output.shape == (8, 64)
+

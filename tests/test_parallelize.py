@@ -130,6 +130,35 @@ def test_refusals_name_the_reason(one_rank):
         parallelize(ilp_planner.solve(graph, cluster=two, baselines=False), mlp)
 
 
+class _SharedLayer(torch.nn.Module):
+    """ALBERT's shared layer, reduced: one linear applied twice in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + torch.relu(self.mix(x))
+        return self.head(x + torch.relu(self.mix(x)))
+
+
+def test_a_module_called_twice_with_its_weights_is_refused_before_anything_changes(one_rank):
+    """It failed mid-forward, after the parameters were placed, saying the plan had one op
+    for the module (it has two); now ``parallelize`` refuses first, naming the module and
+    its second call, and leaves the module as it was."""
+    model = _SharedLayer()
+    ids = torch.randint(0, 64, (4, 8))
+    plan = ilp_planner.solve(ilp_planner.from_module(model, (ids,)), cluster=CLUSTER,
+                             baselines=False)
+    with pytest.raises(RuntimeSetupError, match=r"module 'mix' is called again in the forward "
+                                                r"\(op 'mix\.linear'\) with its parameters"):
+        parallelize(plan, model)
+    assert not hasattr(model, "ilp_plan")
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
 def test_frozen_parameters_and_other_shapes_are_refused_by_name(one_rank):
     """A frozen parameter would be placed as a trained DTensor parameter and priced as one:
     refused at import and by parallelize. An input of another shape than the plan's
