@@ -27,6 +27,22 @@ from runtime.dtensors import Meshes, Unwrap, dtensor_spec, placements
 from runtime.errors import RuntimeSetupError
 
 
+def check_bias_tables(graph: Graph, module: nn.Module) -> None:
+    """Refuse, before anything changes, an attention's bias table held by another module
+    than an ``nn.Embedding`` (Swin's ``relative_position_bias_table``, a bare parameter
+    indexed in its code): :func:`install_bias_tables` looks tables up in their
+    embedding."""
+    for op in graph.ops:
+        if op.kind is not OpKind.ATTENTION or not op.attrs.get("bias_buckets"):
+            continue
+        for fqn in op.source_params:
+            owner, _ = owner_of(module, fqn)
+            if not isinstance(owner, nn.Embedding):
+                raise RuntimeSetupError(f"attention {op.name!r} adds the bias table {fqn}, "
+                                        f"which parallelize looks up in its nn.Embedding; "
+                                        f"{type(owner).__name__} holds it")
+
+
 def install_bias_tables(graph: Graph, params: AppliedParams, module: nn.Module,
                         meshes: Meshes) -> None:
     """Hooks on each bias table's own module: this rank's whole table, whose gradient
@@ -35,11 +51,7 @@ def install_bias_tables(graph: Graph, params: AppliedParams, module: nn.Module,
         if op.kind is not OpKind.ATTENTION or not op.attrs.get("bias_buckets"):
             continue
         for p in params.of_op(op.name).values():
-            owner, attr = owner_of(module, p.fqn)
-            if not isinstance(owner, nn.Embedding):
-                raise RuntimeSetupError(f"attention {op.name!r} adds the bias table {p.fqn}, "
-                                        f"which parallelize looks up in its nn.Embedding; "
-                                        f"{type(owner).__name__} holds it")
+            owner, attr = owner_of(module, p.fqn)  # an nn.Embedding: check_bias_tables
             owner.register_forward_pre_hook(
                 lambda m, args, p=p, attr=attr: _lookup_locally(m, attr, p, meshes))
             owner.register_forward_hook(

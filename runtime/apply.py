@@ -78,7 +78,7 @@ from ilp_planner.lowering.strategies import StrategyContext, grad_sync
 from ilp_planner.plan.audit import AuditRow, compare, executed, predicted
 from ilp_planner.plan.data import LayerPlan, Plan
 from ilp_planner.plan.programs import edge_programs
-from runtime.applied_bias import install_bias_tables
+from runtime.applied_bias import check_bias_tables, install_bias_tables
 from runtime.applied_edges import EdgeRunner
 from runtime.applied_hooks import BoundaryHooks, hook_table, leaf_module
 from runtime.applied_moe import install_moe
@@ -131,6 +131,7 @@ class Applied:
         _check_tied_heads(tied, module)
         check_trainable(module)
         check_owned(self.graph, module)
+        check_bias_tables(self.graph, module)
         run_replicated(self.graph.replicated_ops)  # ops DTensor has no rule for
         # the boundary hooks' refusals (a layout change between two pieces of functional
         # code), before install_moe swaps forwards and AppliedParams places parameters
