@@ -39,6 +39,7 @@ from ilp_planner.lowering.strategies import (
 )
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
+from runtime.errors import RuntimeSetupError
 from runtime.fused_parts import interleaved, natural_order
 from runtime.moe import reference as moe_reference
 
@@ -1195,3 +1196,24 @@ def test_an_imported_graph_reads_back_from_its_plan_s_config(imported, name):
     again = graph_from_spec(graph_to_spec(graph), "plan.json")
     assert [(op.name, op.kind, op.output, op.inputs, dict(op.attrs)) for op in again.ops] == \
         [(op.name, op.kind, op.output, op.inputs, dict(op.attrs)) for op in graph.ops]
+
+
+def test_swins_bias_table_is_refused_before_any_parameter_is_placed(one_rank):
+    """Swin adds a relative position bias table held as a bare parameter (not an
+    ``nn.Embedding``): ``parallelize`` refuses it — and now before placing a parameter or
+    installing a hook (it turned all 45 into DTensors first), so the user's module is
+    left as it was."""
+    torch.manual_seed(0)
+    cfg = T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                       num_heads=[2, 4], window_size=4, num_labels=10,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       drop_path_rate=0.0)
+    module = _Logits(T.SwinForImageClassification(cfg))
+    x = torch.randn(BATCH, 3, 32, 32)
+    one = dict(CLUSTER, nodes=1, devices_per_node=1)
+    plan = ilp_planner.solve(from_module(module, (x,)), cluster=one, baselines=False)
+    with pytest.raises(RuntimeSetupError, match="relative_position_bias_table, which "
+                                                "parallelize looks up in its nn.Embedding"):
+        ilp_planner.apply(plan, module)
+    assert all(type(p) is torch.nn.Parameter for p in module.parameters())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
