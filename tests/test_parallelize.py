@@ -57,7 +57,7 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T", "encoder",
-                                   "odd_batch", "weight_norm", "relu6"])
+                                   "odd_batch", "weight_norm", "relu6", "seq_image"])
 def test_applied_modules_match_one_process_and_the_plan(model):
     """``twin``: two followers in functional code read one row-parallel linear's partial
     sums, resolved once at its boundary — listed once in the plan, run once (the audit
@@ -72,7 +72,9 @@ def test_applied_modules_match_one_process_and_the_plan(model):
     weight-normed linear, whose backward op DTensor has no rule for (it failed in the first
     backward), runs replicated as its opaque op is planned. ``relu6``: ReLU6's backward
     (``hardtanh_backward``, which DTensor's decomposition path fails on) runs on the
-    blocks of the split activation, nothing gathered (the audit)."""
+    blocks of the split activation, nothing gathered (the audit). ``seq_image``: tokens
+    turned into an image by ``transpose(1, 2).reshape`` for a convolution (Segformer's), which
+    the importer read as rows of the image's width and the runtime split wrongly."""
     res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))

@@ -527,14 +527,22 @@ def _channels_moved(d: Draft, x: Act) -> str | None:
     """``"last"`` where ``x`` is image ``d``'s (N, C, H, W) value with its channels moved
     last — ConvNeXt's ``permute(0, 2, 3, 1)`` before its layer norm and pointwise linears,
     which read it as (N·H·W, C) tokens — ``"first"`` where tokens ``d``'s (N, H, W, C)
-    value has them moved back (``permute(0, 3, 1, 2)``) for a convolution or an image's
-    residual add; None otherwise. Either is a copy, not a re-view: its op (:meth:`ir`) keeps
+    value has them moved back (``permute(0, 3, 1, 2)``, or a (N, H·W, C) sequence's
+    ``transpose(1, 2)`` reshaped to (N, C, H, W): Segformer's) for a convolution or an
+    image's residual add; None otherwise. Either is a copy, not a re-view: its op (:meth:`ir`) keeps
     whole images together (a split of the N·H·W rows by a divisor of N, ``row_items``)."""
-    perms = [tuple(int(a) % 4 for a in step[1]) for step in x.chain
-             if step[0] == "permute" and len(step) > 1 and len(step[1]) == 4]
-    if len(x.shape) != 4 or len(x.src) != 1 or len(perms) != 1:
+    if len(x.shape) != 4 or len(x.src) != 1:
         return None
     n, a, b, z = x.shape
+    swaps = [step for step in x.chain if step[0] in ("transpose", "permute")]
+    if len(swaps) == 1 and swaps[0][0] == "transpose" and len(swaps[0]) == 3 \
+            and {int(swaps[0][1]) % 3, int(swaps[0][2]) % 3} == {1, 2} \
+            and d.shape == (n * b * z, a):  # (B, N, C) tokens → (B, C, N) → (B, C, H, W)
+        return "first"  # Segformer's, PVT's spatial reduction before its convolution
+    perms = [tuple(int(a) % 4 for a in step[1]) for step in x.chain
+             if step[0] == "permute" and len(step) > 1 and len(step[1]) == 4]
+    if len(perms) != 1:
+        return None
     if perms[0] == (0, 2, 3, 1) and d.shape == (n, z, a, b):  # x is (N, H, W, C)
         return "last"
     if perms[0] == (0, 3, 1, 2) and d.shape == (n * b * z, a):  # x is (N, C, H, W)

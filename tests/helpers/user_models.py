@@ -392,3 +392,23 @@ class ReLU6MLP(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         return self.head(x + self.down(self.act(self.up(x))))
+
+
+class SequenceToImage(nn.Module):
+    """Segformer's spatial reduction, reduced: tokens ``(B, H·W, C)`` normalised, turned
+    into an image by ``transpose(1, 2).reshape(B, C, H, W)`` and read by a convolution
+    (the importer took the image for ``(B·C·H, W)`` rows, and the runtime split its width
+    where the plan split its channels)."""
+
+    def __init__(self, channels: int = 16, side: int = 8) -> None:
+        super().__init__()
+        self.side = side
+        self.embed, self.norm = nn.Linear(3, channels), nn.LayerNorm(channels)
+        self.reduce = nn.Conv2d(channels, channels, kernel_size=2, stride=2)
+        self.head = nn.Linear(channels, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(x))
+        b, _, c = h.shape
+        image = h.transpose(1, 2).reshape(b, c, self.side, self.side)
+        return self.head(self.reduce(image).flatten(2).mean(-1))
