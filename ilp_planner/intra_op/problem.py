@@ -1075,20 +1075,22 @@ def _edge_costs(st: _Structure, cluster: Cluster, options: dict[str, list[NodeOp
     # layouts, so their matrix is found without hashing hundreds of layouts per edge
     by_lists: dict[tuple, np.ndarray] = {} if cache is None else cache.matrices
     uses: dict[tuple[int, int], dict[int, tuple[np.ndarray, int]]] = {}
+    carriers = st.graph.gradient_carriers(st.boundary.imported)
     for i, (u, pos_u, v, pos_v, idx, tensor) in enumerate(st.edges):
         if i in st.riders:  # its program is the priced reader's (shared_reads)
             continue
-        quick = (id(options[u]), pos_u, id(options[v]), pos_v, idx, tensor, microbatches)
+        back = st.members[u][pos_u] in carriers  # a gradient comes back through the edge
+        quick = (id(options[u]), pos_u, id(options[v]), pos_v, idx, tensor, microbatches, back)
         r = by_lists.get(quick)
         if r is None:
             outs = tuple(o.outputs[pos_u] for o in options[u])
             ins = tuple((o.inputs[pos_v][idx], o.grads[pos_v][idx]) for o in options[v])
-            key = (tensor, outs, ins, v in again)
+            key = (tensor, outs, ins, v in again, back)
             if key not in matrix_cache:
                 try:
                     matrix_cache[key] = microbatches * _cost_matrix(
                         outs, ins, tensor, cluster, replay=v in again,
-                        memo=None if cache is None else cache.layout_matrices)
+                        memo=None if cache is None else cache.layout_matrices, backward=back)
                 except LayoutError as exc:  # the graph wires two views of one value
                     raise LayoutError(f"{st.members[v][pos_v]!r} reads {st.members[u][pos_u]!r}"
                                       f" in a layout its output cannot take: {exc}") from None
@@ -1383,19 +1385,22 @@ def _add_pair(cost: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], 
 
 def _cost_matrix(outs: tuple[Layout, ...], ins: tuple[tuple[Layout, Layout], ...], tensor,
                  cluster: Cluster, replay: bool = False,
-                 memo: dict[tuple, np.ndarray] | None = None) -> np.ndarray:
-    """Edge program seconds (forward + backward) for every (producer output, consumer
+                 memo: dict[tuple, np.ndarray] | None = None,
+                 backward: bool = True) -> np.ndarray:
+    """Edge program seconds (forward + backward; forward only without ``backward``: no
+    gradient comes back through the edge) for every (producer output, consumer
     (input layout, input gradient layout)) pair; with ``replay`` (a recomputed consumer)
     the forward program twice, since the recomputation runs it again. ``memo`` keeps the
     matrix between distinct layouts by those layouts in order (the same question, the same
     array: a search's direction depends on the layouts asked for alone)."""
     uniq_out = {lay: i for i, lay in enumerate(dict.fromkeys(outs))}
     uniq_in = {pair: j for j, pair in enumerate(dict.fromkeys(ins))}
-    key = (cluster, tensor, tuple(uniq_out), tuple(uniq_in), replay)
+    key = (cluster, tensor, tuple(uniq_out), tuple(uniq_in), replay, backward)
     small = None if memo is None else memo.get(key)
     if small is None:
         planner = planner_for(outs[0], cluster)
-        small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor)
+        small = planner.edge_costs(list(uniq_out), list(uniq_in), tensor) if backward else \
+            planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in], tensor)
         if replay:
             small = small + planner.forward_costs(list(uniq_out), [a for a, _ in uniq_in],
                                                   tensor)

@@ -150,6 +150,7 @@ def _rows(gp: GraphProblem, choice: list[int], stage: int, stage_of: dict[str, i
     edges = None if memo is None else memo.setdefault(gp.ctx.cluster, {})
     rows: list[Row] = []
     syncs: list[tuple[str, SyncBucket]] = []
+    carriers = graph.gradient_carriers(gp.boundary.imported)
     for op in graph.ops:
         if op.kind is OpKind.INPUT:
             continue
@@ -175,8 +176,10 @@ def _rows(gp: GraphProblem, choice: list[int], stage: int, stage_of: dict[str, i
                 chosen[gp.owner[src]].outputs[gp.position[src]], want, graph[src].output,
                 opt.grads[pos][idx], gp, edges)
             colls += fwd
-            colls += bwd
-            local += local_fwd + local_bwd
+            local += local_fwd
+            if src in carriers:  # else no gradient comes back: autograd runs no backward
+                colls += bwd
+                local += local_bwd
             if opt.recompute:  # the checkpointed block runs its input programs again
                 colls += [c.with_phase("recompute") for c in fwd]
                 local += local_fwd

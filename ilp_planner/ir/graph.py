@@ -266,6 +266,7 @@ class Graph:
         if not self._ops:
             raise ConfigError(f"graph {name!r} has no ops")
         self._consumers: dict[str, list[str]] | None = None
+        self._memo: dict[tuple, frozenset[str]] = {}
         self._shared: dict[str, tuple[tuple[str, int], ...]] | None = None
 
     @property
@@ -280,6 +281,25 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self._ops)
+
+    def gradient_carriers(self, imported: frozenset[str] = frozenset()) -> frozenset[str]:
+        """The ops whose output takes a gradient in training: those owning parameters (a
+        tied head or a shared table included) and every op reading one of them, in
+        floating point — not model data, nor what is computed from it alone (an image's
+        padding, a position count), whose edges' backward programs autograd never runs.
+        ``imported``: a pipeline stage's inputs from an earlier stage, which take one."""
+        key = ("carriers", imported)
+        hit = self._memo.get(key)
+        if hit is None:
+            out: set[str] = set()
+            for op in self._ops.values():
+                owns = op.kind is not OpKind.INPUT and (
+                    op.params > 0 or bool(op.source_params) or bool(op.attrs.get("tied")))
+                if (op.name in imported or owns or any(i in out for i in op.inputs)) \
+                        and "float" in op.output.dtype:
+                    out.add(op.name)
+            hit = self._memo[key] = frozenset(out)
+        return hit
 
     def edges(self) -> list[tuple[str, str]]:
         """(producer, consumer) pairs in topological order of the consumer."""

@@ -15,7 +15,8 @@ attention's functional linear and its residual add read one value) or ``odd_batc
 Llama block on a batch of 3: its rows split by divisors of 3 only) or ``weight_norm`` (a
 weight-normed linear, whose backward DTensor has no rule for, run replicated) or ``relu6``
 (ReLU6's backward, run on the blocks the plan splits the activation into) or ``seq_image``
-(Segformer's tokens turned into an image for a convolution). Prints
+(Segformer's tokens turned into an image for a convolution) or ``padded`` (an image padded
+in code before its first convolution: no backward program on that edge). Prints
 ``OK <strategies>`` on rank 0 and exits 0, or prints the differences and exits 1.
 """
 
@@ -47,6 +48,7 @@ from tests.helpers.user_models import (  # noqa: E402
     CodedLinear,
     EncoderLM,
     Llama,
+    PaddedConv,
     ReLU6MLP,
     SequenceToImage,
     TransposedHead,
@@ -71,6 +73,8 @@ def build(name: str):
         return model, torch.randint(0, 64, (3, 8)), torch.randint(0, 64, (3, 8)), 1.0
     if name == "encoder":
         return EncoderLM(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
+    if name == "padded":
+        return PaddedConv(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)), 1.0
     if name == "seq_image":
         return SequenceToImage(), torch.randn(4, 64, 3), torch.randint(0, 10, (4,)), 1.0
     if name == "relu6":
@@ -113,7 +117,7 @@ def loss_of(out, y):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder",
-                                      "odd_batch", "weight_norm", "relu6", "seq_image"))
+                                      "odd_batch", "weight_norm", "relu6", "seq_image", "padded"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")
