@@ -140,12 +140,24 @@ def runner_path(module: nn.Module, op: Op) -> str | None:
         return moe_path(module, op)
     if leaf_module(module, op.name) is not None:
         return op.name
-    path, _, last = op.name.rpartition(".")
-    if path and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
-            and leaf_module(module, path) is not None and not op.source_params \
-            and not any(True for _ in module.get_submodule(path).parameters()):
+    path = _later_call(module, op)
+    if path is not None and not _has_parameters(module, path):
         return path
     return None
+
+
+def _later_call(module: nn.Module, op: Op) -> str | None:
+    """The childless submodule whose later call the importer named ``op``
+    (``<path>.<kind>[_i]``, owning no parameters), or None."""
+    path, _, last = op.name.rpartition(".")
+    if path and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
+            and leaf_module(module, path) is not None and not op.source_params:
+        return path
+    return None
+
+
+def _has_parameters(module: nn.Module, path: str) -> bool:
+    return any(True for _ in module.get_submodule(path).parameters())
 
 
 def output_op(graph: Graph) -> str:
@@ -200,11 +212,9 @@ def _refuse_reused_weights(graph: Graph, module: nn.Module) -> None:
     priced once, on the first call, and the calls laid out apart), and no hook can run it
     (ALBERT's shared layer: it failed in the first forward)."""
     for op in graph.ops:
-        path, _, last = op.name.rpartition(".")
-        if path and path in graph and graph[path].kind is op.kind and not op.source_params \
-                and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
-                and leaf_module(module, path) is not None \
-                and any(True for _ in module.get_submodule(path).parameters()):
+        path = _later_call(module, op)
+        if path is not None and path in graph and graph[path].kind is op.kind \
+                and _has_parameters(module, path):
             raise RuntimeSetupError(
                 f"module {path!r} is called again in the forward (op {op.name!r}) with its "
                 f"parameters: a module called twice with its weights (a shared layer, as "

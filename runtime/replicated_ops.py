@@ -1,4 +1,5 @@
-"""Aten ops DTensor has no sharding rule for, run replicated, for :mod:`runtime.apply`.
+"""Aten ops DTensor has no sharding rule of its own for, run under the runtime's, for
+:mod:`runtime.apply`.
 
 The importer records the aten ops an imported model dispatches, forward and backward, that
 DTensor cannot run (``Graph.replicated_ops``, :mod:`ilp_planner.inputs.dtensor_gaps`):
@@ -28,12 +29,12 @@ from ilp_planner.inputs.dtensor_gaps import lacks_rule
 from runtime.errors import RuntimeSetupError
 
 _REGISTERED: set[str] = set()
-"""The ops given the replicated rule in this process (registration is process-wide)."""
+"""The ops given the runtime's rule in this process (registration is process-wide)."""
 
 
 def run_replicated(names: Iterable[str]) -> tuple[str, ...]:
-    """Register the replicated rule for each of ``names`` (``aten.<op>.<overload>``) this
-    torch's DTensor has none for; the ones registered. Raises
+    """Register the runtime's rule (:func:`_rule`) for each of ``names``
+    (``aten.<op>.<overload>``) this torch's DTensor has none for; the ones registered. Raises
     :class:`~runtime.errors.RuntimeSetupError` naming an op it cannot describe."""
     ops = [(name, _overload(name)) for name in names if name not in _REGISTERED]
     todo = [(name, op) for name, op in ops if lacks_rule(torch, op)]
@@ -95,9 +96,8 @@ def _rule(op: torch._ops.OpOverload):
         specs = [a for a in given if isinstance(a, DTensorSpec)]
         out = [([Replicate()] * outputs,
                 [Replicate() if isinstance(a, DTensorSpec) else None for a in given])]
-        shapes = {tuple(a.tensor_meta.shape) for a in specs if a.tensor_meta is not None}
-        if pointwise and len(shapes) == 1 and len(specs) == sum(
-                a.tensor_meta is not None for a in specs):
+        shapes = {None if a.tensor_meta is None else tuple(a.tensor_meta.shape) for a in specs}
+        if pointwise and len(shapes) == 1 and None not in shapes:
             for d in range(len(next(iter(shapes)))):
                 out.append(([Shard(d)], [Shard(d) if isinstance(a, DTensorSpec) else None
                                          for a in given]))

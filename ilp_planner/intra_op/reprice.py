@@ -134,9 +134,8 @@ def _collectives(ly: LayerPlan) -> list[tuple]:
 
 
 def _close_rows(a: list[tuple], b: list[tuple]) -> bool:
-    return len(a) == len(b) and all(
-        x[:-2] == y[:-2] and x[-2] == y[-2] and _close(x[-1], y[-1])
-        for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(x[:-1] == y[:-1] and _close(x[-1], y[-1])
+                                    for x, y in zip(a, b, strict=True))
 
 
 def _close(a: float, b: float) -> bool:

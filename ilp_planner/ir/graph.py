@@ -266,7 +266,7 @@ class Graph:
         if not self._ops:
             raise ConfigError(f"graph {name!r} has no ops")
         self._consumers: dict[str, list[str]] | None = None
-        self._memo: dict[tuple, frozenset[str]] = {}
+        self._carriers: dict[frozenset[str], frozenset[str]] = {}
         self._shared: dict[str, tuple[tuple[str, int], ...]] | None = None
 
     @property
@@ -288,8 +288,7 @@ class Graph:
         floating point — not model data, nor what is computed from it alone (an image's
         padding, a position count), whose edges' backward programs autograd never runs.
         ``imported``: a pipeline stage's inputs from an earlier stage, which take one."""
-        key = ("carriers", imported)
-        hit = self._memo.get(key)
+        hit = self._carriers.get(imported)
         if hit is None:
             out: set[str] = set()
             for op in self._ops.values():
@@ -298,7 +297,7 @@ class Graph:
                 if (op.name in imported or owns or any(i in out for i in op.inputs)) \
                         and "float" in op.output.dtype:
                     out.add(op.name)
-            hit = self._memo[key] = frozenset(out)
+            hit = self._carriers[imported] = frozenset(out)
         return hit
 
     def edges(self) -> list[tuple[str, str]]:
