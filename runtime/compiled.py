@@ -23,6 +23,7 @@ from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.lowering.grad_buckets import GradBucket, fill_buckets
 from ilp_planner.lowering.redistribution import Redistribution
+from ilp_planner.lowering.stage_boundary import stage_boundary
 from ilp_planner.lowering.strategies import (
     StrategyContext,
     SyncBucket,
@@ -68,6 +69,7 @@ class CompiledPlan:
     tied_programs: dict[str, tuple[Redistribution, ...]]  # head on its embedding's stage
     grad_chunks: dict[int, tuple[GradBucket, ...]]  # stage -> fused gradient chunks
     segments: dict[int, list[Segment]]  # stage -> its layers cut into checkpointed runs
+    reached: frozenset[str]  # layers whose first input takes a gradient (:func:`_input_reached`)
 
     @property
     def interleaved(self) -> bool:
@@ -81,8 +83,8 @@ class CompiledPlan:
     def zero3_backward_reads(self, op: Op, sync: SyncBucket) -> bool:
         """ZeRO-3: whether ``op``'s backward reads the bucket's weights
         (:func:`~ilp_planner.lowering.strategies.backward_reads`): autograd reaches its input unless that is
-        the model's data, as the planner's ``input_reached``."""
-        return backward_reads(op, sync.roles, self.graph[op.inputs[0]].kind is not OpKind.INPUT)
+        what the model's data gives alone, as the planner's ``input_reached``."""
+        return backward_reads(op, sync.roles, op.name in self.reached)
 
 
 def compile_plan(plan: Plan, checked: CheckedPlan) -> CompiledPlan:
@@ -97,7 +99,8 @@ def compile_plan(plan: Plan, checked: CheckedPlan) -> CompiledPlan:
     edges, exports = _lowered_edges(plan, checked)
     ctx = StrategyContext(config.cluster, 1, 1, config.memory)
     compute_dtype = model.compute_dtype(graph)
-    buckets, zero_syncs = _gradient_buckets(graph, layers, stage_of, ctx, compute_dtype)
+    reached = _input_reached(graph, stages)
+    buckets, zero_syncs = _gradient_buckets(graph, layers, stage_of, ctx, compute_dtype, reached)
     tied = _tied_pairs(graph, layers, stage_of)
     return CompiledPlan(
         plan=plan, cluster=config.cluster, full_graph=config.graph, graph=graph,
@@ -110,7 +113,18 @@ def compile_plan(plan: Plan, checked: CheckedPlan) -> CompiledPlan:
         tied_programs=_tied_programs(graph, layers, stage_of, tied, config.cluster),
         grad_chunks={s.index: _grad_chunks(plan, s, buckets, config.grad_bucket_bytes, ctx)
                      for s in stages},
-        segments={s.index: _segments(s, graph, layers) for s in stages})
+        segments={s.index: _segments(s, graph, layers) for s in stages}, reached=reached)
+
+
+def _input_reached(graph: Graph, stages: list[Stage]) -> frozenset[str]:
+    """The layers whose first input takes a gradient on their stage
+    (:meth:`~ilp_planner.ir.graph.Graph.gradient_carriers`, with the tensors the stage
+    imports): autograd runs their input's backward — the planner's ``input_reached``."""
+    out: set[str] = set()
+    for s in stages:
+        carriers = graph.gradient_carriers(stage_boundary(graph, s.layers).imported)
+        out.update(n for n in s.layers if graph[n].inputs and graph[n].inputs[0] in carriers)
+    return frozenset(out)
 
 
 def _check_even(graph: Graph, layers: dict[str, LayerPlan]) -> None:
@@ -163,7 +177,7 @@ def _lowered_edges(plan: Plan, checked: CheckedPlan
 
 
 def _gradient_buckets(graph: Graph, layers: dict[str, LayerPlan], stage_of: dict[str, int],
-                      ctx: StrategyContext, compute_dtype: torch.dtype
+                      ctx: StrategyContext, compute_dtype: torch.dtype, reached: frozenset[str]
                       ) -> tuple[dict[str, tuple[SyncBucket, ...]], dict[str, tuple[SyncBucket, ...]]]:
     """Each layer's weight-gradient buckets: AllReduced (in the fused chunks), or — for a
     layer that shards its state — kept as sharded flat buffers, no part of the chunks."""
@@ -173,7 +187,7 @@ def _gradient_buckets(graph: Graph, layers: dict[str, LayerPlan], stage_of: dict
         op, lp = graph[name], layers[name]
         syncs = grad_sync(op, lp.strategy, lp.inputs, lp.weight, lp.output, ctx)
         if lp.zero:
-            _check_zero(graph, op, lp, syncs, compute_dtype)
+            _check_zero(op, lp, syncs, compute_dtype, op.name in reached)
             zero_syncs[name] = syncs
             buckets[name] = ()
         else:
@@ -181,8 +195,8 @@ def _gradient_buckets(graph: Graph, layers: dict[str, LayerPlan], stage_of: dict
     return buckets, zero_syncs
 
 
-def _check_zero(graph: Graph, op: Op, lp: LayerPlan, syncs: tuple[SyncBucket, ...],
-                compute_dtype: torch.dtype) -> None:
+def _check_zero(op: Op, lp: LayerPlan, syncs: tuple[SyncBucket, ...],
+                compute_dtype: torch.dtype, input_reached: bool) -> None:
     """The state-sharding collectives this runtime will issue for ``lp`` (from the
     planner's own :func:`~ilp_planner.lowering.strategies.grad_sync` buckets, one flat buffer
     each) must be the ones the plan lists and prices."""
@@ -190,7 +204,6 @@ def _check_zero(graph: Graph, op: Op, lp: LayerPlan, syncs: tuple[SyncBucket, ..
         raise RuntimeSetupError(f"layer {lp.name!r} is planned with zero{lp.zero} but its "
                                 f"strategy {lp.strategy!r} reduces no weight gradient")
     item = torch.empty((), dtype=compute_dtype).element_size()
-    input_reached = graph[op.inputs[0]].kind is not OpKind.INPUT
     issued = sorted(c for b in syncs
                     for c in planned_collectives(b, lp.zero, item, lp.recompute,
                                                  backward_reads(op, b.roles, input_reached)))

@@ -260,17 +260,17 @@ def gradient_merges(graph: Graph, name: str,
     produced for the same tensor: a tensor read k times gets k − 1 additions in the
     backward, each charged to a read after its first in graph order (a residual stream's
     add; the second operand of ``x + x``), and one more per read where a later stage also
-    reads it (its gradient comes back from there: ``boundary.exported``). None for model
-    data or integer tensors, which take no gradient; a tensor imported from an earlier
-    stage takes one (``boundary.imported``)."""
+    reads it (its gradient comes back from there: ``boundary.exported``). None for a
+    tensor that takes no gradient (:meth:`~ilp_planner.ir.graph.Graph.gradient_carriers`:
+    model data, integers, what is computed from data alone); a tensor imported from an
+    earlier stage takes one (``boundary.imported``)."""
     op = graph[name]
     imported = boundary.imported if boundary is not None else frozenset()
     exported = boundary.exported if boundary is not None else frozenset()
+    carriers = graph.gradient_carriers(imported)
     out = []
     for i, src in enumerate(op.inputs):
-        tensor = graph[src]
-        if (tensor.kind is OpKind.INPUT and src not in imported) \
-                or "float" not in tensor.output.dtype:
+        if src not in carriers:
             continue
         first = graph.consumers(src)[0]
         if src in exported or (first, graph[first].inputs.index(src)) != (name, i):
@@ -854,7 +854,7 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     nodes, shapes, ties = [], {}, {}
     for node, mem in members.items():
         rep = graph[node]
-        reached = graph[rep.inputs[0]].kind is not OpKind.INPUT or rep.inputs[0] in boundary.imported
+        reached = rep.inputs[0] in graph.gradient_carriers(boundary.imported)
         # which member each follower reads; each member's gradient merges (its cost)
         shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1,
                        gradient_merges(graph, m, boundary)) for i, m in enumerate(mem))
