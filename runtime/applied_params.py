@@ -29,7 +29,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config
-from ilp_planner.inputs.importer import frozen_refusal
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.ir.layouts import Layout
 from ilp_planner.lowering.grad_buckets import GradBucket
@@ -125,12 +124,21 @@ def own_path(op: Op, fqn: str, paths: list[str]) -> str:
     return mine[0] if mine else fqn
 
 
-def check_trainable(module: nn.Module) -> None:
-    """Every parameter takes a gradient (:func:`~ilp_planner.inputs.importer.frozen_refusal`:
-    frozen ones are refused, by name)."""
-    frozen = frozen_refusal(module)
-    if frozen:
-        raise RuntimeSetupError(frozen)
+def check_frozen(graph: Graph, module: nn.Module) -> None:
+    """Each parameter the plan's ops own is frozen (``requires_grad=False``) in ``module``
+    exactly where its op is :attr:`~ilp_planner.ir.graph.Op.frozen`: a plan priced for a
+    frozen layer would leave a trained one's gradients unsynchronised, and one priced for
+    training would synchronise gradients that never come."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for op in graph.ops:
+        differ = [n for n in op.source_params
+                  if n in params and (not params[n].requires_grad) != op.frozen]
+        if differ:
+            raise RuntimeSetupError(
+                f"op {op.name!r} is planned {'frozen' if op.frozen else 'to train'} but "
+                f"{', '.join(differ[:3])} {'train' if op.frozen else 'are frozen'} in the "
+                f"module (requires_grad={not op.frozen}); import the module as it will run "
+                f"and solve again")
 
 
 def check_owned(graph: Graph, module: nn.Module) -> None:
@@ -193,7 +201,9 @@ class AppliedParams:
             if op.source_params:
                 self._place(op, originals, paths)
         self._pending = 0
-        for placed in self.slots.values():
+        # a frozen op's parameters (requires_grad=False) take no gradient to wait for
+        self.trained = {s: p for s, p in self.slots.items() if p.value.requires_grad}
+        for placed in self.trained.values():
             placed.value.register_post_accumulate_grad_hook(lambda p: self._grad_ready())
 
     def of_op(self, name: str) -> dict[Slot, PlacedParam]:
@@ -239,7 +249,8 @@ class AppliedParams:
                 parts, k = op.attrs.get("parts", 0), fused_degree(self.graph, op, ly)
                 dim = dims.real_dim(1) if role == "weight" else 0
                 registered = self._registered(interleaved(original.detach(), parts, k, dim),
-                                              stored, dims, fqn, paths.get(id(original), [fqn]))
+                                              stored, dims, fqn, paths.get(id(original), [fqn]),
+                                              original.requires_grad)
                 if parts > 1 and k > 1:  # state_dict keys holding it interleaved
                     for alias in paths.get(id(original), [fqn]):
                         self.interleaved[alias] = (parts, k, dim)
@@ -247,29 +258,33 @@ class AppliedParams:
                 value: torch.Tensor = registered
             else:
                 registered = self.slots[table].registered
-                value = self._dtensor(original, stored, dims, f"{op.name}'s copy of the table")
+                value = self._dtensor(original, stored, dims, f"{op.name}'s copy of the table",
+                                      original.requires_grad)
             self.slots[(op.name, role)] = PlacedParam(value, registered, path, stored, grad,
                                                       dims)
 
     def _registered(self, original: torch.Tensor, stored: Layout, dims: DimMap, fqn: str,
-                    paths: list[str]) -> nn.Parameter:
-        """The module's parameter as a DTensor of this rank's block, set under every path."""
-        param = nn.Parameter(self._dtensor(original, stored, dims, f"parameter {fqn}"))
+                    paths: list[str], requires_grad: bool) -> nn.Parameter:
+        """The module's parameter as a DTensor of this rank's block, set under every path
+        (frozen where the module's is: ``requires_grad``)."""
+        param = nn.Parameter(self._dtensor(original, stored, dims, f"parameter {fqn}",
+                                           requires_grad), requires_grad=requires_grad)
         for path in paths:
             owner, attr = owner_of(self.module, path)
             setattr(owner, attr, param)
         return param
 
     def _dtensor(self, original: torch.Tensor, stored: Layout, dims: DimMap,
-                 where: str) -> DTensor:
-        """This rank's block of the module's full value as a DTensor leaf in ``stored``."""
+                 where: str, requires_grad: bool) -> DTensor:
+        """This rank's block of the module's full value as a DTensor leaf in ``stored``
+        (frozen as the original is: ``requires_grad``)."""
         full = original.detach()
         local = self.comm.block(full.t() if dims.transposed else full, stored)
         local = local.t() if dims.transposed else local
         pls = placements(stored, dims, where)
         return DTensor(local.contiguous().clone(),
                        dtensor_spec(self.meshes.of(stored), pls, full, tuple(full.shape)),
-                       requires_grad=True)
+                       requires_grad=requires_grad)
 
     def refresh_tied(self) -> None:
         """Each tied head's copy set to the table's current value in the head's layout (the
@@ -285,7 +300,7 @@ class AppliedParams:
 
     def _grad_ready(self) -> None:
         self._pending += 1
-        if self._pending == len(self.slots):
+        if self._pending == len(self.trained):
             self._pending = 0
             self._sync_grads()
 
@@ -301,7 +316,7 @@ class AppliedParams:
                 dist.all_reduce(flat[c.buffer][c.start:c.stop],
                                 group=self.registry.axes_group(self.devices, c.fact, c.axes))
         self._hand_back(flat, locals_)
-        for slot, p in self.slots.items():
+        for slot, p in self.trained.items():
             if p.grad == p.stored or not p.grad.has_partial:
                 continue
             if tuple(p.value.grad.placements) != placements(p.stored, p.dims, p.fqn):
@@ -325,7 +340,7 @@ class AppliedParams:
         """Every parameter's local gradient block, its placements checked against the ones
         the plan's weight-gradient synchronisation expects."""
         out: dict[Slot, torch.Tensor] = {}
-        for slot, p in self.slots.items():
+        for slot, p in self.trained.items():
             want = placements(p.grad, p.dims, f"gradient of {p.fqn}")
             got = tuple(p.value.grad.placements)
             if got != want:

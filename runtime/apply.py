@@ -49,7 +49,8 @@ layout of the loss's input); its scalar reduction is not part of the comparison.
 
 What it refuses, naming the op — before it swaps a forward or places a parameter
 (:func:`runtime.applied_hooks.hook_table` runs first): pipelined or micro-batched plans,
-frozen parameters (:func:`runtime.applied_params.check_trainable`), embedding tables no
+parameters frozen where the plan trains them or the reverse
+(:func:`runtime.applied_params.check_frozen`), embedding tables no
 op of the plan owns (:func:`runtime.applied_params.check_owned`: a relative position table
 added to hand-written attention scores; in an SDPA's mask its first attention owns it,
 :mod:`runtime.applied_bias`), a layout change between two ops written as
@@ -85,8 +86,8 @@ from runtime.applied_moe import install_moe
 from runtime.applied_params import (
     AppliedParams,
     TiedHead,
+    check_frozen,
     check_owned,
-    check_trainable,
     tied_heads,
 )
 from runtime.comm import Comm
@@ -129,7 +130,7 @@ class Applied:
         chunks = self._grad_chunks()
         tied = tied_heads(self.config, self.layers)
         _check_tied_heads(tied, module)
-        check_trainable(module)
+        check_frozen(self.graph, module)
         check_owned(self.graph, module)
         check_bias_tables(self.graph, module)
         run_replicated(self.graph.replicated_ops)  # ops DTensor has no rule for

@@ -57,7 +57,8 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T", "encoder",
-                                   "odd_batch", "weight_norm", "relu6", "seq_image", "padded"])
+                                   "odd_batch", "weight_norm", "relu6", "seq_image", "padded",
+                                   "frozen"])
 def test_applied_modules_match_one_process_and_the_plan(model):
     """``twin``: two followers in functional code read one row-parallel linear's partial
     sums, resolved once at its boundary — listed once in the plan, run once (the audit
@@ -77,7 +78,10 @@ def test_applied_modules_match_one_process_and_the_plan(model):
     the importer read as rows of the image's width and the runtime split wrongly.
     ``padded``: an image padded in code before the first convolution (MobileNetV2's): no
     gradient comes back through that edge, so its backward program is neither run nor
-    priced (the plan listed gathers autograd never ran: the audit's mismatch)."""
+    priced (the plan listed gathers autograd never ran: the audit's mismatch). ``frozen``:
+    a frozen embedding and projection under a trained adapter and head (a fine-tuning):
+    no gradient synchronised for the frozen ones, their values unchanged, the rest trained
+    as in one process."""
     res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))
@@ -164,18 +168,31 @@ def test_a_module_called_twice_with_its_weights_is_refused_before_anything_chang
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
 
 
-def test_frozen_parameters_and_other_shapes_are_refused_by_name(one_rank):
-    """A frozen parameter would be placed as a trained DTensor parameter and priced as one:
-    refused at import and by parallelize. An input of another shape than the plan's
-    example: refused naming both shapes (its layouts and prices are for those)."""
+def test_frozen_parameters_must_be_the_plans_and_other_shapes_are_refused_by_name(one_rank):
+    """A layer frozen in the module but trained in the plan (or the reverse) would run
+    other gradient collectives than the plan prices: refused by parallelize, naming the op
+    and parameter. An op with some parameters frozen and others not is refused at import
+    (the plan freezes an op whole). An input of another shape than the plan's example:
+    refused naming both shapes (its layouts and prices are for those)."""
     mlp = MLP([8, 8, 4])
     plan = ilp_planner.solve(ilp_planner.from_module(mlp, (torch.zeros(4, 8),)),
                              cluster=CLUSTER, baselines=False)
     mlp.fc[0].weight.requires_grad_(False)
-    with pytest.raises(ConfigError, match=r"fc\.0\.weight are frozen"):
-        ilp_planner.from_module(mlp, (torch.zeros(4, 8),))
-    with pytest.raises(RuntimeSetupError, match=r"fc\.0\.weight are frozen"):
+    with pytest.raises(RuntimeSetupError, match=r"op 'fc\.0' is planned to train but "
+                                                r"fc\.0\.weight are frozen"):
         parallelize(plan, mlp)
+    frozen_plan = ilp_planner.solve(ilp_planner.from_module(mlp, (torch.zeros(4, 8),)),
+                                    cluster=CLUSTER, baselines=False)
+    mlp.fc[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeSetupError, match=r"op 'fc\.0' is planned frozen but "
+                                                r"fc\.0\.weight train"):
+        parallelize(frozen_plan, mlp)
+    biased = MLP([8, 8, 4], bias=True)
+    biased.fc[0].bias.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"op 'fc\.0': some of its parameters are "
+                                          r"frozen and others not \(fc\.0\.bias of fc\.0\.weight, "
+                                          r"fc\.0\.bias\)"):
+        ilp_planner.from_module(biased, (torch.zeros(4, 8),))
     mlp.fc[0].weight.requires_grad_(True)
     applied = parallelize(plan, mlp)
     with pytest.raises(RuntimeSetupError, match=r"has shape \(8, 8\); the plan was solved "

@@ -82,7 +82,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 from ilp_planner.errors import ConfigError
@@ -95,6 +95,7 @@ from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Act, Draft, Unsupported, numel
 from ilp_planner.inputs.lifting import lift
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
+from ilp_planner.lowering.strategies import tied_source
 
 
 def from_module(module: Any, example_inputs: Any, *,
@@ -119,9 +120,6 @@ def from_module(module: Any, example_inputs: Any, *,
     import torch
     import torch.utils.flop_counter  # noqa: F401 - the backward counts' FLOPs (lift_backward)
 
-    frozen = frozen_refusal(module)
-    if frozen:
-        raise ConfigError(f"cannot import {type(module).__name__}: {frozen}")
     args, kwargs = _split_inputs(example_inputs)
     root, strip = module, ""
     if loss_fn is not None:
@@ -146,7 +144,8 @@ def from_module(module: Any, example_inputs: Any, *,
             f"the targets and compute the loss on its output (``loss_fn=``, or the default "
             f"cross-entropy over its logits), or import with dtensor=False for a plan the "
             f"runtime's own executor runs")
-    ops = _frozen_ops(list(g.drafts.values()), g.param_shape)
+    ops = _no_grad_marked(_frozen_marked(_frozen_ops(list(g.drafts.values()), g.param_shape),
+                                         module, type(module).__name__))
     if dtensor:  # the plan runs on the module: its functional code reads shared values
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
                                  g.through_code)
@@ -385,16 +384,49 @@ def _output_fields(spec: Any) -> dict[str | int, int]:
     return out
 
 
-def frozen_refusal(module: Any) -> str | None:
-    """Why ``module`` cannot be planned or run where it has frozen parameters
-    (``requires_grad=False``: the plan would price their training, and ``parallelize``,
-    placing them as DTensor parameters, would train them), naming them; else None."""
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+def _frozen_marked(ops: list[Op], module: Any, name: str) -> list[Op]:
+    """``ops`` with ``attrs.frozen`` (:attr:`~ilp_planner.ir.graph.Op.frozen`) on each op
+    whose parameters are all frozen in ``module`` (``requires_grad=False``: a fine-tuning's
+    frozen embeddings, encoder or vision tower; Whisper's sinusoidal positions). Refused,
+    by name: an op with some parameters frozen and others not (its one gradient bucket
+    and optimizer state are per op), a frozen table tied to a head, a frozen mixture of
+    experts."""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}
     if not frozen:
-        return None
-    return (f"parameters {', '.join(frozen[:3])}{' …' if len(frozen) > 3 else ''} are frozen "
-            f"(requires_grad=False): the plan prices and the runtime trains every parameter, "
-            f"so frozen ones are not supported — unfreeze them, or plan a module without them")
+        return ops
+    view = SimpleNamespace(ops=ops)
+    tied = {n for o in ops if o.attrs.get("tied")
+            for n in (o.name, getattr(tied_source(view, o), "name", None))}
+    out = []
+    for op in ops:
+        hit = [n for n in op.source_params if n in frozen]
+        if not hit:
+            out.append(op)
+            continue
+        why = ("some of its parameters are frozen and others not "
+               f"({', '.join(hit)} of {', '.join(op.source_params)}): the plan freezes an "
+               "op's parameters all or none — freeze or unfreeze all of them"
+               if len(hit) < len(op.source_params)
+               else "its table is frozen and tied to another op, whose gradient exchange "
+               "needs both copies trained — unfreeze it or untie the copies"
+               if op.name in tied
+               else "a frozen mixture of experts is not supported — unfreeze it"
+               if op.kind is OpKind.MOE else None)
+        if why:
+            raise ConfigError(f"cannot import {name}: op {op.name!r}: {why}")
+        out.append(dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "frozen": 1})))
+    return out
+
+
+def _no_grad_marked(ops: list[Op]) -> list[Op]:
+    """``ops`` with ``attrs.no_grad`` (:attr:`~ilp_planner.ir.graph.Op.no_grad`) on each
+    op whose output takes no gradient (:meth:`~ilp_planner.ir.graph.Graph.gradient_carriers`:
+    a frozen base, an image padded in code, a mask computed from the ids): autograd runs
+    none of its backward, so none is priced."""
+    carriers = Graph("carriers", ops).gradient_carriers()
+    return [op if op.kind is OpKind.INPUT or op.name in carriers else dataclasses.replace(
+        op, attrs=MappingProxyType({**op.attrs, "no_grad": 1})) for op in ops]
 
 
 def _batch(args: tuple, kwargs: dict, torch: Any) -> int | None:

@@ -507,7 +507,10 @@ def _master_passes(rep: Op, base: Strategy, buckets: tuple[SyncBucket, ...], ctx
     passes (:func:`state_shard_seconds`): only the others are priced here. SUMMA's weight
     block is cast at its gathered size in the strategy's compute, not here. Under float16,
     the loss scale's unscaling of every gradient the optimizer reads — a sharded bucket's
-    shard, or a role's whole block (:func:`unscale_seconds`)."""
+    shard, or a role's whole block (:func:`unscale_seconds`). None for a frozen op: no
+    gradient, nothing to cast back or accumulate."""
+    if rep.frozen:
+        return 0.0
     lays = param_layouts(rep, base.label, base.inputs, base.weight, base.output)
     shapes = param_shapes(rep)
     bucketed = {r for b in buckets for r in b.roles}

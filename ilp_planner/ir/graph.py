@@ -222,6 +222,21 @@ class Op:
             or bool(self.attrs.get("functional_inputs", 0) >> idx & 1)
 
     @property
+    def frozen(self) -> bool:
+        """Its parameters take no gradient (``attrs.frozen``: every one of them
+        ``requires_grad=False`` in the imported module — a fine-tuning's frozen table or
+        layer): they are held and read, never synchronised, updated or given optimizer
+        state, and its backward computes no weight gradient."""
+        return bool(self.attrs.get("frozen"))
+
+    @property
+    def no_grad(self) -> bool:
+        """Its output takes no gradient (``attrs.no_grad``, marked at import where it is
+        not one of the graph's :meth:`Graph.gradient_carriers`: a frozen base, an image
+        padded in code): autograd runs none of its backward."""
+        return bool(self.attrs.get("no_grad"))
+
+    @property
     def is_identity(self) -> bool:
         """A dropout that drops nothing (``attrs.identity``: p = 0 or an evaluated module,
         kept by an import as a module boundary): torch returns its input, so it runs no
@@ -283,8 +298,9 @@ class Graph:
         return len(self._ops)
 
     def gradient_carriers(self, imported: frozenset[str] = frozenset()) -> frozenset[str]:
-        """The ops whose output takes a gradient in training: those owning parameters (a
-        tied head or a shared table included) and every op reading one of them, in
+        """The ops whose output takes a gradient in training: those owning parameters that
+        train (a tied head or a shared table included; not :attr:`Op.frozen` ones) and
+        every op reading one of them, in
         floating point — not model data, nor what is computed from it alone (an image's
         padding, a position count), whose edges' backward programs autograd never runs.
         ``imported``: a pipeline stage's inputs from an earlier stage, which take one."""
@@ -292,7 +308,7 @@ class Graph:
         if hit is None:
             out: set[str] = set()
             for op in self._ops.values():
-                owns = op.kind is not OpKind.INPUT and (
+                owns = op.kind is not OpKind.INPUT and not op.frozen and (
                     op.params > 0 or bool(op.source_params) or bool(op.attrs.get("tied")))
                 if (op.name in imported or owns or any(i in out for i in op.inputs)) \
                         and "float" in op.output.dtype:

@@ -87,6 +87,14 @@ part (a fused output's    nothing (a view)       2N: its gradient read and writt
                                                  where unmarked)
 ========================  =====================  ==========================================
 
+A frozen op (:attr:`~ilp_planner.ir.graph.Op.frozen`: its parameters ``requires_grad=False``)
+computes no weight gradient: a linear's or convolution's backward is dX alone (F; X, W, Y,
+one kernel), an embedding's none, its master weights no pass and no update; other kinds
+keep their backward (a frozen norm still returns dx). The flat model counts 2 × FLOPs for it.
+An op whose output takes no gradient (:attr:`~ilp_planner.ir.graph.Op.no_grad`, marked at
+import: a frozen base, an image padded in code, a mask computed from the ids) runs no
+backward at all: its forward alone (the flat model's F).
+
 Rotary positions turn q and k before the attention kernel, in kernels of their own
 (:func:`_rotary`, streaming beside the attention's roofline, as an unfused attention's
 softmax is): R = the elements rotated on the device, ``N·(1 + kv_heads/heads)`` (q and k),
@@ -369,8 +377,9 @@ def op_work(op: Op, split: float, gemm: GemmShape | None = None,
     matmul-like op under its strategy; ``read`` the tensor the op reads where that is not
     its output's shape (a loss's logits, a pooling's input); ``flash``: attention runs
     fused (else unfused, :func:`_attention`)."""
-    return _with_folded(_kind_work(op, split, gemm, read, flash), op,
-                        _input_split(op, split, gemm))
+    fwd, bwd = _with_folded(_kind_work(op, split, gemm, read, flash), op,
+                            _input_split(op, split, gemm))
+    return fwd, NO_WORK if op.no_grad else bwd
 
 
 def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | None,
@@ -382,6 +391,8 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
     if kind in (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV2D):
         gemm = gemm or default_gemm(op, split)
         fwd, bwd = _gemm_work(flops, gemm, it)
+        if op.frozen:  # dX = dY·Wᵀ alone: one product as large as the forward's
+            return fwd, fwd
         if kind is OpKind.LINEAR and op.attrs.get("bias"):  # dbias: dY's rows summed
             bwd = dataclasses.replace(bwd, kernels=bwd.kernels + 1,
                                       stream_bytes=bwd.stream_bytes + gemm[0] * gemm[1] * it)
@@ -395,6 +406,8 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         # rows' positions computed (arange, remainder), looked up and added (index, add);
         # their gradient scattered back into the table (new_zeros, index_put)
         own = 1 if "seq_len" in op.attrs else 0
+        if op.frozen:  # its ids take no gradient, nor does its table
+            return _streaming(0.0, (tables + 1) * out, 0.0, (1 + 4 * own, 0))
         return _streaming(0.0, (tables + 1) * out, 3 * out, (1 + 4 * own, 1 + 2 * own))
     if kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.SOFTMAX, OpKind.GELU, OpKind.SILU,
                 OpKind.RELU):
@@ -445,7 +458,8 @@ def op_times_replayed(op: Op, split: float, cluster: Cluster, gemm: GemmShape | 
     flat model's third)."""
     if cluster.device is None:
         total = compute_time(3.0 * op.flops / split, cluster)
-        return total / 3, total - total / 3, total / 3
+        back = 0.0 if op.no_grad else total / 3 if op.frozen else total - total / 3
+        return total / 3, back, total / 3
     dtype = (read or op.output).dtype
     fwd, bwd = op_work(op, split, gemm, read, cluster.device.fit.attention == "flash")
     return (phase_seconds(fwd, cluster.device, dtype), phase_seconds(bwd, cluster.device, dtype),
@@ -456,7 +470,7 @@ def op_seconds(op: Op, split: float, cluster: Cluster, gemm: GemmShape | None = 
                read: TensorSpec | None = None) -> float:
     """Forward + backward seconds (:func:`op_times`); on a flat cluster exactly
     ``compute_time(3 × FLOPs / split)``, as before the roofline."""
-    if cluster.device is None:
+    if cluster.device is None and not (op.frozen or op.no_grad):
         return compute_time(3.0 * op.flops / split, cluster)
     return sum(op_times(op, split, cluster, gemm, read))
 
@@ -473,7 +487,7 @@ def least_seconds(op: Op, cluster: Cluster) -> float:
     share it: its FLOPs at the device's best matmul throughput (flat: the flat price of
     the whole op). No strategy spreads it faster, so stage bounds built on it stay exact."""
     if cluster.device is None:
-        return compute_time(3.0 * op.flops, cluster)
+        return op_seconds(op, 1.0, cluster)
     best = max(cluster.device.peak_flops.values())  # whatever dtype the op runs in
     fit = cluster.device.fit
     return training_flops(op, fit.attention == "flash") / (best * fit.matmul_efficiency)

@@ -66,7 +66,7 @@ from enum import Enum
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.ir.cluster import Cluster, Link
-from ilp_planner.ir.graph import Graph
+from ilp_planner.ir.graph import Graph, Op
 
 
 class CollectiveKind(str, Enum):
@@ -283,6 +283,11 @@ class MemorySpec:
     def bytes_per_param(self) -> float:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
+    def held_per_param(self, op: Op) -> float:
+        """Bytes ``op`` holds per parameter: the weight alone where it is frozen
+        (:attr:`~ilp_planner.ir.graph.Op.frozen`), else weight, gradient and optimizer state."""
+        return self.weight_bytes if op.frozen else self.bytes_per_param
+
 
 @dataclass(frozen=True)
 class MemoryTerm:
@@ -312,7 +317,7 @@ def memory_terms(graph: Graph, memory: MemorySpec, tie_layers: bool = True) -> l
     for op in graph.ops:
         grouped.setdefault((op.tie_key if tie_layers else None) or op.name, []).append(op)
     return [MemoryTerm(name, tuple(op.name for op in ops),
-                       sum(op.params * memory.bytes_per_param for op in ops),
+                       sum(op.params * memory.held_per_param(op) for op in ops),
                        float(sum(op.held_output_bytes for op in ops)))
             for name, ops in grouped.items()]
 

@@ -199,8 +199,8 @@ def _compute(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None 
 def _priced(op: Op, split: float, ctx: StrategyContext, gemm: GemmShape | None = None,
             read: TensorSpec | None = None) -> dict[str, float]:
     """:class:`Strategy` keywords ``compute_s`` (:func:`_compute`) and ``replay_s``."""
-    if ctx.cluster.device is None:  # bit for bit the flat model's price
-        total = compute_time(3.0 * op.flops / split, ctx.cluster)
+    if ctx.cluster.device is None and not (op.frozen or op.no_grad):
+        total = compute_time(3.0 * op.flops / split, ctx.cluster)  # the flat model, bit for bit
         return {"compute_s": total, "replay_s": total / 3}
     fwd, bwd, replay = op_times_replayed(op, split, ctx.cluster, gemm, read)
     return {"compute_s": fwd + bwd, "replay_s": replay}
@@ -531,7 +531,10 @@ def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | N
               output: Layout, ctx: StrategyContext) -> tuple[SyncBucket, ...]:
     """The op's weight-gradient synchronisation (AutoDDL §4.4.1), exactly as the runtime
     issues it: per distinct set of partial axes, one AllReduce of those parameters' local
-    shards over the joint group of those axes."""
+    shards over the joint group of those axes. None for a :attr:`~ilp_planner.ir.graph.Op.frozen`
+    op: its weights take no gradient."""
+    if op.frozen:
+        return ()
     shapes = param_shapes(op)
     lays = param_layouts(op, label, inputs, weight, output)
     by_axes: dict[tuple[int, ...], list[str]] = {}
@@ -832,7 +835,19 @@ def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> lis
     """All strategies of a non-follower op on the context's mesh, each with its state-sharded
     variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows; an op
     marked ``attrs.row_items`` (whole examples in its rows) splits them by its divisors only."""
-    return with_state_sharding(op, _whole_items(op, _base_strategies(op, inputs, ctx)), ctx)
+    return with_state_sharding(op, _whole_items(op, _held_only(
+        op, _base_strategies(op, inputs, ctx), ctx)), ctx)
+
+
+def _held_only(op: Op, strategies: list[Strategy], ctx: StrategyContext) -> list[Strategy]:
+    """A :attr:`~ilp_planner.ir.graph.Op.frozen` op's strategies: its local parameters
+    (every family's ``update_params``) held as weights only — no gradient, optimizer state
+    or update (its gradient synchronisation is already none: :func:`grad_sync`; nor is
+    any state sharding offered, having no bucket to shard)."""
+    if not op.frozen:
+        return strategies
+    return [dataclasses.replace(s, state_bytes=s.update_params * ctx.memory.held_per_param(op),
+                                update_params=0.0) for s in strategies]
 
 
 def _whole_items(op: Op, strategies: list[Strategy]) -> list[Strategy]:

@@ -422,6 +422,14 @@ def _replicated_lines(plan: Plan) -> list[str]:
             f"{', '.join(gaps)}"] if gaps else []
 
 
+def _frozen_lines(plan: Plan) -> list[str]:
+    """The ops whose parameters are frozen (:attr:`~ilp_planner.ir.graph.Op.frozen`):
+    held, never synchronised, updated or given optimizer state."""
+    frozen = [op.name for op in parse_config(plan.config).graph.ops if op.frozen]
+    return [f"frozen (requires_grad=False: weights held, no gradient, synchronisation or "
+            f"optimizer state): {', '.join(frozen)}"] if frozen else []
+
+
 def explain(plan: Plan, *, collectives: bool = True) -> str:
     """A readable report of ``plan``: solver report, model and cluster, cost per step,
     stages and schedule (pipelined plans), memory per device, every layer's strategy in
@@ -475,6 +483,7 @@ def _cost_lines(plan: Plan) -> list[str]:
     ]
     lines += _opaque_lines(plan)
     lines += _replicated_lines(plan)
+    lines += _frozen_lines(plan)
     if plan.schedule is not None:
         sim = plan.schedule.simulated
         lines.append(f"step time {fmt_seconds(step_seconds(plan))} (schedule makespan "

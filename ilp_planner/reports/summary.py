@@ -27,7 +27,7 @@ _GIB = 2**30
 
 def _op_bytes(graph: Graph, memory: MemorySpec) -> dict[str, tuple[float, float]]:
     """Per op: (training-state bytes, output activation bytes), unsharded."""
-    return {op.name: (op.params * memory.bytes_per_param, op.held_output_bytes)
+    return {op.name: (op.params * memory.held_per_param(op), op.held_output_bytes)
             for op in graph.ops}
 
 

@@ -16,7 +16,8 @@ Llama block on a batch of 3: its rows split by divisors of 3 only) or ``weight_n
 weight-normed linear, whose backward DTensor has no rule for, run replicated) or ``relu6``
 (ReLU6's backward, run on the blocks the plan splits the activation into) or ``seq_image``
 (Segformer's tokens turned into an image for a convolution) or ``padded`` (an image padded
-in code before its first convolution: no backward program on that edge). Prints
+in code before its first convolution: no backward program on that edge) or ``frozen`` (a
+frozen embedding and projection under a trained adapter and head). Prints
 ``OK <strategies>`` on rank 0 and exits 0, or prints the differences and exits 1.
 """
 
@@ -47,6 +48,7 @@ from runtime.recorder import Recorder  # noqa: E402
 from tests.helpers.user_models import (  # noqa: E402
     CodedLinear,
     EncoderLM,
+    FrozenBase,
     Llama,
     PaddedConv,
     ReLU6MLP,
@@ -73,6 +75,8 @@ def build(name: str):
         return model, torch.randint(0, 64, (3, 8)), torch.randint(0, 64, (3, 8)), 1.0
     if name == "encoder":
         return EncoderLM(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
+    if name == "frozen":
+        return FrozenBase(), torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)), 1.0
     if name == "padded":
         return PaddedConv(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)), 1.0
     if name == "seq_image":
@@ -117,7 +121,8 @@ def loss_of(out, y):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder",
-                                      "odd_batch", "weight_norm", "relu6", "seq_image", "padded"))
+                                      "odd_batch", "weight_norm", "relu6", "seq_image", "padded",
+                                      "frozen"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -149,6 +154,11 @@ def main() -> int:
         rows = audit(plan, rank, rec.events)
         if not all(r.ok for r in rows):
             failures.append(format_rows(rank, rows))
+    if args.model == "frozen":  # the frozen base unchanged, the rest trained as one process
+        for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            if p.requires_grad != q.requires_grad or not torch.allclose(
+                    full_value(p.detach()), q.detach(), atol=1e-5):
+                failures.append(f"parameter {n} differs from the single-process one")
     flag = torch.tensor([len(failures)])
     dist.all_reduce(flag)
     if failures:

@@ -428,3 +428,20 @@ class PaddedConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.conv(nn.functional.pad(x, (1, 1, 1, 1))))
         return self.head(self.flat(self.pool(h)))
+
+
+class FrozenBase(nn.Module):
+    """A fine-tuning's frozen base (``requires_grad=False``): an embedding table and a
+    projection, under a trained adapter and head. Nothing below the adapter takes a
+    gradient, so the adapter computes no input gradient either."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed, self.base = nn.Embedding(vocab, dim), nn.Linear(dim, 4 * dim)
+        self.act, self.adapter = nn.GELU(), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+        for p in (*self.embed.parameters(), *self.base.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.adapter(self.act(self.base(self.embed(ids)))))
