@@ -28,27 +28,20 @@ from formulations.sbp_ilp import SbpIlp
 from formulations.schedules import schedule_actions
 from ilp_planner.errors import ConfigError, InfeasibleError
 from ilp_planner.inputs.config import Config
-from ilp_planner.inter_op.assembly import price_stage_boundaries, stage_costs
+from ilp_planner.inter_op.assembly import stages_cost
+from ilp_planner.inter_op.reprice_stages import price_stages
 from ilp_planner.inter_op.resharding import unit_tasks
 from ilp_planner.intra_op.baselines import Filter, restrict
-from ilp_planner.intra_op.problem import build_problem, gradient_merges, merge_seconds
+from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.cluster import Cluster, SubMesh
 from ilp_planner.ir.graph import Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import Layout
-from ilp_planner.lowering.redistribution import plan_redistribution
-from ilp_planner.lowering.stage_boundary import export_program, import_program
 from ilp_planner.lowering.strategies import (
     Strategy,
-    input_grad_layouts,
     resolve_partial,
-    tie_transposes,
-    tied_exchange_collectives,
-    tied_source,
 )
 from ilp_planner.plan.data import (
-    CostBreakdown,
-    LayerPlan,
     PipelineSchedule,
     Plan,
     ReshardingEntry,
@@ -203,69 +196,12 @@ def _stage_mesh(cluster: Cluster, nodes: int, local: int, index: int) -> SubMesh
     return SubMesh(index * nodes, nodes, 0, local, cluster.devices_per_node)
 
 
-def _at_stage_boundaries(graph, gp, lp, layers: dict[str, LayerPlan],
-                         stage_of: dict[str, int]) -> LayerPlan:
-    """A layer once the single-mesh plan is cut into stages: the edge programs of inputs
-    from another stage (they arrive by cross-mesh resharding, exactly in the layout the
-    layer reads) replaced by their import programs, the export program added where a later
-    stage reads the output (:mod:`ilp_planner.lowering.stage_boundary`), and a tied
-    exchange whose partner is on another stage dropped (:func:`price_stage_boundaries` adds
-    the cross-stage one) — their collectives, and their slices' copies in ``compute_s``
-    (:attr:`~ilp_planner.lowering.redistribution.RedistStep.local_s`, which
-    :func:`~ilp_planner.intra_op.realise.realise` put there)."""
-    colls = list(lp.collectives)
-    local = 0.0
-    op = graph[lp.name]
-    cluster = gp.ctx.cluster
-    emb = tied_source(graph, op) if op.attrs.get("tied") else None
-    if emb is not None and stage_of[emb.name] != stage_of[lp.name]:  # exchanged across stages
-        colls = [c for c in colls if c.purpose != "tied_weight"]
-        if emb.name in gp.owner and gp.position[lp.name] == 0:
-            once = tied_exchange_collectives(layers[emb.name].weight, lp.weight, emb.weight,
-                                             cluster, tie_transposes(op))[1]
-            local -= once / gp.microbatches
-    grads = input_grad_layouts(op, lp.strategy, lp.inputs, lp.weight)
-    for idx, src in enumerate(op.inputs):
-        if (graph[src].kind is OpKind.INPUT or stage_of[src] == stage_of[lp.name]
-                or gp.owner[src] == gp.owner[lp.name]):  # a follower's input is priced inside
-            continue
-        tensor = graph[src].output
-        red = plan_redistribution(layers[src].output, lp.inputs[idx], tensor, cluster,
-                                  grads[idx])
-        for c in red.forward + red.backward:
-            colls.remove(c)
-        local -= red.local_forward_s * (2 if lp.recompute else 1) + red.local_backward_s
-        imp = import_program(lp.inputs[idx], grads[idx], tensor, cluster)
-        colls += imp.forward + imp.backward
-        local += imp.local_forward_s + imp.local_backward_s
-    if any(stage_of[c] > stage_of[lp.name] for c in graph.consumers(lp.name)):
-        exp = export_program(lp.output, op.output, cluster)
-        colls += exp.forward + exp.backward
-        local += exp.local_forward_s + exp.local_backward_s
-    local += merge_seconds(graph, lp.name, _stage_merges(graph, lp.name, stage_of), lp.inputs,
-                           cluster) - merge_seconds(graph, lp.name, gradient_merges(graph, lp.name),
-                                                    lp.inputs, cluster)
-    return replace(lp, collectives=tuple(colls), compute_s=lp.compute_s + local)
-
-
-def _stage_merges(graph, name: str, stage_of: dict[str, int]) -> tuple[int, ...]:
-    """:func:`~ilp_planner.intra_op.problem.gradient_merges` of ``name`` on its stage (the
-    single-mesh plan priced them on the whole graph): a read after the first on this stage,
-    or any read of a tensor a later stage also reads (its gradient comes back from there);
-    a tensor from an earlier stage arrives as a leaf its first reader here takes whole."""
-    s = stage_of[name]
-    out = []
-    for i, src in enumerate(graph[name].inputs):
-        tensor = graph[src]
-        if tensor.kind is OpKind.INPUT or "float" not in tensor.output.dtype:
-            continue
-        reads = [(c, j) for c in graph.consumers(src) if stage_of.get(c) == s
-                 for j, x in enumerate(graph[c].inputs) if x == src]
-        exported = stage_of.get(src) == s and any(
-            stage_of.get(c, s) > s for c in graph.consumers(src))
-        if exported or reads[0] != (name, i):
-            out.append(i)
-    return tuple(out)
+def _whole_nodes(names: list[str], owner: dict[str, str], k: int) -> int:
+    """The first position from ``k`` after which a stage cut leaves every fused node whole
+    (a follower stays on its producer's stage, as the planner's stages keep them)."""
+    while k + 1 < len(names) and owner[names[k + 1]] in {owner[n] for n in names[:k + 1]}:
+        k += 1
+    return k
 
 
 def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
@@ -276,10 +212,11 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     op of each stage but the last (default: the layer list cut into equal counts).
 
     The layouts come from one ILP over the whole graph on the stage mesh, whose gradient
-    bucket terms count one buffer per device group for the whole graph; the plan realises
-    (and prices) the chunks per stage, as the runtime reduces them, so its cost is the
-    program's but the choice is only near-optimal for it — the pipeline planner's
-    per-stage ILPs are exact. ``zero`` > 0: every op that can shard its state does so at
+    bucket terms count one buffer per device group for the whole graph; the plan prices
+    each stage as the pipeline planner does (its ops on its sub-mesh with its boundary:
+    :func:`~ilp_planner.inter_op.reprice_stages.price_stages`), so its figures are what
+    ``check`` derives from its layouts, but the choice is only near-optimal for them — the
+    pipeline planner's per-stage ILPs are exact. ``zero`` > 0: every op that can shard its state does so at
     that level (:func:`sharded_plan`)."""
     raw = dict(config.raw)
     raw["pipeline"] = {"stages": stages, "microbatches": microbatches, "schedule": schedule}
@@ -297,21 +234,22 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
                       else _choose(gp, keep, time_limit_s))
     names = [op.name for op in graph.ops if op.kind is not OpKind.INPUT]
     if cut_after is None:
-        cuts = [names[(len(names) * (s + 1)) // stages - 1] for s in range(stages - 1)]
+        cuts = [names[_whole_nodes(names, gp.owner, (len(names) * (s + 1)) // stages - 1)]
+                for s in range(stages - 1)]
     else:
         cuts = list(cut_after)
-    if len(cuts) != stages - 1 or any(x not in names for x in cuts):
-        raise ConfigError(f"cut_after must name {stages - 1} ops of the graph, got {cuts}")
+    if len(cuts) != stages - 1 or any(x not in names for x in cuts) or any(
+            _whole_nodes(names, gp.owner, names.index(x)) != names.index(x) for x in cuts):
+        raise ConfigError(f"cut_after must name {stages - 1} ops of the graph, each closing "
+                          f"its fused node (the planner never cuts one), got {cuts}")
     stage_of: dict[str, int] = {}
     s = 0
     for n in names:
         stage_of[n] = s
         if s < stages - 1 and n == cuts[s]:
             s += 1
-    layers, cost = realise(gp, choice, stage_of=stage_of)
-    by_name = {lp.name: lp for lp in layers}
-    layers = [replace(_at_stage_boundaries(graph, gp, lp, by_name, stage_of),
-                      stage=stage_of[lp.name]) for lp in layers]
+    layers = [replace(lp, stage=stage_of[lp.name])
+              for lp in realise(gp, choice, stage_of=stage_of)[0]]
     meshes = [_stage_mesh(c, n_s, d_s, i) for i in range(stages)]
     devices = [m.device_ids() for m in meshes]
     stage_list = [Stage(i, tuple(devices[i]), (n_s, d_s),
@@ -335,8 +273,8 @@ def pipelined_plan(config: Config, *, stages: int = 2, schedule: str = "1f1b",
     actions = schedule_actions(schedule, stages, microbatches)
     sched = PipelineSchedule(schedule, microbatches,
                              tuple(tuple(actions[str(i)]) for i in range(stages)))
-    layers = price_stage_boundaries(graph, layers, stage_list, resharding, c, microbatches)
-    stage_list = [replace(st, times=t) for st, t in
-                  zip(stage_list, stage_costs(layers, stage_list, microbatches), strict=True)]
+    # priced as the planner prices a pipeline: each stage on its own with its boundary
+    layers, times = price_stages(cfg, stage_list, layers, resharding)
+    stage_list = [replace(st, times=t) for st, t in zip(stage_list, times, strict=True)]
     return Plan(name or f"{cfg.name}-pp{stages}-{schedule}", cfg.raw, solver,
-                CostBreakdown.from_dict(cost.to_dict()), layers, {}, stage_list, sched, resharding)
+                stages_cost(times, 1), layers, {}, stage_list, sched, resharding)

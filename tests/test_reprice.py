@@ -19,7 +19,8 @@ from ilp_planner.api import solve
 from ilp_planner.cli import main
 from ilp_planner.errors import PlanFormatError
 from ilp_planner.inputs.config import load_config, parse_config
-from ilp_planner.intra_op.reprice import check_prices, price_differences, reprice
+from ilp_planner.inter_op.reprice_stages import check_prices, reprice_stages
+from ilp_planner.intra_op.reprice import price_differences, reprice
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
@@ -27,9 +28,17 @@ from ilp_planner.plan.data import Plan
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+ONE_F_ONE_B = {"pipeline.stages": 2, "pipeline.microbatches": 4, "pipeline.schedule": "1f1b"}
+"""``tiny-gpt-cpu+1f1b``: the tiny GPT on two stages of four devices under 1F1B."""
+
+
 @functools.cache
 def _solved(name: str) -> dict:
-    return solve(load_config(CONFIGS / f"{name}.yaml"), baselines=False).to_dict()
+    base, _, variant = name.partition("+")
+    config = load_config(CONFIGS / f"{base}.yaml")
+    if variant:
+        config = config.with_overrides(ONE_F_ONE_B)
+    return solve(config, baselines=False).to_dict()
 
 
 def _plan(name: str = "tiny-gpt-cpu") -> dict:
@@ -102,11 +111,45 @@ def test_check_exits_2_on_an_edited_plan_and_passes_the_solved_one(tmp_path, cap
     assert "states compute" in capsys.readouterr().err
 
 
-def test_a_pipelined_plan_is_left_to_its_own_checks() -> None:
-    plan = Plan.from_dict(_plan("tiny-gpt-interleaved-cpu"))
-    check_prices(plan, "pipelined")  # no single-mesh figures to derive again
+@pytest.mark.parametrize("name", ["tiny-gpt-interleaved-cpu", "tiny-gpt-cpu+1f1b"])
+def test_a_pipelined_plan_reprices_to_exactly_itself(name) -> None:
+    """Each stage (each chunk) priced again on its sub-mesh with its boundary, the
+    boundary costs, stage times, cost block and simulated schedule derived again: exactly
+    what the solver wrote."""
+    plan = Plan.from_dict(_plan(name))
+    prices = reprice_stages(plan, parse_config(plan.config))
+    assert [ly.name for ly in prices.layers] == [ly.name for ly in plan.layers]
+    assert prices.layers == plan.layers
+    assert prices.times == [st.times for st in plan.stages]
+    assert prices.cost == plan.cost and prices.simulated == plan.schedule.simulated
+    check_prices(plan, name)
     with pytest.raises(ValueError):
         reprice(plan, parse_config(plan.config))
+
+
+@pytest.mark.parametrize("edit, said", [
+    ("layouts", "its layouts cannot be priced"),
+    ("collective", "lists collectives"),
+    ("stage", "stage 1 states backward_s"),
+    ("makespan", "the simulated makespan_s"),
+])
+def test_an_edited_pipelined_plan_is_refused_naming_what_differs(edit, said) -> None:
+    """A pipelined file edited after solving — a layer's layouts, a collective's seconds,
+    a stage's backward time, the simulated makespan — was checked only for its structure:
+    the runtime would run one program while ``explain`` and ``simulate`` reported another."""
+    d = _plan("tiny-gpt-cpu+1f1b")
+    if edit == "layouts":
+        ly = next(ly for ly in d["layers"] if ly["strategy"]["weight"] is not None)
+        ly["strategy"]["output"]["placements"] = ["B"] * len(ly["strategy"]["output"]["mesh"])
+    elif edit == "collective":
+        c = next(c for ly in d["layers"] for c in ly["collectives"] if c["purpose"] != "grad_sync")
+        c["seconds"] *= 2
+    elif edit == "stage":
+        d["stages"][1]["backward_s"] *= 1.5
+    else:
+        d["schedule"]["makespan_s"] *= 0.5
+    with pytest.raises(PlanFormatError, match=said):
+        check_prices(Plan.from_dict(d), "edited.json")
 
 
 def test_check_exits_2_on_a_pipelined_plan_listing_other_gradient_reductions(tmp_path,
@@ -122,7 +165,7 @@ def test_check_exits_2_on_a_pipelined_plan_listing_other_gradient_reductions(tmp
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
     assert main(["check", "--no-for-host", str(bad)]) == 2
-    assert "gradient AllReduces" in capsys.readouterr().err
+    assert "lists collectives" in capsys.readouterr().err
 
 
 def test_a_schedule_in_another_order_than_its_name_is_refused() -> None:

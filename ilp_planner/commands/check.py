@@ -11,7 +11,7 @@ import argparse
 
 from ilp_planner.commands.run import add_host_memory_option
 from ilp_planner.errors import PlanFormatError, PlannerError
-from ilp_planner.intra_op.reprice import check_prices
+from ilp_planner.inter_op.reprice_stages import check_prices
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.executor import Executor, RunOptions

@@ -9,7 +9,7 @@ import os
 import sys
 
 from ilp_planner.api import solve
-from ilp_planner.intra_op.reprice import check_prices
+from ilp_planner.inter_op.reprice_stages import check_prices
 from ilp_planner.plan.check import load_checked
 from ilp_planner.reports.explain import explain
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ilp_planner.api import solve
 from ilp_planner.errors import ConfigError, PlanFormatError
-from ilp_planner.intra_op.reprice import check_prices
+from ilp_planner.inter_op.reprice_stages import check_prices
 from ilp_planner.plan.check import check_plan
 from ilp_planner.plan.data import Plan
 from runtime.errors import RunFailedError

@@ -41,6 +41,7 @@ from ilp_planner.plan.data import (
     StageDP,
     StageTimes,
 )
+from ilp_planner.plan.layer_check import FOLLOWS
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def assemble_pipeline(config: Config, graph: Graph, plans: Sequence[SolvedStage]
             out_layout[name] = ly.output
             for src, lay in zip(graph[name].inputs, ly.inputs, strict=True):
                 in_layouts[(src, name)] = lay
-            layers.append(_renamed(ly, name, i))
+            layers.append(_renamed(ly, name, i, rename))
         stages.append(Stage(
             i, tuple(st.placement.device_ids() if st.placement else ()), st.submesh,
             tuple(sp.names),
@@ -115,16 +116,25 @@ def assemble_pipeline(config: Config, graph: Graph, plans: Sequence[SolvedStage]
                                     pipe.microbatches)
     times = stage_costs(layers, stages, pipe.microbatches)
     stages = [dataclasses.replace(s, times=t) for s, t in zip(stages, times, strict=True)]
+    schedule = simulated_schedule(config, times, resharding, virtual_stages, dp_objective_s)
+    return AssembledPipeline(layers, stages, resharding, schedule, resharding_s)
+
+
+def simulated_schedule(config: Config, times: Sequence[StageTimes],
+                       resharding: Sequence[ReshardingEntry], virtual_stages: int,
+                       dp_objective_s: float) -> PipelineSchedule:
+    """The config's schedule over stages priced ``times`` (chunks, under interleaved 1F1B)
+    with the ``resharding`` entries' transfers between them, simulated."""
+    pipe = config.pipeline
     name = INTERLEAVED if virtual_stages > 1 else pipe.schedule
-    sched = make_schedule(name, len(plans) // virtual_stages, pipe.microbatches,
+    sched = make_schedule(name, len(times) // virtual_stages, pipe.microbatches,
                           virtual_stages=virtual_stages)
     sim = simulate(sched, stage_durations(times, resharding), overlap=pipe.overlap)
-    schedule = PipelineSchedule(
+    return PipelineSchedule(
         name, pipe.microbatches, tuple(tuple(row) for row in sched.to_strings()),
         Simulated(sim.makespan_s, sim.bubble_fraction, tuple(sim.peak_inflight), pipe.overlap,
                   dp_objective_s, sim.makespan_s + _exposed_tail(times, virtual_stages)),
         virtual_stages)
-    return AssembledPipeline(layers, stages, resharding, schedule, resharding_s)
 
 
 def _exposed_tail(times: Sequence[StageTimes], virtual_stages: int) -> float:
@@ -146,8 +156,14 @@ def pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
     mesh's chunks summed: its devices run them all), with the largest peak of any chunk —
     one figure for the plan and for a compared configuration's pipeline, so their rows
     compare like with like."""
-    per_chunk = [s.times.cost for s in pipeline.stages if s.times is not None]
-    p = len(per_chunk) // pipeline.schedule.virtual_stages
+    return stages_cost([s.times for s in pipeline.stages if s.times is not None],
+                       pipeline.schedule.virtual_stages)
+
+
+def stages_cost(times: Sequence[StageTimes], virtual_stages: int) -> CostBreakdown:
+    """:func:`pipeline_cost` of stages (chunks, under interleaved 1F1B) priced ``times``."""
+    per_chunk = [t.cost for t in times]
+    p = len(per_chunk) // virtual_stages
     summed = [f.name for f in dataclasses.fields(CostBreakdown) if f.name != "peak_memory_bytes"]
     per_mesh = [dataclasses.replace(per_chunk[r], **{f: sum(getattr(c, f) for c in per_chunk[r::p])
                                                      for f in summed}) for r in range(p)]
@@ -156,9 +172,14 @@ def pipeline_cost(pipeline: AssembledPipeline) -> CostBreakdown:
                                                               for c in per_chunk))
 
 
-def _renamed(layer: LayerPlan, name: str, stage: int) -> LayerPlan:
-    """A stage's LayerPlan under its name in the full graph, tagged with its stage."""
-    return dataclasses.replace(layer, name=name, stage=stage)
+def _renamed(layer: LayerPlan, name: str, stage: int, rename: dict[str, str]) -> LayerPlan:
+    """A stage's LayerPlan under its name in the full graph, tagged with its stage; a
+    follower's label names its producer in the full graph too (a range solved once serves
+    its signature-equal twins)."""
+    strategy = layer.strategy
+    if strategy.startswith(FOLLOWS):
+        strategy = FOLLOWS + rename[strategy[len(FOLLOWS):]]
+    return dataclasses.replace(layer, name=name, stage=stage, strategy=strategy)
 
 
 def stage_costs(layers: Sequence[LayerPlan], stages: Sequence[Stage], microbatches: int

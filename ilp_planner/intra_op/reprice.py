@@ -11,18 +11,20 @@ under its own config, through the planner's own problem restricted to exactly th
 layouts and :func:`~ilp_planner.intra_op.realise.realise` (the function that wrote them), and
 :func:`price_differences` says where the file disagrees.
 
-Pipelined plans are not re-priced here: their stages' prices come from the stage solves
-with their boundaries, the transfers and the simulated schedule."""
+A pipelined plan's stages are priced by the same function, each with its boundary
+(:mod:`ilp_planner.inter_op.reprice_stages`, which also holds :func:`check_prices`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ilp_planner.errors import PlanFormatError
-from ilp_planner.inputs.config import Config, parse_config
+from ilp_planner.inputs.config import Config
 from ilp_planner.intra_op.problem import GraphProblem, build_problem
 from ilp_planner.intra_op.realise import realise
 from ilp_planner.ir.graph import Graph, Op
+from ilp_planner.lowering.stage_boundary import StageBoundary
 from ilp_planner.lowering.strategies import Strategy
 from ilp_planner.plan.data import CostBreakdown, LayerPlan, Plan
 
@@ -35,11 +37,20 @@ def reprice(plan: Plan, config: Config) -> tuple[list[LayerPlan], CostBreakdown]
     """The layers and cost of ``plan`` (a single-mesh plan, checked) priced again from its
     layouts, ZeRO levels and recomputed layers under ``config``."""
     if plan.stages:
-        raise ValueError("reprice takes single-mesh plans")
-    layers = {ly.name: ly for ly in plan.layers}
-    graph = config.microbatch_graph()
+        raise ValueError("reprice takes single-mesh plans (pipelined: reprice_stages)")
     cl = config.cluster
+    return price_layouts(config, config.microbatch_graph(), (cl.nodes, cl.devices_per_node),
+                         plan.layers)
 
+
+def price_layouts(config: Config, graph: Graph, mesh: tuple[int, int],
+                  stated: Sequence[LayerPlan], boundary: StageBoundary | None = None
+                  ) -> tuple[list[LayerPlan], CostBreakdown]:
+    """``graph``'s ops (the whole model, or a stage's with its ``boundary``) on ``mesh``
+    realised at the layouts, ZeRO levels and recomputation the ``stated`` layers name —
+    the planner's own problem restricted to exactly those, untied (a hand-edited block
+    need not match its twins)."""
+    layers = {ly.name: ly for ly in stated}
     # the build shares one option list among the copies of a repeated op, filtered once:
     # keep what any op of the same signature has in the plan (each node picks its own)
     allowed: dict[tuple, set[tuple]] = {}
@@ -56,10 +67,10 @@ def reprice(plan: Plan, config: Config) -> tuple[list[LayerPlan], CostBreakdown]
     blocks = frozenset((op.block, op.block_index) for op in graph.ops
                        if op.name in layers and layers[op.name].recompute
                        and op.block is not None and op.block_index is not None)
-    try:  # untied: a hand-edited block need not match its twins
-        gp = build_problem(graph, cl, cl.nodes, cl.devices_per_node, config.memory,
+    try:
+        gp = build_problem(graph, config.cluster, mesh[0], mesh[1], config.memory,
                            tie_layers=False, microbatches=config.pipeline.microbatches,
-                           grad_bucket_bytes=config.grad_bucket_bytes,
+                           boundary=boundary, grad_bucket_bytes=config.grad_bucket_bytes,
                            zero_levels=tuple(config.solver.state_sharding),
                            recompute=blocks, keep=keep)
     except ValueError as exc:
@@ -145,22 +156,3 @@ def _close(a: float, b: float) -> bool:
 def _brief(rows: list[tuple]) -> str:
     shown = [f"{k}({p}, {ph}, p={g}, {b:.6g} B, {s:.3g} s)" for k, p, ph, g, b, _, s in rows[:4]]
     return "[" + ", ".join(shown) + (", …" if len(rows) > 4 else "") + "]"
-
-
-def check_prices(plan: Plan, source: str) -> None:
-    """Raise :class:`PlanFormatError` naming ``source`` where a single-mesh ``plan``'s
-    stated figures are not what its layouts cost under its config (:func:`reprice`,
-    :func:`price_differences`): a file edited after solving, whose runtime would run one
-    program while its reports — ``explain``, the audit's expectations, the host check —
-    describe another. Pipelined plans pass unchecked (module docstring)."""
-    if plan.stages:
-        return
-    try:
-        layers, cost = reprice(plan, parse_config(plan.config))
-    except PlanFormatError as exc:
-        raise PlanFormatError(f"{source}: {exc}") from None
-    diffs = price_differences(plan, layers, cost)
-    if diffs:
-        raise PlanFormatError(
-            f"{source}: the figures the file states are not what its layouts cost (was it "
-            f"edited after solving?): {'; '.join(diffs)}; re-solve the config")
