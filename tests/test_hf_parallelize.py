@@ -160,6 +160,15 @@ def test_deepseek_v3_routing_trains_expert_parallel_like_one_process(shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+def test_whisper_with_its_frozen_position_table_trains_like_one_process(shape):
+    """Whisper's encoder position table ships frozen: planned held alone (no gradient,
+    synchronisation or optimizer state), kept frozen and unchanged by ``parallelize``,
+    the rest trained like one process, every collective the plan's (it was refused)."""
+    line_of(shape, "whisper")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
     """GPT-2's attention reads ``c_attn``'s ``[q | k | v]`` column blocks, which are not whole
     heads: its Megatron plan keeps them whole over TP (column- and row-parallel Conv1Ds, the

@@ -386,6 +386,26 @@ def _images(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 3, size, size), torch.randint(0, CLASSES, (BATCH,))
 
 
+def whisper() -> Case:
+    """WhisperForConditionalGeneration: mel features through two convolutions, its encoder's
+    sinusoidal position table shipped frozen (``requires_grad=False``: held, never
+    synchronised or updated — ``attrs.frozen``), a decoder reading the encoder's output by
+    cross-attention, the head tied to the decoder's table."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32,
+                        max_source_positions=SEQ, max_target_positions=2 * SEQ,
+                        use_cache=False, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, decoder_start_token_id=1)
+    ids, targets = _tokens()
+    return Case(WhisperForConditionalGeneration(cfg),
+                {"input_features": torch.randn(BATCH, 8, 2 * SEQ), "decoder_input_ids": ids},
+                targets)
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -621,6 +641,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "phi3": phi3,
     "phi3-gate-up-split": phi3_gate_up_split,
     "falcon": falcon,
+    "whisper": whisper,
 }
 
 
