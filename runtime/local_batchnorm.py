@@ -4,8 +4,10 @@ The planner splits a batch norm's (N, C, …) activation over the batch, the cha
 (:func:`ilp_planner.lowering.strategies.batchnorm_collectives`). DTensor's own batch-norm
 rule shards channels only, so :class:`LocalBatchNorm` runs ``F.batch_norm`` on the local
 blocks instead, as ``torch.nn.SyncBatchNorm`` computes it: the per-channel [Σx, Σx²] of the
-local rows are AllReduced over the mesh axes splitting the batch (one fp32 AllReduce of
-2·C_local values), giving the whole batch's mean and biased variance; autograd's backward of
+local rows are AllReduced over the mesh axes splitting the batch (one AllReduce of
+2·C_local values, in float32 — float64 for a float64 model, whose statistics one process
+keeps in float64: a float32 cast there made a float64 MobileNetV2 drift from one
+process), giving the whole batch's mean and biased variance; autograd's backward of
 that AllReduce is the AllReduce of their gradients — SyncBatchNorm's [Σdy, Σdy·x̂] — issued
 only where the input needs a gradient, as the plan prices it. The gains' and offsets'
 gradients leave partial over the batch axes, for the plan's weight-gradient buckets.
@@ -126,7 +128,8 @@ def _local_batch_norm(found: StatsGroup, x: DTensor, running_mean: Any, running_
     pls = tuple(x.placements)
     shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, pls)
     lo, hi = offset[1], offset[1] + shape[1]
-    xl = x.to_local(grad_placements=pls).float()
+    # statistics in float32 at least, as one process's batch norm keeps them (float64 stays)
+    xl = x.to_local(grad_placements=pls).to(torch.promote_types(x.dtype, torch.float32))
     dims = (0, *range(2, xl.dim()))
     view = (1, -1) + (1,) * (xl.dim() - 2)
     count = x.shape[0] * math.prod(x.shape[2:])
@@ -138,13 +141,13 @@ def _local_batch_norm(found: StatsGroup, x: DTensor, running_mean: Any, running_
         var = sq - mean * mean
         _update_running(running_mean, running_var, mean, var, (lo, hi), count, momentum)
     else:
-        mean, var = running_mean[lo:hi].float(), running_var[lo:hi].float()
+        mean, var = running_mean[lo:hi].to(xl.dtype), running_var[lo:hi].to(xl.dtype)
     y = (xl - mean.view(view)) * torch.rsqrt(var + eps).view(view)
     batch_split = [type(p) is Shard and p.dim == 0 for p in pls]
     if weight is not None:
-        y = y * _local_param(weight, batch_split).float().view(view)
+        y = y * _local_param(weight, batch_split).to(xl.dtype).view(view)
     if bias is not None:
-        y = y + _local_param(bias, batch_split).float().view(view)
+        y = y + _local_param(bias, batch_split).to(xl.dtype).view(view)
     return DTensor.from_local(y.to(x.dtype), x.device_mesh, pls, run_check=False,
                               shape=x.shape, stride=x.stride())
 

@@ -5,6 +5,7 @@ costs and memory of known members match their closed forms."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -290,3 +291,18 @@ def test_batchnorm_splits_batch_and_channels_with_synchronised_statistics():
                 K.ALL_REDUCE, group, 2 * local_c * 4, INTER if link == "inter" else INTRA))
         (g,) = sync
         assert (g.kind, g.group_size, g.bytes) == (K.ALL_REDUCE, group, 2 * local_c * 4)
+
+
+@pytest.mark.parametrize("dtype, item", [("bfloat16", 4), ("float32", 4), ("float64", 8)])
+def test_batchnorm_statistics_are_reduced_in_float32_at_least(dtype, item):
+    """[Σx, Σx²] in float32 for a half or single model, float64 for a float64 one — as the
+    runtime's batch norm keeps them (:mod:`runtime.local_batchnorm`): a float32 cast of a
+    float64 model's statistics made its MobileNetV2 drift from one process."""
+    from ilp_planner.ir.graph import TensorSpec
+
+    bn = dataclasses.replace(_batchnorm(), output=TensorSpec((8, 16, 6, 6), dtype))
+    split = [s for s in op_strategies(bn, [bn.output], ctx()) if s.output.split_degree(0) > 1]
+    assert split
+    for s in split:
+        (fwd,) = [x for x in s.collectives if x.purpose == "batchnorm"]
+        assert fwd.bytes == 2 * (16 // s.output.split_degree(1)) * item
