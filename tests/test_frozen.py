@@ -19,6 +19,7 @@ from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.config import load_config
 from ilp_planner.lowering.compute_model import least_seconds, op_times
 from ilp_planner.lowering.cost_model import memory_terms
+from ilp_planner.lowering.grad_buckets import fill_buckets
 from ilp_planner.lowering.strategies import StrategyContext, grad_sync, op_strategies
 from ilp_planner.reports.explain import explain
 from tests.helpers.user_models import FrozenBase, NanoGPT
@@ -136,3 +137,33 @@ def test_what_takes_no_gradient_runs_no_backward(flat) -> None:
         assert bwd == 0.0 and fwd == op_times(trained[name], 1.0, cluster)[0]
         assert least_seconds(frozen[name], cluster) <= fwd
     assert op_times(frozen["adapter"], 1.0, cluster) == op_times(trained["adapter"], 1.0, cluster)
+
+
+@pytest.mark.parametrize("frozen_block", [0, 1])
+def test_a_frozen_copy_of_a_repeated_block_is_planned_apart_from_its_trained_copies(
+        frozen_block) -> None:
+    """A fine-tuning that freezes one of a model's repeated blocks: the frozen copy is not
+    tied to the trained ones (one decision, one options list, would price every copy as
+    the first: no gradient synchronisation for the trained blocks, or one for the frozen).
+    The gradient AllReduces the plan lists are the ones its layers issue at run time
+    (``runtime.apply``'s check: :func:`grad_sync` of each layer's layouts, bucketed by
+    :func:`fill_buckets`), and each trained block synchronises its weights."""
+    model = NanoGPT(vocab=64, block_size=8, n_embd=16, n_head=2, n_layer=3)
+    for p in model.transformer.h[frozen_block].parameters():
+        p.requires_grad_(False)
+    graph = ilp_planner.from_module(model, (IDS,))
+    plan = ilp_planner.solve(graph, cluster=FLAT, baselines=False)
+    config = load_config(plan.config)
+    cl = config.cluster
+    ctx = StrategyContext(cl, cl.nodes, cl.devices_per_node, config.memory)
+    layers = {ly.name: ly for ly in plan.layers}
+    syncs = [(op.name, b) for op in graph.ops if op.name in layers
+             for b in grad_sync(op, layers[op.name].strategy, layers[op.name].inputs,
+                                layers[op.name].weight, layers[op.name].output, ctx)]
+    issued = sorted((c.launcher, c.collective.bytes, c.collective.group_size)
+                    for c in fill_buckets(syncs, config.grad_bucket_bytes, ctx))
+    listed = sorted((ly.name, c.bytes, c.group_size) for ly in plan.layers
+                    for c in ly.collectives if c.purpose == "grad_sync")
+    assert listed == issued
+    synced = {name.split(".")[2] for name, _ in syncs if name.startswith("transformer.h.")}
+    assert synced == {str(i) for i in range(3)} - {str(frozen_block)}

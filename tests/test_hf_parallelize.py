@@ -169,6 +169,18 @@ def test_whisper_with_its_frozen_position_table_trains_like_one_process(shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["llama-lora", "gpt2-frozen-lower", "bert-frozen-encoder"])
+def test_fine_tunings_train_like_one_process(model, shape):
+    """Fine-tunings as users run them: LoRA adapters on a frozen Llama, GPT-2 with its
+    first block frozen (a repeated block's frozen copy planned apart from its trained
+    ones), BERT with its encoder frozen under a trained head — the same losses and saved
+    state as one process, every collective the plan's (the gradient AllReduces the plan
+    lists are the ones the trained layers issue)."""
+    line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
     """GPT-2's attention reads ``c_attn``'s ``[q | k | v]`` column blocks, which are not whole
     heads: its Megatron plan keeps them whole over TP (column- and row-parallel Conv1Ds, the

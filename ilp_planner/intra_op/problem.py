@@ -858,9 +858,12 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
     for node, mem in members.items():
         rep = graph[node]
         reached = rep.inputs[0] in graph.gradient_carriers(boundary.imported)
-        # which member each follower reads; each member's gradient merges (its cost)
+        # which member each follower reads; each member's gradient merges (its cost) and
+        # content: a repeated op ties with its copies only where all agree (a fine-tuning
+        # that freezes the first blocks: a frozen copy holds no gradient a trained one syncs)
         shape = tuple((graph[m].kind, mem.index(graph[m].inputs[0]) if i else -1,
-                       gradient_merges(graph, m, boundary)) for i, m in enumerate(mem))
+                       gradient_merges(graph, m, boundary), _op_content(graph[m]))
+                      for i, m in enumerate(mem))
         shapes[node] = shape
         tie = (ties.setdefault((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached),
                                len(ties)) if rep.tie_key else None)

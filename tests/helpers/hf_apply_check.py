@@ -406,6 +406,39 @@ def whisper() -> Case:
                 targets)
 
 
+def llama_lora() -> Case:
+    """A LoRA fine-tuning of Llama: every weight frozen, adapters (:class:`LoRALinear`) on
+    each block's query and value projections trained — the frozen base held alone, its
+    input gradients computed through it to the adapters below."""
+    from tests.helpers.user_models import LoRALinear
+
+    case = llama(tied=False)
+    for p in case.model.parameters():
+        p.requires_grad_(False)
+    for layer in case.model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    return case
+
+
+def gpt2_frozen_lower() -> Case:
+    """GPT-2 with its first block frozen: its copy of each repeated op is planned apart
+    from the trained block's (no gradient synchronisation there, one here)."""
+    case = gpt2()
+    for p in case.model.transformer.h[0].parameters():
+        p.requires_grad_(False)
+    return case
+
+
+def bert_frozen_encoder() -> Case:
+    """BERT's embeddings and encoder frozen, its masked-LM head trained: nothing below the
+    head takes a gradient, so no backward runs there at all."""
+    case = bert()
+    for p in case.model.bert.parameters():
+        p.requires_grad_(False)
+    return case
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -642,6 +675,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "phi3-gate-up-split": phi3_gate_up_split,
     "falcon": falcon,
     "whisper": whisper,
+    "llama-lora": llama_lora,
+    "gpt2-frozen-lower": gpt2_frozen_lower,
+    "bert-frozen-encoder": bert_frozen_encoder,
 }
 
 

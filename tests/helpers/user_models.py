@@ -445,3 +445,22 @@ class FrozenBase(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.adapter(self.act(self.base(self.embed(ids)))))
+
+
+class LoRALinear(nn.Module):
+    """PEFT's LoRA on a linear: the base frozen, ``B·A·x`` scaled by ``alpha / r`` added,
+    A and B trained (B drawn small, not zero as PEFT starts it, so that A's gradient is
+    not zero at the first step either)."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
