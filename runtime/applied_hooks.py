@@ -337,8 +337,10 @@ class BoundaryHooks:
         """The hook of this call of the module at ``path`` (its ops in call order)."""
         n = self.calls.get(path, 0)
         if n >= len(hs):
-            raise RuntimeSetupError(f"module {path!r} was called {n + 1} times in one forward; "
-                                    f"the plan has {len(hs)} op(s) for it")
+            raise RuntimeSetupError(f"module {path!r} was called {n + 1} times in one forward "
+                                    f"(or run again in the backward: torch.utils.checkpoint "
+                                    f"in the module's code, which parallelize does not "
+                                    f"apply); the plan has {len(hs)} op(s) for it")
         return hs[n]
 
     def _finish(self, path: str, hs: list[Hook]) -> Hook:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config
@@ -139,6 +140,29 @@ def check_frozen(graph: Graph, module: nn.Module) -> None:
                 f"{', '.join(differ[:3])} {'train' if op.frozen else 'are frozen'} in the "
                 f"module (requires_grad={not op.frozen}); import the module as it will run "
                 f"and solve again")
+
+
+def check_not_checkpointing(module: nn.Module) -> None:
+    """No submodule checkpoints its activations — Hugging Face's
+    ``gradient_checkpointing_enable()`` (its layers' ``gradient_checkpointing``) or torch's
+    ``checkpoint_wrapper``: its forward would run again in the backward, converting its
+    inputs and issuing its collectives a second time, none of it planned or priced (the
+    planner prices recomputation where it chooses it, on the runtime's own executor)."""
+    flagged = [path for path, m in module.named_modules()
+               if getattr(m, "gradient_checkpointing", False) is True
+               or isinstance(m, CheckpointWrapper)]
+    # the layers that checkpoint, not a model flagged above them (Llama's ``LlamaModel``)
+    found = [path or type(module).__name__ for path in flagged
+             if not any(q != path and (not path or q.startswith(f"{path}.")) for q in flagged)]
+    if found:
+        raise RuntimeSetupError(
+            f"module {found[0]!r}{f' (and {len(found) - 1} more)' if len(found) > 1 else ''} "
+            f"checkpoints its activations (gradient checkpointing), recomputing its forward "
+            f"in the backward — conversions and collectives the plan does not list; "
+            f"parallelize applies no recomputation to a user's module: turn it off "
+            f"(model.gradient_checkpointing_disable(), or unwrap checkpoint_wrapper), or "
+            f"import with dtensor=False and let the runtime's executor recompute what "
+            f"solver.recompute plans")
 
 
 def check_owned(graph: Graph, module: nn.Module) -> None:

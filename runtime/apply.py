@@ -50,7 +50,8 @@ layout of the loss's input); its scalar reduction is not part of the comparison.
 What it refuses, naming the op — before it swaps a forward or places a parameter
 (:func:`runtime.applied_hooks.hook_table` runs first): pipelined or micro-batched plans,
 parameters frozen where the plan trains them or the reverse
-(:func:`runtime.applied_params.check_frozen`), embedding tables no
+(:func:`runtime.applied_params.check_frozen`), a module that checkpoints its activations
+(:func:`runtime.applied_params.check_not_checkpointing`), embedding tables no
 op of the plan owns (:func:`runtime.applied_params.check_owned`: a relative position table
 added to hand-written attention scores; in an SDPA's mask its first attention owns it,
 :mod:`runtime.applied_bias`), a layout change between two ops written as
@@ -87,6 +88,7 @@ from runtime.applied_params import (
     AppliedParams,
     TiedHead,
     check_frozen,
+    check_not_checkpointing,
     check_owned,
     tied_heads,
 )
@@ -131,6 +133,7 @@ class Applied:
         tied = tied_heads(self.config, self.layers)
         _check_tied_heads(tied, module)
         check_frozen(self.graph, module)
+        check_not_checkpointing(module)
         check_owned(self.graph, module)
         check_bias_tables(self.graph, module)
         run_replicated(self.graph.replicated_ops)  # ops DTensor has no rule for

@@ -300,6 +300,40 @@ def one_rank():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("how", ["hugging-face", "checkpoint-wrapper"])
+def test_a_module_that_checkpoints_its_activations_is_refused_before_anything_changes(
+        one_rank, how):
+    """Gradient checkpointing (Hugging Face's ``gradient_checkpointing_enable()``, torch's
+    ``checkpoint_wrapper``) runs a block's forward again in the backward — its conversions
+    and collectives unplanned: refused by ``parallelize`` naming the module, before a
+    parameter is placed (it failed in the first backward)."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+    from torch.distributed.tensor import DTensor
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+    from tests.helpers.hf_apply_check import MODELS, cluster
+
+    torch.manual_seed(0)
+    case = MODELS["llama"]()
+    plan = ilp_planner.solve(ilp_planner.from_module(case.model, (case.inputs,)),
+                             cluster=cluster(1, 1), baselines=False)
+    if how == "hugging-face":
+        case.model.gradient_checkpointing_enable()
+        where = "model.layers.0"
+    else:
+        case.model.model.layers[1] = checkpoint_wrapper(case.model.model.layers[1])
+        where = "model.layers.1"
+    with pytest.raises(RuntimeSetupError, match=rf"module '{re.escape(where)}'.* checkpoints "
+                                                r"its activations \(gradient checkpointing\)"):
+        parallelize(plan, case.model)
+    assert not any(isinstance(p, DTensor) for p in case.model.parameters())
+
+
 def test_a_tied_llama_keeps_one_parameter_and_returns_its_model_output(one_rank):
     import copy
 
