@@ -98,7 +98,7 @@ def tied_heads(config: Config, layers: dict[str, LayerPlan]) -> dict[str, TiedHe
             raise RuntimeSetupError(f"tied linear {op.name!r} has no embedding to share")
         head_w, emb_w = layers[op.name].weight, layers[emb.name].weight
         assert head_w is not None and emb_w is not None
-        to_table, to_head = tied_exchange(emb_w, head_w, emb.weight, config.cluster,
+        to_table, to_head = tied_exchange(emb_w, head_w, emb.master_spec, config.cluster,
                                           tie_transposes(op))
         out[op.name] = TiedHead((op.name, "weight"), (emb.name, "weight"), to_table, to_head)
     return out
@@ -315,10 +315,9 @@ class AppliedParams:
         exchange's second program, run on the value: see the module docstring)."""
         for t in self.tied.values():
             table, head = self.slots[t.table], self.slots[t.head]
-            spec = self.graph[t.table[0]].weight
-            assert spec is not None
+            spec = self.graph[t.table[0]].master_spec
             with torch.no_grad():
-                moved = self.comm.run(table.value._local_tensor.contiguous(), t.to_head.steps, spec.master,
+                moved = self.comm.run(table.value._local_tensor.contiguous(), t.to_head.steps, spec,
                                       "step", "tied_weight", t.head[0])
                 head.value._local_tensor.copy_(moved)
 
@@ -353,9 +352,8 @@ class AppliedParams:
         the table's: the module's one parameter gets one gradient."""
         for t in self.tied.values():
             table, head = self.slots[t.table], self.slots[t.head]
-            spec = self.graph[t.table[0]].weight
-            assert spec is not None
-            moved = self.comm.run(head.value.grad._local_tensor.contiguous(), t.to_table.steps, spec.master,
+            spec = self.graph[t.table[0]].master_spec
+            moved = self.comm.run(head.value.grad._local_tensor.contiguous(), t.to_table.steps, spec,
                                   "step", "tied_weight", t.head[0])
             table.value.grad._local_tensor.add_(moved.view_as(table.value.grad._local_tensor))
             head.value.grad = None

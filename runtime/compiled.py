@@ -245,7 +245,7 @@ def _tied_programs(graph: Graph, layers: dict[str, LayerPlan], stage_of: dict[st
     tied pair on one stage; a pair across stages sums its gradients with one AllReduce."""
     out: dict[str, tuple[Redistribution, ...]] = {}
     for head, emb in tied.items():
-        ew, hw, table = layers[emb].weight, layers[head].weight, graph[emb].weight
+        ew, hw, table = layers[emb].weight, layers[head].weight, graph[emb].master_spec
         assert ew is not None and hw is not None and table is not None
         if stage_of[emb] == stage_of[head]:
             out[head] = tied_exchange(ew, hw, table, cluster)

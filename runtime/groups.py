@@ -42,7 +42,8 @@ def _register_layer(c: CompiledPlan, stage: Stage, name: str, registry: MeshRegi
             comm.register(c.edges[(name, idx)])
     if op.kind is OpKind.LINEAR and is_summa(lp.strategy):
         assert op.weight is not None
-        for red in summa_programs(lp.output.fact, g[op.inputs[0]].output, op.weight, c.cluster):
+        for red in summa_programs(lp.output.fact, g[op.inputs[0]].output, op.master_spec,
+                                  c.cluster):
             comm.register(red)
     if op.kind is OpKind.MOE:
         for red in moe_programs(op, lp.inputs[0], c.cluster) or ():

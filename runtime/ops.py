@@ -104,7 +104,7 @@ def linear(ctx: StageContext, op: Op, lp: LayerPlan, xs: list[LVal], params: dic
     x, w = xs[0], params["weight"]
     assert op.weight is not None
     if is_summa(lp.strategy):
-        x_prog, w_prog = summa_programs(lp.output.fact, ctx.spec(op.inputs[0]), op.weight,
+        x_prog, w_prog = summa_programs(lp.output.fact, ctx.spec(op.inputs[0]), op.master_spec,
                                         ctx.comm.cluster)
         x = ctx.comm.edge(x, x_prog, "activation", op.name)
         w = ctx.comm.edge(w, w_prog, "weight", op.name)  # the fp32 master, then cast

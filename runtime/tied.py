@@ -46,7 +46,7 @@ class TiedWeights:
                 self._across_stages(head, emb, grads, params)
 
     def _on_one_stage(self, head: str, emb: str, grads: dict[str, torch.Tensor]) -> None:
-        table = self.compiled.graph[emb].weight.master
+        table = self.compiled.graph[emb].master_spec
         ek, hk = f"{emb}.weight", f"{head}.weight"
         to_emb, back = self.compiled.tied_programs[head]
         moved = self.comm.run(grads[hk].t().contiguous(), to_emb.steps, table, "step",
@@ -61,7 +61,7 @@ class TiedWeights:
         """This stage's copy gathered to replicated, summed with the other stage's by one
         AllReduce (only the stage's first device contributes), then cut back to its block."""
         comm = self.comm
-        table = self.compiled.graph[emb].weight.master
+        table = self.compiled.graph[emb].master_spec
         is_emb = self.stage.index == self.compiled.stage_of[emb]
         key = f"{emb}.weight" if is_emb else f"{head}.weight"
         lay = params[key].layout

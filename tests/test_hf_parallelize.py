@@ -181,6 +181,17 @@ def test_fine_tunings_train_like_one_process(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["llama-bf16", "gpt2-bf16"])
+def test_bfloat16_modules_train_as_they_are_every_collective_the_plans(model, shape):
+    """A module loaded in bfloat16 trains its parameters as they are: gradients reduced
+    (and GPT-2's tied head exchanged) in bfloat16, as the plan prices them — the audit
+    matched every step (the plan priced them in float32, twice the bytes run) — and the
+    losses and state one process's within bfloat16's rounding."""
+    line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_gpt2s_megatron_plan_trains_with_its_heads_whole_over_tp(shape):
     """GPT-2's attention reads ``c_attn``'s ``[q | k | v]`` column blocks, which are not whole
     heads: its Megatron plan keeps them whole over TP (column- and row-parallel Conv1Ds, the

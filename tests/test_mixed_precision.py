@@ -53,7 +53,7 @@ def test_gradients_are_reduced_at_four_bytes_whatever_the_compute_dtype():
 
 def test_activations_move_in_the_compute_dtype():
     """An edge's program moves half the bytes in bfloat16; the tied table's gradient
-    exchange moves fp32 whatever the table's dtype."""
+    exchange moves its master's (:attr:`Op.master_spec`): fp32 under mixed precision."""
     fact = (MeshAxis(2, 1), MeshAxis(1, 2))
     src, dst = Layout(fact, (S(0), S(1))), Layout(fact, (B, S(0)))
     full = plan_redistribution(src, dst, TensorSpec((16, 32)), CLUSTER)
@@ -63,8 +63,8 @@ def test_activations_move_in_the_compute_dtype():
     emb, head = Layout(fact, (S(0), B)), Layout(fact, (B, S(0)))
     assert [c.bytes for c in tied_exchange_collectives(emb, head, TensorSpec((64, 32)),
                                                        CLUSTER)[0]] \
-        == [c.bytes for c in tied_exchange_collectives(emb, head, TensorSpec((64, 32), "bfloat16"),
-                                                       CLUSTER)[0]]
+        == [c.bytes for c in tied_exchange_collectives(
+            emb, head, TensorSpec((64, 32), "bfloat16").master, CLUSTER)[0]]
 
 
 def test_adam_mixed_counts_the_fp32_gradient():
@@ -169,14 +169,59 @@ def test_runtime_refuses_float64_and_mixed_graphs(dtypes):
 
 def test_summa_gathers_the_fp32_master_weight():
     """SUMMA's weight gather (and its backward reduce-scatter of weight gradients) moves the
-    fp32 master whatever the compute dtype; the activation gather moves the half type."""
+    master (:attr:`Op.master_spec`: fp32 under mixed precision) whatever the compute dtype;
+    the activation gather moves the half type."""
     from ilp_planner.lowering.strategies import summa_programs
 
     fact = (MeshAxis(1, 2), MeshAxis(1, 2))
-    half = summa_programs(fact, TensorSpec((16, 32), "bfloat16"), TensorSpec((32, 8), "bfloat16"),
-                          CLUSTER)
+    half = summa_programs(fact, TensorSpec((16, 32), "bfloat16"),
+                          TensorSpec((32, 8), "bfloat16").master, CLUSTER)
     full = summa_programs(fact, TensorSpec((16, 32)), TensorSpec((32, 8)), CLUSTER)
     w_half, w_full = (p[1].forward + p[1].backward for p in (half, full))
     x_half, x_full = (p[0].forward + p[0].backward for p in (half, full))
     assert w_half and [c.bytes for c in w_half] == [c.bytes for c in w_full]
     assert x_half and [c.bytes for c in x_half] == [c.bytes / 2 for c in x_full]
+
+
+def test_an_imported_half_precision_module_trains_its_parameters_as_they_are():
+    """``parallelize`` leaves a bfloat16 module's parameters to the user's optimizer — no
+    float32 copy — so the import for it marks them ``attrs.own_precision``: gradients
+    reduced in bfloat16 (half the bytes the mixed-precision executor's fp32 reduction
+    moves), no master casts, Adam's state in bfloat16 (``adam_half``, 8 bytes a
+    parameter); the bare import (``dtensor=False``, the executor's) keeps mixed precision.
+    The plan's record of the module reads back with the same dtype and bytes."""
+    import ilp_planner
+    from ilp_planner.lowering.compute_model import master_weight_seconds, update_seconds
+    from ilp_planner.lowering.strategies import StrategyContext, op_strategies
+    from tests.helpers.user_models import NanoGPT
+
+    module = NanoGPT(vocab=64, block_size=8, n_embd=16, n_head=2, n_layer=2).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (4, 8))
+    own = ilp_planner.from_module(module, (ids,))
+    bare = ilp_planner.from_module(module, (ids,), dtensor=False)
+    owners = [op.name for op in own.ops if op.source_params]
+    assert owners and all(own[n].attrs.get("own_precision") for n in owners)
+    assert not any(op.attrs.get("own_precision") for op in bare.ops)
+    flat = {"gpu": "a100-80gb", "nodes": 1, "devices_per_node": 4, "intra": "nvlink3",
+            "inter": "8x-ib-hdr200"}
+    config, mixed = (load_config({"model": g, "cluster": flat}) for g in (own, bare))
+    assert config.memory == MemorySpec.preset("adam_half") == MemorySpec(2.0, 2.0, 4.0)
+    assert mixed.memory == MemorySpec.preset("adam_mixed")
+    fc = next(n for n in owners if own[n].kind.value == "linear" and own[n].params > 1000)
+    for graph, cfg, item, casts in ((own, config, 2, False), (bare, mixed, 4, True)):
+        op = graph[fc]
+        assert op.master_spec.dtype == ("float32" if casts else "bfloat16")
+        assert op.mixed_precision is casts
+        ctx = StrategyContext(cfg.cluster, 1, 4, cfg.memory)
+        dp = next(s for s in op_strategies(op, [graph[i].output for i in op.inputs], ctx)
+                  if s.output.split_degree(0) == 4)
+        (bucket,) = grad_sync(op, dp.label, dp.inputs, dp.weight, dp.output, ctx)
+        assert bucket.collective.bytes == op.params * item
+        # one micro-batch, nothing accumulated: the casts between master and copy alone
+        assert (master_weight_seconds(op, op.params, 2, cfg.memory, 1, False, cfg.cluster)
+                > 0) is casts
+    assert update_seconds(1e6, config.memory, own[fc], config.cluster) < update_seconds(
+        1e6, mixed.memory, bare[fc], mixed.cluster)
+    plan = ilp_planner.solve(own, cluster=flat, baselines=False)
+    back = load_config(plan.config)
+    assert back.memory == config.memory and back.cluster == config.cluster

@@ -73,7 +73,7 @@ from ilp_planner.inputs.options import PipelineOptions, SolverOptions
 from ilp_planner.inputs.schema import Reader, join
 from ilp_planner.ir.cluster import Cluster, Link, submesh_shapes
 from ilp_planner.ir.device import ComputeFit, DeviceSpec, device_names, device_spec
-from ilp_planner.ir.graph import Graph
+from ilp_planner.ir.graph import HALF_DTYPES, Graph
 from ilp_planner.ir.links import catalogue_link, link_names
 from ilp_planner.lowering.cost_model import OPTIMIZER_PRESETS, MemorySpec
 from ilp_planner.lowering.grad_buckets import DDP_BUCKET_MB
@@ -226,7 +226,8 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> Config:
     if isinstance(top["model"], Graph):
         top["model"] = models.graph_to_spec(graph)
     cluster = _parse_cluster(r, top["cluster"], dtype)
-    memory, bucket_bytes = _parse_training(r, top.get("training"), dtype)
+    own = dtype in HALF_DTYPES and any(op.attrs.get("own_precision") for op in graph.ops)
+    memory, bucket_bytes = _parse_training(r, top.get("training"), dtype, own)
     solver = _parse_solver(r, top.get("solver"))
     pipeline = _parse_pipeline(r, top.get("pipeline"), cluster, batch)
     compare = _parse_compare(r, top.get("compare"), graph, cluster, batch)
@@ -306,7 +307,8 @@ def _parse_model(r: Reader, value: Any) -> tuple[Graph, str, int | None]:
     kind = r.read(SECTIONS["model"]["kind"], value["kind"], "model.kind")
     if kind == "graph":
         graph = models.graph_from_spec(value, r.source, key="model")
-        return graph, str(value.get("dtype", "float32")), None
+        # a plan's record of an imported module states no dtype: its tensors' own
+        return graph, str(value["dtype"]) if "dtype" in value else _graph_dtype(graph), None
     if kind == "torch":
         graph = _parse_torch_model(r, value)
         return graph, _graph_dtype(graph), None
@@ -618,12 +620,16 @@ def compute_mapping(device: DeviceSpec) -> dict[str, float | str]:
             "replay_us": device.fit.replay_s * 1e6}
 
 
-def _parse_training(r: Reader, value: Any, dtype: str) -> tuple[MemorySpec, float]:
-    """Bytes per parameter, and the gradient bucket cap in bytes."""
+def _parse_training(r: Reader, value: Any, dtype: str,
+                    own_precision: bool = False) -> tuple[MemorySpec, float]:
+    """Bytes per parameter, and the gradient bucket cap in bytes. ``own_precision``: a
+    half-precision module whose parameters train as they are (``attrs.own_precision``),
+    whose default optimizer keeps no float32 copy."""
     d = _section(r, value, "training")
     kw = _read_keys(r, d, "training", {"bytes_per_param": lambda v, path, _: _read_keys(
         r, r.section(v, path, SECTIONS[path]), path)})
-    optimizer = kw.get("optimizer", "adam_mixed" if dtype in ("float16", "bfloat16") else "adam")
+    optimizer = kw.get("optimizer", "adam_half" if own_precision else "adam_mixed"
+                       if dtype in HALF_DTYPES else "adam")
     weight, grad, opt_state = OPTIMIZER_PRESETS[optimizer]
     per_param = kw.get("bytes_per_param", {})
     weight = per_param.get("weight", weight)

@@ -267,7 +267,9 @@ SECTIONS: dict[str, dict[str, Key]] = {
     },
     "training": {
         "optimizer": Key("choice", "the optimizer preset of bytes per parameter",
-                         default=None, default_text="adam_mixed for float16 / bfloat16 models, else adam",
+                         default=None,
+                         default_text="adam_half for imported float16 / bfloat16 modules, "
+                                      "adam_mixed for other float16 / bfloat16 models, else adam",
                          choices=tuple(OPTIMIZER_PRESETS), noun="optimizer"),
         "bytes_per_param": Key("mapping", "overrides the preset's bytes per parameter",
                                None, null=True, default_text="the preset's"),

@@ -94,7 +94,7 @@ from ilp_planner.inputs.lift_masks import ConstantValues
 from ilp_planner.inputs.lift_moe import routed_as_one_op
 from ilp_planner.inputs.lift_values import Act, Draft, Unsupported, numel
 from ilp_planner.inputs.lifting import lift
-from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
+from ilp_planner.ir.graph import HALF_DTYPES, Graph, Op, OpKind, TensorSpec
 from ilp_planner.lowering.strategies import tied_source
 
 
@@ -147,6 +147,7 @@ def from_module(module: Any, example_inputs: Any, *,
     ops = _no_grad_marked(_frozen_marked(_frozen_ops(list(g.drafts.values()), g.param_shape),
                                          module, type(module).__name__))
     if dtensor:  # the plan runs on the module: its functional code reads shared values
+        ops = _own_precision_marked(ops, module)
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
                                  g.through_code)
         ops = _whole_items(ops, _batch(args, kwargs, torch))
@@ -417,6 +418,20 @@ def _frozen_marked(ops: list[Op], module: Any, name: str) -> list[Op]:
             raise ConfigError(f"cannot import {name}: op {op.name!r}: {why}")
         out.append(dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "frozen": 1})))
     return out
+
+
+def _own_precision_marked(ops: list[Op], module: Any) -> list[Op]:
+    """``ops`` with ``attrs.own_precision`` (:attr:`~ilp_planner.ir.graph.Op.master_spec`)
+    on each op whose parameters are all half-precision in ``module``: ``parallelize``
+    trains the module's parameters as they are — gradients reduced and exchanged in their
+    own dtype, the user's optimizer stepping them with no float32 master — so the plan
+    prices that, not the mixed precision the runtime's own executor runs."""
+    half = {n for n, p in module.named_parameters(remove_duplicate=False)
+            if str(p.dtype).removeprefix("torch.") in HALF_DTYPES}
+    if not half:
+        return ops
+    return [dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "own_precision": 1}))
+            if op.source_params and half.issuperset(op.source_params) else op for op in ops]
 
 
 def _no_grad_marked(ops: list[Op]) -> list[Op]:

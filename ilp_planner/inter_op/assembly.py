@@ -227,11 +227,11 @@ def cross_stage_tied_collectives(layout: Layout, table: TensorSpec, ranks: Seque
                                  ) -> tuple[list[Collective], float]:
     """One side of a tied table's gradient exchange across two stages, as the runtime runs
     it: the copy's gradient gathered to replicated within its stage (lowered program), then
-    one AllReduce of the full table over both stages' ranks, in the master dtype — with the
-    seconds of the gather's slices' copies and of the runtime's passes around it
-    (:func:`~ilp_planner.lowering.strategies.cross_stage_tied_passes_seconds`; ``head``:
-    the side seeing the table transposed, ``devices``: its stage's)."""
-    table = table.master
+    one AllReduce of the full table over both stages' ranks, in the master dtype (``table``
+    is in it: the embedding's :attr:`~ilp_planner.ir.graph.Op.master_spec`, seen from the
+    side) — with the seconds of the gather's slices' copies and of the runtime's passes
+    around it (:func:`~ilp_planner.lowering.strategies.cross_stage_tied_passes_seconds`;
+    ``head``: the side seeing the table transposed, ``devices``: its stage's)."""
     gather = plan_redistribution(layout, Layout.replicated(layout.fact), table, cluster)
     spans = len({r // cluster.devices_per_node for r in ranks}) > 1
     colls = [c.with_phase("step", "tied_weight") for c in gather.forward] + [
@@ -273,8 +273,8 @@ def price_stage_boundaries(graph: Graph, layers: list[LayerPlan], stages: Sequen
             assert emb.weight is not None
             ranks = [d for n in (emb.name, op.name) for d in stages[stage_of[n]].devices]
             seen = emb.weight.shape[::-1] if tie_transposes(op) else emb.weight.shape
-            for name, table in ((emb.name, emb.weight),
-                                (op.name, TensorSpec(seen, emb.weight.dtype))):
+            master = emb.master_spec
+            for name, table in ((emb.name, master), (op.name, TensorSpec(seen, master.dtype))):
                 weight = by_name[name].weight
                 assert weight is not None
                 colls, seconds = cross_stage_tied_collectives(

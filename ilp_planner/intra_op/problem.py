@@ -1290,7 +1290,7 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
         hw = [o.base.weight for o in options[owner[op.name]]]
         uniq_e, uniq_h = {w: i for i, w in enumerate(dict.fromkeys(ew))}, \
             {w: i for i, w in enumerate(dict.fromkeys(hw))}
-        small = tied_exchange_seconds(list(uniq_e), list(uniq_h), emb.weight, cluster,
+        small = tied_exchange_seconds(list(uniq_e), list(uniq_h), emb.master_spec, cluster,
                                       tie_transposes(op))
         r = small[np.ix_([uniq_e[w] for w in ew], [uniq_h[w] for w in hw])]
         key, mat = ((gu, gv), r) if gu < gv else ((gv, gu), r.T)

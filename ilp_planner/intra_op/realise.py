@@ -193,7 +193,7 @@ def _rows(gp: GraphProblem, choice: list[int], stage: int, stage_of: dict[str, i
         emb = tied_source(graph, op) if op.attrs.get("tied") else None
         if emb is not None and emb.name in gp.owner and pos == 0:
             exchange, once = tied_exchange_collectives(
-                chosen[gp.owner[emb.name]].base.weight, opt.base.weight, emb.weight,
+                chosen[gp.owner[emb.name]].base.weight, opt.base.weight, emb.master_spec,
                 gp.ctx.cluster, tie_transposes(op))
             colls += exchange
             local += once / gp.microbatches  # once a step, spread over its micro-batches

@@ -222,6 +222,23 @@ class Op:
             or bool(self.attrs.get("functional_inputs", 0) >> idx & 1)
 
     @property
+    def master_spec(self) -> TensorSpec:
+        """The spec its parameters' gradients are reduced and exchanged in and their master
+        copy kept in: a half-precision model trains mixed precision (fp32,
+        :attr:`TensorSpec.master`), but parameters that train as they are
+        (``attrs.own_precision``: an imported module's half-precision parameters, which
+        ``parallelize`` leaves to the user's optimizer with no float32 copy) keep their own
+        dtype."""
+        spec = self.weight or self.output
+        return spec if self.attrs.get("own_precision") else spec.master
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Its parameters keep a float32 master beside their half-precision compute copy
+        (cast to the copy each step, each micro-batch's gradient cast back)."""
+        return self.master_spec.dtype != (self.weight or self.output).dtype
+
+    @property
     def frozen(self) -> bool:
         """Its parameters take no gradient (``attrs.frozen``: every one of them
         ``requires_grad=False`` in the imported module — a fine-tuning's frozen table or

@@ -137,7 +137,7 @@ from dataclasses import dataclass
 
 from ilp_planner.ir.cluster import Cluster
 from ilp_planner.ir.device import DeviceSpec
-from ilp_planner.ir.graph import HALF_DTYPES, Op, OpKind, TensorSpec
+from ilp_planner.ir.graph import Op, OpKind, TensorSpec
 from ilp_planner.lowering.cost_model import MemorySpec, compute_time
 
 GemmShape = tuple[float, float, float]
@@ -530,7 +530,7 @@ def master_weight_seconds(op: Op, params: float, tensors: int, memory: MemorySpe
     spec = op.weight or op.output
     g = memory.grad_bytes
     adds = microbatches if synced else microbatches - 1
-    casts = 1 + microbatches if spec.dtype in HALF_DTYPES else 0
+    casts = 1 + microbatches if op.mixed_precision else 0
     cast_tensors = tensors - (1 if gathered else 0)
     work = PhaseWork(0.0, (params - gathered) * casts * (MASTER_ITEMSIZE + spec.itemsize)
                      + params * adds * 3 * g, cast_tensors * casts + tensors * adds)
@@ -585,7 +585,7 @@ def state_shard_seconds(op: Op, buckets: list[tuple[int, int, int, bool]], level
         return 0.0
     spec = op.weight or op.output
     w, m = spec.itemsize, microbatches
-    cast = 1 if spec.dtype in HALF_DTYPES else 0
+    cast = 1 if op.mixed_precision else 0
     kernels, moved = 0, 0.0
     for roles, numel, p, reads in buckets:
         s = -(-numel // p)
@@ -614,7 +614,7 @@ def shard_cast_seconds(op: Op, numel: int, group_size: int, cluster: Cluster,
     ``replayed``: a recomputation's, its host time a replayed kernel's); 0 in float32 (no
     cast) or on a flat cluster."""
     spec = op.weight or op.output
-    if cluster.device is None or spec.dtype not in HALF_DTYPES:
+    if cluster.device is None or not op.mixed_precision:
         return 0.0
     s = -(-numel // group_size)
     return phase_seconds(PhaseWork(0.0, (MASTER_ITEMSIZE + spec.itemsize) * s, 1),
@@ -628,6 +628,6 @@ def update_seconds(params: float, memory: MemorySpec, op: Op, cluster: Cluster) 
     parameter in a few launches shared by all ops."""
     if cluster.device is None or params <= 0:
         return 0.0
-    mixed = (op.weight or op.output).dtype in HALF_DTYPES
+    mixed = op.mixed_precision
     work = PhaseWork(0.0, params * update_bytes_per_param(memory, mixed), 0)
     return phase_seconds(work, cluster.device, "float32")

@@ -260,6 +260,9 @@ OPTIMIZER_PRESETS: dict[str, tuple[float, float, float]] = {
     "adam": (4.0, 4.0, 8.0),  # fp32 weights, grads, 2 moments = 16 B
     "sgd": (4.0, 4.0, 0.0),
     "sgd_momentum": (4.0, 4.0, 4.0),
+    # half-precision weights, gradients and Adam's two moments, no float32 copy: torch's
+    # Adam on a bfloat16 module (what ``parallelize`` runs: Op.master_spec)
+    "adam_half": (2.0, 2.0, 4.0),
 }
 
 

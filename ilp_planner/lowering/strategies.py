@@ -48,7 +48,6 @@ import numpy as np
 from ilp_planner.errors import ConfigError, LayoutError
 from ilp_planner.ir.cluster import Cluster, Factorisation, MeshAxis, fact_str, mesh_factorisations
 from ilp_planner.ir.graph import (
-    HALF_DTYPES,
     Op,
     OpKind,
     TensorSpec,
@@ -273,7 +272,7 @@ def summa_cast_seconds(op: Op, cols: int, cluster: Cluster, replayed: bool = Fal
     ReduceScatter — one kernel, (4 + w) bytes an element, each. 0 in float32 (nothing to
     cast) or on a flat cluster (it never priced kernels)."""
     assert op.weight is not None
-    if cluster.device is None or op.weight.dtype not in HALF_DTYPES:
+    if cluster.device is None or not op.mixed_precision:
         return 0.0
     numel = op.weight.numel // cols
     work = PhaseWork(0.0, float((MASTER_ITEMSIZE + op.weight.itemsize) * numel), 1)
@@ -542,7 +541,7 @@ def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | N
         axes = tuple(a for a in grad.partial_axes if grad.fact[a].size > 1)
         if axes:
             by_axes.setdefault(axes, []).append(role)
-    itemsize = (op.weight or op.output).master.itemsize  # fp32 reduction under mixed precision
+    itemsize = op.master_spec.itemsize  # fp32 reduction under mixed precision
     out = []
     for axes, roles in by_axes.items():
         fact = lays[roles[0]][0].fact
@@ -609,18 +608,19 @@ def _matmul_family(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> li
     return out
 
 
-def summa_programs(fact: Factorisation, in_tensor: TensorSpec, weight: TensorSpec,
+def summa_programs(fact: Factorisation, in_tensor: TensorSpec, master: TensorSpec,
                    cluster: Cluster) -> tuple[Redistribution, Redistribution]:
     """SUMMA's two gathers as lowered edge programs: I (S0,S1) → (S0,B) with its gradient
     (partial over the column axis) reduce-scattered back; W (S0,S1) → (B,S1) likewise over
     the row axis. Executed per micro-batch by the runtime. W is gathered from its master
-    (fp32 under mixed precision, cast after the gather) so that the backward
-    reduce-scatter sums weight gradients in fp32."""
+    (``master``: :attr:`~ilp_planner.ir.graph.Op.master_spec`, fp32 under mixed precision,
+    cast after the gather) so that the backward reduce-scatter sums weight gradients in
+    fp32."""
     lay = Layout(fact, (Split(0), Split(1)))
     xc, wc = summa_compute_layouts(fact)
     _, gx, gw = matmul_placements(xc, wc)
     return (plan_redistribution(lay, xc, in_tensor, cluster, Layout(fact, tuple(gx))),
-            plan_redistribution(lay, wc, weight.master, cluster, Layout(fact, tuple(gw))))
+            plan_redistribution(lay, wc, master, cluster, Layout(fact, tuple(gw))))
 
 
 def summa_fits(op: Op, r: int, c: int) -> bool:
@@ -641,7 +641,7 @@ def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy
             continue
         lay = Layout(fact, (Split(0), Split(1)))
         label = f"summa({fact[0]}x{fact[1]})"
-        x_prog, w_prog = summa_programs(fact, in_tensor, op.weight, ctx.cluster)
+        x_prog, w_prog = summa_programs(fact, in_tensor, op.master_spec, ctx.cluster)
         colls = (*x_prog.forward, *(c.with_phase("forward", "weight") for c in w_prog.forward),
                  *(c.with_phase("backward", "weight") for c in w_prog.backward),
                  *(b.collective for b in grad_sync(op, label, (lay,), lay, lay, ctx)))
@@ -1181,8 +1181,9 @@ def tied_exchange(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
     weight-gradient synchronisation: the head's gradient (transposed, unless the tied op
     is an embedding: :func:`tie_transposes`) is brought to the embedding's layout, the two
     are added, and the sum is brought back to the head's layout. Both copies then take the
-    same update. Gradients move in the master dtype."""
-    head_t, table = transposed(head_weight) if transpose else head_weight, table.master
+    same update. Gradients move in the master dtype: ``table`` is the embedding's
+    :attr:`~ilp_planner.ir.graph.Op.master_spec`."""
+    head_t = transposed(head_weight) if transpose else head_weight
     return (plan_redistribution(head_t, emb_weight, table, cluster),
             plan_redistribution(emb_weight, head_t, table, cluster))
 
@@ -1246,9 +1247,8 @@ def tied_exchange_seconds(emb_weights: Sequence[Layout], head_weights: Sequence[
     passes = np.array([[tied_passes_seconds(e, h, table, cluster, transpose)
                         for h in head_weights] for e in emb_weights]).reshape(
                             len(emb_weights), len(head_weights))
-    master = table.master
-    return (planner.forward_costs(heads_t, emb_weights, master).T
-            + planner.forward_costs(emb_weights, heads_t, master) + passes)
+    return (planner.forward_costs(heads_t, emb_weights, table).T
+            + planner.forward_costs(emb_weights, heads_t, table) + passes)
 
 
 def tied_exchange_collectives(emb_weight: Layout, head_weight: Layout, table: TensorSpec,
