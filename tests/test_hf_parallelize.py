@@ -260,7 +260,7 @@ def test_hf_model_trains_like_one_process_and_the_plan(model, shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["roberta", "olmo", "convnext", "gemma2", "opt", "falcon",
-                                   "granite-embedding-converted",
+                                   "bart", "granite-embedding-converted",
                                    "gemma-embedding-converted",
                                    "gpt2-gelu-after-conversion"])
 def test_models_outside_the_first_set_train_like_one_process(model, shape):
@@ -272,7 +272,9 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
     own. ``gemma2``: its logits soft-capped in functional code after the head, which reads
     them in the loss's layout (converted at the head's own boundary, not the root's).
     ``opt``: its positions' module adds their lookup to the word embeddings in its code,
-    so the plan hands that sum on as the embedding produced it. ``falcon``: linears computing
+    so the plan hands that sum on as the embedding produced it. ``bart``: one tensor of ids
+    handed to its encoder and its decoder — two inputs of the plan, each read by its own
+    table (export had made them one). ``falcon``: linears computing
     ``x @ W.T``, multi-query attention picking its key and value heads from the fused
     ``query_key_value`` by list indexing (run on each rank's rows, the batch split).
     ``granite-embedding-converted``: its model's code scales the embeddings before the

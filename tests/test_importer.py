@@ -692,3 +692,28 @@ def test_one_linear_cut_two_ways_keeps_one_cut_as_parts():
     assert all(op.output.shape == (8, 128) for op in parts)
     assert g[g["side"].inputs[0]].output.shape == (8, 64)
 
+
+
+class _EncoderDecoderIds(nn.Module):
+    """Two tables looking up two id inputs (an encoder's and a decoder's), one head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Embedding(64, 16), nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(src) + self.dec(tgt))
+
+
+@pytest.mark.parametrize("as_keywords", [False, True])
+def test_one_tensor_passed_as_two_inputs_gives_two_inputs_each_read_by_its_own(as_keywords):
+    """The same ids handed to the encoder and the decoder (BART trained to reconstruct):
+    ``torch.export`` made one placeholder of the one tensor object, so the first input had
+    no reader and ``parallelize`` no layout for it; each input is its own now."""
+    ids = torch.randint(0, 64, (4, 8))
+    graph = from_module(_EncoderDecoderIds(),
+                        {"src": ids, "tgt": ids} if as_keywords else (ids, ids))
+    inputs = [op.name for op in graph.ops if op.kind is OpKind.INPUT]
+    assert len(inputs) == 2
+    assert [graph.consumers(n) for n in inputs] == [["enc"], ["dec"]]

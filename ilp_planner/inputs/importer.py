@@ -120,7 +120,7 @@ def from_module(module: Any, example_inputs: Any, *,
     import torch
     import torch.utils.flop_counter  # noqa: F401 - the backward counts' FLOPs (lift_backward)
 
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = _distinct(*_split_inputs(example_inputs), torch)
     root, strip = module, ""
     if loss_fn is not None:
         root, strip = _WithLoss(module, loss_fn), "model."
@@ -471,6 +471,23 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, (list, tuple)):
         return tuple(example_inputs), {}
     return (example_inputs,), {}
+
+
+def _distinct(args: tuple, kwargs: dict, torch: Any) -> tuple[tuple, dict]:
+    """The example inputs with a tensor passed twice (the same ids as BART's encoder and
+    decoder inputs) cloned: ``torch.export`` makes one placeholder of one tensor object, so
+    the second input would have no reader of its own — and ``parallelize``, handed one
+    tensor per input, no layout to give it."""
+    seen: set[int] = set()
+
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) in seen:
+                return x.clone()
+            seen.add(id(x))
+        return x
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
 def _export(root: Any, args: tuple, kwargs: dict, torch: Any) -> Any:

@@ -462,6 +462,22 @@ def gpt2_bf16() -> Case:
                                atol=1e-2)
 
 
+def bart() -> Case:
+    """BartForConditionalGeneration trained to reconstruct its input: one tensor of ids
+    handed to the encoder and the decoder (two inputs of the plan, each read by its own
+    table), learned positions, the head tied to the shared table."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, max_position_embeddings=2 * SEQ, dropout=0.0,
+                     attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    ids, targets = _tokens()
+    return Case(BartForConditionalGeneration(cfg),
+                {"input_ids": ids, "decoder_input_ids": ids}, targets)
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -703,6 +719,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "bert-frozen-encoder": bert_frozen_encoder,
     "llama-bf16": llama_bf16,
     "gpt2-bf16": gpt2_bf16,
+    "bart": bart,
 }
 
 
