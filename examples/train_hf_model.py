@@ -90,10 +90,14 @@ def main() -> int:
         with rec:
             loss = loss_of(llama(ids), targets)
             loss.backward()
+        # torch's clip_grad_norm_ refuses gradients on several device meshes; this one
+        # reduces each mesh's share and clips as torch does
+        ilp_planner.clip_grad_norm_(llama, 1.0)
         opt.step()
         opt.zero_grad()
         ref_loss = loss_of(reference(ids), targets)
         ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         ref_opt.step()
         ref_opt.zero_grad()
         mine = float(full_value(loss))

@@ -7,7 +7,7 @@ Public API: :func:`solve` (:mod:`ilp_planner.api`), :func:`load_config`, :class:
 :func:`parallelize` (a plan applied to that module under ``torchrun``, :mod:`runtime.apply`;
 ``apply`` is the same function; :func:`full_value` reads a loss computed from its output,
 :func:`full_state_dict` and :func:`load_full_state_dict` its whole state in the module's own
-order),
+order, :func:`clip_grad_norm_` clips its gradients, which lie on several device meshes),
 and :func:`to_parallelize_plan` with :func:`tensor_parallel_mesh` (the plan as PyTorch
 tensor-parallel styles and their mesh, :mod:`runtime.tp_styles`). They are resolved lazily
 so that importing an IR module (``ilp_planner.ir.graph``) pulls in neither the solvers nor
@@ -35,6 +35,7 @@ _API = {
     "full_value": "runtime.apply",
     "full_state_dict": "runtime.apply",
     "load_full_state_dict": "runtime.apply",
+    "clip_grad_norm_": "runtime.grad_clip",
     "Graph": "ilp_planner.ir.graph",
 }
 
