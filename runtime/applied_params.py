@@ -227,7 +227,11 @@ class AppliedParams:
         self._pending = 0
         # a frozen op's parameters (requires_grad=False) take no gradient to wait for
         self.trained = {s: p for s, p in self.slots.items() if p.value.requires_grad}
-        for placed in self.trained.values():
+        # gradients reduced by an earlier backward of this step (gradient accumulation),
+        # set aside while the next one arrives: :meth:`_set_aside`
+        self._earlier: dict[Slot, torch.Tensor] = {}
+        for slot, placed in self.trained.items():
+            placed.value.register_hook(lambda g, s=slot: self._set_aside(s))
             placed.value.register_post_accumulate_grad_hook(lambda p: self._grad_ready())
 
     def of_op(self, name: str) -> dict[Slot, PlacedParam]:
@@ -321,6 +325,20 @@ class AppliedParams:
                                       "step", "tied_weight", t.head[0])
                 head.value._local_tensor.copy_(moved)
 
+    def _set_aside(self, slot: Slot) -> None:
+        """Before autograd accumulates a fresh gradient into a parameter whose ``.grad`` an
+        earlier backward of this step already reduced (gradient accumulation over several
+        backwards before the optimizer's step, or a ``zero_grad(set_to_none=False)``), the
+        reduced one is set aside: the fresh one then arrives partial, as the plan's
+        synchronisation expects, and is reduced alone — as ``DistributedDataParallel``
+        reduces each backward — and :meth:`_sync_grads` adds the two. (Left in place,
+        DTensor would add a partial gradient to a reduced one by an AllReduce of its own.)"""
+        p = self.slots[slot].value
+        if p.grad is not None:
+            self._earlier[slot] = p.grad._local_tensor if isinstance(p.grad, DTensor) \
+                else p.grad
+            p.grad = None
+
     def _grad_ready(self) -> None:
         self._pending += 1
         if self._pending == len(self.trained):
@@ -339,6 +357,9 @@ class AppliedParams:
                 dist.all_reduce(flat[c.buffer][c.start:c.stop],
                                 group=self.registry.axes_group(self.devices, c.fact, c.axes))
         self._hand_back(flat, locals_)
+        for slot, earlier in self._earlier.items():
+            self.slots[slot].value.grad._local_tensor.add_(earlier)
+        self._earlier.clear()
         for slot, p in self.trained.items():
             if p.grad == p.stored or not p.grad.has_partial:
                 continue

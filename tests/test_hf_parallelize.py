@@ -2,7 +2,9 @@
 
 Multi-process (slow): one torchrun launch per cluster shape runs every model of
 :data:`tests.helpers.hf_apply_check.MODELS` — imported with ``ilp_planner.from_module``,
-solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput`` — and each
+solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput``, its
+gradients clipped (``ilp_planner.clip_grad_norm_`` against torch's on one process) and the
+second step accumulating two backwards — and each
 test reads its model's line: the losses match one process (fp32, 1e-4), the collectives
 executed are the planned ones, every step, on every rank, and after training the module's
 whole state (``runtime.apply.full_state_dict``: Phi-3's fused ``gate_up_proj`` in its own

@@ -7,7 +7,8 @@ One launch runs every model of :data:`MODELS` (or the ones named) on one cluster
 (``NODESxDEVICES``): each is built from a tiny config with random weights (seeded alike on
 every rank), imported with :func:`ilp_planner.from_module`, solved on rank 0 (the plan
 broadcast), applied and trained with a plain loop on the model's own output structure (a
-``ModelOutput``), beside an unsharded copy. Prints one line per model on rank 0 —
+``ModelOutput``) — gradients clipped every step (:func:`ilp_planner.clip_grad_norm_`), the
+second step accumulating two backwards — beside an unsharded copy. Prints one line per model on rank 0 —
 ``OK <model> <strategies>`` or ``FAIL <model>: <why>`` — and exits 1 if any failed. A new
 model is one builder in :data:`MODELS`.
 """
@@ -786,15 +787,22 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
     exchanged: set[str] = set()  # purposes of the AllToAlls the audit matched
     synced: set[str] = set()  # phases of the batch norms' statistics AllReduces matched
     for step in range(steps):
+        # the second step accumulates two backwards (each reduced, as DDP does; the second
+        # outside the audit, which counts one backward's collectives)
+        passes = 2 if step == 1 else 1
         rec = Recorder(dist.get_world_size())
         with rec:
             loss = loss_of(forward(model, case.inputs), case.targets)
-            loss.backward()
+            (loss / passes).backward()
+        for _ in range(passes - 1):
+            (loss_of(forward(model, case.inputs), case.targets) / passes).backward()
         norm = float(ilp_planner.clip_grad_norm_(model, MAX_NORM))
         opt.step()
         opt.zero_grad()
         ref = loss_of(forward(reference, case.inputs), case.targets)
-        ref.backward()
+        (ref / passes).backward()
+        for _ in range(passes - 1):
+            (loss_of(forward(reference, case.inputs), case.targets) / passes).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM))
         ref_opt.step()
         ref_opt.zero_grad()
