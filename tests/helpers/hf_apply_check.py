@@ -8,7 +8,8 @@ One launch runs every model of :data:`MODELS` (or the ones named) on one cluster
 every rank), imported with :func:`ilp_planner.from_module`, solved on rank 0 (the plan
 broadcast), applied and trained with a plain loop on the model's own output structure (a
 ``ModelOutput``) — gradients clipped every step (:func:`ilp_planner.clip_grad_norm_`), the
-second step accumulating two backwards — beside an unsharded copy. Prints one line per model on rank 0 —
+second step accumulating two backwards into the zeros the first step's
+``zero_grad(set_to_none=False)`` kept — beside an unsharded copy. Prints one line per model on rank 0 —
 ``OK <model> <strategies>`` or ``FAIL <model>: <why>`` — and exits 1 if any failed. A new
 model is one builder in :data:`MODELS`.
 """
@@ -798,7 +799,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
             (loss_of(forward(model, case.inputs), case.targets) / passes).backward()
         norm = float(ilp_planner.clip_grad_norm_(model, MAX_NORM))
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=step != 0)  # zeros kept once: set aside like a reduced one
         ref = loss_of(forward(reference, case.inputs), case.targets)
         (ref / passes).backward()
         for _ in range(passes - 1):
