@@ -335,8 +335,7 @@ class AppliedParams:
         DTensor would add a partial gradient to a reduced one by an AllReduce of its own.)"""
         p = self.slots[slot].value
         if p.grad is not None:
-            self._earlier[slot] = p.grad._local_tensor if isinstance(p.grad, DTensor) \
-                else p.grad
+            self._earlier[slot] = p.grad._local_tensor
             p.grad = None
 
     def _grad_ready(self) -> None:

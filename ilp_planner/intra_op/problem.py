@@ -808,7 +808,7 @@ class _Structure:
     position: dict[str, int]
     members: dict[str, list[str]]
     # per node in order: (node, members, input reached, shape, tie class or None: the
-    # index of its (tie key, kind, output, weight, shape, input reached))
+    # index of its (tie key, shape — every member's content among it —, input reached))
     nodes: tuple[tuple[str, list[str], bool, tuple, int | None], ...]
     tied_tables: frozenset[str]
     group_key: dict[str, str]
@@ -865,8 +865,8 @@ def _structure(graph: Graph, boundary: StageBoundary, tie_layers: bool,
                        gradient_merges(graph, m, boundary), _op_content(graph[m]))
                       for i, m in enumerate(mem))
         shapes[node] = shape
-        tie = (ties.setdefault((rep.tie_key, rep.kind, rep.output, rep.weight, shape, reached),
-                               len(ties)) if rep.tie_key else None)
+        tie = (ties.setdefault((rep.tie_key, shape, reached), len(ties))
+               if rep.tie_key else None)
         nodes.append((node, mem, reached, shape, tie))
     # a tied table's two copies exchange whole gradients after synchronisation
     # (tied_exchange, or one AllReduce across stages): they keep their state replicated
