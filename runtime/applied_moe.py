@@ -1,7 +1,8 @@
 """Imported mixture-of-experts blocks under ``parallelize`` (:mod:`runtime.apply`).
 
-The importer lifts a Hugging Face routed block (Mixtral, Qwen2-MoE, DeepSeek-V2/V3) as one ``moe`` op named
-``<experts module>.moe`` that owns the router's ``gate.weight`` and the experts'
+The importer lifts a Hugging Face routed block (Mixtral, Qwen2-MoE, GraniteMoE, DeepSeek-V2/V3) as one
+``moe`` op named ``<experts module>.moe`` that owns the router's weight (``gate`` or ``router``:
+:func:`~ilp_planner.inputs.lift_moe.hf_router`) and the experts'
 ``gate_up_proj`` and ``down_proj`` in the module's own orientation
 (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`). The block's own forward
 routes with the whole router and loops over every expert — nothing a token block and this
@@ -23,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from ilp_planner.inputs.lift_moe import hf_router
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.lowering.moe_strategies import hf_experts, moe_programs
 from ilp_planner.plan.data import LayerPlan
@@ -58,13 +60,13 @@ def install_moe(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
             raise RuntimeSetupError(
                 f"op {op.name!r} is a mixture of experts that parallelize cannot find in the "
                 f"module: it runs blocks imported from Hugging Face's nn.Modules (a router "
-                f"'gate' beside 'experts' holding gate_up_proj and down_proj)")
+                f"'gate' or 'router' beside 'experts' holding gate_up_proj and down_proj)")
         lp = layers[op.name]
         for red in moe_programs(op, lp.inputs[0], comm.cluster) or ():
             comm.register(red)
         experts = module.get_submodule(path)
         parent, _, _ = path.rpartition(".")
-        gate = (module.get_submodule(parent) if parent else module).gate
+        gate = hf_router(module.get_submodule(parent) if parent else module)
         gate.forward = _pass_through
         experts.forward = _kernel(comm, op, lp, gate, experts)
 

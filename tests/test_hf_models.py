@@ -753,6 +753,66 @@ def test_a_deepseek_v2_group_limited_or_scaled_router_is_the_op(routing):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _routed(model_class: str, config_class: str, **fields: Any) -> Any:
+    """A tiny routed model of ``model_class``: 2 layers, 4 experts, top-2."""
+    return getattr(T, model_class)(getattr(T, config_class)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+        num_local_experts=4, num_experts_per_tok=2, use_cache=False, **fields))
+
+
+def test_a_granitemoe_block_held_as_router_is_one_moe_op_computing_the_block():
+    """GraniteMoE holds its router as ``router`` (a softmax over the top-k logits:
+    Mixtral's renormalised top-k). Before, its blocks were not found: exported as the
+    expert loop's opaque ops, planned, and refused by ``parallelize`` at the first forward
+    (the router's tuple output). Now each block is one ``moe`` op owning ``router.weight``,
+    and the model's logits under the op are its own."""
+    torch.manual_seed(0)
+    model, ids = _routed("GraniteMoeForCausalLM", "GraniteMoeConfig"), _ids()
+    graph = from_module(model, (ids,))
+    at = "model.layers.0.block_sparse_moe"
+    moes = [op for op in graph.ops if op.kind is OpKind.MOE]
+    assert len(moes) == 2
+    assert set(moes[0].source_params) == {f"{at}.router.weight", f"{at}.experts.gate_up_proj",
+                                          f"{at}.experts.down_proj"}
+    assert moes[0].attr("norm_topk") == 1
+    assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE and (o.weight or o.params)]
+    with torch.no_grad():
+        want = model(ids).logits
+        with routed_as_one_op(model, torch) as blocks:
+            got = model(ids).logits
+    assert blocks == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_router_with_mixtrals_structure_but_another_routing_is_refused():
+    """PhiMoE's block has Mixtral's structure (a 2-D router with ``top_k``, 3-D SwiGLU
+    experts) but routes by its sparse mixer: the op would plan and run Mixtral's routing.
+    Each block is run both ways on one random input first, and this one is refused, naming
+    the block, the router's class and the difference, in one line."""
+    torch.manual_seed(0)
+    model = _routed("PhimoeForCausalLM", "PhimoeConfig")
+    with pytest.raises(ConfigError, match=r"MoE block model\.layers\.0\.mlp "
+                                          r"\(PhimoeSparseMoeBlock, router PhimoeTopKRouter\): "
+                                          r".*does not compute what the block computes") as exc:
+        from_module(model, (_ids(),))
+    assert "\n" not in str(exc.value)
+    assert "forward" not in vars(model.model.layers[0].mlp.router)  # restored
+
+
+def test_the_routing_check_leaves_the_global_random_state():
+    """The check draws its input from its own generator and runs the blocks with the
+    global random state forked: a launch importing on rank 0 only draws alike on every rank
+    afterwards (dropout, the next batch)."""
+    torch.manual_seed(0)
+    model, ids = _routed("MixtralForCausalLM", "MixtralConfig"), _ids()
+    model.train()
+    state = torch.get_rng_state()
+    graph = from_module(model, (ids,))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert sum(op.kind is OpKind.MOE for op in graph.ops) == 2
+
+
 class _SelfSimilarity(nn.Module):
     """``y yᵀ`` of one activation: a batched matmul the planner does not shard."""
 

@@ -88,6 +88,7 @@ from typing import Any
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.block_marking import mark_blocks
 from ilp_planner.inputs.dtensor_gaps import dtensor_gaps
+from ilp_planner.inputs.export_regions import inline_no_grad_regions
 from ilp_planner.inputs.lift_backward import StepsBackward, replay_backward, stored_bytes
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
 from ilp_planner.inputs.lift_masks import ConstantValues
@@ -126,6 +127,7 @@ def from_module(module: Any, example_inputs: Any, *,
         root, strip = _WithLoss(module, loss_fn), "model."
     with routed_as_one_op(module, torch):
         ep = _export(root, args, kwargs, torch)
+    inline_no_grad_regions(ep, torch, type(module).__name__)
     g = DraftGraph(module, _NodeCounter(ep, args, kwargs, torch), strip, dtensor,
                    ConstantValues(ep, torch))
     try:

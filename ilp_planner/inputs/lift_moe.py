@@ -3,15 +3,17 @@ lifted as one :data:`OpKind.MOE <ilp_planner.ir.graph.OpKind>` op.
 
 ``torch.export`` of a routed block records its data-dependent parts (``topk``, the
 per-expert token gather, ``index_add``) as ops no strategy reads. So before exporting, the
-importer finds every block built the Hugging Face way — a ``gate`` router with a 2-D
-``weight (E, h)`` and ``top_k``, and ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)`` and
-``down_proj (E, h, f)`` with a SiLU activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V2, DeepSeek-V3) — and for the export only makes the router a pass-through and the
-experts one call of the custom op ``ilp_planner::moe_experts`` (the router's routing, SwiGLU
-experts, weighted sum), which the walk lifts
-here. The parameters keep their module paths, so the op owns the router's and the experts'
-parameters; a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's
-``shared_experts``) stay outside the op, traced as the dense MLP and gate they are.
+importer finds every block built the Hugging Face way — a ``gate`` (or ``router``) with a
+2-D ``weight (E, h)`` and ``top_k``, and ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)``
+and ``down_proj (E, h, f)`` with a SiLU activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GraniteMoE, DeepSeek-V2, DeepSeek-V3) — and for the export only makes the router a
+pass-through and the experts one call of the custom op ``ilp_planner::moe_experts`` (the
+router's routing, SwiGLU experts, weighted sum), which the walk lifts here. Structure is not
+behaviour: each block is first run both ways on one random input, and one whose own output
+the op does not reproduce (PhiMoE's sparse mixer has Mixtral's structure) is refused. The
+parameters keep their module paths, so the op owns the router's and the experts' parameters;
+a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``) stay
+outside the op, traced as the dense MLP and gate they are.
 
 Routers (:func:`routing_attrs`): Mixtral's and Qwen's renormalised softmax top-k,
 DeepSeek-V2's softmax top-k (greedy or group-limited) and DeepSeek-V3's sigmoid scores with
@@ -80,11 +82,21 @@ def routing_attrs(path: str, gate: Any) -> dict[str, int]:
     return attrs
 
 
+ROUTER_NAMES = ("gate", "router")
+"""The attribute a Hugging Face block holds its router under: Mixtral's, Qwen's, OLMoE's and
+DeepSeek's ``gate``; GraniteMoE's ``router``."""
+
+
+def hf_router(block: Any) -> Any:
+    """The block's router module (:data:`ROUTER_NAMES`), or None."""
+    return next((r for n in ROUTER_NAMES if (r := getattr(block, n, None)) is not None), None)
+
+
 def moe_blocks(root: Any) -> list[tuple[str, Any, Any]]:
     """(block path, router, experts) of every routed block of ``root`` the op can stand for."""
     out = []
     for path, block in root.named_modules():
-        gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+        gate, experts = hf_router(block), getattr(block, "experts", None)
         w = getattr(gate, "weight", None)
         gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
         if (w is None or gu is None or down is None or not hasattr(gate, "top_k")
@@ -134,21 +146,79 @@ def _custom_op(torch: Any) -> Any:
 @contextmanager
 def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
     """While exporting: every block of :func:`moe_blocks` routes through the custom op
-    (instance ``forward``s, removed afterwards); yields how many blocks it covers."""
+    (instance ``forward``s, removed afterwards), each checked first to compute what the
+    block computes (:func:`_check_reproduced`); yields how many blocks it covers."""
     blocks = moe_blocks(root)
     op = _custom_op(torch) if blocks else None
-    routings = [routing_values({"top_k": int(gate.top_k), **routing_attrs(f"{path}.gate", gate)})
+    routings = [routing_values({"top_k": int(gate.top_k),
+                                **routing_attrs(_router_path(root, path, gate), gate)})
                 for path, gate, _ in blocks]
-    for (_, gate, experts), routing in zip(blocks, routings, strict=True):
-        gate.forward = lambda x, _g=gate: (x, x, x)
-        experts.forward = (lambda x, _i, _w, _g=gate, _e=experts, _r=routing:
-                           op(x, _g.weight, _e.gate_up_proj, _e.down_proj,
-                              getattr(_g, "e_score_correction_bias", None), _r))
+    swapped: list[tuple[Any, Any]] = []
     try:
+        for (path, gate, experts), routing in zip(blocks, routings, strict=True):
+            block = root.get_submodule(path)
+            want = _block_output(block, gate, torch)
+            gate.forward = lambda x, _g=gate: (x, x, x)
+            experts.forward = (lambda x, _i, _w, _g=gate, _e=experts, _r=routing:
+                               op(x, _g.weight, _e.gate_up_proj, _e.down_proj,
+                                  getattr(_g, "e_score_correction_bias", None), _r))
+            swapped.append((gate, experts))
+            if want is not None:
+                _check_reproduced(path, block, gate, want,
+                                  _block_output(block, gate, torch), torch)
         yield len(blocks)
     finally:
-        for _, gate, experts in blocks:
+        for gate, experts in swapped:
             del gate.forward, experts.forward
+
+
+def _router_path(root: Any, path: str, gate: Any) -> str:
+    """The router's module path (under whichever of :data:`ROUTER_NAMES` it is held)."""
+    block = root.get_submodule(path)
+    name = next(n for n in ROUTER_NAMES if getattr(block, n, None) is gate)
+    return f"{path}.{name}" if path else name
+
+
+CHECK_TOKENS_PER_EXPERT = 4
+"""Tokens per expert in the random input :func:`_block_output` runs a block on."""
+
+
+def _block_output(block: Any, gate: Any, torch: Any) -> Any:
+    """The block's output on a fixed random input of ``CHECK_TOKENS_PER_EXPERT`` tokens
+    per expert (no gradient; the global random state left as it was, so every rank of a
+    launch that imports on one rank draws alike afterwards); None where its weights are
+    on the meta device (nothing to compute: the check is the runtime's)."""
+    w = gate.weight
+    if w.is_meta:
+        return None
+    experts, hidden = w.shape
+    x = torch.randn(1, CHECK_TOKENS_PER_EXPERT * experts, hidden,
+                    generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # a block drawing noise draws alike in both runs
+        out = block(x)
+    return next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def _check_reproduced(path: str, block: Any, gate: Any, want: Any, got: Any,
+                      torch: Any) -> None:
+    """Raises :class:`ConfigError` where the op's output (``got``) is not the block's own
+    (``want``) on the same input: a router whose scores, selection or weights the routing
+    attributes do not describe (PhiMoE's sparse mixer, jitter noise while training), or
+    experts computing something else, would otherwise be planned and run as Mixtral's."""
+    half = want.dtype in (torch.float16, torch.bfloat16)
+    rtol, atol = (2e-2, 2e-2) if half else (1e-4, 1e-5)
+    if got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol, atol):
+        return
+    gap = (got.float() - want.float()).abs().max().item() if got.shape == want.shape \
+        else f"shape {tuple(got.shape)} against {tuple(want.shape)}"
+    raise ConfigError(
+        f"cannot import the MoE block {path} ({type(block).__name__}, router "
+        f"{type(gate).__name__}): one moe op routed by softmax or sigmoid top-k does not "
+        f"compute what the block computes on a random input (largest difference {gap}) — "
+        f"its router scores, selects or weights experts another way (a sparse mixer, "
+        f"noise drawn while training), which the planner cannot price or run; "
+        f"model.eval() if the difference is training-time noise")
 
 
 def lift_moe(g: DraftGraph, call: Call) -> Any:

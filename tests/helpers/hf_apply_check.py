@@ -481,6 +481,27 @@ def bart() -> Case:
                 {"input_ids": ids, "decoder_input_ids": ids}, targets)
 
 
+def granitemoe() -> Case:
+    """GraniteMoeForCausalLM: 4 experts, top-2, its router held as ``router`` (not ``gate``)
+    and weighting the top-k by a softmax over their logits (Mixtral's renormalised top-k)."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    cfg = GraniteMoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=2 * SEQ, num_local_experts=4,
+                           num_experts_per_tok=2, use_cache=False)
+    return Case(GraniteMoeForCausalLM(cfg), *_tokens())
+
+
+def no_grad_scaled() -> Case:
+    """A user's model computing a scale under ``torch.no_grad()``
+    (:class:`tests.helpers.user_models.NoGradScaled`): the region is imported as the
+    detached values it makes, its ops run on the module's DTensors."""
+    from tests.helpers.user_models import NoGradScaled
+
+    return Case(NoGradScaled(VOCAB, 32), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -723,6 +744,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "llama-bf16": llama_bf16,
     "gpt2-bf16": gpt2_bf16,
     "bart": bart,
+    "granitemoe": granitemoe,
+    "no-grad-scaled": no_grad_scaled,
 }
 
 

@@ -464,3 +464,22 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class NoGradScaled(nn.Module):
+    """Token features scaled by a statistic computed under ``torch.no_grad()`` (kept out of
+    autograd, as a user normalises by a detached norm): ``torch.export`` keeps that block as
+    one ``wrap_with_set_grad_enabled`` region."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.wte(ids))
+        with torch.no_grad():
+            scale = h.pow(2).mean(-1, keepdim=True).add(1.0).rsqrt()
+        return self.head(self.down(F.gelu(h) * scale))
