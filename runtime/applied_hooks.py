@@ -111,6 +111,10 @@ def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module) -> bool:
         return False
     if op.kind is OpKind.LINEAR:
         return isinstance(sub, nn.Linear) and not is_summa(ly.strategy)
+    if op.kind is OpKind.LAYERNORM and isinstance(sub, nn.LayerNorm):
+        # a subclass with its own forward may move its features (ConvNeXt's channels-first
+        # norm permutes the image around nn.LayerNorm): its block is not features-last
+        return type(sub).forward is nn.LayerNorm.forward
     return True
 
 

@@ -813,6 +813,25 @@ def test_the_routing_check_leaves_the_global_random_state():
     assert sum(op.kind is OpKind.MOE for op in graph.ops) == 2
 
 
+def test_a_per_image_statistic_on_flattened_tokens_is_an_opaque_op_and_the_model_solves():
+    """ConvNeXt-V2's GRN scales its channels-last tokens, flattened to ``(b·h·w, c)`` for
+    the pointwise linears, by a per-image ``(b, 1, 1, c)`` statistic: no element-wise
+    strategy lays that product out. Before, the importer made it a ``mul`` op anyway and the
+    solve stopped at the graph's check ("a mul op's input of shape [4, 1, 1, 64] neither
+    broadcasts …"); now it is an opaque op (kept whole, counted, named by ``explain``) and
+    the model solves."""
+    torch.manual_seed(0)
+    model = T.ConvNextV2ForImageClassification(T.ConvNextV2Config(
+        num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10, drop_path_rate=0.0))
+    graph = from_module(model, (torch.randn(4, 3, 32, 32),))
+    grn = [op for op in graph.ops if op.name.endswith("layers.0.grn.mul")]
+    assert [op.kind for op in grn] == [OpKind.OPAQUE, OpKind.OPAQUE]
+    # (tokens, 4 × width): 4 images of 8 × 8 then 4 × 4 patches, widths 8 then 16
+    assert [op.output.shape for op in grn] == [(256, 32), (64, 64)]
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    assert plan.solver.status == "optimal"
+
+
 class _SelfSimilarity(nn.Module):
     """``y yᵀ`` of one activation: a batched matmul the planner does not shard."""
 

@@ -293,6 +293,22 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
+                                   "convnextv2"])
+def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
+    """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
+    exported as the expert loop's opaque ops and refused at the first forward).
+    ``no-grad-scaled``: a ``torch.no_grad()`` block in the forward (before: the import
+    crashed in torch's flop counter). ``convnext-wide``: a plan splitting the tokens of
+    ConvNeXt's channels-first layer norm over both axes (before: the norm ran on local
+    blocks assumed features-last, and the residual add failed to broadcast).
+    ``convnextv2``: its GRN's per-image statistic on flattened tokens, an opaque op (before:
+    the solve stopped at the graph's shape check)."""
+    line_of(shape, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["resnet-data-parallel", "resnet-batch-and-channels"])
 def test_resnet_trains_with_synchronised_batch_norm(model, shape):
     """Batch norms splitting the batch (data parallel on all 4 devices; or the batch and the

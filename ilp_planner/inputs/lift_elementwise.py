@@ -40,7 +40,7 @@ from ilp_planner.inputs.lift_values import (
     param_name,
     tokens_major,
 )
-from ilp_planner.ir.graph import OpKind, position_table_attr
+from ilp_planner.ir.graph import OpKind, elementwise_reads, position_table_attr
 
 
 def lift_const(g: DraftGraph, call: Call) -> Any:
@@ -349,6 +349,10 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
     srcs = [g.ir(call.node, a), g.ir(call.node, b)]
     image = all(len(g.drafts[s].shape) == 4 for s in srcs)
     out = shape if image else ir_shape(shape, dtype)
+    if not all(elementwise_reads(g.drafts[s].shape, out) for s in srcs):
+        # an image's per-channel statistic on its flattened tokens (ConvNeXt-V2's GRN
+        # scaling (b·h·w, c) by (b, 1, 1, c)): no element-wise strategy lays that out
+        kind = OpKind.OPAQUE
     act = g.add(call.node, kind, srcs, out, dtype, flops=float(numel(shape)),
                 label=op if kind is OpKind.OPAQUE else None)
     return Act(act.src, shape, dtype)

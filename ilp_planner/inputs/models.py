@@ -13,14 +13,13 @@ GPT parameter count (tied input/output embedding, learned positions)::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.schema import Key, Reader, join
-from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec
+from ilp_planner.ir.graph import DTYPE_BYTES, Graph, Op, OpKind, TensorSpec, elementwise_reads
 from ilp_planner.lowering.moe_strategies import ROUTE_SCALE_UNIT, moe_params
 
 
@@ -703,18 +702,13 @@ _FOLLOWING = frozenset({OpKind.POOL, OpKind.FLATTEN, OpKind.LOSS, OpKind.PART})
 element-wise ones, which also stand alone): a model input is not one."""
 
 
-def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
-    """Whether ``shape`` broadcasts to ``to`` (right-aligned, each dim equal or 1)."""
-    return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(shape[::-1], to[::-1], strict=False))
-
-
 def _check_explicit_op(r: Reader, path: str, kind: OpKind, out: TensorSpec,
                        weight: TensorSpec | None, in_shapes: list[tuple[int, ...]],
                        attrs: dict[str, int]) -> None:
     """Shape rules the strategy generators rely on, checked per kind."""
     if kind.is_elementwise:  # an imported op may read a view of its output's elements
         for j, shape in enumerate(in_shapes):
-            if not _broadcasts(shape, out.shape) and math.prod(shape) != out.numel:
+            if not elementwise_reads(shape, out.shape):
                 r.fail(join(join(path, "inputs"), j),
                        f"a {kind.value} op's input of shape {list(shape)} neither broadcasts "
                        f"to its output's {list(out.shape)} nor holds as many elements")

@@ -67,6 +67,7 @@ The IR is torch-free and frozen: the planner, the cost model and the runtime all
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -154,6 +155,14 @@ class TensorSpec:
         fp32 (a sum of many half-precision terms loses the small ones), while the forward
         and backward compute — and communicate activations — in the half type."""
         return TensorSpec(self.shape, "float32") if self.dtype in HALF_DTYPES else self
+
+
+def elementwise_reads(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    """Whether an element-wise op with output ``out`` can read an input of ``shape``: it
+    broadcasts to ``out`` (right-aligned, each dim equal or 1) or is a view of as many
+    elements — the two readings the element-wise strategies lay out."""
+    return (len(shape) <= len(out) and all(a in (1, b) for a, b in zip(
+        shape[::-1], out[::-1], strict=False))) or math.prod(shape) == math.prod(out)
 
 
 def position_tables(attrs: Mapping[str, int]) -> dict[str, int]:

@@ -147,6 +147,27 @@ def convnext() -> Case:
     return Case(ConvNextForImageClassification(cfg), *_images(32))
 
 
+def convnext_wide() -> Case:
+    """ConvNeXt 16 / 32 channels wide: plans split its channels-first layer norms' tokens
+    over both mesh axes. That norm permutes the image around ``nn.LayerNorm``, so it runs on
+    DTensors, not on local blocks (whose features-last real shape it does not have)."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                         num_labels=CLASSES)
+    return Case(ConvNextForImageClassification(cfg), *_images(32))
+
+
+def convnextv2() -> Case:
+    """ConvNextV2ForImageClassification: GRN scales each block's flattened tokens by a
+    per-image statistic (an opaque op)."""
+    from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
+
+    cfg = ConvNextV2Config(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                           num_labels=CLASSES, drop_path_rate=0.0)
+    return Case(ConvNextV2ForImageClassification(cfg), *_images(32))
+
+
 def gemma2() -> Case:
     """Gemma2ForCausalLM: its logits soft-capped (``tanh`` of the head's output, scaled)
     in functional code between the head and the module's return."""
@@ -708,6 +729,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "roberta": roberta,
     "olmo": olmo,
     "convnext": convnext,
+    "convnext-wide": convnext_wide,
+    "convnextv2": convnextv2,
     "gemma2": gemma2,
     "qwen3": qwen3,
     "gemma3": gemma3,
