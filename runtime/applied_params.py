@@ -21,6 +21,7 @@ whatever the optimizer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +191,32 @@ def check_owned(graph: Graph, module: nn.Module) -> None:
             f"op {sharing[0]!r} looks up a table another op owns without the importer's tie "
             f"mark; parallelize shares a table between an embedding and the embeddings and "
             f"nn.Linear head the importer marks tied")
+
+
+def guard_unowned(graph: Graph, module: nn.Module) -> None:
+    """Any other trained parameter no op owns (embedding tables: :func:`check_owned`) is
+    harmless only while the forward never reads it (BERT's spare bias). One the forward
+    does read — a bare table indexed at constant positions and added to hand-written
+    attention scores (LeViT's ``attention_biases``), which the importer folds into a
+    constant — would take a gradient on each rank alone, never reduced, and the ranks'
+    copies drift apart: its first gradient raises instead, naming it. Nothing can tell the
+    two apart before a backward runs."""
+    owned = {fqn for op in graph.ops for fqn in op.source_params}
+    for paths in aliases(module).values():
+        if owned.intersection(paths):
+            continue
+        param = module.get_parameter(paths[0])
+        if param.requires_grad:
+            param.register_hook(functools.partial(_unowned_gradient, paths[0]))
+
+
+def _unowned_gradient(name: str, grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeSetupError(
+        f"parameter {name} took a gradient but no op of the plan owns it: the forward reads "
+        f"it through code the importer folded into a constant (a table indexed at constant "
+        f"positions and added to hand-written attention scores), so parallelize neither "
+        f"places nor reduces it and each rank would train its own copy; freeze it "
+        f"(requires_grad_(False)) or compute that term inside a module the plan owns")
 
 
 def tied_heads_last(ops: tuple[Op, ...]) -> list[Op]:

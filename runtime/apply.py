@@ -90,6 +90,7 @@ from runtime.applied_params import (
     check_frozen,
     check_not_checkpointing,
     check_owned,
+    guard_unowned,
     tied_heads,
 )
 from runtime.comm import Comm
@@ -157,6 +158,7 @@ class Applied:
         self.params = AppliedParams(self.graph, self.layers, module, self.comm, self.meshes,
                                     chunks, tied, self.registry, replicating)
         install_bias_tables(self.graph, self.params, module, self.meshes)
+        guard_unowned(self.graph, module)
         edges = EdgeRunner(self.graph, self.comm, self.meshes)
         self.hooks = BoundaryHooks(self.graph, self.layers, module, self.comm, self.meshes,
                                    edges, self.params, replicating, self.device_type,

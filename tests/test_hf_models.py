@@ -832,6 +832,28 @@ def test_a_per_image_statistic_on_flattened_tokens_is_an_opaque_op_and_the_model
     assert plan.solver.status == "optimal"
 
 
+def test_a_frozen_position_table_on_a_trained_word_table_is_an_op_of_its_own():
+    """Marian's sinusoidal position tables ship frozen (``requires_grad=False``); its word
+    table trains. A position table added to an embedding folds into that op, but one op's
+    parameters train alike: before, the import stopped ("some of its parameters are frozen
+    and others not"); now the frozen table is an op of its own, frozen, and the model
+    solves."""
+    model = T.MarianMTModel(T.MarianConfig(
+        vocab_size=VOCAB, decoder_vocab_size=VOCAB, d_model=32, encoder_layers=1,
+        decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16, use_cache=False,
+        pad_token_id=0, decoder_start_token_id=1))
+    ids = _ids()
+    graph = from_module(model, {"input_ids": ids, "decoder_input_ids": ids})
+    table = "model.encoder.embed_positions.weight"
+    owners = [op for op in graph.ops if table in op.source_params]
+    assert len(owners) == 1 and owners[0].frozen and owners[0].kind is not OpKind.EMBEDDING
+    words = next(op for op in graph.ops if op.name == "model.encoder.embed_tokens")
+    assert not words.frozen and table not in words.source_params
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    assert plan.solver.status == "optimal"
+
+
 class _SelfSimilarity(nn.Module):
     """``y yᵀ`` of one activation: a batched matmul the planner does not shard."""
 

@@ -294,7 +294,7 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
-                                   "convnextv2"])
+                                   "convnextv2", "marian", "pegasus"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -303,7 +303,9 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     ConvNeXt's channels-first layer norm over both axes (before: the norm ran on local
     blocks assumed features-last, and the residual add failed to broadcast).
     ``convnextv2``: its GRN's per-image statistic on flattened tokens, an opaque op (before:
-    the solve stopped at the graph's shape check)."""
+    the solve stopped at the graph's shape check). ``marian``, ``pegasus``: a frozen
+    sinusoidal position table added to the trained word embeddings, an op of its own
+    (before: folded into the embedding, refused as an op training some parameters only)."""
     line_of(shape, model)
 
 
@@ -479,6 +481,54 @@ def test_t5_with_hand_written_attention_is_refused_naming_its_position_table(one
                              cluster=cluster(1, 1), baselines=False)
     with pytest.raises(RuntimeSetupError, match="relative_attention_bias"):
         parallelize(plan, case.model)
+
+
+def test_a_bare_bias_table_read_by_hand_written_attention_stops_at_its_first_gradient(
+        one_rank):
+    """LeViT indexes a bare ``attention_biases`` parameter at constant positions and adds
+    it to its hand-written attention scores: the importer folds it into a constant, so no
+    op owns it. Before, the scores' producer (a batch norm) took it and ``parallelize``
+    refused a plan pricing two of its three parameters; now nothing owns it, and its first
+    gradient stops the backward naming it — trained unowned, each rank's copy would drift.
+    Frozen, it trains like one process's."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LevitConfig, LevitForImageClassification
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+    from tests.helpers.hf_apply_check import cluster
+
+    def levit(frozen: bool):
+        torch.manual_seed(0)
+        model = LevitForImageClassification(LevitConfig(
+            image_size=32, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 3, 4],
+            depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=10))
+        for name, p in model.named_parameters():
+            if frozen and name.endswith("attention_biases"):
+                p.requires_grad_(False)
+        return model
+
+    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    for frozen in (False, True):
+        model = levit(frozen)
+        graph = ilp_planner.from_module(model, (images,))
+        assert not [n for op in graph.ops for n in op.source_params
+                    if n.endswith("attention_biases")]
+        reference = levit(frozen)
+        plan = ilp_planner.solve(graph, cluster=cluster(1, 1), baselines=False)
+        applied = parallelize(plan, model)
+        loss = F.cross_entropy(applied(images).logits, labels)
+        if not frozen:
+            with pytest.raises(RuntimeSetupError, match=r"attention_biases took a gradient "
+                                                        r"but no op of the plan owns it"):
+                loss.backward()
+            continue
+        loss.backward()
+        want = F.cross_entropy(reference(images).logits, labels)
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_qwen2_moe_on_one_rank_computes_every_routed_token_as_the_block_does(one_rank):

@@ -287,7 +287,10 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
                          OpKind.RMSNORM, [gain])
     pos = next((c for c in consts if c.table_of_positions), None)
     if pos is not None and op == "add" and len(x.src) == 1 \
-            and g.drafts[x.src[0]].kind is OpKind.EMBEDDING:
+            and g.drafts[x.src[0]].kind is OpKind.EMBEDDING and len({g.trains(p) for p in (
+                *pos.params, *g.drafts[x.src[0]].source_params)}) == 1:
+        # (a frozen table on a trained one — Marian's sinusoidal positions — is an op of
+        # its own below: one op's parameters train alike)
         d = g.drafts[x.src[0]]
         if g.adopt(d, pos.params):
             d.attrs[position_table_attr(d.attrs)] = pos.table_of_positions
@@ -295,13 +298,13 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
     params = [p for c in consts for p in c.params if p not in g.owner]
     if params and x.role:
         # on attention scores (T5's relative position table added to hand-written scores):
-        # the scores' one producer takes it; with two (q and k), no op owns it, and
-        # ``parallelize`` refuses the plan naming the table
-        if len(x.src) == 1:
-            d = g.drafts[x.src[0]]
-            for p in g.adopt(d, params):
-                if d.kind is OpKind.LINEAR and g.param_shape[p] == (d.shape[-1],):
-                    d.attrs["bias"] = 1
+        # the scores' one producer takes it where it prices it; with two (q and k), or one
+        # that would not price it (LeViT's qkv batch norm), no op owns it, and
+        # ``parallelize`` refuses the table (an embedding's) or its first gradient
+        d = g.drafts[x.src[0]] if len(x.src) == 1 else None
+        if d is not None and _priced_by(g, d, op, params) and g.adopt(d, params) \
+                and d.kind is OpKind.LINEAR:
+            d.attrs["bias"] = 1
     elif params:
         d = g.drafts[x.src[0]] if len(x.src) == 1 else None
         if d is None or not _priced_by(g, d, op, params):

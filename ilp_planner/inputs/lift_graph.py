@@ -224,6 +224,13 @@ class DraftGraph:
         x = self.values.get(name)
         return self.trained(name) or (isinstance(x, Const) and bool(x.params))
 
+    def trains(self, param: str) -> bool:
+        """Whether parameter ``param`` (a path in the module) takes a gradient."""
+        try:
+            return bool(self.module.get_parameter(param).requires_grad)
+        except AttributeError:  # a path the module does not resolve: as parameters do
+            return True
+
     def trained(self, name: str) -> bool:
         """Whether node ``name``'s value carries a gradient in training: an activation
         derived from an op owning parameters — not one computed from the inputs alone (a

@@ -523,6 +523,32 @@ def no_grad_scaled() -> Case:
     return Case(NoGradScaled(VOCAB, 32), *_tokens())
 
 
+def _translation(config: str, model: str, **fields) -> Case:
+    """A tiny encoder-decoder translating its input (``bart``'s sizes)."""
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=2 * SEQ, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, use_cache=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, **fields)
+    ids, targets = _tokens()
+    return Case(getattr(transformers, model)(cfg),
+                {"input_ids": ids, "decoder_input_ids": ids}, targets)
+
+
+def marian() -> Case:
+    """MarianMTModel: frozen sinusoidal position tables added to trained word embeddings
+    (an op of their own), its own decoder vocabulary."""
+    return _translation("MarianConfig", "MarianMTModel", decoder_vocab_size=VOCAB)
+
+
+def pegasus() -> Case:
+    """PegasusForConditionalGeneration: frozen sinusoidal positions, pre-norm layers."""
+    return _translation("PegasusConfig", "PegasusForConditionalGeneration")
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -769,6 +795,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "bart": bart,
     "granitemoe": granitemoe,
     "no-grad-scaled": no_grad_scaled,
+    "marian": marian,
+    "pegasus": pegasus,
 }
 
 
