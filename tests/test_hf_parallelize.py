@@ -294,7 +294,7 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
-                                   "convnextv2", "marian", "pegasus"])
+                                   "convnextv2", "marian", "pegasus", "pvt", "mobilevit"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -305,7 +305,9 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     ``convnextv2``: its GRN's per-image statistic on flattened tokens, an opaque op (before:
     the solve stopped at the graph's shape check). ``marian``, ``pegasus``: a frozen
     sinusoidal position table added to the trained word embeddings, an op of its own
-    (before: folded into the embedding, refused as an op training some parameters only)."""
+    (before: folded into the embedding, refused as an op training some parameters only).
+    ``pvt``, ``mobilevit``: convolutions reading tokens laid back out as images (before: the
+    relayout was recorded tokens-major, and the solve stopped with a LayoutError)."""
     line_of(shape, model)
 
 

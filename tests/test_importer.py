@@ -717,3 +717,41 @@ def test_one_tensor_passed_as_two_inputs_gives_two_inputs_each_read_by_its_own(a
     inputs = [op.name for op in graph.ops if op.kind is OpKind.INPUT]
     assert len(inputs) == 2
     assert [graph.consumers(n) for n in inputs] == [["enc"], ["dec"]]
+
+
+class SequenceReduction(nn.Module):
+    """Tokens ``(b, n, c)`` laid back out as an image for a strided convolution, then
+    flattened to tokens again: PVT's spatial reduction (``permute(0, 2, 1)``) or, with
+    ``swapped``, an image whose height and width are swapped too (MobileViT folds its
+    patches back by several such steps)."""
+
+    def __init__(self, c: int = 16, side: int = 4, swapped: bool = False):
+        super().__init__()
+        self.side, self.swapped = side, swapped
+        self.proj = nn.Linear(c, c)
+        self.sr = nn.Conv2d(c, c, kernel_size=2, stride=2)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        h = self.proj(x).permute(0, 2, 1).reshape(b, c, self.side, self.side)
+        if self.swapped:
+            h = h.transpose(2, 3)
+        return self.head(self.sr(h).flatten(2).transpose(1, 2))
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_convolution_reading_tokens_laid_out_as_an_image_reads_the_image(swapped):
+    """The relayout between tokens and the convolution keeps the image's ``(b, c, h, w)``
+    shape: before, it was recorded tokens-major ``(b·c·h, w)``, and a plan splitting the
+    convolution's channels read it in a layout it cannot take (PVT's and MobileViT's solves
+    stopped with a LayoutError). PVT's ``permute(0, 2, 1)`` is Segformer's
+    ``transpose(1, 2)``: whole images stay on their devices (``rows_local``)."""
+    torch.manual_seed(0)
+    graph = from_module(SequenceReduction(swapped=swapped), (torch.randn(4, 16, 16),))
+    conv = next(op for op in graph.ops if op.kind is OpKind.CONV2D)
+    (src,) = conv.inputs
+    assert graph[src].kind is OpKind.OPAQUE and graph[src].output.shape == (4, 16, 4, 4)
+    assert graph[src].attrs.get("rows_local") == (None if swapped else 1)
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    assert plan.solver.status == "optimal"

@@ -260,13 +260,15 @@ class DraftGraph:
         self.priced.update(s.name for s in fresh)
         return fresh
 
-    def ir(self, node: Any, x: Any) -> str:
+    def ir(self, node: Any, x: Any, image: bool = False) -> str:
         """The IR op whose output ``x`` is (re-viewed); materialise one if it is not. The
         steps folded into ``x`` — element-wise kernels (a hand-written GELU's pow, tanh,
         mul; an RMSNorm's pow, mean, rsqrt) and copies (a cast, ``contiguous`` of strided
         data, a ``cat``) — run before the op reading it, which prices them (:meth:`add`),
         or the relayout made here, where there is one: its copies are then the copy it
-        stands for, priced instead of its estimate."""
+        stands for, priced instead of its estimate. ``image``: the reader is a convolution,
+        which reads ``x`` as the ``(b, c, h, w)`` image it is — a relayout keeps that shape
+        (tokens-major, a channel split would land on the wrong dim)."""
         own = self.steps_to_price(x.steps) if isinstance(x, Act) else []
         self.absorbed += own
         if isinstance(x, Act) and self._steps_outside(node, x):
@@ -284,7 +286,7 @@ class DraftGraph:
                         act = self.add(node, OpKind.FLATTEN, [d.name], x.shape, x.dtype,
                                        main=False)
                         return act.src[0]
-                elif x.shape[-1] == d.shape[-1] or len(x.shape) == 1:
+                elif not image and (x.shape[-1] == d.shape[-1] or len(x.shape) == 1):
                     return d.name
         if not isinstance(x, Act):
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")
@@ -296,7 +298,7 @@ class DraftGraph:
         # way — unless the value's own folded copies (absorbed) are that copy
         moved = 0 if any(is_copy(s) for s in own) else numel(x.shape) * DTYPE_BYTES[x.dtype]
         rows = {"rows_local": 1} if _column_pick(self.drafts[x.src[0]], x) else {}
-        spec = ir_shape(x.shape, x.dtype)
+        spec = tuple(x.shape) if image and len(x.shape) == 4 else ir_shape(x.shape, x.dtype)
         if moved_to is not None:  # whole images stay on their devices either way round
             rows = {"rows_local": 1, "row_items": x.shape[0]}
             spec = tokens_major(x.shape) if moved_to == "last" else tuple(x.shape)
@@ -530,6 +532,15 @@ _ROW_LOCAL = frozenset({"to", "_to_copy", "type_as", "float", "contiguous", "clo
                         "reduce_last", *UNARY_FOLDS})
 
 
+def _swaps_last_two(step: tuple) -> bool:
+    """Whether a chain step swaps the last two dims of a 3-D value: ``transpose(1, 2)``
+    (Segformer's) or ``permute(0, 2, 1)`` (PVT's)."""
+    if step[0] == "transpose" and len(step) == 3:
+        return {int(step[1]) % 3, int(step[2]) % 3} == {1, 2}
+    return step[0] == "permute" and len(step) > 1 and len(step[1]) == 3 \
+        and tuple(int(a) % 3 for a in step[1]) == (0, 2, 1)
+
+
 def _channels_moved(d: Draft, x: Act) -> str | None:
     """``"last"`` where ``x`` is image ``d``'s (N, C, H, W) value with its channels moved
     last — ConvNeXt's ``permute(0, 2, 3, 1)`` before its layer norm and pointwise linears,
@@ -542,8 +553,7 @@ def _channels_moved(d: Draft, x: Act) -> str | None:
         return None
     n, a, b, z = x.shape
     swaps = [step for step in x.chain if step[0] in ("transpose", "permute")]
-    if len(swaps) == 1 and swaps[0][0] == "transpose" and len(swaps[0]) == 3 \
-            and {int(swaps[0][1]) % 3, int(swaps[0][2]) % 3} == {1, 2} \
+    if len(swaps) == 1 and _swaps_last_two(swaps[0]) \
             and d.shape == (n * b * z, a):  # (B, N, C) tokens → (B, C, N) → (B, C, H, W)
         return "first"  # Segformer's, PVT's spatial reduction before its convolution
     perms = [tuple(int(a) % 4 for a in step[1]) for step in x.chain

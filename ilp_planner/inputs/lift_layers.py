@@ -345,7 +345,7 @@ def lift_conv2d(g: DraftGraph, call: Call) -> Any:
         return g.opaque(call.node, call.args, [x], val, "conv_transpose2d")
     at = 8 if full else 6
     groups = int(args[at]) if len(args) > at and isinstance(args[at], int) else 1
-    src = g.ir(call.node, x)
+    src = g.ir(call.node, x, image=True)
     c_out, c_in, kh, kw = g.param_shape[wname]
     # ``bias``: 0 for a bias-free convolution (ResNet's, before a batch norm), so the
     # op owns and is priced with exactly the module's parameters

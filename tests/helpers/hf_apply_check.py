@@ -168,6 +168,33 @@ def convnextv2() -> Case:
     return Case(ConvNextV2ForImageClassification(cfg), *_images(32))
 
 
+def pvt() -> Case:
+    """PvtForImageClassification: each attention's keys and values reduced by a strided
+    convolution over its tokens laid back out as an image (``permute(0, 2, 1)``)."""
+    from transformers import PvtConfig, PvtForImageClassification
+
+    cfg = PvtConfig(image_size=32, hidden_sizes=[16, 32, 48, 64],
+                    num_attention_heads=[1, 2, 2, 4], depths=[1, 1, 1, 1],
+                    num_labels=CLASSES, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0)
+    return Case(PvtForImageClassification(cfg), *_images(32))
+
+
+def mobilevit() -> Case:
+    """MobileViTForImageClassification: convolutions, and transformer blocks over patches
+    unfolded from the image and folded back for the next convolution. In float64: its
+    batch norms over 4 images of 1 or 2 pixels amplify float32's rounding past the
+    tolerance (in float64 it agrees to 1e-10)."""
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    cfg = MobileViTConfig(image_size=32, hidden_sizes=[16, 24, 32],
+                          neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_labels=CLASSES,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          classifier_dropout_prob=0.0)
+    images, labels = _images(32)
+    return Case(MobileViTForImageClassification(cfg).double(), images.double(), labels)
+
+
 def gemma2() -> Case:
     """Gemma2ForCausalLM: its logits soft-capped (``tanh`` of the head's output, scaled)
     in functional code between the head and the module's return."""
@@ -757,6 +784,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "convnext": convnext,
     "convnext-wide": convnext_wide,
     "convnextv2": convnextv2,
+    "pvt": pvt,
+    "mobilevit": mobilevit,
     "gemma2": gemma2,
     "qwen3": qwen3,
     "gemma3": gemma3,
