@@ -187,7 +187,7 @@ def _block_output(block: Any, gate: Any, torch: Any) -> Any:
     """The block's output on a fixed random input of ``CHECK_TOKENS_PER_EXPERT`` tokens
     per expert (no gradient; the global random state left as it was, so every rank of a
     launch that imports on one rank draws alike afterwards); None where its weights are
-    on the meta device (nothing to compute: the check is the runtime's)."""
+    on the meta device: nothing to compute, so a meta import goes by structure alone."""
     w = gate.weight
     if w.is_meta:
         return None
