@@ -152,9 +152,12 @@ def runner_path(module: nn.Module, op: Op) -> str | None:
 
 def _later_call(module: nn.Module, op: Op) -> str | None:
     """The childless submodule whose later call the importer named ``op``
-    (``<path>.<kind>[_i]``, owning no parameters), or None."""
+    (``<path>.<kind>[_i]``, owning no parameters), or None — not the copy the module's
+    input is laid out by (``attrs.relayout``: SqueezeBERT's tokens transposed for its
+    ``nn.Conv1d``), which carries its reader's path too."""
     path, _, last = op.name.rpartition(".")
-    if path and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
+    if path and not op.attrs.get("relayout") \
+            and re.fullmatch(rf"{re.escape(op.kind.value)}(_\d+)?", last) \
             and leaf_module(module, path) is not None and not op.source_params:
         return path
     return None
@@ -358,6 +361,12 @@ class BoundaryHooks:
         for idx, (src, red, dst) in h.inputs.items():
             producer = op.inputs[idx]
             where = f"input {idx} of {h.op}"
+            if idx >= len(args):
+                raise RuntimeSetupError(
+                    f"op {h.op!r} reads {producer!r} as its input {idx}, but its module is "
+                    f"called with {len(args)} positional input(s): a value passed by keyword "
+                    f"or read from elsewhere, which parallelize cannot convert at the "
+                    f"module's boundary")
             origin = None if idx in h.through_code else self.origin.get(id(args[idx]))
             # (an in-place op of functional code — ``out += identity`` — keeps the converted
             # tensor's identity but makes it another op's output: not the producer's then)

@@ -294,7 +294,8 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
-                                   "convnextv2", "marian", "pegasus", "pvt", "mobilevit"])
+                                   "convnextv2", "marian", "pegasus", "pvt", "mobilevit",
+                                   "convbert"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -307,7 +308,9 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     sinusoidal position table added to the trained word embeddings, an op of its own
     (before: folded into the embedding, refused as an op training some parameters only).
     ``pvt``, ``mobilevit``: convolutions reading tokens laid back out as images (before: the
-    relayout was recorded tokens-major, and the solve stopped with a LayoutError)."""
+    relayout was recorded tokens-major, and the solve stopped with a LayoutError).
+    ``convbert``: the copy of the tokens its depthwise ``nn.Conv1d`` reads, named in that
+    module's path (before: taken for a second call of the module and refused)."""
     line_of(shape, model)
 
 
@@ -531,6 +534,34 @@ def test_a_bare_bias_table_read_by_hand_written_attention_stops_at_its_first_gra
         want = F.cross_entropy(reference(images).logits, labels)
         want.backward()
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_called_with_fewer_inputs_than_its_op_reads_is_named(one_rank):
+    """SqueezeBERT's ``matmul_qkv`` module is called with two tensors where the importer's
+    attention op reads three (q, k and v through two such modules): the boundary cannot
+    convert an input it is not handed. Before: ``IndexError`` in the pre-hook; now one line
+    naming the op, the input and the count."""
+    import torch
+    from transformers import SqueezeBertConfig, SqueezeBertForMaskedLM
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+    from tests.helpers.hf_apply_check import cluster
+
+    torch.manual_seed(0)
+    model = SqueezeBertForMaskedLM(SqueezeBertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=16, embedding_size=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ids = torch.randint(0, 64, (2, 8))
+    plan = ilp_planner.solve(ilp_planner.from_module(model, (ids,)), cluster=cluster(1, 1),
+                             baselines=False)
+    applied = parallelize(plan, model)
+    with pytest.raises(RuntimeSetupError, match=r"op '.*attention\.matmul_qkv' reads "
+                                                r"'.*attention\.value' as its input 2, but "
+                                                r"its module is called with 2 positional"):
+        applied(ids)
 
 
 def test_a_qwen2_moe_on_one_rank_computes_every_routed_token_as_the_block_does(one_rank):

@@ -303,7 +303,7 @@ class DraftGraph:
             rows = {"rows_local": 1, "row_items": x.shape[0]}
             spec = tokens_major(x.shape) if moved_to == "last" else tuple(x.shape)
         act = self.add(node, OpKind.OPAQUE, list(x.src), spec, x.dtype, main=False,
-                       bytes_read=moved, bytes_written=moved, **rows)
+                       bytes_read=moved, bytes_written=moved, relayout=1, **rows)
         return act.src[0]
 
     def _part(self, x: Act, index: int, parts: int) -> str:

@@ -16,7 +16,8 @@ whole groups; ``attrs.heads_dim``: where the module's input holds the heads, ``(
 d)`` or ``(b, heads, s, d)``), ``batchnorm``
 (statistics over batch and space, so only channels split without communication) and
 ``opaque``: an op the planner cannot shard, kept replicated on every device (but a copy of
-some of its producer's columns, ``attrs.rows_local``, may split the tokens). Attention may
+some of its producer's columns, ``attrs.rows_local``, may split the tokens; ``attrs.relayout``:
+the copy a reader's code makes of a value, named in the reader's module). Attention may
 read one fused QKV tensor or three tensors ``q, k, v``; ``attrs.kv_heads`` (grouped-query
 attention) and ``attrs.qkv_major`` (a fused tensor laid out ``[q | k | v]``, whose column
 blocks are not whole heads, so it may only split over batch) refine it;

@@ -576,6 +576,18 @@ def pegasus() -> Case:
     return _translation("PegasusConfig", "PegasusForConditionalGeneration")
 
 
+def convbert() -> Case:
+    """ConvBertForMaskedLM: span-based dynamic convolutions beside attention, a depthwise
+    ``nn.Conv1d`` reading the tokens transposed (the copy named in its module's path)."""
+    from transformers import ConvBertConfig, ConvBertForMaskedLM
+
+    cfg = ConvBertConfig(vocab_size=VOCAB, hidden_size=32, embedding_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=2 * SEQ, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+    return Case(ConvBertForMaskedLM(cfg), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -826,6 +838,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "no-grad-scaled": no_grad_scaled,
     "marian": marian,
     "pegasus": pegasus,
+    "convbert": convbert,
 }
 
 
