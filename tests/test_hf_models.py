@@ -662,17 +662,23 @@ def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name,
     assert layer.strategy.startswith("moe(")
 
 
-@pytest.mark.parametrize("name", MOES)
-def test_the_moe_custom_op_computes_what_the_block_does(name):
-    """While exporting, the blocks route through ``ilp_planner::moe_experts``: the model's
-    logits under it equal its own (the op is the block, not an approximation of it)."""
-    model, (ids,) = _builders()[name]()
+def _assert_blocks_are_the_op(model: Any, ids: torch.Tensor) -> None:
+    """The model's logits with its 2 routed blocks through ``ilp_planner::moe_experts``
+    equal its own (the op is the block, not an approximation of it)."""
     with torch.no_grad():
         want = model(ids).logits
         with routed_as_one_op(model, torch) as blocks:
             got = model(ids).logits
     assert blocks == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", MOES)
+def test_the_moe_custom_op_computes_what_the_block_does(name):
+    """While exporting, the blocks route through ``ilp_planner::moe_experts``: the model's
+    logits under it equal its own (the op is the block, not an approximation of it)."""
+    model, (ids,) = _builders()[name]()
+    _assert_blocks_are_the_op(model, ids)
     assert "forward" not in vars(model.model.layers[MOE_LAYER[name]].mlp.gate)  # restored
 
 
@@ -745,12 +751,7 @@ def test_a_deepseek_v2_group_limited_or_scaled_router_is_the_op(routing):
     the same."""
     model = T.DeepseekV2ForCausalLM(_deepseek_v2(**routing))
     ids = _ids()
-    with torch.no_grad():
-        want = model(ids).logits
-        with routed_as_one_op(model, torch) as blocks:
-            got = model(ids).logits
-    assert blocks == 2
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_blocks_are_the_op(model, ids)
 
 
 def _routed(model_class: str, config_class: str, **fields: Any) -> Any:
@@ -777,12 +778,7 @@ def test_a_granitemoe_block_held_as_router_is_one_moe_op_computing_the_block():
                                           f"{at}.experts.down_proj"}
     assert moes[0].attr("norm_topk") == 1
     assert not [o for o in graph.ops if o.kind is OpKind.OPAQUE and (o.weight or o.params)]
-    with torch.no_grad():
-        want = model(ids).logits
-        with routed_as_one_op(model, torch) as blocks:
-            got = model(ids).logits
-    assert blocks == 2
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_blocks_are_the_op(model, ids)
 
 
 def test_a_router_with_mixtrals_structure_but_another_routing_is_refused():
