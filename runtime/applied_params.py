@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ilp_planner.inputs.config import Config
 from ilp_planner.ir.graph import Graph, Op, OpKind
-from ilp_planner.ir.layouts import Layout
+from ilp_planner.ir.layouts import Layout, Partial, Split
 from ilp_planner.lowering.grad_buckets import GradBucket
 from ilp_planner.lowering.redistribution import Redistribution
 from ilp_planner.lowering.strategies import (
@@ -219,6 +219,18 @@ def _unowned_gradient(name: str, grad: torch.Tensor) -> torch.Tensor:
         f"(requires_grad_(False)) or compute that term inside a module the plan owns")
 
 
+def _left_plain(op: Op, original: torch.Tensor, stored: Layout) -> bool:
+    """A frozen parameter an op of the user's functional code reads whole (replicated,
+    taking no gradient) stays the plain tensor the module holds: every reader's
+    implicit replication makes it a replica on that reader's own mesh, as a buffer. Placed
+    as a DTensor on one op's mesh, it would meet the other readers' values on theirs
+    (RoFormer's sinusoidal table: layer 0's rotary ``mul`` owns it, every later layer's
+    attention computes with it on a ``(2, 2)`` mesh while it sat on ``(4,)``). The same
+    bytes on every device and no collective, as the plan prices it."""
+    return (bool(op.attrs.get("functional")) and not original.requires_grad
+            and all(not isinstance(pl, (Split, Partial)) for pl in stored.placements))
+
+
 def tied_heads_last(ops: tuple[Op, ...]) -> list[Op]:
     """The ops in graph order with tied copies moved last, so a table is placed by its
     embedding before a copy is made of it."""
@@ -286,6 +298,8 @@ class AppliedParams:
                 raise RuntimeSetupError(f"parameter {fqn} has shape {tuple(original.shape)}, "
                                         f"the plan's op {op.name!r} expects {ir_shape}")
             stored, grad = lays[role]
+            if _left_plain(op, original, stored):
+                continue
             dims = DimMap(tuple(original.shape), original.dim() if flat else len(ir_shape),
                           transposed)
             path = own_path(op, fqn, paths.get(id(original), [fqn]))

@@ -588,6 +588,19 @@ def convbert() -> Case:
     return Case(ConvBertForMaskedLM(cfg), *_tokens())
 
 
+def roformer() -> Case:
+    """RoFormerForMaskedLM: one frozen sinusoidal table (an ``nn.Embedding``'s weight) read
+    by every layer's rotary code; layer 0's ``mul`` owns it, later layers fold it into
+    their attention's input steps."""
+    from transformers import RoFormerConfig, RoFormerForMaskedLM
+
+    cfg = RoFormerConfig(vocab_size=VOCAB, hidden_size=32, embedding_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=2 * SEQ, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+    return Case(RoFormerForMaskedLM(cfg), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -839,6 +852,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "marian": marian,
     "pegasus": pegasus,
     "convbert": convbert,
+    "roformer": roformer,
 }
 
 
