@@ -850,6 +850,24 @@ def test_a_frozen_position_table_on_a_trained_word_table_is_an_op_of_its_own():
     assert plan.solver.status == "optimal"
 
 
+def test_layerdrop_is_refused_at_its_line_and_imports_when_off():
+    """M2M100 ships LayerDrop on (0.05): in training each layer is skipped on a random
+    draw, which no plan can fix. The import names the model's line; with the layerdrop
+    fields 0 the same model imports."""
+    fields = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                  decoder_ffn_dim=64, max_position_embeddings=16, use_cache=False,
+                  pad_token_id=0, decoder_start_token_id=1)
+    ids = _ids()
+    inputs = {"input_ids": ids, "decoder_input_ids": ids.clone()}
+    with pytest.raises(ConfigError, match=r"modeling_m2m_100\.py:\d+ \('if dropout_probability "
+                                          r"< self\.layerdrop:'\).*layerdrop fields 0"):
+        from_module(T.M2M100ForConditionalGeneration(T.M2M100Config(**fields)), inputs)
+    off = T.M2M100Config(**fields, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+    graph = from_module(T.M2M100ForConditionalGeneration(off), inputs)
+    assert sum(op.kind is OpKind.ATTENTION for op in graph.ops) == 3
+
+
 class _SelfSimilarity(nn.Module):
     """``y yᵀ`` of one activation: a batched matmul the planner does not shard."""
 

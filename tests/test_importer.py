@@ -405,6 +405,19 @@ def test_one_billion_parameter_model_on_meta_device():
 
 
 def test_export_and_fx_failure_names_both():
+    class ThroughNumpy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(torch.from_numpy(x.numpy() * 2))
+
+    with pytest.raises(ConfigError, match="torch.export failed.*symbolic tracing failed"):
+        from_module(ThroughNumpy(), (torch.randn(2, 4),))
+
+
+def test_a_branch_on_the_data_is_named_at_its_line():
     class DataDependent(nn.Module):
         def __init__(self):
             super().__init__()
@@ -414,8 +427,29 @@ def test_export_and_fx_failure_names_both():
             y = self.fc(x)
             return y if float(y.sum()) > 0 else -y
 
-    with pytest.raises(ConfigError, match="torch.export failed.*symbolic tracing failed"):
+    with pytest.raises(ConfigError, match=r"computed at run time at test_importer.py:\d+ "
+                                          r"\('return y if float\(y.sum\(\)\) > 0"):
         from_module(DataDependent(), (torch.randn(2, 4),))
+
+
+def test_a_random_layer_skip_is_named_at_its_line():
+    """LayerDrop (M2M100's default 0.05): the forward skips a layer on a random draw. The
+    error names the model's line, not only torch's data-dependent guard."""
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if torch.rand([]) < 0.1:  # the skip
+                return x
+            return self.fc(x)
+
+    with pytest.raises(ConfigError) as err:
+        from_module(LayerDrop(), (torch.randn(2, 4),))
+    assert "test_importer.py:" in str(err.value)
+    assert "'if torch.rand([]) < 0.1:  # the skip'" in str(err.value)
+    assert "layerdrop" in str(err.value)
 
 
 def test_an_opaque_op_owning_several_parameters_prices_one_role_each():

@@ -81,7 +81,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
@@ -493,9 +495,16 @@ def _distinct(args: tuple, kwargs: dict, torch: Any) -> tuple[tuple, dict]:
 
 
 def _export(root: Any, args: tuple, kwargs: dict, torch: Any) -> Any:
+    """The exported program of ``root`` on the example inputs; where ``torch.export``
+    fails, of its ``torch.fx`` trace — except on a branch on a value only known at run
+    time (:func:`_run_time_branch`), which fx would trace at the one value it computes."""
     try:
         return torch.export.export(root, args, kwargs, strict=False)
     except Exception as export_error:  # noqa: BLE001 - any export failure: try fx next
+        branch = _run_time_branch(export_error, torch)
+        if branch:
+            raise ConfigError(f"cannot import {type(root).__name__}: torch.export failed "
+                              f"({_first_line(export_error)}){branch}") from None
         try:
             traced = torch.fx.symbolic_trace(root)
             return torch.export.export(traced, args, kwargs, strict=False)
@@ -514,6 +523,29 @@ def _cache_hint(root: Any) -> str:
            for m in (root, getattr(root, "model", None))):
         return "; the model returns a key/value cache: pass use_cache=False (in its config)"
     return ""
+
+
+def _run_time_branch(exc: Exception, torch: Any) -> str:
+    """Where the forward branched on a value only known at run time — the line of the
+    model's code (outside torch) the export stopped at — and why no plan can have it: a
+    plan fixes which ops run, so a branch on the data or on a random draw (LayerDrop's
+    ``if torch.rand([]) < layerdrop``, M2M100's default 0.05) cannot be planned. Empty
+    for any other failure. (``torch.fx`` runs a draw made inside the forward eagerly and
+    traces the branch it happened to take: a plan for a model that sometimes skips a
+    layer.)"""
+    guard = torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode
+    if not isinstance(exc, guard):
+        return ""
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(torch_dir)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return (f"; the forward branches on a value computed at run time at "
+            f"{Path(f.filename).name}:{f.lineno} ({(f.line or '').strip()!r}): a plan fixes "
+            f"which ops run, so no branch may depend on the data or on a random draw: turn "
+            f"that off (LayerDrop: its layerdrop fields 0 in the model's config)")
 
 
 def _first_line(exc: Exception) -> str:
