@@ -12,6 +12,10 @@ cannot shard is ``opaque``, replicated), so nothing moves. Where a value reached
 split, DTensor would gather it first — a collective the plan does not price, which the
 dispatch-level audit shows as untagged, never a silent wrong value.
 
+``as_strided``, which DTensor serves with a handler of its own consulted before any rule (it
+runs only the restride that changes nothing), gets a handler instead: on a replicated value
+it runs on the whole value (adaptive pooling's backward, FocalNet's head).
+
 Only ops this process's DTensor still lacks a rule for are registered (the plan may come from
 another torch), so no rule DTensor has is replaced; an op reading a list of tensors (which a
 rule over single tensors cannot describe) is refused before the module is touched."""
@@ -21,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.experimental import register_sharding
 
 from ilp_planner.inputs.dtensor_gaps import lacks_rule
@@ -44,9 +48,36 @@ def run_replicated(names: Iterable[str]) -> tuple[str, ...]:
                 f"the model's code calls {name}, which DTensor has no sharding rule for and "
                 f"which reads a list of tensors: the runtime cannot run it replicated")
     for name, op in todo:
-        register_sharding(op)(_rule(op))
+        if op is torch.ops.aten.as_strided.default:
+            _replicated_as_strided()
+        else:
+            register_sharding(op)(_rule(op))
         _REGISTERED.add(name)
     return tuple(name for name, _ in todo)
+
+
+def _replicated_as_strided() -> None:
+    """``as_strided`` on a replicated DTensor runs on every rank's whole value. DTensor
+    serves it with a handler of its own, consulted before any sharding rule, that runs only
+    the ``as_strided`` changing nothing: the backward of adaptive average pooling to one
+    output on a value whose strides suggest channels-last (its forward restrides with
+    ``as_strided_``; FocalNet's pooler over its transposed tokens) failed there, mid-step.
+    A split value still goes to DTensor's handler (its blocks' strides are not the whole
+    value's)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    op = torch.ops.aten.as_strided.default
+    dtensor_own = handlers[op]
+
+    def handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+        x = args[0]
+        if not all(isinstance(p, Replicate) for p in x.placements):
+            return dtensor_own(op_call, args, kwargs)
+        local = op_call(x._local_tensor, *args[1:], **kwargs)
+        meta = TensorMeta(local.shape, local.stride(), local.dtype)
+        return DTensor(local, DTensorSpec(x.device_mesh, x.placements, meta),
+                       requires_grad=False)
+
+    handlers[op] = handler
 
 
 def _tensor_list(kind: torch._C.JitType) -> bool:

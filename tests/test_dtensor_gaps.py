@@ -81,3 +81,48 @@ def test_an_op_dtensor_runs_only_by_decomposition_counts_as_a_gap() -> None:
     MobileNetV2 crashed in the first backward), and its rule is element-wise."""
     graph = ilp_planner.from_module(ReLU6MLP(), (torch.randint(0, 64, (4, 8)),))
     assert graph.replicated_ops == ("aten.hardtanh_backward.default",)
+
+
+class _PooledTokens(torch.nn.Module):
+    """FocalNet's head: tokens ``(b, s, c)`` averaged by ``nn.AdaptiveAvgPool1d(1)`` over
+    their transpose, whose strides suggest channels-last: the pooling restrides its
+    output with ``as_strided_``, and its backward calls ``as_strided``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.pool = torch.nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(self.fc(x).transpose(1, 2)).flatten(1)
+
+
+def test_as_strided_on_replicated_values_runs_on_the_whole_value() -> None:
+    """DTensor's own ``as_strided`` handler runs only the restride that changes nothing:
+    the pooling's backward failed mid-step. Registered, it runs on a replicated value as
+    one process does (the same gradient); on a split one it still refuses."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    model, x = _PooledTokens(), torch.randn(2, 4, 8)
+    graph = ilp_planner.from_module(model, (x,))
+    assert {"aten.as_strided.default", "aten.as_strided_.default"} <= set(graph.replicated_ops)
+    run_replicated(graph.replicated_ops)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        t = torch.randn(2, 8, 4)
+        whole = t.clone().requires_grad_()
+        torch.nn.functional.adaptive_avg_pool1d(whole.transpose(1, 2).contiguous()
+                                                .transpose(1, 2), 1).square().sum().backward()
+        d = distribute_tensor(t, mesh, [Replicate()]).requires_grad_()
+        out = torch.nn.functional.adaptive_avg_pool1d(d.transpose(1, 2).contiguous()
+                                                      .transpose(1, 2), 1)
+        out.square().sum().backward()
+        assert torch.allclose(d.grad.full_tensor(), whole.grad)
+        split = distribute_tensor(t, mesh, [Shard(0)])
+        with pytest.raises(RuntimeError, match="as_strided not supported"):
+            torch.ops.aten.as_strided.default(split, (2, 8, 2), (32, 4, 1))
+    finally:
+        dist.destroy_process_group()

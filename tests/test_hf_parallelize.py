@@ -295,7 +295,7 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
                                    "convnextv2", "marian", "pegasus", "pvt", "mobilevit",
-                                   "convbert", "roformer"])
+                                   "convbert", "roformer", "focalnet"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -313,7 +313,9 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     module's path (before: taken for a second call of the module and refused).
     ``roformer``: one frozen sinusoidal table read by every layer's functional rotary code,
     left a plain tensor each reader replicates on its own mesh (before: placed on layer 0's
-    rotary op's mesh, it met layer 1's queries on another and the forward crashed)."""
+    rotary op's mesh, it met layer 1's queries on another and the forward crashed).
+    ``focalnet``: its head's adaptive pooling restrides a replicated value (before: DTensor
+    refused the backward's ``as_strided``, mid-step)."""
     line_of(shape, model)
 
 

@@ -601,6 +601,17 @@ def roformer() -> Case:
     return Case(RoFormerForMaskedLM(cfg), *_tokens())
 
 
+def focalnet() -> Case:
+    """FocalNetForImageClassification: focal modulation (depthwise convolutions, gates) and
+    a head pooling its tokens' transpose with ``nn.AdaptiveAvgPool1d`` (``as_strided`` in
+    its backward)."""
+    from transformers import FocalNetConfig, FocalNetForImageClassification
+
+    cfg = FocalNetConfig(image_size=32, embed_dim=16, depths=[1, 1], num_labels=CLASSES,
+                         drop_path_rate=0.0, hidden_dropout_prob=0.0)
+    return Case(FocalNetForImageClassification(cfg), *_images(32))
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -853,6 +864,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "pegasus": pegasus,
     "convbert": convbert,
     "roformer": roformer,
+    "focalnet": focalnet,
 }
 
 
