@@ -100,14 +100,21 @@ class Hook:
 Programs = dict[str, tuple[Layout, Redistribution]]  # producer -> (layout read, program)
 
 
-def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module) -> bool:
+def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module, module: nn.Module) -> bool:
     """Whether ``sub`` (op's module) computes on this rank's blocks. A linear must be
     ``nn.Linear``: another projection module (Hugging Face's ``Conv1D``) may shape its output
     from its own whole sizes (``view(..., self.nf)``), which a block does not have — it runs on
-    DTensors, whose shapes are the whole ones."""
+    DTensors, whose shapes are the whole ones. Every parameter of ``sub`` must be the op's
+    (``op.source_params`` name them in the root ``module``)."""
     if op.kind is OpKind.MOE:  # the runtime's kernel, swapped in (runtime.applied_moe)
         return hf_experts(op)
     if op.kind not in LOCAL_KINDS or len(op.source_params) != len(param_shapes(op)):
+        return False
+    owned = {id(module.get_parameter(f)) for f in op.source_params}
+    if any(id(p) not in owned for p in sub.parameters(recurse=False)):
+        # a parameter of the module another op owns (DeBERTa's layer norm adds its bias
+        # in its own forward, imported as an op of its own): it stays a DTensor there,
+        # which would meet the local blocks
         return False
     if op.kind is OpKind.LINEAR:
         return isinstance(sub, nn.Linear) and not is_summa(ly.strategy)
@@ -287,7 +294,7 @@ def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
         red = None if op.name == out_op and not converted_at_its_module(graph) \
             else post.get(op.name, (None, None))[1]
         h.output = (layers[op.name].output, red)
-        h.local = runs_locally(op, layers[op.name], module.get_submodule(path))
+        h.local = runs_locally(op, layers[op.name], module.get_submodule(path), module)
 
 
 class BoundaryHooks:

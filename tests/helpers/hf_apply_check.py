@@ -612,6 +612,19 @@ def focalnet() -> Case:
     return Case(FocalNetForImageClassification(cfg), *_images(32))
 
 
+def deberta() -> Case:
+    """DebertaForMaskedLM: its own layer norm module adds its bias in its forward, an op of
+    its own apart from the norm's; ``in_proj`` makes q, k and v at once, with separate q and
+    v biases added in the attention's code."""
+    from transformers import DebertaConfig, DebertaForMaskedLM
+
+    cfg = DebertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=2 * SEQ + 2, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return Case(DebertaForMaskedLM(cfg), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -865,6 +878,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "convbert": convbert,
     "roformer": roformer,
     "focalnet": focalnet,
+    "deberta": deberta,
 }
 
 
