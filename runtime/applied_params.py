@@ -133,6 +133,8 @@ def check_frozen(graph: Graph, module: nn.Module) -> None:
     training would synchronise gradients that never come."""
     params = dict(module.named_parameters(remove_duplicate=False))
     for op in graph.ops:
+        if op.unused:  # frozen by where it sits, whatever the module says
+            continue
         differ = [n for n in op.source_params
                   if n in params and (not params[n].requires_grad) != op.frozen]
         if differ:
@@ -231,6 +233,13 @@ def _left_plain(op: Op, original: torch.Tensor, stored: Layout) -> bool:
             and all(not isinstance(pl, (Split, Partial)) for pl in stored.placements))
 
 
+def _unused_gradient(name: str, op: str, grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeSetupError(
+        f"parameter {name} took a gradient but its op {op!r} is planned unused (the import "
+        f"found no path from its output to the loss), so no gradient of it is synchronised; "
+        f"import the module as it runs and solve again")
+
+
 def tied_heads_last(ops: tuple[Op, ...]) -> list[Op]:
     """The ops in graph order with tied copies moved last, so a table is placed by its
     embedding before a copy is made of it."""
@@ -264,8 +273,13 @@ class AppliedParams:
             if op.source_params:
                 self._place(op, originals, paths)
         self._pending = 0
-        # a frozen op's parameters (requires_grad=False) take no gradient to wait for
-        self.trained = {s: p for s, p in self.slots.items() if p.value.requires_grad}
+        # a frozen op's parameters (requires_grad=False) take no gradient to wait for, nor
+        # does an unused op's (its output reaches no loss): one that comes raises
+        self.trained = {s: p for s, p in self.slots.items()
+                        if p.value.requires_grad and not self.graph[s[0]].unused}
+        for (name, _), p in self.slots.items():
+            if p.value.requires_grad and self.graph[name].unused:
+                p.value.register_hook(functools.partial(_unused_gradient, p.fqn, name))
         # gradients reduced by an earlier backward of this step (gradient accumulation),
         # set aside while the next one arrives: :meth:`_set_aside`
         self._earlier: dict[Slot, torch.Tensor] = {}

@@ -295,7 +295,8 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
                                    "convnextv2", "marian", "pegasus", "pvt", "mobilevit",
-                                   "convbert", "roformer", "focalnet", "deberta"])
+                                   "convbert", "roformer", "focalnet", "deberta",
+                                   "clip-vision"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -317,7 +318,9 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     ``focalnet``: its head's adaptive pooling restrides a replicated value (before: DTensor
     refused the backward's ``as_strided``, mid-step). ``deberta``: a layer norm module whose
     bias another op owns runs on DTensors, not on local blocks (before: its local block met
-    the bias's DTensor, and the next edge program ran on a DTensor inside a DTensor)."""
+    the bias's DTensor, and the next edge program ran on a DTensor inside a DTensor).
+    ``clip-vision``: a norm no loss reads, whose parameters take no gradient (before: the
+    step waited for their gradients, and reduced the others before they came)."""
     line_of(shape, model)
 
 

@@ -452,6 +452,46 @@ def test_a_random_layer_skip_is_named_at_its_line():
     assert "layerdrop" in str(err.value)
 
 
+class _UnusedHead(nn.Module):
+    """A model computing a second head its output never returns (CLIP's ``post_layernorm``
+    under image classification): a linear trained in the module, reached by no loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.spare = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        self.last_spare = self.spare(h)
+        return self.head(h)
+
+
+def test_an_op_no_loss_reads_takes_no_gradient_and_none_is_priced():
+    """Autograd gives the spare head's parameters no gradient: the import marks it unused
+    (frozen, no backward), so its plan synchronises nothing for it, while the ops the loss
+    reads train as before."""
+    graph = from_module(_UnusedHead(), (torch.randn(4, 8),))
+    spare, body = graph["spare"], graph["body"]
+    assert spare.unused and spare.frozen and spare.no_grad
+    assert not (body.unused or body.frozen or body.no_grad)
+    from ilp_planner.lowering.strategies import grad_sync
+
+    link = {"latency_us": 5, "bandwidth_gbps": 10}
+    cluster = {"nodes": 1, "devices_per_node": 4, "memory_gib": 1, "peak_tflops": 1,
+               "links": {"intra": link, "inter": link}}
+    config = load_config({"model": graph, "cluster": cluster})
+    ctx = StrategyContext(config.cluster, 1, 4, config.memory)
+
+    def syncs(op):
+        return [b for s in op_strategies(op, [graph[i].output for i in op.inputs], ctx)
+                for b in grad_sync(op, s.label, s.inputs, s.weight, s.output, ctx)]
+
+    assert not syncs(spare) and syncs(body)
+    assert ilp_planner.solve(config, baselines=False).solver.status == "optimal"
+
+
 def test_an_opaque_op_owning_several_parameters_prices_one_role_each():
     """A class token and a position table read by one ``cat`` (ViT's embeddings): the plan
     prices each as its own replicated parameter, as ``parallelize`` places them."""

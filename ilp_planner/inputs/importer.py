@@ -148,8 +148,8 @@ def from_module(module: Any, example_inputs: Any, *,
             f"the targets and compute the loss on its output (``loss_fn=``, or the default "
             f"cross-entropy over its logits), or import with dtensor=False for a plan the "
             f"runtime's own executor runs")
-    ops = _no_grad_marked(_frozen_marked(_frozen_ops(list(g.drafts.values()), g.param_shape),
-                                         module, type(module).__name__))
+    ops = _no_grad_marked(_unused_marked(_frozen_marked(
+        _frozen_ops(list(g.drafts.values()), g.param_shape), module, type(module).__name__)))
     if dtensor:  # the plan runs on the module: its functional code reads shared values
         ops = _own_precision_marked(ops, module)
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
@@ -436,6 +436,19 @@ def _own_precision_marked(ops: list[Op], module: Any) -> list[Op]:
         return ops
     return [dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "own_precision": 1}))
             if op.source_params and half.issuperset(op.source_params) else op for op in ops]
+
+
+def _unused_marked(ops: list[Op]) -> list[Op]:
+    """``ops`` with ``attrs.unused`` and ``attrs.frozen`` (:attr:`~ilp_planner.ir.graph.Op.unused`)
+    on each op no path leads from to the loss (the last loss op): the model computes it and
+    nothing reads it, so autograd gives its parameters no gradient."""
+    loss = next(op for op in reversed(ops) if op.kind is OpKind.LOSS)
+    live = {loss.name}
+    for op in reversed(ops):
+        if op.name in live:
+            live.update(op.inputs)
+    return [op if op.name in live or op.kind is OpKind.INPUT else dataclasses.replace(
+        op, attrs=MappingProxyType({**op.attrs, "unused": 1, "frozen": 1})) for op in ops]
 
 
 def _no_grad_marked(ops: list[Op]) -> list[Op]:

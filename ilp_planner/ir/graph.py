@@ -257,6 +257,15 @@ class Op:
         return bool(self.attrs.get("frozen"))
 
     @property
+    def unused(self) -> bool:
+        """Its output reaches no loss (``attrs.unused``, marked at import: a head the
+        model's forward computes and its loss never reads — CLIP's ``post_layernorm`` under
+        image classification). It is :attr:`frozen` too: its parameters train in the
+        module but take no gradient, so nothing is synchronised, updated or held for
+        them, and no backward runs through it."""
+        return bool(self.attrs.get("unused"))
+
+    @property
     def no_grad(self) -> bool:
         """Its output takes no gradient (``attrs.no_grad``, marked at import where it is
         not one of the graph's :meth:`Graph.gradient_carriers`: a frozen base, an image
@@ -329,12 +338,15 @@ class Graph:
         train (a tied head or a shared table included; not :attr:`Op.frozen` ones) and
         every op reading one of them, in
         floating point — not model data, nor what is computed from it alone (an image's
-        padding, a position count), whose edges' backward programs autograd never runs.
+        padding, a position count), whose edges' backward programs autograd never runs, nor
+        an :attr:`Op.unused` one.
         ``imported``: a pipeline stage's inputs from an earlier stage, which take one."""
         hit = self._carriers.get(imported)
         if hit is None:
             out: set[str] = set()
             for op in self._ops.values():
+                if op.unused:  # read by no loss: nothing comes back through it
+                    continue
                 owns = op.kind is not OpKind.INPUT and not op.frozen and (
                     op.params > 0 or bool(op.source_params) or bool(op.attrs.get("tied")))
                 if (op.name in imported or owns or any(i in out for i in op.inputs)) \

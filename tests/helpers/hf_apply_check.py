@@ -625,6 +625,20 @@ def deberta() -> Case:
     return Case(DebertaForMaskedLM(cfg), *_tokens())
 
 
+def clip_vision() -> Case:
+    """CLIPForImageClassification: the vision tower's ``post_layernorm`` runs on the class
+    token, which the classifier (reading the mean of the other tokens) never reads — an
+    unused op, its parameters given no gradient."""
+    from transformers import CLIPConfig, CLIPForImageClassification
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    cfg = CLIPConfig(vision_config=dict(image_size=16, patch_size=4, num_hidden_layers=2,
+                                        **tower),
+                     text_config=dict(vocab_size=VOCAB, num_hidden_layers=1, **tower),
+                     num_labels=CLASSES)
+    return Case(CLIPForImageClassification(cfg), *_images(16))
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -879,6 +893,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "roformer": roformer,
     "focalnet": focalnet,
     "deberta": deberta,
+    "clip-vision": clip_vision,
 }
 
 
