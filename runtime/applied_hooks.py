@@ -263,8 +263,9 @@ def _shared_program(graph: Graph, src: str, readers: list[tuple[str, int]],
             f"does not price as one shared read ({sorted(shared) or 'none'}); import the "
             f"module with from_module(dtensor=True) and re-solve")
     # unit mesh axes aside: one DeviceMesh and the same placements run both
+    back = [p for p, (r, _) in zip(progs, readers, strict=True) if not graph[r].unused]
     for what, seen in (("layouts", {drop_unit_axes(p.dst) for p in progs}),
-                       ("gradient layouts", {drop_unit_axes(p.grad_dst) for p in progs})):
+                       ("gradient layouts", {drop_unit_axes(p.grad_dst) for p in back})):
         if len(seen) > 1:
             raise RuntimeSetupError(
                 f"{src!r} feeds functional code in two {what} "
@@ -322,6 +323,8 @@ class BoundaryHooks:
         self.masks: dict[str, VocabMask] = {}  # vocabulary-split lookups running now
         self.paddings: dict[str, int] = {}  # their modules' own padding rows
         self.calls: dict[str, int] = {}  # module path -> its calls so far in this forward
+        self.runs: dict[str, list[Hook]] = {}  # module path -> its ops' hooks in call order
+        self.off_plan: set[str] = set()  # modules running now on values made outside the plan
         self.parts: LocalParts | None = None  # fused outputs cut into parts, this forward
 
     def install(self, programs: dict[tuple[str, int], Redistribution]) -> None:
@@ -332,12 +335,13 @@ class BoundaryHooks:
                 path = runner_path(self.module, op)
                 assert path is not None
                 runs.setdefault(path, []).append(self.hooks[op.name])
+        self.runs = runs
         for path, hs in runs.items():
             mod = self.module.get_submodule(path)
-            mod.register_forward_pre_hook(lambda m, args, p=path, hs=hs: self._pre(
-                self._call(p, hs), args))
-            mod.register_forward_hook(lambda m, args, out, p=path, hs=hs: self._post(
-                self._finish(p, hs), out))
+            mod.register_forward_pre_hook(lambda m, args, p=path, hs=hs: self._pre_call(
+                p, hs, m, args))
+            mod.register_forward_hook(lambda m, args, out, p=path, hs=hs: self._post_call(
+                p, hs, out))
         out = output_op(self.graph)
         # (the layout the module's output arrives in at the root, the program left there)
         self.final = (post[out][0], None) if converted_at_its_module(self.graph) and \
@@ -346,6 +350,21 @@ class BoundaryHooks:
                                               with_kwargs=True)
         self.module.register_forward_hook(lambda m, args, out: self._output(out),
                                           always_call=True)
+
+    def _pre_call(self, path: str, hs: list[Hook], mod: nn.Module, args: tuple) -> tuple | None:
+        """A call of the module at ``path``: its op's, or no op's (:func:`_on_constants`)."""
+        if _on_constants(mod, args):
+            self.off_plan.add(path)
+            return None
+        return self._pre(self._call(path, hs), args)
+
+    def _post_call(self, path: str, hs: list[Hook], out: Any) -> Any:
+        if path in self.off_plan:
+            self.off_plan.discard(path)
+            return None
+        h = self._call(path, hs)
+        self.calls[path] = self.calls.get(path, 0) + 1
+        return self._post(h, out)
 
     def _call(self, path: str, hs: list[Hook]) -> Hook:
         """The hook of this call of the module at ``path`` (its ops in call order)."""
@@ -356,11 +375,6 @@ class BoundaryHooks:
                                     f"in the module's code, which parallelize does not "
                                     f"apply); the plan has {len(hs)} op(s) for it")
         return hs[n]
-
-    def _finish(self, path: str, hs: list[Hook]) -> Hook:
-        h = self._call(path, hs)
-        self.calls[path] = self.calls.get(path, 0) + 1
-        return h
 
     def _pre(self, h: Hook, args: tuple) -> tuple:
         args = list(args)
@@ -510,6 +524,7 @@ class BoundaryHooks:
         kernel has no sharding rule)."""
         self.origin = {}
         self.calls = {}
+        self.off_plan = set()
         self.params.refresh_tied()
         if not self.replicating:
             self.replicating.enter(implicit_replication())
@@ -561,6 +576,12 @@ class BoundaryHooks:
         tensor with the whole value — and as a DTensor where it is split or partial (the
         user's loss on it is DTensor code)."""
         self.forward_only.leave()
+        short = [(p, self.calls.get(p, 0), len(hs)) for p, hs in self.runs.items()
+                 if self.calls.get(p, 0) != len(hs)]
+        if short:
+            p, n, k = short[0]
+            raise RuntimeSetupError(f"module {p!r} ran {n} of the {k} calls the plan has ops "
+                                    f"for in this forward")
         leaves, structure = tree_flatten(out)
         first = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
         if first is None:
@@ -577,6 +598,17 @@ class BoundaryHooks:
             return out
         with tagged("forward", "activation", name):
             return self.edges.run(out, arrives, red, red.dst, name, "the module's output")
+
+
+def _on_constants(mod: nn.Module, args: tuple) -> bool:
+    """Whether this call of a module without parameters reads no value of the plan — only
+    tensors made outside it, none a DTensor: the importer folded it into a constant, so no
+    op is its (XLNet's dropout module run on the relative position encodings, between its
+    calls on the embeddings and on the last layer's output). Every planned call reads a
+    DTensor: the module's inputs are placed before its first op runs."""
+    tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+    return (bool(tensors) and not any(isinstance(a, DTensor) for a in tensors)
+            and next(mod.parameters(), None) is None)
 
 
 def _user_tensor(x: Any) -> Any:

@@ -296,7 +296,7 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
                                    "convnextv2", "marian", "pegasus", "pvt", "mobilevit",
                                    "convbert", "roformer", "focalnet", "deberta",
-                                   "clip-vision"])
+                                   "clip-vision", "siglip", "dropout-on-constants"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -320,7 +320,12 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     bias another op owns runs on DTensors, not on local blocks (before: its local block met
     the bias's DTensor, and the next edge program ran on a DTensor inside a DTensor).
     ``clip-vision``: a norm no loss reads, whose parameters take no gradient (before: the
-    step waited for their gradients, and reduced the others before they came)."""
+    step waited for their gradients, and reduced the others before they came).
+    ``siglip``: an unused attention-pooling head reading the tokens the classifier's mean
+    reads, in functional code (before: no choice could run, its ``F.linear`` having no
+    replicated layout). ``dropout-on-constants``: a dropout module called on a constant
+    between its planned calls, a call no op is (before: taken for the next planned call, and
+    its plain tensor refused)."""
     line_of(shape, model)
 
 

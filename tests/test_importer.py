@@ -23,6 +23,7 @@ from ilp_planner.ir.cluster import Cluster, Link
 from ilp_planner.ir.graph import Graph, OpKind
 from ilp_planner.ir.layouts import drop_unit_axes
 from ilp_planner.lowering.compute_model import op_work
+from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.strategies import StrategyContext, op_strategies
 from ilp_planner.plan.data import Plan
 from ilp_planner.reports.summary import model_summary
@@ -475,6 +476,7 @@ def test_an_op_no_loss_reads_takes_no_gradient_and_none_is_priced():
     graph = from_module(_UnusedHead(), (torch.randn(4, 8),))
     spare, body = graph["spare"], graph["body"]
     assert spare.unused and spare.frozen and spare.no_grad
+    assert spare.kind is OpKind.OPAQUE and spare.params == 8 * 8 + 8  # computed whole
     assert not (body.unused or body.frozen or body.no_grad)
     from ilp_planner.lowering.strategies import grad_sync
 
@@ -490,6 +492,57 @@ def test_an_op_no_loss_reads_takes_no_gradient_and_none_is_priced():
 
     assert not syncs(spare) and syncs(body)
     assert ilp_planner.solve(config, baselines=False).solver.status == "optimal"
+
+
+class _PooledBesideUnused(nn.Module):
+    """SigLIP's image classifier: the tokens' mean feeds the loss while an attention-pooling
+    head's functional ``F.linear`` reads the same tokens and reaches nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.probe = nn.Parameter(torch.randn(8, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.body(x)
+        self.pooled = nn.functional.linear(h, self.probe).softmax(-1)
+        return self.head(h.mean(dim=1))
+
+
+def test_an_unused_reader_of_a_shared_value_leaves_the_live_one_its_layouts():
+    """Two pieces of functional code read ``body``'s output: the unused one is computed
+    whole, carries none of the shared program (the live reader does) and is coupled to
+    it by the input layout alone (it hands no gradient back), so the model solves (before:
+    infeasible, no linear reading it replicated)."""
+    x = torch.randn(4, 6, 8)
+    link = {"latency_us": 5, "bandwidth_gbps": 10}
+    cluster = {"nodes": 1, "devices_per_node": 4, "memory_gib": 1, "peak_tflops": 1,
+               "links": {"intra": link, "inter": link}}
+    graph = from_module(_PooledBesideUnused(), (x,))
+    assert [op.name for op in graph.ops if op.unused] == ["linear", "softmax"]
+    # the live reader carries the one program: its backward is the one autograd runs
+    assert riders(graph) == {("linear", 0): ("head.opaque", 0)}
+    plan = ilp_planner.solve(graph, cluster=cluster, baselines=False)
+    assert plan.solver.status == "optimal"
+    rows = {ly.name: ly for ly in plan.layers}
+    assert not [c for c in rows["linear"].collectives + rows["softmax"].collectives
+                if c.phase == "backward"]
+    from ilp_planner.reports.explain import explain
+
+    assert "2 of them unused (no loss reads their output" in explain(plan)
+
+
+def test_a_number_read_off_the_data_only_to_check_it_imports():
+    """The number is no op of the plan (before: the import failed on the 0-d value with an
+    IndexError, then on the number with an AttributeError)."""
+    from tests.helpers.user_models import ChecksItsLengths  # its assert not pytest's
+
+    graph = from_module(ChecksItsLengths(), (_ids(4, 8),))
+    assert [op.kind for op in graph.ops if not op.unused] == [
+        OpKind.INPUT, OpKind.EMBEDDING, OpKind.LINEAR, OpKind.LOSS]
+    # the lengths (computed from the ids, read by no loss) are unused and cost no backward
+    assert all(op.kind is OpKind.OPAQUE and op.no_grad for op in graph.ops if op.unused)
 
 
 def test_an_opaque_op_owning_several_parameters_prices_one_role_each():

@@ -149,7 +149,8 @@ def from_module(module: Any, example_inputs: Any, *,
             f"cross-entropy over its logits), or import with dtensor=False for a plan the "
             f"runtime's own executor runs")
     ops = _no_grad_marked(_unused_marked(_frozen_marked(
-        _frozen_ops(list(g.drafts.values()), g.param_shape), module, type(module).__name__)))
+        _frozen_ops(list(g.drafts.values()), g.param_shape), module, type(module).__name__),
+        g.param_shape))
     if dtensor:  # the plan runs on the module: its functional code reads shared values
         ops = _own_precision_marked(ops, module)
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
@@ -438,17 +439,43 @@ def _own_precision_marked(ops: list[Op], module: Any) -> list[Op]:
             if op.source_params and half.issuperset(op.source_params) else op for op in ops]
 
 
-def _unused_marked(ops: list[Op]) -> list[Op]:
-    """``ops`` with ``attrs.unused`` and ``attrs.frozen`` (:attr:`~ilp_planner.ir.graph.Op.unused`)
-    on each op no path leads from to the loss (the last loss op): the model computes it and
+def _unused_marked(ops: list[Op], param_shape: Mapping[str, tuple[int, ...]]) -> list[Op]:
+    """``ops`` with each op no path leads from to the loss (the last loss op) made an
+    unused one (:attr:`~ilp_planner.ir.graph.Op.unused`): the model computes it and
     nothing reads it, so autograd gives its parameters no gradient."""
     loss = next(op for op in reversed(ops) if op.kind is OpKind.LOSS)
     live = {loss.name}
     for op in reversed(ops):
         if op.name in live:
             live.update(op.inputs)
-    return [op if op.name in live or op.kind is OpKind.INPUT else dataclasses.replace(
-        op, attrs=MappingProxyType({**op.attrs, "unused": 1, "frozen": 1})) for op in ops]
+    by_name = {op.name: op for op in ops}
+    return [op if op.name in live or op.kind is OpKind.INPUT
+            else _computed_whole(op, [by_name[i].output for i in op.inputs], param_shape)
+            for op in ops]
+
+
+_KEPT_ON_WHOLE = ("functional", "functional_inputs", "row_items", "relayout")
+"""The marks an unused op keeps as an opaque one: where its code runs and what it reads."""
+
+
+def _computed_whole(op: Op, inputs: list[TensorSpec],
+                    param_shape: Mapping[str, tuple[int, ...]]) -> Op:
+    """An unused op as an opaque one (``attrs.unused``, ``attrs.frozen``): computed whole
+    on every device as one process does — its FLOPs and the bytes it reads and writes
+    priced, its parameters replicated and given no gradient. Nothing of it reaches the
+    loss, so no split could pay for itself; and an opaque op runs wherever the user's
+    code leaves it — beside the functional code reading the same value replicated
+    (SigLIP's attention-pooling head beside the classifier's token mean)."""
+    attrs = {k: v for k, v in op.attrs.items() if k in _KEPT_ON_WHOLE}
+    sizes = [numel(param_shape[p]) for p in op.source_params]
+    if len(sizes) > 1:
+        attrs.update({f"param_{i}": n for i, n in enumerate(sizes)})
+    item = op.output.itemsize
+    attrs.update(unused=1, frozen=1, no_grad=1,
+                 bytes_read=sum(t.nbytes for t in inputs) + sum(sizes) * item,
+                 bytes_written=op.output.nbytes)
+    return dataclasses.replace(op, kind=OpKind.OPAQUE, weight=None, params=sum(sizes),
+                               attrs=MappingProxyType(attrs))
 
 
 def _no_grad_marked(ops: list[Op]) -> list[Op]:

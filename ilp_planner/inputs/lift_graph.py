@@ -283,10 +283,11 @@ class DraftGraph:
                     if len(x.shape) == 4:
                         return d.name
                     if len(x.shape) == 2 and x.shape[0] == d.shape[0]:
+                        # named in its reader's path: a relayout, no later call of it
                         act = self.add(node, OpKind.FLATTEN, [d.name], x.shape, x.dtype,
-                                       main=False)
+                                       main=False, relayout=1)
                         return act.src[0]
-                elif not image and (x.shape[-1] == d.shape[-1] or len(x.shape) == 1):
+                elif not image and (len(x.shape) <= 1 or x.shape[-1] == d.shape[-1]):
                     return d.name
         if not isinstance(x, Act):
             raise Unsupported(node, "reads a value that does not depend on the model's inputs")

@@ -47,6 +47,11 @@ def _visit(g: DraftGraph, node: Any) -> Any:
     return value
 
 
+def _number(val: Any) -> bool:
+    """Whether a node's value is a Python (symbolic) number, not a tensor or a list."""
+    return type(val).__name__ in ("SymInt", "SymFloat", "SymBool", "int", "float", "bool")
+
+
 def _in_place_base(op: str) -> str:
     """``add_`` → ``add``: the out-of-place op an in-place one computes, when the table
     lifts it and not the in-place name itself (``relu_`` has its own entry)."""
@@ -73,4 +78,8 @@ def _lifted(g: DraftGraph, node: Any, op: str) -> Any:
     handler = HANDLERS.get(op)
     if handler is not None:
         return handler(g, call)
+    if _number(call.val):  # a number read off the data (``.item()``; XLM asserts
+        # ``lengths.max().item() <= slen``): export guards any branch on it, so what is
+        # left of it only checks
+        return Const()
     return g.opaque(node, args, call.acts, call.val, op)

@@ -170,7 +170,10 @@ class GraphProblem:
             return opt.inputs[pos][idx], opt.grads[pos][idx]
 
         for (o, oi), (d, di) in riders(self.graph).items():
-            if tuple(map(drop_unit_axes, read(o, oi))) != tuple(map(drop_unit_axes, read(d, di))):
+            # an unused reader hands back no gradient: its input layout alone must agree
+            n = 1 if self.graph[o].unused or self.graph[d].unused else 2
+            if tuple(map(drop_unit_axes, read(o, oi)[:n])) \
+                    != tuple(map(drop_unit_axes, read(d, di)[:n])):
                 return (f"{self.graph[o].inputs[oi]!r} feeds functional code in two layouts "
                         f"({d!r}, {o!r}): no module boundary can run both programs")
         pairs = [(src, dst) for src, dst in self.graph.edges()
@@ -265,6 +268,8 @@ def gradient_merges(graph: Graph, name: str,
     model data, integers, what is computed from data alone); a tensor imported from an
     earlier stage takes one (``boundary.imported``)."""
     op = graph[name]
+    if op.unused:  # it hands no gradient back
+        return ()
     imported = boundary.imported if boundary is not None else frozenset()
     exported = boundary.exported if boundary is not None else frozenset()
     carriers = graph.gradient_carriers(imported)
@@ -1085,7 +1090,8 @@ def _edge_costs(st: _Structure, cluster: Cluster, options: dict[str, list[NodeOp
     for i, (u, pos_u, v, pos_v, idx, tensor) in enumerate(st.edges):
         if i in st.riders:  # its program is the priced reader's (shared_reads)
             continue
-        back = st.members[u][pos_u] in carriers  # a gradient comes back through the edge
+        # a gradient comes back through the edge (none from an unused reader)
+        back = st.members[u][pos_u] in carriers and not st.graph[st.members[v][pos_v]].unused
         quick = (id(options[u]), pos_u, id(options[v]), pos_v, idx, tensor, microbatches, back)
         r = by_lists.get(quick)
         if r is None:
@@ -1297,11 +1303,14 @@ def _add_tied_exchange(graph: Graph, cluster: Cluster, owner: dict[str, str], po
         edges[key] = edges[key] + mat if key in edges else mat.copy()
 
 
-def _shared_key(opt: NodeOption, pos: int, idx: int) -> tuple[Layout, Layout]:
+def _shared_key(opt: NodeOption, pos: int, idx: int, grads: bool = True) -> tuple[Layout, ...]:
     """A shared read's (input layout, gradient layout), unit mesh axes aside: the runtime
     runs the two on one DeviceMesh with the same placements (:func:`runtime.dtensors.rank_grid`
-    drops them), so a rider reads its priced reader's value as it is."""
-    return drop_unit_axes(opt.inputs[pos][idx]), drop_unit_axes(opt.grads[pos][idx])
+    drops them), so a rider reads its priced reader's value as it is. Without ``grads``
+    (one of the two readers :attr:`~ilp_planner.ir.graph.Op.unused`: it hands back no
+    gradient), the input layout alone."""
+    read = drop_unit_axes(opt.inputs[pos][idx])
+    return (read, drop_unit_axes(opt.grads[pos][idx])) if grads else (read,)
 
 
 def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
@@ -1342,10 +1351,12 @@ def _add_shared_couplings(st: _Structure, options: dict[str, list[NodeOption]],
                   penalty * (made[:, None] != read[None, :]).astype(float))
     for d, pos_d, idx_d, o, pos_o, idx_o in st.couplings:
         # each distinct pair compared once, unit mesh axes aside (one DeviceMesh runs both)
-        ids: dict[tuple[Layout, Layout], int] = {}
-        want = np.array([ids.setdefault(_shared_key(opt, pos_d, idx_d), len(ids))
+        grads = not (st.graph[st.members[d][pos_d]].unused
+                     or st.graph[st.members[o][pos_o]].unused)
+        ids: dict[tuple[Layout, ...], int] = {}
+        want = np.array([ids.setdefault(_shared_key(opt, pos_d, idx_d, grads), len(ids))
                          for opt in options[d]])
-        have = np.array([ids.setdefault(_shared_key(opt, pos_o, idx_o), len(ids))
+        have = np.array([ids.setdefault(_shared_key(opt, pos_o, idx_o, grads), len(ids))
                          for opt in options[o]])
         mat = penalty * (want[:, None] != have[None, :]).astype(float)
         _add_pair(cost, edges, st.group_of[d], st.group_of[o], mat)

@@ -177,7 +177,7 @@ def _rows(gp: GraphProblem, choice: list[int], stage: int, stage_of: dict[str, i
                 opt.grads[pos][idx], gp, edges)
             colls += fwd
             local += local_fwd
-            if src in carriers:  # else no gradient comes back: autograd runs no backward
+            if src in carriers and not op.unused:  # else no gradient comes back: no backward
                 colls += bwd
                 local += local_bwd
             if opt.recompute:  # the checkpointed block runs its input programs again

@@ -30,8 +30,11 @@ def _fused(op: Op) -> bool:
 def priced_read(graph: Graph, readers: tuple[Read, ...]) -> Read:
     """The reader whose edge carries a shared read's program: a follower fused into the
     producer's node if one reads it (its price is in the node already), else the first
-    reader in graph order."""
-    return next((r for r in readers if _fused(graph[r[0]])), readers[0])
+    reader in graph order that a gradient comes back through (not
+    :attr:`~ilp_planner.ir.graph.Op.unused`: its edge's backward program is the one autograd
+    runs), else the first."""
+    return next((r for r in readers if _fused(graph[r[0]])),
+                next((r for r in readers if not graph[r[0]].unused), readers[0]))
 
 
 def riders(graph: Graph) -> dict[Read, Read]:

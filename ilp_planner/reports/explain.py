@@ -403,8 +403,14 @@ def _opaque_lines(plan: Plan, shown: int = 5) -> list[str]:
     more = f", … {len(cost) - shown} more" if len(cost) > shown else ""
     lines = [f"unsharded {len(cost)} opaque op(s), replicated: {fmt_seconds(sum(cost.values()))} "
              f"({opaque_share(plan):.1%} of the step): {listed}{more}"]
+    config = parse_config(plan.config)
+    unused = [name for name in cost if name in config.graph and config.graph[name].unused]
+    if unused:
+        lines.append(f"  {len(unused)} of them unused (no loss reads their output: computed "
+                     f"whole, forward only, no gradient): {', '.join(unused[:shown])}"
+                     f"{' …' if len(unused) > shown else ''}")
     free = [ly.name for ly in plan.layers if ly.name in cost and ly.compute_s == 0.0]
-    if free and parse_config(plan.config).cluster.device is None:
+    if free and config.cluster.device is None:
         lines.append(
             f"  priced by their FLOPs only, on a cluster without a compute model: torch counts "
             f"none for {', '.join(free[:shown])}{' …' if len(free) > shown else ''}, so their "

@@ -541,6 +541,14 @@ def granitemoe() -> Case:
     return Case(GraniteMoeForCausalLM(cfg), *_tokens())
 
 
+def dropout_on_constants() -> Case:
+    """A user's dropout module called on a constant between its planned calls
+    (:class:`tests.helpers.user_models.DropoutOnConstants`): that call is no op's."""
+    from tests.helpers.user_models import DropoutOnConstants
+
+    return Case(DropoutOnConstants(VOCAB, 32), *_tokens())
+
+
 def no_grad_scaled() -> Case:
     """A user's model computing a scale under ``torch.no_grad()``
     (:class:`tests.helpers.user_models.NoGradScaled`): the region is imported as the
@@ -637,6 +645,20 @@ def clip_vision() -> Case:
                      text_config=dict(vocab_size=VOCAB, num_hidden_layers=1, **tower),
                      num_labels=CLASSES)
     return Case(CLIPForImageClassification(cfg), *_images(16))
+
+
+def siglip() -> Case:
+    """SiglipForImageClassification: the classifier reads the mean of the vision tower's
+    tokens; its attention-pooling head (``nn.MultiheadAttention``: functional ``F.linear``
+    on the same tokens) reaches no loss — unused ops, computed whole."""
+    from transformers import SiglipConfig, SiglipForImageClassification
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    cfg = SiglipConfig(vision_config=dict(image_size=16, patch_size=4, num_hidden_layers=2,
+                                          **tower),
+                       text_config=dict(vocab_size=VOCAB, num_hidden_layers=1, **tower),
+                       num_labels=CLASSES)
+    return Case(SiglipForImageClassification(cfg), *_images(16))
 
 
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
@@ -894,6 +916,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "focalnet": focalnet,
     "deberta": deberta,
     "clip-vision": clip_vision,
+    "siglip": siglip,
+    "dropout-on-constants": dropout_on_constants,
 }
 
 

@@ -466,6 +466,41 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
+class ChecksItsLengths(nn.Module):
+    """XLM's forward asserts ``lengths.max().item() <= slen``: a 0-d value computed from
+    the ids, read off as a Python number (torch proves the bound: no guard)."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _, slen = ids.size()
+        lengths = (ids != 2).sum(dim=1).long()
+        assert lengths.max().item() <= slen
+        return self.head(self.emb(ids))
+
+
+class DropoutOnConstants(nn.Module):
+    """One dropout module called on the embeddings, then on a table made in the forward
+    from ``arange`` (XLNet's relative position encodings: folded into a constant, no op of
+    the plan), then on the last hidden state."""
+
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.dropout = nn.Dropout(0.0)
+        self.up = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.dropout(self.wte(ids))
+        steps = torch.arange(ids.shape[1], dtype=h.dtype)[:, None]
+        positions = self.dropout(torch.sin(steps / (1 + torch.arange(h.shape[-1]))))
+        return self.head(self.dropout(self.up(h + positions)))
+
+
 class NoGradScaled(nn.Module):
     """Token features scaled by a statistic computed under ``torch.no_grad()`` (kept out of
     autograd, as a user normalises by a detached norm): ``torch.export`` keeps that block as
