@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,7 +365,7 @@ class BoundaryHooks:
             return None
         h = self._call(path, hs)
         self.calls[path] = self.calls.get(path, 0) + 1
-        return self._post(h, out)
+        return _on_first(out, lambda t: self._post(h, t))
 
     def _call(self, path: str, hs: list[Hook]) -> Hook:
         """The hook of this call of the module at ``path`` (its ops in call order)."""
@@ -576,12 +577,7 @@ class BoundaryHooks:
         tensor with the whole value — and as a DTensor where it is split or partial (the
         user's loss on it is DTensor code)."""
         self.forward_only.leave()
-        short = [(p, self.calls.get(p, 0), len(hs)) for p, hs in self.runs.items()
-                 if self.calls.get(p, 0) != len(hs)]
-        if short:
-            p, n, k = short[0]
-            raise RuntimeSetupError(f"module {p!r} ran {n} of the {k} calls the plan has ops "
-                                    f"for in this forward")
+        _check_calls(self.runs, self.calls)
         leaves, structure = tree_flatten(out)
         first = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)), None)
         if first is None:
@@ -598,6 +594,31 @@ class BoundaryHooks:
             return out
         with tagged("forward", "activation", name):
             return self.edges.run(out, arrives, red, red.dst, name, "the module's output")
+
+
+def _check_calls(runs: dict[str, list[Hook]], calls: dict[str, int]) -> None:
+    """Every module ran each call the plan has an op for, in this forward."""
+    for path, hs in runs.items():
+        n = calls.get(path, 0)
+        if n == 0:
+            raise RuntimeSetupError(
+                f"module {path!r} was not called in the forward, though the plan has an op for "
+                f"it: code outside it computes with its parameters (Mamba-2's "
+                f"causal_conv1d_fn(x, conv1d.weight, …)), which parallelize cannot run as the "
+                f"op's module")
+        if n != len(hs):
+            raise RuntimeSetupError(f"module {path!r} ran {n} of the {len(hs)} calls the plan "
+                                    f"has ops for in this forward")
+
+
+def _on_first(out: Any, post: Callable[[Any], Any]) -> Any:
+    """``post`` on a module's output — the op's value — or, where the module returns it
+    as the only tensor of a tuple or list (FNet's Fourier transform returns
+    ``(output,)``), on that tensor, the structure kept."""
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) \
+            and not any(isinstance(x, torch.Tensor) for x in out[1:]):
+        return type(out)([post(out[0]), *out[1:]])
+    return post(out)
 
 
 def _on_constants(mod: nn.Module, args: tuple) -> bool:

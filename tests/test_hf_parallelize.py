@@ -296,7 +296,8 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
 @pytest.mark.parametrize("model", ["granitemoe", "no-grad-scaled", "convnext-wide",
                                    "convnextv2", "marian", "pegasus", "pvt", "mobilevit",
                                    "convbert", "roformer", "focalnet", "deberta",
-                                   "clip-vision", "siglip", "dropout-on-constants"])
+                                   "clip-vision", "siglip", "dropout-on-constants",
+                                   "fnet"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -325,7 +326,8 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     reads, in functional code (before: no choice could run, its ``F.linear`` having no
     replicated layout). ``dropout-on-constants``: a dropout module called on a constant
     between its planned calls, a call no op is (before: taken for the next planned call, and
-    its plain tensor refused)."""
+    its plain tensor refused). ``fnet``: a module returning its op's value as a one-tensor
+    tuple (before: refused as "got tuple")."""
     line_of(shape, model)
 
 
@@ -577,6 +579,24 @@ def test_a_module_called_with_fewer_inputs_than_its_op_reads_is_named(one_rank):
                                                 r"'.*attention\.value' as its input 2, but "
                                                 r"its module is called with 2 positional"):
         applied(ids)
+
+
+def test_every_planned_module_call_must_run_in_the_forward():
+    """Mamba-2's mixer convolves with ``causal_conv1d_fn(x, self.conv1d.weight, …)``: the
+    plan's op for ``conv1d`` owns its weights, but the module is never called, so no
+    boundary runs the op's programs; a module called fewer times than the plan has ops for
+    it left an op unrun. Each is named at the end of the first forward (before: nothing
+    checked that every planned call ran)."""
+    from runtime.applied_hooks import Hook, _check_calls
+    from runtime.errors import RuntimeSetupError
+
+    runs = {"conv1d": [Hook("conv1d")], "dropout": [Hook("dropout"), Hook("dropout.dropout")]}
+    with pytest.raises(RuntimeSetupError, match=r"module 'conv1d' was not called in the "
+                                                r"forward, though the plan has an op for it"):
+        _check_calls(runs, {"dropout": 2})
+    with pytest.raises(RuntimeSetupError, match=r"module 'dropout' ran 1 of the 2 calls"):
+        _check_calls(runs, {"conv1d": 1, "dropout": 1})
+    _check_calls(runs, {"conv1d": 1, "dropout": 2})
 
 
 def test_a_qwen2_moe_on_one_rank_computes_every_routed_token_as_the_block_does(one_rank):

@@ -533,6 +533,23 @@ def test_an_unused_reader_of_a_shared_value_leaves_the_live_one_its_layouts():
     assert "2 of them unused (no loss reads their output" in explain(plan)
 
 
+def test_an_assert_on_the_data_is_named_as_one():
+    """I-BERT asserts on its activations' ranges: named as a check at its line."""
+    class Checks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            torch._assert(bool(y.isnan().sum() == 0), "nan")  # the check
+            return y
+
+    with pytest.raises(ConfigError, match=r"the forward asserts on a value computed at run "
+                                          r"time at test_importer\.py:\d+ \(.torch\._assert"):
+        from_module(Checks(), (torch.randn(2, 4),))
+
+
 def test_a_number_read_off_the_data_only_to_check_it_imports():
     """The number is no op of the plan (before: the import failed on the 0-d value with an
     IndexError, then on the number with an AttributeError)."""

@@ -582,10 +582,14 @@ def _run_time_branch(exc: Exception, torch: Any) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return (f"; the forward branches on a value computed at run time at "
-            f"{Path(f.filename).name}:{f.lineno} ({(f.line or '').strip()!r}): a plan fixes "
-            f"which ops run, so no branch may depend on the data or on a random draw: turn "
-            f"that off (LayerDrop: its layerdrop fields 0 in the model's config)")
+    line, where = (f.line or "").strip(), f"{Path(f.filename).name}:{f.lineno}"
+    if re.match(r"assert\b|torch\._assert|torch\._check", line):  # I-BERT's range checks
+        return (f"; the forward asserts on a value computed at run time at {where} "
+                f"({line!r}), which torch.export cannot trace: a check of the data, not "
+                f"of the program — leave it out of the module you import")
+    return (f"; the forward branches on a value computed at run time at {where} ({line!r}): "
+            f"a plan fixes which ops run, so no branch may depend on the data or on a random "
+            f"draw: turn that off (LayerDrop: its layerdrop fields 0 in the model's config)")
 
 
 def _first_line(exc: Exception) -> str:

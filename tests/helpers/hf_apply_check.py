@@ -661,6 +661,17 @@ def siglip() -> Case:
     return Case(SiglipForImageClassification(cfg), *_images(16))
 
 
+def fnet() -> Case:
+    """FNetForMaskedLM: token mixing by a 2-D FFT (an opaque op, replicated) in a module
+    returning ``(output,)``."""
+    from transformers import FNetConfig, FNetForMaskedLM
+
+    cfg = FNetConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, max_position_embeddings=2 * SEQ,
+                     hidden_dropout_prob=0.0, use_tpu_fourier_optimizations=False)
+    return Case(FNetForMaskedLM(cfg), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -918,6 +929,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "clip-vision": clip_vision,
     "siglip": siglip,
     "dropout-on-constants": dropout_on_constants,
+    "fnet": fnet,
 }
 
 
