@@ -633,32 +633,30 @@ def deberta() -> Case:
     return Case(DebertaForMaskedLM(cfg), *_tokens())
 
 
+def _two_tower_classifier(config: str, model: str) -> Case:
+    """A two-tower (image, text) model's image classifier on 16 × 16 images, its vision
+    tower 2 layers deep."""
+    import transformers
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    cfg = getattr(transformers, config)(
+        vision_config=dict(image_size=16, patch_size=4, num_hidden_layers=2, **tower),
+        text_config=dict(vocab_size=VOCAB, num_hidden_layers=1, **tower), num_labels=CLASSES)
+    return Case(getattr(transformers, model)(cfg), *_images(16))
+
+
 def clip_vision() -> Case:
     """CLIPForImageClassification: the vision tower's ``post_layernorm`` runs on the class
     token, which the classifier (reading the mean of the other tokens) never reads — an
     unused op, its parameters given no gradient."""
-    from transformers import CLIPConfig, CLIPForImageClassification
-
-    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
-    cfg = CLIPConfig(vision_config=dict(image_size=16, patch_size=4, num_hidden_layers=2,
-                                        **tower),
-                     text_config=dict(vocab_size=VOCAB, num_hidden_layers=1, **tower),
-                     num_labels=CLASSES)
-    return Case(CLIPForImageClassification(cfg), *_images(16))
+    return _two_tower_classifier("CLIPConfig", "CLIPForImageClassification")
 
 
 def siglip() -> Case:
     """SiglipForImageClassification: the classifier reads the mean of the vision tower's
     tokens; its attention-pooling head (``nn.MultiheadAttention``: functional ``F.linear``
     on the same tokens) reaches no loss — unused ops, computed whole."""
-    from transformers import SiglipConfig, SiglipForImageClassification
-
-    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
-    cfg = SiglipConfig(vision_config=dict(image_size=16, patch_size=4, num_hidden_layers=2,
-                                          **tower),
-                       text_config=dict(vocab_size=VOCAB, num_hidden_layers=1, **tower),
-                       num_labels=CLASSES)
-    return Case(SiglipForImageClassification(cfg), *_images(16))
+    return _two_tower_classifier("SiglipConfig", "SiglipForImageClassification")
 
 
 def fnet() -> Case:
