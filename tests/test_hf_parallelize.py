@@ -297,7 +297,7 @@ def test_models_outside_the_first_set_train_like_one_process(model, shape):
                                    "convnextv2", "marian", "pegasus", "pvt", "mobilevit",
                                    "convbert", "roformer", "focalnet", "deberta",
                                    "clip-vision", "siglip", "dropout-on-constants",
-                                   "fnet", "ctrl"])
+                                   "fnet"])
 def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     """``granitemoe``: its router held as ``router``, not ``gate`` (before, its blocks were
     exported as the expert loop's opaque ops and refused at the first forward).
@@ -327,9 +327,7 @@ def test_models_a_user_brings_from_the_zoo_train_like_one_process(model, shape):
     replicated layout). ``dropout-on-constants``: a dropout module called on a constant
     between its planned calls, a call no op is (before: taken for the next planned call, and
     its plain tensor refused). ``fnet``: a module returning its op's value as a one-tensor
-    tuple (before: refused as "got tuple"). ``ctrl``: a constant added to the embeddings
-    between two modules, which no partial sum may reach (before: the plan split the
-    vocabulary and DTensor reduce-scattered the sums inside the add, unplanned)."""
+    tuple (before: refused as "got tuple")."""
     line_of(shape, model)
 
 

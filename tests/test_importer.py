@@ -533,43 +533,6 @@ def test_an_unused_reader_of_a_shared_value_leaves_the_live_one_its_layouts():
     assert "2 of them unused (no loss reads their output" in explain(plan)
 
 
-class _ShiftedEmbeddings(nn.Module):
-    """CTRL's embeddings: scaled, then a constant position table added, in the model's
-    code between the embedding and the dropout module (``shift=False``: scaled only, as
-    Granite's)."""
-
-    def __init__(self, shift: bool):
-        super().__init__()
-        self.shift = shift
-        self.emb = nn.Embedding(64, 16)
-        self.dropout = nn.Dropout(0.0)
-        self.head = nn.Linear(16, 64)
-        self.register_buffer("table", torch.randn(8, 16))
-
-    def forward(self, ids):
-        h = self.emb(ids) * 4.0
-        return self.head(self.dropout(h + self.table if self.shift else h))
-
-
-@pytest.mark.parametrize("shift", [True, False])
-def test_code_adding_to_an_output_between_modules_keeps_partial_sums_out(shift):
-    """A constant added to a vocabulary-split embedding's partial sums would be added once
-    per summand: the embedding hands out whole sums (``attrs.whole_sums``) where the code
-    adds; a scale alone passes partial sums as the sum (before: CTRL's plan split the
-    vocabulary, and DTensor reduce-scattered the sums inside the user's add, unplanned)."""
-    graph = from_module(_ShiftedEmbeddings(shift), (_ids(4, 8),))
-    emb = graph["emb"]
-    assert bool(emb.attrs.get("whole_sums")) is shift
-    link = {"latency_us": 5, "bandwidth_gbps": 10}
-    config = load_config({"model": graph, "cluster": {
-        "nodes": 1, "devices_per_node": 4, "memory_gib": 1, "peak_tflops": 1,
-        "links": {"intra": link, "inter": link}}})
-    ctx = StrategyContext(config.cluster, 1, 4, config.memory)
-    partial = [s for s in op_strategies(emb, [graph["ids"].output], ctx)
-               if any(s.output.fact[a].size > 1 for a in s.output.partial_axes)]
-    assert bool(partial) is not shift
-
-
 def test_an_assert_on_the_data_is_named_as_one():
     """I-BERT asserts on its activations' ranges: named as a check at its line."""
     class Checks(nn.Module):

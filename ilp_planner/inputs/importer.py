@@ -155,8 +155,6 @@ def from_module(module: Any, example_inputs: Any, *,
         ops = _own_precision_marked(ops, module)
         ops = _read_through_code([_marked_functional(op, module) for op in ops],
                                  g.through_code)
-        ops = [dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "whole_sums": 1}))
-               if op.name in g.whole_sums else op for op in ops]
         ops = _whole_items(ops, _batch(args, kwargs, torch))
     return Graph(name or type(module).__name__, ops,
                  dtensor_gaps(torch, ep) if dtensor else ())

@@ -88,10 +88,6 @@ class DraftGraph:
         # (``through_code``)
         self.read_outside: set[str] = set()
         self.through_code: dict[str, tuple[int, ...]] = {}
-        # the IR ops whose output such code transforms other than linearly (CTRL adds a
-        # position table to its scaled embeddings): no partial sum may reach it
-        # (``attrs.whole_sums``)
-        self.whole_sums: set[str] = set()
 
     # -- naming --------------------------------------------------------------------------
 
@@ -187,18 +183,6 @@ class DraftGraph:
             self.through_code[name] = idx
         self.read_outside -= set(inputs)
 
-    def _linear_step(self, step: Any) -> bool:
-        """Whether a folded step is linear in the value it transforms — a view, a copy, a
-        cast, or a product or quotient with one operand that depends on no input — so a sum
-        of partial values passes it as the sum would: ``(a + b) · c = a·c + b·c``, whereas
-        ``(a + b) + c`` adds ``c`` once per summand."""
-        op = op_name(step.target).removesuffix("_")  # ``inputs_embeds *= scale``
-        if op in VIEWS or op == "neg":
-            return True
-        acts = [i for i, a in enumerate(step.args)
-                if isinstance(self.values.get(getattr(a, "name", "")), Act)]
-        return op in ("mul", "div") and (acts == [0] or (op == "mul" and acts == [1]))
-
     def _steps_outside(self, node: Any, x: Act) -> bool:
         """Whether a folded step of ``x`` ran in neither the module whose code reads it
         (``node``'s) nor the one of the op it comes from: in a parent's forward, between
@@ -289,8 +273,6 @@ class DraftGraph:
         self.absorbed += own
         if isinstance(x, Act) and self._steps_outside(node, x):
             self.read_outside.update(x.src)
-            if not all(self._linear_step(s) for s in x.steps):
-                self.whole_sums.update(x.src)
         moved_to = _channels_moved(self.drafts[x.src[0]], x) if isinstance(x, Act) else None
         if isinstance(x, Act) and len(x.src) == 1 and moved_to is None:
             d = self.drafts[x.src[0]]

@@ -836,21 +836,9 @@ def _batchnorm_family(op: Op, ctx: StrategyContext) -> list[Strategy]:
 def op_strategies(op: Op, inputs: list[TensorSpec], ctx: StrategyContext) -> list[Strategy]:
     """All strategies of a non-follower op on the context's mesh, each with its state-sharded
     variants (:func:`state_sharded`) for the levels ``ctx.zero_levels`` allows; an op
-    marked ``attrs.row_items`` (whole examples in its rows) splits them by its divisors
-    only; one marked ``attrs.whole_sums`` hands out no partial sums."""
-    return with_state_sharding(op, _whole_items(op, _whole_sums(op, _held_only(
-        op, _base_strategies(op, inputs, ctx), ctx))), ctx)
-
-
-def _whole_sums(op: Op, strategies: list[Strategy]) -> list[Strategy]:
-    """The strategies whose output holds no partial sums, for an op marked
-    ``attrs.whole_sums``: the user's code transforms its output other than linearly
-    between its module and the next (CTRL adds a position table to its scaled
-    embeddings), before any boundary could resolve them — a table added to each of ``p``
-    partial sums is added ``p`` times."""
-    if not op.attrs.get("whole_sums"):
-        return strategies
-    return [s for s in strategies if all(s.output.fact[a].size == 1 for a in s.output.partial_axes)]
+    marked ``attrs.row_items`` (whole examples in its rows) splits them by its divisors only."""
+    return with_state_sharding(op, _whole_items(op, _held_only(
+        op, _base_strategies(op, inputs, ctx), ctx)), ctx)
 
 
 def _held_only(op: Op, strategies: list[Strategy], ctx: StrategyContext) -> list[Strategy]:

@@ -670,16 +670,6 @@ def fnet() -> Case:
     return Case(FNetForMaskedLM(cfg), *_tokens())
 
 
-def ctrl() -> Case:
-    """CTRLLMHeadModel: its model's code scales the embeddings and adds a constant
-    sinusoidal table between the embedding and the dropout module."""
-    from transformers import CTRLConfig, CTRLLMHeadModel
-
-    cfg = CTRLConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, dff=64,
-                     n_positions=2 * SEQ, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
-    return Case(CTRLLMHeadModel(cfg), *_tokens())
-
-
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -938,7 +928,6 @@ MODELS: dict[str, Callable[[], Case]] = {
     "siglip": siglip,
     "dropout-on-constants": dropout_on_constants,
     "fnet": fnet,
-    "ctrl": ctrl,
 }
 
 
