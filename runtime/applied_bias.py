@@ -10,8 +10,10 @@ planner keeps the table whole and lets those attentions split only the batch or 
 on every mesh axis (:func:`ilp_planner.lowering.strategies.bias_table_layouts`), so the
 ranks' blocks partition (batch × heads).
 
-Here the table's module looks up its rows in this rank's copy of the whole table as a plain
-tensor; :class:`~runtime.local_attention.LocalAttention` slices the bias to this rank's
+Swin's ``relative_position_bias_table`` is a bare parameter of a module of its own
+(``SwinRelativePositionBias``) indexed at constant positions, one per window attention; it
+takes the same path. Here the table's module looks up its rows in this rank's copy of the
+whole table as a plain tensor; :class:`~runtime.local_attention.LocalAttention` slices the bias to this rank's
 batch and heads, so the gradient each rank's lookup returns is its blocks' share — a partial
 sum over every mesh axis, which the plan's weight-gradient AllReduce over all ranks
 completes (priced as the table's ``grad_sync``).
@@ -28,19 +30,23 @@ from runtime.errors import RuntimeSetupError
 
 
 def check_bias_tables(graph: Graph, module: nn.Module) -> None:
-    """Refuse, before anything changes, an attention's bias table held by another module
-    than an ``nn.Embedding`` (Swin's ``relative_position_bias_table``, a bare parameter
-    indexed in its code): :func:`install_bias_tables` looks tables up in their
-    embedding."""
+    """Refuse, before anything changes, an attention's bias table held by a module that
+    holds other parameters too: :func:`install_bias_tables` swaps the table for this rank's
+    whole copy while its module runs, so that module must be the table's lookup alone (an
+    ``nn.Embedding``, or Swin's ``SwinRelativePositionBias`` indexing its one parameter at
+    constant positions), not a layer whose other weights are placed."""
     for op in graph.ops:
         if op.kind is not OpKind.ATTENTION or not op.attrs.get("bias_buckets"):
             continue
         for fqn in op.source_params:
-            owner, _ = owner_of(module, fqn)
-            if not isinstance(owner, nn.Embedding):
-                raise RuntimeSetupError(f"attention {op.name!r} adds the bias table {fqn}, "
-                                        f"which parallelize looks up in its nn.Embedding; "
-                                        f"{type(owner).__name__} holds it")
+            owner, attr = owner_of(module, fqn)
+            others = [n for n, p in owner.named_parameters() if n != attr]
+            if others:
+                raise RuntimeSetupError(
+                    f"attention {op.name!r} adds the bias table {fqn}, which parallelize "
+                    f"looks up while the module holding it runs; {type(owner).__name__} "
+                    f"holds other parameters too ({others[0]}): hold the table in a module "
+                    f"of its own (an nn.Embedding) whose forward looks it up")
 
 
 def install_bias_tables(graph: Graph, params: AppliedParams, module: nn.Module,

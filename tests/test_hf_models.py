@@ -1313,22 +1313,25 @@ def test_an_imported_graph_reads_back_from_its_plan_s_config(imported, name):
         [(op.name, op.kind, op.output, op.inputs, dict(op.attrs)) for op in graph.ops]
 
 
-def test_swins_bias_table_is_refused_before_any_parameter_is_placed(one_rank):
-    """Swin adds a relative position bias table held as a bare parameter (not an
-    ``nn.Embedding``): ``parallelize`` refuses it — and now before placing a parameter or
-    installing a hook (it turned all 45 into DTensors first), so the user's module is
+def test_a_bias_table_held_beside_other_weights_is_refused_before_any_parameter_is_placed(
+        one_rank):
+    """``parallelize`` looks an attention's bias table up in this rank's whole copy while the
+    module holding it runs (an ``nn.Embedding``, Swin's ``SwinRelativePositionBias``: the
+    lookup alone). A table held by the attention itself, beside its projections, is refused
+    naming both — before placing a parameter or installing a hook, so the user's module is
     left as it was."""
+    from tests.helpers.user_models import TableInAttentionLM
+
     torch.manual_seed(0)
-    cfg = T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
-                       num_heads=[2, 4], window_size=4, num_labels=10,
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                       drop_path_rate=0.0)
-    module = _Logits(T.SwinForImageClassification(cfg))
-    x = torch.randn(BATCH, 3, 32, 32)
+    module = TableInAttentionLM()
+    ids = torch.randint(0, 64, (BATCH, 8))
+    graph = from_module(module, (ids,))
+    owner = next(op for op in graph.ops if op.attrs.get("bias_buckets"))
+    assert "attn.table" in owner.source_params
     one = dict(CLUSTER, nodes=1, devices_per_node=1)
-    plan = ilp_planner.solve(from_module(module, (x,)), cluster=one, baselines=False)
-    with pytest.raises(RuntimeSetupError, match="relative_position_bias_table, which "
-                                                "parallelize looks up in its nn.Embedding"):
+    plan = ilp_planner.solve(graph, cluster=one, baselines=False)
+    with pytest.raises(RuntimeSetupError, match=r"bias table attn\.table, .* TableInAttention "
+                                                r"holds other parameters too \(qkv\.weight\)"):
         ilp_planner.apply(plan, module)
     assert all(type(p) is torch.nn.Parameter for p in module.parameters())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())

@@ -620,6 +620,20 @@ def focalnet() -> Case:
     return Case(FocalNetForImageClassification(cfg), *_images(32))
 
 
+def swin() -> Case:
+    """SwinForImageClassification: window attention (SDPA) whose mask adds a relative
+    position bias table — a bare parameter of its own module (``SwinRelativePositionBias``)
+    indexed at constant positions — and, in shifted windows, a constant mask; patch merging
+    between the stages."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 1],
+                     num_heads=[2, 4], window_size=4, num_labels=CLASSES,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     drop_path_rate=0.0)
+    return Case(SwinForImageClassification(cfg), *_images(32))
+
+
 def deberta() -> Case:
     """DebertaForMaskedLM: its own layer norm module adds its bias in its forward, an op of
     its own apart from the norm's; ``in_proj`` makes q, k and v at once, with separate q and
@@ -923,6 +937,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "convbert": convbert,
     "roformer": roformer,
     "focalnet": focalnet,
+    "swin": swin,
     "deberta": deberta,
     "clip-vision": clip_vision,
     "siglip": siglip,

@@ -518,3 +518,41 @@ class NoGradScaled(nn.Module):
         with torch.no_grad():
             scale = h.pow(2).mean(-1, keepdim=True).add(1.0).rsqrt()
         return self.head(self.down(F.gelu(h) * scale))
+
+
+class TableInAttention(nn.Module):
+    """Swin's window attention written the older way: the relative position bias table is a
+    bare parameter of the attention module itself, beside its q / k / v projections,
+    indexed at constant positions and added in SDPA's mask."""
+
+    def __init__(self, hidden: int, heads: int, seq: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.table = nn.Parameter(0.1 * torch.randn(2 * seq - 1, heads))
+        steps = torch.arange(seq)
+        self.register_buffer("index", (steps[None, :] - steps[:, None] + seq - 1).flatten(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for y in self.qkv(x).split(c, dim=2))
+        bias = self.table[self.index].view(t, t, self.heads).permute(2, 0, 1).unsqueeze(0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class TableInAttentionLM(nn.Module):
+    """A one-layer language model around :class:`TableInAttention`."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, seq: int = 8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.attn = TableInAttention(hidden, heads, seq)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        return self.head(h + self.attn(h))
