@@ -9,6 +9,13 @@ propagation cannot always do this: its 4-D matmul flattens ``(batch, heads)`` an
 some split pairs (a batch of 2 over 2 devices with 4 heads over 4 raises "would reshape
 sharded dimension 0"). Any other placement (a split sequence, a partial sum) is left to
 DTensor, whose collectives the audit would count.
+
+Hand-written attention adds a learned bias to its scores (T5's and MPNet's relative position
+bias, looked up in this rank's whole table: :mod:`runtime.applied_bias`) — a plain tensor
+beside DTensor scores. DTensor would replicate it, and its backward gather the bias's
+gradient back to a replica: a collective the plan does not have. :class:`LocalAttention`
+adds this rank's block of it instead (:func:`bias_block`), so its gradient is this rank's
+blocks' share, which the table's planned AllReduce completes, as with SDPA's mask.
 """
 
 from __future__ import annotations
@@ -57,12 +64,46 @@ def local_mask(mask: Any, q: DTensor) -> Any:
     return mask
 
 
+_ADDS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__,
+                   torch.Tensor.__iadd__})
+_SUMS = frozenset({torch.add, torch.Tensor.add, torch.Tensor.__add__})  # not in place
+
+
+def learned_bias(x: Any) -> bool:
+    """A plain tensor taking a gradient: inside the applied module, only a bias table's
+    lookup makes one (every other trained parameter is a DTensor, or refused)."""
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad \
+        and 0 < x.dim() <= 4
+
+
+def split_scores(x: Any) -> bool:
+    """4-D DTensor scores every mesh axis of which splits the batch or the heads."""
+    return isinstance(x, DTensor) and x.dim() == 4 and all(
+        type(pl) is Shard and pl.dim in (0, 1) or size == 1
+        for pl, size in zip(x.placements, x.device_mesh.shape, strict=True))
+
+
+def bias_block(bias: torch.Tensor, scores: DTensor) -> DTensor:
+    """This rank's block of ``bias`` broadcast to ``scores``, as a DTensor in their
+    placements: adding it is local, and its gradient this rank's blocks' share."""
+    block = local_mask(bias.expand(scores.shape), scores)
+    return DTensor.from_local(block, scores.device_mesh, scores.placements, run_check=False,
+                              shape=scores.shape, stride=scores.stride())
+
+
 class LocalAttention(TorchFunctionMode):
     """While a forward of the applied module runs: ``F.scaled_dot_product_attention`` on
-    :func:`blockwise` DTensors computes on their local blocks (see the module docstring)."""
+    :func:`blockwise` DTensors computes on their local blocks, and a learned bias added to
+    split hand-written scores is added blockwise (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ADDS and len(args) >= 2:
+            a, b = args[0], args[1]
+            if split_scores(a) and learned_bias(b):
+                return func(a, bias_block(b, a), *args[2:], **kwargs)
+            if split_scores(b) and learned_bias(a) and func in _SUMS:
+                return func(bias_block(a, b), b, *args[2:], **kwargs)
         if func is F.scaled_dot_product_attention:
             bound = _SDPA_ARGS.bind(*args, **kwargs)
             bound.apply_defaults()

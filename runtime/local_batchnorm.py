@@ -4,10 +4,10 @@ The planner splits a batch norm's (N, C, …) activation over the batch, the cha
 (:func:`ilp_planner.lowering.strategies.batchnorm_collectives`). DTensor's own batch-norm
 rule shards channels only, so :class:`LocalBatchNorm` runs ``F.batch_norm`` on the local
 blocks instead, as ``torch.nn.SyncBatchNorm`` computes it: the per-channel [Σx, Σx²] of the
-local rows are AllReduced over the mesh axes splitting the batch (one AllReduce of
-2·C_local values, in float32 — float64 for a float64 model, whose statistics one process
-keeps in float64: a float32 cast there made a float64 MobileNetV2 drift from one
-process), giving the whole batch's mean and biased variance; autograd's backward of
+local rows (formed from each block's mean and variance) are AllReduced over the mesh axes
+splitting the batch (one AllReduce of 2·C_local values in float64: in float32,
+``E[x²] − E[x]²`` lost the variance of channels whose mean is large beside their spread),
+giving the whole batch's mean and biased variance; autograd's backward of
 that AllReduce is the AllReduce of their gradients — SyncBatchNorm's [Σdy, Σdy·x̂] — issued
 only where the input needs a gradient, as the plan prices it. The gains' and offsets'
 gradients leave partial over the batch axes, for the plan's weight-gradient buckets.
@@ -134,11 +134,7 @@ def _local_batch_norm(found: StatsGroup, x: DTensor, running_mean: Any, running_
     view = (1, -1) + (1,) * (xl.dim() - 2)
     count = x.shape[0] * math.prod(x.shape[2:])
     if training:
-        sums = torch.cat([xl.sum(dims), (xl * xl).sum(dims)])
-        if found.group is not None:
-            sums = _SumOverBatch.apply(sums, found.group)
-        mean, sq = (sums / count).split(hi - lo)
-        var = sq - mean * mean
+        mean, var = _batch_statistics(found, xl, dims, count)
         _update_running(running_mean, running_var, mean, var, (lo, hi), count, momentum)
     else:
         mean, var = running_mean[lo:hi].to(xl.dtype), running_var[lo:hi].to(xl.dtype)
@@ -150,6 +146,24 @@ def _local_batch_norm(found: StatsGroup, x: DTensor, running_mean: Any, running_
         y = y + _local_param(bias, batch_split).to(xl.dtype).view(view)
     return DTensor.from_local(y.to(x.dtype), x.device_mesh, pls, run_check=False,
                               shape=x.shape, stride=x.stride())
+
+
+def _batch_statistics(found: StatsGroup, xl: torch.Tensor, dims: tuple[int, ...],
+                      count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch's per-channel mean and biased variance, in ``xl``'s dtype. Each
+    rank's block gives its mean and squared deviations (``var_mean``, as one process's
+    batch norm computes them); the sums [Σx, Σx²] = [n·μ, n·(σ² + μ²)] are formed and
+    reduced in float64, so ``E[x²] − E[x]²`` cancels nothing a float32 model can see (in
+    float32 it lost the variance of channels whose mean is large beside their spread —
+    LeViT's and MobileNet's — which the next layers amplified)."""
+    local_var, local_mean = torch.var_mean(xl, dims, correction=0)
+    n = xl.numel() // xl.shape[1]  # this rank's rows
+    mean64 = local_mean.double()
+    sums = torch.cat([n * mean64, n * (local_var.double() + mean64 * mean64)])
+    if found.group is not None:
+        sums = _SumOverBatch.apply(sums, found.group)
+    mean, sq = (sums / count).split(xl.shape[1])
+    return mean.to(xl.dtype), (sq - mean * mean).clamp_min(0).to(xl.dtype)
 
 
 def _local_param(p: Any, batch_split: list[bool]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
-from ilp_planner.inputs.lift_layers import lift_norm
+from ilp_planner.inputs.lift_layers import bias_table_of, lift_norm
 from ilp_planner.inputs.lift_masks import OTHER, after_step
 from ilp_planner.inputs.lift_values import (
     CASTS,
@@ -296,11 +296,21 @@ def _fold_into(g: DraftGraph, call: Call, x: Act) -> Act:
             d.attrs[position_table_attr(d.attrs)] = pos.table_of_positions
         return Act(x.src, shape, dtype)
     params = [p for c in consts for p in c.params if p not in g.owner]
+    added = [p for c in consts for p in c.params]
+    table = bias_table_of(g, added, shape) if x.role == "scores" and op == "add" else None
+    if table is not None and set(added) == {table}:
+        # a learned (buckets, heads) table added to hand-written scores (T5's, MPNet's
+        # relative position bias): the attention reading these scores takes it, as SDPA's
+        # mask (lift_layers._attention)
+        parts = MappingProxyType({**x.parts, "bias_table": table,
+                                  "mask": after_step(g.constants, call, x)})
+        return Act(x.src, shape, dtype, x.chain + ((op,),), x.role, parts,
+                   x.steps + (call.node,))
     if params and x.role:
-        # on attention scores (T5's relative position table added to hand-written scores):
-        # the scores' one producer takes it where it prices it; with two (q and k), or one
-        # that would not price it (LeViT's qkv batch norm), no op owns it, and
-        # ``parallelize`` refuses the table (an embedding's) or its first gradient
+        # on attention scores (another parameter than a bias table): the scores' one
+        # producer takes it where it prices it; with two (q and k), or one that would not
+        # price it (LeViT's qkv batch norm), no op owns it, and ``parallelize`` refuses the
+        # table (an embedding's) or its first gradient
         d = g.drafts[x.src[0]] if len(x.src) == 1 else None
         if d is not None and _priced_by(g, d, op, params) and g.adopt(d, params) \
                 and d.kind is OpKind.LINEAR:

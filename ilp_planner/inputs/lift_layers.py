@@ -168,7 +168,8 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
     if shared:
         attrs["shared_input"] = srcs.index(shared)
     attrs.update(input_steps(g, (q, k, v), probs, bool(attrs.get("unfused"))))
-    table = _bias_table(g, call, heads) if sdpa else None
+    table = _bias_table(g, call, tuple(q.shape)) if sdpa else \
+        probs.parts.get("bias_table") if isinstance(probs, Act) else None
     if table is not None:
         attrs["bias_table"] = 1
     tokens = batch * seq
@@ -218,17 +219,27 @@ def _shared_key(q: Any, k: Any, v: Any, heads: int) -> str | None:
     return next(s for s in k.src if s != v.src[0])
 
 
-def _bias_table(g: DraftGraph, call: Call, heads: int) -> str | None:
+def _bias_table(g: DraftGraph, call: Call, shape: tuple[int, ...]) -> str | None:
     """The learned table an SDPA's additive mask looks up (T5's relative position bias:
     ``(buckets, heads)`` rows at constant bucket ids, computed by a stack's first layer and
-    reused by the others), if its mask derives from exactly one. The first attention to
-    read it owns it (``attrs.bias_buckets``); every reader is marked ``bias_table``
+    reused by the others), if its mask derives from exactly one (:func:`bias_table_of`;
+    ``shape``: q's). The first attention to read it owns it (``attrs.bias_buckets``); every
+    reader is marked ``bias_table``
     (:func:`ilp_planner.lowering.strategies.bias_table_layouts`)."""
     mask = call.args[3] if len(call.args) > 3 else call.kwargs.get("attn_mask")
-    if not isinstance(mask, Const):
-        return None
-    tables = [p for p in mask.params
-              if len(g.param_shape[p]) == 2 and g.param_shape[p][1] == heads]
+    return bias_table_of(g, list(mask.params), shape) if isinstance(mask, Const) else None
+
+
+def bias_table_of(g: DraftGraph, params: list[str], shape: tuple[int, ...]) -> str | None:
+    """The one parameter among ``params`` that is a ``(buckets, heads)`` bias table for
+    4-D attention scores (or q) of ``shape`` — what an SDPA mask or a hand-written
+    ``scores + bias`` adds (:mod:`ilp_planner.inputs.lift_elementwise`) — if exactly one
+    is. A square table is none: its heads could be its rows (LeViT's ``attention_biases``,
+    ``(heads, offsets)``, indexed ``[:, idxs]``, with as many offsets as heads), which the
+    table's owner would split as its rows."""
+    tables = [p for p in dict.fromkeys(params)
+              if len(shape) == 4 and len(g.param_shape[p]) == 2
+              and g.param_shape[p][1] == shape[1] != g.param_shape[p][0]]
     return tables[0] if len(tables) == 1 else None
 
 

@@ -797,7 +797,7 @@ def _layout_strategies(op: Op, layouts: list[Layout], n_inputs: int,
     return out
 
 
-BN_STAT_ITEMSIZE = 4  # batch-norm statistics are reduced in fp32 at least (float64 stays)
+BN_STAT_ITEMSIZE = 8  # batch-norm statistics are reduced in float64 (runtime.local_batchnorm)
 
 
 def batchnorm_collectives(op: Op, layout: Layout, ctx: StrategyContext
@@ -805,15 +805,15 @@ def batchnorm_collectives(op: Op, layout: Layout, ctx: StrategyContext
     """(forward, input-backward) collectives of a batch norm whose (N, C, H, W) output is in
     ``layout`` — synchronised batch norm (``torch.nn.SyncBatchNorm``: exact statistics of
     the whole batch) over the axes splitting the batch. Forward: one AllReduce of the local
-    per-channel [Σx, Σx²] (2·C_local values in float32, float64 for a float64 model; the
-    count is known from the shapes);
+    per-channel [Σx, Σx²] (2·C_local values in float64, formed from each block's mean and
+    variance so that the variance survives a large mean; the count is known from the
+    shapes);
     backward, where autograd reaches the input: one AllReduce of [Σdy, Σdy·x̂] (the
     gradients of those sums), the same size. None where the batch is whole."""
     axes = tuple(a for a in layout.split_axes(0) if layout.fact[a].size > 1)
     if not axes:
         return (), ()
-    nbytes = 2 * layout.padded_shape(op.output.shape)[1] * max(op.output.itemsize,
-                                                                  BN_STAT_ITEMSIZE)
+    nbytes = 2 * layout.padded_shape(op.output.shape)[1] * BN_STAT_ITEMSIZE
     return ((coll(CollectiveKind.ALL_REDUCE, layout.fact, axes, nbytes, ctx, "forward",
                   "batchnorm"),),
             (coll(CollectiveKind.ALL_REDUCE, layout.fact, axes, nbytes, ctx, "backward",

@@ -392,7 +392,7 @@ def t5(attention: str = "sdpa") -> Case:
     self-attention of its stack: :mod:`runtime.applied_bias`), encoder and decoder stacks
     looking up one shared table, the head tied to it (two tied copies of the table).
     ``attention="eager"``: Hugging Face's hand-written attention, which adds the bias to
-    its scores (``parallelize`` refuses it)."""
+    its scores (:mod:`runtime.local_attention` adds each rank's block)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
@@ -632,6 +632,20 @@ def swin() -> Case:
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                      drop_path_rate=0.0)
     return Case(SwinForImageClassification(cfg), *_images(32))
+
+
+def mpnet() -> Case:
+    """MPNetForMaskedLM: one relative position bias (an embedding of bucketed distances)
+    computed by the encoder, expanded over the batch and added to every layer's
+    hand-written attention scores."""
+    from transformers import MPNetConfig, MPNetForMaskedLM
+
+    cfg = MPNetConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=2 * SEQ + 2, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0)
+    ids, targets = _tokens()
+    return Case(MPNetForMaskedLM(cfg), ids, targets)
 
 
 def deberta() -> Case:
@@ -917,6 +931,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "qwen2-moe": qwen2_moe,
     "t5": t5,
     "t5-tied-exchanging": t5_tied_exchanging,
+    "t5-eager": lambda: t5("eager"),
     "mixtral-v3-router": mixtral_v3_router,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
@@ -938,6 +953,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "roformer": roformer,
     "focalnet": focalnet,
     "swin": swin,
+    "mpnet": mpnet,
     "deberta": deberta,
     "clip-vision": clip_vision,
     "siglip": siglip,
