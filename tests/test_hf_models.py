@@ -796,6 +796,28 @@ def test_a_router_with_mixtrals_structure_but_another_routing_is_refused():
     assert "forward" not in vars(model.model.layers[0].mlp.router)  # restored
 
 
+def test_a_moe_block_whose_code_cannot_run_around_the_op_is_refused_naming_it():
+    """Llama 4's block has a 2-D router with ``top_k`` and 3-D SwiGLU experts, but its
+    forward unpacks two values from its router and scales the experts' inputs by the
+    scores. Before, the import crashed with a bare ``ValueError`` from inside the model's
+    code; now it is refused in one line naming the block, the router and the failure, and
+    the router and experts are left as they were."""
+    torch.manual_seed(0)
+    model = T.Llama4ForCausalLM(T.Llama4TextConfig(
+        hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
+        max_position_embeddings=16, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, no_rope_layers=[1, 0], use_cache=False))
+    with pytest.raises(ConfigError, match=r"MoE block model\.layers\.1\.feed_forward "
+                                          r"\(Llama4TextMoe, router Llama4Router\): its "
+                                          r"forward does not run around one moe op .*"
+                                          r"ValueError: too many values to unpack") as exc:
+        from_module(model, (_ids(),))
+    assert "\n" not in str(exc.value)
+    block = model.model.layers[1].feed_forward
+    assert "forward" not in vars(block.router) and "forward" not in vars(block.experts)
+
+
 def test_the_routing_check_leaves_the_global_random_state():
     """The check draws its input from its own generator and runs the blocks with the
     global random state forked: a launch importing on rank 0 only draws alike on every rank

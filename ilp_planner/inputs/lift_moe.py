@@ -165,7 +165,7 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
             swapped.append((gate, experts))
             if want is not None:
                 _check_reproduced(path, block, gate, want,
-                                  _block_output(block, gate, torch), torch)
+                                  _swapped_output(path, block, gate, torch), torch)
         yield len(blocks)
     finally:
         for gate, experts in swapped:
@@ -198,6 +198,21 @@ def _block_output(block: Any, gate: Any, torch: Any) -> Any:
         torch.manual_seed(0)  # a block drawing noise draws alike in both runs
         out = block(x)
     return next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+
+def _swapped_output(path: str, block: Any, gate: Any, torch: Any) -> Any:
+    """:func:`_block_output` with the moe op in place of the router and the experts; a
+    block whose own code cannot run so (Llama 4's unpacks two values from its router and
+    scales the experts' inputs by its scores) is refused naming it."""
+    try:
+        return _block_output(block, gate, torch)
+    except (TypeError, ValueError, IndexError, RuntimeError) as exc:
+        raise ConfigError(
+            f"cannot import the MoE block {path} ({type(block).__name__}, router "
+            f"{type(gate).__name__}): its forward does not run around one moe op routed by "
+            f"softmax or sigmoid top-k in place of its router and experts "
+            f"({type(exc).__name__}: {exc}) — it routes another way, which the planner "
+            f"cannot price or run") from None
 
 
 def _check_reproduced(path: str, block: Any, gate: Any, want: Any, got: Any,
