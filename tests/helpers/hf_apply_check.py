@@ -698,6 +698,33 @@ def fnet() -> Case:
     return Case(FNetForMaskedLM(cfg), *_tokens())
 
 
+def modernbert() -> Case:
+    """ModernBertForMaskedLM: fused ``Wqkv``, a GLU MLP (``Wi`` chunked into input and
+    gate), no biases, and local sliding-window attention (a window of 4) in every layer but
+    each second's global one."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    cfg = ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=3, num_attention_heads=4,
+                           max_position_embeddings=2 * SEQ, global_attn_every_n_layers=2,
+                           local_attention=4, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, cls_token_id=1, sep_token_id=2, mlp_dropout=0.0,
+                           attention_dropout=0.0, embedding_dropout=0.0)
+    return Case(ModernBertForMaskedLM(cfg), *_tokens())
+
+
+def lfm2() -> Case:
+    """Lfm2ForCausalLM: a gated short convolution block (a depthwise causal ``Conv1d``
+    between two projections) beside an attention block with per-head q / k norms."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    cfg = Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=2 * SEQ, use_cache=False,
+                     layer_types=["conv", "full_attention"])
+    return Case(Lfm2ForCausalLM(cfg), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -959,6 +986,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "siglip": siglip,
     "dropout-on-constants": dropout_on_constants,
     "fnet": fnet,
+    "modernbert": modernbert,
+    "lfm2": lfm2,
 }
 
 
