@@ -173,8 +173,9 @@ def check_owned(graph: Graph, module: nn.Module) -> None:
     its tied copies): a table no op owns stays out of the plan's placements and gradient
     reduction, yet its lookups train it — differently on every rank. T5's
     ``relative_attention_bias`` tables are owned by the first attention reading each
-    (imported from an SDPA's mask, :mod:`runtime.applied_bias`); added to hand-written
-    attention scores they fold into constants, and are refused here. (A parameter the
+    (from an SDPA's mask or hand-written scores, :mod:`runtime.applied_bias`); a table
+    looked up at constant ids that no attention adds (XLM's positions) folds into a
+    constant, and is refused here. (A parameter the
     forward never reads — BERT's spare ``cls.predictions.bias`` — is owned by no op
     either, and harmless.)"""
     owned = {fqn for op in graph.ops for fqn in op.source_params}
@@ -183,9 +184,8 @@ def check_owned(graph: Graph, module: nn.Module) -> None:
     if unowned:
         raise RuntimeSetupError(
             f"embedding tables {', '.join(unowned[:3])}{' …' if len(unowned) > 3 else ''} are "
-            f"owned by no op of the plan (looked up at constant ids, as T5's "
-            f"relative_attention_bias added to hand-written attention scores, they fold into "
-            f"constants; an SDPA's mask is imported); parallelize does not run them")
+            f"owned by no op of the plan (looked up at constant ids and not added to "
+            f"attention scores, they fold into constants); parallelize does not run them")
     sharing = [op.name for op in graph.ops if op.kind is OpKind.EMBEDDING
                and op.weight is not None and not op.source_params]
     if sharing:
@@ -199,10 +199,10 @@ def guard_unowned(graph: Graph, module: nn.Module) -> None:
     """Any other trained parameter no op owns (embedding tables: :func:`check_owned`) is
     harmless only while the forward never reads it (BERT's spare bias). One the forward
     does read — a bare table indexed at constant positions and added to hand-written
-    attention scores (LeViT's ``attention_biases``), which the importer folds into a
-    constant — would take a gradient on each rank alone, never reduced, and the ranks'
-    copies drift apart: its first gradient raises instead, naming it. Nothing can tell the
-    two apart before a backward runs."""
+    attention scores that is not ``(buckets, heads)`` (LeViT's square ``attention_biases``,
+    heads first), which the importer folds into a constant — would take a gradient on
+    each rank alone, never reduced, and the ranks' copies drift apart: its first gradient
+    raises instead, naming it. Nothing can tell the two apart before a backward runs."""
     owned = {fqn for op in graph.ops for fqn in op.source_params}
     for paths in aliases(module).values():
         if owned.intersection(paths):

@@ -52,9 +52,9 @@ What it refuses, naming the op — before it swaps a forward or places a paramet
 parameters frozen where the plan trains them or the reverse
 (:func:`runtime.applied_params.check_frozen`), a module that checkpoints its activations
 (:func:`runtime.applied_params.check_not_checkpointing`), embedding tables no
-op of the plan owns (:func:`runtime.applied_params.check_owned`: a relative position table
-added to hand-written attention scores; in an SDPA's mask its first attention owns it,
-:mod:`runtime.applied_bias`), a layout change between two ops written as
+op of the plan owns (:func:`runtime.applied_params.check_owned`: a table looked up at
+constant ids that no attention adds; one an SDPA's mask or hand-written scores add is its
+first attention's, :mod:`runtime.applied_bias`), a layout change between two ops written as
 functional code, or one value that functional code reads in two layouts (no module boundary
 to run the program at); and, when the forward runs, a
 module with parameters the forward calls several times (a parameter-free one — a dropout

@@ -539,6 +539,32 @@ def test_t5_s_hand_written_attention_owns_its_position_table_as_sdpa_s_does():
                for o in owners)
 
 
+def test_a_table_looked_up_at_constant_ids_outside_attention_is_refused_naming_it(one_rank):
+    """XLM looks its position table up at ``arange`` ids and adds it to the embeddings
+    through code the importer folds into a constant: no op owns the table, and
+    ``parallelize`` refuses it before placing anything (its lookups would train it
+    differently on every rank)."""
+    import torch
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    import ilp_planner
+    from runtime.apply import parallelize
+    from runtime.errors import RuntimeSetupError
+    from tests.helpers.hf_apply_check import cluster
+
+    torch.manual_seed(0)
+    model = XLMWithLMHeadModel(XLMConfig(vocab_size=64, emb_dim=32, n_layers=2, n_heads=4,
+                                         max_position_embeddings=16, dropout=0.0,
+                                         attention_dropout=0.0))
+    plan = ilp_planner.solve(ilp_planner.from_module(model, (torch.randint(0, 64, (4, 8)),)),
+                             cluster=cluster(1, 1), baselines=False)
+    with pytest.raises(RuntimeSetupError, match=r"embedding tables transformer\."
+                                                r"position_embeddings\.weight are owned by "
+                                                r"no op of the plan"):
+        parallelize(plan, model)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
 def test_a_bare_bias_table_read_by_hand_written_attention_stops_at_its_first_gradient(
         one_rank):
     """LeViT indexes a bare ``attention_biases`` parameter at constant positions and adds
