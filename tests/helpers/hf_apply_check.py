@@ -725,6 +725,32 @@ def lfm2() -> Case:
     return Case(Lfm2ForCausalLM(cfg), *_tokens())
 
 
+class PooledClassifier(nn.Module):
+    """A backbone returning a ``pooler_output`` (a Hugging Face ``*Model``) under a linear
+    classifier: a fine-tuning's head."""
+
+    def __init__(self, backbone: nn.Module, width: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x).pooler_output)
+
+
+def dinov3() -> Case:
+    """DINOv3's ViT under a classifier: a class token and register tokens joined to the
+    patches, rotary positions on the patches alone, layer scale. Its training-time jitter
+    of the rotary coordinates (``pos_embed_rescale``) is off: a random draw in the
+    forward, which one process and the ranks would each draw their own of."""
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    cfg = DINOv3ViTConfig(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_register_tokens=2,
+                          pos_embed_rescale=None)
+    return Case(PooledClassifier(DINOv3ViTModel(cfg), 32), *_images(16))
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -988,6 +1014,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "fnet": fnet,
     "modernbert": modernbert,
     "lfm2": lfm2,
+    "dinov3": dinov3,
 }
 
 
