@@ -286,6 +286,22 @@ def test_hand_written_attention_is_marked_unless_its_mask_is_provably_causal(mas
             check_supported(imported)
 
 
+def test_scores_times_values_without_softmax_are_no_attention_and_drop_nothing():
+    """``(q @ kᵀ · decay) @ v`` with no softmax (MiniMax's lightning attention) is no
+    attention. Before, its output kept the scores' mark, and the gate multiplied into it
+    later was taken for a mask on scores and dropped: the gate's linear reached no loss
+    and was planned unused (``parallelize`` then refused its gradient). Now the product
+    is an opaque op, and the gate is a linear whose output the ``mul`` reads."""
+    from tests.helpers.user_models import GatedLinearAttention
+
+    graph = from_module(GatedLinearAttention(), (torch.randint(0, 64, (4, 8)),))
+    assert not [op for op in graph.ops if op.kind is OpKind.ATTENTION or op.unused]
+    assert graph["gate"].kind is OpKind.LINEAR
+    (mul,) = [op for op in graph.ops if op.kind is OpKind.MUL]
+    assert "gate" in mul.inputs and len(mul.inputs) == 2
+    assert graph["head"].inputs == (mul.name,)
+
+
 def test_an_accepted_hand_written_causal_module_trains_like_the_executors_attention():
     """What makes the causal mark sound: the hand-written module the importer accepts
     computes what the executor's kernel (:func:`runtime.model.attention`, which

@@ -76,7 +76,10 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
             out = _attention(g, call, a.parts["q"], a.parts["k"], b, sdpa=False, probs=a)
             _mark_causal(g, out, a.parts.get("mask", NO_MASK) == CAUSAL)
             return out
-        if len(a.shape) == 4 and len(b.shape) == 4:
+        if len(a.shape) == 4 and len(b.shape) == 4 and not (a.role or b.role):
+            # (scores that no softmax made probabilities, times values — MiniMax's
+            # lightning attention — are no attention: an opaque op, whose output is no
+            # scores, so what the code combines with it later stays its own value)
             return Act(tuple(dict.fromkeys(a.src + b.src)), tuple(val.shape), dtype_of(val),
                        role="scores", parts=MappingProxyType({"q": a, "k": b}))
     acts = [x for x in (a, b) if isinstance(x, Act)]

@@ -751,6 +751,20 @@ def dinov3() -> Case:
     return Case(PooledClassifier(DINOv3ViTModel(cfg), 32), *_images(16))
 
 
+def minimax() -> Case:
+    """MiniMaxForCausalLM: lightning (linear) attention in blocks — ``q @ kᵀ`` decayed and
+    multiplied by ``v`` without a softmax, a state carried across blocks, an RMS norm and
+    an output gate — beside a softmax attention layer, and Mixtral's MoE."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    cfg = MiniMaxConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False,
+                        num_local_experts=4, num_experts_per_tok=2, block_size=4,
+                        layer_types=["linear_attention", "full_attention"])
+    return Case(MiniMaxForCausalLM(cfg), *_tokens())
+
+
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))
 
@@ -1015,6 +1029,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "modernbert": modernbert,
     "lfm2": lfm2,
     "dinov3": dinov3,
+    "minimax": minimax,
 }
 
 

@@ -556,3 +556,28 @@ class TableInAttentionLM(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids)
         return self.head(h + self.attn(h))
+
+
+class GatedLinearAttention(nn.Module):
+    """MiniMax's lightning attention in miniature: ``q @ kᵀ`` decayed and multiplied by
+    ``v`` with no softmax (no attention, for the importer), gated by a projection of the
+    block's input."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, seq: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.gate = nn.Linear(hidden, hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+        steps = torch.arange(seq, dtype=torch.float32)
+        self.register_buffer("decay", torch.exp(-(steps[:, None] - steps[None, :]).clamp(min=0)),
+                             persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        b, t, c = h.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for y in F.silu(self.qkv(h)).split(c, dim=2))
+        y = (((q @ k.transpose(-1, -2)) * self.decay) @ v).transpose(1, 2).reshape(b, t, c)
+        return self.head(torch.sigmoid(self.gate(h)) * y)
