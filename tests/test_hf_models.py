@@ -818,6 +818,24 @@ def test_a_moe_block_whose_code_cannot_run_around_the_op_is_refused_naming_it():
     assert "forward" not in vars(block.router) and "forward" not in vars(block.experts)
 
 
+def test_a_shape_computed_from_the_data_is_refused_naming_the_model_s_line():
+    """JetMoE splits its tokens by how many each expert drew (``inputs.split(expert_size)``):
+    torch.export describes those sizes by symbols of the data. Before, the import crashed
+    with ``TypeError: unhashable type: non-nested SymInt``; now it is refused in one line
+    naming the op, the symbolic shape and the model's line."""
+    torch.manual_seed(0)
+    model = T.JetMoeForCausalLM(T.JetMoeConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
+        kv_channels=8, intermediate_size=64, max_position_embeddings=16,
+        num_local_experts=4, num_experts_per_tok=2, use_cache=False))
+    with pytest.raises(ConfigError, match=r"op split_with_sizes \(split_with_sizes\) makes a "
+                                          r"tensor whose shape depends on the data \('u\d+', "
+                                          r".* at modeling_jetmoe\.py:\d+ \('input_list = "
+                                          r"inputs\.split\(expert_size, dim=0\)'\)") as exc:
+        from_module(model, (_ids(),))
+    assert "\n" not in str(exc.value)
+
+
 def test_the_routing_check_leaves_the_global_random_state():
     """The check draws its input from its own generator and runs the blocks with the
     global random state forked: a launch importing on rank 0 only draws alike on every rank

@@ -8,9 +8,12 @@ not shard.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ilp_planner.errors import ConfigError
 from ilp_planner.inputs.lift_elementwise import ELEMENTWISE_HANDLERS, lift_const, write_into
 from ilp_planner.inputs.lift_graph import DraftGraph, Handler
 from ilp_planner.inputs.lift_layers import LAYER_HANDLERS
@@ -52,6 +55,35 @@ def _number(val: Any) -> bool:
     return type(val).__name__ in ("SymInt", "SymFloat", "SymBool", "int", "float", "bool")
 
 
+def _check_static(node: Any, op: str, val: Any) -> None:
+    """Refuse a tensor whose shape torch.export could only describe by a symbol of the data
+    (an unbacked size: JetMoE's tokens split by how many each expert drew), naming the
+    op and the model's line: a plan fixes every op's shape."""
+    tensors = [v for v in flatten(val if isinstance(val, (list, tuple)) else [val])
+               if hasattr(v, "shape")]
+    shapes = [tuple(v.shape) for v in tensors]
+    if all(isinstance(d, int) for shape in shapes for d in shape):
+        return
+    shown = next(str(tuple(str(d) for d in shape)) for shape in shapes
+                 if not all(isinstance(d, int) for d in shape))
+    raise ConfigError(f"op {node.name} ({op}) makes a tensor whose shape depends on the data "
+                      f"{shown}{_model_line(node)}: a plan fixes every op's shape, so no size "
+                      f"may be computed from the inputs (a per-expert token count, a mask's "
+                      f"nonzero count) — compute such a block as dense tensors")
+
+
+def _model_line(node: Any) -> str:
+    """`` at file:line ('code')``: the last frame of the model's own code (outside torch)
+    in the node's recorded stack, or empty."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)',
+                        node.meta.get("stack_trace") or "")
+    mine = [f for f in frames if "/torch/" not in f[0]]
+    if not mine:
+        return ""
+    path, line, code = mine[-1]
+    return f" at {Path(path).name}:{line} ({code.strip()!r})"
+
+
 def _in_place_base(op: str) -> str:
     """``add_`` → ``add``: the out-of-place op an in-place one computes, when the table
     lifts it and not the in-place name itself (``relu_`` has its own entry)."""
@@ -73,6 +105,7 @@ def _lifted(g: DraftGraph, node: Any, op: str) -> Any:
                 node.meta.get("val"))
     if op in IGNORED or call.val is None:
         return Const()
+    _check_static(node, op, call.val)
     if not call.acts:  # nothing here depends on the inputs
         return lift_const(g, call)
     handler = HANDLERS.get(op)
