@@ -302,6 +302,19 @@ def test_scores_times_values_without_softmax_are_no_attention_and_drop_nothing()
     assert graph["head"].inputs == (mul.name,)
 
 
+def test_a_learned_gate_on_attention_probabilities_is_no_mask():
+    """Attention probabilities scaled by a learned per-head gate: before, the gate was
+    taken for a mask computed from the inputs and dropped, its linear planned unused.
+    A value from trained ops of its own combined with scores or probabilities is now an
+    opaque op reading both."""
+    from tests.helpers.user_models import GatedProbabilities
+
+    graph = from_module(GatedProbabilities(), (torch.randint(0, 64, (4, 8)),))
+    assert not [op for op in graph.ops if op.unused]
+    assert graph["gate"].kind is OpKind.LINEAR
+    assert [op.name for op in graph.ops if "gate" in op.inputs] != []
+
+
 def test_an_accepted_hand_written_causal_module_trains_like_the_executors_attention():
     """What makes the causal mark sound: the hand-written module the importer accepts
     computes what the executor's kernel (:func:`runtime.model.attention`, which

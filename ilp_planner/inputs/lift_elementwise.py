@@ -351,7 +351,11 @@ def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:
     op, val = call.op, call.val
     shape, dtype = tuple(val.shape), dtype_of(val)
     if a.role or b.role:  # a mask computed from the inputs (padding) on attention scores
-        x = a if a.role else b
+        x, other = (a, b) if a.role else (b, a)
+        if _floating(call, other) and g.carries([s for s in other.src if s not in x.src]):
+            # a value from trained ops of its own (a learned gate on the probabilities) is
+            # no mask: an opaque op reading both keeps its producer on the path to the loss
+            return g.opaque(call.node, call.args, [a, b], val, op)
         return Act(x.src, shape, dtype, x.chain, x.role, _other_on_role(x),
                    _joined(x.steps, call.node))
     if set(a.src) == set(b.src) and (a.chain or b.chain):  # rotary, normalisation steps
@@ -401,6 +405,14 @@ def write_into(g: DraftGraph, dest: Act, src: Any, node: Any) -> Any:
 def _joined(steps: tuple[Any, ...], node: Any = None) -> tuple[Any, ...]:
     """Element-wise kernels of joined values, each once, then ``node``'s own."""
     return tuple(dict.fromkeys(steps + ((node,) if node is not None else ())))
+
+
+def _floating(call: Call, x: Act) -> bool:
+    """Whether argument ``x`` of ``call`` is a floating-point tensor (a boolean mask, even
+    one compared from an activation, carries no gradient)."""
+    i = next(i for i, arg in enumerate(call.args) if arg is x)
+    val = getattr(call.node.args[i], "meta", {}).get("val")
+    return bool(getattr(getattr(val, "dtype", None), "is_floating_point", False))
 
 
 def _other_on_role(x: Act) -> Any:

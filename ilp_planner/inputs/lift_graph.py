@@ -238,6 +238,10 @@ class DraftGraph:
         x = self.values.get(name)
         return isinstance(x, Act) and any(self._carries(s) for s in x.src)
 
+    def carries(self, names: Sequence[str]) -> bool:
+        """Whether any of drafts ``names`` carries a gradient (:meth:`_carries`)."""
+        return any(self._carries(n) for n in names)
+
     def _carries(self, name: str) -> bool:
         """Whether draft ``name`` owns parameters or reads, at any depth, one that does."""
         todo, seen = [name], set()

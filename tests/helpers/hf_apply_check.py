@@ -549,6 +549,14 @@ def dropout_on_constants() -> Case:
     return Case(DropoutOnConstants(VOCAB, 32), *_tokens())
 
 
+def gated_probabilities() -> Case:
+    """Hand-written attention whose probabilities a learned per-head gate scales
+    (:class:`tests.helpers.user_models.GatedProbabilities`): an opaque op, not a mask."""
+    from tests.helpers.user_models import GatedProbabilities
+
+    return Case(GatedProbabilities(VOCAB, 32), *_tokens())
+
+
 def no_grad_scaled() -> Case:
     """A user's model computing a scale under ``torch.no_grad()``
     (:class:`tests.helpers.user_models.NoGradScaled`): the region is imported as the
@@ -1025,6 +1033,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "clip-vision": clip_vision,
     "siglip": siglip,
     "dropout-on-constants": dropout_on_constants,
+    "gated-probabilities": gated_probabilities,
     "fnet": fnet,
     "modernbert": modernbert,
     "lfm2": lfm2,

@@ -581,3 +581,27 @@ class GatedLinearAttention(nn.Module):
                    for y in F.silu(self.qkv(h)).split(c, dim=2))
         y = (((q @ k.transpose(-1, -2)) * self.decay) @ v).transpose(1, 2).reshape(b, t, c)
         return self.head(torch.sigmoid(self.gate(h)) * y)
+
+
+class GatedProbabilities(nn.Module):
+    """Hand-written attention whose probabilities each head scales by a learned gate of the
+    token (a projection of the block's input) before they weigh the values."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.gate = nn.Linear(hidden, heads)
+        self.proj = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        b, t, c = h.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for y in self.qkv(h).split(c, dim=2))
+        p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(c // self.heads), dim=-1)
+        p = p * torch.sigmoid(self.gate(h)).transpose(1, 2).unsqueeze(-1)
+        y = (p @ v).transpose(1, 2).reshape(b, t, c)
+        return self.head(h + self.proj(y))
