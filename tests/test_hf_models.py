@@ -762,6 +762,13 @@ def _routed(model_class: str, config_class: str, **fields: Any) -> Any:
         num_local_experts=4, num_experts_per_tok=2, use_cache=False, **fields))
 
 
+def _refused_in_one_line(model: Any, pattern: str) -> None:
+    """Importing ``model`` raises :class:`ConfigError` matching ``pattern``, in one line."""
+    with pytest.raises(ConfigError, match=pattern) as exc:
+        from_module(model, (_ids(),))
+    assert "\n" not in str(exc.value)
+
+
 def test_a_granitemoe_block_held_as_router_is_one_moe_op_computing_the_block():
     """GraniteMoE holds its router as ``router`` (a softmax over the top-k logits:
     Mixtral's renormalised top-k). Before, its blocks were not found: exported as the
@@ -788,11 +795,9 @@ def test_a_router_with_mixtrals_structure_but_another_routing_is_refused():
     the block, the router's class and the difference, in one line."""
     torch.manual_seed(0)
     model = _routed("PhimoeForCausalLM", "PhimoeConfig")
-    with pytest.raises(ConfigError, match=r"MoE block model\.layers\.0\.mlp "
-                                          r"\(PhimoeSparseMoeBlock, router PhimoeTopKRouter\): "
-                                          r".*does not compute what the block computes") as exc:
-        from_module(model, (_ids(),))
-    assert "\n" not in str(exc.value)
+    _refused_in_one_line(model, r"MoE block model\.layers\.0\.mlp \(PhimoeSparseMoeBlock, "
+                                r"router PhimoeTopKRouter\): .*does not compute what the "
+                                r"block computes")
     assert "forward" not in vars(model.model.layers[0].mlp.router)  # restored
 
 
@@ -808,12 +813,9 @@ def test_a_moe_block_whose_code_cannot_run_around_the_op_is_refused_naming_it():
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
         max_position_embeddings=16, num_local_experts=2, num_experts_per_tok=1,
         interleave_moe_layer_step=2, no_rope_layers=[1, 0], use_cache=False))
-    with pytest.raises(ConfigError, match=r"MoE block model\.layers\.1\.feed_forward "
-                                          r"\(Llama4TextMoe, router Llama4Router\): its "
-                                          r"forward does not run around one moe op .*"
-                                          r"ValueError: too many values to unpack") as exc:
-        from_module(model, (_ids(),))
-    assert "\n" not in str(exc.value)
+    _refused_in_one_line(model, r"MoE block model\.layers\.1\.feed_forward \(Llama4TextMoe, "
+                                r"router Llama4Router\): its forward does not run around one "
+                                r"moe op .*ValueError: too many values to unpack")
     block = model.model.layers[1].feed_forward
     assert "forward" not in vars(block.router) and "forward" not in vars(block.experts)
 
@@ -828,12 +830,10 @@ def test_a_shape_computed_from_the_data_is_refused_naming_the_model_s_line():
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2,
         kv_channels=8, intermediate_size=64, max_position_embeddings=16,
         num_local_experts=4, num_experts_per_tok=2, use_cache=False))
-    with pytest.raises(ConfigError, match=r"op split_with_sizes \(split_with_sizes\) makes a "
-                                          r"tensor whose shape depends on the data \('u\d+', "
-                                          r".* at modeling_jetmoe\.py:\d+ \('input_list = "
-                                          r"inputs\.split\(expert_size, dim=0\)'\)") as exc:
-        from_module(model, (_ids(),))
-    assert "\n" not in str(exc.value)
+    _refused_in_one_line(model, r"op split_with_sizes \(split_with_sizes\) makes a tensor "
+                                r"whose shape depends on the data \('u\d+', .* at "
+                                r"modeling_jetmoe\.py:\d+ \('input_list = "
+                                r"inputs\.split\(expert_size, dim=0\)'\)")
 
 
 def test_the_routing_check_leaves_the_global_random_state():
