@@ -45,6 +45,7 @@ from runtime.errors import RuntimeSetupError
 from runtime.fused_parts import LocalParts
 from runtime.local_attention import LocalAttention
 from runtime.local_batchnorm import LocalBatchNorm, StatsGroups
+from runtime.local_dropout import LocalDropout
 from runtime.ops import bias_share
 from runtime.recorder import tagged
 
@@ -534,6 +535,7 @@ class BoundaryHooks:
 
             self.forward_only.enter(sdpa_kernel([SDPBackend.MATH]))
         self.forward_only.enter(LocalAttention())
+        self.forward_only.enter(LocalDropout())
         self.forward_only.enter(LocalBatchNorm(self.batchnorms))
         if any(op.kind is OpKind.PART for op in self.graph.ops):
             self.parts = LocalParts()

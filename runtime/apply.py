@@ -5,7 +5,8 @@ graph names the user's module path and parameters. :func:`parallelize` turns the
 the plan's program, in place, on every rank of the job:
 
 * **parameters** become DTensors in their planned placements (each rank keeps its block of
-  the value the module already holds — seed it identically on every rank);
+  the value the module already holds — seed it identically on every rank: a module that
+  differs between ranks is refused, :mod:`runtime.rank_agreement`);
 * **edges**: every layout change the plan prices between two ops runs its lowered program
   (:func:`ilp_planner.plan.programs.edge_programs`, the ones the planner priced and ``explain``
   prints) on this rank's block, through the runtime's :class:`~runtime.comm.Comm` — in a
@@ -24,6 +25,10 @@ the plan's program, in place, on every rank of the job:
   transposed ``(b, heads, s, d)``, ``attrs.heads_dim``), whose heads the plan's column split
   shards (:class:`~runtime.dtensors.DimMap`); its gain's gradient, each rank's share, is
   summed over the row and head axes by the plan's AllReduce;
+* **dropout** on a DTensor draws the whole tensor's mask on every rank, as one process
+  does, and keeps this rank's block (:mod:`runtime.local_dropout`; SDPA's ``dropout_p`` on
+  its blocks too): every rank's generator must start alike, which is checked here where the
+  plan drops anything;
 * **weight gradients** are reduced in the plan's buckets
   (:func:`ilp_planner.lowering.grad_buckets.fill_buckets`) once every gradient of the step has
   accumulated, then handed to the optimizer in the parameter's placements;
@@ -98,7 +103,9 @@ from runtime.dtensors import ContextStack, Meshes
 from runtime.errors import RuntimeSetupError
 from runtime.fused_parts import fused_degree, interleaved, natural_order
 from runtime.local_batchnorm import register_batchnorms, stats_groups
+from runtime.local_dropout import dropping_ops
 from runtime.mesh import MeshRegistry
+from runtime.rank_agreement import check_generators, check_same_values
 from runtime.replicated_ops import run_replicated
 
 GROUP_TIMEOUT_S = 300.0
@@ -137,6 +144,7 @@ class Applied:
         check_not_checkpointing(module)
         check_owned(self.graph, module)
         check_bias_tables(self.graph, module)
+        check_same_values(module)  # each rank keeps its block of its own module's values
         run_replicated(self.graph.replicated_ops)  # ops DTensor has no rule for
         # the boundary hooks' refusals (a layout change between two pieces of functional
         # code), before install_moe swaps forwards and AppliedParams places parameters
@@ -151,6 +159,11 @@ class Applied:
         norms = register_batchnorms(self.graph, self.layers, self.comm)
         self.device_type = _device_type(device_mesh, self.world)
         self.registry.create()
+        dropping = dropping_ops(self.graph)
+        if dropping:  # every rank draws each mask whole (runtime.local_dropout)
+            check_generators(self.device_type,
+                             f"the plan drops values ({', '.join(dropping[:3])}"
+                             f"{', …' if len(dropping) > 3 else ''})")
         self.meshes = Meshes((lay for ly in plan.layers for lay in (*ly.inputs, ly.output)
                               if lay is not None), self.device_type, self.world)
         batchnorms = stats_groups(self.graph, norms, self.comm, self.meshes)

@@ -24,6 +24,7 @@ from ilp_planner.ir.cluster import Factorisation, axis_coordinates
 from ilp_planner.ir.layouts import Layout, Split
 from ilp_planner.ir.layouts import Partial as IRPartial
 from runtime.errors import FidelityError, RuntimeSetupError
+from runtime.mesh import world_cache
 
 
 def rank_grid(fact: Factorisation, world: int) -> np.ndarray:
@@ -150,8 +151,11 @@ class Meshes:
 
     def __init__(self, layouts: Iterable[Layout], device_type: str, world: int):
         grids = {_grid_key(rank_grid(lay.fact, world)) for lay in layouts}
-        self.by_grid = {key: DeviceMesh(device_type, torch.tensor(_grid(key)))
-                        for key in sorted(grids)}
+        made = world_cache("device_meshes")  # one process's earlier plans' (runtime.mesh)
+        for key in sorted(grids):
+            if (device_type, key) not in made:
+                made[(device_type, key)] = DeviceMesh(device_type, torch.tensor(_grid(key)))
+        self.by_grid = {key: made[(device_type, key)] for key in sorted(grids)}
         self.world = world
 
     def of(self, layout: Layout) -> DeviceMesh:

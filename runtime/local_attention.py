@@ -21,6 +21,7 @@ blocks' share, which the table's planned AllReduce completes, as with SDPA's mas
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
+
+from runtime.errors import FidelityError
+from runtime.local_dropout import dropout_block
 
 _SDPA_ARGS = inspect.signature(
     lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -114,6 +118,13 @@ class LocalAttention(TorchFunctionMode):
                 if mask is not None or a["attn_mask"] is None:
                     a["attn_mask"] = mask
                     return _local_sdpa(q, k, v, a)
+            if a["dropout_p"] > 0 and isinstance(q, DTensor):
+                raise FidelityError(
+                    f"SDPA drops its probabilities (dropout_p={a['dropout_p']}) on q, k, v in "
+                    f"{tuple(q.placements)}: only on blocks split over the batch and the heads "
+                    f"does each rank draw its block of one process's mask "
+                    f"(runtime.local_dropout); DTensor would draw each block from the rank's "
+                    f"own generator")
         return func(*args, **kwargs)
 
 
@@ -121,7 +132,15 @@ def _local_sdpa(q: DTensor, k: DTensor, v: DTensor, rest: dict) -> DTensor:
     """SDPA of the local blocks, as a DTensor of the global result in ``q``'s placements."""
     pls = tuple(q.placements)
     local = [x.to_local(grad_placements=pls) for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(*local, **rest)
+    if rest["dropout_p"] > 0:  # one process's mask, this rank's block of it
+        keep = dropout_block(q.shape[:2] + (q.shape[2], k.shape[2]), rest["dropout_p"], q)
+        with warnings.catch_warnings():  # torch calls a given mask a testing aid
+            warnings.filterwarnings("ignore", message="Dropout mask should only be used")
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                *local, rest["attn_mask"], rest["dropout_p"], rest["is_causal"], keep,
+                scale=rest["scale"], enable_gqa=rest["enable_gqa"])[0]
+    else:
+        out = F.scaled_dot_product_attention(*local, **rest)
     shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(out, q.device_mesh, pls, run_check=False, shape=torch.Size(shape),

@@ -1,11 +1,14 @@
 """Dropout is priced as the program runs it: a built-in model's ``dropout`` probability puts
 dropout ops (and the attention's dropped probabilities) in its graph only where p > 0, an
 import folds a dropout that drops nothing, and the runtime's executor, which runs no dropout,
-refuses a graph that drops instead of running another model than the one priced."""
+refuses a graph that drops instead of running another model than the one priced. Under
+``parallelize`` every rank draws each mask whole, as one process does, and keeps its block:
+an import's dropouts are priced so, and training matches one process."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from ilp_planner.ir.graph import OpKind
 from ilp_planner.lowering.compute_model import MASK_BYTES, op_work
 from runtime.errors import RuntimeSetupError
 from runtime.model import check_supported
+from tests.helpers.procs import run
 
 SHAPE = dict(hidden=16, layers=2, heads=2, seq_len=8, vocab=64, batch=2)
 
@@ -163,6 +167,62 @@ def test_a_fused_attention_that_drops_its_probabilities_is_marked(p) -> None:
     graph = from_module(_SdpaDropper(p), (torch.randn(8, 8),))
     (attn,) = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
     assert attn.attrs.get("probs_dropout", 0) == int(p > 0)
+
+
+@pytest.mark.parametrize("dtensor", [True, False])
+def test_an_import_for_parallelize_prices_each_mask_drawn_whole(dtensor) -> None:
+    """Under ``parallelize`` (an import with ``dtensor``) every rank draws a dropout's whole
+    mask and keeps its block (:mod:`runtime.local_dropout`): the import marks the dropouts
+    and the dropping SDPA ``whole_mask`` (the SDPA ``unfused`` too: it runs the math kernel
+    on its blocks); for the executor's plans (``dtensor=False``) neither."""
+    graph = from_module(_Dropper(0.1).train(), (torch.randn(4, 8),), dtensor=dtensor)
+    (name,) = _dropouts(graph)
+    assert graph[name].attrs.get("whole_mask", 0) == int(dtensor)
+    graph = from_module(_SdpaDropper(0.1), (torch.randn(8, 8),), dtensor=dtensor)
+    (attn,) = [op for op in graph.ops if op.kind is OpKind.ATTENTION]
+    assert attn.attrs.get("whole_mask", 0) == attn.attrs.get("unfused", 0) == int(dtensor)
+
+
+def test_a_mask_drawn_whole_costs_the_whole_draw_and_the_block_copy() -> None:
+    """Split d ways, a ``whole_mask`` dropout's forward writes the whole mask (d × its
+    block's mask bytes) and copies its block (read and written), 2 kernels more; its
+    backward is a plain dropout's; unsplit it costs what a plain one does. The same for an
+    attention's dropped probabilities (E mask bytes a device)."""
+    dropping = models.gpt(**SHAPE, dropout=0.1)
+    op = dropping[_dropouts(dropping)[0]]
+    whole = dataclasses.replace(op, attrs={**op.attrs, "whole_mask": 1})
+    for d in (2.0, 4.0):
+        (f0, b0), (f1, b1) = op_work(op, d), op_work(whole, d)
+        mask = op.output.numel / d * MASK_BYTES
+        assert f1.bytes - f0.bytes == (d + 2) * mask
+        assert f1.kernels - f0.kernels == 2
+        assert (b1.bytes, b1.kernels) == (b0.bytes, b0.kernels)
+    assert op_work(whole, 1.0) == op_work(op, 1.0)
+    attn = dropping["h.0.attn.core"]
+    whole = dataclasses.replace(attn, attrs={**attn.attrs, "whole_mask": 1})
+    (f0, b0), (f1, b1) = op_work(attn, 2.0, flash=False), op_work(whole, 2.0, flash=False)
+    scores = SHAPE["batch"] * SHAPE["seq_len"] * SHAPE["heads"] * SHAPE["seq_len"] / 2
+    assert f1.stream_bytes - f0.stream_bytes == 4 * scores * MASK_BYTES
+    assert (f1.kernels, b1) == (f0.kernels + 2, b0)
+
+
+@pytest.mark.slow
+def test_dropout_under_parallelize_draws_what_one_process_draws() -> None:
+    """4 gloo ranks (:mod:`tests.helpers.dropout_check`): a block with ``nn.Dropout`` on a
+    column-split activation and on a row-parallel output and SDPA dropping probabilities
+    split over batch and heads, in Megatron's 2 × 2 layouts, trains 3 steps like one
+    process drawing from the same generator (losses, parameters; audited). Before, each
+    rank drew its block's mask from its own generator: the losses differed from the first
+    step. Ranks seeded apart are refused, naming them — their generators, or their modules
+    built apart (:mod:`runtime.rank_agreement`; each rank kept its own block before);
+    ``rand_like`` on a DTensor is refused at the forward, naming it."""
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "4", "tests/helpers/dropout_check.py"], timeout=300)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert lines == ["OK trains_like_one_process", "OK refuses_generators_apart",
+                     "OK refuses_modules_apart", "OK refuses_other_random_ops"], \
+        out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0
 
 
 def test_the_memory_lower_bound_holds_no_identity_dropout() -> None:

@@ -1,7 +1,8 @@
 """Hugging Face models under ``parallelize`` (:mod:`runtime.apply`), the models users bring.
 
-Multi-process (slow): one torchrun launch per cluster shape runs every model of
-:data:`tests.helpers.hf_apply_check.MODELS` — imported with ``ilp_planner.from_module``,
+Multi-process (slow): torchrun launches per cluster shape (:data:`LAUNCHES` of them, each a
+share of the models, so none nears the per-test timeout on a slow machine) run every model
+of :data:`tests.helpers.hf_apply_check.MODELS` — imported with ``ilp_planner.from_module``,
 solved for 4 devices, applied, trained 3 steps on the model's own ``ModelOutput``, its
 gradients clipped (``ilp_planner.clip_grad_norm_`` against torch's on one process) and the
 second step accumulating two backwards — and each
@@ -37,18 +38,38 @@ SHAPES = ("1x4", "2x2")
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+LAUNCHES = 4
+"""Launches per shape: the harness's cases in this many consecutive shares (the 1 × 4
+shape's last share with the tensor-parallel styles' checks)."""
+
+
+def _cases() -> list[str]:
+    from tests.helpers.hf_apply_check import MODELS, REFUSED
+
+    return [*MODELS, *REFUSED]
+
+
+def _share(model: str) -> int:
+    """Which launch of a shape runs ``model`` (a ``tp-styles-*`` check: the last)."""
+    if model.startswith("tp-styles-"):
+        return LAUNCHES - 1
+    cases = _cases()
+    return cases.index(model) * LAUNCHES // len(cases)
+
+
 @functools.cache
-def launch(shape: str) -> str:
-    """The output of one 4-rank launch running every model on ``shape``."""
+def launch(shape: str, share: int) -> str:
+    """The output of one 4-rank launch running share ``share`` of the models on ``shape``."""
+    cases = [c for c in _cases() if _share(c) == share]
+    styles = ["--tp-styles"] if shape == "1x4" and share == LAUNCHES - 1 else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "tests/helpers/hf_apply_check.py", "--shape", shape,
-           *(["--tp-styles"] if shape == "1x4" else [])]
+           "4", "tests/helpers/hf_apply_check.py", "--shape", shape, *styles, *cases]
     res = run(cmd, 900)
     return res.stdout + res.stderr
 
 
 def line_of(shape: str, model: str) -> str:
-    out = launch(shape)
+    out = launch(shape, _share(model))
     ok = [ln for ln in out.splitlines() if ln.startswith(f"OK {model} ")]
     assert ok, f"{model} on {shape}:\n" + "\n".join(
         ln for ln in out.splitlines() if f" {model} " in ln or ln.startswith("FAIL"))[-4000:]
@@ -344,6 +365,20 @@ def test_resnet_trains_with_synchronised_batch_norm(model, shape):
     assert "batchnorm=backward,forward" in line, line
     if model == "resnet-batch-and-channels":
         assert "S(0)S(1)" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("model", ["gpt2-dropout", "bert-eager-dropout"])
+def test_models_with_their_default_dropouts_train_like_one_process(model, shape):
+    """GPT-2 and BERT with their default dropouts (0.1): ``nn.Dropout`` on split and
+    partial values, SDPA's ``dropout_p`` (GPT-2) and ``F.dropout`` on hand-written
+    attention's probabilities (BERT) split over the batch and the heads. Every rank draws
+    each mask whole from the same generator and keeps its block
+    (:mod:`runtime.local_dropout`), so the losses and gradient norms are one process's
+    drawing from the same state. Before, each rank drew its block's mask on its own: both
+    differed at the first step."""
+    line_of(shape, model)
 
 
 @pytest.fixture

@@ -96,9 +96,12 @@ def _follower(kind: OpKind) -> Handler:
         # a dropout that drops nothing stays an op (a module boundary ``parallelize`` may
         # run a program at) marked ``identity``: torch returns its input, so it costs and
         # holds nothing
+        # a dropout under parallelize draws its whole mask on every rank
+        # (runtime.local_dropout): priced so (``whole_mask``)
+        marks = {"identity": 1} if identity else (
+            {"whole_mask": 1} if kind is OpKind.DROPOUT and g.dtensor else {})
         act = g.add(call.node, kind, [src], shape, dtype_of(out),
-                    flops=0.0 if identity else float(numel(out.shape)),
-                    **({"identity": 1} if identity else {}))
+                    flops=0.0 if identity else float(numel(out.shape)), **marks)
         res = Act(act.src, tuple(out.shape), act.dtype)
         return [res, Const()] if isinstance(val, (list, tuple)) else res
 

@@ -106,7 +106,10 @@ def lift_sdpa(g: DraftGraph, call: Call) -> Any:
     op = _attention_op(g, out)
     if op is not None and isinstance(p, (int, float)) and p > 0:
         op.attrs["probs_dropout"] = 1  # SDPA drops its probabilities (priced; the executor
-        # refuses it)
+        # refuses it); under parallelize each rank draws the whole mask and runs SDPA's math
+        # kernel on its blocks with its block of it (runtime.local_dropout)
+        if g.dtensor:
+            op.attrs.update(unfused=1, whole_mask=1)
     return out
 
 
@@ -164,6 +167,8 @@ def _attention(g: DraftGraph, call: Call, q: Act, k: Act, v: Act, sdpa: bool,
         attrs.update(one_split=1, unfused=1)
     if isinstance(probs, Act) and probs.parts.get("dropout"):
         attrs["probs_dropout"] = 1  # its code drops probabilities (p > 0, training)
+        if g.dtensor:  # each rank draws the whole mask (runtime.local_dropout)
+            attrs["whole_mask"] = 1
     if kv_heads != heads:
         attrs["kv_heads"] = kv_heads
     if len(srcs) == 1 and not _head_major(q.chain, heads, numel(g.drafts[srcs[0]].shape)):

@@ -43,10 +43,13 @@ attention (fused flash)   F; Q, K, V, O = 4N     2.5F (S = QKᵀ recomputed: 5 m
 attention (unfused)       F; 4N + 2E, then       2F; 8N + 4E, then 5E (E = s × s scores,
                           4E (softmax, dropout)  ``ComputeFit.attention``: Megatron 2021;
                                                  always for ``attrs.unfused``: an imported
-                                                 hand-written attention runs as written),
+                                                 hand-written attention runs as written,
+                                                 an imported SDPA dropping its
+                                                 probabilities takes the math kernel),
                                                  the dropout only where probabilities are
                                                  dropped (``attrs.probs_dropout``), else
-                                                 2E and 3E
+                                                 2E and 3E; its mask drawn whole as a
+                                                 dropout's (``attrs.whole_mask``)
 + its rotary (built-in)   3R FLOPs; 2R + 4sd     the same (dx = dy·cos + rot(dy·sin): one
                           elements, 2 kernels    pass over dy, dx and the tables)
 + folded steps, any op    torch's bytes, 1 FLOP  what autograd runs for them, counted on
@@ -64,6 +67,10 @@ gelu, silu, relu          2N                     3N (read x, dy, write dx)
 dropout                   2N + N mask bytes      2N + N mask bytes (read dy, mask, write dx)
   (``attrs.identity``:    none                   none
   p = 0, imported)
+  (``attrs.whole_mask``:  + the whole mask drawn the same
+  imported, split)        and the block copied:
+                          (d + 2)·N mask bytes,
+                          2 kernels more
 add                       3N                     none: the gradient passes to both inputs
 mul                       3N                     5N (read dy, a, b, write da, db), 2 kernels
 batchnorm                 3N (stats, normalise)  4N (reductions, then dx), 2 kernels
@@ -295,10 +302,23 @@ def _attention(op: Op, split: float, itemsize: int, flash: bool) -> tuple[PhaseW
     e = scores * itemsize
     drop = 1 if op.attrs.get("probs_dropout") else 0  # p > 0: the model's or the module's
     mask = drop * scores * MASK_BYTES
-    return (PhaseWork(flops, 4 * n + 2 * e, 3 + drop + rk, gemm,
-                      (2 + 2 * drop) * e + mask + rb, rf),
+    drawn, kernels = whole_draw(op, mask, split) if drop else (0.0, 0)
+    return (PhaseWork(flops, 4 * n + 2 * e, 3 + drop + kernels + rk, gemm,
+                      (2 + 2 * drop) * e + mask + drawn + rb, rf),
             PhaseWork(2 * flops, 8 * n + 4 * e, 5 + drop + rk, gemm,
                       (3 + 2 * drop) * e + mask + rb, rf))
+
+
+def whole_draw(op: Op, mask: float, split: float) -> tuple[float, int]:
+    """(bytes, kernels) a dropout's mask costs beyond a fused dropout's where every rank
+    draws the whole mask and keeps its block (``attrs.whole_mask``: an imported model's
+    dropouts under ``parallelize``, :mod:`runtime.local_dropout`) and the op is split
+    ``split`` ways: the whole draw (``split`` × this rank's ``mask`` bytes written) and the
+    block's copy (read and written): 2 kernels. Nothing where nothing is split (the whole
+    is the block) or the op draws only its block."""
+    if not op.attrs.get("whole_mask") or split <= 1:
+        return 0.0, 0
+    return (split + 2) * mask, 2
 
 
 def causal_fraction(op: Op, seq: float) -> float:
@@ -417,7 +437,8 @@ def _kind_work(op: Op, split: float, gemm: GemmShape | None, read: TensorSpec | 
         if op.is_identity:  # p = 0 or evaluated: torch returns the input
             return NO_WORK, NO_WORK
         mask = op.output.numel / split * MASK_BYTES
-        return _streaming(flops, 2 * n + mask, 2 * n + mask)
+        drawn, kernels = whole_draw(op, mask, split)
+        return _streaming(flops, 2 * n + mask + drawn, 2 * n + mask, (1 + kernels, 1))
     if kind is OpKind.ADD:
         return _streaming(flops, 3 * n, 0.0)
     if kind is OpKind.MUL:

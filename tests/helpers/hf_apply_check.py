@@ -114,6 +114,31 @@ def gpt2() -> Case:
     return Case(GPT2LMHeadModel(cfg), *_tokens())
 
 
+def gpt2_dropout() -> Case:
+    """GPT-2 with its default dropouts (0.1: embeddings, residual branches, and SDPA's on
+    its probabilities, split over the batch and the heads): every rank draws each mask as
+    one process does and keeps its block (:mod:`runtime.local_dropout`), so training matches
+    one process drawing from the same generator."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=2 * SEQ,
+                     use_cache=False)
+    return Case(GPT2LMHeadModel(cfg), *_tokens())
+
+
+def bert_eager_dropout() -> Case:
+    """BERT's hand-written attention with its default dropouts (0.1: hidden, and
+    ``F.dropout`` on the 4-D attention probabilities, a DTensor split over the batch and the
+    heads)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2 * SEQ,
+                     tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return Case(BertForMaskedLM(cfg), *_tokens())
+
+
 def roberta() -> Case:
     """RobertaForMaskedLM: its position ids computed from ``input_ids`` (a cumulative sum of
     the padding mask), so the one input tensor is read by the word table and by that
@@ -991,6 +1016,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gemma-embedding-converted": embedding_converted(gemma),
     "gpt2-gelu-after-conversion": gpt2_gelu_after_conversion,
     "gpt2": gpt2,
+    "gpt2-dropout": gpt2_dropout,
+    "bert-eager-dropout": bert_eager_dropout,
     "vit": vit,
     "resnet": resnet,
     "resnet-data-parallel": resnet_batch_split(both=False),
@@ -1107,6 +1134,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
         # the second step accumulates two backwards (each reduced, as DDP does; the second
         # outside the audit, which counts one backward's collectives)
         passes = 2 if step == 1 else 1
+        drawn = torch.get_rng_state()  # one process draws the same dropout masks
         rec = Recorder(dist.get_world_size())
         with rec:
             loss = loss_of(forward(model, case.inputs), case.targets)
@@ -1116,6 +1144,7 @@ def check(name: str, nodes: int, devices: int, steps: int) -> list[str]:
         norm = float(ilp_planner.clip_grad_norm_(model, MAX_NORM))
         opt.step()
         opt.zero_grad(set_to_none=step != 0)  # zeros kept once: set aside like a reduced one
+        torch.set_rng_state(drawn)
         ref = loss_of(forward(reference, case.inputs), case.targets)
         (ref / passes).backward()
         for _ in range(passes - 1):
