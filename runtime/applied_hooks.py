@@ -643,9 +643,13 @@ def _user_tensor(x: Any) -> Any:
 
 
 def _real_block(local: torch.Tensor, x: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """An IR block (tokens-major) reshaped to the real tensor's dims: tokens split over
-    the batch dim keep whole rows of the trailing dims."""
+    """An IR block (tokens-major) reshaped to the real tensor's dims (:class:`DimMap`'s
+    ``(batch, …, features)``): tokens split over the batch dim keep whole rows of the
+    middle dims; the features keep the block's (a plan may read an input split on them:
+    a residual add split over its columns)."""
     if local.dim() == x.dim():
         return local.contiguous()
     k = lay.split_degree(0)
-    return local.reshape(x.shape[0] // k, *x.shape[1:]).contiguous()
+    if local.dim() == 1:  # token ids: (tokens,) is the real (batch, …)
+        return local.reshape(x.shape[0] // k, *x.shape[1:]).contiguous()
+    return local.reshape(x.shape[0] // k, *x.shape[1:-1], local.shape[-1]).contiguous()

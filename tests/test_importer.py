@@ -315,6 +315,27 @@ def test_a_learned_gate_on_attention_probabilities_is_no_mask():
     assert [op.name for op in graph.ops if "gate" in op.inputs] != []
 
 
+@pytest.mark.parametrize("model", ["GatedLinearAttention", "GatedProbabilities"])
+def test_scores_no_attention_reads_are_priced_as_their_product(model):
+    """Scores read by an op other than an attention (MiniMax's ``(q kᵀ · decay) v``; the
+    probabilities a learned gate scales) are an op of their own priced as torch counts the
+    product ``q kᵀ`` — 2·b·h·t·t·d FLOPs forward, twice that backward (dq and dk) — with
+    the softmax, scale and mask since as its folded steps. Before, a relayout copy stood
+    for them, priced at no FLOPs."""
+    from tests.helpers import user_models
+
+    graph = from_module(getattr(user_models, model)(), (torch.randint(0, 64, (4, 8)),))
+    (scores,) = [op for op in graph.ops if op.name.endswith("scores")]
+    b, heads, t, d = 4, 4, 8, 8
+    assert scores.kind is OpKind.OPAQUE and scores.output.shape == (b, heads, t, t)
+    assert scores.flops == 2 * b * heads * t * t * d
+    assert scores.attrs["bwd_flops"] == 2 * scores.flops
+    assert scores.attrs["bytes_written"] == b * heads * t * t * 4
+    # the softmax and the scale (GatedProbabilities), the decay (GatedLinearAttention)
+    assert scores.attrs["input_steps"] == (2 if model == "GatedProbabilities" else 1)
+    assert scores.inputs == (("qkv",) if model == "GatedProbabilities" else ("silu",))
+
+
 def test_an_accepted_hand_written_causal_module_trains_like_the_executors_attention():
     """What makes the causal mark sound: the hand-written module the importer accepts
     computes what the executor's kernel (:func:`runtime.model.attention`, which

@@ -58,7 +58,7 @@ def test_user_example_trains_on_eight_ranks_like_one_process():
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "llama", "twin", "coded", "head_T", "encoder",
                                    "odd_batch", "weight_norm", "relu6", "seq_image", "padded",
-                                   "frozen"])
+                                   "frozen", "residual_columns"])
 def test_applied_modules_match_one_process_and_the_plan(model):
     """``twin``: two followers in functional code read one row-parallel linear's partial
     sums, resolved once at its boundary — listed once in the plan, run once (the audit
@@ -81,7 +81,9 @@ def test_applied_modules_match_one_process_and_the_plan(model):
     priced (the plan listed gathers autograd never ran: the audit's mismatch). ``frozen``:
     a frozen embedding and projection under a trained adapter and head (a fine-tuning):
     no gradient synchronised for the frozen ones, their values unchanged, the rest trained
-    as in one process."""
+    as in one process. ``residual_columns``: a residual add split over its columns reads
+    the module's own ``(b, t, c)`` input split on its features (before, the input's block
+    was reshaped to whole features and the first forward crashed)."""
     res = run(_torchrun(4, "tests/helpers/apply_check.py", model), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     ok = next(line for line in res.stdout.splitlines() if line.startswith("OK"))

@@ -87,7 +87,8 @@ def _follower(kind: OpKind) -> Handler:
             # the attention, which prices it where it drops anything (``probs_dropout``)
             if kind is not OpKind.DROPOUT or identity:
                 return x
-            res = dataclasses.replace(x, parts=MappingProxyType({**x.parts, "dropout": 1}))
+            res = dataclasses.replace(x, parts=MappingProxyType({**x.parts,
+                                                                 "dropout": call.node}))
             return [res, Const()] if isinstance(val, (list, tuple)) else res
         src = g.ir(call.node, x)
         d = g.drafts[src]
@@ -238,8 +239,9 @@ def lift_softmax(g: DraftGraph, call: Call) -> Act:
     x, val = call.args[0], call.val
     if x.role == "scores":
         dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", -1)
-        parts = x.parts if int(dim) % len(x.shape) == len(x.shape) - 1 else \
-            MappingProxyType({**x.parts, "mask": OTHER})
+        parts = MappingProxyType({**x.parts, "softmax": call.node}) \
+            if int(dim) % len(x.shape) == len(x.shape) - 1 else \
+            MappingProxyType({**x.parts, "mask": OTHER, "softmax": call.node})
         # its steps stay with it: the attention prices the copies among them (a cast)
         return Act(x.src, tuple(val.shape), dtype_of(val), x.chain, "probs", parts,
                    x.steps)

@@ -275,6 +275,8 @@ class DraftGraph:
         (tokens-major, a channel split would land on the wrong dim)."""
         own = self.steps_to_price(x.steps) if isinstance(x, Act) else []
         self.absorbed += own
+        if isinstance(x, Act) and "qk" in x.parts:
+            return self._scores(x)
         if isinstance(x, Act) and self._steps_outside(node, x):
             self.read_outside.update(x.src)
         moved_to = _channels_moved(self.drafts[x.src[0]], x) if isinstance(x, Act) else None
@@ -309,6 +311,25 @@ class DraftGraph:
             spec = tokens_major(x.shape) if moved_to == "last" else tuple(x.shape)
         act = self.add(node, OpKind.OPAQUE, list(x.src), spec, x.dtype, main=False,
                        bytes_read=moved, bytes_written=moved, relayout=1, **rows)
+        return act.src[0]
+
+    def _scores(self, x: Act) -> str:
+        """Scores (``q @ kᵀ``), or the probabilities made of them, read by an op other than
+        an attention — MiniMax's ``(q kᵀ · decay) v``, a learned gate on the probabilities:
+        an opaque op computing them from q and k, priced as torch counts the product and
+        autograd runs its backward (:meth:`opaque`'s figures), the softmax and a dropout on
+        them since folded into it as steps, their scale and mask too (``x.steps``, absorbed
+        by :meth:`ir`). Before, a relayout copy stood for them: the product's FLOPs were
+        priced nowhere."""
+        qk = x.parts["qk"]
+        made = [x.parts[k] for k in ("softmax", "dropout") if k in x.parts]
+        self.absorbed += self.steps_to_price(made)
+        cost = self.count(qk)
+        back = self.count.backward([qk], self._differentiated)
+        act = self.add(qk, OpKind.OPAQUE, list(x.src), tuple(x.shape), x.dtype, main=False,
+                       flops=cost.flops, label="scores", bytes_read=cost.bytes_read,
+                       bytes_written=cost.bytes_written, bwd=back.kernels,
+                       bwd_bytes=back.bytes, bwd_flops=back.flops)
         return act.src[0]
 
     def _part(self, x: Act, index: int, parts: int) -> str:

@@ -80,8 +80,11 @@ def lift_matmul(g: DraftGraph, call: Call) -> Any:
             # (scores that no softmax made probabilities, times values — MiniMax's
             # lightning attention — are no attention: an opaque op, whose output is no
             # scores, so what the code combines with it later stays its own value)
+            # ``qk``: the product's node, priced where the scores become no attention
+            # (:meth:`~ilp_planner.inputs.lift_graph.DraftGraph.ir`)
             return Act(tuple(dict.fromkeys(a.src + b.src)), tuple(val.shape), dtype_of(val),
-                       role="scores", parts=MappingProxyType({"q": a, "k": b}))
+                       role="scores", parts=MappingProxyType({"q": a, "k": b,
+                                                              "qk": call.node}))
     acts = [x for x in (a, b) if isinstance(x, Act)]
     return g.opaque(call.node, call.args, acts, val, call.op)
 

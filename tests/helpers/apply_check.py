@@ -52,6 +52,7 @@ from tests.helpers.user_models import (  # noqa: E402
     Llama,
     PaddedConv,
     ReLU6MLP,
+    ResidualColumns,
     SequenceToImage,
     TransposedHead,
     TwinFollowers,
@@ -68,6 +69,9 @@ def build(name: str):
         return model, torch.randn(4, 32), torch.randint(0, 16, (4,)), 0.05
     if name == "twin":
         return TwinFollowers(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
+    if name == "residual_columns":
+        x = torch.randn(4, 6, 16)
+        return ResidualColumns(), x, torch.randint(0, 8, (4, 6)), 1.0
     if name == "coded":
         return CodedLinear(16, 32), torch.randn(8, 16), torch.randint(0, 16, (8,)), 1.0
     if name == "odd_batch":  # 3 examples on 4 ranks: no split of the batch runs
@@ -100,12 +104,20 @@ def row_parallel_proj(op: Op, s: Strategy) -> bool:
     return op.name != "mul" or whole
 
 
+def add_columns_split(op: Op, s: Strategy) -> bool:
+    """``residual_columns``'s plan: the residual add split over its columns on all ranks
+    (so the module's input is read split on its features), the rest as the solver likes."""
+    return op.name != "add" or s.output.split_degree(1) == s.output.num_devices
+
+
 def planned(name: str, graph, world: int, tflops: float) -> Plan:
-    """The solver's plan, or ``twin``'s restricted one (:func:`row_parallel_proj`)."""
-    if name != "twin":
+    """The solver's plan, or ``twin``'s and ``residual_columns``' restricted ones
+    (:func:`row_parallel_proj`, :func:`add_columns_split`)."""
+    keep = {"twin": row_parallel_proj, "residual_columns": add_columns_split}.get(name)
+    if keep is None:
         return ilp_planner.solve(graph, cluster=cluster(world, tflops), baselines=False)
     return restricted_plan(load_config({"model": graph, "cluster": cluster(world, tflops)}),
-                           row_parallel_proj)
+                           keep)
 
 
 def cluster(devices: int, tflops: float) -> dict:
@@ -122,7 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", choices=("mlp", "llama", "twin", "coded", "head_T", "encoder",
                                       "odd_batch", "weight_norm", "relu6", "seq_image", "padded",
-                                      "frozen"))
+                                      "frozen", "residual_columns"))
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("gloo")

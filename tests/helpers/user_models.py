@@ -235,6 +235,20 @@ class TwinFollowers(nn.Module):
         return self.out(torch.relu(p) * F.silu(p))
 
 
+class ResidualColumns(nn.Module):
+    """An MLP's residual branch added to the module's own float input ``(b, t, c)``: a plan
+    splitting the add's columns reads the input split on its features (the real tensor's
+    last dim)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, classes: int = 8) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
 class CodedLinear(nn.Module):
     """A linear applied in functional code (``F.linear`` on a parameter) and a ReLU on its
     output, between two linear modules: the ReLU follows the functional linear inside one
