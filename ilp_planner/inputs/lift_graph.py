@@ -265,18 +265,17 @@ class DraftGraph:
         return fresh
 
     def ir(self, node: Any, x: Any, image: bool = False) -> str:
-        """The IR op whose output ``x`` is (re-viewed); materialise one if it is not. The
-        steps folded into ``x`` — element-wise kernels (a hand-written GELU's pow, tanh,
-        mul; an RMSNorm's pow, mean, rsqrt) and copies (a cast, ``contiguous`` of strided
-        data, a ``cat``) — run before the op reading it, which prices them (:meth:`add`),
-        or the relayout made here, where there is one: its copies are then the copy it
-        stands for, priced instead of its estimate. ``image``: the reader is a convolution,
-        which reads ``x`` as the ``(b, c, h, w)`` image it is — a relayout keeps that shape
-        (tokens-major, a channel split would land on the wrong dim)."""
+        """The IR op whose output ``x`` is (re-viewed); materialise one if it is not (scores an
+        attention does not read: :func:`scores_op`). The steps folded into ``x`` — element-wise
+        kernels (a hand-written GELU's pow, tanh, mul; an RMSNorm's pow, mean, rsqrt) and copies
+        (a cast, ``contiguous`` of strided data, a ``cat``) — run before the op reading it, which
+        prices them (:meth:`add`), or the relayout made here, where there is one: its copies are
+        then the copy it stands for, priced instead of its estimate. ``image``: the reader is a
+        convolution, reading ``x`` as the ``(b, c, h, w)`` image it is (a relayout keeps it)."""
         own = self.steps_to_price(x.steps) if isinstance(x, Act) else []
         self.absorbed += own
         if isinstance(x, Act) and "qk" in x.parts:
-            return self._scores(x)
+            return scores_op(self, x)
         if isinstance(x, Act) and self._steps_outside(node, x):
             self.read_outside.update(x.src)
         moved_to = _channels_moved(self.drafts[x.src[0]], x) if isinstance(x, Act) else None
@@ -313,29 +312,9 @@ class DraftGraph:
                        bytes_read=moved, bytes_written=moved, relayout=1, **rows)
         return act.src[0]
 
-    def _scores(self, x: Act) -> str:
-        """Scores (``q @ kᵀ``), or the probabilities made of them, read by an op other than
-        an attention — MiniMax's ``(q kᵀ · decay) v``, a learned gate on the probabilities:
-        an opaque op computing them from q and k, priced as torch counts the product and
-        autograd runs its backward (:meth:`opaque`'s figures), the softmax and a dropout on
-        them since folded into it as steps, their scale and mask too (``x.steps``, absorbed
-        by :meth:`ir`). Before, a relayout copy stood for them: the product's FLOPs were
-        priced nowhere."""
-        qk = x.parts["qk"]
-        made = [x.parts[k] for k in ("softmax", "dropout") if k in x.parts]
-        self.absorbed += self.steps_to_price(made)
-        cost = self.count(qk)
-        back = self.count.backward([qk], self._differentiated)
-        act = self.add(qk, OpKind.OPAQUE, list(x.src), tuple(x.shape), x.dtype, main=False,
-                       flops=cost.flops, label="scores", bytes_read=cost.bytes_read,
-                       bytes_written=cost.bytes_written, bwd=back.kernels,
-                       bwd_bytes=back.bytes, bwd_flops=back.flops)
-        return act.src[0]
-
     def _part(self, x: Act, index: int, parts: int) -> str:
-        """The ``part`` op for equal column block ``index`` of ``parts`` of a linear's output
-        (:func:`_fused_part`), one per block however often it is read, named in the module
-        whose code splits it; the linear is marked ``attrs.parts``."""
+        """The ``part`` op for column block ``index`` of ``parts`` of a linear's output
+        (:func:`_fused_part`), one per block, named in the module splitting it."""
         src = self.drafts[x.src[0]]
         for d in self.drafts.values():
             if d.kind is OpKind.PART and d.inputs == (src.name,) \
@@ -453,6 +432,26 @@ def copy_backward(node: Any, cost: NodeCost) -> tuple[int, int, int]:
 def _stored(t: Any) -> int:
     """The elements ``t`` stores: a broadcast (stride-0) dim holds one."""
     return numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
+
+
+def scores_op(g: DraftGraph, x: Act) -> str:
+    """Scores (``q @ kᵀ``), or the probabilities made of them, read by an op other than
+    an attention — MiniMax's ``(q kᵀ · decay) v``, a learned gate on the probabilities:
+    an opaque op computing them from q and k, priced as torch counts the product and
+    autograd runs its backward (:meth:`DraftGraph.opaque`'s figures), the softmax and a
+    dropout on them since folded into it as steps, their scale and mask too (``x.steps``,
+    absorbed by :meth:`DraftGraph.ir`). Before, a relayout copy stood for them: the
+    product's FLOPs were priced nowhere."""
+    qk = x.parts["qk"]
+    made = [x.parts[k] for k in ("softmax", "dropout") if k in x.parts]
+    g.absorbed += g.steps_to_price(made)
+    cost = g.count(qk)
+    back = g.count.backward([qk], g._differentiated)
+    act = g.add(qk, OpKind.OPAQUE, list(x.src), tuple(x.shape), x.dtype, main=False,
+                flops=cost.flops, label="scores", bytes_read=cost.bytes_read,
+                bytes_written=cost.bytes_written, bwd=back.kernels, bwd_bytes=back.bytes,
+                bwd_flops=back.flops)
+    return act.src[0]
 
 
 def folded_steps(count: Callable[[Any], NodeCost], nodes: Sequence[Any],
