@@ -1,9 +1,10 @@
 """Imported mixture-of-experts blocks under ``parallelize`` (:mod:`runtime.apply`).
 
-The importer lifts a Hugging Face routed block (Mixtral, Qwen2-MoE, GraniteMoE, DeepSeek-V2/V3) as one
-``moe`` op named ``<experts module>.moe`` that owns the router's weight (``gate`` or ``router``:
-:func:`~ilp_planner.inputs.lift_moe.hf_router`) and the experts'
-``gate_up_proj`` and ``down_proj`` in the module's own orientation
+The importer lifts a Hugging Face routed block (Mixtral, Qwen2-MoE, GraniteMoE,
+DeepSeek-V2/V3, GPT-OSS) as one ``moe`` op named ``<experts module>.moe`` that owns the
+router's weight (``gate`` or ``router``: :func:`~ilp_planner.inputs.lift_moe.hf_router`) and
+the experts' ``gate_up_proj`` and ``down_proj`` (GPT-OSS's with their biases, the router's
+too) in the module's own orientation
 (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`). The block's own forward
 routes with the whole router and loops over every expert — nothing a token block and this
 rank's experts can run — so, as during the export, the router becomes a pass-through and
@@ -24,9 +25,9 @@ from typing import Any
 
 from torch import nn
 
-from ilp_planner.inputs.lift_moe import hf_router
+from ilp_planner.inputs.lift_moe import hf_router, router_weight
 from ilp_planner.ir.graph import Graph, Op, OpKind
-from ilp_planner.lowering.moe_strategies import hf_experts, moe_programs
+from ilp_planner.lowering.moe_strategies import HF_INTERLEAVED, hf_experts, hf_form, moe_programs
 from ilp_planner.plan.data import LayerPlan
 from runtime.comm import Comm
 from runtime.errors import RuntimeSetupError
@@ -71,6 +72,19 @@ def install_moe(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
         experts.forward = _kernel(comm, op, lp, gate, experts)
 
 
+def module_roles(op: Op, gate: nn.Module, experts: nn.Module) -> dict[str, Any]:
+    """The block's tensors by the op's roles
+    (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`): the router's weight
+    (:func:`~ilp_planner.inputs.lift_moe.router_weight`) and the experts' ``gate_up_proj``
+    and ``down_proj``, with GPT-OSS's biases."""
+    out = {"router": router_weight(gate), "gate_up": experts.gate_up_proj,
+           "down": experts.down_proj}
+    if hf_form(op) == HF_INTERLEAVED:
+        out.update(router_bias=gate.bias, gate_up_bias=experts.gate_up_proj_bias,
+                   down_bias=experts.down_proj_bias)
+    return out
+
+
 def _pass_through(x: Any) -> tuple[Any, Any, Any]:
     """The router's place in the block's forward: the experts' kernel routes."""
     return x, x, x
@@ -80,7 +94,7 @@ def _kernel(comm: Comm, op: Op, lp: LayerPlan, gate: nn.Module, experts: nn.Modu
     """The experts module's forward: the kernel on the local blocks its hooks hand it
     (the router's and experts' parameters are read at call time, when they are blocks)."""
     def forward(x: Any, *_routing: Any) -> Any:
-        params = hf_roles(gate.weight, experts.gate_up_proj, experts.down_proj)
+        params = hf_roles(module_roles(op, gate, experts))
         bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek-V3's: a buffer
         if bias is not None:
             params["score_bias"] = bias

@@ -34,11 +34,15 @@ from ilp_planner.lowering.moe_strategies import (
     COMBINE,
     COUNTS,
     DISPATCH,
+    GLU_UNIT,
+    HF_INTERLEAVED,
     RECEIVED,
     capacity,
+    clamped_glu,
     dropless,
     expert_parallel,
     hf_experts,
+    hf_form,
     moe_layouts,
     moe_programs,
 )
@@ -49,12 +53,19 @@ from runtime.recorder import tagged
 
 
 def route(x: torch.Tensor, router: torch.Tensor, op: Op,
-          score_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts), each ``(T, top_k)``: the router's logits in float32, scored,
-    grouped and selected as :func:`ilp_planner.inputs.moe_routing.select` says (softmax
-    top-k; DeepSeek-V3's sigmoid with its correction bias ``score_bias``; group-limited)."""
-    weights, experts = select(torch, (x @ router).float(), op.attrs, score_bias)
+          score_bias: torch.Tensor | None = None,
+          router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each ``(T, top_k)``: the router's logits (plus GPT-OSS's
+    ``router_bias``) in float32, scored, grouped and selected as
+    :func:`ilp_planner.inputs.moe_routing.select` says (softmax top-k; DeepSeek-V3's sigmoid
+    with its correction bias ``score_bias``; group-limited)."""
+    logits = x @ router if router_bias is None else x @ router + router_bias
+    weights, experts = select(torch, logits.float(), op.attrs, score_bias)
     return weights.to(x.dtype), experts
+
+
+def _route(x: torch.Tensor, op: Op, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return route(x, p["router"], op, p.get("score_bias"), p.get("router_bias"))
 
 
 def slots(experts: torch.Tensor, num_experts: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,19 +85,49 @@ def dispatch(x: torch.Tensor, slot: torch.Tensor, kept: torch.Tensor, top_k: int
     return buf.view(num_experts, cap, x.shape[1])
 
 
-def experts_mlp(buf: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor | None) -> torch.Tensor:
-    """Each expert's MLP on its slots, batched over experts: SwiGLU ``(silu(xW1) ⊙ xW3)W2``
-    where ``w3`` is given, else GELU ``gelu(xW1)W2``."""
-    hidden = torch.bmm(buf, w1)
-    act = F.silu(hidden) * torch.bmm(buf, w3) if w3 is not None else F.gelu(hidden)
-    return torch.bmm(act, w2)
+EXPERT_ROLES = ("w1", "w3", "w2", "b1", "b3", "b2")
+"""The kernel's per-expert tensors (leading dim the experts): the projections, and GPT-OSS's
+biases."""
+
+
+def experts_mlp(buf: torch.Tensor, p: dict[str, torch.Tensor],
+                glu: tuple[float, float] | None = None) -> torch.Tensor:
+    """Each expert's MLP on its slots, batched over experts, from the roles of ``p``
+    (:data:`EXPERT_ROLES`, leading dim the experts of ``buf``): SwiGLU
+    ``(silu(xW1) ⊙ xW3)W2`` where ``w3`` is given, else GELU ``gelu(xW1)W2``; with ``glu``
+    (GPT-OSS's alpha and limit) the biased projections and its clamped GLU
+    (:func:`~ilp_planner.lowering.moe_strategies.clamped_glu`)."""
+    hidden = _biased(torch.bmm(buf, p["w1"]), p.get("b1"))
+    if glu is not None:
+        act = clamped_glu(hidden, _biased(torch.bmm(buf, p["w3"]), p.get("b3")), *glu)
+    elif p.get("w3") is not None:
+        act = F.silu(hidden) * torch.bmm(buf, p["w3"])
+    else:
+        act = F.gelu(hidden)
+    return _biased(torch.bmm(act, p["w2"]), p.get("b2"))
+
+
+def _biased(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return y if b is None else y + b[:, None, :]
+
+
+def experts_of(p: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """The roles of experts ``lo`` to ``hi`` of those ``p`` holds."""
+    return {r: p[r][lo:hi] for r in EXPERT_ROLES if p.get(r) is not None}
+
+
+def glu_of(op: Op) -> tuple[float, float] | None:
+    """GPT-OSS's GLU (alpha, limit), None for the other experts."""
+    if hf_form(op) != HF_INTERLEAVED:
+        return None
+    return op.attr("glu_alpha") / GLU_UNIT, op.attr("glu_limit") / GLU_UNIT
 
 
 def dense_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               w3: torch.Tensor | None) -> torch.Tensor:
     """The shared experts, fused into one dense MLP of the same form."""
-    return experts_mlp(x[None], w1[None], w2[None], None if w3 is None else w3[None])[0]
+    p = {"w1": w1[None], "w2": w2[None]} | ({} if w3 is None else {"w3": w3[None]})
+    return experts_mlp(x[None], p)[0]
 
 
 def combine(out: torch.Tensor, slot: torch.Tensor, kept: torch.Tensor, weights: torch.Tensor,
@@ -113,7 +154,7 @@ def kernel_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     as the kernel's: an imported block's through :func:`hf_roles`."""
     if not hf_experts(op):
         return params
-    roles = hf_roles(params["router"], params["gate_up"], params["down"])
+    roles = hf_roles(params)
     if "score_bias" in params:  # a Hugging Face router's buffer, handed in beside its tensors
         roles["score_bias"] = params["score_bias"]
     return roles
@@ -123,10 +164,9 @@ def reference(op: Op, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch
     """The op on full tensors (``params`` by role), every token in one group, none dropped."""
     params = kernel_roles(op, params)
     e, k, t = op.attr("experts"), op.attr("top_k"), x.shape[0]
-    weights, chosen = route(x, params["router"], op, params.get("score_bias"))
+    weights, chosen = _route(x, op, params)
     slot, kept = slots(chosen, e, t)
-    out = experts_mlp(dispatch(x, slot, kept, k, e, t), params["w1"], params["w2"],
-                      params.get("w3"))
+    out = experts_mlp(dispatch(x, slot, kept, k, e, t), params, glu_of(op))
     y = combine(out, slot, kept, weights, 0, t)
     shared = _shared(x, params)
     return y if shared is None else y + shared
@@ -141,11 +181,19 @@ def moe(ctx, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal], dat
     return LVal(y, lp.output)
 
 
-def hf_roles(router: torch.Tensor, gate_up: torch.Tensor,
-             down: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A Hugging Face block's tensors (router ``(E, h)``, ``gate_up`` ``(E, 2f, h)`` gate rows
-    then up rows, ``down`` ``(E, h, f)``) as the kernel's roles — views, so gradients reach
-    the module's parameters."""
+def hf_roles(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face block's tensors by the op's roles
+    (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`) as the kernel's — views,
+    so gradients reach the module's parameters: Mixtral's router ``(E, h)``, ``gate_up``
+    ``(E, 2f, h)`` gate rows then up rows, ``down`` ``(E, h, f)``; GPT-OSS's ``gate_up``
+    ``(E, h, 2f)`` gate and up columns alternating, ``down`` ``(E, f, h)``, and their biases
+    (where ``router_bias`` is given)."""
+    router, gate_up, down = params["router"], params["gate_up"], params["down"]
+    if "router_bias" in params:
+        gub = params["gate_up_bias"]
+        return {"router": router.t(), "router_bias": params["router_bias"],
+                "w1": gate_up[..., 0::2], "w3": gate_up[..., 1::2], "w2": down,
+                "b1": gub[:, 0::2], "b3": gub[:, 1::2], "b2": params["down_bias"]}
     f = down.shape[2]
     return {"router": router.t(), "w1": gate_up[:, :f].transpose(1, 2),
             "w3": gate_up[:, f:].transpose(1, 2), "w2": down.transpose(1, 2)}
@@ -162,7 +210,7 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
         raise RuntimeSetupError(f"moe {op.name!r}: {lay} -> {lp.output} is not one of the MoE "
                                 f"strategies' layouts ({want} -> {out_layout})")
     e, k = op.attr("experts"), op.attr("top_k")
-    weights, chosen = route(x, p["router"], op, p.get("score_bias"))
+    weights, chosen = _route(x, op, p)
     progs = moe_programs(op, lay, comm.cluster)
     if dropless(op):
         y = _dropless(comm, op, x, lay, p, weights, chosen, progs is not None)
@@ -177,7 +225,7 @@ def local_moe(comm, op: Op, lp: LayerPlan, x: torch.Tensor, lay: Layout,
         buf = comm.edge(LVal(buf, progs[0].src), progs[0], DISPATCH, op.name).t
     elif not ep:
         buf = buf[first:first + local]
-    out = experts_mlp(buf, p["w1"], p["w2"], p.get("w3"))
+    out = experts_mlp(buf, p, glu_of(op))
     if progs is not None:
         out = comm.edge(LVal(out, progs[1].src), progs[1], COMBINE, op.name).t
     y = combine(out, slot, kept, weights, first, cap)
@@ -239,8 +287,7 @@ def _dropless(comm, op: Op, x: torch.Tensor, lay: Layout, p: dict[str, torch.Ten
     out = torch.zeros_like(got)
     for j in range(local):
         rows = torch.nonzero(expert_of == j).squeeze(1)
-        w3 = None if p.get("w3") is None else p["w3"][j:j + 1]
-        y = experts_mlp(got[rows][None], p["w1"][j:j + 1], p["w2"][j:j + 1], w3)[0]
+        y = experts_mlp(got[rows][None], experts_of(p, j, j + 1), glu_of(op))[0]
         out = out.index_add(0, rows, y)
     if exchange:
         back = _Exchange.apply(out, group, recv, send, (RECEIVED, COMBINE), op.name)

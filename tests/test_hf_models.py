@@ -22,14 +22,14 @@ from ilp_planner.inputs.config import load_config, parse_cluster
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.lift_elementwise import lift_const
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
-from ilp_planner.inputs.lift_moe import routed_as_one_op
+from ilp_planner.inputs.lift_moe import hf_router, routed_as_one_op
 from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.intra_op.baselines import solve_exact
 from ilp_planner.intra_op.problem import build_problem
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec
 from ilp_planner.ir.layouts import drop_unit_axes
 from ilp_planner.lowering.cost_model import MemorySpec
-from ilp_planner.lowering.moe_strategies import expert_parallel
+from ilp_planner.lowering.moe_strategies import HF_INTERLEAVED, expert_parallel
 from ilp_planner.lowering.strategies import (
     StrategyContext,
     head_splits,
@@ -39,6 +39,7 @@ from ilp_planner.lowering.strategies import (
 )
 from ilp_planner.reports.explain import OPAQUE_WARN_SHARE, opaque_share
 from ilp_planner.reports.summary import unsharded_summary
+from runtime.applied_moe import module_roles
 from runtime.errors import RuntimeSetupError
 from runtime.fused_parts import interleaved, natural_order
 from runtime.moe import reference as moe_reference
@@ -132,6 +133,13 @@ def _builders() -> dict[str, Any]:
             vocab_size=VOCAB, max_position_embeddings=16, use_cache=False)), (_ids(),)),
         "deepseek_v2": lambda: (T.DeepseekV2ForCausalLM(_deepseek_v2()), (_ids(),)),
         "deepseek_v3": lambda: (_deepseek_v3(), (_ids(),)),
+        "gpt_oss": lambda: (_gpt_oss(), (_ids(),)),
+        # its router's weight is a linear it holds (``gate.wg``); a shared MLP beside
+        "hunyuan_moe": lambda: (T.HunYuanMoEV1ForCausalLM(T.HunYuanMoEV1Config(
+            hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16,
+            num_experts=4, moe_topk=2, use_cache=False, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)), (_ids(),)),
     }
 
 
@@ -165,10 +173,29 @@ def _deepseek_v3() -> Any:
     return model
 
 
-MOE_LAYER = {"mixtral": 0, "qwen2_moe": 0, "deepseek_v2": 1, "deepseek_v3": 1}  # first routed
+def _gpt_oss() -> Any:
+    """A tiny GPT-OSS: 4 experts, top-2 (a biased router, softmax over the top-k logits),
+    experts with biases and alternating gate/up columns under a clamped GLU, attention with
+    sinks, a sliding-window layer and a full one. Its biases are drawn (Hugging Face zeroes
+    the router's), so that a kernel ignoring one differs."""
+    model = T.GptOssForCausalLM(T.GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, use_cache=False,
+        layer_types=["sliding_attention", "full_attention"]))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for b in (layer.mlp.router.bias, layer.mlp.experts.gate_up_proj_bias,
+                      layer.mlp.experts.down_proj_bias):
+                b.normal_(0, 0.5)
+    return model
+
+
+MOE_LAYER = {"mixtral": 0, "qwen2_moe": 0, "deepseek_v2": 1, "deepseek_v3": 1,
+             "gpt_oss": 0, "hunyuan_moe": 0}  # first routed
 SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
           "deepseek_v3": "shared_experts"}
-MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
+MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "hunyuan_moe"]
 
 
 DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "opt", "vit",
@@ -662,6 +689,43 @@ def test_moe_blocks_lift_to_one_moe_op_owning_router_and_experts(imported, name,
     assert layer.strategy.startswith("moe(")
 
 
+def test_a_gpt_oss_block_is_one_moe_op_owning_its_biases_and_glu_constants(imported):
+    """GPT-OSS's block (router ``weight`` and ``bias``; experts ``gate_up_proj (E, h, 2f)``
+    with gate and up columns alternating, ``down_proj (E, f, h)``, each with a bias; a GLU
+    clamped at ``limit`` with slope ``alpha``): before, its experts were not found (no
+    ``act_fn``, another orientation), exported as the expert loop's opaque ops, and refused
+    by ``parallelize`` at the first forward (the router's tuple output). Now it is one
+    ``moe`` op of the interleaved form owning all six tensors in the module's order, its
+    routing Mixtral's (a softmax over the top-k logits is the renormalised top-k), and it
+    solves with the experts laid out by the MoE strategies."""
+    model, graph = imported("gpt_oss")
+    at = "model.layers.0.mlp"
+    mlp = model.model.layers[0].mlp
+    owners = _owners(graph, _aliases(model), f"{at}.experts.gate_up_proj")
+    assert [op.kind for op in owners] == [OpKind.MOE]
+    op = owners[0]
+    assert op.name == f"{at}.experts.moe"  # the name the runtime finds its module by
+    assert op.source_params == (f"{at}.router.weight", f"{at}.experts.gate_up_proj",
+                                f"{at}.experts.down_proj", f"{at}.router.bias",
+                                f"{at}.experts.gate_up_proj_bias", f"{at}.experts.down_proj_bias")
+    assert (op.attr("hf_experts"), op.attr("glu_alpha"), op.attr("glu_limit")) == (
+        HF_INTERLEAVED, round(1000 * mlp.experts.alpha), round(1000 * mlp.experts.limit))
+    assert (op.attr("experts"), op.attr("top_k"), op.attr("ffn"), op.attr("norm_topk")) == (
+        4, 2, mlp.experts.down_proj.shape[1], 1)
+    assert op.params == sum(p.numel() for p in mlp.parameters())
+    assert sum(o.params for o in graph.ops) == sum(p.numel() for p in model.parameters())
+    plan = ilp_planner.solve(graph, cluster=CLUSTER, baselines=False)
+    assert next(ly for ly in plan.layers if ly.name == op.name).strategy.startswith("moe(")
+
+
+def test_gpt_oss_glu_constants_the_op_cannot_hold_are_refused():
+    """The op holds ``alpha`` and ``limit`` in thousandths: a value it would round is
+    refused in one line naming it, not planned and run as another activation."""
+    model = _gpt_oss()
+    model.model.layers[0].mlp.experts.alpha = 1.7025
+    _refused_in_one_line(model, r"GptOssExperts: alpha=1\.7025; the moe op holds")
+
+
 def _assert_blocks_are_the_op(model: Any, ids: torch.Tensor) -> None:
     """The model's logits with its 2 routed blocks through ``ilp_planner::moe_experts``
     equal its own (the op is the block, not an approximation of it)."""
@@ -679,7 +743,7 @@ def test_the_moe_custom_op_computes_what_the_block_does(name):
     logits under it equal its own (the op is the block, not an approximation of it)."""
     model, (ids,) = _builders()[name]()
     _assert_blocks_are_the_op(model, ids)
-    assert "forward" not in vars(model.model.layers[MOE_LAYER[name]].mlp.gate)  # restored
+    assert "forward" not in vars(hf_router(model.model.layers[MOE_LAYER[name]].mlp))  # restored
 
 
 @pytest.mark.parametrize("name", MOES)
@@ -692,7 +756,8 @@ def test_an_imported_moe_op_prices_its_modules_tensors_and_offers_no_expert_tp(i
     model, graph = imported(name)
     op = next(o for o in graph.ops if o.kind is OpKind.MOE)
     params = dict(model.named_parameters())
-    assert list(param_shapes(op)) == ["router", "gate_up", "down"]
+    biases = ["router_bias", "gate_up_bias", "down_bias"] if name == "gpt_oss" else []
+    assert list(param_shapes(op)) == ["router", "gate_up", "down", *biases]
     assert list(param_shapes(op).values()) == [tuple(params[n].shape) for n in op.source_params]
     ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
     # the experts' axes, not the example's batch of 2 (which splits its tokens two ways at
@@ -712,19 +777,21 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
     model, graph = imported(name)
     op = next(o for o in graph.ops if o.kind is OpKind.MOE)
     mlp = model.model.layers[MOE_LAYER[name]].mlp
+    gate = hf_router(mlp)
     x = torch.randn(op.output.shape, requires_grad=True)
-    _, weights, chosen = mlp.gate(x)
+    _, weights, chosen = gate(x)
     want = mlp.experts(x, chosen, weights)
-    bias = getattr(mlp.gate, "e_score_correction_bias", None)  # V3's buffer
-    got = moe_reference(op, x, {"router": mlp.gate.weight, "gate_up": mlp.experts.gate_up_proj,
-                                "down": mlp.experts.down_proj,
-                                **({} if bias is None else {"score_bias": bias})})
+    bias = getattr(gate, "e_score_correction_bias", None)  # V3's buffer
+    roles = module_roles(op, gate, mlp.experts)  # GPT-OSS's with its three biases
+    got = moe_reference(op, x, {**roles, **({} if bias is None else {"score_bias": bias})})
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    tensors = (x, mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+    tensors = (x, *roles.values())
     g_want = torch.autograd.grad(want.square().sum(), tensors)
     g_got = torch.autograd.grad(got.square().sum(), tensors)
     for a, b in zip(g_got, g_want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        # an expert not chosen gets no router gradient through a softmax over the top-k
+        # logits (GPT-OSS); through the renormalised softmax over all, terms that cancel
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("routing,field", [

@@ -336,6 +336,27 @@ def test_scores_no_attention_reads_are_priced_as_their_product(model):
     assert scores.inputs == (("qkv",) if model == "GatedProbabilities" else ("silu",))
 
 
+def test_a_product_of_probabilities_no_attention_made_is_read_as_tokens_by_a_linear():
+    """GPT-OSS's attention with sinks: the softmax over scores joined to a learned sink is
+    no attention, so the product with the values is priced as an op of its own
+    (:func:`~ilp_planner.inputs.lift_graph.scores_op`). Before, that op took the value's
+    shape as re-viewed for the output projection, ``(b, t, c)``, where every op a linear
+    reads is ``(tokens, features)``: the linear's strategies read its dim 1 as features —
+    on 2 × 4 SUMMA's program split the batch of 4 eight ways and the solve crashed; under
+    ``parallelize`` a row-parallel projection got the sequence split instead of its
+    features. Now it is tokens-major, and the model solves."""
+    from tests.helpers.user_models import SinkAttention
+
+    graph = from_module(SinkAttention(), (torch.randint(0, 64, (4, 8)),))
+    (proj_input,) = graph["proj"].inputs
+    assert graph[proj_input].kind is OpKind.OPAQUE
+    assert graph[proj_input].output.shape == (4 * 8, 32)
+    cluster = {"nodes": 2, "devices_per_node": 4, "memory_gib": 16, "peak_tflops": 10,
+               "intra": "nvlink3", "inter": "ib-hdr200"}
+    plan = ilp_planner.solve(graph, cluster=cluster, baselines=False)
+    assert {ly.name for ly in plan.layers} >= {"proj", proj_input}
+
+
 def test_an_accepted_hand_written_causal_module_trains_like_the_executors_attention():
     """What makes the causal mark sound: the hand-written module the importer accepts
     computes what the executor's kernel (:func:`runtime.model.attention`, which

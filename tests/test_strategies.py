@@ -12,7 +12,7 @@ import pytest
 
 from ilp_planner.inputs import models
 from ilp_planner.ir.cluster import Cluster, Link, MeshAxis, mesh_factorisations
-from ilp_planner.ir.graph import OpKind
+from ilp_planner.ir.graph import OpKind, TensorSpec
 from ilp_planner.ir.layouts import B, P, Split
 from ilp_planner.lowering.cost_model import CollectiveKind, MemorySpec, collective_time
 from ilp_planner.lowering.strategies import Strategy, StrategyContext, op_strategies
@@ -131,6 +131,18 @@ def test_summa_strategies_exist():
         assert kinds == {("all_gather", "forward", "activation"), ("all_gather", "forward", "weight"),
                          ("reduce_scatter", "backward", "activation"),
                          ("reduce_scatter", "backward", "weight")}
+
+
+def test_summa_is_not_offered_on_an_input_read_as_it_lies():
+    """A linear reading a 3-D value as it lies (an opaque op's ``(b, t, c)`` output, GPT-OSS's
+    sink attention): SUMMA's ``(S0, S1)`` on it would split the sequence, not K. Before, its
+    program was built anyway — on 2 × 4 the 4-way split of a batch of 2 raised and the whole
+    solve crashed; on 2 × 2 it was priced as a gather it is not. The other strategies stay."""
+    rows = TensorSpec((4, 16, 256), MLP["input"].output.dtype)  # the same 64 rows of 256
+    strats = op_strategies(FC1, [rows], ctx())
+    assert strats and not [s for s in strats if s.label.startswith("summa")]
+    assert {s.label for s in strats} == {s.label for s in linear_strategies()
+                                         if not s.label.startswith("summa")}
 
 
 def test_max_weight_replication_caps_p0():

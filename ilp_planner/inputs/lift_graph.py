@@ -336,7 +336,7 @@ class DraftGraph:
         out = first_output(val)
         srcs = [self.ir(node, a) for a in acts if isinstance(a, Act)]
         shape = tuple(out.shape)
-        spec = shape if len(shape) == 4 else ir_shape(shape, dtype_of(out))
+        spec = opaque_shape(shape, dtype_of(out))
         params = [p for a in flatten(args) if isinstance(a, Const) for p in a.params]
         cost = self.count(node)
         try:
@@ -434,6 +434,13 @@ def _stored(t: Any) -> int:
     return numel([d for d, st in zip(t.shape, t.stride(), strict=True) if st != 0])
 
 
+def opaque_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """An opaque op's output in the IR: a 4-D value (an image, ``(b, h, t, d)``) as it is,
+    any other as :func:`~ilp_planner.inputs.lift_values.ir_shape` (tokens-major) — what a
+    linear reading it takes as its ``(tokens, features)`` rows."""
+    return shape if len(shape) == 4 else ir_shape(shape, dtype)
+
+
 def scores_op(g: DraftGraph, x: Act) -> str:
     """Scores (``q @ kᵀ``), or the probabilities made of them, read by an op other than
     an attention — MiniMax's ``(q kᵀ · decay) v``, a learned gate on the probabilities:
@@ -447,7 +454,10 @@ def scores_op(g: DraftGraph, x: Act) -> str:
     g.absorbed += g.steps_to_price(made)
     cost = g.count(qk)
     back = g.count.backward([qk], g._differentiated)
-    act = g.add(qk, OpKind.OPAQUE, list(x.src), tuple(x.shape), x.dtype, main=False,
+    # the value as read (``x.shape``: after the re-views folded since the product, such as
+    # ``(b, h, t, d) → (b, t, h·d)``) in the IR's form, as any opaque op's
+    act = g.add(qk, OpKind.OPAQUE, list(x.src), opaque_shape(tuple(x.shape), x.dtype),
+                x.dtype, main=False,
                 flops=cost.flops, label="scores", bytes_read=cost.bytes_read,
                 bytes_written=cost.bytes_written, bwd=back.kernels, bwd_bytes=back.bytes,
                 bwd_flops=back.flops)

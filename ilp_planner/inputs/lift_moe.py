@@ -6,16 +6,20 @@ per-expert token gather, ``index_add``) as ops no strategy reads. So before expo
 importer finds every block built the Hugging Face way — a ``gate`` (or ``router``) with a
 2-D ``weight (E, h)`` and ``top_k``, and ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)``
 and ``down_proj (E, h, f)`` with a SiLU activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GraniteMoE, DeepSeek-V2, DeepSeek-V3) — and for the export only makes the router a
-pass-through and the experts one call of the custom op ``ilp_planner::moe_experts`` (the
-router's routing, SwiGLU experts, weighted sum), which the walk lifts here. Structure is not
+GraniteMoE, DeepSeek-V2, DeepSeek-V3), or GPT-OSS's form: ``gate_up_proj (E, h, 2f)`` with
+gate and up columns alternating, ``down_proj (E, f, h)``, a bias on each and on the router,
+and a GLU clamped at ``limit`` with slope ``alpha`` (:func:`experts_form`) — and for the
+export only makes the router a pass-through and the experts one call of the custom op
+``ilp_planner::moe_experts`` (the router's routing, the experts, weighted sum), which the
+walk lifts here. Structure is not
 behaviour: each block is first run both ways on one random input, and one whose own output
 the op does not reproduce (PhiMoE's sparse mixer has Mixtral's structure) is refused. The
 parameters keep their module paths, so the op owns the router's and the experts' parameters;
 a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``) stay
 outside the op, traced as the dense MLP and gate they are.
 
-Routers (:func:`routing_attrs`): Mixtral's and Qwen's renormalised softmax top-k,
+Routers (:func:`routing_attrs`): Mixtral's and Qwen's renormalised softmax top-k (GPT-OSS's
+and GraniteMoE's softmax over the top-k logits is the same weights),
 DeepSeek-V2's softmax top-k (greedy or group-limited) and DeepSeek-V3's sigmoid scores with
 ``e_score_correction_bias`` (a buffer the op reads from the router at run time, never a
 parameter it owns) chosen within groups, each scaled by ``routed_scaling_factor`` — routed
@@ -36,7 +40,8 @@ torch is the importer's lazy dependency: these functions receive the module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +50,13 @@ from ilp_planner.inputs.lift_graph import DraftGraph
 from ilp_planner.inputs.lift_values import Act, Call, dtype_of, numel, param_name
 from ilp_planner.inputs.moe_routing import ROUTING_DEFAULTS, ROUTING_KEYS, routing_values, select
 from ilp_planner.ir.graph import OpKind
-from ilp_planner.lowering.moe_strategies import ROUTE_SCALE_UNIT
+from ilp_planner.lowering.moe_strategies import (
+    GLU_UNIT,
+    HF_FUSED,
+    HF_INTERLEAVED,
+    ROUTE_SCALE_UNIT,
+    clamped_glu,
+)
 
 MOE_OP = "moe_experts"
 _REGISTERED: dict[str, Any] = {}  # the custom op, registered once per process
@@ -71,7 +82,7 @@ def routing_attrs(path: str, gate: Any) -> dict[str, int]:
                           "'group_limited_greedy'")
     grouped = sigmoid or method == "group_limited_greedy"
     groups = (int(getattr(gate, "num_group", 1)), int(getattr(gate, "topk_group", 1)))
-    experts = gate.weight.shape[0]
+    experts = router_weight(gate).shape[0]
     if grouped and (groups[0] < 1 or experts % groups[0] or not 1 <= groups[1] <= groups[0]):
         raise ConfigError(f"{where}: n_group={groups[0]}, topk_group={groups[1]}; expected "
                           f"n_group dividing the {experts} experts and 1 <= topk_group <= n_group")
@@ -92,19 +103,57 @@ def hf_router(block: Any) -> Any:
     return next((r for n in ROUTER_NAMES if (r := getattr(block, n, None)) is not None), None)
 
 
+def router_weight(gate: Any) -> Any:
+    """The router's ``(E, h)`` weight: its own ``weight``, or that of the linear it holds as
+    ``wg`` (HunYuan-MoE's), or None."""
+    w = getattr(gate, "weight", None)
+    return w if w is not None else getattr(getattr(gate, "wg", None), "weight", None)
+
+
 def moe_blocks(root: Any) -> list[tuple[str, Any, Any]]:
     """(block path, router, experts) of every routed block of ``root`` the op can stand for."""
     out = []
     for path, block in root.named_modules():
         gate, experts = hf_router(block), getattr(block, "experts", None)
-        w = getattr(gate, "weight", None)
-        gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-        if (w is None or gu is None or down is None or not hasattr(gate, "top_k")
-                or w.dim() != 2 or gu.dim() != 3 or down.dim() != 3):
-            continue
-        if type(getattr(experts, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
-            continue
-        out.append((path, gate, experts))
+        if experts_form(gate, experts):
+            out.append((path, gate, experts))
+    return out
+
+
+def experts_form(gate: Any, experts: Any) -> int:
+    """The block's tensors' form (:data:`~ilp_planner.lowering.moe_strategies.HF_FUSED`:
+    ``gate_up_proj (E, 2f, h)``, ``down_proj (E, h, f)``, SiLU;
+    :data:`~ilp_planner.lowering.moe_strategies.HF_INTERLEAVED`: GPT-OSS's ``(E, h, 2f)``
+    and ``(E, f, h)`` with biases, the router's too, and a clamped GLU), or 0: not a block
+    the op stands for."""
+    w = router_weight(gate)
+    gu, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if (w is None or gu is None or down is None or not hasattr(gate, "top_k")
+            or w.dim() != 2 or gu.dim() != 3 or down.dim() != 3):
+        return 0
+    e, h = w.shape
+    if type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+        return HF_FUSED
+    f = down.shape[1]
+    biases = (getattr(gate, "bias", None), getattr(experts, "gate_up_proj_bias", None),
+              getattr(experts, "down_proj_bias", None))
+    if (tuple(gu.shape) == (e, h, 2 * f) and tuple(down.shape) == (e, f, h)
+            and None not in biases and hasattr(experts, "alpha") and hasattr(experts, "limit")):
+        return HF_INTERLEAVED
+    return 0
+
+
+def _glu_values(experts: Any) -> list[int]:
+    """GPT-OSS's GLU constants ``[alpha, limit]`` in thousandths (``attrs.glu_alpha``,
+    ``attrs.glu_limit``), refused where thousandths do not hold them."""
+    out = []
+    for name in ("alpha", "limit"):
+        v = float(getattr(experts, name))
+        q = round(GLU_UNIT * v)
+        if q <= 0 or abs(q - GLU_UNIT * v) > 1e-6 * GLU_UNIT:
+            raise ConfigError(f"cannot import the MoE experts {type(experts).__name__}: "
+                              f"{name}={v:g}; the moe op holds a positive multiple of 0.001")
+        out.append(q)
     return out
 
 
@@ -119,24 +168,33 @@ def _custom_op(torch: Any) -> Any:
     F = torch.nn.functional
 
     @torch.library.custom_op(f"ilp_planner::{MOE_OP}", mutates_args=(), schema=(
-        "(Tensor x, Tensor router, Tensor gate_up, Tensor down, Tensor? bias, int[] routing) "
-        "-> Tensor"))
+        "(Tensor x, Tensor router, Tensor gate_up, Tensor down, Tensor? bias, int[] routing, "
+        "Tensor? router_bias=None, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+        "int[] glu=[]) -> Tensor"))
     def moe_experts(x: Any, router: Any, gate_up: Any, down: Any, bias: Any,
-                    routing: list[int]) -> Any:
+                    routing: list[int], router_bias: Any = None, gate_up_bias: Any = None,
+                    down_bias: Any = None, glu: Sequence[int] = ()) -> Any:
         if x.is_meta:
             return torch.empty_like(x)
-        weights, chosen = select(torch, F.linear(x, router).float(),
+        weights, chosen = select(torch, F.linear(x, router, router_bias).float(),
                                  dict(zip(ROUTING_KEYS, routing, strict=True)), bias)
         out = torch.zeros_like(x)
         for e in range(gate_up.shape[0]):
             tok, slot = torch.where(chosen == e)
-            g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, down[e]) * weights[tok, slot, None].to(x.dtype)
-            out.index_add_(0, tok, y)
+            if glu:  # GPT-OSS: (h, 2f) gate/up columns alternating, biases, clamped GLU
+                gu = x[tok] @ gate_up[e] + gate_up_bias[e]
+                act = clamped_glu(gu[..., ::2], gu[..., 1::2], glu[0] / GLU_UNIT,
+                                  glu[1] / GLU_UNIT)
+                y = act @ down[e] + down_bias[e]
+            else:
+                g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(g) * u, down[e])
+            out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
         return out
 
     @moe_experts.register_fake
-    def _(x, router, gate_up, down, bias, routing):
+    def _(x, router, gate_up, down, bias, routing, router_bias=None, gate_up_bias=None,
+          down_bias=None, glu=()):
         return torch.empty_like(x)
 
     _REGISTERED[MOE_OP] = moe_experts
@@ -159,9 +217,7 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
             block = root.get_submodule(path)
             want = _block_output(block, gate, torch)
             gate.forward = lambda x, _g=gate: (x, x, x)
-            experts.forward = (lambda x, _i, _w, _g=gate, _e=experts, _r=routing:
-                               op(x, _g.weight, _e.gate_up_proj, _e.down_proj,
-                                  getattr(_g, "e_score_correction_bias", None), _r))
+            experts.forward = _stand_in(op, gate, experts, routing)
             swapped.append((gate, experts))
             if want is not None:
                 _check_reproduced(path, block, gate, want,
@@ -170,6 +226,19 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
     finally:
         for gate, experts in swapped:
             del gate.forward, experts.forward
+
+
+def _stand_in(op: Any, gate: Any, experts: Any, routing: list[int]) -> Any:
+    """The experts module's forward during the export: one call of the custom op on the
+    block's tensors (GPT-OSS's with its biases and GLU constants)."""
+    score_bias = getattr(gate, "e_score_correction_bias", None)
+    if experts_form(gate, experts) == HF_INTERLEAVED:
+        glu = _glu_values(experts)
+        return lambda x, *_: op(x, router_weight(gate), experts.gate_up_proj, experts.down_proj,
+                                score_bias, routing, gate.bias, experts.gate_up_proj_bias,
+                                experts.down_proj_bias, glu)
+    return lambda x, *_: op(x, router_weight(gate), experts.gate_up_proj, experts.down_proj,
+                            score_bias, routing)
 
 
 def _router_path(root: Any, path: str, gate: Any) -> str:
@@ -188,7 +257,7 @@ def _block_output(block: Any, gate: Any, torch: Any) -> Any:
     per expert (no gradient; the global random state left as it was, so every rank of a
     launch that imports on one rank draws alike afterwards); None where its weights are
     on the meta device: nothing to compute, so a meta import goes by structure alone."""
-    w = gate.weight
+    w = router_weight(gate)
     if w.is_meta:
         return None
     experts, hidden = w.shape
@@ -239,18 +308,25 @@ def _check_reproduced(path: str, block: Any, gate: Any, want: Any, got: Any,
 def lift_moe(g: DraftGraph, call: Call) -> Any:
     """The custom op's node → one MoE op owning the router and the experts' parameters."""
     x, router, gate_up, down, _bias, routing = call.args[:6]
-    names = [param_name(p) for p in (router, gate_up, down)]
-    if not isinstance(x, Act) or None in names:
+    biases = [a for a in call.args[6:9] if a is not None]  # GPT-OSS's router, gate/up, down
+    glu = call.args[9] if len(call.args) > 9 else []
+    names = [param_name(p) for p in (router, gate_up, down, *biases)]
+    if not isinstance(x, Act) or None in names or (biases or glu) and (
+            len(biases) != 3 or len(glu) != 2):
         return g.opaque(call.node, call.args, call.acts, call.val, MOE_OP)
     e, h = g.param_shape[names[0]]
-    f = g.param_shape[names[2]][2]
+    f = math.prod(g.param_shape[names[1]]) // (2 * e * h)
     tokens = numel(call.val.shape) // h
     attrs = dict(zip(ROUTING_KEYS, (int(v) for v in routing), strict=True))
     k = attrs["top_k"]
     flops = 2.0 * tokens * h * (e + 3 * k * f)
+    form = {"hf_experts": HF_INTERLEAVED, "glu_alpha": int(glu[0]),
+            "glu_limit": int(glu[1])} if glu else {"hf_experts": HF_FUSED}
+    # named ``<experts module>.moe`` even where that module has no children (GPT-OSS's):
+    # the runtime finds the module it swaps the kernel into by that name
     act = g.add(call.node, OpKind.MOE, [g.ir(call.node, x)], (tokens, h), dtype_of(call.val),
-                weight=(e, h, f), params=names, flops=flops, experts=e, ffn=f,
-                capacity_pct=-(-100 * e // k), swiglu=1, hf_experts=1, dropless=1,
+                main=False, weight=(e, h, f), params=names, flops=flops, experts=e, ffn=f,
+                capacity_pct=-(-100 * e // k), swiglu=1, **form, dropless=1,
                 shared=0, shared_ffn=0, **_routing_only(attrs))
     return Act(act.src, tuple(call.val.shape), act.dtype)
 

@@ -32,12 +32,17 @@ imported blocks, ``kind: moe`` with ``dropless: true``) exchanges exactly the ro
 instead, priced at ``cf = 1`` — a balanced router's load; the audit holds the rows a rank
 sends back to their bound (:mod:`ilp_planner.plan.audit`).
 
-An imported block (Hugging Face's Mixtral, Qwen2-MoE: ``attrs.hf_experts``) keeps the
-module's own tensors as its parameters — ``router`` ``(E, h)``, ``gate_up`` ``(E, 2f, h)``
-(gate rows, then up rows), ``down`` ``(E, h, f)`` — so ``parallelize`` places them without
-transposes, and is offered no expert tensor parallelism: a block of ``gate_up``'s fused
-dim would hold gate rows of some columns and up rows of others. A plan is a program: the
-solver offers only what the runtime runs.
+An imported block (``attrs.hf_experts``) keeps the module's own tensors as its parameters,
+so ``parallelize`` places them without transposes. Two forms (:func:`hf_form`): Mixtral's,
+Qwen2-MoE's and DeepSeek's (:data:`HF_FUSED`) — ``router`` ``(E, h)``, ``gate_up``
+``(E, 2f, h)`` (gate rows, then up rows), ``down`` ``(E, h, f)`` —, and GPT-OSS's
+(:data:`HF_INTERLEAVED`) — ``router`` ``(E, h)``, ``gate_up`` ``(E, h, 2f)`` (gate and up
+columns alternating), ``down`` ``(E, f, h)``, each with its bias (``router_bias`` ``(E,)``,
+``gate_up_bias`` ``(E, 2f)``, ``down_bias`` ``(E, h)``), and a clamped GLU
+(:func:`clamped_glu`). Neither is offered expert tensor parallelism: a block of the fused
+rows would hold gate rows of some columns and up rows of others (the interleaved form could
+split, but its bias would then be added on every rank of a partial sum). A plan is a
+program: the solver offers only what the runtime runs.
 
 Pure and torch-free; :mod:`ilp_planner.lowering.strategies` wraps these pieces into its
 :class:`~ilp_planner.lowering.strategies.Strategy` (gradient sync, ZeRO variants, pricing),
@@ -71,10 +76,29 @@ def ffn_matrices(op: Op) -> int:
     return 3 if op.attrs.get("swiglu", 1) else 2
 
 
+HF_FUSED, HF_INTERLEAVED = 1, 2
+"""``attrs.hf_experts`` of an imported block: Mixtral's tensors, or GPT-OSS's (module
+docstring)."""
+GLU_UNIT = 1000  # attrs.glu_alpha and attrs.glu_limit count GPT-OSS's GLU constants in thousandths
+
+
 def hf_experts(op: Op) -> bool:
     """Whether the op stands for an imported Hugging Face block (its tensors in the
     module's orientation, see the module docstring)."""
     return bool(op.attrs.get("hf_experts", 0))
+
+
+def hf_form(op: Op) -> int:
+    """0 (a built-in op), :data:`HF_FUSED` or :data:`HF_INTERLEAVED`."""
+    return int(op.attrs.get("hf_experts", 0))
+
+
+def clamped_glu(gate, up, alpha: float, limit: float):
+    """GPT-OSS's expert activation ``(clamp(up, ±limit) + 1) · g · σ(α g)``, ``g =
+    min(gate, limit)`` — on torch tensors or anything with their methods (one definition
+    for the importer's stand-in and the runtime's kernel)."""
+    g = gate.clamp(max=limit)
+    return (up.clamp(min=-limit, max=limit) + 1) * (g * (g * alpha).sigmoid())
 
 
 def moe_param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
@@ -86,6 +110,9 @@ def moe_param_shapes(op: Op) -> dict[str, tuple[int, ...]]:
     as a parameter for its initial value and its bytes). An imported block's are its
     module's own (:func:`hf_experts`)."""
     h, e, f = op.output.shape[1], op.attr("experts"), op.attr("ffn")
+    if hf_form(op) == HF_INTERLEAVED:
+        return {"router": (e, h), "gate_up": (e, h, 2 * f), "down": (e, f, h),
+                "router_bias": (e,), "gate_up_bias": (e, 2 * f), "down_bias": (e, h)}
     if hf_experts(op):
         return {"router": (e, h), "gate_up": (e, 2 * f, h), "down": (e, h, f)}
     out = {"router": (h, e), "w1": (e, h, f), "w2": (e, f, h)}
@@ -108,6 +135,8 @@ def moe_params(op_attrs: dict[str, int], hidden: int) -> int:
     e, f = op_attrs["experts"], op_attrs["ffn"]
     shared = op_attrs.get("shared", 0) * op_attrs.get("shared_ffn", 0)
     bias = e if op_attrs.get("sigmoid", 0) and not op_attrs.get("hf_experts", 0) else 0
+    if op_attrs.get("hf_experts", 0) == HF_INTERLEAVED:  # router, gate/up and down biases
+        bias = e * (1 + 2 * f + hidden)
     return hidden * e + bias + m * hidden * (e * f + shared)
 
 
@@ -142,10 +171,16 @@ def moe_param_layouts(op: Op, x: Layout) -> dict[str, tuple[Layout, Layout]]:
     d0 = _partial_if(fact, 0)
     every = Layout(fact, (d0, _partial_if(fact, 1), _partial_if(fact, 2)))
     out = {"router": (Layout.replicated(fact), every),
+           "router_bias": (Layout.replicated(fact), every),
            "score_bias": (Layout.replicated(fact), Layout.replicated(fact))}  # zero gradient
-    for role, hid in (("w1", 2), ("w3", 2), ("w2", 1), ("gate_up", 1), ("down", 2)):
-        out[role] = (Layout(fact, (B, Split(0), Split(hid))),
-                     Layout(fact, (d0, Split(0), Split(hid))))
+    # each expert tensor's hidden dim (GPT-OSS's ``(E, h, 2f)`` gate/up, ``(E, f, h)`` down;
+    # its down bias has none)
+    hidden: dict[str, int | None] = {"w1": 2, "w3": 2, "w2": 1, "gate_up": 1, "down": 2}
+    if hf_form(op) == HF_INTERLEAVED:
+        hidden = {"gate_up": 2, "down": 1, "gate_up_bias": 1, "down_bias": None}
+    for role, hid in hidden.items():
+        ax2: Placement = B if hid is None else Split(hid)  # (never split: no expert TP there)
+        out[role] = (Layout(fact, (B, Split(0), ax2)), Layout(fact, (d0, Split(0), ax2)))
     for role, hid in (("shared_w1", 1), ("shared_w3", 1), ("shared_w2", 0)):
         # dense: replicated over the token-splitting axes, hidden split over the others
         ax1: Placement = B if ep else Split(hid)

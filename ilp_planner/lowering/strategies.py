@@ -634,6 +634,10 @@ def summa_fits(op: Op, r: int, c: int) -> bool:
 
 def _summa(op: Op, in_tensor: TensorSpec, ctx: StrategyContext) -> list[Strategy]:
     assert op.weight is not None
+    if in_tensor.rank != 2:
+        # an input read as it lies, not as (M, K) rows (an opaque op's (b, t, c) output):
+        # its (S0, S1) would split the sequence, not K — SUMMA's gathers do not apply
+        return []
     out = []
     for fact in _two_axis(ctx):
         r, c = (a.size for a in fact)

@@ -893,6 +893,34 @@ def qwen2_moe() -> Case:
     return Case(Qwen2MoeForCausalLM(cfg), *_tokens(), expert_parallel_only)
 
 
+def gpt_oss(keep: Filter | None = None) -> Case:
+    """GptOssForCausalLM: 4 experts, top-2 (a biased router, its softmax over the top-k
+    logits; experts with biases, gate and up columns alternating, a clamped GLU), attention
+    with learned sinks, sliding-window and full layers alternating."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, max_position_embeddings=2 * SEQ, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=4, use_cache=False,
+                       layer_types=["sliding_attention", "full_attention"])
+    return Case(GptOssForCausalLM(cfg), *_tokens(), keep)
+
+
+def hunyuan_moe() -> Case:
+    """HunYuanMoEV1ForCausalLM: 4 experts, top-2, the router's weight held by a linear
+    (``gate.wg``), a shared MLP beside the experts, per-head query and key norms; the
+    experts parallel."""
+    from transformers import HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
+
+    cfg = HunYuanMoEV1Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=8, max_position_embeddings=2 * SEQ, num_experts=4,
+                             moe_topk=2, use_cache=False, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2)
+    return Case(HunYuanMoEV1ForCausalLM(cfg), *_tokens(), expert_parallel_only)
+
+
 def mixtral_v3_router() -> Case:
     """Mixtral routed by DeepSeek-V3's routers (sigmoid scores plus a drawn correction bias
     — a buffer —, the best 1 of 2 expert groups, the weights renormalised and scaled by 2.5),
@@ -1035,6 +1063,9 @@ MODELS: dict[str, Callable[[], Case]] = {
     "t5-tied-exchanging": t5_tied_exchanging,
     "t5-eager": lambda: t5("eager"),
     "mixtral-v3-router": mixtral_v3_router,
+    "gpt-oss": gpt_oss,
+    "gpt-oss-expert-parallel": lambda: gpt_oss(expert_parallel_only),
+    "hunyuan-moe": hunyuan_moe,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
     "phi3": phi3,

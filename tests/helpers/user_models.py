@@ -597,6 +597,33 @@ class GatedLinearAttention(nn.Module):
         return self.head(torch.sigmoid(self.gate(h)) * y)
 
 
+class SinkAttention(nn.Module):
+    """GPT-OSS's attention in miniature: a learned per-head sink logit joins each row of the
+    scores before the softmax and is dropped after it, so the probabilities sum to less than
+    one; the product with the values, re-viewed ``(b, t, c)``, feeds the output projection."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.sinks = nn.Parameter(torch.randn(heads))
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        b, t, c = h.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+                   for y in self.qkv(h).split(c, dim=2))
+        scores = q @ k.transpose(-1, -2)
+        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+        y = (probs @ v).transpose(1, 2).reshape(b, t, c)
+        return self.head(h + self.proj(y))
+
+
 class GatedProbabilities(nn.Module):
     """Hand-written attention whose probabilities each head scales by a learned gate of the
     token (a projection of the block's input) before they weigh the values."""
