@@ -336,6 +336,36 @@ def test_scores_no_attention_reads_are_priced_as_their_product(model):
     assert scores.inputs == (("qkv",) if model == "GatedProbabilities" else ("silu",))
 
 
+class _BothBranches(nn.Module):
+    """An activation computing both of its branches and picking per element (Apertus's
+    xIELU): ``where(x > 0, a·x², …)`` with a learned scale on each branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.pos = nn.Parameter(torch.tensor([0.7]))
+        self.neg = nn.Parameter(torch.tensor([0.3]))
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(torch.where(h > 0, self.pos * h * h, (torch.expm1(h) - h) * self.neg))
+
+
+def test_an_element_wise_op_of_three_values_reads_all_three():
+    """``where(cond, a, b)`` with the condition and both branches computed from the
+    activations: before, the third value was dropped — the ops computing the negative
+    branch, with their parameter, were planned unused, and ``parallelize`` refused the
+    gradient that parameter took. Now one opaque op reads all three, and every op reaches
+    the loss."""
+    graph = from_module(_BothBranches(), (torch.randn(4, 16),))
+    assert not [op.name for op in graph.ops if op.unused]
+    (pick,) = [op for op in graph.ops if op.name.endswith("where")]
+    assert pick.kind is OpKind.OPAQUE and len(pick.inputs) == 3
+    owners = {p for op in graph.ops for p in op.source_params}
+    assert {"pos", "neg"} <= owners
+
+
 def test_a_product_of_probabilities_no_attention_made_is_read_as_tokens_by_a_linear():
     """GPT-OSS's attention with sinks: the softmax over scores joined to a learned sink is
     no attention, so the product with the values is priced as an op of its own

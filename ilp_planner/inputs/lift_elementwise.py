@@ -270,10 +270,15 @@ def lift_loss(g: DraftGraph, call: Call) -> Act:
 
 
 def lift_arithmetic(g: DraftGraph, call: Call) -> Act:
-    """An element-wise op: folded into its activation's chain, a norm, or a binary op."""
+    """An element-wise op: folded into its activation's chain, a norm, or a binary op; one
+    reading three activations (``where(x > 0, a, b)`` with both branches computed, as
+    Apertus's xIELU does) an opaque op reading all three — before, the third was dropped,
+    and the ops computing it were planned unused."""
     acts = call.acts
     if len(acts) == 1:
         return _fold_into(g, call, acts[0])
+    if len(acts) > 2:
+        return g.opaque(call.node, call.args, acts, call.val, call.op)
     return _combine(g, call, acts[0], acts[1])
 
 

@@ -921,6 +921,19 @@ def hunyuan_moe() -> Case:
     return Case(HunYuanMoEV1ForCausalLM(cfg), *_tokens(), expert_parallel_only)
 
 
+def apertus() -> Case:
+    """ApertusForCausalLM: xIELU activations, which compute both branches and pick per
+    element (``where(x > 0, …, …)``) with learned scales on each (bfloat16 parameters in a
+    float32 model), per-head q / k norms, no gated MLP."""
+    from transformers import ApertusConfig, ApertusForCausalLM
+
+    cfg = ApertusConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return Case(ApertusForCausalLM(cfg), *_tokens())
+
+
 def mixtral_v3_router() -> Case:
     """Mixtral routed by DeepSeek-V3's routers (sigmoid scores plus a drawn correction bias
     — a buffer —, the best 1 of 2 expert groups, the weights renormalised and scaled by 2.5),
@@ -1066,6 +1079,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt-oss": gpt_oss,
     "gpt-oss-expert-parallel": lambda: gpt_oss(expert_parallel_only),
     "hunyuan-moe": hunyuan_moe,
+    "apertus": apertus,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
     "phi3": phi3,
