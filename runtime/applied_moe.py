@@ -94,7 +94,7 @@ def _kernel(comm: Comm, op: Op, lp: LayerPlan, gate: nn.Module, experts: nn.Modu
     """The experts module's forward: the kernel on the local blocks its hooks hand it
     (the router's and experts' parameters are read at call time, when they are blocks)."""
     def forward(x: Any, *_routing: Any) -> Any:
-        params = hf_roles(module_roles(op, gate, experts))
+        params = hf_roles(op, module_roles(op, gate, experts))
         bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek-V3's: a buffer
         if bias is not None:
             params["score_bias"] = bias

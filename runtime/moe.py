@@ -154,7 +154,7 @@ def kernel_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     as the kernel's: an imported block's through :func:`hf_roles`."""
     if not hf_experts(op):
         return params
-    roles = hf_roles(params)
+    roles = hf_roles(op, params)
     if "score_bias" in params:  # a Hugging Face router's buffer, handed in beside its tensors
         roles["score_bias"] = params["score_bias"]
     return roles
@@ -181,15 +181,15 @@ def moe(ctx, op: Op, lp: LayerPlan, xs: list[LVal], params: dict[str, LVal], dat
     return LVal(y, lp.output)
 
 
-def hf_roles(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_roles(op: Op, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Hugging Face block's tensors by the op's roles
     (:func:`~ilp_planner.lowering.moe_strategies.moe_param_shapes`) as the kernel's — views,
     so gradients reach the module's parameters: Mixtral's router ``(E, h)``, ``gate_up``
     ``(E, 2f, h)`` gate rows then up rows, ``down`` ``(E, h, f)``; GPT-OSS's ``gate_up``
     ``(E, h, 2f)`` gate and up columns alternating, ``down`` ``(E, f, h)``, and their biases
-    (where ``router_bias`` is given)."""
+    (:func:`~ilp_planner.lowering.moe_strategies.hf_form`)."""
     router, gate_up, down = params["router"], params["gate_up"], params["down"]
-    if "router_bias" in params:
+    if hf_form(op) == HF_INTERLEAVED:
         gub = params["gate_up_bias"]
         return {"router": router.t(), "router_bias": params["router_bias"],
                 "w1": gate_up[..., 0::2], "w3": gate_up[..., 1::2], "w2": down,

@@ -722,8 +722,11 @@ def test_gpt_oss_glu_constants_the_op_cannot_hold_are_refused():
     """The op holds ``alpha`` and ``limit`` in thousandths: a value it would round is
     refused in one line naming it, not planned and run as another activation."""
     model = _gpt_oss()
-    model.model.layers[0].mlp.experts.alpha = 1.7025
+    model.model.layers[1].mlp.experts.alpha = 1.7025
     _refused_in_one_line(model, r"GptOssExperts: alpha=1\.7025; the moe op holds")
+    # refused before any block's router or experts were swapped (layer 0's included)
+    assert not any("forward" in vars(m) for layer in model.model.layers
+                   for m in (layer.mlp.router, layer.mlp.experts))
 
 
 def _assert_blocks_are_the_op(model: Any, ids: torch.Tensor) -> None:

@@ -277,7 +277,9 @@ def lift_arithmetic(g: DraftGraph, call: Call) -> Act:
     acts = call.acts
     if len(acts) == 1:
         return _fold_into(g, call, acts[0])
-    if len(acts) > 2:
+    if len(acts) > 2 and not any(a.role for a in acts):
+        # (with attention scores among them, a mask from the inputs: as below, where the
+        # scores keep their attention)
         return g.opaque(call.node, call.args, acts, call.val, call.op)
     return _combine(g, call, acts[0], acts[1])
 

@@ -4,15 +4,15 @@ lifted as one :data:`OpKind.MOE <ilp_planner.ir.graph.OpKind>` op.
 ``torch.export`` of a routed block records its data-dependent parts (``topk``, the
 per-expert token gather, ``index_add``) as ops no strategy reads. So before exporting, the
 importer finds every block built the Hugging Face way — a ``gate`` (or ``router``) with a
-2-D ``weight (E, h)`` and ``top_k``, and ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)``
-and ``down_proj (E, h, f)`` with a SiLU activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-GraniteMoE, DeepSeek-V2, DeepSeek-V3), or GPT-OSS's form: ``gate_up_proj (E, h, 2f)`` with
-gate and up columns alternating, ``down_proj (E, f, h)``, a bias on each and on the router,
-and a GLU clamped at ``limit`` with slope ``alpha`` (:func:`experts_form`) — and for the
-export only makes the router a pass-through and the experts one call of the custom op
-``ilp_planner::moe_experts`` (the router's routing, the experts, weighted sum), which the
-walk lifts here. Structure is not
-behaviour: each block is first run both ways on one random input, and one whose own output
+2-D ``weight (E, h)`` (its own, or HunYuan-MoE's linear ``wg``'s) and ``top_k``, and
+``experts`` holding 3-D ``gate_up_proj (E, 2f, h)`` and ``down_proj (E, h, f)`` with a SiLU
+activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, HunYuan-MoE, DeepSeek-V2,
+DeepSeek-V3), or GPT-OSS's form: ``gate_up_proj (E, h, 2f)`` with gate and up columns
+alternating, ``down_proj (E, f, h)``, a bias on each and on the router, and a GLU clamped at
+``limit`` with slope ``alpha`` (:func:`experts_form`) — and for the export only makes the
+router a pass-through and the experts one call of the custom op ``ilp_planner::moe_experts``
+(the router's routing, the experts, weighted sum), which the walk lifts here. Structure is
+not behaviour: each block is first run both ways on one random input, and one whose own output
 the op does not reproduce (PhiMoE's sparse mixer has Mixtral's structure) is refused. The
 parameters keep their module paths, so the op owns the router's and the experts' parameters;
 a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``) stay
@@ -208,16 +208,17 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
     block computes (:func:`_check_reproduced`); yields how many blocks it covers."""
     blocks = moe_blocks(root)
     op = _custom_op(torch) if blocks else None
-    routings = [routing_values({"top_k": int(gate.top_k),
-                                **routing_attrs(_router_path(root, path, gate), gate)})
-                for path, gate, _ in blocks]
+    # every refusal of the routing or the GLU constants before any forward is swapped
+    stand_ins = [_stand_in(op, gate, experts, routing_values(
+        {"top_k": int(gate.top_k), **routing_attrs(_router_path(root, path, gate), gate)}))
+        for path, gate, experts in blocks]
     swapped: list[tuple[Any, Any]] = []
     try:
-        for (path, gate, experts), routing in zip(blocks, routings, strict=True):
+        for (path, gate, experts), stand_in in zip(blocks, stand_ins, strict=True):
             block = root.get_submodule(path)
             want = _block_output(block, gate, torch)
             gate.forward = lambda x, _g=gate: (x, x, x)
-            experts.forward = _stand_in(op, gate, experts, routing)
+            experts.forward = stand_in
             swapped.append((gate, experts))
             if want is not None:
                 _check_reproduced(path, block, gate, want,

@@ -58,8 +58,10 @@ score plus a correction bias), ``route_scale`` (the routed scaling factor in tho
 default 1000), ``groups`` and ``topk_groups`` (group-limited selection: the top-k among the
 ``topk_groups`` best of ``groups`` expert groups; see :mod:`ilp_planner.inputs.moe_routing`),
 ``shared`` and
-``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek), ``hf_experts`` (1: an
-imported Hugging Face block, its parameters in the module's orientation), ``dropless`` (1:
+``shared_ffn`` (always-on shared experts, as Qwen-MoE and DeepSeek), ``hf_experts`` (an
+imported Hugging Face block, its parameters in the module's orientation — 1: Mixtral's
+tensors, 2: GPT-OSS's, with biases and a clamped GLU whose ``glu_alpha`` and ``glu_limit``
+are in thousandths; :mod:`ilp_planner.lowering.moe_strategies`), ``dropless`` (1:
 every token routed, variable-size exchanges instead of a capacity buffer). ``weight`` is the
 experts' up projection ``(E, hidden, ffn)``.
 

@@ -341,7 +341,7 @@ def moe_candidates(op: Op, facts: Iterable[Factorisation]) -> list[Layout]:
     for fact in facts:
         p0, p1, p2 = (a.size for a in fact)
         if p2 > 1 and hf_experts(op):
-            continue  # no expert tensor parallelism for a fused gate/up tensor
+            continue  # no expert tensor parallelism for an imported block (module docstring)
         for ep in (True, False) if p1 > 1 else (True,):
             groups = p0 * (p1 if ep else 1)
             if t % groups or e % p1 or f % p2:

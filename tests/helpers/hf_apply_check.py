@@ -896,7 +896,8 @@ def qwen2_moe() -> Case:
 def gpt_oss(keep: Filter | None = None) -> Case:
     """GptOssForCausalLM: 4 experts, top-2 (a biased router, its softmax over the top-k
     logits; experts with biases, gate and up columns alternating, a clamped GLU), attention
-    with learned sinks, sliding-window and full layers alternating."""
+    with learned sinks, sliding-window and full layers alternating. The biases are drawn
+    (Hugging Face zeroes them), so that one added on every rank of a partial sum shows."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
@@ -904,7 +905,13 @@ def gpt_oss(keep: Filter | None = None) -> Case:
                        head_dim=8, max_position_embeddings=2 * SEQ, num_local_experts=4,
                        num_experts_per_tok=2, sliding_window=4, use_cache=False,
                        layer_types=["sliding_attention", "full_attention"])
-    return Case(GptOssForCausalLM(cfg), *_tokens(), keep)
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for b in (layer.mlp.router.bias, layer.mlp.experts.gate_up_proj_bias,
+                      layer.mlp.experts.down_proj_bias):
+                b.normal_(0, 0.5)
+    return Case(model, *_tokens(), keep)
 
 
 def hunyuan_moe() -> Case:
@@ -1078,6 +1085,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "mixtral-v3-router": mixtral_v3_router,
     "gpt-oss": gpt_oss,
     "gpt-oss-expert-parallel": lambda: gpt_oss(expert_parallel_only),
+    "gpt-oss-sliced": lambda: gpt_oss(experts_sliced_only),
     "hunyuan-moe": hunyuan_moe,
     "apertus": apertus,
     "deepseek-v2": deepseek_v2,
