@@ -86,6 +86,13 @@ class RMSNorm(nn.Module):
         return norm * self.weight
 
 
+def split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """A fused ``(b, t, 3c)`` projection as q, k and v, each ``(b, heads, t, c / heads)``."""
+    b, t, c3 = qkv.shape
+    c = c3 // 3
+    return tuple(y.view(b, t, heads, c // heads).transpose(1, 2) for y in qkv.split(c, dim=2))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -551,8 +558,7 @@ class TableInAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for y in self.qkv(x).split(c, dim=2))
+        q, k, v = split_heads(self.qkv(x), self.heads)
         bias = self.table[self.index].view(t, t, self.heads).permute(2, 0, 1).unsqueeze(0)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
@@ -591,8 +597,7 @@ class GatedLinearAttention(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids)
         b, t, c = h.shape
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for y in F.silu(self.qkv(h)).split(c, dim=2))
+        q, k, v = split_heads(F.silu(self.qkv(h)), self.heads)
         y = (((q @ k.transpose(-1, -2)) * self.decay) @ v).transpose(1, 2).reshape(b, t, c)
         return self.head(torch.sigmoid(self.gate(h)) * y)
 
@@ -614,8 +619,7 @@ class SinkAttention(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids)
         b, t, c = h.shape
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for y in self.qkv(h).split(c, dim=2))
+        q, k, v = split_heads(self.qkv(h), self.heads)
         scores = q @ k.transpose(-1, -2)
         sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
         logits = torch.cat([scores, sinks], dim=-1)
@@ -640,8 +644,7 @@ class GatedProbabilities(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.wte(ids)
         b, t, c = h.shape
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for y in self.qkv(h).split(c, dim=2))
+        q, k, v = split_heads(self.qkv(h), self.heads)
         p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(c // self.heads), dim=-1)
         p = p * torch.sigmoid(self.gate(h)).transpose(1, 2).unsqueeze(-1)
         y = (p @ v).transpose(1, 2).reshape(b, t, c)
