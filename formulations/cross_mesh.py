@@ -487,22 +487,16 @@ class _DfsTables:
                    [0.0] * (2 * H))
 
 
-def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb: float,
-                fallback: Result | None) -> None:
-    """The branch and bound of :func:`dfs`, recording the best steps in ``st``. It must be one
-    piece: its recursion reads the tables through closure cells (hot: millions of nodes)."""
-    n, H = problem.size, problem.num_hosts
-    C = len(t.members)
-    cands, res, min_d, fixed, pools = t.cands, t.res, t.min_d, t.fixed, t.pools
+def _dfs_bound(t: _DfsTables, num_hosts: int):
+    """:func:`dfs`'s bound on a node's makespan (its current one ``cur``), as a closure over
+    the tables (hot: read through closure cells)."""
+    cands, res, pools = t.cands, t.res, t.pools
     count, load, pool_load, free = t.count, t.load, t.pool_load, t.free
-
-    def threshold() -> float:
-        """Only strictly better schedules (beyond float noise) are worth exploring."""
-        return st.best * (1 - 1e-12) if math.isfinite(st.best) else math.inf
+    C, R = len(t.members), 2 * num_hosts
 
     def bound(cur: float) -> float:
         lb = cur
-        for r in range(2 * H):
+        for r in range(R):
             if load[r] > 0:
                 lb = max(lb, free[r] + load[r])
         for (hosts, _), pl in zip(pools, pool_load, strict=True):
@@ -515,6 +509,15 @@ def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb
                                      for k, x in enumerate(cands[c])))
         return lb
 
+    return bound
+
+
+def _dfs_apply(t: _DfsTables):
+    """Places (``sign`` +1) or takes back (-1) a task of class ``c`` in the bound's
+    remaining loads, as a closure over the tables."""
+    min_d, fixed, pools = t.min_d, t.fixed, t.pools
+    count, load, pool_load = t.count, t.load, t.pool_load
+
     def apply(c: int, k: int, sign: int) -> None:
         for r in fixed[c]:
             load[r] -= sign * min_d[c]
@@ -522,6 +525,45 @@ def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb
             if c in pcs:
                 pool_load[j] -= sign * min_d[c]
         count[c] -= sign
+
+    return apply
+
+
+def _dfs_children(t: _DfsTables):
+    """A node's children, earliest finish first: (makespan, end, class, candidate), skipping
+    the second of two commuting steps out of (class, candidate) order."""
+    cands, res, count, free = t.cands, t.res, t.count, t.free
+    C = len(t.members)
+
+    def children(cur: float, last: tuple[int, int] | None) -> list:
+        out = []
+        for c in range(C):
+            if not count[c]:
+                continue
+            for k, x in enumerate(cands[c]):
+                if last is not None and (c, k) < last and \
+                        not set(res[c][k]).intersection(res[last[0]][last[1]]):
+                    continue
+                start = max(free[r] for r in res[c][k])
+                out.append((max(cur, start + x.duration + x.tail), start + x.duration, c, k))
+        out.sort()
+        return out
+
+    return children
+
+
+def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb: float,
+                fallback: Result | None) -> None:
+    """The branch and bound of :func:`dfs`, recording the best steps in ``st``. Its parts
+    are closures over the tables (:func:`_dfs_bound`, :func:`_dfs_apply`,
+    :func:`_dfs_children`): the recursion reads them through closure cells (hot: millions
+    of nodes)."""
+    n, res, free = problem.size, t.res, t.free
+    bound, apply, children = _dfs_bound(t, problem.num_hosts), _dfs_apply(t), _dfs_children(t)
+
+    def threshold() -> float:
+        """Only strictly better schedules (beyond float noise) are worth exploring."""
+        return st.best * (1 - 1e-12) if math.isfinite(st.best) else math.inf
 
     def visit(cur: float, depth: int, last: tuple[int, int] | None) -> None:
         st.nodes += 1
@@ -535,19 +577,7 @@ def _dfs_search(problem: CrossMeshProblem, t: _DfsTables, st: _DfsState, root_lb
             if cur < threshold():
                 st.best, st.best_steps = cur, list(st.steps)
             return
-        children = []
-        for c in range(C):
-            if not count[c]:
-                continue
-            for k, x in enumerate(cands[c]):
-                if last is not None and (c, k) < last and \
-                        not set(res[c][k]).intersection(res[last[0]][last[1]]):
-                    continue
-                start = max(free[r] for r in res[c][k])
-                children.append((max(cur, start + x.duration + x.tail), start + x.duration,
-                                 c, k, start))
-        children.sort()
-        for new_cur, end, c, k, _start in children:
+        for new_cur, end, c, k in children(cur, last):
             if new_cur >= threshold():
                 continue
             saved = [free[r] for r in res[c][k]]

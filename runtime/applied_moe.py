@@ -13,10 +13,10 @@ rank's blocks: its boundary hooks (:mod:`runtime.applied_hooks`) hand it its tok
 its parameter blocks as local tensors, it issues the planned dispatch and combine AllToAlls
 through the runtime's :class:`~runtime.comm.Comm` (tagged, so the audit counts them), and
 its output block is wrapped back into a DTensor in the planned layout. A sigmoid router's
-correction bias (DeepSeek-V3's ``e_score_correction_bias``) is a buffer of the router, the
-same on every rank: the kernel reads it there. The swap is made on
-the module's instances; the block's other code (Qwen2-MoE's shared expert and its gate)
-runs as it is.
+correction bias (``e_score_correction_bias``) is a buffer of the router (DeepSeek-V3's) or
+of the block (MiniMax-M2's, HY-V3's), the same on every rank: the kernel reads it there.
+The swap is made on the module's instances; the block's other code (Qwen2-MoE's shared
+expert and its gate) runs as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from ilp_planner.inputs.lift_moe import hf_router, router_weight
+from ilp_planner.inputs.lift_moe import correction_bias, hf_router, router_weight
 from ilp_planner.ir.graph import Graph, Op, OpKind
 from ilp_planner.lowering.moe_strategies import HF_INTERLEAVED, hf_experts, hf_form, moe_programs
 from ilp_planner.plan.data import LayerPlan
@@ -67,9 +67,10 @@ def install_moe(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
             comm.register(red)
         experts = module.get_submodule(path)
         parent, _, _ = path.rpartition(".")
-        gate = hf_router(module.get_submodule(parent) if parent else module)
+        block = module.get_submodule(parent) if parent else module
+        gate = hf_router(block)
         gate.forward = _pass_through
-        experts.forward = _kernel(comm, op, lp, gate, experts)
+        experts.forward = _kernel(comm, op, lp, block, gate, experts)
 
 
 def module_roles(op: Op, gate: nn.Module, experts: nn.Module) -> dict[str, Any]:
@@ -85,17 +86,19 @@ def module_roles(op: Op, gate: nn.Module, experts: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _pass_through(x: Any) -> tuple[Any, Any, Any]:
-    """The router's place in the block's forward: the experts' kernel routes."""
+def _pass_through(x: Any, *_: Any) -> tuple[Any, Any, Any]:
+    """The router's place in the block's forward (MiniMax-M2's is handed the correction
+    bias too): the experts' kernel routes."""
     return x, x, x
 
 
-def _kernel(comm: Comm, op: Op, lp: LayerPlan, gate: nn.Module, experts: nn.Module):
+def _kernel(comm: Comm, op: Op, lp: LayerPlan, block: nn.Module, gate: nn.Module,
+            experts: nn.Module):
     """The experts module's forward: the kernel on the local blocks its hooks hand it
     (the router's and experts' parameters are read at call time, when they are blocks)."""
     def forward(x: Any, *_routing: Any) -> Any:
         params = hf_roles(op, module_roles(op, gate, experts))
-        bias = getattr(gate, "e_score_correction_bias", None)  # DeepSeek-V3's: a buffer
+        bias = correction_bias(block, gate)  # a sigmoid router's: a buffer
         if bias is not None:
             params["score_bias"] = bias
         return local_moe(comm, op, lp, x, lp.inputs[0], params)

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from ilp_planner.ir.graph import Graph, OpKind
 from runtime.errors import FidelityError
 
-_DROPOUTS = frozenset({F.dropout, torch.dropout})
+_DROPOUTS = frozenset({F.dropout, torch.dropout, torch.dropout_})
 
 
 def dropout_block(shape: torch.Size, p: float, dt: DTensor) -> torch.Tensor:
@@ -79,9 +79,10 @@ class LocalDropout(TorchFunctionMode):
         x = args[0] if args else kwargs.get("input")
         if isinstance(x, DTensor):
             if func in _DROPOUTS:
-                p, train = _dropout_args(func, args, kwargs)
+                p, train, inplace = _dropout_args(func, args, kwargs)
                 if train and p > 0:
-                    return _dropped(x, float(p))
+                    out = _dropped(x, float(p))
+                    return x.copy_(out) if inplace else out  # in place: the caller's x
             elif func in self._OTHER and _drawing(func, args, kwargs):
                 raise FidelityError(
                     f"{getattr(func, '__name__', func)} draws random values on a DTensor: each "
@@ -91,27 +92,33 @@ class LocalDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _dropout_args(func: Any, args: tuple, kwargs: dict) -> tuple[float, bool]:
-    """(p, training) of a call of ``F.dropout(input, p=0.5, training=True, inplace=False)``
-    or ``torch.dropout(input, p, train)``."""
-    names = ("p", "training") if func is F.dropout else ("p", "train")
-    defaults = (0.5, True)
+def _dropout_args(func: Any, args: tuple, kwargs: dict) -> tuple[float, bool, bool]:
+    """(p, training, in place) of a call of ``F.dropout(input, p=0.5, training=True,
+    inplace=False)``, ``torch.dropout(input, p, train)`` or ``torch.dropout_`` (in place)."""
+    names = ("p", "training", "inplace") if func is F.dropout else ("p", "train")
+    defaults = (0.5, True, False)
     got = [args[i + 1] if len(args) > i + 1 else kwargs.get(n, d)
-           for i, (n, d) in enumerate(zip(names, defaults, strict=True))]
-    return float(got[0]), bool(got[1])
+           for i, (n, d) in enumerate(zip(names, defaults, strict=False))]
+    return float(got[0]), bool(got[1]), bool(got[2]) if len(got) > 2 else func is torch.dropout_
 
 
-_TRAINING_DEFAULT = {F.alpha_dropout: False, F.feature_alpha_dropout: False,
-                     F.dropout1d: True, F.dropout2d: True, F.dropout3d: True}
+_TRAINING_ARG = {F.alpha_dropout: ("training", False), F.feature_alpha_dropout: ("training", False),
+                 F.dropout1d: ("training", True), F.dropout2d: ("training", True),
+                 F.dropout3d: ("training", True), torch.alpha_dropout: ("train", True),
+                 torch.feature_dropout: ("train", True),
+                 torch.feature_alpha_dropout: ("train", True)}
+"""The refused dropouts' training argument (third, after the input and ``p``): its name
+and default (aten's ``torch.*_dropout(input, p, train)`` take it positionally)."""
 
 
 def _drawing(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a refused random function draws anything (a functional dropout in
-    evaluation or with p = 0 returns its input)."""
-    if func not in _TRAINING_DEFAULT:
+    """Whether a refused random function draws anything (a dropout in evaluation or with
+    p = 0 returns its input)."""
+    if func not in _TRAINING_ARG:
         return True
+    name, default = _TRAINING_ARG[func]
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-    train = args[2] if len(args) > 2 else kwargs.get("training", _TRAINING_DEFAULT[func])
+    train = args[2] if len(args) > 2 else kwargs.get(name, default)
     return bool(train) and p > 0
 
 

@@ -58,8 +58,11 @@ def route(x: torch.Tensor, router: torch.Tensor, op: Op,
     """(weights, experts), each ``(T, top_k)``: the router's logits (plus GPT-OSS's
     ``router_bias``) in float32, scored, grouped and selected as
     :func:`ilp_planner.inputs.moe_routing.select` says (softmax top-k; DeepSeek-V3's sigmoid
-    with its correction bias ``score_bias``; group-limited)."""
-    logits = x @ router if router_bias is None else x @ router + router_bias
+    with its correction bias ``score_bias``; group-limited). A router held in another dtype
+    than the tokens (HunYuan's float32 router in a bfloat16 model) reads them in its own,
+    as Hugging Face's does."""
+    xr = x.to(router.dtype)
+    logits = xr @ router if router_bias is None else xr @ router + router_bias
     weights, experts = select(torch, logits.float(), op.attrs, score_bias)
     return weights.to(x.dtype), experts
 

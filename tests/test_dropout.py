@@ -254,3 +254,41 @@ def test_the_executor_refuses_a_graph_that_drops() -> None:
     with pytest.raises(RuntimeSetupError, match=r"dropout 'h\.0\.attn\.dropout' drops.*"
                                                 r"plan\.parallelize"):
         check_supported(no_probs)
+
+
+def test_local_dropout_in_place_and_aten_dropouts_in_evaluation() -> None:
+    """Under :class:`runtime.local_dropout.LocalDropout` (one process, a 1-device mesh):
+    ``F.dropout(..., inplace=True)`` and ``torch.dropout_`` drop the caller's tensor itself,
+    with the mask one process draws (before, they returned a new tensor and left the
+    caller's undropped); aten's ``feature_dropout`` / ``alpha_dropout`` in evaluation draw
+    nothing and return their input (before, refused), and in training are refused."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from runtime.errors import FidelityError
+    from runtime.local_dropout import LocalDropout
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        t = torch.randn(8, 16)
+        torch.manual_seed(0)
+        want = F.dropout(t, 0.5, True)
+        for drop in (lambda d: F.dropout(d, 0.5, True, inplace=True),
+                     lambda d: F.dropout(d, p=0.5, inplace=True),
+                     lambda d: torch.dropout_(d, 0.5, True)):
+            d = distribute_tensor(t.clone(), mesh, [Shard(0)])
+            torch.manual_seed(0)
+            with LocalDropout():
+                drop(d)  # the result unused: the caller's tensor is the dropped one
+            assert torch.equal(d.full_tensor(), want)
+        d = distribute_tensor(t.clone(), mesh, [Shard(0)])
+        with LocalDropout():
+            for f in (torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout):
+                assert torch.equal(f(d, 0.5, False).full_tensor(), t)
+                with pytest.raises(FidelityError, match="draws random values on a DTensor"):
+                    f(d, 0.5, True)
+    finally:
+        dist.destroy_process_group()

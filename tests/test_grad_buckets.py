@@ -193,7 +193,11 @@ def test_the_last_backward_is_the_last_in_action_order():
     assert last_backward([("F", 0), ("SF", 0)]) is None
 
 
-def test_buckets_refuse_gradients_of_different_element_sizes():
+def test_gradients_of_different_element_sizes_fill_a_buffer_each():
+    """Like DDP's buckets, a buffer holds one dtype: float32 and float64 gradients over
+    the same devices are two buffers, each cut by the cap on its own bytes, and the ILP
+    prices each buffer's chunks — the realised cost is the objective for any choice, and
+    the ILP's optimum the exhaustive one."""
     spec = {"kind": "graph", "ops": [
         {"name": "x", "kind": "input", "shape": [8, 16]},
         {"name": "fc1", "kind": "linear", "inputs": ["x"], "shape": [8, 16], "weight": [16, 16]},
@@ -201,6 +205,22 @@ def test_buckets_refuse_gradients_of_different_element_sizes():
          "dtype": "float64"},
         {"name": "loss", "kind": "loss", "inputs": ["fc2"], "shape": [1]}]}
     graph = models.graph_from_spec(spec)
-    with pytest.raises(ConfigError, match="training.grad_bucket_mb.*element sizes"):
-        _problem(4096.0, graph, tie=False)
-    assert _problem(0.0, graph, tie=False).problem.buckets is None
+    cap = 700.0
+    gp = _problem(cap, graph, tie=False)
+    seen = 0
+    for choice in _random_choices(gp.problem, 30, seed=3):
+        syncs = _syncs(gp, choice)
+        chunks = fill_buckets(syncs, cap, gp.ctx)
+        for buf in {c.buffer for c in chunks}:
+            sizes = {c.collective.bytes / (c.stop - c.start) for c in chunks if c.buffer == buf}
+            assert len(sizes) == 1  # one dtype a buffer
+        pairs = {(device_groups(c.fact, c.axes), c.collective.bytes / (c.stop - c.start))
+                 for c in chunks}
+        assert len(pairs) == len({c.buffer for c in chunks})
+        groups = [g for g, _ in pairs]
+        seen += len(set(groups)) < len(groups)  # the same devices, two dtypes: two buffers
+        _, cost = realise(gp, choice)
+        assert cost.total_s == pytest.approx(gp.problem.objective(choice), rel=1e-9)
+    assert seen  # some choices synchronise both dtypes over the same devices
+    assert SbpIlp(gp.problem).solve().objective == pytest.approx(
+        exhaustive(gp.problem).objective, rel=1e-9)

@@ -22,7 +22,7 @@ from ilp_planner.inputs.config import load_config, parse_cluster
 from ilp_planner.inputs.importer import from_module
 from ilp_planner.inputs.lift_elementwise import lift_const
 from ilp_planner.inputs.lift_graph import DraftGraph, NodeCost
-from ilp_planner.inputs.lift_moe import hf_router, routed_as_one_op
+from ilp_planner.inputs.lift_moe import correction_bias, hf_router, routed_as_one_op
 from ilp_planner.inputs.lift_values import Call, Const
 from ilp_planner.intra_op.baselines import solve_exact
 from ilp_planner.intra_op.problem import build_problem
@@ -32,6 +32,7 @@ from ilp_planner.lowering.cost_model import MemorySpec
 from ilp_planner.lowering.moe_strategies import HF_INTERLEAVED, expert_parallel
 from ilp_planner.lowering.strategies import (
     StrategyContext,
+    grad_sync,
     head_splits,
     input_grad_layouts,
     op_strategies,
@@ -140,7 +141,34 @@ def _builders() -> dict[str, Any]:
             num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16,
             num_experts=4, moe_topk=2, use_cache=False, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)), (_ids(),)),
+        # sigmoid routing with a correction bias the block holds and hands its router
+        "minimax_m2": lambda: (_with_drawn_correction_bias(T.MiniMaxM2ForCausalLM(
+            T.MiniMaxM2Config(hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              vocab_size=VOCAB, max_position_embeddings=16,
+                              num_local_experts=4, num_experts_per_tok=2, use_cache=False,
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2))), (_ids(),)),
+        # the experts' activation the function F.silu; the block's ``expert_bias``
+        "lfm2_moe": lambda: (_with_drawn_correction_bias(T.Lfm2MoeForCausalLM(
+            T.Lfm2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
+                            num_experts_per_tok=2, num_dense_layers=1, use_cache=False,
+                            layer_types=["conv", "full_attention", "conv"]))), (_ids(),)),
     }
+
+
+def _with_drawn_correction_bias(model: Any) -> Any:
+    """``model`` with its routed blocks' correction biases and routers drawn (zero as
+    built — LFM2-MoE's router too —: a bias the routing ignored would not show)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            block = getattr(layer, "mlp", None) or layer.feed_forward
+            bias = correction_bias(block, hf_router(block))
+            if bias is not None:
+                bias.uniform_(-0.3, 0.3)
+                hf_router(block).weight.normal_(0.0, 0.2)
+    return model
 
 
 def _deepseek_v2(**routing: Any) -> Any:
@@ -192,10 +220,17 @@ def _gpt_oss() -> Any:
 
 
 MOE_LAYER = {"mixtral": 0, "qwen2_moe": 0, "deepseek_v2": 1, "deepseek_v3": 1,
-             "gpt_oss": 0, "hunyuan_moe": 0}  # first routed
+             "gpt_oss": 0, "hunyuan_moe": 0, "minimax_m2": 0, "lfm2_moe": 1}  # first routed
 SHARED = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
           "deepseek_v3": "shared_experts"}
-MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "hunyuan_moe"]
+def _moe_block(model: Any, name: str) -> Any:
+    """The first routed block of MoE model ``name`` (LFM2-MoE's is its ``feed_forward``)."""
+    layer = model.model.layers[MOE_LAYER[name]]
+    return getattr(layer, "mlp", None) or layer.feed_forward
+
+
+MOES = ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "hunyuan_moe",
+        "minimax_m2", "lfm2_moe"]
 
 
 DENSE = ("gpt2", "llama_tied", "llama_untied", "bert", "roberta", "olmo", "opt", "vit",
@@ -746,7 +781,7 @@ def test_the_moe_custom_op_computes_what_the_block_does(name):
     logits under it equal its own (the op is the block, not an approximation of it)."""
     model, (ids,) = _builders()[name]()
     _assert_blocks_are_the_op(model, ids)
-    assert "forward" not in vars(hf_router(model.model.layers[MOE_LAYER[name]].mlp))  # restored
+    assert "forward" not in vars(hf_router(_moe_block(model, name)))  # restored
 
 
 @pytest.mark.parametrize("name", MOES)
@@ -779,12 +814,13 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
     gradients reach the module's tensors."""
     model, graph = imported(name)
     op = next(o for o in graph.ops if o.kind is OpKind.MOE)
-    mlp = model.model.layers[MOE_LAYER[name]].mlp
+    mlp = _moe_block(model, name)
     gate = hf_router(mlp)
     x = torch.randn(op.output.shape, requires_grad=True)
-    _, weights, chosen = gate(x)
+    bias = correction_bias(mlp, gate)  # V3's buffer, or MiniMax-M2's on the block
+    handed = bias is not None and not hasattr(gate, "e_score_correction_bias")
+    _, weights, chosen = gate(x, bias) if handed else gate(x)
     want = mlp.experts(x, chosen, weights)
-    bias = getattr(gate, "e_score_correction_bias", None)  # V3's buffer
     roles = module_roles(op, gate, mlp.experts)  # GPT-OSS's with its three biases
     got = moe_reference(op, x, {**roles, **({} if bias is None else {"score_bias": bias})})
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -795,6 +831,30 @@ def test_the_runtimes_moe_kernel_on_the_modules_tensors_is_the_blocks_experts(im
         # an expert not chosen gets no router gradient through a softmax over the top-k
         # logits (GPT-OSS); through the renormalised softmax over all, terms that cancel
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_float32_router_in_a_bfloat16_block_reduces_its_gradient_apart_in_float32():
+    """HunYuan-MoE as ``from_pretrained`` loads it in bfloat16: its routers stay float32
+    (and read the tokens in float32). The block is still one moe op — the check runs it in
+    the experts' dtype — trained as it is (``own_precision``) with the router's role marked
+    float32: its gradient reduces in its own AllReduce of 4-byte elements, the experts' in
+    2-byte ones."""
+    model, (ids,) = _builders()["hunyuan_moe"]()
+    model = model.to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.mlp.gate.wg.float()
+    graph = from_module(model, (ids,))
+    op = next(o for o in graph.ops if o.kind is OpKind.MOE)
+    assert op.source_params[0].endswith("gate.wg.weight")
+    assert op.attrs["own_precision"] == 1 and op.attrs["float32_roles"] == 1
+    assert [op.grad_itemsize(i) for i in range(3)] == [4, 2, 2]
+    ctx = StrategyContext(parse_cluster({"cluster": CLUSTER}), 2, 4, MemorySpec.preset("adam"))
+    op = dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "row_items": 8}))
+    strat = next(s for s in op_strategies(op, [TensorSpec(op.output.shape, "bfloat16")], ctx)
+                 if s.fact[0].size == 2 and s.fact[1].size == 4 and expert_parallel(s.inputs[0]))
+    syncs = grad_sync(op, strat.label, strat.inputs, strat.weight, strat.output, ctx)
+    sizes = {sb.roles: sb.collective.bytes / sb.numel for sb in syncs}
+    assert sizes[("router",)] == 4 and all(v == 2 for r, v in sizes.items() if r != ("router",))
 
 
 @pytest.mark.parametrize("routing,field", [
@@ -869,6 +929,30 @@ def test_a_router_with_mixtrals_structure_but_another_routing_is_refused():
                                 r"router PhimoeTopKRouter\): .*does not compute what the "
                                 r"block computes")
     assert "forward" not in vars(model.model.layers[0].mlp.router)  # restored
+
+
+def test_a_freshly_initialised_router_scoring_another_way_is_refused():
+    """A router with Mixtral's structure scoring by sigmoid (renormalised over its top-k),
+    freshly initialised: its logits are near zero, where sigmoid and softmax weights are
+    nearly equal (MiniMax-M2's check differed by 1e-4, at the edge of its tolerance; this
+    one, with smaller weights still, passed the check before). The check runs the block on
+    an input spreading the logits apart, so it is refused."""
+    import torch.nn.functional as F
+
+    class SigmoidRouter(T.models.mixtral.modeling_mixtral.MixtralTopKRouter):
+        def forward(self, hidden_states: torch.Tensor) -> tuple:
+            logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+            weights, chosen = torch.topk(torch.sigmoid(logits.float()), self.top_k, dim=-1)
+            return logits, weights / weights.sum(dim=-1, keepdim=True), chosen
+
+    torch.manual_seed(0)
+    model = _routed("MixtralForCausalLM", "MixtralConfig")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.__class__ = SigmoidRouter
+            layer.mlp.gate.weight.mul_(0.01)  # logits nearer zero still
+    _refused_in_one_line(model, r"MoE block model\.layers\.0\.mlp \(MixtralSparseMoeBlock, "
+                                r"router SigmoidRouter\): .*does not compute what the block")
 
 
 def test_a_moe_block_whose_code_cannot_run_around_the_op_is_refused_naming_it():

@@ -430,13 +430,24 @@ def _own_precision_marked(ops: list[Op], module: Any) -> list[Op]:
     on each op whose parameters are all half-precision in ``module``: ``parallelize``
     trains the module's parameters as they are — gradients reduced and exchanged in their
     own dtype, the user's optimizer stepping them with no float32 master — so the plan
-    prices that, not the mixed precision the runtime's own executor runs."""
-    half = {n for n, p in module.named_parameters(remove_duplicate=False)
-            if str(p.dtype).removeprefix("torch.") in HALF_DTYPES}
-    if not half:
+    prices that, not the mixed precision the runtime's own executor runs. An op whose
+    other parameters are half-precision and some float32 (``from_pretrained`` keeps
+    HunYuan's router in float32 beside its bfloat16 experts) is marked too, with those
+    roles in ``attrs.float32_roles`` (:meth:`~ilp_planner.ir.graph.Op.grad_itemsize`)."""
+    dtypes = {n: str(p.dtype).removeprefix("torch.")
+              for n, p in module.named_parameters(remove_duplicate=False)}
+    if not any(d in HALF_DTYPES for d in dtypes.values()):
         return ops
-    return [dataclasses.replace(op, attrs=MappingProxyType({**op.attrs, "own_precision": 1}))
-            if op.source_params and half.issuperset(op.source_params) else op for op in ops]
+    out = []
+    for op in ops:
+        mine = [dtypes.get(n) for n in op.source_params]
+        full = sum(1 << i for i, d in enumerate(mine) if d == "float32")
+        if mine and all(d in HALF_DTYPES or d == "float32" for d in mine) \
+                and any(d in HALF_DTYPES for d in mine):
+            op = dataclasses.replace(op, attrs=MappingProxyType(
+                {**op.attrs, "own_precision": 1, **({"float32_roles": full} if full else {})}))
+        out.append(op)
+    return out
 
 
 def _unused_marked(ops: list[Op], param_shape: Mapping[str, tuple[int, ...]]) -> list[Op]:

@@ -6,26 +6,28 @@ per-expert token gather, ``index_add``) as ops no strategy reads. So before expo
 importer finds every block built the Hugging Face way — a ``gate`` (or ``router``) with a
 2-D ``weight (E, h)`` (its own, or HunYuan-MoE's linear ``wg``'s) and ``top_k``, and
 ``experts`` holding 3-D ``gate_up_proj (E, 2f, h)`` and ``down_proj (E, h, f)`` with a SiLU
-activation (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE, HunYuan-MoE, DeepSeek-V2,
-DeepSeek-V3), or GPT-OSS's form: ``gate_up_proj (E, h, 2f)`` with gate and up columns
-alternating, ``down_proj (E, f, h)``, a bias on each and on the router, and a GLU clamped at
-``limit`` with slope ``alpha`` (:func:`experts_form`) — and for the export only makes the
-router a pass-through and the experts one call of the custom op ``ilp_planner::moe_experts``
-(the router's routing, the experts, weighted sum), which the walk lifts here. Structure is
-not behaviour: each block is first run both ways on one random input, and one whose own output
-the op does not reproduce (PhiMoE's sparse mixer has Mixtral's structure) is refused. The
-parameters keep their module paths, so the op owns the router's and the experts' parameters;
-a block's shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``) stay
-outside the op, traced as the dense MLP and gate they are.
+activation, a module or the function (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoE,
+HunYuan-MoE, DeepSeek-V2, DeepSeek-V3, MiniMax-M2, HY-V3, LFM2-MoE), or GPT-OSS's form:
+``gate_up_proj (E, h, 2f)`` with gate and up columns alternating, ``down_proj (E, f, h)``, a
+bias on each and on the router, and a GLU clamped at ``limit`` with slope ``alpha``
+(:func:`experts_form`) — and for the export only makes the router a pass-through and the
+experts one call of the custom op ``ilp_planner::moe_experts`` (the router's routing, the
+experts, weighted sum), which the walk lifts here. Structure is not behaviour: each block is
+first run both ways on one random input (its router's logits spread well apart, so every
+scoring differs), and one whose own output the op does not reproduce (PhiMoE's sparse mixer
+has Mixtral's structure) is refused. The parameters keep their module paths, so the op owns
+the router's and the experts' parameters; a block's shared experts (Qwen2-MoE's
+``shared_expert``, DeepSeek's ``shared_experts``) stay outside the op, traced as the dense
+MLP and gate they are.
 
 Routers (:func:`routing_attrs`): Mixtral's and Qwen's renormalised softmax top-k (GPT-OSS's
-and GraniteMoE's softmax over the top-k logits is the same weights),
-DeepSeek-V2's softmax top-k (greedy or group-limited) and DeepSeek-V3's sigmoid scores with
-``e_score_correction_bias`` (a buffer the op reads from the router at run time, never a
-parameter it owns) chosen within groups, each scaled by ``routed_scaling_factor`` — routed
-by :func:`~ilp_planner.inputs.moe_routing.select`, which the runtime's kernel runs too. A
-router none of these describes (another ``topk_method``, groups that do not divide the
-experts) is refused with an error naming the config field rather than priced and run as
+and GraniteMoE's softmax over the top-k logits is the same weights), DeepSeek-V2's softmax
+top-k (greedy or group-limited) and DeepSeek-V3's sigmoid scores with a correction bias (a
+buffer the op reads at run time, never a parameter it owns: :func:`correction_bias`, the
+router's or the block's) chosen within groups, each scaled by ``routed_scaling_factor`` —
+routed by :func:`~ilp_planner.inputs.moe_routing.select`, which the runtime's kernel runs
+too. A router none of these describes (another ``topk_method``, groups that do not divide
+the experts) is refused with an error naming the config field rather than priced and run as
 something else.
 
 Routing is dropless, as Hugging Face runs it (``attrs.dropless``: variable-size exchanges of
@@ -62,20 +64,34 @@ MOE_OP = "moe_experts"
 _REGISTERED: dict[str, Any] = {}  # the custom op, registered once per process
 
 
-def routing_attrs(path: str, gate: Any) -> dict[str, int]:
+def correction_bias(block: Any, gate: Any) -> Any:
+    """A sigmoid router's correction bias (``e_score_correction_bias``, a buffer): the
+    router's own (DeepSeek-V3's), or the block's, which hands it to the router
+    (MiniMax-M2's, HY-V3's; LFM2-MoE's ``expert_bias``); None for a softmax router."""
+    for holder, name in ((gate, "e_score_correction_bias"), (block, "e_score_correction_bias"),
+                         (block, "expert_bias")):
+        bias = getattr(holder, name, None)
+        if bias is not None:
+            return bias
+    return None
+
+
+def routing_attrs(path: str, block: Any, gate: Any) -> dict[str, int]:
     """The op's routing attributes (:mod:`ilp_planner.inputs.moe_routing`) for the router at
-    ``path``: Mixtral's and Qwen's renormalised softmax top-k (``norm_topk_prob``),
-    DeepSeek-V2's softmax top-k never renormalised, greedy or group-limited
-    (``topk_method``), DeepSeek-V3's sigmoid with ``e_score_correction_bias`` and groups,
-    either scaled by ``routed_scaling_factor``. Raises :class:`ConfigError` naming the
-    config field where the routing is none of these."""
+    ``path`` of ``block``: Mixtral's and Qwen's renormalised softmax top-k
+    (``norm_topk_prob``), DeepSeek-V2's softmax top-k never renormalised, greedy or
+    group-limited (``topk_method``), DeepSeek-V3's sigmoid with a correction bias
+    (:func:`correction_bias`) and groups, either scaled by ``routed_scaling_factor`` (HY-V3's
+    ``router_scaling_factor``). Raises :class:`ConfigError` naming the config field where
+    the routing is none of these."""
     where = f"cannot import the MoE router {path} ({type(gate).__name__})"
-    scale = float(getattr(gate, "routed_scaling_factor", 1.0))
+    scale = float(getattr(gate, "routed_scaling_factor",
+                          getattr(gate, "router_scaling_factor", 1.0)))
     pm = round(ROUTE_SCALE_UNIT * scale)
     if pm <= 0 or abs(pm - ROUTE_SCALE_UNIT * scale) > 1e-6 * ROUTE_SCALE_UNIT:
         raise ConfigError(f"{where}: routed_scaling_factor={scale:g}; the moe op holds a "
                           "positive multiple of 0.001")
-    sigmoid = hasattr(gate, "e_score_correction_bias")
+    sigmoid = correction_bias(block, gate) is not None
     method = getattr(gate, "topk_method", None)
     if method not in (None, "greedy", "group_limited_greedy"):
         raise ConfigError(f"{where}: topk_method={method!r}; expected 'greedy' or "
@@ -132,7 +148,8 @@ def experts_form(gate: Any, experts: Any) -> int:
             or w.dim() != 2 or gu.dim() != 3 or down.dim() != 3):
         return 0
     e, h = w.shape
-    if type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+    act = getattr(experts, "act_fn", None)  # a module, or the function (LFM2-MoE's)
+    if type(act).__name__ in ("SiLU", "SiLUActivation") or getattr(act, "__name__", "") == "silu":
         return HF_FUSED
     f = down.shape[1]
     biases = (getattr(gate, "bias", None), getattr(experts, "gate_up_proj_bias", None),
@@ -176,7 +193,7 @@ def _custom_op(torch: Any) -> Any:
                     down_bias: Any = None, glu: Sequence[int] = ()) -> Any:
         if x.is_meta:
             return torch.empty_like(x)
-        weights, chosen = select(torch, F.linear(x, router, router_bias).float(),
+        weights, chosen = select(torch, F.linear(x.to(router.dtype), router, router_bias).float(),
                                  dict(zip(ROUTING_KEYS, routing, strict=True)), bias)
         out = torch.zeros_like(x)
         for e in range(gate_up.shape[0]):
@@ -209,15 +226,18 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
     blocks = moe_blocks(root)
     op = _custom_op(torch) if blocks else None
     # every refusal of the routing or the GLU constants before any forward is swapped
-    stand_ins = [_stand_in(op, gate, experts, routing_values(
-        {"top_k": int(gate.top_k), **routing_attrs(_router_path(root, path, gate), gate)}))
-        for path, gate, experts in blocks]
+    stand_ins = []
+    for path, gate, experts in blocks:
+        block = root.get_submodule(path)
+        routing = routing_attrs(_router_path(root, path, gate), block, gate)
+        stand_ins.append(_stand_in(op, gate, experts, correction_bias(block, gate),
+                                   routing_values({"top_k": int(gate.top_k), **routing})))
     swapped: list[tuple[Any, Any]] = []
     try:
         for (path, gate, experts), stand_in in zip(blocks, stand_ins, strict=True):
             block = root.get_submodule(path)
             want = _block_output(block, gate, torch)
-            gate.forward = lambda x, _g=gate: (x, x, x)
+            gate.forward = lambda x, *_: (x, x, x)  # (MiniMax-M2's takes the bias too)
             experts.forward = stand_in
             swapped.append((gate, experts))
             if want is not None:
@@ -229,10 +249,10 @@ def routed_as_one_op(root: Any, torch: Any) -> Iterator[int]:
             del gate.forward, experts.forward
 
 
-def _stand_in(op: Any, gate: Any, experts: Any, routing: list[int]) -> Any:
+def _stand_in(op: Any, gate: Any, experts: Any, score_bias: Any, routing: list[int]) -> Any:
     """The experts module's forward during the export: one call of the custom op on the
-    block's tensors (GPT-OSS's with its biases and GLU constants)."""
-    score_bias = getattr(gate, "e_score_correction_bias", None)
+    block's tensors (GPT-OSS's with its biases and GLU constants; ``score_bias``: a sigmoid
+    router's :func:`correction_bias`)."""
     if experts_form(gate, experts) == HF_INTERLEAVED:
         glu = _glu_values(experts)
         return lambda x, *_: op(x, router_weight(gate), experts.gate_up_proj, experts.down_proj,
@@ -251,19 +271,33 @@ def _router_path(root: Any, path: str, gate: Any) -> str:
 
 CHECK_TOKENS_PER_EXPERT = 4
 """Tokens per expert in the random input :func:`_block_output` runs a block on."""
+CHECK_LOGIT_STD = 2.0
+"""The spread of the router's logits on that input (it is scaled so)."""
 
 
 def _block_output(block: Any, gate: Any, torch: Any) -> Any:
     """The block's output on a fixed random input of ``CHECK_TOKENS_PER_EXPERT`` tokens
     per expert (no gradient; the global random state left as it was, so every rank of a
     launch that imports on one rank draws alike afterwards); None where its weights are
-    on the meta device: nothing to compute, so a meta import goes by structure alone."""
+    on the meta device: nothing to compute, so a meta import goes by structure alone.
+
+    The input is scaled so that the router's logits spread by ``CHECK_LOGIT_STD``: a freshly
+    initialised router's are near zero, where every scoring gives nearly equal weights — a
+    sigmoid router checked as a softmax one differed by 1e-4 (MiniMax-M2's), at the edge of
+    the tolerance."""
     w = router_weight(gate)
     if w.is_meta:
         return None
     experts, hidden = w.shape
     x = torch.randn(1, CHECK_TOKENS_PER_EXPERT * experts, hidden,
                     generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    with torch.no_grad():
+        spread = float((x @ w.T).float().std())
+    if spread > 0:
+        x = x * (CHECK_LOGIT_STD / spread)
+    # in the experts' dtype: a router may be held in another (HunYuan's float32 router in
+    # a bfloat16 model reads the tokens in float32)
+    x = x.to(block.experts.down_proj.dtype)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # a block drawing noise draws alike in both runs
         out = block(x)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from formulations.problem import BucketTerms, Problem
-from ilp_planner.errors import ConfigError, InfeasibleError, UnprovenInfeasible
+from ilp_planner.errors import InfeasibleError, UnprovenInfeasible
 from ilp_planner.ir.cluster import Cluster, Factorisation
 from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec, position_tables
 from ilp_planner.ir.layouts import Layout, LayoutError, drop_unit_axes, grad_layout
@@ -64,7 +64,7 @@ from ilp_planner.lowering.cost_model import (
     collective_seconds,
     dominant_memory_term,
 )
-from ilp_planner.lowering.grad_buckets import device_groups
+from ilp_planner.lowering.grad_buckets import buffer_key
 from ilp_planner.lowering.redistribution import plan_redistribution, planner_for
 from ilp_planner.lowering.shared_reads import riders
 from ilp_planner.lowering.stage_boundary import StageBoundary, export_program, import_program
@@ -1173,13 +1173,12 @@ def held_activations(gp: GraphProblem, choice) -> float:
 @dataclass(frozen=True)
 class _ListFacts:
     """Per options list, what every build reads from it: cost and memory per strategy and
-    its gradient reductions as rows (strategy, device-group key number, bytes), the keys
+    its gradient reductions as rows (strategy, buffer key number, bytes), the keys
     in order of first appearance with a sample collective each (for its latency)."""
 
     cost: np.ndarray
     memory: np.ndarray  # one micro-batch's activations
     held: np.ndarray  # activations held per micro-batch in flight (0 when recomputed)
-    sizes: frozenset[float]
     sync_k: np.ndarray
     sync_key: np.ndarray
     sync_bytes: np.ndarray
@@ -1191,7 +1190,7 @@ def _list_facts(opts: list[NodeOption]) -> _ListFacts:
     ks, key_of, nbytes, keys, samples = [], [], [], {}, []
     for k, o in enumerate(opts):
         for sb in o.syncs:
-            key = device_groups(sb.fact, sb.axes)
+            key = buffer_key(sb)
             if key not in keys:
                 keys[key] = len(keys)
                 samples.append(sb.collective)
@@ -1200,7 +1199,6 @@ def _list_facts(opts: list[NodeOption]) -> _ListFacts:
             nbytes.append(sb.collective.bytes)
     return _ListFacts(np.array([o.cost_s for o in opts]), np.array([o.memory_bytes for o in opts]),
                       np.array([0.0 if o.recompute else o.activation_bytes for o in opts]),
-                      frozenset(sb.collective.bytes / sb.numel for o in opts for sb in o.syncs),
                       np.array(ks, dtype=np.int64), np.array(key_of, dtype=np.int64),
                       np.array(nbytes, dtype=float), tuple(keys), tuple(samples))
 
@@ -1212,11 +1210,6 @@ def _bucket_terms(uses: ListUses, cost: list[np.ndarray], cap: float, ctx: Strat
     options lists of each group (:func:`_list_uses`); ``facts``: :class:`_ListFacts` of an
     options list."""
     distinct = list({id(opts): opts for opts, _ in uses.values()}.values())
-    sizes = set().union(*(facts(opts).sizes for opts in distinct))
-    if len(sizes) > 1:
-        raise ConfigError(f"the model's gradients have different element sizes {sorted(sizes)} "
-                          f"bytes; fused gradient buckets hold one (set training.grad_bucket_mb: 0 "
-                          f"for one AllReduce per op)", key="training.grad_bucket_mb")
     index: dict[tuple, int] = {}
     alpha: list[float] = []
     for opts in distinct:

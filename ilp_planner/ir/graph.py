@@ -244,6 +244,15 @@ class Op:
         spec = self.weight or self.output
         return spec if self.attrs.get("own_precision") else spec.master
 
+    def grad_itemsize(self, role_index: int) -> int:
+        """Bytes per element of parameter ``role_index``'s gradient (role order): the
+        :attr:`master_spec`'s, or 4 for a role in ``attrs.float32_roles`` (a bit mask: a
+        parameter kept in float32 in an op whose others train in half precision, as
+        ``from_pretrained`` keeps HunYuan's router beside its bfloat16 experts)."""
+        if self.attrs.get("float32_roles", 0) >> role_index & 1:
+            return 4
+        return self.master_spec.itemsize
+
     @property
     def mixed_precision(self) -> bool:
         """Its parameters keep a float32 master beside their half-precision compute copy

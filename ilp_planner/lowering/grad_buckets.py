@@ -4,13 +4,13 @@ that communication the backward hides.
 Each op's gradient synchronisation is one or more :class:`~ilp_planner.lowering.strategies.SyncBucket`
 (the parameters partial over the same mesh axes). Like ``DistributedDataParallel``, the
 runtime fuses them: the gradients reduced over the same device groups (whatever mesh
-factorisation names them) are one flat buffer, laid out in backward order, and with a cap of
-``cap`` bytes it is reduced in ``⌈bytes / cap⌉`` equal chunks, each launched
-(asynchronously) as soon as every gradient overlapping it is ready, while the backward goes
-on. ``cap = 0`` keeps one AllReduce per op and set of axes.
+factorisation names them) in the same dtype are one flat buffer, laid out in backward
+order, and with a cap of ``cap`` bytes it is reduced in ``⌈bytes / cap⌉`` equal chunks,
+each launched (asynchronously) as soon as every gradient overlapping it is ready, while
+the backward goes on. ``cap = 0`` keeps one AllReduce per op and set of axes.
 
 A chunk count of ⌈bytes / cap⌉ is what makes the ILP exact: the bandwidth terms are linear
-in the bytes, and the latency terms are ``α_j · ⌈Σ bytes / cap⌉`` per device group j, one
+in the bytes, and the latency terms are ``α_j · ⌈Σ bytes / cap⌉`` per buffer j, one
 integer variable each (:mod:`formulations.sbp_ilp`). The planner (the collectives a plan
 lists, hence what ``--audit`` counts) and the executor both take their chunks from
 :func:`fill_buckets`, so they cannot disagree.
@@ -77,6 +77,12 @@ def device_groups(fact: Factorisation, axes: tuple[int, ...]) -> tuple[tuple[int
     return tuple(sorted(tuple(g.tolist()) for g in groups))
 
 
+def buffer_key(sb: SyncBucket) -> tuple:
+    """The flat buffer ``sb``'s gradients join: its device groups (:func:`device_groups`)
+    and element size — like ``DistributedDataParallel``'s buckets, one dtype each."""
+    return device_groups(sb.fact, sb.axes), sb.collective.bytes / sb.numel
+
+
 def fill_buckets(syncs: Sequence[tuple[str, SyncBucket]], cap_bytes: float,
                  ctx: StrategyContext) -> tuple[GradBucket, ...]:
     """The chunks the runtime reduces (see the module docstring). ``syncs`` lists (layer,
@@ -89,7 +95,7 @@ def fill_buckets(syncs: Sequence[tuple[str, SyncBucket]], cap_bytes: float,
                      for i, (layer, sb) in enumerate(reversed(syncs)))
     buffers: dict[tuple, list[tuple[str, SyncBucket]]] = {}
     for layer, sb in reversed(syncs):
-        buffers.setdefault(device_groups(sb.fact, sb.axes), []).append((layer, sb))
+        buffers.setdefault(buffer_key(sb), []).append((layer, sb))
     return tuple(b for i, members in enumerate(buffers.values())
                  for b in _bucket(i, members, cap_bytes, ctx))
 

@@ -536,14 +536,16 @@ def grad_sync(op: Op, label: str, inputs: tuple[Layout, ...], weight: Layout | N
         return ()
     shapes = param_shapes(op)
     lays = param_layouts(op, label, inputs, weight, output)
-    by_axes: dict[tuple[int, ...], list[str]] = {}
+    # fp32 reduction under mixed precision; a role kept in float32 beside half-precision
+    # ones reduces apart (buffers hold one dtype)
+    index = {role: i for i, role in enumerate(shapes)}
+    by_axes: dict[tuple[tuple[int, ...], int], list[str]] = {}
     for role, (_, grad) in lays.items():
         axes = tuple(a for a in grad.partial_axes if grad.fact[a].size > 1)
         if axes:
-            by_axes.setdefault(axes, []).append(role)
-    itemsize = op.master_spec.itemsize  # fp32 reduction under mixed precision
+            by_axes.setdefault((axes, op.grad_itemsize(index[role])), []).append(role)
     out = []
-    for axes, roles in by_axes.items():
+    for (axes, itemsize), roles in by_axes.items():
         fact = lays[roles[0]][0].fact
         numel = sum(math.prod(lays[r][0].padded_shape(shapes[r])) for r in roles)
         out.append(SyncBucket(tuple(roles), fact, axes,

@@ -3,14 +3,14 @@
     torchrun --nproc-per-node 4 tests/helpers/dropout_check.py
 
 A small transformer block with dropout everywhere a user writes it — ``nn.Dropout`` on a
-column-split activation and on a row-parallel projection's output, SDPA's ``dropout_p`` on
-heads split over one axis and the batch over the other — is planned in Megatron's layouts on
-2 × 2 devices and trained 3 steps beside one process drawing from the same generator: the
-losses and the parameters must agree and the audit must match the plan. Then three refusals:
-ranks whose generators differ (``parallelize`` names them) and a random op on a DTensor other
-than a dropout (its first forward names it); and ranks whose modules were built apart
-(``parallelize`` names the first value that differs). Prints ``OK <check>`` or ``FAIL <check>: <why>``
-per check on rank 0 and exits 1 on any failure."""
+column-split activation and in place on a row-parallel projection's output, SDPA's
+``dropout_p`` on heads split over one axis and the batch over the other — is planned in
+Megatron's layouts on 2 × 2 devices and trained 3 steps beside one process drawing from the
+same generator: the losses and the parameters must agree and the audit must match the plan.
+Then three refusals: ranks whose generators differ (``parallelize`` names them) and a random
+op on a DTensor other than a dropout (its first forward names it); and ranks whose modules
+were built apart (``parallelize`` names the first value that differs). Prints ``OK <check>``
+or ``FAIL <check>: <why>`` per check on rank 0 and exits 1 on any failure."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ class Block(nn.Module):
         self.o = nn.Linear(WIDTH, WIDTH)
         self.up, self.down, self.head = (nn.Linear(WIDTH, 2 * WIDTH),
                                          nn.Linear(2 * WIDTH, WIDTH), nn.Linear(WIDTH, 4))
-        self.drop_hidden, self.drop_out = nn.Dropout(p), nn.Dropout(p)
+        # the output's in place (a linear's output: nothing saved for its backward)
+        self.drop_hidden, self.drop_out = nn.Dropout(p), nn.Dropout(p, inplace=True)
         self.add_noise = Noise()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

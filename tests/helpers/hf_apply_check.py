@@ -928,6 +928,76 @@ def hunyuan_moe() -> Case:
     return Case(HunYuanMoEV1ForCausalLM(cfg), *_tokens(), expert_parallel_only)
 
 
+def hunyuan_moe_bf16() -> Case:
+    """HunYuan-MoE in bfloat16 as ``from_pretrained`` loads it: its routers stay float32
+    (built so), and read the tokens in float32."""
+    case = hunyuan_moe()
+    model = case.model.to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.mlp.gate.wg.float()
+    return dataclasses.replace(case, model=model, rtol=2e-2, atol=1e-2)
+
+
+def _drawn_correction_biases(model: nn.Module) -> nn.Module:
+    """``model`` with its blocks' correction biases drawn (zero as built, which would hide
+    a bias the routing ignored)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(layer.mlp, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.uniform_(-0.3, 0.3)
+    return model
+
+
+def minimax_m2() -> Case:
+    """MiniMaxM2ForCausalLM: sigmoid routing, its correction bias a buffer of the block
+    handed to the router (drawn), the weights renormalised; the experts parallel."""
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    cfg = MiniMaxM2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=16,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, max_position_embeddings=2 * SEQ, num_local_experts=4,
+                          num_experts_per_tok=2, use_cache=False, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2)
+    return Case(_drawn_correction_biases(MiniMaxM2ForCausalLM(cfg)), *_tokens(),
+                expert_parallel_only)
+
+
+def hy_v3() -> Case:
+    """HYV3ForCausalLM: a dense first layer, then sigmoid routing with the block's
+    correction bias (drawn), renormalised and scaled by ``router_scaling_factor``, a float32
+    router, a shared expert; the experts sliced."""
+    from transformers import HYV3Config, HYV3ForCausalLM
+
+    cfg = HYV3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, max_position_embeddings=2 * SEQ,
+                     num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                     mlp_layer_types=["dense", "sparse"], use_cache=False, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2)
+    return Case(_drawn_correction_biases(HYV3ForCausalLM(cfg)), *_tokens(), experts_sliced_only)
+
+
+def lfm2_moe() -> Case:
+    """Lfm2MoeForCausalLM: a dense first layer (a gated short convolution), then attention
+    and routed experts (the activation the function ``F.silu``, sigmoid routing with the
+    block's ``expert_bias``, drawn; the router drawn too — Hugging Face zeroes it); the
+    experts parallel."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    cfg = Lfm2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+                        num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+                        layer_types=["conv", "full_attention"], use_cache=False)
+    model = Lfm2MoeForCausalLM(cfg)
+    with torch.no_grad():
+        block = model.model.layers[1].feed_forward
+        block.expert_bias.uniform_(-0.3, 0.3)
+        block.gate.weight.normal_(0.0, 0.2)
+    return Case(model, *_tokens(), expert_parallel_only)
+
+
 def apertus() -> Case:
     """ApertusForCausalLM: xIELU activations, which compute both branches and pick per
     element (``where(x > 0, …, …)``) with learned scales on each (bfloat16 parameters in a
@@ -939,6 +1009,40 @@ def apertus() -> Case:
                         head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False,
                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return Case(ApertusForCausalLM(cfg), *_tokens())
+
+
+def gptj() -> Case:
+    """GPTJForCausalLM: attention and MLP in parallel on one normed input, rotary on a
+    part of each head (``rotary_dim`` 4 of 8), a biased head."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    cfg = GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                     n_positions=2 * SEQ, use_cache=False)
+    return Case(GPTJForCausalLM(cfg), *_tokens())
+
+
+def gpt_neo() -> Case:
+    """GPTNeoForCausalLM: global and local (windowed) attention layers alternating,
+    unscaled scores."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                       attention_types=[[["global", "local"], 1]], window_size=4,
+                       max_position_embeddings=2 * SEQ, use_cache=False)
+    return Case(GPTNeoForCausalLM(cfg), *_tokens())
+
+
+def dots1() -> Case:
+    """Dots1ForCausalLM: a dense first layer, then routed experts (sigmoid scores with a
+    correction bias, DeepSeek-V3's router) beside a shared expert."""
+    from transformers import Dots1Config, Dots1ForCausalLM
+
+    cfg = Dots1Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, max_position_embeddings=2 * SEQ, moe_intermediate_size=16,
+                      n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                      first_k_dense_replace=1, n_group=1, topk_group=1, use_cache=False)
+    return Case(Dots1ForCausalLM(cfg), *_tokens())
 
 
 def mixtral_v3_router() -> Case:
@@ -1087,7 +1191,14 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt-oss-expert-parallel": lambda: gpt_oss(expert_parallel_only),
     "gpt-oss-sliced": lambda: gpt_oss(experts_sliced_only),
     "hunyuan-moe": hunyuan_moe,
+    "hunyuan-moe-bf16": hunyuan_moe_bf16,
     "apertus": apertus,
+    "minimax-m2": minimax_m2,
+    "hy-v3": hy_v3,
+    "lfm2-moe": lfm2_moe,
+    "gptj": gptj,
+    "gpt-neo": gpt_neo,
+    "dots1": dots1,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
     "phi3": phi3,
