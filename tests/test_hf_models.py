@@ -955,6 +955,28 @@ def test_a_freshly_initialised_router_scoring_another_way_is_refused():
                                 r"router SigmoidRouter\): .*does not compute what the block")
 
 
+@pytest.mark.parametrize("meta", [False, True])
+def test_an_lfm2_moe_router_without_its_expert_bias_is_still_sigmoid(meta):
+    """LFM2-MoE's router scores by sigmoid whether or not it has an expert bias
+    (``use_expert_bias``). Without one there is no correction bias to recognise it by: it
+    was taken for a softmax router — refused by the check on real weights, and on the meta
+    device, where no check runs, planned as softmax routing. Its flag marks it sigmoid;
+    the check on real weights agrees."""
+    cfg = T.Lfm2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=VOCAB, max_position_embeddings=16, num_experts=4,
+                          num_experts_per_tok=2, num_dense_layers=1, use_cache=False,
+                          layer_types=["conv", "full_attention", "conv"], use_expert_bias=False)
+    with torch.device("meta" if meta else "cpu"):
+        model = T.Lfm2MoeForCausalLM(cfg)
+    if not meta:  # Hugging Face zeroes the router: scores all equal
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.feed_forward.gate.weight.normal_(0.0, 0.2)
+    graph = from_module(model, (_ids(),))
+    assert [op.attrs.get("sigmoid") for op in graph.ops if op.kind is OpKind.MOE] == [1, 1]
+
+
 def test_a_moe_block_whose_code_cannot_run_around_the_op_is_refused_naming_it():
     """Llama 4's block has a 2-D router with ``top_k`` and 3-D SwiGLU experts, but its
     forward unpacks two values from its router and scales the experts' inputs by the

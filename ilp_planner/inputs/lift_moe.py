@@ -91,7 +91,10 @@ def routing_attrs(path: str, block: Any, gate: Any) -> dict[str, int]:
     if pm <= 0 or abs(pm - ROUTE_SCALE_UNIT * scale) > 1e-6 * ROUTE_SCALE_UNIT:
         raise ConfigError(f"{where}: routed_scaling_factor={scale:g}; the moe op holds a "
                           "positive multiple of 0.001")
-    sigmoid = correction_bias(block, gate) is not None
+    # a sigmoid router has a correction bias, or (LFM2-MoE's) flags whether it has one:
+    # sigmoid scores either way — a meta import, which runs no check, must not take it
+    # for a softmax one
+    sigmoid = correction_bias(block, gate) is not None or hasattr(gate, "use_expert_bias")
     method = getattr(gate, "topk_method", None)
     if method not in (None, "greedy", "group_limited_greedy"):
         raise ConfigError(f"{where}: topk_method={method!r}; expected 'greedy' or "
