@@ -554,6 +554,39 @@ def test_a_random_layer_skip_is_named_at_its_line():
     assert "layerdrop" in str(err.value)
 
 
+def test_an_unrecognised_moe_block_is_named_as_one():
+    """An experts module looping over the experts its tokens were routed to (DBRX's form:
+    no gate_up_proj / down_proj) branches on the routing; the error says it is a
+    mixture-of-experts block the importer does not lift, not a LayerDrop to turn off."""
+    class ToyExperts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4, 4))
+
+        def forward(self, x, chosen):
+            out = torch.zeros_like(x)
+            for e in torch.unique(chosen):  # the experts some token chose
+                out = out + (chosen == e)[:, None] * (x @ self.w[e])
+            return out
+
+    class ToyBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(4, 3)
+            self.experts = ToyExperts()
+
+        def forward(self, x):
+            return self.experts(x, self.router(x).argmax(-1))
+
+    with pytest.raises(ConfigError) as err:
+        from_module(ToyBlock(), (torch.randn(5, 4),))
+    text = str(err.value)
+    assert "ToyExperts loops over the experts its tokens were routed to at test_importer.py:" \
+        in text
+    assert "mixture-of-experts block the importer does not recognise" in text
+    assert "layerdrop" not in text.lower()
+
+
 class _UnusedHead(nn.Module):
     """A model computing a second head its output never returns (CLIP's ``post_layernorm``
     under image classification): a linear trained in the module, reached by no loss."""

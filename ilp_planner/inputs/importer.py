@@ -80,6 +80,7 @@ neither works the error names both failures.
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import re
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -588,16 +589,25 @@ def _run_time_branch(exc: Exception, torch: Any) -> str:
     if not isinstance(exc, guard):
         return ""
     torch_dir = str(Path(torch.__file__).parent)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(torch_dir)]
+    frames = [(frame, lineno) for frame, lineno in traceback.walk_tb(exc.__traceback__)
+              if not frame.f_code.co_filename.startswith(torch_dir)]
     if not frames:
         return ""
-    f = frames[-1]
-    line, where = (f.line or "").strip(), f"{Path(f.filename).name}:{f.lineno}"
+    frame, lineno = frames[-1]
+    file = frame.f_code.co_filename
+    line, where = linecache.getline(file, lineno).strip(), f"{Path(file).name}:{lineno}"
     if re.match(r"assert\b|torch\._assert|torch\._check", line):  # I-BERT's range checks
         return (f"; the forward asserts on a value computed at run time at {where} "
                 f"({line!r}), which torch.export cannot trace: a check of the data, not "
                 f"of the program — leave it out of the module you import")
+    owner = frame.f_locals.get("self")
+    if isinstance(owner, torch.nn.Module) and "expert" in (type(owner).__name__ + line).lower():
+        return (f"; {type(owner).__name__} loops over the experts its tokens were routed to "
+                f"at {where} ({line!r}): a mixture-of-experts block the importer does not "
+                f"recognise, so it could not lift it as one moe op — it lifts a router "
+                f"'gate' or 'router' with a 2-D weight and top_k beside 'experts' holding "
+                f"gate_up_proj and down_proj with SiLU (Mixtral's, Qwen's, DeepSeek's form) "
+                f"or GPT-OSS's; this block's form the planner cannot price or run")
     return (f"; the forward branches on a value computed at run time at {where} ({line!r}): "
             f"a plan fixes which ops run, so no branch may depend on the data or on a random "
             f"draw: turn that off (LayerDrop: its layerdrop fields 0 in the model's config)")
