@@ -127,6 +127,16 @@ def runs_locally(op: Op, ly: LayerPlan, sub: nn.Module, module: nn.Module) -> bo
     return True
 
 
+def computes_past(graph: Graph, op: Op) -> bool:
+    """Whether ``op``'s module goes on computing with its value: an op the importer named
+    inside that module's path reads it (Qwen3.5's gated norm multiplies its normed tokens
+    by a gate its forward is handed; DeBERTa's layer norm adds a bias). Its forward then
+    returns that op's value, not ``op``'s, and reads tensors ``op`` does not: it runs on
+    DTensors, not on this rank's blocks of ``op``'s inputs."""
+    inside = op.name + "."
+    return any(o.name.startswith(inside) and op.name in o.inputs for o in graph.ops)
+
+
 def heads_dim(op: Op) -> int | None:
     """Where a per-head norm's module holds the heads of the value it reads and writes
     (``attrs.heads_dim``; ``attrs.group_width`` marks such a norm), None for any other op."""
@@ -297,7 +307,8 @@ def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
         red = None if op.name == out_op and not converted_at_its_module(graph) \
             else post.get(op.name, (None, None))[1]
         h.output = (layers[op.name].output, red)
-        h.local = runs_locally(op, layers[op.name], module.get_submodule(path), module)
+        h.local = runs_locally(op, layers[op.name], module.get_submodule(path), module) \
+            and not computes_past(graph, op)
 
 
 class BoundaryHooks:

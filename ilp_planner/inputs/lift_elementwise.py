@@ -350,11 +350,21 @@ def _priced_by(g: DraftGraph, d: Any, op: str, params: list[str]) -> bool:
     """Whether op ``d`` prices ``params`` applied to its output once it owns them: an
     opaque op prices whatever it owns (ViT's position table, added to its class token's
     ``cat``); a linear a bias added to it (one vector of its output width, where it has
-    none yet)."""
+    none yet) — for ``parallelize`` only its own module's: another module's (Qwen3.5's
+    ``a + dt_bias`` after its linear ``in_proj_a``) is added by that module's code after
+    the linear's boundary has converted the output for its readers, so the plan's bias,
+    in the linear's layout before that conversion, is not what runs (the two met on
+    different meshes) — an op of its own owns it."""
     if d.kind is OpKind.OPAQUE:
         return True
     return d.kind is OpKind.LINEAR and op == "add" and not d.attrs.get("bias") \
-        and len(params) == 1 and g.param_shape[params[0]] == (d.shape[-1],)
+        and len(params) == 1 and g.param_shape[params[0]] == (d.shape[-1],) \
+        and (not g.dtensor or _module_of(params[0]) in map(_module_of, d.source_params[:1]))
+
+
+def _module_of(param: str) -> str:
+    """The path of the module holding parameter ``param``."""
+    return param.rpartition(".")[0]
 
 
 def _combine(g: DraftGraph, call: Call, a: Act, b: Act) -> Act:

@@ -58,6 +58,19 @@ class Counts(Protocol):
                  ) -> StepsBackward: ...
 
 
+def _submodule(root: Any, path: str) -> Any:
+    """The submodule of ``root`` at ``path``, or None."""
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _is_leaf(root: Any, path: str) -> bool:
+    sub = _submodule(root, path)
+    return sub is not None and not any(True for _ in sub.children())
+
+
 class DraftGraph:
     """Drafts, node values and parameter ownership of one walk over an exported graph;
     ``count`` prices a node the planner cannot shard (the importer counts with torch),
@@ -103,27 +116,22 @@ class DraftGraph:
 
     def _name(self, node: Any, label: str, main: bool) -> str:
         """The module path for a leaf module's own op (``main``); ``<path>.<kind>[_i]``
-        otherwise — counted per scope, so repeated blocks get the same suffixes."""
+        otherwise, counted per scope (repeated blocks get the same suffixes), never a
+        module's path (Qwen3.5's code convolving with ``self.conv1d.weight``: not the
+        uncalled ``conv1d``'s op, whose call ``parallelize`` would await)."""
         scope = self.scope(node)
         path = scope[-1][0] if scope else ""
-        if main and path and path not in self.drafts and self._is_leaf(path):
+        if main and path and path not in self.drafts and _is_leaf(self.module, path):
             return path
         base = f"{path}.{label}" if path else label
         n = self.counters.get(base, 0)
         self.counters[base] = n + 1
         name = base if n == 0 else f"{base}_{n}"
-        while name in self.drafts:
+        while name in self.drafts or _submodule(self.module, name) is not None:
             n += 1
             self.counters[base] = n + 1
             name = f"{base}_{n}"
         return name
-
-    def _is_leaf(self, path: str) -> bool:
-        try:
-            sub = self.module.get_submodule(path)
-        except AttributeError:
-            return False
-        return not any(True for _ in sub.children())
 
     # -- values --------------------------------------------------------------------------
 

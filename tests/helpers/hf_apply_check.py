@@ -1045,6 +1045,73 @@ def dots1() -> Case:
     return Case(Dots1ForCausalLM(cfg), *_tokens())
 
 
+def codegen() -> Case:
+    """CodeGenForCausalLM: one fused ``qkv_proj`` whose columns its code regroups in four
+    model-parallel blocks before splitting q, k and v, rotary on a part of each head,
+    attention and MLP in parallel on one normed input."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    cfg = CodeGenConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                        n_positions=2 * SEQ, n_ctx=2 * SEQ, use_cache=False)
+    return Case(CodeGenForCausalLM(cfg), *_tokens())
+
+
+MLA_FIELDS = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                  v_head_dim=8)
+"""Multi-head latent attention's ranks and head dims, small."""
+
+
+def minicpm3() -> Case:
+    """MiniCPM3ForCausalLM: multi-head latent attention (a low-rank query, a compressed
+    key / value), its embeddings and residual branches scaled in the model's code."""
+    from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
+
+    cfg = MiniCPM3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=2 * SEQ, use_cache=False, **MLA_FIELDS)
+    return Case(MiniCPM3ForCausalLM(cfg), *_tokens())
+
+
+def _mla_moe(name: str) -> Callable[[], Case]:
+    """``<name>ForCausalLM`` (GLM-4-MoE-Lite, Mistral 4): multi-head latent attention, a
+    dense first layer, then DeepSeek-V3's sigmoid router with its correction bias (drawn)
+    beside a shared expert."""
+    def make() -> Case:
+        import transformers
+
+        cfg = getattr(transformers, f"{name}Config")(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2 * SEQ,
+            moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            use_cache=False, **MLA_FIELDS)
+        model = getattr(transformers, f"{name}ForCausalLM")(cfg)
+        with torch.no_grad():
+            for path, bias in model.named_buffers():
+                if path.endswith("e_score_correction_bias"):
+                    bias.uniform_(-0.3, 0.3)
+        return Case(model, *_tokens())
+
+    return make
+
+
+def qwen3_5() -> Case:
+    """Qwen3_5ForCausalLM, hybrid: a Gated DeltaNet layer (its recurrence, causal
+    convolution — ``causal_conv1d_fn`` on its ``conv1d`` module's weight, in the layer's
+    code — and gated norm opaque, its ``dt_bias`` added to a linear's output in that code),
+    then full attention (queries projected twice as wide, their second half gating the
+    output; rotary on a part of each head; per-head q / k norms)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, max_position_embeddings=2 * SEQ, use_cache=False,
+                            linear_key_head_dim=8, linear_value_head_dim=8,
+                            linear_num_key_heads=2, linear_num_value_heads=4,
+                            layer_types=["linear_attention", "full_attention"])
+    return Case(Qwen3_5ForCausalLM(cfg), *_tokens())
+
+
 def mixtral_v3_router() -> Case:
     """Mixtral routed by DeepSeek-V3's routers (sigmoid scores plus a drawn correction bias
     — a buffer —, the best 1 of 2 expert groups, the weights renormalised and scaled by 2.5),
@@ -1199,6 +1266,11 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gptj": gptj,
     "gpt-neo": gpt_neo,
     "dots1": dots1,
+    "codegen": codegen,
+    "minicpm3": minicpm3,
+    "glm4-moe-lite": _mla_moe("Glm4MoeLite"),
+    "mistral4": _mla_moe("Mistral4"),
+    "qwen3.5": qwen3_5,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
     "phi3": phi3,
