@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ilp_planner.ir.graph import Graph, Op, OpKind
+from ilp_planner.ir.graph import Graph, Op, OpKind, read_inside_its_module
 from ilp_planner.ir.layouts import Layout, drop_unit_axes, grad_layout
 from ilp_planner.lowering.moe_strategies import hf_experts
 from ilp_planner.lowering.redistribution import Redistribution
@@ -132,9 +132,10 @@ def computes_past(graph: Graph, op: Op) -> bool:
     inside that module's path reads it (Qwen3.5's gated norm multiplies its normed tokens
     by a gate its forward is handed; DeBERTa's layer norm adds a bias). Its forward then
     returns that op's value, not ``op``'s, and reads tensors ``op`` does not: it runs on
-    DTensors, not on this rank's blocks of ``op``'s inputs."""
-    inside = op.name + "."
-    return any(o.name.startswith(inside) and op.name in o.inputs for o in graph.ops)
+    DTensors, not on this rank's blocks of ``op``'s inputs, and no program may change
+    ``op``'s layout for that code (:func:`_outputs` refuses one: it would run on the
+    later value the module returns)."""
+    return any(read_inside_its_module(c, op.name) for c in graph.consumers(op.name))
 
 
 def heads_dim(op: Op) -> int | None:
@@ -307,8 +308,15 @@ def _outputs(graph: Graph, layers: dict[str, LayerPlan], module: nn.Module,
         red = None if op.name == out_op and not converted_at_its_module(graph) \
             else post.get(op.name, (None, None))[1]
         h.output = (layers[op.name].output, red)
-        h.local = runs_locally(op, layers[op.name], module.get_submodule(path), module) \
-            and not computes_past(graph, op)
+        past = computes_past(graph, op)
+        if past and red is not None and red.steps:
+            raise RuntimeSetupError(
+                f"the plan changes the layout of {op.name!r} ({layers[op.name].output} → "
+                f"{red.dst}) for code its own module runs after it; parallelize runs "
+                f"programs at module boundaries only, where that module returns the later "
+                f"value — keep {op.name!r} in the layout that code reads")
+        h.local = not past and runs_locally(op, layers[op.name], module.get_submodule(path),
+                                            module)
 
 
 class BoundaryHooks:

@@ -10,18 +10,26 @@ training under ``parallelize`` is ``qwen3.5`` in ``tests/test_hf_parallelize.py`
   readers before that code runs), an op of its own; the executor's plan keeps it the
   linear's;
 * a norm module whose forward goes on computing with its normed value (a gate it is
-  handed): it runs on DTensors, not on this rank's blocks of the norm's input.
+  handed): it runs on DTensors, not on this rank's blocks of the norm's input, and the
+  planner keeps the norm's layout for that code (no boundary could run a program there);
+  a plan that cannot is refused by ``parallelize`` up front.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ilp_planner.inputs.config import load_config
 from ilp_planner.inputs.importer import from_module
-from ilp_planner.ir.graph import OpKind
-from runtime.applied_hooks import computes_past, runner_path
+from ilp_planner.ir.graph import Op, OpKind
+from ilp_planner.lowering.strategies import Strategy
+from ilp_planner.plan.programs import edge_programs
+from ilp_planner.testing import restricted_plan
+from runtime.applied_hooks import computes_past, hook_table, runner_path
+from runtime.errors import RuntimeSetupError
 
 W = 8
 
@@ -101,3 +109,72 @@ def test_a_norm_module_computing_past_its_norm_is_known_to():
     assert any(op.name.startswith("norm.") and "norm" in op.inputs for op in graph.ops)
     assert computes_past(graph, norm)
     assert not any(computes_past(graph, graph[name]) for name in ("a", "g", "out"))
+
+
+CLUSTER = {"nodes": 1, "devices_per_node": 4, "memory_gib": 16, "peak_tflops": 10,
+           "links": {"intra": {"latency_us": 5, "bandwidth_gbps": 100},
+                     "inter": {"latency_us": 10, "bandwidth_gbps": 10}}}
+
+
+def _hooks(model: nn.Module, x: torch.Tensor, keep=None):
+    """``parallelize``'s hook table for ``model``'s plan on 4 devices (the solver's, or the
+    best among the strategies ``keep`` passes)."""
+    graph = from_module(model, (x,))
+    config = load_config({"model": graph, "cluster": CLUSTER})
+    plan = restricted_plan(config, keep) if keep else None
+    if plan is None:
+        import ilp_planner
+
+        plan = ilp_planner.solve(config, baselines=False)
+    layers = {ly.name: ly for ly in plan.layers}
+    programs = {(e.consumer, e.index): e.program for e in edge_programs(plan, config, graph)
+                if e.role in ("edge", "shared")}
+    return graph, layers, hook_table(graph, layers, programs, model)
+
+
+def test_the_solver_keeps_the_norms_layout_for_its_modules_later_code():
+    """Before, the solver split the norm's rows over two devices and the gate's product
+    over its columns too — a program between them, inside the module, where no boundary
+    runs one. Now the planner keeps the norm's layout for that code, and the module runs
+    on DTensors (its gate is one)."""
+    graph, layers, (hooks, post) = _hooks(_Gated(), torch.randn(4, 5, W))
+    mul = next(op for op in graph.ops if op.name.startswith("norm.") and "norm" in op.inputs)
+    assert layers[mul.name].inputs[mul.inputs.index("norm")] == layers["norm"].output
+    assert post.get("norm", (None, None))[1] is None
+    assert not hooks["norm"].local  # before: local blocks, its gate still a DTensor
+    assert hooks["out"].local
+
+
+class _Cumulated(nn.Module):
+    """An RMS norm whose forward goes on to a running sum over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(W))
+
+    def forward(self, x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return torch.cumsum(normed, dim=0)
+
+
+class _Summing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.out = nn.Linear(W, W), nn.Linear(W, W)
+        self.norm = _Cumulated()
+
+    def forward(self, x):
+        return self.out(self.norm(self.a(x)))
+
+
+def test_a_program_for_code_its_module_runs_after_the_op_is_refused():
+    """A plan with no other choice (the norm held split over the batch, the running sum —
+    an opaque op, whole tensors — reading it inside the module): the program gathering the
+    norm's output would run at the module's boundary, on the sum the module returns, not
+    on the norm's value. ``parallelize`` refuses it up front."""
+    def batch_split_norm(op: Op, s: Strategy) -> bool:
+        return op.kind is not OpKind.RMSNORM or s.output.split_degree(0) == 4
+
+    with pytest.raises(RuntimeSetupError, match=r"changes the layout of 'norm'.*for code its "
+                                                r"own module runs after it"):
+        _hooks(_Summing(), torch.randn(4, 5, W), batch_split_norm)

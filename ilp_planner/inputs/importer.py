@@ -584,7 +584,8 @@ def _run_time_branch(exc: Exception, torch: Any) -> str:
     ``if torch.rand([]) < layerdrop``, M2M100's default 0.05) cannot be planned. Empty
     for any other failure. (``torch.fx`` runs a draw made inside the forward eagerly and
     traces the branch it happened to take: a plan for a model that sometimes skips a
-    layer.)"""
+    layer.) Where an experts module loops over the experts its tokens chose (DBRX's), it
+    says that the importer does not recognise that mixture-of-experts block."""
     guard = torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode
     if not isinstance(exc, guard):
         return ""
@@ -595,7 +596,8 @@ def _run_time_branch(exc: Exception, torch: Any) -> str:
         return ""
     frame, lineno = frames[-1]
     file = frame.f_code.co_filename
-    line, where = linecache.getline(file, lineno).strip(), f"{Path(file).name}:{lineno}"
+    line = linecache.getline(file, lineno or 0).strip()  # (None on 3.12: no line known)
+    where = f"{Path(file).name}:{lineno}"
     if re.match(r"assert\b|torch\._assert|torch\._check", line):  # I-BERT's range checks
         return (f"; the forward asserts on a value computed at run time at {where} "
                 f"({line!r}), which torch.export cannot trace: a check of the data, not "

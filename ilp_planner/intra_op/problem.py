@@ -46,7 +46,14 @@ import numpy as np
 from formulations.problem import BucketTerms, Problem
 from ilp_planner.errors import InfeasibleError, UnprovenInfeasible
 from ilp_planner.ir.cluster import Cluster, Factorisation
-from ilp_planner.ir.graph import Graph, Op, OpKind, TensorSpec, position_tables
+from ilp_planner.ir.graph import (
+    Graph,
+    Op,
+    OpKind,
+    TensorSpec,
+    position_tables,
+    read_inside_its_module,
+)
 from ilp_planner.ir.layouts import Layout, LayoutError, drop_unit_axes, grad_layout
 from ilp_planner.lowering.compute_model import (
     PhaseWork,
@@ -928,11 +935,11 @@ def _functional_edges(graph: Graph, pairs: list[tuple[str, str]]) -> frozenset[i
     plan's."""
     output = _module_output(graph)
     return frozenset(i for i, (src, dst) in enumerate(pairs)
-                     if src != output
-                     and graph[dst].reads_functionally(graph[dst].inputs.index(src))
-                     and (graph[src].attrs.get("functional")
-                          or (graph[src].kind is OpKind.EMBEDDING
-                              and position_tables(graph[src].attrs))))
+                     if src != output and (read_inside_its_module(dst, src) or (
+                         graph[dst].reads_functionally(graph[dst].inputs.index(src))
+                         and (graph[src].attrs.get("functional")
+                              or (graph[src].kind is OpKind.EMBEDDING
+                                  and position_tables(graph[src].attrs))))))
 
 
 def _functional_follows(graph: Graph, owner: dict[str, str], position: dict[str, int]
@@ -946,8 +953,9 @@ def _functional_follows(graph: Graph, owner: dict[str, str], position: dict[str,
     return tuple((owner[op.name], position[op.inputs[0]], position[op.name])
                  for op in graph.ops
                  if op.kind is not OpKind.INPUT and owner[op.name] != op.name
-                 and op.reads_functionally(0) and op.inputs[0] != output
-                 and graph[op.inputs[0]].attrs.get("functional"))
+                 and op.inputs[0] != output
+                 and (read_inside_its_module(op.name, op.inputs[0])
+                      or (op.reads_functionally(0) and graph[op.inputs[0]].attrs.get("functional"))))
 
 
 def _module_output(graph: Graph) -> str | None:

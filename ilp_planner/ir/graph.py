@@ -195,6 +195,17 @@ def position_table_attr(attrs: Mapping[str, int]) -> str:
     return "seq_len" if n == 0 else f"pos_{n}_rows"
 
 
+def read_inside_its_module(reader: str, op: str) -> bool:
+    """Whether op ``reader``, reading op ``op``'s value, is code ``op``'s own module runs
+    after it (the importer names what a module's forward computes under its path:
+    Qwen3.5's gated norm multiplying its normed value by a gate, ``norm.mul``). The module
+    returns the later value, so ``parallelize`` has no boundary between the two to run a
+    program at: the planner keeps ``op``'s layout for that code
+    (:func:`ilp_planner.intra_op.problem._functional_edges`), the runtime runs the module on
+    DTensors (:func:`runtime.applied_hooks.computes_past`)."""
+    return reader.startswith(op + ".")
+
+
 @dataclass(frozen=True)
 class Op:
     """One node of the layer graph.
