@@ -38,12 +38,14 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
     for gs in by_mesh.values():
         n = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g, norm_type) for g in gs]), norm_type)
-        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float().cpu())
+        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).cpu())
+    # in the gradients' dtype (stacking promotes mixed ones), as torch's total and
+    # coefficient are: a float64 model's norm rounded to float32 moved its clipped step
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"non-finite ({float(total)}), so it cannot be clipped")
-    coef = min(1.0, float(max_norm) / (float(total) + 1e-6))
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)

@@ -50,6 +50,22 @@ def blockwise(q: Any, k: Any, v: Any) -> bool:
     return all(type(pl) is Replicate or (type(pl) is Shard and pl.dim in (0, 1)) for pl in pls)
 
 
+def on_mesh_of(mask: Any, like: Any) -> Any:
+    """``mask`` re-viewed onto ``like``'s mesh where it is a replicated DTensor taking no
+    gradient on another mesh of the same devices (a mask built from an opaque op's output —
+    DeepSeek-V3.2's indexer's top-k — lives on that op's flattened mesh): every rank holds
+    the whole value on either, so the re-view moves nothing. Anything else as it is."""
+    if not (isinstance(mask, DTensor) and isinstance(like, DTensor)) or mask.requires_grad \
+            or mask.device_mesh == like.device_mesh \
+            or any(type(pl) is not Replicate for pl in mask.placements) \
+            or sorted(mask.device_mesh.mesh.flatten().tolist()) != \
+            sorted(like.device_mesh.mesh.flatten().tolist()):
+        return mask
+    return DTensor.from_local(mask.to_local(), like.device_mesh,
+                              [Replicate()] * like.device_mesh.ndim, run_check=False,
+                              shape=mask.shape, stride=mask.stride())
+
+
 def local_mask(mask: Any, q: DTensor) -> Any:
     """The block of a mask (broadcast over batch and heads where its dims are 1) matching
     this rank's block of ``q``; None for a mask split another way (DTensor runs that)."""
@@ -108,11 +124,16 @@ class LocalAttention(TorchFunctionMode):
                 return func(a, bias_block(b, a), *args[2:], **kwargs)
             if split_scores(b) and learned_bias(a) and func in _SUMS:
                 return func(bias_block(a, b), b, *args[2:], **kwargs)
+            if on_mesh_of(b, a) is not b:  # eager attention's scores + such a mask
+                return func(a, on_mesh_of(b, a), *args[2:], **kwargs)
+            if func in _SUMS and on_mesh_of(a, b) is not a:
+                return func(on_mesh_of(a, b), b, *args[2:], **kwargs)
         if func is F.scaled_dot_product_attention:
             bound = _SDPA_ARGS.bind(*args, **kwargs)
             bound.apply_defaults()
             a = dict(bound.arguments)
             q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+            a["attn_mask"] = on_mesh_of(a["attn_mask"], q)
             if blockwise(q, k, v):
                 mask = local_mask(a["attn_mask"], q)
                 if mask is not None or a["attn_mask"] is None:
@@ -125,6 +146,7 @@ class LocalAttention(TorchFunctionMode):
                     f"does each rank draw its block of one process's mask "
                     f"(runtime.local_dropout); DTensor would draw each block from the rank's "
                     f"own generator")
+            return func(q, k, v, **a)
         return func(*args, **kwargs)
 
 

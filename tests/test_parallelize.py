@@ -38,7 +38,9 @@ def _torchrun(n: int, *args: str) -> list[str]:
 def test_sdpa_split_over_batch_and_heads_runs_on_local_blocks_like_whole_tensors():
     """``runtime.local_attention`` on 8 gloo ranks (a 2 × 4 mesh: 2 sequences over 2 ranks
     and 4 heads over 4, the pair DTensor's own 4-D matmul refuses): output and gradients
-    equal whole-tensor SDPA, masks sliced to each rank's block, no forward collective."""
+    equal whole-tensor SDPA, masks sliced to each rank's block, no forward collective; a
+    mask held whole as a DTensor on another mesh of the same devices (an opaque op's, as
+    DeepSeek-V3.2's indexer builds it) is read by SDPA and added to scores like a plain one."""
     res = run(_torchrun(8, "tests/helpers/local_attention_check.py"), 300)
     assert res.returncode == 0, f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     assert res.stdout.count("OK ") >= 10 and "FAIL" not in res.stdout

@@ -220,6 +220,42 @@ def mobilevit() -> Case:
     return Case(MobileViTForImageClassification(cfg).double(), images.double(), labels)
 
 
+def mobilenet_v2() -> Case:
+    """MobileNetV2ForImageClassification: TensorFlow-style padding computed in code before
+    each strided convolution, depthwise convolutions, ReLU6, inverted residuals, a dropped
+    out classifier. In float64, like MobileViT: its batch norms over 4 images of 1 pixel
+    make float32 chaotic (one process in float32 and in float64 already differ by 0.2 % at
+    the second step), and a clipped step in float64 must be torch's to the last bit."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    cfg = MobileNetV2Config(image_size=16, depth_multiplier=0.25, num_labels=CLASSES)
+    images, labels = _images(16)
+    return Case(MobileNetV2ForImageClassification(cfg).double(), images.double(), labels)
+
+
+def beit() -> Case:
+    """BeitForImageClassification: a learned relative position bias table per layer,
+    looked up by an index buffer and added to the attention scores, layer scale on both
+    residual branches, mean pooling."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    cfg = BeitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, image_size=16, patch_size=4, num_labels=CLASSES,
+                     use_relative_position_bias=True)
+    return Case(BeitForImageClassification(cfg), *_images(16))
+
+
+def mamba() -> Case:
+    """MambaForCausalLM: selective-scan mixers (their input projection, causal convolution,
+    scan and gate run whole on every device as opaque ops) between RMS norms, the head
+    tied to the table."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    cfg = MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=8,
+                      use_cache=False)
+    return Case(MambaForCausalLM(cfg), *_tokens())
+
+
 def gemma2() -> Case:
     """Gemma2ForCausalLM: its logits soft-capped (``tanh`` of the head's output, scaled)
     in functional code between the head and the module's return."""
@@ -1168,6 +1204,27 @@ def deepseek_v3() -> Case:
     return Case(model, *_tokens())
 
 
+def deepseek_v32() -> Case:
+    """DeepseekV32ForCausalLM: DeepSeek-V3's layers with its sparse attention — a lightning
+    indexer (its own projections, key norm and per-head weights, opaque ops) scores the
+    keys, and a mask keeping each query's top 4 of 8 joins the causal mask SDPA reads. The
+    mask, built from the opaque ops' output, lives on their flattened mesh."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    cfg = DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=2 * SEQ, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=6, index_topk=SEQ // 2,
+        index_head_dim=8, index_n_heads=4, use_cache=False)
+    model = DeepseekV32ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(4))
+    return Case(model, *_tokens())
+
+
 def deepseek_v2_heads_split() -> Case:
     """DeepSeek-V2 planned with MLA's heads split 4 ways and ``kv_a_proj_with_mqa`` split
     over the batch: the latent columns' copy reads that projection's output as it is, the
@@ -1273,6 +1330,10 @@ MODELS: dict[str, Callable[[], Case]] = {
     "qwen3.5": qwen3_5,
     "deepseek-v2": deepseek_v2,
     "deepseek-v3": deepseek_v3,
+    "deepseek-v3.2": deepseek_v32,
+    "mobilenet-v2": mobilenet_v2,
+    "beit": beit,
+    "mamba": mamba,
     "phi3": phi3,
     "phi3-gate-up-split": phi3_gate_up_split,
     "falcon": falcon,

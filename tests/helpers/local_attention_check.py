@@ -2,7 +2,10 @@
 blocks by :class:`runtime.local_attention.LocalAttention`, equals SDPA on the whole tensors —
 output and the gradients of q, k, v — with no collective in the forward, for the split pair
 DTensor's own 4-D matmul refuses (2 sequences over 2 ranks, 4 heads over 4: 8 ranks) or any
-pair on 4 ranks, with no mask, a causal mask, and additive masks per sequence or per head.
+pair on 4 ranks, with no mask, a causal mask, and additive masks per sequence or per head;
+and a mask that is a replicated DTensor on another mesh of the same devices (an opaque op's
+flattened one, as DeepSeek-V3.2's indexer builds it) read by SDPA on split q, k, v, by SDPA
+on q split and k replicated (DTensor's own SDPA), and added to split scores.
 
     torchrun --nproc-per-node 4 tests/helpers/local_attention_check.py
 
@@ -55,6 +58,37 @@ def check(mesh, placements, batch: int, heads: int, mask_shape, causal: bool) ->
     return None
 
 
+def check_flat_mask(mesh, flat, placements, batch: int, heads: int, k_placements) -> str | None:
+    """A boolean mask held whole on every rank as a DTensor on ``flat`` (a 1-D mesh of the
+    same devices), read by SDPA on q, v in ``placements`` and k in ``k_placements``, and an
+    additive one added to scores in ``placements``: the whole-tensor results."""
+    torch.manual_seed(0)
+    # values wider than keys (as MLA's): SDPA's math path, which DTensor propagates in
+    # seconds (its CPU flash decomposition takes minutes on split and replicated inputs)
+    full = [torch.randn(batch, heads, SEQ, d, requires_grad=True) for d in (DIM, DIM, DIM + 2)]
+    keep = torch.rand(batch, 1, SEQ, SEQ) > 0.3
+    keep |= torch.eye(SEQ, dtype=torch.bool)  # every query keeps a key
+    whole = torch.randn(batch, heads, SEQ, SEQ)  # hand-written attention's scores
+    want = F.scaled_dot_product_attention(*full, attn_mask=keep)
+    want.pow(2).sum().backward()
+    parts = [distribute_tensor(x.detach(), mesh, pl).requires_grad_()
+             for x, pl in zip(full, (placements, k_placements, placements), strict=True)]
+    mask = distribute_tensor(keep, flat, [Replicate()])
+    with implicit_replication(), LocalAttention():
+        got = F.scaled_dot_product_attention(*parts, attn_mask=mask)
+        scores = distribute_tensor(whole, mesh, placements) + distribute_tensor(
+            keep.float(), flat, [Replicate()])
+    got.pow(2).sum().backward()
+    if not torch.allclose(got.full_tensor(), want, atol=1e-5):
+        return "output differs"
+    for name, p, x in zip("qkv", parts, full, strict=True):
+        if not torch.allclose(p.grad.full_tensor(), x.grad, atol=1e-5):
+            return f"gradient of {name} differs"
+    if not torch.allclose(scores.full_tensor(), whole + keep.float()):
+        return "scores + mask differ"
+    return None
+
+
 def fits(placements: tuple, shape: tuple[int, ...], sizes: tuple[int, int]) -> bool:
     """Whether every split divides its dim (batch or heads) evenly."""
     return all(sizes[pl.dim] % n == 0 for pl, n in zip(placements, shape, strict=True)
@@ -80,6 +114,18 @@ def main() -> int:
                 print(f"FAIL {name}: {why}", flush=True)
             elif dist.get_rank() == 0:
                 print(f"OK {name}", flush=True)
+    flat = init_device_mesh("cpu", (world,))
+    for placements, k_pls in (((Shard(0), Shard(1)), (Shard(0), Shard(1))),
+                              ((Shard(0), Replicate()), (Replicate(), Replicate()))):
+        if not fits(placements, shape, (batch, heads)):
+            continue
+        name = f"{shape} q {placements} k {k_pls} mask on a flat mesh"
+        why = check_flat_mask(mesh, flat, placements, batch, heads, k_pls)
+        failed += why is not None
+        if why is not None:
+            print(f"FAIL {name}: {why}", flush=True)
+        elif dist.get_rank() == 0:
+            print(f"OK {name}", flush=True)
     flag = torch.tensor([failed])
     dist.all_reduce(flag)
     dist.destroy_process_group()
