@@ -39,8 +39,10 @@ def clip_grad_norm_(parameters: nn.Module | Iterable[torch.Tensor] | torch.Tenso
         n = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g, norm_type) for g in gs]), norm_type)
         norms.append((n.full_tensor() if isinstance(n, DTensor) else n).cpu())
-    # in the gradients' dtype (stacking promotes mixed ones), as torch's total and
-    # coefficient are: a float64 model's norm rounded to float32 moved its clipped step
+    # in the gradients' dtype, as torch's total and coefficient are (a float64 model's
+    # norm rounded to float32 moved its clipped step); mixed dtypes promote within a mesh,
+    # but a mesh of half-precision gradients rounds its own norm first, where torch
+    # promotes every gradient's norm before summing
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "

@@ -57,6 +57,7 @@ def on_mesh_of(mask: Any, like: Any) -> Any:
     the whole value on either, so the re-view moves nothing. Anything else as it is."""
     if not (isinstance(mask, DTensor) and isinstance(like, DTensor)) or mask.requires_grad \
             or mask.device_mesh == like.device_mesh \
+            or mask.device_mesh.device_type != like.device_mesh.device_type \
             or any(type(pl) is not Replicate for pl in mask.placements) \
             or sorted(mask.device_mesh.mesh.flatten().tolist()) != \
             sorted(like.device_mesh.mesh.flatten().tolist()):
@@ -64,6 +65,20 @@ def on_mesh_of(mask: Any, like: Any) -> Any:
     return DTensor.from_local(mask.to_local(), like.device_mesh,
                               [Replicate()] * like.device_mesh.ndim, run_check=False,
                               shape=mask.shape, stride=mask.stride())
+
+
+def one_mesh(a: Any, b: Any, in_place: bool) -> tuple[Any, Any] | None:
+    """``(a, b)`` on one mesh where one of them :func:`on_mesh_of` can re-view onto the
+    other's (None where neither moves): the one that cannot move stays — scores taking a
+    gradient or split —, and between two that could (replicated scores in ``no_grad``),
+    the one on the mesh of fewer dims moves (an opaque op's is flat, a planned op's the
+    grid of its layout). ``in_place``: ``a`` is written, so only ``b`` may move."""
+    a_moves, b_moves = on_mesh_of(a, b) is not a, on_mesh_of(b, a) is not b
+    if b_moves and (in_place or not a_moves or b.device_mesh.ndim <= a.device_mesh.ndim):
+        return a, on_mesh_of(b, a)
+    if a_moves and not in_place:
+        return on_mesh_of(a, b), b
+    return None
 
 
 def local_mask(mask: Any, q: DTensor) -> Any:
@@ -124,10 +139,9 @@ class LocalAttention(TorchFunctionMode):
                 return func(a, bias_block(b, a), *args[2:], **kwargs)
             if split_scores(b) and learned_bias(a) and func in _SUMS:
                 return func(bias_block(a, b), b, *args[2:], **kwargs)
-            if on_mesh_of(b, a) is not b:  # eager attention's scores + such a mask
-                return func(a, on_mesh_of(b, a), *args[2:], **kwargs)
-            if func in _SUMS and on_mesh_of(a, b) is not a:
-                return func(on_mesh_of(a, b), b, *args[2:], **kwargs)
+            moved = one_mesh(a, b, in_place=func not in _SUMS)
+            if moved is not None:  # eager attention's scores + such a mask
+                return func(*moved, *args[2:], **kwargs)
         if func is F.scaled_dot_product_attention:
             bound = _SDPA_ARGS.bind(*args, **kwargs)
             bound.apply_defaults()

@@ -78,6 +78,9 @@ def check_flat_mask(mesh, flat, placements, batch: int, heads: int, k_placements
         got = F.scaled_dot_product_attention(*parts, attn_mask=mask)
         scores = distribute_tensor(whole, mesh, placements) + distribute_tensor(
             keep.float(), flat, [Replicate()])
+        with torch.no_grad():  # mask first, scores replicated: the flat mask still moves
+            left = distribute_tensor(keep.float(), flat, [Replicate()]) + distribute_tensor(
+                whole, mesh, [Replicate()] * mesh.ndim)
     got.pow(2).sum().backward()
     if not torch.allclose(got.full_tensor(), want, atol=1e-5):
         return "output differs"
@@ -86,6 +89,8 @@ def check_flat_mask(mesh, flat, placements, batch: int, heads: int, k_placements
             return f"gradient of {name} differs"
     if not torch.allclose(scores.full_tensor(), whole + keep.float()):
         return "scores + mask differ"
+    if left.device_mesh != mesh or not torch.allclose(left.full_tensor(), whole + keep.float()):
+        return f"mask + replicated scores on {left.device_mesh}, not the scores' mesh"
     return None
 
 
