@@ -100,6 +100,16 @@ def fits(placements: tuple, shape: tuple[int, ...], sizes: tuple[int, int]) -> b
                if isinstance(pl, Shard))
 
 
+def report(name: str, why: str | None) -> int:
+    """Print a case's line (``OK`` on rank 0, ``FAIL`` on every failing rank); 1 if it
+    failed."""
+    if why is not None:
+        print(f"FAIL {name}: {why}", flush=True)
+    elif dist.get_rank() == 0:
+        print(f"OK {name}", flush=True)
+    return int(why is not None)
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -112,25 +122,15 @@ def main() -> int:
                                    ((1, heads, SEQ, SEQ), False), ((SEQ, SEQ), False)):
             if not fits(placements, shape, (batch, heads)):
                 continue
-            name = f"{shape} {placements} mask={mask_shape} causal={causal}"
-            why = check(mesh, placements, batch, heads, mask_shape, causal)
-            failed += why is not None
-            if why is not None:
-                print(f"FAIL {name}: {why}", flush=True)
-            elif dist.get_rank() == 0:
-                print(f"OK {name}", flush=True)
+            failed += report(f"{shape} {placements} mask={mask_shape} causal={causal}",
+                             check(mesh, placements, batch, heads, mask_shape, causal))
     flat = init_device_mesh("cpu", (world,))
     for placements, k_pls in (((Shard(0), Shard(1)), (Shard(0), Shard(1))),
                               ((Shard(0), Replicate()), (Replicate(), Replicate()))):
         if not fits(placements, shape, (batch, heads)):
             continue
-        name = f"{shape} q {placements} k {k_pls} mask on a flat mesh"
-        why = check_flat_mask(mesh, flat, placements, batch, heads, k_pls)
-        failed += why is not None
-        if why is not None:
-            print(f"FAIL {name}: {why}", flush=True)
-        elif dist.get_rank() == 0:
-            print(f"OK {name}", flush=True)
+        failed += report(f"{shape} q {placements} k {k_pls} mask on a flat mesh",
+                         check_flat_mask(mesh, flat, placements, batch, heads, k_pls))
     flag = torch.tensor([failed])
     dist.all_reduce(flag)
     dist.destroy_process_group()
